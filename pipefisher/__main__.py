@@ -1,0 +1,4 @@
+"""``python -m pipefisher``: the same as the ``pipefisher`` command."""
+from pipefisher.cli import main
+
+main()

@@ -1,0 +1,65 @@
+"""``pipefisher schedule``: pack profiled timelines into a schedule file and print the usage report."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import click
+
+from pipefisher.cli import main
+
+
+def run_schedule(
+    paths: Sequence[str],
+    save_path: str | None,
+    policy: str | None,
+    print_workloads: bool,
+    json_path: str | None = None,
+    echo: Callable[[str], None] = click.echo,
+) -> None:
+    """Load, pack, report, then write the outputs; nothing is written unless everything before worked."""
+    from pipefisher.examples import example_timelines
+    from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.report import report_data, usage_lines, workload_lines
+    from pipefisher.safe_io import dump_json_atomic
+    from pipefisher.schedule import save_schedule
+    from pipefisher.timeline import load_job
+
+    chosen = get_policy(policy or DEFAULT_POLICY)
+    if not paths:
+        paths = example_timelines()
+        echo(f"(no timelines given: packing the bundled example, {len(paths)} nodes)")
+    job = load_job(paths)
+    schedule = chosen.pack(job)
+    if print_workloads:
+        for line in workload_lines(schedule):
+            echo(line)
+    for line in usage_lines(schedule):
+        echo(line)
+    data = report_data(schedule, job) if json_path else None
+    if save_path:
+        save_schedule(save_path, schedule)
+    if json_path:
+        dump_json_atomic(json_path, data)
+
+
+def _policy_help() -> str:
+    from pipefisher.policies import DEFAULT_POLICY, POLICIES
+
+    return f"packing policy: {', '.join(sorted(POLICIES))} (default: {DEFAULT_POLICY})"
+
+
+@main.command("schedule")
+@click.argument("timelines", nargs=-1)
+@click.option("--save-path", "--save_path", "save_path", type=click.Path(dir_okay=False),
+              help="write the schedule file here (atomically)")
+@click.option("--policy", default=None, help=_policy_help())
+@click.option("--print-workloads", "--print_workloads", "print_workloads", is_flag=True,
+              help="list every placed item and bubble per node")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the report as JSON here")
+def schedule_command(timelines: tuple[str, ...], save_path: str | None, policy: str | None,
+                     print_workloads: bool, json_path: str | None) -> None:
+    """Pack per-node TIMELINES (pickle or JSON; comma-separated lists work too) into bubbles.
+
+    With no TIMELINES, packs the bundled example job.
+    """
+    run_schedule(timelines, save_path, policy, print_workloads, json_path)

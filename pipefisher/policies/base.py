@@ -1,0 +1,120 @@
+"""What a packing policy is: a loaded job in, one schedule per node plus its figures out.
+
+A policy is a small object with a name and one method, :meth:`Policy.pack`. Everything it returns is
+plain data: the label lists the trainer walks (the schedule file), the placements a chart draws, and
+the figures a report prints.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar, Sequence
+
+from pipefisher.timeline import BACKWARD, FORWARD, KFAC_KINDS, Job, Time, TimelineKey
+
+START = "-- start --"
+END = "-- end --"
+SAVE_OFF = "turn_off_save_inputs_outgrads"
+SAVE_ON = "turn_on_save_inputs_outgrads"
+MARKERS = (START, END, SAVE_OFF, SAVE_ON)
+
+
+def label_category(label: str) -> str:
+    """``'forward'``, ``'backward'``, ``'marker'``, or the K-FAC kind (``'cov_kron_A'``, ...)."""
+    if label in MARKERS:
+        return "marker"
+    kind = TimelineKey.parse(label).kind
+    if kind == FORWARD:
+        return "forward"
+    if kind == BACKWARD:
+        return "backward"
+    return kind if kind in KFAC_KINDS else "other"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One label of a schedule, placed in time. ``start``/``end`` are relative to its iteration."""
+
+    label: str
+    start: Time
+    end: Time
+    iteration: int
+
+    @property
+    def duration(self) -> Time:
+        return self.end - self.start
+
+    @property
+    def category(self) -> str:
+        return label_category(self.label)
+
+
+@dataclass(frozen=True)
+class NodeFigures:
+    """What a report says about one node's schedule."""
+
+    iterations: int
+    """Pipeline iterations per K-FAC cycle (the curvature refresh interval)."""
+    usage: float
+    """Percent of the cycle's time that is busy (pipeline work plus placed K-FAC work)."""
+    cycle_time: Time
+    """The time the cycle's iterations take (their pipeline time, plus any overflow)."""
+    pipeline_busy: Time
+    """Forward and backward time over the cycle."""
+    kfac_placed: Time
+    """K-FAC work placed over the cycle."""
+    bubble_left: Time
+    """Idle time left in the cycle."""
+    overflow: Time = 0
+    """Time added to iterations by work that fits in no bubble (0 for policies that never lengthen)."""
+    lower_bound: int | None = None
+    """A proven lower bound on ``iterations``, where the policy computes one."""
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodeSchedule:
+    """One node's cycle: the labels per iteration (the schedule file's entry) and their placement."""
+
+    iterations: tuple[tuple[str, ...], ...]
+    placements: tuple[Placement, ...]
+    figures: NodeFigures
+
+
+@dataclass(frozen=True)
+class JobSchedule:
+    """A whole job's schedule as produced by one policy."""
+
+    policy: str
+    span: Time
+    nodes: tuple[NodeSchedule, ...]
+
+    def to_file_data(self) -> list[list[list[str]]]:
+        """The schedule file's content: ``schedules[node][iteration] = [label, ...]``."""
+        return [[list(it) for it in node.iterations] for node in self.nodes]
+
+
+class Policy(ABC):
+    """A way to pack a job's K-FAC work into its pipeline bubbles."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+
+    @abstractmethod
+    def pack(self, job: Job) -> JobSchedule:
+        """Pack every node of ``job``. Pure: the job is not changed."""
+
+
+def split_iterations(placed: Sequence[Placement | tuple[str, Time, Time]]) -> list[list[str]]:
+    """Cut a flat label sequence into iterations at each ``-- start --``.
+
+    Labels before the first ``-- start --`` (the published tool sorts early up-pipe items there) form
+    a list of their own, as the published tool writes them.
+    """
+    out: list[list[str]] = [[]]
+    for p in placed:
+        label = p.label if isinstance(p, Placement) else p[0]
+        if label == START and out[-1]:
+            out.append([])
+        out[-1].append(label)
+    return out

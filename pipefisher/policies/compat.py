@@ -1,0 +1,358 @@
+"""The ``compat`` policy: the published PipeFisher packer, decision for decision, only faster.
+
+``../shared/spec/compat-policy.md`` is the behaviour, flaws included (see the "Known flaws" there).
+The published tool finds the next item that fits a bubble by rescanning the whole work list, checks
+dependencies by rescanning it again, and deep-copies all remaining work for every trial. Here:
+
+* the work list keeps its positions; removed items are marked dead, and a segment tree over positions
+  holds, per position, the room an item needs (``duration * 1.05``) or infinity while it cannot be
+  placed. "The first item at or after position i that fits" is one descent of the tree;
+* the global dependency rules (any pending ``cov_kron_A`` blocks every ``sync_kron_A``, ...) are four
+  counters; an item becomes placeable when the counters it waits on reach zero;
+* a trial packs a clone of that state (flat lists copied at C speed) instead of a deep copy.
+
+``compat_reference`` is the literal transcription this is tested against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pipefisher.errors import InputError
+from pipefisher.policies.base import (
+    END,
+    SAVE_OFF,
+    SAVE_ON,
+    START,
+    JobSchedule,
+    NodeFigures,
+    NodeSchedule,
+    Placement,
+    Policy,
+    label_category,
+    split_iterations,
+)
+from pipefisher.timeline import BACKWARD, COV_KINDS, FORWARD, KFAC_KINDS, Job, NodeTimeline, Time
+
+MARGIN = 1.05  # an item needs its duration plus 5 % of room
+INF = float("inf")
+
+Slot = tuple  # (label, start, end): one entry of a schedule being built
+
+# The four counters of pending work the global dependency rules look at, by label substring.
+_COUNTED = ("cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B")
+# A plain item waits while any counter it names is non-zero (substring of its label -> counters).
+_WAITS_ON = (
+    ("sync_kron_A", (0,)),
+    ("sync_kron_B", (1,)),
+    ("inv_kron_A", (0, 2)),
+    ("inv_kron_B", (1, 3)),
+)
+
+
+@dataclass(frozen=True)
+class _Work:
+    """The fixed facts of one work item (position = index in the sorted work list)."""
+
+    label: str
+    start: Time
+    end: Time
+    is_queue: bool
+    step: Time  # queues: the piece length; plain items: their duration
+    need: float  # step * 1.05: the room the item (or one queue piece) needs
+    pieces: int
+    gate_a: bool  # queue of a cov_kron_A label: piece j waits for the j-th forward
+    gate_b: bool
+    counted: tuple[int, ...]  # counters this item is counted in
+    waits_on: tuple[int, ...]  # counters that must be zero before it is placed
+
+
+class _State:
+    """The mutable part of the work list; cheap to clone for a trial."""
+
+    __slots__ = ("items", "size", "tree", "alive", "skip_to", "next_id", "counters", "waiters", "queues")
+
+    def __init__(self, items: Sequence[_Work]) -> None:
+        self.items = items
+        n = len(items)
+        size = 1
+        while size < max(n, 1):
+            size *= 2
+        self.size = size
+        self.tree = [INF] * (2 * size)
+        self.alive = [True] * n
+        self.skip_to = list(range(n + 1))  # union-find: first alive position >= p
+        self.next_id = [0] * n
+        self.counters = [0, 0, 0, 0]
+        self.waiters: list[list[int]] = [[], [], [], []]
+        self.queues = [p for p, w in enumerate(items) if w.is_queue]
+        for p, w in enumerate(items):
+            for c in w.counted:
+                self.counters[c] += 1
+            for c in w.waits_on:
+                self.waiters[c].append(p)
+
+    def clone(self) -> "_State":
+        other = _State.__new__(_State)
+        other.items, other.size, other.queues, other.waiters = self.items, self.size, self.queues, self.waiters
+        other.tree = self.tree[:]
+        other.alive = self.alive[:]
+        other.skip_to = self.skip_to[:]
+        other.next_id = self.next_id[:]
+        other.counters = self.counters[:]
+        return other
+
+    # -- tree ---------------------------------------------------------------------------------------
+    def _set(self, p: int, value: float) -> None:
+        tree = self.tree
+        i = p + self.size
+        if tree[i] == value:
+            return
+        tree[i] = value
+        i >>= 1
+        while i:
+            v = min(tree[2 * i], tree[2 * i + 1])
+            if tree[i] == v:
+                break
+            tree[i] = v
+            i >>= 1
+
+    def refresh(self, p: int, nf: int, nb: int) -> None:
+        """Recompute whether position ``p`` can be placed now, and store that in the tree."""
+        w = self.items[p]
+        ok = self.alive[p]
+        if ok and w.is_queue:
+            need_count = self.next_id[p] + 1
+            ok = not (w.gate_a and nf < need_count) and not (w.gate_b and nb < need_count)
+        elif ok:
+            ok = all(self.counters[c] == 0 for c in w.waits_on)
+        self._set(p, w.need if ok else INF)
+
+    def first_fit(self, lo: int, t: Time, limit: Time) -> int:
+        """The first position >= ``lo`` whose item fits ``t + need < limit`` and may be placed, or -1."""
+        size, tree = self.size, self.tree
+        if lo >= size or not t + tree[1] < limit:
+            return -1
+        i = lo + size
+        while True:
+            if t + tree[i] < limit:
+                while i < size:
+                    i = 2 * i if t + tree[2 * i] < limit else 2 * i + 1
+                return i - size
+            while i & 1:
+                i >>= 1
+            if i == 0:
+                return -1
+            i += 1
+
+    # -- removal ------------------------------------------------------------------------------------
+    def _first_alive(self, p: int) -> int:
+        skip = self.skip_to
+        root = p
+        while skip[root] != root:
+            root = skip[root]
+        while skip[p] != root:
+            skip[p], p = root, skip[p]
+        return root
+
+    def remove(self, p: int, nf: int, nb: int) -> int:
+        """Remove ``p``; return the position where the pass goes on (it skips the next item)."""
+        self.alive[p] = False
+        self.skip_to[p] = p + 1
+        self._set(p, INF)
+        for c in self.items[p].counted:
+            self.counters[c] -= 1
+            if self.counters[c] == 0:
+                for q in self.waiters[c]:
+                    if self.alive[q]:
+                        self.refresh(q, nf, nb)
+        skipped = self._first_alive(p + 1)
+        return skipped + 1
+
+    def remaining(self) -> list[int]:
+        return [p for p, a in enumerate(self.alive) if a]
+
+    def empty(self) -> bool:
+        return self._first_alive(0) >= len(self.items)
+
+
+def _fill(state: _State, base: Sequence[Slot], nf: int, nb: int, pieces: int) -> list[Slot]:
+    """Pack work into the gaps between consecutive entries of ``base``; see the spec's ``fill``."""
+    items = state.items
+    queues = state.queues
+    out: list[Slot] = [base[0]]
+    prev = base[0]
+    for p in queues:  # queue gates depend on the counts this fill starts with
+        state.refresh(p, nf, nb)
+    for nxt in base[1:]:
+        label = prev[0]
+        if label == FORWARD:
+            nf += 1
+            if nf <= pieces:
+                for p in queues:
+                    state.refresh(p, nf, nb)
+        elif label == BACKWARD:
+            nb += 1
+            if nb <= pieces:
+                for p in queues:
+                    state.refresh(p, nf, nb)
+        t, limit = prev[2], nxt[1]
+        while True:  # passes, until one places nothing
+            placed = False
+            cur = state.first_fit(0, t, limit)
+            while cur >= 0:
+                w = items[cur]
+                if w.is_queue:
+                    next_id = state.next_id
+                    removed = False
+                    while t + w.need < limit:
+                        i = next_id[cur]
+                        if (w.gate_a and nf < i + 1) or (w.gate_b and nb < i + 1):
+                            break
+                        s, e = w.start + i * w.step, w.start + (i + 1) * w.step
+                        d = e - s
+                        out.append((w.label, t, t + d))
+                        t += d
+                        placed = True
+                        next_id[cur] = i + 1
+                        if i + 1 >= w.pieces:
+                            removed = True
+                            break
+                    if removed:
+                        resume = state.remove(cur, nf, nb)
+                    else:
+                        state.refresh(cur, nf, nb)
+                        resume = cur + 1
+                else:
+                    d = w.end - w.start
+                    out.append((w.label, t, t + d))
+                    t += d
+                    placed = True
+                    resume = state.remove(cur, nf, nb)
+                cur = state.first_fit(resume, t, limit)
+            if not placed:
+                break
+        out.append(nxt)
+        prev = nxt
+    return out
+
+
+def _zero(t: Time | None) -> Time:
+    return 0 if t is None else t
+
+
+def _pipeline(node: NodeTimeline, span: Time) -> list[Slot]:
+    slots: list[Slot] = [(START, 0, 0)]
+    for word in (FORWARD, BACKWARD):
+        for key, intervals in node.entries.items():
+            if word in key:
+                slots.extend((key, _zero(iv.start), _zero(iv.end)) for iv in intervals)
+    slots.append((END, span, span))
+    slots.sort(key=lambda s: s[1])
+    return slots
+
+
+def _work_items(node: NodeTimeline, pieces: int) -> list[_Work]:
+    raw: list[tuple[int, Time, _Work]] = []
+    for priority, kind in enumerate(KFAC_KINDS):
+        for key, intervals in node.entries.items():
+            if kind not in key:
+                continue
+            counted = tuple(c for c, word in enumerate(_COUNTED) if word in key)
+            waits_on = tuple(sorted({c for word, cs in _WAITS_ON if word in key for c in cs}))
+            for iv in intervals:
+                s, e = _zero(iv.start), _zero(iv.end)
+                if kind in COV_KINDS:
+                    step = (e - s) // pieces
+                    w = _Work(key, s, e, True, step, step * MARGIN, pieces,
+                              "cov_kron_A" in key, "cov_kron_B" in key, counted, ())
+                else:
+                    w = _Work(key, s, e, False, e - s, (e - s) * MARGIN, 1, False, False, counted, waits_on)
+                raw.append((priority, s, w))
+    raw.sort(key=lambda r: r[1])  # by start, then (stable) by priority, as the published tool does
+    raw.sort(key=lambda r: r[0])
+    return [w for _, _, w in raw]
+
+
+def pack_node_slots(node: NodeTimeline, span: Time) -> list[Slot]:
+    """The published tool's flat schedule for one node: (label, start, end) in order."""
+    pipeline = _pipeline(node, span)
+    pieces = sum(1 for s in pipeline if s[0] == FORWARD)
+    items = _work_items(node, pieces)
+    if pieces == 0 and any(w.is_queue for w in items):
+        raise InputError(node.path, f"has no '{FORWARD}' intervals to split covariance work over "
+                                    "(the compat policy counts only down-pipe forwards)")
+    state = _State(items)
+    for p in range(len(items)):
+        state.refresh(p, 0, 0)
+    sched = _fill(state, pipeline, 0, 0, pieces)
+    sched.append((SAVE_OFF, sched[-1][2], sched[-1][2]))
+    while not state.empty():
+        trial = state.clone()
+        attempt = _fill(trial, sched, pieces, pieces, pieces)
+        if trial.empty():
+            sched = attempt
+            break
+        before = len(state.remaining())
+        sched += _fill(state, pipeline, pieces, pieces, pieces)
+        left = state.remaining()
+        if len(left) == before:  # nothing fits an empty iteration: append the rest as it stands
+            sched += [(items[p].label, items[p].start, items[p].end) for p in left]
+            break
+    sched.append((SAVE_ON, sched[-1][2], sched[-1][2]))
+    return sched
+
+
+def figures_from_slots(slots: Sequence[Slot], span: Time) -> tuple[int, float, dict[str, Any]]:
+    """Iterations and usage exactly as the published tool computes them, plus a breakdown."""
+    iterations = sum(1 for s in slots if s[0] == START)
+    total: Any = 0
+    busy: Any = 0
+    kfac: Any = 0
+    for label, start, end in slots:
+        d = end - start
+        total += d
+        cat = label_category(label)
+        if cat in ("forward", "backward"):
+            busy += d
+        elif cat in KFAC_KINDS:
+            kfac += d
+    usage = total / (span * iterations) * 100 if iterations and span else float("nan")
+    return iterations, usage, {"busy": busy, "kfac": kfac}
+
+
+def _placements(slots: Sequence[Slot]) -> tuple[Placement, ...]:
+    out = []
+    index = 0
+    seen_any = False
+    for label, start, end in slots:
+        if label == START and seen_any:
+            index += 1
+        seen_any = True
+        out.append(Placement(label, start, end, index))
+    return tuple(out)
+
+
+class CompatPolicy(Policy):
+    """The published PipeFisher packer, reproduced exactly (flaws included)."""
+
+    name = "compat"
+    summary = "the published PipeFisher packer, label for label (known flaws included)"
+
+    def pack(self, job: Job) -> JobSchedule:
+        nodes = []
+        for node in job.nodes:
+            slots = pack_node_slots(node, job.span)
+            iterations, usage, parts = figures_from_slots(slots, job.span)
+            cycle = job.span * iterations
+            figures = NodeFigures(
+                iterations=iterations,
+                usage=usage,
+                cycle_time=cycle,
+                pipeline_busy=parts["busy"],
+                kfac_placed=parts["kfac"],
+                bubble_left=cycle - parts["busy"] - parts["kfac"],
+            )
+            labels = split_iterations(slots)
+            nodes.append(NodeSchedule(tuple(tuple(it) for it in labels), _placements(slots), figures))
+        return JobSchedule(self.name, job.span, tuple(nodes))

@@ -1,0 +1,75 @@
+"""Usage reports of a packed job: the published one-line-per-node text, a workload listing, and JSON."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from pipefisher.policies.base import JobSchedule, NodeSchedule
+from pipefisher.timeline import Job, Time
+
+
+def usage_line(index: int, node: NodeSchedule) -> str:
+    """The published tool's line, character for character."""
+    f = node.figures
+    return f"node{index}:{f.iterations} pipeline iterations (usage: {f.usage:.2f} %)"
+
+
+def usage_lines(schedule: JobSchedule) -> list[str]:
+    return [usage_line(i, node) for i, node in enumerate(schedule.nodes)]
+
+
+def _fmt(t: Time) -> str:
+    return f"{t:.9g}" if isinstance(t, float) else str(t)
+
+
+def workload_lines(schedule: JobSchedule) -> Iterator[str]:
+    """Per node, every placed label in order with start, end and duration, and the bubbles between.
+
+    Times are relative to the start of each label's pipeline iteration, in the timeline's unit.
+    """
+    for i, node in enumerate(schedule.nodes):
+        yield f"node{i}: {len(node.placements)} items in {len(node.iterations)} iteration list(s)"
+        prev_end: Time | None = None
+        prev_iter = -1
+        for p in node.placements:
+            if p.iteration != prev_iter:
+                yield f"  iteration {p.iteration}"
+                prev_iter, prev_end = p.iteration, None
+            if prev_end is not None and p.start > prev_end:
+                gap = p.start - prev_end
+                yield f"    {'(bubble)':<48} start={_fmt(prev_end):>14} end={_fmt(p.start):>14} duration={_fmt(gap)}"
+            yield f"    {p.label:<48} start={_fmt(p.start):>14} end={_fmt(p.end):>14} duration={_fmt(p.duration)}"
+            if prev_end is None or p.end > prev_end:
+                prev_end = p.end
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, float) and x != x:  # NaN is not JSON
+        return None
+    return x
+
+
+def report_data(schedule: JobSchedule, job: Job) -> dict[str, Any]:
+    """The report as data, for ``--json``: per node, the figures a user compares."""
+    nodes = []
+    for i, (node, timeline) in enumerate(zip(schedule.nodes, job.nodes)):
+        f = node.figures
+        entry = {
+            "node": i,
+            "timeline": timeline.path,
+            "iterations": f.iterations,
+            "usage_percent": _plain(round(f.usage, 6)),
+            "cycle_time": f.cycle_time,
+            "pipeline_busy_time": f.pipeline_busy,
+            "kfac_placed_time": f.kfac_placed,
+            "bubble_time_left": f.bubble_left,
+            "overflow_time": f.overflow,
+            "lower_bound": f.lower_bound,
+        }
+        entry.update({k: _plain(v) for k, v in f.extra.items()})
+        nodes.append(entry)
+    return {
+        "policy": schedule.policy,
+        "pipeline_time": job.span,
+        "time_unit": "seconds" if isinstance(job.span, float) else "nanoseconds",
+        "nodes": nodes,
+    }

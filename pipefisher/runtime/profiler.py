@@ -1,0 +1,81 @@
+"""Per-node timelines in the profiled format: intervals per micro-batch, per K-FAC piece, per step.
+
+All workers start their clocks together: a barrier, then each takes its time base. Times are integer
+nanoseconds from that base: wall-clock (``perf_counter_ns``) on CPU, CUDA-event device times on GPU.
+The clocks of different hosts are never compared.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from pipefisher.safe_io import dump_pickle_atomic
+
+STEP_KEY = "start_end"
+
+
+class Profiler:
+    """Records ``(start, end)`` per key; disabled it costs one branch per span."""
+
+    def __init__(self, enabled: bool, device: torch.device) -> None:
+        self.enabled = enabled
+        self.cuda = device.type == "cuda"
+        self._base_ns = 0
+        self._base_event: Any = None
+        self._records: dict[str, list[Any]] = {}
+
+    def align(self, group: Any = None, distributed: bool = True) -> None:
+        """Take the time base right after a barrier with every other worker."""
+        if not self.enabled:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        if distributed and dist.is_initialized():
+            dist.barrier(group=group)
+            if self.cuda:
+                torch.cuda.synchronize()
+        if self.cuda:
+            self._base_event = torch.cuda.Event(enable_timing=True)
+            self._base_event.record()
+        self._base_ns = time.perf_counter_ns()
+
+    @contextlib.contextmanager
+    def span(self, key: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._records.setdefault(key, []).append((start, end))
+        else:
+            t0 = time.perf_counter_ns() - self._base_ns
+            yield
+            self._records.setdefault(key, []).append((t0, time.perf_counter_ns() - self._base_ns))
+
+    def timeline(self) -> dict[str, list[tuple[int, int]]]:
+        """The recorded intervals as ``{key: [(start_ns, end_ns), ...]}``."""
+        if not self.cuda:
+            return {k: list(v) for k, v in self._records.items()}
+        torch.cuda.synchronize()
+
+        def ns(ev: Any) -> int:
+            return int(round(self._base_event.elapsed_time(ev) * 1e6))
+
+        return {k: [(ns(s), ns(e)) for s, e in v] for k, v in self._records.items()}
+
+    def write(self, folder: str | os.PathLike[str], name: str, node: int) -> str:
+        path = os.path.join(os.fspath(folder), timeline_filename(name, node))
+        dump_pickle_atomic(path, self.timeline())
+        return path
+
+
+def timeline_filename(name: str, node: int) -> str:
+    return f"{name}_node{node}_timeline.pickle"

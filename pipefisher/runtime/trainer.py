@@ -1,0 +1,169 @@
+"""One worker's training loop: pipeline steps, first-order or naive K-FAC, progress, profiling.
+
+Modes: ``first-order`` (pipeline, gradient all-reduce, optimizer) and ``kfac`` (the same plus, every
+``kfac.interval`` steps, all K-FAC work for every layer after the pipeline; gradients are
+preconditioned with the latest inverses every step). Profiling runs ``kfac`` with a refresh every
+step and writes one timeline per pipeline node (replica 0 of each stage).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import click
+import torch
+import torch.distributed as dist
+
+from pipefisher.kfac import KFAC
+from pipefisher.runtime.config import RunConfig
+from pipefisher.runtime.data import MLMData
+from pipefisher.runtime.dist import DistContext
+from pipefisher.runtime.engine import PipelineEngine, pipeline_ops
+from pipefisher.runtime.model import PipelineStage
+from pipefisher.runtime.profiler import STEP_KEY, Profiler
+from pipefisher.safe_io import dump_json_atomic
+
+MODES = ("first-order", "kfac")
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """What to run, as opposed to what model to run it on (that is the :class:`RunConfig`)."""
+
+    mode: str = "first-order"
+    steps: int = 10
+    profile: bool = False
+    out: str | None = None
+    log_every: int = 5
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
+
+    @property
+    def effective_mode(self) -> str:
+        return "kfac" if self.profile else self.mode
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    stage: int
+    replica: int
+    losses: list[float] = field(default_factory=list)  # last stage: mean over replicas, per step
+    step_seconds: list[float] = field(default_factory=list)
+    timeline_path: str | None = None
+
+    def median_step_seconds(self, skip: int = 1) -> float:
+        times = self.step_seconds[skip:] or self.step_seconds
+        return statistics.median(times)
+
+
+def make_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
+    o = cfg.optim
+    if o.name == "adam":
+        return torch.optim.Adam(params, lr=o.lr, weight_decay=o.weight_decay)
+    return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+
+
+class Trainer:
+    """Builds this worker's stage, data, engine, K-FAC and optimizer, and runs the steps."""
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext, opts: TrainOptions) -> None:
+        self.cfg, self.ctx, self.opts = cfg, ctx, opts
+        g = ctx.grid
+        if g.stages != cfg.pipeline.stages:
+            raise ValueError(f"the grid has {g.stages} stages but the config asks for {cfg.pipeline.stages}")
+        self.mode = opts.effective_mode
+        self.interval = 1 if opts.profile else cfg.kfac.interval
+        m = cfg.data.num_micro_batches
+        self.stage = PipelineStage(cfg.model, g.stage, g.stages, seed=cfg.data.seed).to(ctx.device)
+        self.data = MLMData(cfg.data, cfg.model.vocab_size)
+        self.profiler = Profiler(opts.profile, ctx.device)
+        self.engine = PipelineEngine(self.stage, ctx, self.data, m, span=self.profiler.span)
+        self.kfac = (KFAC(self.stage, damping=cfg.kfac.damping, ignore=cfg.kfac.ignore, loss_scale=m,
+                          dp_group=ctx.dp_group, dp_size=g.replicas) if self.mode == "kfac" else None)
+        self.optimizer = make_optimizer(cfg, self.stage.parameters())
+        self.ops = pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m)
+        self.reporter = g.stage == g.stages - 1 and g.replica == 0
+
+    def train_step(self, step: int) -> float | None:
+        """One step; returns the loss (mean over replicas) on the last stage, else None."""
+        refresh = self.kfac is not None and step % self.interval == 0
+        if self.kfac is not None:
+            self.kfac.set_saving(refresh)
+        self.engine.begin_step(step)
+        with self.profiler.span(STEP_KEY):
+            self.engine.run(self.ops)
+            loss = self.engine.finish_step()
+            if self.kfac is not None:
+                if refresh:
+                    self.kfac.update_curvature(span=self.profiler.span)
+                self.kfac.clear_saved()
+            self.end_of_step()
+        return self._mean_loss(loss)
+
+    def end_of_step(self) -> None:
+        """The ``-- end --`` label: gradient all-reduce, preconditioning, optimizer step."""
+        self.engine.allreduce_gradients()
+        if self.kfac is not None:
+            self.kfac.precondition_all()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _mean_loss(self, loss: float | None) -> float | None:
+        if loss is None or self.ctx.grid.replicas == 1:
+            return loss
+        t = torch.tensor([loss], device=self.ctx.device)
+        dist.all_reduce(t, group=self.ctx.dp_group)
+        return float(t) / self.ctx.grid.replicas
+
+    def run(self) -> WorkerResult:
+        g, opts = self.ctx.grid, self.opts
+        result = WorkerResult(g.rank, g.stage, g.replica)
+        self.stage.train()
+        self.profiler.align(distributed=self.ctx.distributed)
+        show = self.reporter and opts.progress
+        if self.reporter:
+            click.echo(f"pipefisher train: mode {self.mode}, {g.stages} stage(s) x {g.replicas} replica(s), "
+                       f"{self.cfg.pipeline.schedule}, {self.cfg.data.num_micro_batches} micro-batches, "
+                       f"{opts.steps} steps on {self.ctx.device}")
+        bar = click.progressbar(length=opts.steps, label="training", file=None) if show else None
+        if bar is not None:
+            bar.__enter__()
+        try:
+            for step in range(opts.steps):
+                t0 = time.perf_counter()
+                loss = self.train_step(step)
+                if self.ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                result.step_seconds.append(time.perf_counter() - t0)
+                if loss is not None:
+                    result.losses.append(loss)
+                if bar is not None:
+                    bar.update(1)
+                last = step == opts.steps - 1
+                if self.reporter and loss is not None and (step % opts.log_every == 0 or last):
+                    msg = f"step {step:>5}  loss {loss:.4f}  {result.step_seconds[-1] * 1e3:.1f} ms"
+                    click.echo(("\n" if bar is not None else "") + msg)
+        finally:
+            if bar is not None:
+                bar.__exit__(None, None, None)
+        if opts.out is not None:
+            if opts.profile and g.replica == 0:
+                result.timeline_path = self.profiler.write(opts.out, self.cfg.name, g.stage)
+            if self.reporter:
+                dump_json_atomic(os.path.join(opts.out, f"{self.cfg.name}_losses.json"),
+                                 {"mode": self.mode, "losses": result.losses,
+                                  "step_seconds": result.step_seconds, "options": asdict(opts),
+                                  "config": self.cfg.to_dict()})
+        return result
+
+
+def result_summary(result: WorkerResult) -> str:
+    return json.dumps(asdict(result))

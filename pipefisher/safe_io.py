@@ -1,0 +1,142 @@
+"""Reading pickles without running their code, and writing files so they are never half-written.
+
+Profiles and schedule files are pickles, and unpickling can call any importable function. Every pickle
+this project reads goes through :func:`load_pickle`, which admits plain containers, strings and numbers,
+plus the three numpy helpers a pickled numpy scalar needs (checked to build numbers only).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import tempfile
+from typing import Any, Callable
+
+from pipefisher.errors import InputError
+
+_NUMERIC_DTYPE_KINDS = frozenset("biuf")  # bool, signed, unsigned, float
+
+
+def _safe_dtype(spec: Any, *args: Any) -> Any:
+    import numpy as np
+
+    if not isinstance(spec, str):
+        raise pickle.UnpicklingError(f"numpy dtype {spec!r} is not a plain type name")
+    dtype = np.dtype(spec)
+    if dtype.kind not in _NUMERIC_DTYPE_KINDS:
+        raise pickle.UnpicklingError(f"numpy dtype {spec!r} is not numeric")
+    return dtype
+
+
+def _safe_scalar(dtype: Any, data: Any = None) -> Any:
+    import numpy as np
+
+    if not isinstance(dtype, np.dtype) or dtype.kind not in _NUMERIC_DTYPE_KINDS:
+        raise pickle.UnpicklingError("numpy scalar of a non-numeric type")
+    if not isinstance(data, bytes) or len(data) != dtype.itemsize:
+        raise pickle.UnpicklingError("numpy scalar with malformed data")
+    return np.frombuffer(data, dtype=dtype)[0]
+
+
+def _safe_codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
+    # Protocol-2 pickles store bytes as ``_codecs.encode(str, 'latin1')``.
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError("unexpected bytes encoding")
+    return text.encode("latin1")
+
+
+_ALLOWED: dict[tuple[str, str], Callable[..., Any]] = {
+    ("numpy", "dtype"): _safe_dtype,
+    ("numpy.core.multiarray", "scalar"): _safe_scalar,
+    ("numpy._core.multiarray", "scalar"): _safe_scalar,
+    ("_codecs", "encode"): _safe_codecs_encode,
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"refers to {module}.{name}, which is not plain data") from None
+
+
+def loads_restricted(data: bytes) -> Any:
+    """Unpickle ``data`` admitting only plain data; raises :class:`pickle.UnpicklingError` otherwise."""
+    return _RestrictedUnpickler(io.BytesIO(data)).load()
+
+
+def read_bytes(path: str | os.PathLike[str]) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise InputError(path, "no such file") from None
+    except IsADirectoryError:
+        raise InputError(path, "is a directory, not a file") from None
+    except OSError as err:
+        raise InputError(path, f"cannot be read ({err.strerror or err})") from None
+
+
+def load_pickle(path: str | os.PathLike[str]) -> Any:
+    """Load a pickle file through the restricted unpickler; every failure is an :class:`InputError`."""
+    data = read_bytes(path)
+    if not data:
+        raise InputError(path, "is empty, not a pickle")
+    try:
+        return loads_restricted(data)
+    except pickle.UnpicklingError as err:
+        msg = str(err)
+        if "not plain data" in msg or "numpy" in msg or "encoding" in msg:
+            raise InputError(path, f"refused: the pickle {msg}") from None
+        raise InputError(path, f"is not a valid pickle ({msg})") from None
+    except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError,
+            OverflowError, UnicodeDecodeError):
+        raise InputError(path, "is truncated or not a pickle") from None
+
+
+def load_json(path: str | os.PathLike[str]) -> Any:
+    data = read_bytes(path)
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InputError(path, f"is not valid JSON ({err})") from None
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> None:
+    """Write ``data`` to ``path`` through a temp file in the same folder and a rename.
+
+    A crash or error midway leaves the old file as it was; readers never see half a file.
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InputError(path, "cannot be written: its folder does not exist")
+    payload = data.encode() if isinstance(data, str) else data
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    except OSError as err:
+        raise InputError(path, f"cannot be written ({err.strerror or err})") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(err, OSError):
+            raise InputError(path, f"cannot be written ({err.strerror or err})") from None
+        raise
+
+
+def dump_pickle_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    write_atomic(path, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def dump_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    write_atomic(path, json.dumps(obj, indent=2) + "\n")

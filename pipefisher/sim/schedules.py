@@ -1,0 +1,334 @@
+"""Pipeline schedule generators: for each device, the ordered forward/backward operations.
+
+A schedule only fixes the ORDER of operations on each device; when they run follows from a cost model
+(see :mod:`pipefisher.sim.simulator`). Operations are identified by kind, micro-batch, stage and pipe:
+
+- ``stage`` is the position in its pipe, ``0 .. virtual_stages - 1``. With interleaving (``chunks = v``
+  model chunks per device) there are ``p * v`` virtual stages and virtual stage ``s`` runs on device
+  ``s % p`` as that device's chunk ``s // p`` (the Megatron-LM layout).
+- ``pipe`` is 0 for the usual (down) pipe and 1 for Chimera's second pipe, whose stage ``s`` runs on
+  device ``p - 1 - s`` (the ``:up_pipe`` operations of the timeline format).
+- ``kind`` is ``F`` (forward), ``B`` (backward; only the input gradient when the schedule splits the
+  backward) or ``W`` (weight gradient, zero-bubble schedules only).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from pipefisher.errors import InputError
+
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
+DOWN, UP = 0, 1
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    """One pipeline operation of one micro-batch on one (virtual) stage of one pipe."""
+
+    kind: str
+    micro_batch: int
+    stage: int
+    chunk: int = 0
+    pipe: int = DOWN
+
+    def key(self) -> tuple[str, int, int, int]:
+        """Identity without the chunk (which follows from the stage)."""
+        return (self.kind, self.micro_batch, self.stage, self.pipe)
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """The per-device operation order of one pipeline step."""
+
+    name: str
+    stages: int
+    """Devices (= pipeline nodes)."""
+    micro_batches: int
+    chunks: int
+    devices: tuple[tuple[Op, ...], ...]
+    split_backward: bool = False
+    """True when backwards are split into B (input gradient) and W (weight gradient)."""
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.stages * self.chunks
+
+    @property
+    def pipes(self) -> int:
+        return 1 + any(op.pipe == UP for ops in self.devices for op in ops)
+
+    def device_of(self, stage: int, pipe: int = DOWN) -> int:
+        """The device that runs virtual stage ``stage`` of ``pipe``."""
+        return self.stages - 1 - stage if pipe == UP else stage % self.stages
+
+    def dependencies(self, op: Op) -> list[Op]:
+        """The operations whose outputs ``op`` needs (on any device)."""
+        last = self.virtual_stages - 1
+        chunk_of = (lambda s: 0) if op.pipe == UP else (lambda s: s // self.stages)
+        if op.kind == FORWARD:
+            if op.stage == 0:
+                return []
+            return [Op(FORWARD, op.micro_batch, op.stage - 1, chunk_of(op.stage - 1), op.pipe)]
+        if op.kind == BACKWARD:
+            own_forward = Op(FORWARD, op.micro_batch, op.stage, op.chunk, op.pipe)
+            if op.stage == last:
+                return [own_forward]
+            return [Op(BACKWARD, op.micro_batch, op.stage + 1, chunk_of(op.stage + 1), op.pipe), own_forward]
+        return [Op(BACKWARD, op.micro_batch, op.stage, op.chunk, op.pipe)]
+
+    def check(self) -> None:
+        """Every operation appears exactly once on its own device, and the order cannot deadlock."""
+        seen: set[tuple[str, int, int, int]] = set()
+        for d, ops in enumerate(self.devices):
+            for op in ops:
+                if self.device_of(op.stage, op.pipe) != d:
+                    raise AssertionError(f"{op} is listed on device {d}")
+                if op.key() in seen:
+                    raise AssertionError(f"{op} appears twice")
+                seen.add(op.key())
+        for ops in self.devices:
+            for op in ops:
+                for dep in self.dependencies(op):
+                    if dep.key() not in seen:
+                        raise AssertionError(f"{op} needs {dep}, which the schedule never runs")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise InputError(None, what)
+
+
+def _check_common(name: str, stages: int, micro_batches: int) -> None:
+    _need(isinstance(stages, int) and stages >= 1, f"{name}: stages must be a whole number >= 1, got {stages!r}")
+    _need(isinstance(micro_batches, int) and micro_batches >= 1,
+          f"{name}: micro-batches must be a whole number >= 1, got {micro_batches!r}")
+
+
+def _fwd(mb: int, stage: int, p: int = 1, pipe: int = DOWN) -> Op:
+    return Op(FORWARD, mb, stage, stage // p if pipe == DOWN else 0, pipe)
+
+
+def _bwd(mb: int, stage: int, p: int = 1, pipe: int = DOWN) -> Op:
+    return Op(BACKWARD, mb, stage, stage // p if pipe == DOWN else 0, pipe)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Generators
+
+
+def gpipe(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
+    """GPipe: every device runs all forwards, then all backwards (in micro-batch order)."""
+    _check_common("gpipe", stages, micro_batches)
+    _need(chunks == 1, "gpipe: has one model chunk per device (use 'interleaved' for chunks > 1)")
+    devices = tuple(
+        tuple(_fwd(j, d) for j in range(micro_batches)) + tuple(_bwd(j, d) for j in range(micro_batches))
+        for d in range(stages)
+    )
+    return PipelineSchedule("gpipe", stages, micro_batches, 1, devices)
+
+
+def one_f_one_b(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
+    """1F1B (PipeDream-flush / DAPPLE): a warm-up of ``p - d - 1`` forwards, then forward/backward pairs."""
+    _check_common("1f1b", stages, micro_batches)
+    _need(chunks == 1, "1f1b: has one model chunk per device (use 'interleaved' for chunks > 1)")
+    devices = []
+    for d in range(stages):
+        warmup = min(stages - d - 1, micro_batches)
+        ops = [_fwd(j, d) for j in range(warmup)]
+        for j in range(micro_batches - warmup):
+            ops += [_fwd(warmup + j, d), _bwd(j, d)]
+        ops += [_bwd(j, d) for j in range(micro_batches - warmup, micro_batches)]
+        devices.append(tuple(ops))
+    return PipelineSchedule("1f1b", stages, micro_batches, 1, tuple(devices))
+
+
+def interleaved(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSchedule:
+    """Interleaved 1F1B (Megatron-LM): ``v`` model chunks per device, visited in rounds of ``p`` micro-batches.
+
+    The k-th forward of a device is chunk ``(k // p) % v`` of micro-batch ``(k // (p*v)) * p + k % p``;
+    backwards visit the chunks in reverse. Like Megatron-LM, it needs the micro-batch count to be a
+    multiple of the number of stages.
+    """
+    _check_common("interleaved", stages, micro_batches)
+    _need(isinstance(chunks, int) and chunks >= 2, f"interleaved: needs chunks >= 2 model chunks per device, got {chunks!r}")
+    _need(micro_batches % stages == 0,
+          f"interleaved: micro-batches ({micro_batches}) must be a multiple of stages ({stages})")
+    p, v, m = stages, chunks, micro_batches
+    total = m * v
+
+    def mb(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    devices = []
+    for d in range(p):
+        def f(k: int) -> Op:
+            c = (k // p) % v
+            return _fwd(mb(k), c * p + d, p)
+
+        def b(k: int) -> Op:
+            c = v - 1 - (k // p) % v
+            return _bwd(mb(k), c * p + d, p)
+
+        warmup = min((p - d - 1) * 2 + (v - 1) * p, total)
+        ops = [f(k) for k in range(warmup)]
+        for k in range(total - warmup):
+            ops += [f(warmup + k), b(k)]
+        ops += [b(k) for k in range(total - warmup, total)]
+        devices.append(tuple(ops))
+    return PipelineSchedule("interleaved", p, m, v, tuple(devices))
+
+
+def zb_h1(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
+    """ZB-H1 (zero bubble, Qi et al. 2023): 1F1B with the backward split into B and W.
+
+    Device ``d`` keeps 1F1B's warm-up and its forward/B pairs, but runs each weight gradient ``d``
+    micro-batches late, so the deferred W passes fill the tail where 1F1B waits for backwards. In-flight
+    activations (forwards whose W has not run) stay at most ``p``, the peak of 1F1B.
+    """
+    _check_common("zb-h1", stages, micro_batches)
+    _need(chunks == 1, "zb-h1: has one model chunk per device")
+    devices = []
+    for d in range(stages):
+        warmup = min(stages - d - 1, micro_batches)
+        ops: list[Op] = [_fwd(j, d) for j in range(warmup)]
+        next_w = 0
+
+        def weights_up_to(k: int) -> list[Op]:
+            nonlocal next_w
+            out = []
+            while next_w <= k:
+                out.append(Op(WEIGHT, next_w, d))
+                next_w += 1
+            return out
+
+        for j in range(micro_batches):
+            if warmup + j < micro_batches:
+                ops.append(_fwd(warmup + j, d))
+            ops.append(_bwd(j, d))
+            ops += weights_up_to(j - d)
+        ops += weights_up_to(micro_batches - 1)
+        devices.append(tuple(ops))
+    return PipelineSchedule("zb-h1", stages, micro_batches, 1, tuple(devices), split_backward=True)
+
+
+def chimera(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
+    """Chimera (Li & Hoefler, SC'21): two pipelines in opposite directions over the same devices.
+
+    Device ``d`` holds stage ``d`` of the down pipe and stage ``p - 1 - d`` of the up pipe. Micro-batches
+    are dealt in units of ``p``: the first half of each unit goes down, the second half up. The order on
+    each device is fixed by list-scheduling the step in unit time (forward 1, backward 2): a free device
+    runs the ready forward that became ready first (each pipe's forwards in micro-batch order), else
+    the ready backward that became ready first; ties go to the down pipe. Like the paper's schedule it
+    keeps every pipe's forwards ahead of its backwards, so activations are held as in GPipe.
+    """
+    _check_common("chimera", stages, micro_batches)
+    _need(chunks == 1, "chimera: has one model chunk per device and pipe")
+    _need(stages % 2 == 0, f"chimera: needs an even number of stages, got {stages}")
+    _need(micro_batches % 2 == 0, f"chimera: needs an even number of micro-batches (half per pipe), got {micro_batches}")
+    p, m = stages, micro_batches
+    down: list[int] = []
+    for unit in range(0, m, p):
+        size = min(p, m - unit)  # the last unit may be short; it is split in halves too
+        down += range(unit, unit + size // 2)
+    up = [j for j in range(m) if j not in set(down)]
+    order = {DOWN: down, UP: up}
+    shell = PipelineSchedule("chimera", p, m, 1, tuple(() for _ in range(p)))
+    devices = _list_schedule(shell, order, lambda op: 1 if op.kind == FORWARD else 2)
+    return PipelineSchedule("chimera", p, m, 1, devices)
+
+
+def _list_schedule(
+    shell: PipelineSchedule,
+    order: dict[int, list[int]],
+    cost: Callable[[Op], int],
+) -> tuple[tuple[Op, ...], ...]:
+    """Greedy list scheduling in unit time, used to fix an operation order (Chimera)."""
+    p, S = shell.stages, shell.virtual_stages
+    ops_of: list[list[Op]] = [[] for _ in range(p)]
+    for pipe, mbs in order.items():
+        for j in mbs:
+            for s in range(S):
+                d = shell.device_of(s, pipe)
+                ops_of[d] += [Op(FORWARD, j, s, 0, pipe), Op(BACKWARD, j, s, 0, pipe)]
+    rank = {pipe: {j: i for i, j in enumerate(mbs)} for pipe, mbs in order.items()}
+    end: dict[tuple[str, int, int, int], int] = {}
+    pending = [set(o.key() for o in ops) for ops in ops_of]
+    by_key = {o.key(): o for ops in ops_of for o in ops}
+    free = [0] * p
+    issued = {(d, pipe): 0 for d in range(p) for pipe in order}
+    out: list[list[Op]] = [[] for _ in range(p)]
+    t = 0
+    total = sum(len(x) for x in pending)
+    done = 0
+    events: list[int] = [0]
+    while done < total:
+        t = heapq.heappop(events)
+        while events and events[0] == t:
+            heapq.heappop(events)
+        for d in range(p):
+            if free[d] > t:
+                continue
+            best = None
+            for k in pending[d]:
+                op = by_key[k]
+                deps = shell.dependencies(op)
+                if any(dep.key() not in end or end[dep.key()] > t for dep in deps):
+                    continue
+                if op.kind == FORWARD:
+                    # forwards of a pipe are issued in micro-batch order
+                    if rank[op.pipe][op.micro_batch] != issued[(d, op.pipe)]:
+                        continue
+                ready = max([end[dep.key()] for dep in deps], default=0)
+                prio = (0 if op.kind == FORWARD else 1, ready, rank[op.pipe][op.micro_batch], op.pipe)
+                if best is None or prio < best[0]:
+                    best = (prio, op)
+            if best is None:
+                continue
+            op = best[1]
+            pending[d].discard(op.key())
+            end[op.key()] = t + cost(op)
+            free[d] = t + cost(op)
+            heapq.heappush(events, free[d])
+            if op.kind == FORWARD:
+                issued[(d, op.pipe)] += 1
+            out[d].append(op)
+            done += 1
+        if not events and done < total:  # pragma: no cover - the rules above always make progress
+            raise AssertionError("list scheduling stalled")
+    return tuple(tuple(ops) for ops in out)
+
+
+GENERATORS: dict[str, Callable[..., PipelineSchedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "zb-h1": zb_h1,
+    "chimera": chimera,
+}
+ALIASES = {"interleaved-1f1b": "interleaved", "zbh1": "zb-h1", "zb_h1": "zb-h1", "dapple": "1f1b", "pipedream-flush": "1f1b"}
+
+
+def schedule_names() -> list[str]:
+    return list(GENERATORS)
+
+
+def generate(name: str, stages: int, micro_batches: int, chunks: int | None = None) -> PipelineSchedule:
+    """Build the named schedule; ``chunks`` defaults to 2 for interleaved and 1 otherwise."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in GENERATORS:
+        raise InputError(None, f"unknown schedule '{name}' (known: {', '.join(GENERATORS)})")
+    if chunks is None:
+        chunks = 2 if key == "interleaved" else 1
+    return GENERATORS[key](stages, micro_batches, chunks)
+
+
+def iter_ops(schedule: PipelineSchedule) -> Iterator[tuple[int, Op]]:
+    for d, ops in enumerate(schedule.devices):
+        for op in ops:
+            yield d, op

@@ -1,0 +1,263 @@
+"""Simulate a pipeline step from a schedule and a cost model, and write it as profiled timelines.
+
+The simulation is event-free list execution: each device runs its operations in the schedule's order;
+an operation starts when its device is free and all its inputs have arrived (a dependency on another
+device arrives ``latency`` after it ends). Times are integer nanoseconds, starting at 0.
+
+After the pipeline, each node runs the naive K-FAC phase a real profiled step has: covariance A and B
+of every module (over all micro-batches), then the all-reduce of every factor, then every inverse.
+The result is one ``dict[str, list[(start, end)]]`` per node in the profiled format, so
+``pipefisher schedule`` packs it exactly like a profile.
+
+Mapping choices (see also the format spec):
+
+- Interleaved schedules: a node's ``call_forward``/``call_backward`` hold one interval per
+  (chunk, micro-batch) operation, in execution order, so a node has ``v * m`` of each; its K-FAC
+  modules are the layers of all its chunks, each covering ``m`` micro-batches.
+- ZB-H1: ``call_backward`` is the input-gradient pass B. A weight-gradient pass W that directly
+  follows its own B is merged into that interval (so node 0 looks like 1F1B); a deferred W is written
+  under ``call_backward_weight`` (not a micro-batch: the scheduler counts only exact
+  ``call_backward``; policies that treat keys containing ``call_backward`` as pipeline work keep
+  K-FAC out of it).
+- Chimera: up-pipe operations are ``call_forward:up_pipe``/``call_backward:up_pipe``; the up-pipe copy
+  of a layer has its K-FAC keys suffixed ``:up_pipe`` and covers that pipe's micro-batches.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+from pipefisher.errors import InputError
+from pipefisher.sim.costs import NS_PER_MS, CostModel, ModuleCost
+from pipefisher.sim.schedules import BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op, PipelineSchedule, generate
+
+Timelines = list[dict[str, list[tuple[int, int]]]]
+WEIGHT_KEY = "call_backward_weight"
+
+
+@dataclass(frozen=True)
+class PipeCosts:
+    """Per-micro-batch time of each virtual stage of a pipe, and the point-to-point latency (ns)."""
+
+    forward_ns: tuple[int, ...]
+    backward_ns: tuple[int, ...]
+    latency_ns: int = 0
+    input_grad_fraction: float = 0.5
+
+    @classmethod
+    def uniform(cls, stages: int, forward_ns: int, backward_ns: int, latency_ns: int = 0,
+                input_grad_fraction: float = 0.5) -> "PipeCosts":
+        return cls((forward_ns,) * stages, (backward_ns,) * stages, latency_ns, input_grad_fraction)
+
+    def duration(self, op: Op, split: bool) -> int:
+        if op.kind == FORWARD:
+            return self.forward_ns[op.stage]
+        full = self.backward_ns[op.stage]
+        if not split:
+            return full
+        b = round(full * self.input_grad_fraction)
+        return b if op.kind == BACKWARD else full - b
+
+
+@dataclass(frozen=True)
+class Timed:
+    op: Op
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """When every operation of a pipeline step runs, per device in execution order."""
+
+    schedule: PipelineSchedule
+    devices: tuple[tuple[Timed, ...], ...]
+
+    @property
+    def makespan(self) -> int:
+        """From time 0 (the first forward) to the end of the last operation on any device."""
+        return max((t.end for ops in self.devices for t in ops), default=0)
+
+    def busy(self, device: int) -> int:
+        return sum(t.end - t.start for t in self.devices[device])
+
+    def idle(self, device: int) -> int:
+        """Idle time of one device within ``[0, makespan]``."""
+        return self.makespan - self.busy(device)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle device-time over all device-time of the step: ``sum_d idle_d / (p * makespan)``.
+
+        Time runs from the first forward (0) to the last operation of any device, on every device.
+        """
+        total = self.makespan * len(self.devices)
+        return sum(self.idle(d) for d in range(len(self.devices))) / total if total else 0.0
+
+
+def pipe_costs(model: CostModel, schedule: PipelineSchedule) -> PipeCosts:
+    fwd, bwd = model.stage_times_ns(schedule.virtual_stages, schedule.chunks)
+    return PipeCosts(fwd, bwd, round(model.latency_ms * NS_PER_MS), model.backward_input_fraction)
+
+
+def simulate(schedule: PipelineSchedule, costs: PipeCosts) -> SimResult:
+    """Run the schedule's order on the cost model; raise if the order can deadlock."""
+    if len(costs.forward_ns) < schedule.virtual_stages or len(costs.backward_ns) < schedule.virtual_stages:
+        raise InputError(None, f"costs cover {len(costs.forward_ns)} stages, the schedule has {schedule.virtual_stages}")
+    p = schedule.stages
+    ends: dict[tuple[str, int, int, int], tuple[int, int]] = {}  # key -> (end, device)
+    pos = [0] * p
+    free = [0] * p
+    out: list[list[Timed]] = [[] for _ in range(p)]
+    remaining = sum(len(ops) for ops in schedule.devices)
+    while remaining:
+        progressed = False
+        for d in range(p):
+            ops = schedule.devices[d]
+            while pos[d] < len(ops):
+                op = ops[pos[d]]
+                ready = free[d]
+                blocked = False
+                for dep in schedule.dependencies(op):
+                    got = ends.get(dep.key())
+                    if got is None:
+                        blocked = True
+                        break
+                    end, dev = got
+                    ready = max(ready, end + (costs.latency_ns if dev != d else 0))
+                if blocked:
+                    break
+                end = ready + costs.duration(op, schedule.split_backward)
+                ends[op.key()] = (end, d)
+                out[d].append(Timed(op, ready, end))
+                free[d] = end
+                pos[d] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            waiting = [f"device {d} at {schedule.devices[d][pos[d]]}" for d in range(p) if pos[d] < len(schedule.devices[d])]
+            raise InputError(None, f"schedule '{schedule.name}' deadlocks: {'; '.join(waiting[:3])}")
+    return SimResult(schedule, tuple(tuple(x) for x in out))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timelines
+
+
+@dataclass(frozen=True)
+class LayerCopy:
+    """One copy of a transformer layer on a node: which layer, which pipe, how many micro-batches."""
+
+    layer: int
+    up_pipe: bool
+    micro_batches: int
+
+
+def node_layers(model: CostModel, schedule: PipelineSchedule) -> list[list[LayerCopy]]:
+    """The layer copies each node holds: its chunks' layers (down pipe), then its up-pipe stage's layers."""
+    S = schedule.virtual_stages
+    per_pipe = [sum(1 for op in ops if op.kind == FORWARD and op.pipe == pipe and op.stage == 0)
+                for pipe in (DOWN, UP) for ops in schedule.devices[:1]]
+    down_mb = sum(1 for ops in schedule.devices for op in ops if op.kind == FORWARD and op.pipe == DOWN and op.stage == 0)
+    up_mb = sum(1 for ops in schedule.devices for op in ops if op.kind == FORWARD and op.pipe == UP and op.stage == 0)
+    del per_pipe
+    out: list[list[LayerCopy]] = []
+    for d in range(schedule.stages):
+        copies = [LayerCopy(layer, False, down_mb)
+                  for c in range(schedule.chunks) for layer in model.stage_layers(c * schedule.stages + d, S)]
+        if up_mb:
+            copies += [LayerCopy(layer, True, up_mb) for layer in model.stage_layers(schedule.stages - 1 - d, S)]
+        out.append(copies)
+    return out
+
+
+def _pipeline_keys(result: SimResult, device: int) -> dict[str, list[tuple[int, int]]]:
+    entries: dict[str, list[tuple[int, int]]] = {"call_forward": [], "call_backward": []}
+    ops = result.devices[device]
+    i = 0
+    while i < len(ops):
+        t = ops[i]
+        suffix = ":up_pipe" if t.op.pipe == UP else ""
+        if t.op.kind == FORWARD:
+            entries.setdefault("call_forward" + suffix, []).append((t.start, t.end))
+        elif t.op.kind == BACKWARD:
+            end = t.end
+            nxt = ops[i + 1] if i + 1 < len(ops) else None
+            if nxt is not None and nxt.op.kind == WEIGHT and nxt.op.micro_batch == t.op.micro_batch \
+                    and nxt.op.stage == t.op.stage and nxt.op.pipe == t.op.pipe:
+                end = nxt.end  # W right after its own B: one backward interval
+                i += 1
+            entries.setdefault("call_backward" + suffix, []).append((t.start, end))
+        else:
+            entries.setdefault(WEIGHT_KEY, []).append((t.start, t.end))
+        i += 1
+    return entries
+
+
+def _ns(ms: float) -> int:
+    return round(ms * NS_PER_MS)
+
+
+def timelines_from_result(result: SimResult, model: CostModel) -> Timelines:
+    """Per-node profiled timelines: the simulated pipeline, then naive K-FAC, one step."""
+    modules: Sequence[ModuleCost] = model.module_costs()
+    layers = node_layers(model, result.schedule)
+    out: Timelines = []
+    for d in range(result.schedule.stages):
+        entries = _pipeline_keys(result, d)
+        t = max((x.end for x in result.devices[d]), default=0)
+        names: list[tuple[str, ModuleCost, LayerCopy]] = []
+        for copy in layers[d]:
+            for m in modules:
+                name = model.module_template.format(layer=copy.layer, module=m.name)
+                names.append((name + (":up_pipe" if copy.up_pipe else ""), m, copy))
+        has_sync = any(m.sync_A_ms > 0 or m.sync_B_ms > 0 for m in modules)
+        phases: list[tuple[str, str]] = [("cov_kron_A", "cov_A_ms"), ("cov_kron_B", "cov_B_ms")]
+        later = ([("sync_kron_A", "sync_A_ms"), ("sync_kron_B", "sync_B_ms")] if has_sync else []) + \
+            [("inv_kron_A", "inv_A_ms"), ("inv_kron_B", "inv_B_ms")]
+        for name, m, copy in names:  # covariance of every module, right after the pipeline
+            for kind, attr in phases:
+                dur = _ns(getattr(m, attr)) * copy.micro_batches
+                entries[f"{kind}:{name}"] = [(t, t + dur)]
+                t += dur
+        for group in (later[:-2], later[-2:]):  # then every all-reduce, then every inverse
+            for name, m, copy in names:
+                for kind, attr in group:
+                    dur = _ns(getattr(m, attr))
+                    entries[f"{kind}:{name}"] = [(t, t + dur)]
+                    t += dur
+        entries["start_end"] = [(0, t)]
+        out.append(entries)
+    return out
+
+
+def simulate_timelines(
+    model: CostModel,
+    schedule: str | None = None,
+    stages: int | None = None,
+    micro_batches: int | None = None,
+    chunks: int | None = None,
+) -> tuple[Timelines, SimResult]:
+    """Simulate ``model`` (its own settings, overridden by the arguments); returns timelines and times."""
+    model = model.replace(schedule=schedule, stages=stages, micro_batches=micro_batches, chunks=chunks)
+    sched = generate(model.schedule, model.stages, model.micro_batches, model.chunks)
+    result = simulate(sched, pipe_costs(model, sched))
+    return timelines_from_result(result, model), result
+
+
+def write_timelines(out_dir: str | os.PathLike[str], prefix: str, dicts: Timelines) -> list[str]:
+    """Write ``{prefix}_node{i}_timeline.pickle`` per node (atomically); returns the paths."""
+    from pipefisher.safe_io import dump_pickle_atomic
+
+    out_dir = os.fspath(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as err:
+        raise InputError(out_dir, f"cannot be created ({err.strerror or err})") from None
+    paths = []
+    for i, entries in enumerate(dicts):
+        path = os.path.join(out_dir, f"{prefix}_node{i}_timeline.pickle")
+        dump_pickle_atomic(path, entries)
+        paths.append(path)
+    return paths

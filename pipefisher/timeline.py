@@ -1,0 +1,268 @@
+"""Profiled timelines: one dict of intervals per pipeline node, loaded into a job on one clock.
+
+The file format is the one profiled PipeFisher-style runs write (a pickled
+``dict[str, list[tuple[start, end]]]`` per node). Loading does four things a policy should not care
+about: orders the files by node (natural sort), keeps only the last profiled step, shifts every time
+onto the job's shared time base, and checks the structure, so that bad input fails here with a clear
+message naming the file.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence, Union
+
+from pipefisher.errors import InputError
+from pipefisher.safe_io import load_json, load_pickle
+
+Time = Union[int, float]
+"""Integer nanoseconds (GPU profiles) or float seconds (CPU or hand-made profiles)."""
+
+FORWARD = "call_forward"
+BACKWARD = "call_backward"
+UP_PIPE = "up_pipe"
+STEP_KEY = "start_end"
+KFAC_KINDS = ("cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B", "inv_kron_A", "inv_kron_B")
+COV_KINDS = ("cov_kron_A", "cov_kron_B")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One profiled interval on the job clock. ``None`` means no kernel ran in it."""
+
+    start: Time | None
+    end: Time | None
+
+    @property
+    def duration(self) -> Time:
+        """Length, with a missing bound read as no time at all."""
+        if self.start is None or self.end is None:
+            return 0
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class TimelineKey:
+    """A parsed timeline key: ``<kind>[:<module>][:up_pipe]``."""
+
+    kind: str
+    module: str | None = None
+    up_pipe: bool = False
+
+    @classmethod
+    def parse(cls, key: str) -> "TimelineKey":
+        kind, _, rest = key.partition(":")
+        up = False
+        if rest == UP_PIPE:
+            rest, up = "", True
+        elif rest.endswith(":" + UP_PIPE):
+            rest, up = rest[: -len(UP_PIPE) - 1], True
+        return cls(kind, rest or None, up)
+
+    def __str__(self) -> str:
+        parts = [self.kind] + ([self.module] if self.module else []) + ([UP_PIPE] if self.up_pipe else [])
+        return ":".join(parts)
+
+    @property
+    def is_kfac(self) -> bool:
+        return self.kind in KFAC_KINDS
+
+    @property
+    def factor(self) -> str | None:
+        """``'A'`` or ``'B'`` for K-FAC keys, else ``None``."""
+        return self.kind[-1] if self.is_kfac else None
+
+    @property
+    def layer(self) -> tuple[str | None, bool]:
+        """The layer copy this work belongs to: (module, serves the up pipe)."""
+        return (self.module, self.up_pipe)
+
+
+@dataclass(frozen=True)
+class NodeTimeline:
+    """The last profiled step of one pipeline node, shifted onto the job's clock.
+
+    ``entries`` keeps the file's key order, which the ``compat`` policy depends on.
+    """
+
+    path: str
+    entries: Mapping[str, tuple[Interval, ...]]
+
+    def intervals(self, key: str) -> tuple[Interval, ...]:
+        return self.entries.get(key, ())
+
+    def forwards(self, up_pipe: bool = False) -> tuple[Interval, ...]:
+        return self.intervals(FORWARD + (":" + UP_PIPE if up_pipe else ""))
+
+    def backwards(self, up_pipe: bool = False) -> tuple[Interval, ...]:
+        return self.intervals(BACKWARD + (":" + UP_PIPE if up_pipe else ""))
+
+    def micro_batches(self, up_pipe: bool = False) -> int:
+        return len(self.forwards(up_pipe))
+
+    def kfac_keys(self) -> list[TimelineKey]:
+        """The K-FAC work keys of this node, in file order."""
+        return [k for k in (TimelineKey.parse(key) for key in self.entries) if k.is_kfac]
+
+    @property
+    def has_up_pipe(self) -> bool:
+        return bool(self.forwards(True))
+
+
+@dataclass(frozen=True)
+class Job:
+    """All nodes of one profiled job on one clock: time 0 is the pipeline's first forward."""
+
+    nodes: tuple[NodeTimeline, ...]
+    span: Time
+    """The pipeline time: from node 0's first forward to its last backward (either pipe)."""
+    origin: Time = 0
+    """The raw timestamp that became time 0."""
+    steps: int = 1
+    """How many steps node 0's file profiled (only the last one is kept)."""
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+
+_NATURAL_CHUNK = re.compile(r"(\d+)")
+
+
+def natural_key(path: str) -> list[Any]:
+    """Sort key that puts ``node2`` before ``node10``."""
+    return [int(c) if c.isdigit() else c for c in _NATURAL_CHUNK.split(os.fspath(path))]
+
+
+def _is_number(x: Any) -> bool:
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, (int, float)):
+        return True
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return False
+    return isinstance(x, (np.integer, np.floating))
+
+
+def _plain_number(x: Any) -> Time:
+    """numpy scalars become Python ints/floats so arithmetic behaves the same everywhere."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return x
+    return int(x) if getattr(x, "dtype", None) is not None and x.dtype.kind in "iu" else float(x)
+
+
+def _check_raw(path: str, raw: Any) -> dict[str, list[tuple[Time | None, Time | None]]]:
+    """Check the structure of one node's dict and return it with plain Python values."""
+    if not isinstance(raw, dict):
+        raise InputError(path, f"holds a {type(raw).__name__}, not a dict of interval lists")
+    out: dict[str, list[tuple[Time | None, Time | None]]] = {}
+    for key, values in raw.items():
+        if not isinstance(key, str):
+            raise InputError(path, f"has a key {key!r} that is not a string")
+        if not isinstance(values, (list, tuple)):
+            raise InputError(path, f"key '{key}' holds a {type(values).__name__}, not a list of intervals")
+        pairs = []
+        for i, pair in enumerate(values):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise InputError(path, f"key '{key}' interval {i} is not a (start, end) pair: {pair!r}")
+            for bound in pair:
+                if bound is not None and not _is_number(bound):
+                    raise InputError(
+                        path, f"key '{key}' interval {i} has a {type(bound).__name__} time, not a number or None"
+                    )
+            pairs.append(tuple(None if b is None else _plain_number(b) for b in pair))
+        out[key] = pairs  # type: ignore[assignment]
+    for key in (FORWARD, BACKWARD):
+        if key not in out:
+            raise InputError(path, f"has no '{key}' key: not a profiled pipeline timeline")
+    for suffix in ("", ":" + UP_PIPE):
+        nf, nb = len(out.get(FORWARD + suffix, ())), len(out.get(BACKWARD + suffix, ()))
+        if nf != nb:
+            raise InputError(path, f"has {nf} '{FORWARD + suffix}' but {nb} '{BACKWARD + suffix}' intervals")
+    if not out[FORWARD] and not out.get(FORWARD + ":" + UP_PIPE):
+        raise InputError(path, f"has no '{FORWARD}' intervals")
+    return out
+
+
+def _last_step(raw: dict[str, list[tuple[Any, Any]]]) -> tuple[dict[str, list[tuple[Any, Any]]], int]:
+    steps = len(raw.get(STEP_KEY, ())) or 1
+    if steps == 1:
+        return raw, 1
+    return {k: v[len(v) - len(v) // steps:] for k, v in raw.items()}, steps
+
+
+def read_node_file(path: str | os.PathLike[str]) -> dict[str, list[tuple[Time | None, Time | None]]]:
+    """Read and check one node file (pickle, or JSON with the same structure); last step only."""
+    path = os.fspath(path)
+    raw = load_json(path) if path.endswith(".json") else load_pickle(path)
+    checked, _ = _last_step(_check_raw(path, raw))
+    return checked
+
+
+def _first_start(intervals: Sequence[tuple[Any, Any]]) -> Any:
+    return intervals[0][0] if intervals else None
+
+
+def _last_end(intervals: Sequence[tuple[Any, Any]]) -> Any:
+    return intervals[-1][1] if intervals else None
+
+
+def job_from_dicts(raws: Sequence[Mapping[str, Sequence[tuple[Any, Any]]]], paths: Sequence[str] | None = None) -> Job:
+    """Build a job from per-node dicts (already in node order), checking them like files."""
+    paths = list(paths) if paths is not None else [f"<node{i}>" for i in range(len(raws))]
+    if not raws:
+        raise InputError(None, "no timeline files given")
+    checked = []
+    steps0 = 1
+    for i, (path, raw) in enumerate(zip(paths, raws)):
+        last, steps = _last_step(_check_raw(path, dict(raw) if not isinstance(raw, dict) else raw))
+        if i == 0:
+            steps0 = steps
+        checked.append(last)
+
+    node0, path0 = checked[0], paths[0]
+    starts = [t for t in (_first_start(node0.get(FORWARD, ())), _first_start(node0.get(FORWARD + ":" + UP_PIPE, ())))
+              if t is not None]
+    ends = [t for t in (_last_end(node0.get(BACKWARD, ())), _last_end(node0.get(BACKWARD + ":" + UP_PIPE, ())))
+            if t is not None]
+    if not starts:
+        raise InputError(path0, "node 0's first forward has no start time, so the job has no time base")
+    if not ends:
+        raise InputError(path0, "node 0's last backward has no end time, so the job has no pipeline span")
+    origin = min(starts)
+    span = max(ends) - origin
+
+    def shift(t: Any) -> Any:
+        return None if t is None else t - origin
+
+    nodes = tuple(
+        NodeTimeline(path, {k: tuple(Interval(shift(s), shift(e)) for s, e in v) for k, v in raw.items()})
+        for path, raw in zip(paths, checked)
+    )
+    return Job(nodes=nodes, span=span, origin=origin, steps=steps0)
+
+
+def expand_paths(paths: Iterable[str]) -> list[str]:
+    """Accept the published script's comma-separated lists as well as separate arguments."""
+    out: list[str] = []
+    for p in paths:
+        out.extend(part for part in str(p).split(",") if part)
+    return out
+
+
+def load_job(paths: Iterable[str | os.PathLike[str]]) -> Job:
+    """Load one node file per pipeline node; the natural sort of the paths gives the node order."""
+    ordered = sorted(expand_paths(os.fspath(p) for p in paths), key=natural_key)
+    if not ordered:
+        raise InputError(None, "no timeline files given")
+    raws = []
+    for path in ordered:
+        raw = load_json(path) if path.endswith(".json") else load_pickle(path)
+        raws.append(raw if isinstance(raw, dict) else _check_raw(path, raw))
+    return job_from_dicts(raws, ordered)
+

@@ -1,0 +1,51 @@
+"""Shared fixtures: the published tool's test vectors and small hand-made jobs."""
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+DATA = Path(__file__).parent / "data"
+COMPAT_CASES = sorted(p for p in (DATA / "compat").iterdir() if p.is_dir())
+
+
+def case_timelines(case: Path) -> list[str]:
+    return sorted(str(p) for p in case.glob("job_node*_timeline.pickle"))
+
+
+@pytest.fixture
+def write_pickle(tmp_path: Path) -> Callable[[str, Any], str]:
+    """Write ``obj`` as a pickle named ``name`` in a temp folder and return its path."""
+
+    def write(name: str, obj: Any) -> str:
+        path = tmp_path / name
+        path.write_bytes(pickle.dumps(obj))
+        return str(path)
+
+    return write
+
+
+def small_node(offset: int = 0, m: int = 2, module: str = "layer.0") -> dict[str, list[tuple[int, int]]]:
+    """A hand-made node: m forwards, m backwards with gaps, and one layer's K-FAC work."""
+    t = offset
+    d: dict[str, list[tuple[int, int]]] = {"start_end": [], "call_forward": [], "call_backward": []}
+    for _ in range(m):
+        d["call_forward"].append((t, t + 100))
+        t += 150
+    for _ in range(m):
+        d["call_backward"].append((t, t + 200))
+        t += 300
+    for kind in ("cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B", "inv_kron_A", "inv_kron_B"):
+        d[f"{kind}:{module}"] = [(t, t + 20)]
+        t += 20
+    d["start_end"] = [(offset, t)]
+    return d
+
+
+@pytest.fixture
+def small_job(write_pickle: Callable[[str, Any], str]) -> list[str]:
+    """Two nodes of a tiny job, written as pickles."""
+    return [write_pickle(f"run_node{i}_timeline.pickle", small_node(offset=i * 50, module=f"layer.{i}"))
+            for i in range(2)]

@@ -1,0 +1,142 @@
+"""``pipefisher schedule``, ``pipefisher validate`` and ``scripts/auto_schedule.py`` as a user runs them."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import COMPAT_CASES, case_timelines, small_node
+from pipefisher.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+CASE = COMPAT_CASES[1]  # case_02: two nodes, two iterations on node 1
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_schedule_prints_the_published_lines_and_writes_the_file(tmp_path) -> None:
+    out = tmp_path / "schedule.pickle"
+    result = run("schedule", *case_timelines(CASE), "--policy", "compat", "--save-path", str(out))
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == (CASE / "expected_report.txt").read_text().splitlines()
+    assert pickle.loads(out.read_bytes()) == pickle.loads((CASE / "expected_schedule.pickle").read_bytes())
+
+
+def test_json_report_holds_the_figures(tmp_path) -> None:
+    report = tmp_path / "report.json"
+    result = run("schedule", *case_timelines(CASE), "--policy", "compat", "--json", str(report))
+    assert result.exit_code == 0
+    data = json.loads(report.read_text())
+    assert data["policy"] == "compat" and data["time_unit"] == "nanoseconds"
+    node1 = data["nodes"][1]
+    assert node1["iterations"] == 2 and node1["usage_percent"] == pytest.approx(74.93, abs=0.005)
+    for key in ("pipeline_busy_time", "kfac_placed_time", "bubble_time_left", "cycle_time"):
+        assert key in node1
+
+
+def test_print_workloads_lists_items_and_bubbles() -> None:
+    result = run("schedule", *case_timelines(CASE), "--policy", "compat", "--print-workloads")
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert lines[0].startswith("node0: ")
+    assert any(line.strip().startswith("(bubble)") for line in lines)
+    assert any("cov_kron_A:encoder.layer.0.m0" in line and "duration=" in line for line in lines)
+
+
+def test_validate_exits_1_with_every_violation_and_0_when_clean(tmp_path) -> None:
+    bad = COMPAT_CASES[0]  # case_01: the published tool broke rules there
+    result = run("validate", "--schedule", str(bad / "expected_schedule.pickle"), *case_timelines(bad))
+    assert result.exit_code == 1
+    assert "cov-before-backward" in result.output
+    assert result.output.count("\n") >= 16
+    good = COMPAT_CASES[4]  # case_05 is dependency-correct
+    result = run("validate", "--schedule", str(good / "expected_schedule.pickle"), *case_timelines(good))
+    assert result.exit_code == 0 and "no violations" in result.output
+
+
+def test_auto_schedule_script_takes_comma_separated_paths(tmp_path) -> None:
+    out = tmp_path / "s.pickle"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "auto_schedule.py"), ",".join(case_timelines(CASE)),
+         "--save_path", str(out), "--policy", "compat"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == (CASE / "expected_report.txt").read_text().splitlines()
+    assert pickle.loads(out.read_bytes()) == pickle.loads((CASE / "expected_schedule.pickle").read_bytes())
+
+
+class Evil:
+    def __reduce__(self):  # noqa: D105
+        return (os.system, ("echo pwned",))
+
+
+def _bad_inputs(tmp_path: Path) -> list[tuple[str, str]]:
+    """(path, expected message) for each kind of bad input the issue names."""
+    def write(name: str, data: bytes) -> str:
+        p = tmp_path / name
+        p.write_bytes(data)
+        return str(p)
+
+    good = pickle.dumps(small_node())
+    no_fwd = small_node(); no_fwd.pop("call_forward")
+    no_bwd = small_node(); no_bwd.pop("call_backward")
+    counts = small_node(); counts["call_backward"].pop()
+    pairs = small_node(); pairs["call_forward"][1] = (1, 2, 3)
+    types = small_node(); types["cov_kron_A:layer.0"] = [("a", "b")]
+    (tmp_path / "folder.pickle").mkdir()
+    return [
+        (str(tmp_path / "missing.pickle"), "no such file"),
+        (str(tmp_path / "folder.pickle"), "is a directory, not a file"),
+        (write("truncated.pickle", good[: len(good) // 2]), "truncated or not a pickle|not a valid pickle"),
+        (write("text.pickle", b"just some text\n"), "not a valid pickle|truncated or not a pickle"),
+        (write("evil.pickle", pickle.dumps({"call_forward": Evil()})), "refused: the pickle refers to"),
+        (write("nofwd.pickle", pickle.dumps(no_fwd)), "has no 'call_forward' key"),
+        (write("nobwd.pickle", pickle.dumps(no_bwd)), "has no 'call_backward' key"),
+        (write("counts.pickle", pickle.dumps(counts)), "has 2 'call_forward' but 1 'call_backward'"),
+        (write("pairs.pickle", pickle.dumps(pairs)), "is not a \\(start, end\\) pair"),
+        (write("types.pickle", pickle.dumps(types)), "has a str time, not a number or None"),
+    ]
+
+
+def test_every_bad_input_is_one_line_exit_2_and_leaves_the_old_schedule(tmp_path) -> None:
+    out = tmp_path / "schedule.pickle"
+    out.write_bytes(b"old contents")
+    for path, message in _bad_inputs(tmp_path):
+        result = subprocess.run(
+            [sys.executable, "-m", "pipefisher", "schedule", path, "--save-path", str(out), "--json",
+             str(tmp_path / "r.json")], capture_output=True, text=True, check=False, cwd=ROOT)
+        assert result.returncode == 2, (path, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+        assert lines[0].startswith(f"error: {path}: ")
+        import re
+        assert re.search(message, lines[0]), (message, lines[0])
+        assert out.read_bytes() == b"old contents"
+        assert not (tmp_path / "r.json").exists()
+
+
+def test_unknown_policy_and_unwritable_output_are_clear(tmp_path) -> None:
+    result = run("schedule", *case_timelines(CASE), "--policy", "nope")
+    assert result.exit_code == 2 and "unknown policy 'nope' (known: " in result.output
+    result = run("schedule", *case_timelines(CASE), "--save-path", str(tmp_path / "no" / "s.pickle"))
+    assert result.exit_code == 2 and "cannot be written: its folder does not exist" in result.output
+
+
+def test_validate_refuses_a_schedule_of_another_job(tmp_path) -> None:
+    other = COMPAT_CASES[0]  # 8 nodes, CASE has 2
+    result = run("validate", "--schedule", str(other / "expected_schedule.pickle"), *case_timelines(CASE))
+    assert result.exit_code == 2 and "has 8 node schedules but the job has 2 timelines" in result.output
+
+
+def test_scheduling_path_imports_no_torch_and_no_matplotlib() -> None:
+    code = "import sys, pipefisher.cli, pipefisher.policies, pipefisher.report, pipefisher.schedule; " \
+           "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib')))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert result.stdout.strip() == "[]"

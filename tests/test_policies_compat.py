@@ -1,0 +1,59 @@
+"""The ``compat`` policy reproduces the published packer: every vector, and the literal transcription."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from conftest import COMPAT_CASES, case_timelines, small_node
+from pipefisher.policies import get_policy
+from pipefisher.policies.compat_reference import ref_pack_job
+from pipefisher.report import usage_lines
+from pipefisher.sim.random_jobs import random_raw_job
+from pipefisher.timeline import job_from_dicts, load_job
+
+
+@pytest.mark.parametrize("case", COMPAT_CASES, ids=lambda p: p.name)
+def test_compat_matches_the_published_tool_label_for_label(case) -> None:
+    schedule = get_policy("compat").pack(load_job(case_timelines(case)))
+    expected = pickle.loads((case / "expected_schedule.pickle").read_bytes())
+    assert schedule.to_file_data() == expected
+    assert usage_lines(schedule) == (case / "expected_report.txt").read_text().splitlines()
+
+
+@pytest.mark.parametrize("case", COMPAT_CASES, ids=lambda p: p.name)
+def test_reference_transcription_matches_the_published_tool(case) -> None:
+    schedules, lines = ref_pack_job(load_job(case_timelines(case)))
+    assert schedules == pickle.loads((case / "expected_schedule.pickle").read_bytes())
+    assert lines == (case / "expected_report.txt").read_text().splitlines()
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_fast_compat_equals_the_literal_transcription_on_random_jobs(chunk: int) -> None:
+    # Odd shapes on purpose: float seconds, bare and up-pipe keys, None times, several steps.
+    policy = get_policy("compat")
+    for seed in range(chunk * 150, (chunk + 1) * 150):
+        job = job_from_dicts(random_raw_job(seed))
+        schedules, lines = ref_pack_job(job)
+        packed = policy.pack(job)
+        assert packed.to_file_data() == schedules, f"seed {seed}"
+        assert usage_lines(packed) == lines, f"seed {seed}"
+
+
+def test_float_seconds_floor_covariance_pieces_to_nothing() -> None:
+    # A known flaw kept on purpose: (e - s) // n on seconds is 0.0, so pieces have no length.
+    d = {k: [(s / 1e9, e / 1e9) for s, e in v] for k, v in small_node().items()}
+    node = get_policy("compat").pack(job_from_dicts([d])).nodes[0]
+    pieces = [p for p in node.placements if p.label.startswith("cov_kron")]
+    assert len(pieces) == 4 and all(p.duration == 0 for p in pieces)
+
+
+def test_figures_break_usage_down() -> None:
+    job = job_from_dicts([small_node()])
+    f = get_policy("compat").pack(job).nodes[0].figures
+    assert f.iterations == 1
+    assert f.pipeline_busy == 2 * 100 + 2 * 200
+    assert f.kfac_placed == 6 * 20
+    assert f.cycle_time == job.span
+    assert f.bubble_left == job.span - f.pipeline_busy - f.kfac_placed
+    assert f.usage == pytest.approx((f.pipeline_busy + f.kfac_placed) / job.span * 100)

@@ -1,0 +1,109 @@
+"""Schedule files and the dependency rules ``validate`` checks."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from conftest import COMPAT_CASES, case_timelines, small_node
+from pipefisher.errors import InputError
+from pipefisher.schedule import load_schedule, save_schedule, validate
+from pipefisher.timeline import job_from_dicts, load_job
+
+M = "layer.0"
+GOOD = [[
+    "-- start --", "call_forward", f"cov_kron_A:{M}", "call_forward", f"cov_kron_A:{M}",
+    "call_backward", f"cov_kron_B:{M}", "call_backward", f"cov_kron_B:{M}",
+    f"sync_kron_A:{M}", f"inv_kron_A:{M}", f"sync_kron_B:{M}", "-- end --", "turn_off_save_inputs_outgrads",
+], [
+    "-- start --", "call_forward", "call_forward", f"inv_kron_B:{M}", "call_backward", "call_backward",
+    "-- end --", "turn_on_save_inputs_outgrads",
+]]
+
+
+@pytest.fixture
+def job():
+    return job_from_dicts([small_node(module=M)])
+
+
+def rules(schedule, job) -> list[str]:
+    return [v.rule for v in validate([schedule], job)]
+
+
+def test_a_dependency_correct_two_iteration_cycle_passes(job) -> None:
+    assert validate([GOOD], job) == []
+
+
+def test_covariance_before_its_forward_or_backward_is_caught(job) -> None:
+    s = copy.deepcopy(GOOD)
+    s[0][1:9] = [
+        f"cov_kron_A:{M}", "call_forward", "call_forward", f"cov_kron_A:{M}",  # piece 0 before forward 0
+        "call_backward", f"cov_kron_B:{M}", f"cov_kron_B:{M}", "call_backward",  # piece 1 before backward 1
+    ]
+    got = validate([s], job)
+    assert [v.rule for v in got] == ["cov-before-forward", "cov-before-backward"]
+    assert str(got[0]) == (f"node0 iteration 0: cov_kron_A:{M}: cov-before-forward: "
+                           "piece 0 needs forward 0 of the first iteration, which has not run yet")
+
+
+def test_sync_before_all_pieces_and_inverse_before_sync_are_caught(job) -> None:
+    s = copy.deepcopy(GOOD)
+    s[0].remove(f"sync_kron_A:{M}")
+    s[0].insert(3, f"sync_kron_A:{M}")
+    assert rules(s, job) == ["sync-before-cov"]
+    s = copy.deepcopy(GOOD)
+    s[0].remove(f"inv_kron_A:{M}")
+    s[0].insert(9, f"inv_kron_A:{M}")
+    assert rules(s, job) == ["inv-before-sync"]
+
+
+def test_inverse_without_sync_waits_for_all_pieces() -> None:
+    d = small_node(module=M)
+    del d[f"sync_kron_A:{M}"], d[f"sync_kron_B:{M}"]
+    job = job_from_dicts([d])
+    s = copy.deepcopy(GOOD)
+    s[0].remove(f"sync_kron_A:{M}")
+    s[0].remove(f"sync_kron_B:{M}")
+    assert validate([s], job) == []
+    s[0].remove(f"inv_kron_A:{M}")
+    s[0].insert(4, f"inv_kron_A:{M}")
+    assert rules(s, job) == ["inv-before-cov"]
+
+
+def test_counts_markers_and_unknown_labels(job) -> None:
+    s = copy.deepcopy(GOOD)
+    s[1].remove(f"inv_kron_B:{M}")        # work missing
+    s[1].append("cov_kron_A:layer.9")      # a module this node does not have
+    s[1].remove("call_forward")            # an iteration without its whole pipeline step
+    s[0].remove("turn_off_save_inputs_outgrads")
+    got = {v.rule for v in validate([s], job)}
+    assert got == {"work-count", "unknown-label", "pipeline-count", "save-off", "save-on"}
+
+
+def test_collapsed_queue_is_a_count_violation(job) -> None:
+    s = copy.deepcopy(GOOD)
+    s[0] = [x for x in s[0] if x != f"cov_kron_A:{M}"]
+    s[0].insert(-3, f"cov_kron_A:{M}")     # one label where two pieces are due
+    got = [v for v in validate([s], job) if v.rule == "work-count"]
+    assert len(got) == 1 and "appears 1 pieces in the cycle, the timeline asks for 2" in str(got[0])
+
+
+def test_published_outputs_validate_only_where_the_published_tool_was_right() -> None:
+    valid = {case.name: validate(load_schedule(case / "expected_schedule.pickle"), load_job(case_timelines(case))) == []
+             for case in COMPAT_CASES}
+    assert valid["case_05"] is True
+    assert valid["case_01"] is False  # re-walking iteration 0 put a cov_kron_B piece before any backward
+
+
+def test_schedule_files_round_trip_and_are_checked(tmp_path) -> None:
+    path = tmp_path / "s.pickle"
+    save_schedule(path, [GOOD])
+    assert load_schedule(path) == [GOOD]
+    (tmp_path / "bad.pickle").write_bytes(__import__("pickle").dumps([[["ok"], "oops"]]))
+    with pytest.raises(InputError, match="node 0 iteration 1 is not a list of label strings"):
+        load_schedule(tmp_path / "bad.pickle")
+
+
+def test_node_count_mismatch_is_an_input_error(job) -> None:
+    with pytest.raises(InputError, match="has 2 node schedules but the job has 1 timelines"):
+        validate([GOOD, GOOD], job, "s.pickle")

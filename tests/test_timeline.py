@@ -1,0 +1,114 @@
+"""Loading profiled timelines: order, last step, shared clock, value types, and bad input."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import small_node
+from pipefisher.errors import InputError
+from pipefisher.timeline import Interval, TimelineKey, expand_paths, job_from_dicts, load_job, natural_key
+
+
+def test_natural_sort_puts_node2_before_node10(write_pickle) -> None:
+    paths = [write_pickle(f"run_node{i}_timeline.pickle", small_node(offset=i)) for i in (10, 2, 1)]
+    job = load_job(paths)
+    assert [n.path.rsplit("/", 1)[1] for n in job.nodes] == [
+        "run_node1_timeline.pickle", "run_node2_timeline.pickle", "run_node10_timeline.pickle"]
+    assert sorted(["a10", "a9", "a1"], key=natural_key) == ["a1", "a9", "a10"]
+
+
+def test_comma_separated_paths_are_split() -> None:
+    assert expand_paths(["a.pickle,b.pickle", "c.pickle"]) == ["a.pickle", "b.pickle", "c.pickle"]
+
+
+def test_time_zero_is_node0_first_forward_and_span_its_last_backward() -> None:
+    job = job_from_dicts([small_node(offset=1000), small_node(offset=1050)])
+    assert job.origin == 1000
+    node0 = job.nodes[0]
+    assert node0.forwards()[0].start == 0
+    assert job.span == node0.backwards()[-1].end
+    assert job.nodes[1].forwards()[0].start == 50
+
+
+def test_up_pipe_can_start_the_clock_and_end_the_span() -> None:
+    d = small_node(offset=1000)
+    d["call_forward:up_pipe"] = [(900, 950)]
+    d["call_backward:up_pipe"] = [(5000, 5100)]
+    job = job_from_dicts([d])
+    assert job.origin == 900
+    assert job.span == 5100 - 900
+
+
+def test_only_the_last_profiled_step_is_kept() -> None:
+    one = small_node(offset=0)
+    two = small_node(offset=10_000)
+    both = {k: one[k] + two[k] for k in one}
+    job = job_from_dicts([both])
+    assert job.steps == 2
+    assert len(job.nodes[0].forwards()) == 2
+    assert job.origin == 10_000  # the clock starts at the kept step's first forward
+
+
+def test_numpy_scalars_become_python_numbers_and_floats_stay_floats() -> None:
+    d = small_node()
+    d["call_forward"] = [(np.int64(s), np.int64(e)) for s, e in d["call_forward"]]
+    job = job_from_dicts([d])
+    assert type(job.nodes[0].forwards()[0].end) is int
+    f = {k: [(s / 1e9, e / 1e9) for s, e in v] for k, v in small_node().items()}
+    assert isinstance(job_from_dicts([f]).span, float)
+
+
+def test_none_times_are_kept_and_count_as_no_work() -> None:
+    d = small_node()
+    d["inv_kron_A:layer.0"] = [(None, None)]
+    iv = job_from_dicts([d]).nodes[0].intervals("inv_kron_A:layer.0")[0]
+    assert iv == Interval(None, None) and iv.duration == 0
+
+
+@pytest.mark.parametrize("key, parsed", [
+    ("cov_kron_A", TimelineKey("cov_kron_A")),
+    ("cov_kron_B:encoder.layer.0.attention.self.query", TimelineKey("cov_kron_B", "encoder.layer.0.attention.self.query")),
+    ("inv_kron_A:enc.l3:up_pipe", TimelineKey("inv_kron_A", "enc.l3", True)),
+    ("call_forward:up_pipe", TimelineKey("call_forward", None, True)),
+])
+def test_keys_parse_with_and_without_module_and_pipe(key: str, parsed: TimelineKey) -> None:
+    assert TimelineKey.parse(key) == parsed
+    assert str(parsed) == key
+
+
+def test_json_timelines_load_like_pickles(tmp_path) -> None:
+    path = tmp_path / "run_node0_timeline.json"
+    path.write_text(json.dumps(small_node()))
+    job = load_job([str(path)])
+    assert job.nodes[0].micro_batches() == 2
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.pop("call_forward"), "has no 'call_forward' key"),
+    (lambda d: d.pop("call_backward"), "has no 'call_backward' key"),
+    (lambda d: d["call_backward"].pop(), "has 2 'call_forward' but 1 'call_backward' intervals"),
+    (lambda d: d.__setitem__("cov_kron_A:layer.0", [(1, 2, 3)]), "interval 0 is not a \\(start, end\\) pair"),
+    (lambda d: d.__setitem__("cov_kron_A:layer.0", [(1, "2")]), "has a str time, not a number or None"),
+    (lambda d: d.__setitem__("cov_kron_A:layer.0", 5), "holds a int, not a list of intervals"),
+    (lambda d: d.__setitem__("call_forward", [(None, 1), (2, 3)]), "node 0's first forward has no start time"),
+])
+def test_bad_structure_names_the_file_and_the_problem(write_pickle, mutate, message) -> None:
+    d = small_node()
+    mutate(d)
+    path = write_pickle("bad_node0_timeline.pickle", d)
+    with pytest.raises(InputError, match=message) as err:
+        load_job([path])
+    assert str(err.value).startswith(path + ": ")
+
+
+def test_a_pickle_that_is_not_a_dict_is_refused(write_pickle) -> None:
+    path = write_pickle("list_node0.pickle", [1, 2])
+    with pytest.raises(InputError, match="holds a list, not a dict"):
+        load_job([path])
+
+
+def test_no_files_is_an_error() -> None:
+    with pytest.raises(InputError, match="no timeline files"):
+        load_job([])
