@@ -140,3 +140,12 @@ def test_scheduling_path_imports_no_torch_and_no_matplotlib() -> None:
            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib')))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert result.stdout.strip() == "[]"
+
+
+def test_no_paths_packs_the_bundled_example(tmp_path) -> None:
+    out = tmp_path / "s.pickle"
+    result = run("schedule", "--policy", "compat", "--save-path", str(out))
+    assert result.exit_code == 0, result.output
+    assert "packing the bundled example, 4 nodes" in result.output
+    assert len([line for line in result.output.splitlines() if line.startswith("node")]) == 4
+    assert len(pickle.loads(out.read_bytes())) == 4

@@ -7,8 +7,9 @@ the figures a report prints.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import lru_cache
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence
+from typing import ClassVar, NamedTuple, Sequence
 
 from pipefisher.timeline import BACKWARD, FORWARD, KFAC_KINDS, Job, Time, TimelineKey
 
@@ -19,6 +20,7 @@ SAVE_ON = "turn_on_save_inputs_outgrads"
 MARKERS = (START, END, SAVE_OFF, SAVE_ON)
 
 
+@lru_cache(maxsize=4096)
 def label_category(label: str) -> str:
     """``'forward'``, ``'backward'``, ``'marker'``, or the K-FAC kind (``'cov_kron_A'``, ...)."""
     if label in MARKERS:
@@ -31,8 +33,7 @@ def label_category(label: str) -> str:
     return kind if kind in KFAC_KINDS else "other"
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     """One label of a schedule, placed in time. ``start``/``end`` are relative to its iteration."""
 
     label: str

@@ -180,6 +180,7 @@ def _fill(state: _State, base: Sequence[Slot], nf: int, nb: int, pieces: int) ->
     """Pack work into the gaps between consecutive entries of ``base``; see the spec's ``fill``."""
     items = state.items
     queues = state.queues
+    tree = state.tree
     out: list[Slot] = [base[0]]
     prev = base[0]
     for p in queues:  # queue gates depend on the counts this fill starts with
@@ -197,7 +198,7 @@ def _fill(state: _State, base: Sequence[Slot], nf: int, nb: int, pieces: int) ->
                 for p in queues:
                     state.refresh(p, nf, nb)
         t, limit = prev[2], nxt[1]
-        while True:  # passes, until one places nothing
+        while t + tree[1] < limit:  # passes, until one places nothing; tree[1]: least room needed
             placed = False
             cur = state.first_fit(0, t, limit)
             while cur >= 0:

@@ -72,10 +72,14 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
     """Run ``nproc`` workers as child processes; raise :class:`WorkerFailed` if any of them fails."""
     from pipefisher.runtime.dist import free_port
 
+    from pipefisher.runtime.trainer import PROGRESS_ENV, PROGRESS_MARK
+
     port = free_port()
     spec = encode_spec(cfg, opts)
+    bar = _RelayBar(opts.steps, echo) if opts.progress else None
+    lock = threading.Lock()
     procs = [subprocess.Popen([sys.executable, "-m", "pipefisher.runtime.worker", "--spec", spec],
-                              env=worker_env(r, nproc, port), stdout=subprocess.PIPE,
+                              env={**worker_env(r, nproc, port), PROGRESS_ENV: "1"}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, bufsize=1)
              for r in range(nproc)]
     tails: list[list[str]] = [[] for _ in procs]
@@ -83,8 +87,16 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
     def relay(r: int, p: subprocess.Popen) -> None:
         assert p.stdout is not None
         for line in p.stdout:
-            tails[r] = (tails[r] + [line.rstrip("\n")])[-20:]
-            echo(line.rstrip("\n"))
+            line = line.rstrip("\n")
+            with lock:
+                if line.startswith(PROGRESS_MARK):
+                    if bar is not None:
+                        bar.advance()
+                    continue
+                tails[r] = (tails[r] + [line])[-20:]
+                if bar is not None:
+                    bar.clear()
+                echo(line)
 
     threads = [threading.Thread(target=relay, args=(r, p), daemon=True) for r, p in enumerate(procs)]
     for t in threads:
@@ -112,6 +124,8 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
                 p.wait()
         for t in threads:
             t.join(timeout=2)
+        if bar is not None:
+            bar.clear()
     if failed is None:
         bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
         failed = bad[0] if bad else None
@@ -120,6 +134,31 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
         last = next((ln for ln in reversed(tails[r]) if ln.strip()), "")
         raise WorkerFailed(f"worker rank {r} of {nproc} exited with code {code}"
                            + (f": {last.strip()}" if last else "") + "; the other workers were stopped")
+
+
+class _RelayBar:
+    """A one-line progress bar over steps, drawn by the launcher from the reporting worker's marks.
+
+    On a terminal it is redrawn in place (and wiped before other output); elsewhere it stays silent,
+    since the loss lines already show progress.
+    """
+
+    def __init__(self, total: int, echo: Callable[[str], None]) -> None:
+        self.total, self.done, self.echo = total, 0, echo
+        self.tty = sys.stdout.isatty()
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.tty:
+            width = 30
+            fill = int(width * self.done / max(1, self.total))
+            sys.stdout.write(f"\rtraining [{'#' * fill}{'-' * (width - fill)}] {self.done}/{self.total}")
+            sys.stdout.flush()
+
+    def clear(self) -> None:
+        if self.tty:
+            sys.stdout.write("\r\033[K")
+            sys.stdout.flush()
 
 
 def _spawn_entry(fn: Callable[..., Any], rank: int, world: int, port: int, folder: str,
@@ -180,6 +219,9 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: floa
             raise WorkerFailed(f"workers did not finish within {timeout_s:.0f} s (exit codes {codes})")
         out = []
         for r in range(nprocs):
-            with open(os.path.join(folder, f"rank{r}.pt"), "rb") as f:
+            path = os.path.join(folder, f"rank{r}.pt")
+            if not os.path.exists(path):
+                raise WorkerFailed(f"worker rank {r} of {nprocs} exited without a result")
+            with open(path, "rb") as f:
                 out.append(torch.load(f, weights_only=False))
         return out

@@ -28,6 +28,12 @@ from pipefisher.runtime.profiler import STEP_KEY, Profiler
 from pipefisher.safe_io import dump_json_atomic
 
 MODES = ("first-order", "kfac")
+PROGRESS_ENV = "PIPEFISHER_RELAY_PROGRESS"
+PROGRESS_MARK = "@@pipefisher-progress"
+
+
+class PeerLost(RuntimeError):
+    """A training step failed in communication (or compute) on this worker; says which and when."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,13 @@ class WorkerResult:
     def median_step_seconds(self, skip: int = 1) -> float:
         times = self.step_seconds[skip:] or self.step_seconds
         return statistics.median(times)
+
+
+def _is_tty() -> bool:
+    try:
+        return os.isatty(1)
+    except OSError:
+        return False
 
 
 def make_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
@@ -116,6 +129,15 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def _lost_message(self, step: int, err: BaseException) -> str:
+        g = self.ctx.grid
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if not self.ctx.distributed:
+            return f"step {step} failed: {first}"
+        return (f"stage {g.stage} of replica {g.replica} (rank {g.rank}) failed at step {step}: {first}. "
+                f"A peer died, stalled beyond the {self.cfg.pipeline.timeout_s:g} s timeout, or runs a "
+                f"different pipeline")
+
     def _mean_loss(self, loss: float | None) -> float | None:
         if loss is None or self.ctx.grid.replicas == 1:
             return loss
@@ -128,7 +150,8 @@ class Trainer:
         result = WorkerResult(g.rank, g.stage, g.replica)
         self.stage.train()
         self.profiler.align(distributed=self.ctx.distributed)
-        show = self.reporter and opts.progress
+        relay = os.environ.get(PROGRESS_ENV) == "1"  # the local launcher draws the bar for us
+        show = self.reporter and opts.progress and not relay and _is_tty()
         if self.reporter:
             click.echo(f"pipefisher train: mode {self.mode}, {g.stages} stage(s) x {g.replicas} replica(s), "
                        f"{self.cfg.pipeline.schedule}, {self.cfg.data.num_micro_batches} micro-batches, "
@@ -139,7 +162,10 @@ class Trainer:
         try:
             for step in range(opts.steps):
                 t0 = time.perf_counter()
-                loss = self.train_step(step)
+                try:
+                    loss = self.train_step(step)
+                except RuntimeError as err:
+                    raise PeerLost(self._lost_message(step, err)) from err
                 if self.ctx.device.type == "cuda":
                     torch.cuda.synchronize()
                 result.step_seconds.append(time.perf_counter() - t0)
@@ -147,10 +173,12 @@ class Trainer:
                     result.losses.append(loss)
                 if bar is not None:
                     bar.update(1)
+                elif relay and self.reporter and opts.progress:
+                    click.echo(f"{PROGRESS_MARK} {step + 1} {opts.steps}")
                 last = step == opts.steps - 1
                 if self.reporter and loss is not None and (step % opts.log_every == 0 or last):
                     msg = f"step {step:>5}  loss {loss:.4f}  {result.step_seconds[-1] * 1e3:.1f} ms"
-                    click.echo(("\n" if bar is not None else "") + msg)
+                    click.echo(("\n" if bar is not None else "") + msg)  # keep the bar's line
         finally:
             if bar is not None:
                 bar.__exit__(None, None, None)

@@ -318,11 +318,17 @@ def schedule_names() -> list[str]:
     return list(GENERATORS)
 
 
-def generate(name: str, stages: int, micro_batches: int, chunks: int | None = None) -> PipelineSchedule:
-    """Build the named schedule; ``chunks`` defaults to 2 for interleaved and 1 otherwise."""
+def canonical_name(name: str) -> str:
+    """The generator name for ``name`` (aliases and case accepted)."""
     key = ALIASES.get(name.lower(), name.lower())
     if key not in GENERATORS:
         raise InputError(None, f"unknown schedule '{name}' (known: {', '.join(GENERATORS)})")
+    return key
+
+
+def generate(name: str, stages: int, micro_batches: int, chunks: int | None = None) -> PipelineSchedule:
+    """Build the named schedule; ``chunks`` defaults to 2 for interleaved and 1 otherwise."""
+    key = canonical_name(name)
     if chunks is None:
         chunks = 2 if key == "interleaved" else 1
     return GENERATORS[key](stages, micro_batches, chunks)

@@ -16,7 +16,7 @@ Mapping choices (see also the format spec):
   modules are the layers of all its chunks, each covering ``m`` micro-batches.
 - ZB-H1: ``call_backward`` is the input-gradient pass B. A weight-gradient pass W that directly
   follows its own B is merged into that interval (so node 0 looks like 1F1B); a deferred W is written
-  under ``call_backward_weight`` (not a micro-batch: the scheduler counts only exact
+  under ``call_backward:weight`` (not a micro-batch: the scheduler counts only exact
   ``call_backward``; policies that treat keys containing ``call_backward`` as pipeline work keep
   K-FAC out of it).
 - Chimera: up-pipe operations are ``call_forward:up_pipe``/``call_backward:up_pipe``; the up-pipe copy
@@ -30,10 +30,12 @@ from typing import Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.sim.costs import NS_PER_MS, CostModel, ModuleCost
-from pipefisher.sim.schedules import BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op, PipelineSchedule, generate
+from pipefisher.sim.schedules import (
+    BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op, PipelineSchedule, canonical_name, generate,
+)
 
 Timelines = list[dict[str, list[tuple[int, int]]]]
-WEIGHT_KEY = "call_backward_weight"
+WEIGHT_KEY = "call_backward:weight"
 
 
 @dataclass(frozen=True)
@@ -239,9 +241,15 @@ def simulate_timelines(
     micro_batches: int | None = None,
     chunks: int | None = None,
 ) -> tuple[Timelines, SimResult]:
-    """Simulate ``model`` (its own settings, overridden by the arguments); returns timelines and times."""
+    """Simulate ``model`` (its own settings, overridden by the arguments); returns timelines and times.
+
+    The model's own ``chunks`` applies to the interleaved schedule only; an explicit ``chunks`` argument
+    applies to any schedule (and is refused by those that have one chunk).
+    """
     model = model.replace(schedule=schedule, stages=stages, micro_batches=micro_batches, chunks=chunks)
-    sched = generate(model.schedule, model.stages, model.micro_batches, model.chunks)
+    name = canonical_name(model.schedule)
+    use_chunks = chunks if chunks is not None else (model.chunks if name == "interleaved" else None)
+    sched = generate(name, model.stages, model.micro_batches, use_chunks)
     result = simulate(sched, pipe_costs(model, sched))
     return timelines_from_result(result, model), result
 

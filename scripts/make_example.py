@@ -1,0 +1,34 @@
+#!/usr/bin/env python3
+"""Regenerate the bundled example job in ``examples/`` from a simulator cost model.
+
+The example is what ``pipefisher schedule`` packs when given no timelines: BERT-Base on 4 stages,
+1F1B, 8 micro-batches, simulated from ``configs/sim/bert-base-4stages.yaml``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import click
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from pipefisher.examples import DEFAULT_EXAMPLE, EXAMPLES_DIR  # noqa: E402
+from pipefisher.sim.costs import load_cost_model  # noqa: E402
+from pipefisher.sim.simulator import simulate_timelines, write_timelines  # noqa: E402
+
+
+@click.command()
+@click.option("--config", default=os.path.join(ROOT, "configs", "sim", "bert-base-4stages.yaml"), show_default=True)
+def main(config: str) -> None:
+    timelines, _ = simulate_timelines(load_cost_model(config), schedule="1f1b", chunks=1)
+    folder = EXAMPLES_DIR / DEFAULT_EXAMPLE
+    shutil.rmtree(folder, ignore_errors=True)
+    for path in write_timelines(folder, "bert-base", timelines):
+        click.echo(path)
+
+
+if __name__ == "__main__":
+    main()
