@@ -7,11 +7,11 @@ matplotlib is imported only when rendering.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Sequence
 
 from pipefisher.errors import InputError
+from pipefisher.safe_io import atomic_path
 from pipefisher.policies.base import MARKERS, JobSchedule, label_category
 from pipefisher.timeline import STEP_KEY, Job, Time
 
@@ -143,9 +143,6 @@ def render(chart: Chart, path: str | os.PathLike[str]) -> str:
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".png", ".svg"):
         raise InputError(path, "chart files must end in .png or .svg")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise InputError(path, "cannot be written: its folder does not exist")
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401  (no GUI backend needed)
     from matplotlib.figure import Figure
@@ -182,19 +179,8 @@ def render(chart: Chart, path: str | os.PathLike[str]) -> str:
     handles.append(Line2D([0], [0], color="black", linestyle="--", linewidth=0.9, label="iteration boundary"))
     fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(left - 0.005, 1 - 0.5 / h), ncol=len(handles),
                fontsize=8, frameon=False, borderaxespad=0.0, handlelength=1.4, columnspacing=1.2)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=ext)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format=ext[1:], dpi=DPI)
-        os.replace(tmp, path)
-    except BaseException as err:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(err, OSError):
-            raise InputError(path, f"cannot be written ({err.strerror or err})") from None
-        raise
     return path
 
 

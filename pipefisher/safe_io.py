@@ -11,7 +11,8 @@ import json
 import os
 import pickle
 import tempfile
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from pipefisher.errors import InputError
 
@@ -104,25 +105,32 @@ def load_json(path: str | os.PathLike[str]) -> Any:
         raise InputError(path, f"is not valid JSON ({err})") from None
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> None:
-    """Write ``data`` to ``path`` through a temp file in the same folder and a rename.
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
-    A crash or error midway leaves the old file as it was; readers never see half a file.
+
+@contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
+    """Yield a temp path beside ``path``; on success it is renamed over ``path``, on failure removed.
+
+    For writers that want a file name rather than bytes (matplotlib's ``savefig``, say): readers never
+    see half a file, and a failed write leaves the old file as it was.
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise InputError(path, "cannot be written: its folder does not exist")
-    payload = data.encode() if isinstance(data, str) else data
+    name, suffix = os.path.splitext(os.path.basename(path))
     try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=f".tmp{suffix}")
+        os.close(fd)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a plain open() would honour the umask
     except OSError as err:
         raise InputError(path, f"cannot be written ({err.strerror or err})") from None
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         os.replace(tmp, path)
     except BaseException as err:
         try:
@@ -132,6 +140,16 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> None:
         if isinstance(err, OSError):
             raise InputError(path, f"cannot be written ({err.strerror or err})") from None
         raise
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> None:
+    """Write ``data`` to ``path`` through a temp file in the same folder and a rename."""
+    payload = data.encode() if isinstance(data, str) else data
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def dump_pickle_atomic(path: str | os.PathLike[str], obj: Any) -> None:

@@ -21,3 +21,5 @@ def main() -> None:
 # Commands register themselves on `main` when their module is imported (order = help order).
 from pipefisher.cli import schedule as _schedule  # noqa: E402,F401
 from pipefisher.cli import validate as _validate  # noqa: E402,F401
+from pipefisher.cli import train as _train  # noqa: E402,F401
+from pipefisher.cli import sim as _sim  # noqa: E402,F401

@@ -4,9 +4,10 @@ from __future__ import annotations
 from pipefisher.errors import InputError
 from pipefisher.policies.base import JobSchedule, NodeFigures, NodeSchedule, Placement, Policy
 from pipefisher.policies.compat import CompatPolicy
+from pipefisher.policies.tight import TightPolicy
 
-POLICIES: dict[str, type[Policy]] = {CompatPolicy.name: CompatPolicy}
-DEFAULT_POLICY = CompatPolicy.name
+POLICIES: dict[str, type[Policy]] = {CompatPolicy.name: CompatPolicy, TightPolicy.name: TightPolicy}
+DEFAULT_POLICY = TightPolicy.name
 
 
 def get_policy(name: str) -> Policy:

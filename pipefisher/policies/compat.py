@@ -1,6 +1,6 @@
 """The ``compat`` policy: the published PipeFisher packer, decision for decision, only faster.
 
-``../shared/spec/compat-policy.md`` is the behaviour, flaws included (see the "Known flaws" there).
+``docs/compat-policy.md`` is the behaviour, flaws included (see the "Known flaws" there).
 The published tool finds the next item that fits a bubble by rescanning the whole work list, checks
 dependencies by rescanning it again, and deep-copies all remaining work for every trial. Here:
 

@@ -1,4 +1,4 @@
-"""A literal, slow transcription of the published PipeFisher packer (``../shared/spec/compat-policy.md``).
+"""A literal, slow transcription of the published PipeFisher packer (``docs/compat-policy.md``).
 
 It exists for two reasons only: as the oracle that the fast :mod:`pipefisher.policies.compat` is
 checked against on generated jobs, and as the same-run speed baseline of ``scripts/bench_compat.py``.

@@ -222,7 +222,7 @@ def chimera(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedul
 
     Device ``d`` holds stage ``d`` of the down pipe and stage ``p - 1 - d`` of the up pipe. Micro-batches
     are dealt in units of ``p``: the first half of each unit goes down, the second half up. The order on
-    each device is fixed by list-scheduling the step in unit time (forward 1, backward 2): a free device
+    each device is fixed by list-scheduling the step in unit time (forward = backward = 1): a free device
     runs the ready forward that became ready first (each pipe's forwards in micro-batch order), else
     the ready backward that became ready first; ties go to the down pipe. Like the paper's schedule it
     keeps every pipe's forwards ahead of its backwards, so activations are held as in GPipe.
@@ -239,7 +239,7 @@ def chimera(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedul
     up = [j for j in range(m) if j not in set(down)]
     order = {DOWN: down, UP: up}
     shell = PipelineSchedule("chimera", p, m, 1, tuple(() for _ in range(p)))
-    devices = _list_schedule(shell, order, lambda op: 1 if op.kind == FORWARD else 2)
+    devices = _list_schedule(shell, order, lambda op: 1)
     return PipelineSchedule("chimera", p, m, 1, devices)
 
 

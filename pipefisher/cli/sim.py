@@ -1,0 +1,315 @@
+"""``pipefisher simulate | compare | demo | plot | trace``: what K-FAC will cost, before a real run.
+
+Heavy imports (matplotlib) happen inside the commands, so ``pipefisher --help`` stays fast.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import click
+
+from pipefisher.cli import main
+from pipefisher.errors import InputError
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "sim"
+DEFAULT_CONFIG = "bert-base-4stages.yaml"
+
+
+def bundled_config(name: str = DEFAULT_CONFIG) -> str:
+    """Path of a cost model shipped in ``configs/sim/``."""
+    path = CONFIGS_DIR / name
+    if not path.is_file():
+        raise InputError(path, "bundled cost model not found (is the repository's configs/ folder there?)")
+    return str(path)
+
+
+def _ints(text: str | None, what: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(None, f"{what} must be comma-separated whole numbers, got '{text}'") from None
+    if not values or any(v < 1 for v in values):
+        raise InputError(None, f"{what} must be whole numbers >= 1, got '{text}'")
+    return values
+
+
+def _mkdir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise InputError(path, f"cannot be created ({err.strerror or err})") from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# simulate
+
+
+def run_simulate(config: str, schedule: str | None, stages: int | None, micro_batches: int | None,
+                 chunks: int | None, latency_ms: float | None, kfac_scale: float | None, out: str,
+                 prefix: str | None, echo: Callable[[str], None] = click.echo) -> list[str]:
+    from pipefisher.sim import load_cost_model, simulate_timelines, write_timelines
+
+    model = load_cost_model(config).replace(latency_ms=latency_ms, kfac_scale=kfac_scale)
+    timelines, result = simulate_timelines(model, schedule, stages, micro_batches, chunks)
+    sched = result.schedule
+    prefix = prefix or f"{model.name}_{sched.name}_m{sched.micro_batches}"
+    paths = write_timelines(out, prefix, timelines)
+    chunks_note = f", {sched.chunks} chunks" if sched.chunks > 1 else ""
+    echo(f"{model.name}: {sched.name}, {sched.stages} stages, {sched.micro_batches} micro-batches{chunks_note}")
+    echo(f"pipeline time {result.makespan / 1e6:.3f} ms, bubble fraction {100 * result.bubble_fraction:.2f} %")
+    echo(f"wrote {len(paths)} timelines to {out}/ ({prefix}_node*_timeline.pickle)")
+    return paths
+
+
+def _schedule_help() -> str:
+    from pipefisher.sim.schedules import schedule_names
+
+    return f"pipeline schedule: {', '.join(schedule_names())} (default: the file's)"
+
+
+def _model_options(f: Callable) -> Callable:
+    for opt in reversed([
+        click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
+                     help=f"cost model YAML (default: configs/sim/{DEFAULT_CONFIG})"),
+        click.option("--schedule", default=None, help=_schedule_help()),
+        click.option("--stages", type=int, default=None, help="pipeline stages (default: the file's)"),
+        click.option("--chunks", type=int, default=None, help="model chunks per device (interleaved)"),
+        click.option("--latency-ms", type=float, default=None, help="point-to-point latency (default: the file's)"),
+        click.option("--kfac-scale", type=float, default=None, help="multiply every K-FAC cost by this"),
+    ]):
+        f = opt(f)
+    return f
+
+
+@main.command("simulate")
+@_model_options
+@click.option("--micro-batches", "-m", type=int, default=None, help="micro-batches per step (default: the file's)")
+@click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="folder for the node timelines")
+@click.option("--prefix", default=None, help="file name prefix (default: <model>_<schedule>_m<m>)")
+def simulate_command(config: str | None, schedule: str | None, stages: int | None, chunks: int | None,
+                     latency_ms: float | None, kfac_scale: float | None, micro_batches: int | None, out: str,
+                     prefix: str | None) -> None:
+    """Simulate one training step from a cost model and write per-node timelines.
+
+    The timelines have the profiled format: pack them with ``pipefisher schedule OUT/*.pickle``.
+    Flags override the file's settings.
+    """
+    run_simulate(config or bundled_config(), schedule, stages, micro_batches, chunks, latency_ms, kfac_scale, out,
+                 prefix)
+
+
+# ----------------------------------------------------------------------------------------------------
+# compare
+
+
+def compare_rows(config: str, schedules: Sequence[str] | None, micro_batches: Sequence[int] | None,
+                 policy: str | None, stages: int | None = None, chunks: int | None = None,
+                 kfac_scale: float | None = None, latency_ms: float | None = None) -> list[dict[str, object]]:
+    """One row per (schedule, micro-batch count): bubble fraction, K-FAC cycle length and usage."""
+    from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.sim import load_cost_model, schedule_names, simulate_timelines
+    from pipefisher.timeline import job_from_dicts
+
+    model = load_cost_model(config).replace(stages=stages, kfac_scale=kfac_scale, latency_ms=latency_ms)
+    chosen = get_policy(policy or DEFAULT_POLICY)
+    names = list(schedules) if schedules else schedule_names()
+    counts = list(micro_batches) if micro_batches else sorted({model.stages, 2 * model.stages, 4 * model.stages})
+    rows: list[dict[str, object]] = []
+    for name in names:
+        for m in counts:
+            row: dict[str, object] = {"schedule": name, "micro_batches": m}
+            try:
+                timelines, result = simulate_timelines(model, name, None, m, chunks)
+            except InputError as err:
+                if "unknown schedule" in str(err) or "layers cannot fill" in str(err):
+                    raise
+                row["error"] = err.problem
+                rows.append(row)
+                continue
+            packed = chosen.pack(job_from_dicts(timelines))
+            its = [n.figures.iterations for n in packed.nodes]
+            usage = [n.figures.usage for n in packed.nodes]
+            row.update({
+                "chunks": result.schedule.chunks,
+                "pipeline_ms": result.makespan / 1e6,
+                "bubble_percent": 100 * result.bubble_fraction,
+                "cycle_iterations": max(its),
+                "usage_percent_mean": sum(usage) / len(usage),
+                "usage_percent_min": min(usage),
+                "refresh_ms": max(its) * result.makespan / 1e6,
+            })
+            rows.append(row)
+    return rows
+
+
+def format_compare(rows: Sequence[dict[str, object]], title: str) -> list[str]:
+    head = f"{'schedule':<12} {'m':>4} {'pipeline ms':>12} {'bubble %':>9} {'K-FAC cycle':>12} {'usage % (mean/min)':>19} {'refresh ms':>11}"
+    out = [title, head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r['schedule']:<12} {r['micro_batches']:>4}   n/a: {r['error']}")
+            continue
+        usage = f"{r['usage_percent_mean']:.1f} / {r['usage_percent_min']:.1f}"
+        out.append(f"{r['schedule']:<12} {r['micro_batches']:>4} {r['pipeline_ms']:>12.1f} {r['bubble_percent']:>9.1f} "
+                   f"{str(r['cycle_iterations']) + ' it.':>12} {usage:>19} {r['refresh_ms']:>11.1f}")
+    out.append("K-FAC cycle: pipeline iterations per curvature refresh (the most over nodes); "
+               "refresh ms = cycle x pipeline time.")
+    return out
+
+
+@main.command("compare")
+@_model_options
+@click.option("--schedules", default=None, help="comma-separated schedules (default: all)")
+@click.option("--micro-batches", "-m", "micro_batches", default=None,
+              help="comma-separated micro-batch counts (default: p, 2p, 4p)")
+@click.option("--policy", default=None, help="packing policy (default: the default policy)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write the rows as JSON")
+def compare_command(config: str | None, schedule: str | None, stages: int | None, chunks: int | None,
+                    latency_ms: float | None, kfac_scale: float | None, schedules: str | None,
+                    micro_batches: str | None, policy: str | None, json_path: str | None) -> None:
+    """Compare pipeline schedules and micro-batch counts for one cost model: the table to choose from."""
+    from pipefisher.safe_io import dump_json_atomic
+
+    config = config or bundled_config()
+    names = [s.strip() for s in schedules.split(",") if s.strip()] if schedules else ([schedule] if schedule else None)
+    rows = compare_rows(config, names, _ints(micro_batches, "--micro-batches"), policy, stages, chunks, kfac_scale,
+                        latency_ms)
+    from pipefisher.policies import DEFAULT_POLICY
+
+    for line in format_compare(rows, f"{os.path.basename(config)} (policy {policy or DEFAULT_POLICY})"):
+        click.echo(line)
+    if json_path:
+        dump_json_atomic(json_path, {"config": config, "policy": policy, "rows": rows})
+
+
+# ----------------------------------------------------------------------------------------------------
+# plot / trace
+
+
+def _charts(paths: Sequence[str], policy: str | None, packed: bool, title: str | None):  # type: ignore[no-untyped-def]
+    from pipefisher.examples import example_timelines
+    from pipefisher.plot import chart_from_job, chart_from_schedule
+    from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.timeline import load_job
+
+    job = load_job(paths or example_timelines())
+    if packed or policy:
+        schedule = get_policy(policy or DEFAULT_POLICY).pack(job)
+        return chart_from_schedule(schedule, job, title)
+    return chart_from_job(job, title or "pipeline step (timelines)")
+
+
+_plot_args = [
+    click.argument("timelines", nargs=-1),
+    click.option("--out", "out", type=click.Path(dir_okay=False), required=True, help="output file"),
+    click.option("--packed", is_flag=True, help="draw the packed K-FAC cycle instead of the timelines"),
+    click.option("--policy", default=None, help="packing policy for --packed (implies --packed)"),
+    click.option("--title", default=None, help="chart title"),
+]
+
+
+def _with(args: list) -> Callable:  # type: ignore[type-arg]
+    def deco(f: Callable) -> Callable:
+        for a in reversed(args):
+            f = a(f)
+        return f
+    return deco
+
+
+@main.command("plot")
+@_with(_plot_args)
+def plot_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str | None, title: str | None) -> None:
+    """Draw a Gantt chart (PNG or SVG, by OUT's suffix) of TIMELINES, or of their packed schedule.
+
+    One row per node; forwards, backwards and each K-FAC kind in their own colours; bubbles empty;
+    dashed lines at iteration boundaries. With no TIMELINES, draws the bundled example.
+    """
+    from pipefisher.plot import render
+
+    if os.path.splitext(out)[1].lower() not in (".png", ".svg"):
+        raise InputError(out, "chart files must end in .png or .svg")
+    render(_charts(timelines, policy, packed, title), out)
+    click.echo(f"wrote {out}")
+
+
+@main.command("trace")
+@_with(_plot_args)
+def trace_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str | None, title: str | None) -> None:
+    """Write TIMELINES (or their packed schedule) as Chrome trace / Perfetto JSON."""
+    from pipefisher.trace import write_trace
+
+    write_trace(_charts(timelines, policy, packed, title), out)
+    click.echo(f"wrote {out}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# demo
+
+
+def run_demo(config: str | None, schedule: str | None, micro_batches: int | None, policy: str | None, out: str,
+             echo: Callable[[str], None] = click.echo) -> dict[str, str]:
+    """Simulate a bundled model, pack it, report, and write everything into ``out``."""
+    from pipefisher.plot import chart_from_job, chart_from_schedule, render
+    from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.report import report_data, usage_lines
+    from pipefisher.safe_io import dump_json_atomic, write_atomic
+    from pipefisher.schedule import save_schedule
+    from pipefisher.sim import load_cost_model, simulate_timelines, write_timelines
+    from pipefisher.timeline import load_job
+    from pipefisher.trace import write_trace
+
+    config = config or bundled_config()
+    model = load_cost_model(config)
+    timelines, result = simulate_timelines(model, schedule, None, micro_batches)
+    sched = result.schedule
+    _mkdir(out)
+    paths = write_timelines(os.path.join(out, "timelines"), f"{model.name}_{sched.name}", timelines)
+    job = load_job(paths)
+    chosen = get_policy(policy or DEFAULT_POLICY)
+    packed = chosen.pack(job)
+    lines = [
+        f"{model.name}: {sched.name}, {sched.stages} stages, {sched.micro_batches} micro-batches "
+        f"(cost model {os.path.basename(config)})",
+        f"simulated pipeline time {result.makespan / 1e6:.1f} ms, bubble fraction {100 * result.bubble_fraction:.1f} %",
+        f"packed with policy '{chosen.name}':",
+        *usage_lines(packed),
+    ]
+    for line in lines:
+        echo(line)
+    files = {
+        "schedule": os.path.join(out, "schedule.pickle"),
+        "report": os.path.join(out, "report.txt"),
+        "report_json": os.path.join(out, "report.json"),
+        "chart": os.path.join(out, "chart.png"),
+        "timelines_chart": os.path.join(out, "timelines.png"),
+        "trace": os.path.join(out, "trace.json"),
+    }
+    save_schedule(files["schedule"], packed)
+    write_atomic(files["report"], "\n".join(lines) + "\n")
+    dump_json_atomic(files["report_json"], report_data(packed, job))
+    title = f"{model.name}, {sched.name}, m={sched.micro_batches}: K-FAC packed into bubbles (policy {chosen.name})"
+    schedule_chart = chart_from_schedule(packed, job, title)
+    render(schedule_chart, files["chart"])
+    render(chart_from_job(job, f"{model.name}, {sched.name}, m={sched.micro_batches}: simulated step "
+                               "(pipeline, then naive K-FAC)"), files["timelines_chart"])
+    write_trace(schedule_chart, files["trace"])
+    echo(f"wrote {len(paths)} timelines, the schedule, the report, charts and a trace to {out}/")
+    return files
+
+
+@main.command("demo")
+@click.option("--config", type=click.Path(dir_okay=False), default=None,
+              help=f"cost model YAML (default: configs/sim/{DEFAULT_CONFIG})")
+@click.option("--schedule", default=None, help="pipeline schedule (default: the file's)")
+@click.option("--micro-batches", "-m", type=int, default=None, help="micro-batches (default: the file's)")
+@click.option("--policy", default=None, help="packing policy (default: the default policy)")
+@click.option("--out", type=click.Path(file_okay=False), default="pipefisher-demo", show_default=True,
+              help="output folder")
+def demo_command(config: str | None, schedule: str | None, micro_batches: int | None, policy: str | None,
+                 out: str) -> None:
+    """Simulate a bundled BERT model, pack its K-FAC work, print the report, and save it all (with a chart)."""
+    run_demo(config, schedule, micro_batches, policy, out)

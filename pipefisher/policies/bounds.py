@@ -1,0 +1,229 @@
+"""Lower bounds on a node's curvature refresh interval (pipeline iterations per K-FAC cycle).
+
+A policy that never lengthens an iteration for work that fits some bubble must put all of that work
+into the cycle's bubbles: k copies of the node's per-iteration bubbles. Three facts bound k from below,
+whatever the order or the dependencies:
+
+* volume: the fittable work W cannot exceed k times the bubble time C, so ``k >= ceil(W / C)``;
+* size classes: an item of duration d fits a bubble of length G only if ``d * 1.05 < G``, so the items
+  of at least h must fit into the bubbles longer than ``1.05 h`` alone;
+* counting: a bubble of length G holds at most ``n`` items of at least h where ``(n + 0.05) h < G``
+  (n - 1 of them end to end, and the last one with its 5 % margin), so the items of at least h need
+  ``ceil(count / sum of n over bubbles)`` iterations;
+* chains: each factor's last covariance piece, sync and inverse, alone on the node, end in some
+  iteration at the earliest; the cycle needs at least one more;
+* one iteration: a one-iteration cycle must do every factor's pieces after their forwards/backwards
+  and its sync and inverse after that, all before the iteration ends; when the work released at or
+  after some pipeline position cannot fit the bubbles after it, the cycle needs at least two.
+
+Everything here is a pure function of item durations and bubble lengths; the policy hands them in.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Sequence
+
+from pipefisher.timeline import Time
+
+MARGIN = 1.05
+_SLACK = 1e-9  # floats: keep every bound valid when a ratio lands on a whole number by rounding
+MAX_THRESHOLDS = 64  # distinct item sizes tried by the size-class and counting bounds (largest first)
+
+
+def fits(duration: Time, gap: Time) -> bool:
+    """The packing rule of every policy here (and of the published tool): ``d * 1.05 < gap``."""
+    return duration * MARGIN < gap
+
+
+def ceil_ratio(work: Time, capacity: Time) -> int:
+    """``ceil(work / capacity)``, exact for integers and rounding-safe (never too high) for floats."""
+    if work <= 0:
+        return 0
+    if capacity <= 0:
+        raise ValueError("positive work needs positive capacity")
+    if isinstance(work, int) and isinstance(capacity, int):
+        return -(-work // capacity)
+    return max(0, math.ceil(work / capacity - _SLACK))
+
+
+def volume_bound(fittable_work: Time, bubble_time: Time) -> int:
+    """``ceil(W / C)``, at least 1 (a cycle has at least one iteration)."""
+    if fittable_work <= 0:
+        return 1
+    return max(1, ceil_ratio(fittable_work, bubble_time))
+
+
+def _count_capacity(gap: float, h: float) -> int:
+    """Most items of duration >= h that one bubble of length ``gap`` can hold (never underestimated)."""
+    if h <= 0:
+        return 1 << 30
+    return max(0, math.floor(gap / h - (MARGIN - 1.0) + _SLACK))
+
+
+def size_class_bound(sizes: Sequence[tuple[Time, int]], bubbles: Sequence[Time]) -> int:
+    """The best of the per-size volume and counting bounds over the largest distinct item sizes.
+
+    ``sizes``: (duration, how many items of it) for every fittable item (covariance counted per
+    piece); ``bubbles``: the bubble lengths of one iteration. Items that fit no bubble are the caller's
+    to leave out.
+    """
+    if not sizes or not bubbles:
+        return 1
+    gaps = sorted(bubbles)  # ascending
+    suffix = [0.0] * (len(gaps) + 1)  # suffix[i] = sum of gaps[i:]
+    for i in range(len(gaps) - 1, -1, -1):
+        suffix[i] = suffix[i + 1] + gaps[i]
+    merged: dict[Time, int] = {}
+    for d, c in sizes:
+        merged[d] = merged.get(d, 0) + c
+    best = 1
+    count = 0
+    volume: float = 0
+    # Walk the distinct sizes from the largest down: count and volume of the items >= h so far.
+    for tried, h in enumerate(sorted(merged, reverse=True)):
+        if h <= 0 or tried >= MAX_THRESHOLDS:
+            break
+        count += merged[h]
+        volume += h * merged[h]
+        first = bisect_right(gaps, h * MARGIN)  # bubbles longer than 1.05 h (strictly)
+        room = suffix[first]
+        if room <= 0:
+            continue  # cannot happen for fittable items; be safe
+        best = max(best, ceil_ratio(volume, room))
+        slots = sum(_count_capacity(g, h) for g in gaps[first:])
+        if slots > 0:
+            best = max(best, -(-count // slots))
+    return best
+
+
+@dataclass(frozen=True)
+class NodeBounds:
+    """The bounds of one node, and what they are computed from."""
+
+    volume: int
+    """``ceil(W / C)``: the bound the issue asks for."""
+    tight: int
+    """The best proven bound (volume, size classes, counting, one-iteration test)."""
+    fittable_work: Time
+    bubble_time: Time
+    largest_bubble: Time
+    forced_items: int
+    """Items that fit no bubble at all (they become overflow)."""
+
+
+def node_bounds(sizes: Sequence[tuple[Time, int]], bubbles: Sequence[Time],
+                chains: Sequence["Chain"] | None = None,
+                bubble_positions: Sequence[int] | None = None) -> NodeBounds:
+    """All bounds for a node with these work item sizes ((duration, count) pairs, covariance per piece)
+    and per-iteration bubble lengths. With ``chains`` and the bubbles' pipeline positions, the chain
+    and one-iteration bounds are applied too."""
+    largest = max(bubbles, default=0)
+    fittable = [(d, c) for d, c in sizes if c > 0 and fits(d, largest)]
+    work = sum(d * c for d, c in fittable)
+    capacity = sum(bubbles)
+    vol = volume_bound(work, capacity) if fittable else 1
+    tight = max(vol, size_class_bound(fittable, bubbles))
+    if chains is not None and bubble_positions is not None:
+        placed = list(zip(bubble_positions, bubbles))
+        for c in chains:
+            tight = max(tight, chain_finish(c.last_piece, c.syncs, c.invs, placed) + 1)
+        if tight == 1 and not one_iteration_possible(chains, placed):
+            tight = 2
+    forced = sum(c for _, c in sizes) - sum(c for _, c in fittable)
+    return NodeBounds(vol, tight, work, capacity, largest, forced)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One factor's work as the single-iteration test sees it: its covariance pieces with the pipeline
+    position each must follow, and the sync and inverse time that must follow all of them."""
+
+    pieces: tuple[tuple[int, Time], ...]  # (pipeline position it must follow, duration); fittable ones
+    tail: tuple[Time, ...]  # fittable sync and inverse durations
+    tail_after_overflow: bool = False  # a fittable sync/inverse waits for work that fits no bubble
+    last_piece: tuple[int, Time] | None = None  # the piece released last: (position, duration)
+    syncs: tuple[Time, ...] = ()  # all sync durations (overflow ones too)
+    invs: tuple[Time, ...] = ()  # all inverse durations that wait for a sync (or for the pieces)
+
+
+def one_iteration_possible(chains: Sequence[Chain], bubbles: Sequence[tuple[int, Time]]) -> bool:
+    """Whether all work could fit in ONE iteration, judged by volume after each release point.
+
+    In a one-iteration cycle, everything released at pipeline position x (covariance pieces after their
+    forward or backward, and the sync and inverse of a factor after its last piece) must fit into the
+    bubbles after x. ``bubbles``: (pipeline items before it, length). Work that follows overflow (which
+    sits at the very end of the iteration) cannot run in the same iteration at all.
+    """
+    if any(c.tail_after_overflow and c.tail for c in chains):
+        return False
+    events: dict[int, float] = {}  # release position -> work released there
+    biggest: dict[int, float] = {}
+    for c in chains:
+        last = max((p for p, _ in c.pieces), default=-1)
+        for p, d in c.pieces:
+            events[p] = events.get(p, 0) + d
+            biggest[p] = max(biggest.get(p, 0), d)
+        if c.tail:
+            events[last] = events.get(last, 0) + sum(c.tail)
+            biggest[last] = max(biggest.get(last, 0), max(c.tail))
+    if not events:
+        return True
+    gaps = sorted(bubbles)
+    positions = sorted(events, reverse=True)
+    # Walk release points from the latest back: work released at or after x vs. bubbles after x.
+    work: float = 0
+    big: float = 0
+    gi = len(gaps)
+    room: float = 0
+    widest: float = 0
+    for x in positions:
+        work += events[x]
+        big = max(big, biggest[x])
+        while gi > 0 and gaps[gi - 1][0] > x:
+            gi -= 1
+            room += gaps[gi][1]
+            widest = max(widest, gaps[gi][1])
+        if work > room * (1 + _SLACK) or not big * MARGIN < widest:
+            return False
+    return True
+
+
+def chain_finish(last_piece: tuple[int, Time] | None, syncs: Sequence[Time], invs: Sequence[Time],
+                 bubbles: Sequence[tuple[int, Time]]) -> int:
+    """The earliest iteration (0-based) in which one factor's chain can end, alone on the node.
+
+    The chain: its last covariance piece (after pipeline position p in iteration 0), then a sync, then
+    every inverse (each after a sync). Each item goes to the earliest bubble where it fits after the
+    previous one (in the same bubble when there is room left), or, if it fits no bubble, to the end
+    of the iteration (overflow), after which only the next iteration's bubbles are left. Other factors
+    only take room away, so a cycle needs more iterations than this index.
+    """
+    nb = len(bubbles)
+    largest = max((g for _, g in bubbles), default=0)
+
+    def advance(cur: tuple[int, int, Time], d: Time, after: int = -1) -> tuple[int, int, Time]:
+        i, b, used = cur
+        need = d * MARGIN
+        if not need < largest:
+            return (i, nb, 0)
+        if 0 <= b < nb and used + need < bubbles[b][1]:
+            return (i, b, used + d)
+        b += 1
+        while True:
+            if b >= nb:
+                i, b = i + 1, 0
+            pos, g = bubbles[b]
+            if need < g and (i > 0 or pos > after):
+                return (i, b, d)
+            b += 1
+
+    cur: tuple[int, int, Time] = (0, -1, 0)
+    if last_piece is not None:
+        cur = advance(cur, last_piece[1], last_piece[0])
+    if syncs:
+        cur = min(advance(cur, d) for d in syncs)
+    if invs:
+        cur = max(advance(cur, d) for d in invs)
+    return cur[0]

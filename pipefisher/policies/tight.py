@@ -1,0 +1,757 @@
+"""The ``tight`` policy: dependency-correct K-FAC packing, close to the lower bound, fast at scale.
+
+Per node, the pipeline repeats every iteration, so its bubbles (the gaps between consecutive forwards
+and backwards of either pipe, within the job's pipeline time) are the same in every iteration. The
+work is the node's K-FAC keys: a covariance key is a queue of m pieces per interval (m = micro-batches
+of the pipe its module serves), a sync or inverse key one item per interval. Dependencies, from the
+format spec: in the first iteration, covariance piece q may only follow forward (A) / backward (B)
+``q mod m`` of its pipe; a sync follows all pieces of its factor; an inverse follows the factor's
+first sync (all its pieces where the node has no sync for it).
+
+The packer walks the bubbles in time order, iteration after iteration, and fills each one with the
+largest ready item that still fits (``d * 1.05 < room``, the published rule), ties broken towards
+covariance work that unlocks the most sync and inverse time. A queue places as many consecutive pieces
+as fit and are ready. Items longer (with the margin) than the node's largest bubble fit nowhere: they
+go, dependency-correct, to the end of an iteration (after its last pipeline item), which they lengthen;
+that is the only overflow. Candidate lookup is one bisect plus one big-integer bit scan over the node's
+distinct (queue, piece size) and plain items, so a node costs O(pieces + items x log items).
+
+When the walk needs more iterations than the node's lower bound (see :mod:`bounds`), a second pass with
+a fixed cycle length tries to do better: inverses and syncs are placed first, as late as possible,
+largest first, then covariance pieces as early as possible, each factor's pieces before its sync's
+deadline. The shorter of the two valid cycles is kept.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
+from typing import Sequence
+
+from pipefisher.policies.base import (
+    END,
+    SAVE_OFF,
+    SAVE_ON,
+    START,
+    JobSchedule,
+    NodeFigures,
+    NodeSchedule,
+    Placement,
+    Policy,
+)
+from pipefisher.policies.bounds import MARGIN, Chain, NodeBounds, node_bounds
+from pipefisher.timeline import BACKWARD, FORWARD, UP_PIPE, Interval, Job, NodeTimeline, Time, TimelineKey
+
+COV, SYNC, INV = 0, 1, 2
+_KIND = {"cov_kron_A": COV, "cov_kron_B": COV, "sync_kron_A": SYNC, "sync_kron_B": SYNC,
+         "inv_kron_A": INV, "inv_kron_B": INV}
+PIPE_KEYS = (FORWARD, FORWARD + ":" + UP_PIPE, BACKWARD, BACKWARD + ":" + UP_PIPE)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The node as the packer sees it
+
+
+@dataclass(frozen=True)
+class Bubble:
+    """An idle gap of every iteration; ``pos`` = pipeline items that come before it."""
+
+    start: Time
+    end: Time
+    pos: int
+
+    @property
+    def length(self) -> Time:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Work:
+    """One K-FAC key's work: a covariance queue of pieces, or one sync / inverse occurrence."""
+
+    label: str
+    kind: int  # COV, SYNC or INV
+    group: int  # the factor (A or B) of one layer copy: (factor, module, pipe)
+    pieces: tuple[Time, ...]  # piece durations (one for sync and inverse items)
+    release: tuple[int, ...]  # covariance: per piece, the pipeline item (index) it must follow in iteration 0
+
+
+@dataclass(frozen=True)
+class NodeModel:
+    """What packing one node needs: its pipeline (sorted), its bubbles, its work and their groups."""
+
+    pipeline: tuple[tuple[str, Time, Time], ...]
+    bubbles: tuple[Bubble, ...]
+    base: Time  # where an iteration without overflow ends: max(pipeline time, last pipeline end)
+    length: Time  # its length: ``base`` minus any pipeline time before 0 (nodes that start early)
+    pipeline_busy: Time  # time covered by forwards and backwards in one iteration
+    work: tuple[Work, ...]
+    groups: int
+    synced: tuple[bool, ...]  # per group: the node has a sync item for it (inverses wait for it)
+
+
+def _sane(iv: Interval, fallback: Time) -> tuple[Time, Time]:
+    """A missing bound is no measured time; an end before the start is no time either."""
+    s, e = iv.start, iv.end
+    if s is None and e is None:
+        return fallback, fallback
+    if s is None:
+        s = e
+    elif e is None:
+        e = s
+    assert s is not None and e is not None
+    return s, (e if e >= s else s)
+
+
+def _split(length: Time, m: int) -> tuple[Time, ...]:
+    """``m`` pieces that add up to ``length``: the remainder spread over the first pieces (integers)."""
+    if isinstance(length, int):
+        base, rem = divmod(length, m)
+        return (base + 1,) * rem + (base,) * (m - rem)
+    return (length / m,) * m
+
+
+def node_model(node: NodeTimeline, span: Time) -> NodeModel:
+    """Sort the pipeline, find the bubbles in [0, span], and turn the K-FAC keys into work items."""
+    raw = []
+    order = 0
+    for key in PIPE_KEYS:
+        prev: Time = 0
+        for iv in node.intervals(key):
+            s, e = _sane(iv, prev)
+            raw.append((s, order, key, e))
+            order += 1
+            prev = e
+    raw.sort(key=lambda r: (r[0], r[1]))
+    pipeline = tuple((key, s, e) for s, _, key, e in raw)
+
+    # The node's iteration window: from its first pipeline item (or 0) to its last (or the pipeline
+    # time); every idle gap in it is a bubble, the same in every iteration.
+    first_start = min((s for _, s, _ in pipeline), default=0)
+    last_end = max((e for _, _, e in pipeline), default=0)
+    base = span if span >= last_end else last_end
+    length = base - first_start if first_start < 0 else base
+    bubbles = []
+    cur: Time = first_start if first_start < 0 else 0
+    busy: Time = 0
+    for i, (_, s, e) in enumerate(pipeline):
+        if s > cur:
+            bubbles.append(Bubble(cur, s, i))
+        if e > cur:
+            busy += e - (s if s > cur else cur)  # union of pipeline intervals, for usage
+            cur = e
+    if base > cur:
+        bubbles.append(Bubble(cur, base, len(pipeline)))
+
+    positions: dict[str, list[int]] = {key: [] for key in PIPE_KEYS}
+    for i, (key, _, _) in enumerate(pipeline):
+        positions[key].append(i)
+
+    group_of: dict[tuple[str, str | None, bool], int] = {}
+    items: list[Work] = []
+    synced: set[int] = set()
+    for key, intervals in node.entries.items():
+        parsed = TimelineKey.parse(key)
+        kind = _KIND.get(parsed.kind)
+        if kind is None:
+            continue
+        gkey = (parsed.factor or "", parsed.module, parsed.up_pipe)
+        g = group_of.setdefault(gkey, len(group_of))
+        durations = [e - s for s, e in (_sane(iv, 0) for iv in intervals)]
+        if kind == COV:
+            m = node.micro_batches(parsed.up_pipe)
+            if m == 0 or not durations:
+                continue  # the timeline asks for no pieces of a pipe that does not run here
+            op = (FORWARD if parsed.factor == "A" else BACKWARD) + (":" + UP_PIPE if parsed.up_pipe else "")
+            pos = positions[op]
+            pieces: list[Time] = []
+            for d in durations:
+                pieces.extend(_split(d, m))
+            release = tuple(pos[q % m] for q in range(len(pieces)))
+            items.append(Work(key, COV, g, tuple(pieces), release))
+        else:
+            if kind == SYNC and durations:
+                synced.add(g)
+            items.extend(Work(key, kind, g, (d,), ()) for d in durations)
+    return NodeModel(pipeline, tuple(bubbles), base, length, busy, tuple(items), len(group_of),
+                     tuple(g in synced for g in range(len(group_of))))
+
+
+def model_bounds(model: NodeModel) -> NodeBounds:
+    """The node's lower bounds, from its item durations (covariance per piece) and bubble lengths."""
+    durations = [d for w in model.work for d in w.pieces]
+    gaps = [b.length for b in model.bubbles]
+    largest = max(gaps, default=0)
+    pieces: list[list[tuple[int, Time]]] = [[] for _ in range(model.groups)]
+    tails: list[list[Time]] = [[] for _ in range(model.groups)]
+    last: list[tuple[int, Time] | None] = [None] * model.groups
+    syncs: list[list[Time]] = [[] for _ in range(model.groups)]
+    invs: list[list[Time]] = [[] for _ in range(model.groups)]
+    forced_level = [99] * model.groups  # chain level (cov 0, sync 1, inverse 2) of the first overflow item
+    fit_level = [-1] * model.groups  # and of the last fittable one
+    for w in model.work:
+        g = w.group
+        level = w.kind if model.synced[g] or w.kind == COV else SYNC
+        if w.kind == COV:
+            q = max(range(len(w.pieces)), key=lambda j: (w.release[j], j))
+            last[g] = (w.release[q], w.pieces[q])
+        elif level == SYNC and w.kind == SYNC:
+            syncs[g].append(w.pieces[0])
+        else:
+            invs[g].append(w.pieces[0])
+        for r, d in zip(w.release or (None,) * len(w.pieces), w.pieces):
+            if d * MARGIN < largest:
+                fit_level[g] = max(fit_level[g], level)
+                if w.kind == COV:
+                    pieces[g].append((r, d))
+                else:
+                    tails[g].append(d)
+            else:
+                forced_level[g] = min(forced_level[g], level)
+    chains = [Chain(tuple(pieces[g]), tuple(tails[g]), forced_level[g] < fit_level[g], last[g], tuple(syncs[g]),
+                    tuple(invs[g])) for g in range(model.groups)]
+    return node_bounds(durations, gaps, chains, [b.pos for b in model.bubbles])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Packing
+
+
+@dataclass
+class Packed:
+    """A packed cycle: per iteration, the work in each bubble (in order) and the overflow at its end."""
+
+    iterations: int
+    in_bubbles: list[list[tuple[int, str, Time, Time]]]  # per iteration: (bubble, label, start, end)
+    overflow: list[list[tuple[str, Time]]]  # per iteration: (label, duration), after the last pipeline item
+
+
+class _Entities:
+    """The things the packer picks from, sorted by the room they need: plain items and, per covariance
+    queue, one entity per distinct piece size (only the one of the queue's current head is ever ready)."""
+
+    def __init__(self, model: NodeModel, largest: Time) -> None:
+        work = model.work
+        downstream: dict[int, Time] = {}
+        for w in work:
+            if w.kind != COV:
+                downstream[w.group] = downstream.get(w.group, 0) + w.pieces[0]
+        keys = []
+        self.piece_rank: list[list[int] | None] = []
+        entries: list[tuple[float, tuple, int, Time]] = []  # need, tie-break, work index, size
+        for wi, w in enumerate(work):
+            if w.kind == COV:
+                for d in sorted(set(w.pieces)):
+                    entries.append((d * MARGIN, (2, downstream.get(w.group, 0), -wi), wi, d))
+            else:
+                entries.append((w.pieces[0] * MARGIN, (1 if w.kind == SYNC else 0, 0, -wi), wi, w.pieces[0]))
+        entries.sort(key=lambda e: (e[0], e[1]))
+        self.need = [e[0] for e in entries]
+        self.work = [e[2] for e in entries]
+        rank_of: dict[tuple[int, Time], int] = {(e[2], e[3]): r for r, e in enumerate(entries)}
+        for wi, w in enumerate(work):
+            self.piece_rank.append([rank_of[(wi, d)] for d in w.pieces] if w.kind == COV else None)
+        self.plain_rank = [rank_of[(wi, w.pieces[0])] if w.kind != COV else -1 for wi, w in enumerate(work)]
+        del keys
+
+
+def pack_greedy(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
+    """Walk the bubbles in time order, filling each with the largest ready item that fits."""
+    work = model.work
+    bubbles = model.bubbles
+    nb = len(bubbles)
+    largest = max((b.length for b in bubbles), default=0)
+    ents = _Entities(model, largest)
+    need = ents.need
+    ent_work = ents.work
+    piece_rank = ents.piece_rank
+    plain_rank = ents.plain_rank
+    pos = [b.pos for b in bubbles]
+
+    # Iteration 0: the first bubble index at which a covariance piece is ready (nb: only from iteration 1).
+    def rel_bubble(wi: int, head: int) -> int:
+        return bisect_right(pos, work[wi].release[head])
+
+    head = [0] * len(work)
+    cov_left = [0] * model.groups
+    syncs_of: list[list[int]] = [[] for _ in range(model.groups)]
+    invs_of: list[list[int]] = [[] for _ in range(model.groups)]
+    for wi, w in enumerate(work):
+        if w.kind == COV:
+            cov_left[w.group] += len(w.pieces)
+        elif w.kind == SYNC:
+            syncs_of[w.group].append(wi)
+        else:
+            invs_of[w.group].append(wi)
+    sync_seen = [False] * model.groups
+    remaining = sum(len(w.pieces) for w in work)
+
+    mask = 0
+    pending: list[list[int]] = [[] for _ in range(nb + 1)]
+    forced: list[int] = []
+    iteration = 0
+    cur_bubble = 0
+
+    def ready_plain(wi: int) -> None:
+        nonlocal mask
+        if work[wi].pieces[0] * MARGIN < largest:
+            mask |= 1 << plain_rank[wi]
+        else:
+            forced.append(wi)
+
+    def group_cov_done(g: int) -> None:
+        if model.synced[g]:
+            for wi in syncs_of[g]:
+                ready_plain(wi)
+        else:
+            for wi in invs_of[g]:
+                ready_plain(wi)
+
+    def classify(wi: int) -> None:
+        """Put queue ``wi``'s new head where it belongs: ready, waiting for its forward/backward, or forced."""
+        nonlocal mask
+        h = head[wi]
+        pieces = work[wi].pieces
+        if h >= len(pieces):
+            return
+        if not pieces[h] * MARGIN < largest:
+            forced.append(wi)
+            return
+        if iteration == 0:
+            rb = rel_bubble(wi, h)
+            if rb > cur_bubble:
+                pending[rb].append(wi)
+                return
+        mask |= 1 << piece_rank[wi][h]  # type: ignore[index]
+
+    def placed(wi: int) -> None:
+        """Bookkeeping after an item (plain) or a queue's last piece was placed."""
+        w = work[wi]
+        g = w.group
+        if w.kind == SYNC and not sync_seen[g]:
+            sync_seen[g] = True
+            for v in invs_of[g]:
+                ready_plain(v)
+
+    for g in range(model.groups):
+        if cov_left[g] == 0:
+            group_cov_done(g)
+    for wi, w in enumerate(work):
+        if w.kind == COV:
+            classify(wi)
+
+    in_bubbles: list[list[tuple[int, str, Time, Time]]] = []
+    overflow: list[list[tuple[str, Time]]] = []
+    while remaining > 0:
+        if iteration >= max_iterations:
+            raise RuntimeError("packing made no progress")  # pragma: no cover - the walk always progresses
+        here: list[tuple[int, str, Time, Time]] = []
+        spill: list[tuple[str, Time]] = []
+        for b in range(nb):
+            cur_bubble = b
+            if iteration == 0 and pending[b]:
+                for wi in pending[b]:
+                    classify(wi)
+                pending[b] = []
+            bub = bubbles[b]
+            t = bub.start
+            end = bub.end
+            while mask:
+                p = bisect_left(need, end - t)
+                while True:
+                    cand = mask & ((1 << p) - 1)
+                    if not cand:
+                        r = -1
+                        break
+                    r = cand.bit_length() - 1
+                    if t + need[r] < end:
+                        break
+                    p = r
+                if r < 0:
+                    break
+                wi = ent_work[r]
+                w = work[wi]
+                mask &= ~(1 << r)
+                if w.kind != COV:
+                    d = w.pieces[0]
+                    here.append((b, w.label, t, t + d))
+                    t += d
+                    remaining -= 1
+                    placed(wi)
+                    continue
+                pieces, ranks, release = w.pieces, piece_rank[wi], w.release
+                h = head[wi]
+                n = len(pieces)
+                lim = pos[b]
+                label = w.label
+                nr = need[r]
+                while h < n and ranks[h] == r and t + nr < end and (iteration or release[h] < lim):  # type: ignore[index]
+                    d = pieces[h]
+                    here.append((b, label, t, t + d))
+                    t += d
+                    h += 1
+                done = h - head[wi]
+                head[wi] = h
+                remaining -= done
+                g = w.group
+                cov_left[g] -= done
+                if h >= n:
+                    if cov_left[g] == 0:
+                        group_cov_done(g)
+                else:
+                    classify(wi)
+        # The end of the iteration: everything else of iteration 0 is ready now; then the forced work.
+        cur_bubble = nb
+        if iteration == 0:
+            for wi in pending[nb]:
+                classify(wi)
+            pending[nb] = []
+        while forced:
+            wi = forced.pop(0)
+            w = work[wi]
+            if w.kind != COV:
+                spill.append((w.label, w.pieces[0]))
+                remaining -= 1
+                placed(wi)
+                continue
+            h = head[wi]
+            pieces = w.pieces
+            while h < len(pieces) and not pieces[h] * MARGIN < largest:
+                spill.append((w.label, pieces[h]))
+                h += 1
+            done = h - head[wi]
+            head[wi] = h
+            remaining -= done
+            cov_left[w.group] -= done
+            if h >= len(pieces):
+                if cov_left[w.group] == 0:
+                    group_cov_done(w.group)
+            else:
+                saved, iteration = iteration, max(iteration, 1)  # after the end: every release is met
+                classify(wi)
+                iteration = saved
+        in_bubbles.append(here)
+        overflow.append(spill)
+        iteration += 1
+    if not in_bubbles:
+        in_bubbles, overflow = [[]], [[]]
+    return Packed(len(in_bubbles), in_bubbles, overflow)
+
+
+_SLACK = MARGIN - 1.0
+
+
+def pack_fixed(model: NodeModel, k: int) -> Packed | None:
+    """Try to pack the node into exactly ``k`` iterations; ``None`` when this construction cannot.
+
+    1. Syncs and inverses, latest first: walk the slots backwards (each iteration's bubbles, then its
+       overflow slot at the end) and put the largest item whose successors are all placed later and
+       that still fits; items that fit no bubble go to overflow slots only.
+    2. Covariance pieces, earliest first: walk the slots forwards and give the room left to the ready
+       queue whose factor's sync (or inverse) comes first, as many pieces as fit.
+    In a bubble the work is laid out covariance pieces first, then syncs, then inverses, back to back;
+    a bubble of length G holding work S with largest item D is full when ``S + 0.05 D`` reaches G.
+    """
+    work = model.work
+    bubbles = model.bubbles
+    nb = len(bubbles)
+    per = nb + 1  # slots per iteration: its bubbles, then its overflow slot
+    nslots = k * per
+    gap = [b.length for b in bubbles]
+    largest = max(gap, default=0)
+    used: list[Time] = [0] * nslots
+    maxd: list[Time] = [0] * nslots
+    content: list[list[tuple[int, int]]] = [[] for _ in range(nslots)]  # (work index, piece) per slot
+
+    syncs_of: list[list[int]] = [[] for _ in range(model.groups)]
+    invs_of: list[list[int]] = [[] for _ in range(model.groups)]
+    queue_of: list[int] = [-1] * model.groups
+    for wi, w in enumerate(work):
+        if w.kind == COV:
+            queue_of[w.group] = wi
+        elif w.kind == SYNC:
+            syncs_of[w.group].append(wi)
+        else:
+            invs_of[w.group].append(wi)
+
+    # -- 1. syncs and inverses, as late as possible --------------------------------------------------
+    plain = [wi for wi, w in enumerate(work) if w.kind != COV]
+    order = sorted(plain, key=lambda wi: (work[wi].pieces[0], -wi))
+    rank = {wi: r for r, wi in enumerate(order)}
+    need = [work[wi].pieces[0] * MARGIN for wi in order]
+    fit_mask = 0  # ready fittable items, by rank
+    forced_ready: list[int] = []
+    slot_of: dict[int, int] = {}
+    invs_left = [len(invs_of[g]) if model.synced[g] else 0 for g in range(model.groups)]
+
+    def ready(wi: int) -> None:
+        nonlocal fit_mask
+        if work[wi].pieces[0] * MARGIN < largest:
+            fit_mask |= 1 << rank[wi]
+        else:
+            forced_ready.append(wi)
+
+    for wi in plain:
+        w = work[wi]
+        if w.kind == INV or invs_left[w.group] == 0:
+            ready(wi)
+    placed_plain = 0
+    for slot in range(nslots - 1, -1, -1):
+        b = slot % per
+        if b == nb:  # overflow slot: every ready forced item, and whatever they make ready
+            while forced_ready:
+                wi = forced_ready.pop()
+                content[slot].append((wi, 0))
+                slot_of[wi] = slot
+                placed_plain += 1
+                w = work[wi]
+                if w.kind == INV and model.synced[w.group]:
+                    invs_left[w.group] -= 1
+                    if invs_left[w.group] == 0:
+                        for s in syncs_of[w.group]:
+                            ready(s)
+            continue
+        g_len = gap[b]
+        released: list[int] = []
+        while fit_mask:
+            room = g_len - used[slot]
+            p = bisect_left(need, room)
+            r = -1
+            while True:
+                cand = fit_mask & ((1 << p) - 1)
+                if not cand:
+                    r = -1
+                    break
+                r = cand.bit_length() - 1
+                d = work[order[r]].pieces[0]
+                top = d if d > maxd[slot] else maxd[slot]
+                if used[slot] + d + _SLACK * top < g_len:
+                    break
+                p = r
+            if r < 0:
+                break
+            wi = order[r]
+            fit_mask &= ~(1 << r)
+            d = work[wi].pieces[0]
+            used[slot] += d
+            if d > maxd[slot]:
+                maxd[slot] = d
+            content[slot].append((wi, 0))
+            slot_of[wi] = slot
+            placed_plain += 1
+            w = work[wi]
+            if w.kind == INV and model.synced[w.group]:
+                invs_left[w.group] -= 1
+                if invs_left[w.group] == 0:
+                    released.extend(syncs_of[w.group])
+        for s in released:  # a sync may share its inverse's bubble (it is laid out first)
+            ready(s)
+        if released and b < nb:
+            # let them into this same bubble: run the bubble again
+            while fit_mask:
+                room = g_len - used[slot]
+                p = bisect_left(need, room)
+                r = -1
+                while True:
+                    cand = fit_mask & ((1 << p) - 1)
+                    if not cand:
+                        r = -1
+                        break
+                    r = cand.bit_length() - 1
+                    d = work[order[r]].pieces[0]
+                    top = d if d > maxd[slot] else maxd[slot]
+                    if used[slot] + d + _SLACK * top < g_len:
+                        break
+                    p = r
+                if r < 0 or work[order[r]].kind != SYNC:
+                    break
+                wi = order[r]
+                fit_mask &= ~(1 << r)
+                d = work[wi].pieces[0]
+                used[slot] += d
+                if d > maxd[slot]:
+                    maxd[slot] = d
+                content[slot].append((wi, 0))
+                slot_of[wi] = slot
+                placed_plain += 1
+    if placed_plain < len(plain):
+        return None
+
+    # -- 2. covariance pieces, as early as possible, earliest deadline first -------------------------
+    INF = nslots + 1
+    deadline = [INF] * model.groups
+    for g in range(model.groups):
+        after = syncs_of[g] if model.synced[g] else invs_of[g]
+        if after:
+            deadline[g] = min(slot_of[wi] for wi in after)
+    pos = [b.pos for b in bubbles]
+    queues = [wi for wi, w in enumerate(work) if w.kind == COV]
+    queues.sort(key=lambda wi: (deadline[work[wi].group], wi))
+    head = {wi: 0 for wi in queues}
+    active = list(queues)  # queues with pieces left, by deadline
+    for slot in range(nslots):
+        if not active:
+            break
+        i, b = divmod(slot, per)
+        still = []
+        if b == nb:
+            for wi in active:
+                w = work[wi]
+                h = head[wi]
+                pieces = w.pieces
+                while h < len(pieces) and not pieces[h] * MARGIN < largest:
+                    content[slot].append((wi, h))
+                    h += 1
+                head[wi] = h
+                if h < len(pieces):
+                    if deadline[w.group] <= slot:
+                        return None
+                    still.append(wi)
+            active = still
+            continue
+        g_len = gap[b]
+        lim = pos[b]
+        for wi in active:
+            w = work[wi]
+            pieces, release = w.pieces, w.release
+            h = head[wi]
+            n = len(pieces)
+            u, top = used[slot], maxd[slot]
+            while h < n and (i or release[h] < lim):
+                d = pieces[h]
+                t2 = d if d > top else top
+                if not u + d + _SLACK * t2 < g_len:
+                    break
+                u += d
+                top = t2
+                content[slot].append((wi, h))
+                h += 1
+            used[slot], maxd[slot] = u, top
+            head[wi] = h
+            if h < n:
+                if deadline[w.group] <= slot:
+                    return None
+                still.append(wi)
+        active = still
+    if active:
+        return None
+
+    # -- layout ---------------------------------------------------------------------------------------
+    in_bubbles: list[list[tuple[int, str, Time, Time]]] = [[] for _ in range(k)]
+    overflow: list[list[tuple[str, Time]]] = [[] for _ in range(k)]
+    for slot in range(nslots):
+        items = content[slot]
+        if not items:
+            continue
+        i, b = divmod(slot, per)
+        items.sort(key=lambda x: work[x[0]].kind)  # stable: pieces keep their order
+        if b == nb:
+            overflow[i].extend((work[wi].label, work[wi].pieces[h]) for wi, h in items)
+            continue
+        t = bubbles[b].start
+        out = in_bubbles[i]
+        for wi, h in items:
+            d = work[wi].pieces[h]
+            out.append((b, work[wi].label, t, t + d))
+            t += d
+    return Packed(k, in_bubbles, overflow)
+
+
+# ----------------------------------------------------------------------------------------------------
+# From a packed cycle to the schedule file's labels, placements and figures
+
+
+def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeSchedule:
+    """Labels in time order per iteration, placements with times, and the figures of the report."""
+    pipeline = model.pipeline
+    bubbles = model.bubbles
+    iterations: list[tuple[str, ...]] = []
+    placements: list[Placement] = []
+    kfac: Time = 0
+    total_overflow: Time = 0
+    k = packed.iterations
+    for i in range(k):
+        labels = [START]
+        places = [Placement(START, 0, 0, i)]
+        nxt = 0  # next pipeline item to emit
+
+        def emit_pipeline(upto: int) -> None:
+            nonlocal nxt
+            while nxt < upto:
+                key, s, e = pipeline[nxt]
+                labels.append(key)
+                places.append(Placement(key, s, e, i))
+                nxt += 1
+
+        for b, label, s, e in packed.in_bubbles[i]:
+            if nxt < bubbles[b].pos:
+                emit_pipeline(bubbles[b].pos)
+            labels.append(label)
+            places.append(Placement(label, s, e, i))
+            kfac += e - s
+        emit_pipeline(len(pipeline))
+        t = model.base
+        for label, d in packed.overflow[i]:
+            labels.append(label)
+            places.append(Placement(label, t, t + d, i))
+            t += d
+            kfac += d
+            total_overflow += d
+        labels.append(END)
+        places.append(Placement(END, t, t, i))
+        if i == 0:
+            labels.append(SAVE_OFF)
+            places.append(Placement(SAVE_OFF, t, t, i))
+        if i == k - 1:
+            labels.append(SAVE_ON)
+            places.append(Placement(SAVE_ON, t, t, i))
+        iterations.append(tuple(labels))
+        placements.extend(places)
+    cycle = model.length * k + total_overflow
+    busy = model.pipeline_busy * k
+    usage = (busy + kfac) / cycle * 100 if cycle else 0.0
+    figures = NodeFigures(
+        iterations=k,
+        usage=usage,
+        cycle_time=cycle,
+        pipeline_busy=busy,
+        kfac_placed=kfac,
+        bubble_left=cycle - busy - kfac,
+        overflow=total_overflow,
+        lower_bound=bounds.tight,
+        extra={
+            "volume_bound": bounds.volume,
+            "fittable_work": bounds.fittable_work,
+            "bubble_time_per_iteration": bounds.bubble_time,
+            "largest_bubble": bounds.largest_bubble,
+            "forced_items": bounds.forced_items,
+        },
+    )
+    return NodeSchedule(tuple(iterations), tuple(placements), figures)
+
+
+def pack_node(node: NodeTimeline, span: Time) -> NodeSchedule:
+    """One node's cycle, as short as this policy can make it."""
+    model = node_model(node, span)
+    bounds = model_bounds(model)
+    packed = pack_greedy(model)
+    for k in range(bounds.tight, packed.iterations):
+        trial = pack_fixed(model, k)
+        if trial is not None:
+            packed = trial
+            break
+    return node_schedule(model, packed, bounds)
+
+
+class TightPolicy(Policy):
+    """Dependency-correct packing close to the lower bound; overflow only for work that fits no bubble."""
+
+    name = "tight"
+    summary = "dependency-correct packing near the lower bound (overflow only for work no bubble can hold)"
+
+    def pack(self, job: Job) -> JobSchedule:
+        return JobSchedule(self.name, job.span, tuple(pack_node(node, job.span) for node in job.nodes))
+
+
+def packed_labels(schedule: NodeSchedule) -> Sequence[Sequence[str]]:
+    """The schedule file entry of one node (convenience for tests)."""
+    return [list(it) for it in schedule.iterations]

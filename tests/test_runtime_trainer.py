@@ -1,0 +1,138 @@
+"""Training end to end: loss goes down in each mode, profiles feed the scheduler, failures are loud."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from pipefisher.cli import main
+from pipefisher.runtime.config import load_config
+from pipefisher.runtime.dist import StageMismatchError, single_process
+from pipefisher.runtime.launch import WorkerFailed, launch_local, run_worker, spawn_local
+from pipefisher.runtime.trainer import Trainer, TrainOptions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+def _went_down(losses: list[float], margin: float = 0.2) -> bool:
+    return statistics.mean(losses[-5:]) < statistics.mean(losses[:5]) - margin
+
+
+@pytest.mark.parametrize("mode", ["first-order", "kfac"])
+def test_loss_goes_down_in_one_process(mode):
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})
+    result = Trainer(cfg, single_process(), TrainOptions(mode=mode, steps=30, progress=False)).run()
+    assert len(result.losses) == 30 and _went_down(result.losses), result.losses
+
+
+@pytest.mark.parametrize("mode,schedule", [("first-order", "gpipe"), ("kfac", "1f1b")])
+def test_cli_train_two_stages_loss_goes_down(tmp_path, mode, schedule):
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--nproc-per-node", "2", "--mode", mode,
+                                    "--schedule", schedule, "--steps", "30", "--out", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert f"mode {mode}, 2 stage(s) x 1 replica(s)" in res.output and "step    25  loss" in res.output
+    report = json.loads((out / "tiny_losses.json").read_text())
+    assert report["mode"] == mode and _went_down(report["losses"]), report["losses"]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--profile", "--steps", "3", "--out", str(out),
+                                    "--nproc-per-node", "2", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    return out, [str(out / f"tiny_node{i}_timeline.pickle") for i in range(2)]
+
+
+def test_profile_writes_one_timeline_per_node_in_the_profiled_format(profiled):
+    from pipefisher.safe_io import load_pickle
+
+    _, paths = profiled
+    for node, path in enumerate(paths):
+        tl = load_pickle(path)
+        assert len(tl["start_end"]) == 3
+        assert len(tl["call_forward"]) == len(tl["call_backward"]) == 3 * 4
+        layers = sorted({k.split(":", 1)[1] for k in tl if k.startswith("cov_kron_A:")})
+        assert len(layers) == 12 and all(f"encoder.layer.{2 * node}." in n or f"encoder.layer.{2 * node + 1}."
+                                         in n for n in layers)
+        for kind in ("cov_kron_A", "cov_kron_B", "inv_kron_A", "inv_kron_B"):
+            assert all(len(tl[f"{kind}:{n}"]) == 3 for n in layers)
+        assert not any(k.startswith("sync_kron") for k in tl)  # one replica: nothing to all-reduce
+        for intervals in tl.values():
+            assert all(isinstance(s, int) and isinstance(e, int) and 0 <= s <= e for s, e in intervals)
+        (s0, e0), = tl["start_end"][-1:]
+        assert all(s0 <= s <= e <= e0 for s, e in tl["call_forward"][-4:])
+
+
+def test_profile_loads_and_packs_in_the_scheduler(profiled):
+    from pipefisher.timeline import load_job
+
+    out, paths = profiled
+    assert len(load_job(paths).nodes) == 2
+    res = CliRunner().invoke(main, ["schedule", *paths, "--save-path", str(out / "sched.pickle")])
+    assert res.exit_code == 0, res.output
+    assert "node0:" in res.output and "node1:" in res.output
+
+
+def test_profile_schedule_validates_with_a_dependency_correct_policy(profiled):
+    from pipefisher.policies import POLICIES
+
+    correct = sorted(name for name in POLICIES if name != "compat")
+    if not correct:
+        pytest.skip("no dependency-correct policy registered yet (only compat)")
+    out, paths = profiled
+    sched = str(out / f"sched-{correct[0]}.pickle")
+    res = CliRunner().invoke(main, ["schedule", *paths, "--policy", correct[0], "--save-path", sched])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, ["validate", *paths, "--schedule", sched])
+    assert res.exit_code == 0, res.output
+
+
+def _dies_at_start(cfg_path: str) -> None:
+    """Rank 1 vanishes after joining; rank 0 trains and must fail on its timeout, not hang."""
+    from pipefisher.runtime.dist import init_from_env
+
+    cfg = load_config(cfg_path).replace(pipeline={"timeout_s": 3.0})
+    ctx = init_from_env(2, cfg.pipeline.timeout_s)
+    if ctx.grid.rank == 1:
+        os._exit(0)
+    Trainer(cfg, ctx, TrainOptions(steps=2, progress=False)).run()
+
+
+def test_a_dead_worker_gives_a_clear_error_not_a_hang():
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as err:
+        spawn_local(_dies_at_start, 2, TINY, timeout_s=60)
+    assert time.monotonic() - t0 < 45
+    assert "PeerLost" in str(err.value) and "stage 0 of replica 0 (rank 0) failed at step 0" in str(err.value)
+
+
+def _mismatched(cfg_path: str) -> None:
+    rank = int(os.environ["RANK"])
+    cfg = load_config(cfg_path).replace(optim={"lr": 0.1 * (rank + 1)}, pipeline={"timeout_s": 10.0})
+    run_worker(cfg, TrainOptions(steps=1, progress=False))
+
+
+def test_workers_with_different_configs_refuse_to_start():
+    with pytest.raises(WorkerFailed) as err:
+        spawn_local(_mismatched, 2, TINY, timeout_s=60)
+    assert StageMismatchError.__name__ in str(err.value) and "ranks [1] differ from rank 0" in str(err.value)
+
+
+def test_launcher_reports_a_failing_worker(tmp_path):
+    cfg = load_config(TINY).replace(data={"text_file": str(tmp_path / "missing.txt")})
+    lines: list[str] = []
+    with pytest.raises(WorkerFailed, match=r"worker rank \d of 2 exited with code 2: error: .*missing.txt"):
+        launch_local(cfg, TrainOptions(steps=1, progress=False), 2, echo=lines.append)
+
+
+def test_cli_rejects_a_bad_layout_as_input_error():
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--nproc-per-node", "3"])
+    assert res.exit_code == 2 and "not a multiple of the 2 pipeline stages" in res.output
+

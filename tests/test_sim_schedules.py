@@ -1,0 +1,154 @@
+"""Schedule generators: closed-form bubbles, dependencies, and clear refusals."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipefisher.errors import InputError
+from pipefisher.sim.schedules import BACKWARD, FORWARD, WEIGHT, generate, schedule_names
+from pipefisher.sim.simulator import PipeCosts, simulate
+
+UNIT = 1000  # ns; equal forward and backward cost, zero latency
+
+
+def uniform(schedule, forward=UNIT, backward=UNIT, latency=0, input_grad_fraction=0.5):
+    return PipeCosts.uniform(schedule.virtual_stages, forward, backward, latency, input_grad_fraction)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 4), (4, 8), (8, 8), (8, 32), (3, 5)])
+def test_gpipe_and_1f1b_bubble_fraction_is_p_minus_1_over_m_plus_p_minus_1(name, p, m):
+    s = generate(name, p, m)
+    r = simulate(s, uniform(s))
+    assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 3, 8), (8, 2, 16), (4, 4, 12)])
+def test_interleaved_bubble_fraction_is_p_minus_1_over_vm_plus_p_minus_1(p, v, m):
+    s = generate("interleaved", p, m, chunks=v)
+    # each chunk holds 1/v of a stage: its forward and backward take 1/v of a stage's (1200 ns)
+    r = simulate(s, uniform(s, 1200 // v, 1200 // v))
+    assert r.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+@pytest.mark.parametrize("backward", [UNIT, 2 * UNIT])
+@pytest.mark.parametrize("p,k", [(4, 2), (4, 3), (6, 2), (8, 2), (8, 3), (16, 2)])
+def test_chimera_matches_its_papers_bubble_ratio(p, k, backward):
+    """Chimera (Li & Hoefler, SC'21) gives (D-2)/(2N+D-2) for D stages and N micro-batches.
+
+    The paper's cost assumptions: zero communication time and uniform stages, with the backward of a
+    micro-batch equal to (or, in its figures, twice) its forward. Checked here for N = k * D (the
+    paper's units of D micro-batches concatenated), for both backward costs.
+    """
+    m = k * p
+    s = generate("chimera", p, m)
+    r = simulate(s, uniform(s, UNIT, backward))
+    assert r.bubble_fraction == pytest.approx((p - 2) / (2 * m + p - 2))
+
+
+def test_chimera_basic_unit_of_four_stages_matches_too():
+    s = generate("chimera", 4, 4)
+    assert simulate(s, uniform(s)).bubble_fraction == pytest.approx(2 / 10)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (8, 8), (8, 24)])
+@pytest.mark.parametrize("f,b,w", [(3, 3, 3), (4, 3, 2), (2, 3, 1), (3, 2, 3)])
+def test_zb_h1_idle_per_device_is_its_closed_form_and_below_1f1b(p, m, f, b, w):
+    """ZB-H1 (Qi et al. 2023) leaves (p-1)(T_F + T_B - T_W) idle per device, 1F1B (p-1)(T_F + T_B + T_W).
+
+    The closed form assumes T_W <= T_B (as the paper's equal-cost case); with a longer W the forward
+    ramp-up, (p-1) T_F, is the floor.
+    """
+    zb = generate("zb-h1", p, m)
+    costs = PipeCosts.uniform(p, f * UNIT, (b + w) * UNIT, 0, b / (b + w))
+    r = simulate(zb, costs)
+    assert [r.idle(d) for d in range(p)] == [(p - 1) * max(f + b - w, f) * UNIT] * p
+    base = simulate(generate("1f1b", p, m), costs)
+    assert all(r.idle(d) < base.idle(d) for d in range(p))
+    assert [base.idle(d) for d in range(p)] == [(p - 1) * (f + b + w) * UNIT] * p
+
+
+def test_zb_h1_keeps_1f1b_peak_activation_memory():
+    p, m = 4, 12
+    for d, ops in enumerate(generate("zb-h1", p, m).devices):
+        live = peak = 0
+        for op in ops:
+            live += op.kind == FORWARD
+            live -= op.kind == WEIGHT
+            peak = max(peak, live)
+        assert peak <= p
+
+
+def _check_times(result, latency):
+    s = result.schedule
+    when = {}
+    for d, timed in enumerate(result.devices):
+        assert [t.op for t in timed] == list(s.devices[d])
+        for a, b in zip(timed, timed[1:]):
+            assert b.start >= a.end, "a device runs one operation at a time"
+        for t in timed:
+            when[t.op.key()] = (t, d)
+    for d, timed in enumerate(result.devices):
+        for t in timed:
+            for dep in s.dependencies(t.op):
+                before, dd = when[dep.key()]
+                assert t.start >= before.end + (latency if dd != d else 0), f"{t.op} starts before {dep}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "chimera"]),
+    p=st.integers(1, 6),
+    mult=st.integers(1, 4),
+    extra=st.integers(0, 3),
+    v=st.integers(2, 3),
+    fwd=st.lists(st.integers(1, 50), min_size=18, max_size=18),
+    bwd=st.lists(st.integers(1, 90), min_size=18, max_size=18),
+    latency=st.integers(0, 7),
+)
+def test_every_generated_schedule_respects_its_dependencies(name, p, mult, extra, v, fwd, bwd, latency):
+    if name == "chimera":
+        p = 2 * ((p + 1) // 2)
+        m = 2 * (mult + extra)
+    elif name == "interleaved":
+        m = p * mult
+    else:
+        m = mult + extra
+    s = generate(name, p, m, v if name == "interleaved" else None)
+    s.check()
+    S = s.virtual_stages
+    costs = PipeCosts(tuple(fwd[:S]), tuple(bwd[:S]), latency, 0.5)
+    r = simulate(s, costs)
+    _check_times(r, latency)
+    kinds = {BACKWARD, FORWARD} | ({WEIGHT} if s.split_backward else set())
+    total = sum(len(ops) for ops in s.devices)
+    assert total == len(kinds) * m * S
+
+
+def test_latency_is_added_between_devices_only():
+    s = generate("gpipe", 2, 1)
+    r = simulate(s, PipeCosts.uniform(2, 10, 20, latency_ns=5))
+    (f0, b0), (f1, b1) = r.devices
+    assert (f0.start, f0.end, f1.start, f1.end, b1.start, b1.end, b0.start) == (0, 10, 15, 25, 25, 45, 50)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: generate("interleaved", 4, 6), "multiple of stages"),
+    (lambda: generate("interleaved", 4, 8, chunks=1), "chunks >= 2"),
+    (lambda: generate("chimera", 3, 6), "even number of stages"),
+    (lambda: generate("chimera", 4, 5), "even number of micro-batches"),
+    (lambda: generate("1f1b", 0, 4), "stages must be"),
+    (lambda: generate("gpipe", 4, 0), "micro-batches must be"),
+    (lambda: generate("gpipe", 4, 4, chunks=2), "one model chunk"),
+    (lambda: generate("pipedream-2bw", 4, 4), "unknown schedule"),
+])
+def test_generators_refuse_what_they_cannot_do_with_a_clear_message(call, message):
+    with pytest.raises(InputError, match=message):
+        call()
+
+
+def test_schedule_names_and_aliases():
+    assert schedule_names() == ["gpipe", "1f1b", "interleaved", "zb-h1", "chimera"]
+    assert generate("DAPPLE", 2, 2).name == "1f1b"
+    assert generate("interleaved-1f1b", 2, 2).chunks == 2

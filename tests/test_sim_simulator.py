@@ -1,0 +1,197 @@
+"""The simulator's timelines: profiled format, K-FAC phase, cost models, and the packer on top."""
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+from click.testing import CliRunner
+
+from pipefisher.cli import main
+from pipefisher.errors import InputError
+from pipefisher.policies import get_policy
+from pipefisher.schedule import validate
+from pipefisher.sim import (
+    cost_model_from_dict, load_cost_model, simulate_timelines, synthetic_model, synthetic_timelines, write_timelines,
+)
+from pipefisher.sim.costs import NS_PER_MS
+from pipefisher.timeline import KFAC_KINDS, load_job
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = os.path.join(ROOT, "configs", "sim", "bert-base-4stages.yaml")
+LARGE = os.path.join(ROOT, "configs", "sim", "bert-large-8stages.yaml")
+
+
+def kfac_keys(node, kind="cov_kron_A"):
+    return [k for k in node if k.startswith(kind + ":")]
+
+
+def test_synthetic_job_has_36_kfac_modules_per_node_in_integer_nanoseconds():
+    timelines = synthetic_timelines("1f1b", stages=8, micro_batches=16, layers_per_stage=6, kfac_scale=1.0, seed=0)
+    assert len(timelines) == 8
+    for i, node in enumerate(timelines):
+        assert len(node["call_forward"]) == len(node["call_backward"]) == 16
+        for kind in KFAC_KINDS:
+            assert len(kfac_keys(node, kind)) == 36
+        assert f"cov_kron_A:encoder.layer.{6 * i}.attention.self.query" in node
+        assert len(node["start_end"]) == 1
+        for key, intervals in node.items():
+            for s, e in intervals:
+                assert type(s) is int and type(e) is int and 0 <= s <= e, key
+
+
+def test_kfac_phase_follows_the_pipeline_and_covers_all_micro_batches():
+    model = synthetic_model(stages=2, micro_batches=4, layers_per_stage=1, seed=None)
+    timelines, result = simulate_timelines(model)
+    node = timelines[0]
+    pipeline_end = max(e for _, e in node["call_backward"])
+    query = model.modules[0]
+    s, e = node["cov_kron_A:encoder.layer.0.attention.self.query"][0]
+    assert s == pipeline_end
+    assert e - s == 4 * round(query.cov_A_ms * NS_PER_MS)
+    ends = [iv[0][1] for k, iv in node.items() if k.split(":")[0] in KFAC_KINDS]
+    assert node["start_end"] == [(0, max(ends))]
+    # covariance first, then all-reduces, then inverses
+    first = {kind: min(node[k][0][0] for k in kfac_keys(node, kind)) for kind in KFAC_KINDS}
+    assert first["cov_kron_A"] < first["sync_kron_A"] < first["inv_kron_A"]
+
+
+def test_kfac_scale_multiplies_kfac_work_only():
+    light, _ = simulate_timelines(synthetic_model(kfac_scale=0.5))
+    heavy, _ = simulate_timelines(synthetic_model(kfac_scale=2.0))
+    assert light[0]["call_forward"] == heavy[0]["call_forward"]
+    key = "inv_kron_B:encoder.layer.0.output.dense"
+    dl, dh = (t[0][key][0][1] - t[0][key][0][0] for t in (light, heavy))
+    assert dh == pytest.approx(4 * dl, rel=1e-6)
+
+
+def test_interleaved_nodes_hold_one_interval_per_chunk_and_micro_batch():
+    model = load_cost_model(BASE)
+    timelines, result = simulate_timelines(model, "interleaved", micro_batches=8)
+    assert result.schedule.chunks == 3
+    node = timelines[1]
+    assert len(node["call_forward"]) == len(node["call_backward"]) == 3 * 8
+    layers = sorted({int(k.split(".")[2]) for k in kfac_keys(node)})
+    assert layers == [1, 5, 9]  # chunk c of device 1 is virtual stage 4c + 1
+
+
+def test_zb_h1_counts_stay_equal_and_deferred_weight_passes_are_their_own_key():
+    timelines, _ = simulate_timelines(load_cost_model(BASE), "zb-h1", micro_batches=8)
+    assert "call_backward:weight" not in timelines[0]  # node 0 runs W right after B: merged
+    last = timelines[-1]
+    assert len(last["call_forward"]) == len(last["call_backward"]) == len(last["call_backward:weight"]) == 8
+
+
+def test_chimera_up_pipe_keys():
+    timelines, _ = simulate_timelines(load_cost_model(BASE), "chimera", micro_batches=8)
+    node = timelines[0]
+    assert len(node["call_forward"]) == len(node["call_forward:up_pipe"]) == 4
+    assert "cov_kron_A:encoder.layer.0.attention.self.query" in node
+    assert "cov_kron_A:encoder.layer.9.attention.self.query:up_pipe" in node  # up stage 3 = layers 9..11
+
+
+@pytest.mark.parametrize("config", [BASE, LARGE])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "chimera"])
+def test_simulated_pickles_load_and_pack(tmp_path, config, schedule):
+    timelines, _ = simulate_timelines(load_cost_model(config), schedule)
+    paths = write_timelines(tmp_path, "sim", timelines)
+    assert [os.path.basename(p) for p in paths] == [f"sim_node{i}_timeline.pickle" for i in range(len(timelines))]
+    job = load_job(paths)
+    packed = get_policy("compat").pack(job)
+    assert len(packed.nodes) == len(timelines)
+    assert all(n.figures.iterations >= 1 for n in packed.nodes)
+    validate(packed.to_file_data(), job)  # runs without error (compat's own flaws may be reported)
+
+
+def test_schedule_cli_packs_simulated_timelines(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(main, ["simulate", "--config", BASE, "--schedule", "gpipe", "--micro-batches", "4",
+                               "--out", str(tmp_path / "tl")])
+    assert res.exit_code == 0, res.output
+    assert "bubble fraction" in res.output
+    paths = sorted(str(p) for p in (tmp_path / "tl").iterdir())
+    assert len(paths) == 4
+    with open(paths[0], "rb") as f:
+        assert len(pickle.load(f)["call_forward"]) == 4  # --micro-batches overrides the file's 8
+    res = runner.invoke(main, ["schedule", *paths, "--save-path", str(tmp_path / "s.pickle")])
+    assert res.exit_code == 0, res.output
+    assert res.output.count("pipeline iterations (usage:") == 4
+
+
+def test_bundled_cost_models_name_their_sources():
+    for path, csv in [(BASE, "bert-base_time_memory_p100.csv"), (LARGE, "bert-large_time_memory_p100.csv")]:
+        model = load_cost_model(path)
+        assert csv in model.source and "bs=32" in model.source
+        assert len(model.modules) == 6
+    assert load_cost_model(BASE).stages == 4 and load_cost_model(LARGE).stages == 8
+
+
+def test_per_module_split_adds_up_to_the_block_measurement():
+    model = load_cost_model(BASE)
+    assert sum(m.cov_A_ms + m.cov_B_ms for m in model.modules) == pytest.approx(25.546598434448242)
+    assert sum(m.inv_A_ms + m.inv_B_ms for m in model.modules) == pytest.approx(71.66688442230225)
+
+
+MINIMAL = {
+    "layers": 4, "stages": 2, "micro_batches": 4,
+    "stage": {"forward_ms": [1.0, 1.5], "backward_ms": [2.0, 3.0]},
+    "kfac": {"modules": [{"name": "fc", "cov_A_ms": 0.1, "cov_B_ms": 0.1, "sync_A_ms": 0, "sync_B_ms": 0,
+                          "inv_A_ms": 1, "inv_B_ms": 1}]},
+}
+
+
+def test_per_stage_costs_and_explicit_module_costs():
+    model = cost_model_from_dict(MINIMAL)
+    timelines, result = simulate_timelines(model)
+    assert result.devices[1][0].end - result.devices[1][0].start == 1_500_000
+    assert not [k for k in timelines[0] if k.startswith("sync")]  # no all-reduce cost: no sync keys
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"layers": None}, "needs 'layers'"),
+    ({"bogus": 1}, "unknown key"),
+    ({"stage": {"forward_ms": [1.0], "backward_ms": [2.0, 3.0]}}, "stage costs"),
+    ({"latency_ms": -1}, "finite number >= 0"),
+    ({"kfac": {"modules": []}}, "non-empty list"),
+    ({"kfac": {"modules": [{"name": "fc", "in": 4}]}}, "needs 'in' and 'out'"),
+    ({"micro_batches": 2.5}, "whole number"),
+])
+def test_bad_cost_models_are_input_errors(change, message):
+    data = {**MINIMAL, **change}
+    data = {k: v for k, v in data.items() if v is not None}
+    with pytest.raises(InputError, match=message):
+        cost_model_from_dict(data, "model.yaml")
+
+
+def test_cli_reports_bad_input_in_one_line_with_exit_2(tmp_path):
+    runner = CliRunner()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("layers: [unclosed\n")
+    for args in (["simulate", "--config", str(bad), "--out", str(tmp_path)],
+                 ["simulate", "--config", str(tmp_path / "missing.yaml"), "--out", str(tmp_path)],
+                 ["simulate", "--config", BASE, "--schedule", "interleaved", "-m", "6", "--out", str(tmp_path)],
+                 ["simulate", "--config", BASE, "--schedule", "nope", "--out", str(tmp_path)]):
+        res = runner.invoke(main, args)
+        assert res.exit_code == 2, (args, res.output)
+        assert res.output.startswith("error: ") and res.output.count("\n") == 1, res.output
+
+
+def test_compare_prints_one_row_per_schedule_and_micro_batch_count(tmp_path):
+    res = CliRunner().invoke(main, ["compare", "--config", BASE, "--schedules", "gpipe,1f1b,interleaved",
+                                    "-m", "4,6", "--json", str(tmp_path / "c.json")])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert any(line.startswith("gpipe") and " 4 " in line for line in lines)
+    assert any(line.startswith("interleaved") and "n/a" in line and "multiple of stages" in line for line in lines)
+    assert "K-FAC cycle" in res.output and "bubble %" in res.output
+    assert (tmp_path / "c.json").exists()
+
+
+def test_demo_writes_everything_into_one_folder(tmp_path):
+    out = tmp_path / "demo"
+    res = CliRunner().invoke(main, ["demo", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "pipeline iterations (usage:" in res.output
+    names = set(os.listdir(out))
+    assert {"timelines", "schedule.pickle", "report.txt", "report.json", "chart.png", "trace.json"} <= names
+    assert len(os.listdir(out / "timelines")) == 4
