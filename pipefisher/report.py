@@ -8,9 +8,16 @@ from pipefisher.timeline import Job, Time
 
 
 def usage_line(index: int, node: NodeSchedule) -> str:
-    """The published tool's line, character for character."""
+    """The published tool's line, character for character; policies that prove a lower bound on the
+    cycle append it (and their overflow time, if any): ``... (usage: 91.20 %) [lower bound 3]``."""
     f = node.figures
-    return f"node{index}:{f.iterations} pipeline iterations (usage: {f.usage:.2f} %)"
+    line = f"node{index}:{f.iterations} pipeline iterations (usage: {f.usage:.2f} %)"
+    if f.lower_bound is None:
+        return line
+    extra = f"lower bound {f.lower_bound}"
+    if f.overflow:
+        extra += f", overflow {_fmt(f.overflow)}"
+    return f"{line} [{extra}]"
 
 
 def usage_lines(schedule: JobSchedule) -> list[str]:
@@ -73,3 +80,42 @@ def report_data(schedule: JobSchedule, job: Job) -> dict[str, Any]:
         "time_unit": "seconds" if isinstance(job.span, float) else "nanoseconds",
         "nodes": nodes,
     }
+
+
+def compare_lines(job: Job, schedules: "list[JobSchedule]") -> list[str]:
+    """Policies side by side, one row per node: cycle, usage, overflow, lower bound, validates?
+
+    The bound column shows the best bound any of the policies proves (compat proves none).
+    """
+    from pipefisher.schedule import validate
+
+    bad = [{v.node for v in validate(s.to_file_data(), job)} for s in schedules]
+    head = ["node"]
+    for s in schedules:
+        head += [f"{s.policy}:cycle", "usage%", "overflow", "valid"]
+    head.append("bound")
+    rows = [head]
+    totals = [0] * len(schedules)
+    bound_total = 0
+    for i in range(len(job.nodes)):
+        row = [f"node{i}"]
+        bounds = []
+        for j, s in enumerate(schedules):
+            f = s.nodes[i].figures
+            totals[j] += f.iterations
+            row += [str(f.iterations), f"{f.usage:.2f}", _fmt(f.overflow), "yes" if i not in bad[j] else "NO"]
+            if f.lower_bound is not None:
+                bounds.append(f.lower_bound)
+        bound = max(bounds, default=None)
+        bound_total += bound or 0
+        row.append("-" if bound is None else str(bound))
+        rows.append(row)
+    total = ["total"]
+    for j, s in enumerate(schedules):
+        valid = len(job.nodes) - len(bad[j])
+        total += [str(totals[j]), "", "", f"{valid}/{len(job.nodes)}"]
+    total.append(str(bound_total) if bound_total else "-")
+    rows.append(total)
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+    return ["  ".join(cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in enumerate(zip(r, widths))).rstrip()
+            for r in rows]

@@ -26,11 +26,12 @@ from pipefisher.errors import InputError  # noqa: E402
               help="list every placed item and bubble per node")
 @click.option("--policy", default=None, help=_policy_help())
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the report as JSON here")
+@click.option("--compare", is_flag=True, help="also print 'compat' and the default policy side by side")
 def auto_schedule(timelines: tuple[str, ...], save_path: str | None, print_workloads: bool,
-                  policy: str | None, json_path: str | None) -> None:
+                  policy: str | None, json_path: str | None, compare: bool) -> None:
     """Pack comma-separated per-node TIMELINES into pipeline bubbles."""
     try:
-        run_schedule(timelines, save_path, policy, print_workloads, json_path)
+        run_schedule(timelines, save_path, policy, print_workloads, json_path, compare=compare)
     except InputError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(EXIT_BAD_INPUT)

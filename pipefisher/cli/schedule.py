@@ -15,6 +15,7 @@ def run_schedule(
     print_workloads: bool,
     json_path: str | None = None,
     echo: Callable[[str], None] = click.echo,
+    compare: bool = False,
 ) -> None:
     """Load, pack, report, then write the outputs; nothing is written unless everything before worked."""
     from pipefisher.examples import example_timelines
@@ -35,6 +36,15 @@ def run_schedule(
             echo(line)
     for line in usage_lines(schedule):
         echo(line)
+    if compare:
+        from pipefisher.report import compare_lines
+
+        others = [get_policy(name).pack(job) for name in ("compat", DEFAULT_POLICY) if name != chosen.name]
+        pair = [s for s in [schedule, *others] if s.policy == "compat"] + \
+            [s for s in [schedule, *others] if s.policy != "compat"]
+        echo("")
+        for line in compare_lines(job, pair):
+            echo(line)
     data = report_data(schedule, job) if json_path else None
     if save_path:
         save_schedule(save_path, schedule)
@@ -56,10 +66,12 @@ def _policy_help() -> str:
 @click.option("--print-workloads", "--print_workloads", "print_workloads", is_flag=True,
               help="list every placed item and bubble per node")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the report as JSON here")
+@click.option("--compare", is_flag=True,
+              help="also pack with 'compat' (or the default policy) and print both side by side per node")
 def schedule_command(timelines: tuple[str, ...], save_path: str | None, policy: str | None,
-                     print_workloads: bool, json_path: str | None) -> None:
+                     print_workloads: bool, json_path: str | None, compare: bool) -> None:
     """Pack per-node TIMELINES (pickle or JSON; comma-separated lists work too) into bubbles.
 
     With no TIMELINES, packs the bundled example job.
     """
-    run_schedule(timelines, save_path, policy, print_workloads, json_path)
+    run_schedule(timelines, save_path, policy, print_workloads, json_path, compare=compare)

@@ -128,9 +128,9 @@ def node_bounds(sizes: Sequence[tuple[Time, int]], bubbles: Sequence[Time],
     if chains is not None and bubble_positions is not None:
         placed = list(zip(bubble_positions, bubbles))
         for c in chains:
-            tight = max(tight, chain_finish(c.last_piece, c.syncs, c.invs, placed) + 1)
+            tight = max(tight, chain_finish(c.last_piece, c.syncs, c.invs, placed, largest) + 1)
         if tight == 1 and not one_iteration_possible(chains, placed):
-            tight = 2
+            tight = 2  # chains given without their pieces make this test weaker, never wrong
     forced = sum(c for _, c in sizes) - sum(c for _, c in fittable)
     return NodeBounds(vol, tight, work, capacity, largest, forced)
 
@@ -191,7 +191,7 @@ def one_iteration_possible(chains: Sequence[Chain], bubbles: Sequence[tuple[int,
 
 
 def chain_finish(last_piece: tuple[int, Time] | None, syncs: Sequence[Time], invs: Sequence[Time],
-                 bubbles: Sequence[tuple[int, Time]]) -> int:
+                 bubbles: Sequence[tuple[int, Time]], largest: Time | None = None) -> int:
     """The earliest iteration (0-based) in which one factor's chain can end, alone on the node.
 
     The chain: its last covariance piece (after pipeline position p in iteration 0), then a sync, then
@@ -201,7 +201,8 @@ def chain_finish(last_piece: tuple[int, Time] | None, syncs: Sequence[Time], inv
     only take room away, so a cycle needs more iterations than this index.
     """
     nb = len(bubbles)
-    largest = max((g for _, g in bubbles), default=0)
+    if largest is None:
+        largest = max((g for _, g in bubbles), default=0)
 
     def advance(cur: tuple[int, int, Time], d: Time, after: int = -1) -> tuple[int, int, Time]:
         i, b, used = cur

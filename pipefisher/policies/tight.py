@@ -24,7 +24,8 @@ deadline. The shorter of the two valid cycles is kept.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from pipefisher.policies.base import (
@@ -38,7 +39,7 @@ from pipefisher.policies.base import (
     Placement,
     Policy,
 )
-from pipefisher.policies.bounds import MARGIN, Chain, NodeBounds, node_bounds
+from pipefisher.policies.bounds import MARGIN, Chain, NodeBounds, node_bounds, one_iteration_possible
 from pipefisher.timeline import BACKWARD, FORWARD, UP_PIPE, Interval, Job, NodeTimeline, Time, TimelineKey
 
 COV, SYNC, INV = 0, 1, 2
@@ -166,7 +167,7 @@ def node_model(node: NodeTimeline, span: Time) -> NodeModel:
             pieces: list[Time] = []
             for d in durations:
                 pieces.extend(_split(d, m))
-            release = tuple(pos[q % m] for q in range(len(pieces)))
+            release = tuple(pos) * len(durations)  # piece q follows the (q mod m)-th forward/backward
             items.append(Work(key, COV, g, tuple(pieces), release))
         else:
             if kind == SYNC and durations:
@@ -177,39 +178,52 @@ def node_model(node: NodeTimeline, span: Time) -> NodeModel:
 
 
 def model_bounds(model: NodeModel) -> NodeBounds:
-    """The node's lower bounds, from its item durations (covariance per piece) and bubble lengths."""
-    durations = [d for w in model.work for d in w.pieces]
+    """The node's lower bounds, from its item sizes (covariance per piece), bubbles and chains."""
     gaps = [b.length for b in model.bubbles]
     largest = max(gaps, default=0)
-    pieces: list[list[tuple[int, Time]]] = [[] for _ in range(model.groups)]
-    tails: list[list[Time]] = [[] for _ in range(model.groups)]
-    last: list[tuple[int, Time] | None] = [None] * model.groups
-    syncs: list[list[Time]] = [[] for _ in range(model.groups)]
-    invs: list[list[Time]] = [[] for _ in range(model.groups)]
-    forced_level = [99] * model.groups  # chain level (cov 0, sync 1, inverse 2) of the first overflow item
-    fit_level = [-1] * model.groups  # and of the last fittable one
+    sizes: list[tuple[Time, int]] = []
     for w in model.work:
-        g = w.group
-        level = w.kind if model.synced[g] or w.kind == COV else SYNC
-        if w.kind == COV:
-            q = max(range(len(w.pieces)), key=lambda j: (w.release[j], j))
-            last[g] = (w.release[q], w.pieces[q])
-        elif level == SYNC and w.kind == SYNC:
-            syncs[g].append(w.pieces[0])
+        if w.kind == COV and len(w.pieces) > 1:
+            sizes.extend(Counter(w.pieces).items())
         else:
-            invs[g].append(w.pieces[0])
-        for r, d in zip(w.release or (None,) * len(w.pieces), w.pieces):
-            if d * MARGIN < largest:
-                fit_level[g] = max(fit_level[g], level)
-                if w.kind == COV:
-                    pieces[g].append((r, d))
-                else:
-                    tails[g].append(d)
+            sizes.extend((d, 1) for d in w.pieces)
+
+    def chains(with_pieces: bool) -> list[Chain]:
+        g_n = model.groups
+        pieces: list[list[tuple[int, Time]]] = [[] for _ in range(g_n)]
+        tails: list[list[Time]] = [[] for _ in range(g_n)]
+        last: list[tuple[int, Time] | None] = [None] * g_n
+        syncs: list[list[Time]] = [[] for _ in range(g_n)]
+        invs: list[list[Time]] = [[] for _ in range(g_n)]
+        forced_level = [99] * g_n  # chain level (cov 0, sync 1, inverse 2) of the first overflow item
+        fit_level = [-1] * g_n  # and of the last fittable one
+        for w in model.work:
+            g = w.group
+            level = w.kind if model.synced[g] or w.kind == COV else SYNC
+            if w.kind == COV:
+                last[g] = (w.release[-1], w.pieces[-1])  # releases repeat per interval and rise within it
+            elif level == SYNC and w.kind == SYNC:
+                syncs[g].append(w.pieces[0])
             else:
-                forced_level[g] = min(forced_level[g], level)
-    chains = [Chain(tuple(pieces[g]), tuple(tails[g]), forced_level[g] < fit_level[g], last[g], tuple(syncs[g]),
-                    tuple(invs[g])) for g in range(model.groups)]
-    return node_bounds(durations, gaps, chains, [b.pos for b in model.bubbles])
+                invs[g].append(w.pieces[0])
+            if w.kind != COV or with_pieces:
+                for r, d in zip(w.release or (-1,) * len(w.pieces), w.pieces):
+                    if d * MARGIN < largest:
+                        fit_level[g] = max(fit_level[g], level)
+                        if w.kind == COV:
+                            pieces[g].append((r, d))
+                        else:
+                            tails[g].append(d)
+                    else:
+                        forced_level[g] = min(forced_level[g], level)
+        return [Chain(tuple(pieces[g]), tuple(tails[g]), forced_level[g] < fit_level[g], last[g], tuple(syncs[g]),
+                      tuple(invs[g])) for g in range(g_n)]
+
+    positions = [b.pos for b in model.bubbles]
+    bounds = node_bounds(sizes, gaps, chains(False), positions)
+    if bounds.tight == 1 and not one_iteration_possible(chains(True), list(zip(positions, gaps))):
+        bounds = replace(bounds, tight=2)
+    return bounds
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -227,31 +241,31 @@ class Packed:
 
 class _Entities:
     """The things the packer picks from, sorted by the room they need: plain items and, per covariance
-    queue, one entity per distinct piece size (only the one of the queue's current head is ever ready)."""
+    queue, one entity per distinct piece size (only the one of the queue's current head is ever ready).
+    Equal needs are ordered so that covariance work unlocking the most sync and inverse time comes last,
+    that is, is picked first."""
 
-    def __init__(self, model: NodeModel, largest: Time) -> None:
+    def __init__(self, model: NodeModel) -> None:
         work = model.work
         downstream: dict[int, Time] = {}
         for w in work:
             if w.kind != COV:
                 downstream[w.group] = downstream.get(w.group, 0) + w.pieces[0]
-        keys = []
-        self.piece_rank: list[list[int] | None] = []
         entries: list[tuple[float, tuple, int, Time]] = []  # need, tie-break, work index, size
         for wi, w in enumerate(work):
             if w.kind == COV:
-                for d in sorted(set(w.pieces)):
+                for d in set(w.pieces):
                     entries.append((d * MARGIN, (2, downstream.get(w.group, 0), -wi), wi, d))
             else:
                 entries.append((w.pieces[0] * MARGIN, (1 if w.kind == SYNC else 0, 0, -wi), wi, w.pieces[0]))
         entries.sort(key=lambda e: (e[0], e[1]))
         self.need = [e[0] for e in entries]
         self.work = [e[2] for e in entries]
-        rank_of: dict[tuple[int, Time], int] = {(e[2], e[3]): r for r, e in enumerate(entries)}
-        for wi, w in enumerate(work):
-            self.piece_rank.append([rank_of[(wi, d)] for d in w.pieces] if w.kind == COV else None)
-        self.plain_rank = [rank_of[(wi, w.pieces[0])] if w.kind != COV else -1 for wi, w in enumerate(work)]
-        del keys
+        self.size = [e[3] for e in entries]
+        self.rank_by_size: list[dict[Time, int]] = [{} for _ in work]
+        for r, e in enumerate(entries):
+            self.rank_by_size[e[2]][e[3]] = r
+        self.plain_rank = [self.rank_by_size[wi][w.pieces[0]] if w.kind != COV else -1 for wi, w in enumerate(work)]
 
 
 def pack_greedy(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
@@ -260,16 +274,15 @@ def pack_greedy(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
     bubbles = model.bubbles
     nb = len(bubbles)
     largest = max((b.length for b in bubbles), default=0)
-    ents = _Entities(model, largest)
+    ents = _Entities(model)
     need = ents.need
     ent_work = ents.work
-    piece_rank = ents.piece_rank
+    ent_size = ents.size
+    rank_by_size = ents.rank_by_size
     plain_rank = ents.plain_rank
     pos = [b.pos for b in bubbles]
-
-    # Iteration 0: the first bubble index at which a covariance piece is ready (nb: only from iteration 1).
-    def rel_bubble(wi: int, head: int) -> int:
-        return bisect_right(pos, work[wi].release[head])
+    # Iteration 0: the first bubble at which a piece that follows pipeline item r is ready (nb: none).
+    relb = [bisect_right(pos, r) for r in range(len(model.pipeline))]
 
     head = [0] * len(work)
     cov_left = [0] * model.groups
@@ -317,11 +330,11 @@ def pack_greedy(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
             forced.append(wi)
             return
         if iteration == 0:
-            rb = rel_bubble(wi, h)
+            rb = relb[work[wi].release[h]]
             if rb > cur_bubble:
                 pending[rb].append(wi)
                 return
-        mask |= 1 << piece_rank[wi][h]  # type: ignore[index]
+        mask |= 1 << rank_by_size[wi][pieces[h]]
 
     def placed(wi: int) -> None:
         """Bookkeeping after an item (plain) or a queue's last piece was placed."""
@@ -378,16 +391,16 @@ def pack_greedy(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
                     remaining -= 1
                     placed(wi)
                     continue
-                pieces, ranks, release = w.pieces, piece_rank[wi], w.release
+                pieces, release = w.pieces, w.release
                 h = head[wi]
                 n = len(pieces)
                 lim = pos[b]
                 label = w.label
                 nr = need[r]
-                while h < n and ranks[h] == r and t + nr < end and (iteration or release[h] < lim):  # type: ignore[index]
-                    d = pieces[h]
-                    here.append((b, label, t, t + d))
-                    t += d
+                sz = ent_size[r]
+                while h < n and pieces[h] == sz and t + nr < end and (iteration or release[h] < lim):
+                    here.append((b, label, t, t + sz))
+                    t += sz
                     h += 1
                 done = h - head[wi]
                 head[wi] = h
@@ -397,8 +410,14 @@ def pack_greedy(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
                 if h >= n:
                     if cov_left[g] == 0:
                         group_cov_done(g)
+                    continue
+                d = pieces[h]  # where the new head goes (classify, inlined: this is the hot path)
+                if not d * MARGIN < largest:
+                    forced.append(wi)
+                elif iteration == 0 and relb[release[h]] > b:
+                    pending[relb[release[h]]].append(wi)
                 else:
-                    classify(wi)
+                    mask |= 1 << rank_by_size[wi][d]
         # The end of the iteration: everything else of iteration 0 is ready now; then the forced work.
         cur_bubble = nb
         if iteration == 0:
@@ -669,41 +688,40 @@ def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeS
     kfac: Time = 0
     total_overflow: Time = 0
     k = packed.iterations
+    make = tuple.__new__  # Placement is a NamedTuple: build it without the keyword machinery
+    P = Placement
     for i in range(k):
         labels = [START]
-        places = [Placement(START, 0, 0, i)]
+        places = [make(P, (START, 0, 0, i))]
         nxt = 0  # next pipeline item to emit
-
-        def emit_pipeline(upto: int) -> None:
-            nonlocal nxt
-            while nxt < upto:
-                key, s, e = pipeline[nxt]
-                labels.append(key)
-                places.append(Placement(key, s, e, i))
-                nxt += 1
-
         for b, label, s, e in packed.in_bubbles[i]:
-            if nxt < bubbles[b].pos:
-                emit_pipeline(bubbles[b].pos)
+            upto = bubbles[b].pos
+            while nxt < upto:
+                key, ps, pe = pipeline[nxt]
+                labels.append(key)
+                places.append(make(P, (key, ps, pe, i)))
+                nxt += 1
             labels.append(label)
-            places.append(Placement(label, s, e, i))
+            places.append(make(P, (label, s, e, i)))
             kfac += e - s
-        emit_pipeline(len(pipeline))
+        for key, ps, pe in pipeline[nxt:]:
+            labels.append(key)
+            places.append(make(P, (key, ps, pe, i)))
         t = model.base
         for label, d in packed.overflow[i]:
             labels.append(label)
-            places.append(Placement(label, t, t + d, i))
+            places.append(make(P, (label, t, t + d, i)))
             t += d
             kfac += d
             total_overflow += d
         labels.append(END)
-        places.append(Placement(END, t, t, i))
+        places.append(make(P, (END, t, t, i)))
         if i == 0:
             labels.append(SAVE_OFF)
-            places.append(Placement(SAVE_OFF, t, t, i))
+            places.append(make(P, (SAVE_OFF, t, t, i)))
         if i == k - 1:
             labels.append(SAVE_ON)
-            places.append(Placement(SAVE_ON, t, t, i))
+            places.append(make(P, (SAVE_ON, t, t, i)))
         iterations.append(tuple(labels))
         placements.extend(places)
     cycle = model.length * k + total_overflow

@@ -7,7 +7,6 @@ step and writes one timeline per pipeline node (replica 0 of each stage).
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -192,6 +191,3 @@ class Trainer:
                                   "config": self.cfg.to_dict()})
         return result
 
-
-def result_summary(result: WorkerResult) -> str:
-    return json.dumps(asdict(result))

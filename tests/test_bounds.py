@@ -1,0 +1,120 @@
+"""Lower bounds on the cycle: each is a true bound, and each catches what it is meant to catch."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipefisher.policies.bounds import (
+    Chain,
+    ceil_ratio,
+    chain_finish,
+    fits,
+    node_bounds,
+    one_iteration_possible,
+    size_class_bound,
+    volume_bound,
+)
+
+
+def test_fits_is_the_published_rule_with_its_margin() -> None:
+    assert fits(100, 106)
+    assert not fits(100, 105)  # strict: 105 is not room for 100 * 1.05
+    assert fits(0, 1) and not fits(0, 0)
+
+
+def test_ceil_ratio_is_exact_for_ints_and_never_too_high_for_floats() -> None:
+    assert ceil_ratio(10, 5) == 2 and ceil_ratio(11, 5) == 3 and ceil_ratio(0, 5) == 0
+    assert ceil_ratio(0.3, 0.1) == 3  # 0.3 / 0.1 = 3.0000000000000004 in floats
+
+
+def test_volume_bound() -> None:
+    assert volume_bound(0, 0) == 1
+    assert volume_bound(250, 100) == 3
+    assert volume_bound(300, 100) == 3
+
+
+def test_size_classes_put_big_items_in_big_bubbles() -> None:
+    # Three items of 90 only fit the one bubble of 100: three iterations, though the volume is low.
+    bubbles = [100, 50, 50, 50, 50]
+    assert volume_bound(270, sum(bubbles)) == 1
+    assert size_class_bound([(90, 3)], bubbles) == 3
+
+
+def test_counting_bound() -> None:
+    # A bubble of 100 holds at most one item of 60 (60 + 60 * 1.05 > 100), so four need four iterations.
+    assert size_class_bound([(60, 4)], [100]) == 4
+    # and at most three of 30 ((3 + 0.05) * 30 < 100), so seven need three.
+    assert size_class_bound([(30, 7)], [100]) == 3
+
+
+def test_chain_finish_follows_the_chain_through_the_bubbles() -> None:
+    bubbles = [(1, 100), (3, 400), (5, 100)]
+    # last piece after pipeline item 4 (only bubble 2 of iteration 0 is after it); a sync of 300 only
+    # fits bubble 1, so it waits for iteration 1; the inverse of 90 fits bubble 2 of iteration 1.
+    assert chain_finish((4, 10), [300], [90], bubbles) == 1
+    # an inverse that only fits the big bubble, after the sync that needs it too: iteration 2
+    assert chain_finish((4, 10), [300], [300], bubbles) == 2
+    # overflow (fits no bubble) ends the iteration: the inverse goes to the next one
+    assert chain_finish((0, 10), [1000], [10], bubbles) == 1
+    assert chain_finish(None, [], [], bubbles) == 0
+
+
+def test_one_iteration_needs_room_after_each_release() -> None:
+    bubbles = [(1, 100), (2, 100)]
+    early = Chain(((0, 50),), (40,))
+    late = Chain(((1, 50),), (60,))
+    assert one_iteration_possible([early], bubbles)
+    assert not one_iteration_possible([late], bubbles)  # 110 of work after item 1, 100 of room
+    assert not one_iteration_possible([Chain((), (10,), tail_after_overflow=True)], bubbles)
+
+
+def test_node_bounds_leave_out_work_that_fits_no_bubble() -> None:
+    b = node_bounds([(500, 1), (40, 4)], [100, 100])
+    assert b.forced_items == 1 and b.fittable_work == 160 and b.volume == 1 and b.tight == 1
+    # four of 50: one per bubble (50 + 50 * 1.05 > 100), so two iterations though the volume fits one
+    assert node_bounds([(50, 4)], [100, 100]).tight == 2
+
+
+# -- the bounds are bounds: brute force on tiny instances ------------------------------------------
+
+
+def _best_assignment(items: list[int], bubbles: list[int], k: int) -> bool:
+    """Whether the items fit k copies of the bubbles (no dependencies), by exhaustive search."""
+    bins = bubbles * k
+    used = [0] * len(bins)
+    big = [0] * len(bins)
+    order = sorted(items, reverse=True)
+
+    def place(i: int) -> bool:
+        if i == len(order):
+            return True
+        d = order[i]
+        for j, g in enumerate(bins):
+            top = max(big[j], d)
+            # the tightest layout: the largest item last, with its margin
+            if used[j] + d + 0.05 * top < g:
+                used[j] += d
+                old, big[j] = big[j], top
+                if place(i + 1):
+                    return True
+                used[j] -= d
+                big[j] = old
+        return False
+
+    return place(0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=6), st.lists(st.integers(1, 100), min_size=1, max_size=3))
+def test_size_and_volume_bounds_never_exceed_the_optimum(items: list[int], bubbles: list[int]) -> None:
+    largest = max(bubbles)
+    items = [d for d in items if fits(d, largest)]
+    if not items:
+        return
+    bound = node_bounds([(d, 1) for d in items], bubbles).tight
+    # Back to back with the margin on the largest item is at least as permissive as the packer's
+    # rule, so this optimum is no more than what any policy achieves.
+    k = 1
+    while not _best_assignment(items, bubbles, k):
+        k += 1
+    assert bound <= k
