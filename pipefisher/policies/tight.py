@@ -268,8 +268,12 @@ class _Entities:
         self.plain_rank = [self.rank_by_size[wi][w.pieces[0]] if w.kind != COV else -1 for wi, w in enumerate(work)]
 
 
-def pack_greedy(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
-    """Walk the bubbles in time order, filling each with the largest ready item that fits."""
+def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int = 1 << 20) -> Packed:
+    """Walk the bubbles in time order, filling each with the largest ready item that fits.
+
+    ``cov_first``: prefer covariance pieces (the start of every chain) over syncs and inverses, and
+    take the largest of those that fit; this wins where inverses wait too long for their factors.
+    """
     work = model.work
     bubbles = model.bubbles
     nb = len(bubbles)
@@ -283,6 +287,10 @@ def pack_greedy(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
     pos = [b.pos for b in bubbles]
     # Iteration 0: the first bubble at which a piece that follows pipeline item r is ready (nb: none).
     relb = [bisect_right(pos, r) for r in range(len(model.pipeline))]
+    cov_bits = 0
+    for r, wi in enumerate(ent_work):
+        if work[wi].kind == COV:
+            cov_bits |= 1 << r
 
     head = [0] * len(work)
     cov_left = [0] * model.groups
@@ -369,16 +377,21 @@ def pack_greedy(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
             t = bub.start
             end = bub.end
             while mask:
-                p = bisect_left(need, end - t)
-                while True:
-                    cand = mask & ((1 << p) - 1)
-                    if not cand:
-                        r = -1
+                p0 = bisect_left(need, end - t)
+                r = -1
+                for sel in ((mask & cov_bits, mask) if cov_first else (mask,)):
+                    p = p0
+                    while True:
+                        cand = sel & ((1 << p) - 1)
+                        if not cand:
+                            r = -1
+                            break
+                        r = cand.bit_length() - 1
+                        if t + need[r] < end:
+                            break
+                        p = r
+                    if r >= 0:
                         break
-                    r = cand.bit_length() - 1
-                    if t + need[r] < end:
-                        break
-                    p = r
                 if r < 0:
                     break
                 wi = ent_work[r]
@@ -752,6 +765,10 @@ def pack_node(node: NodeTimeline, span: Time) -> NodeSchedule:
     model = node_model(node, span)
     bounds = model_bounds(model)
     packed = pack_greedy(model)
+    if packed.iterations > bounds.tight:
+        other = pack_greedy(model, cov_first=True)
+        if other.iterations < packed.iterations:
+            packed = other
     for k in range(bounds.tight, packed.iterations):
         trial = pack_fixed(model, k)
         if trial is not None:
