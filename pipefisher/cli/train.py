@@ -12,30 +12,69 @@ from pipefisher.cli import main
 from pipefisher.errors import InputError
 
 
+PIPELINE_ORDERS = ("gpipe", "1f1b")
+
+
+def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: str | None,
+                     resume: str | None, mode: str) -> str | None:
+    """Refuse, before any worker starts, a schedule or checkpoint that does not belong to this job.
+
+    Returns the schedule's digest (None without a schedule). The workers check again on their own.
+    """
+    from pipefisher.runtime.checkpoint import check_resumable
+    from pipefisher.runtime.executor import load_checked_schedule, schedule_digest
+
+    stages = cfg.pipeline.stages  # type: ignore[attr-defined]
+    replicas = max(1, nproc // stages)
+    digest = None
+    if schedule_path is not None:
+        digest = schedule_digest(load_checked_schedule(schedule_path, cfg, replicas))  # type: ignore[arg-type]
+    if resume is not None:
+        check_resumable(resume, cfg, mode, digest, stages, replicas)
+    return digest
+
+
 @main.command("train")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
               help="YAML run config (see configs/)")
-@click.option("--mode", type=click.Choice(["first-order", "kfac"]), default="first-order", show_default=True,
-              help="first-order: pipeline + optimizer; kfac: plus naive K-FAC every kfac.interval steps")
-@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--mode", type=click.Choice(["first-order", "kfac", "scheduled"]), default=None,
+              help="first-order: pipeline + optimizer; kfac: plus naive K-FAC every kfac.interval steps; "
+                   "scheduled: K-FAC in the bubbles as --schedule FILE says (implied by it) "
+                   "[default: first-order]")
+@click.option("--schedule", "schedule_arg", default=None, metavar="FILE",
+              help="schedule file (pipefisher schedule --save-path): train in scheduled mode. "
+                   "'gpipe' or '1f1b' still set the pipeline order, as --pipeline does")
+@click.option("--pipeline", "pipe_schedule", type=click.Choice(PIPELINE_ORDERS), default=None,
+              help="override pipeline.schedule (forward/backward order)")
+@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
+              help="total training steps (with --resume: including those already done)")
 @click.option("--profile", is_flag=True,
               help="run kfac steps and write one timeline pickle per pipeline node into --out")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
               help="folder for timelines (--profile) and <name>_losses.json")
+@click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False), default=None,
+              help="write a CSV of step, loss, step time, mode here")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
+              help="write checkpoints here (at the end, and every --checkpoint-every steps)")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="steps between checkpoints (0: only at the end)")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None,
+              help="continue from the checkpoint in this folder (same config, mode and schedule)")
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages")
-@click.option("--schedule", "pipe_schedule", type=click.Choice(["gpipe", "1f1b"]), default=None,
-              help="override pipeline.schedule")
 @click.option("--interval", type=click.IntRange(min=1), default=None, help="override kfac.interval")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="override pipeline.timeout_s (seconds a worker waits on a peer before failing)")
 @click.option("--log-every", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--no-progress", is_flag=True, help="no progress bar")
-def train_command(config_path: str, mode: str, steps: int, profile: bool, out_dir: str | None,
-                  nproc: int | None, stages: int | None, pipe_schedule: str | None, interval: int | None,
-                  timeout_s: float | None, log_every: int, no_progress: bool) -> None:
-    """Train the masked-language model with pipeline parallelism, optionally with K-FAC or profiling.
+def train_command(config_path: str, mode: str | None, schedule_arg: str | None, pipe_schedule: str | None,
+                  steps: int, profile: bool, out_dir: str | None, metrics_path: str | None,
+                  checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, nproc: int | None,
+                  stages: int | None, interval: int | None, timeout_s: float | None, log_every: int,
+                  no_progress: bool) -> None:
+    """Train the masked-language model with pipeline parallelism: first-order, K-FAC, or K-FAC packed
+    into the pipeline bubbles by a schedule file.
 
     Locally, --nproc-per-node N starts N workers on this machine (gloo on CPU, NCCL on GPUs). Under
     torchrun (RANK and WORLD_SIZE set), this process is one worker.
@@ -44,6 +83,21 @@ def train_command(config_path: str, mode: str, steps: int, profile: bool, out_di
     from pipefisher.runtime.launch import WorkerFailed, launch_local, run_worker
     from pipefisher.runtime.trainer import PeerLost, TrainOptions
 
+    schedule_path = None
+    if schedule_arg in PIPELINE_ORDERS:
+        if pipe_schedule and pipe_schedule != schedule_arg:
+            raise click.UsageError(f"--schedule {schedule_arg} contradicts --pipeline {pipe_schedule}")
+        pipe_schedule = schedule_arg
+    elif schedule_arg is not None:
+        schedule_path = schedule_arg
+    if mode is None:
+        mode = "scheduled" if schedule_path else "first-order"
+    if mode == "scheduled" and not schedule_path:
+        raise click.UsageError("--mode scheduled needs --schedule FILE")
+    if schedule_path and mode != "scheduled":
+        raise click.UsageError(f"--schedule FILE trains in scheduled mode, not {mode}")
+    if profile and schedule_path:
+        raise click.UsageError("--profile runs kfac steps; it does not take a schedule file")
     cfg = load_config(config_path)
     pipeline = {k: v for k, v in (("stages", stages), ("schedule", pipe_schedule), ("timeout_s", timeout_s))
                 if v is not None}
@@ -53,18 +107,28 @@ def train_command(config_path: str, mode: str, steps: int, profile: bool, out_di
         raise InputError(config_path, err.problem) from None
     if profile and not out_dir:
         raise click.UsageError("--profile needs --out DIR for the timeline files")
-    if out_dir:
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-        except OSError as err:
-            raise InputError(out_dir, f"cannot be created ({err.strerror or err})") from None
-    opts = TrainOptions(mode=mode, steps=steps, profile=profile, out=out_dir, log_every=log_every,
-                        progress=not no_progress)
+    if resume_dir and not checkpoint_dir:
+        checkpoint_dir = resume_dir  # keep checkpointing where we resumed from
+    if checkpoint_every and not checkpoint_dir:
+        raise click.UsageError("--checkpoint-every needs --checkpoint-dir DIR")
+    for folder in (out_dir, checkpoint_dir):
+        if folder:
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as err:
+                raise InputError(folder, f"cannot be created ({err.strerror or err})") from None
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and nproc is None
     n = nproc or cfg.pipeline.stages
     if not under_torchrun and n % cfg.pipeline.stages:
         raise InputError(config_path, f"--nproc-per-node {n} is not a multiple of the "
                                       f"{cfg.pipeline.stages} pipeline stages")
+    if under_torchrun:
+        n = int(os.environ["WORLD_SIZE"])
+    prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode)
+    opts = TrainOptions(mode=mode, steps=steps, profile=profile, out=out_dir, log_every=log_every,
+                        progress=not no_progress, schedule=_abs(schedule_path), metrics=_abs(metrics_path),
+                        checkpoint_dir=_abs(checkpoint_dir), checkpoint_every=checkpoint_every,
+                        resume=_abs(resume_dir))
     try:
         if under_torchrun or n == 1:
             run_worker(cfg, opts)
@@ -77,3 +141,7 @@ def train_command(config_path: str, mode: str, steps: int, profile: bool, out_di
 
         for node in range(cfg.pipeline.stages):
             click.echo(f"wrote {os.path.join(out_dir or '.', timeline_filename(cfg.name, node))}")
+
+
+def _abs(path: str | None) -> str | None:
+    return None if path is None else os.path.abspath(path)

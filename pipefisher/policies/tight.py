@@ -1,7 +1,8 @@
 """The ``tight`` policy: dependency-correct K-FAC packing, close to the lower bound, fast at scale.
 
-Per node, the pipeline repeats every iteration, so its bubbles (the gaps between consecutive forwards
-and backwards of either pipe, within the job's pipeline time) are the same in every iteration. The
+Per node, the pipeline repeats every iteration, so its bubbles are the same in every iteration: the idle
+gaps between consecutive forwards and backwards of either pipe, plus the head and tail gaps up to the
+job's pipeline time (an iteration spans [min(0, first item), max(pipeline time, last item end)]). The
 work is the node's K-FAC keys: a covariance key is a queue of m pieces per interval (m = micro-batches
 of the pipe its module serves), a sync or inverse key one item per interval. Dependencies, from the
 format spec: in the first iteration, covariance piece q may only follow forward (A) / backward (B)
@@ -16,17 +17,17 @@ go, dependency-correct, to the end of an iteration (after its last pipeline item
 that is the only overflow. Candidate lookup is one bisect plus one big-integer bit scan over the node's
 distinct (queue, piece size) and plain items, so a node costs O(pieces + items x log items).
 
-When the walk needs more iterations than the node's lower bound (see :mod:`bounds`), a second pass with
-a fixed cycle length tries to do better: inverses and syncs are placed first, as late as possible,
-largest first, then covariance pieces as early as possible, each factor's pieces before its sync's
-deadline. The shorter of the two valid cycles is kept.
+When the walk needs more iterations than the node's lower bound (see :mod:`bounds`), it is repeated
+preferring covariance pieces, and then a construction for a fixed cycle length k (from the bound up)
+tries to do better: inverses and syncs are placed first, as late as possible, largest first, then
+covariance pieces as early as possible, earliest sync deadline first. The shortest cycle is kept; every
+candidate is dependency-correct by construction.
 """
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 from pipefisher.policies.base import (
     END,
@@ -472,7 +473,7 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
 _SLACK = MARGIN - 1.0
 
 
-def pack_fixed(model: NodeModel, k: int) -> Packed | None:
+def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> Packed | None:
     """Try to pack the node into exactly ``k`` iterations; ``None`` when this construction cannot.
 
     1. Syncs and inverses, latest first: walk the slots backwards (each iteration's bubbles, then its
@@ -526,6 +527,18 @@ def pack_fixed(model: NodeModel, k: int) -> Packed | None:
         w = work[wi]
         if w.kind == INV or invs_left[w.group] == 0:
             ready(wi)
+    # In iteration 0 a sync or inverse can only follow its factor's last piece: not before the bubble
+    # where that piece is first ready (nor in it, unless ``share_release_bubble``).
+    pos_list = [bb.pos for bb in bubbles]
+    earliest = [-1] * model.groups
+    for w in work:
+        if w.kind == COV:
+            earliest[w.group] = bisect_right(pos_list, w.release[-1])
+    allowed = [0] * nb
+    for wi in plain:
+        e = earliest[work[wi].group]
+        for bb in range(e if share_release_bubble else e + 1, nb):
+            allowed[bb] |= 1 << rank[wi]
     placed_plain = 0
     for slot in range(nslots - 1, -1, -1):
         b = slot % per
@@ -544,12 +557,13 @@ def pack_fixed(model: NodeModel, k: int) -> Packed | None:
             continue
         g_len = gap[b]
         released: list[int] = []
+        allow = allowed[b] if slot < nb else -1
         while fit_mask:
             room = g_len - used[slot]
             p = bisect_left(need, room)
             r = -1
             while True:
-                cand = fit_mask & ((1 << p) - 1)
+                cand = fit_mask & allow & ((1 << p) - 1)
                 if not cand:
                     r = -1
                     break
@@ -584,7 +598,7 @@ def pack_fixed(model: NodeModel, k: int) -> Packed | None:
                 p = bisect_left(need, room)
                 r = -1
                 while True:
-                    cand = fit_mask & ((1 << p) - 1)
+                    cand = fit_mask & allow & ((1 << p) - 1)
                     if not cand:
                         r = -1
                         break
@@ -770,7 +784,7 @@ def pack_node(node: NodeTimeline, span: Time) -> NodeSchedule:
         if other.iterations < packed.iterations:
             packed = other
     for k in range(bounds.tight, packed.iterations):
-        trial = pack_fixed(model, k)
+        trial = pack_fixed(model, k) or pack_fixed(model, k, share_release_bubble=False)
         if trial is not None:
             packed = trial
             break
@@ -786,7 +800,3 @@ class TightPolicy(Policy):
     def pack(self, job: Job) -> JobSchedule:
         return JobSchedule(self.name, job.span, tuple(pack_node(node, job.span) for node in job.nodes))
 
-
-def packed_labels(schedule: NodeSchedule) -> Sequence[Sequence[str]]:
-    """The schedule file entry of one node (convenience for tests)."""
-    return [list(it) for it in schedule.iterations]

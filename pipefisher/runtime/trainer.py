@@ -1,9 +1,12 @@
 """One worker's training loop: pipeline steps, first-order or naive K-FAC, progress, profiling.
 
-Modes: ``first-order`` (pipeline, gradient all-reduce, optimizer) and ``kfac`` (the same plus, every
+Modes: ``first-order`` (pipeline, gradient all-reduce, optimizer), ``kfac`` (the same plus, every
 ``kfac.interval`` steps, all K-FAC work for every layer after the pipeline; gradients are
-preconditioned with the latest inverses every step). Profiling runs ``kfac`` with a refresh every
-step and writes one timeline per pipeline node (replica 0 of each stage).
+preconditioned with the latest inverses every step) and ``scheduled`` (step 0 as ``kfac``, then the
+schedule file's cycle label by label, K-FAC work inside the pipeline's bubbles; see
+:mod:`pipefisher.runtime.executor`). Profiling runs ``kfac`` with a refresh every step and writes one
+timeline per pipeline node (replica 0 of each stage). Checkpoints (:mod:`pipefisher.runtime.checkpoint`)
+are written every ``checkpoint_every`` steps and at the end; ``resume`` continues from one.
 """
 from __future__ import annotations
 
@@ -22,11 +25,12 @@ from pipefisher.runtime.config import RunConfig
 from pipefisher.runtime.data import MLMData
 from pipefisher.runtime.dist import DistContext
 from pipefisher.runtime.engine import PipelineEngine, pipeline_ops
+from pipefisher.runtime.executor import ScheduleExecutor, load_checked_schedule, schedule_digest
 from pipefisher.runtime.model import PipelineStage
 from pipefisher.runtime.profiler import STEP_KEY, Profiler
 from pipefisher.safe_io import dump_json_atomic
 
-MODES = ("first-order", "kfac")
+MODES = ("first-order", "kfac", "scheduled")
 PROGRESS_ENV = "PIPEFISHER_RELAY_PROGRESS"
 PROGRESS_MARK = "@@pipefisher-progress"
 
@@ -45,10 +49,19 @@ class TrainOptions:
     out: str | None = None
     log_every: int = 5
     progress: bool = True
+    schedule: str | None = None  # schedule file (mode "scheduled")
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end, if checkpoint_dir)
+    resume: str | None = None  # checkpoint folder to continue from
+    metrics: str | None = None  # CSV file: step, loss, step time, mode (written by the reporting worker)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
+        if (self.mode == "scheduled") != (self.schedule is not None):
+            raise ValueError("mode 'scheduled' and a schedule file go together")
+        if self.profile and self.mode == "scheduled":
+            raise ValueError("profiling runs kfac steps, not a schedule")
 
     @property
     def effective_mode(self) -> str:
@@ -99,14 +112,34 @@ class Trainer:
         self.profiler = Profiler(opts.profile, ctx.device)
         self.engine = PipelineEngine(self.stage, ctx, self.data, m, span=self.profiler.span)
         self.kfac = (KFAC(self.stage, damping=cfg.kfac.damping, ignore=cfg.kfac.ignore, loss_scale=m,
-                          dp_group=ctx.dp_group, dp_size=g.replicas) if self.mode == "kfac" else None)
+                          dp_group=ctx.dp_group, dp_size=g.replicas) if self.mode != "first-order" else None)
         self.optimizer = make_optimizer(cfg, self.stage.parameters())
         self.ops = pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m)
         self.reporter = g.stage == g.stages - 1 and g.replica == 0
+        self.executor: ScheduleExecutor | None = None
+        self.schedule_digest: str | None = None
+        if self.mode == "scheduled":
+            assert opts.schedule is not None and self.kfac is not None
+            # Every worker checks every node, so a bad schedule stops all of them before step 0.
+            data = load_checked_schedule(opts.schedule, cfg, g.replicas)
+            self.schedule_digest = schedule_digest(data)
+            self.executor = ScheduleExecutor(data[g.stage], self.engine, self.kfac, self.end_of_step)
+        self.start_step = 0
+        if opts.resume:
+            from pipefisher.runtime.checkpoint import load_checkpoint
+
+            self.start_step = load_checkpoint(opts.resume, self)
+
+    @property
+    def cycle(self) -> int | None:
+        """K-FAC cycle length k of this node's schedule (``scheduled`` mode), else None."""
+        return None if self.executor is None else self.executor.cycle
 
     def train_step(self, step: int) -> float | None:
         """One step; returns the loss (mean over replicas) on the last stage, else None."""
-        refresh = self.kfac is not None and step % self.interval == 0
+        if self.executor is not None and step >= 1:
+            return self._mean_loss(self.executor.run_step(step))
+        refresh = self.kfac is not None and (self.executor is not None or step % self.interval == 0)
         if self.kfac is not None:
             self.kfac.set_saving(refresh)
         self.engine.begin_step(step)
@@ -118,6 +151,8 @@ class Trainer:
                     self.kfac.update_curvature(span=self.profiler.span)
                 self.kfac.clear_saved()
             self.end_of_step()
+        if self.executor is not None:  # step 0 done: iteration 0 of the first cycle saves
+            self.kfac.set_saving(True)
         return self._mean_loss(loss)
 
     def end_of_step(self) -> None:
@@ -144,6 +179,14 @@ class Trainer:
         dist.all_reduce(t, group=self.ctx.dp_group)
         return float(t) / self.ctx.grid.replicas
 
+    def checkpoint(self, steps_done: int) -> str | None:
+        """Write this worker's checkpoint after ``steps_done`` steps (collective: every worker calls it)."""
+        if not self.opts.checkpoint_dir:
+            return None
+        from pipefisher.runtime.checkpoint import save_checkpoint
+
+        return save_checkpoint(self.opts.checkpoint_dir, self, steps_done)
+
     def run(self) -> WorkerResult:
         g, opts = self.ctx.grid, self.opts
         result = WorkerResult(g.rank, g.stage, g.replica)
@@ -151,15 +194,20 @@ class Trainer:
         self.profiler.align(distributed=self.ctx.distributed)
         relay = os.environ.get(PROGRESS_ENV) == "1"  # the local launcher draws the bar for us
         show = self.reporter and opts.progress and not relay and _is_tty()
+        first = self.start_step
+        todo = max(0, opts.steps - first)
         if self.reporter:
+            extra = f", K-FAC cycle k={self.cycle}" if self.cycle is not None else ""
+            resumed = f", resuming after step {first - 1}" if first else ""
             click.echo(f"pipefisher train: mode {self.mode}, {g.stages} stage(s) x {g.replicas} replica(s), "
                        f"{self.cfg.pipeline.schedule}, {self.cfg.data.num_micro_batches} micro-batches, "
-                       f"{opts.steps} steps on {self.ctx.device}")
-        bar = click.progressbar(length=opts.steps, label="training", file=None) if show else None
+                       f"{opts.steps} steps on {self.ctx.device}{extra}{resumed}")
+        metrics: list[tuple[int, float | None, float]] = []
+        bar = click.progressbar(length=todo, label="training", file=None) if show else None
         if bar is not None:
             bar.__enter__()
         try:
-            for step in range(opts.steps):
+            for step in range(first, opts.steps):
                 t0 = time.perf_counter()
                 try:
                     loss = self.train_step(step)
@@ -168,19 +216,29 @@ class Trainer:
                 if self.ctx.device.type == "cuda":
                     torch.cuda.synchronize()
                 result.step_seconds.append(time.perf_counter() - t0)
+                metrics.append((step, loss, result.step_seconds[-1]))
                 if loss is not None:
                     result.losses.append(loss)
                 if bar is not None:
                     bar.update(1)
                 elif relay and self.reporter and opts.progress:
-                    click.echo(f"{PROGRESS_MARK} {step + 1} {opts.steps}")
+                    click.echo(f"{PROGRESS_MARK} {step + 1 - first} {todo}")
                 last = step == opts.steps - 1
                 if self.reporter and loss is not None and (step % opts.log_every == 0 or last):
                     msg = f"step {step:>5}  loss {loss:.4f}  {result.step_seconds[-1] * 1e3:.1f} ms"
                     click.echo(("\n" if bar is not None else "") + msg)  # keep the bar's line
+                every = opts.checkpoint_every
+                if every and (step + 1) % every == 0 and not last:
+                    self.checkpoint(step + 1)
+                    if self.reporter and opts.metrics:
+                        self._write_metrics(opts.metrics, metrics)
         finally:
             if bar is not None:
                 bar.__exit__(None, None, None)
+        if todo:
+            self.checkpoint(opts.steps)
+        if self.reporter and opts.metrics:
+            self._write_metrics(opts.metrics, metrics)
         if opts.out is not None:
             if opts.profile and g.replica == 0:
                 result.timeline_path = self.profiler.write(opts.out, self.cfg.name, g.stage)
@@ -188,6 +246,20 @@ class Trainer:
                 dump_json_atomic(os.path.join(opts.out, f"{self.cfg.name}_losses.json"),
                                  {"mode": self.mode, "losses": result.losses,
                                   "step_seconds": result.step_seconds, "options": asdict(opts),
-                                  "config": self.cfg.to_dict()})
+                                  "config": self.cfg.to_dict(), "first_step": first, "cycle": self.cycle})
         return result
 
+    def _write_metrics(self, path: str, rows: list[tuple[int, float | None, float]]) -> None:
+        """The metrics CSV: rows of earlier runs of this file (steps before a resume) are kept."""
+        from pipefisher.safe_io import write_atomic
+
+        header = "step,loss,step_seconds,mode\n"
+        kept: list[str] = []
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+            first = rows[0][0] if rows else 0
+            kept = [ln for ln in lines[1:] if ln and ln.split(",", 1)[0].isdigit()
+                    and int(ln.split(",", 1)[0]) < first]
+        body = [f"{s},{'' if l is None else f'{l:.6f}'},{t:.6f},{self.mode}" for s, l, t in rows]
+        write_atomic(path, header + "".join(line + "\n" for line in kept + body))

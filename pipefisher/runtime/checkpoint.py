@@ -1,0 +1,218 @@
+"""Checkpoints: one file per worker plus a small manifest, written atomically; resume exactly.
+
+Layout of a checkpoint folder::
+
+    checkpoint.json                         manifest: steps done, config, mode, schedule digest, layout
+    step-00000012/stage0-replica0.pt        one torch file per worker (stage, replica)
+    step-00000012/stage1-replica0.pt
+
+Every worker writes its file through a temp file and a rename; after a barrier, rank 0 points the
+manifest at the new step folder (also a rename) and removes older ones, so a crash at any moment
+leaves the previous checkpoint whole. A worker file holds the stage's parameters, the optimizer
+state, the K-FAC state (factors, inverses, pi scales, saving flag and any saved micro-batches still
+waiting for their covariance pieces) and the torch random state (dropout). The data position is the
+step number: every micro-batch is a pure function of (seed, step, replica, index), and the schedule
+position is ``(step - 1) % k``.
+
+Files are read with ``torch.load(weights_only=True)``: tensors and plain containers only, no code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import TYPE_CHECKING, Any
+
+from pipefisher.errors import InputError
+from pipefisher.safe_io import atomic_path, dump_json_atomic, load_json
+
+if TYPE_CHECKING:
+    from pipefisher.runtime.trainer import Trainer
+
+MANIFEST = "checkpoint.json"
+FORMAT = 1
+_VOLATILE = {("pipeline", "timeout_s")}  # may change between a run and its resumption
+
+
+def step_folder(steps_done: int) -> str:
+    return f"step-{steps_done:08d}"
+
+
+def rank_filename(stage: int, replica: int) -> str:
+    return f"stage{stage}-replica{replica}.pt"
+
+
+def _config_for_compare(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {sec: ({k: v for k, v in vals.items() if (sec, k) not in _VOLATILE} if isinstance(vals, dict) else vals)
+            for sec, vals in cfg.items()}
+
+
+def _differing_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    out = []
+    for sec in sorted(set(a) | set(b)):
+        x, y = a.get(sec), b.get(sec)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += [f"{sec}.{k}" for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)]
+        elif x != y:
+            out.append(sec)
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=list))
+
+
+# ----------------------------------------------------------------------------------------------------
+# K-FAC state
+
+
+def kfac_state(kfac: Any) -> dict[str, Any]:
+    layers = {}
+    for name, st in kfac.layers.items():
+        layers[name] = {
+            "sums": dict(st.sums), "counts": dict(st.counts), "inverses": dict(st.inverses),
+            "last_scale": dict(st.last_scale), "last_pi": st.last_pi,
+            "inputs": list(st.inputs), "outgrads": list(st.outgrads),
+        }
+    return {"saving": kfac.saving, "layers": layers}
+
+
+def load_kfac_state(kfac: Any, state: dict[str, Any], path: str) -> None:
+    layers = state["layers"]
+    if set(layers) != set(kfac.layers):
+        raise InputError(path, "holds K-FAC state of other modules than this stage's")
+    kfac.set_saving(bool(state["saving"]))
+    for name, st in kfac.layers.items():
+        s = layers[name]
+        st.sums = {f: s["sums"][f] for f in "AB"}
+        st.counts = {f: int(s["counts"][f]) for f in "AB"}
+        st.inverses = {f: s["inverses"][f] for f in "AB"}
+        st.last_scale = {f: s["last_scale"][f] for f in "AB"}
+        st.last_pi = s["last_pi"]
+        st.inputs.clear()
+        st.inputs.extend(s["inputs"])
+        st.outgrads.clear()
+        st.outgrads.extend(s["outgrads"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writing
+
+
+def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
+    """Write this worker's part after ``steps_done`` steps; every worker of the job must call it."""
+    import torch
+    import torch.distributed as dist
+
+    g = trainer.ctx.grid
+    sub = os.path.join(folder, step_folder(steps_done))
+    os.makedirs(sub, exist_ok=True)
+    state = {
+        "format": FORMAT,
+        "steps_done": steps_done,
+        "fingerprint": trainer.cfg.fingerprint(),
+        "mode": trainer.mode,
+        "schedule": trainer.schedule_digest,
+        "stage": g.stage, "replica": g.replica, "stages": g.stages, "replicas": g.replicas,
+        "model": trainer.stage.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "kfac": None if trainer.kfac is None else kfac_state(trainer.kfac),
+        "rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if trainer.ctx.device.type == "cuda" else None,
+    }
+    path = os.path.join(sub, rank_filename(g.stage, g.replica))
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+    if trainer.ctx.distributed:
+        dist.barrier()  # every part is on disk before the manifest points at it
+    if g.rank == 0:
+        dump_json_atomic(os.path.join(folder, MANIFEST), {
+            "format": FORMAT,
+            "steps_done": steps_done,
+            "folder": step_folder(steps_done),
+            "mode": trainer.mode,
+            "schedule": trainer.schedule_digest,
+            "schedule_path": trainer.opts.schedule,
+            "cycle": trainer.cycle,
+            "stages": g.stages,
+            "replicas": g.replicas,
+            "fingerprint": trainer.cfg.fingerprint(),
+            "config": _jsonable(trainer.cfg.to_dict()),
+        })
+        for entry in os.listdir(folder):  # older checkpoints only: a newer one is never touched
+            if entry.startswith("step-") and entry[5:].isdigit() and int(entry[5:]) < steps_done:
+                shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise InputError(folder, "is not a checkpoint folder (no such folder)")
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        raise InputError(folder, f"holds no checkpoint ({MANIFEST} is missing)")
+    data = load_json(path)
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise InputError(path, f"is not a pipefisher checkpoint manifest of format {FORMAT}")
+    return data
+
+
+def check_resumable(folder: str | os.PathLike[str], cfg: Any, mode: str, schedule: str | None,
+                    stages: int, replicas: int) -> dict[str, Any]:
+    """Refuse (:class:`InputError`) a checkpoint that another job wrote; its manifest otherwise.
+
+    ``schedule`` is the digest of the schedule the new run uses (None unless ``scheduled``).
+    """
+    folder = os.fspath(folder)
+    man = read_manifest(folder)
+    mine, theirs = _config_for_compare(_jsonable(cfg.to_dict())), _config_for_compare(man.get("config") or {})
+    if mine != theirs:
+        diff = _differing_keys(mine, theirs)
+        raise InputError(folder, f"was written by a run with another config (differs in {', '.join(diff)})")
+    if man.get("mode") != mode:
+        raise InputError(folder, f"was written in mode '{man.get('mode')}', this run is '{mode}'")
+    if man.get("schedule") != schedule:
+        raise InputError(folder, "was written with another schedule file (its labels differ)")
+    if (man.get("stages"), man.get("replicas")) != (stages, replicas):
+        raise InputError(folder, f"was written by {man.get('stages')} stage(s) x {man.get('replicas')} "
+                                 f"replica(s); this run has {stages} x {replicas}")
+    sub = os.path.join(folder, str(man.get("folder")))
+    missing = [rank_filename(s, r) for r in range(replicas) for s in range(stages)
+               if not os.path.exists(os.path.join(sub, rank_filename(s, r)))]
+    if missing:
+        raise InputError(sub, f"is incomplete: {', '.join(missing)} missing")
+    return man
+
+
+def load_checkpoint(folder: str, trainer: "Trainer") -> int:
+    """Restore this worker from ``folder``; returns the number of steps done (the next step to run)."""
+    import torch
+
+    g = trainer.ctx.grid
+    man = check_resumable(folder, trainer.cfg, trainer.mode, trainer.schedule_digest, g.stages, g.replicas)
+    path = os.path.join(folder, str(man["folder"]), rank_filename(g.stage, g.replica))
+    try:
+        with open(path, "rb") as f:
+            state = torch.load(f, map_location=trainer.ctx.device, weights_only=True)
+    except OSError as err:
+        raise InputError(path, f"cannot be read ({err.strerror or err})") from None
+    except Exception as err:  # unpickling refused or a damaged file
+        raise InputError(path, f"is not a readable checkpoint ({str(err).splitlines()[0] if str(err) else err})") from None
+    if not isinstance(state, dict) or state.get("steps_done") != man["steps_done"] \
+            or (state.get("stage"), state.get("replica")) != (g.stage, g.replica):
+        raise InputError(path, "does not match the manifest (another step, stage or replica)")
+    trainer.stage.load_state_dict(state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    if trainer.kfac is not None:
+        if state["kfac"] is None:
+            raise InputError(path, "holds no K-FAC state")
+        load_kfac_state(trainer.kfac, state["kfac"], path)
+    torch.set_rng_state(state["rng"])
+    if state.get("cuda_rng") is not None and trainer.ctx.device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng"])
+    return int(man["steps_done"])

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Speed of the default packing policy against ``compat`` and the published tool, in one run.
+
+Two simulated jobs (BERT-like block costs, 1F1B, heavy K-FAC work), written as timeline pickles:
+
+* 8 nodes x 64 micro-batches x 36 K-FAC layers per node: times the new policy, the ``compat``
+  policy and the published tool's data structures (``compat_reference``, about a minute; skip it with
+  ``--no-reference``), each from loading the files to writing the schedule file;
+* 16 nodes x 128 micro-batches x 48 K-FAC layers per node: the new policy and ``compat``.
+
+The new policy's figure includes loading the timelines, packing, the report and writing the schedule.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import click
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pipefisher.policies import DEFAULT_POLICY, get_policy  # noqa: E402
+from pipefisher.policies.compat_reference import ref_pack_job  # noqa: E402
+from pipefisher.report import usage_lines  # noqa: E402
+from pipefisher.schedule import save_schedule, validate  # noqa: E402
+from pipefisher.sim.simulator import write_timelines  # noqa: E402
+from pipefisher.sim.synthetic import synthetic_timelines  # noqa: E402
+from pipefisher.timeline import load_job  # noqa: E402
+
+
+def build(folder: str, stages: int, micro_batches: int, layers_per_stage: int, kfac_scale: float) -> list[str]:
+    timelines = synthetic_timelines("1f1b", stages, micro_batches, layers_per_stage, kfac_scale=kfac_scale, seed=0)
+    return write_timelines(folder, f"bench{stages}x{micro_batches}", timelines)
+
+
+def best_of(repeat: int, fn: Callable[[], object]) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def end_to_end(paths: list[str], policy: str, out: str) -> None:
+    job = load_job(paths)
+    schedule = get_policy(policy).pack(job)
+    usage_lines(schedule)
+    save_schedule(out, schedule)
+
+
+@click.command()
+@click.option("--kfac-scale", default=4.0, show_default=True, help="multiplies every K-FAC cost (heavy work)")
+@click.option("--repeat", default=3, show_default=True, help="runs of the fast policies (best is kept)")
+@click.option("--reference/--no-reference", default=True, show_default=True,
+              help="also time the published tool's data structures on the 8x64x36 job (about a minute)")
+@click.option("--policy", default=DEFAULT_POLICY, show_default=True)
+def main(kfac_scale: float, repeat: int, reference: bool, policy: str) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "schedule.pickle")
+        for stages, mb, lps in ((8, 64, 6), (16, 128, 8)):
+            paths = build(os.path.join(folder, f"{stages}x{mb}"), stages, mb, lps, kfac_scale)
+            click.echo(f"job: {stages} nodes x {mb} micro-batches x {lps * 6} K-FAC layers per node "
+                       f"(K-FAC scale {kfac_scale})")
+            t_new = best_of(repeat, lambda: end_to_end(paths, policy, out))
+            t_compat = best_of(1, lambda: end_to_end(paths, "compat", out))
+            job = load_job(paths)
+            packed = get_policy(policy).pack(job)
+            ok = not validate(packed.to_file_data(), job)
+            cycles = sum(n.figures.iterations for n in packed.nodes)
+            bound = sum(n.figures.lower_bound or 1 for n in packed.nodes)
+            compat_packed = get_policy("compat").pack(job)
+            compat_cycles = sum(n.figures.iterations for n in compat_packed.nodes)
+            compat_bad = len({v.node for v in validate(compat_packed.to_file_data(), job)})
+            click.echo(f"  {policy} (load + pack + report + write): {t_new:8.3f} s  (best of {repeat}); "
+                       f"validates: {'yes' if ok else 'NO'}; total cycle {cycles} (bound {bound}; compat {compat_cycles}, "
+                       f"{stages - compat_bad}/{stages} nodes valid)")
+            click.echo(f"  compat (load + pack + report + write): {t_compat:8.3f} s  -> {t_compat / t_new:.1f}x slower")
+            if reference and stages == 8:
+                t0 = time.perf_counter()
+                ref_pack_job(load_job(paths))
+                t_ref = time.perf_counter() - t0
+                click.echo(f"  published tool (compat_reference):     {t_ref:8.3f} s  -> {t_ref / t_new:.1f}x slower")
+            if stages == 16:
+                click.echo(f"  under 1 second: {'yes' if t_new < 1.0 else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
