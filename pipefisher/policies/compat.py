@@ -322,7 +322,7 @@ def figures_from_slots(slots: Sequence[Slot], span: Time) -> tuple[int, float, d
     return iterations, usage, {"busy": busy, "kfac": kfac}
 
 
-def _placements(slots: Sequence[Slot]) -> tuple[Placement, ...]:
+def placements_from_slots(slots: Sequence[Slot]) -> tuple[Placement, ...]:
     out = []
     index = 0
     seen_any = False
@@ -355,5 +355,5 @@ class CompatPolicy(Policy):
                 bubble_left=cycle - parts["busy"] - parts["kfac"],
             )
             labels = split_iterations(slots)
-            nodes.append(NodeSchedule(tuple(tuple(it) for it in labels), _placements(slots), figures))
+            nodes.append(NodeSchedule(tuple(tuple(it) for it in labels), placements_from_slots(slots), figures))
         return JobSchedule(self.name, job.span, tuple(nodes))

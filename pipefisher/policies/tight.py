@@ -39,9 +39,10 @@ from pipefisher.policies.base import (
     NodeSchedule,
     Placement,
     Policy,
+    split_iterations,
 )
 from pipefisher.policies.bounds import MARGIN, Chain, NodeBounds, node_bounds, one_iteration_possible
-from pipefisher.timeline import BACKWARD, FORWARD, UP_PIPE, Interval, Job, NodeTimeline, Time, TimelineKey
+from pipefisher.timeline import BACKWARD, FORWARD, KFAC_KINDS, UP_PIPE, Interval, Job, NodeTimeline, Time, TimelineKey
 
 COV, SYNC, INV = 0, 1, 2
 _KIND = {"cov_kron_A": COV, "cov_kron_B": COV, "sync_kron_A": SYNC, "sync_kron_B": SYNC,
@@ -788,7 +789,43 @@ def pack_node(node: NodeTimeline, span: Time) -> NodeSchedule:
         if trial is not None:
             packed = trial
             break
-    return node_schedule(model, packed, bounds)
+    schedule = node_schedule(model, packed, bounds)
+    if packed.iterations > bounds.tight:  # not provably optimal: the published construction may be shorter
+        schedule = _shorter_valid_compat(node, span, model, bounds, schedule)
+    return schedule
+
+
+def _shorter_valid_compat(node: NodeTimeline, span: Time, model: NodeModel, bounds: NodeBounds,
+                          ours: NodeSchedule) -> NodeSchedule:
+    """The published packer's cycle for this node, where it is shorter, dependency-correct and honest.
+
+    Honest means integer times and no ``None`` (else its floor-divided pieces or zeroed times claim
+    room it never used) and usage within 100 % of this policy's own iteration length.
+    """
+    from pipefisher.policies.compat import pack_node_slots, placements_from_slots
+    from pipefisher.schedule import validate_node
+
+    if not all(isinstance(x, int) for ivs in node.entries.values() for iv in ivs for x in (iv.start, iv.end)):
+        return ours
+    slots = pack_node_slots(node, span)
+    labels = split_iterations(slots)
+    k = len(labels)
+    if k >= ours.figures.iterations or validate_node(0, node, labels):
+        return ours
+    placements = placements_from_slots(slots)
+    work = [p for p in placements if p.category in KFAC_KINDS]
+    first = min((ps for _, ps, _ in model.pipeline), default=0)
+    if any(p.start < min(first, 0) or p.end > model.base for p in work):  # not inside the iteration's bubbles
+        return ours
+    kfac = sum(p.duration for p in work)
+    cycle = model.length * k
+    busy = model.pipeline_busy * k
+    if cycle <= 0 or busy + kfac > cycle:
+        return ours
+    figures = replace(ours.figures, iterations=k, usage=(busy + kfac) / cycle * 100, cycle_time=cycle,
+                      pipeline_busy=busy, kfac_placed=kfac, bubble_left=cycle - busy - kfac, overflow=0,
+                      extra={**ours.figures.extra, "construction": "compat"})
+    return NodeSchedule(tuple(tuple(it) for it in labels), placements, figures)
 
 
 class TightPolicy(Policy):

@@ -117,12 +117,17 @@ class Trainer:
         self.ops = pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m)
         self.reporter = g.stage == g.stages - 1 and g.replica == 0
         self.executor: ScheduleExecutor | None = None
+        self.cycles: list[int] = []
         self.schedule_digest: str | None = None
         if self.mode == "scheduled":
             assert opts.schedule is not None and self.kfac is not None
             # Every worker checks every node, so a bad schedule stops all of them before step 0.
             data = load_checked_schedule(opts.schedule, cfg, g.replicas)
             self.schedule_digest = schedule_digest(data)
+            self.cycles = [len(node) for node in data]
+            from pipefisher.runtime.dist import check_agreement
+
+            check_agreement(ctx, f"schedule {self.schedule_digest}")  # the same file on every host
             self.executor = ScheduleExecutor(data[g.stage], self.engine, self.kfac, self.end_of_step)
         self.start_step = 0
         if opts.resume:
@@ -197,7 +202,8 @@ class Trainer:
         first = self.start_step
         todo = max(0, opts.steps - first)
         if self.reporter:
-            extra = f", K-FAC cycle k={self.cycle}" if self.cycle is not None else ""
+            extra = (f", K-FAC cycle k={max(self.cycles)} (per node: {', '.join(map(str, self.cycles))})"
+                     if self.cycles else "")
             resumed = f", resuming after step {first - 1}" if first else ""
             click.echo(f"pipefisher train: mode {self.mode}, {g.stages} stage(s) x {g.replicas} replica(s), "
                        f"{self.cfg.pipeline.schedule}, {self.cfg.data.num_micro_batches} micro-batches, "

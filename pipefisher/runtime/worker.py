@@ -30,15 +30,25 @@ def parse(argv: list[str]) -> tuple[object, object]:
     ap.add_argument("--out")
     ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--schedule", help="schedule file: scheduled mode (K-FAC in the bubbles)")
+    ap.add_argument("--metrics", help="CSV of step, loss, step time, mode")
+    ap.add_argument("--checkpoint-dir")
+    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--resume", help="checkpoint folder to continue from")
     a = ap.parse_args(argv)
     if a.spec:
         return decode_spec(a.spec)
     if not a.config:
         ap.error("give --config (or --spec)")
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-    return load_config(a.config), TrainOptions(mode=a.mode, steps=a.steps, profile=a.profile, out=a.out,
-                                               log_every=a.log_every, progress=not a.no_progress)
+    for folder in (a.out, a.checkpoint_dir or a.resume):
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+    mode = "scheduled" if a.schedule else a.mode
+    return load_config(a.config), TrainOptions(mode=mode, steps=a.steps, profile=a.profile, out=a.out,
+                                               log_every=a.log_every, progress=not a.no_progress,
+                                               schedule=a.schedule, metrics=a.metrics,
+                                               checkpoint_dir=a.checkpoint_dir or a.resume,
+                                               checkpoint_every=a.checkpoint_every, resume=a.resume)
 
 
 def main(argv: list[str] | None = None) -> int:
