@@ -9,7 +9,7 @@
 Per suite it prints the total cycle (pipeline iterations per curvature refresh, summed over nodes) of
 ``compat`` and of the new policy, how many nodes validate, and the totals of the lower bounds: the
 volume bound ceil(W / C) and the tighter bound the new policy proves. It also counts the nodes where
-the new policy's cycle is longer than a compat schedule that validates and is honest (usage <= 100 %,
+the new policy's cycle is longer than a compat schedule that validates and is honest (see ``pipefisher.policies.tight.honest_compat``;
 integer times without None, so its covariance pieces keep their length).
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipefisher.policies import DEFAULT_POLICY, get_policy  # noqa: E402
+from pipefisher.policies.tight import honest_compat  # noqa: E402
 from pipefisher.schedule import validate  # noqa: E402
 from pipefisher.sim.random_jobs import random_raw_job  # noqa: E402
 from pipefisher.timeline import Job, job_from_dicts  # noqa: E402
@@ -68,16 +69,6 @@ def generated_jobs(seeds: int) -> list[tuple[str, Job]]:
     return [(f"seed {s}", job_from_dicts(random_raw_job(s))) for s in range(seeds)]
 
 
-def _honest(job: Job) -> bool:
-    """Integer times and no None: compat's piece lengths are then the true ones (to within 1 ns)."""
-    for node in job.nodes:
-        for intervals in node.entries.values():
-            for iv in intervals:
-                if iv.start is None or iv.end is None or isinstance(iv.start, float) or isinstance(iv.end, float):
-                    return False
-    return True
-
-
 def tally(jobs: list[tuple[str, Job]], policy: str) -> Tally:
     compat, new = get_policy("compat"), get_policy(policy)
     t = Tally()
@@ -86,7 +77,6 @@ def tally(jobs: list[tuple[str, Job]], policy: str) -> Tally:
         n = new.pack(job)
         bad_c = {v.node for v in validate(c.to_file_data(), job)}
         bad_n = {v.node for v in validate(n.to_file_data(), job)}
-        honest = _honest(job)
         for i, (cn, nn) in enumerate(zip(c.nodes, n.nodes)):
             t.nodes += 1
             t.compat += cn.figures.iterations
@@ -95,11 +85,12 @@ def tally(jobs: list[tuple[str, Job]], policy: str) -> Tally:
             t.new_valid += i not in bad_n
             t.bound += nn.figures.lower_bound or 1
             t.volume += int(nn.figures.extra.get("volume_bound", nn.figures.lower_bound or 1))  # type: ignore[arg-type]
-            if honest and i not in bad_c and cn.figures.usage <= 100:
+            theirs = honest_compat(job.nodes[i], job.span)  # compat's cycle where valid and honest
+            if theirs is not None:
                 t.honest_compared += 1
-                if nn.figures.iterations > cn.figures.iterations:
+                if nn.figures.iterations > theirs.figures.iterations:
                     t.new_longer += 1
-                    t.longer_examples.append(f"{name} node{i}: {nn.figures.iterations} > {cn.figures.iterations}")
+                    t.longer_examples.append(f"{name} node{i}: {nn.figures.iterations} > {theirs.figures.iterations}")
     return t
 
 

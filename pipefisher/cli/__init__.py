@@ -23,3 +23,4 @@ from pipefisher.cli import schedule as _schedule  # noqa: E402,F401
 from pipefisher.cli import validate as _validate  # noqa: E402,F401
 from pipefisher.cli import train as _train  # noqa: E402,F401
 from pipefisher.cli import sim as _sim  # noqa: E402,F401
+from pipefisher.cli import run as _run  # noqa: E402,F401

@@ -791,41 +791,49 @@ def pack_node(node: NodeTimeline, span: Time) -> NodeSchedule:
             break
     schedule = node_schedule(model, packed, bounds)
     if packed.iterations > bounds.tight:  # not provably optimal: the published construction may be shorter
-        schedule = _shorter_valid_compat(node, span, model, bounds, schedule)
+        schedule = _shorter_valid_compat(node, span, model, schedule)
     return schedule
 
 
-def _shorter_valid_compat(node: NodeTimeline, span: Time, model: NodeModel, bounds: NodeBounds,
-                          ours: NodeSchedule) -> NodeSchedule:
-    """The published packer's cycle for this node, where it is shorter, dependency-correct and honest.
+def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None) -> NodeSchedule | None:
+    """The published packer's cycle for ``node`` where it is dependency-correct and honest, else None.
 
-    Honest means integer times and no ``None`` (else its floor-divided pieces or zeroed times claim
-    room it never used) and usage within 100 % of this policy's own iteration length.
+    Honest: integer times and no ``None`` (else its floor-divided pieces or zeroed times claim room it
+    never used), every K-FAC item inside the iteration's pipeline window (else it lengthened the
+    iteration), and busy time within the cycle measured by this policy's iteration length.
     """
     from pipefisher.policies.compat import pack_node_slots, placements_from_slots
     from pipefisher.schedule import validate_node
 
     if not all(isinstance(x, int) for ivs in node.entries.values() for iv in ivs for x in (iv.start, iv.end)):
-        return ours
+        return None
+    model = model or node_model(node, span)
     slots = pack_node_slots(node, span)
     labels = split_iterations(slots)
-    k = len(labels)
-    if k >= ours.figures.iterations or validate_node(0, node, labels):
-        return ours
+    if validate_node(0, node, labels):
+        return None
     placements = placements_from_slots(slots)
     work = [p for p in placements if p.category in KFAC_KINDS]
     first = min((ps for _, ps, _ in model.pipeline), default=0)
-    if any(p.start < min(first, 0) or p.end > model.base for p in work):  # not inside the iteration's bubbles
-        return ours
+    if any(p.start < min(first, 0) or p.end > model.base for p in work):
+        return None
+    k = len(labels)
     kfac = sum(p.duration for p in work)
-    cycle = model.length * k
-    busy = model.pipeline_busy * k
+    cycle, busy = model.length * k, model.pipeline_busy * k
     if cycle <= 0 or busy + kfac > cycle:
-        return ours
-    figures = replace(ours.figures, iterations=k, usage=(busy + kfac) / cycle * 100, cycle_time=cycle,
-                      pipeline_busy=busy, kfac_placed=kfac, bubble_left=cycle - busy - kfac, overflow=0,
-                      extra={**ours.figures.extra, "construction": "compat"})
+        return None
+    figures = NodeFigures(iterations=k, usage=(busy + kfac) / cycle * 100, cycle_time=cycle, pipeline_busy=busy,
+                          kfac_placed=kfac, bubble_left=cycle - busy - kfac, extra={"construction": "compat"})
     return NodeSchedule(tuple(tuple(it) for it in labels), placements, figures)
+
+
+def _shorter_valid_compat(node: NodeTimeline, span: Time, model: NodeModel, ours: NodeSchedule) -> NodeSchedule:
+    theirs = honest_compat(node, span, model)
+    if theirs is None or theirs.figures.iterations >= ours.figures.iterations:
+        return ours
+    figures = replace(theirs.figures, lower_bound=ours.figures.lower_bound,
+                      extra={**ours.figures.extra, **theirs.figures.extra})
+    return replace(theirs, figures=figures)
 
 
 class TightPolicy(Policy):

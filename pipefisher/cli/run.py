@@ -1,0 +1,59 @@
+"""``pipefisher run``: profile, pack, report and train with the schedule, in one command.
+
+torch and matplotlib are imported inside the command only.
+"""
+from __future__ import annotations
+
+import click
+
+from pipefisher.cli import main
+from pipefisher.errors import InputError
+
+
+@main.command("run")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="YAML run config (see configs/)")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="folder for this run's files (all named <run>_...; several runs sit side by side)")
+@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
+              help="training steps with the schedule")
+@click.option("--profile-steps", type=click.IntRange(min=1), default=3, show_default=True,
+              help="kfac steps to profile (the last one is packed)")
+@click.option("--policy", default=None, help="packing policy (default: the default policy)")
+@click.option("--name", default=None, help="run name (default: <config>-<policy>-<timestamp>)")
+@click.option("--allow-invalid", is_flag=True, help="train a schedule even if it breaks dependency rules")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="steps between checkpoints in <run>_checkpoints/ (0: only at the end)")
+@click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
+              help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
+@click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages")
+@click.option("--pipeline", "pipe_schedule", type=click.Choice(["gpipe", "1f1b"]), default=None,
+              help="override pipeline.schedule")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="override pipeline.timeout_s")
+@click.option("--log-every", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--no-progress", is_flag=True, help="no progress bar")
+def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, policy: str | None,
+                name: str | None, allow_invalid: bool, checkpoint_every: int, nproc: int | None,
+                stages: int | None, pipe_schedule: str | None, timeout_s: float | None, log_every: int,
+                no_progress: bool) -> None:
+    """Profile a few K-FAC steps, pack them into the pipeline bubbles, print the usage report, and
+    train with the schedule; timelines, schedule, report, chart, metrics and config go to --out."""
+    from pipefisher.runtime.config import load_config
+    from pipefisher.runtime.driver import run_job
+    from pipefisher.runtime.launch import WorkerFailed
+    from pipefisher.runtime.trainer import PeerLost
+
+    cfg = load_config(config_path)
+    pipeline = {k: v for k, v in (("stages", stages), ("schedule", pipe_schedule), ("timeout_s", timeout_s))
+                if v is not None}
+    try:
+        cfg = cfg.replace(pipeline=pipeline)
+    except InputError as err:
+        raise InputError(config_path, err.problem) from None
+    try:
+        run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
+                allow_invalid=allow_invalid, checkpoint_every=checkpoint_every, log_every=log_every,
+                progress=not no_progress, echo=click.echo)
+    except (WorkerFailed, PeerLost) as err:
+        raise click.ClickException(str(err)) from None

@@ -1,0 +1,194 @@
+"""The whole loop in one call, like a job driver: profile, pack, report, check, train with the schedule.
+
+Everything a run makes goes into one folder, every name prefixed by the run's name so that several
+runs sit side by side::
+
+    <run>_config.yaml       the config used (after command-line overrides)
+    <run>_timelines/        one profiled timeline per pipeline node
+    <run>_schedule.pickle   the packed schedule (the trainer's input)
+    <run>_report.json       usage report per node, policy, validation result, training summary
+    <run>_chart.png         the packed cycle per node
+    <run>_metrics.csv       step, loss, step time, mode of every training step
+    <run>_checkpoints/      the last checkpoint (resume with ``pipefisher train --resume``)
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pipefisher.errors import InputError
+from pipefisher.runtime.config import RunConfig
+
+_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    folder: str
+    name: str
+
+    def _p(self, suffix: str) -> str:
+        return os.path.join(self.folder, f"{self.name}_{suffix}")
+
+    @property
+    def config(self) -> str:
+        return self._p("config.yaml")
+
+    @property
+    def timelines(self) -> str:
+        return self._p("timelines")
+
+    @property
+    def schedule(self) -> str:
+        return self._p("schedule.pickle")
+
+    @property
+    def report(self) -> str:
+        return self._p("report.json")
+
+    @property
+    def chart(self) -> str:
+        return self._p("chart.png")
+
+    @property
+    def metrics(self) -> str:
+        return self._p("metrics.csv")
+
+    @property
+    def checkpoints(self) -> str:
+        return self._p("checkpoints")
+
+    def taken(self) -> bool:
+        prefix = f"{self.name}_"
+        return os.path.isdir(self.folder) and any(e.startswith(prefix) for e in os.listdir(self.folder))
+
+
+def run_paths(folder: str, cfg: RunConfig, policy: str, name: str | None = None,
+              now: Callable[[], float] = time.time) -> RunPaths:
+    """Where a run's files go. An explicit ``name`` must be new in ``folder``; the default name
+    ``{config}-{policy}-{YYYYmmdd-HHMMSS}`` gets a ``-2``, ``-3``, ... suffix if that one is taken."""
+    if name is not None:
+        if not _NAME_OK.match(name):
+            raise InputError(None, f"run name '{name}' must be letters, digits, '.', '_' or '-'")
+        paths = RunPaths(folder, name)
+        if paths.taken():
+            raise InputError(folder, f"already holds a run named '{name}'; choose another --name")
+        return paths
+    base = f"{cfg.name}-{policy}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now()))}"
+    paths, n = RunPaths(folder, base), 1
+    while paths.taken():
+        n += 1
+        paths = RunPaths(folder, f"{base}-{n}")
+    return paths
+
+
+def config_yaml(cfg: RunConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(json.loads(json.dumps(cfg.to_dict(), default=list)), sort_keys=False)
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, policy: str | None = None,
+            nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
+            checkpoint_every: int = 0, log_every: int = 5, progress: bool = True,
+            echo: Callable[[str], None] = print) -> RunPaths:
+    """Profile ``profile_steps`` kfac steps, pack them with ``policy``, print the usage report, refuse an
+    invalid schedule (unless ``allow_invalid``), then train ``steps`` steps with it; returns the paths."""
+    from pipefisher.plot import chart_from_schedule, render
+    from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.report import report_data, usage_lines
+    from pipefisher.runtime.executor import load_checked_schedule
+    from pipefisher.runtime.launch import launch_local, run_worker
+    from pipefisher.runtime.profiler import timeline_filename
+    from pipefisher.runtime.trainer import TrainOptions
+    from pipefisher.safe_io import dump_json_atomic, write_atomic
+    from pipefisher.schedule import save_schedule, validate
+    from pipefisher.timeline import load_job
+
+    packer = get_policy(policy or DEFAULT_POLICY)
+    stages = cfg.pipeline.stages
+    n = nproc or stages
+    if n % stages:
+        raise InputError(None, f"--nproc-per-node {n} is not a multiple of the {stages} pipeline stages")
+    replicas = n // stages
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as err:
+        raise InputError(out, f"cannot be created ({err.strerror or err})") from None
+    paths = run_paths(out, cfg, packer.name, name)
+    os.makedirs(paths.timelines, exist_ok=True)
+    write_atomic(paths.config, config_yaml(cfg))
+    echo(f"run {paths.name}: {cfg.name}, {stages} stage(s) x {replicas} replica(s), policy {packer.name}, "
+         f"files in {out}")
+
+    def launch(opts: TrainOptions) -> None:
+        if n == 1:
+            run_worker(cfg, opts)
+        else:
+            launch_local(cfg, opts, n, echo=echo)
+
+    # 1. profile
+    echo(f"[1/3] profiling {profile_steps} kfac step(s)")
+    t0 = time.perf_counter()
+    launch(TrainOptions(mode="kfac", steps=profile_steps, profile=True, out=paths.timelines, progress=False,
+                        log_every=10**9))
+    timelines = [os.path.join(paths.timelines, timeline_filename(cfg.name, i)) for i in range(stages)]
+    profile_s = time.perf_counter() - t0
+
+    # 2. pack, report, check
+    echo(f"[2/3] packing with policy {packer.name}")
+    job = load_job(timelines)
+    packed = packer.pack(job)
+    for line in usage_lines(packed):
+        echo(line)
+    violations = validate(packed.to_file_data(), job)
+    report = report_data(packed, job)
+    report.update(run=paths.name, valid=not violations, violations=[str(v) for v in violations[:50]])
+    if violations:
+        echo(f"the schedule breaks {len(violations)} dependency rule(s); first: {violations[0]}")
+        if not allow_invalid:
+            dump_json_atomic(paths.report, report)
+            raise InputError(paths.report, f"policy '{packer.name}' gave a schedule that breaks "
+                                           f"{len(violations)} dependency rule(s); not training it "
+                                           "(--allow-invalid trains it anyway)")
+    save_schedule(paths.schedule, packed)
+    render(chart_from_schedule(packed, job), paths.chart)
+    load_checked_schedule(paths.schedule, cfg, replicas)  # what every worker checks, before they start
+    cycles = [node.figures.iterations for node in packed.nodes]
+
+    # 3. train
+    echo(f"[3/3] training {steps} step(s) with the schedule (K-FAC cycle k={max(cycles)})")
+    t0 = time.perf_counter()
+    launch(TrainOptions(mode="scheduled", steps=steps, schedule=os.path.abspath(paths.schedule),
+                        metrics=os.path.abspath(paths.metrics), checkpoint_dir=os.path.abspath(paths.checkpoints),
+                        checkpoint_every=checkpoint_every, log_every=log_every, progress=progress))
+    train_s = time.perf_counter() - t0
+    rows = read_metrics(paths.metrics) if os.path.exists(paths.metrics) else []
+    times = [float(r["step_seconds"]) for r in rows[1:]] or [float(r["step_seconds"]) for r in rows]
+    losses = [float(r["loss"]) for r in rows if r["loss"]]
+    summary = {
+        "steps": steps, "cycle": max(cycles), "cycles": cycles,
+        "median_step_seconds": statistics.median(times) if times else None,
+        "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+        "profile_seconds": round(profile_s, 3), "train_seconds": round(train_s, 3),
+    }
+    report["training"] = summary
+    dump_json_atomic(paths.report, report)
+    if times:
+        echo(f"done: {steps} steps, median step {summary['median_step_seconds'] * 1e3:.1f} ms, "
+             f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}")
+    for p in (paths.config, paths.timelines, paths.schedule, paths.report, paths.chart, paths.metrics,
+              paths.checkpoints):
+        echo(f"wrote {p}")
+    return paths

@@ -1,0 +1,393 @@
+"""Schedule files in the runtime: refused before training when they do not fit the job, and run label by
+label with the same result as ``kfac`` mode (one-iteration cycle) or a one-process replay (longer cycles).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipefisher.cli import main
+from pipefisher.errors import InputError
+from pipefisher.kfac import KFAC
+from pipefisher.runtime.config import RunConfig, load_config
+from pipefisher.runtime.data import MLMData
+from pipefisher.runtime.engine import BACKWARD, FORWARD, pipeline_ops
+from pipefisher.runtime.executor import (END, SAVE_OFF, SAVE_ON, START, check_schedule, single_iteration_schedule,
+                                         stage_kfac_names)
+from pipefisher.runtime.launch import WorkerFailed, spawn_local
+from pipefisher.runtime.model import PipelineStage
+from pipefisher.runtime.trainer import Trainer, TrainOptions, make_optimizer
+from pipefisher.schedule import save_schedule
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+STEPS = 7
+
+
+def tiny(**sections) -> RunConfig:
+    return load_config(TINY).replace(**sections) if sections else load_config(TINY)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Schedules used below
+
+
+def spread_schedule(cfg: RunConfig) -> list[list[list[str]]]:
+    """A hand-made 3-iteration cycle per node that exercises what a packer may do.
+
+    Iteration 0: cov A piece j right after forward j for the first half of the modules, cov B piece j
+    right after backward j for the first module; the first module's inverses before ``-- end --``.
+    Iteration 1: the remaining pieces between the pipeline calls; A inverses, one of them after
+    ``-- end --``. Iteration 2: B inverses, before and after ``-- end --`` (pi from a cleared A).
+    """
+    m, stages = cfg.data.num_micro_batches, cfg.pipeline.stages
+    out = []
+    for node, names in enumerate(stage_kfac_names(cfg)):
+        ops = pipeline_ops(cfg.pipeline.schedule, node, stages, m)
+        half = names[: len(names) // 2]
+        first = names[0]
+        it0, nf, nb = [START], 0, 0
+        for op in ops:
+            it0.append(op)
+            if op == FORWARD:
+                it0 += [f"cov_kron_A:{n}" for n in half]
+                nf += 1
+            else:
+                it0.append(f"cov_kron_B:{first}")
+                nb += 1
+        it0 += [f"inv_kron_B:{first}", f"inv_kron_A:{first}", END, SAVE_OFF]
+        rest_a = [f"cov_kron_A:{n}" for n in names if n not in half for _ in range(m)]
+        rest_b = [f"cov_kron_B:{n}" for n in names if n != first for _ in range(m)]
+        work = rest_b + rest_a
+        it1 = [START]
+        chunk = -(-len(work) // len(ops))
+        for i, op in enumerate(ops):
+            it1.append(op)
+            it1 += work[i * chunk:(i + 1) * chunk]
+        later = [n for n in names if n != first]
+        it1 += [f"inv_kron_A:{n}" for n in later[:-1]] + [END, f"inv_kron_A:{later[-1]}"]
+        it2 = [START, *ops[:2], *[f"inv_kron_B:{n}" for n in later[:2]], *ops[2:], END,
+               *[f"inv_kron_B:{n}" for n in later[2:]], SAVE_ON]
+        out.append([it0, it1, it2])
+    return out
+
+
+def fake_timelines(cfg: RunConfig) -> list[dict]:
+    """Per-node timelines of a simulated 1F1B step of ``cfg`` (forward 10, backward 20 time units per
+    micro-batch), with this model's K-FAC keys and costs that need a few iterations' bubbles."""
+    m, stages = cfg.data.num_micro_batches, cfg.pipeline.stages
+    names = stage_kfac_names(cfg)
+    done: dict = {}
+    free = [0] * stages
+    pending = [list(pipeline_ops(cfg.pipeline.schedule, s, stages, m)) for s in range(stages)]
+    nxt = [[0, 0] for _ in range(stages)]
+    raws: list[dict] = [{FORWARD: [], BACKWARD: []} for _ in range(stages)]
+    while any(pending):
+        for s in range(stages):
+            if not pending[s]:
+                continue
+            op = pending[s][0]
+            i = nxt[s][op == BACKWARD]
+            dep = (s - 1, FORWARD, i) if op == FORWARD else (s + 1, BACKWARD, i)
+            if 0 <= dep[0] < stages and dep not in done:
+                continue
+            start = max(free[s], done.get(dep, 0))
+            end = start + (10 if op == FORWARD else 20)
+            raws[s][op].append((start, end))
+            done[(s, op, i)] = free[s] = end
+            nxt[s][op == BACKWARD] += 1
+            pending[s].pop(0)
+    for s, raw in enumerate(raws):
+        t = free[s]
+        for n in names[s]:
+            for kind, d in (("cov_kron_A", 4 * m), ("cov_kron_B", 4 * m), ("inv_kron_A", 6), ("inv_kron_B", 6)):
+                raw[f"{kind}:{n}"] = [(t, t + d)]
+                t += d
+        raw["start_end"] = [(0, t)]
+    return raws
+
+
+def packed_schedule(cfg: RunConfig) -> list[list[list[str]]]:
+    from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.schedule import validate
+    from pipefisher.timeline import job_from_dicts
+
+    job = job_from_dicts(fake_timelines(cfg))
+    data = get_policy(DEFAULT_POLICY).pack(job).to_file_data()
+    assert validate(data, job) == []
+    return data
+
+
+# ----------------------------------------------------------------------------------------------------
+# Refusals (pure checks, then the CLI and the workers)
+
+
+def _refused(data, cfg=None, replicas=1) -> str:
+    with pytest.raises(InputError) as err:
+        check_schedule(data, cfg or tiny(), replicas, "s.pickle")
+    return str(err.value)
+
+
+def test_good_schedules_pass_the_check():
+    cfg = tiny()
+    for data in (single_iteration_schedule(cfg), spread_schedule(cfg), packed_schedule(cfg)):
+        check_schedule(data, cfg)
+    check_schedule(single_iteration_schedule(cfg, replicas=2), cfg, replicas=2)
+
+
+def test_other_node_count_is_refused():
+    data = single_iteration_schedule(tiny())
+    assert "has 3 node schedule(s) but this run has 2 pipeline stage(s)" in _refused(data + data[:1])
+    assert "has 1 node schedule(s)" in _refused(data[:1])
+
+
+def test_unknown_module_is_refused():
+    data = single_iteration_schedule(tiny())
+    data[0][0][-5] = "inv_kron_A:encoder.layer.9.output.dense"
+    assert "node 0 iteration 0: 'inv_kron_A:encoder.layer.9.output.dense': this stage has no K-FAC module" \
+        in _refused(data)
+    data = single_iteration_schedule(tiny())
+    data[1][0][-5] = "inv_kron_A:encoder.layer.0.output.dense"  # a module of the other stage
+    assert "node 1 iteration 0" in _refused(data) and "no K-FAC module named" in _refused(data)
+
+
+@pytest.mark.parametrize("label,message", [
+    ("frobnicate", "'frobnicate': unknown label"),
+    ("cov_kron_C:encoder.layer.0.output.dense", "unknown label"),
+    ("call_forward:up_pipe", "second (up) pipeline; this runtime runs one pipe (no Chimera)"),
+    ("cov_kron_A:encoder.layer.0.output.dense:up_pipe", "no Chimera"),
+    ("cov_kron_A", "no module name"),
+])
+def test_unknown_labels_are_refused(label, message):
+    data = single_iteration_schedule(tiny())
+    data[0][0].insert(1, label)
+    assert message in _refused(data)
+
+
+def test_pipeline_order_and_count_must_match_the_engine():
+    cfg = tiny()
+    gpipe = single_iteration_schedule(cfg.replace(pipeline={"schedule": "gpipe"}))
+    assert "another order than this run's pipeline" in _refused(gpipe, cfg)
+    assert "'-- end --'" not in _refused(gpipe, cfg)
+    fewer = single_iteration_schedule(cfg.replace(data={"num_micro_batches": 3}))
+    assert "has 3 forwards and 3 backwards, but this run's pipeline step has 4 of each" in _refused(fewer, cfg)
+
+
+def test_k_fac_work_that_cannot_run_is_refused():
+    cfg = tiny()
+    data = single_iteration_schedule(cfg)
+    it = data[0][0]
+    it.insert(1, it.pop(it.index("cov_kron_A:encoder.layer.0.attention.self.query")))  # before forward 0
+    assert "no saved micro-batch is left for this piece" in _refused(data)
+    data = single_iteration_schedule(cfg)
+    data[1][0].remove(SAVE_ON)
+    assert "must end with saving on" in _refused(data)
+    data = single_iteration_schedule(cfg)
+    data[1][0].remove("cov_kron_B:encoder.layer.3.output.dense")
+    assert "never used by a cov_kron_B piece" in _refused(data)
+    data = single_iteration_schedule(cfg)
+    data[0][0].remove("inv_kron_A:encoder.layer.1.output.dense")
+    assert "built but not inverted" in _refused(data)
+    assert "without a sync_kron all-reduce first, but this run has 2" in _refused(single_iteration_schedule(cfg), cfg, 2)
+    data = single_iteration_schedule(cfg)
+    data[0][0].append(FORWARD)
+    assert "forwards" in _refused(data)
+
+
+def test_cli_refuses_a_wrong_schedule_before_training(tmp_path):
+    data = single_iteration_schedule(tiny())
+    data[1][0].insert(3, "cov_kron_A:encoder.layer.7.nope")
+    bad = str(tmp_path / "bad.pickle")
+    save_schedule(bad, data)
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--schedule", bad, "--nproc-per-node", "2",
+                                    "--steps", "3", "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert f"error: {bad}: node 1 iteration 0: 'cov_kron_A:encoder.layer.7.nope'" in res.output
+    assert "pipefisher train: mode" not in res.output  # no worker started
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--mode", "scheduled"])
+    assert res.exit_code == 2 and "--mode scheduled needs --schedule FILE" in res.output
+
+
+def _train_bad(cfg_path: str, schedule: str) -> None:
+    from pipefisher.runtime.launch import run_worker
+
+    cfg = load_config(cfg_path).replace(pipeline={"timeout_s": 20.0})
+    run_worker(cfg, TrainOptions(mode="scheduled", schedule=schedule, steps=3, progress=False))
+
+
+def test_every_worker_refuses_a_wrong_schedule_on_its_own(tmp_path):
+    """The check in the worker (torchrun, no CLI pre-check): all ranks fail at once, none hangs."""
+    data = single_iteration_schedule(tiny())
+    bad = str(tmp_path / "bad.pickle")
+    save_schedule(bad, [data[0], data[0]])  # node 1 runs node 0's modules
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as err:
+        spawn_local(_train_bad, 2, TINY, bad, timeout_s=60)
+    assert time.monotonic() - t0 < 15
+    text = str(err.value)
+    assert "rank 0:" in text and "rank 1:" in text
+    assert text.count("node 1 iteration 0") >= 2 and "no K-FAC module named" in text
+
+
+# ----------------------------------------------------------------------------------------------------
+# Equality with kfac mode and with a one-process replay
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.stage.named_parameters()}
+
+
+def _train_all(cfg_path: str, runs: list[tuple[str, str | None]], steps: int) -> dict:
+    """In each worker, one Trainer per (mode, schedule) run, one after the other; their parameters."""
+    from pipefisher.runtime.dist import init_from_env, shutdown
+
+    cfg = load_config(cfg_path).replace(pipeline={"timeout_s": 30.0})
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    out = {"stage": ctx.grid.stage, "replica": ctx.grid.replica}
+    try:
+        for mode, schedule in runs:
+            torch.manual_seed(0)
+            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
+                                                     log_every=10**9))
+            res = trainer.run()
+            out[mode if schedule is None else os.path.basename(schedule)] = (_params(trainer), res.losses)
+    finally:
+        shutdown(ctx)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_stage_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("schedules")
+    cfg = tiny()
+    files = {}
+    for name, data in (("one", single_iteration_schedule(cfg)), ("spread", spread_schedule(cfg)),
+                       ("packed", packed_schedule(cfg))):
+        files[name] = str(folder / f"{name}.pickle")
+        save_schedule(files[name], data)
+    runs = [("kfac", None)] + [("scheduled", files[n]) for n in ("one", "spread", "packed")]
+    results = spawn_local(_train_all, 2, TINY, runs, STEPS, timeout_s=120)
+    return {r["stage"]: r for r in results}, files
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = 1e-5) -> float:
+    assert a.keys() == b.keys()
+    worst = max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)) for k in a)
+    assert worst < tol, worst
+    return worst
+
+
+def test_one_iteration_schedule_equals_kfac_every_step(two_stage_runs):
+    by_stage, _ = two_stage_runs
+    for stage, res in by_stage.items():
+        _close(res["one.pickle"][0], res["kfac"][0])
+    assert by_stage[1]["one.pickle"][1] == pytest.approx(by_stage[1]["kfac"][1], rel=1e-6)
+    moved = max(float((by_stage[0]["kfac"][0][k] - PipelineStage(tiny().model, 0, 2).state_dict()[k]).abs().max())
+                for k in by_stage[0]["kfac"][0])
+    assert moved > 1e-3  # the runs trained
+
+
+def replay(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[int, dict[str, torch.Tensor]]:
+    """The schedule's labels in one process, no torch.distributed: every stage as its own module with
+    its own K-FAC and optimizer; step 0 is naive K-FAC, step s runs iteration (s - 1) % k of each node
+    (pipeline first, then the node's K-FAC labels before ``-- end --``, the optimizer, the rest)."""
+    stages, m = cfg.pipeline.stages, cfg.data.num_micro_batches
+    mods = [PipelineStage(cfg.model, s, stages, seed=cfg.data.seed) for s in range(stages)]
+    kfacs = [KFAC(mod, damping=cfg.kfac.damping, ignore=cfg.kfac.ignore, loss_scale=m) for mod in mods]
+    opts = [make_optimizer(cfg, mod.parameters()) for mod in mods]
+    data = MLMData(cfg.data, cfg.model.vocab_size)
+    for k in kfacs:
+        k.set_saving(True)
+    for step in range(steps):
+        iters = [None if step == 0 else node[(step - 1) % len(node)] for node in schedule]
+        stash = []
+        for i in range(m):
+            mb = data.micro_batch(step, 0, i)
+            x, ins, outs = mb.input_ids, [], []
+            for s, mod in enumerate(mods):
+                if s > 0:
+                    x = x.detach().requires_grad_(True)
+                ins.append(x)
+                y = mod(x, mb.labels if s == stages - 1 else None)
+                outs.append(y / m if s == stages - 1 else y)
+                x = y
+            stash.append((ins, outs))
+        for ins, outs in stash:
+            grad = None
+            for s in reversed(range(stages)):
+                outs[s].backward(grad)
+                grad = ins[s].grad if s > 0 else None
+        for s in range(stages):
+            if iters[s] is None:
+                kfacs[s].update_curvature()
+                kfacs[s].clear_saved()
+            else:
+                labels = iters[s]
+                for label in labels[:labels.index(END)]:
+                    kfacs[s].apply_label(label)
+            kfacs[s].precondition_all()
+            opts[s].step()
+            opts[s].zero_grad(set_to_none=True)
+            if iters[s] is not None:
+                for label in iters[s][iters[s].index(END) + 1:]:
+                    kfacs[s].apply_label(label)
+    return {s: {n: p.detach().clone() for n, p in mod.named_parameters()} for s, mod in enumerate(mods)}
+
+
+@pytest.mark.parametrize("name", ["spread", "packed"])
+def test_multi_iteration_schedule_equals_a_one_process_replay(two_stage_runs, name):
+    from pipefisher.schedule import load_schedule
+
+    by_stage, files = two_stage_runs
+    schedule = load_schedule(files[name])
+    assert min(len(node) for node in schedule) >= 2
+    ref = replay(tiny(), schedule, STEPS)
+    for stage, res in by_stage.items():
+        _close(res[f"{name}.pickle"][0], ref[stage])
+    # ... and the curvature of a longer cycle really differs from refreshing every step
+    with pytest.raises(AssertionError):
+        _close(by_stage[0][f"{name}.pickle"][0], by_stage[0]["kfac"][0], tol=1e-6)
+
+
+def test_replay_of_the_one_iteration_schedule_equals_kfac(two_stage_runs):
+    """The reference itself: replaying the one-iteration schedule gives kfac mode's parameters."""
+    by_stage, _ = two_stage_runs
+    ref = replay(tiny(), single_iteration_schedule(tiny()), STEPS)
+    for stage, res in by_stage.items():
+        _close(ref[stage], res["kfac"][0])
+
+
+def test_data_parallel_replicas_run_the_same_labels(tmp_path):
+    """2 stages x 2 replicas: sync labels line up; the one-iteration schedule equals kfac mode, and the
+    replicas of each stage hold the same parameters."""
+    cfg = tiny()
+    path = str(tmp_path / "dp.pickle")
+    save_schedule(path, single_iteration_schedule(cfg, replicas=2))
+    results = spawn_local(_train_all, 4, TINY, [("kfac", None), ("scheduled", path)], 3, timeout_s=120)
+    for r in results:
+        _close(r["dp.pickle"][0], r["kfac"][0])
+    for s in range(2):
+        a, b = [r["dp.pickle"][0] for r in results if r["stage"] == s]
+        _close(a, b, tol=1e-6)
+
+
+def test_one_stage_run_in_one_process_uses_the_executor():
+    cfg = tiny(pipeline={"stages": 1})
+    data = copy.deepcopy(spread_schedule(cfg))
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "s.pickle")
+        save_schedule(path, data)
+        from pipefisher.runtime.dist import single_process
+
+        trainer = Trainer(cfg, single_process(), TrainOptions(mode="scheduled", schedule=path, steps=STEPS,
+                                                              progress=False))
+        assert trainer.cycle == 3
+        trainer.run()
+    _close(_params(trainer), replay(cfg, data, STEPS)[0])
