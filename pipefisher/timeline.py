@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence, Union
 
@@ -51,6 +52,7 @@ class TimelineKey:
     up_pipe: bool = False
 
     @classmethod
+    @lru_cache(maxsize=65536)  # schedules repeat a few thousand distinct labels many times
     def parse(cls, key: str) -> "TimelineKey":
         kind, _, rest = key.partition(":")
         up = False

@@ -296,6 +296,15 @@ def replay(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[
     """The schedule's labels in one process, no torch.distributed: every stage as its own module with
     its own K-FAC and optimizer; step 0 is naive K-FAC, step s runs iteration (s - 1) % k of each node
     (pipeline first, then the node's K-FAC labels before ``-- end --``, the optimizer, the rest)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers: the same reduction order, so the same floats
+    try:
+        return _replay(cfg, schedule, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[int, dict[str, torch.Tensor]]:
     stages, m = cfg.pipeline.stages, cfg.data.num_micro_batches
     mods = [PipelineStage(cfg.model, s, stages, seed=cfg.data.seed) for s in range(stages)]
     kfacs = [KFAC(mod, damping=cfg.kfac.damping, ignore=cfg.kfac.ignore, loss_scale=m) for mod in mods]
@@ -386,8 +395,13 @@ def test_one_stage_run_in_one_process_uses_the_executor():
         save_schedule(path, data)
         from pipefisher.runtime.dist import single_process
 
-        trainer = Trainer(cfg, single_process(), TrainOptions(mode="scheduled", schedule=path, steps=STEPS,
-                                                              progress=False))
-        assert trainer.cycle == 3
-        trainer.run()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            trainer = Trainer(cfg, single_process(), TrainOptions(mode="scheduled", schedule=path, steps=STEPS,
+                                                                  progress=False))
+            assert trainer.cycle == 3
+            trainer.run()
+        finally:
+            torch.set_num_threads(threads)
     _close(_params(trainer), replay(cfg, data, STEPS)[0])

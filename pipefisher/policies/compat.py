@@ -176,15 +176,37 @@ class _State:
         return self._first_alive(0) >= len(self.items)
 
 
-def _fill(state: _State, base: Sequence[Slot], nf: int, nb: int, pieces: int) -> list[Slot]:
+class _Gaps:
+    """Gaps of a growing base worth visiting, kept across the trials of one node.
+
+    Trials walk the schedule built so far, which only grows at its end, while the smallest remaining
+    need only grows: so the gaps found before are re-checked and only the new tail is scanned.
+    """
+
+    __slots__ = ("scanned", "least", "candidates")
+
+    def __init__(self) -> None:
+        self.scanned, self.least, self.candidates = 1, -INF, []
+
+    def update(self, base: Sequence[Slot], least: float) -> list[int]:
+        if least < self.least:  # cannot happen within one node; start over rather than be wrong
+            self.__init__()  # type: ignore[misc]
+        ok = [j for j in self.candidates if base[j - 1][2] + least < base[j][1]]
+        ok += [j for j in range(self.scanned, len(base)) if base[j - 1][2] + least < base[j][1]]
+        self.scanned, self.least, self.candidates = len(base), least, ok
+        return ok
+
+
+def _fill(state: _State, base: Sequence[Slot], nf: int, nb: int, pieces: int, gaps: _Gaps | None = None
+          ) -> list[Slot]:
     """Pack work into the gaps between consecutive entries of ``base``; see the spec's ``fill``."""
-    items = state.items
     queues = state.queues
-    tree = state.tree
-    out: list[Slot] = [base[0]]
-    prev = base[0]
     for p in queues:  # queue gates depend on the counts this fill starts with
         state.refresh(p, nf, nb)
+    if nf >= pieces and nb >= pieces:
+        return _fill_ungated(state, base, nf, nb, gaps or _Gaps())
+    out: list[Slot] = [base[0]]
+    prev = base[0]
     for nxt in base[1:]:
         label = prev[0]
         if label == FORWARD:
@@ -197,45 +219,70 @@ def _fill(state: _State, base: Sequence[Slot], nf: int, nb: int, pieces: int) ->
             if nb <= pieces:
                 for p in queues:
                     state.refresh(p, nf, nb)
-        t, limit = prev[2], nxt[1]
-        while t + tree[1] < limit:  # passes, until one places nothing; tree[1]: least room needed
-            placed = False
-            cur = state.first_fit(0, t, limit)
-            while cur >= 0:
-                w = items[cur]
-                if w.is_queue:
-                    next_id = state.next_id
-                    removed = False
-                    while t + w.need < limit:
-                        i = next_id[cur]
-                        if (w.gate_a and nf < i + 1) or (w.gate_b and nb < i + 1):
-                            break
-                        s, e = w.start + i * w.step, w.start + (i + 1) * w.step
-                        d = e - s
-                        out.append((w.label, t, t + d))
-                        t += d
-                        placed = True
-                        next_id[cur] = i + 1
-                        if i + 1 >= w.pieces:
-                            removed = True
-                            break
-                    if removed:
-                        resume = state.remove(cur, nf, nb)
-                    else:
-                        state.refresh(cur, nf, nb)
-                        resume = cur + 1
-                else:
-                    d = w.end - w.start
-                    out.append((w.label, t, t + d))
-                    t += d
-                    placed = True
-                    resume = state.remove(cur, nf, nb)
-                cur = state.first_fit(resume, t, limit)
-            if not placed:
-                break
+        _fill_gap(state, out, prev[2], nxt[1], nf, nb)
         out.append(nxt)
         prev = nxt
     return out
+
+
+def _fill_ungated(state: _State, base: Sequence[Slot], nf: int, nb: int, gaps: _Gaps) -> list[Slot]:
+    """``_fill`` once every forward and backward has been counted, so no queue gate can change.
+
+    Then only the gaps matter, and a gap too small for the smallest remaining item (placeable or not)
+    stays useless for the whole fill, since the smallest need only grows as work is placed. Those gaps
+    are skipped in bulk; the base entries around them are copied as slices.
+    """
+    alive = state.alive
+    least = min((w.need for p, w in enumerate(state.items) if alive[p]), default=INF)
+    out: list[Slot] = []
+    done = 0
+    for j in gaps.update(base, least):
+        out.extend(base[done:j])
+        done = j
+        _fill_gap(state, out, base[j - 1][2], base[j][1], nf, nb)
+    out.extend(base[done:])
+    return out
+
+
+def _fill_gap(state: _State, out: list[Slot], t: Time, limit: Time, nf: int, nb: int) -> None:
+    """Place work into one bubble ``[t, limit)``: passes over the work list until one places nothing."""
+    items = state.items
+    tree = state.tree
+    while t + tree[1] < limit:  # passes, until one places nothing; tree[1]: least room needed
+        placed = False
+        cur = state.first_fit(0, t, limit)
+        while cur >= 0:
+            w = items[cur]
+            if w.is_queue:
+                next_id = state.next_id
+                removed = False
+                while t + w.need < limit:
+                    i = next_id[cur]
+                    if (w.gate_a and nf < i + 1) or (w.gate_b and nb < i + 1):
+                        break
+                    s, e = w.start + i * w.step, w.start + (i + 1) * w.step
+                    d = e - s
+                    out.append((w.label, t, t + d))
+                    t += d
+                    placed = True
+                    next_id[cur] = i + 1
+                    if i + 1 >= w.pieces:
+                        removed = True
+                        break
+                if removed:
+                    resume = state.remove(cur, nf, nb)
+                else:
+                    state.refresh(cur, nf, nb)
+                    resume = cur + 1
+            else:
+                d = w.end - w.start
+                out.append((w.label, t, t + d))
+                t += d
+                placed = True
+                resume = state.remove(cur, nf, nb)
+            cur = state.first_fit(resume, t, limit)
+        if not placed:
+            break
 
 
 def _zero(t: Time | None) -> Time:
@@ -288,9 +335,10 @@ def pack_node_slots(node: NodeTimeline, span: Time) -> list[Slot]:
         state.refresh(p, 0, 0)
     sched = _fill(state, pipeline, 0, 0, pieces)
     sched.append((SAVE_OFF, sched[-1][2], sched[-1][2]))
+    gaps = _Gaps()
     while not state.empty():
         trial = state.clone()
-        attempt = _fill(trial, sched, pieces, pieces, pieces)
+        attempt = _fill(trial, sched, pieces, pieces, pieces, gaps)
         if trial.empty():
             sched = attempt
             break

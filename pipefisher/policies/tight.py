@@ -795,8 +795,11 @@ def pack_node(node: NodeTimeline, span: Time) -> NodeSchedule:
     return schedule
 
 
-def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None) -> NodeSchedule | None:
+def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None,
+                  shorter_than: int | None = None) -> NodeSchedule | None:
     """The published packer's cycle for ``node`` where it is dependency-correct and honest, else None.
+
+    With ``shorter_than``, also None unless its cycle has fewer iterations (skipping the checks).
 
     Honest: integer times and no ``None`` (else its floor-divided pieces or zeroed times claim room it
     never used), every K-FAC item inside the iteration's pipeline window (else it lengthened the
@@ -810,14 +813,16 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
     model = model or node_model(node, span)
     slots = pack_node_slots(node, span)
     labels = split_iterations(slots)
-    if validate_node(0, node, labels):
+    k = len(labels)
+    if shorter_than is not None and k >= shorter_than:
         return None
     placements = placements_from_slots(slots)
     work = [p for p in placements if p.category in KFAC_KINDS]
     first = min((ps for _, ps, _ in model.pipeline), default=0)
     if any(p.start < min(first, 0) or p.end > model.base for p in work):
         return None
-    k = len(labels)
+    if validate_node(0, node, labels):
+        return None
     kfac = sum(p.duration for p in work)
     cycle, busy = model.length * k, model.pipeline_busy * k
     if cycle <= 0 or busy + kfac > cycle:
@@ -828,8 +833,8 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
 
 
 def _shorter_valid_compat(node: NodeTimeline, span: Time, model: NodeModel, ours: NodeSchedule) -> NodeSchedule:
-    theirs = honest_compat(node, span, model)
-    if theirs is None or theirs.figures.iterations >= ours.figures.iterations:
+    theirs = honest_compat(node, span, model, shorter_than=ours.figures.iterations)
+    if theirs is None:
         return ours
     figures = replace(theirs.figures, lower_bound=ours.figures.lower_bound,
                       extra={**ours.figures.extra, **theirs.figures.extra})
