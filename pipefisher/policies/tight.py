@@ -540,6 +540,20 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
         e = earliest[work[wi].group]
         for bb in range(e if share_release_bubble else e + 1, nb):
             allowed[bb] |= 1 << rank[wi]
+    def largest_fitting(candidates: int, slot: int, g_len: Time) -> int:
+        """The rank of the largest candidate that still fits the slot (with the margin), or -1."""
+        p = bisect_left(need, g_len - used[slot])
+        while True:
+            cand = candidates & ((1 << p) - 1)
+            if not cand:
+                return -1
+            r = cand.bit_length() - 1
+            d = work[order[r]].pieces[0]
+            top = d if d > maxd[slot] else maxd[slot]
+            if used[slot] + d + _SLACK * top < g_len:
+                return r
+            p = r
+
     placed_plain = 0
     for slot in range(nslots - 1, -1, -1):
         b = slot % per
@@ -560,20 +574,7 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
         released: list[int] = []
         allow = allowed[b] if slot < nb else -1
         while fit_mask:
-            room = g_len - used[slot]
-            p = bisect_left(need, room)
-            r = -1
-            while True:
-                cand = fit_mask & allow & ((1 << p) - 1)
-                if not cand:
-                    r = -1
-                    break
-                r = cand.bit_length() - 1
-                d = work[order[r]].pieces[0]
-                top = d if d > maxd[slot] else maxd[slot]
-                if used[slot] + d + _SLACK * top < g_len:
-                    break
-                p = r
+            r = largest_fitting(fit_mask & allow, slot, g_len)
             if r < 0:
                 break
             wi = order[r]
@@ -595,20 +596,7 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
         if released and b < nb:
             # let them into this same bubble: run the bubble again
             while fit_mask:
-                room = g_len - used[slot]
-                p = bisect_left(need, room)
-                r = -1
-                while True:
-                    cand = fit_mask & allow & ((1 << p) - 1)
-                    if not cand:
-                        r = -1
-                        break
-                    r = cand.bit_length() - 1
-                    d = work[order[r]].pieces[0]
-                    top = d if d > maxd[slot] else maxd[slot]
-                    if used[slot] + d + _SLACK * top < g_len:
-                        break
-                    p = r
+                r = largest_fitting(fit_mask & allow, slot, g_len)
                 if r < 0 or work[order[r]].kind != SYNC:
                     break
                 wi = order[r]
