@@ -20,6 +20,9 @@ from pipefisher.errors import InputError
 @click.option("--profile-steps", type=click.IntRange(min=1), default=3, show_default=True,
               help="kfac steps to profile (the last one is packed)")
 @click.option("--policy", default=None, help="packing policy (default: the default policy)")
+@click.option("--kfac-margin", type=click.FloatRange(min=1.0), default=1.0, show_default=True,
+              help="pack as if every profiled K-FAC piece took this many times as long (slack for noisy "
+                   "CPU timings; a longer cycle k)")
 @click.option("--name", default=None, help="run name (default: <config>-<policy>-<timestamp>)")
 @click.option("--allow-invalid", is_flag=True, help="train a schedule even if it breaks dependency rules")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
@@ -34,7 +37,7 @@ from pipefisher.errors import InputError
 @click.option("--log-every", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, policy: str | None,
-                name: str | None, allow_invalid: bool, checkpoint_every: int, nproc: int | None,
+                kfac_margin: float, name: str | None, allow_invalid: bool, checkpoint_every: int, nproc: int | None,
                 stages: int | None, pipe_schedule: str | None, timeout_s: float | None, log_every: int,
                 no_progress: bool) -> None:
     """Profile a few K-FAC steps, pack them into the pipeline bubbles, print the usage report, and
@@ -54,6 +57,6 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
     try:
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every, log_every=log_every,
-                progress=not no_progress, echo=click.echo)
+                progress=not no_progress, kfac_margin=kfac_margin, echo=click.echo)
     except (WorkerFailed, PeerLost) as err:
         raise click.ClickException(str(err)) from None

@@ -88,6 +88,27 @@ def run_paths(folder: str, cfg: RunConfig, policy: str, name: str | None = None,
     return paths
 
 
+def inflate_kfac(job: Any, factor: float) -> Any:
+    """The job with every K-FAC interval ``factor`` times as long (same start): packing it leaves that
+    much slack for K-FAC work that runs slower, or bubbles that are shorter, than profiled."""
+    import dataclasses
+
+    from pipefisher.timeline import Interval, NodeTimeline, TimelineKey
+
+    if factor == 1.0:
+        return job
+
+    def grow(iv: Any) -> Any:
+        if iv.start is None or iv.end is None:
+            return iv
+        d = (iv.end - iv.start) * factor
+        return Interval(iv.start, iv.start + (int(round(d)) if isinstance(iv.start, int) else d))
+
+    nodes = tuple(NodeTimeline(n.path, {k: (tuple(grow(iv) for iv in v) if TimelineKey.parse(k).is_kfac else v)
+                                        for k, v in n.entries.items()}) for n in job.nodes)
+    return dataclasses.replace(job, nodes=nodes)
+
+
 def config_yaml(cfg: RunConfig) -> str:
     import yaml
 
@@ -101,10 +122,11 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, policy: str | None = None,
             nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
-            checkpoint_every: int = 0, log_every: int = 5, progress: bool = True,
+            checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
             echo: Callable[[str], None] = print) -> RunPaths:
-    """Profile ``profile_steps`` kfac steps, pack them with ``policy``, print the usage report, refuse an
-    invalid schedule (unless ``allow_invalid``), then train ``steps`` steps with it; returns the paths."""
+    """Profile ``profile_steps`` kfac steps, pack them with ``policy`` (K-FAC times x ``kfac_margin``),
+    print the usage report, refuse an invalid schedule (unless ``allow_invalid``), then train ``steps``
+    steps with it; returns the paths."""
     from pipefisher.plot import chart_from_schedule, render
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.report import report_data, usage_lines
@@ -119,6 +141,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
     packer = get_policy(policy or DEFAULT_POLICY)
     stages = cfg.pipeline.stages
     n = nproc or stages
+    if kfac_margin < 1.0:
+        raise InputError(None, f"--kfac-margin must be at least 1, not {kfac_margin:g}")
     if n % stages:
         raise InputError(None, f"--nproc-per-node {n} is not a multiple of the {stages} pipeline stages")
     replicas = n // stages
@@ -147,14 +171,15 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
     profile_s = time.perf_counter() - t0
 
     # 2. pack, report, check
-    echo(f"[2/3] packing with policy {packer.name}")
-    job = load_job(timelines)
+    echo(f"[2/3] packing with policy {packer.name}"
+         + (f", K-FAC times x {kfac_margin:g}" if kfac_margin != 1.0 else ""))
+    job = inflate_kfac(load_job(timelines), kfac_margin)
     packed = packer.pack(job)
     for line in usage_lines(packed):
         echo(line)
     violations = validate(packed.to_file_data(), job)
     report = report_data(packed, job)
-    report.update(run=paths.name, valid=not violations, violations=[str(v) for v in violations[:50]])
+    report.update(run=paths.name, kfac_margin=kfac_margin, valid=not violations, violations=[str(v) for v in violations[:50]])
     if violations:
         echo(f"the schedule breaks {len(violations)} dependency rule(s); first: {violations[0]}")
         if not allow_invalid:

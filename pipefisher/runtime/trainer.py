@@ -129,6 +129,9 @@ class Trainer:
 
             check_agreement(ctx, f"schedule {self.schedule_digest}")  # the same file on every host
             self.executor = ScheduleExecutor(data[g.stage], self.engine, self.kfac, self.end_of_step)
+        # Dropout draws from torch's global generator: seed it per worker, so that a run is repeatable
+        # and a resumed run (which restores the generator) continues the very same stream.
+        torch.manual_seed((cfg.data.seed * 1_000_003 + g.rank) * 7_919 + 17)
         self.start_step = 0
         if opts.resume:
             from pipefisher.runtime.checkpoint import load_checkpoint

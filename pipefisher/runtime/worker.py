@@ -40,7 +40,7 @@ def parse(argv: list[str]) -> tuple[object, object]:
         return decode_spec(a.spec)
     if not a.config:
         ap.error("give --config (or --spec)")
-    for folder in (a.out, a.checkpoint_dir or a.resume):
+    for folder in (a.out, a.checkpoint_dir):
         if folder:
             os.makedirs(folder, exist_ok=True)
     mode = "scheduled" if a.schedule else a.mode

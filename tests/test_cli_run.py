@@ -1,0 +1,78 @@
+"""``pipefisher run``: profile, pack, report and train with the schedule, in one command."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from pipefisher.cli import main
+from pipefisher.errors import InputError
+from pipefisher.runtime.config import load_config
+from pipefisher.runtime.driver import config_yaml, run_paths
+
+from _schedules import TINY, tiny
+
+
+def test_run_end_to_end_with_two_processes(tmp_path):
+    out = tmp_path / "runs"
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--steps", "6", "--profile-steps", "2",
+                                    "--nproc-per-node", "2", "--name", "first", "--no-progress", "--log-every", "2"])
+    assert res.exit_code == 0, res.output
+    text = res.output
+    assert "[1/3] profiling 2 kfac step(s)" in text and "[3/3] training 6 step(s)" in text
+    assert "node0:" in text and "node1:" in text and "pipeline iterations (usage:" in text
+    assert "mode scheduled, 2 stage(s) x 1 replica(s)" in text and "step     4  loss" in text
+    names = sorted(os.listdir(out))
+    assert names == ["first_chart.png", "first_checkpoints", "first_config.yaml", "first_metrics.csv",
+                     "first_report.json", "first_schedule.pickle", "first_timelines"]
+    assert {"tiny_node0_timeline.pickle", "tiny_node1_timeline.pickle"} <= set(os.listdir(out / "first_timelines"))
+    with open(out / "first_metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(6)) and {r["mode"] for r in rows} == {"scheduled"}
+    assert all(float(r["loss"]) > 0 and float(r["step_seconds"]) > 0 for r in rows)
+    report = json.loads((out / "first_report.json").read_text())
+    assert report["valid"] and report["policy"] == "tight" and len(report["nodes"]) == 2
+    assert report["training"]["cycle"] == max(n["iterations"] for n in report["nodes"])
+    assert load_config(out / "first_config.yaml") == tiny()
+    assert (out / "first_chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the run name is taken now; the schedule it wrote runs with pipefisher train as well
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--name", "first"])
+    assert res.exit_code == 2 and "already holds a run named 'first'" in res.output
+
+
+def test_default_run_names_sit_side_by_side(tmp_path):
+    cfg = tiny()
+    a = run_paths(str(tmp_path), cfg, "tight", now=lambda: 0.0)
+    assert a.name.startswith("tiny-tight-") and a.schedule.endswith(f"{a.name}_schedule.pickle")
+    (tmp_path / f"{a.name}_config.yaml").write_text("x")
+    b = run_paths(str(tmp_path), cfg, "tight", now=lambda: 0.0)
+    assert b.name == f"{a.name}-2"
+    with pytest.raises(InputError, match="must be letters"):
+        run_paths(str(tmp_path), cfg, "tight", name="../evil")
+
+
+def test_config_yaml_round_trips():
+    cfg = tiny(kfac={"ignore": ("embeddings", "cls")})
+    import yaml
+
+    from pipefisher.runtime.config import config_from_dict
+
+    assert config_from_dict(yaml.safe_load(config_yaml(cfg))) == cfg
+
+
+def test_run_rejects_bad_input_before_starting_workers(tmp_path):
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(tmp_path), "--policy", "nope"])
+    assert res.exit_code == 2 and "unknown policy 'nope'" in res.output
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(tmp_path), "--nproc-per-node", "3"])
+    assert res.exit_code == 2 and "not a multiple of the 2 pipeline stages" in res.output
+
+
+def test_cli_import_does_not_load_torch():
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import pipefisher.cli"], capture_output=True,
+                         text=True, check=True)
+    assert "torch" not in out.stderr

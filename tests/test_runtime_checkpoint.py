@@ -1,0 +1,147 @@
+"""Checkpoints: stopping after step s and resuming gives the run that never stopped; foreign ones are refused."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipefisher.cli import main
+from pipefisher.errors import InputError
+from pipefisher.runtime.checkpoint import MANIFEST, check_resumable
+from pipefisher.runtime.dist import single_process
+from pipefisher.runtime.executor import single_iteration_schedule
+from pipefisher.runtime.trainer import Trainer, TrainOptions
+from pipefisher.schedule import save_schedule
+
+from _schedules import TINY, packed_schedule, spread_schedule, tiny
+
+
+def _one_thread(fn):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg, **opts) -> Trainer:
+    def go() -> Trainer:
+        t = Trainer(cfg, single_process(), TrainOptions(progress=False, log_every=10**9, **opts))
+        t.run()
+        return t
+    return _one_thread(go)
+
+
+def _params(t: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in t.stage.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["scheduled", "kfac", "first-order"])
+def test_resume_in_one_process_continues_exactly(tmp_path, mode):
+    cfg = tiny(pipeline={"stages": 1}, optim={"name": "adam", "lr": 0.01}, model={"dropout": 0.1})
+    sched = None
+    if mode == "scheduled":
+        sched = str(tmp_path / "s.pickle")
+        save_schedule(sched, spread_schedule(cfg))  # k = 3
+    full = _train(cfg, mode=mode, schedule=sched, steps=8)
+    ck = str(tmp_path / "ck")
+    # stop after step 4 = iteration 0 of the second cycle: its saved micro-batches are still pending
+    _train(cfg, mode=mode, schedule=sched, steps=5, checkpoint_dir=ck, checkpoint_every=2)
+    assert sorted(e for e in os.listdir(ck) if e.startswith("step-")) == ["step-00000005"]
+    if mode == "scheduled":
+        state = torch.load(os.path.join(ck, "step-00000005", "stage0-replica0.pt"), weights_only=True)
+        assert any(layer["inputs"] for layer in state["kfac"]["layers"].values())
+    resumed = _train(cfg, mode=mode, schedule=sched, steps=8, resume=ck, checkpoint_dir=ck)
+    assert resumed.start_step == 5
+    for name, p in _params(full).items():
+        assert torch.equal(p, _params(resumed)[name]), name
+
+
+def test_resume_with_two_stages_through_the_cli(tmp_path):
+    """Stop after step 1 (iteration 0 of a k >= 2 cycle), resume to step 5: the parameters equal those
+    of the uninterrupted run, and the metrics CSV holds every step once."""
+    sched = str(tmp_path / "s.pickle")
+    save_schedule(sched, packed_schedule(tiny()))
+    base = ["train", "--config", TINY, "--schedule", sched, "--nproc-per-node", "2", "--no-progress"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    runner = CliRunner()
+    res = runner.invoke(main, base + ["--steps", "5", "--checkpoint-dir", a])
+    assert res.exit_code == 0, res.output
+    metrics = str(tmp_path / "b.csv")
+    res = runner.invoke(main, base + ["--steps", "2", "--checkpoint-dir", b, "--metrics", metrics])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(main, base + ["--steps", "5", "--resume", b, "--metrics", metrics])
+    assert res.exit_code == 0, res.output
+    assert "resuming after step 1" in res.output
+    for stage in range(2):
+        fa = torch.load(os.path.join(a, "step-00000005", f"stage{stage}-replica0.pt"), weights_only=True)
+        fb = torch.load(os.path.join(b, "step-00000005", f"stage{stage}-replica0.pt"), weights_only=True)
+        for name, p in fa["model"].items():
+            assert torch.equal(p, fb["model"][name]), (stage, name)
+    with open(metrics) as f:
+        rows = f.read().splitlines()
+    assert rows[0] == "step,loss,step_seconds,mode" and [r.split(",")[0] for r in rows[1:]] == list("01234")
+    assert all(r.endswith(",scheduled") for r in rows[1:])
+
+
+def test_a_foreign_checkpoint_is_refused(tmp_path):
+    cfg = tiny(pipeline={"stages": 1})
+    sched = str(tmp_path / "s.pickle")
+    save_schedule(sched, single_iteration_schedule(cfg))
+    ck = str(tmp_path / "ck")
+    t = _train(cfg, mode="scheduled", schedule=sched, steps=2, checkpoint_dir=ck)
+    digest = t.schedule_digest
+    check_resumable(ck, cfg, "scheduled", digest, 1, 1)  # its own run is fine
+    with pytest.raises(InputError, match=r"another config \(differs in optim.lr\)"):
+        check_resumable(ck, cfg.replace(optim={"lr": 0.5}), "scheduled", digest, 1, 1)
+    with pytest.raises(InputError, match="another schedule file"):
+        check_resumable(ck, cfg, "scheduled", "0" * 16, 1, 1)
+    with pytest.raises(InputError, match="mode 'scheduled', this run is 'kfac'"):
+        check_resumable(ck, cfg, "kfac", None, 1, 1)
+    with pytest.raises(InputError, match=r"1 stage\(s\) x 1 replica\(s\); this run has 1 x 2"):
+        check_resumable(ck, cfg, "scheduled", digest, 1, 2)
+    with pytest.raises(InputError, match="holds no checkpoint"):
+        check_resumable(str(tmp_path), cfg, "scheduled", digest, 1, 1)
+    os.remove(os.path.join(ck, "step-00000002", "stage0-replica0.pt"))
+    with pytest.raises(InputError, match="incomplete: stage0-replica0.pt missing"):
+        check_resumable(ck, cfg, "scheduled", digest, 1, 1)
+    with open(os.path.join(ck, MANIFEST)) as f:
+        assert json.load(f)["steps_done"] == 2
+
+
+def test_cli_refuses_a_checkpoint_of_another_config_before_training(tmp_path):
+    sched = str(tmp_path / "s.pickle")
+    save_schedule(sched, single_iteration_schedule(tiny()))
+    ck = str(tmp_path / "ck")
+    cfg = tiny(pipeline={"stages": 1})
+    save_schedule(str(tmp_path / "s1.pickle"), single_iteration_schedule(cfg))
+    _train(cfg, mode="scheduled", schedule=str(tmp_path / "s1.pickle"), steps=1, checkpoint_dir=ck)
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--schedule", sched, "--nproc-per-node", "2",
+                                    "--steps", "3", "--resume", ck, "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert "was written by a run with another config (differs in pipeline.stages)" in res.output
+    assert "pipefisher train: mode" not in res.output
+
+
+def test_checkpoints_load_without_running_code(tmp_path):
+    """A checkpoint file that pickles an arbitrary object is refused, not executed."""
+    import pickle
+
+    cfg = tiny(pipeline={"stages": 1})
+    ck = str(tmp_path / "ck")
+    _train(cfg, mode="first-order", steps=1, checkpoint_dir=ck)
+    path = os.path.join(ck, "step-00000001", "stage0-replica0.pt")
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    with open(path, "wb") as f:
+        torch.save({"payload": Boom()}, f, pickle_module=pickle)
+    with pytest.raises(InputError, match="is not a readable checkpoint"):
+        _train(cfg, mode="first-order", steps=2, resume=ck)
+    assert not (tmp_path / "pwned").exists()
