@@ -34,7 +34,7 @@ def test_loss_goes_down_in_one_process(mode):
 def test_cli_train_two_stages_loss_goes_down(tmp_path, mode, schedule):
     out = tmp_path / "run"
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--nproc-per-node", "2", "--mode", mode,
-                                    "--schedule", schedule, "--steps", "30", "--out", str(out), "--no-progress"])
+                                    "--pipeline", schedule, "--steps", "30", "--out", str(out), "--no-progress"])
     assert res.exit_code == 0, res.output
     assert f"mode {mode}, 2 stage(s) x 1 replica(s)" in res.output and "step    25  loss" in res.output
     report = json.loads((out / "tiny_losses.json").read_text())

@@ -42,8 +42,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
                    "scheduled: K-FAC in the bubbles as --schedule FILE says (implied by it) "
                    "[default: first-order]")
 @click.option("--schedule", "schedule_arg", default=None, metavar="FILE",
-              help="schedule file (pipefisher schedule --save-path): train in scheduled mode. "
-                   "'gpipe' or '1f1b' still set the pipeline order, as --pipeline does")
+              help="schedule file (pipefisher schedule --save-path): train in scheduled mode")
 @click.option("--pipeline", "pipe_schedule", type=click.Choice(PIPELINE_ORDERS), default=None,
               help="override pipeline.schedule (forward/backward order)")
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
@@ -83,13 +82,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     from pipefisher.runtime.launch import WorkerFailed, launch_local, run_worker
     from pipefisher.runtime.trainer import PeerLost, TrainOptions
 
-    schedule_path = None
-    if schedule_arg in PIPELINE_ORDERS:
-        if pipe_schedule and pipe_schedule != schedule_arg:
-            raise click.UsageError(f"--schedule {schedule_arg} contradicts --pipeline {pipe_schedule}")
-        pipe_schedule = schedule_arg
-    elif schedule_arg is not None:
-        schedule_path = schedule_arg
+    schedule_path = schedule_arg
     if mode is None:
         mode = "scheduled" if schedule_path else "first-order"
     if mode == "scheduled" and not schedule_path:
