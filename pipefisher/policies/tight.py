@@ -555,20 +555,30 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
             p = r
 
     placed_plain = 0
+
+    def put(wi: int, slot: int) -> list[int]:
+        """Lay sync or inverse ``wi`` into ``slot``; returns the syncs this makes ready (its last inverse)."""
+        nonlocal placed_plain
+        d = work[wi].pieces[0]
+        used[slot] += d
+        if d > maxd[slot]:
+            maxd[slot] = d
+        content[slot].append((wi, 0))
+        slot_of[wi] = slot
+        placed_plain += 1
+        w = work[wi]
+        if w.kind == INV and model.synced[w.group]:
+            invs_left[w.group] -= 1
+            if invs_left[w.group] == 0:
+                return list(syncs_of[w.group])
+        return []
+
     for slot in range(nslots - 1, -1, -1):
         b = slot % per
         if b == nb:  # overflow slot: every ready forced item, and whatever they make ready
             while forced_ready:
-                wi = forced_ready.pop()
-                content[slot].append((wi, 0))
-                slot_of[wi] = slot
-                placed_plain += 1
-                w = work[wi]
-                if w.kind == INV and model.synced[w.group]:
-                    invs_left[w.group] -= 1
-                    if invs_left[w.group] == 0:
-                        for s in syncs_of[w.group]:
-                            ready(s)
+                for s in put(forced_ready.pop(), slot):
+                    ready(s)
             continue
         g_len = gap[b]
         released: list[int] = []
@@ -577,20 +587,8 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
             r = largest_fitting(fit_mask & allow, slot, g_len)
             if r < 0:
                 break
-            wi = order[r]
             fit_mask &= ~(1 << r)
-            d = work[wi].pieces[0]
-            used[slot] += d
-            if d > maxd[slot]:
-                maxd[slot] = d
-            content[slot].append((wi, 0))
-            slot_of[wi] = slot
-            placed_plain += 1
-            w = work[wi]
-            if w.kind == INV and model.synced[w.group]:
-                invs_left[w.group] -= 1
-                if invs_left[w.group] == 0:
-                    released.extend(syncs_of[w.group])
+            released.extend(put(order[r], slot))
         for s in released:  # a sync may share its inverse's bubble (it is laid out first)
             ready(s)
         if released and b < nb:
@@ -599,15 +597,8 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
                 r = largest_fitting(fit_mask & allow, slot, g_len)
                 if r < 0 or work[order[r]].kind != SYNC:
                     break
-                wi = order[r]
                 fit_mask &= ~(1 << r)
-                d = work[wi].pieces[0]
-                used[slot] += d
-                if d > maxd[slot]:
-                    maxd[slot] = d
-                content[slot].append((wi, 0))
-                slot_of[wi] = slot
-                placed_plain += 1
+                put(order[r], slot)
     if placed_plain < len(plain):
         return None
 
