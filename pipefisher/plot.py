@@ -34,6 +34,8 @@ LEGEND = {
     "cov_kron_A": "cov A", "cov_kron_B": "cov B", "sync_kron_A": "sync A", "sync_kron_B": "sync B",
     "inv_kron_A": "inv A", "inv_kron_B": "inv B", "other": "other",
 }
+UP_PIPE_SUFFIX = ":up_pipe"
+UP_HATCH = "////"
 WIDTH_IN = 14.0
 ROW_IN = 0.55
 EXTRA_IN = 2.0
@@ -47,6 +49,11 @@ class Bar:
     end: float
     category: str
     label: str
+
+    @property
+    def up_pipe(self) -> bool:
+        """Work of Chimera's second (up) pipe, drawn hatched."""
+        return self.label.endswith(UP_PIPE_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -154,13 +161,14 @@ def render(chart: Chart, path: str | os.PathLike[str]) -> str:
     # fixed margins (in inches) so the picture's size never depends on its content
     h = EXTRA_IN + ROW_IN * n
     ax = fig.add_axes((1.5 / WIDTH_IN, 0.6 / h, (WIDTH_IN - 1.75) / WIDTH_IN, (h - 1.6) / h))
-    by_cat: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    by_cat: dict[tuple[int, str, bool], list[tuple[float, float]]] = {}
     for b in chart.bars:
-        by_cat.setdefault((b.row, b.category), []).append((b.start, b.end - b.start))
+        by_cat.setdefault((b.row, b.category, b.up_pipe), []).append((b.start, b.end - b.start))
     present = set()
-    for (row, cat), spans in by_cat.items():
+    for (row, cat, up), spans in by_cat.items():
         y = n - 1 - row
-        ax.broken_barh(spans, (y - 0.38, 0.76), facecolors=COLOURS[cat], edgecolors="white", linewidth=0.2)
+        ax.broken_barh(spans, (y - 0.38, 0.76), facecolors=COLOURS[cat], edgecolors="white", linewidth=0.2,
+                       hatch=UP_HATCH if up else None)
         present.add(cat)
     for t in chart.boundaries:
         ax.axvline(t, color="black", linestyle="--", linewidth=0.9, alpha=0.7)
@@ -175,6 +183,8 @@ def render(chart: Chart, path: str | os.PathLike[str]) -> str:
     left = 1.5 / WIDTH_IN
     fig.text(left, 1 - 0.3 / h, chart.title, fontsize=11, ha="left", va="center")
     handles = [Patch(facecolor=COLOURS[c], label=LEGEND[c]) for c in CATEGORY_ORDER if c in present]
+    if any(b.up_pipe for b in chart.bars):
+        handles.append(Patch(facecolor="white", edgecolor="#555555", hatch=UP_HATCH, label="up pipe"))
     handles.append(Patch(facecolor="#f4f4f4", edgecolor="#999999", label="bubble (idle)"))
     handles.append(Line2D([0], [0], color="black", linestyle="--", linewidth=0.9, label="iteration boundary"))
     fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(left - 0.005, 1 - 0.5 / h), ncol=len(handles),

@@ -9,8 +9,9 @@
 Per suite it prints the total cycle (pipeline iterations per curvature refresh, summed over nodes) of
 ``compat`` and of the new policy, how many nodes validate, and the totals of the lower bounds: the
 volume bound ceil(W / C) and the tighter bound the new policy proves. It also counts the nodes where
-the new policy's cycle is longer than a compat schedule that validates and is honest (see ``pipefisher.policies.tight.honest_compat``;
-integer times without None, so its covariance pieces keep their length).
+the new policy's cycle is longer than a compat schedule that validates and is honest (see
+``pipefisher.policies.tight.honest_compat``: its work really inside the bubbles), and those where it
+is longer than one that only validates.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class Tally:
     volume: int = 0
     honest_compared: int = 0
     new_longer: int = 0
+    new_longer_than_valid: int = 0  # nodes where compat validates (honest or not) and is shorter
     longer_examples: list[str] = field(default_factory=list)
 
 
@@ -85,6 +87,8 @@ def tally(jobs: list[tuple[str, Job]], policy: str) -> Tally:
             t.new_valid += i not in bad_n
             t.bound += nn.figures.lower_bound or 1
             t.volume += int(nn.figures.extra.get("volume_bound", nn.figures.lower_bound or 1))  # type: ignore[arg-type]
+            if i not in bad_c and nn.figures.iterations > cn.figures.iterations:
+                t.new_longer_than_valid += 1
             theirs = honest_compat(job.nodes[i], job.span)  # compat's cycle where valid and honest
             if theirs is not None:
                 t.honest_compared += 1
@@ -103,7 +107,8 @@ def print_table(rows: list[tuple[str, Tally]], policy: str) -> None:
                    f"{t.compat / t.bound:>10.3f} {t.new / t.bound:>10.3f} {t.new / t.volume:>10.3f}")
     for name, t in rows:
         click.echo(f"{name}: {policy} longer than a valid, honest compat schedule on {t.new_longer} of "
-                   f"{t.honest_compared} such nodes")
+                   f"{t.honest_compared} such nodes; longer than a compat schedule that validates (honest or "
+                   f"not) on {t.new_longer_than_valid} of {t.compat_valid}")
         for line in t.longer_examples[:5]:
             click.echo(f"  {line}")
 

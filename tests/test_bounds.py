@@ -8,6 +8,7 @@ from pipefisher.policies.bounds import (
     Chain,
     ceil_ratio,
     chain_finish,
+    first_iteration_bound,
     fits,
     node_bounds,
     one_iteration_possible,
@@ -68,6 +69,17 @@ def test_one_iteration_needs_room_after_each_release() -> None:
     assert not one_iteration_possible([Chain((), (10,), tail_after_overflow=True)], bubbles)
 
 
+def test_first_iteration_holds_only_work_released_before_each_bubble() -> None:
+    # bubble at position 0 (before any forward), bubble at position 2; 15 of work released at 1
+    bubbles = [(0, 10), (2, 10)]
+    chains = [Chain(((1, 5),), ()), Chain(((1, 5),), ()), Chain(((1, 5),), ())]
+    assert volume_bound(15, 20) == 1
+    assert first_iteration_bound(chains, bubbles, 20) == 2  # iteration 0 holds 10 at most
+    # a sync/inverse is released with its factor's last piece
+    assert first_iteration_bound([Chain(((0, 5),), (4,))], [(1, 10)], 10) == 1
+    assert first_iteration_bound([Chain(((1, 5),), (30,))], [(0, 20), (2, 20)], 40) == 2
+
+
 def test_node_bounds_leave_out_work_that_fits_no_bubble() -> None:
     b = node_bounds([(500, 1), (40, 4)], [100, 100])
     assert b.forced_items == 1 and b.fittable_work == 160 and b.volume == 1 and b.tight == 1
@@ -116,5 +128,41 @@ def test_size_and_volume_bounds_never_exceed_the_optimum(items: list[int], bubbl
     # optimum is no more than what any policy achieves.
     k = 1
     while not _best_assignment(items, bubbles, k):
+        k += 1
+    assert bound <= k
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40)), min_size=1, max_size=5),
+       st.lists(st.tuples(st.integers(0, 4), st.integers(1, 100)), min_size=1, max_size=3))
+def test_first_iteration_bound_never_exceeds_the_optimum(pieces: list[tuple[int, int]],
+                                                        bubbles: list[tuple[int, int]]) -> None:
+    largest = max(g for _, g in bubbles)
+    pieces = [(r, d) for r, d in pieces if fits(d, largest)]
+    if not pieces:
+        return
+    bound = first_iteration_bound([Chain((p,), ()) for p in pieces], bubbles, sum(g for _, g in bubbles))
+
+    def feasible(k: int) -> bool:
+        bins = [(i, pos, g) for i in range(k) for pos, g in bubbles]
+        used = [0] * len(bins)
+        order = sorted(pieces, key=lambda p: -p[1])
+
+        def place(j: int) -> bool:
+            if j == len(order):
+                return True
+            r, d = order[j]
+            for b, (i, pos, g) in enumerate(bins):
+                if (i > 0 or r < pos) and used[b] + d * 1.05 < g:
+                    used[b] += d
+                    if place(j + 1):
+                        return True
+                    used[b] -= d
+            return False
+
+        return place(0)
+
+    k = 1
+    while not feasible(k):
         k += 1
     assert bound <= k

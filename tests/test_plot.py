@@ -96,3 +96,20 @@ def test_demo_chart_is_a_real_image(tmp_path):
     for name in ("chart.png", "timelines.png"):
         colours = check_png(tmp_path / name, rows=4)
         assert hex_rgb(COLOURS["cov_kron_A"]) in colours
+
+
+def test_chimera_up_pipe_work_is_drawn_hatched(tmp_path):
+    model = synthetic_model(stages=4, micro_batches=4, layers_per_stage=1, schedule="chimera")
+    job = job_from_dicts(simulate_timelines(model)[0])
+    chart = chart_from_job(job)
+    up = [b for b in chart.bars if b.up_pipe]
+    assert up and all(b.label.endswith(":up_pipe") for b in up)
+    assert any(not b.up_pipe and b.category == "forward" for b in chart.bars)
+    check_png(render(chart, tmp_path / "chimera.png"), rows=4)
+    # matplotlib writes hatches as SVG patterns: there are some only when up-pipe bars exist
+    render(chart, tmp_path / "chimera.svg")
+    assert "<pattern" in (tmp_path / "chimera.svg").read_text()
+    down_only = chart.__class__(chart.title, chart.rows, tuple(b for b in chart.bars if not b.up_pipe),
+                                chart.boundaries, chart.end, chart.unit)
+    render(down_only, tmp_path / "down_only.svg")
+    assert "<pattern" not in (tmp_path / "down_only.svg").read_text()

@@ -57,3 +57,27 @@ def test_figures_break_usage_down() -> None:
     assert f.cycle_time == job.span
     assert f.bubble_left == job.span - f.pipeline_busy - f.kfac_placed
     assert f.usage == pytest.approx((f.pipeline_busy + f.kfac_placed) / job.span * 100)
+
+
+def test_giving_up_early_never_drops_a_shorter_cycle():
+    """``pack_node_slots_below`` is the full construction, or None only when the cycle would reach
+    the limit anyway (or end by appending work as it stands, which is never an honest cycle)."""
+    from pipefisher.policies.base import END, split_iterations
+    from pipefisher.policies.compat import pack_node_slots, pack_node_slots_below
+
+    early = 0
+    for seed in range(0, 240, 3):
+        job = job_from_dicts(random_raw_job(seed))
+        for node in job.nodes:
+            full = pack_node_slots(node, job.span)
+            k = len(split_iterations(full))
+            for limit in (k - 3, k - 1, k, k + 1, k + 5):
+                below = pack_node_slots_below(node, job.span, limit)
+                if below is not None:
+                    assert below == full
+                    continue
+                if k < limit:  # only a cycle that appended unplaced work as it stands, after its last end
+                    last_end = max(i for i, s in enumerate(full) if s[0] == END)
+                    assert any(s[0].startswith(("cov", "sync", "inv")) for s in full[last_end:])
+                early += limit <= k
+    assert early > 50  # and it does give up on cycles that reach the limit

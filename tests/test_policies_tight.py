@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -9,11 +10,12 @@ from hypothesis import strategies as st
 
 from conftest import COMPAT_CASES, case_timelines, small_node
 from pipefisher.policies import DEFAULT_POLICY, get_policy
-from pipefisher.policies.base import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.policies.base import END, SAVE_OFF, SAVE_ON, START, split_iterations
 from pipefisher.policies.bounds import MARGIN
-from pipefisher.policies.tight import COV, honest_compat, node_model
+from pipefisher.policies.compat import pack_node_slots
+from pipefisher.policies.tight import COV, honest_compat, node_model, pack_node, shorter_valid_compat
 from pipefisher.report import usage_lines
-from pipefisher.schedule import validate
+from pipefisher.schedule import validate, validate_node
 from pipefisher.sim.random_jobs import random_raw_job
 from pipefisher.timeline import COV_KINDS, Job, TimelineKey, job_from_dicts, load_job
 
@@ -140,10 +142,34 @@ def test_random_jobs_of_every_shape(chunk: int) -> None:
 
 def test_takes_a_shorter_valid_compat_cycle_where_packing_misses_the_bound() -> None:
     # Where the packer cannot prove its cycle optimal, the published construction is tried too and
-    # taken if it is shorter, dependency-correct, and keeps its work inside the bubbles.
-    job = job_from_dicts(random_raw_job(8))
+    # taken if it is shorter, dependency-correct, and keeps its work inside the bubbles. (No random
+    # job has needed it since the first-iteration bound and the small-last layout: this pretends the
+    # packer came out one iteration longer than compat.)
+    job = job_from_dicts(random_raw_job(0))
+    node = job.nodes[0]
+    theirs = honest_compat(node, job.span)
+    assert theirs is not None
+    ours = pack_node(node, job.span)
+    longer = replace(ours, figures=replace(ours.figures, iterations=theirs.figures.iterations + 1))
+    got = shorter_valid_compat(node, job.span, node_model(node, job.span), longer)
+    assert got.iterations == theirs.iterations and got.figures.extra["construction"] == "compat"
+    assert got.figures.lower_bound == ours.figures.lower_bound
+    assert shorter_valid_compat(node, job.span, node_model(node, job.span), ours) is ours
+
+
+def test_refuses_a_compat_cycle_that_counts_the_same_time_twice() -> None:
+    # This node's pipeline runs past the step's end marker; compat takes the time after the marker
+    # for a bubble, though a backward is still running there, and "validates" in 2 iterations.
+    # The lower bound proves 3: compat's two are not an honest cycle, and tight keeps its own 3.
+    job = job_from_dicts(random_raw_job(162, nodes=2, micro_batches=8, layers=2, float_seconds=False,
+                                        bare_keys=False, up_pipe=False, steps=1, none_prob=0.0, heavy=True))
+    node = job.nodes[1]
+    slots = pack_node_slots(node, job.span)
+    assert len(split_iterations(slots)) == 2 and not validate_node(1, node, split_iterations(slots))
+    assert honest_compat(node, job.span) is None
+    ours = TIGHT.pack(job).nodes[1].figures
+    assert ours.iterations == ours.lower_bound == 3
     check_job(job)
-    assert any(n.figures.extra.get("construction") == "compat" for n in TIGHT.pack(job).nodes)
 
 
 def test_refuses_a_compat_cycle_that_is_short_only_by_working_past_the_pipeline() -> None:

@@ -32,24 +32,41 @@ def test_interleaved_bubble_fraction_is_p_minus_1_over_vm_plus_p_minus_1(p, v, m
     assert r.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
 
 
-@pytest.mark.parametrize("backward", [UNIT, 2 * UNIT])
-@pytest.mark.parametrize("p,k", [(4, 2), (4, 3), (6, 2), (8, 2), (8, 3), (16, 2)])
-def test_chimera_matches_its_papers_bubble_ratio(p, k, backward):
+@pytest.mark.parametrize("p", [4, 6, 8, 10, 16])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_chimera_matches_its_papers_bubble_ratio(p, k):
     """Chimera (Li & Hoefler, SC'21) gives (D-2)/(2N+D-2) for D stages and N micro-batches.
 
-    The paper's cost assumptions: zero communication time and uniform stages, with the backward of a
-    micro-batch equal to (or, in its figures, twice) its forward. Checked here for N = k * D (the
-    paper's units of D micro-batches concatenated), for both backward costs.
+    Under the paper's own assumptions: forward and backward of a micro-batch take the same time on
+    every stage, and communication is free. N = k * D: one basic unit, or k of them concatenated.
     """
     m = k * p
     s = generate("chimera", p, m)
-    r = simulate(s, uniform(s, UNIT, backward))
+    r = simulate(s, uniform(s))
     assert r.bubble_fraction == pytest.approx((p - 2) / (2 * m + p - 2))
 
 
-def test_chimera_basic_unit_of_four_stages_matches_too():
-    s = generate("chimera", 4, 4)
-    assert simulate(s, uniform(s)).bubble_fraction == pytest.approx(2 / 10)
+@pytest.mark.parametrize("p", [4, 6, 8, 16])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_chimera_with_twice_as_long_backwards_beats_1f1b(p, k):
+    """With backward = 2 x forward (as in practice) and the costs given to the generator, concatenated
+    units leave no intermediate bubbles: the paper's ratio still holds from two units on."""
+    m = k * p
+    costs = uniform(generate("1f1b", p, m), UNIT, 2 * UNIT)
+    s = generate("chimera", p, m, durations=lambda op: costs.duration(op, False))
+    chimera = simulate(s, costs).bubble_fraction
+    assert chimera < simulate(generate("1f1b", p, m), costs).bubble_fraction
+    if k > 1:
+        assert chimera == pytest.approx((p - 2) / (2 * m + p - 2))
+
+
+@pytest.mark.parametrize("p", [4, 6, 8, 12])
+def test_chimera_leaves_d_minus_2_idle_units_on_every_device(p):
+    """The paper's D - 2 bubbles are per device (D/2 - 1 as the pipes fill, D/2 - 1 as they drain)."""
+    s = generate("chimera", p, p)
+    r = simulate(s, uniform(s))
+    assert r.makespan == (2 * p + p - 2) * UNIT
+    assert [r.idle(d) for d in range(p)] == [(p - 2) * UNIT] * p
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (8, 8), (8, 24)])

@@ -14,7 +14,11 @@ whatever the order or the dependencies:
   iteration at the earliest; the cycle needs at least one more;
 * one iteration: a one-iteration cycle must do every factor's pieces after their forwards/backwards
   and its sync and inverse after that, all before the iteration ends; when the work released at or
-  after some pipeline position cannot fit the bubbles after it, the cycle needs at least two.
+  after some pipeline position cannot fit the bubbles after it, the cycle needs at least two;
+* first iteration: in the cycle's first iteration a piece can only follow its own forward or backward,
+  so a bubble early in the pipeline holds at most what has been released before it. With C0 the most
+  the first iteration's bubbles can hold that way, ``k >= 1 + ceil((W - C0) / C)``. This is what
+  decides 1F1B's first stage, whose largest bubble comes right after its warm-up forwards.
 
 Everything here is a pure function of item durations and bubble lengths; the policy hands them in.
 """
@@ -188,6 +192,39 @@ def one_iteration_possible(chains: Sequence[Chain], bubbles: Sequence[tuple[int,
         if work > room * (1 + _SLACK) or not big * MARGIN < widest:
             return False
     return True
+
+
+def first_iteration_bound(chains: Sequence[Chain], bubbles: Sequence[tuple[int, Time]], capacity: Time) -> int:
+    """``1 + ceil((W - C0) / C)``: the cycle's first iteration holds at most C0, every other one C.
+
+    ``chains`` with their pieces (fittable ones, each with its release position) and their fittable
+    syncs and inverses (released with the factor's last piece); ``bubbles``: (position, length) of one
+    iteration; ``capacity``: C, their total length. C0 comes from filling the bubbles in pipeline order,
+    each with at most its length and never beyond the work released before it.
+    """
+    released: dict[int, float] = {}
+    total: float = 0
+    for c in chains:
+        last = max((p for p, _ in c.pieces), default=-1)
+        for p, d in c.pieces:
+            released[p] = released.get(p, 0) + d
+        if c.tail:
+            released[last] = released.get(last, 0) + sum(c.tail)
+    total = sum(released.values())
+    if total <= 0 or capacity <= 0:
+        return 1
+    points = sorted(released)
+    filled: float = 0
+    available: float = 0
+    i = 0
+    for pos, length in sorted(bubbles):
+        while i < len(points) and points[i] < pos:
+            available += released[points[i]]
+            i += 1
+        filled = min(filled + length, available)
+    if total <= filled:
+        return 1
+    return 1 + ceil_ratio(total - filled, capacity)
 
 
 def chain_finish(last_piece: tuple[int, Time] | None, syncs: Sequence[Time], invs: Sequence[Time],

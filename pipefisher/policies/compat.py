@@ -16,7 +16,7 @@ dependencies by rescanning it again, and deep-copies all remaining work for ever
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.policies.base import (
@@ -168,6 +168,9 @@ class _State:
                         self.refresh(q, nf, nb)
         skipped = self._first_alive(p + 1)
         return skipped + 1
+
+    def least_need(self) -> float:
+        return min((w.need for p, w in enumerate(self.items) if self.alive[p]), default=INF)
 
     def remaining(self) -> list[int]:
         return [p for p, a in enumerate(self.alive) if a]
@@ -322,26 +325,91 @@ def _work_items(node: NodeTimeline, pieces: int) -> list[_Work]:
     return [w for _, _, w in raw]
 
 
+def _gap_lengths(base: Sequence[Slot], gaps: Iterable[int], least: float) -> list[Time]:
+    """Lengths of the gaps before ``base[j]`` (for j in ``gaps``) that can hold some item."""
+    out = []
+    for j in gaps:
+        g = base[j][1] - base[j - 1][2]
+        if least < g:
+            out.append(g)
+    return out
+
+
+def _cannot_finish(state: _State, live: list[Time], fresh: list[Time], iterations_left: int) -> bool:
+    """Whether the work left cannot go into the ``live`` gaps plus ``iterations_left`` copies of the
+    ``fresh`` ones: for some size, the items needing at least that room are more than the gaps
+    longer than it (an item needs ``d * 1.05 < gap``)."""
+    need_work: dict[float, Time] = {}
+    for p, w in enumerate(state.items):
+        if state.alive[p]:
+            d = (w.pieces - state.next_id[p]) * w.step if w.is_queue else w.end - w.start
+            need_work[w.need] = need_work.get(w.need, 0) + d
+    live = sorted(live, reverse=True)
+    fresh = sorted(fresh, reverse=True)
+    work: Time = 0
+    room: Time = 0
+    i = j = 0
+    for need in sorted(need_work, reverse=True):
+        work += need_work[need]
+        while i < len(live) and live[i] > need:
+            room += live[i]
+            i += 1
+        while j < len(fresh) and fresh[j] > need:
+            room += fresh[j] * iterations_left
+            j += 1
+        if work > room:
+            return True
+    return False
+
+
 def pack_node_slots(node: NodeTimeline, span: Time) -> list[Slot]:
     """The published tool's flat schedule for one node: (label, start, end) in order."""
+    slots = _pack_node(node, span, None)
+    assert slots is not None
+    return slots
+
+
+def pack_node_slots_below(node: NodeTimeline, span: Time, iterations: int) -> list[Slot] | None:
+    """``pack_node_slots``, or None as soon as the cycle is sure to have ``iterations`` or more.
+
+    Sure: the work left is more than the gaps it could still go to (the live gaps of the schedule so
+    far, and those of every iteration it could still add). Only work placed in gaps counts, so a cycle
+    that would end by appending work as it stands may be given up on too; no such cycle is honest.
+    Work with a negative duration (an end before its start) makes room in this packer's arithmetic,
+    so then it never gives up early.
+    """
+    return _pack_node(node, span, iterations)
+
+
+def _pack_node(node: NodeTimeline, span: Time, give_up_at: int | None) -> list[Slot] | None:
     pipeline = _pipeline(node, span)
     pieces = sum(1 for s in pipeline if s[0] == FORWARD)
     items = _work_items(node, pieces)
     if pieces == 0 and any(w.is_queue for w in items):
         raise InputError(node.path, f"has no '{FORWARD}' intervals to split covariance work over "
                                     "(the compat policy counts only down-pipe forwards)")
+    if any(w.step < 0 or w.end < w.start for w in items):
+        give_up_at = None
     state = _State(items)
     for p in range(len(items)):
         state.refresh(p, 0, 0)
     sched = _fill(state, pipeline, 0, 0, pieces)
     sched.append((SAVE_OFF, sched[-1][2], sched[-1][2]))
     gaps = _Gaps()
+    iterations = 1
     while not state.empty():
         trial = state.clone()
         attempt = _fill(trial, sched, pieces, pieces, pieces, gaps)
         if trial.empty():
             sched = attempt
             break
+        if give_up_at is not None:
+            least = state.least_need()
+            live = _gap_lengths(sched, gaps.candidates, least)
+            fresh = _gap_lengths(pipeline, range(1, len(pipeline)), least)
+            if _cannot_finish(state, live, fresh, max(0, give_up_at - 1 - iterations)):
+                return None
+        iterations += 1
         before = len(state.remaining())
         sched += _fill(state, pipeline, pieces, pieces, pieces)
         left = state.remaining()

@@ -28,6 +28,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from pipefisher.policies.base import (
     END,
@@ -39,9 +40,17 @@ from pipefisher.policies.base import (
     NodeSchedule,
     Placement,
     Policy,
+    label_category,
     split_iterations,
 )
-from pipefisher.policies.bounds import MARGIN, Chain, NodeBounds, node_bounds, one_iteration_possible
+from pipefisher.policies.bounds import (
+    MARGIN,
+    Chain,
+    NodeBounds,
+    first_iteration_bound,
+    node_bounds,
+    one_iteration_possible,
+)
 from pipefisher.timeline import BACKWARD, FORWARD, KFAC_KINDS, UP_PIPE, Interval, Job, NodeTimeline, Time, TimelineKey
 
 COV, SYNC, INV = 0, 1, 2
@@ -190,7 +199,7 @@ def model_bounds(model: NodeModel) -> NodeBounds:
         else:
             sizes.extend((d, 1) for d in w.pieces)
 
-    def chains(with_pieces: bool) -> list[Chain]:
+    def chains() -> list[Chain]:
         g_n = model.groups
         pieces: list[list[tuple[int, Time]]] = [[] for _ in range(g_n)]
         tails: list[list[Time]] = [[] for _ in range(g_n)]
@@ -208,24 +217,23 @@ def model_bounds(model: NodeModel) -> NodeBounds:
                 syncs[g].append(w.pieces[0])
             else:
                 invs[g].append(w.pieces[0])
-            if w.kind != COV or with_pieces:
-                for r, d in zip(w.release or (-1,) * len(w.pieces), w.pieces):
-                    if d * MARGIN < largest:
-                        fit_level[g] = max(fit_level[g], level)
-                        if w.kind == COV:
-                            pieces[g].append((r, d))
-                        else:
-                            tails[g].append(d)
+            for r, d in zip(w.release or (-1,) * len(w.pieces), w.pieces):
+                if d * MARGIN < largest:
+                    fit_level[g] = max(fit_level[g], level)
+                    if w.kind == COV:
+                        pieces[g].append((r, d))
                     else:
-                        forced_level[g] = min(forced_level[g], level)
+                        tails[g].append(d)
+                else:
+                    forced_level[g] = min(forced_level[g], level)
         return [Chain(tuple(pieces[g]), tuple(tails[g]), forced_level[g] < fit_level[g], last[g], tuple(syncs[g]),
                       tuple(invs[g])) for g in range(g_n)]
 
     positions = [b.pos for b in model.bubbles]
-    bounds = node_bounds(sizes, gaps, chains(False), positions)
-    if bounds.tight == 1 and not one_iteration_possible(chains(True), list(zip(positions, gaps))):
-        bounds = replace(bounds, tight=2)
-    return bounds
+    with_pieces = chains()
+    bounds = node_bounds(sizes, gaps, with_pieces, positions)
+    first = first_iteration_bound(with_pieces, list(zip(positions, gaps)), bounds.bubble_time)
+    return replace(bounds, tight=max(bounds.tight, first))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -482,8 +490,13 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
        that still fits; items that fit no bubble go to overflow slots only.
     2. Covariance pieces, earliest first: walk the slots forwards and give the room left to the ready
        queue whose factor's sync (or inverse) comes first, as many pieces as fit.
-    In a bubble the work is laid out covariance pieces first, then syncs, then inverses, back to back;
-    a bubble of length G holding work S with largest item D is full when ``S + 0.05 D`` reaches G.
+    In a bubble the work is laid out back to back: first the syncs and inverses of factors with no
+    pieces in it, then the covariance pieces, then the syncs and inverses of the factors whose pieces
+    are there. Every item needs 5 % of its length free after its own end, so what decides whether a
+    bubble of length G holding work S is full is mostly its last item: ``S + 0.05 L`` must stay below G
+    (L: the last piece, or the largest sync/inverse laid out after the pieces), and the syncs and
+    inverses laid out first must fit with their own margin (``S' + 0.05 D < G`` for their sum S' and
+    largest D, checked when they are placed). A small piece last wastes far less than a large inverse.
     """
     work = model.work
     bubbles = model.bubbles
@@ -610,6 +623,15 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
         if after:
             deadline[g] = min(slot_of[wi] for wi in after)
     pos = [b.pos for b in bubbles]
+    # per slot: the largest sync/inverse of each factor in it, and the largest of those that must come
+    # after the slot's pieces (their factor has pieces there): the item that ends the bubble
+    big_of: list[dict[int, Time]] = [{} for _ in range(nslots)]
+    for slot in range(nslots):
+        for wi, _ in content[slot]:
+            g, d = work[wi].group, work[wi].pieces[0]
+            if d > big_of[slot].get(g, 0):
+                big_of[slot][g] = d
+    tail = [0] * nslots
     queues = [wi for wi, w in enumerate(work) if w.kind == COV]
     queues.sort(key=lambda wi: (deadline[work[wi].group], wi))
     head = {wi: 0 for wi in queues}
@@ -641,17 +663,21 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
             pieces, release = w.pieces, w.release
             h = head[wi]
             n = len(pieces)
-            u, top = used[slot], maxd[slot]
+            u = used[slot]
+            after = tail[slot]
+            own = big_of[slot].get(w.group, 0)  # this factor's sync/inverse here goes after its pieces
+            if own > after:
+                after = own
             while h < n and (i or release[h] < lim):
                 d = pieces[h]
-                t2 = d if d > top else top
-                if not u + d + _SLACK * t2 < g_len:
+                last = d if d > after else after
+                if not u + d + _SLACK * last < g_len:
                     break
                 u += d
-                top = t2
                 content[slot].append((wi, h))
                 h += 1
-            used[slot], maxd[slot] = u, top
+            if h > head[wi]:
+                used[slot], tail[slot] = u, after
             head[wi] = h
             if h < n:
                 if deadline[w.group] <= slot:
@@ -669,7 +695,16 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
         if not items:
             continue
         i, b = divmod(slot, per)
-        items.sort(key=lambda x: work[x[0]].kind)  # stable: pieces keep their order
+        with_pieces = {work[wi].group for wi, _ in items if work[wi].kind == COV}
+        # syncs/inverses of factors without pieces here, then the pieces, then the other syncs/inverses
+        # (stable: pieces keep their order, a sync stays before its inverse)
+        def place_rank(x: tuple[int, int]) -> tuple[int, int]:
+            w = work[x[0]]
+            if w.kind == COV:
+                return (1, 0)
+            return (2 if w.group in with_pieces else 0, w.kind)
+
+        items.sort(key=place_rank)
         if b == nb:
             overflow[i].extend((work[wi].label, work[wi].pieces[h]) for wi, h in items)
             continue
@@ -770,7 +805,7 @@ def pack_node(node: NodeTimeline, span: Time) -> NodeSchedule:
             break
     schedule = node_schedule(model, packed, bounds)
     if packed.iterations > bounds.tight:  # not provably optimal: the published construction may be shorter
-        schedule = _shorter_valid_compat(node, span, model, schedule)
+        schedule = shorter_valid_compat(node, span, model, schedule)
     return schedule
 
 
@@ -781,24 +816,37 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
     With ``shorter_than``, also None unless its cycle has fewer iterations (skipping the checks).
 
     Honest: integer times and no ``None`` (else its floor-divided pieces or zeroed times claim room it
-    never used), every K-FAC item inside the iteration's pipeline window (else it lengthened the
-    iteration), and busy time within the cycle measured by this policy's iteration length.
+    never used); every K-FAC item inside the iteration's pipeline window and none appended after the
+    cycle's last forward/backward (else it lengthened the iteration); none overlapping a forward,
+    a backward or another item (else it counted one time twice, as it does around a step marker that
+    ends before the pipeline); and busy time within the cycle measured by this policy's iteration
+    length.
     """
-    from pipefisher.policies.compat import pack_node_slots, placements_from_slots
+    from pipefisher.policies.compat import pack_node_slots, pack_node_slots_below, placements_from_slots
     from pipefisher.schedule import validate_node
 
     if not all(isinstance(x, int) for ivs in node.entries.values() for iv in ivs for x in (iv.start, iv.end)):
         return None
     model = model or node_model(node, span)
-    slots = pack_node_slots(node, span)
+    if shorter_than is None:
+        slots = pack_node_slots(node, span)
+    else:
+        maybe = pack_node_slots_below(node, span, shorter_than)
+        if maybe is None:
+            return None
+        slots = maybe
     labels = split_iterations(slots)
     k = len(labels)
     if shorter_than is not None and k >= shorter_than:
+        return None
+    if _appended_after_the_pipeline(labels[-1]):
         return None
     placements = placements_from_slots(slots)
     work = [p for p in placements if p.category in KFAC_KINDS]
     first = min((ps for _, ps, _ in model.pipeline), default=0)
     if any(p.start < min(first, 0) or p.end > model.base for p in work):
+        return None
+    if _double_booked(work, model.pipeline):
         return None
     if validate_node(0, node, labels):
         return None
@@ -811,7 +859,36 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
     return NodeSchedule(tuple(tuple(it) for it in labels), placements, figures)
 
 
-def _shorter_valid_compat(node: NodeTimeline, span: Time, model: NodeModel, ours: NodeSchedule) -> NodeSchedule:
+def _appended_after_the_pipeline(last_iteration: Sequence[str]) -> bool:
+    """Whether K-FAC work follows the cycle's last forward/backward: the published packer appends
+    what fits no gap there, as overflow that lengthens the iteration."""
+    pipe = [i for i, label in enumerate(last_iteration) if label_category(label) in ("forward", "backward")]
+    after = last_iteration[pipe[-1] + 1:] if pipe else last_iteration
+    return any(label_category(label) in KFAC_KINDS for label in after)
+
+
+def _double_booked(work: list[Placement], pipeline: tuple[tuple[str, Time, Time], ...]) -> bool:
+    """Whether some K-FAC item shares time with a pipeline item or with another item of its iteration."""
+    starts = [ps for _, ps, _ in pipeline]  # sorted by start
+    reach: list[Time] = []  # reach[i]: the latest end among pipeline items 0..i
+    for _, _, pe in pipeline:
+        reach.append(pe if not reach else max(reach[-1], pe))
+    by_iteration: dict[int, list[Placement]] = {}
+    for p in work:
+        if p.end > p.start:
+            by_iteration.setdefault(p.iteration, []).append(p)
+            i = bisect_left(starts, p.end) - 1  # pipeline items that start before p ends
+            if i >= 0 and reach[i] > p.start:
+                return True
+    for items in by_iteration.values():
+        items.sort(key=lambda p: p.start)
+        if any(a.end > b.start for a, b in zip(items, items[1:])):
+            return True
+    return False
+
+
+def shorter_valid_compat(node: NodeTimeline, span: Time, model: NodeModel, ours: NodeSchedule) -> NodeSchedule:
+    """``ours``, or the published construction's cycle where that is honest, valid and shorter."""
     theirs = honest_compat(node, span, model, shorter_than=ours.figures.iterations)
     if theirs is None:
         return ours

@@ -217,15 +217,30 @@ def zb_h1(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
     return PipelineSchedule("zb-h1", stages, micro_batches, 1, tuple(devices), split_backward=True)
 
 
-def chimera(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
+Durations = Callable[[Op], int]
+"""Time of one operation (any unit); the generators that depend on costs take one."""
+
+
+def chimera(stages: int, micro_batches: int, chunks: int = 1, durations: Durations | None = None) -> PipelineSchedule:
     """Chimera (Li & Hoefler, SC'21): two pipelines in opposite directions over the same devices.
 
     Device ``d`` holds stage ``d`` of the down pipe and stage ``p - 1 - d`` of the up pipe. Micro-batches
-    are dealt in units of ``p``: the first half of each unit goes down, the second half up. The order on
-    each device is fixed by list-scheduling the step in unit time (forward = backward = 1): a free device
-    runs the ready forward that became ready first (each pipe's forwards in micro-batch order), else
-    the ready backward that became ready first; ties go to the down pipe. Like the paper's schedule it
-    keeps every pipe's forwards ahead of its backwards, so activations are held as in GPipe.
+    are dealt in units of ``p``: the first half of each unit goes down, the second half up.
+
+    The paper draws its orders by hand; here the order on each device comes from list scheduling the
+    step under ``durations`` (default: forward = backward = 1, the paper's own assumption), with two
+    rules, keeping the shorter step:
+
+    - *furthest along first*: a free device runs the ready operation whose micro-batch has done the most
+      of its forward-then-backward chain. With equal forward and backward times this gives the paper's
+      D - 2 idle units per device for any number of basic units, and holds about as many activations
+      as 1F1B;
+    - *forwards first*: a free device runs the ready forward that became ready first, else the ready
+      backward that did. When backwards take longer than forwards it removes the intermediate
+      bubbles of concatenated units (the paper's concern in its section on more micro-batches), at the
+      memory cost of keeping forwards ahead.
+
+    Forwards of one pipe always run in micro-batch order on each device.
     """
     _check_common("chimera", stages, micro_batches)
     _need(chunks == 1, "chimera: has one model chunk per device and pipe")
@@ -239,16 +254,36 @@ def chimera(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedul
     up = [j for j in range(m) if j not in set(down)]
     order = {DOWN: down, UP: up}
     shell = PipelineSchedule("chimera", p, m, 1, tuple(() for _ in range(p)))
-    devices = _list_schedule(shell, order, lambda op: 1)
+    cost = durations or (lambda op: 1)
+    candidates = [_list_schedule(shell, order, cost, rule) for rule in (_furthest_along_first, _forwards_first)]
+    _, devices = min(candidates, key=lambda c: c[0])  # ties keep the first rule
     return PipelineSchedule("chimera", p, m, 1, devices)
+
+
+Priority = Callable[[Op, int, int, int], tuple]
+"""(operation, its chain progress, when its inputs were ready, its micro-batch's rank) -> sort key."""
+
+
+def _furthest_along_first(op: Op, progress: int, ready: int, rank: int) -> tuple:
+    return (-progress, rank, op.pipe)
+
+
+def _forwards_first(op: Op, progress: int, ready: int, rank: int) -> tuple:
+    return (op.kind != FORWARD, ready, rank, op.pipe)
 
 
 def _list_schedule(
     shell: PipelineSchedule,
     order: dict[int, list[int]],
-    cost: Callable[[Op], int],
-) -> tuple[tuple[Op, ...], ...]:
-    """Greedy list scheduling in unit time, used to fix an operation order (Chimera)."""
+    cost: Durations,
+    priority: Priority,
+) -> tuple[int, tuple[tuple[Op, ...], ...]]:
+    """Greedy list scheduling (Chimera): the step's makespan and the order it gives each device.
+
+    Whenever a device is free it starts the ready operation that ``priority`` ranks first; a forward is
+    ready only when it is its pipe's next on that device. Progress along a micro-batch's chain counts
+    forwards by stage, then backwards from the last stage down.
+    """
     p, S = shell.stages, shell.virtual_stages
     ops_of: list[list[Op]] = [[] for _ in range(p)]
     for pipe, mbs in order.items():
@@ -263,11 +298,12 @@ def _list_schedule(
     free = [0] * p
     issued = {(d, pipe): 0 for d in range(p) for pipe in order}
     out: list[list[Op]] = [[] for _ in range(p)]
-    t = 0
     total = sum(len(x) for x in pending)
     done = 0
     events: list[int] = [0]
     while done < total:
+        if not events:  # pragma: no cover - the rules above always make progress
+            raise AssertionError("list scheduling stalled")
         t = heapq.heappop(events)
         while events and events[0] == t:
             heapq.heappop(events)
@@ -280,28 +316,24 @@ def _list_schedule(
                 deps = shell.dependencies(op)
                 if any(dep.key() not in end or end[dep.key()] > t for dep in deps):
                     continue
-                if op.kind == FORWARD:
-                    # forwards of a pipe are issued in micro-batch order
-                    if rank[op.pipe][op.micro_batch] != issued[(d, op.pipe)]:
-                        continue
+                if op.kind == FORWARD and rank[op.pipe][op.micro_batch] != issued[(d, op.pipe)]:
+                    continue
                 ready = max([end[dep.key()] for dep in deps], default=0)
-                prio = (0 if op.kind == FORWARD else 1, ready, rank[op.pipe][op.micro_batch], op.pipe)
+                progress = op.stage if op.kind == FORWARD else 2 * S - 1 - op.stage
+                prio = priority(op, progress, ready, rank[op.pipe][op.micro_batch])
                 if best is None or prio < best[0]:
                     best = (prio, op)
             if best is None:
                 continue
             op = best[1]
             pending[d].discard(op.key())
-            end[op.key()] = t + cost(op)
-            free[d] = t + cost(op)
+            end[op.key()] = free[d] = t + cost(op)
             heapq.heappush(events, free[d])
             if op.kind == FORWARD:
                 issued[(d, op.pipe)] += 1
             out[d].append(op)
             done += 1
-        if not events and done < total:  # pragma: no cover - the rules above always make progress
-            raise AssertionError("list scheduling stalled")
-    return tuple(tuple(ops) for ops in out)
+    return max(end.values()), tuple(tuple(ops) for ops in out)
 
 
 GENERATORS: dict[str, Callable[..., PipelineSchedule]] = {
@@ -326,11 +358,19 @@ def canonical_name(name: str) -> str:
     return key
 
 
-def generate(name: str, stages: int, micro_batches: int, chunks: int | None = None) -> PipelineSchedule:
-    """Build the named schedule; ``chunks`` defaults to 2 for interleaved and 1 otherwise."""
+def generate(
+    name: str, stages: int, micro_batches: int, chunks: int | None = None, durations: Durations | None = None,
+) -> PipelineSchedule:
+    """Build the named schedule; ``chunks`` defaults to 2 for interleaved and 1 otherwise.
+
+    ``durations`` (operation -> time) is used by the generators whose order depends on costs (Chimera);
+    the others ignore it.
+    """
     key = canonical_name(name)
     if chunks is None:
         chunks = 2 if key == "interleaved" else 1
+    if key == "chimera":
+        return chimera(stages, micro_batches, chunks, durations)
     return GENERATORS[key](stages, micro_batches, chunks)
 
 

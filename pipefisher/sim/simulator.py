@@ -98,8 +98,9 @@ class SimResult:
         return sum(self.idle(d) for d in range(len(self.devices))) / total if total else 0.0
 
 
-def pipe_costs(model: CostModel, schedule: PipelineSchedule) -> PipeCosts:
-    fwd, bwd = model.stage_times_ns(schedule.virtual_stages, schedule.chunks)
+def pipe_costs(model: CostModel, chunks: int = 1) -> PipeCosts:
+    """The model's per-virtual-stage costs when each device holds ``chunks`` model chunks."""
+    fwd, bwd = model.stage_times_ns(model.stages * chunks, chunks)
     return PipeCosts(fwd, bwd, round(model.latency_ms * NS_PER_MS), model.backward_input_fraction)
 
 
@@ -249,8 +250,9 @@ def simulate_timelines(
     model = model.replace(schedule=schedule, stages=stages, micro_batches=micro_batches, chunks=chunks)
     name = canonical_name(model.schedule)
     use_chunks = chunks if chunks is not None else (model.chunks if name == "interleaved" else None)
-    sched = generate(name, model.stages, model.micro_batches, use_chunks)
-    result = simulate(sched, pipe_costs(model, sched))
+    costs = pipe_costs(model, use_chunks or (2 if name == "interleaved" else 1))
+    sched = generate(name, model.stages, model.micro_batches, use_chunks, lambda op: costs.duration(op, False))
+    result = simulate(sched, costs)
     return timelines_from_result(result, model), result
 
 
