@@ -6,10 +6,12 @@ the figures a report prints.
 """
 from __future__ import annotations
 
+import gc
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from functools import lru_cache
 from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple, Sequence
+from typing import ClassVar, Iterator, NamedTuple, Sequence
 
 from pipefisher.timeline import BACKWARD, FORWARD, KFAC_KINDS, Job, Time, TimelineKey
 
@@ -104,6 +106,22 @@ class Policy(ABC):
     @abstractmethod
     def pack(self, job: Job) -> JobSchedule:
         """Pack every node of ``job``. Pure: the job is not changed."""
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Run a packer without the cyclic garbage collector.
+
+    Packing a large job allocates hundreds of thousands of small tuples that never form cycles; the
+    collector's passes over them took a third of the packing time and freed nothing.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def split_iterations(placed: Sequence[Placement | tuple[str, Time, Time]]) -> list[list[str]]:

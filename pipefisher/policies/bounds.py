@@ -203,13 +203,13 @@ def first_iteration_bound(chains: Sequence[Chain], bubbles: Sequence[tuple[int, 
     each with at most its length and never beyond the work released before it.
     """
     released: dict[int, float] = {}
-    total: float = 0
+    get = released.get
     for c in chains:
-        last = max((p for p, _ in c.pieces), default=-1)
         for p, d in c.pieces:
-            released[p] = released.get(p, 0) + d
+            released[p] = get(p, 0) + d
         if c.tail:
-            released[last] = released.get(last, 0) + sum(c.tail)
+            last = max(c.pieces)[0] if c.pieces else -1
+            released[last] = get(last, 0) + sum(c.tail)
     total = sum(released.values())
     if total <= 0 or capacity <= 0:
         return 1

@@ -29,6 +29,7 @@ from pipefisher.policies.base import (
     NodeSchedule,
     Placement,
     Policy,
+    gc_paused,
     label_category,
     split_iterations,
 )
@@ -337,8 +338,9 @@ def _gap_lengths(base: Sequence[Slot], gaps: Iterable[int], least: float) -> lis
 
 def _cannot_finish(state: _State, live: list[Time], fresh: list[Time], iterations_left: int) -> bool:
     """Whether the work left cannot go into the ``live`` gaps plus ``iterations_left`` copies of the
-    ``fresh`` ones: for some size, the items needing at least that room are more than the gaps
-    longer than it (an item needs ``d * 1.05 < gap``)."""
+    ``fresh`` ones: for some need h, the items needing at least h are more than the gaps longer than
+    h can hold. An item needs ``d * 1.05 < gap``, so such a gap ends with at least ``0.05 d >= h / 21``
+    of it free."""
     need_work: dict[float, Time] = {}
     for p, w in enumerate(state.items):
         if state.alive[p]:
@@ -357,7 +359,7 @@ def _cannot_finish(state: _State, live: list[Time], fresh: list[Time], iteration
         while j < len(fresh) and fresh[j] > need:
             room += fresh[j] * iterations_left
             j += 1
-        if work > room:
+        if work > room - (i + j * iterations_left) * need / 21:
             return True
     return False
 
@@ -457,6 +459,10 @@ class CompatPolicy(Policy):
     summary = "the published PipeFisher packer, label for label (known flaws included)"
 
     def pack(self, job: Job) -> JobSchedule:
+        with gc_paused():
+            return self._pack(job)
+
+    def _pack(self, job: Job) -> JobSchedule:
         nodes = []
         for node in job.nodes:
             slots = pack_node_slots(node, job.span)

@@ -40,6 +40,7 @@ from pipefisher.policies.base import (
     NodeSchedule,
     Placement,
     Policy,
+    gc_paused,
     label_category,
     split_iterations,
 )
@@ -188,8 +189,12 @@ def node_model(node: NodeTimeline, span: Time) -> NodeModel:
                      tuple(g in synced for g in range(len(group_of))))
 
 
-def model_bounds(model: NodeModel) -> NodeBounds:
-    """The node's lower bounds, from its item sizes (covariance per piece), bubbles and chains."""
+def model_bounds(model: NodeModel, first_iteration: bool = True) -> NodeBounds:
+    """The node's lower bounds, from its item sizes (covariance per piece), bubbles and chains.
+
+    ``first_iteration=False`` leaves out the first-iteration bound, which walks every piece: a
+    packing that meets the other bounds is optimal without it (see :func:`with_first_iteration`).
+    """
     gaps = [b.length for b in model.bubbles]
     largest = max(gaps, default=0)
     sizes: list[tuple[Time, int]] = []
@@ -198,42 +203,55 @@ def model_bounds(model: NodeModel) -> NodeBounds:
             sizes.extend(Counter(w.pieces).items())
         else:
             sizes.extend((d, 1) for d in w.pieces)
-
-    def chains() -> list[Chain]:
-        g_n = model.groups
-        pieces: list[list[tuple[int, Time]]] = [[] for _ in range(g_n)]
-        tails: list[list[Time]] = [[] for _ in range(g_n)]
-        last: list[tuple[int, Time] | None] = [None] * g_n
-        syncs: list[list[Time]] = [[] for _ in range(g_n)]
-        invs: list[list[Time]] = [[] for _ in range(g_n)]
-        forced_level = [99] * g_n  # chain level (cov 0, sync 1, inverse 2) of the first overflow item
-        fit_level = [-1] * g_n  # and of the last fittable one
-        for w in model.work:
-            g = w.group
-            level = w.kind if model.synced[g] or w.kind == COV else SYNC
-            if w.kind == COV:
-                last[g] = (w.release[-1], w.pieces[-1])  # releases repeat per interval and rise within it
-            elif level == SYNC and w.kind == SYNC:
-                syncs[g].append(w.pieces[0])
-            else:
-                invs[g].append(w.pieces[0])
-            for r, d in zip(w.release or (-1,) * len(w.pieces), w.pieces):
-                if d * MARGIN < largest:
-                    fit_level[g] = max(fit_level[g], level)
-                    if w.kind == COV:
-                        pieces[g].append((r, d))
-                    else:
-                        tails[g].append(d)
-                else:
-                    forced_level[g] = min(forced_level[g], level)
-        return [Chain(tuple(pieces[g]), tuple(tails[g]), forced_level[g] < fit_level[g], last[g], tuple(syncs[g]),
-                      tuple(invs[g])) for g in range(g_n)]
-
     positions = [b.pos for b in model.bubbles]
-    with_pieces = chains()
-    bounds = node_bounds(sizes, gaps, with_pieces, positions)
-    first = first_iteration_bound(with_pieces, list(zip(positions, gaps)), bounds.bubble_time)
-    return replace(bounds, tight=max(bounds.tight, first))
+    bounds = node_bounds(sizes, gaps, _chains(model, largest, with_pieces=False), positions)
+    if bounds.tight == 1 and not one_iteration_possible(_chains(model, largest), list(zip(positions, gaps))):
+        bounds = replace(bounds, tight=2)
+    return with_first_iteration(model, bounds) if first_iteration else bounds
+
+
+def with_first_iteration(model: NodeModel, bounds: NodeBounds) -> NodeBounds:
+    """``bounds`` raised by the first-iteration bound where that is higher."""
+    placed = [(b.pos, b.length) for b in model.bubbles]
+    largest = max((g for _, g in placed), default=0)
+    first = first_iteration_bound(_chains(model, largest), placed, bounds.bubble_time)
+    return replace(bounds, tight=first) if first > bounds.tight else bounds
+
+
+def _chains(model: NodeModel, largest: Time, with_pieces: bool = True) -> list[Chain]:
+    """Each factor's chain of work as the bounds see it (covariance pieces only ``with_pieces``)."""
+    g_n = model.groups
+    pieces: list[list[tuple[int, Time]]] = [[] for _ in range(g_n)]
+    tails: list[list[Time]] = [[] for _ in range(g_n)]
+    last: list[tuple[int, Time] | None] = [None] * g_n
+    syncs: list[list[Time]] = [[] for _ in range(g_n)]
+    invs: list[list[Time]] = [[] for _ in range(g_n)]
+    forced_level = [99] * g_n  # chain level (cov 0, sync 1, inverse 2) of the first overflow item
+    fit_level = [-1] * g_n  # and of the last fittable one
+    for w in model.work:
+        g = w.group
+        level = w.kind if model.synced[g] or w.kind == COV else SYNC
+        if w.kind == COV:
+            last[g] = (w.release[-1], w.pieces[-1])  # releases repeat per interval and rise within it
+        elif level == SYNC and w.kind == SYNC:
+            syncs[g].append(w.pieces[0])
+        else:
+            invs[g].append(w.pieces[0])
+        if max(w.pieces) * MARGIN < largest:  # the common case: all of it fits some bubble
+            fits_all, fit_count = True, len(w.pieces)
+        else:
+            fits_all, fit_count = False, sum(1 for d in w.pieces if d * MARGIN < largest)
+        if w.kind == COV and with_pieces:
+            pieces[g].extend(zip(w.release, w.pieces) if fits_all else
+                             ((r, d) for r, d in zip(w.release, w.pieces) if d * MARGIN < largest))
+        elif w.kind != COV:
+            tails[g].extend(d for d in w.pieces if d * MARGIN < largest)
+        if fit_count:
+            fit_level[g] = max(fit_level[g], level)
+        if fit_count < len(w.pieces):
+            forced_level[g] = min(forced_level[g], level)
+    return [Chain(tuple(pieces[g]), tuple(tails[g]), forced_level[g] < fit_level[g], last[g], tuple(syncs[g]),
+                  tuple(invs[g])) for g in range(g_n)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -636,6 +654,7 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
     queues.sort(key=lambda wi: (deadline[work[wi].group], wi))
     head = {wi: 0 for wi in queues}
     active = list(queues)  # queues with pieces left, by deadline
+    smallest = min((d for wi in queues for d in work[wi].pieces), default=0)
     for slot in range(nslots):
         if not active:
             break
@@ -658,7 +677,12 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
             continue
         g_len = gap[b]
         lim = pos[b]
-        for wi in active:
+        for q, wi in enumerate(active):
+            if not used[slot] + smallest * MARGIN < g_len:  # full: the rest only wait (by deadline)
+                if deadline[work[wi].group] <= slot:
+                    return None
+                still.extend(active[q:])
+                break
             w = work[wi]
             pieces, release = w.pieces, w.release
             h = head[wi]
@@ -792,8 +816,10 @@ def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeS
 def pack_node(node: NodeTimeline, span: Time) -> NodeSchedule:
     """One node's cycle, as short as this policy can make it."""
     model = node_model(node, span)
-    bounds = model_bounds(model)
+    bounds = model_bounds(model, first_iteration=False)
     packed = pack_greedy(model)
+    if packed.iterations > bounds.tight:
+        bounds = with_first_iteration(model, bounds)
     if packed.iterations > bounds.tight:
         other = pack_greedy(model, cov_first=True)
         if other.iterations < packed.iterations:
@@ -904,5 +930,6 @@ class TightPolicy(Policy):
     summary = "dependency-correct packing near the lower bound (overflow only for work no bubble can hold)"
 
     def pack(self, job: Job) -> JobSchedule:
-        return JobSchedule(self.name, job.span, tuple(pack_node(node, job.span) for node in job.nodes))
+        with gc_paused():
+            return JobSchedule(self.name, job.span, tuple(pack_node(node, job.span) for node in job.nodes))
 
