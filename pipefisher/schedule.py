@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.policies.base import END, MARKERS, SAVE_OFF, SAVE_ON, START, JobSchedule
+from pipefisher.policies.bounds import MARGIN
+from pipefisher.policies.model import node_model, sane_bounds
 from pipefisher.safe_io import dump_pickle_atomic, load_pickle
-from pipefisher.timeline import BACKWARD, COV_KINDS, FORWARD, Job, NodeTimeline, TimelineKey
+from pipefisher.timeline import BACKWARD, COV_KINDS, FORWARD, Job, NodeTimeline, Time, TimelineKey
 
 ScheduleData = list[list[list[str]]]
 
@@ -66,8 +68,10 @@ def _layer_key(key: TimelineKey) -> tuple[str | None, bool]:
     return (key.module, key.up_pipe)
 
 
-def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequence[str]]) -> list[Violation]:
-    """Every violation of the spec's rules in one node's cycle."""
+def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequence[str]],
+                  span: Time | None = None) -> list[Violation]:
+    """Every violation of the spec's rules in one node's cycle; with the job's pipeline time ``span``,
+    also of the bubbles' room (see :func:`_room_violations`)."""
     out: list[Violation] = []
 
     def bad(iteration: int | None, label: str, rule: str, detail: str) -> None:
@@ -164,14 +168,73 @@ def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequ
         if got != want:
             what = "pieces" if TimelineKey.parse(label).kind in COV_KINDS else "times"
             bad(None, label, "work-count", f"appears {got} {what} in the cycle, the timeline asks for {want}")
+    if span is not None:
+        _room_violations(node, iterations, span, bad)
     return out
 
 
-def validate(schedule: ScheduleData, job: Job, path: str | None = None) -> list[Violation]:
-    """Every violation of the dependency rules and counts in ``schedule`` for ``job``."""
+def _room_violations(node: NodeTimeline, iterations: Sequence[Sequence[str]], span: Time,
+                     bad: Callable[[int | None, str, str, str], None]) -> None:
+    """K-FAC work between two pipeline items must fit the idle time between them, as measured.
+
+    A schedule that claims more room than a bubble has (pieces floored to zero length, a missing time
+    read as 0, a gap counted while another item still runs) makes every such iteration longer than
+    reported: ``bubble-overfilled``. Work after an iteration's last pipeline item may run past the
+    pipeline time only if it fits no bubble of the node (with the 5 % margin); otherwise it lengthens
+    the iteration for nothing: ``unforced-overflow``. Covariance pieces are measured at their floor
+    (length // m), so rounding never counts against a schedule.
+    """
+    model = node_model(node, span)
+    where: dict[str, list[tuple[Time, Time]]] = defaultdict(list)  # per pipeline key, in time order
+    for key, s, e in model.pipeline:
+        where[key].append((s, e))
+    largest = max((b.length for b in model.bubbles), default=0)
+    lengths: dict[str, list[Time]] = {}
+    pieces_per: dict[str, int] = {}
+    for key, intervals in node.entries.items():
+        parsed = TimelineKey.parse(key)
+        if parsed.is_kfac:
+            lengths[key] = [e - s for s, e in (sane_bounds(iv, 0) for iv in intervals)]
+            pieces_per[key] = max(node.micro_batches(parsed.up_pipe), 1) if parsed.kind in COV_KINDS else 1
+    done: dict[str, int] = defaultdict(int)
+    begin = min(min((s for _, s, _ in model.pipeline), default=0), 0)
+    tolerance = 1e-9 * max(abs(model.base), abs(begin), 1) if isinstance(model.base, float) else 0
+    for i, labels in enumerate(iterations):
+        seen: dict[str, int] = defaultdict(int)
+        frontier: Time = begin
+        pending: list[tuple[str, Time]] = []
+        for label in labels:
+            if label in where:
+                k = seen[label]
+                seen[label] += 1
+                if k >= len(where[label]):
+                    continue  # the pipeline-count rule reports it
+                s, e = where[label][k]
+                work = sum(d for _, d in pending)
+                if work > 0 and work > s - frontier + tolerance:
+                    bad(i, label, "bubble-overfilled", f"{work} of K-FAC work is placed before it, but only "
+                        f"{max(s - frontier, 0)} of idle time precedes it")
+                frontier = max(frontier, e)
+                pending = []
+            elif label in lengths and lengths[label]:
+                n, m = done[label], pieces_per[label]
+                done[label] += 1
+                d = lengths[label][(n // m) % len(lengths[label])]
+                pending.append((label, d // m if isinstance(d, int) else d / m))
+        room = model.base - frontier
+        for label, d in pending:  # after the last pipeline item: up to the pipeline time, then overflow
+            room -= d
+            if room < -tolerance and d * MARGIN < largest:
+                bad(i, label, "unforced-overflow", f"runs past the pipeline time though it fits the node's "
+                    f"largest bubble ({largest})")
+
+
+def validate(schedule: ScheduleData, job: Job, path: str | None = None, room: bool = True) -> list[Violation]:
+    """Every violation of the dependency rules and counts in ``schedule`` for ``job``, and with
+    ``room`` of the bubbles' room (work that does not fit where it is placed)."""
     if len(schedule) != len(job.nodes):
         raise InputError(path, f"has {len(schedule)} node schedules but the job has {len(job.nodes)} timelines")
     out: list[Violation] = []
     for n, (node, iterations) in enumerate(zip(job.nodes, schedule)):
-        out.extend(validate_node(n, node, iterations))
+        out.extend(validate_node(n, node, iterations, job.span if room else None))
     return out

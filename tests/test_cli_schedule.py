@@ -57,8 +57,14 @@ def test_validate_exits_1_with_every_violation_and_0_when_clean(tmp_path) -> Non
     assert result.exit_code == 1
     assert "cov-before-backward" in result.output
     assert result.output.count("\n") >= 16
-    good = COMPAT_CASES[4]  # case_05 is dependency-correct
+    good = COMPAT_CASES[4]  # case_05 is dependency-correct, but overfills bubbles (float pieces floored to 0)
+    result = run("validate", "--no-room", "--schedule", str(good / "expected_schedule.pickle"), *case_timelines(good))
+    assert result.exit_code == 0 and "no violations" in result.output
     result = run("validate", "--schedule", str(good / "expected_schedule.pickle"), *case_timelines(good))
+    assert result.exit_code == 1 and "bubble-overfilled" in result.output
+    ours = tmp_path / "tight.pickle"
+    assert run("schedule", *case_timelines(good), "--save-path", str(ours)).exit_code == 0
+    result = run("validate", "--schedule", str(ours), *case_timelines(good))
     assert result.exit_code == 0 and "no violations" in result.output
 
 

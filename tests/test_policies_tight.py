@@ -13,7 +13,8 @@ from pipefisher.policies import DEFAULT_POLICY, get_policy
 from pipefisher.policies.base import END, SAVE_OFF, SAVE_ON, START, split_iterations
 from pipefisher.policies.bounds import MARGIN
 from pipefisher.policies.compat import pack_node_slots
-from pipefisher.policies.tight import COV, honest_compat, node_model, pack_node, shorter_valid_compat
+from pipefisher.policies.model import COV, node_model
+from pipefisher.policies.tight import honest_compat, pack_node, shorter_valid_compat
 from pipefisher.report import usage_lines
 from pipefisher.schedule import validate, validate_node
 from pipefisher.sim.random_jobs import random_raw_job

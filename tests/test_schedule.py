@@ -1,4 +1,4 @@
-"""Schedule files and the dependency rules ``validate`` checks."""
+"""Schedule files, the dependency rules ``validate`` checks, and its room rules."""
 from __future__ import annotations
 
 import copy
@@ -27,11 +27,11 @@ def job():
 
 
 def rules(schedule, job) -> list[str]:
-    return [v.rule for v in validate([schedule], job)]
+    return [v.rule for v in validate([schedule], job, room=False)]
 
 
 def test_a_dependency_correct_two_iteration_cycle_passes(job) -> None:
-    assert validate([GOOD], job) == []
+    assert validate([GOOD], job, room=False) == []
 
 
 def test_covariance_before_its_forward_or_backward_is_caught(job) -> None:
@@ -40,7 +40,7 @@ def test_covariance_before_its_forward_or_backward_is_caught(job) -> None:
         f"cov_kron_A:{M}", "call_forward", "call_forward", f"cov_kron_A:{M}",  # piece 0 before forward 0
         "call_backward", f"cov_kron_B:{M}", f"cov_kron_B:{M}", "call_backward",  # piece 1 before backward 1
     ]
-    got = validate([s], job)
+    got = validate([s], job, room=False)
     assert [v.rule for v in got] == ["cov-before-forward", "cov-before-backward"]
     assert str(got[0]) == (f"node0 iteration 0: cov_kron_A:{M}: cov-before-forward: "
                            "piece 0 needs forward 0 of the first iteration, which has not run yet")
@@ -64,7 +64,7 @@ def test_inverse_without_sync_waits_for_all_pieces() -> None:
     s = copy.deepcopy(GOOD)
     s[0].remove(f"sync_kron_A:{M}")
     s[0].remove(f"sync_kron_B:{M}")
-    assert validate([s], job) == []
+    assert validate([s], job, room=False) == []
     s[0].remove(f"inv_kron_A:{M}")
     s[0].insert(4, f"inv_kron_A:{M}")
     assert rules(s, job) == ["inv-before-cov"]
@@ -76,7 +76,7 @@ def test_counts_markers_and_unknown_labels(job) -> None:
     s[1].append("cov_kron_A:layer.9")      # a module this node does not have
     s[1].remove("call_forward")            # an iteration without its whole pipeline step
     s[0].remove("turn_off_save_inputs_outgrads")
-    got = {v.rule for v in validate([s], job)}
+    got = {v.rule for v in validate([s], job, room=False)}
     assert got == {"work-count", "unknown-label", "pipeline-count", "save-off", "save-on"}
 
 
@@ -84,15 +84,47 @@ def test_collapsed_queue_is_a_count_violation(job) -> None:
     s = copy.deepcopy(GOOD)
     s[0] = [x for x in s[0] if x != f"cov_kron_A:{M}"]
     s[0].insert(-3, f"cov_kron_A:{M}")     # one label where two pieces are due
-    got = [v for v in validate([s], job) if v.rule == "work-count"]
+    got = [v for v in validate([s], job, room=False) if v.rule == "work-count"]
     assert len(got) == 1 and "appears 1 pieces in the cycle, the timeline asks for 2" in str(got[0])
 
 
 def test_published_outputs_validate_only_where_the_published_tool_was_right() -> None:
-    valid = {case.name: validate(load_schedule(case / "expected_schedule.pickle"), load_job(case_timelines(case))) == []
-             for case in COMPAT_CASES}
-    assert valid["case_05"] is True
-    assert valid["case_01"] is False  # re-walking iteration 0 put a cov_kron_B piece before any backward
+    def valid(case, room):
+        return validate(load_schedule(case / "expected_schedule.pickle"), load_job(case_timelines(case)),
+                        room=room) == []
+
+    by_name = {case.name: case for case in COMPAT_CASES}
+    assert valid(by_name["case_05"], room=False) is True
+    assert valid(by_name["case_01"], room=False) is False  # re-walking iteration 0: a cov_kron_B piece before any backward
+
+
+def test_room_rules_catch_work_packed_into_time_a_bubble_does_not_have() -> None:
+    # case_05 has float seconds: the published packer floors each covariance piece to 0.0 s and packs
+    # them into the 24 us gaps between forwards, though each piece takes about 98 us
+    case = next(c for c in COMPAT_CASES if c.name == "case_05")
+    got = validate(load_schedule(case / "expected_schedule.pickle"), load_job(case_timelines(case)))
+    assert got and {v.rule for v in got} == {"bubble-overfilled"}
+    assert "of idle time precedes it" in str(got[0])
+
+
+def test_room_rules_on_a_small_node() -> None:
+    # forward [0, 10), backward [20, 30), pipeline time 100: a 10 bubble, then 70 after the backward
+    d = {"start_end": [(0, 100)], "call_forward": [(0, 10)], "call_backward": [(20, 30)],
+         "cov_kron_A:l": [(40, 48)], "inv_kron_A:l": [(50, 90)]}
+    job = job_from_dicts([d])
+    fits = [["-- start --", "call_forward", "cov_kron_A:l", "call_backward", "inv_kron_A:l", "-- end --",
+             "turn_off_save_inputs_outgrads", "turn_on_save_inputs_outgrads"]]
+    assert validate([fits], job) == []
+    overfilled = [["-- start --", "call_forward", "cov_kron_A:l", "inv_kron_A:l", "call_backward", "-- end --",
+                   "turn_off_save_inputs_outgrads", "turn_on_save_inputs_outgrads"]]
+    assert [v.rule for v in validate([overfilled], job)] == ["bubble-overfilled"]
+    assert validate([overfilled], job, room=False) == []
+    # 8 + 40 + 40 after the backward: past the pipeline time, though an inverse fits the 70 bubble
+    d2 = dict(d, **{"inv_kron_B:l": [(90, 130)]})
+    job2 = job_from_dicts([d2])
+    late = [["-- start --", "call_forward", "call_backward", "cov_kron_A:l", "inv_kron_A:l", "inv_kron_B:l",
+             "-- end --", "turn_off_save_inputs_outgrads", "turn_on_save_inputs_outgrads"]]
+    assert [v.rule for v in validate([late], job2)] == ["unforced-overflow"]
 
 
 def test_schedule_files_round_trip_and_are_checked(tmp_path) -> None:

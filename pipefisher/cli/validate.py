@@ -1,4 +1,5 @@
-"""``pipefisher validate``: check a schedule file against the spec's dependency rules and counts."""
+"""``pipefisher validate``: check a schedule file against the spec's dependency rules and counts, and
+against the bubbles' room."""
 from __future__ import annotations
 
 import sys
@@ -11,15 +12,24 @@ from pipefisher.cli import main
 @main.command("validate")
 @click.option("--schedule", "schedule_path", required=True, type=click.Path(dir_okay=False),
               help="the schedule file to check")
+@click.option("--room/--no-room", default=True, show_default=True,
+              help="also check that the work between two pipeline items fits the idle time between them, "
+                   "and that only work no bubble can hold runs past the pipeline time")
 @click.argument("timelines", nargs=-1, required=True)
-def validate_command(schedule_path: str, timelines: tuple[str, ...]) -> None:
-    """Check SCHEDULE against the job's TIMELINES; print every violation, exit 1 if there is any."""
+def validate_command(schedule_path: str, room: bool, timelines: tuple[str, ...]) -> None:
+    """Check SCHEDULE against the job's TIMELINES; print every violation, exit 1 if there is any.
+
+    The spec's rules: each covariance piece after the forward or backward whose data it needs, syncs
+    after all pieces, inverses after their sync, every piece, sync and inverse as often as the timeline
+    asks. With --room (the default), also the room rules: a schedule that packs more work into a bubble
+    than the bubble has makes its iterations longer than it reports.
+    """
     from pipefisher.schedule import load_schedule, validate
     from pipefisher.timeline import load_job
 
     job = load_job(timelines)
     schedule = load_schedule(schedule_path)
-    violations = validate(schedule, job, schedule_path)
+    violations = validate(schedule, job, schedule_path, room=room)
     for v in violations:
         click.echo(str(v))
     nodes_bad = len({v.node for v in violations})

@@ -1,11 +1,8 @@
 """The ``tight`` policy: dependency-correct K-FAC packing, close to the lower bound, fast at scale.
 
-Per node, the pipeline repeats every iteration, so its bubbles are the same in every iteration: the idle
-gaps between consecutive forwards and backwards of either pipe, plus the head and tail gaps up to the
-job's pipeline time (an iteration spans [min(0, first item), max(pipeline time, last item end)]). The
-work is the node's K-FAC keys: a covariance key is a queue of m pieces per interval (m = micro-batches
-of the pipe its module serves), a sync or inverse key one item per interval. Dependencies, from the
-format spec: in the first iteration, covariance piece q may only follow forward (A) / backward (B)
+Each node is packed on its own model (:mod:`pipefisher.policies.model`): its bubbles, the same in every
+iteration, and its work items (covariance queues of m pieces per interval, syncs, inverses).
+Dependencies, from the format spec: in the first iteration, covariance piece q may only follow forward (A) / backward (B)
 ``q mod m`` of its pipe; a sync follows all pieces of its factor; an inverse follows the factor's
 first sync (all its pieces where the node has no sync for it).
 
@@ -52,141 +49,9 @@ from pipefisher.policies.bounds import (
     node_bounds,
     one_iteration_possible,
 )
-from pipefisher.timeline import BACKWARD, FORWARD, KFAC_KINDS, UP_PIPE, Interval, Job, NodeTimeline, Time, TimelineKey
+from pipefisher.policies.model import COV, INV, SYNC, NodeModel, node_model
+from pipefisher.timeline import KFAC_KINDS, Job, NodeTimeline, Time
 
-COV, SYNC, INV = 0, 1, 2
-_KIND = {"cov_kron_A": COV, "cov_kron_B": COV, "sync_kron_A": SYNC, "sync_kron_B": SYNC,
-         "inv_kron_A": INV, "inv_kron_B": INV}
-PIPE_KEYS = (FORWARD, FORWARD + ":" + UP_PIPE, BACKWARD, BACKWARD + ":" + UP_PIPE)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The node as the packer sees it
-
-
-@dataclass(frozen=True)
-class Bubble:
-    """An idle gap of every iteration; ``pos`` = pipeline items that come before it."""
-
-    start: Time
-    end: Time
-    pos: int
-
-    @property
-    def length(self) -> Time:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class Work:
-    """One K-FAC key's work: a covariance queue of pieces, or one sync / inverse occurrence."""
-
-    label: str
-    kind: int  # COV, SYNC or INV
-    group: int  # the factor (A or B) of one layer copy: (factor, module, pipe)
-    pieces: tuple[Time, ...]  # piece durations (one for sync and inverse items)
-    release: tuple[int, ...]  # covariance: per piece, the pipeline item (index) it must follow in iteration 0
-
-
-@dataclass(frozen=True)
-class NodeModel:
-    """What packing one node needs: its pipeline (sorted), its bubbles, its work and their groups."""
-
-    pipeline: tuple[tuple[str, Time, Time], ...]
-    bubbles: tuple[Bubble, ...]
-    base: Time  # where an iteration without overflow ends: max(pipeline time, last pipeline end)
-    length: Time  # its length: ``base`` minus any pipeline time before 0 (nodes that start early)
-    pipeline_busy: Time  # time covered by forwards and backwards in one iteration
-    work: tuple[Work, ...]
-    groups: int
-    synced: tuple[bool, ...]  # per group: the node has a sync item for it (inverses wait for it)
-
-
-def _sane(iv: Interval, fallback: Time) -> tuple[Time, Time]:
-    """A missing bound is no measured time; an end before the start is no time either."""
-    s, e = iv.start, iv.end
-    if s is None and e is None:
-        return fallback, fallback
-    if s is None:
-        s = e
-    elif e is None:
-        e = s
-    assert s is not None and e is not None
-    return s, (e if e >= s else s)
-
-
-def _split(length: Time, m: int) -> tuple[Time, ...]:
-    """``m`` pieces that add up to ``length``: the remainder spread over the first pieces (integers)."""
-    if isinstance(length, int):
-        base, rem = divmod(length, m)
-        return (base + 1,) * rem + (base,) * (m - rem)
-    return (length / m,) * m
-
-
-def node_model(node: NodeTimeline, span: Time) -> NodeModel:
-    """Sort the pipeline, find the bubbles in [0, span], and turn the K-FAC keys into work items."""
-    raw = []
-    order = 0
-    for key in PIPE_KEYS:
-        prev: Time = 0
-        for iv in node.intervals(key):
-            s, e = _sane(iv, prev)
-            raw.append((s, order, key, e))
-            order += 1
-            prev = e
-    raw.sort(key=lambda r: (r[0], r[1]))
-    pipeline = tuple((key, s, e) for s, _, key, e in raw)
-
-    # The node's iteration window: from its first pipeline item (or 0) to its last (or the pipeline
-    # time); every idle gap in it is a bubble, the same in every iteration.
-    first_start = min((s for _, s, _ in pipeline), default=0)
-    last_end = max((e for _, _, e in pipeline), default=0)
-    base = span if span >= last_end else last_end
-    length = base - first_start if first_start < 0 else base
-    bubbles = []
-    cur: Time = first_start if first_start < 0 else 0
-    busy: Time = 0
-    for i, (_, s, e) in enumerate(pipeline):
-        if s > cur:
-            bubbles.append(Bubble(cur, s, i))
-        if e > cur:
-            busy += e - (s if s > cur else cur)  # union of pipeline intervals, for usage
-            cur = e
-    if base > cur:
-        bubbles.append(Bubble(cur, base, len(pipeline)))
-
-    positions: dict[str, list[int]] = {key: [] for key in PIPE_KEYS}
-    for i, (key, _, _) in enumerate(pipeline):
-        positions[key].append(i)
-
-    group_of: dict[tuple[str, str | None, bool], int] = {}
-    items: list[Work] = []
-    synced: set[int] = set()
-    for key, intervals in node.entries.items():
-        parsed = TimelineKey.parse(key)
-        kind = _KIND.get(parsed.kind)
-        if kind is None:
-            continue
-        gkey = (parsed.factor or "", parsed.module, parsed.up_pipe)
-        g = group_of.setdefault(gkey, len(group_of))
-        durations = [e - s for s, e in (_sane(iv, 0) for iv in intervals)]
-        if kind == COV:
-            m = node.micro_batches(parsed.up_pipe)
-            if m == 0 or not durations:
-                continue  # the timeline asks for no pieces of a pipe that does not run here
-            op = (FORWARD if parsed.factor == "A" else BACKWARD) + (":" + UP_PIPE if parsed.up_pipe else "")
-            pos = positions[op]
-            pieces: list[Time] = []
-            for d in durations:
-                pieces.extend(_split(d, m))
-            release = tuple(pos) * len(durations)  # piece q follows the (q mod m)-th forward/backward
-            items.append(Work(key, COV, g, tuple(pieces), release))
-        else:
-            if kind == SYNC and durations:
-                synced.add(g)
-            items.extend(Work(key, kind, g, (d,), ()) for d in durations)
-    return NodeModel(pipeline, tuple(bubbles), base, length, busy, tuple(items), len(group_of),
-                     tuple(g in synced for g in range(len(group_of))))
 
 
 def model_bounds(model: NodeModel, first_iteration: bool = True) -> NodeBounds:
@@ -874,7 +739,7 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
         return None
     if _double_booked(work, model.pipeline):
         return None
-    if validate_node(0, node, labels):
+    if validate_node(0, node, labels, span):
         return None
     kfac = sum(p.duration for p in work)
     cycle, busy = model.length * k, model.pipeline_busy * k
