@@ -708,10 +708,9 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
 
     Honest: integer times and no ``None`` (else its floor-divided pieces or zeroed times claim room it
     never used); every K-FAC item inside the iteration's pipeline window and none appended after the
-    cycle's last forward/backward (else it lengthened the iteration); none overlapping a forward,
-    a backward or another item (else it counted one time twice, as it does around a step marker that
-    ends before the pipeline); and busy time within the cycle measured by this policy's iteration
-    length.
+    cycle's last forward/backward (else it lengthened the iteration); passing ``validate``'s room
+    rules too (no time counted twice, as it does around a step marker that ends before the pipeline);
+    and busy time within the cycle measured by this policy's iteration length.
     """
     from pipefisher.policies.compat import pack_node_slots, pack_node_slots_below, placements_from_slots
     from pipefisher.schedule import validate_node
@@ -737,8 +736,6 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
     first = min((ps for _, ps, _ in model.pipeline), default=0)
     if any(p.start < min(first, 0) or p.end > model.base for p in work):
         return None
-    if _double_booked(work, model.pipeline):
-        return None
     if validate_node(0, node, labels, span):
         return None
     kfac = sum(p.duration for p in work)
@@ -756,26 +753,6 @@ def _appended_after_the_pipeline(last_iteration: Sequence[str]) -> bool:
     pipe = [i for i, label in enumerate(last_iteration) if label_category(label) in ("forward", "backward")]
     after = last_iteration[pipe[-1] + 1:] if pipe else last_iteration
     return any(label_category(label) in KFAC_KINDS for label in after)
-
-
-def _double_booked(work: list[Placement], pipeline: tuple[tuple[str, Time, Time], ...]) -> bool:
-    """Whether some K-FAC item shares time with a pipeline item or with another item of its iteration."""
-    starts = [ps for _, ps, _ in pipeline]  # sorted by start
-    reach: list[Time] = []  # reach[i]: the latest end among pipeline items 0..i
-    for _, _, pe in pipeline:
-        reach.append(pe if not reach else max(reach[-1], pe))
-    by_iteration: dict[int, list[Placement]] = {}
-    for p in work:
-        if p.end > p.start:
-            by_iteration.setdefault(p.iteration, []).append(p)
-            i = bisect_left(starts, p.end) - 1  # pipeline items that start before p ends
-            if i >= 0 and reach[i] > p.start:
-                return True
-    for items in by_iteration.values():
-        items.sort(key=lambda p: p.start)
-        if any(a.end > b.start for a, b in zip(items, items[1:])):
-            return True
-    return False
 
 
 def shorter_valid_compat(node: NodeTimeline, span: Time, model: NodeModel, ours: NodeSchedule) -> NodeSchedule:
