@@ -13,7 +13,7 @@ from typing import Sequence
 from pipefisher.errors import InputError
 from pipefisher.safe_io import atomic_path
 from pipefisher.policies.base import MARKERS, JobSchedule, label_category
-from pipefisher.timeline import STEP_KEY, Job, Time
+from pipefisher.timeline import STEP_KEY, UP_PIPE, Job, Time
 
 CATEGORY_ORDER = ("forward", "backward", "weight", "cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B",
                   "inv_kron_A", "inv_kron_B", "other")
@@ -34,7 +34,6 @@ LEGEND = {
     "cov_kron_A": "cov A", "cov_kron_B": "cov B", "sync_kron_A": "sync A", "sync_kron_B": "sync B",
     "inv_kron_A": "inv A", "inv_kron_B": "inv B", "other": "other",
 }
-UP_PIPE_SUFFIX = ":up_pipe"
 UP_HATCH = "////"
 WIDTH_IN = 14.0
 ROW_IN = 0.55
@@ -53,7 +52,7 @@ class Bar:
     @property
     def up_pipe(self) -> bool:
         """Work of Chimera's second (up) pipe, drawn hatched."""
-        return self.label.endswith(UP_PIPE_SUFFIX)
+        return self.label.endswith(":" + UP_PIPE)
 
 
 @dataclass(frozen=True)

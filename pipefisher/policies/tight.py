@@ -2,9 +2,9 @@
 
 Each node is packed on its own model (:mod:`pipefisher.policies.model`): its bubbles, the same in every
 iteration, and its work items (covariance queues of m pieces per interval, syncs, inverses).
-Dependencies, from the format spec: in the first iteration, covariance piece q may only follow forward (A) / backward (B)
-``q mod m`` of its pipe; a sync follows all pieces of its factor; an inverse follows the factor's
-first sync (all its pieces where the node has no sync for it).
+Dependencies, from the format spec: in the first iteration, covariance piece q may only follow
+forward (A) / backward (B) ``q mod m`` of its pipe; a sync follows all pieces of its factor; an
+inverse follows the factor's first sync (all its pieces where the node has no sync for it).
 
 The packer walks the bubbles in time order, iteration after iteration, and fills each one with the
 largest ready item that still fits (``d * 1.05 < room``, the published rule), ties broken towards
