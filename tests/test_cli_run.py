@@ -38,7 +38,7 @@ def test_run_end_to_end_with_two_processes(tmp_path):
     report = json.loads((out / "first_report.json").read_text())
     assert report["valid"] and report["policy"] == "tight" and len(report["nodes"]) == 2
     assert report["training"]["cycle"] == max(n["iterations"] for n in report["nodes"])
-    assert load_config(out / "first_config.yaml") == tiny()
+    assert load_config(out / "first_config.yaml") == load_config(TINY)
     assert (out / "first_chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the run name is taken now; the schedule it wrote runs with pipefisher train as well
     res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--name", "first"])

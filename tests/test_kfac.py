@@ -5,9 +5,12 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from pipefisher.kfac import KFAC, kfac_modules
 from pipefisher.kfac import factors as fx
+from pipefisher.kfac.factors import BadFactorError
 from pipefisher.runtime.config import DataConfig, ModelConfig
 from pipefisher.runtime.data import MLMData
 from pipefisher.runtime.model import PipelineStage
@@ -138,3 +141,370 @@ def test_cov_takes_the_oldest_micro_batch_and_labels_dispatch():
         kfac.apply_label("inv_kron_A:no.such.module")
     with pytest.raises(RuntimeError):
         kfac.inv("B", n)  # nothing accumulated into B yet
+
+
+# -- K-FAC options on small models ---------------------------------------------------------------
+#
+# The tests below use a two-layer perceptron (``TinyMLP``) or a single softmax layer (``Softmax``):
+# a refresh costs milliseconds, and every quantity can be written out by hand.
+
+
+class TinyMLP(nn.Module):
+    """``x -> fc1 -> tanh -> fc2 -> logits``: two K-FAC layers (4 -> 6 -> 3), cross-entropy loss."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        with torch.random.fork_rng():  # seeded weights without touching the global generator
+            torch.manual_seed(seed)
+            self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.fc2(torch.tanh(self.fc1(x))), y)
+
+
+def _micro_batch(seed: int, rows: int = 32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 4, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+def _accumulate(model, kfac, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One saved micro-batch (as the engine runs it), then cov for every layer; returns the new (A, B)."""
+    x, y = _micro_batch(seed)
+    model.zero_grad()
+    kfac.set_saving(True)
+    loss = model(x, y)
+    kfac.end_forward()
+    loss.backward()
+    kfac.set_saving(False)
+    for n in kfac.names:
+        kfac.cov_all("A", n)
+        kfac.cov_all("B", n)
+    return {n: (kfac.factor(n, "A").clone(), kfac.factor(n, "B").clone()) for n in kfac.names}
+
+
+def _refresh(model, kfac, seed: int) -> None:
+    """A complete refresh: covariance of one micro-batch, then both inverses of every layer."""
+    _accumulate(model, kfac, seed)
+    for n in kfac.names:
+        kfac.inv("A", n)
+        kfac.inv("B", n)
+
+
+def _flat_grad(mod: nn.Linear) -> torch.Tensor:
+    """The (out, in + 1) gradient K-FAC preconditions: weight gradient with the bias gradient appended."""
+    return torch.cat([mod.weight.grad, mod.bias.grad[:, None]], 1).double()
+
+
+def _rel(x, y) -> float:
+    x, y = x.double(), y.double()
+    return float((x - y).norm() / y.norm())
+
+
+# 1. damping is validated up front ----------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [dict(damping=0), dict(damping=-1e-3), dict(damping=float("nan")),
+                                 dict(damping=1e-3, damping_min=1e-2), dict(damping=1e-3, damping_min=0.0)])
+def test_bad_damping_is_refused_when_kfac_is_built(bad):
+    with pytest.raises(ValueError, match="damping"):
+        KFAC(TinyMLP(), **bad)
+
+
+# 2. KL-clipping ----------------------------------------------------------------------------------
+
+def test_kl_clip_scale_bounds_the_predicted_kl_change():
+    for gds in (1e-6, 0.3, 1.0, 17.0, 4e5, -2.5):  # <g, F^-1 g>; only its size counts
+        for lr in (1e-3, 0.1, 1.0):
+            for kl_clip in (1e-4, 1e-2, 1.0):
+                nu = fx.kl_clip_scale(gds, lr, kl_clip)
+                assert 0 < nu <= 1
+                assert lr ** 2 * nu ** 2 * abs(gds) <= kl_clip * (1 + 1e-12)
+                if lr ** 2 * abs(gds) <= kl_clip:
+                    assert nu == 1.0  # a step already inside the trust region is left alone
+                else:
+                    assert lr ** 2 * nu ** 2 * abs(gds) == pytest.approx(kl_clip)  # clipped to the bound
+            assert fx.kl_clip_scale(gds, lr, 0.0) == 1.0  # kl_clip = 0: off
+
+
+def test_kl_clip_end_to_end_scales_the_preconditioned_step_into_the_bound():
+    model = TinyMLP()
+    kfac = KFAC(model, damping=1e-2, ignore=())
+    _refresh(model, kfac, seed=1)
+    x, y = _micro_batch(seed=2)
+    model.zero_grad()
+    model(x, y).backward()
+    mods = {"fc1": model.fc1, "fc2": model.fc2}
+    raw = {n: _flat_grad(m) for n, m in mods.items()}  # before preconditioning overwrites them
+    assert kfac.precondition_all() == 2
+    pre = {n: _flat_grad(m) for n, m in mods.items()}
+    assert kfac.grad_dot_step == pytest.approx(sum(float((pre[n] * raw[n]).sum()) for n in mods), rel=1e-5)
+    lr = 0.5
+    kl_clip = 0.01 * lr ** 2 * kfac.grad_dot_step  # small enough that the clip is active
+    nu = fx.kl_clip_scale(kfac.grad_dot_step, lr, kl_clip)
+    assert 0 < nu < 1
+    kfac.scale_step(nu)
+    step = {n: _flat_grad(m) for n, m in mods.items()}
+    for n in mods:
+        assert _close(step[n], nu * pre[n], 1e-6)
+    # The predicted KL change of the step lr * s is lr^2 <s, C s> with C the damped K-FAC curvature
+    # (C^-1 = A^-1 (x) B^-1 is what preconditioned). Since C p = g, that is lr^2 * nu * <s, g>.
+    kl = 0.0
+    for n in mods:
+        a = torch.linalg.inv(kfac.inverse(n, "A").double())
+        b = torch.linalg.inv(kfac.inverse(n, "B").double())
+        kl += lr ** 2 * float((step[n] * (b @ step[n] @ a)).sum())
+    assert kl == pytest.approx(lr ** 2 * nu * sum(float((step[n] * raw[n]).sum()) for n in mods), rel=1e-3)
+    assert kl <= kl_clip * (1 + 1e-3)
+    assert kl == pytest.approx(kl_clip, rel=1e-3)  # the clip is tight, not just a bound
+
+
+# 3. running-average factors ----------------------------------------------------------------------
+
+def test_running_average_factors_match_their_closed_form_and_are_what_is_inverted():
+    d, damping = 0.7, 1e-2
+    model = TinyMLP()
+    kfac = KFAC(model, damping=damping, ignore=(), factor_decay=d)
+    new = []  # per refresh: the new factors of that refresh's micro-batch
+    for seed in (11, 12, 13):
+        new.append(_accumulate(model, kfac, seed))
+        for n in kfac.names:
+            kfac.inv("A", n)
+            kfac.inv("B", n)
+    for n in kfac.names:
+        (a1, b1), (a2, b2), (a3, b3) = (f[n] for f in new)
+        # R1 = F1; R2 = d R1 + (1 - d) F2; R3 = d R2 + (1 - d) F3
+        ra = d * d * a1 + d * (1 - d) * a2 + (1 - d) * a3
+        rb = d * d * b1 + d * (1 - d) * b2 + (1 - d) * b3
+        assert _close(kfac.layers[n].running["A"], ra, 1e-5)
+        assert _close(kfac.layers[n].running["B"], rb, 1e-5)
+        pi = fx.pi_split(fx.mean_trace(ra), fx.mean_trace(rb))
+        assert kfac.layers[n].last_pi == pytest.approx(pi, rel=1e-5)
+        da, db = fx.damping_terms(damping, pi)
+        want_a = torch.linalg.inv(ra.double() + da * torch.eye(ra.shape[0], dtype=torch.float64))
+        want_b = torch.linalg.inv(rb.double() + db * torch.eye(rb.shape[0], dtype=torch.float64))
+        assert _close(kfac.inverse(n, "A"), want_a, 1e-4)
+        assert _close(kfac.inverse(n, "B"), want_b, 1e-4)
+        only_last = torch.linalg.inv(a3.double() + da * torch.eye(a3.shape[0], dtype=torch.float64))
+        assert not _close(kfac.inverse(n, "A"), only_last, 1e-2)  # not the inverse of F3 alone
+
+
+# 4. damping schedule -----------------------------------------------------------------------------
+
+def test_damping_decays_once_per_complete_refresh_down_to_its_floor():
+    model = TinyMLP()
+    kfac = KFAC(model, damping=1e-2, damping_decay=0.5, damping_min=1e-3, ignore=())
+    seen = []
+    for seed in range(6):
+        damping = kfac.damping_of("fc1")
+        seen.append(damping)
+        new = _accumulate(model, kfac, seed)
+        kfac.inv("A", "fc1")
+        assert kfac.damping_of("fc1") == damping  # half a refresh does not count
+        kfac.inv("B", "fc1")
+        # ... and the inverse just computed used this refresh's damping
+        a, b = new["fc1"]
+        da, _ = fx.damping_terms(damping, fx.pi_split(fx.mean_trace(a), fx.mean_trace(b)))
+        eye = torch.eye(a.shape[0])
+        assert _close(kfac.inverse("fc1", "A") @ (a + da * eye), eye, 1e-3)
+    assert seen == pytest.approx([1e-2, 5e-3, 2.5e-3, 1.25e-3, 1e-3, 1e-3], rel=1e-12)
+    assert kfac.damping_of("fc2") == 1e-2  # fc2 was never refreshed: each layer keeps its own count
+
+
+# 5. inverse methods ------------------------------------------------------------------------------
+
+def _psd_with_eigenvalues(vals, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(len(vals), len(vals), generator=g, dtype=torch.float64))
+    return q @ torch.diag(torch.tensor(vals, dtype=torch.float64)) @ q.T
+
+
+def test_eigen_and_cholesky_inverses_agree_with_a_plain_inverse():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 7, generator=g)
+    f = x.T @ x / 40  # random PSD, float32
+    want = torch.linalg.inv(f.double() + 1e-2 * torch.eye(7, dtype=torch.float64))
+    for method in ("eigen", "cholesky"):
+        for dtype in (torch.float32, torch.float64):
+            got = fx.damped_inverse(f, 1e-2, method=method, dtype=dtype)
+            assert got.dtype == torch.float32  # computed in dtype, returned in the factor's dtype
+            assert _close(got, want, 1e-4 if dtype == torch.float64 else 1e-3)
+    with pytest.raises(ValueError, match="inverse method"):
+        fx.damped_inverse(f, 1e-2, method="lu")
+
+
+def test_eigen_inverse_survives_a_rank_deficient_factor_with_rounding_negative_eigenvalues():
+    # Rank 3 of 6; the zero eigenvalues came out as tiny negatives, as rounding leaves them, and the
+    # damping is smaller than they are: F + damping I is NOT positive definite, so Cholesky refuses.
+    vals = [3.0, 2.0, 1.0, 0.0, -2e-9, -1e-7]
+    f = _psd_with_eigenvalues(vals)
+    damping = 1e-9
+    with pytest.raises(BadFactorError, match="not positive definite"):
+        fx.damped_inverse(f, damping, method="cholesky", dtype=torch.float64)
+    got = fx.damped_inverse(f, damping, method="eigen", dtype=torch.float64)
+    want = _psd_with_eigenvalues([1 / (max(v, 0.0) + damping) for v in vals])  # negatives clipped to 0
+    assert torch.isfinite(got).all() and _close(got, want, 1e-6)
+    # A float32 rank-deficient covariance (3 rows, 8 columns) through both float32 paths.
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    cov = x.T @ x / 3
+    want = torch.linalg.inv(cov.double() + 1e-3 * torch.eye(8, dtype=torch.float64))
+    assert _close(fx.damped_inverse(cov, 1e-3, method="eigen"), want, 1e-3)
+    # ... but a clearly indefinite matrix is no rounding error: eigen refuses it too.
+    with pytest.raises(BadFactorError, match="not positive semi-definite"):
+        fx.damped_inverse(_psd_with_eigenvalues([3.0, 1.0, -0.5]), 1e-3, method="eigen")
+
+
+# 6. never a silent wrong inverse -----------------------------------------------------------------
+
+def _poison(kfac, name: str, factor: str, matrix: torch.Tensor) -> None:
+    """Make ``matrix`` the new factor of ``name`` (what cov + sync would leave)."""
+    st = kfac.layers[name]
+    st.sums[factor], st.counts[factor] = matrix, 1
+
+
+def test_a_bad_factor_stops_with_one_line_naming_the_layer_and_factor():
+    model = TinyMLP()
+    kfac = KFAC(model, damping=1e-2, ignore=())
+    _refresh(model, kfac, seed=0)
+    dim = kfac.layers["fc1"].module.in_features + 1
+    _poison(kfac, "fc1", "A", torch.full((dim, dim), float("nan")))
+    with pytest.raises(BadFactorError) as err:
+        kfac.inv("A", "fc1")
+    msg = str(err.value)
+    assert msg.startswith("K-FAC layer fc1 factor A: ") and "\n" not in msg and "NaN" in msg
+    _poison(kfac, "fc1", "A", -1e3 * torch.eye(dim))  # finite but not positive definite
+    with pytest.raises(BadFactorError) as err:
+        kfac.inv("A", "fc1")
+    msg = str(err.value)
+    assert msg.startswith("K-FAC layer fc1 factor A: ") and "\n" not in msg
+    assert "not positive definite" in msg
+
+
+def test_skip_keeps_the_previous_inverse_counts_it_and_warns_once():
+    model = TinyMLP()
+    warnings = []
+    kfac = KFAC(model, damping=1e-2, ignore=(), on_bad_factor="skip", warn=warnings.append)
+    _refresh(model, kfac, seed=0)
+    kept = kfac.inverse("fc2", "B").clone()
+    running = kfac.layers["fc2"].running["B"].clone()
+    dim = kfac.layers["fc2"].module.out_features
+    _poison(kfac, "fc2", "B", torch.full((dim, dim), float("nan")))
+    kfac.inv("B", "fc2")  # does not raise
+    st = kfac.layers["fc2"]
+    assert torch.equal(kfac.inverse("fc2", "B"), kept) and torch.equal(st.running["B"], running)
+    assert st.skipped == 1 and kfac.layers["fc1"].skipped == 0
+    assert kfac.factor("fc2", "B") is None  # the bad refresh is dropped, the next one starts clean
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert warnings[0].startswith("K-FAC layer fc2 factor B: ") and "skip" in warnings[0]
+    _poison(kfac, "fc2", "B", -1e3 * torch.eye(dim))
+    kfac.inv("B", "fc2")
+    assert st.skipped == 2 and len(warnings) == 2 and torch.equal(kfac.inverse("fc2", "B"), kept)
+
+
+# 7. true Fisher ----------------------------------------------------------------------------------
+
+class Softmax(nn.Module):
+    """One K-FAC layer straight before a softmax: its output gradients are ``(p - e_y) / rows``."""
+
+    def __init__(self, d: int = 4, classes: int = 5) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.fc = nn.Linear(d, classes)
+        with torch.no_grad():
+            self.fc.weight.mul_(4)  # confident-ish predictions, far from uniform
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+ROWS = 8000
+"""Rows of the true-Fisher test. B is a mean over rows of ``(p - e_y)(p - e_y)^T`` with ``y`` sampled:
+its relative Frobenius distance to the exact expectation shrinks as ``1/sqrt(rows)``, measured at about
+0.03 for 4000 rows (at most 0.054 over 30 seeds), so about 0.02 here. The 0.1 tolerance is five times
+that: a sampling fluke cannot fail it, while a wrong sign, scale or label source misses by far more."""
+
+
+def _softmax_b(fisher: str, sample_seed: int = 0, labels=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Factor B of ``Softmax`` on ``ROWS`` fixed rows, and the model's probabilities there."""
+    model = Softmax()
+    x = torch.randn(ROWS, 4, generator=torch.Generator().manual_seed(1))
+    kfac = KFAC(model, fisher=fisher, ignore=(), loss_scale=1)
+    kfac.set_saving(True)
+    logits = model(x)
+    probs = torch.softmax(logits.detach(), dim=-1)
+    if fisher == "true":
+        # What PipelineStage.forward(sample=...) and PipelineEngine._sampled_backward do.
+        drawn = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(sample_seed)).squeeze(1)
+        sampled_loss = F.cross_entropy(logits, drawn)
+        kfac.end_forward()
+        outs = kfac.take_forward()
+        assert [st.module for st, _ in outs] == [model.fc]
+        grads = torch.autograd.grad(sampled_loss, [o for _, o in outs], retain_graph=True)
+        kfac.save_outgrads(outs, grads)
+    else:
+        kfac.end_forward()
+        F.cross_entropy(logits, labels).backward()
+    kfac.set_saving(False)
+    assert kfac.cov_all("B", "fc") == 1
+    return kfac.factor("fc", "B"), probs
+
+
+def test_true_fisher_factor_b_matches_the_exact_softmax_fisher():
+    b, p = _softmax_b("true")
+    exact = (torch.diag_embed(p) - p[:, :, None] * p[:, None, :]).mean(0)  # E_y[(p - e_y)(p - e_y)^T]
+    assert _rel(b, exact) < 0.1
+    b_again, _ = _softmax_b("true", sample_seed=0)
+    assert torch.equal(b, b_again)  # same generator seed, same labels, same factor
+    b_other, _ = _softmax_b("true", sample_seed=1)
+    assert not torch.equal(b, b_other) and _rel(b_other, exact) < 0.1
+    # The empirical Fisher uses the training labels; with labels the model does not predict (here its
+    # least likely class) factor B is a different matrix altogether.
+    b_emp, _ = _softmax_b("empirical", labels=p.argmin(dim=1))
+    assert _rel(b_emp, exact) > 1.0 and _rel(b_emp, b) > 1.0
+
+
+def test_true_fisher_records_nothing_while_saving_is_off():
+    model = Softmax()
+    kfac = KFAC(model, fisher="true", ignore=())
+    assert not kfac.samples_labels
+    model(torch.randn(3, 4)).sum().backward()
+    kfac.end_forward()
+    assert kfac.take_forward() is None and kfac.pending("B", "fc") == 0
+    kfac.set_saving(True)
+    assert kfac.samples_labels  # the engine must sample labels for this forward
+    model(torch.randn(3, 4))
+    kfac.end_forward()
+    assert kfac.pending("A", "fc") == 1 and len(kfac.take_forward()) == 1
+    assert kfac.take_forward() is None  # one list per forwarded micro-batch
+
+
+# 8. compact saving -------------------------------------------------------------------------------
+
+def test_bfloat16_saving_halves_memory_keeps_factors_and_shares_qkv_inputs():
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        model = PipelineStage(CFG, 0, 1)
+        kfac = KFAC(model, damping=DAMPING, loss_scale=3, save_dtype=dtype)
+        _run_saved(model, kfac)
+        runs[dtype] = kfac
+    small, full = runs["bfloat16"], runs["float32"]
+    for st in small.layers.values():
+        assert all(t.dtype == torch.bfloat16 for t in (*st.inputs, *st.outgrads))
+    assert small.saved_bytes() * 2 == full.saved_bytes()
+
+    attn = "encoder.layer.0.attention.self."
+    q, k, v = (small.layers[attn + w] for w in ("query", "key", "value"))
+    for i in range(3):  # every micro-batch: one saved input for the three projections
+        assert q.inputs[i] is k.inputs[i] is v.inputs[i]
+    assert small.layers[attn[:-len("self.")] + "output.dense"].inputs[0] is not q.inputs[0]
+    naive = sum(t.numel() * t.element_size()
+                for st in small.layers.values() for t in (*st.inputs, *st.outgrads))
+    shared = sum(t.numel() * t.element_size() for t in q.inputs) * 2 * CFG.num_layers  # k and v, per layer
+    assert small.saved_bytes() == naive - shared  # the shared input is counted once
+
+    for n in small.names:
+        for f in ("A", "B"):
+            small.cov_all(f, n)
+            full.cov_all(f, n)
+            assert small.factor(n, f).dtype == torch.float32  # covariance itself is computed in float32
+            assert _rel(small.factor(n, f), full.factor(n, f)) < 1e-2
+    assert small.saved_bytes() == full.saved_bytes() == 0

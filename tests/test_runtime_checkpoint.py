@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
+from pipefisher.runtime.config import load_config
 from pipefisher.runtime.checkpoint import MANIFEST, check_resumable
 from pipefisher.runtime.dist import single_process
 from pipefisher.runtime.executor import single_iteration_schedule
@@ -42,7 +43,8 @@ def _params(t: Trainer) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("mode", ["scheduled", "kfac", "first-order"])
 def test_resume_in_one_process_continues_exactly(tmp_path, mode):
-    cfg = tiny(pipeline={"stages": 1}, optim={"name": "adam", "lr": 0.01}, model={"dropout": 0.1})
+    # the decay's horizon is fixed (decay_steps), as it must be when a run is cut short and resumed
+    cfg = tiny(pipeline={"stages": 1}, optim={"name": "adam", "lr": 0.01, "decay_steps": 8}, model={"dropout": 0.1})
     sched = None
     if mode == "scheduled":
         sched = str(tmp_path / "s.pickle")
@@ -84,7 +86,7 @@ def test_resume_with_two_stages_through_the_cli(tmp_path):
             assert torch.equal(p, fb["model"][name]), (stage, name)
     with open(metrics) as f:
         rows = f.read().splitlines()
-    assert rows[0] == "step,loss,step_seconds,mode" and [r.split(",")[0] for r in rows[1:]] == list("01234")
+    assert rows[0] == "step,loss,val_loss,lr,step_seconds,mode" and [r.split(",")[0] for r in rows[1:]] == list("01234")
     assert all(r.endswith(",scheduled") for r in rows[1:])
 
 
@@ -117,7 +119,7 @@ def test_cli_refuses_a_checkpoint_of_another_config_before_training(tmp_path):
     sched = str(tmp_path / "s.pickle")
     save_schedule(sched, single_iteration_schedule(tiny()))
     ck = str(tmp_path / "ck")
-    cfg = tiny(pipeline={"stages": 1})
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})  # the CLI's config file, one stage
     save_schedule(str(tmp_path / "s1.pickle"), single_iteration_schedule(cfg))
     _train(cfg, mode="scheduled", schedule=str(tmp_path / "s1.pickle"), steps=1, checkpoint_dir=ck)
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--schedule", sched, "--nproc-per-node", "2",

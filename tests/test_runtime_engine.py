@@ -18,7 +18,7 @@ from pipefisher.runtime.model import PipelineStage
 
 BASE = RunConfig().replace(
     model=dict(vocab_size=64, hidden_size=16, num_layers=4, num_heads=2, intermediate_size=32, max_position=8),
-    data=dict(seq_len=8, micro_batch_size=2, num_micro_batches=3),
+    data=dict(seq_len=8, micro_batch_size=2, num_micro_batches=3, text="stdlib"),  # real text, BPE
     kfac=dict(damping=1e-2),
     pipeline=dict(timeout_s=30.0),
 )
@@ -128,3 +128,43 @@ def test_kfac_factors_inverses_and_preconditioned_gradients_equal_single_process
         for name, grad in res["precond"].items():
             _assert_close(grad, ref["precond"][name], f"preconditioned {name}", 1e-3)
     assert names == {k[0] for k in ref["factors"]}
+
+
+def _true_fisher_step(cfg: RunConfig, distributed: bool) -> dict:
+    """One saved 1F1B step with true-Fisher K-FAC: factor B of every layer, and the parameter gradients."""
+    from pipefisher.runtime.dist import single_process
+    from pipefisher.runtime.update import make_kfac
+
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s) if distributed else single_process()
+    g, m = ctx.grid, cfg.data.num_micro_batches
+    stage = PipelineStage(cfg.model, g.stage, g.stages, seed=cfg.data.seed)
+    kfac = make_kfac(cfg.replace(kfac={"fisher": "true"}), stage)
+    engine = PipelineEngine(stage, ctx, MLMData(cfg.data, cfg.model.vocab_size), m, kfac=kfac)
+    kfac.set_saving(True)
+    engine.begin_step(0)
+    engine.run(pipeline_ops("1f1b", g.stage, g.stages, m))
+    engine.finish_step()
+    factors = {}
+    for n in kfac.names:
+        assert kfac.cov_all("B", n) == m
+        factors[n] = kfac.factor(n, "B").clone()
+    grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    if distributed:
+        shutdown(ctx)
+    return {"stage": g.stage, "factors": factors, "grads": grads}
+
+
+def test_true_fisher_factors_and_gradients_equal_single_process():
+    """Sampled-label gradients travel back through 4 stages beside the real ones: factor B equals the
+    same engine's in one process, and the real gradients are untouched by the extra backward."""
+    cfg = BASE.replace(pipeline=dict(stages=4))
+    results = spawn_local(_true_fisher_step, 4, cfg, True, timeout_s=120)
+    ref = _true_fisher_step(cfg.replace(pipeline=dict(stages=1)), False)
+    plain = _reference(cfg, 1)
+    for r in results:
+        for n, f in r["factors"].items():
+            _assert_close(f, ref["factors"][n], f"stage {r['stage']} true-Fisher B of {n}")
+            # the sampled labels differ from the training labels: so does the factor
+            assert float((f - plain["factors"][n, "B"]).norm()) > 1e-3 * float(f.norm())
+        for n, gr in r["grads"].items():
+            _assert_close(gr, plain["grads"][n], f"stage {r['stage']} gradient of {n}")

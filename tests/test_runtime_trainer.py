@@ -126,7 +126,7 @@ def test_workers_with_different_configs_refuse_to_start():
 
 
 def test_launcher_reports_a_failing_worker(tmp_path):
-    cfg = load_config(TINY).replace(data={"text_file": str(tmp_path / "missing.txt")})
+    cfg = load_config(TINY).replace(data={"text": str(tmp_path / "missing.txt")})
     lines: list[str] = []
     with pytest.raises(WorkerFailed, match=r"worker rank \d of 2 exited with code 2: error: .*missing.txt"):
         launch_local(cfg, TrainOptions(steps=1, progress=False), 2, echo=lines.append)
@@ -136,3 +136,59 @@ def test_cli_rejects_a_bad_layout_as_input_error():
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--nproc-per-node", "3"])
     assert res.exit_code == 2 and "not a multiple of the 2 pipeline stages" in res.output
 
+
+
+def _config_file(tmp_path, **sections) -> str:
+    """configs/tiny.yaml with some sections changed, written as a YAML file for the CLI."""
+    import yaml
+
+    from pipefisher.runtime.driver import config_yaml
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(config_yaml(load_config(TINY).replace(**sections)))
+    yaml.safe_load(path.read_text())
+    return str(path)
+
+
+def test_train_on_real_text_evaluates_held_out_loss_and_records_the_run(tmp_path):
+    cfg = _config_file(tmp_path, data={"text": "stdlib", "val_batches": 2},
+                       optim={"name": "adamw", "lr": 3e-3, "warmup_steps": 2, "schedule": "linear"})
+    out, metrics = tmp_path / "out", tmp_path / "m.csv"
+    res = CliRunner().invoke(main, ["train", "--config", cfg, "--nproc-per-node", "2", "--mode", "kfac",
+                                    "--steps", "6", "--eval-every", "3", "--out", str(out), "--metrics",
+                                    str(metrics), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "held-out" in res.output and "peak memory" in res.output and "K-FAC saved tensors" in res.output
+    rows = [line.split(",") for line in metrics.read_text().splitlines()]
+    assert rows[0] == ["step", "loss", "val_loss", "lr", "step_seconds", "mode"]
+    assert [r[2] != "" for r in rows[1:]] == [False, False, True, False, False, True]
+    lrs = [float(r[3]) for r in rows[1:]]
+    assert lrs[0] == pytest.approx(1.5e-3) and lrs[1] == pytest.approx(3e-3) and lrs[-1] < lrs[1]  # warm-up, decay
+    report = json.loads((out / "tiny_losses.json").read_text())
+    assert [v[0] for v in report["val"]] == [3, 6] and report["peak_memory_bytes"] > 0
+    vocab = json.loads((out / "tiny_tokenizer.json").read_text())["model"]["vocab"]
+    assert vocab["[MASK]"] == 4 and len(vocab) <= 100
+
+
+def test_a_factor_that_cannot_be_inverted_stops_the_run_with_one_line(tmp_path):
+    # a learning rate that blows the weights up: the next factors are not positive definite
+    sections = dict(model={"num_layers": 2}, optim={"name": "sgd", "lr": 1e12, "momentum": 0.0},
+                    kfac={"damping": 1e-3})
+    cfg = _config_file(tmp_path, **sections)
+    res = CliRunner().invoke(main, ["train", "--config", cfg, "--stages", "1", "--mode", "kfac", "--steps", "4",
+                                    "--no-progress"])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    last = res.output.strip().splitlines()[-1]
+    assert last.startswith("Error: K-FAC layer encoder.layer.0.") and "factor" in last
+    res = CliRunner().invoke(main, ["train", "--config", cfg, "--nproc-per-node", "2", "--mode", "kfac",
+                                    "--steps", "4", "--no-progress"])
+    assert res.exit_code == 1 and "exited with code 1: error: K-FAC layer encoder.layer." in res.output
+
+
+def test_skip_keeps_training_past_a_bad_factor(tmp_path):
+    sections = dict(model={"num_layers": 2}, optim={"name": "sgd", "lr": 1e12, "momentum": 0.0},
+                    kfac={"damping": 1e-3, "on_bad_factor": "skip"})
+    res = CliRunner().invoke(main, ["train", "--config", _config_file(tmp_path, **sections), "--stages", "1",
+                                    "--mode", "kfac", "--steps", "4", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "kept the previous inverse (kfac.on_bad_factor: skip)" in res.output

@@ -45,6 +45,7 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
     from pipefisher.runtime.config import load_config
     from pipefisher.runtime.driver import run_job
     from pipefisher.runtime.launch import WorkerFailed
+    from pipefisher.kfac.factors import BadFactorError
     from pipefisher.runtime.trainer import PeerLost
 
     cfg = load_config(config_path)
@@ -58,5 +59,5 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every, log_every=log_every,
                 progress=not no_progress, kfac_margin=kfac_margin, echo=click.echo)
-    except (WorkerFailed, PeerLost) as err:
+    except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None

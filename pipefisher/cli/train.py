@@ -24,8 +24,13 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
     from pipefisher.runtime.checkpoint import check_resumable
     from pipefisher.runtime.executor import load_checked_schedule, schedule_digest
 
+    from pipefisher.runtime.corpus import load_corpus
+
     stages = cfg.pipeline.stages  # type: ignore[attr-defined]
     replicas = max(1, nproc // stages)
+    if cfg.data.text != "synthetic":  # type: ignore[attr-defined]
+        # tokenizer and token ids built (or found in the cache) once, before the workers need them
+        load_corpus(cfg.data, cfg.model.vocab_size)  # type: ignore[attr-defined]
     digest = None
     if schedule_path is not None:
         digest = schedule_digest(load_checked_schedule(schedule_path, cfg, replicas))  # type: ignore[arg-type]
@@ -65,13 +70,16 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 @click.option("--interval", type=click.IntRange(min=1), default=None, help="override kfac.interval")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="override pipeline.timeout_s (seconds a worker waits on a peer before failing)")
-@click.option("--log-every", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="steps between held-out evaluations (loss on data.val_batches of held-out text; 0: none)")
+@click.option("--log-every", type=click.IntRange(min=1), default=5, show_default=True,
+              help="steps between loss lines")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def train_command(config_path: str, mode: str | None, schedule_arg: str | None, pipe_schedule: str | None,
                   steps: int, profile: bool, out_dir: str | None, metrics_path: str | None,
                   checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, nproc: int | None,
-                  stages: int | None, interval: int | None, timeout_s: float | None, log_every: int,
-                  no_progress: bool) -> None:
+                  stages: int | None, interval: int | None, timeout_s: float | None, eval_every: int,
+                  log_every: int, no_progress: bool) -> None:
     """Train the masked-language model with pipeline parallelism: first-order, K-FAC, or K-FAC packed
     into the pipeline bubbles by a schedule file.
 
@@ -80,6 +88,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     """
     from pipefisher.runtime.config import load_config
     from pipefisher.runtime.launch import WorkerFailed, launch_local, run_worker
+    from pipefisher.kfac.factors import BadFactorError
     from pipefisher.runtime.trainer import PeerLost, TrainOptions
 
     schedule_path = schedule_arg
@@ -121,13 +130,13 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     opts = TrainOptions(mode=mode, steps=steps, profile=profile, out=out_dir, log_every=log_every,
                         progress=not no_progress, schedule=_abs(schedule_path), metrics=_abs(metrics_path),
                         checkpoint_dir=_abs(checkpoint_dir), checkpoint_every=checkpoint_every,
-                        resume=_abs(resume_dir))
+                        resume=_abs(resume_dir), eval_every=eval_every)
     try:
         if under_torchrun or n == 1:
             run_worker(cfg, opts)
         else:
             launch_local(cfg, opts, n, echo=click.echo)
-    except (WorkerFailed, PeerLost) as err:
+    except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None
     if profile:
         from pipefisher.runtime.profiler import timeline_filename

@@ -1,4 +1,4 @@
-"""The K-FAC math on plain tensors: covariance contributions, the pi damping split, inverses.
+"""The K-FAC math on plain tensors: covariance contributions, the pi damping split, inverses, KL-clip.
 
 Kept free of module and process-group state so tests can compare it with a hand-written reference.
 """
@@ -9,6 +9,13 @@ import math
 import torch
 
 
+class BadFactorError(RuntimeError):
+    """A factor that cannot be inverted honestly (not finite, or not positive definite after damping).
+
+    The message is one line that names the layer and the factor, so a run that stops on it says where.
+    """
+
+
 def with_bias_column(x: torch.Tensor) -> torch.Tensor:
     """``[x, 1]``: a linear layer with bias is a bias-free layer on inputs with a constant 1 appended."""
     return torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
@@ -16,7 +23,7 @@ def with_bias_column(x: torch.Tensor) -> torch.Tensor:
 
 def cov_a(x: torch.Tensor, bias: bool) -> torch.Tensor:
     """Factor A of one micro-batch: ``x^T x / n`` over its ``n`` input rows (with the bias column)."""
-    x = x.reshape(-1, x.shape[-1])
+    x = x.reshape(-1, x.shape[-1]).float()
     if bias:
         x = with_bias_column(x)
     return x.t() @ x / x.shape[0]
@@ -28,10 +35,17 @@ def cov_b(g: torch.Tensor, loss_scale: float) -> torch.Tensor:
     The saved output gradients are those of ``mean-over-rows loss / loss_scale``; multiplying by
     ``s`` turns them back into per-row gradients, the quantity whose covariance K-FAC wants.
     """
-    g = g.reshape(-1, g.shape[-1])
+    g = g.reshape(-1, g.shape[-1]).float()
     n = g.shape[0]
     gs = g * (loss_scale * n)
     return gs.t() @ gs / n
+
+
+def running_average(old: torch.Tensor | None, new: torch.Tensor, decay: float) -> torch.Tensor:
+    """``decay * old + (1 - decay) * new``; the first refresh (no ``old``) uses what it has."""
+    if old is None or decay == 0.0:
+        return new
+    return old * decay + new * (1.0 - decay)
 
 
 def mean_trace(f: torch.Tensor) -> float:
@@ -57,16 +71,60 @@ def damping_terms(damping: float, pi: float) -> tuple[float, float]:
     return pi * root, root / pi
 
 
-def damped_inverse(f: torch.Tensor, damping: float) -> torch.Tensor:
-    """``(F + damping I)^-1`` of a symmetric PSD factor, via Cholesky (plain inverse as a fallback)."""
-    m = f + damping * torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
+def damped_inverse(f: torch.Tensor, damping: float, *, method: str = "cholesky",
+                   dtype: torch.dtype = torch.float32, what: str = "factor") -> torch.Tensor:
+    """``(F + damping I)^-1`` of a symmetric PSD factor, computed in ``dtype``, returned in F's dtype.
+
+    ``cholesky`` is the fast path; ``eigen`` clips the small negative eigenvalues that rounding leaves
+    in a PSD factor to zero before damping, so it survives nearly singular factors. Anything else is
+    a :class:`BadFactorError` naming ``what``, never a silently wrong inverse: a factor with NaN or
+    infinity, one whose damped matrix is not positive definite, or an inverse that is not finite.
+    """
+    if damping <= 0 or not math.isfinite(damping):
+        raise BadFactorError(f"{what}: damping must be positive and finite, not {damping!r}")
+    if not bool(torch.isfinite(f).all()):
+        raise BadFactorError(f"{what}: the factor holds NaN or infinite values")
+    m = f.to(dtype)
     m = (m + m.t()) / 2
-    chol, info = torch.linalg.cholesky_ex(m)
-    if int(info) == 0:
-        return torch.cholesky_inverse(chol)
-    return torch.linalg.inv(m)
+    eye = torch.eye(m.shape[0], dtype=dtype, device=m.device)
+    if method == "eigen":
+        vals, vecs = torch.linalg.eigh(m)
+        scale = float(vals.abs().max()) if vals.numel() else 0.0
+        if float(vals.min()) < -1e-4 * max(scale, 1e-30) - damping:
+            raise BadFactorError(f"{what}: not positive semi-definite (smallest eigenvalue "
+                                 f"{float(vals.min()):.3g}, largest {scale:.3g})")
+        inv = (vecs / (vals.clamp_min(0.0) + damping)) @ vecs.t()
+    elif method == "cholesky":
+        chol, info = torch.linalg.cholesky_ex(m + damping * eye)
+        if int(info) != 0:
+            raise BadFactorError(f"{what}: not positive definite after damping {damping:.3g} "
+                                 f"(Cholesky failed at column {int(info)}; try kfac.inverse: eigen, "
+                                 "kfac.inverse_dtype: float64 or more damping)")
+        inv = torch.cholesky_inverse(chol)
+    else:
+        raise ValueError(f"inverse method must be 'cholesky' or 'eigen', not {method!r}")
+    if not bool(torch.isfinite(inv).all()):
+        raise BadFactorError(f"{what}: the damped inverse is not finite")
+    return inv.to(f.dtype)
 
 
 def precondition(grad: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor) -> torch.Tensor:
     """``B^-1 G A^-1`` for a gradient ``G`` of shape (out, in[+1])."""
     return b_inv @ grad @ a_inv
+
+
+def kl_clip_scale(grad_dot_step: float, lr: float, kl_clip: float) -> float:
+    """The factor nu <= 1 that keeps a preconditioned step's predicted KL change under ``kl_clip``.
+
+    Ba et al. (2017): with ``v = F^-1 g`` the step ``-lr v`` changes the model's output distribution
+    by about ``lr^2 v^T F v / 2 = lr^2 g^T v / 2``; nu = min(1, sqrt(kl_clip / (lr^2 |g^T v|))).
+    ``kl_clip <= 0`` turns it off (nu = 1).
+    """
+    if kl_clip <= 0 or lr <= 0:
+        return 1.0
+    quad = lr * lr * abs(grad_dot_step)
+    if not math.isfinite(quad):
+        return 0.0
+    if quad <= 0:
+        return 1.0
+    return min(1.0, math.sqrt(kl_clip / quad))

@@ -5,15 +5,22 @@ The calls map one to one onto schedule labels (see the timeline-and-schedule spe
 - :meth:`KFAC.set_saving` - ``turn_on/off_save_inputs_outgrads``
 - :meth:`KFAC.cov` - ``cov_kron_A:<m>`` / ``cov_kron_B:<m>``: add the OLDEST saved micro-batch
 - :meth:`KFAC.sync` - ``sync_kron_X:<m>``: average the factor over the data-parallel group
-- :meth:`KFAC.inv` - ``inv_kron_X:<m>``: damped inverse, then clear the factor
+- :meth:`KFAC.inv` - ``inv_kron_X:<m>``: fold the new factor into its running average, damped
+  inverse, then clear the new factor
 - :meth:`KFAC.precondition` - part of ``-- end --``: ``B^-1 grad A^-1``
 
-A factor is kept as a running mean of its micro-batch contributions, so it does not matter how the
-covariance pieces are spread over time.
+Within a refresh a factor is the mean of its micro-batch contributions, so it does not matter how the
+covariance pieces are spread over time; across refreshes factors are running averages
+(``factor_decay``), so curvature survives a refresh and one refresh's few micro-batches do not
+dominate. With ``fisher="true"`` the output gradients that build factor B come from labels sampled
+from the model's own predictions (an extra backward through the stage, driven by the engine through
+:meth:`KFAC.end_forward` / :meth:`KFAC.take_forward` / :meth:`KFAC.save_outgrads`), not from the
+training labels.
 """
 from __future__ import annotations
 
 import collections
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable
@@ -23,8 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefisher.kfac import factors as fx
+from pipefisher.kfac.factors import BadFactorError
 
 FACTORS = ("A", "B")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
 DEFAULT_IGNORE = ("embeddings", "LayerNorm", "cls")
 
 
@@ -50,6 +60,9 @@ class LayerState:
     inverses: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
     last_scale: dict[str, float | None] = field(default_factory=lambda: {"A": None, "B": None})
     last_pi: float | None = None
+    running: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
+    inversions: dict[str, int] = field(default_factory=lambda: {"A": 0, "B": 0})
+    skipped: int = 0  # refreshes of a factor dropped because it could not be inverted honestly
 
     @property
     def bias(self) -> bool:
@@ -65,16 +78,44 @@ class KFAC:
 
     ``loss_scale`` is the number each micro-batch's mean loss was divided by (the number of
     micro-batches per step), so factor B is built from per-row gradients. ``dp_group`` is the stage's
-    data-parallel process group (``None``: no data parallelism).
+    data-parallel process group (``None``: no data parallelism). Damping starts at ``damping`` and is
+    multiplied by ``damping_decay`` after every refresh of a layer, never going below ``damping_min``.
+    ``on_bad_factor``: ``stop`` raises :class:`BadFactorError` (one line naming the layer), ``skip``
+    keeps the layer's previous inverse, drops that refresh and reports it through ``warn``.
     """
 
     def __init__(self, model: nn.Module, *, damping: float = 1e-3, ignore: Iterable[str] = DEFAULT_IGNORE,
-                 loss_scale: float = 1.0, dp_group: Any = None, dp_size: int = 1) -> None:
+                 loss_scale: float = 1.0, dp_group: Any = None, dp_size: int = 1,
+                 damping_min: float | None = None, damping_decay: float = 1.0, factor_decay: float = 0.0,
+                 inverse: str = "cholesky", inverse_dtype: str = "float32", on_bad_factor: str = "stop",
+                 save_dtype: str = "float32", fisher: str = "empirical",
+                 warn: Callable[[str], None] | None = None) -> None:
+        if not (damping > 0 and math.isfinite(damping)):  # also refuses NaN and infinity
+            raise ValueError(f"K-FAC damping must be positive and finite, not {damping!r}: an undamped "
+                             "factor is singular")
         self.damping = float(damping)
+        self.damping_min = self.damping if damping_min is None else float(damping_min)
+        if not 0 < self.damping_min <= self.damping:
+            raise ValueError(f"K-FAC damping_min must be in (0, damping], not {damping_min!r}")
+        if not 0 < damping_decay <= 1 or not 0 <= factor_decay < 1:
+            raise ValueError("K-FAC damping_decay must be in (0, 1] and factor_decay in [0, 1)")
+        if inverse not in ("cholesky", "eigen") or inverse_dtype not in ("float32", "float64"):
+            raise ValueError(f"unknown inverse {inverse!r} in {inverse_dtype!r}")
+        if on_bad_factor not in ("stop", "skip") or fisher not in ("empirical", "true"):
+            raise ValueError(f"on_bad_factor {on_bad_factor!r} / fisher {fisher!r} not understood")
+        self.damping_decay, self.factor_decay = float(damping_decay), float(factor_decay)
+        self.inverse_method, self.inverse_dtype = inverse, DTYPES[inverse_dtype]
+        self.on_bad_factor, self.fisher = on_bad_factor, fisher
+        self.save_dtype = DTYPES[save_dtype]
+        self.warn = warn or (lambda msg: None)
         self.loss_scale = float(loss_scale)
         self.dp_group, self.dp_size = dp_group, int(dp_size)
         self.layers = {n: LayerState(m) for n, m in kfac_modules(model, ignore).items()}
         self.saving = False
+        self.grad_dot_step = 0.0  # sum of <g, F^-1 g> of the last precondition_all (KL-clip)
+        self._input_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._forward_outputs: list[tuple[LayerState, torch.Tensor]] = []
+        self._awaiting: collections.deque = collections.deque()  # per forwarded micro-batch, true Fisher
         self._handles = [self._hook(st) for st in self.layers.values()]
 
     # -- saving inputs and output gradients -------------------------------------------------------
@@ -87,15 +128,57 @@ class KFAC:
         """Start or stop saving layer inputs (forward) and output gradients (backward)."""
         self.saving = bool(on)
 
+    def _compact(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().reshape(-1, t.shape[-1])
+        return t if t.dtype == self.save_dtype else t.to(self.save_dtype)
+
+    def _saved_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Layers fed the same tensor (query, key, value) share one saved copy of it."""
+        if self._input_cache is not None and self._input_cache[0] is x:
+            return self._input_cache[1]
+        saved = self._compact(x)
+        self._input_cache = (x, saved)
+        return saved
+
     def _hook(self, st: LayerState) -> Any:
         def on_forward(module: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
             if not (self.saving and torch.is_grad_enabled()):
                 return
-            st.inputs.append(inputs[0].detach().reshape(-1, inputs[0].shape[-1]))
-            if out.requires_grad:
-                out.register_hook(lambda g: st.outgrads.append(g.detach().reshape(-1, g.shape[-1])))
+            st.inputs.append(self._saved_input(inputs[0]))
+            if not out.requires_grad:
+                return
+            if self.fisher == "true":
+                self._forward_outputs.append((st, out))
+            else:
+                out.register_hook(lambda g: st.outgrads.append(self._compact(g)))
 
         return st.module.register_forward_hook(on_forward)
+
+    # -- true Fisher: the engine runs a second backward with sampled labels --------------------------
+
+    @property
+    def samples_labels(self) -> bool:
+        """True while forwards are saved for a true-Fisher factor B (the engine must sample labels)."""
+        return self.fisher == "true" and self.saving
+
+    def end_forward(self) -> None:
+        """Called by the engine after each forward micro-batch: closes its list of layer outputs."""
+        self._input_cache = None
+        if self.fisher == "true":
+            self._awaiting.append(self._forward_outputs if self.saving else None)
+            self._forward_outputs = []
+
+    def take_forward(self) -> list[tuple[LayerState, torch.Tensor]] | None:
+        """The layer outputs of the oldest forwarded micro-batch, or None if it was not saved."""
+        if self.fisher != "true" or not self._awaiting:
+            return None
+        return self._awaiting.popleft()
+
+    def save_outgrads(self, outputs: list[tuple[LayerState, torch.Tensor]],
+                      grads: Iterable[torch.Tensor | None]) -> None:
+        """Save the sampled-label gradients of those outputs for factor B (None: the output was unused)."""
+        for (st, out), g in zip(outputs, grads):
+            st.outgrads.append(self._compact(torch.zeros_like(out) if g is None else g))
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -111,6 +194,20 @@ class KFAC:
         for st in self.layers.values():
             st.inputs.clear()
             st.outgrads.clear()
+        self._input_cache = None
+        self._forward_outputs = []
+        self._awaiting.clear()
+
+    def saved_bytes(self) -> int:
+        """Memory held by saved inputs and output gradients still waiting for their covariance piece."""
+        seen: set[int] = set()
+        total = 0
+        for st in self.layers.values():
+            for t in (*st.inputs, *st.outgrads):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+        return total
 
     # -- the per-label work -------------------------------------------------------------------------
 
@@ -145,31 +242,60 @@ class KFAC:
             f /= self.dp_size
         st.sums[factor], st.counts[factor] = f, 1
 
+    def averaged(self, name: str, factor: str) -> torch.Tensor | None:
+        """The factor as it will be inverted: the running average folded with the new covariance (if any)."""
+        st = self.layers[name]
+        cur = st.factor(_check(factor))
+        if cur is None:
+            return st.running[factor]
+        return fx.running_average(st.running[factor], cur, self.factor_decay)
+
     def pi(self, name: str) -> float:
         """The pi damping split of layer ``name`` from the scales of BOTH factors.
 
-        A factor that still holds covariance gives its current scale; one already inverted (and so
-        cleared) this cycle gives the scale it had just before it was cleared.
+        A factor that still holds covariance gives the scale it will be inverted with; one already
+        inverted (and so cleared) this cycle gives the scale it was inverted with.
         """
         st = self.layers[name]
         scales = []
         for f in FACTORS:
-            cur = st.factor(f)
+            cur = self.averaged(name, f) if st.factor(f) is not None else None
             scales.append(fx.mean_trace(cur) if cur is not None else st.last_scale[f])
         return fx.pi_split(*scales)
 
+    def damping_of(self, name: str) -> float:
+        """The damping of layer ``name``'s next refresh: decayed once per completed refresh, floored."""
+        done = min(self.layers[name].inversions.values())
+        return max(self.damping_min, self.damping * self.damping_decay ** done)
+
     def inv(self, factor: str, name: str) -> None:
-        """Recompute the damped inverse of ``factor`` of layer ``name``, then clear the factor."""
+        """Fold the new ``factor`` of layer ``name`` into its running average, invert it damped, clear it.
+
+        A factor that cannot be inverted honestly raises :class:`BadFactorError` (``on_bad_factor:
+        stop``) or keeps the previous inverse and drops this refresh of the factor (``skip``).
+        """
         st = self.layers[name]
-        f = st.factor(_check(factor))
-        if f is None:
+        if st.factor(_check(factor)) is None:
             raise RuntimeError(f"inv_kron_{factor}:{name}: factor {factor} has no covariance to invert")
+        f = self.averaged(name, factor)
+        assert f is not None
         pi = self.pi(name)  # before clearing: uses this factor's scale and the other's
-        st.last_pi = pi
-        damp_a, damp_b = fx.damping_terms(self.damping, pi)
-        st.inverses[factor] = fx.damped_inverse(f, damp_a if factor == "A" else damp_b)
-        st.last_scale[factor] = fx.mean_trace(f)
+        damp_a, damp_b = fx.damping_terms(self.damping_of(name), pi)
         st.sums[factor], st.counts[factor] = None, 0
+        try:
+            inverse = fx.damped_inverse(f, damp_a if factor == "A" else damp_b, method=self.inverse_method,
+                                        dtype=self.inverse_dtype, what=f"K-FAC layer {name} factor {factor}")
+        except BadFactorError as err:
+            if self.on_bad_factor == "stop":
+                raise
+            st.skipped += 1
+            self.warn(f"{err}; kept the previous inverse (kfac.on_bad_factor: skip)")
+            return
+        st.last_pi = pi
+        st.inverses[factor] = inverse
+        st.running[factor] = f
+        st.last_scale[factor] = fx.mean_trace(f)
+        st.inversions[factor] += 1
 
     def precondition(self, name: str) -> bool:
         """Replace the layer's gradient by ``B^-1 grad A^-1``; False (gradient untouched) without inverses."""
@@ -184,6 +310,7 @@ class KFAC:
             bg = b.grad if b.grad is not None else torch.zeros_like(b)
             g = torch.cat([g, bg[:, None]], dim=1)
         p = fx.precondition(g, a_inv, b_inv)
+        self.grad_dot_step += float((p * g).sum())
         if st.bias:
             w.grad.copy_(p[:, :-1].reshape(w.shape))
             if st.module.bias.grad is None:
@@ -195,7 +322,26 @@ class KFAC:
         return True
 
     def precondition_all(self) -> int:
+        """Precondition every layer that has inverses; sets :attr:`grad_dot_step` for the KL-clip."""
+        self.grad_dot_step = 0.0
         return sum(self.precondition(n) for n in self.layers)
+
+    def scale_step(self, nu: float) -> None:
+        """Multiply the preconditioned gradients by ``nu`` (the KL-clip factor)."""
+        if nu == 1.0:
+            return
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(nu)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters K-FAC preconditions (weights and biases of its layers), in layer order."""
+        out = []
+        for st in self.layers.values():
+            out.append(st.module.weight)
+            if st.module.bias is not None:
+                out.append(st.module.bias)
+        return out
 
     # -- conveniences ----------------------------------------------------------------------------
 

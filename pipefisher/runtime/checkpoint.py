@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from pipefisher.runtime.trainer import Trainer
 
 MANIFEST = "checkpoint.json"
-FORMAT = 1
+FORMAT = 2  # 2: running-average factors, damping schedule, optimizer pair
 _VOLATILE = {("pipeline", "timeout_s")}  # may change between a run and its resumption
 
 
@@ -72,6 +72,7 @@ def kfac_state(kfac: Any) -> dict[str, Any]:
         layers[name] = {
             "sums": dict(st.sums), "counts": dict(st.counts), "inverses": dict(st.inverses),
             "last_scale": dict(st.last_scale), "last_pi": st.last_pi,
+            "running": dict(st.running), "inversions": dict(st.inversions), "skipped": st.skipped,
             "inputs": list(st.inputs), "outgrads": list(st.outgrads),
         }
     return {"saving": kfac.saving, "layers": layers}
@@ -89,6 +90,9 @@ def load_kfac_state(kfac: Any, state: dict[str, Any], path: str) -> None:
         st.inverses = {f: s["inverses"][f] for f in "AB"}
         st.last_scale = {f: s["last_scale"][f] for f in "AB"}
         st.last_pi = s["last_pi"]
+        st.running = {f: s["running"][f] for f in "AB"}
+        st.inversions = {f: int(s["inversions"][f]) for f in "AB"}
+        st.skipped = int(s["skipped"])
         st.inputs.clear()
         st.inputs.extend(s["inputs"])
         st.outgrads.clear()
@@ -115,7 +119,7 @@ def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
         "schedule": trainer.schedule_digest,
         "stage": g.stage, "replica": g.replica, "stages": g.stages, "replicas": g.replicas,
         "model": trainer.stage.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
+        "optimizer": trainer.updater.state_dict(),
         "kfac": None if trainer.kfac is None else kfac_state(trainer.kfac),
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if trainer.ctx.device.type == "cuda" else None,
@@ -207,7 +211,7 @@ def load_checkpoint(folder: str, trainer: "Trainer") -> int:
             or (state.get("stage"), state.get("replica")) != (g.stage, g.replica):
         raise InputError(path, "does not match the manifest (another step, stage or replica)")
     trainer.stage.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.updater.load_state_dict(state["optimizer"])
     if trainer.kfac is not None:
         if state["kfac"] is None:
             raise InputError(path, "holds no K-FAC state")

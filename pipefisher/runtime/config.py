@@ -32,35 +32,99 @@ class ModelConfig:
     init_std: float = 0.02
 
 
+SYNTHETIC = "synthetic"
+STDLIB = "stdlib"
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    """Where batches come from: seeded synthetic tokens, or a local text file with a simple vocabulary."""
+    """Where batches come from.
+
+    ``text`` is a text corpus: ``stdlib`` (the Python standard library's own source files, present on
+    every machine with Python, so runs need no download), a file, a folder (its text files, recursively)
+    or a glob. It is split by file into training and held-out text (``val_fraction`` of the files,
+    chosen by a hash of their paths) and tokenized by a subword tokenizer trained on the training files
+    (``tokenizer``: ``bpe`` or ``wordpiece``, ``model.vocab_size`` tokens). ``synthetic`` gives seeded
+    synthetic tokens instead: for unit tests only, there is little in them to learn.
+    """
 
     seq_len: int = 16
     micro_batch_size: int = 4
     num_micro_batches: int = 4
     mask_prob: float = 0.15
     seed: int = 0
-    text_file: str | None = None
+    text: str = STDLIB
+    tokenizer: str = "bpe"
+    val_fraction: float = 0.05
+    val_batches: int = 8
+
+
+OPTIMIZERS = ("adamw", "lamb", "sgd", "adam")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """First-order optimizer that takes the (possibly preconditioned) gradients."""
+    """The first-order optimizer: every parameter K-FAC does not precondition, or all of them without K-FAC.
 
-    name: str = "sgd"  # sgd | adam
-    lr: float = 0.1
+    ``lr`` is the peak learning rate: it rises linearly over ``warmup_steps``, then follows ``schedule``
+    down to ``min_lr_ratio * lr`` at step ``decay_steps`` (0: the run's last step). ``weight_decay`` is
+    decoupled (AdamW, LAMB) and never applies to biases and LayerNorm weights. ``clip_norm`` > 0 clips
+    the global gradient norm (over every stage) before K-FAC and the optimizer see the gradients.
+    """
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, ...] = (0.9, 0.999)
+    eps: float = 1e-8
     momentum: float = 0.9
-    weight_decay: float = 0.0
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    decay_steps: int = 0
+    min_lr_ratio: float = 0.0
+    clip_norm: float = 0.0
+
+
+FISHERS = ("empirical", "true")
+INVERSES = ("cholesky", "eigen")
+ON_BAD_FACTOR = ("stop", "skip")
+SAVE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class KfacConfig:
-    """K-FAC: damping, curvature refresh interval (in steps), and which modules to skip."""
+    """K-FAC for the ``nn.Linear`` layers not matched by ``ignore``.
+
+    Curvature: factors refreshed every ``interval`` steps (in ``scheduled`` mode: once per cycle), kept
+    as running averages (``factor_decay``: the weight of the old factor; 0 keeps only the newest),
+    inverted with damping ``damping`` (decayed by ``damping_decay`` per refresh down to
+    ``damping_min``; 0: ``damping`` itself), split between the factors by the pi rule, in ``inverse_dtype`` by ``inverse``.
+    Update: the preconditioned gradient is scaled so the step's predicted KL change stays under
+    ``kl_clip`` (0: off), then ``update`` decides who takes it: ``momentum`` (heavy-ball momentum
+    ``momentum`` with its own peak learning rate ``lr``, on the same warm-up and schedule as the
+    optimizer) or ``base`` (the first-order optimizer, like every other parameter).
+    ``fisher``: ``empirical`` (the training labels' gradients) or ``true`` (labels sampled from the
+    model's own output distribution, one extra backward). ``on_bad_factor``: a factor that is not
+    finite, or not positive definite after damping, ``stop``s the run or ``skip``s that refresh.
+    ``save_dtype``: the dtype saved inputs and output gradients wait in until their covariance piece.
+    """
 
     damping: float = 1e-3
+    damping_min: float = 0.0  # 0: no decay below ``damping``
+    damping_decay: float = 1.0
     interval: int = 1
     ignore: tuple[str, ...] = DEFAULT_KFAC_IGNORE
+    factor_decay: float = 0.0
+    kl_clip: float = 0.0
+    update: str = "momentum"
+    lr: float = 0.1
+    momentum: float = 0.9
+    fisher: str = "empirical"
+    inverse: str = "cholesky"
+    inverse_dtype: str = "float32"
+    on_bad_factor: str = "stop"
+    save_dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -128,7 +192,12 @@ def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None) -> Ru
             if isinstance(default, tuple):
                 if not isinstance(value, (list, tuple)):
                     raise InputError(path, f"{name}.{key} must be a list")
-                value = tuple(str(v) for v in value)
+                if default and isinstance(default[0], float):
+                    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                        raise InputError(path, f"{name}.{key} must be a list of numbers, not {value!r}")
+                    value = tuple(float(v) for v in value)
+                else:
+                    value = tuple(str(v) for v in value)
             elif isinstance(default, bool) or default is None or isinstance(default, str):
                 pass
             elif isinstance(default, int) and not isinstance(value, bool) and isinstance(value, int):
@@ -165,10 +234,39 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("pipeline.stages must be between 1 and model.num_layers")
     if p.timeout_s <= 0:
         problems.append("pipeline.timeout_s must be positive")
-    if cfg.optim.name not in ("sgd", "adam"):
-        problems.append("optim.name must be 'sgd' or 'adam'")
-    if cfg.kfac.interval < 1 or cfg.kfac.damping <= 0:
-        problems.append("kfac.interval must be >= 1 and kfac.damping > 0")
+    if d.text.strip() == "":
+        problems.append("data.text must name a corpus ('stdlib', a file, a folder or a glob) or 'synthetic'")
+    if d.tokenizer not in ("bpe", "wordpiece"):
+        problems.append("data.tokenizer must be 'bpe' or 'wordpiece'")
+    if not 0.0 < d.val_fraction < 1.0:
+        problems.append("data.val_fraction must be in (0, 1)")
+    if d.val_batches < 0:
+        problems.append("data.val_batches must be >= 0")
+    o = cfg.optim
+    if o.name not in OPTIMIZERS:
+        problems.append(f"optim.name must be one of {', '.join(OPTIMIZERS)}")
+    if o.schedule not in LR_SCHEDULES:
+        problems.append(f"optim.schedule must be one of {', '.join(LR_SCHEDULES)}")
+    if o.lr <= 0 or o.eps <= 0 or o.weight_decay < 0 or o.clip_norm < 0:
+        problems.append("optim.lr and optim.eps must be > 0, optim.weight_decay and optim.clip_norm >= 0")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        problems.append("optim.betas must be two numbers in [0, 1)")
+    if not 0.0 <= o.momentum < 1.0 or not 0.0 <= o.min_lr_ratio <= 1.0:
+        problems.append("optim.momentum must be in [0, 1) and optim.min_lr_ratio in [0, 1]")
+    if o.warmup_steps < 0 or o.decay_steps < 0:
+        problems.append("optim.warmup_steps and optim.decay_steps must be >= 0")
+    k = cfg.kfac
+    if k.interval < 1 or not k.damping > 0 or not 0 <= k.damping_min <= k.damping:
+        problems.append("kfac.interval must be >= 1, kfac.damping > 0 and kfac.damping_min in [0, damping]")
+    if not 0.0 < k.damping_decay <= 1.0 or not 0.0 <= k.factor_decay < 1.0:
+        problems.append("kfac.damping_decay must be in (0, 1] and kfac.factor_decay in [0, 1)")
+    if k.kl_clip < 0 or k.lr <= 0 or not 0.0 <= k.momentum < 1.0:
+        problems.append("kfac.kl_clip must be >= 0, kfac.lr > 0 and kfac.momentum in [0, 1)")
+    for key, allowed in (("update", ("momentum", "base")), ("fisher", FISHERS), ("inverse", INVERSES),
+                         ("inverse_dtype", ("float32", "float64")), ("on_bad_factor", ON_BAD_FACTOR),
+                         ("save_dtype", SAVE_DTYPES)):
+        if getattr(k, key) not in allowed:
+            problems.append(f"kfac.{key} must be one of {', '.join(allowed)}")
     if problems:
         raise InputError(path, "; ".join(problems))
 

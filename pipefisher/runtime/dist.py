@@ -68,6 +68,7 @@ class DistContext:
     device: torch.device
     backend: str | None  # None: a single process without torch.distributed
     dp_group: Any = None
+    pipe_group: Any = None  # the stages of this worker's replica (global norms, KL-clip); None alone
 
     @property
     def distributed(self) -> bool:
@@ -103,13 +104,18 @@ def init_from_env(stages: int, timeout_s: float) -> DistContext:
         kwargs["device_id"] = device
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout,
                             **kwargs)
-    dp_group = None
+    dp_group = pipe_group = None
     for s in range(stages):  # every rank must create every group, in the same order
         ranks = grid.dp_ranks(s)
         group = dist.new_group(ranks, timeout=timeout) if grid.replicas > 1 else None
         if s == grid.stage:
             dp_group = group
-    return DistContext(grid, device, backend, dp_group)
+    for r in range(grid.replicas):
+        ranks = [grid.rank_of(s, r) for s in range(stages)]
+        group = dist.new_group(ranks, timeout=timeout) if stages > 1 else None
+        if r == grid.replica:
+            pipe_group = group
+    return DistContext(grid, device, backend, dp_group, pipe_group)
 
 
 def check_agreement(ctx: DistContext, fingerprint: str) -> None:

@@ -4,6 +4,7 @@ Everything a run makes goes into one folder, every name prefixed by the run's na
 runs sit side by side::
 
     <run>_config.yaml       the config used (after command-line overrides)
+    <run>_tokenizer.json    the subword tokenizer trained on the corpus (the run's vocabulary)
     <run>_timelines/        one profiled timeline per pipeline node
     <run>_schedule.pickle   the packed schedule (the trainer's input)
     <run>_report.json       usage report per node, policy, validation result, training summary
@@ -39,6 +40,10 @@ class RunPaths:
     @property
     def config(self) -> str:
         return self._p("config.yaml")
+
+    @property
+    def tokenizer(self) -> str:
+        return self._p("tokenizer.json")
 
     @property
     def timelines(self) -> str:
@@ -153,6 +158,10 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
     paths = run_paths(out, cfg, packer.name, name)
     os.makedirs(paths.timelines, exist_ok=True)
     write_atomic(paths.config, config_yaml(cfg))
+    if cfg.data.text != "synthetic":
+        from pipefisher.runtime.corpus import load_corpus, save_tokenizer
+
+        save_tokenizer(load_corpus(cfg.data, cfg.model.vocab_size), paths.tokenizer)
     echo(f"run {paths.name}: {cfg.name}, {stages} stage(s) x {replicas} replica(s), policy {packer.name}, "
          f"files in {out}")
 
@@ -213,7 +222,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
     if times:
         echo(f"done: {steps} steps, median step {summary['median_step_seconds'] * 1e3:.1f} ms, "
              f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}")
-    for p in (paths.config, paths.timelines, paths.schedule, paths.report, paths.chart, paths.metrics,
+    for p in (paths.config, *([paths.tokenizer] if os.path.exists(paths.tokenizer) else []), paths.timelines,
+              paths.schedule, paths.report, paths.chart, paths.metrics,
               paths.checkpoints):
         echo(f"wrote {p}")
     return paths

@@ -9,6 +9,7 @@ the word embeddings (they live on different stages).
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -148,16 +149,29 @@ class PipelineStage(nn.Module):
         self.vocab_size, self.hidden_size = cfg.vocab_size, cfg.hidden_size
         init_parameters(self, seed, cfg.init_std)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                sample: torch.Generator | None = None) -> Any:
+        """Hidden states (not the last stage), logits (last stage, no labels), or the mean masked-LM loss.
+
+        The head runs on the predicted positions only (the others' logits would be thrown away).
+        With ``sample`` (last stage, true-Fisher K-FAC) it returns ``(loss, sampled_loss)``: the second
+        is the same mean loss against labels drawn from the model's own predictive distribution.
+        """
         h = self.embeddings(x) if self.embeddings is not None else x
         h = self.encoder(h)
         if self.cls is None:
             return h
-        logits = self.cls.predictions(h)
         if labels is None:
-            return logits
-        return F.cross_entropy(logits.reshape(-1, self.vocab_size), labels.reshape(-1),
-                               ignore_index=IGNORE_INDEX)
+            return self.cls.predictions(h)
+        keep = labels.reshape(-1) != IGNORE_INDEX
+        logits = self.cls.predictions(h.reshape(-1, h.shape[-1])[keep])
+        loss = F.cross_entropy(logits, labels.reshape(-1)[keep])
+        if sample is None:
+            return loss
+        with torch.no_grad():
+            probs = torch.softmax(logits.float(), dim=-1)
+            drawn = torch.multinomial(probs.cpu(), 1, generator=sample).squeeze(1).to(logits.device)
+        return loss, F.cross_entropy(logits, drawn)
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[list[int]]:

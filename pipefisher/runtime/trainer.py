@@ -20,7 +20,8 @@ import click
 import torch
 import torch.distributed as dist
 
-from pipefisher.kfac import KFAC
+from pipefisher.kfac.factors import BadFactorError
+from pipefisher.runtime import memory
 from pipefisher.runtime.config import RunConfig
 from pipefisher.runtime.data import MLMData
 from pipefisher.runtime.dist import DistContext
@@ -28,6 +29,7 @@ from pipefisher.runtime.engine import PipelineEngine, pipeline_ops
 from pipefisher.runtime.executor import ScheduleExecutor, load_checked_schedule, schedule_digest
 from pipefisher.runtime.model import PipelineStage
 from pipefisher.runtime.profiler import STEP_KEY, Profiler
+from pipefisher.runtime.update import Updater, make_kfac
 from pipefisher.safe_io import dump_json_atomic
 
 MODES = ("first-order", "kfac", "scheduled")
@@ -53,7 +55,8 @@ class TrainOptions:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end, if checkpoint_dir)
     resume: str | None = None  # checkpoint folder to continue from
-    metrics: str | None = None  # CSV file: step, loss, step time, mode (written by the reporting worker)
+    metrics: str | None = None  # CSV file: step, loss, val_loss, lr, step time, mode (reporting worker)
+    eval_every: int = 0  # steps between held-out evaluations (0: none; the last step is always one)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,6 +79,10 @@ class WorkerResult:
     losses: list[float] = field(default_factory=list)  # last stage: mean over replicas, per step
     step_seconds: list[float] = field(default_factory=list)
     timeline_path: str | None = None
+    # held-out loss after a step: (steps done, loss, training seconds so far); last stage only
+    val: list[tuple[int, float, float]] = field(default_factory=list)
+    peak_memory_bytes: int = 0  # this process, over the training steps
+    peak_saved_bytes: int = 0  # K-FAC inputs/output gradients waiting for their covariance piece
 
     def median_step_seconds(self, skip: int = 1) -> float:
         times = self.step_seconds[skip:] or self.step_seconds
@@ -87,13 +94,6 @@ def _is_tty() -> bool:
         return os.isatty(1)
     except OSError:
         return False
-
-
-def make_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
-    o = cfg.optim
-    if o.name == "adam":
-        return torch.optim.Adam(params, lr=o.lr, weight_decay=o.weight_decay)
-    return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
 
 
 class Trainer:
@@ -109,11 +109,15 @@ class Trainer:
         m = cfg.data.num_micro_batches
         self.stage = PipelineStage(cfg.model, g.stage, g.stages, seed=cfg.data.seed).to(ctx.device)
         self.data = MLMData(cfg.data, cfg.model.vocab_size)
+        self.val_batches = self.data.validation_batches() if opts.eval_every else []
         self.profiler = Profiler(opts.profile, ctx.device)
-        self.engine = PipelineEngine(self.stage, ctx, self.data, m, span=self.profiler.span)
-        self.kfac = (KFAC(self.stage, damping=cfg.kfac.damping, ignore=cfg.kfac.ignore, loss_scale=m,
-                          dp_group=ctx.dp_group, dp_size=g.replicas) if self.mode != "first-order" else None)
-        self.optimizer = make_optimizer(cfg, self.stage.parameters())
+        self.kfac = (make_kfac(cfg, self.stage, dp_group=ctx.dp_group, dp_size=g.replicas,
+                               warn=lambda msg: click.echo(f"stage {g.stage} replica {g.replica}: {msg}"))
+                     if self.mode != "first-order" else None)
+        self.engine = PipelineEngine(self.stage, ctx, self.data, m, span=self.profiler.span, kfac=self.kfac)
+        self.updater = Updater(cfg, self.stage, self.kfac, cfg.optim.decay_steps or opts.steps,
+                               pipe_group=ctx.pipe_group)
+        self.peak_saved = 0
         self.ops = pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m)
         self.reporter = g.stage == g.stages - 1 and g.replica == 0
         self.executor: ScheduleExecutor | None = None
@@ -145,6 +149,7 @@ class Trainer:
 
     def train_step(self, step: int) -> float | None:
         """One step; returns the loss (mean over replicas) on the last stage, else None."""
+        self.updater.set_step(step)
         if self.executor is not None and step >= 1:
             return self._mean_loss(self.executor.run_step(step))
         refresh = self.kfac is not None and (self.executor is not None or step % self.interval == 0)
@@ -156,6 +161,7 @@ class Trainer:
             loss = self.engine.finish_step()
             if self.kfac is not None:
                 if refresh:
+                    self.peak_saved = max(self.peak_saved, self.kfac.saved_bytes())
                     self.kfac.update_curvature(span=self.profiler.span)
                 self.kfac.clear_saved()
             self.end_of_step()
@@ -164,12 +170,11 @@ class Trainer:
         return self._mean_loss(loss)
 
     def end_of_step(self) -> None:
-        """The ``-- end --`` label: gradient all-reduce, preconditioning, optimizer step."""
+        """The ``-- end --`` label: gradient all-reduce, then the update (:class:`Updater`)."""
         self.engine.allreduce_gradients()
         if self.kfac is not None:
-            self.kfac.precondition_all()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.peak_saved = max(self.peak_saved, self.kfac.saved_bytes())
+        self.updater.step(self.stage)
 
     def _lost_message(self, step: int, err: BaseException) -> str:
         g = self.ctx.grid
@@ -211,30 +216,46 @@ class Trainer:
             click.echo(f"pipefisher train: mode {self.mode}, {g.stages} stage(s) x {g.replicas} replica(s), "
                        f"{self.cfg.pipeline.schedule}, {self.cfg.data.num_micro_batches} micro-batches, "
                        f"{opts.steps} steps on {self.ctx.device}{extra}{resumed}")
-        metrics: list[tuple[int, float | None, float]] = []
+        metrics: list[tuple[int, float | None, float | None, float, float]] = []
+        train_seconds = 0.0
+        memory.reset_peak(self.ctx.device)
         bar = click.progressbar(length=todo, label="training", file=None) if show else None
         if bar is not None:
             bar.__enter__()
         try:
             for step in range(first, opts.steps):
                 t0 = time.perf_counter()
+                lr = self.updater.lr if step >= first else 0.0
                 try:
                     loss = self.train_step(step)
+                    lr = self.updater.lr
+                except BadFactorError:
+                    raise  # its own one line, naming the layer
                 except RuntimeError as err:
                     raise PeerLost(self._lost_message(step, err)) from err
                 if self.ctx.device.type == "cuda":
                     torch.cuda.synchronize()
                 result.step_seconds.append(time.perf_counter() - t0)
-                metrics.append((step, loss, result.step_seconds[-1]))
+                train_seconds += result.step_seconds[-1]
+                last = step == opts.steps - 1
+                val = None
+                if opts.eval_every and ((step + 1) % opts.eval_every == 0 or last):
+                    try:
+                        val = self.engine.evaluate(self.val_batches)
+                    except RuntimeError as err:
+                        raise PeerLost(self._lost_message(step, err)) from err
+                    if val is not None:
+                        result.val.append((step + 1, val, train_seconds))
+                metrics.append((step, loss, val, lr, result.step_seconds[-1]))
                 if loss is not None:
                     result.losses.append(loss)
                 if bar is not None:
                     bar.update(1)
                 elif relay and self.reporter and opts.progress:
                     click.echo(f"{PROGRESS_MARK} {step + 1 - first} {todo}")
-                last = step == opts.steps - 1
-                if self.reporter and loss is not None and (step % opts.log_every == 0 or last):
-                    msg = f"step {step:>5}  loss {loss:.4f}  {result.step_seconds[-1] * 1e3:.1f} ms"
+                if self.reporter and loss is not None and (step % opts.log_every == 0 or last or val is not None):
+                    held = f"  held-out {val:.4f}" if val is not None else ""
+                    msg = f"step {step:>5}  loss {loss:.4f}{held}  {result.step_seconds[-1] * 1e3:.1f} ms"
                     click.echo(("\n" if bar is not None else "") + msg)  # keep the bar's line
                 every = opts.checkpoint_every
                 if every and (step + 1) % every == 0 and not last:
@@ -244,25 +265,38 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.__exit__(None, None, None)
+        result.peak_memory_bytes = memory.peak_bytes(self.ctx.device)
+        result.peak_saved_bytes = self.peak_saved
+        if self.reporter and todo:
+            times = result.step_seconds[1:] or result.step_seconds
+            click.echo(f"median step {statistics.median(times) * 1e3:.1f} ms, peak memory "
+                       f"{memory.mib(result.peak_memory_bytes)} (this worker)"
+                       + (f", K-FAC saved tensors {memory.mib(self.peak_saved)} at most" if self.kfac else ""))
         if todo:
             self.checkpoint(opts.steps)
         if self.reporter and opts.metrics:
             self._write_metrics(opts.metrics, metrics)
         if opts.out is not None:
+            if self.reporter and self.data.corpus is not None:
+                from pipefisher.runtime.corpus import save_tokenizer
+
+                save_tokenizer(self.data.corpus, os.path.join(opts.out, f"{self.cfg.name}_tokenizer.json"))
             if opts.profile and g.replica == 0:
                 result.timeline_path = self.profiler.write(opts.out, self.cfg.name, g.stage)
             if self.reporter:
                 dump_json_atomic(os.path.join(opts.out, f"{self.cfg.name}_losses.json"),
-                                 {"mode": self.mode, "losses": result.losses,
+                                 {"mode": self.mode, "losses": result.losses, "val": result.val,
                                   "step_seconds": result.step_seconds, "options": asdict(opts),
+                                  "peak_memory_bytes": result.peak_memory_bytes,
+                                  "peak_saved_bytes": result.peak_saved_bytes,
                                   "config": self.cfg.to_dict(), "first_step": first, "cycle": self.cycle})
         return result
 
-    def _write_metrics(self, path: str, rows: list[tuple[int, float | None, float]]) -> None:
+    def _write_metrics(self, path: str, rows: list[tuple[int, float | None, float | None, float, float]]) -> None:
         """The metrics CSV: rows of earlier runs of this file (steps before a resume) are kept."""
         from pipefisher.safe_io import write_atomic
 
-        header = "step,loss,step_seconds,mode\n"
+        header = "step,loss,val_loss,lr,step_seconds,mode\n"
         kept: list[str] = []
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
@@ -270,5 +304,8 @@ class Trainer:
             first = rows[0][0] if rows else 0
             kept = [ln for ln in lines[1:] if ln and ln.split(",", 1)[0].isdigit()
                     and int(ln.split(",", 1)[0]) < first]
-        body = [f"{s},{'' if l is None else f'{l:.6f}'},{t:.6f},{self.mode}" for s, l, t in rows]
+        def num(x: float | None) -> str:
+            return "" if x is None else f"{x:.6f}"
+
+        body = [f"{s},{num(l)},{num(v)},{lr:.6g},{t:.6f},{self.mode}" for s, l, v, lr, t in rows]
         write_atomic(path, header + "".join(line + "\n" for line in kept + body))

@@ -14,6 +14,7 @@ import sys
 import traceback
 
 from pipefisher.errors import InputError
+from pipefisher.kfac.factors import BadFactorError
 
 
 def parse(argv: list[str]) -> tuple[object, object]:
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    except BadFactorError as err:  # one line naming the layer; the launcher relays it
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
     except Exception as err:  # one readable line last, after the traceback, for the launcher
         traceback.print_exc()
         print(f"worker rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)

@@ -1,0 +1,250 @@
+#!/usr/bin/env python
+"""Time to a target held-out loss: the best first-order baseline (AdamW) against K-FAC, on real text.
+
+Two pipeline stages, one CPU core each, the config's corpus (default: the Python standard library's
+own source files, tokenized by a BPE tokenizer trained on the training files), fixed seeds. The same
+two worker processes run everything, so every mode sees the same machine:
+
+1. a profile of a few ``kfac`` steps, which rank 0 packs with ``tight`` into a schedule file;
+2. a small AdamW sweep (peak learning rate x warm-up) on seed 0, each run as long as the benchmark's
+   runs; the setting with the lowest mean TRAINING loss over the last 10 % of steps wins (the held-out
+   text is never used to choose anything);
+3. for each seed: the chosen baseline, ``kfac`` (curvature every step, the preconditioned gradient fed
+   to the same AdamW) and ``scheduled`` (the packed schedule, K-FAC inside the pipeline bubbles),
+   interleaved, each evaluated on the held-out text every ``--eval-every`` steps.
+
+The target is the median over seeds of the baseline's final held-out loss. Steps to target: the first
+evaluation at or below it; time to target: the training seconds until then (evaluations excluded).
+Printed: a table per mode (medians over seeds), and the last line
+``kfac steps-to-target / baseline: X; scheduled time-to-target / baseline: Y`` (``inf`` where the median
+seed never reached it). ``--out`` gets the chart (held-out loss against steps and against seconds) and
+the raw results as JSON.
+
+    python scripts/bench_convergence.py [--config configs/small.yaml] [--steps 300] [--seeds 3]
+        [--eval-every 10] [--lrs 5e-4,1e-3,2e-3] [--warmups 0,30] [--out bench-convergence/]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODES = ("baseline", "kfac", "scheduled")
+
+
+def _worker(config_path: str, steps: int, seeds: int, eval_every: int, lrs: list[float], warmups: list[int],
+            profile_steps: int, folder: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from pipefisher.runtime.config import load_config
+    from pipefisher.runtime.dist import init_from_env, shutdown
+    from pipefisher.runtime.trainer import Trainer, TrainOptions
+
+    base = load_config(config_path).replace(pipeline={"stages": 2})
+    rank = int(os.environ["RANK"])
+    if hasattr(os, "sched_setaffinity") and os.cpu_count():
+        os.sched_setaffinity(0, {rank % os.cpu_count()})  # one core per stage
+    ctx = init_from_env(2, base.pipeline.timeout_s)
+    quiet = dict(progress=False, log_every=10**9)
+    out: dict[str, Any] = {"rank": rank, "sweep": [], "runs": [], "cycles": None}
+
+    def train(cfg: Any, mode: str, schedule: str | None = None, evals: int = eval_every) -> Any:
+        opts = TrainOptions(mode=mode, steps=steps, schedule=schedule, eval_every=evals, **quiet)
+        trainer = Trainer(cfg, ctx, opts)
+        res = trainer.run()
+        return trainer, res
+
+    def announce(msg: str) -> None:
+        if rank == 1:  # the last stage holds the losses
+            print(msg, flush=True)
+
+    try:
+        # 1. profile and pack
+        Trainer(base, ctx, TrainOptions(mode="kfac", profile=True, steps=profile_steps, out=folder, **quiet)).run()
+        dist.barrier()
+        sched = os.path.join(folder, "schedule.pickle")
+        if rank == 0:
+            from pipefisher.policies import get_policy
+            from pipefisher.runtime.profiler import timeline_filename
+            from pipefisher.schedule import save_schedule, validate
+            from pipefisher.timeline import load_job
+
+            job = load_job([os.path.join(folder, timeline_filename(base.name, i)) for i in range(2)])
+            packed = get_policy("tight").pack(job)
+            assert not validate(packed.to_file_data(), job), "tight gave an invalid schedule"
+            save_schedule(sched, packed)
+        dist.barrier()
+
+        # 2. the baseline sweep, judged on training loss only
+        tail = max(1, steps // 10)
+        for lr in lrs:
+            for warm in warmups:
+                cfg = base.replace(optim={"lr": lr, "warmup_steps": warm})
+                _, res = train(cfg, "first-order", evals=0)
+                score = statistics.mean(res.losses[-tail:]) if res.losses else math.nan
+                out["sweep"].append({"lr": lr, "warmup_steps": warm, "train_loss_tail": score})
+                announce(f"sweep: AdamW lr {lr:g}, warm-up {warm}: training loss (last {tail} steps) {score:.4f}")
+        # rank 1 (last stage) knows the losses: everyone takes its choice
+        choice: list[Any] = [None]
+        if rank == 1:
+            best = min(out["sweep"], key=lambda r: r["train_loss_tail"])
+            choice = [(best["lr"], best["warmup_steps"])]
+        dist.broadcast_object_list(choice, src=1)
+        lr, warm = choice[0]
+        out["baseline"] = {"lr": lr, "warmup_steps": warm}
+        announce(f"baseline: AdamW lr {lr:g}, warm-up {warm} steps (same settings for the K-FAC runs)")
+
+        # 3. three modes per seed, interleaved
+        for seed in range(seeds):
+            for mode in MODES:
+                cfg = base.replace(optim={"lr": lr, "warmup_steps": warm}, data={"seed": seed})
+                trainer, res = train(cfg, {"baseline": "first-order", "kfac": "kfac"}.get(mode, "scheduled"),
+                                     schedule=sched if mode == "scheduled" else None)
+                if trainer.cycles:
+                    out["cycles"] = trainer.cycles
+                out["runs"].append({"mode": mode, "seed": seed, "val": res.val, "losses": res.losses,
+                                    "step_seconds": res.step_seconds, "peak_memory": res.peak_memory_bytes,
+                                    "peak_saved": res.peak_saved_bytes})
+                if res.val:
+                    announce(f"seed {seed} {mode:9}: held-out {res.val[-1][1]:.4f} after {steps} steps, "
+                             f"{res.val[-1][2]:.0f} s of training")
+    finally:
+        shutdown(ctx)
+    return out
+
+
+def steps_and_time_to(val: list[tuple[int, float, float]], target: float) -> tuple[float, float]:
+    """The first evaluation at or below ``target``: (steps, training seconds); inf if none."""
+    for step, loss, seconds in val:
+        if loss <= target:
+            return float(step), float(seconds)
+    return math.inf, math.inf
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else math.nan
+
+
+def _ratio(a: float, b: float) -> str:
+    if math.isinf(a) or math.isnan(a) or b in (0, math.inf) or math.isnan(b):
+        return "inf"
+    return f"{a / b:.3f}"
+
+
+def chart(runs: list[dict[str, Any]], target: float, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"baseline": "#4c72b0", "kfac": "#dd8452", "scheduled": "#55a868"}
+    labels = {"baseline": "AdamW (best of sweep)", "kfac": "K-FAC every step", "scheduled": "K-FAC in the bubbles"}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, x_index, xlabel in ((axes[0], 0, "training step"), (axes[1], 2, "training seconds (2 CPU cores)")):
+        seen = set()
+        for run in runs:
+            xs = [v[x_index] for v in run["val"]]
+            ys = [v[1] for v in run["val"]]
+            mode = run["mode"]
+            ax.plot(xs, ys, color=colours[mode], lw=1.4, alpha=0.85,
+                    label=None if mode in seen else labels[mode])
+            seen.add(mode)
+        ax.axhline(target, color="#333333", ls="--", lw=1, label=f"target {target:.3f}")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out masked-LM loss")
+    axes[0].legend(loc="upper right")
+    lo = min(v[1] for r in runs for v in r["val"])
+    axes[0].set_ylim(lo - 0.1, min(max(v[1] for r in runs for v in r["val"]), target + 1.0))
+    fig.suptitle(title)
+    fig.tight_layout()
+    from pipefisher.safe_io import atomic_path
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=os.path.join(root, "configs", "small.yaml"))
+    ap.add_argument("--steps", type=int, default=300, help="steps of every run (the baseline's run length)")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations")
+    ap.add_argument("--lrs", default="5e-4,1e-3,2e-3", help="AdamW peak learning rates of the sweep")
+    ap.add_argument("--warmups", default="0,30", help="AdamW warm-up steps of the sweep")
+    ap.add_argument("--profile-steps", type=int, default=4)
+    ap.add_argument("--out", default="bench-convergence", help="folder for the chart and the raw results")
+    a = ap.parse_args()
+    lrs = [float(x) for x in a.lrs.split(",")]
+    warmups = [int(x) for x in a.warmups.split(",")]
+
+    from pipefisher.runtime.config import load_config
+    from pipefisher.runtime.corpus import load_corpus
+    from pipefisher.runtime.launch import spawn_local
+
+    cfg = load_config(a.config)
+    os.makedirs(a.out, exist_ok=True)
+    corpus = load_corpus(cfg.data, cfg.model.vocab_size)  # build the cache once, before the workers
+    print(f"corpus '{cfg.data.text}': {corpus.files} files, {len(corpus.train)} training and {len(corpus.val)} "
+          f"held-out tokens, {cfg.data.tokenizer} vocabulary {cfg.model.vocab_size}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="pipefisher-conv-") as folder:
+        results = spawn_local(_worker, 2, a.config, a.steps, a.seeds, a.eval_every, lrs, warmups,
+                              a.profile_steps, folder, timeout_s=3 * 3600)
+    last = next(r for r in results if r["rank"] == 1)
+    first = next(r for r in results if r["rank"] == 0)
+    runs = last["runs"]
+    for run, other in zip(runs, first["runs"]):  # memory: the larger of the two workers
+        run["peak_memory"] = max(run["peak_memory"], other["peak_memory"])
+        run["peak_saved"] = max(run["peak_saved"], other["peak_saved"])
+        # a step ends when both stages are done: the slower stage's time
+        run["step_seconds"] = [max(x, y) for x, y in zip(run["step_seconds"], other["step_seconds"])]
+    target = _median([r["val"][-1][1] for r in runs if r["mode"] == "baseline"])
+    table: dict[str, dict[str, float]] = {}
+    for mode in MODES:
+        mine = [r for r in runs if r["mode"] == mode]
+        reach = [steps_and_time_to(r["val"], target) for r in mine]
+        table[mode] = {
+            "steps": _median([s for s, _ in reach]), "seconds": _median([t for _, t in reach]),
+            "final": _median([r["val"][-1][1] for r in mine]),
+            "step_ms": _median([statistics.median(r["step_seconds"][1:]) * 1e3 for r in mine]),
+            "memory": _median([r["peak_memory"] / 2**20 for r in mine]),
+            "saved": _median([r["peak_saved"] / 2**20 for r in mine]),
+            "reached": sum(1 for s, _ in reach if not math.isinf(s)),
+        }
+    b = last["baseline"]
+    print()
+    print(f"config {os.path.basename(a.config)}, 2 stages x 1 core, {a.steps} steps, {a.seeds} seeds, "
+          f"held-out evaluation every {a.eval_every} steps; baseline AdamW lr {b['lr']:g}, warm-up "
+          f"{b['warmup_steps']} (chosen on training loss); scheduled K-FAC cycle k = "
+          f"{max(first['cycles'] or [0])} (per node {first['cycles']})")
+    print(f"target held-out loss: {target:.4f} (median of the baseline's final held-out loss)")
+    print("| mode | steps to target | time to target (s) | final held-out loss | step (ms) | peak memory (MiB) "
+          "| K-FAC saved (MiB) | seeds reaching |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for mode in MODES:
+        t = table[mode]
+        print(f"| {mode} | {t['steps']:g} | {t['seconds']:.1f} | {t['final']:.4f} | {t['step_ms']:.1f} | "
+              f"{t['memory']:.0f} | {t['saved']:.1f} | {t['reached']}/{a.seeds} |")
+    png = os.path.join(a.out, "convergence.png")
+    chart(runs, target, png, f"{cfg.name}: held-out loss, {a.seeds} seeds, 2 pipeline stages on CPU")
+    from pipefisher.safe_io import dump_json_atomic
+
+    dump_json_atomic(os.path.join(a.out, "convergence.json"),
+                     {"target": target, "table": table, "baseline": b, "sweep": last["sweep"], "runs": runs,
+                      "cycles": first["cycles"], "args": vars(a)})
+    print(f"wrote {png} and {os.path.join(a.out, 'convergence.json')}")
+    print(f"kfac steps-to-target / baseline: {_ratio(table['kfac']['steps'], table['baseline']['steps'])}; "
+          f"scheduled time-to-target / baseline: {_ratio(table['scheduled']['seconds'], table['baseline']['seconds'])}")
+
+
+if __name__ == "__main__":
+    main()
