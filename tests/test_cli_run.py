@@ -21,7 +21,8 @@ from _schedules import TINY, tiny
 def test_run_end_to_end_with_two_processes(tmp_path):
     out = tmp_path / "runs"
     res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--steps", "6", "--profile-steps", "2",
-                                    "--nproc-per-node", "2", "--name", "first", "--no-progress", "--log-every", "2"])
+                                    "--nproc-per-node", "2", "--name", "first", "--no-progress", "--log-every", "2",
+                                    "--eval-every", "3"])
     assert res.exit_code == 0, res.output
     text = res.output
     assert "[1/3] profiling 2 kfac step(s)" in text and "[3/3] training 6 step(s)" in text
@@ -35,6 +36,7 @@ def test_run_end_to_end_with_two_processes(tmp_path):
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == list(range(6)) and {r["mode"] for r in rows} == {"scheduled"}
     assert all(float(r["loss"]) > 0 and float(r["step_seconds"]) > 0 for r in rows)
+    assert [bool(r["val_loss"]) for r in rows] == [False, False, True, False, False, True]  # held-out loss
     report = json.loads((out / "first_report.json").read_text())
     assert report["valid"] and report["policy"] == "tight" and len(report["nodes"]) == 2
     assert report["training"]["cycle"] == max(n["iterations"] for n in report["nodes"])

@@ -34,12 +34,15 @@ from pipefisher.errors import InputError
               help="override pipeline.schedule")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="override pipeline.timeout_s")
-@click.option("--log-every", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="steps between held-out evaluations while training (0: none)")
+@click.option("--log-every", type=click.IntRange(min=1), default=5, show_default=True,
+              help="steps between loss lines")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, policy: str | None,
                 kfac_margin: float, name: str | None, allow_invalid: bool, checkpoint_every: int, nproc: int | None,
-                stages: int | None, pipe_schedule: str | None, timeout_s: float | None, log_every: int,
-                no_progress: bool) -> None:
+                stages: int | None, pipe_schedule: str | None, timeout_s: float | None, eval_every: int,
+                log_every: int, no_progress: bool) -> None:
     """Profile a few K-FAC steps, pack them into the pipeline bubbles, print the usage report, and
     train with the schedule; timelines, schedule, report, chart, metrics and config go to --out."""
     from pipefisher.runtime.config import load_config
@@ -58,6 +61,6 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
     try:
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every, log_every=log_every,
-                progress=not no_progress, kfac_margin=kfac_margin, echo=click.echo)
+                progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every, echo=click.echo)
     except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None

@@ -128,7 +128,7 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, policy: str | None = None,
             nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
             checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
-            echo: Callable[[str], None] = print) -> RunPaths:
+            eval_every: int = 0, echo: Callable[[str], None] = print) -> RunPaths:
     """Profile ``profile_steps`` kfac steps, pack them with ``policy`` (K-FAC times x ``kfac_margin``),
     print the usage report, refuse an invalid schedule (unless ``allow_invalid``), then train ``steps``
     steps with it; returns the paths."""
@@ -206,7 +206,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
     t0 = time.perf_counter()
     launch(TrainOptions(mode="scheduled", steps=steps, schedule=os.path.abspath(paths.schedule),
                         metrics=os.path.abspath(paths.metrics), checkpoint_dir=os.path.abspath(paths.checkpoints),
-                        checkpoint_every=checkpoint_every, log_every=log_every, progress=progress))
+                        checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
+                        eval_every=eval_every))
     train_s = time.perf_counter() - t0
     rows = read_metrics(paths.metrics) if os.path.exists(paths.metrics) else []
     times = [float(r["step_seconds"]) for r in rows[1:]] or [float(r["step_seconds"]) for r in rows]
