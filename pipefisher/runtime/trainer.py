@@ -7,6 +7,9 @@ schedule file's cycle label by label, K-FAC work inside the pipeline's bubbles; 
 :mod:`pipefisher.runtime.executor`). Profiling runs ``kfac`` with a refresh every step and writes one
 timeline per pipeline node (replica 0 of each stage). Checkpoints (:mod:`pipefisher.runtime.checkpoint`)
 are written every ``checkpoint_every`` steps and at the end; ``resume`` continues from one.
+Every step ends with the update rule of :mod:`pipefisher.runtime.update` (learning-rate schedule,
+clipping, preconditioning, KL-clip, optimizers); every ``eval_every`` steps the pipeline evaluates the
+held-out batches (timed apart from training), and the run reports its peak memory.
 """
 from __future__ import annotations
 
@@ -225,10 +228,8 @@ class Trainer:
         try:
             for step in range(first, opts.steps):
                 t0 = time.perf_counter()
-                lr = self.updater.lr if step >= first else 0.0
                 try:
                     loss = self.train_step(step)
-                    lr = self.updater.lr
                 except BadFactorError:
                     raise  # its own one line, naming the layer
                 except RuntimeError as err:
@@ -246,7 +247,7 @@ class Trainer:
                         raise PeerLost(self._lost_message(step, err)) from err
                     if val is not None:
                         result.val.append((step + 1, val, train_seconds))
-                metrics.append((step, loss, val, lr, result.step_seconds[-1]))
+                metrics.append((step, loss, val, self.updater.lr, result.step_seconds[-1]))
                 if loss is not None:
                     result.losses.append(loss)
                 if bar is not None:
