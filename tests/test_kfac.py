@@ -479,6 +479,28 @@ def test_true_fisher_records_nothing_while_saving_is_off():
 
 # 8. compact saving -------------------------------------------------------------------------------
 
+def test_saved_bytes_are_counted_as_tensors_come_and_go_with_their_high_water_mark():
+    """The running count equals a scan of the queues at every point; the peak keeps the most it held,
+    also after covariance pieces have freed some (as in a scheduled cycle, mid-iteration)."""
+    model = PipelineStage(CFG, 0, 1)
+    kfac = KFAC(model, damping=DAMPING, loss_scale=3)
+    _run_saved(model, kfac)
+    full = kfac.saved_bytes()
+    assert full > 0 and kfac.saved_now == full and kfac.peak_saved_bytes == full
+    n = kfac.names[0]  # the query: its input is shared with key and value, so it frees nothing alone
+    kfac.cov_all("A", n)
+    assert kfac.saved_now == kfac.saved_bytes() == full
+    kfac.cov_all("B", n)
+    assert kfac.saved_now == kfac.saved_bytes() < full
+    for m in kfac.names[1:3]:
+        kfac.cov_all("A", m)
+    assert kfac.saved_now == kfac.saved_bytes() and kfac.peak_saved_bytes == full
+    kfac.reset_peak_saved()
+    assert kfac.peak_saved_bytes == kfac.saved_now
+    kfac.clear_saved()
+    assert kfac.saved_now == kfac.saved_bytes() == 0
+
+
 def test_bfloat16_saving_halves_memory_keeps_factors_and_shares_qkv_inputs():
     runs = {}
     for dtype in ("float32", "bfloat16"):

@@ -45,10 +45,10 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
                 log_every: int, no_progress: bool) -> None:
     """Profile a few K-FAC steps, pack them into the pipeline bubbles, print the usage report, and
     train with the schedule; timelines, schedule, report, chart, metrics and config go to --out."""
+    from pipefisher.kfac.factors import BadFactorError
     from pipefisher.runtime.config import load_config
     from pipefisher.runtime.driver import run_job
     from pipefisher.runtime.launch import WorkerFailed
-    from pipefisher.kfac.factors import BadFactorError
     from pipefisher.runtime.trainer import PeerLost
 
     cfg = load_config(config_path)

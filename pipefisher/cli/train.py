@@ -22,9 +22,8 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
     Returns the schedule's digest (None without a schedule). The workers check again on their own.
     """
     from pipefisher.runtime.checkpoint import check_resumable
-    from pipefisher.runtime.executor import load_checked_schedule, schedule_digest
-
     from pipefisher.runtime.corpus import load_corpus
+    from pipefisher.runtime.executor import load_checked_schedule, schedule_digest
 
     stages = cfg.pipeline.stages  # type: ignore[attr-defined]
     replicas = max(1, nproc // stages)
@@ -86,9 +85,9 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     Locally, --nproc-per-node N starts N workers on this machine (gloo on CPU, NCCL on GPUs). Under
     torchrun (RANK and WORLD_SIZE set), this process is one worker.
     """
+    from pipefisher.kfac.factors import BadFactorError
     from pipefisher.runtime.config import load_config
     from pipefisher.runtime.launch import WorkerFailed, launch_local, run_worker
-    from pipefisher.kfac.factors import BadFactorError
     from pipefisher.runtime.trainer import PeerLost, TrainOptions
 
     schedule_path = schedule_arg

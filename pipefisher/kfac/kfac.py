@@ -58,7 +58,6 @@ class LayerState:
     sums: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
     counts: dict[str, int] = field(default_factory=lambda: {"A": 0, "B": 0})
     inverses: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
-    last_scale: dict[str, float | None] = field(default_factory=lambda: {"A": None, "B": None})
     last_pi: float | None = None
     running: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
     inversions: dict[str, int] = field(default_factory=lambda: {"A": 0, "B": 0})
@@ -112,7 +111,11 @@ class KFAC:
         self.dp_group, self.dp_size = dp_group, int(dp_size)
         self.layers = {n: LayerState(m) for n, m in kfac_modules(model, ignore).items()}
         self.saving = False
-        self.grad_dot_step = 0.0  # sum of <g, F^-1 g> of the last precondition_all (KL-clip)
+        self._grad_dot_step: torch.Tensor | float = 0.0  # sum of <g, F^-1 g> (KL-clip), kept on the device
+        # bytes of saved tensors still waiting for their covariance piece, counted as they are saved and
+        # freed (a tensor shared by several layers once), and the most they reached since reset_peak_saved
+        self._held: dict[int, list[int]] = {}  # id(saved tensor) -> [bytes, layers holding it]
+        self.saved_now = self.peak_saved_bytes = 0
         self._input_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._forward_outputs: list[tuple[LayerState, torch.Tensor]] = []
         self._awaiting: collections.deque = collections.deque()  # per forwarded micro-batch, true Fisher
@@ -135,10 +138,37 @@ class KFAC:
     def _saved_input(self, x: torch.Tensor) -> torch.Tensor:
         """Layers fed the same tensor (query, key, value) share one saved copy of it."""
         if self._input_cache is not None and self._input_cache[0] is x:
-            return self._input_cache[1]
+            return self._hold(self._input_cache[1])
         saved = self._compact(x)
         self._input_cache = (x, saved)
-        return saved
+        return self._hold(saved)
+
+    def _hold(self, t: torch.Tensor) -> torch.Tensor:
+        entry = self._held.get(id(t))
+        if entry is None:
+            self._held[id(t)] = [t.numel() * t.element_size(), 1]
+            self.saved_now += t.numel() * t.element_size()
+            self.peak_saved_bytes = max(self.peak_saved_bytes, self.saved_now)
+        else:
+            entry[1] += 1
+        return t
+
+    def _release(self, t: torch.Tensor) -> None:
+        entry = self._held[id(t)]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.saved_now -= entry[0]
+            del self._held[id(t)]
+
+    def recount_saved(self) -> None:
+        """Rebuild the saved-bytes count from the queues (after a checkpoint restored them)."""
+        self._held, self.saved_now = {}, 0
+        for st in self.layers.values():
+            for t in (*st.inputs, *st.outgrads):
+                self._hold(t)
+
+    def reset_peak_saved(self) -> None:
+        self.peak_saved_bytes = self.saved_now
 
     def _hook(self, st: LayerState) -> Any:
         def on_forward(module: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
@@ -150,7 +180,7 @@ class KFAC:
             if self.fisher == "true":
                 self._forward_outputs.append((st, out))
             else:
-                out.register_hook(lambda g: st.outgrads.append(self._compact(g)))
+                out.register_hook(lambda g: st.outgrads.append(self._hold(self._compact(g))))
 
         return st.module.register_forward_hook(on_forward)
 
@@ -178,7 +208,7 @@ class KFAC:
                       grads: Iterable[torch.Tensor | None]) -> None:
         """Save the sampled-label gradients of those outputs for factor B (None: the output was unused)."""
         for (st, out), g in zip(outputs, grads):
-            st.outgrads.append(self._compact(torch.zeros_like(out) if g is None else g))
+            st.outgrads.append(self._hold(self._compact(torch.zeros_like(out) if g is None else g)))
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -197,9 +227,11 @@ class KFAC:
         self._input_cache = None
         self._forward_outputs = []
         self._awaiting.clear()
+        self._held, self.saved_now = {}, 0
 
     def saved_bytes(self) -> int:
-        """Memory held by saved inputs and output gradients still waiting for their covariance piece."""
+        """Memory held by saved inputs and output gradients still waiting for their covariance piece,
+        counted from the queues (:attr:`saved_now` is the same figure, kept as tensors come and go)."""
         seen: set[int] = set()
         total = 0
         for st in self.layers.values():
@@ -218,6 +250,7 @@ class KFAC:
         if not queue:
             return False
         x = queue.popleft()
+        self._release(x)
         contrib = fx.cov_a(x, st.bias) if factor == "A" else fx.cov_b(x, self.loss_scale)
         st.sums[factor] = contrib if st.sums[factor] is None else st.sums[factor] + contrib
         st.counts[factor] += 1
@@ -254,13 +287,12 @@ class KFAC:
         """The pi damping split of layer ``name`` from the scales of BOTH factors.
 
         A factor that still holds covariance gives the scale it will be inverted with; one already
-        inverted (and so cleared) this cycle gives the scale it was inverted with.
+        inverted (and so cleared) this cycle gives the scale it was inverted with (its running average).
         """
-        st = self.layers[name]
         scales = []
         for f in FACTORS:
-            cur = self.averaged(name, f) if st.factor(f) is not None else None
-            scales.append(fx.mean_trace(cur) if cur is not None else st.last_scale[f])
+            cur = self.averaged(name, f)
+            scales.append(None if cur is None else fx.mean_trace(cur))
         return fx.pi_split(*scales)
 
     def damping_of(self, name: str) -> float:
@@ -294,7 +326,6 @@ class KFAC:
         st.last_pi = pi
         st.inverses[factor] = inverse
         st.running[factor] = f
-        st.last_scale[factor] = fx.mean_trace(f)
         st.inversions[factor] += 1
 
     def precondition(self, name: str) -> bool:
@@ -310,7 +341,7 @@ class KFAC:
             bg = b.grad if b.grad is not None else torch.zeros_like(b)
             g = torch.cat([g, bg[:, None]], dim=1)
         p = fx.precondition(g, a_inv, b_inv)
-        self.grad_dot_step += float((p * g).sum())
+        self._grad_dot_step = self._grad_dot_step + (p * g).sum()  # no host sync per layer
         if st.bias:
             w.grad.copy_(p[:, :-1].reshape(w.shape))
             if st.module.bias.grad is None:
@@ -323,8 +354,13 @@ class KFAC:
 
     def precondition_all(self) -> int:
         """Precondition every layer that has inverses; sets :attr:`grad_dot_step` for the KL-clip."""
-        self.grad_dot_step = 0.0
+        self._grad_dot_step = 0.0
         return sum(self.precondition(n) for n in self.layers)
+
+    @property
+    def grad_dot_step(self) -> float:
+        """``sum <g, F^-1 g>`` over the layers of the last :meth:`precondition_all` (read by the KL-clip)."""
+        return float(self._grad_dot_step)
 
     def scale_step(self, nu: float) -> None:
         """Multiply the preconditioned gradients by ``nu`` (the KL-clip factor)."""

@@ -71,7 +71,7 @@ def kfac_state(kfac: Any) -> dict[str, Any]:
     for name, st in kfac.layers.items():
         layers[name] = {
             "sums": dict(st.sums), "counts": dict(st.counts), "inverses": dict(st.inverses),
-            "last_scale": dict(st.last_scale), "last_pi": st.last_pi,
+            "last_pi": st.last_pi,
             "running": dict(st.running), "inversions": dict(st.inversions), "skipped": st.skipped,
             "inputs": list(st.inputs), "outgrads": list(st.outgrads),
         }
@@ -88,7 +88,6 @@ def load_kfac_state(kfac: Any, state: dict[str, Any], path: str) -> None:
         st.sums = {f: s["sums"][f] for f in "AB"}
         st.counts = {f: int(s["counts"][f]) for f in "AB"}
         st.inverses = {f: s["inverses"][f] for f in "AB"}
-        st.last_scale = {f: s["last_scale"][f] for f in "AB"}
         st.last_pi = s["last_pi"]
         st.running = {f: s["running"][f] for f in "AB"}
         st.inversions = {f: int(s["inversions"][f]) for f in "AB"}
@@ -97,6 +96,7 @@ def load_kfac_state(kfac: Any, state: dict[str, Any], path: str) -> None:
         st.inputs.extend(s["inputs"])
         st.outgrads.clear()
         st.outgrads.extend(s["outgrads"])
+    kfac.recount_saved()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -27,6 +27,12 @@ VALIDATION_SEED = 0x5EED_0F_7E57
 """Seeds the validation batches' generator: fixed, so they do not depend on ``data.seed``."""
 
 
+def batch_seed(seed: int, step: int, replica: int, index: int) -> int:
+    """The seed of micro-batch ``index`` of ``step`` on ``replica``: everything random about a
+    micro-batch (its text, its masking, the true Fisher's sampled labels) derives from it."""
+    return (seed * 1_000_003 + step) * 65_537 + replica * 1_021 + index + 1
+
+
 @dataclass(frozen=True)
 class MicroBatch:
     input_ids: torch.Tensor  # (batch, seq) int64, predicted positions masked as in BERT
@@ -56,8 +62,7 @@ class MLMData:
 
     def micro_batch(self, step: int, replica: int, index: int) -> MicroBatch:
         c = self.cfg
-        g = torch.Generator().manual_seed(
-            (c.seed * 1_000_003 + step) * 65_537 + replica * 1_021 + index + 1)
+        g = torch.Generator().manual_seed(batch_seed(c.seed, step, replica, index))
         shape = (c.micro_batch_size, c.seq_len)
         if self.corpus is None:
             tokens = self._synthetic(g, shape)

@@ -13,7 +13,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
-from pipefisher.runtime.data import MLMData
+from pipefisher.runtime.data import MLMData, batch_seed
 from pipefisher.runtime.dist import DistContext
 from pipefisher.runtime.model import PipelineStage
 
@@ -114,8 +114,8 @@ class PipelineEngine:
 
     def _sampling_generator(self, index: int) -> torch.Generator:
         """Labels for the true Fisher, a pure function of (seed, step, replica, micro-batch)."""
-        seed = (self.data.cfg.seed * 1_000_003 + self.step) * 65_537 + self.ctx.grid.replica * 1_021 + index
-        return torch.Generator().manual_seed(seed * 31 + 7)
+        seed = batch_seed(self.data.cfg.seed, self.step, self.ctx.grid.replica, index)
+        return torch.Generator().manual_seed(seed * 31 + 7)  # a stream apart from the batch's own
 
     def backward(self) -> None:
         """The next backward micro-batch (oldest first): receive the output gradient, backprop, send."""

@@ -120,7 +120,6 @@ class Trainer:
         self.engine = PipelineEngine(self.stage, ctx, self.data, m, span=self.profiler.span, kfac=self.kfac)
         self.updater = Updater(cfg, self.stage, self.kfac, cfg.optim.decay_steps or opts.steps,
                                pipe_group=ctx.pipe_group)
-        self.peak_saved = 0
         self.ops = pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m)
         self.reporter = g.stage == g.stages - 1 and g.replica == 0
         self.executor: ScheduleExecutor | None = None
@@ -164,7 +163,6 @@ class Trainer:
             loss = self.engine.finish_step()
             if self.kfac is not None:
                 if refresh:
-                    self.peak_saved = max(self.peak_saved, self.kfac.saved_bytes())
                     self.kfac.update_curvature(span=self.profiler.span)
                 self.kfac.clear_saved()
             self.end_of_step()
@@ -175,8 +173,6 @@ class Trainer:
     def end_of_step(self) -> None:
         """The ``-- end --`` label: gradient all-reduce, then the update (:class:`Updater`)."""
         self.engine.allreduce_gradients()
-        if self.kfac is not None:
-            self.peak_saved = max(self.peak_saved, self.kfac.saved_bytes())
         self.updater.step(self.stage)
 
     def _lost_message(self, step: int, err: BaseException) -> str:
@@ -222,6 +218,12 @@ class Trainer:
         metrics: list[tuple[int, float | None, float | None, float, float]] = []
         train_seconds = 0.0
         memory.reset_peak(self.ctx.device)
+        if self.kfac is not None:
+            self.kfac.reset_peak_saved()
+        if opts.out is not None and self.reporter and self.data.corpus is not None:
+            from pipefisher.runtime.corpus import save_tokenizer  # the run's vocabulary, from the start
+
+            save_tokenizer(self.data.corpus, os.path.join(opts.out, f"{self.cfg.name}_tokenizer.json"))
         bar = click.progressbar(length=todo, label="training", file=None) if show else None
         if bar is not None:
             bar.__enter__()
@@ -267,21 +269,18 @@ class Trainer:
             if bar is not None:
                 bar.__exit__(None, None, None)
         result.peak_memory_bytes = memory.peak_bytes(self.ctx.device)
-        result.peak_saved_bytes = self.peak_saved
+        result.peak_saved_bytes = self.kfac.peak_saved_bytes if self.kfac is not None else 0
         if self.reporter and todo:
             times = result.step_seconds[1:] or result.step_seconds
             click.echo(f"median step {statistics.median(times) * 1e3:.1f} ms, peak memory "
                        f"{memory.mib(result.peak_memory_bytes)} (this worker)"
-                       + (f", K-FAC saved tensors {memory.mib(self.peak_saved)} at most" if self.kfac else ""))
+                       + (f", K-FAC saved tensors {memory.mib(result.peak_saved_bytes)} at most"
+                          if self.kfac is not None else ""))
         if todo:
             self.checkpoint(opts.steps)
         if self.reporter and opts.metrics:
             self._write_metrics(opts.metrics, metrics)
         if opts.out is not None:
-            if self.reporter and self.data.corpus is not None:
-                from pipefisher.runtime.corpus import save_tokenizer
-
-                save_tokenizer(self.data.corpus, os.path.join(opts.out, f"{self.cfg.name}_tokenizer.json"))
             if opts.profile and g.replica == 0:
                 result.timeline_path = self.profiler.write(opts.out, self.cfg.name, g.stage)
             if self.reporter:

@@ -15,8 +15,8 @@ Order, every step (after the data-parallel gradient all-reduce):
    momentum step with their own learning rate ``kfac.lr``, every other parameter the first-order
    optimizer.
 
-Why ``base`` is the default: measured on the bundled real-text benchmark, the preconditioned gradient
-fed to AdamW left the unigram plateau within a few dozen steps, while the momentum update (with
+Why ``base`` is the default: measured on the bundled real-text benchmark's model, the preconditioned
+gradient fed to AdamW left the unigram plateau (held-out loss about 6.3) by step 100, while the momentum update (with
 KL-clip 1e-3 and 1e-2, learning rates 0.1 and 0.3) stayed on it as long as AdamW alone; the published
 PipeFisher and KAISA BERT runs also feed K-FAC's gradient to the base optimizer (LAMB).
 """
@@ -51,8 +51,6 @@ class Updater:
         self.kfac_optimizer = (torch.optim.SGD(kfac.parameters(), lr=cfg.kfac.lr, momentum=cfg.kfac.momentum)
                                if own else None)
         self.device = next(stage.parameters()).device
-        self.last_nu = 1.0
-        self.last_grad_norm: float | None = None
 
     @property
     def lr(self) -> float:
@@ -76,14 +74,12 @@ class Updater:
         """Steps 2-5 above on ``stage``'s gradients, then clear them."""
         o, k = self.cfg.optim, self.cfg.kfac
         if o.clip_norm > 0:
-            self.last_grad_norm = clip_grad_norm([p for p in stage.parameters() if p.grad is not None],
-                                                 o.clip_norm, group=self.pipe_group)
+            clip_grad_norm(stage.parameters(), o.clip_norm, group=self.pipe_group)
         if self.kfac is not None:
             self.kfac.precondition_all()
             if k.kl_clip > 0:
                 lr = (self.kfac_optimizer.param_groups[0]["lr"] if self.kfac_optimizer is not None else self.lr)
-                self.last_nu = kl_clip_scale(self._pipe_sum(self.kfac.grad_dot_step), lr, k.kl_clip)
-                self.kfac.scale_step(self.last_nu)
+                self.kfac.scale_step(kl_clip_scale(self._pipe_sum(self.kfac.grad_dot_step), lr, k.kl_clip))
         self.optimizer.step()
         if self.kfac_optimizer is not None:
             self.kfac_optimizer.step()
