@@ -62,8 +62,9 @@ def test_unknown_module_is_refused():
 @pytest.mark.parametrize("label,message", [
     ("frobnicate", "'frobnicate': unknown label"),
     ("cov_kron_C:encoder.layer.0.output.dense", "unknown label"),
-    ("call_forward:up_pipe", "second (up) pipeline; this runtime runs one pipe (no Chimera)"),
-    ("cov_kron_A:encoder.layer.0.output.dense:up_pipe", "no Chimera"),
+    ("call_forward:up_pipe", "second (up) pipeline, but this run's pipeline has one pipe"),
+    ("cov_kron_A:encoder.layer.0.output.dense:up_pipe", "pipeline.schedule: chimera has two"),
+    ("-- end --:up_pipe", "second (up) pipeline"),
     ("cov_kron_A", "no module name"),
 ])
 def test_unknown_labels_are_refused(label, message):
@@ -78,7 +79,8 @@ def test_pipeline_order_and_count_must_match_the_engine():
     assert "another order than this run's pipeline" in _refused(gpipe, cfg)
     assert "'-- end --'" not in _refused(gpipe, cfg)
     fewer = single_iteration_schedule(cfg.replace(data={"num_micro_batches": 3}))
-    assert "has 3 forwards and 3 backwards, but this run's pipeline step has 4 of each" in _refused(fewer, cfg)
+    assert ("has 3 call_backward, 3 call_forward, but this run's pipeline step has 4 call_backward, "
+            "4 call_forward") in _refused(fewer, cfg)
 
 
 def test_k_fac_work_that_cannot_run_is_refused():
@@ -99,7 +101,7 @@ def test_k_fac_work_that_cannot_run_is_refused():
     assert "without a sync_kron all-reduce first, but this run has 2" in _refused(single_iteration_schedule(cfg), cfg, 2)
     data = single_iteration_schedule(cfg)
     data[0][0].append(FORWARD)
-    assert "forwards" in _refused(data)
+    assert "5 call_forward" in _refused(data)
 
 
 def test_cli_refuses_a_wrong_schedule_before_training(tmp_path):

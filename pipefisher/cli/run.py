@@ -8,6 +8,7 @@ import click
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
+from pipefisher.runtime.config import PIPELINE_ORDERS
 
 
 @main.command("run")
@@ -30,8 +31,8 @@ from pipefisher.errors import InputError
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages")
-@click.option("--pipeline", "pipe_schedule", type=click.Choice(["gpipe", "1f1b"]), default=None,
-              help="override pipeline.schedule")
+@click.option("--pipeline", "pipe_schedule", type=click.Choice(PIPELINE_ORDERS), default=None,
+              help="override pipeline.schedule (gpipe, 1f1b, or chimera: two pipes in opposite directions)")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="override pipeline.timeout_s")
 @click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,

@@ -10,9 +10,9 @@ import click
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
+from pipefisher.runtime.config import PIPELINE_ORDERS
 
 
-PIPELINE_ORDERS = ("gpipe", "1f1b")
 
 
 def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: str | None,
@@ -48,7 +48,8 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 @click.option("--schedule", "schedule_arg", default=None, metavar="FILE",
               help="schedule file (pipefisher schedule --save-path): train in scheduled mode")
 @click.option("--pipeline", "pipe_schedule", type=click.Choice(PIPELINE_ORDERS), default=None,
-              help="override pipeline.schedule (forward/backward order)")
+              help="override pipeline.schedule: the forward/backward order (chimera: two pipes in "
+                   "opposite directions, every device holding two stage copies)")
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
               help="total training steps (with --resume: including those already done)")
 @click.option("--profile", is_flag=True,

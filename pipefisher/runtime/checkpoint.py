@@ -8,9 +8,10 @@ Layout of a checkpoint folder::
 
 Every worker writes its file through a temp file and a rename; after a barrier, rank 0 points the
 manifest at the new step folder (also a rename) and removes older ones, so a crash at any moment
-leaves the previous checkpoint whole. A worker file holds the stage's parameters, the optimizer
-state, the K-FAC state (factors, inverses, pi scales, saving flag and any saved micro-batches still
-waiting for their covariance pieces) and the torch random state (dropout). The data position is the
+leaves the previous checkpoint whole. A worker file holds the stage's parameters (both stage copies
+under Chimera), the optimizer state, the K-FAC state of each copy (factors, inverses, pi scales,
+saving flag and any saved micro-batches still waiting for their covariance pieces) and the torch
+random state (dropout). The data position is the
 step number: every micro-batch is a pure function of (seed, step, replica, index), and the schedule
 position is ``(step - 1) % k``.
 
@@ -120,7 +121,8 @@ def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
         "stage": g.stage, "replica": g.replica, "stages": g.stages, "replicas": g.replicas,
         "model": trainer.stage.state_dict(),
         "optimizer": trainer.updater.state_dict(),
-        "kfac": None if trainer.kfac is None else kfac_state(trainer.kfac),
+        "kfac": kfac_state(trainer.kfacs[0]) if trainer.kfacs else None,
+        "kfac_up": kfac_state(trainer.kfacs[1]) if 1 in trainer.kfacs else None,  # Chimera's up copy
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if trainer.ctx.device.type == "cuda" else None,
     }
@@ -212,10 +214,11 @@ def load_checkpoint(folder: str, trainer: "Trainer") -> int:
         raise InputError(path, "does not match the manifest (another step, stage or replica)")
     trainer.stage.load_state_dict(state["model"])
     trainer.updater.load_state_dict(state["optimizer"])
-    if trainer.kfac is not None:
-        if state["kfac"] is None:
-            raise InputError(path, "holds no K-FAC state")
-        load_kfac_state(trainer.kfac, state["kfac"], path)
+    for pipe, kfac in trainer.kfacs.items():
+        saved = state.get("kfac_up" if pipe else "kfac")
+        if saved is None:
+            raise InputError(path, "holds no K-FAC state" + (" of the up pipe's stage copy" if pipe else ""))
+        load_kfac_state(kfac, saved, path)
     torch.set_rng_state(state["rng"])
     if state.get("cuda_rng") is not None and trainer.ctx.device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng"])

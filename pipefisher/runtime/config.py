@@ -127,12 +127,16 @@ class KfacConfig:
     save_dtype: str = "float32"
 
 
+PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera")
+"""Forward/backward orders the trainer runs (their generators live in :mod:`pipefisher.sim.schedules`)."""
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """Pipeline layout. ``stages`` x data-parallel replicas = world size; replicas are inferred."""
 
     stages: int = 2
-    schedule: str = "1f1b"  # gpipe | 1f1b
+    schedule: str = "1f1b"  # one of PIPELINE_ORDERS
     timeout_s: float = 60.0
 
 
@@ -228,8 +232,11 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("data sizes must be positive")
     if not 0.0 < d.mask_prob <= 1.0:
         problems.append("data.mask_prob must be in (0, 1]")
-    if p.schedule not in ("gpipe", "1f1b"):
-        problems.append("pipeline.schedule must be 'gpipe' or '1f1b'")
+    if p.schedule not in PIPELINE_ORDERS:
+        problems.append(f"pipeline.schedule must be one of {', '.join(PIPELINE_ORDERS)}")
+    if p.schedule == "chimera" and (p.stages % 2 or d.num_micro_batches % 2):
+        problems.append("pipeline.schedule chimera needs an even number of stages and of "
+                        "data.num_micro_batches (half of them run on each pipe)")
     if not 1 <= p.stages <= m.num_layers:
         problems.append("pipeline.stages must be between 1 and model.num_layers")
     if p.timeout_s <= 0:

@@ -2,6 +2,9 @@
 
 Rank ``r`` is stage ``r % stages`` of data-parallel replica ``r // stages``, so each replica's pipeline
 is a block of consecutive ranks (one node per pipeline under ``torchrun --nproc-per-node stages``).
+Under Chimera, device ``d`` of a replica also holds the up pipe's copy of stage ``D - 1 - d``, so the
+replicas of its two stages live on devices ``d`` and ``D - 1 - d`` of every replica: that pair (times
+the replicas) is the group its gradients and K-FAC factors are averaged over.
 Every group gets a timeout, so a dead or diverging peer ends in an error instead of a hang.
 """
 from __future__ import annotations
@@ -59,6 +62,16 @@ class Grid:
         s = self.stage if stage is None else stage
         return [self.rank_of(s, r) for r in range(self.replicas)]
 
+    @property
+    def mirror(self) -> int:
+        """The device whose stages are this one's, the other way round (Chimera's partner)."""
+        return self.stages - 1 - self.stage
+
+    def pair_ranks(self, stage: int | None = None) -> list[int]:
+        """Every rank holding a copy of ``stage``'s two Chimera stages (it and its mirror), sorted."""
+        s = self.stage if stage is None else stage
+        return sorted({self.rank_of(d, r) for d in (s, self.stages - 1 - s) for r in range(self.replicas)})
+
 
 @dataclass
 class DistContext:
@@ -69,6 +82,9 @@ class DistContext:
     backend: str | None  # None: a single process without torch.distributed
     dp_group: Any = None
     pipe_group: Any = None  # the stages of this worker's replica (global norms, KL-clip); None alone
+    stage_group: Any = None  # every replica of this device's stage(s): gradients and K-FAC factors
+    stage_group_size: int = 1
+    chimera: bool = False  # two pipes: this device also holds the up pipe's copy of stage ``mirror``
 
     @property
     def distributed(self) -> bool:
@@ -89,8 +105,12 @@ def pick_device(local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def init_from_env(stages: int, timeout_s: float) -> DistContext:
-    """Join the job described by torchrun-style environment variables (env://)."""
+def init_from_env(stages: int, timeout_s: float, chimera: bool = False) -> DistContext:
+    """Join the job described by torchrun-style environment variables (env://).
+
+    ``chimera``: the stage group is the Chimera pair (devices ``d`` and ``D - 1 - d`` of every
+    replica) instead of the data-parallel replicas of one device.
+    """
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -115,7 +135,16 @@ def init_from_env(stages: int, timeout_s: float) -> DistContext:
         group = dist.new_group(ranks, timeout=timeout) if stages > 1 else None
         if r == grid.replica:
             pipe_group = group
-    return DistContext(grid, device, backend, dp_group, pipe_group)
+    stage_group, size = dp_group, grid.replicas
+    if chimera:
+        if stages % 2:
+            raise ValueError(f"Chimera needs an even number of pipeline stages, not {stages}")
+        size = 2 * grid.replicas
+        for s in range(stages // 2):
+            group = dist.new_group(grid.pair_ranks(s), timeout=timeout)
+            if s in (grid.stage, grid.mirror):
+                stage_group = group
+    return DistContext(grid, device, backend, dp_group, pipe_group, stage_group, size, chimera)
 
 
 def check_agreement(ctx: DistContext, fingerprint: str) -> None:

@@ -1,47 +1,87 @@
-"""The pipeline executor: one forward or backward micro-batch per call, GPipe or 1F1B order.
+"""The pipeline executor: one forward or backward micro-batch per call, in a generator's order.
 
 ``forward()`` and ``backward()`` are exactly the runtime meaning of the ``call_forward`` and
 ``call_backward`` schedule labels: the next micro-batch, with its point-to-point receive and send.
 Sends are asynchronous (waited for at the end of the step); receives block, under the process
 group's timeout.
+
+The order of those calls on each device comes from the simulator's schedule generators
+(:mod:`pipefisher.sim.schedules`), the one definition of every pipeline order. A Chimera device runs
+two pipes, each through its own :class:`PipelineEngine` (see :mod:`pipefisher.runtime.chimera`).
 """
 from __future__ import annotations
 
 import collections
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
+from pipefisher.runtime.config import PIPELINE_ORDERS
 from pipefisher.runtime.data import MLMData, batch_seed
 from pipefisher.runtime.dist import DistContext
 from pipefisher.runtime.model import PipelineStage
+from pipefisher.sim.schedules import DOWN, UP, generate
+from pipefisher.sim.schedules import FORWARD as _F
 
 FORWARD, BACKWARD = "call_forward", "call_backward"
+UP_SUFFIX = ":up_pipe"
 _TAG_ACT, _TAG_GRAD, _TAG_SAMPLED_GRAD, _TAG_EVAL = 1, 2, 3, 4
+_TAG_PIPE_STRIDE = 8  # the up pipe's tags: the same kinds, shifted, so the two pipes never mix
 Span = Callable[[str], ContextManager[Any]]
 
 
+def pipe_label(kind: str, pipe: int) -> str:
+    """``call_forward`` / ``call_backward`` of ``pipe`` (``:up_pipe`` for Chimera's second pipe)."""
+    return kind + (UP_SUFFIX if pipe == UP else "")
+
+
+def device_plan(kind: str, device: int, devices: int, num_micro_batches: int) -> list[tuple[str, int, int]]:
+    """``(label, pipe, micro-batch)`` for every forward and backward call of one device in one step.
+
+    Taken from the simulator's generator of ``kind`` (Chimera with the paper's equal forward and
+    backward times), so the trainer, the profiler and the simulator run one and the same order.
+    """
+    if kind not in PIPELINE_ORDERS:
+        raise ValueError(f"unknown pipeline schedule {kind!r} ({', '.join(PIPELINE_ORDERS)})")
+    schedule = generate(kind, devices, num_micro_batches)
+    return [(pipe_label(FORWARD if op.kind == _F else BACKWARD, op.pipe), op.pipe, op.micro_batch)
+            for op in schedule.devices[device]]
+
+
 def pipeline_ops(kind: str, stage: int, num_stages: int, num_micro_batches: int) -> list[str]:
-    """The order of forward and backward calls of one stage in one step.
+    """The labels of one device's forward and backward calls in one step (:func:`device_plan`).
 
     GPipe: all forwards, then all backwards. 1F1B: ``num_stages - stage - 1`` warm-up forwards, then
-    alternate one forward and one backward, then the remaining backwards.
+    alternate one forward and one backward, then the remaining backwards. Chimera: both pipes, as
+    the simulator's list scheduling orders them.
     """
-    m = num_micro_batches
-    if kind == "gpipe":
-        return [FORWARD] * m + [BACKWARD] * m
-    if kind == "1f1b":
-        warm = min(num_stages - stage - 1, m)
-        return [FORWARD] * warm + [FORWARD, BACKWARD] * (m - warm) + [BACKWARD] * warm
-    raise ValueError(f"unknown pipeline schedule {kind!r} (gpipe or 1f1b)")
+    return [label for label, _, _ in device_plan(kind, stage, num_stages, num_micro_batches)]
+
+
+def pipe_micro_batches(kind: str, device: int, devices: int, num_micro_batches: int) -> dict[int, list[int]]:
+    """Per pipe, the micro-batches this device runs, in forward order; refuses a plan whose backwards
+    do not follow the forwards' order on a pipe (each engine keeps its in-flight micro-batches FIFO)."""
+    out: dict[int, list[int]] = {}
+    backs: dict[int, list[int]] = {}
+    for label, pipe, mb in device_plan(kind, device, devices, num_micro_batches):
+        (out if label.startswith(FORWARD) else backs).setdefault(pipe, []).append(mb)
+    for pipe, order in out.items():
+        if backs.get(pipe) != order:
+            raise ValueError(f"{kind}: device {device} runs the backwards of pipe {pipe} out of forward order")
+    return out
 
 
 class PipelineEngine:
-    """Runs one stage's part of each step's pipeline.
+    """Runs one stage's part of each step's pipeline, on one pipe.
 
-    The loss of every micro-batch is divided by the number of micro-batches, so the gradients of a
-    step are those of the mean loss over the step's batch (then averaged over replicas).
+    The loss of every micro-batch is divided by the number of micro-batches of the step (both pipes
+    together under Chimera), so the gradients of a step are those of the mean loss over the step's
+    batch (then averaged over replicas).
+
+    ``pipe`` is 0 (down) or 1 (Chimera's up pipe, whose stage ``s`` sits on device ``D - 1 - s``:
+    activations flow towards lower ranks); ``micro_batches`` are the step's micro-batch indices this
+    pipe runs, in forward order (default: all of them).
 
     With a true-Fisher ``kfac`` that saves the micro-batch, the last stage also computes the loss
     against labels sampled from its predictions, and every stage runs a second backward of that loss
@@ -50,11 +90,22 @@ class PipelineEngine:
     """
 
     def __init__(self, stage: PipelineStage, ctx: DistContext, data: MLMData, num_micro_batches: int,
-                 span: Span | None = None, kfac: Any = None) -> None:
+                 span: Span | None = None, kfac: Any = None, *, pipe: int = DOWN,
+                 micro_batches: Sequence[int] | None = None) -> None:
         self.stage, self.ctx, self.data = stage, ctx, data
         self.kfac = kfac
         self.num_micro_batches = num_micro_batches
+        self.micro_batches = list(range(num_micro_batches) if micro_batches is None else micro_batches)
+        self.pipe = pipe
+        self.forward_key, self.backward_key = pipe_label(FORWARD, pipe), pipe_label(BACKWARD, pipe)
         self.span: Span = span or (lambda key: nullcontext())
+        g = ctx.grid
+        step = 1 if pipe == DOWN else -1  # the up pipe's next stage is the previous device
+        self.prev_rank = None if stage.is_first else g.rank - step
+        self.next_rank = None if stage.is_last else g.rank + step
+        shift = _TAG_PIPE_STRIDE * pipe
+        self._tag_act, self._tag_grad = _TAG_ACT + shift, _TAG_GRAD + shift
+        self._tag_sampled, self._tag_eval = _TAG_SAMPLED_GRAD + shift, _TAG_EVAL + shift
         c, h = data.cfg, stage.hidden_size
         self.act_shape = (c.micro_batch_size, c.seq_len, h)
         self.step = 0
@@ -82,9 +133,9 @@ class PipelineEngine:
 
     def forward(self) -> None:
         """The next forward micro-batch: receive (not first stage), compute, send (not last stage)."""
-        i = self._next_fwd
-        if i >= self.num_micro_batches:
-            raise RuntimeError(f"call_forward: all {self.num_micro_batches} micro-batches already ran forward")
+        if self._next_fwd >= len(self.micro_batches):
+            raise RuntimeError(f"{self.forward_key}: all {len(self.micro_batches)} micro-batches already ran forward")
+        i = self.micro_batches[self._next_fwd]
         self._next_fwd += 1
         dev = self.ctx.device
         labels = None
@@ -94,10 +145,10 @@ class PipelineEngine:
         if self.is_first:
             x = mb.input_ids.to(dev)
         else:
-            x = self._recv(self.ctx.grid.prev_rank, _TAG_ACT)
+            x = self._recv(self.prev_rank, self._tag_act)
             x.requires_grad_(True)
         sampled = None
-        with self.span(FORWARD):
+        with self.span(self.forward_key):
             if self.is_last and self.kfac is not None and self.kfac.samples_labels:
                 out, sampled = self.stage(x, labels, sample=self._sampling_generator(i))
                 sampled = sampled / self.num_micro_batches
@@ -107,7 +158,7 @@ class PipelineEngine:
                 out = out / self.num_micro_batches
                 self.losses.append(out.detach())
             else:
-                self._send(out.detach(), self.ctx.grid.next_rank, _TAG_ACT)
+                self._send(out.detach(), self.next_rank, self._tag_act)
             if self.kfac is not None:
                 self.kfac.end_forward()
         self._stash.append((x, out, sampled))
@@ -120,17 +171,17 @@ class PipelineEngine:
     def backward(self) -> None:
         """The next backward micro-batch (oldest first): receive the output gradient, backprop, send."""
         if not self._stash:
-            raise RuntimeError("call_backward: no forward micro-batch is waiting for its backward")
+            raise RuntimeError(f"{self.backward_key}: no forward micro-batch is waiting for its backward")
         self._next_bwd += 1
         x, out, sampled = self._stash.popleft()
-        grad = None if self.is_last else self._recv(self.ctx.grid.next_rank, _TAG_GRAD)
+        grad = None if self.is_last else self._recv(self.next_rank, self._tag_grad)
         outputs = self.kfac.take_forward() if self.kfac is not None else None
-        with self.span(BACKWARD):
+        with self.span(self.backward_key):
             if outputs is not None:
                 self._sampled_backward(x, out, sampled, outputs)
             out.backward(grad)
             if not self.is_first:
-                self._send(x.grad, self.ctx.grid.prev_rank, _TAG_GRAD)
+                self._send(x.grad, self.prev_rank, self._tag_grad)
 
     def _sampled_backward(self, x: torch.Tensor, out: torch.Tensor, sampled: torch.Tensor | None,
                           outputs: list[tuple[Any, torch.Tensor]]) -> None:
@@ -139,7 +190,7 @@ class PipelineEngine:
             assert sampled is not None, "the last stage sampled no labels for a saved micro-batch"
             root, seed_grad = sampled, None
         else:
-            root, seed_grad = out, self._recv(self.ctx.grid.next_rank, _TAG_SAMPLED_GRAD)
+            root, seed_grad = out, self._recv(self.next_rank, self._tag_sampled)
         targets = [o for _, o in outputs] + ([] if self.is_first else [x])
         if not targets:
             return
@@ -147,13 +198,19 @@ class PipelineEngine:
         self.kfac.save_outgrads(outputs, grads[:len(outputs)])
         if not self.is_first:
             gx = grads[-1] if grads[-1] is not None else torch.zeros_like(x)
-            self._send(gx, self.ctx.grid.prev_rank, _TAG_SAMPLED_GRAD)
+            self._send(gx, self.prev_rank, self._tag_sampled)
 
-    def run(self, ops: list[str], between: Callable[[str], None] | None = None) -> None:
-        for op in ops:
-            (self.forward if op == FORWARD else self.backward)()
-            if between is not None:
-                between(op)
+    def op(self, label: str) -> Callable[[], None]:
+        """The call a ``call_forward`` / ``call_backward`` label stands for on this engine."""
+        if label == self.forward_key:
+            return self.forward
+        if label == self.backward_key:
+            return self.backward
+        raise ValueError(f"label {label!r} is not a pipeline call of this engine's pipe")
+
+    def run(self, ops: Sequence[str]) -> None:
+        for label in ops:
+            self.op(label)()
 
     def finish_step(self) -> float | None:
         """Wait for outstanding sends; the step's loss (sum of micro-batch losses) on the last stage."""
@@ -180,12 +237,12 @@ class PipelineEngine:
         total = 0.0
         try:
             for mb in batches:
-                x = mb.input_ids.to(dev) if self.is_first else self._recv(grid.prev_rank, _TAG_EVAL)
+                x = mb.input_ids.to(dev) if self.is_first else self._recv(self.prev_rank, self._tag_eval)
                 out = self.stage(x, mb.labels.to(dev) if self.is_last else None)
                 if self.is_last:
                     total += float(out)
                 else:
-                    dist.send(out.contiguous(), grid.next_rank, tag=_TAG_EVAL)
+                    dist.send(out.contiguous(), self.next_rank, tag=self._tag_eval)
         finally:
             self.stage.train(was_training)
         if not self.is_last or not batches:
@@ -198,22 +255,7 @@ class PipelineEngine:
 
     def allreduce_gradients(self) -> None:
         """Average gradients over the stage's data-parallel group (one flat buffer)."""
-        if self.ctx.grid.replicas == 1:
-            return
-        params = [p for p in self.stage.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.ctx.dp_group)
-        flat /= self.ctx.grid.replicas
-        offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            chunk = flat[offset:offset + n].view_as(g)
-            if p.grad is None:
-                p.grad = chunk.clone()
-            else:
-                p.grad.copy_(chunk)
-            offset += n
+        average_gradients([self.stage], self.ctx)
 
     # -- point to point ------------------------------------------------------------------------------
 
@@ -228,3 +270,32 @@ class PipelineEngine:
         dist.recv(buf, src, tag=tag)
         return buf
 
+
+
+def average_gradients(stages: Sequence[torch.nn.Module], ctx: DistContext) -> None:
+    """Average the gradients of this device's stage copies over every replica of them, in one buffer.
+
+    The group is ``ctx.stage_group``: the data-parallel replicas of the device's stage, or under
+    Chimera every device holding a copy of the same two stages. The gradients are summed over the
+    group and divided by the data-parallel replica count: the two pipes of a Chimera replica each
+    hold the gradient of their own micro-batches (already divided by the step's micro-batch count),
+    which add up to the replica's gradient. ``stages`` must come in the same (stage index) order on
+    every member, so the flat buffers line up.
+    """
+    if ctx.stage_group_size == 1:
+        return
+    params = [p for stage in stages for p in stage.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=ctx.stage_group)
+    if ctx.grid.replicas > 1:
+        flat /= ctx.grid.replicas
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        chunk = flat[offset:offset + n].view_as(g)
+        if p.grad is None:
+            p.grad = chunk.clone()
+        else:
+            p.grad.copy_(chunk)
+        offset += n

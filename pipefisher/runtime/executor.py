@@ -10,15 +10,18 @@ label                                  call
 ``-- start --``                        ``engine.begin_step(step)``
 ``call_forward`` / ``call_backward``   ``engine.forward()`` / ``engine.backward()`` (with p2p)
 ``cov/sync/inv_kron_A|B:<module>``     ``kfac.cov / sync / inv(factor, module)``
+any of these with ``:up_pipe``         the same on the up pipe's engine / stage copy (Chimera)
 ``-- end --``                          ``engine.finish_step()``, then the trainer's end of step
 ``turn_off/on_save_inputs_outgrads``   ``kfac.set_saving(False / True)``
 =====================================  ===========================================================
 
 :func:`check_schedule` refuses, before any step runs, a schedule that would go wrong: another node
-count, unknown labels or modules, ``:up_pipe`` work (this runtime has no second pipe), a forward and
-backward order other than the engine's (the point-to-point traffic would deadlock), or K-FAC work that
-cannot run (a covariance piece with no saved micro-batch, an inverse of an empty factor, saved
-micro-batches or factors left over at the end of the cycle, no all-reduce with several replicas).
+count, unknown labels or modules, ``:up_pipe`` work in a one-pipe job, a forward and backward order
+other than the engine's (the point-to-point traffic would deadlock), K-FAC work that cannot run (a
+covariance piece with no saved micro-batch, an inverse of an empty factor, saved micro-batches or
+factors left over at the end of the cycle, no all-reduce with several replicas of a stage), or, under
+Chimera, two devices sharing a group that would all-reduce (or refresh) their factors in different
+orders (they would deadlock, mix factors up, or let the two copies of a stage drift apart).
 Every worker checks every node, so all of them refuse together instead of some waiting on the others.
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ import hashlib
 import os
 from collections import defaultdict, deque
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.config import RunConfig
@@ -44,18 +47,21 @@ UP_PIPE = "up_pipe"
 ScheduleData = list[list[list[str]]]
 
 
-def parse_label(label: str) -> tuple[str, str | None, str | None]:
-    """``(kind, factor, module)``: kind is a marker, ``call_forward``/``call_backward``, ``cov_kron``,
-    ``sync_kron``, ``inv_kron``, ``up_pipe`` (any label of the second pipe) or ``unknown``."""
-    if label in (START, END, SAVE_OFF, SAVE_ON, FORWARD, BACKWARD):
-        return label, None, None
-    head, _, module = label.partition(":")
+def parse_label(label: str) -> tuple[str, str | None, str | None, int]:
+    """``(kind, factor, module, pipe)``: kind is a marker, ``call_forward``/``call_backward``,
+    ``cov_kron``, ``sync_kron``, ``inv_kron`` or ``unknown``; pipe is 1 for ``:up_pipe`` labels."""
+    pipe = 0
     if label.endswith(":" + UP_PIPE):
-        return UP_PIPE, None, None
+        label, pipe = label[: -len(UP_PIPE) - 1], 1
+    if label in (START, END, SAVE_OFF, SAVE_ON):
+        return (label, None, None, 0) if pipe == 0 else ("unknown", None, None, pipe)
+    if label in (FORWARD, BACKWARD):
+        return label, None, None, pipe
+    head, _, module = label.partition(":")
     for kind in KFAC_KINDS:
         if head in (kind + "_A", kind + "_B"):
-            return kind, head[-1], module or None
-    return "unknown", None, None
+            return kind, head[-1], module or None, pipe
+    return "unknown", None, None, pipe
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -87,6 +93,31 @@ def stage_kfac_names(cfg: RunConfig) -> list[list[str]]:
     return [list(n) for n in _stage_kfac_names(cfg.model, tuple(cfg.kfac.ignore), cfg.pipeline.stages)]
 
 
+def is_chimera(cfg: RunConfig) -> bool:
+    return cfg.pipeline.schedule == "chimera"
+
+
+def node_pipes(cfg: RunConfig, node: int) -> dict[int, int]:
+    """Pipe -> the stage whose copy serves it on device ``node``, in canonical order (stage index):
+    the order of everything a Chimera pair of devices does together."""
+    pipes = {0: node}
+    if is_chimera(cfg):
+        pipes[1] = cfg.pipeline.stages - 1 - node
+    return dict(sorted(pipes.items(), key=lambda kv: kv[1]))
+
+
+def node_kfac_names(cfg: RunConfig) -> list[dict[int, list[str]]]:
+    """Per device, per pipe (canonical order), the K-FAC module names of the stage copy on it."""
+    names = stage_kfac_names(cfg)
+    return [{pipe: names[stage] for pipe, stage in node_pipes(cfg, node).items()}
+            for node in range(cfg.pipeline.stages)]
+
+
+def labelled(name: str, pipe: int) -> str:
+    """A module's name as its labels carry it (``:up_pipe`` for the up copy)."""
+    return name + (":" + UP_PIPE if pipe else "")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Checks
 
@@ -101,59 +132,66 @@ def schedule_digest(data: ScheduleData) -> str:
     return h.hexdigest()[:16]
 
 
-def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int, names: Sequence[str],
-                             ops: Sequence[str], replicas: int = 1, path: str | None = None) -> None:
+def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
+                             names: Sequence[str] | Mapping[int, Sequence[str]], ops: Sequence[str],
+                             replicas: int = 1, path: str | None = None) -> None:
     """Refuse (:class:`InputError`) one node's cycle unless this runtime can run it as the spec says.
 
-    ``names`` are the stage's K-FAC modules, ``ops`` the engine's forward/backward order of one step
-    (:func:`pipefisher.runtime.engine.pipeline_ops`). Pure: no torch, no process group.
+    ``names`` are the device's K-FAC modules (per pipe under Chimera), ``ops`` the engine's
+    forward/backward labels of one step (:func:`pipefisher.runtime.engine.pipeline_ops`), ``replicas``
+    how many copies of each stage average their factors (sync_kron is needed when more than one).
+    Pure: no torch, no process group.
     """
     def refuse(where: str, problem: str) -> None:
         raise InputError(path, f"node {node} {where}: {problem}")
 
     if not iterations:
         refuse("", "has no pipeline iterations")
-    known = set(names)
+    by_pipe = {0: list(names)} if not isinstance(names, Mapping) else {p: list(n) for p, n in names.items()}
+    known = {(p, n) for p, ns in by_pipe.items() for n in ns}
     for i, labels in enumerate(iterations):  # first what each label is, then where it stands
         for label in labels:
-            kind, factor, module = parse_label(label)
-            if kind == UP_PIPE:
-                refuse(f"iteration {i}", f"'{label}': work of a second (up) pipeline; this runtime runs "
-                                         "one pipe (no Chimera)")
+            kind, factor, module, pipe = parse_label(label)
+            if pipe not in by_pipe:
+                refuse(f"iteration {i}", f"'{label}': work of a second (up) pipeline, but this run's "
+                                         "pipeline has one pipe (pipeline.schedule: chimera has two)")
             if kind == "unknown":
                 refuse(f"iteration {i}", f"'{label}': unknown label")
             if factor is not None and module is None:
                 refuse(f"iteration {i}", f"'{label}': no module name; this runtime needs "
                                          "'<kind>:<module>' labels")
-            if factor is not None and module not in known:
-                refuse(f"iteration {i}", f"'{label}': this stage has no K-FAC module named '{module}' "
-                                         "(the schedule is for another model, stage split or kfac.ignore)")
+            if factor is not None and (pipe, module) not in known:
+                refuse(f"iteration {i}", f"'{label}': this stage has no K-FAC module named '{module}'"
+                                         + (" on its up pipe" if pipe else "")
+                                         + " (the schedule is for another model, stage split or kfac.ignore)")
     k = len(iterations)
     # Symbolic K-FAC state through one cycle. At the start of every cycle (after step 0's naive
     # K-FAC, or the previous cycle) saving is on, nothing is saved, every factor is empty.
     saving = True
-    saved: dict[tuple[str, str], int] = defaultdict(int)  # (factor, module) -> saved micro-batches
-    built: dict[tuple[str, str], int] = defaultdict(int)  # (factor, module) -> pieces in the factor
-    synced: dict[tuple[str, str], bool] = defaultdict(bool)
-    inverted: set[tuple[str, str]] = set()
+    Key = tuple  # (factor, module, pipe)
+    saved: dict[Key, int] = defaultdict(int)  # saved micro-batches
+    built: dict[Key, int] = defaultdict(int)  # pieces in the factor
+    synced: dict[Key, bool] = defaultdict(bool)
+    inverted: set[Key] = set()
     for i, labels in enumerate(iterations):
         where = f"iteration {i}"
         if not labels or labels[0] != START:
             refuse(where, f"does not begin with '{START}'")
         if labels.count(END) != 1:
             refuse(where, f"has {labels.count(END)} '{END}' labels, not 1")
-        pipe = [lb for lb in labels if lb in (FORWARD, BACKWARD)]
-        if pipe != list(ops):
-            got = f"{pipe.count(FORWARD)} forwards and {pipe.count(BACKWARD)} backwards"
-            want = f"{list(ops).count(FORWARD)} of each"
-            if pipe.count(FORWARD) != list(ops).count(FORWARD) or pipe.count(BACKWARD) != list(ops).count(BACKWARD):
-                refuse(where, f"has {got}, but this run's pipeline step has {want} (data.num_micro_batches)")
+        pipe_calls = [lb for lb in labels if parse_label(lb)[0] in (FORWARD, BACKWARD)]
+        if pipe_calls != list(ops):
+            if sorted(pipe_calls) != sorted(ops):
+                def count(seq: Sequence[str]) -> str:
+                    return ", ".join(f"{seq.count(x)} {x}" for x in sorted(set(ops) | set(pipe_calls)))
+                refuse(where, f"has {count(pipe_calls)}, but this run's pipeline step has {count(ops)} "
+                              "(data.num_micro_batches, pipeline.schedule)")
             refuse(where, "runs its forwards and backwards in another order than this run's pipeline "
                           f"(pipeline.schedule, stages); it would deadlock the point-to-point transfers")
-        stash: deque = deque()  # saving flag of each forwarded micro-batch awaiting its backward
+        stash: dict[int, deque] = {p: deque() for p in by_pipe}  # saving flag per forward awaiting backward
         ended = False
         for j, label in enumerate(labels):
-            kind, factor, module = parse_label(label)
+            kind, factor, module, pipe = parse_label(label)
             if ended and kind in (START, END, FORWARD, BACKWARD):
                 refuse(where, f"'{label}' after '{END}'")
             if kind == END:
@@ -161,20 +199,20 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int, 
             elif kind == SAVE_ON or kind == SAVE_OFF:
                 saving = kind == SAVE_ON
             elif kind == FORWARD:
-                stash.append(saving)
+                stash[pipe].append(saving)
                 if saving:
-                    for m in names:
-                        saved["A", m] += 1
+                    for m in by_pipe[pipe]:
+                        saved["A", m, pipe] += 1
             elif kind == BACKWARD:
-                if stash.popleft():
-                    for m in names:
-                        saved["B", m] += 1
+                if stash[pipe].popleft():
+                    for m in by_pipe[pipe]:
+                        saved["B", m, pipe] += 1
             elif kind == START:
                 if j != 0:
                     refuse(where, f"has a second '{START}'")
             else:
                 assert factor is not None and module is not None
-                key = (factor, module)
+                key = (factor, module, pipe)
                 if kind == "cov_kron":
                     if saved[key] <= 0:
                         refuse(where, f"'{label}': no saved micro-batch is left for this piece")
@@ -190,20 +228,29 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int, 
                         refuse(where, f"'{label}': the factor has no covariance to invert")
                     if replicas > 1 and not synced[key]:
                         refuse(where, f"'{label}': the factor is inverted without a sync_kron all-reduce "
-                                      f"first, but this run has {replicas} data-parallel replicas")
+                                      f"first, but this run has {replicas} replicas of the stage")
                     built[key], synced[key] = 0, False
                     inverted.add(key)
     if not saving:
         refuse(f"iteration {k - 1}", f"the cycle must end with saving on ('{SAVE_ON}')")
-    for m in names:
-        for f in "AB":
-            if saved[f, m]:
-                refuse("cycle", f"{saved[f, m]} saved micro-batch(es) of factor {f} of '{m}' are never "
-                                f"used by a cov_kron_{f} piece")
-            if built[f, m]:
-                refuse("cycle", f"factor {f} of '{m}' is built but not inverted within the cycle")
-            if (f, m) not in inverted:
-                refuse("cycle", f"factor {f} of '{m}' is never refreshed (no inv_kron_{f}:{m})")
+    for pipe, ms in by_pipe.items():
+        for m in ms:
+            shown = labelled(m, pipe)
+            for f in "AB":
+                key = (f, m, pipe)
+                if saved[key]:
+                    refuse("cycle", f"{saved[key]} saved micro-batch(es) of factor {f} of '{shown}' are never "
+                                    f"used by a cov_kron_{f} piece")
+                if built[key]:
+                    refuse("cycle", f"factor {f} of '{shown}' is built but not inverted within the cycle")
+                if key not in inverted:
+                    refuse("cycle", f"factor {f} of '{shown}' is never refreshed (no inv_kron_{f}:{shown})")
+
+
+def sync_copies(cfg: RunConfig, replicas: int) -> int:
+    """How many copies of each stage average their K-FAC factors: the data-parallel replicas, twice
+    that under Chimera (both pipes hold a copy)."""
+    return replicas * (2 if is_chimera(cfg) else 1)
 
 
 def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.PathLike[str] | None = None) -> ScheduleData:
@@ -216,10 +263,17 @@ def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.
     stages = cfg.pipeline.stages
     if len(data) != stages:
         raise InputError(p, f"has {len(data)} node schedule(s) but this run has {stages} pipeline stage(s)")
-    names = stage_kfac_names(cfg)
-    for node in range(stages):
+    for node, names in enumerate(node_kfac_names(cfg)):
         ops = pipeline_ops(cfg.pipeline.schedule, node, stages, cfg.data.num_micro_batches)
-        check_schedule_for_stage(data[node], node=node, names=names[node], ops=ops, replicas=replicas, path=p)
+        check_schedule_for_stage(data[node], node=node, names=names, ops=ops,
+                                 replicas=sync_copies(cfg, replicas), path=p)
+    if is_chimera(cfg):
+        from pipefisher.policies.groups import chimera_groups, group_order_violations
+
+        bad = group_order_violations(data, chimera_groups(stages))
+        if bad:
+            raise InputError(p, f"{bad[0]} (devices that share a group must all-reduce and refresh their "
+                                "factors in the same order; pack with 'tight', which aligns them)")
     return data
 
 
@@ -234,21 +288,22 @@ def single_iteration_schedule(cfg: RunConfig, replicas: int = 1) -> ScheduleData
     """A cycle of one iteration: the pipeline, then all K-FAC work in naive order, then ``-- end --``.
 
     It refreshes the curvature every step from that step's micro-batches, exactly as ``kfac`` mode
-    with ``kfac.interval: 1`` does (a baseline, and the reference of the tests).
+    with ``kfac.interval: 1`` does (a baseline, and the reference of the tests). Under Chimera the
+    two copies' work comes in canonical (stage index) order, so a pair's syncs line up.
     """
     from pipefisher.runtime.engine import pipeline_ops
 
     out = []
-    stages = cfg.pipeline.stages
-    for node, names in enumerate(stage_kfac_names(cfg)):
-        labels = [START, *pipeline_ops(cfg.pipeline.schedule, node, stages, cfg.data.num_micro_batches)]
-        m = cfg.data.num_micro_batches
-        for name in names:
+    stages, m = cfg.pipeline.stages, cfg.data.num_micro_batches
+    for node, by_pipe in enumerate(node_kfac_names(cfg)):
+        labels = [START, *pipeline_ops(cfg.pipeline.schedule, node, stages, m)]
+        mods = [labelled(n, pipe) for pipe, names in by_pipe.items() for n in names]
+        for name in mods:
             for f in "AB":
-                labels += [f"cov_kron_{f}:{name}"] * m
-        if replicas > 1:
-            labels += [f"sync_kron_{f}:{name}" for name in names for f in "AB"]
-        labels += [f"inv_kron_{f}:{name}" for name in names for f in "AB"]
+                labels += [f"cov_kron_{f}:{name}"] * (m // len(by_pipe))
+        if sync_copies(cfg, replicas) > 1:
+            labels += [f"sync_kron_{f}:{name}" for name in mods for f in "AB"]
+        labels += [f"inv_kron_{f}:{name}" for name in mods for f in "AB"]
         out.append([labels + [END, SAVE_OFF, SAVE_ON]])
     return out
 
@@ -258,15 +313,16 @@ def single_iteration_schedule(cfg: RunConfig, replicas: int = 1) -> ScheduleData
 
 
 class ScheduleExecutor:
-    """Runs one node's iterations label by label on an engine, a K-FAC object and an end-of-step call.
+    """Runs one node's iterations label by label on an engine, its K-FAC states and an end-of-step call.
 
-    Each iteration is compiled once into a list of bound calls, so a step costs one Python call per
-    label. ``span(label)`` wraps every K-FAC label (the profiler uses it; a no-op otherwise).
+    ``kfacs`` maps a pipe (0, or 1 for ``:up_pipe`` labels) to the K-FAC state of the stage copy on
+    it. Each iteration is compiled once into a list of bound calls, so a step costs one Python call
+    per label. ``span(label)`` wraps every K-FAC label (the profiler uses it; a no-op otherwise).
     """
 
-    def __init__(self, iterations: Sequence[Sequence[str]], engine: Any, kfac: Any,
+    def __init__(self, iterations: Sequence[Sequence[str]], engine: Any, kfacs: Mapping[int, Any],
                  end_of_step: Callable[[], None], span: Callable[[str], ContextManager[Any]] | None = None) -> None:
-        self.engine, self.kfac, self.end_of_step = engine, kfac, end_of_step
+        self.engine, self.kfacs, self.end_of_step = engine, kfacs, end_of_step
         self.span = span
         self.iterations = [list(it) for it in iterations]
         self._compiled = [[self._compile(label) for label in it] for it in self.iterations]
@@ -281,22 +337,25 @@ class ScheduleExecutor:
         """The iteration that training step ``step >= 1`` runs."""
         return (step - 1) % self.cycle
 
+    def _set_saving(self, on: bool) -> None:
+        for k in self.kfacs.values():
+            k.set_saving(on)
+
     def _compile(self, label: str) -> Callable[[], None]:
-        kind, factor, module = parse_label(label)
+        kind, factor, module, pipe = parse_label(label)
         if kind == START:
             return lambda: self.engine.begin_step(self._step)
-        if kind == FORWARD:
-            return self.engine.forward
-        if kind == BACKWARD:
-            return self.engine.backward
+        if kind in (FORWARD, BACKWARD):
+            return self.engine.op(label)
         if kind == END:
             return self._end
         if kind == SAVE_ON:
-            return functools.partial(self.kfac.set_saving, True)
+            return functools.partial(self._set_saving, True)
         if kind == SAVE_OFF:
-            return functools.partial(self.kfac.set_saving, False)
+            return functools.partial(self._set_saving, False)
         if kind in KFAC_KINDS and module is not None:
-            work = {"cov_kron": self.kfac.cov, "sync_kron": self.kfac.sync, "inv_kron": self.kfac.inv}[kind]
+            kfac = self.kfacs[pipe]
+            work = {"cov_kron": kfac.cov, "sync_kron": kfac.sync, "inv_kron": kfac.inv}[kind]
             call = functools.partial(work, factor, module)
             if self.span is None:
                 return call

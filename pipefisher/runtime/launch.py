@@ -54,7 +54,8 @@ def run_worker(cfg: RunConfig, opts: TrainOptions) -> WorkerResult:
     from pipefisher.runtime.trainer import Trainer
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+        ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s,
+                            chimera=cfg.pipeline.schedule == "chimera")
     else:
         if cfg.pipeline.stages != 1:
             raise ValueError("a pipeline of several stages needs several workers (use --nproc-per-node)")

@@ -197,7 +197,7 @@ class LRSchedule:
         return lr
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, group: Any = None) -> float:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, group: Any = None, share: float = 1.0) -> float:
     """Scale gradients by ``min(1, max_norm / (norm + 1e-6))`` where ``norm`` is their global L2 norm;
     returns the norm before clipping.
 
@@ -206,7 +206,8 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, group: Any =
     the unsplit model. Data-parallel replicas hold identical gradients after their all-reduce, so the
     pipeline is enough. Every rank of ``group`` must call this, with or without gradients. Squares are
     summed in float64 so the norm does not depend on how the model is split. A non-finite norm scales
-    nothing and is returned: the caller decides (skip the step, stop).
+    nothing and is returned: the caller decides (skip the step, stop). ``share`` weighs this rank's
+    sum of squares before the all-reduce (1/2 where two devices hold a copy of every stage: Chimera).
     """
     if not max_norm > 0:
         raise ValueError(f"clip_grad_norm needs max_norm > 0, not {max_norm}")
@@ -221,6 +222,8 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, group: Any =
     for g in grads:
         sq += torch.linalg.vector_norm(g.detach(), dtype=torch.float64).to(device).square()
     if group is not None:
+        if share != 1.0:
+            sq *= share
         dist.all_reduce(sq, group=group)
     norm = math.sqrt(float(sq))
     if not math.isfinite(norm):

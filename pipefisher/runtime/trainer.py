@@ -22,18 +22,21 @@ from typing import Any
 import click
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from pipefisher.kfac.factors import BadFactorError
 from pipefisher.runtime import memory
 from pipefisher.runtime.config import RunConfig
 from pipefisher.runtime.data import MLMData
 from pipefisher.runtime.dist import DistContext
-from pipefisher.runtime.engine import PipelineEngine, pipeline_ops
+from pipefisher.runtime.chimera import ChimeraEngine, KFACPair, StagePair
+from pipefisher.runtime.engine import PipelineEngine, pipe_micro_batches, pipeline_ops
 from pipefisher.runtime.executor import ScheduleExecutor, load_checked_schedule, schedule_digest
 from pipefisher.runtime.model import PipelineStage
 from pipefisher.runtime.profiler import STEP_KEY, Profiler
 from pipefisher.runtime.update import Updater, make_kfac
 from pipefisher.safe_io import dump_json_atomic
+from pipefisher.sim.schedules import DOWN, UP
 
 MODES = ("first-order", "kfac", "scheduled")
 PROGRESS_ENV = "PIPEFISHER_RELAY_PROGRESS"
@@ -109,17 +112,16 @@ class Trainer:
             raise ValueError(f"the grid has {g.stages} stages but the config asks for {cfg.pipeline.stages}")
         self.mode = opts.effective_mode
         self.interval = 1 if opts.profile else cfg.kfac.interval
+        self.chimera = cfg.pipeline.schedule == "chimera"
+        if ctx.chimera != self.chimera:
+            raise ValueError("the process groups were set up for another pipeline schedule than the config's")
         m = cfg.data.num_micro_batches
-        self.stage = PipelineStage(cfg.model, g.stage, g.stages, seed=cfg.data.seed).to(ctx.device)
         self.data = MLMData(cfg.data, cfg.model.vocab_size)
         self.val_batches = self.data.validation_batches() if opts.eval_every else []
         self.profiler = Profiler(opts.profile, ctx.device)
-        self.kfac = (make_kfac(cfg, self.stage, dp_group=ctx.dp_group, dp_size=g.replicas,
-                               warn=lambda msg: click.echo(f"stage {g.stage} replica {g.replica}: {msg}"))
-                     if self.mode != "first-order" else None)
-        self.engine = PipelineEngine(self.stage, ctx, self.data, m, span=self.profiler.span, kfac=self.kfac)
+        self._build(cfg, ctx)
         self.updater = Updater(cfg, self.stage, self.kfac, cfg.optim.decay_steps or opts.steps,
-                               pipe_group=ctx.pipe_group)
+                               pipe_group=ctx.pipe_group, copies=2 if self.chimera else 1)
         self.ops = pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m)
         self.reporter = g.stage == g.stages - 1 and g.replica == 0
         self.executor: ScheduleExecutor | None = None
@@ -134,7 +136,7 @@ class Trainer:
             from pipefisher.runtime.dist import check_agreement
 
             check_agreement(ctx, f"schedule {self.schedule_digest}")  # the same file on every host
-            self.executor = ScheduleExecutor(data[g.stage], self.engine, self.kfac, self.end_of_step)
+            self.executor = ScheduleExecutor(data[g.stage], self.engine, self.kfacs, self.end_of_step)
         # Dropout draws from torch's global generator: seed it per worker, so that a run is repeatable
         # and a resumed run (which restores the generator) continues the very same stream.
         torch.manual_seed((cfg.data.seed * 1_000_003 + g.rank) * 7_919 + 17)
@@ -143,6 +145,27 @@ class Trainer:
             from pipefisher.runtime.checkpoint import load_checkpoint
 
             self.start_step = load_checkpoint(opts.resume, self)
+
+    def _build(self, cfg: RunConfig, ctx: DistContext) -> None:
+        """This device's stage (two copies under Chimera), their K-FAC states and pipeline engines."""
+        g, m = ctx.grid, cfg.data.num_micro_batches
+        plan = pipe_micro_batches(cfg.pipeline.schedule, g.stage, g.stages, m)
+        index = {DOWN: g.stage, UP: g.mirror}
+        copies = {p: PipelineStage(cfg.model, index[p], g.stages, seed=cfg.data.seed).to(ctx.device) for p in plan}
+        self.kfacs: dict[int, Any] = {}
+        if self.mode != "first-order":
+            for p, copy in copies.items():
+                where = f"stage {index[p]}" + (" (up pipe)" if p == UP else "") + f" replica {g.replica}"
+                self.kfacs[p] = make_kfac(cfg, copy, dp_group=ctx.stage_group, dp_size=ctx.stage_group_size,
+                                          warn=lambda msg, where=where: click.echo(f"{where}: {msg}"))
+        engines = {p: PipelineEngine(copies[p], ctx, self.data, m, span=self.profiler.span, kfac=self.kfacs.get(p),
+                                     pipe=p, micro_batches=plan[p]) for p in plan}
+        if self.chimera:
+            self.stage: nn.Module = StagePair(copies[DOWN], copies[UP])
+            self.kfac: Any = KFACPair(self.kfacs, self.stage.pipes()) if self.kfacs else None
+            self.engine: Any = ChimeraEngine(self.stage, ctx, engines)
+        else:
+            self.stage, self.kfac, self.engine = copies[DOWN], self.kfacs.get(DOWN), engines[DOWN]
 
     @property
     def cycle(self) -> int | None:
@@ -185,10 +208,12 @@ class Trainer:
                 f"different pipeline")
 
     def _mean_loss(self, loss: float | None) -> float | None:
-        if loss is None or self.ctx.grid.replicas == 1:
+        """The step's loss over every replica of the last stage (and both pipes under Chimera, whose
+        last stages sit on devices D - 1 and 0: one group)."""
+        if loss is None or self.ctx.stage_group_size == 1:
             return loss
         t = torch.tensor([loss], device=self.ctx.device)
-        dist.all_reduce(t, group=self.ctx.dp_group)
+        dist.all_reduce(t, group=self.ctx.stage_group)
         return float(t) / self.ctx.grid.replicas
 
     def checkpoint(self, steps_done: int) -> str | None:

@@ -37,12 +37,15 @@ class Updater:
     """Owns the optimizers of one stage and applies the update rule above.
 
     ``pipe_group`` is the process group of this replica's pipeline (all its stages), over which the
-    global gradient norm and the KL-clip sum are all-reduced; None in one process.
+    global gradient norm and the KL-clip sum are all-reduced; None in one process. ``copies``: how
+    many devices of the pipeline hold each stage (2 under Chimera), so each copy contributes its share
+    of those sums and every stage counts once.
     """
 
     def __init__(self, cfg: RunConfig, stage: nn.Module, kfac: Any, total_steps: int,
-                 pipe_group: Any = None) -> None:
+                 pipe_group: Any = None, copies: int = 1) -> None:
         self.cfg, self.kfac, self.pipe_group = cfg, kfac, pipe_group
+        self.share = 1.0 / copies
         self.schedule = LRSchedule(cfg.optim, total_steps)
         own = kfac is not None and cfg.kfac.update == "momentum"
         kfac_ids = {id(p) for p in kfac.parameters()} if own else set()
@@ -74,12 +77,12 @@ class Updater:
         """Steps 2-5 above on ``stage``'s gradients, then clear them."""
         o, k = self.cfg.optim, self.cfg.kfac
         if o.clip_norm > 0:
-            clip_grad_norm(stage.parameters(), o.clip_norm, group=self.pipe_group)
+            clip_grad_norm(stage.parameters(), o.clip_norm, group=self.pipe_group, share=self.share)
         if self.kfac is not None:
             self.kfac.precondition_all()
             if k.kl_clip > 0:
                 lr = (self.kfac_optimizer.param_groups[0]["lr"] if self.kfac_optimizer is not None else self.lr)
-                self.kfac.scale_step(kl_clip_scale(self._pipe_sum(self.kfac.grad_dot_step), lr, k.kl_clip))
+                self.kfac.scale_step(kl_clip_scale(self._pipe_sum(self.kfac.grad_dot_step * self.share), lr, k.kl_clip))
         self.optimizer.step()
         if self.kfac_optimizer is not None:
             self.kfac_optimizer.step()
