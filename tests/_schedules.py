@@ -121,6 +121,8 @@ def replay(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers: the same reduction order, so the same floats
     try:
+        if cfg.pipeline.schedule == "chimera":
+            return _replay_chimera(cfg, schedule, steps)
         return _replay(cfg, schedule, steps)
     finally:
         torch.set_num_threads(threads)
@@ -170,3 +172,172 @@ def _replay(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict
                 for label in iters[s][iters[s].index(END) + 1:]:
                     kfacs[s].apply_label(label)
     return {s: {n: p.detach().clone() for n, p in mod.named_parameters()} for s, mod in enumerate(mods)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Chimera: a hand-made cycle and the one-process replay of two stage copies per stage
+
+
+def chimera_spread_schedule(cfg: RunConfig) -> list[list[list[str]]]:
+    """A 3-iteration Chimera cycle per device that exercises what a packer may do, with the shared
+    labels (syncs, inverses, ``-- end --``) in one canonical order on both devices of a pair.
+
+    Iteration 0: cov A piece j of the first half of a pipe's modules right after that pipe's forward j,
+    cov B of its first module after each backward. Iteration 1: the remaining pieces between the
+    pipeline calls, then the first half of the syncs and inverses before ``-- end --``. Iteration 2:
+    a quarter before ``-- end --``, the rest after it.
+    """
+    from pipefisher.runtime.engine import device_plan
+    from pipefisher.runtime.executor import labelled, node_kfac_names
+
+    m, stages = cfg.data.num_micro_batches, cfg.pipeline.stages
+    out = []
+    for node, by_pipe in enumerate(node_kfac_names(cfg)):
+        plan = device_plan("chimera", node, stages, m)
+        calls = [label for label, _, _ in plan]
+        mods = {p: [labelled(n, p) for n in names] for p, names in by_pipe.items()}
+        it0, done = [START], []
+        for label, pipe, _ in plan:
+            it0.append(label)
+            half = mods[pipe][: len(mods[pipe]) // 2]
+            new = [f"cov_kron_A:{n}" for n in half] if label.startswith(FORWARD) else [f"cov_kron_B:{mods[pipe][0]}"]
+            it0 += new
+            done += new
+        it0 += [END, SAVE_OFF]
+        rest = []
+        per_pipe = m // len(by_pipe)
+        for p, names in mods.items():
+            for n in names:
+                for f in "AB":
+                    rest += [f"cov_kron_{f}:{n}"] * (per_pipe - done.count(f"cov_kron_{f}:{n}"))
+        it1 = [START]
+        chunk = -(-len(rest) // len(calls))
+        for i, label in enumerate(calls):
+            it1.append(label)
+            it1 += rest[i * chunk:(i + 1) * chunk]
+        shared = [f"{kind}_{f}:{n}" for ns in mods.values() for n in ns for kind in ("sync_kron", "inv_kron")
+                  for f in "AB"]
+        a, b = len(shared) // 2, (3 * len(shared)) // 4
+        it1 += shared[:a] + [END]
+        it2 = [START, *calls, *shared[a:b], END, *shared[b:], SAVE_ON]
+        out.append([it0, it1, it2])
+    return out
+
+
+def _replay_chimera(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Every stage as two copies (down and up pipe), each with its own K-FAC and optimizer, fed its
+    pipe's micro-batches; a sync averages the two copies' factors where the pair's shared labels say."""
+    from pipefisher.runtime.engine import pipe_micro_batches
+    from pipefisher.runtime.executor import parse_label
+
+    stages, m = cfg.pipeline.stages, cfg.data.num_micro_batches
+    pipes = pipe_micro_batches("chimera", 0, stages, m)  # the same split on every device
+    mods = [{p: PipelineStage(cfg.model, s, stages, seed=cfg.data.seed) for p in (0, 1)} for s in range(stages)]
+    # dp_size 2: K-FAC's pi treats a factor not yet averaged with the other copy as the workers do
+    kfacs = [{p: make_kfac(cfg, mod[p], dp_size=2) for p in (0, 1)} for mod in mods]
+    updaters = [{p: Updater(cfg, mod[p], kfacs[s][p], cfg.optim.decay_steps or steps) for p in (0, 1)}
+                for s, mod in enumerate(mods)]
+    data = MLMData(cfg.data, cfg.model.vocab_size)
+
+    def copy_of(node: int, pipe: int) -> tuple[int, int]:
+        return (node if pipe == 0 else stages - 1 - node), pipe
+
+    def average(stage: int, factor: str, name: str) -> None:
+        a, b = (kfacs[stage][p].layers[name] for p in (0, 1))
+        avg = (a.factor(factor) + b.factor(factor)) / 2
+        for st in (a, b):
+            st.sums[factor], st.counts[factor], st.synced[factor] = avg.clone(), 1, True
+
+    for k in (kf for pair in kfacs for kf in pair.values()):
+        k.set_saving(True)
+    for step in range(steps):
+        for u in (u for pair in updaters for u in pair.values()):
+            u.set_step(step)
+        for pipe, mbs in pipes.items():
+            stash = []
+            for j in mbs:
+                mb = data.micro_batch(step, 0, j)
+                x, ins, outs = mb.input_ids, [], []
+                for s in range(stages):
+                    if s > 0:
+                        x = x.detach().requires_grad_(True)
+                    ins.append(x)
+                    y = mods[s][pipe](x, mb.labels if s == stages - 1 else None)
+                    outs.append(y / m if s == stages - 1 else y)
+                    x = y
+                stash.append((ins, outs))
+            for ins, outs in stash:
+                grad = None
+                for s in reversed(range(stages)):
+                    outs[s].backward(grad)
+                    grad = ins[s].grad if s > 0 else None
+        for s in range(stages):  # the pair's gradient all-reduce: both pipes' gradients summed
+            for (n, a), b in zip(mods[s][0].named_parameters(), mods[s][1].parameters()):
+                total = a.grad + b.grad
+                a.grad, b.grad = total.clone(), total.clone()
+        if step == 0:
+            for s in range(stages):
+                names = kfacs[s][0].names
+                for p in (0, 1):
+                    for n in names:
+                        for f in "AB":
+                            kfacs[s][p].cov_all(f, n)
+                for n in names:
+                    for f in "AB":
+                        average(s, f, n)
+                for p in (0, 1):
+                    for n in names:
+                        for f in "AB":
+                            kfacs[s][p].inv(f, n)
+                    kfacs[s][p].clear_saved()
+        iters = None if step == 0 else [node[(step - 1) % len(node)] for node in schedule]
+
+        def apply(node: int, label: str) -> None:
+            kind, factor, module, pipe = parse_label(label)
+            s, p = copy_of(node, pipe)
+            if kind == "cov_kron":
+                kfacs[s][p].cov(factor, module)
+            elif kind == "inv_kron":
+                kfacs[s][p].inv(factor, module)
+            elif kind == "sync_kron" and p == 0:  # once per pair: the two copies' factors averaged
+                average(s, factor, module)
+            elif kind in (SAVE_ON, SAVE_OFF):
+                for q in (0, 1):
+                    kfacs[copy_of(node, q)[0]][q].set_saving(kind == SAVE_ON)
+
+        def walk(before_end: bool) -> None:
+            """Both devices of a pair in lockstep: local labels up to each shared label, then that one."""
+            for a in range(stages // 2):
+                pair = (a, stages - 1 - a)
+                chunks = {}
+                for node in pair:
+                    labels = iters[node]
+                    cut = labels.index(END)
+                    part = labels[:cut] if before_end else labels[cut + 1:]
+                    chunks[node] = [[]]
+                    for label in part:
+                        chunks[node][-1].append(label)
+                        if label.startswith(("sync_kron", "inv_kron")):
+                            chunks[node].append([])
+                for k in range(len(chunks[pair[0]])):
+                    shared = {node: chunks[node][k][-1:] if k < len(chunks[node]) - 1 else [] for node in pair}
+                    for node in pair:  # local work first (a sync needs both copies' pieces)
+                        for label in chunks[node][k][: len(chunks[node][k]) - len(shared[node])]:
+                            apply(node, label)
+                    for node in pair:
+                        for label in shared[node]:
+                            apply(node, label)
+
+        if iters is not None:
+            walk(True)
+        for s in range(stages):
+            for p in (0, 1):
+                updaters[s][p].step(mods[s][p])
+        if iters is not None:
+            walk(False)
+    out = {}
+    for s in range(stages):
+        down, up = (dict(mods[s][p].named_parameters()) for p in (0, 1))
+        assert all(torch.equal(down[n], up[n]) for n in down), f"stage {s}: the replay's copies drifted"
+        out[s] = {n: t.detach().clone() for n, t in down.items()}
+    return out

@@ -61,6 +61,7 @@ class LayerState:
     last_pi: float | None = None
     running: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
     inversions: dict[str, int] = field(default_factory=lambda: {"A": 0, "B": 0})
+    synced: dict[str, bool] = field(default_factory=lambda: {"A": False, "B": False})  # since the last piece
     skipped: int = 0  # refreshes of a factor dropped because it could not be inverted honestly
 
     @property
@@ -254,6 +255,7 @@ class KFAC:
         contrib = fx.cov_a(x, st.bias) if factor == "A" else fx.cov_b(x, self.loss_scale)
         st.sums[factor] = contrib if st.sums[factor] is None else st.sums[factor] + contrib
         st.counts[factor] += 1
+        st.synced[factor] = False
         return True
 
     def cov_all(self, factor: str, name: str) -> int:
@@ -274,6 +276,7 @@ class KFAC:
             dist.all_reduce(f, group=self.dp_group)
             f /= self.dp_size
         st.sums[factor], st.counts[factor] = f, 1
+        st.synced[factor] = True
 
     def averaged(self, name: str, factor: str) -> torch.Tensor | None:
         """The factor as it will be inverted: the running average folded with the new covariance (if any)."""
@@ -288,10 +291,14 @@ class KFAC:
 
         A factor that still holds covariance gives the scale it will be inverted with; one already
         inverted (and so cleared) this cycle gives the scale it was inverted with (its running average).
+        With several replicas, covariance not yet all-reduced is local to this replica and would give
+        each replica another split: such a factor counts with its running average until its sync.
         """
         scales = []
         for f in FACTORS:
-            cur = self.averaged(name, f)
+            st = self.layers[name]
+            local = self.dp_size > 1 and st.sums[f] is not None and not st.synced[f]
+            cur = st.running[f] if local else self.averaged(name, f)
             scales.append(None if cur is None else fx.mean_trace(cur))
         return fx.pi_split(*scales)
 
@@ -313,7 +320,7 @@ class KFAC:
         assert f is not None
         pi = self.pi(name)  # before clearing: uses this factor's scale and the other's
         damp_a, damp_b = fx.damping_terms(self.damping_of(name), pi)
-        st.sums[factor], st.counts[factor] = None, 0
+        st.sums[factor], st.counts[factor], st.synced[factor] = None, 0, False
         try:
             inverse = fx.damped_inverse(f, damp_a if factor == "A" else damp_b, method=self.inverse_method,
                                         dtype=self.inverse_dtype, what=f"K-FAC layer {name} factor {factor}")

@@ -74,6 +74,7 @@ def kfac_state(kfac: Any) -> dict[str, Any]:
             "sums": dict(st.sums), "counts": dict(st.counts), "inverses": dict(st.inverses),
             "last_pi": st.last_pi,
             "running": dict(st.running), "inversions": dict(st.inversions), "skipped": st.skipped,
+            "synced": dict(st.synced),
             "inputs": list(st.inputs), "outgrads": list(st.outgrads),
         }
     return {"saving": kfac.saving, "layers": layers}
@@ -93,6 +94,7 @@ def load_kfac_state(kfac: Any, state: dict[str, Any], path: str) -> None:
         st.running = {f: s["running"][f] for f in "AB"}
         st.inversions = {f: int(s["inversions"][f]) for f in "AB"}
         st.skipped = int(s["skipped"])
+        st.synced = {f: bool(s.get("synced", {}).get(f, False)) for f in "AB"}
         st.inputs.clear()
         st.inputs.extend(s["inputs"])
         st.outgrads.clear()

@@ -1,0 +1,197 @@
+"""Chimera in the trainer: two stage copies per device, two pipes, one result.
+
+Each layout runs in real worker processes (gloo, one thread each). A Chimera step's gradients,
+K-FAC factors, inverses and preconditioned gradients equal the unsplit model's on the same batch;
+the two copies of every stage hold bit-identical gradients and parameters.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipefisher.runtime.dist import init_from_env, shutdown
+from pipefisher.runtime.engine import device_plan, pipe_micro_batches, pipeline_ops
+from pipefisher.runtime.launch import spawn_local
+from pipefisher.runtime.trainer import Trainer, TrainOptions
+from pipefisher.sim.schedules import generate
+
+from test_runtime_engine import BASE, _assert_close, _reference
+
+CHIMERA = BASE.replace(pipeline=dict(schedule="chimera"), data=dict(num_micro_batches=4))
+
+
+def _step_worker(cfg) -> dict:
+    """One kfac-mode step: gradients after the pair's all-reduce, then naive K-FAC and preconditioning."""
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s, chimera=True)
+    try:
+        trainer = Trainer(cfg, ctx, TrainOptions(mode="kfac", steps=1, progress=False))
+        eng, kfac, pair = trainer.engine, trainer.kfac, trainer.stage
+        kfac.set_saving(True)
+        eng.begin_step(0)
+        eng.run(trainer.ops)
+        eng.finish_step()
+        eng.allreduce_gradients()
+        grads = {p: {n: t.grad.clone() for n, t in pair.copy(p).named_parameters()} for p in (0, 1)}
+        kfac.update_curvature()
+        inverses = {p: {(n, f): kfac[p].inverse(n, f).clone() for n in kfac[p].names for f in "AB"}
+                    for p in (0, 1)}
+        kfac.precondition_all()
+        precond = {p: {n: t.grad.clone() for n, t in pair.copy(p).named_parameters()} for p in (0, 1)}
+        index = {p: pair.copy(p).index for p in (0, 1)}
+        return {"device": ctx.grid.stage, "replica": ctx.grid.replica, "index": index, "grads": grads,
+                "inverses": inverses, "precond": precond}
+    finally:
+        shutdown(ctx)
+
+
+LAYOUTS = {"D=2": (2, 1), "D=2 x 2 replicas": (2, 2), "D=4": (4, 1), "D=4 x 2 replicas": (4, 2)}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def chimera_step(request):
+    stages, replicas = LAYOUTS[request.param]
+    cfg = CHIMERA.replace(pipeline=dict(stages=stages))
+    results = spawn_local(_step_worker, stages * replicas, cfg, timeout_s=180)
+    return cfg, replicas, results, _reference(cfg, replicas)
+
+
+def test_the_engine_runs_the_simulators_chimera_order():
+    for d in range(4):
+        plan = device_plan("chimera", d, 4, 8)
+        sim = generate("chimera", 4, 8).devices[d]
+        assert [(label.startswith("call_forward"), pipe, mb) for label, pipe, mb in plan] == \
+            [(op.kind == "F", op.pipe, op.micro_batch) for op in sim]
+        assert pipeline_ops("chimera", d, 4, 8) == [label for label, _, _ in plan]
+        pipes = pipe_micro_batches("chimera", d, 4, 8)
+        assert sorted(pipes[0] + pipes[1]) == list(range(8))  # every micro-batch on exactly one pipe
+        assert len(pipes[0]) == len(pipes[1]) == 4
+
+
+def test_chimera_gradients_equal_single_process(chimera_step):
+    cfg, replicas, results, ref = chimera_step
+    seen = set()
+    for res in results:
+        for pipe, grads in res["grads"].items():
+            for name, grad in grads.items():
+                _assert_close(grad, ref["grads"][name], f"device {res['device']} pipe {pipe} {name}")
+                seen.add(name)
+    assert seen == set(ref["grads"])
+
+
+def test_chimera_kfac_inverses_and_preconditioned_gradients_equal_single_process(chimera_step):
+    cfg, replicas, results, ref = chimera_step
+    for res in results:
+        for pipe in (0, 1):
+            for key, inv in res["inverses"][pipe].items():
+                _assert_close(inv, ref["inverses"][key], f"inverse {key}", 1e-3)
+            for name, grad in res["precond"][pipe].items():
+                _assert_close(grad, ref["precond"][name], f"preconditioned {name}", 1e-3)
+
+
+def test_both_copies_of_every_stage_are_bit_identical(chimera_step):
+    cfg, replicas, results, ref = chimera_step
+    by_stage: dict[int, list[dict]] = {}
+    for res in results:
+        for pipe in (0, 1):
+            by_stage.setdefault(res["index"][pipe], []).append(
+                {k: res[k][pipe] for k in ("grads", "inverses", "precond")})
+    assert sorted(by_stage) == list(range(cfg.pipeline.stages))
+    for stage, copies in by_stage.items():
+        assert len(copies) == 2 * replicas
+        for other in copies[1:]:
+            for what in ("grads", "inverses", "precond"):
+                for key, t in copies[0][what].items():
+                    assert torch.equal(t, other[what][key]), f"stage {stage} {what} {key}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training: kfac mode, schedules, replicas identical after every step
+
+
+def _train_runs(cfg, runs, steps) -> dict:
+    """In each worker, one Trainer per (mode, schedule) run; parameters after every step."""
+    import os
+
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s, chimera=True)
+    out = {"device": ctx.grid.stage, "replica": ctx.grid.replica}
+    try:
+        for mode, schedule in runs:
+            torch.manual_seed(0)
+            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
+                                                     log_every=10**9))
+            trainer.stage.train()
+            index = {p: trainer.stage.copy(p).index for p in (0, 1)}
+            history, losses = [], []
+            for step in range(steps):
+                losses.append(trainer.train_step(step))
+                history.append({p: {n: t.detach().clone() for n, t in trainer.stage.copy(p).named_parameters()}
+                                for p in (0, 1)})
+            out[mode if schedule is None else os.path.basename(schedule)] = (index, history, losses)
+    finally:
+        shutdown(ctx)
+    return out
+
+
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def chimera_runs(tmp_path_factory):
+    from pipefisher.runtime.executor import check_schedule, single_iteration_schedule
+    from pipefisher.schedule import save_schedule
+
+    from _schedules import REAL_TEXT, chimera_spread_schedule, tiny
+
+    cfg = tiny(pipeline={"schedule": "chimera", "timeout_s": 30.0})
+    folder = tmp_path_factory.mktemp("chimera")
+    files = {}
+    for name, data in (("one", single_iteration_schedule(cfg)), ("spread", chimera_spread_schedule(cfg))):
+        check_schedule(data, cfg)
+        files[name] = str(folder / f"{name}.pickle")
+        save_schedule(files[name], data)
+    runs = [("first-order", None), ("kfac", None), ("scheduled", files["one"]), ("scheduled", files["spread"])]
+    results = spawn_local(_train_runs, 2, cfg, runs, STEPS, timeout_s=180)
+    return cfg, results, files
+
+
+def test_both_copies_of_every_stage_stay_identical_after_every_step(chimera_runs):
+    cfg, results, _ = chimera_runs
+    for run in ("first-order", "kfac", "one.pickle", "spread.pickle"):
+        copies: dict[int, list] = {}
+        for res in results:
+            index, history, _ = res[run]
+            for p in (0, 1):
+                copies.setdefault(index[p], []).append([h[p] for h in history])
+        for stage, (a, b) in copies.items():
+            for step, (x, y) in enumerate(zip(a, b)):
+                for n in x:
+                    assert torch.equal(x[n], y[n]), f"{run}: stage {stage} {n} differs after step {step}"
+
+
+def test_one_iteration_chimera_schedule_equals_kfac_mode(chimera_runs):
+    from test_runtime_executor import _close
+
+    cfg, results, _ = chimera_runs
+    for res in results:
+        _close(res["one.pickle"][1][-1][0], res["kfac"][1][-1][0])
+        _close(res["one.pickle"][1][-1][1], res["kfac"][1][-1][1])
+    last = [res for res in results if res["kfac"][2][0] is not None]
+    assert last and last[0]["one.pickle"][2] == pytest.approx(last[0]["kfac"][2], rel=1e-6)
+    assert last[0]["kfac"][2] != pytest.approx(last[0]["first-order"][2], rel=1e-4)  # K-FAC changed the run
+
+
+def test_multi_iteration_chimera_schedule_equals_a_one_process_replay(chimera_runs):
+    from pipefisher.schedule import load_schedule
+    from test_runtime_executor import _close
+
+    from _schedules import replay
+
+    cfg, results, files = chimera_runs
+    schedule = load_schedule(files["spread"])
+    ref = replay(cfg, schedule, STEPS)
+    for res in results:
+        index, history, _ = res["spread.pickle"]
+        for p in (0, 1):
+            _close(history[-1][p], ref[index[p]])
+    with pytest.raises(AssertionError):  # a longer cycle really is another run than kfac mode
+        _close(results[0]["spread.pickle"][1][-1][0], results[0]["kfac"][1][-1][0], tol=1e-6)
