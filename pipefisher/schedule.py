@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.policies.base import END, MARKERS, SAVE_OFF, SAVE_ON, START, JobSchedule
 from pipefisher.policies.bounds import MARGIN
+from pipefisher.policies.groups import group_order_violations, job_groups
 from pipefisher.policies.model import node_model, sane_bounds
 from pipefisher.safe_io import dump_pickle_atomic, load_pickle
 from pipefisher.timeline import BACKWARD, COV_KINDS, FORWARD, Job, NodeTimeline, Time, TimelineKey
+from pipefisher.violations import Violation
 
 ScheduleData = list[list[list[str]]]
 
@@ -47,21 +48,6 @@ def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | Schedule
 
 # ----------------------------------------------------------------------------------------------------
 # Dependency rules
-
-
-@dataclass(frozen=True)
-class Violation:
-    """One broken rule: where (node, iteration, label) and which rule."""
-
-    node: int
-    iteration: int | None  # None: the rule is about the whole cycle
-    label: str
-    rule: str
-    detail: str
-
-    def __str__(self) -> str:
-        where = "cycle" if self.iteration is None else f"iteration {self.iteration}"
-        return f"node{self.node} {where}: {self.label}: {self.rule}: {self.detail}"
 
 
 def _layer_key(key: TimelineKey) -> tuple[str | None, bool]:
@@ -229,12 +215,16 @@ def _room_violations(node: NodeTimeline, iterations: Sequence[Sequence[str]], sp
                     f"largest bubble ({largest})")
 
 
-def validate(schedule: ScheduleData, job: Job, path: str | None = None, room: bool = True) -> list[Violation]:
-    """Every violation of the dependency rules and counts in ``schedule`` for ``job``, and with
-    ``room`` of the bubbles' room (work that does not fit where it is placed)."""
+def validate(schedule: ScheduleData, job: Job, path: str | None = None, room: bool = True,
+             groups: Sequence[Sequence[int]] | None = None) -> list[Violation]:
+    """Every violation of the dependency rules and counts in ``schedule`` for ``job``, with ``room`` of
+    the bubbles' room (work that does not fit where it is placed), and of the sync groups' shared order
+    (:func:`pipefisher.policies.groups.group_order_violations`). ``groups``: the nodes that hold replicas
+    of one stage; None infers them from the job's layout (Chimera's pairs, or every node alone)."""
     if len(schedule) != len(job.nodes):
         raise InputError(path, f"has {len(schedule)} node schedules but the job has {len(job.nodes)} timelines")
     out: list[Violation] = []
     for n, (node, iterations) in enumerate(zip(job.nodes, schedule)):
         out.extend(validate_node(n, node, iterations, job.span if room else None))
+    out.extend(group_order_violations(schedule, job_groups(job) if groups is None else groups))
     return out

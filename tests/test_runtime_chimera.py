@@ -195,3 +195,118 @@ def test_multi_iteration_chimera_schedule_equals_a_one_process_replay(chimera_ru
             _close(history[-1][p], ref[index[p]])
     with pytest.raises(AssertionError):  # a longer cycle really is another run than kfac mode
         _close(results[0]["spread.pickle"][1][-1][0], results[0]["kfac"][1][-1][0], tol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Refusals and resume, through the command line
+
+
+def _swap_two_syncs(data: list, node: int) -> list:
+    """The same schedule with two all-reduces of one device in the other order (its pair still has
+    them in the first): the pair would deadlock or average the wrong factors."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for labels in data[node]:
+        at = [i for i, label in enumerate(labels) if label.startswith("sync_kron")]
+        if len(at) >= 2:
+            labels[at[0]], labels[at[1]] = labels[at[1]], labels[at[0]]
+            return data
+    raise AssertionError("no iteration with two syncs")
+
+
+def test_a_schedule_whose_pair_syncs_in_another_order_is_refused_before_training(tmp_path):
+    from click.testing import CliRunner
+
+    from pipefisher.cli import main
+    from pipefisher.errors import InputError
+    from pipefisher.runtime.executor import check_schedule
+    from pipefisher.schedule import save_schedule
+
+    from _schedules import TINY, chimera_spread_schedule, tiny
+
+    cfg = tiny(pipeline={"schedule": "chimera"})
+    bad = _swap_two_syncs(chimera_spread_schedule(cfg), 1)
+    with pytest.raises(InputError, match="group-order"):
+        check_schedule(bad, cfg)
+    path = str(tmp_path / "bad.pickle")
+    save_schedule(path, bad)
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--pipeline", "chimera", "--schedule", path,
+                                    "--nproc-per-node", "2", "--steps", "3", "--no-progress"])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: ") and "group-order" in lines[0], res.output
+    # the same schedule, one pipe: its up-pipe work is refused
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--schedule", path, "--nproc-per-node", "2"])
+    assert res.exit_code == 2 and "second (up) pipeline" in res.output
+
+
+def _train_bad(cfg_path: str, schedule: str) -> None:
+    from pipefisher.runtime.config import load_config
+    from pipefisher.runtime.launch import run_worker
+
+    cfg = load_config(cfg_path).replace(pipeline={"schedule": "chimera", "timeout_s": 20.0})
+    run_worker(cfg, TrainOptions(mode="scheduled", schedule=schedule, steps=3, progress=False))
+
+
+def test_every_chimera_worker_refuses_the_mismatched_order_on_its_own(tmp_path):
+    """Under torchrun there is no CLI pre-check: both workers refuse at once, none waits for the other."""
+    import time
+
+    from pipefisher.runtime.launch import WorkerFailed
+    from pipefisher.schedule import save_schedule
+
+    from _schedules import TINY, chimera_spread_schedule, tiny
+
+    path = str(tmp_path / "bad.pickle")
+    save_schedule(path, _swap_two_syncs(chimera_spread_schedule(tiny(pipeline={"schedule": "chimera"})), 0))
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as err:
+        spawn_local(_train_bad, 2, TINY, path, timeout_s=60)
+    assert time.monotonic() - t0 < 20
+    assert str(err.value).count("group-order") >= 2
+
+
+def test_chimera_resume_through_the_cli_is_bit_exact(tmp_path):
+    """Stop after step 2 (saved micro-batches still waiting for their pieces), resume to step 5: both
+    copies of every stage, their K-FAC state and the optimizer equal the uninterrupted run's."""
+    import os
+
+    from click.testing import CliRunner
+
+    from pipefisher.cli import main
+    from pipefisher.runtime.config import load_config
+    from pipefisher.schedule import save_schedule
+
+    from _schedules import TINY, chimera_spread_schedule
+
+    cfg = load_config(TINY).replace(pipeline={"schedule": "chimera"}, model={"dropout": 0.1})
+    sched = str(tmp_path / "s.pickle")
+    save_schedule(sched, chimera_spread_schedule(cfg))
+    cfg_path = str(tmp_path / "c.yaml")
+    from pipefisher.runtime.driver import config_yaml
+
+    with open(cfg_path, "w") as f:
+        f.write(config_yaml(cfg))
+    base = ["train", "--config", cfg_path, "--schedule", sched, "--nproc-per-node", "2", "--no-progress"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    runner = CliRunner()
+    res = runner.invoke(main, base + ["--steps", "5", "--checkpoint-dir", a])
+    assert res.exit_code == 0, res.output
+    assert "chimera" in res.output
+    res = runner.invoke(main, base + ["--steps", "2", "--checkpoint-dir", b])
+    assert res.exit_code == 0, res.output
+    mid = torch.load(os.path.join(b, "step-00000002", "stage0-replica0.pt"), weights_only=True)
+    assert any(layer["inputs"] for layer in mid["kfac_up"]["layers"].values())  # pieces still to come
+    res = runner.invoke(main, base + ["--steps", "5", "--resume", b])
+    assert res.exit_code == 0, res.output
+    for device in range(2):
+        fa = torch.load(os.path.join(a, "step-00000005", f"stage{device}-replica0.pt"), weights_only=True)
+        fb = torch.load(os.path.join(b, "step-00000005", f"stage{device}-replica0.pt"), weights_only=True)
+        assert {n.split(".")[0] for n in fa["model"]} == {"down", "up"}
+        for name, p in fa["model"].items():
+            assert torch.equal(p, fb["model"][name]), (device, name)
+        for key in ("kfac", "kfac_up"):
+            for layer, st in fa[key]["layers"].items():
+                for f in "AB":
+                    assert torch.equal(st["inverses"][f], fb[key]["layers"][layer]["inverses"][f])

@@ -15,21 +15,29 @@ from pipefisher.cli import main
 @click.option("--room/--no-room", default=True, show_default=True,
               help="also check that the work between two pipeline items fits the idle time between them, "
                    "and that only work no bubble can hold runs past the pipeline time")
+@click.option("--layout", type=click.Choice(["auto", "chimera", "none"]), default="auto", show_default=True,
+              help="which nodes hold replicas of one stage and must share the order of their syncs, inverses "
+                   "and '-- end --' (sync groups): auto infers Chimera's pairs (d, D-1-d) from the timelines' "
+                   "up-pipe modules, chimera forces those pairs, none checks no groups")
 @click.argument("timelines", nargs=-1, required=True)
-def validate_command(schedule_path: str, room: bool, timelines: tuple[str, ...]) -> None:
+def validate_command(schedule_path: str, room: bool, layout: str, timelines: tuple[str, ...]) -> None:
     """Check SCHEDULE against the job's TIMELINES; print every violation, exit 1 if there is any.
 
     The spec's rules: each covariance piece after the forward or backward whose data it needs, syncs
     after all pieces, inverses after their sync, every piece, sync and inverse as often as the timeline
     asks. With --room (the default), also the room rules: a schedule that packs more work into a bubble
-    than the bubble has makes its iterations longer than it reports.
+    than the bubble has makes its iterations longer than it reports. Per sync group (--layout), every
+    iteration's syncs, inverses and '-- end --' must come in the same order on every member, up-pipe
+    suffixes aside, or the all-reduces deadlock and the replicas drift apart.
     """
+    from pipefisher.policies.groups import chimera_groups
     from pipefisher.schedule import load_schedule, validate
     from pipefisher.timeline import load_job
 
     job = load_job(timelines)
     schedule = load_schedule(schedule_path)
-    violations = validate(schedule, job, schedule_path, room=room)
+    groups = {"auto": None, "chimera": chimera_groups(len(job.nodes)), "none": []}[layout]
+    violations = validate(schedule, job, schedule_path, room=room, groups=groups)
     for v in violations:
         click.echo(str(v))
     nodes_bad = len({v.node for v in violations})

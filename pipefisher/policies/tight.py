@@ -49,6 +49,8 @@ from pipefisher.policies.bounds import (
     node_bounds,
     one_iteration_possible,
 )
+from pipefisher.policies.align import align_groups
+from pipefisher.policies.groups import job_groups
 from pipefisher.policies.model import COV, INV, SYNC, NodeModel, node_model
 from pipefisher.timeline import KFAC_KINDS, Job, NodeTimeline, Time
 
@@ -773,5 +775,6 @@ class TightPolicy(Policy):
 
     def pack(self, job: Job) -> JobSchedule:
         with gc_paused():
-            return JobSchedule(self.name, job.span, tuple(pack_node(node, job.span) for node in job.nodes))
+            nodes = tuple(pack_node(node, job.span) for node in job.nodes)
+            return JobSchedule(self.name, job.span, align_groups(job, nodes, job_groups(job)))
 
