@@ -310,3 +310,23 @@ def test_chimera_resume_through_the_cli_is_bit_exact(tmp_path):
             for layer, st in fa[key]["layers"].items():
                 for f in "AB":
                     assert torch.equal(st["inverses"][f], fb[key]["layers"][layer]["inverses"][f])
+
+
+def test_a_schedule_that_would_deadlock_is_refused_before_training(tmp_path):
+    """Node 0 waits at an inverse for node 1's sync, which node 1 reaches only after calls that need
+    node 0's next transfers: same shared order, but a cycle of waits."""
+    from pipefisher.errors import InputError
+    from pipefisher.runtime.executor import check_schedule
+
+    from _schedules import chimera_spread_schedule, tiny
+
+    cfg = tiny(pipeline={"schedule": "chimera"})
+    data = chimera_spread_schedule(cfg)
+    check_schedule(data, cfg)
+    it = data[0][2]
+    shared = [label for label in it[:it.index("-- end --")] if label.startswith(("sync_kron", "inv_kron"))]
+    for label in shared[:4]:  # one layer's syncs and inverses, moved right after the first call
+        it.remove(label)
+    it[2:2] = shared[:4]
+    with pytest.raises(InputError, match=r"deadlock: at training step 3 .* it would hang"):
+        check_schedule(data, cfg)

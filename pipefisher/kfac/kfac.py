@@ -4,7 +4,9 @@ The calls map one to one onto schedule labels (see the timeline-and-schedule spe
 
 - :meth:`KFAC.set_saving` - ``turn_on/off_save_inputs_outgrads``
 - :meth:`KFAC.cov` - ``cov_kron_A:<m>`` / ``cov_kron_B:<m>``: add the OLDEST saved micro-batch
-- :meth:`KFAC.sync` - ``sync_kron_X:<m>``: average the factor over the data-parallel group
+- :meth:`KFAC.sync` - ``sync_kron_X:<m>``: average the factor over the data-parallel group (the
+  all-reduce is started here and waited for where the factor is next read, so a device never blocks
+  on its peers at the sync label itself; see :meth:`KFAC.sync`)
 - :meth:`KFAC.inv` - ``inv_kron_X:<m>``: fold the new factor into its running average, damped
   inverse, then clear the new factor
 - :meth:`KFAC.precondition` - part of ``-- end --``: ``B^-1 grad A^-1``
@@ -120,6 +122,7 @@ class KFAC:
         self._input_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._forward_outputs: list[tuple[LayerState, torch.Tensor]] = []
         self._awaiting: collections.deque = collections.deque()  # per forwarded micro-batch, true Fisher
+        self._in_flight: dict[tuple[str, str], Any] = {}  # (layer, factor) -> all-reduce not yet waited for
         self._handles = [self._hook(st) for st in self.layers.values()]
 
     # -- saving inputs and output gradients -------------------------------------------------------
@@ -250,6 +253,7 @@ class KFAC:
         queue = st.inputs if _check(factor) == "A" else st.outgrads
         if not queue:
             return False
+        self._settle(name, factor)
         x = queue.popleft()
         self._release(x)
         contrib = fx.cov_a(x, st.bias) if factor == "A" else fx.cov_b(x, self.loss_scale)
@@ -266,22 +270,42 @@ class KFAC:
         return n
 
     def sync(self, factor: str, name: str) -> None:
-        """Average ``factor`` of layer ``name`` over the data-parallel group (no-op without one)."""
+        """Start averaging ``factor`` of layer ``name`` over the data-parallel group (no-op without one).
+
+        The all-reduce is only started: whatever reads the factor next (its inverse, the other
+        factor's inverse through pi, a checkpoint) waits for it. A device that reaches a sync before
+        its peers therefore goes on with its pipeline instead of blocking, which under Chimera (whose
+        peers also exchange activations with it) could otherwise deadlock. Every member must start
+        its all-reduces in the same order (the schedule checks see to it).
+        """
         st = self.layers[name]
-        f = st.factor(_check(factor))
+        self._settle(name, _check(factor))
+        f = st.factor(factor)
         if f is None:
             raise RuntimeError(f"sync_kron_{factor}:{name}: factor {factor} has no covariance yet")
         if self.dp_size > 1:
             f = f.contiguous()
-            dist.all_reduce(f, group=self.dp_group)
-            f /= self.dp_size
+            self._in_flight[name, factor] = dist.all_reduce(f, group=self.dp_group, async_op=True)
         st.sums[factor], st.counts[factor] = f, 1
         st.synced[factor] = True
+
+    def _settle(self, name: str, factor: str) -> None:
+        """Wait for the factor's all-reduce, if one is in flight, and finish the average."""
+        work = self._in_flight.pop((name, factor), None)
+        if work is not None:
+            work.wait()
+            self.layers[name].sums[factor] /= self.dp_size
+
+    def settle_all(self) -> None:
+        """Wait for every all-reduce in flight (before a checkpoint, at the end of a run)."""
+        for name, factor in list(self._in_flight):
+            self._settle(name, factor)
 
     def averaged(self, name: str, factor: str) -> torch.Tensor | None:
         """The factor as it will be inverted: the running average folded with the new covariance (if any)."""
         st = self.layers[name]
-        cur = st.factor(_check(factor))
+        self._settle(name, _check(factor))
+        cur = st.factor(factor)
         if cur is None:
             return st.running[factor]
         return fx.running_average(st.running[factor], cur, self.factor_decay)
@@ -314,6 +338,8 @@ class KFAC:
         stop``) or keeps the previous inverse and drops this refresh of the factor (``skip``).
         """
         st = self.layers[name]
+        for f in FACTORS:  # this factor, and the other one that pi reads
+            self._settle(name, f)
         if st.factor(_check(factor)) is None:
             raise RuntimeError(f"inv_kron_{factor}:{name}: factor {factor} has no covariance to invert")
         f = self.averaged(name, factor)
@@ -390,7 +416,8 @@ class KFAC:
 
     def factor(self, name: str, factor: str) -> torch.Tensor | None:
         """The current factor (running mean of its contributions), or None when cleared."""
-        return self.layers[name].factor(_check(factor))
+        self._settle(name, _check(factor))
+        return self.layers[name].factor(factor)
 
     def inverse(self, name: str, factor: str) -> torch.Tensor | None:
         return self.layers[name].inverses[_check(factor)]

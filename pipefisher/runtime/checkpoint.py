@@ -68,6 +68,7 @@ def _jsonable(x: Any) -> Any:
 
 
 def kfac_state(kfac: Any) -> dict[str, Any]:
+    kfac.settle_all()
     layers = {}
     for name, st in kfac.layers.items():
         layers[name] = {

@@ -80,6 +80,10 @@ class KFACPair:
         for k in self._all():
             k.clear_saved()
 
+    def settle_all(self) -> None:
+        for k in self._all():
+            k.settle_all()
+
     def reset_peak_saved(self) -> None:
         for k in self._all():
             k.reset_peak_saved()

@@ -269,11 +269,16 @@ def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.
                                  replicas=sync_copies(cfg, replicas), path=p)
     if is_chimera(cfg):
         from pipefisher.policies.groups import chimera_groups, group_order_violations
+        from pipefisher.policies.waits import deadlock_violations
 
-        bad = group_order_violations(data, chimera_groups(stages))
+        groups = chimera_groups(stages)
+        bad = group_order_violations(data, groups)
         if bad:
             raise InputError(p, f"{bad[0]} (devices that share a group must all-reduce and refresh their "
                                 "factors in the same order; pack with 'tight', which aligns them)")
+        bad = deadlock_violations(data, groups)
+        if bad:
+            raise InputError(p, f"{bad[0]}; it would hang until pipeline.timeout_s")
     return data
 
 

@@ -293,6 +293,8 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.__exit__(None, None, None)
+        if self.kfac is not None:
+            self.kfac.settle_all()  # no all-reduce left in flight when the process group goes
         result.peak_memory_bytes = memory.peak_bytes(self.ctx.device)
         result.peak_saved_bytes = self.kfac.peak_saved_bytes if self.kfac is not None else 0
         if self.reporter and todo:
