@@ -1,16 +1,17 @@
 #!/usr/bin/env python
 """Step time of ``first-order``, ``kfac`` (refresh every step) and ``scheduled`` (K-FAC in the bubbles)
-on 2 pipeline stages, one CPU core each, in one go.
+on 2 pipeline stages, one CPU core each, for each pipeline order asked for, in one go.
 
-The same two worker processes run everything: a profile of a few kfac steps, which rank 0 packs with
-the default policy (or --policy) once per K-FAC margin (profiled K-FAC times x margin: slack for noisy
-CPU timings, at the price of a longer cycle), then first-order, kfac and each schedule, interleaved,
-``--rounds`` times. Per mode it prints the mean step time after the warm-up steps (the median over the
-rounds), the ratio to first-order, and for the scheduled runs the K-FAC cycle length k per node (the
-curvature refresh interval).
+The same two worker processes run everything: per pipeline (``--pipelines``, default 1F1B and
+Chimera), a profile of a few kfac steps, which rank 0 packs with the default policy (or --policy)
+once per K-FAC margin (profiled K-FAC times x margin: slack for noisy CPU timings, at the price of a
+longer cycle); then first-order, kfac and each schedule of every pipeline, interleaved, ``--rounds``
+times. Per run it prints the mean step time after the warm-up steps (the median over the rounds), the
+ratio to the same pipeline's first-order step, the bubble fraction of the profiled pipeline, and for
+the scheduled runs the K-FAC cycle length k per node (the curvature refresh interval).
 
     python scripts/bench_scheduled.py [--config configs/small.yaml] [--steps 30] [--warmup 3] [--rounds 3] \
-        [--kfac-margin 1,1.5,2] [--micro-batches M] [--pipeline gpipe|1f1b]
+        [--kfac-margin 1,1.5,2] [--micro-batches M] [--pipelines 1f1b,chimera]
 """
 from __future__ import annotations
 
@@ -23,57 +24,81 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _bench(config_path: str, overrides: dict, steps: int, warmup: int, profile_steps: int, policy: str | None,
-           folder: str, rounds: int, margins: list[float]) -> dict:
+def _bubble_fraction(job) -> float:
+    """Share of the profiled pipeline time the nodes sit idle (mean over nodes)."""
+    from pipefisher.policies.model import node_model
+
+    models = [node_model(node, job.span) for node in job.nodes]
+    return sum(1 - m.pipeline_busy / m.length for m in models) / len(models)
+
+
+def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, warmup: int, profile_steps: int,
+           policy: str | None, folder: str, rounds: int, margins: list[float]) -> dict:
+    import dataclasses
+
     import torch.distributed as dist
 
     from pipefisher.runtime.config import load_config
     from pipefisher.runtime.dist import init_from_env, shutdown
     from pipefisher.runtime.trainer import Trainer, TrainOptions
 
-    cfg = load_config(config_path).replace(**overrides)
+    base = load_config(config_path).replace(**overrides)
     rank = int(os.environ["RANK"])
     if hasattr(os, "sched_setaffinity") and os.cpu_count():
         os.sched_setaffinity(0, {rank % os.cpu_count()})  # one core per stage
-    ctx = init_from_env(2, cfg.pipeline.timeout_s)
+    # One set of process groups serves both layouts: the Chimera pair of 2 stages is the whole job.
+    chimera_ctx = init_from_env(2, base.pipeline.timeout_s, chimera=True)
+    one_pipe_ctx = dataclasses.replace(chimera_ctx, chimera=False, stage_group=chimera_ctx.dp_group,
+                                       stage_group_size=chimera_ctx.grid.replicas)
     quiet = dict(progress=False, log_every=10**9)
-    variants = [f"scheduled x{g:g}" for g in margins]
-    out: dict = {"rank": rank, "times": {m: [] for m in ["first-order", "kfac", *variants]}, "usage": {},
-                 "cycles": {}, "violations": {}}
+    runs = [(p, m) for p in pipelines for m in ["first-order", "kfac", *[f"scheduled x{g:g}" for g in margins]]]
+    out: dict = {"rank": rank, "times": {r: [] for r in runs}, "usage": {}, "cycles": {}, "violations": {},
+                 "bubbles": {}}
+    files: dict = {}
     try:
-        # profile, then rank 0 packs (once per K-FAC margin) while the other waits
-        Trainer(cfg, ctx, TrainOptions(mode="kfac", profile=True, steps=profile_steps, out=folder, **quiet)).run()
-        dist.barrier()
-        files = {v: os.path.join(folder, f"schedule-{i}.pickle") for i, v in enumerate(variants)}
-        if rank == 0:
-            from pipefisher.policies import DEFAULT_POLICY, get_policy
-            from pipefisher.report import usage_lines
-            from pipefisher.runtime.driver import inflate_kfac
-            from pipefisher.runtime.profiler import timeline_filename
-            from pipefisher.schedule import save_schedule, validate
-            from pipefisher.timeline import load_job
+        for pipe in pipelines:
+            cfg = base.replace(pipeline={"schedule": pipe})
+            ctx = chimera_ctx if pipe == "chimera" else one_pipe_ctx
+            sub = os.path.join(folder, pipe)
+            os.makedirs(sub, exist_ok=True)
+            # profile, then rank 0 packs (once per K-FAC margin) while the other waits
+            Trainer(cfg, ctx, TrainOptions(mode="kfac", profile=True, steps=profile_steps, out=sub, **quiet)).run()
+            dist.barrier()
+            for i, g in enumerate(margins):
+                files[pipe, f"scheduled x{g:g}"] = os.path.join(sub, f"schedule-{i}.pickle")
+            if rank == 0:
+                from pipefisher.policies import DEFAULT_POLICY, get_policy
+                from pipefisher.report import usage_lines
+                from pipefisher.runtime.driver import inflate_kfac
+                from pipefisher.runtime.profiler import timeline_filename
+                from pipefisher.schedule import save_schedule, validate
+                from pipefisher.timeline import load_job
 
-            job = load_job([os.path.join(folder, timeline_filename(cfg.name, i)) for i in range(2)])
-            for v, g in zip(variants, margins):
-                packed = get_policy(policy or DEFAULT_POLICY).pack(inflate_kfac(job, g))
-                out["usage"][v] = usage_lines(packed)
-                out["violations"][v] = len(validate(packed.to_file_data(), job))
-                out["policy"] = packed.policy
-                save_schedule(files[v], packed)
-        dist.barrier()
+                job = load_job([os.path.join(sub, timeline_filename(cfg.name, i)) for i in range(2)])
+                out["bubbles"][pipe] = _bubble_fraction(job)
+                for g in margins:
+                    v = (pipe, f"scheduled x{g:g}")
+                    packed = get_policy(policy or DEFAULT_POLICY).pack(inflate_kfac(job, g))
+                    out["usage"][v] = usage_lines(packed)
+                    out["violations"][v] = len(validate(packed.to_file_data(), job))
+                    out["policy"] = packed.policy
+                    save_schedule(files[v], packed)
+            dist.barrier()
         for _ in range(rounds):
-            for mode in ["first-order", "kfac", *variants]:
-                sched = files.get(mode)
+            for pipe, mode in runs:
+                cfg = base.replace(pipeline={"schedule": pipe})
+                ctx = chimera_ctx if pipe == "chimera" else one_pipe_ctx
+                sched = files.get((pipe, mode))
                 opts = TrainOptions(mode="scheduled" if sched else mode, steps=steps, schedule=sched, **quiet)
                 trainer = Trainer(cfg, ctx, opts)
                 res = trainer.run()
                 # the mean, not the median: a cycle's steps carry different K-FAC loads, the cost is their sum
-                out["times"][mode].append(statistics.mean(res.step_seconds[warmup:]))
+                out["times"][pipe, mode].append(statistics.mean(res.step_seconds[warmup:]))
                 if sched:
-                    out["cycles"][mode] = trainer.cycles
-        out["pipeline"] = (cfg.pipeline.schedule, cfg.data.num_micro_batches)
+                    out["cycles"][pipe, mode] = trainer.cycles
+        out["micro_batches"] = base.data.num_micro_batches
     finally:
-        shutdown(ctx)
+        shutdown(chimera_ctx)
     return out
 
 
@@ -89,36 +114,40 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--policy", default=None)
     ap.add_argument("--micro-batches", type=int, default=None, help="override data.num_micro_batches")
-    ap.add_argument("--pipeline", choices=["gpipe", "1f1b"], default=None, help="override pipeline.schedule")
+    ap.add_argument("--pipelines", default="1f1b,chimera",
+                    help="comma-separated pipeline orders to compare (gpipe, 1f1b, chimera)")
     ap.add_argument("--kfac-margin", default="1.0",
                     help="comma-separated K-FAC time factors to pack with, one scheduled run each (e.g. 1,1.5)")
     a = ap.parse_args()
     margins = [float(x) for x in a.kfac_margin.split(",")]
+    pipelines = [p.strip() for p in a.pipelines.split(",") if p.strip()]
     overrides: dict = {"pipeline": {"stages": 2}}
-    if a.pipeline:
-        overrides["pipeline"]["schedule"] = a.pipeline
     if a.micro_batches:
         overrides["data"] = {"num_micro_batches": a.micro_batches}
     with tempfile.TemporaryDirectory(prefix="pipefisher-bench-") as folder:
-        results = spawn_local(_bench, 2, a.config, overrides, a.steps, a.warmup, a.profile_steps, a.policy, folder,
-                              a.rounds, margins, timeout_s=3600)
+        results = spawn_local(_bench, 2, a.config, overrides, pipelines, a.steps, a.warmup, a.profile_steps,
+                              a.policy, folder, a.rounds, margins, timeout_s=3600)
     r0 = next(r for r in results if r["rank"] == 0)
-    modes = list(r0["times"])
+    runs = list(r0["times"])
     # Both stages finish a step together (the pipeline couples them); report the slower one anyway.
-    med = {m: statistics.median(max(r["times"][m][i] for r in results) for i in range(a.rounds)) for m in modes}
-    kind, m = r0["pipeline"]
-    fo = med["first-order"]
-    print(f"config {os.path.basename(a.config)}, 2 stages x 1 core, {kind}, {m} micro-batches, {a.steps} steps "
-          f"(mean after {a.warmup} warm-up), median of {a.rounds} round(s); schedules by policy {r0['policy']}")
-    print(f"first-order step:      {fo * 1e3:8.1f} ms")
-    print(f"kfac step:             {med['kfac'] * 1e3:8.1f} ms   ratio kfac / first-order: {med['kfac'] / fo:.3f}"
-          "   (curvature refreshed every step)")
-    for v in modes[2:]:
-        cyc = r0["cycles"][v]
-        bad = f"  {r0['violations'][v]} DEPENDENCY VIOLATIONS" if r0["violations"][v] else ""
-        print(f"{v + ' step:':22} {med[v] * 1e3:8.1f} ms   ratio scheduled / first-order: {med[v] / fo:.3f}"
-              f"   (K-FAC cycle k = {max(cyc)}; per node {', '.join(map(str, cyc))}){bad}")
-        for line in r0["usage"][v]:
+    med = {r: statistics.median(max(res["times"][r][i] for res in results) for i in range(a.rounds)) for r in runs}
+    print(f"config {os.path.basename(a.config)}, 2 stages x 1 core, {r0['micro_batches']} micro-batches, "
+          f"{a.steps} steps (mean after {a.warmup} warm-up), median of {a.rounds} interleaved round(s); "
+          f"schedules by policy {r0['policy']}")
+    print(f"{'pipeline':9} {'run':14} {'step':>9} {'/ first-order':>14} {'bubbles':>8}  K-FAC cycle k (per node)")
+    for pipe, mode in runs:
+        fo = med[pipe, "first-order"]
+        cyc = r0["cycles"].get((pipe, mode))
+        extra = f"  {max(cyc)} ({', '.join(map(str, cyc))})" if cyc else ""
+        if r0["violations"].get((pipe, mode)):
+            extra += f"  {r0['violations'][pipe, mode]} VIOLATIONS"
+        print(f"{pipe:9} {mode:14} {med[pipe, mode] * 1e3:7.1f} ms {med[pipe, mode] / fo:14.3f} "
+              f"{r0['bubbles'][pipe] * 100:7.1f}%{extra}")
+    print("scheduled / first-order: " + "; ".join(f"{pipe} {med[pipe, mode] / med[pipe, 'first-order']:.3f}"
+                                                  for pipe, mode in runs if mode.startswith("scheduled")))
+    for (pipe, mode), lines in r0["usage"].items():
+        print(f"{pipe} {mode}:")
+        for line in lines:
             print(f"    {line}")
 
 

@@ -128,6 +128,29 @@ def replay(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[
         torch.set_num_threads(threads)
 
 
+def _forward_backward(mods: list, data: MLMData, step: int, micro_batches, m: int) -> None:
+    """All forwards of the given micro-batches through the stage modules, then their backwards in the
+    same order (as each pipe's engine does), each loss divided by the step's ``m`` micro-batches."""
+    last = len(mods) - 1
+    stash = []
+    for j in micro_batches:
+        mb = data.micro_batch(step, 0, j)
+        x, ins, outs = mb.input_ids, [], []
+        for s, mod in enumerate(mods):
+            if s > 0:
+                x = x.detach().requires_grad_(True)
+            ins.append(x)
+            y = mod(x, mb.labels if s == last else None)
+            outs.append(y / m if s == last else y)
+            x = y
+        stash.append((ins, outs))
+    for ins, outs in stash:
+        grad = None
+        for s in reversed(range(len(mods))):
+            outs[s].backward(grad)
+            grad = ins[s].grad if s > 0 else None
+
+
 def _replay(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[int, dict[str, torch.Tensor]]:
     stages, m = cfg.pipeline.stages, cfg.data.num_micro_batches
     mods = [PipelineStage(cfg.model, s, stages, seed=cfg.data.seed) for s in range(stages)]
@@ -142,23 +165,7 @@ def _replay(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict
         for u in updaters:
             u.set_step(step)
         iters = [None if step == 0 else node[(step - 1) % len(node)] for node in schedule]
-        stash = []
-        for i in range(m):
-            mb = data.micro_batch(step, 0, i)
-            x, ins, outs = mb.input_ids, [], []
-            for s, mod in enumerate(mods):
-                if s > 0:
-                    x = x.detach().requires_grad_(True)
-                ins.append(x)
-                y = mod(x, mb.labels if s == stages - 1 else None)
-                outs.append(y / m if s == stages - 1 else y)
-                x = y
-            stash.append((ins, outs))
-        for ins, outs in stash:
-            grad = None
-            for s in reversed(range(stages)):
-                outs[s].backward(grad)
-                grad = ins[s].grad if s > 0 else None
+        _forward_backward(mods, data, step, range(m), m)
         for s in range(stages):
             if iters[s] is None:
                 kfacs[s].update_curvature()
@@ -254,23 +261,7 @@ def _replay_chimera(cfg: RunConfig, schedule: list[list[list[str]]], steps: int)
         for u in (u for pair in updaters for u in pair.values()):
             u.set_step(step)
         for pipe, mbs in pipes.items():
-            stash = []
-            for j in mbs:
-                mb = data.micro_batch(step, 0, j)
-                x, ins, outs = mb.input_ids, [], []
-                for s in range(stages):
-                    if s > 0:
-                        x = x.detach().requires_grad_(True)
-                    ins.append(x)
-                    y = mods[s][pipe](x, mb.labels if s == stages - 1 else None)
-                    outs.append(y / m if s == stages - 1 else y)
-                    x = y
-                stash.append((ins, outs))
-            for ins, outs in stash:
-                grad = None
-                for s in reversed(range(stages)):
-                    outs[s].backward(grad)
-                    grad = ins[s].grad if s > 0 else None
+            _forward_backward([mod[pipe] for mod in mods], data, step, mbs, m)
         for s in range(stages):  # the pair's gradient all-reduce: both pipes' gradients summed
             for (n, a), b in zip(mods[s][0].named_parameters(), mods[s][1].parameters()):
                 total = a.grad + b.grad

@@ -59,14 +59,6 @@ class KFACPair:
     def _all(self) -> Iterator[Any]:
         return (self.kfacs[p] for p in self.order)
 
-    @property
-    def saving(self) -> bool:
-        return self.kfacs[DOWN].saving
-
-    @property
-    def samples_labels(self) -> bool:
-        return self.kfacs[DOWN].samples_labels
-
     def set_saving(self, on: bool) -> None:
         for k in self._all():
             k.set_saving(on)
@@ -92,9 +84,6 @@ class KFACPair:
     def peak_saved_bytes(self) -> int:
         """An upper bound: the two copies' high-water marks added."""
         return sum(k.peak_saved_bytes for k in self._all())
-
-    def saved_bytes(self) -> int:
-        return sum(k.saved_bytes() for k in self._all())
 
     def precondition_all(self) -> int:
         return sum(k.precondition_all() for k in self._all())
