@@ -330,3 +330,29 @@ def test_a_schedule_that_would_deadlock_is_refused_before_training(tmp_path):
     it[2:2] = shared[:4]
     with pytest.raises(InputError, match=r"deadlock: at training step 3 .* it would hang"):
         check_schedule(data, cfg)
+
+
+def test_chimera_with_data_parallel_replicas_runs_the_schedule(tmp_path):
+    """2 stages x 2 replicas: four copies of every stage (two pipes x two replicas) average their factors
+    and gradients in one group; the one-iteration schedule equals kfac mode and all four stay identical."""
+    from pipefisher.runtime.executor import single_iteration_schedule
+    from pipefisher.schedule import save_schedule
+
+    from _schedules import tiny
+
+    cfg = tiny(pipeline={"schedule": "chimera", "timeout_s": 30.0})
+    path = str(tmp_path / "dp.pickle")
+    save_schedule(path, single_iteration_schedule(cfg, replicas=2))
+    results = spawn_local(_train_runs, 4, cfg, [("kfac", None), ("scheduled", path)], 3, timeout_s=180)
+    from test_runtime_executor import _close
+
+    copies: dict[int, list] = {}
+    for res in results:
+        index, history, _ = res["dp.pickle"]
+        for p in (0, 1):
+            _close(history[-1][p], res["kfac"][1][-1][p])
+            copies.setdefault(index[p], []).append(history[-1][p])
+    for stage, group in copies.items():
+        assert len(group) == 4
+        for other in group[1:]:
+            assert all(torch.equal(group[0][n], other[n]) for n in other), f"stage {stage}"
