@@ -15,6 +15,7 @@ from pipefisher.policies.base import END, MARKERS, SAVE_OFF, SAVE_ON, START, Job
 from pipefisher.policies.bounds import MARGIN
 from pipefisher.policies.groups import group_order_violations, job_groups
 from pipefisher.policies.model import node_model, sane_bounds
+from pipefisher.policies.waits import deadlock_violations
 from pipefisher.safe_io import dump_pickle_atomic, load_pickle
 from pipefisher.timeline import BACKWARD, COV_KINDS, FORWARD, Job, NodeTimeline, Time, TimelineKey
 from pipefisher.violations import Violation
@@ -219,12 +220,17 @@ def validate(schedule: ScheduleData, job: Job, path: str | None = None, room: bo
              groups: Sequence[Sequence[int]] | None = None) -> list[Violation]:
     """Every violation of the dependency rules and counts in ``schedule`` for ``job``, with ``room`` of
     the bubbles' room (work that does not fit where it is placed), and of the sync groups' shared order
-    (:func:`pipefisher.policies.groups.group_order_violations`). ``groups``: the nodes that hold replicas
-    of one stage; None infers them from the job's layout (Chimera's pairs, or every node alone)."""
+    (:func:`pipefisher.policies.groups.group_order_violations`); where a group has several members, also
+    every step whose waits form a cycle (``deadlock``, :func:`pipefisher.policies.waits.deadlock_violations`).
+    ``groups``: the nodes that hold replicas of one stage; None infers them from the job's layout
+    (Chimera's pairs, or every node alone)."""
     if len(schedule) != len(job.nodes):
         raise InputError(path, f"has {len(schedule)} node schedules but the job has {len(job.nodes)} timelines")
     out: list[Violation] = []
     for n, (node, iterations) in enumerate(zip(job.nodes, schedule)):
         out.extend(validate_node(n, node, iterations, job.span if room else None))
-    out.extend(group_order_violations(schedule, job_groups(job) if groups is None else groups))
+    groups = job_groups(job) if groups is None else [tuple(g) for g in groups]
+    out.extend(group_order_violations(schedule, groups))
+    if any(len(g) > 1 for g in groups):
+        out.extend(deadlock_violations(schedule, groups))
     return out

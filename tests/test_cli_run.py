@@ -78,3 +78,38 @@ def test_cli_import_does_not_load_torch():
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import pipefisher.cli"], capture_output=True,
                          text=True, check=True)
     assert "torch" not in out.stderr
+
+
+def test_run_chimera_end_to_end(tmp_path):
+    """The published workflow: profile Chimera with K-FAC, pack (pairs aligned), train from the schedule."""
+    from pipefisher.safe_io import load_pickle
+    from pipefisher.schedule import load_schedule, save_schedule
+
+    out = tmp_path / "runs"
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", "chimera", "--out", str(out), "--steps", "6",
+                                    "--profile-steps", "2", "--name", "c", "--no-progress", "--eval-every", "3",
+                                    "--timeout", "30"])
+    assert res.exit_code == 0, res.output
+    assert "mode scheduled, 2 stage(s) x 1 replica(s), chimera" in res.output
+    timelines = [str(out / "c_timelines" / f"tiny_node{i}_timeline.pickle") for i in range(2)]
+    keys = set(load_pickle(timelines[0]))
+    for kind in ("call_forward", "call_backward"):
+        assert {kind, f"{kind}:up_pipe"} <= keys
+    for kind in ("cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B", "inv_kron_A", "inv_kron_B"):
+        assert any(k.startswith(kind + ":") and k.endswith(":up_pipe") for k in keys), kind
+        assert any(k.startswith(kind + ":") and not k.endswith(":up_pipe") for k in keys), kind
+    report = json.loads((out / "c_report.json").read_text())
+    assert report["valid"] and report["training"]["steps"] == 6
+    schedule = str(out / "c_schedule.pickle")
+    res = CliRunner().invoke(main, ["validate", "--schedule", schedule, *timelines])
+    assert res.exit_code == 0, res.output
+    data = load_schedule(schedule)
+    for labels in data[1]:  # node 1 all-reduces two factors in the other order than node 0
+        at = [i for i, label in enumerate(labels) if label.startswith("sync_kron")]
+        if len(at) >= 2:
+            labels[at[0]], labels[at[1]] = labels[at[1]], labels[at[0]]
+            break
+    bad = str(tmp_path / "bad.pickle")
+    save_schedule(bad, data)
+    res = CliRunner().invoke(main, ["validate", "--schedule", bad, *timelines])
+    assert res.exit_code == 1 and "group-order" in res.output

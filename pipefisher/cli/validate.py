@@ -28,7 +28,9 @@ def validate_command(schedule_path: str, room: bool, layout: str, timelines: tup
     asks. With --room (the default), also the room rules: a schedule that packs more work into a bubble
     than the bubble has makes its iterations longer than it reports. Per sync group (--layout), every
     iteration's syncs, inverses and '-- end --' must come in the same order on every member, up-pipe
-    suffixes aside, or the all-reduces deadlock and the replicas drift apart.
+    suffixes aside, or the all-reduces deadlock and the replicas drift apart; and a schedule whose
+    waits (an inverse for its peers' syncs, '-- end --' for its peers' ends, a forward or backward for
+    its input) form a cycle in some training step is reported as 'deadlock'.
     """
     from pipefisher.policies.groups import chimera_groups
     from pipefisher.schedule import load_schedule, validate

@@ -13,8 +13,21 @@ their steps in the same order. This module takes the packed members of a group a
    shared label, and that still has room by the packers' rule (:func:`bounds.fits`); work that fits no
    bubble goes to a tail, as overflow. All members use the same iteration and the same side of
    ``-- end --``: the latest any member needs, bumped (adding pipeline-only iterations when needed)
-   until every member has room there;
+   until every member has room there, and, for an inverse before the end, until it cannot deadlock;
 4. drop trailing iterations that hold no K-FAC work on any member, and recompute placements and figures.
+
+An inverse waits for every member to reach its syncs of the layer (:mod:`pipefisher.policies.waits`),
+and under Chimera the members also feed each other's pipelines: an inverse on one member before a call
+whose input comes, through the pipelines, after a peer's sync would deadlock. So the aligner keeps a
+clock that every point-to-point wait respects (:func:`waits.call_clock`; a profile's own times do not,
+each node reads its own clock): a label between two calls of a member happens, on that clock, no
+earlier than the end of the call before it, and an inverse no earlier than the latest sync of its
+layer on any member (same iteration, before the end). An inverse goes before a call only where that
+point is no later than the call's start; after a member's last call, or after ``-- end --``, it always
+may. Every wait then goes forward on the clock, or along the group's common order, so none can close a
+cycle. As a safety net :func:`align_groups` checks the result (:func:`waits.deadlock_violations`) and,
+should it still deadlock, aligns again with every inverse after ``-- end --`` where the tails have room
+for them (else the placement stays, and ``validate`` reports the deadlock).
 
 Groups of one are returned as they are.
 """
@@ -28,6 +41,7 @@ from pipefisher.policies.base import END, MARKERS, SAVE_OFF, SAVE_ON, START, Nod
 from pipefisher.policies.bounds import fits
 from pipefisher.policies.groups import Group, identity, is_shared
 from pipefisher.policies.model import NodeModel, node_model
+from pipefisher.policies.waits import Clock, call_clock, deadlock_violations, layer_of
 from pipefisher.timeline import Job, Time, TimelineKey
 
 Item = tuple[str, int]  # (identity, occurrence): one shared label of the cycle, as all members know it
@@ -66,14 +80,26 @@ class _Member:
     ready: dict[str, Position]  # per covariance label: where its last piece is
     ready_time: dict[str, float]  # and when it ends in the member's own packing
     shared: dict[Item, tuple[str, Time, float]]  # own label, duration, time it had in the member's packing
+    calls: Sequence[tuple[Clock, Clock]]  # per pipeline item: when it starts and ends on the call clock
     placed: dict[str, Position] = field(default_factory=dict)  # per own sync label: where it went
     last: Position = (0, 0)  # where the previous shared label went
+    clock: list[list[Clock]] = field(default_factory=list)  # per iteration and region before the end:
+    # the call clock of its last label (its start: the end of the call before it)
+    synced: dict[tuple[int, str], Clock] = field(default_factory=dict)  # per (iteration, layer): the call
+    # clock of its latest sync before the end
 
     def add_iterations(self, k: int) -> None:
         while len(self.regions) < k:
             self.regions.append([[] for _ in range(self.shape.tail + 3)])
             self.used.append([0] * (self.shape.tail + 3))
             self.overflowing.append(False)
+            after_call = [(0.0, 0)] + [end for _, end in self.calls]  # per region: the end of the call before it
+            self.clock.append(after_call + after_call[-1:])  # the overflow region follows the last call too
+
+    def in_time(self, r: int, wait: Clock | None) -> bool:
+        """Whether an inverse that waits until ``wait`` on the call clock may go to region ``r``: no
+        pipeline call follows it, or the next one starts no earlier (see the module's notes)."""
+        return wait is None or r >= self.shape.tail or wait <= self.calls[r][0]
 
     def accepts(self, i: int, r: int, d: Time) -> bool:
         """Whether ``d`` of work appended to region ``r`` of iteration ``i`` keeps the room rules."""
@@ -89,7 +115,7 @@ class _Member:
             return False
         return fits(d, shape.room[shape.tail] - used[shape.tail] - used[shape.tail + 2])
 
-    def put(self, i: int, r: int, label: str, d: Time) -> None:
+    def put(self, i: int, r: int, label: str, d: Time, wait: Clock | None = None) -> None:
         self.regions[i][r].append((label, d))
         if self.shape.fittable(d):
             self.used[i][r] += d
@@ -98,6 +124,13 @@ class _Member:
         self.last = (i, r)
         if label.startswith("sync_kron_"):
             self.placed.setdefault(label, (i, r))
+        if r > self.shape.tail + 1:
+            return  # after the end, which every member passes after all its calls and syncs before it
+        if wait is not None:
+            self.clock[i][r] = max(self.clock[i][r], wait)
+        if label.startswith("sync_kron_"):
+            at = (i, layer_of(label))
+            self.synced[at] = max(self.synced.get(at, self.clock[i][r]), self.clock[i][r])
 
     def after_dependencies(self, label: str) -> Position:
         """The earliest region ``label`` may be appended to: after its factor's pieces (a sync), or after
@@ -133,14 +166,24 @@ def _shape(model: NodeModel, pipe_labels: Sequence[str]) -> _Shape:
     return _Shape(tuple(pipe), tuple(starts), tuple(room), model.base, largest)
 
 
-def _member(node: int, model: NodeModel, schedule: NodeSchedule) -> _Member:
+def _pipe_labels(schedule: NodeSchedule) -> list[str]:
+    return [label for label in schedule.iterations[0] if _is_pipeline(label)]
+
+
+def job_calls(job: Job, schedules: Sequence[NodeSchedule]) -> list[list[tuple[Clock, Clock]]]:
+    """The call clock (:func:`waits.call_clock`) of every node's pipeline, in its schedules' order."""
+    shapes = [_shape(node_model(node, job.span), _pipe_labels(s)) for node, s in zip(job.nodes, schedules)]
+    return call_clock([[label for label, _, _ in sh.pipe] for sh in shapes],
+                      [[e - s for _, s, e in sh.pipe] for sh in shapes])
+
+
+def _member(node: int, model: NodeModel, schedule: NodeSchedule, calls: Sequence[tuple[Clock, Clock]]) -> _Member:
     """A member with its shared labels taken out, covariance pieces (and anything else) left in place."""
-    pipe_labels = [label for label in schedule.iterations[0] if _is_pipeline(label)]
-    shape = _shape(model, pipe_labels)
+    shape = _shape(model, _pipe_labels(schedule))
     durations: dict[str, list[Time]] = {}
     for w in model.work:
         durations.setdefault(w.label, []).extend(w.pieces)
-    member = _Member(node, model, shape, [], [], [], {}, {}, {})
+    member = _Member(node, model, shape, [], [], [], {}, {}, {}, calls)
     member.add_iterations(len(schedule.iterations))
     seen: Counter[str] = Counter()
     tail = shape.tail
@@ -227,35 +270,106 @@ def _side(member: _Member, r: int) -> int:
     return 1 if r == member.shape.tail + 2 else 0
 
 
-def _region_in(member: _Member, i: int, side: int, after: Position, d: Time) -> int | None:
-    """The first region of iteration ``i``'s ``side`` of the end, not before ``after``, with room for ``d``."""
+def _region_in(member: _Member, i: int, side: int, after: Position, d: Time, wait: Clock | None) -> int | None:
+    """The first region of iteration ``i``'s ``side`` of the end, not before ``after``, with room for ``d``
+    (and, for an inverse that waits until ``wait``, where it cannot deadlock)."""
     tail = member.shape.tail
     regions = range(tail + 2) if side == 0 else range(tail + 2, tail + 3)
     for r in regions:
-        if (i, r) >= after and member.accepts(i, r, d):
+        if (i, r) >= after and member.accepts(i, r, d) and member.in_time(r, wait):
             return r
     return None
 
 
-def _place_all(members: Sequence[_Member], order: Sequence[Item]) -> None:
-    """Put every shared label back, each at the same iteration and side of the end on every member."""
+def _waits_until(members: Sequence[_Member], ident: str, i: int, side: int) -> Clock | None:
+    """Until when, on the call clock, an inverse ``ident`` in iteration ``i`` before the end waits: the
+    latest sync of its layer on any member there (None: it waits for nothing a call could hold up)."""
+    if side or not ident.startswith("inv_kron_"):
+        return None
+    layer = layer_of(ident)
+    return max((m.synced[i, layer] for m in members if (i, layer) in m.synced), default=None)
+
+
+@dataclass(frozen=True)
+class _Spot:
+    """Where a shared label goes on every member that holds it: one iteration and side of the end."""
+
+    iteration: int
+    side: int
+    regions: dict[int, int]  # node -> region
+    wait: Clock | None  # an inverse before the end: the call clock it waits until
+
+    def not_after(self, other: _Spot) -> bool:
+        """Whether this spot comes no later than ``other`` on every member (taking it first leaves
+        ``other`` where it is, room aside)."""
+        if (self.iteration, self.side) != (other.iteration, other.side):
+            return (self.iteration, self.side) < (other.iteration, other.side)
+        return all(r <= other.regions.get(n, r) for n, r in self.regions.items())
+
+
+def _is_inverse(item: Item) -> bool:
+    return item[0].startswith("inv_kron_")
+
+
+def _factor(item: Item) -> str:
+    """The factor a sync or an inverse is about (its identity without the kind's prefix)."""
+    return item[0][len("sync_kron_"):] if item[0].startswith("sync_kron_") else item[0][len("inv_kron_"):]
+
+
+def _spot(members: Sequence[_Member], item: Item, safe: bool, timed: bool = True) -> _Spot:
+    """The earliest common spot for ``item`` (``safe``: an inverse after the end; ``timed``: an inverse
+    before the end only where it cannot deadlock)."""
+    holders = [(m, m.shared[item]) for m in members if item in m.shared]
+    after = {m.node: m.after_dependencies(label) for m, (label, _, _) in holders}
+    i, side = max((after[m.node][0], _side(m, after[m.node][1])) for m, _ in holders)
+    late = safe and _is_inverse(item)
+    side = 1 if late else side
+    fresh = len(members[0].regions)  # from here on, iterations hold only the pipeline: room for anything
+    while True:
+        if i > fresh:  # only an inverse kept after the end: its iterations' tails have no room for it
+            raise RuntimeError(f"no common place for {item[0]} in sync group {[m.node for m in members]}")
+        for m in members:
+            m.add_iterations(i + 1)
+        wait = _waits_until(members, item[0], i, side) if timed else None
+        regions = {m.node: _region_in(m, i, side, after[m.node], d, wait) for m, (_, d, _) in holders}
+        if all(r is not None for r in regions.values()):
+            return _Spot(i, side, regions, wait)  # type: ignore[arg-type]
+        i, side = (i, 1) if side == 0 else (i + 1, 1 if late else 0)
+
+
+def _put(members: Sequence[_Member], item: Item, spot: _Spot) -> None:
+    for m in members:
+        if item in m.shared:
+            label, d, _ = m.shared[item]
+            m.put(spot.iteration, spot.regions[m.node], label, d, spot.wait)
+
+
+def _place_all(members: Sequence[_Member], order: Sequence[Item], safe: bool = False) -> None:
+    """Put every shared label back, each at the same spot on every member; ``safe``: every inverse
+    after the end.
+
+    An inverse that cannot go where it would without waiting for its layer's syncs (it would deadlock
+    there) is put off, so that it does not hold back the labels after it: it goes in before the first
+    later label whose spot it does not delay, or before a sync of its factor, or last. Nothing waits
+    for an inverse, so the order stays correct, and it is still one order for the whole group.
+    """
+    pending: list[Item] = []  # inverses put off
     for item in order:
-        holders = [(m, m.shared[item]) for m in members if item in m.shared]
-        after = {m.node: m.after_dependencies(label) for m, (label, _, _) in holders}
-        i, side = max((after[m.node][0], _side(m, after[m.node][1])) for m, _ in holders)
-        fresh = len(members[0].regions)  # from here on, iterations hold only the pipeline: room for anything
-        while True:
-            if i > fresh:  # pragma: no cover - cannot happen, see above
-                raise RuntimeError(f"no common place for {item[0]} in sync group {[m.node for m in members]}")
-            for m in members:
-                m.add_iterations(i + 1)
-            chosen = [(m, _region_in(m, i, side, after[m.node], d), label, d) for m, (label, d, _) in holders]
-            if all(r is not None for _, r, _, _ in chosen):
-                for m, r, label, d in chosen:
-                    assert r is not None
-                    m.put(i, r, label, d)
-                break
-            i, side = (i, 1) if side == 0 else (i + 1, 0)
+        spot = _spot(members, item, safe)
+        if _is_inverse(item) and not safe:
+            unhurried = _spot(members, item, safe, timed=False)
+            if (spot.iteration, spot.side, spot.regions) != (unhurried.iteration, unhurried.side, unhurried.regions):
+                pending.append(item)
+                continue
+        for held in list(pending):
+            now = _spot(members, held, safe)
+            if now.not_after(spot) or _factor(held) == _factor(item):
+                _put(members, held, now)
+                pending.remove(held)
+                spot = _spot(members, item, safe)
+        _put(members, item, spot)
+    for held in pending:
+        _put(members, held, _spot(members, held, safe))
 
 
 def _trim(members: Sequence[_Member]) -> None:
@@ -318,19 +432,23 @@ def _node_schedule(member: _Member, before: NodeSchedule, group: Group) -> NodeS
     return NodeSchedule(tuple(iterations), tuple(placements), figures)
 
 
-def align_group(job: Job, schedules: Sequence[NodeSchedule], group: Group) -> list[NodeSchedule]:
+def align_group(job: Job, schedules: Sequence[NodeSchedule], group: Group,
+                calls: Sequence[Sequence[tuple[Clock, Clock]]] | None = None, safe: bool = False) -> list[NodeSchedule]:
     """The group's members (``schedules[n]`` for n in ``group``) rewritten to share one order of syncs,
-    inverses and ends; a group of one comes back unchanged."""
+    inverses and ends, with no inverse where it could deadlock (``calls``: the job's call clock,
+    :func:`job_calls`; ``safe``: every inverse after ``-- end --``); a group of one comes back unchanged."""
     if len(group) < 2:
         return [schedules[n] for n in group]
+    if calls is None:
+        calls = job_calls(job, schedules)
     models = [node_model(job.nodes[n], job.span) for n in group]
     best: list[_Member] | None = None
     for order_by in (_as_packed, _as_ready):  # two common orders; the shorter cycle wins
-        members = [_member(n, model, schedules[n]) for n, model in zip(group, models)]
+        members = [_member(n, model, schedules[n], calls[n]) for n, model in zip(group, models)]
         k = max(len(m.regions) for m in members)
         for m in members:
             m.add_iterations(k)
-        _place_all(members, _common_order(members, order_by(members)))
+        _place_all(members, _common_order(members, order_by(members)), safe)
         _trim(members)
         if best is None or len(members[0].regions) < len(best[0].regions):
             best = members
@@ -339,10 +457,23 @@ def align_group(job: Job, schedules: Sequence[NodeSchedule], group: Group) -> li
 
 
 def align_groups(job: Job, schedules: Sequence[NodeSchedule], groups: Sequence[Group]) -> tuple[NodeSchedule, ...]:
-    """Every node's schedule, each sync group of several members aligned (:func:`align_group`)."""
+    """Every node's schedule, each sync group of several members aligned (:func:`align_group`); should
+    the result still deadlock (:func:`waits.deadlock_violations`), aligned again with every inverse after
+    ``-- end --``."""
+    if all(len(group) < 2 for group in groups):
+        return tuple(schedules)
+    calls = job_calls(job, schedules)
     out = list(schedules)
-    for group in groups:
-        if len(group) > 1:
-            for n, aligned in zip(group, align_group(job, schedules, group)):
-                out[n] = aligned
+    for safe in (False, True):
+        try:
+            tried = list(schedules)
+            for group in groups:
+                if len(group) > 1:
+                    for n, aligned in zip(group, align_group(job, schedules, group, calls, safe)):
+                        tried[n] = aligned
+        except RuntimeError:  # no room for some inverse after any end: keep the first placement
+            break
+        out = tried
+        if not deadlock_violations([node.iterations for node in out], groups):
+            break
     return tuple(out)

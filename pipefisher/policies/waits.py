@@ -19,7 +19,9 @@ the trainer runs it before any step, without timelines, and ``pipefisher validat
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from pipefisher.policies.base import END
@@ -33,7 +35,67 @@ MAX_STEPS = 4096
 """Steps checked at most: the cycles of all nodes repeat together after lcm(k) steps."""
 
 
-def _layer(label: str) -> str:
+Clock = tuple[float, int]
+"""A point of :func:`call_clock`: (time, calls run before it on the way), compared in that order."""
+
+
+def _call_key(label: str) -> tuple[str, int]:
+    """A call's kind (F or B) and pipe (0 down, 1 up)."""
+    return _CALLS[label.partition(":")[0]], 1 if label.endswith(_UP) else 0
+
+
+def _producer(n: int, kind: str, pipe: int, nodes: int) -> tuple[int, str, int] | None:
+    """Whose call of the same micro-batch a ``kind`` call of ``pipe`` on node ``n`` receives from, as
+    (node, kind, pipe); None at the first stage (forwards) or the last (backwards) of its pipe."""
+    stage = n if pipe == 0 else nodes - 1 - n
+    src = stage - 1 if kind == "F" else stage + 1
+    if not 0 <= src < nodes:
+        return None
+    return (src if pipe == 0 else nodes - 1 - src), kind, pipe
+
+
+def call_clock(orders: Sequence[Sequence[str]],
+               durations: Sequence[Sequence[float]]) -> list[list[tuple[Clock, Clock]]]:
+    """When each node's calls (``orders[n]``: its ``call_forward``/``call_backward`` labels in its order,
+    lasting ``durations[n]``) start and end if the nodes run only their pipelines, each call as soon as
+    the node is free and its input has arrived.
+
+    Unlike a profile, whose nodes each read their own clock, this clock respects every point-to-point
+    wait: a call starts no earlier than the call it receives from ends, and every call ends strictly
+    after it starts (the count of calls breaks ties of zero-length calls). Where the orders alone would
+    deadlock, the receives that never arrive are ignored.
+    """
+    nodes = len(orders)
+    out: list[list[tuple[Clock, Clock]]] = [[] for _ in range(nodes)]
+    ends: dict[tuple[int, str, int, int], Clock] = {}  # (node, F/B, pipe, k-th) -> when that call ends
+    counts: list[dict[tuple[str, int], int]] = [defaultdict(int) for _ in range(nodes)]
+    strict = True
+    while any(len(out[n]) < len(orders[n]) for n in range(nodes)):
+        progressed = False
+        for n in range(nodes):
+            while len(out[n]) < len(orders[n]):
+                j = len(out[n])
+                call = orders[n][j]
+                key = _call_key(call)
+                k = counts[n][key]
+                start: Clock = out[n][-1][1] if j else (0.0, 0)
+                src = _producer(n, *key, nodes)
+                if src is not None:
+                    arrived = ends.get((*src, k))
+                    if arrived is None and strict:
+                        break
+                    if arrived is not None:
+                        start = max(start, arrived)
+                end = (start[0] + max(float(durations[n][j]), 0.0), start[1] + 1)
+                out[n].append((start, end))
+                ends[(n, *key, k)] = end
+                counts[n][key] += 1
+                progressed = True
+        strict = progressed
+    return out
+
+
+def layer_of(label: str) -> str:
     """The layer a sync or inverse belongs to, as every replica of its stage names it."""
     return identity(label).partition(":")[2]
 
@@ -48,81 +110,89 @@ def deadlock_violations(schedule: Sequence[Sequence[Sequence[str]]],
     group_of = {n: g for g in groups for n in g}
     cycles = [len(node) for node in schedule]
     steps = min(math.lcm(*cycles), MAX_STEPS)
+    iterations: dict[tuple[int, int], _Iteration] = {}  # (node, iteration) -> its waits, read once
     seen: set[tuple[int, ...]] = set()
     for step in range(1, steps + 1):
         combo = tuple((step - 1) % k for k in cycles)
         if combo in seen:
             continue
         seen.add(combo)
-        found = _step_deadlock(schedule, combo, group_of, step)
+        for n, i in enumerate(combo):
+            if (n, i) not in iterations:
+                iterations[n, i] = _Iteration.of(schedule[n][i])
+        found = _step_deadlock([iterations[n, i] for n, i in enumerate(combo)], combo, group_of, step)
         if found:
             return found
     return []
 
 
-def _step_deadlock(schedule: Sequence[Sequence[Sequence[str]]], combo: tuple[int, ...],
-                   group_of: dict[int, tuple[int, ...]], step: int) -> list[Violation]:
-    nodes = len(schedule)
-    labels: list[list[tuple[int, str]]] = []  # per node: (index in its iteration, label) that wait or are waited on
-    for n, i in enumerate(combo):
-        labels.append([(j, lb) for j, lb in enumerate(schedule[n][i])
-                       if lb.partition(":")[0] in _CALLS or lb == END or lb.startswith(("sync_kron_", "inv_kron_"))])
-    ids: dict[tuple[int, int], int] = {}  # (node, position in labels[n]) -> event
-    for n in range(nodes):
-        for p in range(len(labels[n])):
-            ids[n, p] = len(ids)
-    preds: list[set[int]] = [set() for _ in ids]
-    calls: dict[tuple[int, str, int, int], int] = {}  # (node, F/B, pipe, k-th) -> event
-    syncs: dict[tuple[int, str], int] = {}  # (node, sync identity) -> event (its first in the iteration)
-    for n in range(nodes):
+@dataclass(frozen=True)
+class _Iteration:
+    """One iteration of a node as the wait graph sees it: its labels that wait or are waited on."""
+
+    labels: tuple[str, ...]
+    calls: tuple[tuple[int, str, int, int], ...]  # (position, F/B, pipe, k-th of that kind and pipe)
+    syncs: dict[str, int]  # sync identity -> position of its first occurrence
+    inverses: tuple[tuple[int, tuple[str, ...]], ...]  # (position, identities of the syncs it waits for)
+    ends: tuple[int, ...]  # positions of ``-- end --`` (one in a valid schedule)
+
+    @staticmethod
+    def of(iteration: Sequence[str]) -> _Iteration:
+        labels = tuple(lb for lb in iteration
+                       if lb.partition(":")[0] in _CALLS or lb == END or lb.startswith(("sync_kron_", "inv_kron_")))
+        calls, syncs, inverses, ends = [], {}, [], []
         count: dict[tuple[str, int], int] = defaultdict(int)
-        for p, (_, lb) in enumerate(labels[n]):
-            ev = ids[n, p]
-            if p:
-                preds[ev].add(ids[n, p - 1])
-            head = lb.partition(":")[0]
-            if head in _CALLS:
-                key = (_CALLS[head], 1 if lb.endswith(_UP) else 0)
-                calls[(n, *key, count[key])] = ev
+        in_flight: dict[str, list[str]] = defaultdict(list)  # per layer: syncs started, not waited for
+        for p, lb in enumerate(labels):
+            if lb.partition(":")[0] in _CALLS:
+                key = _call_key(lb)
+                calls.append((p, *key, count[key]))
                 count[key] += 1
             elif lb.startswith("sync_kron_"):
-                syncs.setdefault((n, identity(lb)), ev)
-
-    def stage_of(n: int, pipe: int) -> int:
-        return n if pipe == 0 else nodes - 1 - n
-
-    def node_of(stage: int, pipe: int) -> int:
-        return stage if pipe == 0 else nodes - 1 - stage
-
-    for (n, kind, pipe, k), ev in calls.items():  # point to point, from the neighbouring stage
-        s = stage_of(n, pipe)
-        src = s - 1 if kind == "F" else s + 1
-        if 0 <= src < nodes:
-            dep = calls.get((node_of(src, pipe), kind, pipe, k))
-            if dep is not None:
-                preds[ev].add(dep)
-    for n in range(nodes):
-        members = [b for b in group_of.get(n, (n,)) if b != n]
-        if not members:
-            continue
-        in_flight: dict[str, list[str]] = defaultdict(list)
-        for p, (_, lb) in enumerate(labels[n]):
-            ev = ids[n, p]
-            if lb.startswith("sync_kron_"):
-                in_flight[_layer(lb)].append(identity(lb))
+                syncs.setdefault(identity(lb), p)
+                in_flight[layer_of(lb)].append(identity(lb))
             elif lb.startswith("inv_kron_"):
-                for ident in in_flight.pop(_layer(lb), []):
-                    for b in members:
-                        if (b, ident) in syncs:
-                            preds[ev].add(syncs[b, ident])
+                inverses.append((p, tuple(in_flight.pop(layer_of(lb), []))))
             elif lb == END:
                 in_flight.clear()  # waited for by then: every member started them before its end
-                for b in members:
-                    at = next((q for q, (_, x) in enumerate(labels[b]) if x == END), None)
-                    if at:
-                        preds[ev].add(ids[b, at - 1])
+                ends.append(p)
+        return _Iteration(labels, tuple(calls), syncs, tuple(inverses), tuple(ends))
+
+
+def _step_deadlock(its: Sequence[_Iteration], combo: tuple[int, ...],
+                   group_of: dict[int, tuple[int, ...]], step: int) -> list[Violation]:
+    nodes = len(its)
+    base = [0] * (nodes + 1)  # event of node n's p-th label: base[n] + p
+    for n, it in enumerate(its):
+        base[n + 1] = base[n] + len(it.labels)
+    preds: list[list[int]] = [[] for _ in range(base[nodes])]
+    calls: dict[tuple[int, str, int, int], int] = {}  # (node, F/B, pipe, k-th) -> event
+    for n, it in enumerate(its):
+        for p in range(1, len(it.labels)):
+            preds[base[n] + p].append(base[n] + p - 1)
+        for p, kind, pipe, k in it.calls:
+            calls[n, kind, pipe, k] = base[n] + p
+    for (n, kind, pipe, k), ev in calls.items():  # point to point, from the neighbouring stage
+        src = _producer(n, kind, pipe, nodes)
+        if src is not None:
+            dep = calls.get((*src, k))
+            if dep is not None:
+                preds[ev].append(dep)
+    for n, it in enumerate(its):
+        members = [b for b in group_of.get(n, (n,)) if b != n]
+        for p, waited in it.inverses:
+            for b in members:
+                for ident in waited:
+                    q = its[b].syncs.get(ident)
+                    if q is not None:
+                        preds[base[n] + p].append(base[b] + q)
+        for end in it.ends:  # every member reaches its (first) end
+            for b in members:
+                at = its[b].ends[0] if its[b].ends else None
+                if at:
+                    preds[base[n] + end].append(base[b] + at - 1)
     # Kahn's algorithm: what is left has a cycle among its waits
-    succ: list[list[int]] = [[] for _ in ids]
+    succ: list[list[int]] = [[] for _ in preds]
     indeg = [len(p) for p in preds]
     for ev, ps in enumerate(preds):
         for q in ps:
@@ -136,22 +206,26 @@ def _step_deadlock(schedule: Sequence[Sequence[Sequence[str]]], combo: tuple[int
             indeg[nxt] -= 1
             if indeg[nxt] == 0:
                 ready.append(nxt)
-    if done == len(ids):
+    if done == len(preds):
         return []
-    where = {ev: (n, p) for (n, p), ev in ids.items()}
+
+    def where(ev: int) -> tuple[int, int]:
+        n = bisect_right(base, ev) - 1
+        return n, ev - base[n]
+
     out = []
-    for n in range(nodes):
-        stuck = next((p for p in range(len(labels[n])) if indeg[ids[n, p]] > 0), None)
+    for n, it in enumerate(its):
+        stuck = next((p for p in range(len(it.labels)) if indeg[base[n] + p] > 0), None)
         if stuck is None:
             continue
-        ev = ids[n, stuck]
-        blocker = next((where[q] for q in sorted(preds[ev]) if indeg[q] > 0 and where[q][0] != n), None)
-        needs = (f", waiting for node{blocker[0]}'s '{labels[blocker[0]][blocker[1]][1]}'"
+        ev = base[n] + stuck
+        blocker = next((where(q) for q in sorted(preds[ev]) if indeg[q] > 0 and where(q)[0] != n), None)
+        needs = (f", waiting for node{blocker[0]}'s '{its[blocker[0]].labels[blocker[1]]}'"
                  if blocker is not None else "")
-        out.append(Violation(n, combo[n], labels[n][stuck][1], "deadlock",
+        out.append(Violation(n, combo[n], it.labels[stuck], "deadlock",
                              f"at training step {step} the nodes wait for each other in a cycle: node{n} "
                              f"stops here{needs}"))
     return out
 
 
-__all__ = ["MAX_STEPS", "deadlock_violations"]
+__all__ = ["MAX_STEPS", "Clock", "call_clock", "deadlock_violations", "layer_of"]

@@ -12,6 +12,7 @@ two pipes, each through its own :class:`PipelineEngine` (see :mod:`pipefisher.ru
 from __future__ import annotations
 
 import collections
+import functools
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -44,9 +45,15 @@ def device_plan(kind: str, device: int, devices: int, num_micro_batches: int) ->
     """
     if kind not in PIPELINE_ORDERS:
         raise ValueError(f"unknown pipeline schedule {kind!r} ({', '.join(PIPELINE_ORDERS)})")
+    return list(_plans(kind, devices, num_micro_batches)[device])
+
+
+@functools.lru_cache(maxsize=64)
+def _plans(kind: str, devices: int, num_micro_batches: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Every device's plan at once (Chimera's list scheduling orders all devices together)."""
     schedule = generate(kind, devices, num_micro_batches)
-    return [(pipe_label(FORWARD if op.kind == _F else BACKWARD, op.pipe), op.pipe, op.micro_batch)
-            for op in schedule.devices[device]]
+    return tuple(tuple((pipe_label(FORWARD if op.kind == _F else BACKWARD, op.pipe), op.pipe, op.micro_batch)
+                       for op in ops) for ops in schedule.devices)
 
 
 def pipeline_ops(kind: str, stage: int, num_stages: int, num_micro_batches: int) -> list[str]:
