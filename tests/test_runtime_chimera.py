@@ -132,7 +132,7 @@ def _train_runs(cfg, runs, steps) -> dict:
     return out
 
 
-STEPS = 5
+STEPS = 7  # step 0, a full 5-iteration cycle of the packed schedule, and the next one begun
 
 
 @pytest.fixture(scope="module")
@@ -145,18 +145,35 @@ def chimera_runs(tmp_path_factory):
     cfg = tiny(pipeline={"schedule": "chimera", "timeout_s": 30.0})
     folder = tmp_path_factory.mktemp("chimera")
     files = {}
-    for name, data in (("one", single_iteration_schedule(cfg)), ("spread", chimera_spread_schedule(cfg))):
+    for name, data in (("one", single_iteration_schedule(cfg)), ("spread", chimera_spread_schedule(cfg)),
+                       ("packed", _packed_from_profile())):
         check_schedule(data, cfg)
         files[name] = str(folder / f"{name}.pickle")
         save_schedule(files[name], data)
-    runs = [("first-order", None), ("kfac", None), ("scheduled", files["one"]), ("scheduled", files["spread"])]
+    runs = [("first-order", None), ("kfac", None)] + [("scheduled", files[n]) for n in ("one", "spread", "packed")]
     results = spawn_local(_train_runs, 2, cfg, runs, STEPS, timeout_s=180)
     return cfg, results, files
 
 
+def _packed_from_profile() -> list:
+    """``tight`` on a real Chimera profile of configs/tiny.yaml (2 devices), pairs aligned."""
+    import glob
+    import os
+
+    from pipefisher.policies import get_policy
+    from pipefisher.schedule import validate
+    from pipefisher.timeline import load_job
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profiles", "chimera_tiny_2")
+    job = load_job(sorted(glob.glob(os.path.join(here, "*.pickle"))))
+    data = get_policy("tight").pack(job).to_file_data()
+    assert validate(data, job) == [] and min(len(node) for node in data) >= 2
+    return data
+
+
 def test_both_copies_of_every_stage_stay_identical_after_every_step(chimera_runs):
     cfg, results, _ = chimera_runs
-    for run in ("first-order", "kfac", "one.pickle", "spread.pickle"):
+    for run in ("first-order", "kfac", "one.pickle", "spread.pickle", "packed.pickle"):
         copies: dict[int, list] = {}
         for res in results:
             index, history, _ = res[run]
@@ -180,21 +197,22 @@ def test_one_iteration_chimera_schedule_equals_kfac_mode(chimera_runs):
     assert last[0]["kfac"][2] != pytest.approx(last[0]["first-order"][2], rel=1e-4)  # K-FAC changed the run
 
 
-def test_multi_iteration_chimera_schedule_equals_a_one_process_replay(chimera_runs):
+@pytest.mark.parametrize("name", ["spread", "packed"])
+def test_multi_iteration_chimera_schedule_equals_a_one_process_replay(chimera_runs, name):
     from pipefisher.schedule import load_schedule
     from test_runtime_executor import _close
 
     from _schedules import replay
 
     cfg, results, files = chimera_runs
-    schedule = load_schedule(files["spread"])
+    schedule = load_schedule(files[name])
     ref = replay(cfg, schedule, STEPS)
     for res in results:
-        index, history, _ = res["spread.pickle"]
+        index, history, _ = res[f"{name}.pickle"]
         for p in (0, 1):
             _close(history[-1][p], ref[index[p]])
     with pytest.raises(AssertionError):  # a longer cycle really is another run than kfac mode
-        _close(results[0]["spread.pickle"][1][-1][0], results[0]["kfac"][1][-1][0], tol=1e-6)
+        _close(results[0][f"{name}.pickle"][1][-1][0], results[0]["kfac"][1][-1][0], tol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------
