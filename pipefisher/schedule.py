@@ -13,9 +13,9 @@ from typing import Any, Callable, Sequence
 from pipefisher.errors import InputError
 from pipefisher.policies.base import END, MARKERS, SAVE_OFF, SAVE_ON, START, JobSchedule
 from pipefisher.policies.bounds import MARGIN
-from pipefisher.policies.groups import group_order_violations, job_groups
+from pipefisher.policies.groups import job_groups
 from pipefisher.policies.model import node_model, sane_bounds
-from pipefisher.policies.waits import deadlock_violations
+from pipefisher.policies.waits import group_violations
 from pipefisher.safe_io import dump_pickle_atomic, load_pickle
 from pipefisher.timeline import BACKWARD, COV_KINDS, FORWARD, Job, NodeTimeline, Time, TimelineKey
 from pipefisher.violations import Violation
@@ -230,7 +230,5 @@ def validate(schedule: ScheduleData, job: Job, path: str | None = None, room: bo
     for n, (node, iterations) in enumerate(zip(job.nodes, schedule)):
         out.extend(validate_node(n, node, iterations, job.span if room else None))
     groups = job_groups(job) if groups is None else [tuple(g) for g in groups]
-    out.extend(group_order_violations(schedule, groups))
-    if any(len(g) > 1 for g in groups):
-        out.extend(deadlock_violations(schedule, groups))
+    out.extend(group_violations(schedule, groups))
     return out

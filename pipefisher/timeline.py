@@ -23,6 +23,8 @@ Time = Union[int, float]
 FORWARD = "call_forward"
 BACKWARD = "call_backward"
 UP_PIPE = "up_pipe"
+UP_SUFFIX = ":" + UP_PIPE
+"""What a key or label of the second (up) pipe of a Chimera schedule ends with."""
 STEP_KEY = "start_end"
 KFAC_KINDS = ("cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B", "inv_kron_A", "inv_kron_B")
 COV_KINDS = ("cov_kron_A", "cov_kron_B")

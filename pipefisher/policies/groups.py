@@ -15,12 +15,11 @@ from itertools import zip_longest
 from typing import Iterable, Sequence
 
 from pipefisher.policies.base import END
-from pipefisher.timeline import UP_PIPE, Job
+from pipefisher.timeline import UP_SUFFIX, Job
 from pipefisher.violations import Violation
 
 Group = tuple[int, ...]
 SHARED_PREFIXES = ("sync_kron_", "inv_kron_")
-_UP_SUFFIX = ":" + UP_PIPE
 
 
 def chimera_groups(num_nodes: int) -> list[Group]:
@@ -73,7 +72,7 @@ def is_shared(label: str) -> bool:
 
 def identity(label: str) -> str:
     """The label as every replica of its stage knows it: one trailing ``:up_pipe`` stripped."""
-    return label[: -len(_UP_SUFFIX)] if label.endswith(_UP_SUFFIX) else label
+    return label[: -len(UP_SUFFIX)] if label.endswith(UP_SUFFIX) else label
 
 
 def shared_sequence(labels: Iterable[str]) -> list[str]:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipefisher.timeline import BACKWARD, FORWARD, UP_PIPE, Interval, NodeTimeline, Time, TimelineKey
+from pipefisher.timeline import BACKWARD, FORWARD, UP_SUFFIX, Interval, NodeTimeline, Time, TimelineKey
 
 COV, SYNC, INV = 0, 1, 2
 _KIND = {"cov_kron_A": COV, "cov_kron_B": COV, "sync_kron_A": SYNC, "sync_kron_B": SYNC,
          "inv_kron_A": INV, "inv_kron_B": INV}
-PIPE_KEYS = (FORWARD, FORWARD + ":" + UP_PIPE, BACKWARD, BACKWARD + ":" + UP_PIPE)
+PIPE_KEYS = (FORWARD, FORWARD + UP_SUFFIX, BACKWARD, BACKWARD + UP_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def node_model(node: NodeTimeline, span: Time) -> NodeModel:
             m = node.micro_batches(parsed.up_pipe)
             if m == 0 or not durations:
                 continue  # the timeline asks for no pieces of a pipe that does not run here
-            op = (FORWARD if parsed.factor == "A" else BACKWARD) + (":" + UP_PIPE if parsed.up_pipe else "")
+            op = (FORWARD if parsed.factor == "A" else BACKWARD) + (UP_SUFFIX if parsed.up_pipe else "")
             pos = positions[op]
             pieces: list[Time] = []
             for d in durations:

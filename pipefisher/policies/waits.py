@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from pipefisher.policies.base import END
-from pipefisher.policies.groups import identity
-from pipefisher.timeline import UP_PIPE
+from pipefisher.policies.groups import group_order_violations, identity
+from pipefisher.timeline import UP_SUFFIX
 from pipefisher.violations import Violation
 
-_UP = ":" + UP_PIPE
 _CALLS = {"call_forward": "F", "call_backward": "B"}
 MAX_STEPS = 4096
 """Steps checked at most: the cycles of all nodes repeat together after lcm(k) steps."""
@@ -41,7 +40,7 @@ Clock = tuple[float, int]
 
 def _call_key(label: str) -> tuple[str, int]:
     """A call's kind (F or B) and pipe (0 down, 1 up)."""
-    return _CALLS[label.partition(":")[0]], 1 if label.endswith(_UP) else 0
+    return _CALLS[label.partition(":")[0]], 1 if label.endswith(UP_SUFFIX) else 0
 
 
 def _producer(n: int, kind: str, pipe: int, nodes: int) -> tuple[int, str, int] | None:
@@ -228,4 +227,15 @@ def _step_deadlock(its: Sequence[_Iteration], combo: tuple[int, ...],
     return out
 
 
-__all__ = ["MAX_STEPS", "Clock", "call_clock", "deadlock_violations", "layer_of"]
+def group_violations(schedule: Sequence[Sequence[Sequence[str]]],
+                     groups: Iterable[Sequence[int]]) -> list[Violation]:
+    """Everything that makes a grouped schedule unrunnable, as ``validate`` and the trainer check it:
+    the shared order of every group, then (where a group has several members) the waits' cycles."""
+    groups = [tuple(g) for g in groups]
+    out = group_order_violations(schedule, groups)
+    if any(len(g) > 1 for g in groups):
+        out.extend(deadlock_violations(schedule, groups))
+    return out
+
+
+__all__ = ["MAX_STEPS", "Clock", "call_clock", "deadlock_violations", "group_violations", "layer_of"]

@@ -18,8 +18,9 @@ from typing import Any, Callable, ContextManager, Iterator
 from torch import nn
 
 from pipefisher.runtime.dist import DistContext
-from pipefisher.runtime.engine import UP_SUFFIX, PipelineEngine, average_gradients
+from pipefisher.runtime.engine import PipelineEngine, average_gradients
 from pipefisher.sim.schedules import DOWN, UP
+from pipefisher.timeline import UP_SUFFIX
 
 Span = Callable[[str], ContextManager[Any]]
 
@@ -32,19 +33,18 @@ def up_span(span: Span | None) -> Span:
 
 
 class StagePair(nn.Module):
-    """The two stage copies of a Chimera device: ``down`` (stage d) and ``up`` (stage D - 1 - d)."""
+    """The two stage copies of a Chimera device: ``down`` (stage d) and ``up`` (stage D - 1 - d).
 
-    def __init__(self, down: nn.Module, up: nn.Module) -> None:
+    ``order`` lists the pipes in canonical order (:func:`pipefisher.runtime.executor.node_pipes`), the
+    same on both devices of the pair: gradient buffers and naive K-FAC follow it.
+    """
+
+    def __init__(self, down: nn.Module, up: nn.Module, order: list[int]) -> None:
         super().__init__()
-        self.down, self.up = down, up
+        self.down, self.up, self.order = down, up, order
 
     def copy(self, pipe: int) -> nn.Module:
         return self.up if pipe == UP else self.down
-
-    def pipes(self) -> list[int]:
-        """The pipes in canonical order (their copies' stage indices ascending), the same on both
-        devices of the pair: gradient buffers, naive K-FAC and checkpoints follow it."""
-        return sorted((DOWN, UP), key=lambda p: self.copy(p).index)
 
 
 class KFACPair:
@@ -118,10 +118,6 @@ class ChimeraEngine:
         for e in self.engines.values():
             e.begin_step(step)
 
-    @property
-    def step(self) -> int:
-        return self.down.step
-
     def finish_step(self) -> float | None:
         """Both pipes' sends waited for; the loss of the micro-batches whose last stage is here."""
         losses = [e.finish_step() for e in self.engines.values()]
@@ -129,7 +125,7 @@ class ChimeraEngine:
         return sum(mine) if mine else None
 
     def allreduce_gradients(self) -> None:
-        average_gradients([self.pair.copy(p) for p in self.pair.pipes()], self.ctx)
+        average_gradients([self.pair.copy(p) for p in self.pair.order], self.ctx)
 
     def evaluate(self, batches: list[Any]) -> float | None:
         """Held-out loss through the down pipe (the copies are identical, one pipe is enough)."""

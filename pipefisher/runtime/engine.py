@@ -24,9 +24,9 @@ from pipefisher.runtime.dist import DistContext
 from pipefisher.runtime.model import PipelineStage
 from pipefisher.sim.schedules import DOWN, UP, generate
 from pipefisher.sim.schedules import FORWARD as _F
+from pipefisher.timeline import UP_SUFFIX
 
 FORWARD, BACKWARD = "call_forward", "call_backward"
-UP_SUFFIX = ":up_pipe"
 _TAG_ACT, _TAG_GRAD, _TAG_SAMPLED_GRAD, _TAG_EVAL = 1, 2, 3, 4
 _TAG_PIPE_STRIDE = 8  # the up pipe's tags: the same kinds, shifted, so the two pipes never mix
 Span = Callable[[str], ContextManager[Any]]

@@ -35,6 +35,7 @@ from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.config import RunConfig
+from pipefisher.timeline import UP_SUFFIX
 
 START = "-- start --"
 END = "-- end --"
@@ -42,7 +43,6 @@ SAVE_OFF = "turn_off_save_inputs_outgrads"
 SAVE_ON = "turn_on_save_inputs_outgrads"
 FORWARD, BACKWARD = "call_forward", "call_backward"
 KFAC_KINDS = ("cov_kron", "sync_kron", "inv_kron")
-UP_PIPE = "up_pipe"
 
 ScheduleData = list[list[list[str]]]
 
@@ -51,8 +51,8 @@ def parse_label(label: str) -> tuple[str, str | None, str | None, int]:
     """``(kind, factor, module, pipe)``: kind is a marker, ``call_forward``/``call_backward``,
     ``cov_kron``, ``sync_kron``, ``inv_kron`` or ``unknown``; pipe is 1 for ``:up_pipe`` labels."""
     pipe = 0
-    if label.endswith(":" + UP_PIPE):
-        label, pipe = label[: -len(UP_PIPE) - 1], 1
+    if label.endswith(UP_SUFFIX):
+        label, pipe = label[: -len(UP_SUFFIX)], 1
     if label in (START, END, SAVE_OFF, SAVE_ON):
         return (label, None, None, 0) if pipe == 0 else ("unknown", None, None, pipe)
     if label in (FORWARD, BACKWARD):
@@ -115,7 +115,7 @@ def node_kfac_names(cfg: RunConfig) -> list[dict[int, list[str]]]:
 
 def labelled(name: str, pipe: int) -> str:
     """A module's name as its labels carry it (``:up_pipe`` for the up copy)."""
-    return name + (":" + UP_PIPE if pipe else "")
+    return name + (UP_SUFFIX if pipe else "")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -268,17 +268,15 @@ def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.
         check_schedule_for_stage(data[node], node=node, names=names, ops=ops,
                                  replicas=sync_copies(cfg, replicas), path=p)
     if is_chimera(cfg):
-        from pipefisher.policies.groups import chimera_groups, group_order_violations
-        from pipefisher.policies.waits import deadlock_violations
+        from pipefisher.policies.groups import chimera_groups
+        from pipefisher.policies.waits import group_violations
 
-        groups = chimera_groups(stages)
-        bad = group_order_violations(data, groups)
+        bad = group_violations(data, chimera_groups(stages))
         if bad:
-            raise InputError(p, f"{bad[0]} (devices that share a group must all-reduce and refresh their "
-                                "factors in the same order; pack with 'tight', which aligns them)")
-        bad = deadlock_violations(data, groups)
-        if bad:
-            raise InputError(p, f"{bad[0]}; it would hang until pipeline.timeout_s")
+            why = ("; it would hang until pipeline.timeout_s" if bad[0].rule == "deadlock" else
+                   " (devices that share a group must all-reduce and refresh their factors in the same order; "
+                   "pack with 'tight', which aligns them)")
+            raise InputError(p, f"{bad[0]}{why}")
     return data
 
 

@@ -31,7 +31,7 @@ from pipefisher.runtime.data import MLMData
 from pipefisher.runtime.dist import DistContext
 from pipefisher.runtime.chimera import ChimeraEngine, KFACPair, StagePair
 from pipefisher.runtime.engine import PipelineEngine, pipe_micro_batches, pipeline_ops
-from pipefisher.runtime.executor import ScheduleExecutor, load_checked_schedule, schedule_digest
+from pipefisher.runtime.executor import ScheduleExecutor, load_checked_schedule, node_pipes, schedule_digest
 from pipefisher.runtime.model import PipelineStage
 from pipefisher.runtime.profiler import STEP_KEY, Profiler
 from pipefisher.runtime.update import Updater, make_kfac
@@ -150,8 +150,8 @@ class Trainer:
         """This device's stage (two copies under Chimera), their K-FAC states and pipeline engines."""
         g, m = ctx.grid, cfg.data.num_micro_batches
         plan = pipe_micro_batches(cfg.pipeline.schedule, g.stage, g.stages, m)
-        index = {DOWN: g.stage, UP: g.mirror}
-        copies = {p: PipelineStage(cfg.model, index[p], g.stages, seed=cfg.data.seed).to(ctx.device) for p in plan}
+        index = node_pipes(cfg, g.stage)  # pipe -> stage of its copy here, in canonical order
+        copies = {p: PipelineStage(cfg.model, s, g.stages, seed=cfg.data.seed).to(ctx.device) for p, s in index.items()}
         self.kfacs: dict[int, Any] = {}
         if self.mode != "first-order":
             for p, copy in copies.items():
@@ -161,8 +161,8 @@ class Trainer:
         engines = {p: PipelineEngine(copies[p], ctx, self.data, m, span=self.profiler.span, kfac=self.kfacs.get(p),
                                      pipe=p, micro_batches=plan[p]) for p in plan}
         if self.chimera:
-            self.stage: nn.Module = StagePair(copies[DOWN], copies[UP])
-            self.kfac: Any = KFACPair(self.kfacs, self.stage.pipes()) if self.kfacs else None
+            self.stage: nn.Module = StagePair(copies[DOWN], copies[UP], list(index))
+            self.kfac: Any = KFACPair(self.kfacs, list(index)) if self.kfacs else None
             self.engine: Any = ChimeraEngine(self.stage, ctx, engines)
         else:
             self.stage, self.kfac, self.engine = copies[DOWN], self.kfacs.get(DOWN), engines[DOWN]

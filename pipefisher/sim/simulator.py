@@ -30,6 +30,7 @@ from typing import Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.sim.costs import NS_PER_MS, CostModel, ModuleCost
+from pipefisher.timeline import UP_SUFFIX
 from pipefisher.sim.schedules import (
     BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op, PipelineSchedule, canonical_name, generate,
 )
@@ -181,7 +182,7 @@ def _pipeline_keys(result: SimResult, device: int) -> dict[str, list[tuple[int, 
     i = 0
     while i < len(ops):
         t = ops[i]
-        suffix = ":up_pipe" if t.op.pipe == UP else ""
+        suffix = UP_SUFFIX if t.op.pipe == UP else ""
         if t.op.kind == FORWARD:
             entries.setdefault("call_forward" + suffix, []).append((t.start, t.end))
         elif t.op.kind == BACKWARD:
