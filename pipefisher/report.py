@@ -9,12 +9,13 @@ from pipefisher.timeline import Job, Time
 
 def usage_line(index: int, node: NodeSchedule) -> str:
     """The published tool's line, character for character; policies that prove a lower bound on the
-    cycle append it (and their overflow time, if any): ``... (usage: 91.20 %) [lower bound 3]``."""
+    cycle append it, whether the cycle meets it (optimal) or by how much it misses it (gap), and their
+    overflow time, if any: ``... (usage: 91.20 %) [lower bound 3, optimal]``."""
     f = node.figures
     line = f"node{index}:{f.iterations} pipeline iterations (usage: {f.usage:.2f} %)"
     if f.lower_bound is None:
         return line
-    extra = f"lower bound {f.lower_bound}"
+    extra = f"lower bound {f.lower_bound}, " + ("optimal" if f.optimal else f"gap {f.gap}")
     if f.overflow:
         extra += f", overflow {_fmt(f.overflow)}"
     return f"{line} [{extra}]"
@@ -55,11 +56,28 @@ def _plain(x: Any) -> Any:
     return x
 
 
+def node_bound(schedule: JobSchedule, job: Job, index: int) -> int:
+    """Node ``index``'s lower bound: the policy's own, else computed under the schedule's margin."""
+    own = schedule.nodes[index].figures.lower_bound
+    if own is not None:
+        return own
+    from pipefisher.policies.bounds import model_bounds
+    from pipefisher.problem import node_model
+
+    return model_bounds(node_model(job.nodes[index], job.span, schedule.margin)).tight
+
+
 def report_data(schedule: JobSchedule, job: Job) -> dict[str, Any]:
-    """The report as data, for ``--json``: per node, the figures a user compares."""
+    """The report as data, for ``--json``: per node, the figures a user compares.
+
+    Every policy's nodes carry the lower bound, the gap to it and whether the cycle is proven optimal
+    (for policies that compute no bound, it is computed here; a negative gap then means the schedule
+    breaks the rules: no valid one is that short).
+    """
     nodes = []
     for i, (node, timeline) in enumerate(zip(schedule.nodes, job.nodes)):
         f = node.figures
+        bound = node_bound(schedule, job, i)
         entry = {
             "node": i,
             "timeline": timeline.path,
@@ -70,12 +88,15 @@ def report_data(schedule: JobSchedule, job: Job) -> dict[str, Any]:
             "kfac_placed_time": f.kfac_placed,
             "bubble_time_left": f.bubble_left,
             "overflow_time": f.overflow,
-            "lower_bound": f.lower_bound,
+            "lower_bound": bound,
+            "gap": f.iterations - bound,
+            "optimal": f.iterations == bound,
         }
         entry.update({k: _plain(v) for k, v in f.extra.items()})
         nodes.append(entry)
     return {
         "policy": schedule.policy,
+        "margin": schedule.margin,
         "pipeline_time": job.span,
         "time_unit": "seconds" if isinstance(job.span, float) else "nanoseconds",
         "nodes": nodes,
@@ -89,7 +110,7 @@ def compare_lines(job: Job, schedules: "list[JobSchedule]") -> list[str]:
     """
     from pipefisher.schedule import validate
 
-    bad = [{v.node for v in validate(s.to_file_data(), job)} for s in schedules]
+    bad = [{v.node for v in validate(s.to_file_data(), job, margin=s.margin)} for s in schedules]
     head = ["node"]
     for s in schedules:
         head += [f"{s.policy}:cycle", "usage%", "overflow", "valid"]

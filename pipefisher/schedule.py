@@ -12,11 +12,10 @@ from typing import Any, Callable, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.policies.base import END, MARKERS, SAVE_OFF, SAVE_ON, START, JobSchedule
-from pipefisher.policies.bounds import MARGIN
 from pipefisher.policies.groups import job_groups
-from pipefisher.policies.model import node_model, sane_bounds
+from pipefisher.problem import DEFAULT_MARGIN, cov_source, fits, inverse_waits_for_sync, node_model, source_call
 from pipefisher.policies.waits import group_violations
-from pipefisher.safe_io import dump_pickle_atomic, load_pickle
+from pipefisher.safe_io import dump_json_atomic, dump_pickle_atomic, load_json, load_pickle
 from pipefisher.timeline import BACKWARD, COV_KINDS, FORWARD, Job, NodeTimeline, Time, TimelineKey
 from pipefisher.violations import Violation
 
@@ -41,10 +40,44 @@ def load_schedule(path: str | os.PathLike[str]) -> ScheduleData:
     return check_schedule_data(load_pickle(path), os.fspath(path))
 
 
+def meta_path(path: str | os.PathLike[str]) -> str:
+    """Where a schedule file's metadata lies: beside it, ``<file>.meta.json``."""
+    return os.fspath(path) + ".meta.json"
+
+
 def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | ScheduleData) -> None:
-    """Write the schedule file atomically (the old file stays whole if anything fails)."""
+    """Write the schedule file atomically (the old file stays whole if anything fails).
+
+    A packed :class:`JobSchedule` also gets its metadata beside it (:func:`meta_path`): the policy, the
+    margin it was packed under (so ``validate`` checks it under the same rule) and per node the cycle
+    and its lower bound. The schedule file itself stays the published format, a plain list.
+    """
     data = schedule.to_file_data() if isinstance(schedule, JobSchedule) else schedule
     dump_pickle_atomic(path, check_schedule_data(data))
+    if isinstance(schedule, JobSchedule):
+        dump_json_atomic(meta_path(path), {
+            "format": "pipefisher-schedule-meta/1",
+            "policy": schedule.policy,
+            "margin": schedule.margin,
+            "pipeline_time": schedule.span,
+            "nodes": [{"iterations": n.figures.iterations, "lower_bound": n.figures.lower_bound,
+                       "optimal": n.figures.optimal if n.figures.lower_bound is not None else None}
+                      for n in schedule.nodes],
+        })
+    elif os.path.exists(meta_path(path)):
+        os.remove(meta_path(path))  # metadata of an older schedule would describe the wrong one
+
+
+def schedule_margin(path: str | os.PathLike[str]) -> float | None:
+    """The margin recorded beside a schedule file, or None where there is no (readable) record."""
+    where = meta_path(path)
+    if not os.path.exists(where):
+        return None
+    meta = load_json(where)
+    margin = meta.get("margin") if isinstance(meta, dict) else None
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < 10:
+        raise InputError(where, f"holds no valid margin ({margin!r})")
+    return float(margin)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -56,9 +89,9 @@ def _layer_key(key: TimelineKey) -> tuple[str | None, bool]:
 
 
 def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequence[str]],
-                  span: Time | None = None) -> list[Violation]:
-    """Every violation of the spec's rules in one node's cycle; with the job's pipeline time ``span``,
-    also of the bubbles' room (see :func:`_room_violations`)."""
+                  span: Time | None = None, margin: float = DEFAULT_MARGIN) -> list[Violation]:
+    """Every violation of the problem's rules (:mod:`pipefisher.problem`) in one node's cycle; with the
+    job's pipeline time ``span``, also of the room rule with ``margin`` (see :func:`_room_violations`)."""
     out: list[Violation] = []
 
     def bad(iteration: int | None, label: str, rule: str, detail: str) -> None:
@@ -128,10 +161,10 @@ def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequ
                 j = cov_done[label]
                 cov_done[label] += 1
                 state["cov"] += 1
-                needed_op = FORWARD if key.factor == "A" else BACKWARD
-                mb = j % m if m else j
-                if seen_pipe[(needed_op, key.up_pipe)] < mb + 1:
-                    what = "forward" if needed_op == FORWARD else "backward"
+                needed_op = cov_source(key.factor, key.up_pipe)
+                mb = source_call(j, m)
+                if seen_pipe[(TimelineKey.parse(needed_op).kind, key.up_pipe)] < mb + 1:
+                    what = "forward" if key.factor == "A" else "backward"
                     rule = f"cov-before-{what}"
                     bad(i, label, rule, f"piece {j} needs {what} {mb} of the first iteration"
                         f"{' (up pipe)' if key.up_pipe else ''}, which has not run yet")
@@ -144,7 +177,7 @@ def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequ
             else:  # inverse
                 cov_key = f"cov_kron_{key.factor}" + label[len(key.kind):]
                 want = expected.get(cov_key, 0)
-                if layer in has_sync:
+                if inverse_waits_for_sync(layer in has_sync):
                     if state["sync"] < 1:
                         bad(i, label, "inv-before-sync", "the factor has not been all-reduced yet")
                 elif state["cov"] < want:
@@ -156,36 +189,44 @@ def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequ
             what = "pieces" if TimelineKey.parse(label).kind in COV_KINDS else "times"
             bad(None, label, "work-count", f"appears {got} {what} in the cycle, the timeline asks for {want}")
     if span is not None:
-        _room_violations(node, iterations, span, bad)
+        _room_violations(node, iterations, span, bad, margin)
     return out
 
 
 def _room_violations(node: NodeTimeline, iterations: Sequence[Sequence[str]], span: Time,
-                     bad: Callable[[int | None, str, str, str], None]) -> None:
-    """K-FAC work between two pipeline items must fit the idle time between them, as measured.
+                     bad: Callable[[int | None, str, str, str], None], margin: float = DEFAULT_MARGIN) -> None:
+    """The room rule of :mod:`pipefisher.problem`, on the labels between two pipeline items.
 
-    A schedule that claims more room than a bubble has (pieces floored to zero length, a missing time
-    read as 0, a gap counted while another item still runs) makes every such iteration longer than
-    reported: ``bubble-overfilled``. Work after an iteration's last pipeline item may run past the
-    pipeline time only if it fits no bubble of the node (with the 5 % margin); otherwise it lengthens
-    the iteration for nothing: ``unforced-overflow``. Covariance pieces are measured at their floor
-    (length // m), so rounding never counts against a schedule.
+    The K-FAC work labelled between two pipeline items runs back to back from the end of the first
+    (the latest end of the pipeline items so far); each item must fit with its margin before the
+    second starts: ``t + (1 + margin) d < start``, each item measured as the packers measure it (the
+    j-th covariance piece of a key is its j-th even share, a missing time no time). A schedule that
+    claims more room than that makes every such iteration longer than reported (or leaves a bubble no
+    safety margin): ``bubble-overfilled``. Work after an iteration's last pipeline item runs up to the
+    pipeline time under the same rule; past it only work that fits no bubble of the node may run
+    (forced overflow), anything else lengthens the iteration for nothing: ``unforced-overflow``.
     """
-    model = node_model(node, span)
+    model = node_model(node, span, margin)
     where: dict[str, list[tuple[Time, Time]]] = defaultdict(list)  # per pipeline key, in time order
     for key, s, e in model.pipeline:
         where[key].append((s, e))
-    largest = max((b.length for b in model.bubbles), default=0)
-    lengths: dict[str, list[Time]] = {}
-    pieces_per: dict[str, int] = {}
-    for key, intervals in node.entries.items():
-        parsed = TimelineKey.parse(key)
-        if parsed.is_kfac:
-            lengths[key] = [e - s for s, e in (sane_bounds(iv, 0) for iv in intervals)]
-            pieces_per[key] = max(node.micro_batches(parsed.up_pipe), 1) if parsed.kind in COV_KINDS else 1
+    largest = model.largest
+    lengths: dict[str, list[Time]] = defaultdict(list)  # per K-FAC key: its items' durations, in order
+    for w in model.work:
+        lengths[w.label].extend(w.pieces)
     done: dict[str, int] = defaultdict(int)
     begin = min(min((s for _, s, _ in model.pipeline), default=0), 0)
+    # Floats: a sum in another order may round the other way; never count that against a schedule.
     tolerance = 1e-9 * max(abs(model.base), abs(begin), 1) if isinstance(model.base, float) else 0
+
+    def overfilled(pending: list[tuple[str, Time]], start: Time, end: Time) -> bool:
+        t = start
+        for _, d in pending:
+            if d > 0 and not fits(d, end - t + tolerance, margin):
+                return True
+            t += d
+        return False
+
     for i, labels in enumerate(iterations):
         seen: dict[str, int] = defaultdict(int)
         frontier: Time = begin
@@ -197,27 +238,30 @@ def _room_violations(node: NodeTimeline, iterations: Sequence[Sequence[str]], sp
                 if k >= len(where[label]):
                     continue  # the pipeline-count rule reports it
                 s, e = where[label][k]
-                work = sum(d for _, d in pending)
-                if work > 0 and work > s - frontier + tolerance:
-                    bad(i, label, "bubble-overfilled", f"{work} of K-FAC work is placed before it, but only "
-                        f"{max(s - frontier, 0)} of idle time precedes it")
+                if pending and overfilled(pending, frontier, s):
+                    bad(i, label, "bubble-overfilled", f"{sum(d for _, d in pending)} of K-FAC work is placed before it, but "
+                        f"{max(s - frontier, 0)} of idle time precedes it (each item needs its length "
+                        f"x {1 + margin:g} free when it starts)")
                 frontier = max(frontier, e)
                 pending = []
-            elif label in lengths and lengths[label]:
-                n, m = done[label], pieces_per[label]
+            elif lengths.get(label):
+                n = done[label]
                 done[label] += 1
-                d = lengths[label][(n // m) % len(lengths[label])]
-                pending.append((label, d // m if isinstance(d, int) else d / m))
-        room = model.base - frontier
-        for label, d in pending:  # after the last pipeline item: up to the pipeline time, then overflow
-            room -= d
-            if room < -tolerance and d * MARGIN < largest:
-                bad(i, label, "unforced-overflow", f"runs past the pipeline time though it fits the node's "
-                    f"largest bubble ({largest})")
+                pending.append((label, lengths[label][n % len(lengths[label])]))
+        # After the last pipeline item: fittable work up to the pipeline time; past it, forced work only.
+        t = frontier
+        for label, d in pending:
+            if not fits(d, largest, margin):
+                t += d
+                continue
+            if d > 0 and not fits(d, model.base - t + tolerance, margin):
+                bad(i, label, "unforced-overflow", f"runs past the pipeline time (or into its margin) "
+                    f"though it fits the node's largest bubble ({largest})")
+            t += d
 
 
 def validate(schedule: ScheduleData, job: Job, path: str | None = None, room: bool = True,
-             groups: Sequence[Sequence[int]] | None = None) -> list[Violation]:
+             groups: Sequence[Sequence[int]] | None = None, margin: float = DEFAULT_MARGIN) -> list[Violation]:
     """Every violation of the dependency rules and counts in ``schedule`` for ``job``, with ``room`` of
     the bubbles' room (work that does not fit where it is placed), and of the sync groups' shared order
     (:func:`pipefisher.policies.groups.group_order_violations`); where a group has several members, also
@@ -228,7 +272,7 @@ def validate(schedule: ScheduleData, job: Job, path: str | None = None, room: bo
         raise InputError(path, f"has {len(schedule)} node schedules but the job has {len(job.nodes)} timelines")
     out: list[Violation] = []
     for n, (node, iterations) in enumerate(zip(job.nodes, schedule)):
-        out.extend(validate_node(n, node, iterations, job.span if room else None))
+        out.extend(validate_node(n, node, iterations, job.span if room else None, margin))
     groups = job_groups(job) if groups is None else [tuple(g) for g in groups]
     out.extend(group_violations(schedule, groups))
     return out

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _bubble_fraction(job) -> float:
     """Share of the profiled pipeline time the nodes sit idle (mean over nodes)."""
-    from pipefisher.policies.model import node_model
+    from pipefisher.problem import node_model
 
     models = [node_model(node, job.span) for node in job.nodes]
     return sum(1 - m.pipeline_busy / m.length for m in models) / len(models)

@@ -4,12 +4,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipefisher.problem import fits
 from pipefisher.policies.bounds import (
     Chain,
     ceil_ratio,
     chain_finish,
     first_iteration_bound,
-    fits,
     node_bounds,
     one_iteration_possible,
     size_class_bound,

@@ -20,3 +20,18 @@ class PipefisherGroup(click.Group):
         except InputError as err:
             click.echo(f"error: {err}", err=True)
             sys.exit(EXIT_BAD_INPUT)
+
+
+def margin_option(recorded: bool = False) -> Any:
+    """``--margin``: the room rule's margin (:mod:`pipefisher.problem`), one option for every command.
+
+    ``recorded``: for commands that read a schedule, whose metadata may record the margin it was packed
+    under; the option then defaults to None (use the record)."""
+    from pipefisher.problem import DEFAULT_MARGIN
+
+    default = "the one recorded in SCHEDULE.meta.json, else " + f"{DEFAULT_MARGIN:g}" if recorded else None
+    return click.option(
+        "--margin", type=click.FloatRange(0, 10, max_open=True), default=None if recorded else DEFAULT_MARGIN,
+        show_default=not recorded,
+        help="room each K-FAC item needs beyond its own length, as a fraction of it: an item fits where "
+             "start + (1 + margin) x length < the bubble's end" + (f" (default: {default})" if default else ""))

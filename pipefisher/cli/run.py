@@ -7,6 +7,7 @@ from __future__ import annotations
 import click
 
 from pipefisher.cli import main
+from pipefisher.cli._common import margin_option
 from pipefisher.errors import InputError
 from pipefisher.runtime.config import PIPELINE_ORDERS
 
@@ -24,6 +25,7 @@ from pipefisher.runtime.config import PIPELINE_ORDERS
 @click.option("--kfac-margin", type=click.FloatRange(min=1.0), default=1.0, show_default=True,
               help="pack as if every profiled K-FAC piece took this many times as long (slack for noisy "
                    "CPU timings; a longer cycle k)")
+@margin_option()
 @click.option("--name", default=None, help="run name (default: <config>-<policy>-<timestamp>)")
 @click.option("--allow-invalid", is_flag=True, help="train a schedule even if it breaks dependency rules")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
@@ -41,7 +43,7 @@ from pipefisher.runtime.config import PIPELINE_ORDERS
               help="steps between loss lines")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, policy: str | None,
-                kfac_margin: float, name: str | None, allow_invalid: bool, checkpoint_every: int, nproc: int | None,
+                kfac_margin: float, margin: float, name: str | None, allow_invalid: bool, checkpoint_every: int, nproc: int | None,
                 stages: int | None, pipe_schedule: str | None, timeout_s: float | None, eval_every: int,
                 log_every: int, no_progress: bool) -> None:
     """Profile a few K-FAC steps, pack them into the pipeline bubbles, print the usage report, and
@@ -62,6 +64,7 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
     try:
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every, log_every=log_every,
-                progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every, echo=click.echo)
+                progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every, echo=click.echo,
+                margin=margin)
     except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None

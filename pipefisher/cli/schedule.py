@@ -6,6 +6,8 @@ from typing import Callable, Sequence
 import click
 
 from pipefisher.cli import main
+from pipefisher.cli._common import margin_option
+from pipefisher.problem import DEFAULT_MARGIN
 
 
 def run_schedule(
@@ -16,6 +18,8 @@ def run_schedule(
     json_path: str | None = None,
     echo: Callable[[str], None] = click.echo,
     compare: bool = False,
+    margin: float = DEFAULT_MARGIN,
+    time_limit: float | None = None,
 ) -> None:
     """Load, pack, report, then write the outputs; nothing is written unless everything before worked."""
     from pipefisher.examples import example_timelines
@@ -25,12 +29,14 @@ def run_schedule(
     from pipefisher.schedule import save_schedule
     from pipefisher.timeline import load_job
 
-    chosen = get_policy(policy or DEFAULT_POLICY)
+    chosen = get_policy(policy or DEFAULT_POLICY, **({} if time_limit is None else {"time_limit": time_limit}))
     if not paths:
         paths = example_timelines()
         echo(f"(no timelines given: packing the bundled example, {len(paths)} nodes)")
     job = load_job(paths)
-    schedule = chosen.pack(job)
+    schedule = chosen.pack(job, margin)
+    if margin != DEFAULT_MARGIN:
+        echo(f"(margin {margin:g}: an item fits where start + {1 + margin:g} x length < the bubble's end)")
     if print_workloads:
         for line in workload_lines(schedule):
             echo(line)
@@ -39,7 +45,7 @@ def run_schedule(
     if compare:
         from pipefisher.report import compare_lines
 
-        others = [get_policy(name).pack(job) for name in ("compat", DEFAULT_POLICY) if name != chosen.name]
+        others = [get_policy(name).pack(job, margin) for name in ("compat", DEFAULT_POLICY) if name != chosen.name]
         pair = [s for s in [schedule, *others] if s.policy == "compat"] + \
             [s for s in [schedule, *others] if s.policy != "compat"]
         echo("")
@@ -68,10 +74,16 @@ def _policy_help() -> str:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the report as JSON here")
 @click.option("--compare", is_flag=True,
               help="also pack with 'compat' (or the default policy) and print both side by side per node")
+@margin_option()
+@click.option("--time-limit", type=click.FloatRange(0, min_open=True), default=None,
+              help="seconds the 'exact' policy may search, for the whole job (default: 5)")
 def schedule_command(timelines: tuple[str, ...], save_path: str | None, policy: str | None,
-                     print_workloads: bool, json_path: str | None, compare: bool) -> None:
+                     print_workloads: bool, json_path: str | None, compare: bool, margin: float,
+                     time_limit: float | None) -> None:
     """Pack per-node TIMELINES (pickle or JSON; comma-separated lists work too) into bubbles.
 
-    With no TIMELINES, packs the bundled example job.
+    With no TIMELINES, packs the bundled example job. With --save-path, the schedule's metadata (policy,
+    margin, cycle and bound per node) is written beside it as FILE.meta.json.
     """
-    run_schedule(timelines, save_path, policy, print_workloads, json_path, compare=compare)
+    run_schedule(timelines, save_path, policy, print_workloads, json_path, compare=compare, margin=margin,
+                 time_limit=time_limit)

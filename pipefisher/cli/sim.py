@@ -11,7 +11,9 @@ from typing import Callable, Sequence
 import click
 
 from pipefisher.cli import main
+from pipefisher.cli._common import margin_option
 from pipefisher.errors import InputError
+from pipefisher.problem import DEFAULT_MARGIN
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "sim"
 DEFAULT_CONFIG = "bert-base-4stages.yaml"
@@ -108,7 +110,8 @@ def simulate_command(config: str | None, schedule: str | None, stages: int | Non
 
 def compare_rows(config: str, schedules: Sequence[str] | None, micro_batches: Sequence[int] | None,
                  policy: str | None, stages: int | None = None, chunks: int | None = None,
-                 kfac_scale: float | None = None, latency_ms: float | None = None) -> list[dict[str, object]]:
+                 kfac_scale: float | None = None, latency_ms: float | None = None,
+                 margin: float = DEFAULT_MARGIN) -> list[dict[str, object]]:
     """One row per (schedule, micro-batch count): bubble fraction, K-FAC cycle length and usage."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.sim import load_cost_model, schedule_names, simulate_timelines
@@ -130,7 +133,7 @@ def compare_rows(config: str, schedules: Sequence[str] | None, micro_batches: Se
                 row["error"] = err.problem
                 rows.append(row)
                 continue
-            packed = chosen.pack(job_from_dicts(timelines))
+            packed = chosen.pack(job_from_dicts(timelines), margin)
             its = [n.figures.iterations for n in packed.nodes]
             usage = [n.figures.usage for n in packed.nodes]
             row.update({
@@ -168,16 +171,18 @@ def format_compare(rows: Sequence[dict[str, object]], title: str) -> list[str]:
               help="comma-separated micro-batch counts (default: p, 2p, 4p)")
 @click.option("--policy", default=None, help="packing policy (default: the default policy)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write the rows as JSON")
+@margin_option()
 def compare_command(config: str | None, schedule: str | None, stages: int | None, chunks: int | None,
                     latency_ms: float | None, kfac_scale: float | None, schedules: str | None,
-                    micro_batches: str | None, policy: str | None, json_path: str | None) -> None:
+                    micro_batches: str | None, policy: str | None, json_path: str | None,
+                    margin: float) -> None:
     """Compare pipeline schedules and micro-batch counts for one cost model: the table to choose from."""
     from pipefisher.safe_io import dump_json_atomic
 
     config = config or bundled_config()
     names = [s.strip() for s in schedules.split(",") if s.strip()] if schedules else ([schedule] if schedule else None)
     rows = compare_rows(config, names, _ints(micro_batches, "--micro-batches"), policy, stages, chunks, kfac_scale,
-                        latency_ms)
+                        latency_ms, margin)
     from pipefisher.policies import DEFAULT_POLICY
 
     for line in format_compare(rows, f"{os.path.basename(config)} (policy {policy or DEFAULT_POLICY})"):
@@ -190,7 +195,8 @@ def compare_command(config: str | None, schedule: str | None, stages: int | None
 # plot / trace
 
 
-def _charts(paths: Sequence[str], policy: str | None, packed: bool, title: str | None):  # type: ignore[no-untyped-def]
+def _charts(paths: Sequence[str], policy: str | None, packed: bool, title: str | None,  # type: ignore[no-untyped-def]
+            margin: float = DEFAULT_MARGIN):
     from pipefisher.examples import example_timelines
     from pipefisher.plot import chart_from_job, chart_from_schedule
     from pipefisher.policies import DEFAULT_POLICY, get_policy
@@ -198,7 +204,7 @@ def _charts(paths: Sequence[str], policy: str | None, packed: bool, title: str |
 
     job = load_job(paths or example_timelines())
     if packed or policy:
-        schedule = get_policy(policy or DEFAULT_POLICY).pack(job)
+        schedule = get_policy(policy or DEFAULT_POLICY).pack(job, margin)
         return chart_from_schedule(schedule, job, title)
     return chart_from_job(job, title or "pipeline step (timelines)")
 
@@ -209,6 +215,7 @@ _plot_args = [
     click.option("--packed", is_flag=True, help="draw the packed K-FAC cycle instead of the timelines"),
     click.option("--policy", default=None, help="packing policy for --packed (implies --packed)"),
     click.option("--title", default=None, help="chart title"),
+    margin_option(),
 ]
 
 
@@ -222,7 +229,8 @@ def _with(args: list) -> Callable:  # type: ignore[type-arg]
 
 @main.command("plot")
 @_with(_plot_args)
-def plot_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str | None, title: str | None) -> None:
+def plot_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str | None, title: str | None,
+                 margin: float) -> None:
     """Draw a Gantt chart (PNG or SVG, by OUT's suffix) of TIMELINES, or of their packed schedule.
 
     One row per node; forwards, backwards and each K-FAC kind in their own colours; bubbles empty;
@@ -232,17 +240,18 @@ def plot_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str
 
     if os.path.splitext(out)[1].lower() not in (".png", ".svg"):
         raise InputError(out, "chart files must end in .png or .svg")
-    render(_charts(timelines, policy, packed, title), out)
+    render(_charts(timelines, policy, packed, title, margin), out)
     click.echo(f"wrote {out}")
 
 
 @main.command("trace")
 @_with(_plot_args)
-def trace_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str | None, title: str | None) -> None:
+def trace_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str | None, title: str | None,
+                  margin: float) -> None:
     """Write TIMELINES (or their packed schedule) as Chrome trace / Perfetto JSON."""
     from pipefisher.trace import write_trace
 
-    write_trace(_charts(timelines, policy, packed, title), out)
+    write_trace(_charts(timelines, policy, packed, title, margin), out)
     click.echo(f"wrote {out}")
 
 
@@ -251,7 +260,7 @@ def trace_command(timelines: tuple[str, ...], out: str, packed: bool, policy: st
 
 
 def run_demo(config: str | None, schedule: str | None, micro_batches: int | None, policy: str | None, out: str,
-             echo: Callable[[str], None] = click.echo) -> dict[str, str]:
+             echo: Callable[[str], None] = click.echo, margin: float = DEFAULT_MARGIN) -> dict[str, str]:
     """Simulate a bundled model, pack it, report, and write everything into ``out``."""
     from pipefisher.plot import chart_from_job, chart_from_schedule, render
     from pipefisher.policies import DEFAULT_POLICY, get_policy
@@ -270,7 +279,7 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
     paths = write_timelines(os.path.join(out, "timelines"), f"{model.name}_{sched.name}", timelines)
     job = load_job(paths)
     chosen = get_policy(policy or DEFAULT_POLICY)
-    packed = chosen.pack(job)
+    packed = chosen.pack(job, margin)
     lines = [
         f"{model.name}: {sched.name}, {sched.stages} stages, {sched.micro_batches} micro-batches "
         f"(cost model {os.path.basename(config)})",
@@ -309,7 +318,8 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
 @click.option("--policy", default=None, help="packing policy (default: the default policy)")
 @click.option("--out", type=click.Path(file_okay=False), default="pipefisher-demo", show_default=True,
               help="output folder")
+@margin_option()
 def demo_command(config: str | None, schedule: str | None, micro_batches: int | None, policy: str | None,
-                 out: str) -> None:
+                 out: str, margin: float) -> None:
     """Simulate a bundled BERT model, pack its K-FAC work, print the report, and save it all (with a chart)."""
-    run_demo(config, schedule, micro_batches, policy, out)
+    run_demo(config, schedule, micro_batches, policy, out, margin=margin)

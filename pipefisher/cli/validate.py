@@ -7,6 +7,7 @@ import sys
 import click
 
 from pipefisher.cli import main
+from pipefisher.cli._common import margin_option
 
 
 @main.command("validate")
@@ -19,27 +20,39 @@ from pipefisher.cli import main
               help="which nodes hold replicas of one stage and must share the order of their syncs, inverses "
                    "and '-- end --' (sync groups): auto infers Chimera's pairs (d, D-1-d) from the timelines' "
                    "up-pipe modules, chimera forces those pairs, none checks no groups")
+@margin_option(recorded=True)
 @click.argument("timelines", nargs=-1, required=True)
-def validate_command(schedule_path: str, room: bool, layout: str, timelines: tuple[str, ...]) -> None:
+def validate_command(schedule_path: str, room: bool, layout: str, margin: float | None,
+                     timelines: tuple[str, ...]) -> None:
     """Check SCHEDULE against the job's TIMELINES; print every violation, exit 1 if there is any.
 
     The spec's rules: each covariance piece after the forward or backward whose data it needs, syncs
     after all pieces, inverses after their sync, every piece, sync and inverse as often as the timeline
-    asks. With --room (the default), also the room rules: a schedule that packs more work into a bubble
-    than the bubble has makes its iterations longer than it reports. Per sync group (--layout), every
+    asks. With --room (the default), also the room rule, with its margin: the K-FAC work between two
+    pipeline items runs back to back, and each item must start early enough that its length times
+    (1 + margin) ends before the next pipeline item; only work no bubble can hold runs past the
+    pipeline time. A schedule that packs more than that into a bubble makes its iterations longer than
+    it reports. Per sync group (--layout), every
     iteration's syncs, inverses and '-- end --' must come in the same order on every member, up-pipe
     suffixes aside, or the all-reduces deadlock and the replicas drift apart; and a schedule whose
     waits (an inverse for its peers' syncs, '-- end --' for its peers' ends, a forward or backward for
     its input) form a cycle in some training step is reported as 'deadlock'.
     """
     from pipefisher.policies.groups import chimera_groups
-    from pipefisher.schedule import load_schedule, validate
+    from pipefisher.problem import DEFAULT_MARGIN
+    from pipefisher.schedule import load_schedule, schedule_margin, validate
     from pipefisher.timeline import load_job
 
     job = load_job(timelines)
     schedule = load_schedule(schedule_path)
+    if margin is None:
+        margin = schedule_margin(schedule_path)
+        if margin is None:
+            margin = DEFAULT_MARGIN
+        elif margin != DEFAULT_MARGIN:
+            click.echo(f"(room rule with margin {margin:g}, as recorded beside the schedule)", err=True)
     groups = {"auto": None, "chimera": chimera_groups(len(job.nodes)), "none": []}[layout]
-    violations = validate(schedule, job, schedule_path, room=room, groups=groups)
+    violations = validate(schedule, job, schedule_path, room=room, groups=groups, margin=margin)
     for v in violations:
         click.echo(str(v))
     nodes_bad = len({v.node for v in violations})

@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 from pipefisher.errors import InputError
+from pipefisher.policies.bestfit import BestFitPolicy
 from pipefisher.policies.base import JobSchedule, NodeFigures, NodeSchedule, Placement, Policy
 from pipefisher.policies.compat import CompatPolicy
 from pipefisher.policies.tight import TightPolicy
 
-POLICIES: dict[str, type[Policy]] = {CompatPolicy.name: CompatPolicy, TightPolicy.name: TightPolicy}
+POLICIES: dict[str, type[Policy]] = {
+    CompatPolicy.name: CompatPolicy,
+    TightPolicy.name: TightPolicy,
+    BestFitPolicy.name: BestFitPolicy,
+}
 DEFAULT_POLICY = TightPolicy.name
 
 

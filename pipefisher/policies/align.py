@@ -10,7 +10,7 @@ their steps in the same order. This module takes the packed members of a group a
    packings had them, by the latest time over members), each member appending the label at the earliest
    gap between pipeline items (or the iteration's tail) that is not before its dependencies (a sync after
    all its factor's pieces on that node, an inverse after its sync) nor before the member's previous
-   shared label, and that still has room by the packers' rule (:func:`bounds.fits`); work that fits no
+   shared label, and that still has room by the problem's room rule (:func:`pipefisher.problem.fits`); work that fits no
    bubble goes to a tail, as overflow. All members use the same iteration and the same side of
    ``-- end --``: the latest any member needs, bumped (adding pipeline-only iterations when needed)
    until every member has room there, and, for an inverse before the end, until it cannot deadlock;
@@ -34,13 +34,12 @@ Groups of one are returned as they are.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from pipefisher.policies.base import END, MARKERS, SAVE_OFF, SAVE_ON, START, NodeFigures, NodeSchedule, Placement
-from pipefisher.policies.bounds import fits
 from pipefisher.policies.groups import Group, identity, is_shared
-from pipefisher.policies.model import NodeModel, node_model
+from pipefisher.problem import DEFAULT_MARGIN, NodeModel, fits, node_model
 from pipefisher.policies.waits import Clock, call_clock, deadlock_violations, layer_of
 from pipefisher.timeline import Job, Time, TimelineKey
 
@@ -57,6 +56,7 @@ class _Shape:
     room: tuple[Time, ...]  # its idle time (measured as ``validate`` measures it)
     base: Time  # where an iteration without overflow ends
     largest: Time  # the largest bubble: work that does not fit it with the margin is overflow
+    margin: float  # the room rule's margin
 
     @property
     def tail(self) -> int:
@@ -64,7 +64,7 @@ class _Shape:
         return len(self.pipe)
 
     def fittable(self, d: Time) -> bool:
-        return fits(d, self.largest)
+        return fits(d, self.largest, self.margin)
 
 
 @dataclass
@@ -106,14 +106,14 @@ class _Member:
         shape, used = self.shape, self.used[i]
         fittable = shape.fittable(d)
         if r < shape.tail:
-            return fittable and fits(d, shape.room[r] - used[r])
+            return fittable and fits(d, shape.room[r] - used[r], shape.margin)
         if r == shape.tail + 1:  # overflow, before the end: only work that fits no bubble
             return not fittable
         if not fittable:  # after the end: overflow may always go last
             return r == shape.tail + 2
         if r == shape.tail + 2 and self.overflowing[i]:
             return False
-        return fits(d, shape.room[shape.tail] - used[shape.tail] - used[shape.tail + 2])
+        return fits(d, shape.room[shape.tail] - used[shape.tail] - used[shape.tail + 2], shape.margin)
 
     def put(self, i: int, r: int, label: str, d: Time, wait: Clock | None = None) -> None:
         self.regions[i][r].append((label, d))
@@ -162,8 +162,7 @@ def _shape(model: NodeModel, pipe_labels: Sequence[str]) -> _Shape:
         frontier = max(frontier, e)
     starts.append(frontier)
     room.append(model.base - frontier)
-    largest = max((b.length for b in model.bubbles), default=0)
-    return _Shape(tuple(pipe), tuple(starts), tuple(room), model.base, largest)
+    return _Shape(tuple(pipe), tuple(starts), tuple(room), model.base, model.largest, model.margin)
 
 
 def _pipe_labels(schedule: NodeSchedule) -> list[str]:
@@ -433,7 +432,8 @@ def _node_schedule(member: _Member, before: NodeSchedule, group: Group) -> NodeS
 
 
 def align_group(job: Job, schedules: Sequence[NodeSchedule], group: Group,
-                calls: Sequence[Sequence[tuple[Clock, Clock]]] | None = None, safe: bool = False) -> list[NodeSchedule]:
+                calls: Sequence[Sequence[tuple[Clock, Clock]]] | None = None, safe: bool = False,
+                margin: float = DEFAULT_MARGIN) -> list[NodeSchedule]:
     """The group's members (``schedules[n]`` for n in ``group``) rewritten to share one order of syncs,
     inverses and ends, with no inverse where it could deadlock (``calls``: the job's call clock,
     :func:`job_calls`; ``safe``: every inverse after ``-- end --``); a group of one comes back unchanged."""
@@ -441,7 +441,7 @@ def align_group(job: Job, schedules: Sequence[NodeSchedule], group: Group,
         return [schedules[n] for n in group]
     if calls is None:
         calls = job_calls(job, schedules)
-    models = [node_model(job.nodes[n], job.span) for n in group]
+    models = [node_model(job.nodes[n], job.span, margin) for n in group]
     best: list[_Member] | None = None
     for order_by in (_as_packed, _as_ready):  # two common orders; the shorter cycle wins
         members = [_member(n, model, schedules[n], calls[n]) for n, model in zip(group, models)]
@@ -456,7 +456,8 @@ def align_group(job: Job, schedules: Sequence[NodeSchedule], group: Group,
     return [_node_schedule(m, schedules[m.node], group) for m in best]
 
 
-def align_groups(job: Job, schedules: Sequence[NodeSchedule], groups: Sequence[Group]) -> tuple[NodeSchedule, ...]:
+def align_groups(job: Job, schedules: Sequence[NodeSchedule], groups: Sequence[Group],
+                 margin: float = DEFAULT_MARGIN) -> tuple[NodeSchedule, ...]:
     """Every node's schedule, each sync group of several members aligned (:func:`align_group`); should
     the result still deadlock (:func:`waits.deadlock_violations`), aligned again with every inverse after
     ``-- end --``."""
@@ -469,7 +470,7 @@ def align_groups(job: Job, schedules: Sequence[NodeSchedule], groups: Sequence[G
             tried = list(schedules)
             for group in groups:
                 if len(group) > 1:
-                    for n, aligned in zip(group, align_group(job, schedules, group, calls, safe)):
+                    for n, aligned in zip(group, align_group(job, schedules, group, calls, safe, margin)):
                         tried[n] = aligned
         except RuntimeError:  # no room for some inverse after any end: keep the first placement
             break

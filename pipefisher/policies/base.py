@@ -13,6 +13,7 @@ from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import ClassVar, Iterator, NamedTuple, Sequence
 
+from pipefisher.problem import DEFAULT_MARGIN
 from pipefisher.timeline import BACKWARD, FORWARD, KFAC_KINDS, Job, Time, TimelineKey
 
 START = "-- start --"
@@ -71,8 +72,19 @@ class NodeFigures:
     overflow: Time = 0
     """Time added to iterations by work that fits in no bubble (0 for policies that never lengthen)."""
     lower_bound: int | None = None
-    """A proven lower bound on ``iterations``, where the policy computes one."""
+    """A proven lower bound on ``iterations``, where the policy computes one: no schedule that
+    ``validate`` accepts under the same margin has fewer (see :mod:`pipefisher.policies.bounds`)."""
     extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def gap(self) -> int | None:
+        """Iterations above the lower bound (0: proven optimal); None without a bound."""
+        return None if self.lower_bound is None else self.iterations - self.lower_bound
+
+    @property
+    def optimal(self) -> bool:
+        """Proven optimal: the cycle meets its lower bound."""
+        return self.gap == 0
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,8 @@ class JobSchedule:
     policy: str
     span: Time
     nodes: tuple[NodeSchedule, ...]
+    margin: float = DEFAULT_MARGIN
+    """The room rule's margin it was packed under (:mod:`pipefisher.problem`)."""
 
     def to_file_data(self) -> list[list[list[str]]]:
         """The schedule file's content: ``schedules[node][iteration] = [label, ...]``."""
@@ -104,8 +118,8 @@ class Policy(ABC):
     summary: ClassVar[str]
 
     @abstractmethod
-    def pack(self, job: Job) -> JobSchedule:
-        """Pack every node of ``job``. Pure: the job is not changed."""
+    def pack(self, job: Job, margin: float = DEFAULT_MARGIN) -> JobSchedule:
+        """Pack every node of ``job`` under the room rule with ``margin``. Pure: the job is not changed."""
 
 
 @contextmanager

@@ -1,8 +1,10 @@
 """Lower bounds on a node's curvature refresh interval (pipeline iterations per K-FAC cycle).
 
-A policy that never lengthens an iteration for work that fits some bubble must put all of that work
-into the cycle's bubbles: k copies of the node's per-iteration bubbles. Three facts bound k from below,
-whatever the order or the dependencies:
+Bounds on the problem of :mod:`pipefisher.problem`, under its room rule with the same margin: no
+schedule that ``pipefisher validate`` accepts (with that margin) has fewer iterations. Such a schedule
+puts all work that fits some bubble into the cycle's bubbles, k copies of the node's per-iteration
+bubbles (only work that fits none may overflow). These facts bound k from below, whatever the order
+or the dependencies (margin 5 % in the examples):
 
 * volume: the fittable work W cannot exceed k times the bubble time C, so ``k >= ceil(W / C)``;
 * size classes: an item of duration d fits a bubble of length G only if ``d * 1.05 < G``, so the items
@@ -26,19 +28,15 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Sequence
 
+from pipefisher.problem import COV, DEFAULT_MARGIN, SYNC, NodeModel, fits
 from pipefisher.timeline import Time
 
-MARGIN = 1.05
 _SLACK = 1e-9  # floats: keep every bound valid when a ratio lands on a whole number by rounding
 MAX_THRESHOLDS = 64  # distinct item sizes tried by the size-class and counting bounds (largest first)
-
-
-def fits(duration: Time, gap: Time) -> bool:
-    """The packing rule of every policy here (and of the published tool): ``d * 1.05 < gap``."""
-    return duration * MARGIN < gap
 
 
 def ceil_ratio(work: Time, capacity: Time) -> int:
@@ -59,14 +57,15 @@ def volume_bound(fittable_work: Time, bubble_time: Time) -> int:
     return max(1, ceil_ratio(fittable_work, bubble_time))
 
 
-def _count_capacity(gap: float, h: float) -> int:
+def _count_capacity(gap: float, h: float, margin: float) -> int:
     """Most items of duration >= h that one bubble of length ``gap`` can hold (never underestimated)."""
     if h <= 0:
         return 1 << 30
-    return max(0, math.floor(gap / h - (MARGIN - 1.0) + _SLACK))
+    return max(0, math.floor(gap / h - margin + _SLACK))
 
 
-def size_class_bound(sizes: Sequence[tuple[Time, int]], bubbles: Sequence[Time]) -> int:
+def size_class_bound(sizes: Sequence[tuple[Time, int]], bubbles: Sequence[Time],
+                     margin: float = DEFAULT_MARGIN) -> int:
     """The best of the per-size volume and counting bounds over the largest distinct item sizes.
 
     ``sizes``: (duration, how many items of it) for every fittable item (covariance counted per
@@ -91,12 +90,12 @@ def size_class_bound(sizes: Sequence[tuple[Time, int]], bubbles: Sequence[Time])
             break
         count += merged[h]
         volume += h * merged[h]
-        first = bisect_right(gaps, h * MARGIN)  # bubbles longer than 1.05 h (strictly)
+        first = bisect_right(gaps, h * (1.0 + margin))  # bubbles longer than 1.05 h (strictly)
         room = suffix[first]
         if room <= 0:
             continue  # cannot happen for fittable items; be safe
         best = max(best, ceil_ratio(volume, room))
-        slots = sum(_count_capacity(g, h) for g in gaps[first:])
+        slots = sum(_count_capacity(g, h, margin) for g in gaps[first:])
         if slots > 0:
             best = max(best, -(-count // slots))
     return best
@@ -119,21 +118,21 @@ class NodeBounds:
 
 def node_bounds(sizes: Sequence[tuple[Time, int]], bubbles: Sequence[Time],
                 chains: Sequence["Chain"] | None = None,
-                bubble_positions: Sequence[int] | None = None) -> NodeBounds:
+                bubble_positions: Sequence[int] | None = None, margin: float = DEFAULT_MARGIN) -> NodeBounds:
     """All bounds for a node with these work item sizes ((duration, count) pairs, covariance per piece)
     and per-iteration bubble lengths. With ``chains`` and the bubbles' pipeline positions, the chain
     and one-iteration bounds are applied too."""
     largest = max(bubbles, default=0)
-    fittable = [(d, c) for d, c in sizes if c > 0 and fits(d, largest)]
+    fittable = [(d, c) for d, c in sizes if c > 0 and fits(d, largest, margin)]
     work = sum(d * c for d, c in fittable)
     capacity = sum(bubbles)
     vol = volume_bound(work, capacity) if fittable else 1
-    tight = max(vol, size_class_bound(fittable, bubbles))
+    tight = max(vol, size_class_bound(fittable, bubbles, margin))
     if chains is not None and bubble_positions is not None:
         placed = list(zip(bubble_positions, bubbles))
         for c in chains:
-            tight = max(tight, chain_finish(c.last_piece, c.syncs, c.invs, placed, largest) + 1)
-        if tight == 1 and not one_iteration_possible(chains, placed):
+            tight = max(tight, chain_finish(c.last_piece, c.syncs, c.invs, placed, largest, margin) + 1)
+        if tight == 1 and not one_iteration_possible(chains, placed, margin):
             tight = 2  # chains given without their pieces make this test weaker, never wrong
     forced = sum(c for _, c in sizes) - sum(c for _, c in fittable)
     return NodeBounds(vol, tight, work, capacity, largest, forced)
@@ -152,7 +151,8 @@ class Chain:
     invs: tuple[Time, ...] = ()  # all inverse durations that wait for a sync (or for the pieces)
 
 
-def one_iteration_possible(chains: Sequence[Chain], bubbles: Sequence[tuple[int, Time]]) -> bool:
+def one_iteration_possible(chains: Sequence[Chain], bubbles: Sequence[tuple[int, Time]],
+                           margin: float = DEFAULT_MARGIN) -> bool:
     """Whether all work could fit in ONE iteration, judged by volume after each release point.
 
     In a one-iteration cycle, everything released at pipeline position x (covariance pieces after their
@@ -189,7 +189,7 @@ def one_iteration_possible(chains: Sequence[Chain], bubbles: Sequence[tuple[int,
             gi -= 1
             room += gaps[gi][1]
             widest = max(widest, gaps[gi][1])
-        if work > room * (1 + _SLACK) or not big * MARGIN < widest:
+        if work > room * (1 + _SLACK) or not fits(big, widest, margin):
             return False
     return True
 
@@ -228,7 +228,8 @@ def first_iteration_bound(chains: Sequence[Chain], bubbles: Sequence[tuple[int, 
 
 
 def chain_finish(last_piece: tuple[int, Time] | None, syncs: Sequence[Time], invs: Sequence[Time],
-                 bubbles: Sequence[tuple[int, Time]], largest: Time | None = None) -> int:
+                 bubbles: Sequence[tuple[int, Time]], largest: Time | None = None,
+                 margin: float = DEFAULT_MARGIN) -> int:
     """The earliest iteration (0-based) in which one factor's chain can end, alone on the node.
 
     The chain: its last covariance piece (after pipeline position p in iteration 0), then a sync, then
@@ -243,10 +244,10 @@ def chain_finish(last_piece: tuple[int, Time] | None, syncs: Sequence[Time], inv
 
     def advance(cur: tuple[int, int, Time], d: Time, after: int = -1) -> tuple[int, int, Time]:
         i, b, used = cur
-        need = d * MARGIN
+        need = d * (1.0 + margin)
         if not need < largest:
             return (i, nb, 0)
-        if 0 <= b < nb and used + need < bubbles[b][1]:
+        if 0 <= b < nb and need < bubbles[b][1] - used:
             return (i, b, used + d)
         b += 1
         while True:
@@ -265,3 +266,74 @@ def chain_finish(last_piece: tuple[int, Time] | None, syncs: Sequence[Time], inv
     if invs:
         cur = max(advance(cur, d) for d in invs)
     return cur[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The bounds of a node model
+
+
+def model_bounds(model: NodeModel, first_iteration: bool = True) -> NodeBounds:
+    """The node's lower bounds, from its item sizes (covariance per piece), bubbles and chains.
+
+    ``first_iteration=False`` leaves out the first-iteration bound, which walks every piece: a
+    packing that meets the other bounds is optimal without it (see :func:`with_first_iteration`).
+    """
+    gaps = [b.length for b in model.bubbles]
+    largest = max(gaps, default=0)
+    sizes: list[tuple[Time, int]] = []
+    for w in model.work:
+        if w.kind == COV and len(w.pieces) > 1:
+            sizes.extend(Counter(w.pieces).items())
+        else:
+            sizes.extend((d, 1) for d in w.pieces)
+    positions = [b.pos for b in model.bubbles]
+    bounds = node_bounds(sizes, gaps, _chains(model, largest, with_pieces=False), positions, model.margin)
+    if bounds.tight == 1 and not one_iteration_possible(_chains(model, largest), list(zip(positions, gaps)),
+                                                        model.margin):
+        bounds = replace(bounds, tight=2)
+    return with_first_iteration(model, bounds) if first_iteration else bounds
+
+
+def with_first_iteration(model: NodeModel, bounds: NodeBounds) -> NodeBounds:
+    """``bounds`` raised by the first-iteration bound where that is higher."""
+    placed = [(b.pos, b.length) for b in model.bubbles]
+    largest = max((g for _, g in placed), default=0)
+    first = first_iteration_bound(_chains(model, largest), placed, bounds.bubble_time)
+    return replace(bounds, tight=first) if first > bounds.tight else bounds
+
+
+def _chains(model: NodeModel, largest: Time, with_pieces: bool = True) -> list[Chain]:
+    """Each factor's chain of work as the bounds see it (covariance pieces only ``with_pieces``)."""
+    g_n = model.groups
+    scale = model.scale
+    pieces: list[list[tuple[int, Time]]] = [[] for _ in range(g_n)]
+    tails: list[list[Time]] = [[] for _ in range(g_n)]
+    last: list[tuple[int, Time] | None] = [None] * g_n
+    syncs: list[list[Time]] = [[] for _ in range(g_n)]
+    invs: list[list[Time]] = [[] for _ in range(g_n)]
+    forced_level = [99] * g_n  # chain level (cov 0, sync 1, inverse 2) of the first overflow item
+    fit_level = [-1] * g_n  # and of the last fittable one
+    for w in model.work:
+        g = w.group
+        level = w.kind if model.synced[g] or w.kind == COV else SYNC
+        if w.kind == COV:
+            last[g] = (w.release[-1], w.pieces[-1])  # releases repeat per interval and rise within it
+        elif level == SYNC and w.kind == SYNC:
+            syncs[g].append(w.pieces[0])
+        else:
+            invs[g].append(w.pieces[0])
+        if max(w.pieces) * scale < largest:  # the common case: all of it fits some bubble
+            fits_all, fit_count = True, len(w.pieces)
+        else:
+            fits_all, fit_count = False, sum(1 for d in w.pieces if d * scale < largest)
+        if w.kind == COV and with_pieces:
+            pieces[g].extend(zip(w.release, w.pieces) if fits_all else
+                             ((r, d) for r, d in zip(w.release, w.pieces) if d * scale < largest))
+        elif w.kind != COV:
+            tails[g].extend(d for d in w.pieces if d * scale < largest)
+        if fit_count:
+            fit_level[g] = max(fit_level[g], level)
+        if fit_count < len(w.pieces):
+            forced_level[g] = min(forced_level[g], level)
+    return [Chain(tuple(pieces[g]), tuple(tails[g]), forced_level[g] < fit_level[g], last[g], tuple(syncs[g]),
+                  tuple(invs[g])) for g in range(g_n)]

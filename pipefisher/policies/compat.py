@@ -33,9 +33,9 @@ from pipefisher.policies.base import (
     label_category,
     split_iterations,
 )
+from pipefisher.problem import DEFAULT_MARGIN, check_margin
 from pipefisher.timeline import BACKWARD, COV_KINDS, FORWARD, KFAC_KINDS, Job, NodeTimeline, Time
 
-MARGIN = 1.05  # an item needs its duration plus 5 % of room
 INF = float("inf")
 
 Slot = tuple  # (label, start, end): one entry of a schedule being built
@@ -304,7 +304,7 @@ def _pipeline(node: NodeTimeline, span: Time) -> list[Slot]:
     return slots
 
 
-def _work_items(node: NodeTimeline, pieces: int) -> list[_Work]:
+def _work_items(node: NodeTimeline, pieces: int, scale: float) -> list[_Work]:
     raw: list[tuple[int, Time, _Work]] = []
     for priority, kind in enumerate(KFAC_KINDS):
         for key, intervals in node.entries.items():
@@ -316,10 +316,10 @@ def _work_items(node: NodeTimeline, pieces: int) -> list[_Work]:
                 s, e = _zero(iv.start), _zero(iv.end)
                 if kind in COV_KINDS:
                     step = (e - s) // pieces
-                    w = _Work(key, s, e, True, step, step * MARGIN, pieces,
+                    w = _Work(key, s, e, True, step, step * scale, pieces,
                               "cov_kron_A" in key, "cov_kron_B" in key, counted, ())
                 else:
-                    w = _Work(key, s, e, False, e - s, (e - s) * MARGIN, 1, False, False, counted, waits_on)
+                    w = _Work(key, s, e, False, e - s, (e - s) * scale, 1, False, False, counted, waits_on)
                 raw.append((priority, s, w))
     raw.sort(key=lambda r: r[1])  # by start, then (stable) by priority, as the published tool does
     raw.sort(key=lambda r: r[0])
@@ -336,11 +336,13 @@ def _gap_lengths(base: Sequence[Slot], gaps: Iterable[int], least: float) -> lis
     return out
 
 
-def _cannot_finish(state: _State, live: list[Time], fresh: list[Time], iterations_left: int) -> bool:
+def _cannot_finish(state: _State, live: list[Time], fresh: list[Time], iterations_left: int,
+                   margin: float) -> bool:
     """Whether the work left cannot go into the ``live`` gaps plus ``iterations_left`` copies of the
     ``fresh`` ones: for some need h, the items needing at least h are more than the gaps longer than
-    h can hold. An item needs ``d * 1.05 < gap``, so such a gap ends with at least ``0.05 d >= h / 21``
-    of it free."""
+    h can hold. An item needs ``d * (1 + margin) < gap``, so such a gap ends with at least
+    ``margin d = h margin / (1 + margin)`` of it free (h / 21 at 5 %)."""
+    free = margin / (1.0 + margin)
     need_work: dict[float, Time] = {}
     for p, w in enumerate(state.items):
         if state.alive[p]:
@@ -359,19 +361,20 @@ def _cannot_finish(state: _State, live: list[Time], fresh: list[Time], iteration
         while j < len(fresh) and fresh[j] > need:
             room += fresh[j] * iterations_left
             j += 1
-        if work > room - (i + j * iterations_left) * need / 21:
+        if work > room - (i + j * iterations_left) * need * free:
             return True
     return False
 
 
-def pack_node_slots(node: NodeTimeline, span: Time) -> list[Slot]:
+def pack_node_slots(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN) -> list[Slot]:
     """The published tool's flat schedule for one node: (label, start, end) in order."""
-    slots = _pack_node(node, span, None)
+    slots = _pack_node(node, span, None, margin)
     assert slots is not None
     return slots
 
 
-def pack_node_slots_below(node: NodeTimeline, span: Time, iterations: int) -> list[Slot] | None:
+def pack_node_slots_below(node: NodeTimeline, span: Time, iterations: int,
+                          margin: float = DEFAULT_MARGIN) -> list[Slot] | None:
     """``pack_node_slots``, or None as soon as the cycle is sure to have ``iterations`` or more.
 
     Sure: the work left is more than the gaps it could still go to (the live gaps of the schedule so
@@ -380,13 +383,13 @@ def pack_node_slots_below(node: NodeTimeline, span: Time, iterations: int) -> li
     Work with a negative duration (an end before its start) makes room in this packer's arithmetic,
     so then it never gives up early.
     """
-    return _pack_node(node, span, iterations)
+    return _pack_node(node, span, iterations, margin)
 
 
-def _pack_node(node: NodeTimeline, span: Time, give_up_at: int | None) -> list[Slot] | None:
+def _pack_node(node: NodeTimeline, span: Time, give_up_at: int | None, margin: float) -> list[Slot] | None:
     pipeline = _pipeline(node, span)
     pieces = sum(1 for s in pipeline if s[0] == FORWARD)
-    items = _work_items(node, pieces)
+    items = _work_items(node, pieces, 1.0 + check_margin(margin))
     if pieces == 0 and any(w.is_queue for w in items):
         raise InputError(node.path, f"has no '{FORWARD}' intervals to split covariance work over "
                                     "(the compat policy counts only down-pipe forwards)")
@@ -409,7 +412,7 @@ def _pack_node(node: NodeTimeline, span: Time, give_up_at: int | None) -> list[S
             least = state.least_need()
             live = _gap_lengths(sched, gaps.candidates, least)
             fresh = _gap_lengths(pipeline, range(1, len(pipeline)), least)
-            if _cannot_finish(state, live, fresh, max(0, give_up_at - 1 - iterations)):
+            if _cannot_finish(state, live, fresh, max(0, give_up_at - 1 - iterations), margin):
                 return None
         iterations += 1
         before = len(state.remaining())
@@ -458,14 +461,14 @@ class CompatPolicy(Policy):
     name = "compat"
     summary = "the published PipeFisher packer, label for label (known flaws included)"
 
-    def pack(self, job: Job) -> JobSchedule:
+    def pack(self, job: Job, margin: float = DEFAULT_MARGIN) -> JobSchedule:
         with gc_paused():
-            return self._pack(job)
+            return self._pack(job, margin)
 
-    def _pack(self, job: Job) -> JobSchedule:
+    def _pack(self, job: Job, margin: float) -> JobSchedule:
         nodes = []
         for node in job.nodes:
-            slots = pack_node_slots(node, job.span)
+            slots = pack_node_slots(node, job.span, margin)
             iterations, usage, parts = figures_from_slots(slots, job.span)
             cycle = job.span * iterations
             figures = NodeFigures(
@@ -478,4 +481,4 @@ class CompatPolicy(Policy):
             )
             labels = split_iterations(slots)
             nodes.append(NodeSchedule(tuple(tuple(it) for it in labels), placements_from_slots(slots), figures))
-        return JobSchedule(self.name, job.span, tuple(nodes))
+        return JobSchedule(self.name, job.span, tuple(nodes), margin)

@@ -1,6 +1,6 @@
 """The ``tight`` policy: dependency-correct K-FAC packing, close to the lower bound, fast at scale.
 
-Each node is packed on its own model (:mod:`pipefisher.policies.model`): its bubbles, the same in every
+Each node is packed on its own model (:mod:`pipefisher.problem`): its bubbles, the same in every
 iteration, and its work items (covariance queues of m pieces per interval, syncs, inverses).
 Dependencies, from the format spec: in the first iteration, covariance piece q may only follow
 forward (A) / backward (B) ``q mod m`` of its pipe; a sync follows all pieces of its factor; an
@@ -23,115 +23,30 @@ candidate is dependency-correct by construction.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Sequence
 
+from pipefisher.policies.align import align_groups
+from pipefisher.policies.bestfit import pack_best_fit
 from pipefisher.policies.base import (
-    END,
-    SAVE_OFF,
-    SAVE_ON,
-    START,
     JobSchedule,
     NodeFigures,
     NodeSchedule,
-    Placement,
     Policy,
     gc_paused,
     label_category,
     split_iterations,
 )
-from pipefisher.policies.bounds import (
-    MARGIN,
-    Chain,
-    NodeBounds,
-    first_iteration_bound,
-    node_bounds,
-    one_iteration_possible,
-)
-from pipefisher.policies.align import align_groups
+from pipefisher.policies.bounds import model_bounds, with_first_iteration
+from pipefisher.policies.cycle import Packed, node_schedule
 from pipefisher.policies.groups import job_groups
-from pipefisher.policies.model import COV, INV, SYNC, NodeModel, node_model
+from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, node_model
 from pipefisher.timeline import KFAC_KINDS, Job, NodeTimeline, Time
 
 
 
-def model_bounds(model: NodeModel, first_iteration: bool = True) -> NodeBounds:
-    """The node's lower bounds, from its item sizes (covariance per piece), bubbles and chains.
-
-    ``first_iteration=False`` leaves out the first-iteration bound, which walks every piece: a
-    packing that meets the other bounds is optimal without it (see :func:`with_first_iteration`).
-    """
-    gaps = [b.length for b in model.bubbles]
-    largest = max(gaps, default=0)
-    sizes: list[tuple[Time, int]] = []
-    for w in model.work:
-        if w.kind == COV and len(w.pieces) > 1:
-            sizes.extend(Counter(w.pieces).items())
-        else:
-            sizes.extend((d, 1) for d in w.pieces)
-    positions = [b.pos for b in model.bubbles]
-    bounds = node_bounds(sizes, gaps, _chains(model, largest, with_pieces=False), positions)
-    if bounds.tight == 1 and not one_iteration_possible(_chains(model, largest), list(zip(positions, gaps))):
-        bounds = replace(bounds, tight=2)
-    return with_first_iteration(model, bounds) if first_iteration else bounds
-
-
-def with_first_iteration(model: NodeModel, bounds: NodeBounds) -> NodeBounds:
-    """``bounds`` raised by the first-iteration bound where that is higher."""
-    placed = [(b.pos, b.length) for b in model.bubbles]
-    largest = max((g for _, g in placed), default=0)
-    first = first_iteration_bound(_chains(model, largest), placed, bounds.bubble_time)
-    return replace(bounds, tight=first) if first > bounds.tight else bounds
-
-
-def _chains(model: NodeModel, largest: Time, with_pieces: bool = True) -> list[Chain]:
-    """Each factor's chain of work as the bounds see it (covariance pieces only ``with_pieces``)."""
-    g_n = model.groups
-    pieces: list[list[tuple[int, Time]]] = [[] for _ in range(g_n)]
-    tails: list[list[Time]] = [[] for _ in range(g_n)]
-    last: list[tuple[int, Time] | None] = [None] * g_n
-    syncs: list[list[Time]] = [[] for _ in range(g_n)]
-    invs: list[list[Time]] = [[] for _ in range(g_n)]
-    forced_level = [99] * g_n  # chain level (cov 0, sync 1, inverse 2) of the first overflow item
-    fit_level = [-1] * g_n  # and of the last fittable one
-    for w in model.work:
-        g = w.group
-        level = w.kind if model.synced[g] or w.kind == COV else SYNC
-        if w.kind == COV:
-            last[g] = (w.release[-1], w.pieces[-1])  # releases repeat per interval and rise within it
-        elif level == SYNC and w.kind == SYNC:
-            syncs[g].append(w.pieces[0])
-        else:
-            invs[g].append(w.pieces[0])
-        if max(w.pieces) * MARGIN < largest:  # the common case: all of it fits some bubble
-            fits_all, fit_count = True, len(w.pieces)
-        else:
-            fits_all, fit_count = False, sum(1 for d in w.pieces if d * MARGIN < largest)
-        if w.kind == COV and with_pieces:
-            pieces[g].extend(zip(w.release, w.pieces) if fits_all else
-                             ((r, d) for r, d in zip(w.release, w.pieces) if d * MARGIN < largest))
-        elif w.kind != COV:
-            tails[g].extend(d for d in w.pieces if d * MARGIN < largest)
-        if fit_count:
-            fit_level[g] = max(fit_level[g], level)
-        if fit_count < len(w.pieces):
-            forced_level[g] = min(forced_level[g], level)
-    return [Chain(tuple(pieces[g]), tuple(tails[g]), forced_level[g] < fit_level[g], last[g], tuple(syncs[g]),
-                  tuple(invs[g])) for g in range(g_n)]
-
-
 # ----------------------------------------------------------------------------------------------------
 # Packing
-
-
-@dataclass
-class Packed:
-    """A packed cycle: per iteration, the work in each bubble (in order) and the overflow at its end."""
-
-    iterations: int
-    in_bubbles: list[list[tuple[int, str, Time, Time]]]  # per iteration: (bubble, label, start, end)
-    overflow: list[list[tuple[str, Time]]]  # per iteration: (label, duration), after the last pipeline item
 
 
 class _Entities:
@@ -142,6 +57,7 @@ class _Entities:
 
     def __init__(self, model: NodeModel) -> None:
         work = model.work
+        scale = model.scale
         downstream: dict[int, Time] = {}
         for w in work:
             if w.kind != COV:
@@ -150,9 +66,9 @@ class _Entities:
         for wi, w in enumerate(work):
             if w.kind == COV:
                 for d in set(w.pieces):
-                    entries.append((d * MARGIN, (2, downstream.get(w.group, 0), -wi), wi, d))
+                    entries.append((d * scale, (2, downstream.get(w.group, 0), -wi), wi, d))
             else:
-                entries.append((w.pieces[0] * MARGIN, (1 if w.kind == SYNC else 0, 0, -wi), wi, w.pieces[0]))
+                entries.append((w.pieces[0] * scale, (1 if w.kind == SYNC else 0, 0, -wi), wi, w.pieces[0]))
         entries.sort(key=lambda e: (e[0], e[1]))
         self.need = [e[0] for e in entries]
         self.work = [e[2] for e in entries]
@@ -172,7 +88,8 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
     work = model.work
     bubbles = model.bubbles
     nb = len(bubbles)
-    largest = max((b.length for b in bubbles), default=0)
+    largest = model.largest
+    scale = model.scale
     ents = _Entities(model)
     need = ents.need
     ent_work = ents.work
@@ -209,7 +126,7 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
 
     def ready_plain(wi: int) -> None:
         nonlocal mask
-        if work[wi].pieces[0] * MARGIN < largest:
+        if work[wi].pieces[0] * scale < largest:
             mask |= 1 << plain_rank[wi]
         else:
             forced.append(wi)
@@ -229,7 +146,7 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
         pieces = work[wi].pieces
         if h >= len(pieces):
             return
-        if not pieces[h] * MARGIN < largest:
+        if not pieces[h] * scale < largest:
             forced.append(wi)
             return
         if iteration == 0:
@@ -320,7 +237,7 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
                         group_cov_done(g)
                     continue
                 d = pieces[h]  # where the new head goes (classify, inlined: this is the hot path)
-                if not d * MARGIN < largest:
+                if not d * scale < largest:
                     forced.append(wi)
                 elif iteration == 0 and relb[release[h]] > b:
                     pending[relb[release[h]]].append(wi)
@@ -342,7 +259,7 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
                 continue
             h = head[wi]
             pieces = w.pieces
-            while h < len(pieces) and not pieces[h] * MARGIN < largest:
+            while h < len(pieces) and not pieces[h] * scale < largest:
                 spill.append((w.label, pieces[h]))
                 h += 1
             done = h - head[wi]
@@ -362,9 +279,6 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
     if not in_bubbles:
         in_bubbles, overflow = [[]], [[]]
     return Packed(len(in_bubbles), in_bubbles, overflow)
-
-
-_SLACK = MARGIN - 1.0
 
 
 def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> Packed | None:
@@ -389,7 +303,8 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
     per = nb + 1  # slots per iteration: its bubbles, then its overflow slot
     nslots = k * per
     gap = [b.length for b in bubbles]
-    largest = max(gap, default=0)
+    largest = model.largest
+    scale, margin = model.scale, model.margin
     used: list[Time] = [0] * nslots
     maxd: list[Time] = [0] * nslots
     content: list[list[tuple[int, int]]] = [[] for _ in range(nslots)]  # (work index, piece) per slot
@@ -409,7 +324,7 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
     plain = [wi for wi, w in enumerate(work) if w.kind != COV]
     order = sorted(plain, key=lambda wi: (work[wi].pieces[0], -wi))
     rank = {wi: r for r, wi in enumerate(order)}
-    need = [work[wi].pieces[0] * MARGIN for wi in order]
+    need = [work[wi].pieces[0] * scale for wi in order]
     fit_mask = 0  # ready fittable items, by rank
     forced_ready: list[int] = []
     slot_of: dict[int, int] = {}
@@ -417,7 +332,7 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
 
     def ready(wi: int) -> None:
         nonlocal fit_mask
-        if work[wi].pieces[0] * MARGIN < largest:
+        if work[wi].pieces[0] * scale < largest:
             fit_mask |= 1 << rank[wi]
         else:
             forced_ready.append(wi)
@@ -448,7 +363,7 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
             r = cand.bit_length() - 1
             d = work[order[r]].pieces[0]
             top = d if d > maxd[slot] else maxd[slot]
-            if used[slot] + d + _SLACK * top < g_len:
+            if used[slot] + d + margin * top < g_len:
                 return r
             p = r
 
@@ -532,7 +447,7 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
                 w = work[wi]
                 h = head[wi]
                 pieces = w.pieces
-                while h < len(pieces) and not pieces[h] * MARGIN < largest:
+                while h < len(pieces) and not pieces[h] * scale < largest:
                     content[slot].append((wi, h))
                     h += 1
                 head[wi] = h
@@ -545,7 +460,7 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
         g_len = gap[b]
         lim = pos[b]
         for q, wi in enumerate(active):
-            if not used[slot] + smallest * MARGIN < g_len:  # full: the rest only wait (by deadline)
+            if not used[slot] + smallest * scale < g_len:  # full: the rest only wait (by deadline)
                 if deadline[work[wi].group] <= slot:
                     return None
                 still.extend(active[q:])
@@ -562,7 +477,7 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
             while h < n and (i or release[h] < lim):
                 d = pieces[h]
                 last = d if d > after else after
-                if not u + d + _SLACK * last < g_len:
+                if not u + d + margin * last < g_len:
                     break
                 u += d
                 content[slot].append((wi, h))
@@ -608,96 +523,44 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
     return Packed(k, in_bubbles, overflow)
 
 
-# ----------------------------------------------------------------------------------------------------
-# From a packed cycle to the schedule file's labels, placements and figures
-
-
-def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeSchedule:
-    """Labels in time order per iteration, placements with times, and the figures of the report."""
-    pipeline = model.pipeline
-    bubbles = model.bubbles
-    iterations: list[tuple[str, ...]] = []
-    placements: list[Placement] = []
-    kfac: Time = 0
-    total_overflow: Time = 0
-    k = packed.iterations
-    make = tuple.__new__  # Placement is a NamedTuple: build it without the keyword machinery
-    P = Placement
-    for i in range(k):
-        labels = [START]
-        places = [make(P, (START, 0, 0, i))]
-        nxt = 0  # next pipeline item to emit
-        for b, label, s, e in packed.in_bubbles[i]:
-            upto = bubbles[b].pos
-            while nxt < upto:
-                key, ps, pe = pipeline[nxt]
-                labels.append(key)
-                places.append(make(P, (key, ps, pe, i)))
-                nxt += 1
-            labels.append(label)
-            places.append(make(P, (label, s, e, i)))
-            kfac += e - s
-        for key, ps, pe in pipeline[nxt:]:
-            labels.append(key)
-            places.append(make(P, (key, ps, pe, i)))
-        t = model.base
-        for label, d in packed.overflow[i]:
-            labels.append(label)
-            places.append(make(P, (label, t, t + d, i)))
-            t += d
-            kfac += d
-            total_overflow += d
-        labels.append(END)
-        places.append(make(P, (END, t, t, i)))
-        if i == 0:
-            labels.append(SAVE_OFF)
-            places.append(make(P, (SAVE_OFF, t, t, i)))
-        if i == k - 1:
-            labels.append(SAVE_ON)
-            places.append(make(P, (SAVE_ON, t, t, i)))
-        iterations.append(tuple(labels))
-        placements.extend(places)
-    cycle = model.length * k + total_overflow
-    busy = model.pipeline_busy * k
-    usage = (busy + kfac) / cycle * 100 if cycle else 0.0
-    figures = NodeFigures(
-        iterations=k,
-        usage=usage,
-        cycle_time=cycle,
-        pipeline_busy=busy,
-        kfac_placed=kfac,
-        bubble_left=cycle - busy - kfac,
-        overflow=total_overflow,
-        lower_bound=bounds.tight,
-        extra={
-            "volume_bound": bounds.volume,
-            "fittable_work": bounds.fittable_work,
-            "bubble_time_per_iteration": bounds.bubble_time,
-            "largest_bubble": bounds.largest_bubble,
-            "forced_items": bounds.forced_items,
-        },
-    )
-    return NodeSchedule(tuple(iterations), tuple(placements), figures)
-
-
-def pack_node(node: NodeTimeline, span: Time) -> NodeSchedule:
-    """One node's cycle, as short as this policy can make it."""
-    model = node_model(node, span)
-    bounds = model_bounds(model, first_iteration=False)
-    packed = pack_greedy(model)
-    if packed.iterations > bounds.tight:
-        bounds = with_first_iteration(model, bounds)
-    if packed.iterations > bounds.tight:
-        other = pack_greedy(model, cov_first=True)
-        if other.iterations < packed.iterations:
-            packed = other
-    for k in range(bounds.tight, packed.iterations):
+def _fixed_below(model: NodeModel, low: int, high: int) -> Packed | None:
+    """The fixed-length construction's shortest cycle in [low, high), or None."""
+    for k in range(low, high):
         trial = pack_fixed(model, k) or pack_fixed(model, k, share_release_bubble=False)
         if trial is not None:
-            packed = trial
+            return trial
+    return None
+
+
+def pack_node(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN) -> NodeSchedule:
+    """One node's cycle, as short as this policy can make it: a small portfolio of constructions.
+
+    Each candidate is dependency-correct by construction; the shortest is kept, and the search stops
+    as soon as one meets the node's lower bound (then it is optimal). In order: the greedy walk (which
+    meets the bound on most nodes), the walk preferring covariance pieces, plain best-fit, the
+    fixed-length construction for every k from the bound up, and the published packer's cycle where
+    it is valid and honest.
+    """
+    model = node_model(node, span, margin)
+    bounds = model_bounds(model, first_iteration=False)
+    best, how = pack_greedy(model), "greedy"
+    if best.iterations > bounds.tight:
+        bounds = with_first_iteration(model, bounds)
+    candidates = (
+        ("greedy, covariance first", lambda: pack_greedy(model, cov_first=True)),
+        ("best-fit", lambda: pack_best_fit(model)),
+        ("fixed k", lambda: _fixed_below(model, bounds.tight, best.iterations)),
+    )
+    for name, construct in candidates:
+        if best.iterations <= bounds.tight:
             break
-    schedule = node_schedule(model, packed, bounds)
-    if packed.iterations > bounds.tight:  # not provably optimal: the published construction may be shorter
+        other = construct()
+        if other is not None and other.iterations < best.iterations:
+            best, how = other, name
+    schedule = node_schedule(model, best, bounds)
+    schedule = replace(schedule, figures=replace(schedule.figures, extra={**schedule.figures.extra,
+                                                                         "construction": how}))
+    if best.iterations > bounds.tight:  # not provably optimal: the published construction may be shorter
         schedule = shorter_valid_compat(node, span, model, schedule)
     return schedule
 
@@ -720,10 +583,11 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
     if not all(isinstance(x, int) for ivs in node.entries.values() for iv in ivs for x in (iv.start, iv.end)):
         return None
     model = model or node_model(node, span)
+    margin = model.margin
     if shorter_than is None:
-        slots = pack_node_slots(node, span)
+        slots = pack_node_slots(node, span, margin)
     else:
-        maybe = pack_node_slots_below(node, span, shorter_than)
+        maybe = pack_node_slots_below(node, span, shorter_than, margin)
         if maybe is None:
             return None
         slots = maybe
@@ -738,7 +602,7 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
     first = min((ps for _, ps, _ in model.pipeline), default=0)
     if any(p.start < min(first, 0) or p.end > model.base for p in work):
         return None
-    if validate_node(0, node, labels, span):
+    if validate_node(0, node, labels, span, margin):
         return None
     kfac = sum(p.duration for p in work)
     cycle, busy = model.length * k, model.pipeline_busy * k
@@ -773,8 +637,8 @@ class TightPolicy(Policy):
     name = "tight"
     summary = "dependency-correct packing near the lower bound (overflow only for work no bubble can hold)"
 
-    def pack(self, job: Job) -> JobSchedule:
+    def pack(self, job: Job, margin: float = DEFAULT_MARGIN) -> JobSchedule:
         with gc_paused():
-            nodes = tuple(pack_node(node, job.span) for node in job.nodes)
-            return JobSchedule(self.name, job.span, align_groups(job, nodes, job_groups(job)))
+            nodes = tuple(pack_node(node, job.span, margin) for node in job.nodes)
+            return JobSchedule(self.name, job.span, align_groups(job, nodes, job_groups(job), margin), margin)
 

@@ -128,12 +128,14 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, policy: str | None = None,
             nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
             checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
-            eval_every: int = 0, echo: Callable[[str], None] = print) -> RunPaths:
-    """Profile ``profile_steps`` kfac steps, pack them with ``policy`` (K-FAC times x ``kfac_margin``),
+            eval_every: int = 0, echo: Callable[[str], None] = print, margin: float | None = None) -> RunPaths:
+    """Profile ``profile_steps`` kfac steps, pack them with ``policy`` (K-FAC times x ``kfac_margin``,
+    room rule with ``margin``, :mod:`pipefisher.problem`),
     print the usage report, refuse an invalid schedule (unless ``allow_invalid``), then train ``steps``
     steps with it; returns the paths."""
     from pipefisher.plot import chart_from_schedule, render
     from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.problem import DEFAULT_MARGIN
     from pipefisher.report import report_data, usage_lines
     from pipefisher.runtime.executor import load_checked_schedule
     from pipefisher.runtime.launch import launch_local, run_worker
@@ -144,6 +146,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
     from pipefisher.timeline import load_job
 
     packer = get_policy(policy or DEFAULT_POLICY)
+    margin = DEFAULT_MARGIN if margin is None else margin
     stages = cfg.pipeline.stages
     n = nproc or stages
     if kfac_margin < 1.0:
@@ -183,10 +186,10 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
     echo(f"[2/3] packing with policy {packer.name}"
          + (f", K-FAC times x {kfac_margin:g}" if kfac_margin != 1.0 else ""))
     job = inflate_kfac(load_job(timelines), kfac_margin)
-    packed = packer.pack(job)
+    packed = packer.pack(job, margin)
     for line in usage_lines(packed):
         echo(line)
-    violations = validate(packed.to_file_data(), job)
+    violations = validate(packed.to_file_data(), job, margin=margin)
     report = report_data(packed, job)
     report.update(run=paths.name, kfac_margin=kfac_margin, valid=not violations, violations=[str(v) for v in violations[:50]])
     if violations:

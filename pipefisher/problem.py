@@ -1,11 +1,27 @@
-"""The node as a packer sees it: its pipeline in time order, its bubbles, and its K-FAC work items.
+"""The packing problem, stated once: what a node offers, what its K-FAC work needs, and the rules.
 
-The pipeline repeats every iteration, so a node's bubbles are the same in every iteration: the idle
-gaps between consecutive forwards and backwards of either pipe, plus the head and tail gaps up to the
-job's pipeline time (an iteration spans [min(0, first item), max(pipeline time, last item end)]).
-A covariance key is a queue of m pieces per interval (m = micro-batches of the pipe its module serves),
-a sync or inverse key one item per interval. Shared by the ``tight`` policy and by the schedule checks
-that measure work against the bubbles.
+Every check and every packer imports its definitions from here: ``pipefisher validate``, the lower
+bounds (:mod:`pipefisher.policies.bounds`), the policies, the aligner. So "lower bound" means: no
+schedule that ``validate`` accepts, with the same margin, has fewer iterations.
+
+* **The node.** The pipeline repeats every iteration, so a node's bubbles are the same in every
+  iteration: the idle gaps between consecutive forwards and backwards of either pipe, plus the head and
+  tail gaps up to the job's pipeline time (an iteration spans [min(0, first item), max(pipeline time,
+  last item end)]).
+* **The work.** A covariance key is a queue of m pieces per interval (m = micro-batches of the pipe its
+  module serves; the interval's length split evenly, remainder on the first pieces), a sync or inverse
+  key one item per interval.
+* **The room rule.** An item of duration d that starts at t in a bubble ending at e fits when
+  ``t + (1 + margin) d < e``: work runs back to back from the bubble's start, and each item keeps a
+  margin of its own length free after it (the published tool's rule, with margin 0.05). The margin is
+  part of the problem: packers, bounds and ``validate`` take the same value (:data:`DEFAULT_MARGIN`
+  unless the user sets another).
+* **Forced overflow.** An item that fits no bubble of the node (``(1 + margin) d`` not below the largest
+  bubble) runs after the iteration's last pipeline item and lengthens that iteration; no other work may.
+* **Dependencies.** In the cycle's first iteration, covariance piece j of a factor follows forward (A)
+  or backward (B) ``j mod m`` of its pipe (:func:`cov_source`, :func:`source_call`); a sync follows all
+  pieces of its factor; an inverse follows the factor's first sync, or all its pieces where the node has
+  no sync for it (:func:`inverse_waits_for_sync`).
 """
 from __future__ import annotations
 
@@ -13,10 +29,41 @@ from dataclasses import dataclass
 
 from pipefisher.timeline import BACKWARD, FORWARD, UP_SUFFIX, Interval, NodeTimeline, Time, TimelineKey
 
+DEFAULT_MARGIN = 0.05
+"""Room an item needs beyond its own duration, as a fraction of it (the published tool's 5 %)."""
+
 COV, SYNC, INV = 0, 1, 2
 _KIND = {"cov_kron_A": COV, "cov_kron_B": COV, "sync_kron_A": SYNC, "sync_kron_B": SYNC,
          "inv_kron_A": INV, "inv_kron_B": INV}
 PIPE_KEYS = (FORWARD, FORWARD + UP_SUFFIX, BACKWARD, BACKWARD + UP_SUFFIX)
+
+
+def check_margin(margin: float) -> float:
+    """The margin as a float; a negative or non-finite one is a caller's error."""
+    m = float(margin)
+    if not (0.0 <= m < 10.0):
+        raise ValueError(f"margin must be in [0, 10), not {margin!r}")
+    return m
+
+
+def fits(duration: Time, room: Time, margin: float = DEFAULT_MARGIN) -> bool:
+    """The room rule: an item of ``duration`` fits where ``room`` is left before the bubble's end."""
+    return duration * (1.0 + margin) < room
+
+
+def cov_source(factor: str | None, up_pipe: bool) -> str:
+    """The pipeline key whose calls a factor's covariance pieces follow: forwards for A, backwards for B."""
+    return (FORWARD if factor == "A" else BACKWARD) + (UP_SUFFIX if up_pipe else "")
+
+
+def source_call(piece: int, micro_batches: int) -> int:
+    """Which call (0-based, in the cycle's first iteration) covariance piece ``piece`` follows."""
+    return piece % micro_batches if micro_batches else piece
+
+
+def inverse_waits_for_sync(has_sync: bool) -> bool:
+    """An inverse waits for its factor's first sync where the node has one, else for all its pieces."""
+    return has_sync
 
 
 @dataclass(frozen=True)
@@ -55,6 +102,17 @@ class NodeModel:
     work: tuple[Work, ...]
     groups: int
     synced: tuple[bool, ...]  # per group: the node has a sync item for it (inverses wait for it)
+    margin: float = DEFAULT_MARGIN  # the room rule's margin (see the module's docstring)
+
+    @property
+    def scale(self) -> float:
+        """Room per unit of duration an item needs: ``1 + margin`` (hot loops multiply by it)."""
+        return 1.0 + self.margin
+
+    @property
+    def largest(self) -> Time:
+        """The largest bubble: work that does not fit it (with the margin) is forced overflow."""
+        return max((b.length for b in self.bubbles), default=0)
 
 
 def sane_bounds(iv: Interval, fallback: Time) -> tuple[Time, Time]:
@@ -78,8 +136,9 @@ def split_evenly(length: Time, m: int) -> tuple[Time, ...]:
     return (length / m,) * m
 
 
-def node_model(node: NodeTimeline, span: Time) -> NodeModel:
+def node_model(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN) -> NodeModel:
     """Sort the pipeline, find the bubbles in [0, span], and turn the K-FAC keys into work items."""
+    margin = check_margin(margin)
     raw = []
     order = 0
     for key in PIPE_KEYS:
@@ -129,16 +188,16 @@ def node_model(node: NodeTimeline, span: Time) -> NodeModel:
             m = node.micro_batches(parsed.up_pipe)
             if m == 0 or not durations:
                 continue  # the timeline asks for no pieces of a pipe that does not run here
-            op = (FORWARD if parsed.factor == "A" else BACKWARD) + (UP_SUFFIX if parsed.up_pipe else "")
-            pos = positions[op]
+            pos = positions[cov_source(parsed.factor, parsed.up_pipe)]
             pieces: list[Time] = []
             for d in durations:
                 pieces.extend(split_evenly(d, m))
-            release = tuple(pos) * len(durations)  # piece q follows the (q mod m)-th forward/backward
+            last = len(pos) - 1  # a timeline with fewer backwards than forwards: follow the last one
+            release = tuple(pos[min(source_call(q, m), last)] if pos else -1 for q in range(len(pieces)))
             items.append(Work(key, COV, g, tuple(pieces), release))
         else:
             if kind == SYNC and durations:
                 synced.add(g)
             items.extend(Work(key, kind, g, (d,), ()) for d in durations)
     return NodeModel(pipeline, tuple(bubbles), base, length, busy, tuple(items), len(group_of),
-                     tuple(g in synced for g in range(len(group_of))))
+                     tuple(g in synced for g in range(len(group_of))), margin)

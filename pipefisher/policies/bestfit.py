@@ -1,0 +1,140 @@
+"""The ``best-fit`` policy: the plainest greedy packing, a baseline every other policy must match.
+
+Bubble by bubble, in time order, iteration after iteration: put the largest ready item that still fits
+(the room rule of :mod:`pipefisher.problem`) at the bubble's current time; repeat until nothing ready
+fits, then go to the next bubble. Work that fits no bubble of the node waits for the end of an
+iteration, after its last pipeline item (forced overflow). Ready means the dependency rules allow it
+now: a covariance piece after its forward or backward of the first iteration (and after the pieces
+before it in its queue), a sync after all pieces of its factor, an inverse after the factor's first
+sync (or all its pieces, where the node has no sync for it).
+
+It knows nothing the other policies do not: ``tight`` runs it as one candidate of its portfolio, so
+``tight`` never loses to it.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right, insort
+
+from pipefisher.policies.align import align_groups
+from pipefisher.policies.base import JobSchedule, Policy, gc_paused
+from pipefisher.policies.bounds import model_bounds
+from pipefisher.policies.cycle import Packed, node_schedule
+from pipefisher.policies.groups import job_groups
+from pipefisher.problem import COV, DEFAULT_MARGIN, SYNC, NodeModel, node_model
+from pipefisher.timeline import Job, Time
+
+
+def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
+    """The best-fit cycle of one node (see the module's docstring); dependency-correct by construction."""
+    work = model.work
+    bubbles = model.bubbles
+    scale = model.scale
+    largest = model.largest
+    positions = [b.pos for b in bubbles]
+
+    head = [0] * len(work)  # per covariance queue: its next piece
+    pieces_left = [0] * model.groups
+    syncs_of: list[list[int]] = [[] for _ in range(model.groups)]
+    invs_of: list[list[int]] = [[] for _ in range(model.groups)]
+    for wi, w in enumerate(work):
+        if w.kind == COV:
+            pieces_left[w.group] += len(w.pieces)
+        else:
+            (syncs_of if w.kind == SYNC else invs_of)[w.group].append(wi)
+    synced_yet = [False] * model.groups
+
+    ready: list[tuple[Time, int, int]] = []  # (room needed, -work index, work index), ascending
+    forced: list[int] = []  # ready work that fits no bubble: overflow at the iteration's end
+    waiting: dict[int, list[int]] = {}  # iteration 0: bubble index -> queues whose head is released there
+    iteration = 0
+    bubble = 0
+
+    def make_ready(wi: int) -> None:
+        w = work[wi]
+        d = w.pieces[head[wi]] if w.kind == COV else w.pieces[0]
+        if not d * scale < largest:
+            forced.append(wi)
+        elif w.kind == COV and iteration == 0 and bisect_right(positions, w.release[head[wi]]) > bubble:
+            waiting.setdefault(bisect_right(positions, w.release[head[wi]]), []).append(wi)
+        else:
+            insort(ready, (d * scale, -wi, wi))
+
+    def factor_pieces_done(g: int) -> None:
+        for wi in (syncs_of[g] if model.synced[g] else invs_of[g]):
+            make_ready(wi)
+
+    def done(wi: int) -> Time:
+        """Book item ``wi`` (a queue's head piece) as placed; make ready what it unlocks."""
+        w = work[wi]
+        if w.kind == COV:
+            d = w.pieces[head[wi]]
+            head[wi] += 1
+            pieces_left[w.group] -= 1
+            if head[wi] < len(w.pieces):
+                make_ready(wi)
+            elif pieces_left[w.group] == 0:
+                factor_pieces_done(w.group)
+            return d
+        if w.kind == SYNC and not synced_yet[w.group]:
+            synced_yet[w.group] = True
+            for v in invs_of[w.group]:
+                make_ready(v)
+        return w.pieces[0]
+
+    for g in range(model.groups):
+        if pieces_left[g] == 0:
+            factor_pieces_done(g)
+    for wi, w in enumerate(work):
+        if w.kind == COV:
+            make_ready(wi)
+
+    in_bubbles: list[list[tuple[int, str, Time, Time]]] = []
+    overflow: list[list[tuple[str, Time]]] = []
+    while ready or forced or waiting:
+        if iteration >= max_iterations:
+            raise RuntimeError("best-fit packing made no progress")  # pragma: no cover
+        here: list[tuple[int, str, Time, Time]] = []
+        for bubble, b in enumerate(bubbles):
+            for wi in waiting.pop(bubble, []) if iteration == 0 else []:
+                make_ready(wi)
+            t, end = b.start, b.end
+            while ready:
+                i = bisect_left(ready, (end - t,)) - 1  # the largest need below the room left
+                if i < 0:
+                    break
+                wi = ready.pop(i)[2]
+                label = work[wi].label
+                d = done(wi)
+                here.append((bubble, label, t, t + d))
+                t += d
+        if iteration == 0:  # past the last bubble: every release of the first iteration is met
+            bubble = len(bubbles)
+            for wi in [v for key in sorted(waiting) for v in waiting[key]]:
+                insort(ready, (work[wi].pieces[head[wi]] * scale, -wi, wi))
+            waiting.clear()
+        spill: list[tuple[str, Time]] = []
+        while forced:
+            wi = forced.pop(0)
+            label = work[wi].label
+            spill.append((label, done(wi)))
+        in_bubbles.append(here)
+        overflow.append(spill)
+        iteration += 1
+    if not in_bubbles:
+        in_bubbles, overflow = [[]], [[]]
+    return Packed(len(in_bubbles), in_bubbles, overflow)
+
+
+class BestFitPolicy(Policy):
+    """Largest ready item that fits, bubble by bubble: a plain baseline (``tight`` includes it)."""
+
+    name = "best-fit"
+    summary = "plain best-fit greedy: the largest ready item that fits, bubble by bubble (a baseline)"
+
+    def pack(self, job: Job, margin: float = DEFAULT_MARGIN) -> JobSchedule:
+        with gc_paused():
+            nodes = []
+            for node in job.nodes:
+                model = node_model(node, job.span, margin)
+                nodes.append(node_schedule(model, pack_best_fit(model), model_bounds(model)))
+            return JobSchedule(self.name, job.span, align_groups(job, tuple(nodes), job_groups(job), margin), margin)

@@ -1,0 +1,91 @@
+"""A packed cycle, as every construction of a policy returns it, and how it becomes a node's schedule.
+
+The constructions (greedy walks, fixed-length packing, best-fit, an exact solver) only decide which
+work goes into which bubble of which iteration, in which order, and what overflows; turning that into
+the schedule file's labels, the placements a chart draws and the report's figures is done here, once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipefisher.policies.base import END, SAVE_OFF, SAVE_ON, START, NodeFigures, NodeSchedule, Placement
+from pipefisher.policies.bounds import NodeBounds
+from pipefisher.problem import NodeModel
+from pipefisher.timeline import Time
+
+
+@dataclass
+class Packed:
+    """A packed cycle: per iteration, the work in each bubble (in order) and the overflow at its end."""
+
+    iterations: int
+    in_bubbles: list[list[tuple[int, str, Time, Time]]]  # per iteration: (bubble, label, start, end)
+    overflow: list[list[tuple[str, Time]]]  # per iteration: (label, duration), after the last pipeline item
+
+
+def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeSchedule:
+    """Labels in time order per iteration, placements with times, and the figures of the report."""
+    pipeline = model.pipeline
+    bubbles = model.bubbles
+    iterations: list[tuple[str, ...]] = []
+    placements: list[Placement] = []
+    kfac: Time = 0
+    total_overflow: Time = 0
+    k = packed.iterations
+    make = tuple.__new__  # Placement is a NamedTuple: build it without the keyword machinery
+    P = Placement
+    for i in range(k):
+        labels = [START]
+        places = [make(P, (START, 0, 0, i))]
+        nxt = 0  # next pipeline item to emit
+        for b, label, s, e in packed.in_bubbles[i]:
+            upto = bubbles[b].pos
+            while nxt < upto:
+                key, ps, pe = pipeline[nxt]
+                labels.append(key)
+                places.append(make(P, (key, ps, pe, i)))
+                nxt += 1
+            labels.append(label)
+            places.append(make(P, (label, s, e, i)))
+            kfac += e - s
+        for key, ps, pe in pipeline[nxt:]:
+            labels.append(key)
+            places.append(make(P, (key, ps, pe, i)))
+        t = model.base
+        for label, d in packed.overflow[i]:
+            labels.append(label)
+            places.append(make(P, (label, t, t + d, i)))
+            t += d
+            kfac += d
+            total_overflow += d
+        labels.append(END)
+        places.append(make(P, (END, t, t, i)))
+        if i == 0:
+            labels.append(SAVE_OFF)
+            places.append(make(P, (SAVE_OFF, t, t, i)))
+        if i == k - 1:
+            labels.append(SAVE_ON)
+            places.append(make(P, (SAVE_ON, t, t, i)))
+        iterations.append(tuple(labels))
+        placements.extend(places)
+    cycle = model.length * k + total_overflow
+    busy = model.pipeline_busy * k
+    usage = (busy + kfac) / cycle * 100 if cycle else 0.0
+    figures = NodeFigures(
+        iterations=k,
+        usage=usage,
+        cycle_time=cycle,
+        pipeline_busy=busy,
+        kfac_placed=kfac,
+        bubble_left=cycle - busy - kfac,
+        overflow=total_overflow,
+        lower_bound=bounds.tight,
+        extra={
+            "volume_bound": bounds.volume,
+            "fittable_work": bounds.fittable_work,
+            "bubble_time_per_iteration": bounds.bubble_time,
+            "largest_bubble": bounds.largest_bubble,
+            "forced_items": bounds.forced_items,
+        },
+    )
+    return NodeSchedule(tuple(iterations), tuple(placements), figures)
