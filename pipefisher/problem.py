@@ -10,14 +10,15 @@ schedule that ``validate`` accepts, with the same margin, has fewer iterations.
   last item end)]).
 * **The work.** A covariance key is a queue of m pieces per interval (m = micro-batches of the pipe its
   module serves; the interval's length split evenly, remainder on the first pieces), a sync or inverse
-  key one item per interval.
+  key one item per interval (each as long as the key's longest interval).
 * **The room rule.** An item of duration d that starts at t in a bubble ending at e fits when
   ``t + (1 + margin) d < e``: work runs back to back from the bubble's start, and each item keeps a
   margin of its own length free after it (the published tool's rule, with margin 0.05). The margin is
   part of the problem: packers, bounds and ``validate`` take the same value (:data:`DEFAULT_MARGIN`
   unless the user sets another).
 * **Forced overflow.** An item that fits no bubble of the node (``(1 + margin) d`` not below the largest
-  bubble) runs after the iteration's last pipeline item and lengthens that iteration; no other work may.
+  bubble) runs after the iteration's last pipeline item and its fittable work, past the pipeline time,
+  and lengthens that iteration; no other work may run past the pipeline time or after such an item.
 * **Dependencies.** In the cycle's first iteration, covariance piece j of a factor follows forward (A)
   or backward (B) ``j mod m`` of its pipe (:func:`cov_source`, :func:`source_call`); a sync follows all
   pieces of its factor; an inverse follows the factor's first sync, or all its pieces where the node has
@@ -193,11 +194,17 @@ def node_model(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN) -
             for d in durations:
                 pieces.extend(split_evenly(d, m))
             last = len(pos) - 1  # a timeline with fewer backwards than forwards: follow the last one
-            release = tuple(pos[min(source_call(q, m), last)] if pos else -1 for q in range(len(pieces)))
+            # piece q follows call source_call(q, m): calls 0..m-1 of every interval, the same for each
+            # (capped at the last call), so one period of m releases is built and repeated
+            period = (tuple(pos[:m]) + (pos[last],) * (m - len(pos))) if pos else (-1,) * m
+            release = period * len(durations)
             items.append(Work(key, COV, g, tuple(pieces), release))
         else:
             if kind == SYNC and durations:
                 synced.add(g)
-            items.extend(Work(key, kind, g, (d,), ()) for d in durations)
+            # A sync or inverse that ran several times in the profiled step: every run is measured at
+            # the longest (a label names no run, so a check cannot tell which one comes when).
+            longest = max(durations, default=0)
+            items.extend(Work(key, kind, g, (longest,), ()) for _ in durations)
     return NodeModel(pipeline, tuple(bubbles), base, length, busy, tuple(items), len(group_of),
                      tuple(g in synced for g in range(len(group_of))), margin)

@@ -199,12 +199,14 @@ def _room_violations(node: NodeTimeline, iterations: Sequence[Sequence[str]], sp
 
     The K-FAC work labelled between two pipeline items runs back to back from the end of the first
     (the latest end of the pipeline items so far); each item must fit with its margin before the
-    second starts: ``t + (1 + margin) d < start``, each item measured as the packers measure it (the
-    j-th covariance piece of a key is its j-th even share, a missing time no time). A schedule that
-    claims more room than that makes every such iteration longer than reported (or leaves a bubble no
-    safety margin): ``bubble-overfilled``. Work after an iteration's last pipeline item runs up to the
-    pipeline time under the same rule; past it only work that fits no bubble of the node may run
-    (forced overflow), anything else lengthens the iteration for nothing: ``unforced-overflow``.
+    second starts: ``(1 + margin) d < start - t``, zero-length items too, each item measured as the
+    packers measure it (the j-th covariance piece of a key is its j-th even share, a missing time no
+    time) and ``t`` summed item by item, so that the check and the packers agree to the last bit. A
+    schedule that claims more room than that makes every such iteration longer than reported (or
+    leaves a bubble no safety margin): ``bubble-overfilled``. Work after an iteration's last pipeline
+    item runs up to the pipeline time under the same rule; then only work that fits no bubble of the
+    node may run (forced overflow, past the pipeline time); fittable work past the pipeline time or
+    after forced work lengthens the iteration for nothing: ``unforced-overflow``.
     """
     model = node_model(node, span, margin)
     where: dict[str, list[tuple[Time, Time]]] = defaultdict(list)  # per pipeline key, in time order
@@ -216,13 +218,11 @@ def _room_violations(node: NodeTimeline, iterations: Sequence[Sequence[str]], sp
         lengths[w.label].extend(w.pieces)
     done: dict[str, int] = defaultdict(int)
     begin = min(min((s for _, s, _ in model.pipeline), default=0), 0)
-    # Floats: a sum in another order may round the other way; never count that against a schedule.
-    tolerance = 1e-9 * max(abs(model.base), abs(begin), 1) if isinstance(model.base, float) else 0
 
     def overfilled(pending: list[tuple[str, Time]], start: Time, end: Time) -> bool:
-        t = start
+        t = start  # summed item by item from the gap's start, as the packers lay work out
         for _, d in pending:
-            if d > 0 and not fits(d, end - t + tolerance, margin):
+            if not fits(d, end - t, margin):
                 return True
             t += d
         return False
@@ -248,15 +248,16 @@ def _room_violations(node: NodeTimeline, iterations: Sequence[Sequence[str]], sp
                 n = done[label]
                 done[label] += 1
                 pending.append((label, lengths[label][n % len(lengths[label])]))
-        # After the last pipeline item: fittable work up to the pipeline time; past it, forced work only.
+        # After the last pipeline item: fittable work up to the pipeline time; then forced work only,
+        # which runs past it (the iteration's overflow).
         t = frontier
+        overflowing = False
         for label, d in pending:
             if not fits(d, largest, margin):
-                t += d
-                continue
-            if d > 0 and not fits(d, model.base - t + tolerance, margin):
-                bad(i, label, "unforced-overflow", f"runs past the pipeline time (or into its margin) "
-                    f"though it fits the node's largest bubble ({largest})")
+                overflowing = True
+            elif overflowing or not fits(d, model.base - t, margin):
+                bad(i, label, "unforced-overflow", "runs past the pipeline time, into its margin or after "
+                    f"overflow work, though it fits the node's largest bubble ({largest})")
             t += d
 
 

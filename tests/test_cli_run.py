@@ -30,7 +30,8 @@ def test_run_end_to_end_with_two_processes(tmp_path):
     assert "mode scheduled, 2 stage(s) x 1 replica(s)" in text and "step     4  loss" in text
     names = sorted(os.listdir(out))
     assert names == ["first_chart.png", "first_checkpoints", "first_config.yaml", "first_metrics.csv",
-                     "first_report.json", "first_schedule.pickle", "first_timelines"]
+                     "first_report.json", "first_schedule.pickle", "first_schedule.pickle.meta.json",
+                     "first_timelines"]
     assert {"tiny_node0_timeline.pickle", "tiny_node1_timeline.pickle"} <= set(os.listdir(out / "first_timelines"))
     with open(out / "first_metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))

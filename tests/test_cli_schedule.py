@@ -155,3 +155,60 @@ def test_no_paths_packs_the_bundled_example(tmp_path) -> None:
     assert "packing the bundled example, 4 nodes" in result.output
     assert len([line for line in result.output.splitlines() if line.startswith("node")]) == 4
     assert len(pickle.loads(out.read_bytes())) == 4
+
+
+def test_margin_is_recorded_beside_the_schedule_and_validate_uses_it(tmp_path) -> None:
+    out = tmp_path / "s.pickle"
+    paths = case_timelines(CASE)
+    result = run("schedule", *paths, "--margin", "0.3", "--save-path", str(out))
+    assert result.exit_code == 0, result.output
+    meta = json.loads((tmp_path / "s.pickle.meta.json").read_text())
+    assert meta["margin"] == 0.3 and meta["policy"] == "tight"
+    assert [n["iterations"] for n in meta["nodes"]] == [len(it) for it in pickle.loads(out.read_bytes())]
+    assert run("validate", "--schedule", str(out), *paths).exit_code == 0  # under the recorded 0.3
+    assert run("validate", "--schedule", str(out), "--margin", "0.05", *paths).exit_code == 0  # looser: also ok
+
+
+def test_a_schedule_packed_without_margin_is_refused_under_the_default_one(tmp_path) -> None:
+    # One bubble of 100 and one covariance piece of 97 (m = 1): it fits with margin 0 (97 < 100),
+    # not with 5 % (101.85 > 100), so under the default rule it fits no bubble: forced overflow.
+    node = {"call_forward": [(0, 10)], "call_backward": [(110, 120)], "cov_kron_A:l": [(0, 97)],
+            "cov_kron_B:l": [(0, 1)], "start_end": [(0, 120)]}
+    path = tmp_path / "n.pickle"
+    path.write_bytes(pickle.dumps(node))
+    out = tmp_path / "s.pickle"
+    assert run("schedule", str(path), "--margin", "0", "--save-path", str(out)).exit_code == 0
+    assert run("validate", "--schedule", str(out), str(path)).exit_code == 0
+    refused = run("validate", "--schedule", str(out), "--margin", "0.05", str(path))
+    assert refused.exit_code == 1 and "bubble-overfilled" in refused.output
+    default = run("schedule", str(path))
+    assert default.exit_code == 0 and "overflow 97]" in default.output
+
+
+def test_a_plain_schedule_file_drops_stale_metadata(tmp_path) -> None:
+    from pipefisher.schedule import save_schedule
+
+    out = tmp_path / "s.pickle"
+    assert run("schedule", *case_timelines(CASE), "--save-path", str(out)).exit_code == 0
+    assert (tmp_path / "s.pickle.meta.json").exists()
+    save_schedule(out, pickle.loads(out.read_bytes()))  # hand-written data: no record of its margin
+    assert not (tmp_path / "s.pickle.meta.json").exists()
+
+
+def test_report_says_optimal_or_gap_for_every_policy(tmp_path) -> None:
+    report = tmp_path / "r.json"
+    for policy in ("tight", "best-fit", "compat"):
+        result = run("schedule", *case_timelines(CASE), "--policy", policy, "--json", str(report))
+        assert result.exit_code == 0, result.output
+        data = json.loads(report.read_text())
+        assert data["margin"] == 0.05
+        for node in data["nodes"]:
+            assert node["gap"] == node["iterations"] - node["lower_bound"]
+            assert node["optimal"] == (node["gap"] == 0)
+        if policy != "compat":  # compat's lines stay the published ones, character for character
+            assert all(("optimal]" in line) or (", gap " in line) for line in result.output.splitlines())
+
+
+def test_bad_margin_is_one_line() -> None:
+    result = run("schedule", *case_timelines(CASE), "--margin", "-1")
+    assert result.exit_code == 2 and "--margin" in result.output
