@@ -80,15 +80,11 @@ def test_profile_loads_and_packs_in_the_scheduler(profiled):
     assert "node0:" in res.output and "node1:" in res.output
 
 
-def test_profile_schedule_validates_with_a_dependency_correct_policy(profiled):
-    from pipefisher.policies import POLICIES
-
-    correct = sorted(name for name in POLICIES if name != "compat")
-    if not correct:
-        pytest.skip("no dependency-correct policy registered yet (only compat)")
+@pytest.mark.parametrize("policy", ["tight", "best-fit"])
+def test_profile_schedule_validates_with_a_dependency_correct_policy(profiled, policy):
     out, paths = profiled
-    sched = str(out / f"sched-{correct[0]}.pickle")
-    res = CliRunner().invoke(main, ["schedule", *paths, "--policy", correct[0], "--save-path", sched])
+    sched = str(out / f"sched-{policy}.pickle")
+    res = CliRunner().invoke(main, ["schedule", *paths, "--policy", policy, "--save-path", sched])
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(main, ["validate", *paths, "--schedule", sched])
     assert res.exit_code == 0, res.output

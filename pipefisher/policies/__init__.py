@@ -1,26 +1,42 @@
 """Packing policies, by name. A policy takes a loaded job and returns per-node schedules and figures."""
 from __future__ import annotations
 
+from typing import Any
+
 from pipefisher.errors import InputError
-from pipefisher.policies.bestfit import BestFitPolicy
 from pipefisher.policies.base import JobSchedule, NodeFigures, NodeSchedule, Placement, Policy
+from pipefisher.policies.bestfit import BestFitPolicy
 from pipefisher.policies.compat import CompatPolicy
+from pipefisher.policies.exact import ExactPolicy
 from pipefisher.policies.tight import TightPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     CompatPolicy.name: CompatPolicy,
     TightPolicy.name: TightPolicy,
     BestFitPolicy.name: BestFitPolicy,
+    ExactPolicy.name: ExactPolicy,
 }
 DEFAULT_POLICY = TightPolicy.name
 
 
-def get_policy(name: str) -> Policy:
-    """The policy registered under ``name``; an unknown name is an input error listing the known ones."""
+def get_policy(name: str, **options: Any) -> Policy:
+    """The policy registered under ``name``, made with ``options`` (those given as None are left out);
+    an unknown name, or an option the policy does not take, is an input error.
+
+    Options: ``time_limit`` (seconds per job) for ``exact``; the other policies take none.
+    ``exact`` without OR-Tools installed is an input error that says how to install it.
+    """
     try:
-        return POLICIES[name]()
+        cls = POLICIES[name]
     except KeyError:
         raise InputError(None, f"unknown policy '{name}' (known: {', '.join(sorted(POLICIES))})") from None
+    given = {k: v for k, v in options.items() if v is not None}
+    accepted = tuple(getattr(cls, "options", ()))
+    unknown = sorted(set(given) - set(accepted))
+    if unknown:
+        takes = f"takes only {', '.join(accepted)}" if accepted else "takes no options"
+        raise InputError(None, f"policy '{name}' {takes}, not {', '.join(unknown)}")
+    return cls(**given)
 
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "JobSchedule", "NodeFigures", "NodeSchedule", "Placement", "Policy",
