@@ -94,6 +94,7 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
         if iteration >= max_iterations:
             raise RuntimeError("best-fit packing made no progress")  # pragma: no cover
         here: list[tuple[int, str, Time, Time]] = []
+        add = here.append
         for bubble, b in enumerate(bubbles):
             for wi in waiting.pop(bubble, []) if iteration == 0 else []:
                 make_ready(wi)
@@ -102,11 +103,30 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
                 i = bisect_left(ready, (end - t,)) - 1  # the largest need below the room left
                 if i < 0:
                     break
-                wi = ready.pop(i)[2]
-                label = work[wi].label
-                d = done(wi)
-                here.append((bubble, label, t, t + d))
-                t += d
+                need, _, wi = ready.pop(i)
+                w = work[wi]
+                if w.kind != COV:
+                    d = done(wi)
+                    add((bubble, w.label, t, t + d))
+                    t += d
+                    continue
+                # The queue's next piece, if it has the same size, is ready and still fits, would be
+                # the next pick again (nothing ready needs more; equal needs go to the smallest index):
+                # place the whole run at once, then book its last piece with ``done`` as usual.
+                pieces, release, label = w.pieces, w.release, w.label
+                first = h = head[wi]
+                d = pieces[h]
+                n = len(pieces)
+                while True:
+                    add((bubble, label, t, t + d))
+                    t += d
+                    h += 1
+                    if not (h < n and pieces[h] == d and need < end - t
+                            and (iteration or bisect_right(positions, release[h]) <= bubble)):
+                        break
+                head[wi] = h - 1
+                pieces_left[w.group] -= h - 1 - first
+                done(wi)
         if iteration == 0:  # past the last bubble: every release of the first iteration is met
             bubble = len(bubbles)
             for wi in [v for key in sorted(waiting) for v in waiting[key]]:

@@ -210,6 +210,12 @@ def first_iteration_bound(chains: Sequence[Chain], bubbles: Sequence[tuple[int, 
         if c.tail:
             last = max(c.pieces)[0] if c.pieces else -1
             released[last] = get(last, 0) + sum(c.tail)
+    return _first_iteration_bound(released, bubbles, capacity)
+
+
+def _first_iteration_bound(released: dict[int, float], bubbles: Sequence[tuple[int, Time]], capacity: Time) -> int:
+    """:func:`first_iteration_bound` from the work released at each pipeline position (in the order
+    it was added up: float sums depend on it)."""
     total = sum(released.values())
     if total <= 0 or capacity <= 0:
         return 1
@@ -298,8 +304,41 @@ def with_first_iteration(model: NodeModel, bounds: NodeBounds) -> NodeBounds:
     """``bounds`` raised by the first-iteration bound where that is higher."""
     placed = [(b.pos, b.length) for b in model.bubbles]
     largest = max((g for _, g in placed), default=0)
-    first = first_iteration_bound(_chains(model, largest), placed, bounds.bubble_time)
+    first = _first_iteration_bound(_released(model, largest), placed, bounds.bubble_time)
     return replace(bounds, tight=first) if first > bounds.tight else bounds
+
+
+def _released(model: NodeModel, largest: Time) -> dict[int, float]:
+    """The work released at each pipeline position as :func:`first_iteration_bound` adds it up from
+    ``_chains(model, largest)``: factor by factor, its fittable pieces in order, then its fittable
+    syncs and inverses after its last piece. Same additions in the same order (so the same floats),
+    without building the chains: a big node has tens of thousands of pieces."""
+    scale = model.scale
+    of_group: list[list[int]] = [[] for _ in range(model.groups)]
+    for wi, w in enumerate(model.work):
+        of_group[w.group].append(wi)
+    released: dict[int, float] = {}
+    get = released.get
+    for members in of_group:
+        last = -1
+        tail: list[Time] = []
+        for wi in members:
+            w = model.work[wi]
+            if w.kind != COV:
+                tail.extend(d for d in w.pieces if d * scale < largest)
+                continue
+            if max(w.pieces) * scale < largest:  # the common case: all of it fits some bubble
+                for p, d in zip(w.release, w.pieces):
+                    released[p] = get(p, 0) + d
+                last = max(last, max(w.release))
+                continue
+            for p, d in zip(w.release, w.pieces):
+                if d * scale < largest:
+                    released[p] = get(p, 0) + d
+                    last = max(last, p)
+        if tail:
+            released[last] = get(last, 0) + sum(tail)
+    return released
 
 
 def _chains(model: NodeModel, largest: Time, with_pieces: bool = True) -> list[Chain]:

@@ -436,12 +436,27 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
     queues.sort(key=lambda wi: (deadline[work[wi].group], wi))
     head = {wi: 0 for wi in queues}
     active = list(queues)  # queues with pieces left, by deadline
-    smallest = min((d for wi in queues for d in work[wi].pieces), default=0)
+    smallest = min((min(work[wi].pieces) for wi in queues), default=0)
+    # Give up as soon as the pieces left that fit a bubble are more than the room left in the bubbles
+    # to come (a bubble that takes pieces ends with at least the margin of the smallest one free): the
+    # construction would fail anyway, only later. The tolerance keeps float rounding on the safe side.
+    room_from = [0.0] * (nslots + 1)  # room_from[s]: that room in slots s, s + 1, ...
+    for slot in range(nslots - 1, -1, -1):
+        b = slot % per
+        free = gap[b] - used[slot] - margin * smallest if b < nb else 0
+        room_from[slot] = room_from[slot + 1] + (free if free > 0 else 0)
+    left: Time = 0  # the pieces that fit some bubble
+    for wi in queues:
+        pieces = work[wi].pieces
+        left += sum(pieces) if max(pieces) * scale < largest else sum(d for d in pieces if d * scale < largest)
+    tolerance = 1e-9 * (k * sum(gap) + left)
     for slot in range(nslots):
         if not active:
             break
         i, b = divmod(slot, per)
         still = []
+        if left > room_from[slot] + tolerance:
+            return None
         if b == nb:
             for wi in active:
                 w = work[wi]
@@ -484,6 +499,7 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
                 h += 1
             if h > head[wi]:
                 used[slot], tail[slot] = u, after
+                left -= sum(pieces[head[wi]:h])
             head[wi] = h
             if h < n:
                 if deadline[w.group] <= slot:
@@ -524,9 +540,15 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
 
 
 def _fixed_below(model: NodeModel, low: int, high: int) -> Packed | None:
-    """The fixed-length construction's shortest cycle in [low, high), or None."""
+    """The fixed-length construction's shortest cycle in [low, high), or None.
+
+    ``share_release_bubble=False`` is not tried: it can only fail where the default succeeds, never
+    succeed differently. Its first step walks the slots backwards, so the two runs are the same until a
+    bubble where the default places a sync or inverse that the variant forbids there; that item is then
+    ready but allowed only in slots already walked, stays unplaced, and the variant returns None.
+    """
     for k in range(low, high):
-        trial = pack_fixed(model, k) or pack_fixed(model, k, share_release_bubble=False)
+        trial = pack_fixed(model, k)
         if trial is not None:
             return trial
     return None
