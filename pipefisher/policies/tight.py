@@ -281,7 +281,7 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
     return Packed(len(in_bubbles), in_bubbles, overflow)
 
 
-def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> Packed | None:
+def pack_fixed(model: NodeModel, k: int) -> Packed | None:
     """Try to pack the node into exactly ``k`` iterations; ``None`` when this construction cannot.
 
     1. Syncs and inverses, latest first: walk the slots backwards (each iteration's bubbles, then its
@@ -342,7 +342,7 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
         if w.kind == INV or invs_left[w.group] == 0:
             ready(wi)
     # In iteration 0 a sync or inverse can only follow its factor's last piece: not before the bubble
-    # where that piece is first ready (nor in it, unless ``share_release_bubble``).
+    # where that piece is first ready (in it, it is laid out after the pieces).
     pos_list = [bb.pos for bb in bubbles]
     earliest = [-1] * model.groups
     for w in work:
@@ -351,7 +351,7 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
     allowed = [0] * nb
     for wi in plain:
         e = earliest[work[wi].group]
-        for bb in range(e if share_release_bubble else e + 1, nb):
+        for bb in range(e, nb):
             allowed[bb] |= 1 << rank[wi]
     def largest_fitting(candidates: int, slot: int, g_len: Time) -> int:
         """The rank of the largest candidate that still fits the slot (with the margin), or -1."""
@@ -540,13 +540,7 @@ def pack_fixed(model: NodeModel, k: int, share_release_bubble: bool = True) -> P
 
 
 def _fixed_below(model: NodeModel, low: int, high: int) -> Packed | None:
-    """The fixed-length construction's shortest cycle in [low, high), or None.
-
-    ``share_release_bubble=False`` is not tried: it can only fail where the default succeeds, never
-    succeed differently. Its first step walks the slots backwards, so the two runs are the same until a
-    bubble where the default places a sync or inverse that the variant forbids there; that item is then
-    ready but allowed only in slots already walked, stays unplaced, and the variant returns None.
-    """
+    """The fixed-length construction's shortest cycle in [low, high), or None."""
     for k in range(low, high):
         trial = pack_fixed(model, k)
         if trial is not None:
