@@ -22,7 +22,7 @@ schedule that ``validate`` accepts, with the same margin, has fewer iterations.
 * **Dependencies.** In the cycle's first iteration, covariance piece j of a factor follows forward (A)
   or backward (B) ``j mod m`` of its pipe (:func:`cov_source`, :func:`source_call`); a sync follows all
   pieces of its factor; an inverse follows the factor's first sync, or all its pieces where the node has
-  no sync for it (:func:`inverse_waits_for_sync`).
+  no sync for it (``NodeModel.synced``).
 """
 from __future__ import annotations
 
@@ -60,11 +60,6 @@ def cov_source(factor: str | None, up_pipe: bool) -> str:
 def source_call(piece: int, micro_batches: int) -> int:
     """Which call (0-based, in the cycle's first iteration) covariance piece ``piece`` follows."""
     return piece % micro_batches if micro_batches else piece
-
-
-def inverse_waits_for_sync(has_sync: bool) -> bool:
-    """An inverse waits for its factor's first sync where the node has one, else for all its pieces."""
-    return has_sync
 
 
 @dataclass(frozen=True)

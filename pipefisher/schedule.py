@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 from pipefisher.errors import InputError
 from pipefisher.policies.base import END, MARKERS, SAVE_OFF, SAVE_ON, START, JobSchedule
 from pipefisher.policies.groups import job_groups
-from pipefisher.problem import DEFAULT_MARGIN, cov_source, fits, inverse_waits_for_sync, node_model, source_call
+from pipefisher.problem import DEFAULT_MARGIN, cov_source, fits, node_model, source_call
 from pipefisher.policies.waits import group_violations
 from pipefisher.safe_io import dump_json_atomic, dump_pickle_atomic, load_json, load_pickle
 from pipefisher.timeline import BACKWARD, COV_KINDS, FORWARD, Job, NodeTimeline, Time, TimelineKey
@@ -177,7 +177,7 @@ def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequ
             else:  # inverse
                 cov_key = f"cov_kron_{key.factor}" + label[len(key.kind):]
                 want = expected.get(cov_key, 0)
-                if inverse_waits_for_sync(layer in has_sync):
+                if layer in has_sync:  # the inverse waits for the factor's first sync
                     if state["sync"] < 1:
                         bad(i, label, "inv-before-sync", "the factor has not been all-reduced yet")
                 elif state["cov"] < want:

@@ -212,3 +212,8 @@ def test_report_says_optimal_or_gap_for_every_policy(tmp_path) -> None:
 def test_bad_margin_is_one_line() -> None:
     result = run("schedule", *case_timelines(CASE), "--margin", "-1")
     assert result.exit_code == 2 and "--margin" in result.output
+
+
+def test_time_limit_belongs_to_the_exact_policy() -> None:
+    result = run("schedule", *case_timelines(CASE), "--time-limit", "3")
+    assert result.exit_code == 2 and "--time-limit applies to the 'exact' policy only" in result.output

@@ -22,6 +22,7 @@ def run_schedule(
     time_limit: float | None = None,
 ) -> None:
     """Load, pack, report, then write the outputs; nothing is written unless everything before worked."""
+    from pipefisher.errors import InputError
     from pipefisher.examples import example_timelines
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.report import report_data, usage_lines, workload_lines
@@ -29,7 +30,10 @@ def run_schedule(
     from pipefisher.schedule import save_schedule
     from pipefisher.timeline import load_job
 
-    chosen = get_policy(policy or DEFAULT_POLICY, **({} if time_limit is None else {"time_limit": time_limit}))
+    name = policy or DEFAULT_POLICY
+    if time_limit is not None and name != "exact":
+        raise InputError(None, f"--time-limit applies to the 'exact' policy only, not to '{name}'")
+    chosen = get_policy(name, time_limit=time_limit)
     if not paths:
         paths = example_timelines()
         echo(f"(no timelines given: packing the bundled example, {len(paths)} nodes)")
