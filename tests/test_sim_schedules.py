@@ -1,12 +1,13 @@
 """Schedule generators: closed-form bubbles, dependencies, and clear refusals."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipefisher.errors import InputError
-from pipefisher.sim.schedules import BACKWARD, FORWARD, WEIGHT, generate, schedule_names
+from pipefisher.sim.schedules import BACKWARD, FORWARD, WEIGHT, Op, PipelineSchedule, generate, schedule_names
 from pipefisher.sim.simulator import PipeCosts, simulate
 
 UNIT = 1000  # ns; equal forward and backward cost, zero latency
@@ -169,3 +170,92 @@ def test_schedule_names_and_aliases():
     assert schedule_names() == ["gpipe", "1f1b", "interleaved", "zb-h1", "chimera"]
     assert generate("DAPPLE", 2, 2).name == "1f1b"
     assert generate("interleaved-1f1b", 2, 2).chunks == 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# Chunk numbering, check() and size arguments (defects found against peer implementations)
+
+
+ALL_SHAPES = [(name, p, m, v) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "chimera")
+              for p in range(1, 5) for m in range(1, 9) for v in ((2, 3) if name == "interleaved" else (None,))
+              if not (name == "interleaved" and m % p) and not (name == "chimera" and (p % 2 or m % 2))]
+
+
+@pytest.mark.parametrize("name,p,m,v", ALL_SHAPES)
+def test_every_dependency_of_every_op_is_an_op_of_the_schedule(name, p, m, v):
+    """dependencies() names chunk stage // p; the generators must number their ops the same way."""
+    s = generate(name, p, m, v)
+    ops = {op for device in s.devices for op in device}
+    for op in ops:
+        assert op.chunk == (op.stage // p if op.pipe == 0 else 0), op
+        for dep in s.dependencies(op):
+            assert dep in ops, f"{op} needs {dep}, which is not in the schedule"
+    s.check()
+
+
+def _without(schedule, drop):
+    return PipelineSchedule(schedule.name, schedule.stages, schedule.micro_batches, schedule.chunks,
+                            tuple(tuple(op for op in ops if not drop(op)) for ops in schedule.devices),
+                            schedule.split_backward)
+
+
+@pytest.mark.parametrize("drop,message", [
+    (lambda op: op.micro_batch == 2, "micro-batch 2 never runs"),
+    (lambda op: op.micro_batch == 2 and op.stage == 1, "never runs Op\\(kind='F', micro_batch=2, stage=1"),
+    (lambda op: op.kind == WEIGHT and op.micro_batch == 0 and op.stage == 0, "never runs Op\\(kind='W', micro_batch=0"),
+])
+def test_check_refuses_a_schedule_that_misses_operations(drop, message):
+    s = _without(generate("zb-h1", 2, 3), drop)
+    with pytest.raises(AssertionError, match=message):
+        s.check()
+
+
+def test_check_refuses_crossed_orders_that_deadlock_and_names_the_stuck_ops():
+    F, B = FORWARD, BACKWARD
+    s = PipelineSchedule("crossed", 2, 2, 1, (
+        (Op(F, 0, 0), Op(B, 0, 0), Op(F, 1, 0), Op(B, 1, 0)),  # device 0 wants B0 before it sends F1
+        (Op(F, 0, 1), Op(F, 1, 1), Op(B, 0, 1), Op(B, 1, 1)),  # device 1 wants F1 before it sends B0
+    ))
+    with pytest.raises(AssertionError, match="deadlocks") as err:
+        s.check()
+    assert "device 0 at Op(kind='B', micro_batch=0, stage=0" in str(err.value)
+    assert "device 1 at Op(kind='F', micro_batch=1, stage=1" in str(err.value)
+
+
+def test_check_refuses_a_duplicate_and_an_op_on_the_wrong_device():
+    s = generate("1f1b", 2, 2)
+    twice = PipelineSchedule("1f1b", 2, 2, 1, (s.devices[0] + s.devices[0][:1], s.devices[1]))
+    with pytest.raises(AssertionError, match="appears twice"):
+        twice.check()
+    swapped = PipelineSchedule("1f1b", 2, 2, 1, (s.devices[1], s.devices[0]))
+    with pytest.raises(AssertionError, match="is listed on device 0"):
+        swapped.check()
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "chimera", "interleaved"])
+def test_numpy_integers_are_accepted_as_sizes(name):
+    v = np.int64(2) if name == "interleaved" else np.int64(1)
+    s = generate(name, np.int64(2), np.int32(4), v)
+    assert (s.stages, s.micro_batches) == (2, 4) and type(s.stages) is int and type(s.chunks) is int
+    assert [[op.key() for op in ops] for ops in s.devices] == \
+        [[op.key() for op in ops] for ops in generate(name, 2, 4, int(v)).devices]
+
+
+@pytest.mark.parametrize("args,message", [
+    ((True, 2), "stages must be a whole number >= 1, got True"),
+    ((2, True), "micro-batches must be a whole number >= 1, got True"),
+    ((2.0, 2), "stages must be a whole number >= 1, got 2.0"),
+    ((2, "2"), "micro-batches must be a whole number >= 1, got '2'"),
+    ((np.int64(0), 2), "stages must be a whole number >= 1"),
+    ((2, 2, True), "chunks must be a whole number >= 1, got True"),
+])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "chimera"])
+def test_bool_and_non_integer_sizes_are_refused_in_one_line(name, args, message):
+    with pytest.raises(InputError, match=f"^{name}: {message}") as err:
+        generate(name, *args)
+    assert "\n" not in str(err.value)
+
+
+def test_interleaved_refuses_true_as_its_chunk_count():
+    with pytest.raises(InputError, match="interleaved: needs chunks >= 2 model chunks per device, got True"):
+        generate("interleaved", 2, 4, True)

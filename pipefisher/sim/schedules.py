@@ -5,7 +5,9 @@ A schedule only fixes the ORDER of operations on each device; when they run foll
 
 - ``stage`` is the position in its pipe, ``0 .. virtual_stages - 1``. With interleaving (``chunks = v``
   model chunks per device) there are ``p * v`` virtual stages and virtual stage ``s`` runs on device
-  ``s % p`` as that device's chunk ``s // p`` (the Megatron-LM layout).
+  ``s % p`` as that device's chunk ``s // p`` (the Megatron-LM layout). ``chunk`` always follows from
+  the stage: ``stage // p`` on the down pipe (so 0 everywhere in a non-interleaved schedule) and 0 on the
+  up pipe, the same rule :meth:`PipelineSchedule.dependencies` uses to name the operations it waits for.
 - ``pipe`` is 0 for the usual (down) pipe and 1 for Chimera's second pipe, whose stage ``s`` runs on
   device ``p - 1 - s`` (the ``:up_pipe`` operations of the timeline format).
 - ``kind`` is ``F`` (forward), ``B`` (backward; only the input gradient when the schedule splits the
@@ -14,6 +16,8 @@ A schedule only fixes the ORDER of operations on each device; when they run foll
 from __future__ import annotations
 
 import heapq
+import numbers
+import operator
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -79,20 +83,58 @@ class PipelineSchedule:
         return [Op(BACKWARD, op.micro_batch, op.stage, op.chunk, op.pipe)]
 
     def check(self) -> None:
-        """Every operation appears exactly once on its own device, and the order cannot deadlock."""
-        seen: set[tuple[str, int, int, int]] = set()
+        """Every operation appears exactly once on its own device, and the order cannot deadlock.
+
+        Expected: for each micro-batch, one pipe (Chimera splits micro-batches between two), and on it
+        every virtual stage with each kind (F and B, plus W when the backward is split), with the chunk
+        that :meth:`dependencies` names. Raises AssertionError naming the first problem.
+        """
+        if len(self.devices) != self.stages:
+            raise AssertionError(f"{self.name}: {len(self.devices)} device orders for {self.stages} stages")
+        kinds = (FORWARD, BACKWARD, WEIGHT) if self.split_backward else (FORWARD, BACKWARD)
+        listed: dict[Op, int] = {}
+        pipe_of: dict[int, int] = {}
         for d, ops in enumerate(self.devices):
             for op in ops:
+                if op.kind not in kinds or not 0 <= op.micro_batch < self.micro_batches \
+                        or not 0 <= op.stage < self.virtual_stages or op.pipe not in (DOWN, UP):
+                    raise AssertionError(f"{self.name}: {op} on device {d} is not an operation of this schedule")
+                if op.chunk != (0 if op.pipe == UP else op.stage // self.stages):
+                    raise AssertionError(f"{self.name}: {op} on device {d} has the wrong chunk for its stage")
                 if self.device_of(op.stage, op.pipe) != d:
-                    raise AssertionError(f"{op} is listed on device {d}")
-                if op.key() in seen:
-                    raise AssertionError(f"{op} appears twice")
-                seen.add(op.key())
-        for ops in self.devices:
-            for op in ops:
-                for dep in self.dependencies(op):
-                    if dep.key() not in seen:
-                        raise AssertionError(f"{op} needs {dep}, which the schedule never runs")
+                    raise AssertionError(f"{self.name}: {op} is listed on device {d}")
+                if op in listed:
+                    raise AssertionError(f"{self.name}: {op} appears twice")
+                if pipe_of.setdefault(op.micro_batch, op.pipe) != op.pipe:
+                    raise AssertionError(f"{self.name}: micro-batch {op.micro_batch} runs on both pipes")
+                listed[op] = d
+        for j in range(self.micro_batches):
+            if j not in pipe_of:
+                raise AssertionError(f"{self.name}: micro-batch {j} never runs")
+            missing = [op for op in (_op(k, j, s, self.stages, pipe_of[j]) for s in range(self.virtual_stages)
+                                     for k in kinds) if op not in listed]
+            if missing:
+                shown = ", ".join(map(str, missing[:3])) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+                raise AssertionError(f"{self.name}: never runs {shown}")
+        self._check_no_deadlock()
+
+    def _check_no_deadlock(self) -> None:
+        """Run the per-device orders as dataflow: a device's next op may run once its dependencies have."""
+        done: set[Op] = set()
+        pos = [0] * self.stages
+        progressed = True
+        while progressed:
+            progressed = False
+            for d, ops in enumerate(self.devices):
+                while pos[d] < len(ops) and all(dep in done for dep in self.dependencies(ops[pos[d]])):
+                    done.add(ops[pos[d]])
+                    pos[d] += 1
+                    progressed = True
+        stuck = [f"device {d} at {ops[pos[d]]} (waits for "
+                 f"{', '.join(str(dep) for dep in self.dependencies(ops[pos[d]]) if dep not in done)})"
+                 for d, ops in enumerate(self.devices) if pos[d] < len(ops)]
+        if stuck:
+            raise AssertionError(f"{self.name}: the order deadlocks: {'; '.join(stuck)}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -104,18 +146,28 @@ def _need(cond: bool, what: str) -> None:
         raise InputError(None, what)
 
 
-def _check_common(name: str, stages: int, micro_batches: int) -> None:
-    _need(isinstance(stages, int) and stages >= 1, f"{name}: stages must be a whole number >= 1, got {stages!r}")
-    _need(isinstance(micro_batches, int) and micro_batches >= 1,
-          f"{name}: micro-batches must be a whole number >= 1, got {micro_batches!r}")
+def _count(name: str, what: str, value: object, minimum: int = 1) -> int:
+    """``value`` as a plain int: any integral type (numpy's too) but bool, which is a flag, not a size."""
+    _need(isinstance(value, numbers.Integral) and not isinstance(value, bool) and operator.index(value) >= minimum,
+          f"{name}: {what} must be a whole number >= {minimum}, got {value!r}")
+    return operator.index(value)  # type: ignore[arg-type]
 
 
-def _fwd(mb: int, stage: int, p: int = 1, pipe: int = DOWN) -> Op:
-    return Op(FORWARD, mb, stage, stage // p if pipe == DOWN else 0, pipe)
+def _check_common(name: str, stages: object, micro_batches: object) -> tuple[int, int]:
+    return _count(name, "stages", stages), _count(name, "micro-batches", micro_batches)
 
 
-def _bwd(mb: int, stage: int, p: int = 1, pipe: int = DOWN) -> Op:
-    return Op(BACKWARD, mb, stage, stage // p if pipe == DOWN else 0, pipe)
+def _op(kind: str, mb: int, stage: int, p: int, pipe: int = DOWN) -> Op:
+    """An operation with its chunk numbered the way :meth:`PipelineSchedule.dependencies` names it."""
+    return Op(kind, mb, stage, stage // p if pipe == DOWN else 0, pipe)
+
+
+def _fwd(mb: int, stage: int, p: int, pipe: int = DOWN) -> Op:
+    return _op(FORWARD, mb, stage, p, pipe)
+
+
+def _bwd(mb: int, stage: int, p: int, pipe: int = DOWN) -> Op:
+    return _op(BACKWARD, mb, stage, p, pipe)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -124,10 +176,11 @@ def _bwd(mb: int, stage: int, p: int = 1, pipe: int = DOWN) -> Op:
 
 def gpipe(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
     """GPipe: every device runs all forwards, then all backwards (in micro-batch order)."""
-    _check_common("gpipe", stages, micro_batches)
-    _need(chunks == 1, "gpipe: has one model chunk per device (use 'interleaved' for chunks > 1)")
+    stages, micro_batches = _check_common("gpipe", stages, micro_batches)
+    _need(_count("gpipe", "chunks", chunks) == 1, "gpipe: has one model chunk per device (use 'interleaved' for chunks > 1)")
     devices = tuple(
-        tuple(_fwd(j, d) for j in range(micro_batches)) + tuple(_bwd(j, d) for j in range(micro_batches))
+        tuple(_fwd(j, d, stages) for j in range(micro_batches))
+        + tuple(_bwd(j, d, stages) for j in range(micro_batches))
         for d in range(stages)
     )
     return PipelineSchedule("gpipe", stages, micro_batches, 1, devices)
@@ -135,15 +188,15 @@ def gpipe(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
 
 def one_f_one_b(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
     """1F1B (PipeDream-flush / DAPPLE): a warm-up of ``p - d - 1`` forwards, then forward/backward pairs."""
-    _check_common("1f1b", stages, micro_batches)
-    _need(chunks == 1, "1f1b: has one model chunk per device (use 'interleaved' for chunks > 1)")
+    stages, micro_batches = _check_common("1f1b", stages, micro_batches)
+    _need(_count("1f1b", "chunks", chunks) == 1, "1f1b: has one model chunk per device (use 'interleaved' for chunks > 1)")
     devices = []
     for d in range(stages):
         warmup = min(stages - d - 1, micro_batches)
-        ops = [_fwd(j, d) for j in range(warmup)]
+        ops = [_fwd(j, d, stages) for j in range(warmup)]
         for j in range(micro_batches - warmup):
-            ops += [_fwd(warmup + j, d), _bwd(j, d)]
-        ops += [_bwd(j, d) for j in range(micro_batches - warmup, micro_batches)]
+            ops += [_fwd(warmup + j, d, stages), _bwd(j, d, stages)]
+        ops += [_bwd(j, d, stages) for j in range(micro_batches - warmup, micro_batches)]
         devices.append(tuple(ops))
     return PipelineSchedule("1f1b", stages, micro_batches, 1, tuple(devices))
 
@@ -155,8 +208,10 @@ def interleaved(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSch
     backwards visit the chunks in reverse. Like Megatron-LM, it needs the micro-batch count to be a
     multiple of the number of stages.
     """
-    _check_common("interleaved", stages, micro_batches)
-    _need(isinstance(chunks, int) and chunks >= 2, f"interleaved: needs chunks >= 2 model chunks per device, got {chunks!r}")
+    stages, micro_batches = _check_common("interleaved", stages, micro_batches)
+    _need(isinstance(chunks, numbers.Integral) and not isinstance(chunks, bool) and operator.index(chunks) >= 2,
+          f"interleaved: needs chunks >= 2 model chunks per device, got {chunks!r}")
+    chunks = operator.index(chunks)
     _need(micro_batches % stages == 0,
           f"interleaved: micro-batches ({micro_batches}) must be a multiple of stages ({stages})")
     p, v, m = stages, chunks, micro_batches
@@ -191,26 +246,26 @@ def zb_h1(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
     micro-batches late, so the deferred W passes fill the tail where 1F1B waits for backwards. In-flight
     activations (forwards whose W has not run) stay at most ``p``, the peak of 1F1B.
     """
-    _check_common("zb-h1", stages, micro_batches)
-    _need(chunks == 1, "zb-h1: has one model chunk per device")
+    stages, micro_batches = _check_common("zb-h1", stages, micro_batches)
+    _need(_count("zb-h1", "chunks", chunks) == 1, "zb-h1: has one model chunk per device")
     devices = []
     for d in range(stages):
         warmup = min(stages - d - 1, micro_batches)
-        ops: list[Op] = [_fwd(j, d) for j in range(warmup)]
+        ops: list[Op] = [_fwd(j, d, stages) for j in range(warmup)]
         next_w = 0
 
         def weights_up_to(k: int) -> list[Op]:
             nonlocal next_w
             out = []
             while next_w <= k:
-                out.append(Op(WEIGHT, next_w, d))
+                out.append(_op(WEIGHT, next_w, d, stages))
                 next_w += 1
             return out
 
         for j in range(micro_batches):
             if warmup + j < micro_batches:
-                ops.append(_fwd(warmup + j, d))
-            ops.append(_bwd(j, d))
+                ops.append(_fwd(warmup + j, d, stages))
+            ops.append(_bwd(j, d, stages))
             ops += weights_up_to(j - d)
         ops += weights_up_to(micro_batches - 1)
         devices.append(tuple(ops))
@@ -242,8 +297,8 @@ def chimera(stages: int, micro_batches: int, chunks: int = 1, durations: Duratio
 
     Forwards of one pipe always run in micro-batch order on each device.
     """
-    _check_common("chimera", stages, micro_batches)
-    _need(chunks == 1, "chimera: has one model chunk per device and pipe")
+    stages, micro_batches = _check_common("chimera", stages, micro_batches)
+    _need(_count("chimera", "chunks", chunks) == 1, "chimera: has one model chunk per device and pipe")
     _need(stages % 2 == 0, f"chimera: needs an even number of stages, got {stages}")
     _need(micro_batches % 2 == 0, f"chimera: needs an even number of micro-batches (half per pipe), got {micro_batches}")
     p, m = stages, micro_batches
@@ -290,7 +345,7 @@ def _list_schedule(
         for j in mbs:
             for s in range(S):
                 d = shell.device_of(s, pipe)
-                ops_of[d] += [Op(FORWARD, j, s, 0, pipe), Op(BACKWARD, j, s, 0, pipe)]
+                ops_of[d] += [_fwd(j, s, p, pipe), _bwd(j, s, p, pipe)]
     rank = {pipe: {j: i for i, j in enumerate(mbs)} for pipe, mbs in order.items()}
     end: dict[tuple[str, int, int, int], int] = {}
     pending = [set(o.key() for o in ops) for ops in ops_of]
