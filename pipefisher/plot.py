@@ -1,19 +1,30 @@
-"""Gantt charts of a timeline set or a packed schedule: one row per node, bubbles left empty.
+"""Gantt charts of a timeline set or a packed schedule: one row per node, idle time in its own fill.
 
 The chart is first built as plain data (:class:`Chart`: rows, bars, iteration boundaries), which the
 PNG/SVG renderer here and the Chrome-trace writer (:mod:`pipefisher.trace`) both draw from.
-matplotlib is imported only when rendering.
+matplotlib and numpy are imported only when rendering.
+
+A large job has over a million bars, most far narrower than a pixel. The renderer therefore draws
+what a pixel can show: each kind's items closer than a pixel merge into one bar (:func:`merge_bars`),
+every bar is at least a pixel wide, only bars wide enough to see get an edge, and each kind is one
+collection artist, so drawing costs the same for 4 or 4000 micro-batches.
 """
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
-from typing import Sequence
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.safe_io import atomic_path
 from pipefisher.policies.base import MARKERS, JobSchedule, label_category
 from pipefisher.timeline import STEP_KEY, UP_PIPE, Job, Time
+
+if TYPE_CHECKING:
+    import numpy as np
+    from matplotlib.figure import Figure
 
 CATEGORY_ORDER = ("forward", "backward", "weight", "cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B",
                   "inv_kron_A", "inv_kron_B", "other")
@@ -35,14 +46,35 @@ LEGEND = {
     "inv_kron_A": "inv A", "inv_kron_B": "inv B", "other": "other",
 }
 UP_HATCH = "////"
+IDLE = "#dcdcdc"
+"""Fill of a node's idle time (its bubbles): a band under the bars over the node's cycle, distinct
+from the white background between rows."""
+BACKGROUND = "white"
+INVALID = "#c00000"
+"""Colour of the row label of a node whose schedule does not validate."""
 WIDTH_IN = 14.0
 ROW_IN = 0.55
 EXTRA_IN = 2.0
 DPI = 100
+LEFT_IN = 1.5
+RIGHT_IN = 0.25
+PLOT_PX = round((WIDTH_IN - LEFT_IN - RIGHT_IN) * DPI)
+"""Width of the time axis in pixels: the resolution bars are merged at."""
+EDGE_PX = 3.0
+"""Bars at least this many pixels wide get an edge (a darker shade of their fill), and two such bars
+that touch stay apart; narrower bars have no edge, which would otherwise be all one saw of them."""
+EDGE_LW = 0.5
+BOUNDARY_PX = 8.0
+"""Iteration boundaries closer than this many pixels are thinned to every k-th one."""
+S_FROM = 10.0
+"""Spans of at least this many seconds are labelled in s, shorter ones in ms."""
+ROW_H = 0.76
+PIPELINE = ("forward", "backward", "weight")
 
 
-@dataclass(frozen=True)
-class Bar:
+class Bar(NamedTuple):
+    """One interval of one row (a tuple: a packed chart of a large job has over a million)."""
+
     row: int
     start: float
     end: float
@@ -66,6 +98,11 @@ class Chart:
     """Times of iteration boundaries (drawn as dashed lines)."""
     end: float
     unit: str
+    spans: tuple[tuple[float, float], ...] = ()
+    """Per row, the time the node is in its step or cycle: drawn as an idle band under the bars, so
+    bubbles show as idle rather than as background. Empty: every row spans the whole chart."""
+    invalid: tuple[int, ...] = ()
+    """Rows whose node's schedule does not validate (their label, which says so, is drawn red)."""
 
 
 def category(label: str) -> str:
@@ -80,8 +117,49 @@ def _scale(job: Job) -> tuple[float, str]:
     return (1.0, "s") if isinstance(job.span, float) else (1e-6, "ms")
 
 
-def chart_from_job(job: Job, title: str = "pipeline step (timelines)") -> Chart:
-    """Every interval of every node as recorded: the pipeline, then the node's naive K-FAC work.
+_NODE_FILE_SUFFIX = re.compile(r"_node\d+_timeline(?:\.[A-Za-z0-9]+)?$")
+_SIMULATED_NAME = re.compile(r"^(?P<model>.+)_(?P<schedule>[A-Za-z0-9-]+)_m(?P<m>\d+)$")
+
+
+def job_name(job: Job) -> str | None:
+    """The node files' common name prefix (``<prefix>_node<i>_timeline.pickle``): the job's name, as
+    profilers and ``pipefisher simulate`` give it; None for nodes not read from files."""
+    files = [os.path.basename(n.path) for n in job.nodes if not n.path.startswith("<")]
+    if not files:
+        return None
+    prefixes = {_NODE_FILE_SUFFIX.sub("", f) for f in files if _NODE_FILE_SUFFIX.search(f)}
+    if prefixes:
+        return prefixes.pop() if len(prefixes) == 1 else None  # several jobs' files (--allow-mixed): no one name
+    prefix = os.path.commonprefix([os.path.splitext(f)[0] for f in files]).rstrip("_-. ")
+    return prefix or None
+
+
+def job_context(job: Job) -> str:
+    """Model, pipeline schedule and micro-batches, as far as the timelines tell, for titles.
+
+    Only the file names carry them: ``pipefisher simulate``'s ``<model>_<schedule>_m<m>`` gives all
+    three; any other name is shown as it is, with the forward passes each node ran.
+    """
+    name = job_name(job)
+    sim = _SIMULATED_NAME.match(name) if name else None
+    if sim:
+        return f"{sim['model']}, {sim['schedule']}, m={sim['m']}"
+    node0 = job.nodes[0]
+    forwards = node0.micro_batches() + node0.micro_batches(up_pipe=True)
+    return f"{name + ', ' if name else ''}{len(job.nodes)} nodes, {forwards} forward passes per node"
+
+
+def _pick_nodes(count: int, node: int | None) -> list[int]:
+    if node is None:
+        return list(range(count))
+    if not 0 <= node < count:
+        raise InputError(None, f"--node {node}: the job has nodes 0 to {count - 1}")
+    return [node]
+
+
+def chart_from_job(job: Job, title: str | None = None, node: int | None = None) -> Chart:
+    """Every interval of every node (or of ``node`` only) as recorded: the pipeline, then the node's
+    naive K-FAC work.
 
     A row's usage is its busy time over the step (0 to the latest end of any node).
     """
@@ -89,9 +167,10 @@ def chart_from_job(job: Job, title: str = "pipeline step (timelines)") -> Chart:
     bars: list[Bar] = []
     end = float(job.span)
     busy: list[float] = []
-    for r, node in enumerate(job.nodes):
+    picked = _pick_nodes(len(job.nodes), node)
+    for r, i in enumerate(picked):
         total = 0.0
-        for key, intervals in node.entries.items():
+        for key, intervals in job.nodes[i].entries.items():
             if key == STEP_KEY:
                 continue
             cat = category(key)
@@ -103,44 +182,261 @@ def chart_from_job(job: Job, title: str = "pipeline step (timelines)") -> Chart:
                 end = max(end, float(iv.end))
         busy.append(total)
     end_scaled = end * k
-    rows = tuple(f"node{r}\nbusy {100 * b / end_scaled:.1f} %" if end_scaled else f"node{r}"
-                 for r, b in enumerate(busy))
+    rows = tuple(f"node{i}\nbusy {100 * b / end_scaled:.1f} %" if end_scaled else f"node{i}"
+                 for i, b in zip(picked, busy))
+    title = title or f"{job_context(job)}: pipeline step (timelines){'' if node is None else f', node {node}'}"
     return Chart(title, rows, tuple(bars), (0.0, job.span * k), end_scaled, unit)
 
 
-def chart_from_schedule(schedule: JobSchedule, job: Job, title: str | None = None) -> Chart:
+def violations_per_node(schedule: JobSchedule, job: Job) -> dict[int, int]:
+    """How many rules each node's schedule breaks (:func:`pipefisher.schedule.validate`, under the
+    margin it was packed with); nodes that break none are left out."""
+    from pipefisher.schedule import validate
+
+    counts: dict[int, int] = {}
+    for v in validate(schedule.to_file_data(), job, margin=schedule.margin):
+        counts[v.node] = counts.get(v.node, 0) + 1
+    return counts
+
+
+def chart_from_schedule(schedule: JobSchedule, job: Job, title: str | None = None, iterations: int | None = None,
+                        node: int | None = None, check: bool = True) -> Chart:
     """A packed K-FAC cycle: iteration ``i`` drawn after iteration ``i - 1``, each row with its usage.
 
     Placement times are relative to their iteration; an iteration lasts the pipeline span, or longer
-    where a policy let work overflow it.
+    where a policy let work overflow it. ``iterations``: draw only the first that many; ``node``: only
+    that node's row. With ``check``, nodes whose schedule does not validate say so in their row label
+    (a chart of a broken schedule otherwise looks as plausible as any other).
     """
+    if iterations is not None and iterations < 1:
+        raise InputError(None, f"--iterations must be at least 1, got {iterations}")
     k, unit = _scale(job)
     span = float(job.span)
-    n_iter = max((max((p.iteration for p in node.placements), default=0) + 1 for node in schedule.nodes), default=1)
-    length = [span] * n_iter
-    for node in schedule.nodes:
-        for p in node.placements:
-            if p.end is not None and p.iteration >= 0:
-                length[p.iteration] = max(length[p.iteration], float(p.end))
+    n_iter = 1
+    length: dict[int, float] = {}
+    for nd in schedule.nodes:
+        for p in nd.placements:
+            it = p.iteration
+            if it + 1 > n_iter:
+                n_iter = it + 1
+            if p.end is not None and it >= 0 and p.end > length.get(it, span):
+                length[it] = float(p.end)
     offsets = [0.0]
-    for x in length:
-        offsets.append(offsets[-1] + x)
-    bars = []
-    for r, node in enumerate(schedule.nodes):
-        for p in node.placements:
-            if p.label in MARKERS or p.start is None or p.end is None or p.end <= p.start:
+    for it in range(n_iter):
+        offsets.append(offsets[-1] + length.get(it, span))
+    shown = n_iter if iterations is None else min(iterations, n_iter)
+    picked = _pick_nodes(len(schedule.nodes), node)
+    bad = violations_per_node(schedule, job) if check else {}
+    cats: dict[str, str | None] = {m: None for m in MARKERS}
+    bars: list[Bar] = []
+    append = bars.append
+    new = tuple.__new__  # Bar(...) without the NamedTuple's Python-level __new__: a third of the time here
+    for r, i in enumerate(picked):
+        for label, start, end, it in schedule.nodes[i].placements:
+            if it >= shown or start is None or end is None or end <= start:
                 continue
-            off = offsets[max(p.iteration, 0)]
-            bars.append(Bar(r, (off + p.start) * k, (off + p.end) * k, category(p.label), p.label))
-    rows = tuple(f"node{r}: {node.figures.iterations} it.\nusage {node.figures.usage:.1f} %"
-                 for r, node in enumerate(schedule.nodes))
-    title = title or f"K-FAC packed into bubbles (policy {schedule.policy})"
-    return Chart(title, rows, tuple(bars), tuple(o * k for o in offsets), offsets[-1] * k, unit)
+            cat = cats.get(label, "")
+            if cat == "":
+                cat = cats[label] = category(label)
+            if cat is None:
+                continue
+            off = offsets[it if it > 0 else 0]
+            append(new(Bar, (r, (off + start) * k, (off + end) * k, cat, label)))
+    rows = []
+    for i in picked:
+        fig = schedule.nodes[i].figures
+        # short enough for the label margin; `pipefisher validate` lists the violations
+        note = f"\ninvalid: {bad[i]} violation{'s' if bad[i] != 1 else ''}" if i in bad else ""
+        rows.append(f"node{i}: {fig.iterations} it.\nusage {fig.usage:.1f} %{note}")
+    spans = tuple((0.0, offsets[min(schedule.nodes[i].figures.iterations, shown)] * k) for i in picked)
+    invalid = tuple(r for r, i in enumerate(picked) if i in bad)
+    if not title:
+        limits = (f", first {shown} of {n_iter} iterations" if shown < n_iter else "") + \
+                 ("" if node is None else f", node {node}")
+        title = f"{job_context(job)}: K-FAC packed into bubbles (policy {schedule.policy}{limits})"
+    return Chart(title, tuple(rows), tuple(bars), tuple(o * k for o in offsets[:shown + 1]), offsets[shown] * k, unit,
+                 spans, invalid)
 
 
 def chart_size_px(rows: int) -> tuple[int, int]:
     """Pixel size of a rendered PNG with ``rows`` rows."""
     return round(WIDTH_IN * DPI), round((EXTRA_IN + ROW_IN * rows) * DPI)
+
+
+def time_unit(chart: Chart) -> tuple[float, str]:
+    """The factor from the chart's unit to the time axis's, and that unit's name: s for spans of
+    :data:`S_FROM` seconds or more, ms for shorter ones (tick labels then stay short, with no offset)."""
+    seconds = chart.end * (1e-3 if chart.unit == "ms" else 1.0)
+    unit = "s" if seconds >= S_FROM else "ms"
+    if unit == chart.unit:
+        return 1.0, unit
+    return (1e-3, unit) if chart.unit == "ms" else (1e3, unit)
+
+
+def merge_bars(rows: Any, starts: Any, ends: Any, px: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One kind's bars as the chart's resolution can show them, ``px`` being one pixel in time.
+
+    Items of a row less than a pixel apart become one bar (a million sub-pixel bars would otherwise
+    each be rasterised, and none would show), except two that are both at least :data:`EDGE_PX`
+    pixels wide: separate micro-batches stay apart where there is room to see them. Returns the
+    merged bars' rows, starts and ends, sorted by row and start.
+    """
+    import numpy as np
+
+    r = np.asarray(rows, dtype=np.int64)
+    s = np.asarray(starts, dtype=float)
+    e = np.asarray(ends, dtype=float)
+    if r.size == 0:
+        return r, s, e
+    order = np.lexsort((s, r))
+    r, s, e = r[order], s[order], e[order]
+    wide = (e - s) >= EDGE_PX * px
+    new = np.empty(r.size, dtype=bool)
+    new[0] = True
+    new[1:] = (r[1:] != r[:-1]) | (s[1:] - e[:-1] >= px) | (wide[1:] & wide[:-1])
+    first = np.flatnonzero(new)
+    return r[first], s[first], np.maximum.reduceat(e, first)
+
+
+def overlaps(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[list[int], list[float], list[float]]:
+    """Where two kinds' merged bars (rows, starts, ends; sorted as :func:`merge_bars` returns them)
+    overlap in one row: rows, starts, ends of the overlaps."""
+    ar, as_, ae = (x.tolist() if hasattr(x, "tolist") else list(x) for x in a)  # plain numbers compare faster
+    br, bs, be = (x.tolist() if hasattr(x, "tolist") else list(x) for x in b)
+    rows: list[int] = []
+    starts: list[float] = []
+    ends: list[float] = []
+    i = j = 0
+    while i < len(ar) and j < len(br):
+        if ar[i] == br[j]:
+            lo, hi = max(as_[i], bs[j]), min(ae[i], be[j])
+            if hi > lo:
+                rows.append(ar[i])
+                starts.append(lo)
+                ends.append(hi)
+        if (ar[i], ae[i]) < (br[j], be[j]):
+            i += 1
+        else:
+            j += 1
+    return rows, starts, ends
+
+
+def _boxes(rows: Any, starts: Any, ends: Any, n: int, lo: float = -ROW_H / 2, hi: float = ROW_H / 2) -> np.ndarray:
+    """Rectangles (PolyCollection vertices) of bars on rows counted from the top, from ``lo`` to
+    ``hi`` about the row's centre."""
+    import numpy as np
+
+    rows, starts, ends = np.asarray(rows), np.asarray(starts, dtype=float), np.asarray(ends, dtype=float)
+    y0 = (n - 1 - rows) + lo
+    y1 = (n - 1 - rows) + hi
+    return np.stack([np.stack(p, axis=1) for p in ((starts, y0), (starts, y1), (ends, y1), (ends, y0))], axis=1)
+
+
+def figure(chart: Chart) -> Figure:
+    """The chart drawn on a matplotlib figure (Agg canvas, no GUI): what :func:`render` saves.
+
+    One collection per kind (and pipe) whatever the number of bars; see the module's docstring.
+    """
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.collections import PolyCollection
+    from matplotlib.colors import to_rgb
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import ScalarFormatter
+
+    n = max(len(chart.rows), 1)
+    h = EXTRA_IN + ROW_IN * n
+    fig = Figure(figsize=(WIDTH_IN, h), dpi=DPI)
+    FigureCanvasAgg(fig)
+    # fixed margins (in inches) so the picture's size never depends on its content
+    ax = fig.add_axes((LEFT_IN / WIDTH_IN, 0.6 / h, PLOT_PX / DPI / WIDTH_IN, (h - 1.6) / h))
+    f, unit = time_unit(chart)
+    xmax = chart.end * f * 1.005 if chart.end > 0 else 1.0
+    px = xmax / PLOT_PX
+
+    spans = chart.spans or tuple((0.0, chart.end) for _ in chart.rows)
+    idle = [(r, s * f, e * f) for r, (s, e) in enumerate(spans) if e > s]
+    if idle:
+        ir, is_, ie = (np.array(c) for c in zip(*idle))
+        ax.add_collection(PolyCollection(_boxes(ir, is_, ie, n), facecolors=IDLE, linewidths=0, antialiased=False,
+                                         zorder=1))
+
+    # group the bars by kind and pipe with C-level loops (zip, map, numpy): a chart may hold millions
+    merged: dict[tuple[str, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    if chart.bars:
+        count = len(chart.bars)
+        kind_pairs = list(map(itemgetter(3, 4), chart.bars))
+        pairs = set(kind_pairs)
+        order = {c: i for i, c in enumerate(CATEGORY_ORDER)}
+        kinds = sorted({(c, lab.endswith(":" + UP_PIPE)) for c, lab in pairs},
+                       key=lambda key: (order.get(key[0], len(order)), key[0], key[1]))
+        kind_index = {key: i for i, key in enumerate(kinds)}
+        pair_kind = {(c, lab): kind_index[(c, lab.endswith(":" + UP_PIPE))] for c, lab in pairs}
+        kind_of = np.fromiter(map(pair_kind.__getitem__, kind_pairs), dtype=np.int64, count=count)
+        rows_a = np.fromiter(map(itemgetter(0), chart.bars), dtype=np.int64, count=count)
+        starts_a = np.fromiter(map(itemgetter(1), chart.bars), dtype=float, count=count) * f
+        ends_a = np.fromiter(map(itemgetter(2), chart.bars), dtype=float, count=count) * f
+        for i, key in enumerate(kinds):
+            sel = kind_of == i
+            merged[key] = merge_bars(rows_a[sel], starts_a[sel], ends_a[sel], px)
+    # pipeline work first, K-FAC kinds over it: where a pixel holds both, the (rarer) K-FAC work shows
+    for z, ((cat, up), (r, s, e)) in enumerate(merged.items()):
+        widths = e - s
+        colour = COLOURS.get(cat, COLOURS["other"])
+        ax.add_collection(PolyCollection(
+            _boxes(r, s, np.maximum(e, s + px), n),  # at least a pixel wide, so short work still shows
+            facecolors=colour, edgecolors=tuple(0.7 * c for c in to_rgb(colour)),
+            linewidths=np.where(widths >= EDGE_PX * px, EDGE_LW, 0.0),
+            hatch=UP_HATCH if up else None, antialiased=False,
+            zorder=(2.5 if cat in PIPELINE else 2.6) + z / 100))
+        if cat == "backward" and ("forward", up) in merged:
+            # where forwards and backwards alternate faster than pixels, the backwards would hide every
+            # forward: draw the forwards of such stretches over the backwards' upper half
+            both = overlaps(merged[("forward", up)], (r, s, e))
+            if both[0]:
+                ax.add_collection(PolyCollection(
+                    _boxes(*both, n, 0.0, ROW_H / 2), facecolors=COLOURS["forward"], linewidths=0,
+                    hatch=UP_HATCH if up else None, antialiased=False, zorder=2.55 + z / 100))
+
+    bounds = np.asarray(chart.boundaries, dtype=float) * f
+    every, spacing = 1, 0.0
+    if bounds.size > 2:
+        spacing = (bounds[-1] - bounds[0]) / (bounds.size - 1) / px
+        if spacing < BOUNDARY_PX:
+            every = int(np.ceil(BOUNDARY_PX / max(spacing, 1e-9)))
+    if bounds.size:
+        dense = bounds.size > 2 and spacing * every < 4 * BOUNDARY_PX  # lighter lines, so they do not hide the work
+        ax.vlines(bounds[::every], -0.6, n - 0.4, colors="black", linestyles="--", linewidth=0.6 if dense else 0.9,
+                  alpha=0.45 if dense else 0.7, zorder=3)
+
+    ax.set_yticks(range(n))
+    labels = ax.set_yticklabels(list(reversed(chart.rows)) if chart.rows else [""], fontsize=8)
+    for r in chart.invalid:
+        if 0 <= r < len(chart.rows):
+            labels[n - 1 - r].set_color(INVALID)
+    ax.set_ylim(-0.6, n - 0.4)
+    ax.set_xlim(0, xmax)
+    formatter = ScalarFormatter(useOffset=False)
+    formatter.set_scientific(False)
+    ax.xaxis.set_major_formatter(formatter)
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_facecolor(BACKGROUND)
+    ax.grid(axis="x", color="#e6e6e6", linewidth=0.6)
+    ax.set_axisbelow(True)
+    left = LEFT_IN / WIDTH_IN
+    fig.text(left, 1 - 0.3 / h, chart.title, fontsize=11, ha="left", va="center")
+    present = {cat for cat, _ in merged}
+    handles = [Patch(facecolor=COLOURS[c], label=LEGEND[c]) for c in CATEGORY_ORDER if c in present]
+    if any(up for _, up in merged):
+        handles.append(Patch(facecolor="white", edgecolor="#555555", hatch=UP_HATCH, label="up pipe"))
+    handles.append(Patch(facecolor=IDLE, label="idle (bubble)"))
+    handles.append(Line2D([0], [0], color="black", linestyle="--", linewidth=0.9,
+                          label="iteration boundary" + (f" (every {every}th)" if every > 1 else "")))
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(left - 0.005, 1 - 0.5 / h), ncol=len(handles),
+               fontsize=8, frameon=False, borderaxespad=0.0, handlelength=1.4, columnspacing=1.2)
+    return fig
 
 
 def render(chart: Chart, path: str | os.PathLike[str]) -> str:
@@ -149,52 +445,14 @@ def render(chart: Chart, path: str | os.PathLike[str]) -> str:
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".png", ".svg"):
         raise InputError(path, "chart files must end in .png or .svg")
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401  (no GUI backend needed)
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
-    n = max(len(chart.rows), 1)
-    fig = Figure(figsize=(WIDTH_IN, EXTRA_IN + ROW_IN * n), dpi=DPI)
-    # fixed margins (in inches) so the picture's size never depends on its content
-    h = EXTRA_IN + ROW_IN * n
-    ax = fig.add_axes((1.5 / WIDTH_IN, 0.6 / h, (WIDTH_IN - 1.75) / WIDTH_IN, (h - 1.6) / h))
-    by_cat: dict[tuple[int, str, bool], list[tuple[float, float]]] = {}
-    for b in chart.bars:
-        by_cat.setdefault((b.row, b.category, b.up_pipe), []).append((b.start, b.end - b.start))
-    present = set()
-    for (row, cat, up), spans in by_cat.items():
-        y = n - 1 - row
-        ax.broken_barh(spans, (y - 0.38, 0.76), facecolors=COLOURS[cat], edgecolors="white", linewidth=0.2,
-                       hatch=UP_HATCH if up else None)
-        present.add(cat)
-    for t in chart.boundaries:
-        ax.axvline(t, color="black", linestyle="--", linewidth=0.9, alpha=0.7)
-    ax.set_yticks(range(n))
-    ax.set_yticklabels(list(reversed(chart.rows)) if chart.rows else [""], fontsize=8)
-    ax.set_ylim(-0.6, n - 0.4)
-    ax.set_xlim(0, chart.end * 1.005 if chart.end > 0 else 1)
-    ax.set_xlabel(f"time ({chart.unit})")
-    ax.set_facecolor("#f4f4f4")
-    ax.grid(axis="x", color="white", linewidth=0.6)
-    ax.set_axisbelow(True)
-    left = 1.5 / WIDTH_IN
-    fig.text(left, 1 - 0.3 / h, chart.title, fontsize=11, ha="left", va="center")
-    handles = [Patch(facecolor=COLOURS[c], label=LEGEND[c]) for c in CATEGORY_ORDER if c in present]
-    if any(b.up_pipe for b in chart.bars):
-        handles.append(Patch(facecolor="white", edgecolor="#555555", hatch=UP_HATCH, label="up pipe"))
-    handles.append(Patch(facecolor="#f4f4f4", edgecolor="#999999", label="bubble (idle)"))
-    handles.append(Line2D([0], [0], color="black", linestyle="--", linewidth=0.9, label="iteration boundary"))
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(left - 0.005, 1 - 0.5 / h), ncol=len(handles),
-               fontsize=8, frameon=False, borderaxespad=0.0, handlelength=1.4, columnspacing=1.2)
+    fig = figure(chart)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format=ext[1:], dpi=DPI)
     return path
 
 
 def plot_job(job: Job, path: str | os.PathLike[str], title: str | None = None) -> str:
-    return render(chart_from_job(job, title or "pipeline step (timelines)"), path)
+    return render(chart_from_job(job, title), path)
 
 
 def plot_schedule(schedule: JobSchedule, job: Job, path: str | os.PathLike[str], title: str | None = None) -> str:

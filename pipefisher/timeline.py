@@ -197,7 +197,9 @@ def _last_step(raw: dict[str, list[tuple[Any, Any]]]) -> tuple[dict[str, list[tu
     steps = len(raw.get(STEP_KEY, ())) or 1
     if steps == 1:
         return raw, 1
-    return {k: v[len(v) - len(v) // steps:] for k, v in raw.items()}, steps
+    # The published tool slices values[-(len(values) // n):]; for a key with fewer intervals than steps
+    # that is values[-0:], the whole list, so work profiled in only some steps (an inverse) is kept.
+    return {k: list(v[-(len(v) // steps):]) for k, v in raw.items()}, steps
 
 
 def read_node_file(path: str | os.PathLike[str]) -> dict[str, list[tuple[Time | None, Time | None]]]:
@@ -214,6 +216,44 @@ def _first_start(intervals: Sequence[tuple[Any, Any]]) -> Any:
 
 def _last_end(intervals: Sequence[tuple[Any, Any]]) -> Any:
     return intervals[-1][1] if intervals else None
+
+
+MIXED_HINT = "(--allow-mixed loads them anyway)"
+"""How every refusal of timelines that look like different jobs ends: the way past it."""
+
+
+def _step_bounds(raw: Mapping[str, Sequence[tuple[Any, Any]]]) -> tuple[int, Any, Any] | None:
+    """(profiled steps, start, end of the last step) from ``start_end``; None where the file has none."""
+    steps = raw.get(STEP_KEY) or ()
+    if not steps:
+        return None
+    start, end = steps[-1]
+    return len(steps), start, end
+
+
+def check_one_job(paths: Sequence[str], raws: Sequence[Mapping[str, Sequence[tuple[Any, Any]]]]) -> None:
+    """Refuse node files whose ``start_end`` says they were profiled in another run than node 0's.
+
+    Nodes of one profiled job record the same number of steps, and (on the shared clock) their last
+    steps overlap in time. Their spans differ per node (a node's step ends when its own K-FAC work does,
+    and Chimera's nodes end their pipes at different times), so spans are not compared for equality.
+    In-memory jobs (:func:`job_from_dicts`: simulations, generated test jobs) are not checked.
+    """
+    first = _step_bounds(raws[0])
+    if first is None:
+        return
+    n0, s0, e0 = first
+    for path, raw in zip(paths[1:], raws[1:]):
+        mine = _step_bounds(raw)
+        if mine is None:
+            continue
+        n, s, e = mine
+        if n != n0:
+            raise InputError(path, f"profiled {n} step(s) ('{STEP_KEY}'), but {paths[0]} profiled {n0}: "
+                                   f"timelines of different jobs {MIXED_HINT}")
+        if None not in (s, e, s0, e0) and (e < s0 or s > e0):
+            raise InputError(path, f"its last profiled step ('{STEP_KEY}' {s}..{e}) does not overlap that of "
+                                   f"{paths[0]} ({s0}..{e0}): timelines of different runs {MIXED_HINT}")
 
 
 def job_from_dicts(raws: Sequence[Mapping[str, Sequence[tuple[Any, Any]]]], paths: Sequence[str] | None = None) -> Job:
@@ -259,14 +299,66 @@ def expand_paths(paths: Iterable[str]) -> list[str]:
     return out
 
 
-def load_job(paths: Iterable[str | os.PathLike[str]]) -> Job:
-    """Load one node file per pipeline node; the natural sort of the paths gives the node order."""
+_NODE_FILE = re.compile(r"^(?P<prefix>.*)_node(?P<node>\d+)_timeline(?:\.[A-Za-z0-9]+)?$")
+"""``<prefix>_node<i>_timeline.<ext>``: the names profilers and ``pipefisher simulate`` give node files."""
+
+
+def check_node_files(ordered: Sequence[str]) -> None:
+    """Refuse a file list that cannot be one job's nodes: a file twice, or (where every name follows
+    ``<prefix>_node<i>_timeline``) several prefixes, a node index missing or twice, or indices out of
+    the natural-sort order that decides which file is which node."""
+    seen: dict[str, str] = {}
+    for path in ordered:
+        real = os.path.normcase(os.path.realpath(path))
+        if real in seen:
+            also = "" if seen[real] == path else f" (also as {seen[real]})"
+            raise InputError(path, f"is given twice{also}: one file per node {MIXED_HINT}")
+        seen[real] = path
+    matched = [_NODE_FILE.match(os.path.basename(p)) for p in ordered]
+    names = [m for m in matched if m is not None]
+    if len(names) < len(ordered):
+        return  # hand-named files: the natural sort alone says which node each is
+    prefixes: dict[str, str] = {}  # prefix -> its first file
+    for m, path in zip(names, ordered):
+        prefixes.setdefault(m.group("prefix"), path)
+    if len(prefixes) > 1:
+        (a, pa), (b, pb) = list(prefixes.items())[:2]
+        raise InputError(None, f"{pa} and {pb} have different name prefixes ('{a}', '{b}'): timelines of "
+                               f"different jobs {MIXED_HINT}")
+    nodes: dict[int, str] = {}
+    for m, path in zip(names, ordered):
+        i = int(m.group("node"))
+        if i in nodes:
+            raise InputError(path, f"is node {i} again (so is {nodes[i]}) {MIXED_HINT}")
+        nodes[i] = path
+    missing = [i for i in range(len(ordered)) if i not in nodes]
+    if missing:
+        want = os.path.join(os.path.dirname(ordered[0]), f"{names[0].group('prefix')}_node{missing[0]}_timeline.*")
+        raise InputError(want, f"is missing: {len(ordered)} node file(s) given, for nodes "
+                               f"{', '.join(map(str, sorted(nodes)))} {MIXED_HINT}")
+    for pos, (m, path) in enumerate(zip(names, ordered)):
+        if int(m.group("node")) != pos:
+            raise InputError(path, f"is named node {m.group('node')} but is node {pos} by the natural sort of "
+                                   f"the paths (files in different folders?) {MIXED_HINT}")
+
+
+def load_job(paths: Iterable[str | os.PathLike[str]], allow_mixed: bool = False) -> Job:
+    """Load one node file per pipeline node; the natural sort of the paths gives the node order.
+
+    Unless ``allow_mixed``, files that look like several jobs' (:func:`check_node_files`,
+    :func:`check_one_job`) are refused before packing anything.
+    """
     ordered = sorted(expand_paths(os.fspath(p) for p in paths), key=natural_key)
     if not ordered:
         raise InputError(None, "no timeline files given")
+    if not allow_mixed:
+        check_node_files(ordered)
     raws = []
     for path in ordered:
         raw = load_json(path) if path.endswith(".json") else load_pickle(path)
         raws.append(raw if isinstance(raw, dict) else _check_raw(path, raw))
-    return job_from_dicts(raws, ordered)
+    job = job_from_dicts(raws, ordered)  # checks each file's structure first
+    if not allow_mixed:
+        check_one_job(ordered, raws)
+    return job
 

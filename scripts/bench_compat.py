@@ -26,7 +26,7 @@ from pipefisher.sim.costs import cost_model_from_dict  # noqa: E402
 from pipefisher.sim.simulator import simulate_timelines, write_timelines  # noqa: E402
 from pipefisher.timeline import load_job  # noqa: E402
 
-CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "sim",
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pipefisher", "data", "sim",
                       "bert-large-8stages.yaml")
 
 
@@ -40,7 +40,7 @@ def build_job(folder: str, stages: int, micro_batches: int, layers_per_stage: in
     return write_timelines(folder, "bench", timelines)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--stages", default=8, show_default=True)
 @click.option("--micro-batches", default=64, show_default=True)
 @click.option("--layers-per-stage", default=6, show_default=True, help="6 Linear modules (K-FAC layers) each")

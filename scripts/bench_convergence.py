@@ -175,13 +175,13 @@ def chart(runs: list[dict[str, Any]], target: float, path: str, title: str) -> N
 def main() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=os.path.join(root, "configs", "small.yaml"))
+    ap.add_argument("--config", default=os.path.join(root, "configs", "small.yaml"), help="YAML run config")
     ap.add_argument("--steps", type=int, default=300, help="steps of every run (the baseline's run length)")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=int, default=3, help="runs per setting, with different data seeds")
     ap.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations")
     ap.add_argument("--lrs", default="5e-4,1e-3,2e-3", help="AdamW peak learning rates of the sweep")
     ap.add_argument("--warmups", default="0,30", help="AdamW warm-up steps of the sweep")
-    ap.add_argument("--profile-steps", type=int, default=4)
+    ap.add_argument("--profile-steps", type=int, default=4, help="kfac steps profiled before packing")
     ap.add_argument("--out", default="bench-convergence", help="folder for the chart and the raw results")
     a = ap.parse_args()
     lrs = [float(x) for x in a.lrs.split(",")]

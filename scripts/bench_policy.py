@@ -57,7 +57,7 @@ def end_to_end(paths: list[str], policy: str, out: str) -> None:
     save_schedule(out, schedule)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--kfac-scale", default=4.0, show_default=True, help="multiplies every K-FAC cost (heavy work)")
 @click.option("--repeat", default=3, show_default=True, help="runs of the fast policies (best is kept)")
 @click.option("--reference/--no-reference", default=True, show_default=True,

@@ -38,14 +38,15 @@ def _bench(config_path: str, steps: int, warmup: int) -> dict[str, float]:
 
 
 def main() -> None:
-    from pipefisher.runtime.launch import spawn_local
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=os.path.join(root, "configs", "small.yaml"))
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--config", default=os.path.join(root, "configs", "small.yaml"), help="YAML run config")
+    ap.add_argument("--steps", type=int, default=12, help="training steps per mode")
+    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
     a = ap.parse_args()
+
+    from pipefisher.runtime.launch import spawn_local  # torch: only once the arguments are good
+
     results = spawn_local(_bench, 2, a.config, a.steps, a.warmup, timeout_s=600)
     # A step ends on stage 0 (its last backward is the pipeline's last); report the slower stage anyway.
     fo = max(r["first-order"] for r in results)

@@ -103,22 +103,22 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
 
 
 def main() -> None:
-    from pipefisher.runtime.launch import spawn_local
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=os.path.join(root, "configs", "small.yaml"))
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--profile-steps", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--policy", default=None)
+    ap.add_argument("--config", default=os.path.join(root, "configs", "small.yaml"), help="YAML run config")
+    ap.add_argument("--steps", type=int, default=30, help="training steps per run")
+    ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the mean")
+    ap.add_argument("--profile-steps", type=int, default=4, help="kfac steps profiled before packing")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every run (median reported)")
+    ap.add_argument("--policy", default=None, help="packing policy (default: the default policy)")
     ap.add_argument("--micro-batches", type=int, default=None, help="override data.num_micro_batches")
     ap.add_argument("--pipelines", default="1f1b,chimera",
                     help="comma-separated pipeline orders to compare (gpipe, 1f1b, chimera)")
     ap.add_argument("--kfac-margin", default="1.0",
                     help="comma-separated K-FAC time factors to pack with, one scheduled run each (e.g. 1,1.5)")
     a = ap.parse_args()
+    from pipefisher.runtime.launch import spawn_local  # torch: only once the arguments are good
+
     margins = [float(x) for x in a.kfac_margin.split(",")]
     pipelines = [p.strip() for p in a.pipelines.split(",") if p.strip()]
     overrides: dict = {"pipeline": {"stages": 2}}

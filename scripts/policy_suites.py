@@ -2,7 +2,7 @@
 """How close each packing policy gets to the lower bound, on two suites of jobs.
 
 * realistic: BERT-Base and BERT-Large (costs from the published block measurements, through the
-  simulator's configs in configs/sim/), GPipe and 1F1B, 4 and 8 stages, 4, 8 and 16 micro-batches;
+  simulator's cost models in pipefisher/data/sim/), GPipe and 1F1B, 4 and 8 stages, 4, 8 and 16 micro-batches;
 * generated: ``pipefisher.sim.random_jobs.random_raw_job`` over many seeds (light and heavy K-FAC work,
   bare keys, up-pipe keys, float seconds, several steps, None times).
 
@@ -78,7 +78,7 @@ def realistic_jobs() -> list[tuple[str, Job]]:
 
     jobs = []
     for model_name, config in CONFIGS.items():
-        path = os.path.join(ROOT, "configs", "sim", config)
+        path = os.path.join(ROOT, "pipefisher", "data", "sim", config)
         with open(path) as f:
             data = yaml.safe_load(f)
         model = cost_model_from_dict(data, path)
@@ -206,7 +206,7 @@ def print_table(rows: list[tuple[str, Tally]], policy: str) -> None:
             click.echo(f"  {line}")
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--seeds", default=400, show_default=True, help="generated jobs (random_raw_job seeds 0..N-1)")
 @click.option("--policy", default=DEFAULT_POLICY, show_default=True, help="the policy to measure against compat")
 @click.option("--time-limit", default=5.0, show_default=True, help="seconds per job for the exact policy")

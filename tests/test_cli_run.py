@@ -114,3 +114,42 @@ def test_run_chimera_end_to_end(tmp_path):
     save_schedule(bad, data)
     res = CliRunner().invoke(main, ["validate", "--schedule", bad, *timelines])
     assert res.exit_code == 1 and "group-order" in res.output
+
+
+def _chimera_profile() -> tuple:  # type: ignore[type-arg]
+    """The profiled tiny Chimera job of tests/data, and the config it was profiled with."""
+    import glob
+
+    from pipefisher.timeline import load_job
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profiles", "chimera_tiny_2")
+    return load_job(sorted(glob.glob(os.path.join(here, "*.pickle")))), tiny(pipeline={"schedule": "chimera"})
+
+
+def test_allow_invalid_trains_what_the_runtime_can_run_and_leaves_a_refused_schedule(tmp_path, monkeypatch):
+    import pipefisher.schedule
+    from pipefisher.policies import get_policy
+    from pipefisher.runtime.driver import RunPaths, pack_and_check
+    from pipefisher.violations import Violation
+
+    job, cfg = _chimera_profile()
+    quiet = {"margin": 0.05, "echo": lambda line: None}
+    # compat breaks the dependency rules in a way no runtime can execute: refused even with the flag,
+    # and the refused schedule stays beside its report for inspection
+    paths = RunPaths(str(tmp_path), "c")
+    with pytest.raises(InputError, match="the runtime cannot run .*no saved micro-batch.*not even with --allow-invalid"):
+        pack_and_check(job, get_policy("compat"), cfg, paths, 1, allow_invalid=True, **quiet)
+    report = json.loads(open(paths.report).read())
+    assert not report["valid"] and not report["runnable"] and "no saved micro-batch" in report["runtime_refusal"]
+    assert os.path.exists(paths.schedule) and os.path.exists(paths.chart)
+    # a schedule validate rejects (a room rule, say) that the runtime can run: refused without the flag,
+    # trained with it
+    broken = Violation(0, 0, "-- end --", "bubble-overfilled", "made up for the test")
+    monkeypatch.setattr(pipefisher.schedule, "validate", lambda *a, **k: [broken])
+    paths = RunPaths(str(tmp_path), "t")
+    with pytest.raises(InputError, match="--allow-invalid trains it anyway: the runtime can run it"):
+        pack_and_check(job, get_policy("tight"), cfg, paths, 1, allow_invalid=False, **quiet)
+    assert os.path.exists(paths.schedule) and not json.loads(open(paths.report).read())["valid"]
+    packed, report = pack_and_check(job, get_policy("tight"), cfg, RunPaths(str(tmp_path), "t2"), 1,
+                                    allow_invalid=True, **quiet)
+    assert not report["valid"] and report["runnable"] and len(packed.nodes) == 2

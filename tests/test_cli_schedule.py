@@ -217,3 +217,24 @@ def test_bad_margin_is_one_line() -> None:
 def test_time_limit_belongs_to_the_exact_policy() -> None:
     result = run("schedule", *case_timelines(CASE), "--time-limit", "3")
     assert result.exit_code == 2 and "--time-limit applies to the 'exact' policy only" in result.output
+
+
+@pytest.mark.parametrize("option", ["--save-path", "--json"])
+def test_an_unwritable_output_is_refused_before_any_packing_or_report(tmp_path, option) -> None:
+    result = run("schedule", *case_timelines(CASE), option, str(tmp_path / "nonexistent" / "x"))
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert f"its folder does not exist ({option})" in result.output and "pipeline iterations" not in result.output
+
+
+def test_schedule_and_validate_refuse_two_jobs_unless_allow_mixed(tmp_path) -> None:
+    mixed = case_timelines(CASE) + [str(p) for p in case_timelines(COMPAT_CASES[0])[2:3]]  # + case_01's node 2
+    result = run("schedule", *mixed)
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and "--allow-mixed" in result.output
+    out = tmp_path / "s.pickle"
+    assert run("schedule", *mixed, "--allow-mixed", "--save-path", str(out)).exit_code == 0
+    result = run("validate", "--schedule", str(out), *mixed)
+    assert result.exit_code == 2 and "--allow-mixed" in result.output, result.output
+    result = run("validate", "--schedule", str(out), *mixed, "--allow-mixed")
+    assert result.exit_code in (0, 1) and "--allow-mixed" not in result.output, result.output
+    twice = case_timelines(CASE) + case_timelines(CASE)[:1]
+    assert "is given twice" in run("schedule", *twice).output

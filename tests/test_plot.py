@@ -113,3 +113,178 @@ def test_chimera_up_pipe_work_is_drawn_hatched(tmp_path):
                                 chart.boundaries, chart.end, chart.unit)
     render(down_only, tmp_path / "down_only.svg")
     assert "<pattern" not in (tmp_path / "down_only.svg").read_text()
+
+
+# ----------------------------------------------------------------------------------------------------
+# readable at any size: collections, merging, edges, units, limits, context, validity, idle fill
+
+from pipefisher.plot import (IDLE, INVALID, PLOT_PX, Bar, Chart, figure, merge_bars,  # noqa: E402
+                             violations_per_node)
+from pipefisher.timeline import load_job  # noqa: E402
+
+
+def bar_collections(fig):
+    """The axes' collections that draw bars (PolyCollections), by face colour."""
+    from matplotlib.collections import PolyCollection
+    from matplotlib.colors import to_hex
+
+    ax = fig.axes[0]
+    out = {}
+    for c in ax.collections:
+        if isinstance(c, PolyCollection):
+            out.setdefault(to_hex(c.get_facecolor()[0]), []).append(c)
+    return out
+
+
+def sim_job(stages, m, schedule="1f1b"):
+    return job_from_dicts(simulate_timelines(synthetic_model(stages=stages, micro_batches=m, layers_per_stage=1,
+                                                             schedule=schedule))[0])
+
+
+def test_each_kind_is_one_artist_whatever_the_number_of_rows_and_bars():
+    small, large = chart_from_job(sim_job(2, 2)), chart_from_job(sim_job(6, 48))
+    assert len(large.bars) > 5 * len(small.bars) and len(large.rows) == 3 * len(small.rows)
+    counts = []
+    for chart in (small, large):
+        ax = figure(chart).axes[0]
+        kinds = {(b.category, b.up_pipe) for b in chart.bars}
+        # one collection per kind, the idle bands, the iteration lines, at most one forward-over-backward overlay
+        assert len(ax.collections) <= len(kinds) + 3
+        assert not ax.patches and len(ax.lines) == 0
+        counts.append(len(ax.collections))
+    assert counts[0] == counts[1]
+
+
+def test_sub_pixel_bars_have_no_edge_and_are_drawn_a_pixel_wide():
+    px = 1000 * 1.005 / PLOT_PX  # one pixel, in ms, of a chart ending at 1000 ms
+    tiny = [Bar(0, 600 + 5 * i, 600 + 5 * i + 0.01, "sync_kron_A", f"sync_kron_A:l{i}") for i in range(20)]
+    chart = Chart("t", ("node0",), (Bar(0, 0.0, 500.0, "forward", "call_forward"), *tiny), (0.0, 1000.0), 1000.0,
+                  "ms")
+    cols = bar_collections(figure(chart))
+    (wide,) = cols["#4c78a8"]
+    (sync,) = cols["#7a4fa3"]
+    assert wide.get_linewidths()[0] > 0
+    assert len(sync.get_paths()) == 20 and set(sync.get_linewidths()) == {0.0}
+    widths = [p.vertices[:, 0].max() - p.vertices[:, 0].min() for p in sync.get_paths()]
+    assert min(widths) >= px * 0.999
+
+
+def test_merging_joins_items_closer_than_a_pixel_and_keeps_them_apart_at_high_resolution():
+    starts = np.arange(1000) * 2.0
+    r, s, e = merge_bars(np.zeros(1000), starts, starts + 1.0, px=10.0)
+    assert (len(r), s[0], e[0]) == (1, 0.0, 1999.0)
+    assert len(merge_bars(np.zeros(1000), starts, starts + 1.0, px=0.5)[0]) == 1000
+    # rows never merge with each other; touching bars wide enough to see stay apart
+    assert len(merge_bars([0, 1], [0.0, 1.0], [1.0, 2.0], px=10.0)[0]) == 2
+    assert len(merge_bars([0, 0], [0.0, 100.0], [100.0, 200.0], px=1.0)[0]) == 2
+    # in a chart: 5000 sub-pixel forwards draw as few bars, 20 wide ones as 20
+    dense = Chart("t", ("n",), tuple(Bar(0, i * 0.2, i * 0.2 + 0.1, "forward", "call_forward") for i in range(5000)),
+                  (0.0, 1000.0), 1000.0, "ms")
+    (col,) = bar_collections(figure(dense))["#4c78a8"]
+    assert len(col.get_paths()) < 10
+    sparse = Chart("t", ("n",), tuple(Bar(0, i * 50.0, i * 50.0 + 40, "forward", "call_forward") for i in range(20)),
+                   (0.0, 1000.0), 1000.0, "ms")
+    (col,) = bar_collections(figure(sparse))["#4c78a8"]
+    assert len(col.get_paths()) == 20
+
+
+def test_dense_forward_and_backward_both_show():
+    bars = []
+    for i in range(2000):  # alternating, each far under a pixel
+        bars += [Bar(0, i * 1.0, i * 1.0 + 0.4, "forward", "call_forward"),
+                 Bar(0, i * 1.0 + 0.5, i * 1.0 + 0.9, "backward", "call_backward")]
+    cols = bar_collections(figure(Chart("t", ("n",), tuple(bars), (0.0, 2000.0), 2000.0, "ms")))
+    assert len(cols["#4c78a8"]) == 2  # the forwards, and the same over the backwards' upper half
+
+
+def test_time_axis_switches_to_seconds_for_long_spans_and_has_no_offset():
+    def axis(end):
+        fig = figure(Chart("t", ("n",), (Bar(0, 0.0, end / 2, "forward", "call_forward"),), (0.0, end), end, "ms"))
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        return ax.get_xlabel(), ax.xaxis.get_offset_text().get_text(), [t.get_text() for t in ax.get_xticklabels()]
+
+    label, offset, ticks = axis(3.05e6)  # the report's -m 256 cycle: 3050 s
+    assert label == "time (s)" and offset == "" and "3000" in ticks
+    label, offset, _ = axis(60_000.0)
+    assert label == "time (s)" and offset == ""
+    label, offset, _ = axis(800.0)
+    assert label == "time (ms)" and offset == ""
+
+
+def test_iterations_and_node_limit_what_is_drawn(tmp_path, job):
+    packed = get_policy("tight").pack(job)
+    full = chart_from_schedule(packed, job)
+    n_iter = len(full.boundaries) - 1
+    assert n_iter > 1
+    one = chart_from_schedule(packed, job, iterations=1, node=1)
+    assert len(one.rows) == 1 and one.rows[0].startswith("node1:")
+    assert one.boundaries == full.boundaries[:2] and one.end == full.boundaries[1]
+    assert one.bars and all(b.row == 0 and b.end <= one.end for b in one.bars)
+    assert len(one.bars) < len(full.bars) / (2 * n_iter)
+    assert f"first 1 of {n_iter} iterations" in one.title and "node 1" in one.title
+    paths = write_timelines(tmp_path, "j", simulate_timelines(synthetic_model(stages=3, micro_batches=6,
+                                                                             layers_per_stage=1))[0])
+    runner = CliRunner()
+    res = runner.invoke(main, ["plot", *paths, "--packed", "--iterations", "1", "--node", "2",
+                               "--out", str(tmp_path / "one.png")])
+    assert res.exit_code == 0, res.output
+    check_png(tmp_path / "one.png", rows=1)
+    res = runner.invoke(main, ["plot", *paths, "--packed", "--node", "3", "--out", str(tmp_path / "x.png")])
+    assert res.exit_code == 2 and res.output.strip().splitlines() == ["error: --node 3: the job has nodes 0 to 2"]
+    res = runner.invoke(main, ["plot", *paths, "--iterations", "2", "--out", str(tmp_path / "x.png")])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1 and "--iterations" in res.output
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_titles_name_the_model_schedule_micro_batches_and_policy(tmp_path):
+    model = synthetic_model(stages=2, micro_batches=4, layers_per_stage=1, schedule="gpipe")
+    paths = write_timelines(tmp_path, "bert-x_gpipe_m4", simulate_timelines(model)[0])
+    job = load_job(paths)
+    title = chart_from_schedule(get_policy("compat").pack(job), job).title
+    assert title.startswith("bert-x, gpipe, m=4:") and "policy compat" in title
+    assert chart_from_job(job).title.startswith("bert-x, gpipe, m=4:")
+    # any other name is shown as it is, with the forward passes per node
+    other = write_timelines(tmp_path / "o", "myrun", simulate_timelines(model)[0])
+    assert chart_from_job(load_job(other)).title.startswith("myrun, 2 nodes, 4 forward passes per node:")
+
+
+def test_nodes_whose_schedule_does_not_validate_are_marked_red():
+    job = sim_job(3, 6)  # compat breaks the rules on node 1 only
+    packed = get_policy("compat").pack(job)
+    bad = violations_per_node(packed, job)
+    assert set(bad) == {1}
+    chart = chart_from_schedule(packed, job)
+    assert chart.invalid == (1,)
+    assert chart.rows[1].endswith(f"\ninvalid: {bad[1]} violations") and "invalid" not in chart.rows[0] + chart.rows[2]
+    labels = figure(chart).axes[0].get_yticklabels()  # drawn bottom-up
+    from matplotlib.colors import to_hex
+
+    assert [to_hex(t.get_color()) for t in labels] == ["#000000", INVALID, "#000000"]
+    assert chart_from_schedule(get_policy("tight").pack(job), job).invalid == ()
+
+
+def test_idle_time_has_its_own_fill_distinct_from_the_background(tmp_path, job):
+    chart = chart_from_schedule(get_policy("tight").pack(job), job)
+    fig = figure(chart)
+    from matplotlib.colors import to_hex
+
+    assert to_hex(fig.axes[0].get_facecolor()) != IDLE
+    colours = check_png(render(chart, tmp_path / "idle.png"), rows=3)
+    assert hex_rgb(IDLE) in colours and (255, 255, 255) in colours
+    # each row's band covers its node's cycle, which ends at its last iteration
+    assert [s for s, _ in chart.spans] == [0.0] * 3
+    assert max(e for _, e in chart.spans) == chart.end
+
+
+def test_job_name_is_the_files_common_prefix_or_nothing():
+    from pipefisher.plot import job_name
+    from pipefisher.timeline import Job, NodeTimeline
+
+    def named(*paths):
+        return job_name(Job(tuple(NodeTimeline(p, {}) for p in paths), 1))
+
+    assert named("a/big_m8_node0_timeline.pickle", "a/big_m8_node1_timeline.pickle") == "big_m8"
+    assert named("a/x_node0_timeline.pickle", "b/y_node1_timeline.pickle") is None  # two jobs, --allow-mixed
+    assert named("run_a.pickle", "run_b.pickle") == "run"
+    assert named("<node0>", "<node1>") is None

@@ -103,7 +103,7 @@ def _simulated(config: str, schedule: str, stages: int, micro_batches: int):
     from pipefisher.sim.costs import cost_model_from_dict
     from pipefisher.sim.simulator import simulate_timelines
 
-    path = os.path.join(ROOT, "configs", "sim", config)
+    path = os.path.join(ROOT, "pipefisher", "data", "sim", config)
     with open(path) as f:
         model = cost_model_from_dict(yaml.safe_load(f), path)
     timelines, _ = simulate_timelines(model, schedule=schedule, stages=stages, micro_batches=micro_batches)

@@ -33,7 +33,7 @@ START, END, OFF, ON = "-- start --", "-- end --", "turn_off_save_inputs_outgrads
 
 def sim_job(config: str = "bert-base-4stages", schedule: str = "chimera", stages: int = 2, m: int = 4,
             scale: float = 1.0, seconds: bool = False) -> Job:
-    model = load_cost_model(ROOT / "configs" / "sim" / f"{config}.yaml")
+    model = load_cost_model(ROOT / "pipefisher" / "data" / "sim" / f"{config}.yaml")
     timelines, _ = simulate_timelines(model.replace(kfac_scale=scale), schedule=schedule, stages=stages,
                                       micro_batches=m)
     if seconds:  # float seconds, as CPU profiles have them

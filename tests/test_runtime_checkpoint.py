@@ -79,6 +79,12 @@ def test_resume_with_two_stages_through_the_cli(tmp_path):
     res = runner.invoke(main, base + ["--steps", "5", "--resume", b, "--metrics", metrics])
     assert res.exit_code == 0, res.output
     assert "resuming after step 1" in res.output
+    with open(os.path.join(b, MANIFEST)) as f:
+        manifest = json.load(f)
+    cycles = [len(node) for node in packed_schedule(tiny())]
+    assert cycles[0] != cycles[1]  # so "cycle" must say which: the job's k, the longest node's
+    assert manifest["cycle"] == max(cycles) and manifest["node_cycles"] == cycles
+    assert f"k={max(cycles)} (per node: {cycles[0]}, {cycles[1]})" in res.output
     for stage in range(2):
         fa = torch.load(os.path.join(a, "step-00000005", f"stage{stage}-replica0.pt"), weights_only=True)
         fb = torch.load(os.path.join(b, "step-00000005", f"stage{stage}-replica0.pt"), weights_only=True)
@@ -147,3 +153,16 @@ def test_checkpoints_load_without_running_code(tmp_path):
     with pytest.raises(InputError, match="is not a readable checkpoint"):
         _train(cfg, mode="first-order", steps=2, resume=ck)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_resuming_to_the_steps_already_done_says_so(tmp_path):
+    ck = str(tmp_path / "ck")
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})  # the CLI's config file with --stages 1
+    _train(cfg, mode="first-order", steps=2, checkpoint_dir=ck)
+    base = ["train", "--config", TINY, "--stages", "1", "--no-progress", "--resume", ck + "/"]
+    res = CliRunner().invoke(main, base + ["--steps", "2"])
+    assert res.exit_code == 0, res.output
+    assert res.output == f"nothing to do: the checkpoint in {ck} has 2 steps done, --steps is 2\n"
+    res = CliRunner().invoke(main, base + ["--steps", "1"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert "2 steps done, but --steps is 1: --steps counts every step" in res.output

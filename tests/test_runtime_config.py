@@ -14,6 +14,7 @@ from pipefisher.runtime.model import IGNORE_INDEX, PipelineStage, stage_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
@@ -76,3 +77,67 @@ def test_text_file_data(tmp_path, monkeypatch):
     assert mb.input_ids.shape == (cfg.data.micro_batch_size, 8) and int(mb.input_ids.max()) < 100
     with pytest.raises(InputError, match=r"nope\.txt: no such file"):
         MLMData(RunConfig().replace(data={"text": str(tmp_path / "nope.txt")}).data, 100)
+
+
+def test_set_overrides_are_read_as_yaml_and_applied():
+    from pipefisher.runtime.config import apply_overrides, parse_override
+
+    assert parse_override("optim.lr=0.01") == ("optim.lr", 0.01)
+    assert parse_override("optim.lr=1e-3") == ("optim.lr", 1e-3)  # YAML 1.1 would say '1e-3'
+    assert parse_override("data.seed=3") == ("data.seed", 3)
+    assert parse_override("optim.betas=[0.9, 0.98]") == ("optim.betas", [0.9, 0.98])
+    assert parse_override("data.text=2024") == ("data.text", "2024")  # a str field takes what was typed
+    assert parse_override("name=exp-1") == ("name", "exp-1")
+    cfg = apply_overrides(load_config(TINY), ["optim.lr=0.01", "data.seed=3", "data.seed=4", "kfac.ignore=[cls]"],
+                          TINY)
+    assert (cfg.optim.lr, cfg.data.seed, cfg.kfac.ignore) == (0.01, 4, ("cls",))  # later ones win
+    assert cfg == load_config(TINY).replace(optim={"lr": 0.01}, data={"seed": 4}, kfac={"ignore": ("cls",)})
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("optim.lrr=0.1", "--set optim.lrr=0.1: unknown key 'lrr' in 'optim' (one of name, lr,"),
+    ("optimizer.lr=0.1", "--set optimizer.lr=0.1: unknown config section 'optimizer'"),
+    ("optim.lr", "--set optim.lr: expected SECTION.KEY=VALUE"),
+    ("optim.lr=fast", "--set optim.lr=fast: optim.lr must be a float, not 'fast'"),
+    ("data.seed=1.5", "--set data.seed=1.5: data.seed must be a int, not 1.5"),
+    ("optim.betas=0.9", "--set optim.betas=0.9: optim.betas must be a list"),
+    ("optim.lr=[1", "--set optim.lr=[1: the value is not valid YAML"),
+])
+def test_bad_set_overrides_name_the_option_and_key(text, problem):
+    from pipefisher.runtime.config import apply_overrides
+
+    with pytest.raises(InputError) as err:
+        apply_overrides(load_config(TINY), [text], TINY)
+    assert str(err.value).startswith(problem)
+
+
+def test_set_overrides_are_checked_with_the_file_like_the_file():
+    from pipefisher.runtime.config import apply_overrides
+
+    with pytest.raises(InputError) as err:
+        apply_overrides(load_config(TINY), ["pipeline.stages=8"], TINY)
+    assert str(err.value) == (f"{TINY} with --set pipeline.stages=8: pipeline.stages must be between 1 and "
+                              "model.num_layers")
+
+
+def test_a_string_setting_given_a_number_is_an_input_error_not_a_crash():
+    with pytest.raises(InputError, match=r"data.text must be a str, not 5"):
+        config_from_dict({"data": {"text": 5}}, "c.yaml")
+
+
+def test_cli_set_is_applied_and_recorded_in_the_config_the_run_writes(tmp_path):
+    from click.testing import CliRunner
+
+    from pipefisher.cli import main
+
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--stages", "1", "--steps", "1", "--no-progress",
+                                    "--set", "optim.lr=0.05", "--set", "data.seed=3", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert load_config(out / "tiny_config.yaml") == load_config(TINY).replace(
+        optim={"lr": 0.05}, data={"seed": 3}, pipeline={"stages": 1})
+    for command in (["train"], ["run", "--out", str(tmp_path / "runs")]):
+        res = CliRunner().invoke(main, [*command, "--config", TINY, "--set", "optim.lrr=0.05", "--no-progress"])
+        assert res.exit_code == 2, res.output
+        assert res.output.startswith("error: --set optim.lrr=0.05: unknown key 'lrr' in 'optim'")
+        assert res.output.count("\n") == 1

@@ -1,6 +1,7 @@
 """Training end to end: loss goes down in each mode, profiles feed the scheduler, failures are loud."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import statistics
@@ -188,3 +189,76 @@ def test_skip_keeps_training_past_a_bad_factor(tmp_path):
                                     "--mode", "kfac", "--steps", "4", "--no-progress"])
     assert res.exit_code == 0, res.output
     assert "kept the previous inverse (kfac.on_bad_factor: skip)" in res.output
+
+
+# ----------------------------------------------------------------------------------------------------
+# progress: start-up is not silent, and the bar's ETA leaves the warm-up step out
+
+
+def _phase_order(lines: list[str]) -> list[str]:
+    """The start-up milestones in the order they were printed."""
+    keys = ("... spawning", "... loading data", "... building the model", "pipefisher train:", "... first step",
+            "step     0")
+    return [k for line in lines for k in keys if line.startswith(k)]
+
+
+def test_one_process_says_each_start_up_phase_before_the_first_step(capsys):
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})
+    Trainer(cfg, single_process(), TrainOptions(steps=1)).run()
+    order = _phase_order(capsys.readouterr().out.splitlines())
+    assert order == ["... loading data", "... building the model", "pipefisher train:", "... first step",
+                     "step     0"], order
+
+
+def test_no_progress_keeps_start_up_quiet(capsys):
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})
+    Trainer(cfg, single_process(), TrainOptions(steps=1, progress=False)).run()
+    assert not [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("...")]
+
+
+def test_local_launcher_says_it_spawns_and_relays_the_workers_phases():
+    lines: list[str] = []
+    launch_local(load_config(TINY), TrainOptions(steps=1), 2, echo=lines.append)
+    assert _phase_order(lines) == ["... spawning", "... loading data", "... building the model",
+                                   "pipefisher train:", "... first step", "step     0"], lines
+    assert lines[0] == "... spawning 2 workers (each starts python, imports torch and joins the process group)"
+    assert not [ln for ln in lines if ln.startswith("@@")]  # progress marks feed the bar, never the output
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_step_bar_shows_position_and_an_eta_without_the_warm_up_step():
+    from pipefisher.runtime.progress import StepBar, format_eta
+
+    now = [0.0]
+    out = _Terminal()
+    bar = StepBar(file=out, clock=lambda: now[0])
+    now[0] = 100.0  # step 0 compiled for 100 s
+    bar.update(1, 10)
+    assert bar.eta is None and "1/10" in out.getvalue() and "ETA" not in out.getvalue()
+    now[0] = 102.0  # then 2 s a step: 8 steps left
+    bar.update(2, 10)
+    assert bar.eta == pytest.approx(16.0)
+    assert "2/10" in out.getvalue() and format_eta(16.0) == "ETA 0:16" and "ETA 0:16" in out.getvalue()
+    bar.clear()
+    assert out.getvalue().endswith("\r\033[K\033[?25h")  # wiped, cursor back, for the next output line
+
+
+def test_step_bar_draws_nothing_off_a_terminal():
+    from pipefisher.runtime.progress import StepBar
+
+    out = io.StringIO()
+    bar = StepBar(file=out)
+    bar.update(1, 3)
+    bar.update(2, 3)
+    bar.clear()
+    assert out.getvalue() == "" and bar.eta is not None
+
+
+def test_eta_format():
+    from pipefisher.runtime.progress import format_eta
+
+    assert format_eta(65.4) == "ETA 1:05" and format_eta(3 * 3600 + 62) == "ETA 3:01:02" and format_eta(-1) == "ETA 0:00"

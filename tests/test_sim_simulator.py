@@ -18,8 +18,8 @@ from pipefisher.sim.costs import NS_PER_MS
 from pipefisher.timeline import KFAC_KINDS, load_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = os.path.join(ROOT, "configs", "sim", "bert-base-4stages.yaml")
-LARGE = os.path.join(ROOT, "configs", "sim", "bert-large-8stages.yaml")
+BASE = os.path.join(ROOT, "pipefisher", "data", "sim", "bert-base-4stages.yaml")
+LARGE = os.path.join(ROOT, "pipefisher", "data", "sim", "bert-large-8stages.yaml")
 
 
 def kfac_keys(node, kind="cov_kron_A"):
@@ -195,3 +195,59 @@ def test_demo_writes_everything_into_one_folder(tmp_path):
     names = set(os.listdir(out))
     assert {"timelines", "schedule.pickle", "report.txt", "report.json", "chart.png", "trace.json"} <= names
     assert len(os.listdir(out / "timelines")) == 4
+
+
+def test_two_simulations_in_one_folder_cannot_be_packed_as_one_job(tmp_path):
+    """The user's report: 5 stages, then 4 stages into one folder, then ``schedule OUT/*.pickle``."""
+    runner = CliRunner()
+    out = tmp_path / "s2"
+    for stages in ("5", "4"):
+        res = runner.invoke(main, ["simulate", "--config", BASE, "--stages", stages, "--out", f"{out}/"])
+        assert res.exit_code == 0, res.output
+        assert "//" not in res.output and f"_p{stages}_m8_node*_timeline.pickle" in res.output
+    paths = sorted(str(p) for p in out.iterdir())
+    assert len(paths) == 9
+    res = runner.invoke(main, ["schedule", *paths])
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert "different name prefixes" in res.output and "pipeline iterations" not in res.output
+    res = runner.invoke(main, ["schedule", *paths, "--allow-mixed"])
+    assert res.exit_code == 0 and res.output.count("pipeline iterations") == 9, res.output
+
+
+def test_a_smaller_job_under_the_same_prefix_removes_the_stale_node_files(tmp_path):
+    runner = CliRunner()
+    for stages in ("5", "4"):
+        res = runner.invoke(main, ["simulate", "--config", BASE, "--stages", stages, "--out", str(tmp_path),
+                                   "--prefix", "job"])
+        assert res.exit_code == 0, res.output
+    assert "removed 1 stale node file(s)" in res.output
+    assert sorted(os.listdir(tmp_path)) == [f"job_node{i}_timeline.pickle" for i in range(4)]
+    assert len(load_job(sorted(str(p) for p in tmp_path.iterdir())).nodes) == 4
+
+
+def test_demo_checks_its_options_and_output_before_any_work(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(main, ["demo", "--policy", "foo", "--out", str(tmp_path / "d1")])
+    assert res.exit_code == 2 and "unknown policy 'foo'" in res.output
+    assert not (tmp_path / "d1").exists()
+    (tmp_path / "afile").write_text("")
+    res = runner.invoke(main, ["demo", "--out", str(tmp_path / "afile" / "d")])
+    assert res.exit_code == 2 and "is a file" in res.output and res.output.count("\n") == 1
+    res = runner.invoke(main, ["simulate", "--config", BASE, "--out", str(tmp_path / "afile" / "d")])
+    assert res.exit_code == 2 and "is a file" in res.output and "bubble fraction" not in res.output
+
+
+def test_trace_refuses_two_jobs_unless_allow_mixed_and_checks_its_output_first(tmp_path):
+    runner = CliRunner()
+    for stages in ("3", "2"):
+        assert runner.invoke(main, ["simulate", "--config", BASE, "--stages", stages, "--out", str(tmp_path / "s"),
+                                    "-m", "4"]).exit_code == 0
+    paths = sorted(str(p) for p in (tmp_path / "s").iterdir())
+    res = runner.invoke(main, ["trace", *paths, "--out", str(tmp_path / "t.json")])
+    assert res.exit_code == 2 and "different name prefixes" in res.output
+    res = runner.invoke(main, ["trace", *paths, "--out", str(tmp_path / "t.json"), "--allow-mixed"])
+    assert res.exit_code == 0 and (tmp_path / "t.json").exists(), res.output
+    res = runner.invoke(main, ["trace", "--out", str(tmp_path / "no" / "t.json"), "--policy", "nope"])
+    assert res.exit_code == 2 and "unknown policy 'nope'" in res.output
+    res = runner.invoke(main, ["trace", "--out", str(tmp_path / "no" / "t.json")])
+    assert res.exit_code == 2 and "its folder does not exist (--out)" in res.output

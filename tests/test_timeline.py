@@ -12,10 +12,9 @@ from pipefisher.timeline import Interval, TimelineKey, expand_paths, job_from_di
 
 
 def test_natural_sort_puts_node2_before_node10(write_pickle) -> None:
-    paths = [write_pickle(f"run_node{i}_timeline.pickle", small_node(offset=i)) for i in (10, 2, 1)]
+    paths = [write_pickle(f"run_node{i}_timeline.pickle", small_node(offset=i)) for i in (10, 2, 1, 0, 9, 3, 8, 4, 7, 5, 6)]
     job = load_job(paths)
-    assert [n.path.rsplit("/", 1)[1] for n in job.nodes] == [
-        "run_node1_timeline.pickle", "run_node2_timeline.pickle", "run_node10_timeline.pickle"]
+    assert [n.path.rsplit("/", 1)[1] for n in job.nodes] == [f"run_node{i}_timeline.pickle" for i in range(11)]
     assert sorted(["a10", "a9", "a1"], key=natural_key) == ["a1", "a9", "a10"]
 
 
@@ -112,3 +111,80 @@ def test_a_pickle_that_is_not_a_dict_is_refused(write_pickle) -> None:
 def test_no_files_is_an_error() -> None:
     with pytest.raises(InputError, match="no timeline files"):
         load_job([])
+
+
+def test_a_key_with_fewer_intervals_than_steps_keeps_them_all_like_the_published_tool(write_pickle) -> None:
+    """The published loader slices values[-(len(values) // n):]: with len < n that is values[-0:], all."""
+    steps = [small_node(offset=i * 10_000) for i in range(3)]
+    d = {k: sum((s[k] for s in steps), []) for k in steps[0]}
+    d["inv_kron_A:layer.0"] = [steps[1]["inv_kron_A:layer.0"][0]]  # the inverse ran in one of three steps
+    d["inv_kron_B:layer.0"] = []
+    job = load_job([write_pickle("run_node0_timeline.pickle", d)])
+    assert job.steps == 3 and len(job.nodes[0].forwards()) == 2
+    (inv,) = job.nodes[0].intervals("inv_kron_A:layer.0")
+    assert inv.duration == 20 and inv.start == steps[1]["inv_kron_A:layer.0"][0][0] - job.origin
+    assert job.nodes[0].intervals("inv_kron_B:layer.0") == ()
+    assert len(job.nodes[0].intervals("cov_kron_A:layer.0")) == 1  # 3 intervals // 3 steps: the last one
+
+
+# ----------------------------------------------------------------------------------------------------
+# Files of different jobs are refused (unless allow_mixed)
+
+
+def _one_line_error(paths, match: str) -> str:
+    with pytest.raises(InputError, match=match) as err:
+        load_job(paths)
+    assert "\n" not in str(err.value) and "--allow-mixed" in str(err.value)
+    load_job(paths, allow_mixed=True)  # what the user may still ask for
+    return str(err.value)
+
+
+def test_node_files_of_two_prefixes_are_refused(write_pickle) -> None:
+    paths = [write_pickle("a_node0_timeline.pickle", small_node()),
+             write_pickle("a_node1_timeline.pickle", small_node(offset=50)),
+             write_pickle("b_node2_timeline.pickle", small_node(offset=100))]
+    text = _one_line_error(paths, "different name prefixes")
+    assert "a_node0_timeline.pickle" in text and "b_node2_timeline.pickle" in text
+
+
+def test_a_missing_or_repeated_node_index_is_refused(tmp_path, write_pickle) -> None:
+    a = write_pickle("run_node0_timeline.pickle", small_node())
+    c = write_pickle("run_node2_timeline.pickle", small_node(offset=100))
+    assert "run_node1_timeline.*: is missing" in _one_line_error([a, c], "is missing")
+    (tmp_path / "other").mkdir()
+    again = write_pickle("other/run_node0_timeline.pickle", small_node(offset=50))
+    _one_line_error([a, again], "is node 0 again")
+    (tmp_path / "0th").mkdir()
+    first = write_pickle("0th/run_node1_timeline.pickle", small_node(offset=50))  # sorts before 'run_node0'
+    _one_line_error([a, first], "is named node 1 but is node 0 by the natural sort")
+
+
+def test_the_same_file_twice_is_refused(write_pickle) -> None:
+    a = write_pickle("x.pickle", small_node())
+    _one_line_error([a, a], "is given twice")
+    _one_line_error([f"{a},{a}"], "is given twice")  # the published comma-separated form too
+
+
+def test_node_files_of_other_runs_are_refused_by_their_start_end(write_pickle) -> None:
+    two_steps = small_node(offset=50)
+    two_steps["start_end"] = [(-1000, -1), two_steps["start_end"][0]]
+    paths = [write_pickle("n0.pickle", small_node()), write_pickle("n1.pickle", two_steps)]
+    assert "profiled 2 step(s)" in _one_line_error(paths, "different jobs")
+    paths = [write_pickle("n0.pickle", small_node()), write_pickle("n1.pickle", small_node(offset=10**9))]
+    assert "does not overlap" in _one_line_error(paths, "different runs")
+
+
+def test_every_published_and_profiled_job_still_loads() -> None:
+    """Real jobs differ in span per node (Chimera's nodes end their pipes at different times) and
+    their step ends differ per node; none of that is taken for mixing."""
+    from pathlib import Path
+
+    from conftest import COMPAT_CASES, DATA, case_timelines
+
+    jobs = [case_timelines(c) for c in COMPAT_CASES]
+    jobs += [sorted(str(p) for p in d.glob("*_timeline.pickle")) for d in (DATA / "profiles").iterdir()]
+    examples = Path(__file__).resolve().parent.parent / "pipefisher" / "data" / "examples"
+    jobs += [sorted(str(p) for p in d.glob("*_timeline.pickle")) for d in examples.glob("*") if d.is_dir()]
+    assert len(jobs) >= 14
+    for paths in jobs:
+        assert len(load_job(paths).nodes) == len(paths)

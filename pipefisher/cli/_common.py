@@ -11,6 +11,27 @@ from pipefisher.errors import InputError
 EXIT_BAD_INPUT = 2
 
 
+RUNTIME_INSTALL = "pip install 'pipefisher[runtime]' (in a clone: pip install -e '.[runtime]')"
+
+
+def _missing(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):  # a parent package missing, or a module without a spec
+        return True
+
+
+def require_runtime(command: str, modules: tuple[str, ...] = ("torch",)) -> None:
+    """One line saying how to install the runtime extra, instead of a ModuleNotFoundError traceback from
+    deep inside the runtime; checked without importing torch (the scheduling path must never import it)."""
+    missing = [m for m in modules if _missing(m)]
+    if missing:
+        raise click.ClickException(f"pipefisher {command} needs {' and '.join(missing)} (the runtime extra), "
+                                   f"not installed here: {RUNTIME_INSTALL}")
+
+
 class PipefisherGroup(click.Group):
     """A click group that turns :class:`InputError` into ``error: <file>: <problem>`` and exit 2."""
 
@@ -29,7 +50,7 @@ def margin_option(recorded: bool = False) -> Any:
     under; the option then defaults to None (use the record)."""
     from pipefisher.problem import DEFAULT_MARGIN
 
-    default = "the one recorded in SCHEDULE.meta.json, else " + f"{DEFAULT_MARGIN:g}" if recorded else None
+    default = "the one recorded in FILE.meta.json beside the --schedule FILE, else " + f"{DEFAULT_MARGIN:g}" if recorded else None
     return click.option(
         "--margin", type=click.FloatRange(0, 10, max_open=True), default=None if recorded else DEFAULT_MARGIN,
         show_default=not recorded,

@@ -4,10 +4,14 @@ torch and matplotlib are imported inside the command only.
 """
 from __future__ import annotations
 
+import os
+
 import click
 
 from pipefisher.cli import main
-from pipefisher.cli._common import margin_option
+from pipefisher.cli._common import margin_option, require_runtime
+from pipefisher.cli.schedule import _policy_help
+from pipefisher.cli.train import set_option
 from pipefisher.errors import InputError
 from pipefisher.runtime.config import PIPELINE_ORDERS
 
@@ -21,13 +25,15 @@ from pipefisher.runtime.config import PIPELINE_ORDERS
               help="training steps with the schedule")
 @click.option("--profile-steps", type=click.IntRange(min=1), default=3, show_default=True,
               help="kfac steps to profile (the last one is packed)")
-@click.option("--policy", default=None, help="packing policy (default: the default policy)")
+@click.option("--policy", default=None, help=_policy_help())
 @click.option("--kfac-margin", type=click.FloatRange(min=1.0), default=1.0, show_default=True,
               help="pack as if every profiled K-FAC piece took this many times as long (slack for noisy "
                    "CPU timings; a longer cycle k)")
 @margin_option()
 @click.option("--name", default=None, help="run name (default: <config>-<policy>-<timestamp>)")
-@click.option("--allow-invalid", is_flag=True, help="train a schedule even if it breaks dependency rules")
+@click.option("--allow-invalid", is_flag=True,
+              help="train a schedule that pipefisher validate rejects, where the runtime can still run it (a "
+                   "schedule it cannot run is refused anyway; a refused one stays in --out for inspection)")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="steps between checkpoints in <run>_checkpoints/ (0: only at the end)")
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
@@ -37,6 +43,7 @@ from pipefisher.runtime.config import PIPELINE_ORDERS
               help="override pipeline.schedule (gpipe, 1f1b, or chimera: two pipes in opposite directions)")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="override pipeline.timeout_s")
+@set_option()
 @click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="steps between held-out evaluations while training (0: none)")
 @click.option("--log-every", type=click.IntRange(min=1), default=5, show_default=True,
@@ -44,17 +51,30 @@ from pipefisher.runtime.config import PIPELINE_ORDERS
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, policy: str | None,
                 kfac_margin: float, margin: float, name: str | None, allow_invalid: bool, checkpoint_every: int, nproc: int | None,
-                stages: int | None, pipe_schedule: str | None, timeout_s: float | None, eval_every: int,
-                log_every: int, no_progress: bool) -> None:
+                stages: int | None, pipe_schedule: str | None, timeout_s: float | None,
+                overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
     """Profile a few K-FAC steps, pack them into the pipeline bubbles, print the usage report, and
     train with the schedule; timelines, schedule, report, chart, metrics and config go to --out."""
+    require_runtime("run")
+    from pipefisher.runtime.launch import torchrun_env  # no torch: refuse a bad launch at once
+
+    if torchrun_env() is not None:
+        raise InputError(None, "pipefisher run launches its own workers (--nproc-per-node); under torchrun, "
+                               "profile, pack and train in steps: pipefisher train --profile, pipefisher "
+                               "schedule, pipefisher train --schedule")
+    if not no_progress and os.environ.get("RANK", "0") == "0":
+        from pipefisher.runtime.progress import phase
+
+        phase("loading torch")  # seconds on a cold start, before anything else can be said
     from pipefisher.kfac.factors import BadFactorError
-    from pipefisher.runtime.config import load_config
+    from pipefisher.runtime.config import apply_overrides, load_config
     from pipefisher.runtime.driver import run_job
     from pipefisher.runtime.launch import WorkerFailed
     from pipefisher.runtime.trainer import PeerLost
 
-    cfg = load_config(config_path)
+    cfg = apply_overrides(load_config(config_path), overrides, config_path)
+    if cfg.data.text != "synthetic":
+        require_runtime("run", ("tokenizers",))  # real text is tokenized by the tokenizers package
     pipeline = {k: v for k, v in (("stages", stages), ("schedule", pipe_schedule), ("timeout_s", timeout_s))
                 if v is not None}
     try:

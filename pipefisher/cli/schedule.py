@@ -20,8 +20,14 @@ def run_schedule(
     compare: bool = False,
     margin: float = DEFAULT_MARGIN,
     time_limit: float | None = None,
+    allow_mixed: bool = False,
 ) -> None:
-    """Load, pack, report, then write the outputs; nothing is written unless everything before worked."""
+    """Load, pack, report, then write the outputs; nothing is written unless everything before worked.
+
+    Options and output folders are checked first, so a typo there refuses before any packing or report.
+    ``allow_mixed`` loads timelines that look like several jobs' (:func:`pipefisher.timeline.load_job`).
+    """
+    from pipefisher.cli._outputs import check_out_file
     from pipefisher.errors import InputError
     from pipefisher.examples import example_timelines
     from pipefisher.policies import DEFAULT_POLICY, get_policy
@@ -34,10 +40,12 @@ def run_schedule(
     if time_limit is not None and name != "exact":
         raise InputError(None, f"--time-limit applies to the 'exact' policy only, not to '{name}'")
     chosen = get_policy(name, time_limit=time_limit)
+    check_out_file(save_path, "--save-path")
+    check_out_file(json_path, "--json")
     if not paths:
         paths = example_timelines()
         echo(f"(no timelines given: packing the bundled example, {len(paths)} nodes)")
-    job = load_job(paths)
+    job = load_job(paths, allow_mixed=allow_mixed)
     schedule = chosen.pack(job, margin)
     if margin != DEFAULT_MARGIN:
         echo(f"(margin {margin:g}: an item fits where start + {1 + margin:g} x length < the bubble's end)")
@@ -81,13 +89,16 @@ def _policy_help() -> str:
 @margin_option()
 @click.option("--time-limit", type=click.FloatRange(0, min_open=True), default=None,
               help="seconds the 'exact' policy may search, for the whole job (default: 5)")
+@click.option("--allow-mixed", is_flag=True,
+              help="load TIMELINES even if they look like several jobs' (other name prefixes, a node index "
+                   "missing or twice, a file twice, or another run's start_end)")
 def schedule_command(timelines: tuple[str, ...], save_path: str | None, policy: str | None,
                      print_workloads: bool, json_path: str | None, compare: bool, margin: float,
-                     time_limit: float | None) -> None:
+                     time_limit: float | None, allow_mixed: bool) -> None:
     """Pack per-node TIMELINES (pickle or JSON; comma-separated lists work too) into bubbles.
 
     With no TIMELINES, packs the bundled example job. With --save-path, the schedule's metadata (policy,
     margin, cycle and bound per node) is written beside it as FILE.meta.json.
     """
     run_schedule(timelines, save_path, policy, print_workloads, json_path, compare=compare, margin=margin,
-                 time_limit=time_limit)
+                 time_limit=time_limit, allow_mixed=allow_mixed)

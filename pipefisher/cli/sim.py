@@ -5,26 +5,32 @@ Heavy imports (matplotlib) happen inside the commands, so ``pipefisher --help`` 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Callable, Sequence
 
 import click
 
 from pipefisher.cli import main
 from pipefisher.cli._common import margin_option
+from pipefisher.cli.schedule import _policy_help
 from pipefisher.errors import InputError
 from pipefisher.problem import DEFAULT_MARGIN
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "sim"
-DEFAULT_CONFIG = "bert-base-4stages.yaml"
+DEFAULT_CONFIG = "bert-base-4stages"
 
 
-def bundled_config(name: str = DEFAULT_CONFIG) -> str:
-    """Path of a cost model shipped in ``configs/sim/``."""
-    path = CONFIGS_DIR / name
-    if not path.is_file():
-        raise InputError(path, "bundled cost model not found (is the repository's configs/ folder there?)")
-    return str(path)
+def bundled_config(name: str | None = None) -> str:
+    """Path of the cost model ``--config`` names: a file, or a model shipped in ``pipefisher/data/sim/``
+    (package data, so the defaults work in an installed package, not only in a clone)."""
+    from pipefisher.examples import cost_model_path
+
+    return cost_model_path(name)
+
+
+def _config_help() -> str:
+    from pipefisher.examples import cost_model_names
+
+    return (f"cost model: a YAML file, or a bundled one by name ({', '.join(cost_model_names())}) "
+            f"[default: {DEFAULT_CONFIG}]")
 
 
 def _ints(text: str | None, what: str) -> list[int] | None:
@@ -53,17 +59,24 @@ def _mkdir(path: str) -> None:
 def run_simulate(config: str, schedule: str | None, stages: int | None, micro_batches: int | None,
                  chunks: int | None, latency_ms: float | None, kfac_scale: float | None, out: str,
                  prefix: str | None, echo: Callable[[str], None] = click.echo) -> list[str]:
+    from pipefisher.cli._outputs import check_out_folder
     from pipefisher.sim import load_cost_model, simulate_timelines, write_timelines
+    from pipefisher.sim.simulator import default_prefix, stale_node_files
 
+    check_out_folder(out, "--out")
+    if prefix is not None and (not prefix or os.sep in prefix or "/" in prefix):
+        raise InputError(None, f"--prefix '{prefix}' must be a non-empty file name prefix, without '/'")
     model = load_cost_model(config).replace(latency_ms=latency_ms, kfac_scale=kfac_scale)
     timelines, result = simulate_timelines(model, schedule, stages, micro_batches, chunks)
     sched = result.schedule
-    prefix = prefix or f"{model.name}_{sched.name}_m{sched.micro_batches}"
+    prefix = prefix or default_prefix(model.name, sched)
+    stale = stale_node_files(out, prefix, len(timelines))
     paths = write_timelines(out, prefix, timelines)
     chunks_note = f", {sched.chunks} chunks" if sched.chunks > 1 else ""
     echo(f"{model.name}: {sched.name}, {sched.stages} stages, {sched.micro_batches} micro-batches{chunks_note}")
     echo(f"pipeline time {result.makespan / 1e6:.3f} ms, bubble fraction {100 * result.bubble_fraction:.2f} %")
-    echo(f"wrote {len(paths)} timelines to {out}/ ({prefix}_node*_timeline.pickle)")
+    echo(f"wrote {len(paths)} timelines to {os.path.join(os.path.normpath(out), prefix)}_node*_timeline.pickle"
+         + (f" (removed {len(stale)} stale node file(s) of an earlier, larger job under this prefix)" if stale else ""))
     return paths
 
 
@@ -75,8 +88,7 @@ def _schedule_help() -> str:
 
 def _model_options(f: Callable) -> Callable:
     for opt in reversed([
-        click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
-                     help=f"cost model YAML (default: configs/sim/{DEFAULT_CONFIG})"),
+        click.option("--config", "config", type=click.Path(dir_okay=False), default=None, help=_config_help()),
         click.option("--schedule", default=None, help=_schedule_help()),
         click.option("--stages", type=int, default=None, help="pipeline stages (default: the file's)"),
         click.option("--chunks", type=int, default=None, help="model chunks per device (interleaved)"),
@@ -91,7 +103,9 @@ def _model_options(f: Callable) -> Callable:
 @_model_options
 @click.option("--micro-batches", "-m", type=int, default=None, help="micro-batches per step (default: the file's)")
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="folder for the node timelines")
-@click.option("--prefix", default=None, help="file name prefix (default: <model>_<schedule>_m<m>)")
+@click.option("--prefix", default=None,
+              help="file name prefix (default: <model>_<schedule>_p<stages>[_v<chunks>]_m<m>); node files of "
+                   "this prefix beyond the job's nodes are removed")
 def simulate_command(config: str | None, schedule: str | None, stages: int | None, chunks: int | None,
                      latency_ms: float | None, kfac_scale: float | None, micro_batches: int | None, out: str,
                      prefix: str | None) -> None:
@@ -100,7 +114,7 @@ def simulate_command(config: str | None, schedule: str | None, stages: int | Non
     The timelines have the profiled format: pack them with ``pipefisher schedule OUT/*.pickle``.
     Flags override the file's settings.
     """
-    run_simulate(config or bundled_config(), schedule, stages, micro_batches, chunks, latency_ms, kfac_scale, out,
+    run_simulate(bundled_config(config), schedule, stages, micro_batches, chunks, latency_ms, kfac_scale, out,
                  prefix)
 
 
@@ -166,10 +180,11 @@ def format_compare(rows: Sequence[dict[str, object]], title: str) -> list[str]:
 
 @main.command("compare")
 @_model_options
-@click.option("--schedules", default=None, help="comma-separated schedules (default: all)")
+@click.option("--schedules", default=None,
+              help="comma-separated pipeline schedules to compare (default: all; --schedule gives one)")
 @click.option("--micro-batches", "-m", "micro_batches", default=None,
               help="comma-separated micro-batch counts (default: p, 2p, 4p)")
-@click.option("--policy", default=None, help="packing policy (default: the default policy)")
+@click.option("--policy", default=None, help=_policy_help())
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write the rows as JSON")
 @margin_option()
 def compare_command(config: str | None, schedule: str | None, stages: int | None, chunks: int | None,
@@ -179,7 +194,9 @@ def compare_command(config: str | None, schedule: str | None, stages: int | None
     """Compare pipeline schedules and micro-batch counts for one cost model: the table to choose from."""
     from pipefisher.safe_io import dump_json_atomic
 
-    config = config or bundled_config()
+    if schedule and schedules:
+        raise InputError(None, "give --schedule (one) or --schedules (several), not both")
+    config = bundled_config(config)
     names = [s.strip() for s in schedules.split(",") if s.strip()] if schedules else ([schedule] if schedule else None)
     rows = compare_rows(config, names, _ints(micro_batches, "--micro-batches"), policy, stages, chunks, kfac_scale,
                         latency_ms, margin)
@@ -196,27 +213,43 @@ def compare_command(config: str | None, schedule: str | None, stages: int | None
 
 
 def _charts(paths: Sequence[str], policy: str | None, packed: bool, title: str | None,  # type: ignore[no-untyped-def]
-            margin: float = DEFAULT_MARGIN):
+            margin: float = DEFAULT_MARGIN, allow_mixed: bool = False, out: str | None = None,
+            iterations: int | None = None, node: int | None = None):
+    from pipefisher.cli._outputs import check_out_file
     from pipefisher.examples import example_timelines
     from pipefisher.plot import chart_from_job, chart_from_schedule
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.timeline import load_job
 
-    job = load_job(paths or example_timelines())
+    if policy:
+        get_policy(policy)  # a bad name refuses before any loading
+    check_out_file(out, "--out")
+    if iterations is not None and not (packed or policy):
+        raise InputError(None, "--iterations applies to the packed cycle (--packed or --policy); "
+                               "timelines hold one step")
+    job = load_job(paths or example_timelines(), allow_mixed=allow_mixed)
     if packed or policy:
         schedule = get_policy(policy or DEFAULT_POLICY).pack(job, margin)
-        return chart_from_schedule(schedule, job, title)
-    return chart_from_job(job, title or "pipeline step (timelines)")
+        return chart_from_schedule(schedule, job, title, iterations=iterations, node=node)
+    return chart_from_job(job, title, node=node)
 
 
-_plot_args = [
-    click.argument("timelines", nargs=-1),
-    click.option("--out", "out", type=click.Path(dir_okay=False), required=True, help="output file"),
-    click.option("--packed", is_flag=True, help="draw the packed K-FAC cycle instead of the timelines"),
-    click.option("--policy", default=None, help="packing policy for --packed (implies --packed)"),
-    click.option("--title", default=None, help="chart title"),
-    margin_option(),
-]
+def _plot_args(what: str, out_help: str) -> list:  # type: ignore[type-arg]
+    """plot's and trace's options; ``what`` names what --title titles (a chart, or a trace in Perfetto)."""
+    return [
+        click.argument("timelines", nargs=-1),
+        click.option("--out", "out", type=click.Path(dir_okay=False), required=True, help=out_help),
+        click.option("--packed", is_flag=True, help=f"{what} the packed K-FAC cycle instead of the timelines"),
+        click.option("--policy", default=None, help=_policy_help() + "; for --packed (implies it)"),
+        click.option("--title", default=None,
+                     help="chart title" if what == "draw" else "trace title (the process name Perfetto shows)"),
+        margin_option(),
+        click.option("--allow-mixed", is_flag=True,
+                     help="load TIMELINES even if they look like several jobs' (see pipefisher schedule)"),
+        click.option("--iterations", type=click.IntRange(min=1), default=None,
+                     help=f"{what} only the packed cycle's first N iterations (for long cycles)"),
+        click.option("--node", type=click.IntRange(min=0), default=None, help=f"{what} only node I"),
+    ]
 
 
 def _with(args: list) -> Callable:  # type: ignore[type-arg]
@@ -228,31 +261,35 @@ def _with(args: list) -> Callable:  # type: ignore[type-arg]
 
 
 @main.command("plot")
-@_with(_plot_args)
+@_with(_plot_args("draw", "chart file, .png or .svg"))
 def plot_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str | None, title: str | None,
-                 margin: float) -> None:
+                 margin: float, allow_mixed: bool = False, iterations: int | None = None,
+                 node: int | None = None) -> None:
     """Draw a Gantt chart (PNG or SVG, by OUT's suffix) of TIMELINES, or of their packed schedule.
 
-    One row per node; forwards, backwards and each K-FAC kind in their own colours; bubbles empty;
-    dashed lines at iteration boundaries. With no TIMELINES, draws the bundled example.
+    One row per node; forwards, backwards and each K-FAC kind in their own colours; idle time
+    (bubbles) light grey; dashed lines at iteration boundaries; a red row label where a node's packed
+    schedule does not validate. Work closer than a pixel is drawn merged, so charts of long cycles stay
+    readable; --iterations and --node zoom in. With no TIMELINES, draws the bundled example.
     """
     from pipefisher.plot import render
 
     if os.path.splitext(out)[1].lower() not in (".png", ".svg"):
         raise InputError(out, "chart files must end in .png or .svg")
-    render(_charts(timelines, policy, packed, title, margin), out)
-    click.echo(f"wrote {out}")
+    render(_charts(timelines, policy, packed, title, margin, allow_mixed, out, iterations, node), out)
+    click.echo(f"wrote {os.path.normpath(out)}")
 
 
 @main.command("trace")
-@_with(_plot_args)
+@_with(_plot_args("trace", "trace file (JSON; open it in ui.perfetto.dev or chrome://tracing)"))
 def trace_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str | None, title: str | None,
-                  margin: float) -> None:
-    """Write TIMELINES (or their packed schedule) as Chrome trace / Perfetto JSON."""
-    from pipefisher.trace import write_trace
+                  margin: float, allow_mixed: bool = False, iterations: int | None = None,
+                  node: int | None = None) -> None:
+    """Write TIMELINES (or their packed schedule) as Chrome trace / Perfetto JSON (compact)."""
+    from pipefisher.trace import format_size, write_trace
 
-    write_trace(_charts(timelines, policy, packed, title, margin), out)
-    click.echo(f"wrote {out}")
+    write_trace(_charts(timelines, policy, packed, title, margin, allow_mixed, out, iterations, node), out)
+    click.echo(f"wrote {os.path.normpath(out)} ({format_size(os.path.getsize(out))})")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -271,14 +308,18 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
     from pipefisher.timeline import load_job
     from pipefisher.trace import write_trace
 
-    config = config or bundled_config()
+    from pipefisher.cli._outputs import check_out_folder
+    from pipefisher.sim.simulator import default_prefix
+
+    chosen = get_policy(policy or DEFAULT_POLICY)  # options and the output folder first: no work is wasted
+    check_out_folder(out, "--out")
+    config = bundled_config(config)
     model = load_cost_model(config)
     timelines, result = simulate_timelines(model, schedule, None, micro_batches)
     sched = result.schedule
     _mkdir(out)
-    paths = write_timelines(os.path.join(out, "timelines"), f"{model.name}_{sched.name}", timelines)
+    paths = write_timelines(os.path.join(out, "timelines"), default_prefix(model.name, sched), timelines)
     job = load_job(paths)
-    chosen = get_policy(policy or DEFAULT_POLICY)
     packed = chosen.pack(job, margin)
     lines = [
         f"{model.name}: {sched.name}, {sched.stages} stages, {sched.micro_batches} micro-batches "
@@ -306,16 +347,15 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
     render(chart_from_job(job, f"{model.name}, {sched.name}, m={sched.micro_batches}: simulated step "
                                "(pipeline, then naive K-FAC)"), files["timelines_chart"])
     write_trace(schedule_chart, files["trace"])
-    echo(f"wrote {len(paths)} timelines, the schedule, the report, charts and a trace to {out}/")
+    echo(f"wrote {len(paths)} timelines, the schedule, the report, charts and a trace to {os.path.join(os.path.normpath(out), '')}")
     return files
 
 
 @main.command("demo")
-@click.option("--config", type=click.Path(dir_okay=False), default=None,
-              help=f"cost model YAML (default: configs/sim/{DEFAULT_CONFIG})")
-@click.option("--schedule", default=None, help="pipeline schedule (default: the file's)")
+@click.option("--config", type=click.Path(dir_okay=False), default=None, help=_config_help())
+@click.option("--schedule", default=None, help=_schedule_help())
 @click.option("--micro-batches", "-m", type=int, default=None, help="micro-batches (default: the file's)")
-@click.option("--policy", default=None, help="packing policy (default: the default policy)")
+@click.option("--policy", default=None, help=_policy_help())
 @click.option("--out", type=click.Path(file_okay=False), default="pipefisher-demo", show_default=True,
               help="output folder")
 @margin_option()

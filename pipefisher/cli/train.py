@@ -5,13 +5,29 @@ torch is imported inside the command only, so the other commands never pay for i
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import click
 
 from pipefisher.cli import main
+from pipefisher.cli._common import require_runtime
 from pipefisher.errors import InputError
 from pipefisher.runtime.config import PIPELINE_ORDERS
 
+
+def set_option() -> Any:
+    """``--set SECTION.KEY=VALUE``: any config value from the command line (``train`` and ``run``)."""
+    return click.option(
+        "--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set optim.lr=0.01 --set data.seed=3 (VALUE is read as "
+             "YAML; repeatable, later ones win; checked like the file and recorded in the config the run "
+             "writes)")
+
+
+def workers_log(out_dir: str | None, metrics_path: str | None, name: str) -> str | None:
+    """Where a failed local run's worker output and tracebacks go: beside --out or --metrics."""
+    folder = out_dir or (os.path.dirname(os.path.abspath(metrics_path)) if metrics_path else None)
+    return None if folder is None else os.path.abspath(os.path.join(folder, f"{name}_workers.log"))
 
 
 
@@ -70,6 +86,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 @click.option("--interval", type=click.IntRange(min=1), default=None, help="override kfac.interval")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="override pipeline.timeout_s (seconds a worker waits on a peer before failing)")
+@set_option()
 @click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="steps between held-out evaluations (loss on data.val_batches of held-out text; 0: none)")
 @click.option("--log-every", type=click.IntRange(min=1), default=5, show_default=True,
@@ -78,16 +95,33 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 def train_command(config_path: str, mode: str | None, schedule_arg: str | None, pipe_schedule: str | None,
                   steps: int, profile: bool, out_dir: str | None, metrics_path: str | None,
                   checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, nproc: int | None,
-                  stages: int | None, interval: int | None, timeout_s: float | None, eval_every: int,
-                  log_every: int, no_progress: bool) -> None:
+                  stages: int | None, interval: int | None, timeout_s: float | None,
+                  overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
     """Train the masked-language model with pipeline parallelism: first-order, K-FAC, or K-FAC packed
     into the pipeline bubbles by a schedule file.
 
     Locally, --nproc-per-node N starts N workers on this machine (gloo on CPU, NCCL on GPUs). Under
-    torchrun (RANK and WORLD_SIZE set), this process is one worker.
+    torchrun (torchrun --nproc-per-node N --no-python pipefisher train ...; RANK and WORLD_SIZE set),
+    this process is one worker and torchrun's options say how many there are.
     """
+    from pipefisher.runtime.launch import torchrun_env  # no torch: refuse a bad launch at once
+
+    job = torchrun_env()  # under torchrun this process is one worker; torchrun started the others
+    if job is not None and nproc is not None:
+        if job.local_rank != 0:  # one line per machine, not one per worker
+            raise SystemExit(2)
+        raise InputError("--nproc-per-node", f"this process already is worker {job.rank} of {job.world_size} "
+                                             "started by torchrun; give the worker count to torchrun "
+                                             "(torchrun --nproc-per-node N --no-python pipefisher train ...) "
+                                             "and drop pipefisher's --nproc-per-node")
+    require_runtime("train")
+    if not no_progress and os.environ.get("RANK", "0") == "0":
+        from pipefisher.runtime.progress import phase
+
+        phase("loading torch")  # seconds on a cold start, before anything else can be said
     from pipefisher.kfac.factors import BadFactorError
     from pipefisher.runtime.config import load_config
+    from pipefisher.runtime.config import apply_overrides
     from pipefisher.runtime.launch import WorkerFailed, launch_local, run_worker
     from pipefisher.runtime.trainer import PeerLost, TrainOptions
 
@@ -100,7 +134,9 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         raise click.UsageError(f"--schedule FILE trains in scheduled mode, not {mode}")
     if profile and schedule_path:
         raise click.UsageError("--profile runs kfac steps; it does not take a schedule file")
-    cfg = load_config(config_path)
+    cfg = apply_overrides(load_config(config_path), overrides, config_path)
+    if cfg.data.text != "synthetic":
+        require_runtime("train", ("tokenizers",))  # real text is tokenized by the tokenizers package
     pipeline = {k: v for k, v in (("stages", stages), ("schedule", pipe_schedule), ("timeout_s", timeout_s))
                 if v is not None}
     try:
@@ -119,30 +155,50 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
                 os.makedirs(folder, exist_ok=True)
             except OSError as err:
                 raise InputError(folder, f"cannot be created ({err.strerror or err})") from None
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and nproc is None
     n = nproc or cfg.pipeline.stages
-    if not under_torchrun and n % cfg.pipeline.stages:
+    if job is None and n % cfg.pipeline.stages:
         raise InputError(config_path, f"--nproc-per-node {n} is not a multiple of the "
                                       f"{cfg.pipeline.stages} pipeline stages")
-    if under_torchrun:
-        n = int(os.environ["WORLD_SIZE"])
+    if job is not None:
+        n = job.world_size
+        if n % cfg.pipeline.stages:
+            if job.local_rank != 0:  # one line per machine, not one per worker
+                raise SystemExit(2)
+            raise InputError(config_path, f"torchrun started {n} workers (WORLD_SIZE), not a multiple of the "
+                                          f"{cfg.pipeline.stages} pipeline stages; start stages x replicas "
+                                          "workers (torchrun --nnodes x --nproc-per-node)")
+    if not no_progress and cfg.data.text != "synthetic" and os.environ.get("RANK", "0") == "0":
+        from pipefisher.runtime.progress import phase
+
+        phase(f"preparing the '{cfg.data.text}' corpus (the tokenizer and token ids are built once, then cached)")
     prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode)
+    if resume_dir:
+        from pipefisher.runtime.checkpoint import nothing_left
+
+        if done := nothing_left(resume_dir, steps):  # resuming to the steps already done: say so, start nothing
+            click.echo(done)
+            return
+    if out_dir and (job is None or job.rank == 0):  # the config this run used, --set included
+        from pipefisher.runtime.driver import config_yaml
+        from pipefisher.safe_io import write_atomic
+
+        write_atomic(os.path.join(out_dir, f"{cfg.name}_config.yaml"), config_yaml(cfg))
     opts = TrainOptions(mode=mode, steps=steps, profile=profile, out=out_dir, log_every=log_every,
                         progress=not no_progress, schedule=_abs(schedule_path), metrics=_abs(metrics_path),
                         checkpoint_dir=_abs(checkpoint_dir), checkpoint_every=checkpoint_every,
                         resume=_abs(resume_dir), eval_every=eval_every)
     try:
-        if under_torchrun or n == 1:
+        if job is not None or n == 1:
             run_worker(cfg, opts)
         else:
-            launch_local(cfg, opts, n, echo=click.echo)
+            launch_local(cfg, opts, n, echo=click.echo, log_path=workers_log(out_dir, metrics_path, cfg.name))
     except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None
     if profile:
         from pipefisher.runtime.profiler import timeline_filename
 
         for node in range(cfg.pipeline.stages):
-            click.echo(f"wrote {os.path.join(out_dir or '.', timeline_filename(cfg.name, node))}")
+            click.echo(f"wrote {os.path.normpath(os.path.join(out_dir or '.', timeline_filename(cfg.name, node)))}")
 
 
 def _abs(path: str | None) -> str | None:

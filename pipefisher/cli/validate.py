@@ -10,9 +10,9 @@ from pipefisher.cli import main
 from pipefisher.cli._common import margin_option
 
 
-@main.command("validate")
+@main.command("validate", options_metavar="--schedule FILE [OPTIONS]")
 @click.option("--schedule", "schedule_path", required=True, type=click.Path(dir_okay=False),
-              help="the schedule file to check")
+              help="the schedule file to check (pipefisher schedule --save-path)")
 @click.option("--room/--no-room", default=True, show_default=True,
               help="also check that the work between two pipeline items fits the idle time between them, "
                    "and that only work no bubble can hold runs past the pipeline time")
@@ -21,10 +21,14 @@ from pipefisher.cli._common import margin_option
                    "and '-- end --' (sync groups): auto infers Chimera's pairs (d, D-1-d) from the timelines' "
                    "up-pipe modules, chimera forces those pairs, none checks no groups")
 @margin_option(recorded=True)
+@click.option("--allow-mixed", is_flag=True,
+              help="load TIMELINES even if they look like several jobs' (other name prefixes, a node index "
+                   "missing or twice, a file twice, or another run's start_end)")
 @click.argument("timelines", nargs=-1, required=True)
 def validate_command(schedule_path: str, room: bool, layout: str, margin: float | None,
-                     timelines: tuple[str, ...]) -> None:
-    """Check SCHEDULE against the job's TIMELINES; print every violation, exit 1 if there is any.
+                     timelines: tuple[str, ...], allow_mixed: bool = False) -> None:
+    """Check the schedule file (--schedule FILE) against the job's TIMELINES (one per node, pickle or
+    JSON); print every violation, exit 1 if there is any.
 
     The spec's rules: each covariance piece after the forward or backward whose data it needs, syncs
     after all pieces, inverses after their sync, every piece, sync and inverse as often as the timeline
@@ -43,7 +47,7 @@ def validate_command(schedule_path: str, room: bool, layout: str, margin: float 
     from pipefisher.schedule import load_schedule, schedule_margin, validate
     from pipefisher.timeline import load_job
 
-    job = load_job(timelines)
+    job = load_job(timelines, allow_mixed=allow_mixed)
     schedule = load_schedule(schedule_path)
     if margin is None:
         margin = schedule_margin(schedule_path)

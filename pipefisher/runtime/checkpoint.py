@@ -2,7 +2,8 @@
 
 Layout of a checkpoint folder::
 
-    checkpoint.json                         manifest: steps done, config, mode, schedule digest, layout
+    checkpoint.json                         manifest: steps done, config, mode, schedule digest, layout,
+                                            K-FAC cycle k of the job (``cycle``) and of each node
     step-00000012/stage0-replica0.pt        one torch file per worker (stage, replica)
     step-00000012/stage1-replica0.pt
 
@@ -142,7 +143,9 @@ def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
             "mode": trainer.mode,
             "schedule": trainer.schedule_digest,
             "schedule_path": trainer.opts.schedule,
-            "cycle": trainer.cycle,
+            # the job's K-FAC cycle k (its longest node's, as the training header says), and each node's
+            "cycle": max(trainer.cycles) if trainer.cycles else None,
+            "node_cycles": list(trainer.cycles) or None,
             "stages": g.stages,
             "replicas": g.replicas,
             "fingerprint": trainer.cfg.fingerprint(),
@@ -196,6 +199,19 @@ def check_resumable(folder: str | os.PathLike[str], cfg: Any, mode: str, schedul
     if missing:
         raise InputError(sub, f"is incomplete: {', '.join(missing)} missing")
     return man
+
+
+def nothing_left(folder: str | os.PathLike[str], steps: int) -> str | None:
+    """The line to print when resuming from ``folder`` up to ``steps`` total steps has nothing to train
+    (else None); refuses ``steps`` below those done, which reads like "this many more" (it is the total)."""
+    folder = os.fspath(folder)
+    done = int(read_manifest(folder).get("steps_done") or 0)
+    if steps < done:
+        raise InputError(folder, f"holds a checkpoint with {done} steps done, but --steps is {steps}: --steps counts "
+                                 f"every step, those done included (--steps {done + steps} trains {steps} more)")
+    if steps == done:
+        return f"nothing to do: the checkpoint in {os.path.normpath(folder)} has {done} steps done, --steps is {steps}"
+    return None
 
 
 def load_checkpoint(folder: str, trainer: "Trainer") -> int:

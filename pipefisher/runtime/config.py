@@ -1,6 +1,7 @@
 """Run configuration read from YAML: model shape, pipeline layout, data, optimizer and K-FAC settings.
 
 Plain dataclasses (no torch), so the CLI can check a config before any worker starts.
+``--set SECTION.KEY=VALUE`` overrides (:func:`apply_overrides`) go through the same checks as the file.
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -190,31 +192,90 @@ def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None) -> Ru
         bad = set(values) - set(known)
         if bad:
             raise InputError(path, f"unknown key(s) in '{name}': {', '.join(sorted(map(str, bad)))}")
-        kwargs = {}
-        for key, value in values.items():
-            default = getattr(cls(), key)
-            if isinstance(default, tuple):
-                if not isinstance(value, (list, tuple)):
-                    raise InputError(path, f"{name}.{key} must be a list")
-                if default and isinstance(default[0], float):
-                    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-                        raise InputError(path, f"{name}.{key} must be a list of numbers, not {value!r}")
-                    value = tuple(float(v) for v in value)
-                else:
-                    value = tuple(str(v) for v in value)
-            elif isinstance(default, bool) or default is None or isinstance(default, str):
-                pass
-            elif isinstance(default, int) and not isinstance(value, bool) and isinstance(value, int):
-                pass
-            elif isinstance(default, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
-                value = float(value)
-            else:
-                raise InputError(path, f"{name}.{key} must be a {type(default).__name__}, not {value!r}")
-            kwargs[key] = value
-        sections[name] = cls(**kwargs)
+        sections[name] = cls(**{key: _coerce(name, key, value, path) for key, value in values.items()})
     cfg = RunConfig(name=str(raw.get("name", "run")), **sections)
     check_config(cfg, path)
     return cfg
+
+
+def _coerce(section: str, key: str, value: Any, path: str | os.PathLike[str] | None) -> Any:
+    """``value`` as the type of ``section.key``'s default, or an :class:`InputError` naming the key."""
+    default = getattr(_SECTIONS[section](), key)
+    if isinstance(default, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise InputError(path, f"{section}.{key} must be a list")
+        if default and isinstance(default[0], float):
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                raise InputError(path, f"{section}.{key} must be a list of numbers, not {value!r}")
+            return tuple(float(v) for v in value)
+        return tuple(str(v) for v in value)
+    if isinstance(default, str):
+        if not isinstance(value, str):  # a number here would crash later checks with a traceback
+            raise InputError(path, f"{section}.{key} must be a str, not {value!r}")
+        return value
+    if isinstance(default, bool) or default is None:
+        return value
+    if isinstance(default, int) and not isinstance(value, bool) and isinstance(value, int):
+        return value
+    if isinstance(default, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise InputError(path, f"{section}.{key} must be a {type(default).__name__}, not {value!r}")
+
+
+_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``SECTION.KEY=VALUE`` (``--set``) as (``SECTION.KEY``, value); VALUE is read as YAML.
+
+    YAML 1.1 reads ``1e-3`` as a string; it is taken as the number a user means. A key the config
+    does not have, or a value of the wrong type, is an :class:`InputError` naming the option.
+    """
+    import yaml
+
+    where = f"--set {text}"
+    dotted, sep, raw = text.partition("=")
+    dotted = dotted.strip()
+    if not sep or not dotted:
+        raise InputError(where, "expected SECTION.KEY=VALUE, e.g. optim.lr=0.01")
+    if dotted == "name":
+        return dotted, raw.strip()
+    section, dot, key = dotted.partition(".")
+    if section not in _SECTIONS:
+        raise InputError(where, f"unknown config section '{section}' (one of name, {', '.join(_SECTIONS)})")
+    known = [f.name for f in dataclasses.fields(_SECTIONS[section])]
+    if not dot or key not in known:
+        raise InputError(where, f"unknown key '{key}' in '{section}' (one of {', '.join(known)})")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise InputError(where, f"the value is not valid YAML ({str(err).splitlines()[0]})") from None
+    if isinstance(value, str) and _NUMBER.match(value.strip()):
+        value = float(value)
+    if isinstance(getattr(_SECTIONS[section](), key), str) and not isinstance(value, str):
+        value = raw.strip()  # a str field takes what was typed: name=123, data.text=2024
+    _coerce(section, key, value, where)
+    return dotted, value
+
+
+def apply_overrides(cfg: RunConfig, overrides: "list[str] | tuple[str, ...]",
+                    path: str | os.PathLike[str] | None = None) -> RunConfig:
+    """``cfg`` with ``--set SECTION.KEY=VALUE`` overrides applied (later ones win), checked like a file.
+
+    A combination the checks refuse is reported against the config file and the overrides together.
+    """
+    if not overrides:
+        return cfg
+    raw = json.loads(json.dumps(cfg.to_dict(), default=list))
+    for text in overrides:
+        dotted, value = parse_override(text)
+        if dotted == "name":
+            raw["name"] = value
+        else:
+            section, _, key = dotted.partition(".")
+            raw[section][key] = value
+    where = f"{path if path is not None else 'config'} with {' '.join('--set ' + o for o in overrides)}"
+    return config_from_dict(raw, where)
 
 
 def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:

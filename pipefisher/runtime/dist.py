@@ -111,13 +111,16 @@ def init_from_env(stages: int, timeout_s: float, chimera: bool = False) -> DistC
     ``chimera``: the stage group is the Chimera pair (devices ``d`` and ``D - 1 - d`` of every
     replica) instead of the data-parallel replicas of one device.
     """
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    from pipefisher.runtime.launch import threads_per_worker, torchrun_env
+
+    job = torchrun_env()
+    if job is None:
+        raise ValueError("init_from_env needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun)")
+    rank, world, local_rank = job.rank, job.world_size, job.local_rank
     grid = Grid(rank, world, stages)
     device, backend = pick_device(local_rank)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
+    if device.type == "cpu":  # the user's OMP_NUM_THREADS, else this machine's cores shared out
+        torch.set_num_threads(threads_per_worker(job.local_world_size))
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs: dict[str, Any] = {}
     if backend == "nccl":

@@ -11,6 +11,7 @@ runs sit side by side::
     <run>_chart.png         the packed cycle per node
     <run>_metrics.csv       step, loss, step time, mode of every training step
     <run>_checkpoints/      the last checkpoint (resume with ``pipefisher train --resume``)
+    <run>_workers.log       only after a failure: every worker's output and tracebacks
 """
 from __future__ import annotations
 
@@ -69,6 +70,11 @@ class RunPaths:
     def checkpoints(self) -> str:
         return self._p("checkpoints")
 
+    @property
+    def workers_log(self) -> str:
+        """Worker output and tracebacks of a run that failed (none after a run that succeeded)."""
+        return self._p("workers.log")
+
     def taken(self) -> bool:
         prefix = f"{self.name}_"
         return os.path.isdir(self.folder) and any(e.startswith(prefix) for e in os.listdir(self.folder))
@@ -78,6 +84,7 @@ def run_paths(folder: str, cfg: RunConfig, policy: str, name: str | None = None,
               now: Callable[[], float] = time.time) -> RunPaths:
     """Where a run's files go. An explicit ``name`` must be new in ``folder``; the default name
     ``{config}-{policy}-{YYYYmmdd-HHMMSS}`` gets a ``-2``, ``-3``, ... suffix if that one is taken."""
+    folder = os.path.normpath(folder)  # the paths it prints read cleanly ('runs/x', not 'runs//x')
     if name is not None:
         if not _NAME_OK.match(name):
             raise InputError(None, f"run name '{name}' must be letters, digits, '.', '_' or '-'")
@@ -125,24 +132,76 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
         return list(csv.DictReader(f))
 
 
+def runtime_refusal(schedule_path: str, cfg: RunConfig, replicas: int) -> str | None:
+    """Why the runtime would refuse this schedule file (the check every worker makes), or None.
+
+    ``--allow-invalid`` lets a run train a schedule that ``validate`` rejects, but never one the runtime
+    cannot execute (a covariance piece before its micro-batch is saved, say): that would stop every worker.
+    """
+    from pipefisher.runtime.executor import load_checked_schedule
+
+    try:
+        load_checked_schedule(schedule_path, cfg, replicas)
+    except InputError as err:
+        return err.problem if err.path == schedule_path else str(err)
+    return None
+
+
+def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, replicas: int, *, margin: float,
+                   allow_invalid: bool, echo: Callable[[str], None] = print) -> tuple[Any, dict[str, Any]]:
+    """Pack ``job``, print the usage report, write the schedule and its chart, and decide whether to train it.
+
+    Refuses (:class:`InputError`, after writing the report too) a schedule that ``validate`` rejects unless
+    ``allow_invalid``, and one the runtime cannot run always. A refused schedule stays in the run folder
+    with its chart and report, for inspection. Returns the packed schedule and the report (not yet written).
+    """
+    from pipefisher.plot import chart_from_schedule, render
+    from pipefisher.report import report_data, usage_lines
+    from pipefisher.safe_io import dump_json_atomic
+    from pipefisher.schedule import save_schedule, validate
+
+    packed = packer.pack(job, margin)
+    for line in usage_lines(packed):
+        echo(line)
+    violations = validate(packed.to_file_data(), job, margin=margin)
+    report = report_data(packed, job)
+    report.update(run=paths.name, valid=not violations, violations=[str(v) for v in violations[:50]])
+    save_schedule(paths.schedule, packed)
+    render(chart_from_schedule(packed, job), paths.chart)
+    refusal = runtime_refusal(paths.schedule, cfg, replicas)  # what every worker checks, before they start
+    report.update(runnable=refusal is None, runtime_refusal=refusal)
+    if violations:
+        echo(f"the schedule breaks {len(violations)} rule(s) of pipefisher validate; first: {violations[0]}")
+    if refusal is not None or (violations and not allow_invalid):
+        dump_json_atomic(paths.report, report)
+        where = f" (report: {paths.report})"
+        if refusal is not None:
+            raise InputError(paths.schedule, f"policy '{packer.name}' gave a schedule the runtime cannot run "
+                                             f"({refusal}); not training it, not even with --allow-invalid{where}")
+        raise InputError(paths.schedule, f"policy '{packer.name}' gave a schedule that breaks {len(violations)} "
+                                         f"rule(s) of pipefisher validate; not training it (--allow-invalid trains "
+                                         f"it anyway: the runtime can run it){where}")
+    if violations:
+        echo("training it anyway (--allow-invalid): the runtime can run it; its iterations may take longer "
+             "than the report says")
+    return packed, report
+
+
 def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, policy: str | None = None,
             nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
             checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
             eval_every: int = 0, echo: Callable[[str], None] = print, margin: float | None = None) -> RunPaths:
     """Profile ``profile_steps`` kfac steps, pack them with ``policy`` (K-FAC times x ``kfac_margin``,
     room rule with ``margin``, :mod:`pipefisher.problem`),
-    print the usage report, refuse an invalid schedule (unless ``allow_invalid``), then train ``steps``
-    steps with it; returns the paths."""
-    from pipefisher.plot import chart_from_schedule, render
+    print the usage report, refuse a schedule that ``validate`` rejects (unless ``allow_invalid``) or
+    that the runtime cannot run (always; both leave the schedule, chart and report in the run folder),
+    then train ``steps`` steps with it; returns the paths."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.problem import DEFAULT_MARGIN
-    from pipefisher.report import report_data, usage_lines
-    from pipefisher.runtime.executor import load_checked_schedule
     from pipefisher.runtime.launch import launch_local, run_worker
     from pipefisher.runtime.profiler import timeline_filename
     from pipefisher.runtime.trainer import TrainOptions
     from pipefisher.safe_io import dump_json_atomic, write_atomic
-    from pipefisher.schedule import save_schedule, validate
     from pipefisher.timeline import load_job
 
     packer = get_policy(policy or DEFAULT_POLICY)
@@ -166,13 +225,13 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
 
         save_tokenizer(load_corpus(cfg.data, cfg.model.vocab_size), paths.tokenizer)
     echo(f"run {paths.name}: {cfg.name}, {stages} stage(s) x {replicas} replica(s), policy {packer.name}, "
-         f"files in {out}")
+         f"files in {paths.folder}")
 
     def launch(opts: TrainOptions) -> None:
         if n == 1:
             run_worker(cfg, opts)
         else:
-            launch_local(cfg, opts, n, echo=echo)
+            launch_local(cfg, opts, n, echo=echo, log_path=os.path.abspath(paths.workers_log))
 
     # 1. profile
     echo(f"[1/3] profiling {profile_steps} kfac step(s)")
@@ -186,22 +245,9 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
     echo(f"[2/3] packing with policy {packer.name}"
          + (f", K-FAC times x {kfac_margin:g}" if kfac_margin != 1.0 else ""))
     job = inflate_kfac(load_job(timelines), kfac_margin)
-    packed = packer.pack(job, margin)
-    for line in usage_lines(packed):
-        echo(line)
-    violations = validate(packed.to_file_data(), job, margin=margin)
-    report = report_data(packed, job)
-    report.update(run=paths.name, kfac_margin=kfac_margin, valid=not violations, violations=[str(v) for v in violations[:50]])
-    if violations:
-        echo(f"the schedule breaks {len(violations)} dependency rule(s); first: {violations[0]}")
-        if not allow_invalid:
-            dump_json_atomic(paths.report, report)
-            raise InputError(paths.report, f"policy '{packer.name}' gave a schedule that breaks "
-                                           f"{len(violations)} dependency rule(s); not training it "
-                                           "(--allow-invalid trains it anyway)")
-    save_schedule(paths.schedule, packed)
-    render(chart_from_schedule(packed, job), paths.chart)
-    load_checked_schedule(paths.schedule, cfg, replicas)  # what every worker checks, before they start
+    packed, report = pack_and_check(job, packer, cfg, paths, replicas, margin=margin, allow_invalid=allow_invalid,
+                                    echo=echo)
+    report.update(kfac_margin=kfac_margin)
     cycles = [node.figures.iterations for node in packed.nodes]
 
     # 3. train

@@ -2,38 +2,125 @@
 
 ``pipefisher train --nproc-per-node N`` runs :func:`launch_local`, which starts N workers on
 127.0.0.1 with torchrun's environment variables, relays their output, and stops them all with a
-clear error as soon as one fails (the others would otherwise wait for it until their timeout).
+clear error as soon as one fails (the others would otherwise wait for it until their timeout). The
+error names the worker that failed first (not a peer that merely lost it) and how; tracebacks go to a
+log file, not the terminal. Under torchrun (:func:`torchrun_env`), ``pipefisher train`` is one worker.
 :func:`spawn_local` does the same for a Python function (tests, the benchmark).
+
+Nothing here imports torch at module level, so the CLI can check its launch options first.
 """
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from pipefisher.errors import InputError
 from pipefisher.runtime.config import RunConfig, config_from_dict
-from pipefisher.runtime.trainer import TrainOptions, WorkerResult
+
+if TYPE_CHECKING:
+    from pipefisher.runtime.trainer import TrainOptions, WorkerResult
+
+LOG_ENV = "PIPEFISHER_WORKER_LOG"
+"""Set by :func:`launch_local`: the file a worker appends its traceback to (the terminal gets one line)."""
+ERROR_MARK = "@@pipefisher-error "
+"""Starts a worker's one-line error, so the launcher can quote it instead of relaying it."""
+PEER_LOST_EXIT = 3
+"""Exit code of a worker that failed because a peer went away: a consequence, never the first cause."""
 
 
 class WorkerFailed(RuntimeError):
     """A worker process exited with an error (or was killed)."""
 
 
+@dataclass(frozen=True)
+class JobEnv:
+    """This process's place in a job started by torchrun (or any launcher setting its variables)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def torchrun_env(env: Mapping[str, str] | None = None) -> JobEnv | None:
+    """This worker's place when torchrun started this process, else None.
+
+    torchrun sets ``TORCHELASTIC_RUN_ID``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+    ``MASTER_PORT``; either the first or ``RANK`` with ``WORLD_SIZE`` means "you are one worker", and
+    then the rest must be there too (an :class:`InputError` naming what is missing, not a hang).
+    """
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env and not ("RANK" in env and "WORLD_SIZE" in env):
+        return None
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not env.get(v)]
+    if missing:
+        raise InputError(None, f"this process runs under torchrun (or has its variables set) but "
+                               f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; "
+                               "start it with torchrun, or unset RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID")
+    values = {}
+    for var, fallback in (("RANK", None), ("WORLD_SIZE", None), ("LOCAL_RANK", "RANK"),
+                          ("LOCAL_WORLD_SIZE", "WORLD_SIZE")):
+        text = env.get(var) or env[fallback or var]
+        try:
+            values[var] = int(text)
+        except ValueError:
+            raise InputError(None, f"environment variable {var}={text!r} is not a whole number") from None
+    job = JobEnv(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"])
+    if job.world_size < 1 or not 0 <= job.rank < job.world_size:
+        raise InputError(None, f"environment variables RANK={job.rank} and WORLD_SIZE={job.world_size} do "
+                               "not fit together")
+    return job
+
+
+def cpu_count() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(workers: int, env: Mapping[str, str] | None = None, cores: int | None = None) -> int:
+    """Torch threads for each of ``workers`` processes on this machine: the user's ``OMP_NUM_THREADS``
+    if set, else the cores shared out (at least one), so workers neither idle cores nor fight over them."""
+    env = os.environ if env is None else env
+    text = env.get("OMP_NUM_THREADS", "").strip()
+    if text:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise InputError(None, f"environment variable OMP_NUM_THREADS={text!r} must be a positive whole number")
+        return n
+    return max(1, (cpu_count() if cores is None else cores) // max(1, workers))
+
+
+_LAUNCHER_VARS = ("GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                  "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
 def worker_env(rank: int, world: int, port: int) -> dict[str, str]:
-    env = dict(os.environ)
+    # Nothing of an outer torchrun may leak in: its agent store would make the workers wait for a
+    # rendezvous that never comes.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_") and k not in _LAUNCHER_VARS}
     # Children must import this very pipefisher, installed or not.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-               WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
+               WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               OMP_NUM_THREADS=str(threads_per_worker(world)), PYTHONUNBUFFERED="1")
     return env
 
 
@@ -42,8 +129,46 @@ def encode_spec(cfg: RunConfig, opts: TrainOptions) -> str:
 
 
 def decode_spec(text: str) -> tuple[RunConfig, TrainOptions]:
+    from pipefisher.runtime.trainer import TrainOptions
+
     raw = json.loads(text)
     return config_from_dict(raw["config"]), TrainOptions(**raw["options"])
+
+
+def exit_reason(code: int) -> str:
+    """How a process ended, in words: a signal by name (negative codes), else the exit code."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {code})"
+    return f"exited with code {code}"
+
+
+def first_failure(exits: Sequence[tuple[int, int | None, float]], stopped: Sequence[int] = ()) -> int | None:
+    """The rank whose failure ended the job, from (rank, exit code, when its exit was seen).
+
+    A worker that only lost a peer (:data:`PEER_LOST_EXIT`) or that the launcher stopped is a
+    consequence: the cause is the earliest other failure; only without one are those blamed.
+    """
+    bad = [(r, c, t) for r, c, t in exits if c not in (None, 0)]
+    causes = [e for e in bad if e[0] not in stopped] or bad
+    if not causes:
+        return None
+    return min(causes, key=lambda e: (e[1] == PEER_LOST_EXIT, e[2], e[0]))[0]
+
+
+def failure_message(rank: int, nproc: int, code: int, error_line: str, log: str | None) -> str:
+    """The one line a failed local run ends with."""
+    if error_line:
+        what = f": {error_line.strip()}"
+    elif code < 0:
+        what = ": no error message (stopped from outside: out of memory, a job scheduler, or kill)"
+    else:
+        what = ""
+    return (f"worker rank {rank} of {nproc} {exit_reason(code)}{what}; the other workers were stopped"
+            + (f"; worker output and tracebacks in {log}" if log else ""))
 
 
 def run_worker(cfg: RunConfig, opts: TrainOptions) -> WorkerResult:
@@ -53,13 +178,13 @@ def run_worker(cfg: RunConfig, opts: TrainOptions) -> WorkerResult:
     from pipefisher.runtime.dist import check_agreement, init_from_env, shutdown, single_process
     from pipefisher.runtime.trainer import Trainer
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if torchrun_env() is not None:
         ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s,
                             chimera=cfg.pipeline.schedule == "chimera")
     else:
         if cfg.pipeline.stages != 1:
             raise ValueError("a pipeline of several stages needs several workers (use --nproc-per-node)")
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads_per_worker(1))
         ctx = single_process()
     try:
         check_agreement(ctx, cfg.fingerprint() + json.dumps(opts.__dict__, sort_keys=True))
@@ -69,21 +194,35 @@ def run_worker(cfg: RunConfig, opts: TrainOptions) -> WorkerResult:
 
 
 def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[[str], None] = print,
-                 grace_s: float = 3.0) -> None:
-    """Run ``nproc`` workers as child processes; raise :class:`WorkerFailed` if any of them fails."""
+                 grace_s: float = 3.0, log_path: str | None = None) -> None:
+    """Run ``nproc`` workers as child processes; raise :class:`WorkerFailed` if any of them fails.
+
+    Worker output is relayed to ``echo`` and kept in a log; tracebacks go to the log only. On failure
+    the log is appended to ``log_path`` (or kept as a temp file) and the error names it; a run that
+    succeeds leaves no log behind.
+    """
     from pipefisher.runtime.dist import free_port
+    from pipefisher.runtime.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar, parse_mark, phase
 
-    from pipefisher.runtime.trainer import PROGRESS_ENV, PROGRESS_MARK
-
+    if opts.progress:  # the seconds until a worker speaks (python, torch, the process group) are not silent
+        phase(f"spawning {nproc} workers (each starts python, imports torch and joins the process group)", echo)
     port = free_port()
     spec = encode_spec(cfg, opts)
-    bar = _RelayBar(opts.steps, echo) if opts.progress else None
+    bar = StepBar() if opts.progress else None  # drawn from the reporting worker's marks
     lock = threading.Lock()
+    fd, tmp_log = tempfile.mkstemp(prefix="pipefisher-workers-", suffix=".log")
+    os.close(fd)
+    log = open(tmp_log, "a", encoding="utf-8")  # O_APPEND: the workers append their tracebacks too
+    log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {nproc} workers of '{cfg.name}', mode {opts.mode}, "
+              f"{opts.steps} steps\n")
+    log.flush()
     procs = [subprocess.Popen([sys.executable, "-m", "pipefisher.runtime.worker", "--spec", spec],
-                              env={**worker_env(r, nproc, port), PROGRESS_ENV: "1"}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, bufsize=1)
+                              env={**worker_env(r, nproc, port), PROGRESS_ENV: "1", LOG_ENV: tmp_log},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
              for r in range(nproc)]
     tails: list[list[str]] = [[] for _ in procs]
+    errors = [""] * nproc
+    quiet = threading.Event()  # set once a worker failed: what follows is aftermath, for the log only
 
     def relay(r: int, p: subprocess.Popen) -> None:
         assert p.stdout is not None
@@ -91,10 +230,20 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
             line = line.rstrip("\n")
             with lock:
                 if line.startswith(PROGRESS_MARK):
-                    if bar is not None:
-                        bar.advance()
+                    mark = parse_mark(line)
+                    if bar is not None and mark is not None and not quiet.is_set():
+                        bar.update(*mark)
+                    continue
+                if not log.closed:  # a straggler after the launcher gave up on this worker
+                    log.write(f"[rank {r}] {line[len(ERROR_MARK):] if line.startswith(ERROR_MARK) else line}\n")
+                    log.flush()
+                if line.startswith(ERROR_MARK):
+                    errors[r] = line[len(ERROR_MARK):]
+                    quiet.set()
                     continue
                 tails[r] = (tails[r] + [line])[-20:]
+                if quiet.is_set():
+                    continue
                 if bar is not None:
                     bar.clear()
                 echo(line)
@@ -102,20 +251,32 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
     threads = [threading.Thread(target=relay, args=(r, p), daemon=True) for r, p in enumerate(procs)]
     for t in threads:
         t.start()
-    failed: tuple[int, int] | None = None
+    seen: dict[int, float] = {}  # rank -> when its exit was first seen: who died first
+    stopped: list[int] = []
+
+    def look() -> bool:
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if r not in seen and p.poll() is not None:
+                seen[r] = now
+        return len(seen) == nproc
+
+    failed = False
     try:
-        while any(p.poll() is None for p in procs):
-            bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-            if bad:
-                failed = bad[0]
-                deadline = time.monotonic() + grace_s  # let the others report their own errors
-                while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-                    time.sleep(0.05)
+        while not look():
+            if any(procs[r].returncode != 0 for r in seen):
+                failed = True
+                quiet.set()
+                deadline = time.monotonic() + grace_s  # let the others exit and log their errors
+                while time.monotonic() < deadline and not look() \
+                        and not all(errors[r] for r in range(nproc) if r not in seen):  # said: stop them
+                    time.sleep(0.02)
                 break
-            time.sleep(0.05)
+            time.sleep(0.02)
     finally:
-        for p in procs:
+        for r, p in enumerate(procs):
             if p.poll() is None:
+                stopped.append(r)
                 p.terminate()
         for p in procs:
             try:
@@ -127,44 +288,36 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
             t.join(timeout=2)
         if bar is not None:
             bar.clear()
-    if failed is None:
-        bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-        failed = bad[0] if bad else None
-    if failed is not None:
-        r, code = failed
-        last = next((ln for ln in reversed(tails[r]) if ln.strip()), "")
-        raise WorkerFailed(f"worker rank {r} of {nproc} exited with code {code}"
-                           + (f": {last.strip()}" if last else "") + "; the other workers were stopped")
+        look()
+        rank = first_failure([(r, p.returncode, seen.get(r, float("inf"))) for r, p in enumerate(procs)],
+                             stopped)
+        with lock:
+            log.close()
+        kept = _keep_log(tmp_log, log_path) if rank is not None or failed else None
+        if kept is None:
+            os.unlink(tmp_log)
+    if rank is not None:
+        code = procs[rank].returncode
+        line = errors[rank] or (next((ln for ln in reversed(tails[rank]) if ln.strip()), "") if code > 0 else "")
+        raise WorkerFailed(failure_message(rank, nproc, code, line, kept))
 
 
-class _RelayBar:
-    """A one-line progress bar over steps, drawn by the launcher from the reporting worker's marks.
-
-    On a terminal it is redrawn in place (and wiped before other output); elsewhere it stays silent,
-    since the loss lines already show progress.
-    """
-
-    def __init__(self, total: int, echo: Callable[[str], None]) -> None:
-        self.total, self.done, self.echo = total, 0, echo
-        self.tty = sys.stdout.isatty()
-
-    def advance(self) -> None:
-        self.done += 1
-        if self.tty:
-            width = 30
-            fill = int(width * self.done / max(1, self.total))
-            sys.stdout.write(f"\rtraining [{'#' * fill}{'-' * (width - fill)}] {self.done}/{self.total}")
-            sys.stdout.flush()
-
-    def clear(self) -> None:
-        if self.tty:
-            sys.stdout.write("\r\033[K")
-            sys.stdout.flush()
+def _keep_log(tmp_log: str, log_path: str | None) -> str:
+    """Where a failed run's worker log ends up: appended to ``log_path``, else the temp file itself."""
+    if log_path is None:
+        return tmp_log
+    try:
+        with open(tmp_log, encoding="utf-8") as src, open(log_path, "a", encoding="utf-8") as dst:
+            shutil.copyfileobj(src, dst)
+    except OSError:
+        return tmp_log
+    os.unlink(tmp_log)
+    return log_path
 
 
 def _spawn_entry(fn: Callable[..., Any], rank: int, world: int, port: int, folder: str,
                  args: Sequence[Any]) -> None:
-    os.environ.update(worker_env(rank, world, port))
+    os.environ.update(worker_env(rank, world, port), OMP_NUM_THREADS="1")  # tests: one thread each
     try:
         import torch
 

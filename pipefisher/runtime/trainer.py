@@ -34,13 +34,12 @@ from pipefisher.runtime.engine import PipelineEngine, pipe_micro_batches, pipeli
 from pipefisher.runtime.executor import ScheduleExecutor, load_checked_schedule, node_pipes, schedule_digest
 from pipefisher.runtime.model import PipelineStage
 from pipefisher.runtime.profiler import STEP_KEY, Profiler
+from pipefisher.runtime.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar, phase  # noqa: F401 (re-exported)
 from pipefisher.runtime.update import Updater, make_kfac
 from pipefisher.safe_io import dump_json_atomic
 from pipefisher.sim.schedules import DOWN, UP
 
 MODES = ("first-order", "kfac", "scheduled")
-PROGRESS_ENV = "PIPEFISHER_RELAY_PROGRESS"
-PROGRESS_MARK = "@@pipefisher-progress"
 
 
 class PeerLost(RuntimeError):
@@ -95,13 +94,6 @@ class WorkerResult:
         return statistics.median(times)
 
 
-def _is_tty() -> bool:
-    try:
-        return os.isatty(1)
-    except OSError:
-        return False
-
-
 class Trainer:
     """Builds this worker's stage, data, engine, K-FAC and optimizer, and runs the steps."""
 
@@ -116,14 +108,17 @@ class Trainer:
         if ctx.chimera != self.chimera:
             raise ValueError("the process groups were set up for another pipeline schedule than the config's")
         m = cfg.data.num_micro_batches
+        self.reporter = g.stage == g.stages - 1 and g.replica == 0
+        self._phase(f"loading data ({cfg.data.text} text)")
         self.data = MLMData(cfg.data, cfg.model.vocab_size)
         self.val_batches = self.data.validation_batches() if opts.eval_every else []
         self.profiler = Profiler(opts.profile, ctx.device)
+        self._phase(f"building the model ({cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
+                    f"{g.stages} stage(s)) on {ctx.device}" + (", with K-FAC" if self.mode != "first-order" else ""))
         self._build(cfg, ctx)
         self.updater = Updater(cfg, self.stage, self.kfac, cfg.optim.decay_steps or opts.steps,
                                pipe_group=ctx.pipe_group, copies=2 if self.chimera else 1)
         self.ops = pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m)
-        self.reporter = g.stage == g.stages - 1 and g.replica == 0
         self.executor: ScheduleExecutor | None = None
         self.cycles: list[int] = []
         self.schedule_digest: str | None = None
@@ -144,7 +139,13 @@ class Trainer:
         if opts.resume:
             from pipefisher.runtime.checkpoint import load_checkpoint
 
+            self._phase(f"loading the checkpoint in {opts.resume}")
             self.start_step = load_checkpoint(opts.resume, self)
+
+    def _phase(self, what: str) -> None:
+        """A start-up phase line from the reporting worker (the launcher relays it), unless --no-progress."""
+        if self.reporter and self.opts.progress:
+            phase(what)
 
     def _build(self, cfg: RunConfig, ctx: DistContext) -> None:
         """This device's stage (two copies under Chimera), their K-FAC states and pipeline engines."""
@@ -230,7 +231,7 @@ class Trainer:
         self.stage.train()
         self.profiler.align(distributed=self.ctx.distributed)
         relay = os.environ.get(PROGRESS_ENV) == "1"  # the local launcher draws the bar for us
-        show = self.reporter and opts.progress and not relay and _is_tty()
+        show = self.reporter and opts.progress and not relay  # StepBar draws on a terminal only
         first = self.start_step
         todo = max(0, opts.steps - first)
         if self.reporter:
@@ -249,9 +250,9 @@ class Trainer:
             from pipefisher.runtime.corpus import save_tokenizer  # the run's vocabulary, from the start
 
             save_tokenizer(self.data.corpus, os.path.join(opts.out, f"{self.cfg.name}_tokenizer.json"))
-        bar = click.progressbar(length=todo, label="training", file=None) if show else None
-        if bar is not None:
-            bar.__enter__()
+        bar = StepBar() if show else None
+        if todo:
+            self._phase("first step (compiles / warms up; later steps are faster, the bar's ETA follows)")
         try:
             for step in range(first, opts.steps):
                 t0 = time.perf_counter()
@@ -278,13 +279,15 @@ class Trainer:
                 if loss is not None:
                     result.losses.append(loss)
                 if bar is not None:
-                    bar.update(1)
+                    bar.update(step + 1 - first, todo)
                 elif relay and self.reporter and opts.progress:
                     click.echo(f"{PROGRESS_MARK} {step + 1 - first} {todo}")
                 if self.reporter and loss is not None and (step % opts.log_every == 0 or last or val is not None):
                     held = f"  held-out {val:.4f}" if val is not None else ""
                     msg = f"step {step:>5}  loss {loss:.4f}{held}  {result.step_seconds[-1] * 1e3:.1f} ms"
-                    click.echo(("\n" if bar is not None else "") + msg)  # keep the bar's line
+                    if bar is not None:
+                        bar.clear()  # the loss line takes the bar's line; the next step redraws the bar
+                    click.echo(msg)
                 every = opts.checkpoint_every
                 if every and (step + 1) % every == 0 and not last:
                     self.checkpoint(step + 1)
@@ -292,7 +295,7 @@ class Trainer:
                         self._write_metrics(opts.metrics, metrics)
         finally:
             if bar is not None:
-                bar.__exit__(None, None, None)
+                bar.clear()
         if self.kfac is not None:
             self.kfac.settle_all()  # no all-reduce left in flight when the process group goes
         result.peak_memory_bytes = memory.peak_bytes(self.ctx.device)

@@ -1,73 +1,74 @@
-"""Entry point of one worker process.
+"""Internal entry point of one worker process started by the local launcher.
 
-Started by :func:`pipefisher.runtime.launch.launch_local` with ``--spec <json>``, or by hand under
-torchrun (env://, multi-node), e.g.::
+:func:`pipefisher.runtime.launch.launch_local` runs ``python -m pipefisher.runtime.worker --spec <json>``
+(config and options already checked by ``pipefisher train``). People, and torchrun, use
+``pipefisher train`` itself, which has the one set of options::
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29500 \\
-        -m pipefisher.runtime.worker --config configs/bert-base.yaml --mode kfac --steps 100
+        --no-python pipefisher train --config configs/bert-base.yaml --mode kfac --steps 100
+
+A failure ends in one line (marked for the launcher); its traceback goes to the launcher's log.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import traceback
 
 from pipefisher.errors import InputError
-from pipefisher.kfac.factors import BadFactorError
+
+USAGE = ("error: python -m pipefisher.runtime.worker is the local launcher's internal entry point; run "
+         "'pipefisher train --config FILE ...' (under torchrun: 'torchrun --nproc-per-node N --no-python "
+         "pipefisher train --config FILE ...')")
 
 
-def parse(argv: list[str]) -> tuple[object, object]:
-    from pipefisher.runtime.config import load_config
-    from pipefisher.runtime.launch import decode_spec
-    from pipefisher.runtime.trainer import MODES, TrainOptions
+def _say(line: str) -> None:
+    """The worker's last line, marked so the launcher quotes it in its own error."""
+    from pipefisher.runtime.launch import ERROR_MARK
 
-    ap = argparse.ArgumentParser(prog="python -m pipefisher.runtime.worker")
-    ap.add_argument("--spec", help="JSON of config and options (used by the local launcher)")
-    ap.add_argument("--config", help="YAML run config")
-    ap.add_argument("--mode", choices=MODES, default="first-order")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--out")
-    ap.add_argument("--log-every", type=int, default=5)
-    ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--schedule", help="schedule file: scheduled mode (K-FAC in the bubbles)")
-    ap.add_argument("--metrics", help="CSV of step, loss, step time, mode")
-    ap.add_argument("--checkpoint-dir")
-    ap.add_argument("--checkpoint-every", type=int, default=0)
-    ap.add_argument("--resume", help="checkpoint folder to continue from")
-    a = ap.parse_args(argv)
-    if a.spec:
-        return decode_spec(a.spec)
-    if not a.config:
-        ap.error("give --config (or --spec)")
-    for folder in (a.out, a.checkpoint_dir):
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-    mode = "scheduled" if a.schedule else a.mode
-    return load_config(a.config), TrainOptions(mode=mode, steps=a.steps, profile=a.profile, out=a.out,
-                                               log_every=a.log_every, progress=not a.no_progress,
-                                               schedule=a.schedule, metrics=a.metrics,
-                                               checkpoint_dir=a.checkpoint_dir or a.resume,
-                                               checkpoint_every=a.checkpoint_every, resume=a.resume)
+    print(f"{ERROR_MARK}{line}", file=sys.stderr, flush=True)
+
+
+def _log_traceback(rank: str) -> None:
+    from pipefisher.runtime.launch import LOG_ENV
+
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        traceback.print_exc()
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"[rank {rank}] traceback:\n{traceback.format_exc()}")
+    except OSError:
+        traceback.print_exc()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipefisher.runtime.launch import run_worker
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "--spec":
+        print(USAGE, file=sys.stderr, flush=True)
+        return 2
+    from pipefisher.kfac.factors import BadFactorError
+    from pipefisher.runtime.launch import PEER_LOST_EXIT, decode_spec, run_worker
+    from pipefisher.runtime.trainer import PeerLost
 
     rank = os.environ.get("RANK", "0")
     try:
-        cfg, opts = parse(sys.argv[1:] if argv is None else argv)
-        run_worker(cfg, opts)  # type: ignore[arg-type]
+        cfg, opts = decode_spec(args[1])
+        run_worker(cfg, opts)
     except InputError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        _say(f"error: {err}")
         return 2
-    except BadFactorError as err:  # one line naming the layer; the launcher relays it
-        print(f"error: {err}", file=sys.stderr, flush=True)
+    except BadFactorError as err:  # one line naming the layer
+        _say(f"error: {err}")
         return 1
-    except Exception as err:  # one readable line last, after the traceback, for the launcher
-        traceback.print_exc()
-        print(f"worker rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    except PeerLost as err:  # a consequence of another worker's failure (or a stall)
+        _log_traceback(rank)
+        _say(f"worker rank {rank} failed: PeerLost: {err}")
+        return PEER_LOST_EXIT
+    except Exception as err:
+        _log_traceback(rank)
+        _say(f"worker rank {rank} failed: {type(err).__name__}: {err}")
         return 1
     return 0
 

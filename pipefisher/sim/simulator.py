@@ -25,6 +25,7 @@ Mapping choices (see also the format spec):
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -257,8 +258,33 @@ def simulate_timelines(
     return timelines_from_result(result, model), result
 
 
+def default_prefix(model_name: str, schedule: PipelineSchedule) -> str:
+    """``<model>_<schedule>_p<stages>[_v<chunks>]_m<micro-batches>``: simulations of other shapes get
+    other file names, so one folder can hold several and ``OUT/*.pickle`` never mixes two of them."""
+    chunks = f"_v{schedule.chunks}" if schedule.chunks > 1 else ""
+    return f"{model_name}_{schedule.name}_p{schedule.stages}{chunks}_m{schedule.micro_batches}"
+
+
+def node_file(out_dir: str, prefix: str, node: int) -> str:
+    return os.path.join(out_dir, f"{prefix}_node{node}_timeline.pickle")
+
+
+def stale_node_files(out_dir: str | os.PathLike[str], prefix: str, nodes: int) -> list[str]:
+    """Node files of this prefix beyond ``nodes``: left by an earlier, larger job written under it."""
+    out_dir = os.fspath(out_dir)
+    if not os.path.isdir(out_dir):
+        return []
+    pattern = re.compile(re.escape(prefix) + r"_node(\d+)_timeline\.pickle$")
+    found = [(int(m.group(1)), e) for e in os.listdir(out_dir) if (m := pattern.match(e))]
+    return [os.path.join(out_dir, e) for i, e in sorted(found) if i >= nodes]
+
+
 def write_timelines(out_dir: str | os.PathLike[str], prefix: str, dicts: Timelines) -> list[str]:
-    """Write ``{prefix}_node{i}_timeline.pickle`` per node (atomically); returns the paths."""
+    """Write ``{prefix}_node{i}_timeline.pickle`` per node (atomically); returns the paths.
+
+    Node files of the same prefix beyond this job's nodes (an earlier run with more stages) are removed,
+    so the folder holds exactly this job under ``prefix`` and a glob of it cannot pick up a stale node.
+    """
     from pipefisher.safe_io import dump_pickle_atomic
 
     out_dir = os.fspath(out_dir)
@@ -268,7 +294,13 @@ def write_timelines(out_dir: str | os.PathLike[str], prefix: str, dicts: Timelin
         raise InputError(out_dir, f"cannot be created ({err.strerror or err})") from None
     paths = []
     for i, entries in enumerate(dicts):
-        path = os.path.join(out_dir, f"{prefix}_node{i}_timeline.pickle")
+        path = node_file(out_dir, prefix, i)
         dump_pickle_atomic(path, entries)
         paths.append(path)
+    for stale in stale_node_files(out_dir, prefix, len(dicts)):
+        try:
+            os.remove(stale)
+        except OSError as err:
+            raise InputError(stale, f"is a stale node file of an earlier job and cannot be removed "
+                                    f"({err.strerror or err})") from None
     return paths

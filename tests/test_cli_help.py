@@ -1,0 +1,118 @@
+"""Help texts say what the options take; scripts answer -h quickly; a missing torch is one line."""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import time
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from pipefisher.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.py")))
+
+
+def _runner() -> CliRunner:
+    """stdout and stderr apart (click < 8.2 needs asking)."""
+    try:
+        return CliRunner(mix_stderr=False)  # type: ignore[call-arg]
+    except TypeError:
+        return CliRunner()
+
+
+def _help(*command: str) -> str:
+    res = CliRunner().invoke(main, [*command, "--help"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    return " ".join(res.output.split())  # wrapping aside
+
+
+@pytest.mark.parametrize("name", sorted(main.commands))
+def test_every_option_of_every_command_has_help(name):
+    command = main.commands[name]
+    bare = [p.opts[0] for p in command.params if isinstance(p, click.Option) and not p.help]
+    assert not bare, f"pipefisher {name}: options without help: {bare}"
+
+
+@pytest.mark.parametrize("name", ["schedule", "demo", "compare", "run", "plot", "trace"])
+def test_policy_help_lists_the_registry(name):
+    from pipefisher.policies import DEFAULT_POLICY, POLICIES
+
+    text = _help(name)
+    assert f"packing policy: {', '.join(sorted(POLICIES))} (default: {DEFAULT_POLICY})" in text
+
+
+def test_compare_refuses_schedule_and_schedules_together_in_one_line():
+    res = _runner().invoke(main, ["compare", "--schedule", "1f1b", "--schedules", "gpipe,1f1b"])
+    assert res.exit_code == 2
+    assert res.stderr == "error: give --schedule (one) or --schedules (several), not both\n"
+
+
+def test_trace_title_is_the_trace_title_not_a_chart_title():
+    assert "--title TEXT trace title (the process name Perfetto shows)" in _help("trace")
+    assert "--title TEXT chart title" in _help("plot")
+
+
+def test_validate_usage_and_help_agree():
+    text = _help("validate")
+    assert "validate --schedule FILE [OPTIONS] TIMELINES..." in text
+    assert "Check SCHEDULE" not in text and "SCHEDULE.meta.json" not in text
+    assert "Check the schedule file (--schedule FILE) against the job's TIMELINES" in text
+
+
+def test_sim_commands_name_their_bundled_cost_models():
+    from pipefisher.examples import cost_model_names
+
+    assert cost_model_names() == ["bert-base-4stages", "bert-large-8stages"]
+    for name in ("simulate", "compare", "demo"):
+        assert "a bundled one by name (bert-base-4stages, bert-large-8stages)" in _help(name)
+
+
+def test_an_unknown_cost_model_name_is_one_line():
+    res = _runner().invoke(main, ["compare", "--config", "bert-huge"])
+    assert res.exit_code == 2
+    assert res.stderr == ("error: bert-huge: no such file, nor a bundled cost model (bundled: bert-base-4stages, "
+                          "bert-large-8stages)\n")
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+def test_every_script_answers_dash_h_quickly_without_torch(script):
+    # torch made unimportable: parsing the arguments must not need it (nor any other heavy work)
+    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = [sys.argv[1], '-h']; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-c", code, script], capture_output=True, text=True, timeout=60)
+    took = time.perf_counter() - t0
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "usage:" in res.stdout.lower()
+    assert took < 10, f"{os.path.basename(script)} -h took {took:.1f} s"
+
+
+_NO_TORCH = ("import sys; sys.modules['torch'] = None; from pipefisher.cli import main; "
+             "main(sys.argv[1:], prog_name='pipefisher')")
+
+
+@pytest.mark.parametrize("command", [["train", "--config", TINY, "--steps", "1"],
+                                     ["run", "--config", TINY, "--out", "never-written"]])
+def test_train_and_run_without_torch_say_how_to_install_it(command, tmp_path):
+    res = subprocess.run([sys.executable, "-c", _NO_TORCH, *command], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=60)
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr and res.stdout == ""
+    assert res.stderr.strip().splitlines() == [
+        f"Error: pipefisher {command[0]} needs torch (the runtime extra), not installed here: "
+        "pip install 'pipefisher[runtime]' (in a clone: pip install -e '.[runtime]')"]
+    assert not os.path.exists(tmp_path / "never-written")
+
+
+def test_the_scheduling_path_works_without_torch(tmp_path):
+    res = subprocess.run([sys.executable, "-c", _NO_TORCH, "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "train" in res.stdout
+    res = subprocess.run([sys.executable, "-c", _NO_TORCH, "schedule"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=60)
+    assert res.returncode == 0, res.stderr

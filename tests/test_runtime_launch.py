@@ -1,0 +1,164 @@
+"""Launching workers: torchrun detection, one-line refusals, who died first, threads per worker."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from pipefisher.cli import main
+from pipefisher.errors import InputError
+from pipefisher.runtime.config import load_config
+from pipefisher.runtime.dist import free_port
+from pipefisher.runtime.launch import (PEER_LOST_EXIT, JobEnv, WorkerFailed, failure_message, first_failure,
+                                       launch_local, threads_per_worker, torchrun_env, worker_env)
+from pipefisher.runtime.trainer import TrainOptions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "TORCHELASTIC_RUN_ID": "none"}
+
+
+def _as_torchrun(monkeypatch: pytest.MonkeyPatch, **changes: str) -> None:
+    for key, value in {**TORCHRUN, **changes}.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_torchrun_is_detected_from_its_environment():
+    assert torchrun_env({}) is None
+    assert torchrun_env({"RANK": "0"}) is None  # half a job is no job: a stray RANK alone is ignored
+    assert torchrun_env(TORCHRUN) == JobEnv(rank=1, world_size=2, local_rank=1, local_world_size=2)
+    bare = {k: TORCHRUN[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    assert torchrun_env(bare) == JobEnv(1, 2, 1, 2)  # local rank and size default to the global ones
+    with pytest.raises(InputError, match="MASTER_ADDR, MASTER_PORT are not set"):
+        torchrun_env({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(InputError, match="RANK='one' is not a whole number"):
+        torchrun_env({**TORCHRUN, "RANK": "one"})
+
+
+def test_train_under_torchrun_refuses_nproc_per_node_in_one_line(monkeypatch):
+    _as_torchrun(monkeypatch, RANK="0", LOCAL_RANK="0")
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--nproc-per-node", "2", "--steps", "1"])
+    assert res.exit_code == 2, res.output  # at once: before torch loads, before any progress line
+    assert res.output.count("\n") == 1 and "Traceback" not in res.output
+    assert res.output.startswith("error: --nproc-per-node: this process already is worker 0 of 2 started by "
+                                 "torchrun") and "torchrun --nproc-per-node N --no-python pipefisher train" in res.output
+    _as_torchrun(monkeypatch)  # local rank 1 of that machine: same exit, the line is local rank 0's
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--nproc-per-node", "2", "--steps", "1",
+                                    "--no-progress"])
+    assert res.exit_code == 2 and res.output == ""
+
+
+def test_a_world_size_that_does_not_fit_the_stages_is_one_line(monkeypatch):
+    _as_torchrun(monkeypatch, RANK="0", LOCAL_RANK="0", WORLD_SIZE="3", LOCAL_WORLD_SIZE="3")
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--steps", "1", "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert res.output == (f"error: {TINY}: torchrun started 3 workers (WORLD_SIZE), not a multiple of the 2 "
+                          "pipeline stages; start stages x replicas workers (torchrun --nnodes x --nproc-per-node)\n")
+
+
+def test_the_worker_module_points_people_to_pipefisher_train(capsys):
+    from pipefisher.runtime.worker import main as worker_main
+
+    assert worker_main(["--config", TINY, "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "torchrun --nproc-per-node N --no-python pipefisher train" in err
+
+
+def test_the_first_worker_to_die_is_blamed_not_the_peer_that_lost_it():
+    # rank 0 lost its peer (and may even be seen first); rank 1 was killed; rank 2 was stopped by us
+    exits = [(0, PEER_LOST_EXIT, 1.00), (1, -signal.SIGKILL, 1.02), (2, -signal.SIGTERM, 4.0)]
+    assert first_failure(exits, stopped=[2]) == 1
+    assert first_failure([(0, 1, 2.0), (1, 2, 1.0)]) == 1  # two real errors: the earlier one
+    assert first_failure([(0, PEER_LOST_EXIT, 2.0), (1, PEER_LOST_EXIT, 1.0)]) == 1  # a stall: the earliest
+    assert first_failure([(0, -15, 3.0), (1, 0, 1.0)], stopped=[0]) == 0  # only a stopped one failed
+    assert first_failure([(0, 0, 1.0), (1, None, 2.0)]) is None
+    line = failure_message(1, 2, -9, "", "/runs/x_workers.log")
+    assert line == ("worker rank 1 of 2 was killed by SIGKILL (exit code -9): no error message (stopped from "
+                    "outside: out of memory, a job scheduler, or kill); the other workers were stopped; "
+                    "worker output and tracebacks in /runs/x_workers.log")
+    assert failure_message(0, 2, 2, "error: x.yaml: bad", None) == (
+        "worker rank 0 of 2 exited with code 2: error: x.yaml: bad; the other workers were stopped")
+
+
+def _child_with_rank(rank: int) -> int:
+    """The pid of this test's own worker process of ``rank`` (children of this process only)."""
+    me = os.getpid()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != me:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        except (OSError, ValueError, IndexError):
+            continue
+        if env.get(b"RANK") == str(rank).encode() and b"PIPEFISHER_WORKER_LOG" in env:
+            return int(pid)
+    raise AssertionError(f"no worker of rank {rank} among this process's children")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds its worker processes in /proc")
+def test_a_killed_worker_is_named_with_its_signal_and_tracebacks_go_to_the_log(tmp_path):
+    cfg = load_config(TINY)
+    killed: list[float] = []
+    shown: list[str] = []
+
+    def echo(line: str) -> None:
+        shown.append(line)
+        if line.startswith("step") and not killed:  # training runs: kill the last stage
+            os.kill(_child_with_rank(1), signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    log = tmp_path / "tiny_workers.log"
+    with pytest.raises(WorkerFailed) as err:
+        launch_local(cfg, TrainOptions(steps=100_000, progress=False, log_every=1), 2, echo=echo,
+                     log_path=str(log))
+    assert killed and time.monotonic() - killed[0] < 5  # not the peers' timeout, nor a slow teardown
+    assert str(err.value) == ("worker rank 1 of 2 was killed by SIGKILL (exit code -9): no error message "
+                              "(stopped from outside: out of memory, a job scheduler, or kill); the other "
+                              f"workers were stopped; worker output and tracebacks in {log}")
+    assert not any("Traceback" in line or "PeerLost" in line for line in shown)
+    text = log.read_text()
+    assert "[rank 0] traceback:" in text and "PeerLost" in text and "[rank 1] step" in text
+
+
+def test_omp_threads_respect_the_user_and_default_to_the_cores_shared_out(monkeypatch):
+    assert threads_per_worker(2, {"OMP_NUM_THREADS": "3"}, cores=8) == 3
+    assert threads_per_worker(2, {}, cores=8) == 4
+    assert threads_per_worker(4, {}, cores=2) == 1
+    with pytest.raises(InputError, match="OMP_NUM_THREADS='0' must be a positive whole number"):
+        threads_per_worker(2, {"OMP_NUM_THREADS": "0"})
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # an outer torchrun's: must not leak in
+    env = worker_env(0, 2, 1234)
+    assert env["OMP_NUM_THREADS"] == "3" and "TORCHELASTIC_USE_AGENT_STORE" not in env
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert worker_env(0, 2, 1234)["OMP_NUM_THREADS"] == str(threads_per_worker(2))
+
+
+def test_a_torchrun_worker_keeps_the_users_omp_threads(monkeypatch):
+    import torch
+
+    from pipefisher.runtime.dist import init_from_env, shutdown
+
+    before = torch.get_num_threads()
+    _as_torchrun(monkeypatch, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                 MASTER_PORT=str(free_port()), OMP_NUM_THREADS="2")
+    ctx = init_from_env(1, 10.0)
+    try:
+        assert torch.get_num_threads() == 2
+    finally:
+        shutdown(ctx)
+        torch.set_num_threads(before)
+
+
+def test_run_under_torchrun_is_refused_in_one_line(tmp_path, monkeypatch):
+    _as_torchrun(monkeypatch, RANK="0", LOCAL_RANK="0")
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(tmp_path / "r"), "--steps", "1"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert "pipefisher run launches its own workers" in res.output and not (tmp_path / "r").exists()
