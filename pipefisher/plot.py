@@ -118,7 +118,8 @@ def _scale(job: Job) -> tuple[float, str]:
 
 
 _NODE_FILE_SUFFIX = re.compile(r"_node\d+_timeline(?:\.[A-Za-z0-9]+)?$")
-_SIMULATED_NAME = re.compile(r"^(?P<model>.+)_(?P<schedule>[A-Za-z0-9-]+)_m(?P<m>\d+)$")
+_SIMULATED_NAME = re.compile(  # pipefisher simulate's prefix: <model>_<schedule>_p<stages>[_v<chunks>]_m<m>
+    r"^(?P<model>.+?)_(?P<schedule>[A-Za-z0-9-]+)(?:_p(?P<p>\d+))?(?:_v(?P<v>\d+))?_m(?P<m>\d+)$")
 
 
 def job_name(job: Job) -> str | None:
@@ -143,7 +144,8 @@ def job_context(job: Job) -> str:
     name = job_name(job)
     sim = _SIMULATED_NAME.match(name) if name else None
     if sim:
-        return f"{sim['model']}, {sim['schedule']}, m={sim['m']}"
+        shape = (f", {sim['p']} stages" if sim["p"] else "") + (f", v={sim['v']}" if sim["v"] else "")
+        return f"{sim['model']}, {sim['schedule']}{shape}, m={sim['m']}"
     node0 = job.nodes[0]
     forwards = node0.micro_batches() + node0.micro_batches(up_pipe=True)
     return f"{name + ', ' if name else ''}{len(job.nodes)} nodes, {forwards} forward passes per node"

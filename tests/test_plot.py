@@ -244,6 +244,9 @@ def test_titles_name_the_model_schedule_micro_batches_and_policy(tmp_path):
     title = chart_from_schedule(get_policy("compat").pack(job), job).title
     assert title.startswith("bert-x, gpipe, m=4:") and "policy compat" in title
     assert chart_from_job(job).title.startswith("bert-x, gpipe, m=4:")
+    # pipefisher simulate's own prefix names the stages and the chunks too
+    paths = write_timelines(tmp_path / "sim", "bert-x_interleaved_p2_v3_m4", simulate_timelines(model)[0])
+    assert chart_from_job(load_job(paths)).title.startswith("bert-x, interleaved, 2 stages, v=3, m=4:")
     # any other name is shown as it is, with the forward passes per node
     other = write_timelines(tmp_path / "o", "myrun", simulate_timelines(model)[0])
     assert chart_from_job(load_job(other)).title.startswith("myrun, 2 nodes, 4 forward passes per node:")
