@@ -76,7 +76,8 @@ def test_resume_with_two_stages_through_the_cli(tmp_path):
     metrics = str(tmp_path / "b.csv")
     res = runner.invoke(main, base + ["--steps", "2", "--checkpoint-dir", b, "--metrics", metrics])
     assert res.exit_code == 0, res.output
-    res = runner.invoke(main, base + ["--steps", "5", "--resume", b, "--metrics", metrics])
+    res = runner.invoke(main, base + ["--steps", "5", "--resume", b, "--metrics", metrics,
+                                      "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     assert "resuming after step 1" in res.output
     with open(os.path.join(b, MANIFEST)) as f:
@@ -84,6 +85,8 @@ def test_resume_with_two_stages_through_the_cli(tmp_path):
     cycles = [len(node) for node in packed_schedule(tiny())]
     assert cycles[0] != cycles[1]  # so "cycle" must say which: the job's k, the longest node's
     assert manifest["cycle"] == max(cycles) and manifest["node_cycles"] == cycles
+    losses = json.loads((tmp_path / "out" / "tiny_losses.json").read_text())  # the same meaning there
+    assert losses["cycle"] == max(cycles) and losses["node_cycles"] == cycles
     assert f"k={max(cycles)} (per node: {cycles[0]}, {cycles[1]})" in res.output
     for stage in range(2):
         fa = torch.load(os.path.join(a, "step-00000005", f"stage{stage}-replica0.pt"), weights_only=True)

@@ -319,7 +319,10 @@ class Trainer:
                                   "step_seconds": result.step_seconds, "options": asdict(opts),
                                   "peak_memory_bytes": result.peak_memory_bytes,
                                   "peak_saved_bytes": result.peak_saved_bytes,
-                                  "config": self.cfg.to_dict(), "first_step": first, "cycle": self.cycle})
+                                  "config": self.cfg.to_dict(), "first_step": first,
+                                  # the job's K-FAC cycle k (its longest node's), and each node's
+                                  "cycle": max(self.cycles) if self.cycles else None,
+                                  "node_cycles": self.cycles or None})
         return result
 
     def _write_metrics(self, path: str, rows: list[tuple[int, float | None, float | None, float, float]]) -> None:
