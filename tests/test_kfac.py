@@ -530,3 +530,231 @@ def test_bfloat16_saving_halves_memory_keeps_factors_and_shares_qkv_inputs():
             assert small.factor(n, f).dtype == torch.float32  # covariance itself is computed in float32
             assert _rel(small.factor(n, f), full.factor(n, f)) < 1e-2
     assert small.saved_bytes() == full.saved_bytes() == 0
+
+
+# -- layer kinds: Hugging Face's Conv1D (weight stored (in, out)) and the coverage summary ----------
+
+
+class _HandConv1D(nn.Module):
+    """The structure of ``transformers.pytorch_utils.Conv1D``: ``y = x @ W + b``, ``W`` is (in, out)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.empty(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], self.nf)
+
+
+_HandConv1D.__name__ = "Conv1D"
+
+
+def _conv1d_class():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return _HandConv1D
+    return Conv1D
+
+
+def _one_layer_kfac(layer, x, r, steps=2):
+    """K-FAC on a lone layer: ``steps`` saved micro-batches of loss ``<layer(x), r> / steps``, then a
+    refresh and the preconditioned gradient (factors and inverses kept for comparison)."""
+    model = nn.Sequential(layer)
+    kfac = KFAC(model, damping=DAMPING, loss_scale=steps, ignore=())
+    kfac.set_saving(True)
+    for i in range(steps):
+        ((model(x[i]) * r[i]).sum() / steps).backward()
+        kfac.end_forward()
+    kfac.set_saving(False)
+    raw = kfac.layers["0"].kind.grad_matrix(layer.weight.grad).clone()
+    factors = {}
+    for f in ("A", "B"):
+        kfac.cov_all(f, "0")
+        factors[f] = kfac.factor("0", f).clone()
+    kfac.inv("A", "0")
+    kfac.inv("B", "0")
+    assert kfac.precondition_all() == 1
+    return kfac, factors, raw
+
+
+@pytest.mark.parametrize("conv", [_HandConv1D, _conv1d_class()])
+def test_conv1d_gives_the_same_factors_and_preconditioned_gradient_as_its_linear_twin(conv):
+    g = torch.Generator().manual_seed(3)
+    lin = nn.Linear(5, 4)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(4, 5, generator=g))
+        lin.bias.copy_(torch.randn(4, generator=g))
+    c = conv(4, 5)
+    with torch.no_grad():
+        c.weight.copy_(lin.weight.t())  # W^T
+        c.bias.copy_(lin.bias)
+    x, r = torch.randn(2, 3, 6, 5, generator=g), torch.randn(2, 3, 6, 4, generator=g)
+    k_lin, f_lin, raw_lin = _one_layer_kfac(lin, x, r)
+    k_conv, f_conv, raw_conv = _one_layer_kfac(c, x, r)
+    assert k_conv.layers["0"].kind.name == "Conv1D" and k_conv.layers["0"].kind.transposed
+    assert _close(raw_conv, raw_lin, 1e-6)  # the (out, in) view of Conv1D's (in, out) gradient
+    for f in ("A", "B"):
+        assert torch.equal(f_conv[f], f_lin[f])
+        assert torch.equal(k_conv.inverse("0", f), k_lin.inverse("0", f))
+    assert k_conv.layers["0"].last_pi == k_lin.layers["0"].last_pi
+    assert c.weight.grad.shape == (5, 4)  # written back in Conv1D's own layout
+    assert _close(c.weight.grad.t(), lin.weight.grad, 1e-6)
+    assert _close(c.bias.grad, lin.bias.grad, 1e-6)
+    assert k_conv.grad_dot_step == pytest.approx(k_lin.grad_dot_step, rel=1e-6)  # the KL-clip's sum
+    k_conv.scale_step(0.5)
+    k_lin.scale_step(0.5)
+    assert _close(c.weight.grad.t(), lin.weight.grad, 1e-6)
+
+
+def test_conv1d_is_recognised_by_structure_only():
+    good = _HandConv1D(4, 5)
+    assert list(kfac_modules(nn.Sequential(good), ())) == ["0"]
+
+    class Conv1D(nn.Module):  # the name alone is not enough: no nf
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(5, 4))
+
+    wrong = _HandConv1D(4, 5)
+    wrong.nf = 5  # nf must be the weight's second dimension
+    other = nn.Conv1d(5, 4, 1)  # torch's convolution is not a linear layer K-FAC handles
+    assert kfac_modules(nn.Sequential(Conv1D(), wrong, other), ()) == {}
+
+
+def test_the_kfac_package_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, pipefisher.kfac; sys.exit('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_conv1d_kfac_state_survives_a_checkpoint_round_trip():
+    from pipefisher.runtime.checkpoint import kfac_state, load_kfac_state
+
+    def fresh():
+        torch.manual_seed(0)
+        return _HandConv1D(4, 5)
+
+    g = torch.Generator().manual_seed(4)
+    x, r = torch.randn(2, 3, 6, 5, generator=g), torch.randn(2, 3, 6, 4, generator=g)
+    a = fresh()
+    k_a, _, _ = _one_layer_kfac(a, x, r)
+    b = fresh()
+    k_b = KFAC(nn.Sequential(b), damping=DAMPING, loss_scale=2, ignore=())
+    load_kfac_state(k_b, kfac_state(k_a), "ckpt")
+    ((b(x[0]) * r[0]).sum() / 2 + (b(x[1]) * r[1]).sum() / 2).backward()
+    assert k_b.precondition_all() == 1
+    assert _close(b.weight.grad, a.weight.grad, 1e-5) and _close(b.bias.grad, a.bias.grad, 1e-5)
+
+
+def _gpt2(n_layer: int = 1):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=n_layer, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                  eos_token_id=0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(cfg)
+
+
+def test_gpt2_gets_kfac_on_attention_mlp_and_head_and_one_step_matches_a_hand_reference():
+    model = _gpt2()
+    names = ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+             "transformer.h.0.mlp.c_proj", "lm_head"]
+    m = 2
+    kfac = KFAC(model, damping=DAMPING, loss_scale=m)
+    assert kfac.names == names
+    assert [kfac.layers[n].kind.name for n in names] == ["Conv1D"] * 4 + ["Linear"]
+
+    ref_name = "transformer.h.0.attn.c_attn"
+    layer = model.get_submodule(ref_name)
+    xs, gs = [], []
+
+    def fwd(_, inp, out):
+        xs.append(inp[0].detach().double().reshape(-1, inp[0].shape[-1]))
+        out.register_hook(lambda g: gs.append(g.detach().double().reshape(-1, g.shape[-1])))
+
+    hook = layer.register_forward_hook(fwd)
+    g = torch.Generator().manual_seed(5)
+    kfac.set_saving(True)
+    for _ in range(m):
+        ids = torch.randint(0, 50, (2, 8), generator=g)
+        (model(input_ids=ids, labels=ids).loss / m).backward()
+        kfac.end_forward()
+    kfac.set_saving(False)
+    hook.remove()
+    kfac.update_curvature()
+
+    ones = lambda x: torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)  # noqa: E731
+    a = sum(ones(x).T @ ones(x) / len(x) for x in xs) / m
+    b = sum((gr * m * len(gr)).T @ (gr * m * len(gr)) / len(gr) for gr in gs) / m
+    pi = math.sqrt((a.trace() / a.shape[0]) / (b.trace() / b.shape[0]))
+    a_inv = torch.linalg.inv(a + pi * math.sqrt(DAMPING) * torch.eye(a.shape[0], dtype=a.dtype))
+    b_inv = torch.linalg.inv(b + math.sqrt(DAMPING) / pi * torch.eye(b.shape[0], dtype=b.dtype))
+    grad = torch.cat([layer.weight.grad.t(), layer.bias.grad[:, None]], 1).double()  # (out, in + 1)
+    pre = b_inv @ grad @ a_inv
+
+    before = {n: (model.get_submodule(n).weight.detach().clone(), model.get_submodule(n).bias)
+              for n in names}  # by layer: the tied lm_head weight has no name of its own in named_parameters
+    bias_before = layer.bias.detach().clone()
+    assert kfac.precondition_all() == len(names)
+    lr = 0.1
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    for n in names:
+        w = model.get_submodule(n).weight
+        assert torch.isfinite(w).all() and not torch.equal(w, before[n][0])
+    assert _close(layer.weight.detach() - before[ref_name][0], -lr * pre[:, :-1].t(), 1e-3)
+    assert _close(layer.bias.detach() - bias_before, -lr * pre[:, -1], 1e-3)
+
+
+def test_coverage_of_the_builtin_bert_stages():
+    from pipefisher.kfac.kfac import coverage
+
+    first, last = coverage(PipelineStage(CFG, 0, 2)), coverage(PipelineStage(CFG, 1, 2))
+    assert first.line("stage 0") == ("K-FAC covers 6 layers (6 Linear) on stage 0; first-order only: "
+                                     "Embedding (2), LayerNorm (3)")
+    assert last.line("stage 1") == ("K-FAC covers 6 layers (6 Linear) on stage 1; first-order only: "
+                                    "LayerNorm (3); ignored by kfac.ignore: cls.predictions.transform.dense, "
+                                    "cls.predictions.decoder")
+    assert coverage(PipelineStage(CFG, 0, 1), ignore=("encoder",)).line("stage 0", show=2) == (
+        "K-FAC covers 2 layers (2 Linear) on stage 0; first-order only: Embedding (2), LayerNorm (6); "
+        "ignored by kfac.ignore: encoder.layer.0.attention.self.query, encoder.layer.0.attention.self.key "
+        "and 10 more")
+
+
+def test_coverage_of_a_small_gpt2_counts_conv1d_and_reports_the_tied_head():
+    from pipefisher.kfac.kfac import coverage
+
+    model = _gpt2(n_layer=2)
+    assert coverage(model).line("stage 0") == (
+        "K-FAC covers 9 layers (8 Conv1D, 1 Linear) on stage 0; first-order only: Embedding (1), "
+        "LayerNorm (5); weight shared (K-FAC preconditions the summed gradient): lm_head with transformer.wte")
+    assert coverage(model, ignore=("lm_head",)).line("stage 0") == (
+        "K-FAC covers 8 layers (8 Conv1D) on stage 0; first-order only: Embedding (2), LayerNorm (5); "
+        "ignored by kfac.ignore: lm_head")
+
+
+def test_a_layer_its_parent_uses_functionally_is_left_to_the_first_order_optimizer():
+    from pipefisher.kfac.kfac import coverage
+
+    class Block(nn.Module):  # MultiheadAttention uses out_proj's weight directly: no hook ever fires
+        def __init__(self):
+            super().__init__()
+            self.attn, self.fc = nn.MultiheadAttention(4, 2, batch_first=True), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(self.attn(x, x, x, need_weights=False)[0])
+
+    model = Block()
+    kfac = KFAC(model, damping=DAMPING, ignore=())
+    assert kfac.names == ["fc"]
+    kfac.set_saving(True)
+    model(torch.randn(2, 5, 4)).sum().backward()
+    kfac.set_saving(False)
+    kfac.update_curvature()  # every K-FAC layer was seen, so every factor has covariance to invert
+    assert kfac.precondition_all() == 1
+    assert coverage(model, ()).first_order == {"MultiheadAttention": 1, "NonDynamicallyQuantizableLinear": 1}

@@ -46,6 +46,33 @@ def test_bad_configs_are_input_errors(raw, problem):
         config_from_dict(raw, "c.yaml")
 
 
+@pytest.mark.parametrize("raw,problem", [
+    ({"model": {"builder": "mymodel.build"}}, "model.builder must be 'package.module:function'"),
+    ({"model": {"builder": ":build"}}, "model.builder must be 'package.module:function'"),
+    ({"model": {"builder": 3}}, "model.builder must be a str"),
+    ({"model": {"options": [1, 2]}}, "model.options must be a mapping"),
+    ({"data": {"objective": "seq2seq"}}, "data.objective must be one of mlm, clm"),
+    ({"data": {"objective": "clm", "seq_len": 1}}, "data.objective clm needs data.seq_len >= 2"),
+])
+def test_bad_builder_options_and_objective_are_one_line_input_errors(raw, problem):
+    with pytest.raises(InputError, match=problem) as err:
+        config_from_dict(raw, "c.yaml")
+    assert str(err.value).startswith("c.yaml: ") and "\n" not in str(err.value)
+
+
+def test_builder_defaults_to_bert_and_options_pass_through_untouched():
+    cfg = config_from_dict({"model": {"builder": "pkg.mod:build", "options": {"depth_mult": 2, "act": "relu",
+                                                                              "nested": {"k": [1, 2]}}}})
+    assert RunConfig().model.builder == "pipefisher.runtime.model:build_stage"
+    assert RunConfig().data.objective == "mlm"
+    assert cfg.model.builder == "pkg.mod:build"
+    assert dict(cfg.model.options) == {"depth_mult": 2, "act": "relu", "nested": {"k": [1, 2]}}
+    assert config_from_dict(cfg.to_dict()) == cfg  # the launcher's JSON round trip
+    hash(cfg.model)  # stage layouts are cached by model config: options must not make it unhashable
+    assert hash(cfg.replace(model={"options": {"depth_mult": 2}}).model) != hash(cfg.model)
+    assert cfg.fingerprint() != cfg.replace(model={"options": {"depth_mult": 3}}).fingerprint()
+
+
 def test_stage_split_keeps_names_and_weights_of_the_whole_model():
     cfg = RunConfig().model.__class__(num_layers=5)
     assert stage_layers(5, 2) == [[0, 1, 2], [3, 4]]

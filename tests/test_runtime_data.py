@@ -274,3 +274,28 @@ def test_bad_corpora_are_input_errors_naming_the_path(tmp_path):
         MLMData(data_cfg(pair), 100, load_corpus(data_cfg(pair, val_batches=0), 100, cache))
     with pytest.raises(InputError, match=r"pair: held-out text"):
         load_corpus(data_cfg(pair), 100, cache)
+
+
+def test_clm_labels_are_the_next_tokens_of_the_same_windows(built):
+    cfg, corpus, _, _ = built
+    mlm = MLMData(cfg, 300, corpus)
+    clm = MLMData(DataConfig(**{**cfg.__dict__, "objective": "clm"}), 300, corpus)
+    for step, replica, index in ((0, 0, 0), (3, 1, 2)):
+        c, m = clm.micro_batch(step, replica, index), mlm.micro_batch(step, replica, index)
+        assert torch.equal(c.labels[:, :-1], c.input_ids[:, 1:])  # every position predicts the next token
+        assert (c.labels[:, -1] == IGNORE_INDEX).all()  # the last has none
+        assert (c.input_ids != MASK).all()  # nothing masked
+        # The same window as mlm's: mlm's labels are the original tokens where it predicts.
+        kept = m.labels != IGNORE_INDEX
+        assert torch.equal(c.input_ids[kept], m.labels[kept])
+        again = MLMData(DataConfig(**{**cfg.__dict__, "objective": "clm"}), 300, corpus)
+        assert torch.equal(again.micro_batch(step, replica, index).labels, c.labels)  # a pure function
+    assert not torch.equal(clm.micro_batch(3, 1, 2).labels, clm.micro_batch(3, 0, 2).labels)
+    val = clm.validation_batches()[0]
+    assert torch.equal(val.labels[:, :-1], val.input_ids[:, 1:])
+
+
+def test_clm_on_synthetic_tokens():
+    data = MLMData(DataConfig(text="synthetic", objective="clm", seq_len=8), 50)
+    mb = data.micro_batch(0, 0, 0)
+    assert torch.equal(mb.labels[:, :-1], mb.input_ids[:, 1:]) and (mb.labels[:, -1] == IGNORE_INDEX).all()

@@ -262,3 +262,14 @@ def test_eta_format():
     from pipefisher.runtime.progress import format_eta
 
     assert format_eta(65.4) == "ETA 1:05" and format_eta(3 * 3600 + 62) == "ETA 3:01:02" and format_eta(-1) == "ETA 0:00"
+
+
+def test_kfac_run_says_what_kfac_covers_at_start_and_first_order_does_not(capsys):
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})
+    for mode in ("kfac", "first-order"):
+        Trainer(cfg, single_process(), TrainOptions(mode=mode, steps=1, progress=False)).run()
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("K-FAC covers")]
+        expect = (["K-FAC covers 24 layers (24 Linear) on stage 0; first-order only: Embedding (2), LayerNorm (10); "
+                   "ignored by kfac.ignore: cls.predictions.transform.dense, cls.predictions.decoder"]
+                  if mode == "kfac" else [])
+        assert lines == expect, (mode, lines)

@@ -81,6 +81,9 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
         cfg = cfg.replace(pipeline=pipeline)
     except InputError as err:
         raise InputError(config_path, err.problem) from None
+    from pipefisher.runtime.model import check_builder
+
+    check_builder(cfg, config_path)  # model.builder imports and its stages fit, before any work
     try:
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every, log_every=log_every,

@@ -40,7 +40,9 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
     from pipefisher.runtime.checkpoint import check_resumable
     from pipefisher.runtime.corpus import load_corpus
     from pipefisher.runtime.executor import load_checked_schedule, schedule_digest
+    from pipefisher.runtime.model import check_builder
 
+    check_builder(cfg, config_path)  # type: ignore[arg-type]  # model.builder imports, its stages fit
     stages = cfg.pipeline.stages  # type: ignore[attr-defined]
     replicas = max(1, nproc // stages)
     if cfg.data.text != "synthetic":  # type: ignore[attr-defined]

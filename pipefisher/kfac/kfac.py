@@ -1,4 +1,8 @@
-"""K-FAC state for the ``nn.Linear`` layers of one pipeline stage, one call per piece of work.
+"""K-FAC state for the linear layers of one pipeline stage, one call per piece of work.
+
+The layers K-FAC handles are ``nn.Linear`` (and its subclasses) and Hugging Face's GPT-style
+``Conv1D`` (``y = x @ W + b`` with ``W`` stored ``(in, out)``); :class:`LayerKind` says how each
+stores its weight, and everything else works on the gradient in ``(out, in)`` layout.
 
 The calls map one to one onto schedule labels (see the timeline-and-schedule spec):
 
@@ -46,15 +50,129 @@ def is_ignored(name: str, ignore: Iterable[str]) -> bool:
     return any(p in parts or name == p or name.startswith(p + ".") for p in ignore)
 
 
-def kfac_modules(model: nn.Module, ignore: Iterable[str] = DEFAULT_IGNORE) -> dict[str, nn.Linear]:
-    """The ``nn.Linear`` modules of ``model`` that K-FAC handles, by qualified name, in model order."""
+@dataclass(frozen=True)
+class LayerKind:
+    """One kind of linear layer K-FAC handles: how to recognise it and how it stores its weight.
+
+    K-FAC's math wants the weight gradient ``G`` as ``(out, in)`` (``nn.Linear``'s layout); a kind whose
+    weight is stored ``(in, out)`` (``transposed``) is read and written through a transpose. Adding a
+    kind is one entry in :data:`LAYER_KINDS`; its module must have a 2-D ``weight``, an optional
+    ``bias`` of ``out`` entries, and be called as a module (its forward hook sees its input).
+    """
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    transposed: bool  # weight stored (in, out): y = x @ W + b
+
+    def grad_matrix(self, weight_grad: torch.Tensor) -> torch.Tensor:
+        """The weight gradient as ``(out, in)`` (a view, no copy)."""
+        return weight_grad.t() if self.transposed else weight_grad.reshape(weight_grad.shape[0], -1)
+
+    def write_grad(self, weight: torch.Tensor, g: torch.Tensor) -> None:
+        """Write an ``(out, in)`` gradient into ``weight.grad`` in the layer's own layout."""
+        assert weight.grad is not None
+        weight.grad.copy_(g.t() if self.transposed else g.reshape(weight.shape))
+
+
+def _is_hf_conv1d(m: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2, GPT, ...), recognised by structure, without importing
+    transformers: the class is named ``Conv1D``, has an ``nf`` attribute (out features) and a 2-D
+    ``weight`` whose second dimension is ``nf`` (stored ``(in, out)``)."""
+    w = getattr(m, "weight", None)
+    return (type(m).__name__ == "Conv1D" and isinstance(getattr(m, "nf", None), int)
+            and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == m.nf)
+
+
+LAYER_KINDS: tuple[LayerKind, ...] = (
+    LayerKind("Linear", lambda m: isinstance(m, nn.Linear), transposed=False),
+    LayerKind("Conv1D", _is_hf_conv1d, transposed=True),
+)
+
+
+def layer_kind(module: nn.Module) -> LayerKind | None:
+    """The kind of a module K-FAC can handle, or None (it is left to the first-order optimizer)."""
+    return next((k for k in LAYER_KINDS if k.matches(module)), None)
+
+
+def kfac_modules(model: nn.Module, ignore: Iterable[str] = DEFAULT_IGNORE) -> dict[str, nn.Module]:
+    """The layers of ``model`` that K-FAC handles (see :data:`LAYER_KINDS`), by qualified name, in model
+    order: every module of a known kind whose name ``ignore`` does not match."""
     ignore = tuple(ignore)
-    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not is_ignored(n, ignore)}
+    return {n: m for n, m in model.named_modules()
+            if layer_kind(m) is not None and not is_ignored(n, ignore) and n not in _called_functionally(model)}
+
+
+def _called_functionally(model: nn.Module) -> set[str]:
+    """Layers whose weights their parent uses directly, never calling them as modules: no forward hook
+    would see their inputs, so K-FAC cannot build their factors (``nn.MultiheadAttention.out_proj``)."""
+    return {f"{n}.out_proj" if n else "out_proj" for n, m in model.named_modules()
+            if isinstance(m, nn.MultiheadAttention)}
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What K-FAC preconditions on one stage and what it leaves to the first-order optimizer."""
+
+    covered: dict[str, int]  # layer kind -> how many layers K-FAC handles, in model order
+    first_order: dict[str, int]  # module class -> how many modules own parameters K-FAC does not touch
+    ignored: tuple[str, ...]  # layers K-FAC could handle that ``kfac.ignore`` leaves out
+    tied: tuple[tuple[str, str], ...]  # (K-FAC layer, other module sharing its weight)
+
+    @property
+    def layers(self) -> int:
+        return sum(self.covered.values())
+
+    def line(self, where: str, show: int = 4) -> str:
+        """One line, e.g. ``K-FAC covers 12 layers (12 Linear) on stage 0; first-order only: ...``."""
+        kinds = ", ".join(f"{n} {k}" for k, n in self.covered.items())
+        head = (f"K-FAC covers {self.layers} layer{'s' if self.layers != 1 else ''} ({kinds}) on {where}"
+                if self.layers else f"K-FAC covers no layers on {where}")
+        rest = ["first-order only: " + (", ".join(f"{k} ({n})" for k, n in self.first_order.items()) or "nothing")]
+        if self.ignored:
+            more = f" and {len(self.ignored) - show} more" if len(self.ignored) > show else ""
+            rest.append("ignored by kfac.ignore: " + ", ".join(self.ignored[:show]) + more)
+        if self.tied:
+            rest.append("weight shared (K-FAC preconditions the summed gradient): "
+                        + ", ".join(f"{a} with {b}" for a, b in self.tied))
+        return "; ".join([head] + rest)
+
+
+def coverage(model: nn.Module, ignore: Iterable[str] = DEFAULT_IGNORE) -> Coverage:
+    """Count what :func:`kfac_modules` takes and what it leaves, so a run can say so at start.
+
+    A module counts as first-order when it owns (directly) a trainable parameter that no K-FAC layer
+    holds; a K-FAC layer whose weight another module also owns (tied embeddings) is reported as tied.
+    """
+    ignore = tuple(ignore)
+    layers = kfac_modules(model, ignore)
+    covered: dict[str, int] = {}
+    for m in layers.values():
+        kind = layer_kind(m)
+        assert kind is not None
+        covered[kind.name] = covered.get(kind.name, 0) + 1
+    kfac_params = {id(p): n for n, m in layers.items() for p in m.parameters(recurse=False)}
+    first_order: dict[str, int] = {}
+    ignored: list[str] = []
+    tied: list[tuple[str, str]] = []
+    for name, m in model.named_modules(remove_duplicate=False):
+        if name in layers:
+            continue
+        own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+        for p in own:
+            if id(p) in kfac_params and (kfac_params[id(p)], name) not in tied:
+                tied.append((kfac_params[id(p)], name))
+        if layer_kind(m) is not None and is_ignored(name, ignore):
+            ignored.append(name)
+        elif any(id(p) not in kfac_params for p in own):
+            cls = type(m).__name__
+            first_order[cls] = first_order.get(cls, 0) + 1
+    return Coverage(covered, first_order, tuple(ignored), tuple(tied))
 
 
 @dataclass
 class LayerState:
-    module: nn.Linear
+    module: nn.Module
+    kind: LayerKind = field(default=LAYER_KINDS[0])
     inputs: collections.deque = field(default_factory=collections.deque)
     outgrads: collections.deque = field(default_factory=collections.deque)
     sums: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
@@ -68,7 +186,7 @@ class LayerState:
 
     @property
     def bias(self) -> bool:
-        return self.module.bias is not None
+        return getattr(self.module, "bias", None) is not None
 
     def factor(self, f: str) -> torch.Tensor | None:
         s = self.sums[f]
@@ -112,7 +230,9 @@ class KFAC:
         self.warn = warn or (lambda msg: None)
         self.loss_scale = float(loss_scale)
         self.dp_group, self.dp_size = dp_group, int(dp_size)
-        self.layers = {n: LayerState(m) for n, m in kfac_modules(model, ignore).items()}
+        self.layers = {n: LayerState(m, layer_kind(m) or LAYER_KINDS[0])
+                       for n, m in kfac_modules(model, ignore).items()}
+        self.coverage = coverage(model, ignore)  # what the run says at start
         self.saving = False
         self._grad_dot_step: torch.Tensor | float = 0.0  # sum of <g, F^-1 g> (KL-clip), kept on the device
         # bytes of saved tensors still waiting for their covariance piece, counted as they are saved and
@@ -362,27 +482,28 @@ class KFAC:
         st.inversions[factor] += 1
 
     def precondition(self, name: str) -> bool:
-        """Replace the layer's gradient by ``B^-1 grad A^-1``; False (gradient untouched) without inverses."""
+        """Replace the layer's gradient by ``B^-1 grad A^-1``; False (gradient untouched) without inverses.
+
+        ``grad`` is ``(out, in[+1])`` for every layer kind; a transposed weight (``Conv1D``) is read and
+        written back through its :class:`LayerKind`."""
         st = self.layers[name]
         a_inv, b_inv = st.inverses["A"], st.inverses["B"]
         w = st.module.weight
         if a_inv is None or b_inv is None or w.grad is None:
             return False
-        g = w.grad.reshape(w.shape[0], -1)
+        g = st.kind.grad_matrix(w.grad)  # (out, in), whatever the layer's own layout
         if st.bias:
             b = st.module.bias
             bg = b.grad if b.grad is not None else torch.zeros_like(b)
             g = torch.cat([g, bg[:, None]], dim=1)
         p = fx.precondition(g, a_inv, b_inv)
         self._grad_dot_step = self._grad_dot_step + (p * g).sum()  # no host sync per layer
+        st.kind.write_grad(w, p[:, :-1] if st.bias else p)
         if st.bias:
-            w.grad.copy_(p[:, :-1].reshape(w.shape))
             if st.module.bias.grad is None:
                 st.module.bias.grad = p[:, -1].clone()
             else:
                 st.module.bias.grad.copy_(p[:, -1])
-        else:
-            w.grad.copy_(p.reshape(w.shape))
         return True
 
     def precondition_all(self) -> int:
@@ -408,7 +529,7 @@ class KFAC:
         out = []
         for st in self.layers.values():
             out.append(st.module.weight)
-            if st.module.bias is not None:
+            if st.bias:
                 out.append(st.module.bias)
         return out
 

@@ -19,9 +19,29 @@ DEFAULT_KFAC_IGNORE = ("embeddings", "LayerNorm", "cls")
 """Substrings of module names K-FAC leaves alone: embeddings, norms and the prediction head."""
 
 
+DEFAULT_BUILDER = "pipefisher.runtime.model:build_stage"
+"""The built-in BERT-style model's stage builder (``model.builder``)."""
+
+
+class Options(dict):
+    """``model.options``: builder-specific settings, passed to the builder untouched.
+
+    A dict (YAML and JSON read and write it as one) that hashes by content, so a :class:`ModelConfig`
+    holding it can still key a cache. Treat it as read-only.
+    """
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(json.dumps(self, sort_keys=True, default=str))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the BERT-style masked-language model."""
+    """Shape of the model, and which stage builder makes it.
+
+    ``builder`` (``"package.module:function"``) builds one pipeline stage; the default is the built-in
+    BERT-style masked-language model. ``options`` is for the builder's own settings (the config checks
+    nothing in it), so a user's builder needs no new config keys.
+    """
 
     vocab_size: int = 100
     hidden_size: int = 32
@@ -32,6 +52,12 @@ class ModelConfig:
     dropout: float = 0.0
     layer_norm_eps: float = 1e-12
     init_std: float = 0.02
+    builder: str = DEFAULT_BUILDER
+    options: Options = field(default_factory=Options)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.options, Options) and isinstance(self.options, Mapping):
+            object.__setattr__(self, "options", Options(self.options))  # replace(model={"options": {...}})
 
 
 SYNTHETIC = "synthetic"
@@ -59,7 +85,11 @@ class DataConfig:
     tokenizer: str = "bpe"
     val_fraction: float = 0.05
     val_batches: int = 8
+    objective: str = "mlm"  # one of OBJECTIVES
 
+
+OBJECTIVES = ("mlm", "clm")
+"""``data.objective``: masked-LM (BERT masking) or causal-LM (labels are the next tokens) batches."""
 
 OPTIMIZERS = ("adamw", "lamb", "sgd", "adam")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -201,6 +231,10 @@ def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None) -> Ru
 def _coerce(section: str, key: str, value: Any, path: str | os.PathLike[str] | None) -> Any:
     """``value`` as the type of ``section.key``'s default, or an :class:`InputError` naming the key."""
     default = getattr(_SECTIONS[section](), key)
+    if isinstance(default, dict):
+        if not isinstance(value, Mapping):
+            raise InputError(path, f"{section}.{key} must be a mapping, not {value!r}")
+        return Options(value)
     if isinstance(default, tuple):
         if not isinstance(value, (list, tuple)):
             raise InputError(path, f"{section}.{key} must be a list")
@@ -304,6 +338,13 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("pipeline.timeout_s must be positive")
     if d.text.strip() == "":
         problems.append("data.text must name a corpus ('stdlib', a file, a folder or a glob) or 'synthetic'")
+    if d.objective not in OBJECTIVES:
+        problems.append(f"data.objective must be one of {', '.join(OBJECTIVES)}")
+    if d.objective == "clm" and d.seq_len < 2:
+        problems.append("data.objective clm needs data.seq_len >= 2 (a next token to predict)")
+    module, colon, func = m.builder.partition(":")
+    if not colon or not module.strip() or not func.strip() or ":" in func:
+        problems.append(f"model.builder must be 'package.module:function', not {m.builder!r}")
     if d.tokenizer not in ("bpe", "wordpiece"):
         problems.append("data.tokenizer must be 'bpe' or 'wordpiece'")
     if not 0.0 < d.val_fraction < 1.0:

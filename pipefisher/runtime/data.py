@@ -1,4 +1,8 @@
-"""Masked-LM batches: random windows of a tokenized text corpus, BERT-masked, plus fixed held-out batches.
+"""Language-model batches: random windows of a tokenized text corpus, plus fixed held-out batches.
+
+``data.objective`` decides what a window becomes: ``mlm`` masks it as BERT does (labels at the
+predicted positions), ``clm`` keeps the inputs whole and labels every position with the next token
+(the last position has none). Both take the same windows from the same seeds.
 
 Every training micro-batch is a pure function of (seed, step, replica, micro-batch index), so the first
 stage (which needs the tokens) and the last stage (which needs the labels) make the same batch on their
@@ -35,12 +39,15 @@ def batch_seed(seed: int, step: int, replica: int, index: int) -> int:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    input_ids: torch.Tensor  # (batch, seq) int64, predicted positions masked as in BERT
+    input_ids: torch.Tensor  # (batch, seq) int64; mlm: predicted positions masked as in BERT
     labels: torch.Tensor  # (batch, seq) int64, IGNORE_INDEX where nothing is predicted
 
 
 class MLMData:
-    """Makes the micro-batches of a run: from ``corpus`` if given, else ``load_corpus(cfg, vocab_size)``."""
+    """Makes the micro-batches of a run: from ``corpus`` if given, else ``load_corpus(cfg, vocab_size)``.
+
+    The name is historical: ``cfg.objective`` picks masked-LM or causal-LM batches.
+    """
 
     def __init__(self, cfg: DataConfig, vocab_size: int, corpus: Corpus | None = None) -> None:
         self.cfg, self.vocab_size = cfg, vocab_size
@@ -97,7 +104,12 @@ class MLMData:
         return ids[starts[:, None] + torch.arange(self.cfg.seq_len)]
 
     def _mask(self, tokens: torch.Tensor, g: torch.Generator) -> MicroBatch:
-        """BERT masking: ``mask_prob`` of positions predicted (one at least per sequence)."""
+        """BERT masking: ``mask_prob`` of positions predicted (one at least per sequence); under
+        ``clm`` the inputs unchanged and the next token as every position's label."""
+        if self.cfg.objective == "clm":
+            labels = torch.full_like(tokens, IGNORE_INDEX)
+            labels[:, :-1] = tokens[:, 1:]
+            return MicroBatch(tokens, labels)
         predicted = torch.rand(tokens.shape, generator=g) < self.cfg.mask_prob
         predicted[:, 0] |= ~predicted.any(dim=1)
         labels = torch.where(predicted, tokens, torch.full_like(tokens, IGNORE_INDEX))

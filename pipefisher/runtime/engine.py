@@ -21,7 +21,6 @@ import torch.distributed as dist
 from pipefisher.runtime.config import PIPELINE_ORDERS
 from pipefisher.runtime.data import MLMData, batch_seed
 from pipefisher.runtime.dist import DistContext
-from pipefisher.runtime.model import PipelineStage
 from pipefisher.sim.schedules import DOWN, UP, generate
 from pipefisher.sim.schedules import FORWARD as _F
 from pipefisher.timeline import UP_SUFFIX
@@ -82,6 +81,9 @@ def pipe_micro_batches(kind: str, device: int, devices: int, num_micro_batches: 
 class PipelineEngine:
     """Runs one stage's part of each step's pipeline, on one pipe.
 
+    ``stage`` is any module keeping the stage protocol (``is_first``, ``is_last``, ``hidden_size``,
+    ``forward(x, labels=None, sample=None)``; see :func:`pipefisher.runtime.model.make_stage`).
+
     The loss of every micro-batch is divided by the number of micro-batches of the step (both pipes
     together under Chimera), so the gradients of a step are those of the mean loss over the step's
     batch (then averaged over replicas).
@@ -96,7 +98,7 @@ class PipelineEngine:
     gradients build factor B, and its input gradient travels to the previous stage beside the real one.
     """
 
-    def __init__(self, stage: PipelineStage, ctx: DistContext, data: MLMData, num_micro_batches: int,
+    def __init__(self, stage: torch.nn.Module, ctx: DistContext, data: MLMData, num_micro_batches: int,
                  span: Span | None = None, kfac: Any = None, *, pipe: int = DOWN,
                  micro_batches: Sequence[int] | None = None) -> None:
         self.stage, self.ctx, self.data = stage, ctx, data

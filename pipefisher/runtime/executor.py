@@ -69,28 +69,32 @@ def parse_label(label: str) -> tuple[str, str | None, str | None, int]:
 
 
 @functools.lru_cache(maxsize=32)
-def _stage_kfac_names(model_cfg: Any, ignore: tuple[str, ...], stages: int) -> tuple[tuple[str, ...], ...]:
-    import dataclasses
-
+def _stage_kfac_names(cfg: RunConfig, stages: int) -> tuple[tuple[str, ...], ...]:
     import torch
 
     from pipefisher.kfac.kfac import kfac_modules
-    from pipefisher.runtime.model import PipelineStage
+    from pipefisher.runtime.model import make_stage
 
-    # Module names depend on the layer layout only, so a model with the same layers but minimal widths
-    # names them all in milliseconds, whatever the real size.
-    shape = dataclasses.replace(model_cfg, vocab_size=8, hidden_size=model_cfg.num_heads,
-                                intermediate_size=1, max_position=1)
+    # Module names do not depend on the weights: the stages are built through the run's builder on
+    # torch's "meta" device (no memory, no init cost, whatever the model's size). A builder that cannot
+    # build there is run on the CPU instead.
     out = []
     with torch.random.fork_rng(devices=[]):
         for s in range(stages):
-            out.append(tuple(kfac_modules(PipelineStage(shape, s, stages), ignore)))
+            try:
+                with torch.device("meta"):
+                    stage = make_stage(cfg, s, stages)
+            except InputError:
+                raise
+            except Exception:
+                stage = make_stage(cfg, s, stages)
+            out.append(tuple(kfac_modules(stage, cfg.kfac.ignore)))
     return tuple(out)
 
 
 def stage_kfac_names(cfg: RunConfig) -> list[list[str]]:
     """The K-FAC module names of every pipeline stage of ``cfg``, in model order."""
-    return [list(n) for n in _stage_kfac_names(cfg.model, tuple(cfg.kfac.ignore), cfg.pipeline.stages)]
+    return [list(n) for n in _stage_kfac_names(cfg, cfg.pipeline.stages)]
 
 
 def is_chimera(cfg: RunConfig) -> bool:

@@ -9,15 +9,109 @@ the word embeddings (they live on different stages).
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+import importlib
+import os
+import sys
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipefisher.runtime.config import ModelConfig
+from pipefisher.errors import InputError
+from pipefisher.runtime.config import DEFAULT_BUILDER, ModelConfig, RunConfig
 
 IGNORE_INDEX = -100
+
+StageBuilder = Callable[[RunConfig, int, int, int], nn.Module]
+"""``build(cfg, index, num_stages, seed) -> stage``: what ``model.builder`` names (see :func:`build_stage`)."""
+
+STAGE_ATTRIBUTES = ("is_first", "is_last", "hidden_size")
+"""What the runtime reads off a stage besides ``forward(x, labels=None, sample=None)``."""
+
+
+def build_stage(cfg: RunConfig, index: int, num_stages: int, seed: int) -> nn.Module:
+    """The built-in stage builder (the default ``model.builder``): stage ``index`` of the BERT-style model."""
+    return PipelineStage(cfg.model, index, num_stages, seed=seed)
+
+
+def load_builder(spec: str, where: str | os.PathLike[str] | None = None) -> StageBuilder:
+    """The function ``"package.module:function"`` names, or an :class:`InputError` (one line, ``where``).
+
+    The module is imported as ``python -m`` would, so a module in the current directory works from
+    ``pipefisher train`` too (console scripts do not put the current directory on the path).
+    """
+    if spec == DEFAULT_BUILDER:
+        return build_stage
+    module_name, _, func_name = spec.partition(":")
+    what = f"model.builder {spec!r}"
+    try:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is None or not module_name.startswith(err.name) or os.getcwd() in sys.path:
+                raise
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        missing = f"module {err.name!r} not found" if err.name else str(err)
+        raise InputError(where, f"{what}: cannot import {module_name!r} ({missing})") from None
+    except Exception as err:  # the user's module failed while importing: say how, on one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise InputError(where, f"{what}: importing {module_name!r} failed: {type(err).__name__}"
+                                + (f": {first}" if first else "")) from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise InputError(where, f"{what}: module {module_name!r} has no function {func_name!r}")
+    return func
+
+
+def check_stage(stage: Any, spec: str, index: int, num_stages: int,
+                where: str | os.PathLike[str] | None = None) -> nn.Module:
+    """``stage`` if it keeps the stage protocol (an ``nn.Module`` with :data:`STAGE_ATTRIBUTES` that
+    agree with its place in the pipeline), else an :class:`InputError` naming the builder."""
+    what = f"model.builder {spec!r}: stage {index} of {num_stages}"
+    if not isinstance(stage, nn.Module):
+        raise InputError(where, f"{what} is a {type(stage).__name__}, not a torch.nn.Module")
+    missing = [a for a in STAGE_ATTRIBUTES if not hasattr(stage, a)]
+    if missing:
+        raise InputError(where, f"{what} lacks the stage attribute(s) {', '.join(missing)} "
+                                f"(a stage has {', '.join(STAGE_ATTRIBUTES)} and forward(x, labels=None, sample=None))")
+    if (bool(stage.is_first), bool(stage.is_last)) != (index == 0, index == num_stages - 1):
+        raise InputError(where, f"{what} says is_first={stage.is_first}, is_last={stage.is_last}")
+    if not isinstance(stage.hidden_size, int) or stage.hidden_size < 1:
+        raise InputError(where, f"{what} has hidden_size {stage.hidden_size!r}, not a positive int")
+    return stage
+
+
+def make_stage(cfg: RunConfig, index: int, num_stages: int, seed: int | None = None,
+               where: str | os.PathLike[str] | None = None) -> nn.Module:
+    """Stage ``index`` of ``num_stages`` from ``cfg``'s ``model.builder`` (seed: ``data.seed``), checked.
+
+    Every stage copy the runtime holds (both Chimera copies included) is made here.
+    """
+    spec = cfg.model.builder
+    builder = load_builder(spec, where)
+    stage = builder(cfg, index, num_stages, cfg.data.seed if seed is None else seed)
+    return check_stage(stage, spec, index, num_stages, where)
+
+
+def check_builder(cfg: RunConfig, where: str | os.PathLike[str] | None = None) -> None:
+    """Refuse, before any worker starts, a ``model.builder`` that does not import or whose stages lack
+    the protocol (one line naming ``where``, the config file). The stages are built on torch's "meta"
+    device (no memory); a builder that cannot build there is left to the workers' own check."""
+    load_builder(cfg.model.builder, where)
+    stages = cfg.pipeline.stages
+    with torch.random.fork_rng(devices=[]):
+        for index in range(stages):
+            try:
+                with torch.device("meta"):
+                    stage = load_builder(cfg.model.builder, where)(cfg, index, stages, cfg.data.seed)
+            except InputError:
+                raise  # the builder's own one-line refusal (e.g. a missing optional extra): say it here
+            except Exception:
+                return
+            check_stage(stage, cfg.model.builder, index, stages, where)
 
 
 class Embeddings(nn.Module):
@@ -193,6 +287,8 @@ def _name_seed(seed: int, name: str) -> int:
 def init_parameters(module: nn.Module, seed: int, std: float) -> None:
     """BERT init (normal weights, zero biases, unit norms), each tensor seeded by its own name."""
     for name, p in module.named_parameters():
+        if p.is_meta:  # built on the meta device for its layout only: nothing to fill
+            continue
         if name.endswith("bias"):
             p.zero_()
         elif "LayerNorm" in name:

@@ -17,27 +17,21 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import click
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from pipefisher.kfac.factors import BadFactorError
 from pipefisher.runtime import memory
+from pipefisher.runtime.api import build_worker
 from pipefisher.runtime.config import RunConfig
 from pipefisher.runtime.data import MLMData
 from pipefisher.runtime.dist import DistContext
-from pipefisher.runtime.chimera import ChimeraEngine, KFACPair, StagePair
-from pipefisher.runtime.engine import PipelineEngine, pipe_micro_batches, pipeline_ops
-from pipefisher.runtime.executor import ScheduleExecutor, load_checked_schedule, node_pipes, schedule_digest
-from pipefisher.runtime.model import PipelineStage
-from pipefisher.runtime.profiler import STEP_KEY, Profiler
+from pipefisher.runtime.executor import node_pipes
+from pipefisher.runtime.profiler import Profiler
 from pipefisher.runtime.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar, phase  # noqa: F401 (re-exported)
-from pipefisher.runtime.update import Updater, make_kfac
 from pipefisher.safe_io import dump_json_atomic
-from pipefisher.sim.schedules import DOWN, UP
+from pipefisher.sim.schedules import UP
 
 MODES = ("first-order", "kfac", "scheduled")
 
@@ -107,34 +101,22 @@ class Trainer:
         self.chimera = cfg.pipeline.schedule == "chimera"
         if ctx.chimera != self.chimera:
             raise ValueError("the process groups were set up for another pipeline schedule than the config's")
-        m = cfg.data.num_micro_batches
         self.reporter = g.stage == g.stages - 1 and g.replica == 0
         self._phase(f"loading data ({cfg.data.text} text)")
         self.data = MLMData(cfg.data, cfg.model.vocab_size)
         self.val_batches = self.data.validation_batches() if opts.eval_every else []
         self.profiler = Profiler(opts.profile, ctx.device)
-        self._phase(f"building the model ({cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
-                    f"{g.stages} stage(s)) on {ctx.device}" + (", with K-FAC" if self.mode != "first-order" else ""))
-        self._build(cfg, ctx)
-        self.updater = Updater(cfg, self.stage, self.kfac, cfg.optim.decay_steps or opts.steps,
-                               pipe_group=ctx.pipe_group, copies=2 if self.chimera else 1)
-        self.ops = pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m)
-        self.executor: ScheduleExecutor | None = None
-        self.cycles: list[int] = []
-        self.schedule_digest: str | None = None
-        if self.mode == "scheduled":
-            assert opts.schedule is not None and self.kfac is not None
-            # Every worker checks every node, so a bad schedule stops all of them before step 0.
-            data = load_checked_schedule(opts.schedule, cfg, g.replicas)
-            self.schedule_digest = schedule_digest(data)
-            self.cycles = [len(node) for node in data]
-            from pipefisher.runtime.dist import check_agreement
-
-            check_agreement(ctx, f"schedule {self.schedule_digest}")  # the same file on every host
-            self.executor = ScheduleExecutor(data[g.stage], self.engine, self.kfacs, self.end_of_step)
-        # Dropout draws from torch's global generator: seed it per worker, so that a run is repeatable
-        # and a resumed run (which restores the generator) continues the very same stream.
-        torch.manual_seed((cfg.data.seed * 1_000_003 + g.rank) * 7_919 + 17)
+        self._phase(f"building the model ({cfg.model.builder}, {cfg.model.num_layers} layers, hidden "
+                    f"{cfg.model.hidden_size}, {g.stages} stage(s)) on {ctx.device}"
+                    + (", with K-FAC" if self.mode != "first-order" else ""))
+        # The library's composition (pipefisher.runtime.api): a user's own loop gets the same worker.
+        self.worker = build_worker(cfg, ctx, mode=self.mode, total_steps=opts.steps, schedule=opts.schedule,
+                                   kfac_interval=self.interval, data=self.data, span=self.profiler.span,
+                                   warn=click.echo)
+        w = self.worker
+        self.stage, self.kfac, self.kfacs, self.engine = w.stage, w.kfac, w.kfacs, w.engine
+        self.updater, self.ops, self.executor = w.updater, w.ops, w.executor
+        self.cycles, self.schedule_digest = w.cycles, w.schedule_digest
         self.start_step = 0
         if opts.resume:
             from pipefisher.runtime.checkpoint import load_checkpoint
@@ -147,27 +129,6 @@ class Trainer:
         if self.reporter and self.opts.progress:
             phase(what)
 
-    def _build(self, cfg: RunConfig, ctx: DistContext) -> None:
-        """This device's stage (two copies under Chimera), their K-FAC states and pipeline engines."""
-        g, m = ctx.grid, cfg.data.num_micro_batches
-        plan = pipe_micro_batches(cfg.pipeline.schedule, g.stage, g.stages, m)
-        index = node_pipes(cfg, g.stage)  # pipe -> stage of its copy here, in canonical order
-        copies = {p: PipelineStage(cfg.model, s, g.stages, seed=cfg.data.seed).to(ctx.device) for p, s in index.items()}
-        self.kfacs: dict[int, Any] = {}
-        if self.mode != "first-order":
-            for p, copy in copies.items():
-                where = f"stage {index[p]}" + (" (up pipe)" if p == UP else "") + f" replica {g.replica}"
-                self.kfacs[p] = make_kfac(cfg, copy, dp_group=ctx.stage_group, dp_size=ctx.stage_group_size,
-                                          warn=lambda msg, where=where: click.echo(f"{where}: {msg}"))
-        engines = {p: PipelineEngine(copies[p], ctx, self.data, m, span=self.profiler.span, kfac=self.kfacs.get(p),
-                                     pipe=p, micro_batches=plan[p]) for p in plan}
-        if self.chimera:
-            self.stage: nn.Module = StagePair(copies[DOWN], copies[UP], list(index))
-            self.kfac: Any = KFACPair(self.kfacs, list(index)) if self.kfacs else None
-            self.engine: Any = ChimeraEngine(self.stage, ctx, engines)
-        else:
-            self.stage, self.kfac, self.engine = copies[DOWN], self.kfacs.get(DOWN), engines[DOWN]
-
     @property
     def cycle(self) -> int | None:
         """K-FAC cycle length k of this node's schedule (``scheduled`` mode), else None."""
@@ -175,29 +136,11 @@ class Trainer:
 
     def train_step(self, step: int) -> float | None:
         """One step; returns the loss (mean over replicas) on the last stage, else None."""
-        self.updater.set_step(step)
-        if self.executor is not None and step >= 1:
-            return self._mean_loss(self.executor.run_step(step))
-        refresh = self.kfac is not None and (self.executor is not None or step % self.interval == 0)
-        if self.kfac is not None:
-            self.kfac.set_saving(refresh)
-        self.engine.begin_step(step)
-        with self.profiler.span(STEP_KEY):
-            self.engine.run(self.ops)
-            loss = self.engine.finish_step()
-            if self.kfac is not None:
-                if refresh:
-                    self.kfac.update_curvature(span=self.profiler.span)
-                self.kfac.clear_saved()
-            self.end_of_step()
-        if self.executor is not None:  # step 0 done: iteration 0 of the first cycle saves
-            self.kfac.set_saving(True)
-        return self._mean_loss(loss)
+        return self.worker.step(step)
 
     def end_of_step(self) -> None:
         """The ``-- end --`` label: gradient all-reduce, then the update (:class:`Updater`)."""
-        self.engine.allreduce_gradients()
-        self.updater.step(self.stage)
+        self.worker.end_of_step()
 
     def _lost_message(self, step: int, err: BaseException) -> str:
         g = self.ctx.grid
@@ -207,15 +150,6 @@ class Trainer:
         return (f"stage {g.stage} of replica {g.replica} (rank {g.rank}) failed at step {step}: {first}. "
                 f"A peer died, stalled beyond the {self.cfg.pipeline.timeout_s:g} s timeout, or runs a "
                 f"different pipeline")
-
-    def _mean_loss(self, loss: float | None) -> float | None:
-        """The step's loss over every replica of the last stage (and both pipes under Chimera, whose
-        last stages sit on devices D - 1 and 0: one group)."""
-        if loss is None or self.ctx.stage_group_size == 1:
-            return loss
-        t = torch.tensor([loss], device=self.ctx.device)
-        dist.all_reduce(t, group=self.ctx.stage_group)
-        return float(t) / self.ctx.grid.replicas
 
     def checkpoint(self, steps_done: int) -> str | None:
         """Write this worker's checkpoint after ``steps_done`` steps (collective: every worker calls it)."""
@@ -241,6 +175,10 @@ class Trainer:
             click.echo(f"pipefisher train: mode {self.mode}, {g.stages} stage(s) x {g.replicas} replica(s), "
                        f"{self.cfg.pipeline.schedule}, {self.cfg.data.num_micro_batches} micro-batches, "
                        f"{opts.steps} steps on {self.ctx.device}{extra}{resumed}")
+        if g.replica == 0:  # each stage says what its K-FAC covers (every replica holds the same layers)
+            for p, k in self.kfacs.items():
+                up = " (up pipe)" if p == UP else ""
+                click.echo(k.coverage.line(f"stage {node_pipes(self.cfg, g.stage)[p]}{up}"))
         metrics: list[tuple[int, float | None, float | None, float, float]] = []
         train_seconds = 0.0
         memory.reset_peak(self.ctx.device)

@@ -1,0 +1,122 @@
+"""The runtime as a library: stage builders named in the config, and a step-at-a-time loop of one's own."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipefisher.cli import main
+from pipefisher.errors import InputError
+from pipefisher.runtime import api
+from pipefisher.runtime.config import load_config
+from pipefisher.runtime.dist import single_process
+from pipefisher.runtime.executor import stage_kfac_names
+from pipefisher.runtime.model import PipelineStage, build_stage, check_builder, load_builder, make_stage
+from pipefisher.runtime.trainer import Trainer, TrainOptions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+OWN = "tests._own_builders:build"
+
+
+@pytest.fixture(autouse=True)
+def _root_on_path(monkeypatch):
+    """``tests._own_builders`` imports as it would from the repository root, where runs start."""
+    monkeypatch.chdir(ROOT)
+
+
+def _tiny(**model):
+    return load_config(TINY).replace(model=model) if model else load_config(TINY)
+
+
+@pytest.mark.parametrize("builder,problem", [
+    ("tests._no_such_module:build", "cannot import 'tests._no_such_module'"),
+    ("tests._own_builders:missing", "module 'tests._own_builders' has no function 'missing'"),
+    ("tests._own_builders:NOT_A_FUNCTION", "has no function 'NOT_A_FUNCTION'"),
+    ("tests._own_builders:build_plain_module", "stage 0 of 2 lacks the stage attribute(s) is_first, is_last, "
+                                               "hidden_size"),
+])
+def test_bad_builders_are_one_line_naming_the_config_and_the_builder(builder, problem):
+    cfg = _tiny(builder=builder)
+    with pytest.raises(InputError) as err:
+        check_builder(cfg, "my.yaml")
+    line = str(err.value)
+    assert line.startswith(f"my.yaml: model.builder '{builder}'") and problem in line and "\n" not in line
+    with pytest.raises(InputError, match="model.builder"):  # the workers' own check says the same
+        make_stage(cfg, 0, 2)
+
+
+def test_cli_refuses_a_bad_builder_before_any_worker_starts(tmp_path):
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--nproc-per-node", "2", "--no-progress",
+                                    "--set", "model.builder=tests._own_builders:missing"])
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == [
+        f"error: {TINY}: model.builder 'tests._own_builders:missing': module 'tests._own_builders' has no "
+        "function 'missing'"], res.output
+
+
+def test_default_builder_is_the_built_in_bert():
+    cfg = _tiny()
+    assert load_builder(cfg.model.builder) is build_stage
+    stage = make_stage(cfg, 1, 2)
+    assert isinstance(stage, PipelineStage) and stage.is_last and not stage.is_first
+    ref = PipelineStage(cfg.model, 1, 2, seed=cfg.data.seed)
+    assert all(torch.equal(a, b) for a, b in zip(stage.state_dict().values(), ref.state_dict().values()))
+
+
+def test_kfac_layers_of_a_custom_model_come_from_its_builder():
+    names = stage_kfac_names(_tiny(builder=OWN))
+    assert names == [[f"mlps.{i}.{j}" for i in range(2) for j in (0, 2)],
+                     [f"mlps.{i}.{j}" for i in range(2) for j in (0, 2)] + ["head"]]
+    assert "encoder.layer.0.attention.self.query" in stage_kfac_names(_tiny())[0]
+
+
+def test_custom_builder_trains_two_stages_through_pipefisher_train(tmp_path):
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--nproc-per-node", "2", "--mode", "kfac",
+                                    "--steps", "6", "--out", str(out), "--no-progress",
+                                    "--set", f"model.builder={OWN}", "--set", "model.options={width: 16}",
+                                    "--set", "data.objective=clm", "--set", "optim.lr=0.05"])
+    assert res.exit_code == 0, res.output
+    assert "mode kfac, 2 stage(s) x 1 replica(s)" in res.output
+    report = json.loads((out / "tiny_losses.json").read_text())
+    losses = report["losses"]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    assert report["config"]["model"]["builder"] == OWN and report["config"]["model"]["options"] == {"width": 16}
+
+
+@pytest.mark.parametrize("builder", ["pipefisher.runtime.model:build_stage", OWN])
+def test_own_step_loop_gives_the_parameters_pipefisher_train_gives(builder):
+    torch.set_num_threads(1)
+    cfg = _tiny(builder=builder).replace(pipeline={"stages": 1})
+    trainer = Trainer(cfg, single_process(), TrainOptions(mode="kfac", steps=4, progress=False))
+    trained = trainer.run()
+    worker = api.build_worker(cfg, single_process(), mode="kfac", total_steps=4)
+    losses = [worker.step(step) for step in range(4)]
+    assert losses == trained.losses
+    mine, theirs = worker.stage.state_dict(), trainer.stage.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert not torch.equal(mine[next(iter(mine))], make_stage(cfg, 0, 1).state_dict()[next(iter(mine))])
+
+
+def test_build_worker_refuses_a_schedule_without_scheduled_mode():
+    with pytest.raises(ValueError, match="go together"):
+        api.build_worker(_tiny().replace(pipeline={"stages": 1}), single_process(), mode="kfac",
+                         schedule="x.pickle", total_steps=1)
+
+
+def test_the_own_model_example_trains_on_two_processes(tmp_path):
+    out = tmp_path / "losses.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "own_model.py"), "--steps", "4",
+                          "--json", str(out)], capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    losses = json.loads(out.read_text())["losses"]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses
+    assert "step   3  loss" in res.stdout
