@@ -44,10 +44,11 @@ MODES = ("first-order", "kfac", "scheduled")
 Span = Callable[[str], ContextManager[Any]]
 
 
-def init_context(cfg: RunConfig) -> DistContext:
+def init_context(cfg: RunConfig, agree_on: str = "") -> DistContext:
     """Join the job torchrun (or any env:// launcher) started, or run alone when there is none.
 
-    Checks that every worker has the same config, so stages never train different setups.
+    Checks that every worker has the same config (and ``agree_on``: the launcher adds its options), so
+    stages never train different setups.
     """
     from pipefisher.runtime.dist import init_from_env, single_process
     from pipefisher.runtime.launch import threads_per_worker, torchrun_env
@@ -57,10 +58,15 @@ def init_context(cfg: RunConfig) -> DistContext:
                             chimera=cfg.pipeline.schedule == "chimera")
     else:
         if cfg.pipeline.stages != 1:
-            raise ValueError("a pipeline of several stages needs several workers (start them with torchrun)")
+            raise ValueError("a pipeline of several stages needs several workers (pipefisher train "
+                             "--nproc-per-node, or torchrun)")
         torch.set_num_threads(threads_per_worker(1))
         ctx = single_process()
-    check_agreement(ctx, cfg.fingerprint())
+    try:
+        check_agreement(ctx, cfg.fingerprint() + agree_on)
+    except BaseException:
+        shutdown(ctx)
+        raise
     return ctx
 
 

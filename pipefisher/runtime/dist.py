@@ -10,7 +10,6 @@ Every group gets a timeout, so a dead or diverging peer ends in an error instead
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 from dataclasses import dataclass
 from typing import Any

@@ -17,15 +17,14 @@ so the rest of pipefisher never needs it.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.config import ModelConfig, RunConfig
-from pipefisher.runtime.model import IGNORE_INDEX, stage_layers
+from pipefisher.runtime.model import lm_loss, stage_layers
 
 MISSING_TRANSFORMERS = ("the Hugging Face models need transformers: pip install 'pipefisher[hf]' "
                         "(or -e '.[hf]' in a clone)")
@@ -92,21 +91,6 @@ def full_model(model: ModelConfig, kind: str, seed: int) -> nn.Module:
     return out
 
 
-def _lm_loss(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, labels: torch.Tensor,
-             sample: torch.Generator | None) -> Any:
-    """Mean cross-entropy over the positions with a label, the head run on those only (as the built-in
-    model does); with ``sample``, also the loss against labels drawn from the model's own prediction."""
-    keep = labels.reshape(-1) != IGNORE_INDEX
-    logits = head(h.reshape(-1, h.shape[-1])[keep])
-    loss = F.cross_entropy(logits, labels.reshape(-1)[keep])
-    if sample is None:
-        return loss
-    with torch.no_grad():
-        probs = torch.softmax(logits.float(), dim=-1)
-        drawn = torch.multinomial(probs.cpu(), 1, generator=sample).squeeze(1).to(logits.device)
-    return loss, F.cross_entropy(logits, drawn)
-
-
 class _Stage(nn.Module):
     """What both builders' stages share: the pipeline-stage protocol's attributes."""
 
@@ -148,7 +132,7 @@ class BertStage(_Stage):
             return h
         if labels is None:
             return self.cls(h)
-        return _lm_loss(self.cls, h, labels, sample)
+        return lm_loss(self.cls, h, labels, sample)
 
 
 class GPT2Stage(_Stage):
@@ -192,7 +176,7 @@ class GPT2Stage(_Stage):
             return h
         if labels is None:
             return self._head(h)
-        return _lm_loss(self._head, h, labels, sample)
+        return lm_loss(self._head, h, labels, sample)
 
 
 def bert_mlm(cfg: RunConfig, index: int, num_stages: int, seed: int) -> nn.Module:

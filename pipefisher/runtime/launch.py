@@ -173,21 +173,12 @@ def failure_message(rank: int, nproc: int, code: int, error_line: str, log: str 
 
 def run_worker(cfg: RunConfig, opts: TrainOptions) -> WorkerResult:
     """This process is one worker: join the job (env://) or, alone, run without torch.distributed."""
-    import torch
-
-    from pipefisher.runtime.dist import check_agreement, init_from_env, shutdown, single_process
+    from pipefisher.runtime.api import init_context
+    from pipefisher.runtime.dist import shutdown
     from pipefisher.runtime.trainer import Trainer
 
-    if torchrun_env() is not None:
-        ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s,
-                            chimera=cfg.pipeline.schedule == "chimera")
-    else:
-        if cfg.pipeline.stages != 1:
-            raise ValueError("a pipeline of several stages needs several workers (use --nproc-per-node)")
-        torch.set_num_threads(threads_per_worker(1))
-        ctx = single_process()
+    ctx = init_context(cfg, json.dumps(opts.__dict__, sort_keys=True))
     try:
-        check_agreement(ctx, cfg.fingerprint() + json.dumps(opts.__dict__, sort_keys=True))
         return Trainer(cfg, ctx, opts).run()
     finally:
         shutdown(ctx)

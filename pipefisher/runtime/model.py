@@ -257,15 +257,23 @@ class PipelineStage(nn.Module):
             return h
         if labels is None:
             return self.cls.predictions(h)
-        keep = labels.reshape(-1) != IGNORE_INDEX
-        logits = self.cls.predictions(h.reshape(-1, h.shape[-1])[keep])
-        loss = F.cross_entropy(logits, labels.reshape(-1)[keep])
-        if sample is None:
-            return loss
-        with torch.no_grad():
-            probs = torch.softmax(logits.float(), dim=-1)
-            drawn = torch.multinomial(probs.cpu(), 1, generator=sample).squeeze(1).to(logits.device)
-        return loss, F.cross_entropy(logits, drawn)
+        return lm_loss(self.cls.predictions, h, labels, sample)
+
+
+def lm_loss(head: Any, h: torch.Tensor, labels: torch.Tensor, sample: torch.Generator | None = None) -> Any:
+    """Mean cross-entropy over the positions with a label (``IGNORE_INDEX`` elsewhere), the head run on
+    those only (the others' logits would be thrown away); with ``sample`` (true-Fisher K-FAC), also the
+    loss against labels drawn from the model's own predictive distribution. Every language-model stage
+    ends with it, built-in or a builder's."""
+    keep = labels.reshape(-1) != IGNORE_INDEX
+    logits = head(h.reshape(-1, h.shape[-1])[keep])
+    loss = F.cross_entropy(logits, labels.reshape(-1)[keep])
+    if sample is None:
+        return loss
+    with torch.no_grad():
+        probs = torch.softmax(logits.float(), dim=-1)
+        drawn = torch.multinomial(probs.cpu(), 1, generator=sample).squeeze(1).to(logits.device)
+    return loss, F.cross_entropy(logits, drawn)
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[list[int]]:
