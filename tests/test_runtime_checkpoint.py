@@ -107,6 +107,17 @@ def test_a_foreign_checkpoint_is_refused(tmp_path):
     t = _train(cfg, mode="scheduled", schedule=sched, steps=2, checkpoint_dir=ck)
     digest = t.schedule_digest
     check_resumable(ck, cfg, "scheduled", digest, 1, 1)  # its own run is fine
+    # a manifest from before model.builder/options and data.objective existed: those keys at the
+    # values they stand for still resume; another builder does not
+    with open(os.path.join(ck, MANIFEST)) as f:
+        manifest = json.load(f)
+    for sec, key in (("model", "builder"), ("model", "options"), ("data", "objective")):
+        del manifest["config"][sec][key]
+    with open(os.path.join(ck, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    check_resumable(ck, cfg, "scheduled", digest, 1, 1)
+    with pytest.raises(InputError, match=r"another config \(differs in model.builder\)"):
+        check_resumable(ck, cfg.replace(model={"builder": "examples.own_model:build"}), "scheduled", digest, 1, 1)
     with pytest.raises(InputError, match=r"another config \(differs in optim.lr\)"):
         check_resumable(ck, cfg.replace(optim={"lr": 0.5}), "scheduled", digest, 1, 1)
     with pytest.raises(InputError, match="another schedule file"):

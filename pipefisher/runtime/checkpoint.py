@@ -36,6 +36,13 @@ FORMAT = 2  # 2: running-average factors, damping schedule, optimizer pair
 _VOLATILE = {("pipeline", "timeout_s")}  # may change between a run and its resumption
 
 
+def _added_later() -> dict[tuple[str, str], Any]:
+    """Config keys newer than some checkpoints, with the value a run had before the key existed."""
+    from pipefisher.runtime.config import DEFAULT_BUILDER
+
+    return {("model", "builder"): DEFAULT_BUILDER, ("model", "options"): {}, ("data", "objective"): "mlm"}
+
+
 def step_folder(steps_done: int) -> str:
     return f"step-{steps_done:08d}"
 
@@ -45,8 +52,14 @@ def rank_filename(stage: int, replica: int) -> str:
 
 
 def _config_for_compare(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {sec: ({k: v for k, v in vals.items() if (sec, k) not in _VOLATILE} if isinstance(vals, dict) else vals)
-            for sec, vals in cfg.items()}
+    """The config as a resumption compares it: volatile keys left out, keys an older manifest lacks
+    read as the value they stand for (so checkpoints from before a key existed still resume)."""
+    out = {sec: ({k: v for k, v in vals.items() if (sec, k) not in _VOLATILE} if isinstance(vals, dict) else vals)
+           for sec, vals in cfg.items()}
+    for (sec, key), value in _added_later().items():
+        if isinstance(out.get(sec), dict):
+            out[sec].setdefault(key, value)
+    return out
 
 
 def _differing_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
