@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 from pipefisher.errors import InputError
 from pipefisher.safe_io import atomic_path
 from pipefisher.policies.base import MARKERS, JobSchedule, label_category
-from pipefisher.timeline import STEP_KEY, UP_PIPE, Job, Time
+from pipefisher.timeline import STEP_KEY, UP_PIPE, Job, Time, TimelineKey
 
 if TYPE_CHECKING:
     import numpy as np
@@ -46,6 +46,24 @@ LEGEND = {
     "inv_kron_A": "inv A", "inv_kron_B": "inv B", "other": "other",
 }
 UP_HATCH = "////"
+CHUNK_TINT = 0.35
+"""How much lighter (mixed with white) each further model chunk's forwards and backwards are drawn, so
+interleaved schedules show which chunk runs when (capped at :data:`CHUNK_TINT_MAX`)."""
+CHUNK_TINT_MAX = 0.75
+
+
+def chunk_of(category: str, label: str) -> int:
+    """The model chunk a pipeline bar belongs to (``:chunk<j>`` labels); 0 for every other bar."""
+    return TimelineKey.parse(label).chunk if category in PIPELINE and ":chunk" in label else 0
+
+
+def chunk_colour(colour: str, chunk: int) -> tuple[float, float, float]:
+    """``colour`` lightened for model chunk ``chunk`` (chunk 0 keeps it)."""
+    from matplotlib.colors import to_rgb
+
+    t = min(CHUNK_TINT * chunk, CHUNK_TINT_MAX)
+    r, g, b = to_rgb(colour)
+    return (r + (1 - r) * t, g + (1 - g) * t, b + (1 - b) * t)
 IDLE = "#dcdcdc"
 """Fill of a node's idle time (its bubbles): a band under the bars over the node's cycle, distinct
 from the white background between rows."""
@@ -147,7 +165,7 @@ def job_context(job: Job) -> str:
         shape = (f", {sim['p']} stages" if sim["p"] else "") + (f", v={sim['v']}" if sim["v"] else "")
         return f"{sim['model']}, {sim['schedule']}{shape}, m={sim['m']}"
     node0 = job.nodes[0]
-    forwards = node0.micro_batches() + node0.micro_batches(up_pipe=True)
+    forwards = node0.micro_batches(up_pipe=True) + sum(node0.micro_batches(chunk=c) for c in node0.chunks)
     return f"{name + ', ' if name else ''}{len(job.nodes)} nodes, {forwards} forward passes per node"
 
 
@@ -366,16 +384,16 @@ def figure(chart: Chart) -> Figure:
                                          zorder=1))
 
     # group the bars by kind and pipe with C-level loops (zip, map, numpy): a chart may hold millions
-    merged: dict[tuple[str, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    merged: dict[tuple[str, bool, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     if chart.bars:
         count = len(chart.bars)
         kind_pairs = list(map(itemgetter(3, 4), chart.bars))
         pairs = set(kind_pairs)
         order = {c: i for i, c in enumerate(CATEGORY_ORDER)}
-        kinds = sorted({(c, lab.endswith(":" + UP_PIPE)) for c, lab in pairs},
-                       key=lambda key: (order.get(key[0], len(order)), key[0], key[1]))
+        pair_key = {(c, lab): (c, lab.endswith(":" + UP_PIPE), chunk_of(c, lab)) for c, lab in pairs}
+        kinds = sorted(set(pair_key.values()), key=lambda key: (order.get(key[0], len(order)), key[0], key[1], key[2]))
         kind_index = {key: i for i, key in enumerate(kinds)}
-        pair_kind = {(c, lab): kind_index[(c, lab.endswith(":" + UP_PIPE))] for c, lab in pairs}
+        pair_kind = {pair: kind_index[key] for pair, key in pair_key.items()}
         kind_of = np.fromiter(map(pair_kind.__getitem__, kind_pairs), dtype=np.int64, count=count)
         rows_a = np.fromiter(map(itemgetter(0), chart.bars), dtype=np.int64, count=count)
         starts_a = np.fromiter(map(itemgetter(1), chart.bars), dtype=float, count=count) * f
@@ -384,22 +402,22 @@ def figure(chart: Chart) -> Figure:
             sel = kind_of == i
             merged[key] = merge_bars(rows_a[sel], starts_a[sel], ends_a[sel], px)
     # pipeline work first, K-FAC kinds over it: where a pixel holds both, the (rarer) K-FAC work shows
-    for z, ((cat, up), (r, s, e)) in enumerate(merged.items()):
+    for z, ((cat, up, chunk), (r, s, e)) in enumerate(merged.items()):
         widths = e - s
-        colour = COLOURS.get(cat, COLOURS["other"])
+        colour = chunk_colour(COLOURS.get(cat, COLOURS["other"]), chunk)
         ax.add_collection(PolyCollection(
             _boxes(r, s, np.maximum(e, s + px), n),  # at least a pixel wide, so short work still shows
             facecolors=colour, edgecolors=tuple(0.7 * c for c in to_rgb(colour)),
             linewidths=np.where(widths >= EDGE_PX * px, EDGE_LW, 0.0),
             hatch=UP_HATCH if up else None, antialiased=False,
             zorder=(2.5 if cat in PIPELINE else 2.6) + z / 100))
-        if cat == "backward" and ("forward", up) in merged:
+        if cat == "backward" and ("forward", up, chunk) in merged:
             # where forwards and backwards alternate faster than pixels, the backwards would hide every
             # forward: draw the forwards of such stretches over the backwards' upper half
-            both = overlaps(merged[("forward", up)], (r, s, e))
+            both = overlaps(merged[("forward", up, chunk)], (r, s, e))
             if both[0]:
                 ax.add_collection(PolyCollection(
-                    _boxes(*both, n, 0.0, ROW_H / 2), facecolors=COLOURS["forward"], linewidths=0,
+                    _boxes(*both, n, 0.0, ROW_H / 2), facecolors=[chunk_colour(COLOURS["forward"], chunk)], linewidths=0,
                     hatch=UP_HATCH if up else None, antialiased=False, zorder=2.55 + z / 100))
 
     bounds = np.asarray(chart.boundaries, dtype=float) * f
@@ -429,9 +447,11 @@ def figure(chart: Chart) -> Figure:
     ax.set_axisbelow(True)
     left = LEFT_IN / WIDTH_IN
     fig.text(left, 1 - 0.3 / h, chart.title, fontsize=11, ha="left", va="center")
-    present = {cat for cat, _ in merged}
+    present = {cat for cat, _, _ in merged}
     handles = [Patch(facecolor=COLOURS[c], label=LEGEND[c]) for c in CATEGORY_ORDER if c in present]
-    if any(up for _, up in merged):
+    for j in sorted({chunk for _, _, chunk in merged if chunk}):
+        handles.append(Patch(facecolor=chunk_colour(COLOURS["forward"], j), label=f"chunk {j} (lighter)"))
+    if any(up for _, up, _ in merged):
         handles.append(Patch(facecolor="white", edgecolor="#555555", hatch=UP_HATCH, label="up pipe"))
     handles.append(Patch(facecolor=IDLE, label="idle (bubble)"))
     handles.append(Line2D([0], [0], color="black", linestyle="--", linewidth=0.9,

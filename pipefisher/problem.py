@@ -20,7 +20,8 @@ schedule that ``validate`` accepts, with the same margin, has fewer iterations.
   bubble) runs after the iteration's last pipeline item and its fittable work, past the pipeline time,
   and lengthens that iteration; no other work may run past the pipeline time or after such an item.
 * **Dependencies.** In the cycle's first iteration, covariance piece j of a factor follows forward (A)
-  or backward (B) ``j mod m`` of its pipe (:func:`cov_source`, :func:`source_call`); a sync follows all
+  or backward (B) ``j mod m`` of its pipe, or under interleaving of its own model chunk (``:chunk<j>``
+  keys; m = that chunk's forwards) (:func:`cov_source`, :func:`source_call`); a sync follows all
   pieces of its factor; an inverse follows the factor's first sync, or all its pieces where the node has
   no sync for it (``NodeModel.synced``).
 """
@@ -28,7 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipefisher.timeline import BACKWARD, FORWARD, UP_SUFFIX, Interval, NodeTimeline, Time, TimelineKey
+from pipefisher.timeline import (
+    BACKWARD, FORWARD, UP_SUFFIX, Interval, NodeTimeline, Time, TimelineKey, pipe_key,
+)
 
 DEFAULT_MARGIN = 0.05
 """Room an item needs beyond its own duration, as a fraction of it (the published tool's 5 %)."""
@@ -37,6 +40,7 @@ COV, SYNC, INV = 0, 1, 2
 _KIND = {"cov_kron_A": COV, "cov_kron_B": COV, "sync_kron_A": SYNC, "sync_kron_B": SYNC,
          "inv_kron_A": INV, "inv_kron_B": INV}
 PIPE_KEYS = (FORWARD, FORWARD + UP_SUFFIX, BACKWARD, BACKWARD + UP_SUFFIX)
+"""The pipeline keys of chunk 0 (the published format); a node's own are ``NodeTimeline.pipe_keys()``."""
 
 
 def check_margin(margin: float) -> float:
@@ -52,9 +56,10 @@ def fits(duration: Time, room: Time, margin: float = DEFAULT_MARGIN) -> bool:
     return duration * (1.0 + margin) < room
 
 
-def cov_source(factor: str | None, up_pipe: bool) -> str:
-    """The pipeline key whose calls a factor's covariance pieces follow: forwards for A, backwards for B."""
-    return (FORWARD if factor == "A" else BACKWARD) + (UP_SUFFIX if up_pipe else "")
+def cov_source(factor: str | None, up_pipe: bool, chunk: int = 0) -> str:
+    """The pipeline key whose calls a factor's covariance pieces follow: forwards for A, backwards for B,
+    of the factor's own pipe and model chunk (a chunk's layers see only that chunk's micro-batches)."""
+    return pipe_key(FORWARD if factor == "A" else BACKWARD, up_pipe, chunk)
 
 
 def source_call(piece: int, micro_batches: int) -> int:
@@ -137,7 +142,8 @@ def node_model(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN) -
     margin = check_margin(margin)
     raw = []
     order = 0
-    for key in PIPE_KEYS:
+    pipe_keys = node.pipe_keys()
+    for key in pipe_keys:
         prev: Time = 0
         for iv in node.intervals(key):
             s, e = sane_bounds(iv, prev)
@@ -165,11 +171,11 @@ def node_model(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN) -
     if base > cur:
         bubbles.append(Bubble(cur, base, len(pipeline)))
 
-    positions: dict[str, list[int]] = {key: [] for key in PIPE_KEYS}
+    positions: dict[str, list[int]] = {key: [] for key in pipe_keys}
     for i, (key, _, _) in enumerate(pipeline):
         positions[key].append(i)
 
-    group_of: dict[tuple[str, str | None, bool], int] = {}
+    group_of: dict[tuple[str, str | None, bool, int], int] = {}
     items: list[Work] = []
     synced: set[int] = set()
     for key, intervals in node.entries.items():
@@ -177,14 +183,14 @@ def node_model(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN) -
         kind = _KIND.get(parsed.kind)
         if kind is None:
             continue
-        gkey = (parsed.factor or "", parsed.module, parsed.up_pipe)
+        gkey = (parsed.factor or "", parsed.module, parsed.up_pipe, parsed.chunk)
         g = group_of.setdefault(gkey, len(group_of))
         durations = [e - s for s, e in (sane_bounds(iv, 0) for iv in intervals)]
         if kind == COV:
-            m = node.micro_batches(parsed.up_pipe)
+            m = node.micro_batches(parsed.up_pipe, parsed.chunk)
             if m == 0 or not durations:
-                continue  # the timeline asks for no pieces of a pipe that does not run here
-            pos = positions[cov_source(parsed.factor, parsed.up_pipe)]
+                continue  # the timeline asks for no pieces of a pipe (or chunk) that does not run here
+            pos = positions[cov_source(parsed.factor, parsed.up_pipe, parsed.chunk)]
             pieces: list[Time] = []
             for d in durations:
                 pieces.extend(split_evenly(d, m))

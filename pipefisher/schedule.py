@@ -84,8 +84,8 @@ def schedule_margin(path: str | os.PathLike[str]) -> float | None:
 # Dependency rules
 
 
-def _layer_key(key: TimelineKey) -> tuple[str | None, bool]:
-    return (key.module, key.up_pipe)
+def _layer_key(key: TimelineKey) -> tuple[str | None, bool, int]:
+    return key.layer
 
 
 def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequence[str]],
@@ -101,17 +101,18 @@ def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequ
         bad(None, "-", "empty-cycle", "the node has no iterations")
         return out
 
-    pipe_counts = {False: node.micro_batches(False), True: node.micro_batches(True)}
+    chunks = node.chunks
+    pipe_counts = {(up, c): node.micro_batches(up, c) for up in (False, True) for c in chunks}
     known = set(MARKERS)
     expected: dict[str, int] = {}
-    has_sync: set[tuple[str, tuple[str | None, bool]]] = set()
+    has_sync: set[tuple[str, tuple[str | None, bool, int]]] = set()
     for key, intervals in node.entries.items():
         parsed = TimelineKey.parse(key)
         if parsed.kind in (FORWARD, BACKWARD):
             known.add(key)
         elif parsed.is_kfac:
             known.add(key)
-            per = pipe_counts[parsed.up_pipe] if parsed.kind in COV_KINDS else 1
+            per = pipe_counts.get((parsed.up_pipe, parsed.chunk), 0) if parsed.kind in COV_KINDS else 1
             expected[key] = expected.get(key, 0) + len(intervals) * per
             if parsed.kind.startswith("sync"):
                 has_sync.add((parsed.factor or "", _layer_key(parsed)))
@@ -124,7 +125,7 @@ def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequ
         ends = [j for j, label in enumerate(labels) if label == END]
         if len(ends) != 1:
             bad(i, END, "iteration-end", f"the iteration has {len(ends)} '{END}' labels, not 1")
-        for pipe_key in (FORWARD, BACKWARD, FORWARD + ":up_pipe", BACKWARD + ":up_pipe"):
+        for pipe_key in node.pipe_keys():
             want = len(node.intervals(pipe_key))
             got = sum(1 for label in labels if label == pipe_key)
             if got != want:
@@ -140,10 +141,10 @@ def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequ
             bad(i, SAVE_ON, "save-on", "the last iteration must end by turning saving back on")
 
     # -- dependencies, walking the cycle in execution order ---------------------------------------
-    seen_pipe = {(FORWARD, False): 0, (BACKWARD, False): 0, (FORWARD, True): 0, (BACKWARD, True): 0}
+    seen_pipe: dict[tuple[str, bool, int], int] = defaultdict(int)  # (kind, up pipe, chunk) -> calls in iteration 0
     cov_done: dict[str, int] = defaultdict(int)  # label -> pieces so far
     count: dict[str, int] = defaultdict(int)
-    factor_state: dict[tuple[str, tuple[str | None, bool]], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    factor_state: dict[tuple[str, tuple[str | None, bool, int]], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for i, labels in enumerate(iterations):
         for label in labels:
             if label in MARKERS or label not in known:
@@ -151,23 +152,24 @@ def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequ
             key = TimelineKey.parse(label)
             if key.kind in (FORWARD, BACKWARD):
                 if i == 0:
-                    seen_pipe[(key.kind, key.up_pipe)] += 1
+                    seen_pipe[(key.kind, key.up_pipe, key.chunk)] += 1
                 continue
             count[label] += 1
             layer = (key.factor or "", _layer_key(key))
             state = factor_state[layer]
-            m = pipe_counts[key.up_pipe]
+            m = pipe_counts.get((key.up_pipe, key.chunk), 0)
             if key.kind in COV_KINDS:
                 j = cov_done[label]
                 cov_done[label] += 1
                 state["cov"] += 1
-                needed_op = cov_source(key.factor, key.up_pipe)
+                needed_op = cov_source(key.factor, key.up_pipe, key.chunk)
                 mb = source_call(j, m)
-                if seen_pipe[(TimelineKey.parse(needed_op).kind, key.up_pipe)] < mb + 1:
+                if seen_pipe[(TimelineKey.parse(needed_op).kind, key.up_pipe, key.chunk)] < mb + 1:
                     what = "forward" if key.factor == "A" else "backward"
                     rule = f"cov-before-{what}"
+                    whose = " (up pipe)" if key.up_pipe else f" of chunk {key.chunk} ('{needed_op}')" if key.chunk else ""
                     bad(i, label, rule, f"piece {j} needs {what} {mb} of the first iteration"
-                        f"{' (up pipe)' if key.up_pipe else ''}, which has not run yet")
+                        f"{whose}, which has not run yet")
             elif key.kind.startswith("sync"):
                 cov_key = f"cov_kron_{key.factor}" + label[len(key.kind):]
                 want = expected.get(cov_key, 0)

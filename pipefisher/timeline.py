@@ -25,6 +25,10 @@ BACKWARD = "call_backward"
 UP_PIPE = "up_pipe"
 UP_SUFFIX = ":" + UP_PIPE
 """What a key or label of the second (up) pipe of a Chimera schedule ends with."""
+CHUNK = "chunk"
+_CHUNK_SUFFIX = re.compile(r"(?:^|:)chunk([1-9][0-9]*)$")
+"""``:chunk<j>`` (j >= 1) ends the keys of model chunk j of an interleaved schedule; chunk 0 has none,
+so the published tool's files (one chunk) read unchanged."""
 STEP_KEY = "start_end"
 KFAC_KINDS = ("cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B", "inv_kron_A", "inv_kron_B")
 COV_KINDS = ("cov_kron_A", "cov_kron_B")
@@ -45,28 +49,45 @@ class Interval:
         return self.end - self.start
 
 
+def chunk_suffix(chunk: int) -> str:
+    """The key suffix of model chunk ``chunk``: none for chunk 0 (the published format)."""
+    return f":{CHUNK}{chunk}" if chunk else ""
+
+
+def pipe_key(kind: str, up_pipe: bool = False, chunk: int = 0) -> str:
+    """The pipeline key of ``kind`` (forward or backward) for a pipe or a chunk (never both)."""
+    return kind + (UP_SUFFIX if up_pipe else "") + chunk_suffix(chunk)
+
+
 @dataclass(frozen=True)
 class TimelineKey:
-    """A parsed timeline key: ``<kind>[:<module>][:up_pipe]``."""
+    """A parsed timeline key: ``<kind>[:<module>][:up_pipe | :chunk<j>]``."""
 
     kind: str
     module: str | None = None
     up_pipe: bool = False
+    chunk: int = 0
+    """The model chunk (interleaved schedules) the key belongs to; 0 where it has no ``:chunk<j>``."""
 
     @classmethod
     @lru_cache(maxsize=65536)  # schedules repeat a few thousand distinct labels many times
     def parse(cls, key: str) -> "TimelineKey":
         kind, _, rest = key.partition(":")
         up = False
+        chunk = 0
         if rest == UP_PIPE:
             rest, up = "", True
         elif rest.endswith(":" + UP_PIPE):
             rest, up = rest[: -len(UP_PIPE) - 1], True
-        return cls(kind, rest or None, up)
+        else:
+            found = _CHUNK_SUFFIX.search(rest)
+            if found:
+                rest, chunk = rest[: found.start()], int(found.group(1))
+        return cls(kind, rest or None, up, chunk)
 
     def __str__(self) -> str:
         parts = [self.kind] + ([self.module] if self.module else []) + ([UP_PIPE] if self.up_pipe else [])
-        return ":".join(parts)
+        return ":".join(parts) + chunk_suffix(self.chunk)
 
     @property
     def is_kfac(self) -> bool:
@@ -78,9 +99,9 @@ class TimelineKey:
         return self.kind[-1] if self.is_kfac else None
 
     @property
-    def layer(self) -> tuple[str | None, bool]:
-        """The layer copy this work belongs to: (module, serves the up pipe)."""
-        return (self.module, self.up_pipe)
+    def layer(self) -> tuple[str | None, bool, int]:
+        """The layer copy this work belongs to: (module, serves the up pipe, model chunk)."""
+        return (self.module, self.up_pipe, self.chunk)
 
 
 @dataclass(frozen=True)
@@ -96,14 +117,24 @@ class NodeTimeline:
     def intervals(self, key: str) -> tuple[Interval, ...]:
         return self.entries.get(key, ())
 
-    def forwards(self, up_pipe: bool = False) -> tuple[Interval, ...]:
-        return self.intervals(FORWARD + (":" + UP_PIPE if up_pipe else ""))
+    def forwards(self, up_pipe: bool = False, chunk: int = 0) -> tuple[Interval, ...]:
+        return self.intervals(pipe_key(FORWARD, up_pipe, chunk))
 
-    def backwards(self, up_pipe: bool = False) -> tuple[Interval, ...]:
-        return self.intervals(BACKWARD + (":" + UP_PIPE if up_pipe else ""))
+    def backwards(self, up_pipe: bool = False, chunk: int = 0) -> tuple[Interval, ...]:
+        return self.intervals(pipe_key(BACKWARD, up_pipe, chunk))
 
-    def micro_batches(self, up_pipe: bool = False) -> int:
-        return len(self.forwards(up_pipe))
+    def micro_batches(self, up_pipe: bool = False, chunk: int = 0) -> int:
+        """Forwards of one pipe (or one model chunk) in the step: the m its covariance pieces split over."""
+        return len(self.forwards(up_pipe, chunk))
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """The model chunks (interleaved schedules) with pipeline keys here; ``(0,)`` for the rest."""
+        return chunks_of(self.entries)
+
+    def pipe_keys(self) -> tuple[str, ...]:
+        """Every pipeline key this node may have: both pipes of chunk 0, then each further chunk's."""
+        return pipeline_keys(self.chunks)
 
     def kfac_keys(self) -> list[TimelineKey]:
         """The K-FAC work keys of this node, in file order."""
@@ -128,6 +159,28 @@ class Job:
 
     def __len__(self) -> int:
         return len(self.nodes)
+
+
+def chunks_of(keys: Iterable[str]) -> tuple[int, ...]:
+    """The model chunks named by the pipeline keys among ``keys``, always with chunk 0."""
+    found = {0}
+    for key in keys:
+        if key.startswith((FORWARD + ":", BACKWARD + ":")):
+            parsed = TimelineKey.parse(key)
+            if parsed.kind in (FORWARD, BACKWARD) and parsed.module is None:
+                found.add(parsed.chunk)
+    return tuple(sorted(found))
+
+
+def pipeline_keys(chunks: Iterable[int] = (0,)) -> tuple[str, ...]:
+    """The pipeline keys of ``chunks``: for chunk 0 both pipes (the published four), else the chunk's two."""
+    out: list[str] = []
+    for c in chunks:
+        if c == 0:
+            out += [FORWARD, FORWARD + UP_SUFFIX, BACKWARD, BACKWARD + UP_SUFFIX]
+        else:
+            out += [pipe_key(FORWARD, chunk=c), pipe_key(BACKWARD, chunk=c)]
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -184,7 +237,7 @@ def _check_raw(path: str, raw: Any) -> dict[str, list[tuple[Time | None, Time | 
     for key in (FORWARD, BACKWARD):
         if key not in out:
             raise InputError(path, f"has no '{key}' key: not a profiled pipeline timeline")
-    for suffix in ("", ":" + UP_PIPE):
+    for suffix in ("", ":" + UP_PIPE) + tuple(chunk_suffix(c) for c in chunks_of(out) if c):
         nf, nb = len(out.get(FORWARD + suffix, ())), len(out.get(BACKWARD + suffix, ()))
         if nf != nb:
             raise InputError(path, f"has {nf} '{FORWARD + suffix}' but {nb} '{BACKWARD + suffix}' intervals")

@@ -123,6 +123,8 @@ def replay(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[
     try:
         if cfg.pipeline.schedule == "chimera":
             return _replay_chimera(cfg, schedule, steps)
+        if cfg.pipeline.schedule == "interleaved":
+            return _replay_interleaved(cfg, schedule, steps)
         return _replay(cfg, schedule, steps)
     finally:
         torch.set_num_threads(threads)
@@ -332,3 +334,76 @@ def _replay_chimera(cfg: RunConfig, schedule: list[list[list[str]]], steps: int)
         assert all(torch.equal(down[n], up[n]) for n in down), f"stage {s}: the replay's copies drifted"
         out[s] = {n: t.detach().clone() for n, t in down.items()}
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Interleaved 1F1B: a hand-made two-iteration cycle and the one-process replay of the virtual stages
+
+
+def interleaved_spread_schedule(cfg: RunConfig) -> list[list[list[str]]]:
+    """A 2-iteration cycle per device: iteration 0 takes each chunk's covariance pieces right after that
+    chunk's own forwards (A) and backwards (B), saving off at its end; iteration 1 inverts half the
+    factors before ``-- end --`` and half after it, saving back on at the end of the cycle."""
+    from pipefisher.runtime.executor import chunk_suffix, node_kfac_names, parse_label
+
+    stages, m, v = cfg.pipeline.stages, cfg.data.num_micro_batches, cfg.pipeline.chunks
+    out = []
+    for node, by_chunk in enumerate(node_kfac_names(cfg)):
+        ops = pipeline_ops("interleaved", node, stages, m, v)
+        it0 = [START]
+        for label in ops:
+            it0.append(label)
+            kind, _, _, chunk = parse_label(label)
+            f = "A" if kind == FORWARD else "B"
+            it0 += [f"cov_kron_{f}:{n}{chunk_suffix(chunk)}" for n in by_chunk[chunk]]
+        it0 += [END, SAVE_OFF]
+        invs = [f"inv_kron_{f}:{n}{chunk_suffix(j)}" for j, names in by_chunk.items() for n in names for f in "AB"]
+        half = len(invs) // 2
+        it1 = [START, *ops, *invs[:half], END, *invs[half:], SAVE_ON]
+        out.append([it0, it1])
+    return out
+
+
+def _replay_interleaved(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Every virtual stage (chunk j of device d: d + j*D) as its own module, K-FAC and optimizer; each
+    node's labels run on the virtual stage their ``:chunk<j>`` suffix names."""
+    from pipefisher.runtime.executor import parse_label
+
+    p, v, m = cfg.pipeline.stages, cfg.pipeline.chunks, cfg.data.num_micro_batches
+    n = p * v
+    mods = [PipelineStage(cfg.model, s, n, seed=cfg.data.seed) for s in range(n)]
+    kfacs = [make_kfac(cfg, mod) for mod in mods]
+    updaters = [Updater(cfg, mod, k, cfg.optim.decay_steps or steps) for mod, k in zip(mods, kfacs)]
+    data = MLMData(cfg.data, cfg.model.vocab_size)
+
+    def apply(node: int, label: str) -> None:
+        kind, factor, module, chunk = parse_label(label)
+        if factor is not None:
+            kfacs[node + chunk * p].apply_label(f"{kind}_{factor}:{module}")
+        else:
+            for j in range(v):
+                kfacs[node + j * p].apply_label(label)
+
+    for k in kfacs:
+        k.set_saving(True)
+    for step in range(steps):
+        for u in updaters:
+            u.set_step(step)
+        iters = [None if step == 0 else node[(step - 1) % len(node)] for node in schedule]
+        _forward_backward(mods, data, step, range(m), m)
+        for node in range(p):
+            labels = iters[node]
+            for j in range(v):
+                s = node + j * p
+                if labels is None:
+                    kfacs[s].update_curvature()
+                    kfacs[s].clear_saved()
+            if labels is not None:
+                for label in labels[:labels.index(END)]:
+                    apply(node, label)
+            for j in range(v):
+                updaters[node + j * p].step(mods[node + j * p])
+            if labels is not None:
+                for label in labels[labels.index(END) + 1:]:
+                    apply(node, label)
+    return {s: {k: t.detach().clone() for k, t in mod.named_parameters()} for s, mod in enumerate(mods)}

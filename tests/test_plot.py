@@ -291,3 +291,25 @@ def test_job_name_is_the_files_common_prefix_or_nothing():
     assert named("a/x_node0_timeline.pickle", "b/y_node1_timeline.pickle") is None  # two jobs, --allow-mixed
     assert named("run_a.pickle", "run_b.pickle") == "run"
     assert named("<node0>", "<node1>") is None
+
+
+def test_interleaved_chunks_are_drawn_in_lighter_shades_and_named_in_the_trace(tmp_path):
+    """Chunk 1's forwards and backwards (``:chunk1`` labels) get their own, lighter, collections and a
+    legend entry; the trace names each event with its label, so the chunk is in its name."""
+    from matplotlib.colors import to_hex
+
+    from pipefisher.plot import chunk_colour
+    from pipefisher.trace import trace_events
+
+    model = synthetic_model(stages=2, micro_batches=4, layers_per_stage=2, schedule="interleaved")
+    chart = chart_from_job(job_from_dicts(simulate_timelines(model)[0]))
+    assert any(b.label == "call_forward:chunk1" and b.category == "forward" for b in chart.bars)
+    fig = figure(chart)
+    colours = bar_collections(fig)
+    for cat in ("forward", "backward"):
+        light = to_hex(chunk_colour(COLOURS[cat], 1))
+        assert light != COLOURS[cat] and light in colours and COLOURS[cat] in colours
+    assert "chunk 1 (lighter)" in [t.get_text() for t in fig.legends[0].get_texts()]
+    names = {e["name"] for e in trace_events(chart)["traceEvents"] if e.get("ph") == "X"}
+    assert {"call_forward", "call_forward:chunk1", "call_backward:chunk1"} <= names
+    check_png(render(chart, tmp_path / "interleaved.png"), rows=2)

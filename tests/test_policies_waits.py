@@ -185,3 +185,12 @@ def test_without_waiting_for_the_syncs_the_aligner_deadlocks_and_validate_says_s
     data = get_policy("tight").pack(job).to_file_data()
     got = validate(data, job)
     assert got and {v.rule for v in got} == {"deadlock"} and {v.node for v in got} == {0, 1}
+
+
+def test_the_call_clock_follows_interleaved_chunks_through_their_virtual_stages() -> None:
+    """Chunk 1 of node 0 is virtual stage 2: its forward receives from node 1's chunk 0 forward, and
+    node 0's chunk-0 backward from node 1's (not from nobody, as a chunk-blind stage-0 call would)."""
+    order = ["call_forward", "call_forward:chunk1", "call_backward:chunk1", "call_backward"]
+    clock = call_clock([order, order], [[1, 1, 1, 1], [1, 1, 1, 1]])
+    starts = [[start[0] for start, _ in node] for node in clock]
+    assert starts == [[0.0, 2.0, 5.0, 7.0], [1.0, 3.0, 4.0, 6.0]]

@@ -367,3 +367,24 @@ def test_regression_a_larger_margin_is_not_stricter_for_forced_overflow() -> Non
     assert strict == [cycle(["call_forward", "call_backward", kfac("cov_kron_A")])]
     assert validate(strict, job, margin=0.2) == []
     assert [v.rule for v in validate(strict, job, margin=0.05)] == ["unforced-overflow"]
+
+def test_a_chunks_covariance_pieces_follow_that_chunks_own_calls() -> None:
+    """Interleaved nodes: chunk 1's A pieces are released by chunk 1's forwards (``call_forward:chunk1``),
+    split over chunk 1's micro-batches, and its factors are layer copies of their own."""
+    raw: Raw = {"call_forward": [(0, 10), (20, 30), (100, 110)], "call_backward": [(200, 220), (240, 260), (300, 320)],
+                "call_forward:chunk1": [(40, 50), (60, 70), (120, 130)],
+                "call_backward:chunk1": [(140, 160), (170, 190), (270, 290)],
+                "cov_kron_A:l": [(400, 430)], "cov_kron_A:l:chunk1": [(430, 460)],
+                "cov_kron_B:l:chunk1": [(460, 490)]}
+    model = node_model(job_from_dicts([raw]).nodes[0], 400)
+    labels = [key for key, _, _ in model.pipeline]
+    assert labels.count("call_forward:chunk1") == 3
+    work = {w.label: w for w in model.work}
+    assert work["cov_kron_A:l:chunk1"].pieces == (10, 10, 10)
+    assert [labels[i] for i in work["cov_kron_A:l:chunk1"].release] == ["call_forward:chunk1"] * 3
+    assert [model.pipeline[i][1] for i in work["cov_kron_A:l:chunk1"].release] == [40, 60, 120]
+    assert [model.pipeline[i][1] for i in work["cov_kron_B:l:chunk1"].release] == [140, 170, 270]
+    assert [model.pipeline[i][1] for i in work["cov_kron_A:l"].release] == [0, 20, 100]
+    assert work["cov_kron_A:l"].group != work["cov_kron_A:l:chunk1"].group
+    # the chunk's calls are pipeline work, not idle time
+    assert [(b.start, b.end) for b in model.bubbles[:4]] == [(10, 20), (30, 40), (50, 60), (70, 100)]

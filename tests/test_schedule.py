@@ -139,3 +139,63 @@ def test_schedule_files_round_trip_and_are_checked(tmp_path) -> None:
 def test_node_count_mismatch_is_an_input_error(job) -> None:
     with pytest.raises(InputError, match="has 2 node schedules but the job has 1 timelines"):
         validate([GOOD, GOOD], job, "s.pickle")
+
+
+# -- interleaved jobs: chunk j >= 1's keys end in ':chunk<j>' (the format spec's chunk format) -------
+
+
+def _two_chunk_node() -> dict:
+    """Chunk 0 (``layer.0``) and chunk 1 (``layer.1:chunk1``), two micro-batches each; chunk 1's
+    forwards come after all of chunk 0's, so the node's overall forward count runs ahead of chunk 1's."""
+    d = small_node(module="layer.0")
+    d["call_forward:chunk1"] = [(2000, 2050), (2100, 2150)]
+    d["call_backward:chunk1"] = [(2200, 2300), (2400, 2500)]
+    for kind in ("cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B", "inv_kron_A", "inv_kron_B"):
+        d[f"{kind}:layer.1:chunk1"] = [(3000, 3020)]
+    return d
+
+
+def _chunked(m0: str = "layer.0", m1: str = "layer.1:chunk1") -> list[str]:
+    return [
+        "-- start --", "call_forward", f"cov_kron_A:{m0}", "call_forward", f"cov_kron_A:{m0}",
+        "call_backward", f"cov_kron_B:{m0}", "call_backward", f"cov_kron_B:{m0}",
+        "call_forward:chunk1", f"cov_kron_A:{m1}", "call_forward:chunk1", f"cov_kron_A:{m1}",
+        "call_backward:chunk1", f"cov_kron_B:{m1}", "call_backward:chunk1", f"cov_kron_B:{m1}",
+        f"sync_kron_A:{m0}", f"sync_kron_B:{m0}", f"inv_kron_A:{m0}", f"inv_kron_B:{m0}",
+        f"sync_kron_A:{m1}", f"sync_kron_B:{m1}", f"inv_kron_A:{m1}", f"inv_kron_B:{m1}",
+        "-- end --", "turn_off_save_inputs_outgrads", "turn_on_save_inputs_outgrads",
+    ]
+
+
+def test_a_chunked_schedule_that_follows_each_chunks_calls_validates() -> None:
+    assert validate([[_chunked()]], job_from_dicts([_two_chunk_node()]), room=False) == []
+
+
+def test_covariance_before_the_forward_of_its_own_chunk_is_refused() -> None:
+    """Chunk 0's two forwards have run, which would cover pieces 0 and 1 by the node's overall count;
+    but chunk 1's layer sees only chunk 1's micro-batches."""
+    it = _chunked()
+    m1 = "cov_kron_A:layer.1:chunk1"
+    it.remove(m1)
+    it.remove(m1)
+    at = it.index("call_forward:chunk1")
+    it[at:at] = [m1, m1]  # both pieces after chunk 0's forwards, before chunk 1's first
+    got = validate([[it]], job_from_dicts([_two_chunk_node()]), room=False)
+    assert [v.rule for v in got] == ["cov-before-forward", "cov-before-forward"]
+    assert got[0].detail == ("piece 0 needs forward 0 of the first iteration of chunk 1 ('call_forward:chunk1'), "
+                             "which has not run yet")
+
+
+def test_each_chunks_pipeline_calls_are_counted() -> None:
+    it = _chunked()
+    it.remove("call_backward:chunk1")
+    got = validate([[it]], job_from_dicts([_two_chunk_node()]), room=False)
+    assert ("call_backward:chunk1", "pipeline-count") in [(v.label, v.rule) for v in got]
+
+
+def test_a_chunked_schedule_validates_with_room_and_packs_tightly() -> None:
+    from pipefisher.policies import get_policy
+
+    job = job_from_dicts([_two_chunk_node()])
+    packed = get_policy("tight").pack(job)
+    assert validate(packed.to_file_data(), job) == []

@@ -152,7 +152,7 @@ def test_latency_is_added_between_devices_only():
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda: generate("interleaved", 4, 6), "multiple of stages"),
+    (lambda: generate("interleaved", 4, 9), r"split evenly into max\(1, 9 // 4\) = 2 rounds"),
     (lambda: generate("interleaved", 4, 8, chunks=1), "chunks >= 2"),
     (lambda: generate("chimera", 3, 6), "even number of stages"),
     (lambda: generate("chimera", 4, 5), "even number of micro-batches"),
@@ -178,7 +178,7 @@ def test_schedule_names_and_aliases():
 
 ALL_SHAPES = [(name, p, m, v) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "chimera")
               for p in range(1, 5) for m in range(1, 9) for v in ((2, 3) if name == "interleaved" else (None,))
-              if not (name == "interleaved" and m % p) and not (name == "chimera" and (p % 2 or m % 2))]
+              if not (name == "interleaved" and m % max(1, m // p)) and not (name == "chimera" and (p % 2 or m % 2))]
 
 
 @pytest.mark.parametrize("name,p,m,v", ALL_SHAPES)
@@ -259,3 +259,53 @@ def test_bool_and_non_integer_sizes_are_refused_in_one_line(name, args, message)
 def test_interleaved_refuses_true_as_its_chunk_count():
     with pytest.raises(InputError, match="interleaved: needs chunks >= 2 model chunks per device, got True"):
         generate("interleaved", 2, 4, True)
+
+
+def _megatron_order(p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
+    """The interleaved order for m a multiple of p, in Megatron-LM's closed form (the order before
+    counts that are not multiples were accepted): forward k is chunk (k // p) % v of micro-batch
+    (k // (p v)) p + k % p."""
+    out = []
+    for d in range(p):
+        def mb(k: int) -> int:
+            return (k // (p * v)) * p + k % p
+        f = [("F", mb(k), ((k // p) % v) * p + d) for k in range(m * v)]
+        b = [("B", mb(k), (v - 1 - (k // p) % v) * p + d) for k in range(m * v)]
+        warmup = min((p - d - 1) * 2 + (v - 1) * p, m * v)
+        ops = f[:warmup]
+        for k in range(m * v - warmup):
+            ops += [f[warmup + k], b[k]]
+        ops += b[m * v - warmup:]
+        out.append(ops)
+    return out
+
+
+@pytest.mark.parametrize("p,m,v", [(p, m, v) for p in range(1, 6) for m in range(p, 4 * p + 1, p) for v in (2, 3)])
+def test_interleaved_keeps_megatrons_order_for_multiples_of_the_stage_count(p, m, v):
+    s = generate("interleaved", p, m, v)
+    assert [[(op.kind, op.micro_batch, op.stage) for op in ops] for ops in s.devices] == _megatron_order(p, m, v)
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 3, 2), (4, 6, 2), (4, 10, 2), (4, 6, 3), (3, 4, 2), (3, 8, 3), (5, 7, 2),
+                                   (2, 3, 2), (8, 12, 2)])
+def test_interleaved_accepts_micro_batch_counts_torch_accepts(p, m, v):
+    s = generate("interleaved", p, m, v)
+    s.check()  # every op once, on its device, no deadlock
+    assert s.micro_batches == m and sum(len(ops) for ops in s.devices) == 2 * m * v * p
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 6, 2), (4, 10, 2), (4, 3, 2), (3, 8, 3), (4, 8, 2)])
+def test_interleaved_orders_each_device_as_torchs_schedule_interleaved_1f1b(p, m, v):
+    """Cross-check with torch's own per-rank order (``ScheduleInterleaved1F1B``'s computation, run
+    without process groups), where torch is installed."""
+    from types import SimpleNamespace
+
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    rounds = max(1, m // p)
+    fake = SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=p, _n_microbatches=m)
+    s = generate("interleaved", p, m, v)
+    for d in range(p):
+        actions = schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, d)
+        theirs = [("F" if a.computation_type == schedules._ComputationType.FORWARD else "B", a.microbatch_index,
+                   a.stage_index) for a in actions if a is not None]
+        assert [(op.kind, op.micro_batch, op.stage) for op in s.devices[d]] == theirs, d

@@ -70,9 +70,14 @@ def test_interleaved_nodes_hold_one_interval_per_chunk_and_micro_batch():
     timelines, result = simulate_timelines(model, "interleaved", micro_batches=8)
     assert result.schedule.chunks == 3
     node = timelines[1]
-    assert len(node["call_forward"]) == len(node["call_backward"]) == 3 * 8
+    for suffix in ("", ":chunk1", ":chunk2"):  # the chunk format: chunk j >= 1 gets ':chunk<j>'
+        assert len(node["call_forward" + suffix]) == len(node["call_backward" + suffix]) == 8
+    assert "call_forward:chunk3" not in node
     layers = sorted({int(k.split(".")[2]) for k in kfac_keys(node)})
     assert layers == [1, 5, 9]  # chunk c of device 1 is virtual stage 4c + 1
+    assert "cov_kron_A:encoder.layer.1.attention.self.query" in node  # chunk 0: today's keys
+    assert "cov_kron_A:encoder.layer.5.attention.self.query:chunk1" in node
+    assert "inv_kron_B:encoder.layer.9.output.dense:chunk2" in node
 
 
 def test_zb_h1_counts_stay_equal_and_deferred_weight_passes_are_their_own_key():
@@ -169,7 +174,7 @@ def test_cli_reports_bad_input_in_one_line_with_exit_2(tmp_path):
     bad.write_text("layers: [unclosed\n")
     for args in (["simulate", "--config", str(bad), "--out", str(tmp_path)],
                  ["simulate", "--config", str(tmp_path / "missing.yaml"), "--out", str(tmp_path)],
-                 ["simulate", "--config", BASE, "--schedule", "interleaved", "-m", "6", "--out", str(tmp_path)],
+                 ["simulate", "--config", BASE, "--schedule", "interleaved", "-m", "9", "--out", str(tmp_path)],
                  ["simulate", "--config", BASE, "--schedule", "nope", "--out", str(tmp_path)]):
         res = runner.invoke(main, args)
         assert res.exit_code == 2, (args, res.output)
@@ -178,11 +183,11 @@ def test_cli_reports_bad_input_in_one_line_with_exit_2(tmp_path):
 
 def test_compare_prints_one_row_per_schedule_and_micro_batch_count(tmp_path):
     res = CliRunner().invoke(main, ["compare", "--config", BASE, "--schedules", "gpipe,1f1b,interleaved",
-                                    "-m", "4,6", "--json", str(tmp_path / "c.json")])
+                                    "-m", "4,9", "--json", str(tmp_path / "c.json")])
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
     assert any(line.startswith("gpipe") and " 4 " in line for line in lines)
-    assert any(line.startswith("interleaved") and "n/a" in line and "multiple of stages" in line for line in lines)
+    assert any(line.startswith("interleaved") and "n/a" in line and "rounds" in line for line in lines)
     assert "K-FAC cycle" in res.output and "bubble %" in res.output
     assert (tmp_path / "c.json").exists()
 
@@ -251,3 +256,20 @@ def test_trace_refuses_two_jobs_unless_allow_mixed_and_checks_its_output_first(t
     assert res.exit_code == 2 and "unknown policy 'nope'" in res.output
     res = runner.invoke(main, ["trace", "--out", str(tmp_path / "no" / "t.json")])
     assert res.exit_code == 2 and "its folder does not exist (--out)" in res.output
+
+
+def test_tight_packs_a_simulated_interleaved_job_in_the_chunk_format(tmp_path):
+    """``pipefisher simulate --schedule interleaved --chunks 2``: chunk 1's keys end in ':chunk1', tight
+    packs every node above its lower bound, and the packed schedule validates (per-chunk cov rule)."""
+    res = CliRunner().invoke(main, ["simulate", "--config", BASE, "--schedule", "interleaved", "--chunks", "2",
+                                    "--micro-batches", "4", "--out", str(tmp_path), "--prefix", "il"])
+    assert res.exit_code == 0, res.output
+    job = load_job(sorted(str(p) for p in tmp_path.glob("il_node*_timeline.pickle")))
+    for node in job.nodes:
+        assert node.chunks == (0, 1)
+        assert node.micro_batches() == node.micro_batches(chunk=1) == 4
+        assert any(k.endswith(":chunk1") and k.startswith("cov_kron_A:") for k in node.entries)
+    packed = get_policy("tight").pack(job)
+    assert validate(packed.to_file_data(), job) == []
+    for n in packed.nodes:
+        assert n.figures.lower_bound is not None and n.figures.lower_bound <= n.figures.iterations

@@ -188,3 +188,49 @@ def test_every_published_and_profiled_job_still_loads() -> None:
     assert len(jobs) >= 14
     for paths in jobs:
         assert len(load_job(paths).nodes) == len(paths)
+
+
+@pytest.mark.parametrize("key, parsed", [
+    ("call_forward:chunk1", TimelineKey("call_forward", None, False, 1)),
+    ("call_backward:chunk12", TimelineKey("call_backward", None, False, 12)),
+    ("cov_kron_A:encoder.layer.5.attention.self.query:chunk1",
+     TimelineKey("cov_kron_A", "encoder.layer.5.attention.self.query", False, 1)),
+    ("sync_kron_B:chunk2", TimelineKey("sync_kron_B", None, False, 2)),
+    ("inv_kron_A:layers.0.fc:chunk3", TimelineKey("inv_kron_A", "layers.0.fc", False, 3)),
+    # not chunk suffixes: chunk 0 has none, and a module that merely ends in 'chunk<j>' is a module
+    ("cov_kron_A:layer.0:chunk0", TimelineKey("cov_kron_A", "layer.0:chunk0")),
+    ("cov_kron_A:mychunk1", TimelineKey("cov_kron_A", "mychunk1")),
+])
+def test_chunk_keys_parse_and_round_trip(key: str, parsed: TimelineKey) -> None:
+    assert TimelineKey.parse(key) == parsed
+    assert str(parsed) == key
+
+
+def test_a_chunks_layers_are_another_layer_copy_than_chunk_0s() -> None:
+    assert TimelineKey.parse("cov_kron_A:l.0:chunk1").layer != TimelineKey.parse("cov_kron_A:l.0").layer
+
+
+def _interleaved_node() -> dict[str, list[tuple[int, int]]]:
+    """Two chunks, two micro-batches each, in interleaved order: F0 F0' F1 F1' ... (chunk 1 primed)."""
+    d = small_node()
+    d["call_forward:chunk1"] = [(1000, 1050), (1100, 1150)]
+    d["call_backward:chunk1"] = [(1200, 1300), (1400, 1500)]
+    return d
+
+
+def test_per_chunk_micro_batch_counts() -> None:
+    node = job_from_dicts([_interleaved_node()]).nodes[0]
+    assert node.chunks == (0, 1)
+    assert node.micro_batches() == 2 and node.micro_batches(chunk=1) == 2 and node.micro_batches(chunk=2) == 0
+    assert node.pipe_keys() == ("call_forward", "call_forward:up_pipe", "call_backward", "call_backward:up_pipe",
+                                "call_forward:chunk1", "call_backward:chunk1")
+    published = job_from_dicts([small_node()]).nodes[0]
+    assert published.chunks == (0,) and len(published.pipe_keys()) == 4
+
+
+def test_a_chunk_with_unequal_forwards_and_backwards_is_refused(write_pickle) -> None:
+    d = _interleaved_node()
+    d["call_backward:chunk1"].pop()
+    path = write_pickle("bad_node0_timeline.pickle", d)
+    with pytest.raises(InputError, match="has 2 'call_forward:chunk1' but 1 'call_backward:chunk1' intervals"):
+        load_job([path])

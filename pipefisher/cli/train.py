@@ -67,7 +67,11 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
               help="schedule file (pipefisher schedule --save-path): train in scheduled mode")
 @click.option("--pipeline", "pipe_schedule", type=click.Choice(PIPELINE_ORDERS), default=None,
               help="override pipeline.schedule: the forward/backward order (chimera: two pipes in "
-                   "opposite directions, every device holding two stage copies)")
+                   "opposite directions, every device holding two stage copies; interleaved: 1F1B over "
+                   "--chunks model chunks per device)")
+@click.option("--chunks", type=click.IntRange(min=2), default=None,
+              help="override pipeline.chunks: model chunks per device with --pipeline interleaved "
+                   "(virtual stage s on device s % stages) [config default: 2]")
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
               help="total training steps (with --resume: including those already done)")
 @click.option("--profile", is_flag=True,
@@ -97,7 +101,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 def train_command(config_path: str, mode: str | None, schedule_arg: str | None, pipe_schedule: str | None,
                   steps: int, profile: bool, out_dir: str | None, metrics_path: str | None,
                   checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, nproc: int | None,
-                  stages: int | None, interval: int | None, timeout_s: float | None,
+                  stages: int | None, interval: int | None, timeout_s: float | None, chunks: int | None,
                   overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
     """Train the masked-language model with pipeline parallelism: first-order, K-FAC, or K-FAC packed
     into the pipeline bubbles by a schedule file.
@@ -139,8 +143,8 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     cfg = apply_overrides(load_config(config_path), overrides, config_path)
     if cfg.data.text != "synthetic":
         require_runtime("train", ("tokenizers",))  # real text is tokenized by the tokenizers package
-    pipeline = {k: v for k, v in (("stages", stages), ("schedule", pipe_schedule), ("timeout_s", timeout_s))
-                if v is not None}
+    pipeline = {k: v for k, v in (("stages", stages), ("schedule", pipe_schedule), ("timeout_s", timeout_s),
+                                  ("chunks", chunks)) if v is not None}
     try:
         cfg = cfg.replace(pipeline=pipeline, kfac={"interval": interval} if interval else {})
     except InputError as err:

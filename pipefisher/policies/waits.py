@@ -2,8 +2,9 @@
 
 A schedule's labels block on other nodes in three ways at run time:
 
-- ``call_forward`` / ``call_backward`` (either pipe) receive the activation or gradient of the same
-  micro-batch from the neighbouring stage of their pipe (sends never block);
+- ``call_forward`` / ``call_backward`` (either pipe, any model chunk) receive the activation or gradient
+  of the same micro-batch from the neighbouring (virtual) stage of their pipe (sends never block); under
+  interleaving chunk j of node n is virtual stage ``j * nodes + n`` (``:chunk<j>`` labels);
 - ``inv_kron_X:<m>`` waits for the all-reduces of layer ``m``'s factors that this node started and
   has not waited for yet (a ``sync_kron`` only starts its all-reduce), so for every member of the
   sync group to have started them;
@@ -26,7 +27,7 @@ from typing import Iterable, Sequence
 
 from pipefisher.policies.base import END
 from pipefisher.policies.groups import group_order_violations, identity
-from pipefisher.timeline import UP_SUFFIX
+from pipefisher.timeline import TimelineKey
 from pipefisher.violations import Violation
 
 _CALLS = {"call_forward": "F", "call_backward": "B"}
@@ -39,18 +40,29 @@ Clock = tuple[float, int]
 
 
 def _call_key(label: str) -> tuple[str, int]:
-    """A call's kind (F or B) and pipe (0 down, 1 up)."""
-    return _CALLS[label.partition(":")[0]], 1 if label.endswith(UP_SUFFIX) else 0
+    """A call's kind (F or B) and lane: 1 for the up pipe, ``2 j`` for model chunk j of the down pipe
+    (0 for the published keys; the up pipe has no chunks, so one int tells them all apart)."""
+    key = TimelineKey.parse(label)
+    return _CALLS[key.kind], 1 if key.up_pipe else 2 * key.chunk
 
 
-def _producer(n: int, kind: str, pipe: int, nodes: int) -> tuple[int, str, int] | None:
-    """Whose call of the same micro-batch a ``kind`` call of ``pipe`` on node ``n`` receives from, as
-    (node, kind, pipe); None at the first stage (forwards) or the last (backwards) of its pipe."""
-    stage = n if pipe == 0 else nodes - 1 - n
+def _chunks(lanes: Iterable[int]) -> int:
+    """Model chunks per node of a schedule: one more than the highest chunk its calls name."""
+    return 1 + max((lane // 2 for lane in lanes if lane % 2 == 0), default=0)
+
+
+def _producer(n: int, kind: str, lane: int, nodes: int, chunks: int = 1) -> tuple[int, str, int] | None:
+    """Whose call of the same micro-batch a ``kind`` call of ``lane`` on node ``n`` receives from, as
+    (node, kind, lane); None at the first stage (forwards) or the last (backwards) of its pipe."""
+    if lane == 1:  # the up pipe: stage s on node nodes - 1 - s
+        stage = nodes - 1 - n
+        src = stage - 1 if kind == "F" else stage + 1
+        return (nodes - 1 - src, kind, 1) if 0 <= src < nodes else None
+    stage = (lane // 2) * nodes + n  # virtual stage: chunk j of node n
     src = stage - 1 if kind == "F" else stage + 1
-    if not 0 <= src < nodes:
+    if not 0 <= src < nodes * chunks:
         return None
-    return (src if pipe == 0 else nodes - 1 - src), kind, pipe
+    return src % nodes, kind, 2 * (src // nodes)
 
 
 def call_clock(orders: Sequence[Sequence[str]],
@@ -65,6 +77,7 @@ def call_clock(orders: Sequence[Sequence[str]],
     deadlock, the receives that never arrive are ignored.
     """
     nodes = len(orders)
+    chunks = _chunks(_call_key(call)[1] for order in orders for call in order)
     out: list[list[tuple[Clock, Clock]]] = [[] for _ in range(nodes)]
     ends: dict[tuple[int, str, int, int], Clock] = {}  # (node, F/B, pipe, k-th) -> when that call ends
     counts: list[dict[tuple[str, int], int]] = [defaultdict(int) for _ in range(nodes)]
@@ -78,7 +91,7 @@ def call_clock(orders: Sequence[Sequence[str]],
                 key = _call_key(call)
                 k = counts[n][key]
                 start: Clock = out[n][-1][1] if j else (0.0, 0)
-                src = _producer(n, *key, nodes)
+                src = _producer(n, *key, nodes, chunks)
                 if src is not None:
                     arrived = ends.get((*src, k))
                     if arrived is None and strict:
@@ -130,7 +143,7 @@ class _Iteration:
     """One iteration of a node as the wait graph sees it: its labels that wait or are waited on."""
 
     labels: tuple[str, ...]
-    calls: tuple[tuple[int, str, int, int], ...]  # (position, F/B, pipe, k-th of that kind and pipe)
+    calls: tuple[tuple[int, str, int, int], ...]  # (position, F/B, lane, k-th of that kind and lane)
     syncs: dict[str, int]  # sync identity -> position of its first occurrence
     inverses: tuple[tuple[int, tuple[str, ...]], ...]  # (position, identities of the syncs it waits for)
     ends: tuple[int, ...]  # positions of ``-- end --`` (one in a valid schedule)
@@ -171,8 +184,9 @@ def _step_deadlock(its: Sequence[_Iteration], combo: tuple[int, ...],
             preds[base[n] + p].append(base[n] + p - 1)
         for p, kind, pipe, k in it.calls:
             calls[n, kind, pipe, k] = base[n] + p
+    chunks = _chunks(lane for _, _, lane, _ in calls)
     for (n, kind, pipe, k), ev in calls.items():  # point to point, from the neighbouring stage
-        src = _producer(n, kind, pipe, nodes)
+        src = _producer(n, kind, pipe, nodes, chunks)
         if src is not None:
             dep = calls.get((*src, k))
             if dep is not None:

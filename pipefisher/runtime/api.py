@@ -13,7 +13,7 @@ a loop of your own uses the same ones, so it trains exactly as ``pipefisher trai
     api.shutdown(ctx)
 
 The model comes from ``cfg.model.builder`` (``"package.module:function"``, a :data:`StageBuilder`);
-every stage copy (both of Chimera's) is built by it. A stage is an ``nn.Module`` with ``is_first``,
+every stage copy (both of Chimera's, every chunk of an interleaved device) is built by it. A stage is an ``nn.Module`` with ``is_first``,
 ``is_last``, ``hidden_size`` and ``forward(x, labels=None, sample=None)`` (see
 :class:`pipefisher.runtime.model.PipelineStage`).
 """
@@ -26,12 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipefisher.runtime.chimera import ChimeraEngine, KFACPair, StagePair
+from pipefisher.runtime.chimera import ChimeraEngine, KFACPair, StageChunks, StagePair
 from pipefisher.runtime.config import RunConfig, load_config
 from pipefisher.runtime.data import MLMData
 from pipefisher.runtime.dist import DistContext, check_agreement, shutdown
 from pipefisher.runtime.engine import PipelineEngine, pipe_micro_batches, pipeline_ops
-from pipefisher.runtime.executor import ScheduleExecutor, load_checked_schedule, node_pipes, schedule_digest
+from pipefisher.runtime.executor import (ScheduleExecutor, chunk_suffix, load_checked_schedule, node_pipes,
+                                         schedule_digest)
 from pipefisher.runtime.model import StageBuilder, load_builder, make_stage
 from pipefisher.runtime.profiler import STEP_KEY
 from pipefisher.runtime.update import Updater, make_kfac
@@ -71,11 +72,13 @@ def init_context(cfg: RunConfig, agree_on: str = "") -> DistContext:
 
 
 def build_stages(cfg: RunConfig, ctx: DistContext) -> dict[int, nn.Module]:
-    """This device's stage copies by pipe (down: 0; Chimera's up pipe: 1), in canonical order (stage
-    index, the order everything a Chimera pair does together follows), built by ``model.builder``
-    from the run seed and moved to ``ctx.device``."""
+    """This device's stage copies by pipe (down: 0; Chimera's up pipe: 1) or by chunk (interleaved:
+    chunk j is virtual stage ``d + j*D`` of ``D*v``), in canonical order (stage index, the order
+    everything a Chimera pair does together follows), built by ``model.builder`` from the run seed
+    and moved to ``ctx.device``."""
     g = ctx.grid
-    return {p: make_stage(cfg, s, g.stages).to(ctx.device) for p, s in node_pipes(cfg, g.stage).items()}
+    n = cfg.pipeline.virtual_stages
+    return {p: make_stage(cfg, s, n).to(ctx.device) for p, s in node_pipes(cfg, g.stage).items()}
 
 
 @dataclass
@@ -174,27 +177,38 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
         raise ValueError("the process groups were set up for another pipeline schedule than the config's")
     data = data if data is not None else MLMData(cfg.data, cfg.model.vocab_size)
     span = span or (lambda key: _nothing())
+    interleaved = cfg.pipeline.schedule == "interleaved"
+    v = cfg.pipeline.chunks
     copies = build_stages(cfg, ctx)
     index = node_pipes(cfg, g.stage)
     kfacs: dict[int, Any] = {}
     if mode != "first-order":
         for p, copy in copies.items():
-            where = f"stage {index[p]}" + (" (up pipe)" if p == UP else "") + f" replica {g.replica}"
+            what = (f" (chunk {p})" if interleaved else " (up pipe)") if p else ""
+            where = f"stage {index[p]}" + what + f" replica {g.replica}"
             say = (lambda msg, where=where: warn(f"{where}: {msg}")) if warn is not None else None
             kfacs[p] = make_kfac(cfg, copy, dp_group=ctx.stage_group, dp_size=ctx.stage_group_size, warn=say)
-    plan = pipe_micro_batches(cfg.pipeline.schedule, g.stage, g.stages, m)
-    engines = {p: PipelineEngine(copies[p], ctx, data, m, span=span, kfac=kfacs.get(p), pipe=p,
-                                 micro_batches=plan[p]) for p in plan}
-    if chimera:
-        stage: nn.Module = StagePair(copies[DOWN], copies[UP], list(index))
-        kfac: Any = KFACPair(kfacs, list(index)) if kfacs else None
+    plan = pipe_micro_batches(cfg.pipeline.schedule, g.stage, g.stages, m, v)
+    if interleaved:  # one engine per chunk, on the down pipe; its own keys carry ``:chunk<j>``
+        engines = {j: PipelineEngine(copies[j], ctx, data, m, span=span, kfac=kfacs.get(j),
+                                     micro_batches=plan[j], chunk=j) for j in plan}
+    else:
+        engines = {p: PipelineEngine(copies[p], ctx, data, m, span=span, kfac=kfacs.get(p), pipe=p,
+                                     micro_batches=plan[p]) for p in plan}
+    if interleaved:
+        stage: nn.Module = StageChunks([copies[j] for j in range(v)])
+        kfac: Any = KFACPair(kfacs, list(index), {j: chunk_suffix(j) for j in index}) if kfacs else None
         engine: Any = ChimeraEngine(stage, ctx, engines)
+    elif chimera:
+        stage = StagePair(copies[DOWN], copies[UP], list(index))
+        kfac = KFACPair(kfacs, list(index)) if kfacs else None
+        engine = ChimeraEngine(stage, ctx, engines)
     else:
         stage, kfac, engine = copies[DOWN], kfacs.get(DOWN), engines[DOWN]
     updater = Updater(cfg, stage, kfac, cfg.optim.decay_steps or total_steps,
                       pipe_group=ctx.pipe_group, copies=2 if chimera else 1)
     worker = Worker(cfg, ctx, mode, data, copies, stage, engine, kfacs, kfac, updater,
-                    pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m),
+                    pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m, v),
                     kfac_interval or cfg.kfac.interval, span)
     if schedule is not None:
         # Every worker checks every node, so a bad schedule stops all of them before step 0.

@@ -10,7 +10,7 @@ Layout of a checkpoint folder::
 Every worker writes its file through a temp file and a rename; after a barrier, rank 0 points the
 manifest at the new step folder (also a rename) and removes older ones, so a crash at any moment
 leaves the previous checkpoint whole. A worker file holds the stage's parameters (both stage copies
-under Chimera), the optimizer state, the K-FAC state of each copy (factors, inverses, pi scales,
+under Chimera, every chunk when interleaved), the optimizer state, the K-FAC state of each copy (factors, inverses, pi scales,
 saving flag and any saved micro-batches still waiting for their covariance pieces) and the torch
 random state (dropout). The data position is the
 step number: every micro-batch is a pure function of (seed, step, replica, index), and the schedule
@@ -140,6 +140,8 @@ def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
         "optimizer": trainer.updater.state_dict(),
         "kfac": kfac_state(trainer.kfacs[0]) if trainer.kfacs else None,
         "kfac_up": kfac_state(trainer.kfacs[1]) if 1 in trainer.kfacs else None,  # Chimera's up copy
+        # every copy by id (interleaving's chunks 2, 3, ... have no slot above)
+        "kfac_copies": {p: kfac_state(k) for p, k in trainer.kfacs.items() if p >= 2} or None,
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if trainer.ctx.device.type == "cuda" else None,
     }
@@ -247,9 +249,9 @@ def load_checkpoint(folder: str, trainer: "Trainer") -> int:
     trainer.stage.load_state_dict(state["model"])
     trainer.updater.load_state_dict(state["optimizer"])
     for pipe, kfac in trainer.kfacs.items():
-        saved = state.get("kfac_up" if pipe else "kfac")
+        saved = (state.get("kfac_copies") or {}).get(pipe) if pipe >= 2 else state.get("kfac_up" if pipe else "kfac")
         if saved is None:
-            raise InputError(path, "holds no K-FAC state" + (" of the up pipe's stage copy" if pipe else ""))
+            raise InputError(path, "holds no K-FAC state" + (f" of stage copy {pipe}" if pipe else ""))
         load_kfac_state(kfac, saved, path)
     torch.set_rng_state(state["rng"])
     if state.get("cuda_rng") is not None and trainer.ctx.device.type == "cuda":

@@ -1,4 +1,4 @@
-"""Chimera on one device: two stage copies, two pipes, one K-FAC state per copy.
+"""Copies of a device: Chimera's two stage copies (two pipes), or interleaving's chunks, one K-FAC state each.
 
 Device ``d`` of a ``D``-stage Chimera job holds stage ``d`` of the down pipe and stage ``D - 1 - d``
 of the up pipe (Li & Hoefler, SC'21). Each copy has its own parameters, K-FAC state and saved
@@ -9,6 +9,11 @@ The two copies of a stage (on devices ``s`` and ``D - 1 - s``) stay bit-identica
 their gradients are summed over the pair (and averaged over data-parallel replicas), and their
 K-FAC factors are averaged over the same group by ``sync_kron`` before they are inverted. Everything
 that talks to that group runs in one canonical order on both devices: the copies by stage index.
+
+Interleaved 1F1B holds ``v`` copies keyed by chunk instead: chunk ``j`` of device ``d`` is virtual
+stage ``d + j*D`` (:class:`StageChunks`), with its own engine, K-FAC state, saved micro-batches and
+``:chunk<j>`` profiler keys; the same :class:`KFACPair` and :class:`ChimeraEngine` route the work by
+copy id. Each chunk is a distinct stage, so gradients and factors average over the replicas only.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from torch import nn
 
 from pipefisher.runtime.dist import DistContext
 from pipefisher.runtime.engine import PipelineEngine, average_gradients
+from pipefisher.runtime.executor import parse_label
 from pipefisher.sim.schedules import DOWN, UP
 from pipefisher.timeline import UP_SUFFIX
 
@@ -27,9 +33,21 @@ Span = Callable[[str], ContextManager[Any]]
 
 def up_span(span: Span | None) -> Span:
     """The profiler's span for the up copy: every key gets the ``:up_pipe`` suffix of the format."""
+    return suffix_span(span, UP_SUFFIX)
+
+
+def suffix_span(span: Span | None, suffix: str) -> Span:
+    """The profiler's span for one copy: every key gets the copy's suffix (``:up_pipe``, ``:chunk<j>``)."""
     if span is None:
         return lambda key: nullcontext()
-    return lambda key: span(key + UP_SUFFIX)
+    if not suffix:
+        return span
+    return lambda key: span(key + suffix)
+
+
+def label_copy(label: str) -> int:
+    """The copy a pipeline label runs on: 1 for ``:up_pipe``, j for ``:chunk<j>``, else 0."""
+    return parse_label(label)[3]
 
 
 class StagePair(nn.Module):
@@ -47,11 +65,26 @@ class StagePair(nn.Module):
         return self.up if pipe == UP else self.down
 
 
-class KFACPair:
-    """The K-FAC states of a device's two stage copies, seen as one by the trainer and the updater."""
+class StageChunks(nn.Module):
+    """The ``v`` stage copies of an interleaved device, by chunk (chunk j: virtual stage d + j*D)."""
 
-    def __init__(self, kfacs: dict[int, Any], order: list[int]) -> None:
+    def __init__(self, chunks: list[nn.Module]) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.order = list(range(len(chunks)))
+
+    def copy(self, chunk: int) -> nn.Module:
+        return self.chunks[chunk]
+
+
+class KFACPair:
+    """The K-FAC states of a device's stage copies (Chimera's two pipes, or interleaving's chunks),
+    seen as one by the trainer and the updater. ``suffixes``: each copy's profiler key suffix
+    (default: Chimera's, ``:up_pipe`` for the up copy)."""
+
+    def __init__(self, kfacs: dict[int, Any], order: list[int], suffixes: dict[int, str] | None = None) -> None:
         self.kfacs, self.order = kfacs, order
+        self.suffixes = suffixes if suffixes is not None else {p: UP_SUFFIX if p == UP else "" for p in kfacs}
 
     def __getitem__(self, pipe: int) -> Any:
         return self.kfacs[pipe]
@@ -66,7 +99,8 @@ class KFACPair:
     def update_curvature(self, span: Span | None = None) -> None:
         """Naive K-FAC of both copies, in canonical order (their syncs share one group)."""
         for p in self.order:
-            self.kfacs[p].update_curvature(span=up_span(span) if p == UP else span)
+            suffix = self.suffixes.get(p, "")
+            self.kfacs[p].update_curvature(span=suffix_span(span, suffix) if suffix else span)
 
     def clear_saved(self) -> None:
         for k in self._all():
@@ -101,14 +135,18 @@ class KFACPair:
 
 
 class ChimeraEngine:
-    """The pipeline calls of a Chimera device: each label to its pipe's engine, and the step's ends."""
+    """The pipeline calls of a device with several stage copies (Chimera's pipes, interleaving's
+    chunks): each label to its copy's engine, and the step's ends."""
 
-    def __init__(self, pair: StagePair, ctx: DistContext, engines: dict[int, PipelineEngine]) -> None:
+    def __init__(self, pair: StagePair | StageChunks, ctx: DistContext, engines: dict[int, PipelineEngine]) -> None:
         self.pair, self.ctx, self.engines = pair, ctx, engines
         self.down = engines[DOWN]
 
     def op(self, label: str) -> Callable[[], None]:
-        return self.engines[UP if label.endswith(UP_SUFFIX) else DOWN].op(label)
+        copy = label_copy(label)
+        if copy not in self.engines:
+            raise ValueError(f"label {label!r} names a stage copy this device does not hold")
+        return self.engines[copy].op(label)
 
     def run(self, ops: list[str]) -> None:
         for label in ops:
@@ -128,5 +166,11 @@ class ChimeraEngine:
         average_gradients([self.pair.copy(p) for p in self.pair.order], self.ctx)
 
     def evaluate(self, batches: list[Any]) -> float | None:
-        """Held-out loss through the down pipe (the copies are identical, one pipe is enough)."""
-        return self.down.evaluate(batches)
+        """Held-out loss through the down pipe (the copies are identical, one pipe is enough); when
+        interleaved, each batch through every chunk in turn (the whole model)."""
+        if not isinstance(self.pair, StageChunks):
+            return self.down.evaluate(batches)
+        engines = [self.engines[j] for j in self.pair.order]
+        total = sum(e.evaluate_batch(mb) for mb in batches for e in engines)
+        last = engines[-1]
+        return last.replica_mean(total / len(batches)) if last.is_last and batches else None

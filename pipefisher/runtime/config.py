@@ -159,7 +159,7 @@ class KfacConfig:
     save_dtype: str = "float32"
 
 
-PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera")
+PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved")
 """Forward/backward orders the trainer runs (their generators live in :mod:`pipefisher.sim.schedules`)."""
 
 
@@ -170,6 +170,12 @@ class PipelineConfig:
     stages: int = 2
     schedule: str = "1f1b"  # one of PIPELINE_ORDERS
     timeout_s: float = 60.0
+    chunks: int = 2  # interleaved: model chunks per device (virtual stage s on device s % stages)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stage copies in the whole pipeline: ``stages * chunks`` interleaved, else ``stages``."""
+        return self.stages * (self.chunks if self.schedule == "interleaved" else 1)
 
 
 @dataclass(frozen=True)
@@ -332,6 +338,18 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
     if p.schedule == "chimera" and (p.stages % 2 or d.num_micro_batches % 2):
         problems.append("pipeline.schedule chimera needs an even number of stages and of "
                         "data.num_micro_batches (half of them run on each pipe)")
+    if p.schedule == "interleaved":
+        if isinstance(p.chunks, bool) or not isinstance(p.chunks, int) or p.chunks < 2:
+            problems.append("pipeline.chunks must be an integer >= 2 (model chunks per device) with "
+                            "pipeline.schedule interleaved")
+        elif p.stages < 2:
+            problems.append("pipeline.schedule interleaved needs pipeline.stages >= 2")
+        elif d.num_micro_batches % p.stages:
+            problems.append("pipeline.schedule interleaved needs data.num_micro_batches to be a multiple "
+                            "of pipeline.stages")
+        elif m.num_layers < p.stages * p.chunks:
+            problems.append(f"pipeline.schedule interleaved needs model.num_layers >= pipeline.stages x "
+                            f"pipeline.chunks ({p.stages} x {p.chunks} = {p.stages * p.chunks} model chunks)")
     if not 1 <= p.stages <= m.num_layers:
         problems.append("pipeline.stages must be between 1 and model.num_layers")
     if p.timeout_s <= 0:

@@ -19,6 +19,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 from pipefisher.runtime.config import PIPELINE_ORDERS
+from pipefisher.runtime.executor import chunk_suffix
 from pipefisher.runtime.data import MLMData, batch_seed
 from pipefisher.runtime.dist import DistContext
 from pipefisher.sim.schedules import DOWN, UP, generate
@@ -28,6 +29,7 @@ from pipefisher.timeline import UP_SUFFIX
 FORWARD, BACKWARD = "call_forward", "call_backward"
 _TAG_ACT, _TAG_GRAD, _TAG_SAMPLED_GRAD, _TAG_EVAL = 1, 2, 3, 4
 _TAG_PIPE_STRIDE = 8  # the up pipe's tags: the same kinds, shifted, so the two pipes never mix
+_TAG_CHUNK_STRIDE = 16  # interleaving: a boundary's tags shifted by its receiving chunk, so chunks never mix
 Span = Callable[[str], ContextManager[Any]]
 
 
@@ -36,41 +38,53 @@ def pipe_label(kind: str, pipe: int) -> str:
     return kind + (UP_SUFFIX if pipe == UP else "")
 
 
-def device_plan(kind: str, device: int, devices: int, num_micro_batches: int) -> list[tuple[str, int, int]]:
-    """``(label, pipe, micro-batch)`` for every forward and backward call of one device in one step.
+def copy_label(kind: str, copy: int, interleaved: bool) -> str:
+    """``call_forward`` / ``call_backward`` of a device's stage copy: its chunk's (``:chunk<j>``,
+    interleaved) or its pipe's (``:up_pipe``, Chimera); copy 0 keeps the plain key."""
+    return kind + chunk_suffix(copy) if interleaved else pipe_label(kind, copy)
 
-    Taken from the simulator's generator of ``kind`` (Chimera with the paper's equal forward and
-    backward times), so the trainer, the profiler and the simulator run one and the same order.
+
+def device_plan(kind: str, device: int, devices: int, num_micro_batches: int,
+                chunks: int = 2) -> list[tuple[str, int, int]]:
+    """``(label, copy, micro-batch)`` for every forward and backward call of one device in one step.
+
+    ``copy`` is the pipe (Chimera) or the chunk (interleaved, ``chunks`` per device) whose stage copy
+    runs the call. Taken from the simulator's generator of ``kind`` (Chimera with the paper's equal
+    forward and backward times), so the trainer, the profiler and the simulator run one and the same order.
     """
     if kind not in PIPELINE_ORDERS:
         raise ValueError(f"unknown pipeline schedule {kind!r} ({', '.join(PIPELINE_ORDERS)})")
-    return list(_plans(kind, devices, num_micro_batches)[device])
+    return list(_plans(kind, devices, num_micro_batches, chunks if kind == "interleaved" else 1)[device])
 
 
 @functools.lru_cache(maxsize=64)
-def _plans(kind: str, devices: int, num_micro_batches: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+def _plans(kind: str, devices: int, num_micro_batches: int,
+           chunks: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     """Every device's plan at once (Chimera's list scheduling orders all devices together)."""
-    schedule = generate(kind, devices, num_micro_batches)
-    return tuple(tuple((pipe_label(FORWARD if op.kind == _F else BACKWARD, op.pipe), op.pipe, op.micro_batch)
+    schedule = generate(kind, devices, num_micro_batches, chunks)
+    inter = kind == "interleaved"
+    return tuple(tuple((copy_label(FORWARD if op.kind == _F else BACKWARD, op.chunk if inter else op.pipe, inter),
+                        op.chunk if inter else op.pipe, op.micro_batch)
                        for op in ops) for ops in schedule.devices)
 
 
-def pipeline_ops(kind: str, stage: int, num_stages: int, num_micro_batches: int) -> list[str]:
+def pipeline_ops(kind: str, stage: int, num_stages: int, num_micro_batches: int, chunks: int = 2) -> list[str]:
     """The labels of one device's forward and backward calls in one step (:func:`device_plan`).
 
     GPipe: all forwards, then all backwards. 1F1B: ``num_stages - stage - 1`` warm-up forwards, then
     alternate one forward and one backward, then the remaining backwards. Chimera: both pipes, as
     the simulator's list scheduling orders them.
     """
-    return [label for label, _, _ in device_plan(kind, stage, num_stages, num_micro_batches)]
+    return [label for label, _, _ in device_plan(kind, stage, num_stages, num_micro_batches, chunks)]
 
 
-def pipe_micro_batches(kind: str, device: int, devices: int, num_micro_batches: int) -> dict[int, list[int]]:
+def pipe_micro_batches(kind: str, device: int, devices: int, num_micro_batches: int,
+                       chunks: int = 2) -> dict[int, list[int]]:
     """Per pipe, the micro-batches this device runs, in forward order; refuses a plan whose backwards
     do not follow the forwards' order on a pipe (each engine keeps its in-flight micro-batches FIFO)."""
     out: dict[int, list[int]] = {}
     backs: dict[int, list[int]] = {}
-    for label, pipe, mb in device_plan(kind, device, devices, num_micro_batches):
+    for label, pipe, mb in device_plan(kind, device, devices, num_micro_batches, chunks):
         (out if label.startswith(FORWARD) else backs).setdefault(pipe, []).append(mb)
     for pipe, order in out.items():
         if backs.get(pipe) != order:
@@ -90,7 +104,10 @@ class PipelineEngine:
 
     ``pipe`` is 0 (down) or 1 (Chimera's up pipe, whose stage ``s`` sits on device ``D - 1 - s``:
     activations flow towards lower ranks); ``micro_batches`` are the step's micro-batch indices this
-    pipe runs, in forward order (default: all of them).
+    pipe runs, in forward order (default: all of them). ``chunk`` (interleaved 1F1B) makes this
+    engine chunk j of its device, virtual stage ``d + j*D``: device 0's chunk j receives from device
+    D-1's chunk j-1, device D-1's chunk j sends to device 0's chunk j+1, each boundary on its own tags;
+    its keys are ``call_forward:chunk<j>`` / ``call_backward:chunk<j>`` (plain for chunk 0).
 
     With a true-Fisher ``kfac`` that saves the micro-batch, the last stage also computes the loss
     against labels sampled from its predictions, and every stage runs a second backward of that loss
@@ -100,21 +117,30 @@ class PipelineEngine:
 
     def __init__(self, stage: torch.nn.Module, ctx: DistContext, data: MLMData, num_micro_batches: int,
                  span: Span | None = None, kfac: Any = None, *, pipe: int = DOWN,
-                 micro_batches: Sequence[int] | None = None) -> None:
+                 micro_batches: Sequence[int] | None = None, chunk: int | None = None) -> None:
         self.stage, self.ctx, self.data = stage, ctx, data
         self.kfac = kfac
         self.num_micro_batches = num_micro_batches
         self.micro_batches = list(range(num_micro_batches) if micro_batches is None else micro_batches)
-        self.pipe = pipe
-        self.forward_key, self.backward_key = pipe_label(FORWARD, pipe), pipe_label(BACKWARD, pipe)
+        self.pipe, self.chunk = pipe, chunk
         self.span: Span = span or (lambda key: nullcontext())
         g = ctx.grid
-        step = 1 if pipe == DOWN else -1  # the up pipe's next stage is the previous device
-        self.prev_rank = None if stage.is_first else g.rank - step
-        self.next_rank = None if stage.is_last else g.rank + step
-        shift = _TAG_PIPE_STRIDE * pipe
-        self._tag_act, self._tag_grad = _TAG_ACT + shift, _TAG_GRAD + shift
-        self._tag_sampled, self._tag_eval = _TAG_SAMPLED_GRAD + shift, _TAG_EVAL + shift
+        if chunk is None:
+            self.forward_key, self.backward_key = pipe_label(FORWARD, pipe), pipe_label(BACKWARD, pipe)
+            step = 1 if pipe == DOWN else -1  # the up pipe's next stage is the previous device
+            self.prev_rank = None if stage.is_first else g.rank - step
+            self.next_rank = None if stage.is_last else g.rank + step
+            shift = shift_out = _TAG_PIPE_STRIDE * pipe
+        else:
+            # Interleaved: chunk j of device d is virtual stage d + j*D; device 0's chunk j reads from
+            # device D-1's chunk j-1, device D-1's chunk j sends to device 0's chunk j+1.
+            d, last = g.stage, g.stages - 1
+            self.forward_key, self.backward_key = FORWARD + chunk_suffix(chunk), BACKWARD + chunk_suffix(chunk)
+            self.prev_rank = None if stage.is_first else g.rank_of(d - 1 if d > 0 else last, g.replica)
+            self.next_rank = None if stage.is_last else g.rank_of(d + 1 if d < last else 0, g.replica)
+            shift = _TAG_CHUNK_STRIDE * chunk  # tags of the boundary into this copy
+            shift_out = _TAG_CHUNK_STRIDE * (chunk if d < last else chunk + 1)  # into the next copy
+        self._in, self._out = shift, shift_out  # tag shifts of the boundaries with prev_rank / next_rank
         c, h = data.cfg, stage.hidden_size
         self.act_shape = (c.micro_batch_size, c.seq_len, h)
         self.step = 0
@@ -154,7 +180,7 @@ class PipelineEngine:
         if self.is_first:
             x = mb.input_ids.to(dev)
         else:
-            x = self._recv(self.prev_rank, self._tag_act)
+            x = self._recv(self.prev_rank, _TAG_ACT + self._in)
             x.requires_grad_(True)
         sampled = None
         with self.span(self.forward_key):
@@ -167,7 +193,7 @@ class PipelineEngine:
                 out = out / self.num_micro_batches
                 self.losses.append(out.detach())
             else:
-                self._send(out.detach(), self.next_rank, self._tag_act)
+                self._send(out.detach(), self.next_rank, _TAG_ACT + self._out)
             if self.kfac is not None:
                 self.kfac.end_forward()
         self._stash.append((x, out, sampled))
@@ -183,14 +209,14 @@ class PipelineEngine:
             raise RuntimeError(f"{self.backward_key}: no forward micro-batch is waiting for its backward")
         self._next_bwd += 1
         x, out, sampled = self._stash.popleft()
-        grad = None if self.is_last else self._recv(self.next_rank, self._tag_grad)
+        grad = None if self.is_last else self._recv(self.next_rank, _TAG_GRAD + self._out)
         outputs = self.kfac.take_forward() if self.kfac is not None else None
         with self.span(self.backward_key):
             if outputs is not None:
                 self._sampled_backward(x, out, sampled, outputs)
             out.backward(grad)
             if not self.is_first:
-                self._send(x.grad, self.prev_rank, self._tag_grad)
+                self._send(x.grad, self.prev_rank, _TAG_GRAD + self._in)
 
     def _sampled_backward(self, x: torch.Tensor, out: torch.Tensor, sampled: torch.Tensor | None,
                           outputs: list[tuple[Any, torch.Tensor]]) -> None:
@@ -199,7 +225,7 @@ class PipelineEngine:
             assert sampled is not None, "the last stage sampled no labels for a saved micro-batch"
             root, seed_grad = sampled, None
         else:
-            root, seed_grad = out, self._recv(self.next_rank, self._tag_sampled)
+            root, seed_grad = out, self._recv(self.next_rank, _TAG_SAMPLED_GRAD + self._out)
         targets = [o for _, o in outputs] + ([] if self.is_first else [x])
         if not targets:
             return
@@ -207,7 +233,7 @@ class PipelineEngine:
         self.kfac.save_outgrads(outputs, grads[:len(outputs)])
         if not self.is_first:
             gx = grads[-1] if grads[-1] is not None else torch.zeros_like(x)
-            self._send(gx, self.prev_rank, self._tag_sampled)
+            self._send(gx, self.prev_rank, _TAG_SAMPLED_GRAD + self._in)
 
     def op(self, label: str) -> Callable[[], None]:
         """The call a ``call_forward`` / ``call_backward`` label stands for on this engine."""
@@ -238,29 +264,35 @@ class PipelineEngine:
         averaged over the data-parallel replicas (each evaluates the same batches), the others None.
         Nothing is saved for K-FAC (no gradients are enabled).
         """
+        total = sum(self.evaluate_batch(mb) for mb in batches)
+        return self.replica_mean(total / len(batches)) if self.is_last and batches else None
+
+    @torch.no_grad()
+    def evaluate_batch(self, mb: Any) -> float:
+        """One held-out micro-batch through this copy (dropout off): its loss on the last stage, else 0."""
         if self._stash or self._sends:
             raise RuntimeError("evaluate while a training step still has micro-batches in flight")
         was_training = self.stage.training
         self.stage.eval()
-        dev, grid = self.ctx.device, self.ctx.grid
-        total = 0.0
+        dev = self.ctx.device
         try:
-            for mb in batches:
-                x = mb.input_ids.to(dev) if self.is_first else self._recv(self.prev_rank, self._tag_eval)
-                out = self.stage(x, mb.labels.to(dev) if self.is_last else None)
-                if self.is_last:
-                    total += float(out)
-                else:
-                    dist.send(out.contiguous(), self.next_rank, tag=self._tag_eval)
+            x = mb.input_ids.to(dev) if self.is_first else self._recv(self.prev_rank, _TAG_EVAL + self._in)
+            out = self.stage(x, mb.labels.to(dev) if self.is_last else None)
+            if self.is_last:
+                return float(out)
+            dist.send(out.contiguous(), self.next_rank, tag=_TAG_EVAL + self._out)
+            return 0.0
         finally:
             self.stage.train(was_training)
-        if not self.is_last or not batches:
-            return None
-        loss = torch.tensor([total / len(batches)], device=dev)
-        if grid.replicas > 1:
-            dist.all_reduce(loss, group=self.ctx.dp_group)
-            loss /= grid.replicas
-        return float(loss)
+
+    def replica_mean(self, value: float) -> float:
+        """``value`` averaged over the data-parallel replicas of this stage."""
+        grid = self.ctx.grid
+        if grid.replicas == 1:
+            return value
+        loss = torch.tensor([value], device=self.ctx.device)
+        dist.all_reduce(loss, group=self.ctx.dp_group)
+        return float(loss / grid.replicas)
 
     def allreduce_gradients(self) -> None:
         """Average gradients over the stage's data-parallel group (one flat buffer)."""

@@ -11,6 +11,7 @@ label                                  call
 ``call_forward`` / ``call_backward``   ``engine.forward()`` / ``engine.backward()`` (with p2p)
 ``cov/sync/inv_kron_A|B:<module>``     ``kfac.cov / sync / inv(factor, module)``
 any of these with ``:up_pipe``         the same on the up pipe's engine / stage copy (Chimera)
+any of these with ``:chunk<j>``        the same on chunk j's engine / stage copy (interleaved)
 ``-- end --``                          ``engine.finish_step()``, then the trainer's end of step
 ``turn_off/on_save_inputs_outgrads``   ``kfac.set_saving(False / True)``
 =====================================  ===========================================================
@@ -29,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 from collections import defaultdict, deque
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Mapping, Sequence
@@ -47,12 +49,29 @@ KFAC_KINDS = ("cov_kron", "sync_kron", "inv_kron")
 ScheduleData = list[list[list[str]]]
 
 
+CHUNK_SUFFIX = ":chunk"
+_CHUNK_RE = re.compile(r":chunk([1-9][0-9]*)$")
+
+
+def chunk_suffix(chunk: int) -> str:
+    """The key suffix of an interleaved device's chunk: none for chunk 0, ``:chunk<j>`` otherwise."""
+    return f"{CHUNK_SUFFIX}{chunk}" if chunk else ""
+
+
+def copy_suffix(copy: int, interleaved: bool) -> str:
+    """The label suffix of a device's stage copy: its chunk's (interleaved) or its pipe's (Chimera)."""
+    return chunk_suffix(copy) if interleaved else (UP_SUFFIX if copy else "")
+
+
 def parse_label(label: str) -> tuple[str, str | None, str | None, int]:
-    """``(kind, factor, module, pipe)``: kind is a marker, ``call_forward``/``call_backward``,
-    ``cov_kron``, ``sync_kron``, ``inv_kron`` or ``unknown``; pipe is 1 for ``:up_pipe`` labels."""
+    """``(kind, factor, module, copy)``: kind is a marker, ``call_forward``/``call_backward``,
+    ``cov_kron``, ``sync_kron``, ``inv_kron`` or ``unknown``; copy is 1 for ``:up_pipe`` labels and
+    j for ``:chunk<j>`` ones (:func:`label_is_chunked` tells the two apart), else 0."""
     pipe = 0
     if label.endswith(UP_SUFFIX):
         label, pipe = label[: -len(UP_SUFFIX)], 1
+    elif (hit := _CHUNK_RE.search(label)) is not None:
+        label, pipe = label[: hit.start()], int(hit.group(1))
     if label in (START, END, SAVE_OFF, SAVE_ON):
         return (label, None, None, 0) if pipe == 0 else ("unknown", None, None, pipe)
     if label in (FORWARD, BACKWARD):
@@ -94,19 +113,27 @@ def _stage_kfac_names(cfg: RunConfig, stages: int) -> tuple[tuple[str, ...], ...
 
 def stage_kfac_names(cfg: RunConfig) -> list[list[str]]:
     """The K-FAC module names of every pipeline stage of ``cfg``, in model order."""
-    return [list(n) for n in _stage_kfac_names(cfg, cfg.pipeline.stages)]
+    return [list(n) for n in _stage_kfac_names(cfg, cfg.pipeline.virtual_stages)]
 
 
 def is_chimera(cfg: RunConfig) -> bool:
     return cfg.pipeline.schedule == "chimera"
 
 
+def is_interleaved(cfg: RunConfig) -> bool:
+    return cfg.pipeline.schedule == "interleaved"
+
+
 def node_pipes(cfg: RunConfig, node: int) -> dict[int, int]:
-    """Pipe -> the stage whose copy serves it on device ``node``, in canonical order (stage index):
-    the order of everything a Chimera pair of devices does together."""
+    """Copy -> the (virtual) stage that copy holds on device ``node``, in canonical order (stage index):
+    the order of everything a Chimera pair of devices does together. Copies are pipes under Chimera
+    (the up pipe's: stage ``D - 1 - node``) and chunks when interleaved (chunk j: ``node + j*D``)."""
+    p = cfg.pipeline
+    if is_interleaved(cfg):
+        return {j: node + j * p.stages for j in range(p.chunks)}
     pipes = {0: node}
     if is_chimera(cfg):
-        pipes[1] = cfg.pipeline.stages - 1 - node
+        pipes[1] = p.stages - 1 - node
     return dict(sorted(pipes.items(), key=lambda kv: kv[1]))
 
 
@@ -117,9 +144,9 @@ def node_kfac_names(cfg: RunConfig) -> list[dict[int, list[str]]]:
             for node in range(cfg.pipeline.stages)]
 
 
-def labelled(name: str, pipe: int) -> str:
-    """A module's name as its labels carry it (``:up_pipe`` for the up copy)."""
-    return name + (UP_SUFFIX if pipe else "")
+def labelled(name: str, pipe: int, interleaved: bool = False) -> str:
+    """A module's name as its labels carry it (``:up_pipe`` for the up copy, ``:chunk<j>`` for chunk j)."""
+    return name + copy_suffix(pipe, interleaved)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -138,12 +165,13 @@ def schedule_digest(data: ScheduleData) -> str:
 
 def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
                              names: Sequence[str] | Mapping[int, Sequence[str]], ops: Sequence[str],
-                             replicas: int = 1, path: str | None = None) -> None:
+                             replicas: int = 1, path: str | None = None, interleaved: bool = False) -> None:
     """Refuse (:class:`InputError`) one node's cycle unless this runtime can run it as the spec says.
 
     ``names`` are the device's K-FAC modules (per pipe under Chimera), ``ops`` the engine's
     forward/backward labels of one step (:func:`pipefisher.runtime.engine.pipeline_ops`), ``replicas``
-    how many copies of each stage average their factors (sync_kron is needed when more than one).
+    how many copies of each stage average their factors (sync_kron is needed when more than one),
+    ``interleaved`` whether the copies are chunks (``:chunk<j>``) rather than pipes (``:up_pipe``).
     Pure: no torch, no process group.
     """
     def refuse(where: str, problem: str) -> None:
@@ -156,7 +184,12 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
     for i, labels in enumerate(iterations):  # first what each label is, then where it stands
         for label in labels:
             kind, factor, module, pipe = parse_label(label)
-            if pipe not in by_pipe:
+            chunked = pipe > 0 and not label.endswith(UP_SUFFIX)
+            if chunked and (not interleaved or pipe not in by_pipe):
+                refuse(f"iteration {i}", f"'{label}': work of model chunk {pipe}, but this run has "
+                       + (f"{len(by_pipe)} chunk(s) per device" if interleaved else
+                          "one model chunk per device (pipeline.schedule: interleaved has several)"))
+            if pipe not in by_pipe or (pipe > 0 and interleaved and not chunked):
                 refuse(f"iteration {i}", f"'{label}': work of a second (up) pipeline, but this run's "
                                          "pipeline has one pipe (pipeline.schedule: chimera has two)")
             if kind == "unknown":
@@ -239,7 +272,7 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
         refuse(f"iteration {k - 1}", f"the cycle must end with saving on ('{SAVE_ON}')")
     for pipe, ms in by_pipe.items():
         for m in ms:
-            shown = labelled(m, pipe)
+            shown = labelled(m, pipe, interleaved)
             for f in "AB":
                 key = (f, m, pipe)
                 if saved[key]:
@@ -268,9 +301,9 @@ def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.
     if len(data) != stages:
         raise InputError(p, f"has {len(data)} node schedule(s) but this run has {stages} pipeline stage(s)")
     for node, names in enumerate(node_kfac_names(cfg)):
-        ops = pipeline_ops(cfg.pipeline.schedule, node, stages, cfg.data.num_micro_batches)
+        ops = pipeline_ops(cfg.pipeline.schedule, node, stages, cfg.data.num_micro_batches, cfg.pipeline.chunks)
         check_schedule_for_stage(data[node], node=node, names=names, ops=ops,
-                                 replicas=sync_copies(cfg, replicas), path=p)
+                                 replicas=sync_copies(cfg, replicas), path=p, interleaved=is_interleaved(cfg))
     if is_chimera(cfg):
         from pipefisher.policies.groups import chimera_groups
         from pipefisher.policies.waits import group_violations
@@ -303,11 +336,12 @@ def single_iteration_schedule(cfg: RunConfig, replicas: int = 1) -> ScheduleData
     out = []
     stages, m = cfg.pipeline.stages, cfg.data.num_micro_batches
     for node, by_pipe in enumerate(node_kfac_names(cfg)):
-        labels = [START, *pipeline_ops(cfg.pipeline.schedule, node, stages, m)]
-        mods = [labelled(n, pipe) for pipe, names in by_pipe.items() for n in names]
+        labels = [START, *pipeline_ops(cfg.pipeline.schedule, node, stages, m, cfg.pipeline.chunks)]
+        mods = [labelled(n, pipe, is_interleaved(cfg)) for pipe, names in by_pipe.items() for n in names]
+        per_copy = m if is_interleaved(cfg) else m // len(by_pipe)  # each chunk sees every micro-batch
         for name in mods:
             for f in "AB":
-                labels += [f"cov_kron_{f}:{name}"] * (m // len(by_pipe))
+                labels += [f"cov_kron_{f}:{name}"] * per_copy
         if sync_copies(cfg, replicas) > 1:
             labels += [f"sync_kron_{f}:{name}" for name in mods for f in "AB"]
         labels += [f"inv_kron_{f}:{name}" for name in mods for f in "AB"]
@@ -322,8 +356,8 @@ def single_iteration_schedule(cfg: RunConfig, replicas: int = 1) -> ScheduleData
 class ScheduleExecutor:
     """Runs one node's iterations label by label on an engine, its K-FAC states and an end-of-step call.
 
-    ``kfacs`` maps a pipe (0, or 1 for ``:up_pipe`` labels) to the K-FAC state of the stage copy on
-    it. Each iteration is compiled once into a list of bound calls, so a step costs one Python call
+    ``kfacs`` maps a copy (0; 1 for ``:up_pipe`` labels; j for ``:chunk<j>`` labels) to the K-FAC
+    state of that stage copy. Each iteration is compiled once into a list of bound calls, so a step costs one Python call
     per label. ``span(label)`` wraps every K-FAC label (the profiler uses it; a no-op otherwise).
     """
 

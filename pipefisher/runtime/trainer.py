@@ -177,7 +177,8 @@ class Trainer:
                        f"{opts.steps} steps on {self.ctx.device}{extra}{resumed}")
         if g.replica == 0:  # each stage says what its K-FAC covers (every replica holds the same layers)
             for p, k in self.kfacs.items():
-                up = " (up pipe)" if p == UP else ""
+                up = ("" if not p else f" (chunk {p})" if self.cfg.pipeline.schedule == "interleaved"
+                      else " (up pipe)" if p == UP else "")
                 click.echo(k.coverage.line(f"stage {node_pipes(self.cfg, g.stage)[p]}{up}"))
         metrics: list[tuple[int, float | None, float | None, float, float]] = []
         train_seconds = 0.0

@@ -202,38 +202,47 @@ def one_f_one_b(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSch
 
 
 def interleaved(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSchedule:
-    """Interleaved 1F1B (Megatron-LM): ``v`` model chunks per device, visited in rounds of ``p`` micro-batches.
+    """Interleaved 1F1B (Megatron-LM, as torch's ``ScheduleInterleaved1F1B`` runs it): ``v`` model chunks
+    per device, visited in rounds of ``r`` micro-batches.
 
-    The k-th forward of a device is chunk ``(k // p) % v`` of micro-batch ``(k // (p*v)) * p + k % p``;
-    backwards visit the chunks in reverse. Like Megatron-LM, it needs the micro-batch count to be a
-    multiple of the number of stages.
+    Like torch, the micro-batch count need not be a multiple of the stage count: there are
+    ``max(1, m // p)`` rounds of ``r = m / rounds`` micro-batches (so m must split evenly into them; for
+    multiples of ``p``, ``r = p``, Megatron-LM's order). The k-th forward of a device runs chunk
+    ``(k // r) % v`` on that chunk's next micro-batch; backwards visit the chunks in reverse; device d
+    warms up with ``(v - 1) r + 2 (p - 1 - d)`` forwards.
     """
     stages, micro_batches = _check_common("interleaved", stages, micro_batches)
     _need(isinstance(chunks, numbers.Integral) and not isinstance(chunks, bool) and operator.index(chunks) >= 2,
           f"interleaved: needs chunks >= 2 model chunks per device, got {chunks!r}")
     chunks = operator.index(chunks)
-    _need(micro_batches % stages == 0,
-          f"interleaved: micro-batches ({micro_batches}) must be a multiple of stages ({stages})")
     p, v, m = stages, chunks, micro_batches
+    rounds = max(1, m // p)
+    _need(m % rounds == 0,
+          f"interleaved: micro-batches ({m}) must split evenly into max(1, {m} // {p}) = {rounds} rounds "
+          f"(torch's ScheduleInterleaved1F1B refuses it too)")
+    per_round = m // rounds
     total = m * v
-
-    def mb(k: int) -> int:
-        return (k // (p * v)) * p + k % p
 
     devices = []
     for d in range(p):
+        next_f = [0] * v  # per chunk: its next micro-batch, forwards and backwards in order
+        next_b = [0] * v
+
         def f(k: int) -> Op:
-            c = (k // p) % v
-            return _fwd(mb(k), c * p + d, p)
+            c = (k // per_round) % v
+            next_f[c] += 1
+            return _fwd(next_f[c] - 1, c * p + d, p)
 
         def b(k: int) -> Op:
-            c = v - 1 - (k // p) % v
-            return _bwd(mb(k), c * p + d, p)
+            c = v - 1 - (k // per_round) % v
+            next_b[c] += 1
+            return _bwd(next_b[c] - 1, c * p + d, p)
 
-        warmup = min((p - d - 1) * 2 + (v - 1) * p, total)
+        warmup = min((v - 1) * per_round + 2 * (p - 1 - d), total)
         ops = [f(k) for k in range(warmup)]
         for k in range(total - warmup):
-            ops += [f(warmup + k), b(k)]
+            ops.append(f(warmup + k))
+            ops.append(b(k))
         ops += [b(k) for k in range(total - warmup, total)]
         devices.append(tuple(ops))
     return PipelineSchedule("interleaved", p, m, v, tuple(devices))

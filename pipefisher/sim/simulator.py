@@ -11,9 +11,10 @@ The result is one ``dict[str, list[(start, end)]]`` per node in the profiled for
 
 Mapping choices (see also the format spec):
 
-- Interleaved schedules: a node's ``call_forward``/``call_backward`` hold one interval per
-  (chunk, micro-batch) operation, in execution order, so a node has ``v * m`` of each; its K-FAC
-  modules are the layers of all its chunks, each covering ``m`` micro-batches.
+- Interleaved schedules (the chunk format of the format spec): chunk 0's operations are
+  ``call_forward``/``call_backward``, chunk j's (j >= 1) ``call_forward:chunk<j>``/``call_backward:chunk<j>``,
+  one interval per micro-batch in execution order, so each chunk has ``m`` of each; the K-FAC keys of
+  chunk j's layers end in ``:chunk<j>`` (none for chunk 0), each covering that chunk's ``m`` micro-batches.
 - ZB-H1: ``call_backward`` is the input-gradient pass B. A weight-gradient pass W that directly
   follows its own B is merged into that interval (so node 0 looks like 1F1B); a deferred W is written
   under ``call_backward:weight`` (not a micro-batch: the scheduler counts only exact
@@ -31,7 +32,7 @@ from typing import Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.sim.costs import NS_PER_MS, CostModel, ModuleCost
-from pipefisher.timeline import UP_SUFFIX
+from pipefisher.timeline import UP_SUFFIX, chunk_suffix
 from pipefisher.sim.schedules import (
     BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op, PipelineSchedule, canonical_name, generate,
 )
@@ -152,11 +153,13 @@ def simulate(schedule: PipelineSchedule, costs: PipeCosts) -> SimResult:
 
 @dataclass(frozen=True)
 class LayerCopy:
-    """One copy of a transformer layer on a node: which layer, which pipe, how many micro-batches."""
+    """One copy of a transformer layer on a node: which layer, which pipe, how many micro-batches, and
+    which model chunk of the node holds it (interleaved schedules; 0 otherwise)."""
 
     layer: int
     up_pipe: bool
     micro_batches: int
+    chunk: int = 0
 
 
 def node_layers(model: CostModel, schedule: PipelineSchedule) -> list[list[LayerCopy]]:
@@ -169,7 +172,7 @@ def node_layers(model: CostModel, schedule: PipelineSchedule) -> list[list[Layer
     del per_pipe
     out: list[list[LayerCopy]] = []
     for d in range(schedule.stages):
-        copies = [LayerCopy(layer, False, down_mb)
+        copies = [LayerCopy(layer, False, down_mb, c)
                   for c in range(schedule.chunks) for layer in model.stage_layers(c * schedule.stages + d, S)]
         if up_mb:
             copies += [LayerCopy(layer, True, up_mb) for layer in model.stage_layers(schedule.stages - 1 - d, S)]
@@ -183,7 +186,7 @@ def _pipeline_keys(result: SimResult, device: int) -> dict[str, list[tuple[int, 
     i = 0
     while i < len(ops):
         t = ops[i]
-        suffix = UP_SUFFIX if t.op.pipe == UP else ""
+        suffix = UP_SUFFIX if t.op.pipe == UP else chunk_suffix(t.op.chunk)
         if t.op.kind == FORWARD:
             entries.setdefault("call_forward" + suffix, []).append((t.start, t.end))
         elif t.op.kind == BACKWARD:
@@ -216,7 +219,7 @@ def timelines_from_result(result: SimResult, model: CostModel) -> Timelines:
         for copy in layers[d]:
             for m in modules:
                 name = model.module_template.format(layer=copy.layer, module=m.name)
-                names.append((name + (":up_pipe" if copy.up_pipe else ""), m, copy))
+                names.append((name + (UP_SUFFIX if copy.up_pipe else chunk_suffix(copy.chunk)), m, copy))
         has_sync = any(m.sync_A_ms > 0 or m.sync_B_ms > 0 for m in modules)
         phases: list[tuple[str, str]] = [("cov_kron_A", "cov_A_ms"), ("cov_kron_B", "cov_B_ms")]
         later = ([("sync_kron_A", "sync_A_ms"), ("sync_kron_B", "sync_B_ms")] if has_sync else []) + \

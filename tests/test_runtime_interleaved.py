@@ -1,0 +1,282 @@
+"""Interleaved 1F1B in the trainer: v stage copies (chunks) per device, one pipeline, one result.
+
+Chunk j of device d is virtual stage d + j*D of D*v. Each layout runs in real worker processes (gloo,
+one thread each): a step's gradients, K-FAC inverses and preconditioned gradients equal the unsplit
+model's on the same batch; schedule files train exactly as kfac mode or a one-process replay.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pipefisher.errors import InputError
+from pipefisher.runtime.dist import init_from_env, shutdown
+from pipefisher.runtime.engine import device_plan, pipe_micro_batches, pipeline_ops
+from pipefisher.runtime.launch import spawn_local
+from pipefisher.runtime.trainer import Trainer, TrainOptions
+from pipefisher.sim.schedules import generate
+
+from test_runtime_engine import BASE, _assert_close, _reference
+
+INTERLEAVED = BASE.replace(pipeline=dict(schedule="interleaved", chunks=2), data=dict(num_micro_batches=4))
+
+
+def test_the_engine_runs_the_simulators_interleaved_order():
+    for d in range(4):
+        plan = device_plan("interleaved", d, 4, 8, 2)
+        sim = generate("interleaved", 4, 8, 2).devices[d]
+        assert [(label.startswith("call_forward"), chunk, mb) for label, chunk, mb in plan] == \
+            [(op.kind == "F", op.chunk, op.micro_batch) for op in sim]
+        assert [label for label, _, _ in plan] == pipeline_ops("interleaved", d, 4, 8, 2)
+        for label, chunk, _ in plan:  # chunk 0 keeps the plain keys, chunk j >= 1 gets ':chunk<j>'
+            assert label in (("call_forward", "call_backward") if chunk == 0 else
+                             (f"call_forward:chunk{chunk}", f"call_backward:chunk{chunk}"))
+        assert pipe_micro_batches("interleaved", d, 4, 8, 2) == {0: list(range(8)), 1: list(range(8))}
+    assert {c for _, c, _ in device_plan("interleaved", 0, 2, 4, 3)} == {0, 1, 2}
+
+
+def test_config_checks_the_interleaved_layout():
+    with pytest.raises(InputError, match="num_layers >= pipeline.stages x pipeline.chunks"):
+        INTERLEAVED.replace(pipeline=dict(stages=4))  # 4 layers, 8 chunks
+    with pytest.raises(InputError, match="pipeline.chunks must be an integer >= 2"):
+        INTERLEAVED.replace(pipeline=dict(chunks=1))
+    with pytest.raises(InputError, match="multiple of pipeline.stages"):
+        INTERLEAVED.replace(data=dict(num_micro_batches=3))
+    assert INTERLEAVED.pipeline.virtual_stages == 4
+
+
+def _step_worker(cfg) -> dict:
+    """One kfac-mode step: gradients after the replicas' all-reduce, then naive K-FAC and preconditioning."""
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    try:
+        trainer = Trainer(cfg, ctx, TrainOptions(mode="kfac", steps=1, progress=False))
+        eng, kfac, chunks = trainer.engine, trainer.kfac, trainer.stage
+        v = cfg.pipeline.chunks
+        kfac.set_saving(True)
+        eng.begin_step(0)
+        eng.run(trainer.ops)
+        loss = eng.finish_step()
+        eng.allreduce_gradients()
+        grads = {j: {n: t.grad.clone() for n, t in chunks.copy(j).named_parameters()} for j in range(v)}
+        kfac.update_curvature()
+        inverses = {j: {(n, f): kfac[j].inverse(n, f).clone() for n in kfac[j].names for f in "AB"}
+                    for j in range(v)}
+        kfac.precondition_all()
+        precond = {j: {n: t.grad.clone() for n, t in chunks.copy(j).named_parameters()} for j in range(v)}
+        index = {j: chunks.copy(j).index for j in range(v)}
+        val = eng.evaluate(trainer.data.validation_batches()[:2])
+        return {"device": ctx.grid.stage, "replica": ctx.grid.replica, "index": index, "grads": grads,
+                "inverses": inverses, "precond": precond, "loss": loss, "val": val}
+    finally:
+        shutdown(ctx)
+
+
+LAYOUTS = {"D=2 v=2": (2, 1, 4), "D=2 v=2 x 2 replicas": (2, 2, 4), "D=4 v=2": (4, 1, 8)}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def interleaved_step(request):
+    stages, replicas, layers = LAYOUTS[request.param]
+    cfg = INTERLEAVED.replace(pipeline=dict(stages=stages), model=dict(num_layers=layers))
+    results = spawn_local(_step_worker, stages * replicas, cfg, timeout_s=180)
+    return cfg, replicas, results, _reference(cfg, replicas)
+
+
+def test_interleaved_gradients_equal_single_process(interleaved_step):
+    cfg, replicas, results, ref = interleaved_step
+    seen = set()
+    for res in results:
+        for j, grads in res["grads"].items():
+            assert res["index"][j] == res["device"] + j * cfg.pipeline.stages
+            for name, grad in grads.items():
+                _assert_close(grad, ref["grads"][name], f"device {res['device']} chunk {j} {name}")
+                seen.add(name)
+    assert seen == set(ref["grads"])
+    losses = [res["loss"] for res in results if res["loss"] is not None]  # the last virtual stage only
+    assert len(losses) == replicas and all(res["device"] == cfg.pipeline.stages - 1
+                                           for res in results if res["loss"] is not None)
+    vals = [res["val"] for res in results if res["val"] is not None]
+    assert len(vals) == replicas and all(v == pytest.approx(vals[0]) for v in vals)
+
+
+def test_interleaved_kfac_inverses_and_preconditioned_gradients_equal_single_process(interleaved_step):
+    cfg, replicas, results, ref = interleaved_step
+    for res in results:
+        for j in res["inverses"]:
+            for key, inv in res["inverses"][j].items():
+                _assert_close(inv, ref["inverses"][key], f"inverse {key}", 1e-3)
+            for name, grad in res["precond"][j].items():
+                _assert_close(grad, ref["precond"][name], f"preconditioned {name}", 1e-3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training: kfac mode, schedule files, a one-process replay
+
+
+def _train_runs(cfg, runs, steps) -> dict:
+    """In each worker, one Trainer per (mode, schedule) run; every chunk's parameters after every step."""
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    out = {"device": ctx.grid.stage, "replica": ctx.grid.replica}
+    v = cfg.pipeline.chunks
+    try:
+        for mode, schedule in runs:
+            torch.manual_seed(0)
+            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
+                                                     log_every=10**9))
+            trainer.stage.train()
+            index = {j: trainer.stage.copy(j).index for j in range(v)}
+            history, losses = [], []
+            for step in range(steps):
+                losses.append(trainer.train_step(step))
+                history.append({j: {n: t.detach().clone() for n, t in trainer.stage.copy(j).named_parameters()}
+                                for j in range(v)})
+            out[mode if schedule is None else os.path.basename(schedule)] = (index, history, losses)
+    finally:
+        shutdown(ctx)
+    return out
+
+
+STEPS = 4  # step 0, a full 2-iteration cycle of the spread schedule, and the next one begun
+
+
+@pytest.fixture(scope="module")
+def interleaved_runs(tmp_path_factory):
+    from pipefisher.runtime.executor import check_schedule, single_iteration_schedule
+    from pipefisher.schedule import save_schedule
+
+    from _schedules import interleaved_spread_schedule, tiny
+
+    cfg = tiny(pipeline={"schedule": "interleaved", "chunks": 2, "timeout_s": 30.0})
+    folder = tmp_path_factory.mktemp("interleaved")
+    files = {}
+    for name, data in (("one", single_iteration_schedule(cfg)), ("spread", interleaved_spread_schedule(cfg))):
+        check_schedule(data, cfg)
+        files[name] = str(folder / f"{name}.pickle")
+        save_schedule(files[name], data)
+    runs = [("first-order", None), ("kfac", None)] + [("scheduled", files[n]) for n in ("one", "spread")]
+    results = spawn_local(_train_runs, 2, cfg, runs, STEPS, timeout_s=180)
+    return cfg, results, files
+
+
+def test_one_iteration_interleaved_schedule_equals_kfac_mode(interleaved_runs):
+    from test_runtime_executor import _close
+
+    cfg, results, _ = interleaved_runs
+    for res in results:
+        for step in range(STEPS):
+            for j in range(cfg.pipeline.chunks):
+                _close(res["one.pickle"][1][step][j], res["kfac"][1][step][j])
+    last = [res for res in results if res["kfac"][2][0] is not None]
+    assert len(last) == 1 and last[0]["one.pickle"][2] == pytest.approx(last[0]["kfac"][2], rel=1e-6)
+    assert last[0]["kfac"][2] != pytest.approx(last[0]["first-order"][2], rel=1e-4)  # K-FAC changed the run
+
+
+@pytest.mark.parametrize("name", ["one", "spread"])
+def test_interleaved_schedule_equals_single_process_replay(interleaved_runs, name):
+    from pipefisher.schedule import load_schedule
+
+    from _schedules import replay
+    from test_runtime_executor import _close
+
+    cfg, results, files = interleaved_runs
+    want = replay(cfg, load_schedule(files[name]), STEPS)
+    seen = set()
+    for res in results:
+        index, history, _ = res[f"{name}.pickle"]
+        for j, s in index.items():
+            _close(history[-1][j], want[s], 1e-4)
+            seen.add(s)
+    assert seen == set(want)
+
+
+def test_trainer_refuses_a_covariance_piece_before_its_own_chunks_forward(tmp_path):
+    """The device's first forward is chunk 0's: a chunk-1 A piece right after it has nothing saved yet."""
+    from pipefisher.runtime.executor import load_checked_schedule, single_iteration_schedule
+    from pipefisher.schedule import save_schedule
+
+    from _schedules import tiny
+
+    cfg = tiny(pipeline={"schedule": "interleaved", "chunks": 2})
+    data = single_iteration_schedule(cfg)
+    labels = data[0][0]
+    piece = next(lb for lb in labels if lb.startswith("cov_kron_A:") and lb.endswith(":chunk1"))
+    labels.remove(piece)
+    labels.insert(labels.index("call_forward") + 1, piece)
+    path = tmp_path / "early.pickle"
+    save_schedule(str(path), data)
+    with pytest.raises(InputError, match="no saved micro-batch is left for this piece"):
+        load_checked_schedule(path, cfg)
+    ok = single_iteration_schedule(cfg)  # the same piece after chunk 1's first forward is fine
+    labels = ok[0][0]
+    labels.remove(piece)
+    labels.insert(labels.index("call_forward:chunk1") + 1, piece)
+    save_schedule(str(path), ok)
+    load_checked_schedule(path, cfg)
+
+
+def test_chunk_labels_are_refused_outside_interleaving(tmp_path):
+    from pipefisher.runtime.executor import check_schedule, single_iteration_schedule
+
+    from _schedules import tiny
+
+    cfg = tiny()
+    data = single_iteration_schedule(cfg)
+    data[0][0].insert(1, "call_forward:chunk1")
+    with pytest.raises(InputError, match="one model chunk per device"):
+        check_schedule(data, cfg)
+
+
+def _profile_worker(cfg, out: str) -> None:
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    try:
+        Trainer(cfg, ctx, TrainOptions(mode="kfac", profile=True, out=out, steps=1, progress=False)).run()
+    finally:
+        shutdown(ctx)
+
+
+def test_profiled_timelines_carry_the_chunk_keys(tmp_path):
+    """Chunk 0 keeps the plain keys; chunk 1's pipeline and K-FAC keys get ':chunk1' exactly once."""
+    import pickle
+
+    from pipefisher.runtime.executor import node_kfac_names
+
+    cfg = INTERLEAVED.replace(pipeline=dict(stages=2))
+    spawn_local(_profile_worker, 2, cfg, str(tmp_path), timeout_s=120)
+    for node, by_chunk in enumerate(node_kfac_names(cfg)):
+        with open(tmp_path / f"{cfg.name}_node{node}_timeline.pickle", "rb") as f:
+            timeline = pickle.load(f)
+        m = cfg.data.num_micro_batches
+        for key in ("call_forward", "call_backward", "call_forward:chunk1", "call_backward:chunk1"):
+            assert len(timeline[key]) == m, key
+        want = {"call_forward", "call_backward", "call_forward:chunk1", "call_backward:chunk1", "start_end"}
+        for j, names in by_chunk.items():
+            want |= {f"{kind}_{f}:{n}{':chunk1' if j else ''}" for n in names for f in "AB"
+                     for kind in ("cov_kron", "inv_kron")}
+        assert set(timeline) - {k for k in timeline if k.startswith("sync_kron")} == want
+
+
+def _resume_worker(cfg, folder: str) -> list:
+    """Train 2 steps with a checkpoint, resume for a third; and 3 steps straight: the losses."""
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    try:
+        def run(steps: int, resume: str | None, ck: str | None) -> list:
+            torch.manual_seed(0)
+            opts = TrainOptions(mode="kfac", steps=steps, progress=False, log_every=10**9,
+                                checkpoint_dir=ck, resume=resume)
+            return Trainer(cfg, ctx, opts).run().losses
+
+        straight = run(3, None, None)
+        run(2, None, folder)
+        return [straight, run(3, folder, folder)]
+    finally:
+        shutdown(ctx)
+
+
+def test_checkpoints_hold_every_chunks_kfac_state(tmp_path):
+    """With 3 chunks a resumed run continues exactly (chunk 2's K-FAC state is saved and loaded)."""
+    cfg = INTERLEAVED.replace(pipeline=dict(stages=2, chunks=3), model=dict(num_layers=6))
+    results = spawn_local(_resume_worker, 2, cfg, str(tmp_path / "ck"), timeout_s=120)
+    straight, resumed = next(r for r in results if r[0])
+    assert resumed == straight[2:]
