@@ -42,8 +42,9 @@ def test_config_checks_the_interleaved_layout():
         INTERLEAVED.replace(pipeline=dict(stages=4))  # 4 layers, 8 chunks
     with pytest.raises(InputError, match="pipeline.chunks must be an integer >= 2"):
         INTERLEAVED.replace(pipeline=dict(chunks=1))
-    with pytest.raises(InputError, match="multiple of pipeline.stages"):
-        INTERLEAVED.replace(data=dict(num_micro_batches=3))
+    with pytest.raises(InputError, match="must split evenly into"):  # as torch's ScheduleInterleaved1F1B
+        INTERLEAVED.replace(data=dict(num_micro_batches=5))
+    assert INTERLEAVED.replace(data=dict(num_micro_batches=3)).data.num_micro_batches == 3  # torch takes it
     assert INTERLEAVED.pipeline.virtual_stages == 4
 
 
@@ -73,13 +74,15 @@ def _step_worker(cfg) -> dict:
         shutdown(ctx)
 
 
-LAYOUTS = {"D=2 v=2": (2, 1, 4), "D=2 v=2 x 2 replicas": (2, 2, 4), "D=4 v=2": (4, 1, 8)}
+LAYOUTS = {"D=2 v=2": (2, 1, 4, 4), "D=2 v=2 x 2 replicas": (2, 2, 4, 4), "D=4 v=2": (4, 1, 8, 4),
+           "D=2 v=2 m=3 (not a multiple of D)": (2, 1, 4, 3)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def interleaved_step(request):
-    stages, replicas, layers = LAYOUTS[request.param]
-    cfg = INTERLEAVED.replace(pipeline=dict(stages=stages), model=dict(num_layers=layers))
+    stages, replicas, layers, micro_batches = LAYOUTS[request.param]
+    cfg = INTERLEAVED.replace(pipeline=dict(stages=stages), model=dict(num_layers=layers),
+                              data=dict(num_micro_batches=micro_batches))
     results = spawn_local(_step_worker, stages * replicas, cfg, timeout_s=180)
     return cfg, replicas, results, _reference(cfg, replicas)
 

@@ -344,9 +344,8 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
                             "pipeline.schedule interleaved")
         elif p.stages < 2:
             problems.append("pipeline.schedule interleaved needs pipeline.stages >= 2")
-        elif d.num_micro_batches % p.stages:
-            problems.append("pipeline.schedule interleaved needs data.num_micro_batches to be a multiple "
-                            "of pipeline.stages")
+        elif _interleaved_refusal(p.stages, d.num_micro_batches, p.chunks):
+            problems.append(_interleaved_refusal(p.stages, d.num_micro_batches, p.chunks) or "")
         elif m.num_layers < p.stages * p.chunks:
             problems.append(f"pipeline.schedule interleaved needs model.num_layers >= pipeline.stages x "
                             f"pipeline.chunks ({p.stages} x {p.chunks} = {p.stages * p.chunks} model chunks)")
@@ -410,3 +409,16 @@ def load_config(path: str | os.PathLike[str]) -> RunConfig:
     except yaml.YAMLError as err:
         raise InputError(path, f"is not valid YAML ({err})") from None
     return config_from_dict(raw, path)
+
+
+def _interleaved_refusal(stages: int, micro_batches: int, chunks: int) -> str | None:
+    """Why the interleaved generator (the one source of the order) refuses this shape, or None: it
+    takes the micro-batch counts torch's ScheduleInterleaved1F1B takes, multiples of the stages or not."""
+    from pipefisher.errors import InputError
+    from pipefisher.sim.schedules import interleaved
+
+    try:
+        interleaved(stages, micro_batches, chunks)
+    except InputError as err:
+        return f"pipeline.schedule interleaved with data.num_micro_batches {micro_batches}: {err.problem}"
+    return None
