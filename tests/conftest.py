@@ -1,14 +1,31 @@
 """Shared fixtures: the published tool's test vectors and small hand-made jobs."""
 from __future__ import annotations
 
+import os
 import pickle
+import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
 DATA = Path(__file__).parent / "data"
 COMPAT_CASES = sorted(p for p in (DATA / "compat").iterdir() if p.is_dir())
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _temporary_files_stay_in_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Runs that fail on purpose keep their worker log in the temp folder (the launcher names it); let
+    that be the session's own, so the suite leaves nothing behind in /tmp."""
+    folder = str(tmp_path_factory.mktemp("tmp"))
+    before = (os.environ.get("TMPDIR"), tempfile.tempdir)
+    os.environ["TMPDIR"], tempfile.tempdir = folder, folder
+    yield
+    if before[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before[0]
+    tempfile.tempdir = before[1]
 
 
 def case_timelines(case: Path) -> list[str]:
