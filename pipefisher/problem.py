@@ -28,6 +28,7 @@ schedule that ``validate`` accepts, with the same margin, has fewer iterations.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from pipefisher.timeline import (
     BACKWARD, FORWARD, UP_SUFFIX, Interval, NodeTimeline, Time, TimelineKey, pipe_key,
@@ -92,6 +93,16 @@ class Work:
 
 
 @dataclass(frozen=True)
+class Factors:
+    """Per factor (group): its covariance piece count, and the work indices of its syncs and inverses:
+    what every packer needs to know when a factor's pieces are done and what that makes ready."""
+
+    pieces: tuple[int, ...]
+    syncs: tuple[tuple[int, ...], ...]
+    invs: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
 class NodeModel:
     """What packing one node needs: its pipeline (sorted), its bubbles, its work and their groups."""
 
@@ -114,6 +125,19 @@ class NodeModel:
     def largest(self) -> Time:
         """The largest bubble: work that does not fit it (with the margin) is forced overflow."""
         return max((b.length for b in self.bubbles), default=0)
+
+    @cached_property
+    def factors(self) -> Factors:
+        """Each factor's piece count, syncs and inverses (work indices, in work order)."""
+        pieces = [0] * self.groups
+        syncs: list[list[int]] = [[] for _ in range(self.groups)]
+        invs: list[list[int]] = [[] for _ in range(self.groups)]
+        for wi, w in enumerate(self.work):
+            if w.kind == COV:
+                pieces[w.group] += len(w.pieces)
+            else:
+                (syncs if w.kind == SYNC else invs)[w.group].append(wi)
+        return Factors(tuple(pieces), tuple(map(tuple, syncs)), tuple(map(tuple, invs)))
 
 
 def sane_bounds(iv: Interval, fallback: Time) -> tuple[Time, Time]:

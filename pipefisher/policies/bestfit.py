@@ -33,14 +33,8 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
     positions = [b.pos for b in bubbles]
 
     head = [0] * len(work)  # per covariance queue: its next piece
-    pieces_left = [0] * model.groups
-    syncs_of: list[list[int]] = [[] for _ in range(model.groups)]
-    invs_of: list[list[int]] = [[] for _ in range(model.groups)]
-    for wi, w in enumerate(work):
-        if w.kind == COV:
-            pieces_left[w.group] += len(w.pieces)
-        else:
-            (syncs_of if w.kind == SYNC else invs_of)[w.group].append(wi)
+    pieces_left = list(model.factors.pieces)
+    syncs_of, invs_of = model.factors.syncs, model.factors.invs
     synced_yet = [False] * model.groups
 
     ready: list[tuple[Time, int, int]] = []  # (room needed, -work index, work index), ascending

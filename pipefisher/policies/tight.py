@@ -105,16 +105,8 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
             cov_bits |= 1 << r
 
     head = [0] * len(work)
-    cov_left = [0] * model.groups
-    syncs_of: list[list[int]] = [[] for _ in range(model.groups)]
-    invs_of: list[list[int]] = [[] for _ in range(model.groups)]
-    for wi, w in enumerate(work):
-        if w.kind == COV:
-            cov_left[w.group] += len(w.pieces)
-        elif w.kind == SYNC:
-            syncs_of[w.group].append(wi)
-        else:
-            invs_of[w.group].append(wi)
+    cov_left = list(model.factors.pieces)
+    syncs_of, invs_of = model.factors.syncs, model.factors.invs
     sync_seen = [False] * model.groups
     remaining = sum(len(w.pieces) for w in work)
 
@@ -309,16 +301,7 @@ def pack_fixed(model: NodeModel, k: int) -> Packed | None:
     maxd: list[Time] = [0] * nslots
     content: list[list[tuple[int, int]]] = [[] for _ in range(nslots)]  # (work index, piece) per slot
 
-    syncs_of: list[list[int]] = [[] for _ in range(model.groups)]
-    invs_of: list[list[int]] = [[] for _ in range(model.groups)]
-    queue_of: list[int] = [-1] * model.groups
-    for wi, w in enumerate(work):
-        if w.kind == COV:
-            queue_of[w.group] = wi
-        elif w.kind == SYNC:
-            syncs_of[w.group].append(wi)
-        else:
-            invs_of[w.group].append(wi)
+    syncs_of, invs_of = model.factors.syncs, model.factors.invs
 
     # -- 1. syncs and inverses, as late as possible --------------------------------------------------
     plain = [wi for wi, w in enumerate(work) if w.kind != COV]
