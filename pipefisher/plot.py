@@ -12,7 +12,6 @@ collection artist, so drawing costs the same for 4 or 4000 micro-batches.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
@@ -20,7 +19,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 from pipefisher.errors import InputError
 from pipefisher.safe_io import atomic_path
 from pipefisher.policies.base import MARKERS, JobSchedule, label_category
-from pipefisher.timeline import STEP_KEY, UP_PIPE, Job, Time, TimelineKey
+from pipefisher.sim.simulator import parse_default_prefix
+from pipefisher.timeline import STEP_KEY, UP_PIPE, Job, TimelineKey, node_file_prefix
 
 if TYPE_CHECKING:
     import numpy as np
@@ -135,9 +135,6 @@ def _scale(job: Job) -> tuple[float, str]:
     return (1.0, "s") if isinstance(job.span, float) else (1e-6, "ms")
 
 
-_NODE_FILE_SUFFIX = re.compile(r"_node\d+_timeline(?:\.[A-Za-z0-9]+)?$")
-_SIMULATED_NAME = re.compile(  # pipefisher simulate's prefix: <model>_<schedule>_p<stages>[_v<chunks>]_m<m>
-    r"^(?P<model>.+?)_(?P<schedule>[A-Za-z0-9-]+)(?:_p(?P<p>\d+))?(?:_v(?P<v>\d+))?_m(?P<m>\d+)$")
 
 
 def job_name(job: Job) -> str | None:
@@ -146,7 +143,7 @@ def job_name(job: Job) -> str | None:
     files = [os.path.basename(n.path) for n in job.nodes if not n.path.startswith("<")]
     if not files:
         return None
-    prefixes = {_NODE_FILE_SUFFIX.sub("", f) for f in files if _NODE_FILE_SUFFIX.search(f)}
+    prefixes = {p for p in map(node_file_prefix, files) if p is not None}
     if prefixes:
         return prefixes.pop() if len(prefixes) == 1 else None  # several jobs' files (--allow-mixed): no one name
     prefix = os.path.commonprefix([os.path.splitext(f)[0] for f in files]).rstrip("_-. ")
@@ -156,13 +153,13 @@ def job_name(job: Job) -> str | None:
 def job_context(job: Job) -> str:
     """Model, pipeline schedule and micro-batches, as far as the timelines tell, for titles.
 
-    Only the file names carry them: ``pipefisher simulate``'s ``<model>_<schedule>_m<m>`` gives all
-    three; any other name is shown as it is, with the forward passes each node ran.
+    Only the file names carry them: ``pipefisher simulate``'s prefix
+    (:func:`pipefisher.sim.simulator.default_prefix`) gives all three; any other name is shown as it is, with the forward passes each node ran.
     """
     name = job_name(job)
-    sim = _SIMULATED_NAME.match(name) if name else None
+    sim = parse_default_prefix(name) if name else None
     if sim:
-        shape = (f", {sim['p']} stages" if sim["p"] else "") + (f", v={sim['v']}" if sim["v"] else "")
+        shape = (f", {sim['stages']} stages" if sim["stages"] else "") + (f", v={sim['chunks']}" if sim["chunks"] else "")
         return f"{sim['model']}, {sim['schedule']}{shape}, m={sim['m']}"
     node0 = job.nodes[0]
     forwards = node0.micro_batches(up_pipe=True) + sum(node0.micro_batches(chunk=c) for c in node0.chunks)

@@ -356,6 +356,12 @@ _NODE_FILE = re.compile(r"^(?P<prefix>.*)_node(?P<node>\d+)_timeline(?:\.[A-Za-z
 """``<prefix>_node<i>_timeline.<ext>``: the names profilers and ``pipefisher simulate`` give node files."""
 
 
+def node_file_prefix(path: str) -> str | None:
+    """The job prefix of a node file named ``<prefix>_node<i>_timeline.<ext>``, else None."""
+    m = _NODE_FILE.match(os.path.basename(path))
+    return m.group("prefix") if m else None
+
+
 def check_node_files(ordered: Sequence[str]) -> None:
     """Refuse a file list that cannot be one job's nodes: a file twice, or (where every name follows
     ``<prefix>_node<i>_timeline``) several prefixes, a node index missing or twice, or indices out of

@@ -26,7 +26,6 @@ the raw results as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
-from _valid_schedules import random_cycle, random_job_schedule
+from _valid_schedules import random_job_schedule
 from pipefisher.policies import get_policy
 from pipefisher.policies.base import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.policies.bounds import model_bounds

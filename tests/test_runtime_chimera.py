@@ -140,7 +140,7 @@ def chimera_runs(tmp_path_factory):
     from pipefisher.runtime.executor import check_schedule, single_iteration_schedule
     from pipefisher.schedule import save_schedule
 
-    from _schedules import REAL_TEXT, chimera_spread_schedule, tiny
+    from _schedules import chimera_spread_schedule, tiny
 
     cfg = tiny(pipeline={"schedule": "chimera", "timeout_s": 30.0})
     folder = tmp_path_factory.mktemp("chimera")

@@ -224,7 +224,7 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
                 refuse(where, f"has {count(pipe_calls)}, but this run's pipeline step has {count(ops)} "
                               "(data.num_micro_batches, pipeline.schedule)")
             refuse(where, "runs its forwards and backwards in another order than this run's pipeline "
-                          f"(pipeline.schedule, stages); it would deadlock the point-to-point transfers")
+                          "(pipeline.schedule, stages); it would deadlock the point-to-point transfers")
         stash: dict[int, deque] = {p: deque() for p in by_pipe}  # saving flag per forward awaiting backward
         ended = False
         for j, label in enumerate(labels):

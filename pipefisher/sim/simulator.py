@@ -268,6 +268,17 @@ def default_prefix(model_name: str, schedule: PipelineSchedule) -> str:
     return f"{model_name}_{schedule.name}_p{schedule.stages}{chunks}_m{schedule.micro_batches}"
 
 
+_DEFAULT_PREFIX = re.compile(
+    r"^(?P<model>.+?)_(?P<schedule>[A-Za-z0-9-]+)(?:_p(?P<stages>\d+))?(?:_v(?P<chunks>\d+))?_m(?P<m>\d+)$")
+
+
+def parse_default_prefix(prefix: str) -> dict[str, str | None] | None:
+    """What a :func:`default_prefix` says (model, schedule, stages, chunks, m), or None for other names.
+    Stages and chunks may be missing (None): older simulations named files ``<model>_<schedule>_m<m>``."""
+    m = _DEFAULT_PREFIX.match(prefix)
+    return m.groupdict() if m else None
+
+
 def node_file(out_dir: str, prefix: str, node: int) -> str:
     return os.path.join(out_dir, f"{prefix}_node{node}_timeline.pickle")
 
