@@ -21,6 +21,7 @@ from pipefisher.safe_io import atomic_path
 from pipefisher.policies.base import MARKERS, JobSchedule, label_category
 from pipefisher.sim.simulator import parse_default_prefix
 from pipefisher.timeline import STEP_KEY, UP_PIPE, Job, TimelineKey, node_file_prefix
+from pipefisher.violations import Violation
 
 if TYPE_CHECKING:
     import numpy as np
@@ -205,25 +206,31 @@ def chart_from_job(job: Job, title: str | None = None, node: int | None = None) 
     return Chart(title, rows, tuple(bars), (0.0, job.span * k), end_scaled, unit)
 
 
-def violations_per_node(schedule: JobSchedule, job: Job) -> dict[int, int]:
+def violations_per_node(schedule: JobSchedule, job: Job,
+                        violations: Sequence[Violation] | None = None) -> dict[int, int]:
     """How many rules each node's schedule breaks (:func:`pipefisher.schedule.validate`, under the
-    margin it was packed with); nodes that break none are left out."""
-    from pipefisher.schedule import validate
+    margin it was packed with, unless the caller already has its ``violations``); nodes that break none
+    are left out."""
+    if violations is None:
+        from pipefisher.schedule import validate
 
+        violations = validate(schedule.to_file_data(), job, margin=schedule.margin)
     counts: dict[int, int] = {}
-    for v in validate(schedule.to_file_data(), job, margin=schedule.margin):
+    for v in violations:
         counts[v.node] = counts.get(v.node, 0) + 1
     return counts
 
 
 def chart_from_schedule(schedule: JobSchedule, job: Job, title: str | None = None, iterations: int | None = None,
-                        node: int | None = None, check: bool = True) -> Chart:
+                        node: int | None = None, check: bool = True,
+                        violations: Sequence[Violation] | None = None) -> Chart:
     """A packed K-FAC cycle: iteration ``i`` drawn after iteration ``i - 1``, each row with its usage.
 
     Placement times are relative to their iteration; an iteration lasts the pipeline span, or longer
     where a policy let work overflow it. ``iterations``: draw only the first that many; ``node``: only
     that node's row. With ``check``, nodes whose schedule does not validate say so in their row label
-    (a chart of a broken schedule otherwise looks as plausible as any other).
+    (a chart of a broken schedule otherwise looks as plausible as any other); ``violations``: the
+    schedule's, where the caller has already validated it.
     """
     if iterations is not None and iterations < 1:
         raise InputError(None, f"--iterations must be at least 1, got {iterations}")
@@ -243,7 +250,7 @@ def chart_from_schedule(schedule: JobSchedule, job: Job, title: str | None = Non
         offsets.append(offsets[-1] + length.get(it, span))
     shown = n_iter if iterations is None else min(iterations, n_iter)
     picked = _pick_nodes(len(schedule.nodes), node)
-    bad = violations_per_node(schedule, job) if check else {}
+    bad = violations_per_node(schedule, job, violations) if check else {}
     cats: dict[str, str | None] = {m: None for m in MARKERS}
     bars: list[Bar] = []
     append = bars.append

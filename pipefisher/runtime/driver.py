@@ -167,7 +167,7 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     report = report_data(packed, job)
     report.update(run=paths.name, valid=not violations, violations=[str(v) for v in violations[:50]])
     save_schedule(paths.schedule, packed)
-    render(chart_from_schedule(packed, job), paths.chart)
+    render(chart_from_schedule(packed, job, violations=violations), paths.chart)
     refusal = runtime_refusal(paths.schedule, cfg, replicas)  # what every worker checks, before they start
     report.update(runnable=refusal is None, runtime_refusal=refusal)
     if violations:
