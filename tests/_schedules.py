@@ -123,9 +123,8 @@ def replay(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[
     try:
         if cfg.pipeline.schedule == "chimera":
             return _replay_chimera(cfg, schedule, steps)
-        if cfg.pipeline.schedule == "interleaved":
-            return _replay_interleaved(cfg, schedule, steps)
-        return _replay(cfg, schedule, steps)
+        chunks = cfg.pipeline.chunks if cfg.pipeline.schedule == "interleaved" else 1
+        return _replay_virtual_stages(cfg, schedule, steps, chunks)
     finally:
         torch.set_num_threads(threads)
 
@@ -151,36 +150,6 @@ def _forward_backward(mods: list, data: MLMData, step: int, micro_batches, m: in
         for s in reversed(range(len(mods))):
             outs[s].backward(grad)
             grad = ins[s].grad if s > 0 else None
-
-
-def _replay(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[int, dict[str, torch.Tensor]]:
-    stages, m = cfg.pipeline.stages, cfg.data.num_micro_batches
-    mods = [PipelineStage(cfg.model, s, stages, seed=cfg.data.seed) for s in range(stages)]
-    kfacs = [make_kfac(cfg, mod) for mod in mods]
-    # per stage, as the workers; with clip_norm or kl_clip the workers sum over the whole pipeline and
-    # this replay would not: the tests that compare with it use neither
-    updaters = [Updater(cfg, mod, k, cfg.optim.decay_steps or steps) for mod, k in zip(mods, kfacs)]
-    data = MLMData(cfg.data, cfg.model.vocab_size)
-    for k in kfacs:
-        k.set_saving(True)
-    for step in range(steps):
-        for u in updaters:
-            u.set_step(step)
-        iters = [None if step == 0 else node[(step - 1) % len(node)] for node in schedule]
-        _forward_backward(mods, data, step, range(m), m)
-        for s in range(stages):
-            if iters[s] is None:
-                kfacs[s].update_curvature()
-                kfacs[s].clear_saved()
-            else:
-                labels = iters[s]
-                for label in labels[:labels.index(END)]:
-                    kfacs[s].apply_label(label)
-            updaters[s].step(mods[s])
-            if iters[s] is not None:
-                for label in iters[s][iters[s].index(END) + 1:]:
-                    kfacs[s].apply_label(label)
-    return {s: {n: p.detach().clone() for n, p in mod.named_parameters()} for s, mod in enumerate(mods)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -364,12 +333,15 @@ def interleaved_spread_schedule(cfg: RunConfig) -> list[list[list[str]]]:
     return out
 
 
-def _replay_interleaved(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[int, dict[str, torch.Tensor]]:
-    """Every virtual stage (chunk j of device d: d + j*D) as its own module, K-FAC and optimizer; each
-    node's labels run on the virtual stage their ``:chunk<j>`` suffix names."""
+def _replay_virtual_stages(cfg: RunConfig, schedule: list[list[list[str]]], steps: int,
+                           chunks: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Every virtual stage (chunk j of device d: d + j*D; one chunk per device without interleaving) as
+    its own module, K-FAC and optimizer; each node's labels run on the virtual stage their ``:chunk<j>``
+    suffix names. With clip_norm or kl_clip the workers sum over the whole pipeline and this replay
+    would not: the tests that compare with it use neither."""
     from pipefisher.runtime.executor import parse_label
 
-    p, v, m = cfg.pipeline.stages, cfg.pipeline.chunks, cfg.data.num_micro_batches
+    p, v, m = cfg.pipeline.stages, chunks, cfg.data.num_micro_batches
     n = p * v
     mods = [PipelineStage(cfg.model, s, n, seed=cfg.data.seed) for s in range(n)]
     kfacs = [make_kfac(cfg, mod) for mod in mods]
