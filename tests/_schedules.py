@@ -379,3 +379,35 @@ def _replay_virtual_stages(cfg: RunConfig, schedule: list[list[list[str]]], step
                 for label in labels[labels.index(END) + 1:]:
                     apply(node, label)
     return {s: {k: t.detach().clone() for k, t in mod.named_parameters()} for s, mod in enumerate(mods)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training a device's stage copies (Chimera's two pipes, interleaving's chunks), step by step
+
+
+def train_copies_every_step(cfg: RunConfig, runs: list[tuple[str, str | None]], steps: int) -> dict:
+    """In each worker, one Trainer per (mode, schedule) run, from the same seed; every stage copy's
+    parameters after every step (copies: Chimera's pipes 0 and 1, or the interleaved chunks)."""
+    from pipefisher.runtime.dist import init_from_env, shutdown
+    from pipefisher.runtime.trainer import Trainer, TrainOptions
+
+    chimera = cfg.pipeline.schedule == "chimera"
+    copies = (0, 1) if chimera else range(cfg.pipeline.chunks)
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s, chimera=chimera)
+    out: dict = {"device": ctx.grid.stage, "replica": ctx.grid.replica}
+    try:
+        for mode, schedule in runs:
+            torch.manual_seed(0)
+            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
+                                                     log_every=10**9))
+            trainer.stage.train()
+            index = {c: trainer.stage.copy(c).index for c in copies}
+            history, losses = [], []
+            for step in range(steps):
+                losses.append(trainer.train_step(step))
+                history.append({c: {n: t.detach().clone() for n, t in trainer.stage.copy(c).named_parameters()}
+                                for c in copies})
+            out[mode if schedule is None else os.path.basename(schedule)] = (index, history, losses)
+    finally:
+        shutdown(ctx)
+    return out

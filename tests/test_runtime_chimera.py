@@ -15,6 +15,8 @@ from pipefisher.runtime.launch import spawn_local
 from pipefisher.runtime.trainer import Trainer, TrainOptions
 from pipefisher.sim.schedules import generate
 
+from _schedules import train_copies_every_step
+
 from test_runtime_engine import BASE, _assert_close, _reference
 
 CHIMERA = BASE.replace(pipeline=dict(schedule="chimera"), data=dict(num_micro_batches=4))
@@ -108,28 +110,6 @@ def test_both_copies_of_every_stage_are_bit_identical(chimera_step):
 # Training: kfac mode, schedules, replicas identical after every step
 
 
-def _train_runs(cfg, runs, steps) -> dict:
-    """In each worker, one Trainer per (mode, schedule) run; parameters after every step."""
-    import os
-
-    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s, chimera=True)
-    out = {"device": ctx.grid.stage, "replica": ctx.grid.replica}
-    try:
-        for mode, schedule in runs:
-            torch.manual_seed(0)
-            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
-                                                     log_every=10**9))
-            trainer.stage.train()
-            index = {p: trainer.stage.copy(p).index for p in (0, 1)}
-            history, losses = [], []
-            for step in range(steps):
-                losses.append(trainer.train_step(step))
-                history.append({p: {n: t.detach().clone() for n, t in trainer.stage.copy(p).named_parameters()}
-                                for p in (0, 1)})
-            out[mode if schedule is None else os.path.basename(schedule)] = (index, history, losses)
-    finally:
-        shutdown(ctx)
-    return out
 
 
 STEPS = 7  # step 0, a full 5-iteration cycle of the packed schedule, and the next one begun
@@ -151,7 +131,7 @@ def chimera_runs(tmp_path_factory):
         files[name] = str(folder / f"{name}.pickle")
         save_schedule(files[name], data)
     runs = [("first-order", None), ("kfac", None)] + [("scheduled", files[n]) for n in ("one", "spread", "packed")]
-    results = spawn_local(_train_runs, 2, cfg, runs, STEPS, timeout_s=180)
+    results = spawn_local(train_copies_every_step, 2, cfg, runs, STEPS, timeout_s=180)
     return cfg, results, files
 
 
@@ -361,7 +341,7 @@ def test_chimera_with_data_parallel_replicas_runs_the_schedule(tmp_path):
     cfg = tiny(pipeline={"schedule": "chimera", "timeout_s": 30.0})
     path = str(tmp_path / "dp.pickle")
     save_schedule(path, single_iteration_schedule(cfg, replicas=2))
-    results = spawn_local(_train_runs, 4, cfg, [("kfac", None), ("scheduled", path)], 3, timeout_s=180)
+    results = spawn_local(train_copies_every_step, 4, cfg, [("kfac", None), ("scheduled", path)], 3, timeout_s=180)
     from test_runtime_executor import _close
 
     copies: dict[int, list] = {}

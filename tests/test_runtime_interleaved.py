@@ -6,7 +6,6 @@ model's on the same batch; schedule files train exactly as kfac mode or a one-pr
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -17,6 +16,8 @@ from pipefisher.runtime.engine import device_plan, pipe_micro_batches, pipeline_
 from pipefisher.runtime.launch import spawn_local
 from pipefisher.runtime.trainer import Trainer, TrainOptions
 from pipefisher.sim.schedules import generate
+
+from _schedules import train_copies_every_step
 
 from test_runtime_engine import BASE, _assert_close, _reference
 
@@ -118,27 +119,6 @@ def test_interleaved_kfac_inverses_and_preconditioned_gradients_equal_single_pro
 # Training: kfac mode, schedule files, a one-process replay
 
 
-def _train_runs(cfg, runs, steps) -> dict:
-    """In each worker, one Trainer per (mode, schedule) run; every chunk's parameters after every step."""
-    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
-    out = {"device": ctx.grid.stage, "replica": ctx.grid.replica}
-    v = cfg.pipeline.chunks
-    try:
-        for mode, schedule in runs:
-            torch.manual_seed(0)
-            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
-                                                     log_every=10**9))
-            trainer.stage.train()
-            index = {j: trainer.stage.copy(j).index for j in range(v)}
-            history, losses = [], []
-            for step in range(steps):
-                losses.append(trainer.train_step(step))
-                history.append({j: {n: t.detach().clone() for n, t in trainer.stage.copy(j).named_parameters()}
-                                for j in range(v)})
-            out[mode if schedule is None else os.path.basename(schedule)] = (index, history, losses)
-    finally:
-        shutdown(ctx)
-    return out
 
 
 STEPS = 4  # step 0, a full 2-iteration cycle of the spread schedule, and the next one begun
@@ -159,7 +139,7 @@ def interleaved_runs(tmp_path_factory):
         files[name] = str(folder / f"{name}.pickle")
         save_schedule(files[name], data)
     runs = [("first-order", None), ("kfac", None)] + [("scheduled", files[n]) for n in ("one", "spread")]
-    results = spawn_local(_train_runs, 2, cfg, runs, STEPS, timeout_s=180)
+    results = spawn_local(train_copies_every_step, 2, cfg, runs, STEPS, timeout_s=180)
     return cfg, results, files
 
 
