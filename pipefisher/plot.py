@@ -71,6 +71,9 @@ from the white background between rows."""
 BACKGROUND = "white"
 INVALID = "#c00000"
 """Colour of the row label of a node whose schedule does not validate."""
+OVERRUN = "#c00000"
+"""Outline of measured K-FAC work that kept the next call waiting past its planned bubble."""
+OVERRUN_LW = 1.2
 WIDTH_IN = 14.0
 ROW_IN = 0.55
 EXTRA_IN = 2.0
@@ -122,6 +125,8 @@ class Chart:
     bubbles show as idle rather than as background. Empty: every row spans the whole chart."""
     invalid: tuple[int, ...] = ()
     """Rows whose node's schedule does not validate (their label, which says so, is drawn red)."""
+    outlined: tuple[Bar, ...] = ()
+    """Bars drawn again as a red outline over the rest: measured K-FAC work that overran its bubble."""
 
 
 def category(label: str) -> str:
@@ -282,6 +287,216 @@ def chart_from_schedule(schedule: JobSchedule, job: Job, title: str | None = Non
                  spans, invalid)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Planned vs measured: a run's per-instruction CSV (pipefisher.measure.CSV_COLUMNS)
+
+
+class MeasuredEntry(NamedTuple):
+    """One row of a measurements CSV: times in seconds from the step's start on the node's clock."""
+
+    label: str
+    planned_start: float | None
+    planned_end: float | None
+    start: float
+    end: float
+    wait: float
+
+
+class MeasuredStep(NamedTuple):
+    iteration: int
+    entries: list[MeasuredEntry]
+
+
+def _opt_float(text: str | None) -> float | None:
+    return None if text is None or not text.strip() else float(text)
+
+
+def read_measured(path: str | os.PathLike[str]) -> dict[int, dict[int, MeasuredStep]]:
+    """Replica 0's steps of a measurements CSV, planned times kept: ``{node: {step: MeasuredStep}}``.
+
+    (:func:`pipefisher.measure.read_csv` reads every replica's steps but drops the planned times.)
+    Anything but such a CSV with at least one replica-0 row is an :class:`InputError` naming the file.
+    """
+    import csv
+
+    from pipefisher.measure import CSV_COLUMNS
+
+    p = os.fspath(path)
+    out: dict[int, dict[int, MeasuredStep]] = {}
+    rows = 0
+    try:
+        with open(p, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            fields = reader.fieldnames
+            if not fields:
+                raise InputError(p, "is empty, not a pipefisher measurements CSV")
+            missing = [c for c in CSV_COLUMNS if c not in fields]
+            if missing:
+                raise InputError(p, f"is not a pipefisher measurements CSV (no column {missing[0]!r})")
+            for n, row in enumerate(reader, start=2):
+                rows += 1
+                try:
+                    if not row["label"]:
+                        raise ValueError("no label")
+                    if int(row["replica"]) != 0:
+                        continue
+                    node, step, iteration = int(row["node"]), int(row["step"]), int(row["iteration"])
+                    entry = MeasuredEntry(row["label"], _opt_float(row["planned_start"]), _opt_float(row["planned_end"]),
+                                          float(row["measured_start"]), float(row["measured_end"]),
+                                          float(row["wait"] or 0.0))
+                except (TypeError, ValueError):
+                    raise InputError(p, f"line {n}: not a measurement row "
+                                        f"({', '.join(map(str, row.values()))})") from None
+                steps = out.setdefault(node, {})
+                if step not in steps:
+                    steps[step] = MeasuredStep(iteration, [])
+                steps[step].entries.append(entry)
+    except OSError as err:
+        raise InputError(p, f"cannot be read ({err.strerror or err})") from None
+    except (UnicodeDecodeError, csv.Error):
+        raise InputError(p, "is not a pipefisher measurements CSV (not CSV text)") from None
+    if not rows:
+        raise InputError(p, "has no measurements (only a header)")
+    if not out:
+        raise InputError(p, "has no measurements of replica 0 (only replica 0 is drawn)")
+    return out
+
+
+def _node_cycle(iterations: Sequence[int]) -> int:
+    """A node's K-FAC cycle length: the distinct iteration values of its last steps (walking back from
+    the last until one repeats)."""
+    seen: set[int] = set()
+    for it in reversed(iterations):
+        if it in seen:
+            break
+        seen.add(it)
+    return max(len(seen), 1)
+
+
+def measured_steps(data: dict[int, dict[int, MeasuredStep]], nodes: Sequence[int], iterations: int | None = None,
+                   step: int | None = None, path: str | None = None) -> list[int]:
+    """The steps a planned-vs-measured chart draws, among those every node of ``nodes`` has.
+
+    ``step``: from that step on, ``iterations`` steps (default: a cycle); else ``iterations``: the last
+    that many; else the last complete K-FAC cycle: the last run of steps that takes the node with the
+    longest cycle (see :func:`_node_cycle`) from iteration 0 to its last (the last cycle-many steps if
+    none does).
+    """
+    common = sorted(set.intersection(*(set(data[n]) for n in nodes)))
+    if not common:
+        raise InputError(path, "its nodes have no step in common")
+    cycles = [_node_cycle([data[n][s].iteration for s in common]) for n in nodes]
+    cycle = max(cycles)
+    if step is not None:
+        if step not in common:
+            which = f"of node {nodes[0]}" if len(nodes) == 1 else "common to all nodes"
+            raise InputError(path, f"--step {step} is not in the file (its steps {which}: {common[0]} to {common[-1]})")
+        i = common.index(step)
+        return common[i:i + (iterations or cycle)]
+    if iterations is not None:
+        return common[-iterations:]
+    ref = nodes[cycles.index(cycle)]
+    for e in range(len(common), cycle - 1, -1):
+        window = common[e - cycle:e]
+        if [data[ref][s].iteration for s in window] == list(range(cycle)):
+            return window
+    return common[-cycle:]
+
+
+def _overrunning(entries: Sequence[MeasuredEntry]) -> set[int]:
+    """Indices of the K-FAC entries whose work kept the next call waiting past its planned bubble
+    (:func:`pipefisher.measure.gap_overruns`) significantly (:func:`pipefisher.measure.significant`); planned
+    bubbles from the planned times, so none where a call has no planned time."""
+    from pipefisher.measure import LabelTime, StepRecord, gap_overruns, is_kfac, is_pipeline, significant
+    from pipefisher.policies.base import END, START
+
+    calls = [e for e in entries if is_pipeline(e.label)]
+    if not calls or any(e.planned_start is None or e.planned_end is None for e in calls):
+        return set()
+    first = next((e for e in entries if e.label == START and e.planned_start is not None), None)
+    prev = first.planned_start if first is not None else 0.0
+    planned: list[float] = []
+    for e in calls:
+        planned.append(max(0.0, e.planned_start - prev))  # type: ignore[operator]
+        prev = max(prev, e.planned_end)  # type: ignore[type-var]
+    end = next((e for e in entries if e.label == END and e.planned_start is not None), None)
+    if end is not None:
+        planned.append(max(0.0, end.planned_start - prev))  # type: ignore[operator]
+    record = StepRecord(0, 0, 0, 0, tuple(LabelTime(e.label, e.start, e.end, e.wait) for e in entries))
+    over = gap_overruns(record, planned)
+    out: set[int] = set()
+    gap = 0
+    for j, e in enumerate(entries):
+        if e.label == END:
+            break
+        if is_pipeline(e.label):
+            gap += 1
+        elif is_kfac(e.label) and gap < len(over) and significant(over[gap], planned[gap]):
+            out.add(j)
+    return out
+
+
+def chart_from_measured(path: str | os.PathLike[str], node: int | None = None, iterations: int | None = None,
+                        step: int | None = None, title: str | None = None) -> Chart:
+    """A run's measurements CSV: per node (replica 0), a planned row and a measured row, step after step.
+
+    Each step starts where the previous one ends: after the longer of its planned and measured lengths
+    over all drawn rows, so every row's step starts at the same boundary (a dashed line). The planned row
+    has a bar for every label with planned times; the measured row one per label as it ran, a forward's
+    or backward's from its start plus its wait (the wait for its input is idle time: the bubble as it
+    really was). Measured K-FAC work that kept the next call waiting past its planned bubble is
+    outlined red (:func:`_overrunning`). Times are seconds. Steps: see :func:`measured_steps`.
+    """
+    if iterations is not None and iterations < 1:
+        raise InputError(None, f"--iterations must be at least 1, got {iterations}")
+    p = os.fspath(path)
+    data = read_measured(p)
+    nodes = sorted(data)
+    if node is not None and node not in data:
+        have = (f"{nodes[0]} to {nodes[-1]}" if nodes == list(range(nodes[0], nodes[-1] + 1))
+                else ", ".join(map(str, nodes)))
+        raise InputError(p, f"--node {node}: the file has nodes {have}")
+    picked = nodes if node is None else [node]
+    steps = measured_steps(data, picked, iterations, step, p)
+    offsets = [0.0]
+    for s in steps:
+        length = 0.0
+        for n in picked:
+            for e in data[n][s].entries:
+                length = max(length, e.end, e.planned_end if e.planned_end is not None else 0.0)
+        offsets.append(offsets[-1] + length)
+    bars: list[Bar] = []
+    outlined: list[Bar] = []
+    rows: list[str] = []
+    for r, n in enumerate(picked):
+        planned_row, measured_row = 2 * r, 2 * r + 1
+        has_plan, overruns = False, 0
+        for s, off in zip(steps, offsets):
+            entries = data[n][s].entries
+            over = _overrunning(entries)
+            for j, e in enumerate(entries):
+                if e.label in MARKERS:
+                    continue
+                cat = category(e.label)
+                if e.planned_start is not None and e.planned_end is not None:
+                    has_plan = True
+                    if e.planned_end > e.planned_start:
+                        bars.append(Bar(planned_row, off + e.planned_start, off + e.planned_end, cat, e.label))
+                start = min(e.start + max(e.wait, 0.0), e.end)
+                if e.end > start:
+                    bar = Bar(measured_row, off + start, off + e.end, cat, e.label)
+                    bars.append(bar)
+                    if j in over:
+                        outlined.append(bar)
+                        overruns += 1
+        rows.append(f"node{n} planned" + ("" if has_plan else "\n(no plan in file)"))
+        rows.append(f"node{n} measured" + (f"\n{overruns} K-FAC overrun{'s' if overruns != 1 else ''}" if overruns else ""))
+    if not title:
+        which = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+        title = f"{os.path.basename(p)}: planned vs measured, {which}" + ("" if node is None else f", node {node}")
+    return Chart(title, tuple(rows), tuple(bars), tuple(offsets), offsets[-1], "s", outlined=tuple(outlined))
+
+
 def chart_size_px(rows: int) -> tuple[int, int]:
     """Pixel size of a rendered PNG with ``rows`` rows."""
     return round(WIDTH_IN * DPI), round((EXTRA_IN + ROW_IN * rows) * DPI)
@@ -424,6 +639,11 @@ def figure(chart: Chart) -> Figure:
                     _boxes(*both, n, 0.0, ROW_H / 2), facecolors=[chunk_colour(COLOURS["forward"], chunk)], linewidths=0,
                     hatch=UP_HATCH if up else None, antialiased=False, zorder=2.55 + z / 100))
 
+    if chart.outlined:
+        o_rows, o_starts, o_ends = (np.array(c) for c in zip(*((b.row, b.start * f, b.end * f) for b in chart.outlined)))
+        ax.add_collection(PolyCollection(_boxes(o_rows, o_starts, np.maximum(o_ends, o_starts + px), n),
+                                         facecolors="none", edgecolors=OVERRUN, linewidths=OVERRUN_LW, zorder=2.9))
+
     bounds = np.asarray(chart.boundaries, dtype=float) * f
     every, spacing = 1, 0.0
     if bounds.size > 2:
@@ -457,6 +677,9 @@ def figure(chart: Chart) -> Figure:
         handles.append(Patch(facecolor=chunk_colour(COLOURS["forward"], j), label=f"chunk {j} (lighter)"))
     if any(up for _, up, _ in merged):
         handles.append(Patch(facecolor="white", edgecolor="#555555", hatch=UP_HATCH, label="up pipe"))
+    if chart.outlined:
+        handles.append(Patch(facecolor="none", edgecolor=OVERRUN, linewidth=OVERRUN_LW,
+                             label="K-FAC overrunning its bubble"))
     handles.append(Patch(facecolor=IDLE, label="idle (bubble)"))
     handles.append(Line2D([0], [0], color="black", linestyle="--", linewidth=0.9,
                           label="iteration boundary" + (f" (every {every}th)" if every > 1 else "")))

@@ -6,6 +6,7 @@ walks it label by label, so a label in the wrong place means curvature built fro
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import defaultdict
 from typing import Any, Callable, Sequence
@@ -35,6 +36,16 @@ def check_schedule_data(data: Any, path: str | None = None) -> ScheduleData:
     return data
 
 
+def schedule_digest(data: ScheduleData) -> str:
+    """A short hash of a schedule's labels (checkpoints and workers compare it)."""
+    h = hashlib.sha256()
+    for n, node in enumerate(data):
+        for i, labels in enumerate(node):
+            h.update(f"{n}/{i}\0".encode())
+            h.update("\0".join(labels).encode())
+    return h.hexdigest()[:16]
+
+
 def load_schedule(path: str | os.PathLike[str]) -> ScheduleData:
     """Load a schedule file through the restricted pickle loader and check its structure."""
     return check_schedule_data(load_pickle(path), os.fspath(path))
@@ -45,12 +56,15 @@ def meta_path(path: str | os.PathLike[str]) -> str:
     return os.fspath(path) + ".meta.json"
 
 
-def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | ScheduleData) -> None:
+def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | ScheduleData,
+                  timelines: Sequence[str | os.PathLike[str]] | None = None) -> None:
     """Write the schedule file atomically (the old file stays whole if anything fails).
 
     A packed :class:`JobSchedule` also gets its metadata beside it (:func:`meta_path`): the policy, the
-    margin it was packed under (so ``validate`` checks it under the same rule) and per node the cycle
-    and its lower bound. The schedule file itself stays the published format, a plain list.
+    margin it was packed under (so ``validate`` checks it under the same rule), per node the cycle
+    and its lower bound, and the ``timelines`` it was packed from where given (absolute paths: the
+    trainer plans its measurements against them). The schedule file itself stays the published
+    format, a plain list.
     """
     data = schedule.to_file_data() if isinstance(schedule, JobSchedule) else schedule
     dump_pickle_atomic(path, check_schedule_data(data))
@@ -63,9 +77,22 @@ def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | Schedule
             "nodes": [{"iterations": n.figures.iterations, "lower_bound": n.figures.lower_bound,
                        "optimal": n.figures.optimal if n.figures.lower_bound is not None else None}
                       for n in schedule.nodes],
+            **({"timelines": [os.path.abspath(os.fspath(t)) for t in timelines]} if timelines else {}),
         })
     elif os.path.exists(meta_path(path)):
         os.remove(meta_path(path))  # metadata of an older schedule would describe the wrong one
+
+
+def schedule_timelines(path: str | os.PathLike[str]) -> list[str] | None:
+    """The timeline files recorded beside a schedule file (what it was packed from), or None."""
+    where = meta_path(path)
+    if not os.path.exists(where):
+        return None
+    meta = load_json(where)
+    paths = meta.get("timelines") if isinstance(meta, dict) else None
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        return None
+    return paths
 
 
 def schedule_margin(path: str | os.PathLike[str]) -> float | None:

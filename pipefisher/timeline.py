@@ -421,3 +421,22 @@ def load_job(paths: Iterable[str | os.PathLike[str]], allow_mixed: bool = False)
         check_one_job(ordered, raws)
     return job
 
+
+
+def inflate_kfac(job: Job, factor: float) -> Job:
+    """The job with every K-FAC interval ``factor`` times as long (same start): packing it leaves that
+    much slack for K-FAC work that runs slower, or bubbles that are shorter, than profiled."""
+    import dataclasses
+
+    if factor == 1.0:
+        return job
+
+    def grow(iv: Interval) -> Interval:
+        if iv.start is None or iv.end is None:
+            return iv
+        d = (iv.end - iv.start) * factor
+        return Interval(iv.start, iv.start + (int(round(d)) if isinstance(iv.start, int) else d))
+
+    nodes = tuple(NodeTimeline(n.path, {k: (tuple(grow(iv) for iv in v) if TimelineKey.parse(k).is_kfac else v)
+                                        for k, v in n.entries.items()}) for n in job.nodes)
+    return dataclasses.replace(job, nodes=nodes)

@@ -1,17 +1,21 @@
 #!/usr/bin/env python
-"""Step time of ``first-order``, ``kfac`` (refresh every step) and ``scheduled`` (K-FAC in the bubbles)
+"""Step time of ``first-order``, ``kfac`` (refresh every step), ``scheduled`` (K-FAC in the bubbles,
+static schedules) and ``adaptive`` (the closed loop: re-packed from the measured steps while training)
 on 2 pipeline stages, one CPU core each, for each pipeline order asked for, in one go.
 
 The same two worker processes run everything: per pipeline (``--pipelines``, default 1F1B and
 Chimera), a profile of a few kfac steps, which rank 0 packs with the default policy (or --policy)
 once per K-FAC margin (profiled K-FAC times x margin: slack for noisy CPU timings, at the price of a
-longer cycle); then first-order, kfac and each schedule of every pipeline, interleaved, ``--rounds``
-times. Per run it prints the mean step time after the warm-up steps (the median over the rounds), the
-ratio to the same pipeline's first-order step, the bubble fraction of the profiled pipeline, and for
-the scheduled runs the K-FAC cycle length k per node (the curvature refresh interval).
+longer cycle); then first-order, kfac, each static schedule and the adaptive run (``--adapt``, on by
+default: it starts from the margin-1 schedule) of every pipeline, interleaved, ``--rounds`` times.
+Per run it prints the mean step time after the warm-up steps (the median over the rounds), the ratio
+to the same pipeline's first-order step (the median over the rounds of each round's ratio, and their
+spread), the bubble fraction of the profiled pipeline, and the K-FAC cycle k per node (for the
+adaptive run: where it ended). Then per pipeline: static at margin 1, the best static margin of the
+sweep, and adaptive; the last line, ``adaptive/first-order: X (k = K)``, is the worst pipeline's median.
 
-    python scripts/bench_scheduled.py [--config configs/small.yaml] [--steps 30] [--warmup 3] [--rounds 3] \
-        [--kfac-margin 1,1.5,2] [--micro-batches M] [--pipelines 1f1b,chimera]
+    python scripts/bench_scheduled.py [--config configs/small.yaml] [--steps 80] [--warmup 3] [--rounds 5] \
+        [--kfac-margin 1,1.25,1.5,2] [--micro-batches M] [--pipelines 1f1b,chimera] [--no-adapt]
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ def _bubble_fraction(job) -> float:
 
 
 def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, warmup: int, profile_steps: int,
-           policy: str | None, folder: str, rounds: int, margins: list[float]) -> dict:
+           policy: str | None, folder: str, rounds: int, margins: list[float], adapt: bool) -> dict:
     import dataclasses
 
     import torch.distributed as dist
@@ -51,9 +55,11 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
     one_pipe_ctx = dataclasses.replace(chimera_ctx, chimera=False, stage_group=chimera_ctx.dp_group,
                                        stage_group_size=chimera_ctx.grid.replicas)
     quiet = dict(progress=False, log_every=10**9)
-    runs = [(p, m) for p in pipelines for m in ["first-order", "kfac", *[f"scheduled x{g:g}" for g in margins]]]
-    out: dict = {"rank": rank, "times": {r: [] for r in runs}, "usage": {}, "cycles": {}, "violations": {},
-                 "bubbles": {}}
+    runs = [(p, m) for p in pipelines for m in ["first-order", "kfac", *[f"scheduled x{g:g}" for g in margins],
+                                                *(["adaptive"] if adapt else [])]]
+    out: dict = {"rank": rank, "times": {r: [] for r in runs}, "usage": {}, "cycles": {r: [] for r in runs},
+                 "violations": {}, "bubbles": {}, "switches": {r: [] for r in runs}}
+    timelines: dict = {}
     files: dict = {}
     try:
         for pipe in pipelines:
@@ -66,13 +72,16 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
             dist.barrier()
             for i, g in enumerate(margins):
                 files[pipe, f"scheduled x{g:g}"] = os.path.join(sub, f"schedule-{i}.pickle")
+            files[pipe, "adaptive"] = os.path.join(sub, "schedule-adaptive.pickle")
+            from pipefisher.runtime.profiler import timeline_filename as _tf
+
+            timelines[pipe] = tuple(os.path.join(sub, _tf(cfg.name, i)) for i in range(2))
             if rank == 0:
                 from pipefisher.policies import DEFAULT_POLICY, get_policy
                 from pipefisher.report import usage_lines
-                from pipefisher.runtime.driver import inflate_kfac
                 from pipefisher.runtime.profiler import timeline_filename
                 from pipefisher.schedule import save_schedule, validate
-                from pipefisher.timeline import load_job
+                from pipefisher.timeline import inflate_kfac, load_job
 
                 job = load_job([os.path.join(sub, timeline_filename(cfg.name, i)) for i in range(2)])
                 out["bubbles"][pipe] = _bubble_fraction(job)
@@ -83,19 +92,23 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
                     out["violations"][v] = len(validate(packed.to_file_data(), job))
                     out["policy"] = packed.policy
                     save_schedule(files[v], packed)
+                if adapt:  # the closed loop starts from the profile's own schedule (margin 1)
+                    save_schedule(files[pipe, "adaptive"], get_policy(policy or DEFAULT_POLICY).pack(job))
             dist.barrier()
         for _ in range(rounds):
             for pipe, mode in runs:
                 cfg = base.replace(pipeline={"schedule": pipe})
                 ctx = chimera_ctx if pipe == "chimera" else one_pipe_ctx
                 sched = files.get((pipe, mode))
-                opts = TrainOptions(mode="scheduled" if sched else mode, steps=steps, schedule=sched, **quiet)
+                opts = TrainOptions(mode="scheduled" if sched else mode, steps=steps, schedule=sched,
+                                    adapt=mode == "adaptive", schedule_timelines=timelines[pipe], **quiet)
                 trainer = Trainer(cfg, ctx, opts)
                 res = trainer.run()
                 # the mean, not the median: a cycle's steps carry different K-FAC loads, the cost is their sum
                 out["times"][pipe, mode].append(statistics.mean(res.step_seconds[warmup:]))
                 if sched:
-                    out["cycles"][pipe, mode] = trainer.cycles
+                    out["cycles"][pipe, mode].append(list(trainer.cycles))
+                    out["switches"][pipe, mode].append(len(trainer.loop.history) - 1)
         out["micro_batches"] = base.data.num_micro_batches
     finally:
         shutdown(chimera_ctx)
@@ -106,16 +119,19 @@ def main() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=os.path.join(root, "configs", "small.yaml"), help="YAML run config")
-    ap.add_argument("--steps", type=int, default=30, help="training steps per run")
+    ap.add_argument("--steps", type=int, default=80,
+                    help="training steps per run (the adaptive run spends its first cycles measuring)")
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the mean")
     ap.add_argument("--profile-steps", type=int, default=4, help="kfac steps profiled before packing")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every run (median reported)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every run (median reported)")
     ap.add_argument("--policy", default=None, help="packing policy (default: the default policy)")
     ap.add_argument("--micro-batches", type=int, default=None, help="override data.num_micro_batches")
     ap.add_argument("--pipelines", default="1f1b,chimera",
                     help="comma-separated pipeline orders to compare (gpipe, 1f1b, chimera)")
-    ap.add_argument("--kfac-margin", default="1.0",
-                    help="comma-separated K-FAC time factors to pack with, one scheduled run each (e.g. 1,1.5)")
+    ap.add_argument("--kfac-margin", default="1,1.25,1.5,2",
+                    help="comma-separated K-FAC time factors to pack with, one static scheduled run each")
+    ap.add_argument("--no-adapt", dest="adapt", action="store_false",
+                    help="leave out the adaptive run (the closed loop starting from the margin-1 schedule)")
     a = ap.parse_args()
     from pipefisher.runtime.launch import spawn_local  # torch: only once the arguments are good
 
@@ -126,29 +142,55 @@ def main() -> None:
         overrides["data"] = {"num_micro_batches": a.micro_batches}
     with tempfile.TemporaryDirectory(prefix="pipefisher-bench-") as folder:
         results = spawn_local(_bench, 2, a.config, overrides, pipelines, a.steps, a.warmup, a.profile_steps,
-                              a.policy, folder, a.rounds, margins, timeout_s=3600)
+                              a.policy, folder, a.rounds, margins, a.adapt, timeout_s=3600)
     r0 = next(r for r in results if r["rank"] == 0)
     runs = list(r0["times"])
     # Both stages finish a step together (the pipeline couples them); report the slower one anyway.
-    med = {r: statistics.median(max(res["times"][r][i] for res in results) for i in range(a.rounds)) for r in runs}
+    per_round = {r: [max(res["times"][r][i] for res in results) for i in range(a.rounds)] for r in runs}
+    med = {r: statistics.median(v) for r, v in per_round.items()}
+    ratios = {(pipe, mode): [t / fo for t, fo in zip(per_round[pipe, mode], per_round[pipe, "first-order"])]
+              for pipe, mode in runs}
+    ratio = {r: statistics.median(v) for r, v in ratios.items()}
+
+    def k_of(run: tuple) -> int | None:  # the median over rounds of the job's k (the longest node's)
+        cyc = r0["cycles"].get(run)
+        return int(statistics.median(max(c) for c in cyc)) if cyc else None
+
     print(f"config {os.path.basename(a.config)}, 2 stages x 1 core, {r0['micro_batches']} micro-batches, "
-          f"{a.steps} steps (mean after {a.warmup} warm-up), median of {a.rounds} interleaved round(s); "
-          f"schedules by policy {r0['policy']}")
-    print(f"{'pipeline':9} {'run':14} {'step':>9} {'/ first-order':>14} {'bubbles':>8}  K-FAC cycle k (per node)")
+          f"{a.steps} steps (mean after {a.warmup} warm-up), {a.rounds} interleaved round(s) (median; ratios: the "
+          f"median of each round's ratio, min-max in brackets); schedules by policy {r0['policy']}")
+    print(f"{'pipeline':9} {'run':14} {'step':>9} {'/ first-order':>22} {'bubbles':>8}  K-FAC cycle k (per node)")
     for pipe, mode in runs:
-        fo = med[pipe, "first-order"]
-        cyc = r0["cycles"].get((pipe, mode))
-        extra = f"  {max(cyc)} ({', '.join(map(str, cyc))})" if cyc else ""
-        if r0["violations"].get((pipe, mode)):
-            extra += f"  {r0['violations'][pipe, mode]} VIOLATIONS"
-        print(f"{pipe:9} {mode:14} {med[pipe, mode] * 1e3:7.1f} ms {med[pipe, mode] / fo:14.3f} "
+        run = (pipe, mode)
+        cyc = r0["cycles"].get(run)
+        extra = f"  {max(cyc[-1])} ({', '.join(map(str, cyc[-1]))})" if cyc else ""
+        if mode == "adaptive":
+            extra += f", {statistics.median(r0['switches'][run]):g} switch(es)"
+        if r0["violations"].get(run):
+            extra += f"  {r0['violations'][run]} VIOLATIONS"
+        spread = f"[{min(ratios[run]):.3f}-{max(ratios[run]):.3f}]"
+        print(f"{pipe:9} {mode:14} {med[run] * 1e3:7.1f} ms {ratio[run]:8.3f} {spread:>13} "
               f"{r0['bubbles'][pipe] * 100:7.1f}%{extra}")
-    print("scheduled / first-order: " + "; ".join(f"{pipe} {med[pipe, mode] / med[pipe, 'first-order']:.3f}"
-                                                  for pipe, mode in runs if mode.startswith("scheduled")))
     for (pipe, mode), lines in r0["usage"].items():
         print(f"{pipe} {mode}:")
         for line in lines:
             print(f"    {line}")
+    worst = None
+    for pipe in dict.fromkeys(p for p, _ in runs):
+        statics = [(ratio[p, m], m) for p, m in runs if p == pipe and m.startswith("scheduled")]
+        one = next(((r, m) for r, m in statics if m == "scheduled x1"), statics[0])
+        best = min(statics)
+        line = (f"{pipe}: static x1 {one[0]:.3f} (k = {k_of((pipe, one[1]))}); best static "
+                f"{best[1].split()[-1]} {best[0]:.3f} (k = {k_of((pipe, best[1]))})")
+        if (pipe, "adaptive") in ratio:
+            ad = (pipe, "adaptive")
+            line += (f"; adaptive {ratio[ad]:.3f} [{min(ratios[ad]):.3f}-{max(ratios[ad]):.3f}] "
+                     f"(k = {k_of(ad)})")
+            if worst is None or ratio[ad] > worst[0]:
+                worst = (ratio[ad], k_of(ad))
+        print(line)
+    if worst is not None:
+        print(f"adaptive/first-order: {worst[0]:.3f} (k = {worst[1]})")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
@@ -114,17 +115,27 @@ def packed_schedule(cfg: RunConfig) -> list[list[list[str]]]:
 
 
 
-def replay(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[int, dict[str, torch.Tensor]]:
+def replay(cfg: RunConfig, schedule: list[list[list[str]]] | None, steps: int,
+           labels_at: Callable[[int, int], list[str]] | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """The schedule's labels in one process, no torch.distributed: every stage as its own module with
     its own K-FAC and optimizer; step 0 is naive K-FAC, step s runs iteration (s - 1) % k of each node
-    (pipeline first, then the node's K-FAC labels before ``-- end --``, the optimizer, the rest)."""
+    (pipeline first, then the node's K-FAC labels before ``-- end --``, the optimizer, the rest).
+    ``labels_at(step, node)``, where given instead of a schedule, names the labels each step ran (a run
+    whose schedule changed); one-pipe runs only."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers: the same reduction order, so the same floats
     try:
         if cfg.pipeline.schedule == "chimera":
+            assert schedule is not None and labels_at is None
             return _replay_chimera(cfg, schedule, steps)
         chunks = cfg.pipeline.chunks if cfg.pipeline.schedule == "interleaved" else 1
-        return _replay_virtual_stages(cfg, schedule, steps, chunks)
+        if labels_at is None:
+            assert schedule is not None
+            sched = schedule
+
+            def labels_at(step: int, node: int) -> list[str]:
+                return sched[node][(step - 1) % len(sched[node])]
+        return _replay_virtual_stages(cfg, labels_at, steps, chunks)
     finally:
         torch.set_num_threads(threads)
 
@@ -333,7 +344,7 @@ def interleaved_spread_schedule(cfg: RunConfig) -> list[list[list[str]]]:
     return out
 
 
-def _replay_virtual_stages(cfg: RunConfig, schedule: list[list[list[str]]], steps: int,
+def _replay_virtual_stages(cfg: RunConfig, labels_at: Callable[[int, int], list[str]], steps: int,
                            chunks: int) -> dict[int, dict[str, torch.Tensor]]:
     """Every virtual stage (chunk j of device d: d + j*D; one chunk per device without interleaving) as
     its own module, K-FAC and optimizer; each node's labels run on the virtual stage their ``:chunk<j>``
@@ -361,7 +372,7 @@ def _replay_virtual_stages(cfg: RunConfig, schedule: list[list[list[str]]], step
     for step in range(steps):
         for u in updaters:
             u.set_step(step)
-        iters = [None if step == 0 else node[(step - 1) % len(node)] for node in schedule]
+        iters = [None if step == 0 else labels_at(step, node) for node in range(p)]
         _forward_backward(mods, data, step, range(m), m)
         for node in range(p):
             labels = iters[node]

@@ -29,9 +29,9 @@ def test_run_end_to_end_with_two_processes(tmp_path):
     assert "node0:" in text and "node1:" in text and "pipeline iterations (usage:" in text
     assert "mode scheduled, 2 stage(s) x 1 replica(s)" in text and "step     4  loss" in text
     names = sorted(os.listdir(out))
-    assert names == ["first_chart.png", "first_checkpoints", "first_config.yaml", "first_metrics.csv",
-                     "first_report.json", "first_schedule.pickle", "first_schedule.pickle.meta.json",
-                     "first_timelines"]
+    assert names == ["first_chart.png", "first_checkpoints", "first_config.yaml", "first_measured",
+                     "first_measurements.csv", "first_metrics.csv", "first_report.json", "first_schedule.pickle",
+                     "first_schedule.pickle.meta.json", "first_schedules", "first_timelines"]
     assert {"tiny_node0_timeline.pickle", "tiny_node1_timeline.pickle"} <= set(os.listdir(out / "first_timelines"))
     with open(out / "first_metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -46,6 +46,45 @@ def test_run_end_to_end_with_two_processes(tmp_path):
     # the run name is taken now; the schedule it wrote runs with pipefisher train as well
     res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--name", "first"])
     assert res.exit_code == 2 and "already holds a run named 'first'" in res.output
+
+
+def test_run_adapt_measures_repacks_and_writes_what_it_used(tmp_path):
+    """--adapt: the run's steps are measured, the schedule is re-packed from them while it trains, every
+    schedule used is kept with the step it took over, and the measured timelines pack like a profile."""
+    out = tmp_path / "runs"
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--steps", "16", "--profile-steps", "2",
+                                    "--nproc-per-node", "2", "--name", "a", "--no-progress", "--adapt"])
+    assert res.exit_code == 0, res.output
+    assert "closed loop (adaptive scheduler):" in res.output and "gathers of the measurements" in res.output
+    history = json.loads((out / "a_schedules" / "history.json").read_text())["switches"]
+    assert history[0]["step"] == 1 and history[0]["reason"] == "schedule file a_schedule.pickle"
+    assert all((out / "a_schedules" / h["file"]).exists() for h in history)
+    report = json.loads((out / "a_report.json").read_text())["training"]
+    assert report["adapt"] and report["final_cycle"] == history[-1]["cycle"]
+    assert len(report["switches"]) == len(history) - 1
+    with open(out / "a_metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert all(r["cycle"] and r["overrun_seconds"] != "" for r in rows[1:])
+    with open(out / "a_measurements.csv", newline="") as f:
+        measured = list(csv.DictReader(f))
+    assert {int(r["step"]) for r in measured} == set(range(1, 16)) and {r["node"] for r in measured} == {"0", "1"}
+    assert all(float(r["measured_end"]) >= float(r["measured_start"]) for r in measured)
+    res = CliRunner().invoke(main, ["schedule", *sorted(str(p) for p in (out / "a_measured").iterdir())])
+    assert res.exit_code == 0 and "node1:" in res.output, res.output
+
+
+def test_train_adapt_needs_a_schedule_and_a_known_policy(tmp_path):
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--adapt", "--no-progress"])
+    assert res.exit_code == 2 and "--adapt re-packs a schedule while training: it needs --schedule FILE" in res.output
+    from pipefisher.schedule import save_schedule
+
+    from _schedules import packed_schedule
+
+    sched = str(tmp_path / "s.pickle")
+    save_schedule(sched, packed_schedule(tiny()))
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--schedule", sched, "--adapt", "--adapt-policy",
+                                    "nope", "--no-progress"])
+    assert res.exit_code == 2 and "nope" in res.output and "Traceback" not in res.output
 
 
 def test_default_run_names_sit_side_by_side(tmp_path):

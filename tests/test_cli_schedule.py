@@ -167,6 +167,11 @@ def test_margin_is_recorded_beside_the_schedule_and_validate_uses_it(tmp_path) -
     assert [n["iterations"] for n in meta["nodes"]] == [len(it) for it in pickle.loads(out.read_bytes())]
     assert run("validate", "--schedule", str(out), *paths).exit_code == 0  # under the recorded 0.3
     assert run("validate", "--schedule", str(out), "--margin", "0.05", *paths).exit_code == 0  # looser: also ok
+    # ... and the timelines it was packed from, which the trainer plans its measurements against
+    from pipefisher.schedule import schedule_timelines
+
+    assert schedule_timelines(out) == [os.path.abspath(p) for p in paths] == meta["timelines"]
+    assert schedule_timelines(tmp_path / "none.pickle") is None
 
 
 def test_a_schedule_packed_without_margin_is_refused_under_the_default_one(tmp_path) -> None:

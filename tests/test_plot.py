@@ -313,3 +313,163 @@ def test_interleaved_chunks_are_drawn_in_lighter_shades_and_named_in_the_trace(t
     names = {e["name"] for e in trace_events(chart)["traceEvents"] if e.get("ph") == "X"}
     assert {"call_forward", "call_forward:chunk1", "call_backward:chunk1"} <= names
     check_png(render(chart, tmp_path / "interleaved.png"), rows=2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# planned vs measured: a run's per-instruction CSV (pipefisher.measure.CSV_COLUMNS)
+
+from pipefisher.measure import LabelTime, StepRecord, append_csv, instruction_rows  # noqa: E402
+from pipefisher.plot import OVERRUN, chart_from_measured, measured_steps, read_measured  # noqa: E402
+from pipefisher.policies.base import END, START, Placement  # noqa: E402
+
+
+def measured_step(node, step, iteration, overrun=False):
+    """One step: a forward that waited 4 ms for its input, a K-FAC label, a backward, ``-- end --``
+    (the step lasts 40 + step ms). With ``overrun`` the K-FAC label runs to 30 ms instead of 18 ms and
+    keeps the backward (planned at 25 ms) from starting before 30 ms: 5 ms past its 10 ms bubble."""
+    kfac = "inv_kron_B:l1" if node else "cov_kron_A:l0"
+    ms = 1e-3
+    end = (40 + step) * ms
+    labels = [  # label, planned (start, end), measured (start, end, wait)
+        (START, (0.0, 0.0), (0.0, 0.0, 0.0)),
+        ("call_forward", (5 * ms, 15 * ms), (0.0, 15 * ms, 4 * ms)),
+        (kfac, (15 * ms, 20 * ms), (15 * ms, (30 if overrun else 18) * ms, 0.0)),
+        ("call_backward", (25 * ms, 35 * ms), (30 * ms, 40 * ms, 0.0) if overrun else (18 * ms, 35 * ms, 7 * ms)),
+        (END, (40 * ms, 40 * ms), (end, end, 0.0)),
+    ]
+    record = StepRecord(node, 0, step, iteration, tuple(LabelTime(lab, *m) for lab, _, m in labels))
+    return instruction_rows(record, [Placement(lab, *p, iteration) for lab, p, _ in labels])
+
+
+@pytest.fixture
+def measured_csv(tmp_path):
+    """2 nodes, steps 0-3 at iterations 0, 1, 0, 1; node 1's K-FAC work overruns in step 3."""
+    path = tmp_path / "m.csv"
+    for step in range(4):
+        for node in (0, 1):
+            append_csv(path, measured_step(node, step, step % 2, overrun=(node, step) == (1, 3)))
+    return path
+
+
+def test_measured_chart_has_a_planned_and_a_measured_row_per_node_over_the_last_cycle(measured_csv):
+    chart = chart_from_measured(measured_csv)
+    assert chart.rows == ("node0 planned", "node0 measured", "node1 planned", "node1 measured\n1 K-FAC overrun")
+    assert chart.title == "m.csv: planned vs measured, steps 2-3" and chart.unit == "s"
+    # step 3 starts after step 2's longer length over every row (its measured end, 42 ms)
+    assert chart.boundaries == pytest.approx((0.0, 0.042, 0.085)) and chart.end == pytest.approx(0.085)
+    for row in range(4):
+        bars = sorted((b for b in chart.bars if b.row == row), key=lambda b: b.start)
+        assert [b.category for b in bars] == ["forward", "cov_kron_A" if row < 2 else "inv_kron_B", "backward"] * 2
+    # the measured forward covers its compute only: from start + wait (4 ms), not from its start (0) nor its plan (5 ms)
+    fw = [b for b in chart.bars if b.row == 1 and b.category == "forward"]
+    assert [(b.start, b.end) for b in fw] == pytest.approx([(0.004, 0.015), (0.046, 0.057)])
+    planned_fw = [b for b in chart.bars if b.row == 0 and b.category == "forward"]
+    assert [(b.start, b.end) for b in planned_fw] == pytest.approx([(0.005, 0.015), (0.047, 0.057)])
+    # step 2's backward waited 7 ms: drawn from 25 ms; step 3's (overrun) did not wait: from 30 ms
+    bw = sorted(b.start for b in chart.bars if b.row == 3 and b.category == "backward")
+    assert bw == pytest.approx([0.025, 0.042 + 0.030])
+    # only the overrunning K-FAC bar is outlined, where it ran
+    (over,) = chart.outlined
+    assert (over.row, over.label) == (3, "inv_kron_B:l1")
+    assert (over.start, over.end) == pytest.approx((0.042 + 0.015, 0.042 + 0.030))
+    assert over in chart.bars
+
+
+def test_measured_chart_draws_the_overrun_outline_and_says_so_in_the_legend(tmp_path, measured_csv):
+    from matplotlib.colors import to_hex
+
+    chart = chart_from_measured(measured_csv)
+    fig = figure(chart)
+    assert "K-FAC overrunning its bubble" in [t.get_text() for t in fig.legends[0].get_texts()]
+    red = [c for c in fig.axes[0].collections
+           if len(c.get_edgecolor()) and to_hex(c.get_edgecolor()[0]) == OVERRUN and len(c.get_facecolor()) == 0]
+    assert len(red) == 1 and len(red[0].get_paths()) == 1
+    calm = chart_from_measured(measured_csv, step=0)  # steps 0-1: nothing overran
+    assert calm.outlined == () and calm.rows[3] == "node1 measured"
+    assert "K-FAC overrunning its bubble" not in [t.get_text() for t in figure(calm).legends[0].get_texts()]
+    check_png(render(chart, tmp_path / "m.png"), rows=4)
+
+
+def test_measured_step_selection_last_complete_cycle_step_and_iterations(measured_csv):
+    data = read_measured(measured_csv)
+    assert measured_steps(data, [0, 1]) == [2, 3]
+    assert measured_steps(data, [0, 1], iterations=3) == [1, 2, 3]
+    assert measured_steps(data, [0, 1], step=0) == [0, 1]
+    assert measured_steps(data, [0, 1], step=1, iterations=3) == [1, 2, 3]
+    assert measured_steps(data, [0, 1], step=3) == [3]
+    # a cycle begun but not finished at the end of the file: the last complete one is still drawn
+    for node in (0, 1):
+        append_csv(measured_csv, measured_step(node, 4, 0))
+    data = read_measured(measured_csv)
+    assert measured_steps(data, [0, 1]) == [2, 3]
+    assert measured_steps(data, [0, 1], iterations=2) == [3, 4]
+    one = chart_from_measured(measured_csv, node=1, step=3, iterations=2)
+    assert one.rows == ("node1 planned", "node1 measured\n1 K-FAC overrun") and {b.row for b in one.bars} == {0, 1}
+    assert one.title == "m.csv: planned vs measured, steps 3-4, node 1" and len(one.boundaries) == 3
+
+
+def test_measured_rows_without_a_plan_have_no_planned_bars(tmp_path):
+    path = tmp_path / "noplan.csv"
+    for node in (0, 1):
+        record = StepRecord(node, 0, 7, 0, (LabelTime(START, 0.0, 0.0), LabelTime("call_forward", 0.0, 0.01, 0.002),
+                                            LabelTime(END, 0.01, 0.01)))
+        append_csv(path, instruction_rows(record))
+    chart = chart_from_measured(path)
+    assert chart.rows[0] == "node0 planned\n(no plan in file)" and chart.title.endswith("step 7")
+    assert [(b.row, b.start) for b in chart.bars] == pytest.approx([(1, 0.002), (3, 0.002)])
+
+
+def test_plot_and_trace_cli_draw_measured_steps(tmp_path, measured_csv):
+    import json
+
+    runner = CliRunner()
+    res = runner.invoke(main, ["plot", "--measured", str(measured_csv), "--out", str(tmp_path / "m.png")])
+    assert res.exit_code == 0, res.output
+    check_png(tmp_path / "m.png", rows=4)
+    res = runner.invoke(main, ["trace", "--measured", str(measured_csv), "--node", "1", "--iterations", "4",
+                               "--out", str(tmp_path / "m.json")])
+    assert res.exit_code == 0, res.output
+    trace = json.loads((tmp_path / "m.json").read_text())["traceEvents"]
+    names = [e["args"]["name"] for e in trace if e["name"] == "thread_name"]
+    assert names == ["node1 planned", "node1 measured · 1 K-FAC overrun"]
+    process = next(e["args"]["name"] for e in trace if e["name"] == "process_name")
+    assert process == "m.csv: planned vs measured, steps 0-3, node 1"
+    assert sum(e["ph"] == "X" for e in trace) == 2 * 4 * 3 and sum(e["ph"] == "i" for e in trace) == 5
+
+
+def test_measured_input_errors_are_one_line_naming_the_file(tmp_path, measured_csv):
+    runner = CliRunner()
+    out = tmp_path / "x.png"
+    bad = tmp_path / "bad.csv"
+    bad.write_text("step,loss\n1,2.5\n")
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    header = tmp_path / "header.csv"
+    append_csv(header, [])
+    cases = [
+        (["--measured", str(bad)], f"error: {bad}: is not a pipefisher measurements CSV (no column 'node')"),
+        (["--measured", str(empty)], f"error: {empty}: is empty, not a pipefisher measurements CSV"),
+        (["--measured", str(header)], f"error: {header}: has no measurements (only a header)"),
+        (["--measured", str(measured_csv), "--node", "2"], f"error: {measured_csv}: --node 2: the file has nodes 0 to 1"),
+        (["--measured", str(measured_csv), "--step", "9"],
+         f"error: {measured_csv}: --step 9 is not in the file (its steps common to all nodes: 0 to 3)"),
+        (["--step", "1"], "error: --step applies to a measurements CSV: give --measured FILE.csv"),
+        (["--measured", str(measured_csv), "--packed"],
+         "error: --measured draws the measurements CSV on its own: give no TIMELINES, --packed or --policy with it"),
+    ]
+    for args, line in cases:
+        for command in ("plot", "trace"):
+            res = runner.invoke(main, [command, *args, "--out", str(out if command == "plot" else out.with_suffix(".json"))])
+            assert res.exit_code == 2 and res.output.strip().splitlines() == [line], (command, args, res.output)
+    assert not out.exists() and not out.with_suffix(".json").exists()
+
+
+def test_measured_chart_path_imports_no_torch(measured_csv):
+    import subprocess
+    import sys
+
+    code = ("import sys; from pipefisher.plot import chart_from_measured, figure; "
+            f"figure(chart_from_measured({str(measured_csv)!r})); import pipefisher.cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]"

@@ -95,8 +95,12 @@ def test_resume_with_two_stages_through_the_cli(tmp_path):
             assert torch.equal(p, fb["model"][name]), (stage, name)
     with open(metrics) as f:
         rows = f.read().splitlines()
-    assert rows[0] == "step,loss,val_loss,lr,step_seconds,mode" and [r.split(",")[0] for r in rows[1:]] == list("01234")
-    assert all(r.endswith(",scheduled") for r in rows[1:])
+    assert rows[0] == "step,loss,val_loss,lr,step_seconds,mode,cycle,overrun_seconds" and [r.split(",")[0] for r in rows[1:]] == list("01234")
+    assert all(r.split(",")[5] == "scheduled" for r in rows[1:])
+    # steps 1-4 ran the schedule, measured (overrun of its planned bubbles, once a job cycle is gathered:
+    # here at the end of each run) under its cycle k
+    assert all(r.split(",")[6] == str(max(cycles)) for r in rows[1:])
+    assert all(r.split(",")[7] != "" for r in rows[2:])
 
 
 def test_a_foreign_checkpoint_is_refused(tmp_path):

@@ -30,6 +30,9 @@ from pipefisher.runtime.config import PIPELINE_ORDERS
               help="pack as if every profiled K-FAC piece took this many times as long (slack for noisy "
                    "CPU timings; a longer cycle k)")
 @margin_option()
+@click.option("--adapt", is_flag=True,
+              help="measure every training step and re-pack the schedule from the measurements while training "
+                   "(same policy; switches at cycle boundaries, on every worker at the same step)")
 @click.option("--name", default=None, help="run name (default: <config>-<policy>-<timestamp>)")
 @click.option("--allow-invalid", is_flag=True,
               help="train a schedule that pipefisher validate rejects, where the runtime can still run it (a "
@@ -50,7 +53,7 @@ from pipefisher.runtime.config import PIPELINE_ORDERS
               help="steps between loss lines")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, policy: str | None,
-                kfac_margin: float, margin: float, name: str | None, allow_invalid: bool, checkpoint_every: int, nproc: int | None,
+                kfac_margin: float, margin: float, adapt: bool, name: str | None, allow_invalid: bool, checkpoint_every: int, nproc: int | None,
                 stages: int | None, pipe_schedule: str | None, timeout_s: float | None,
                 overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
     """Profile a few K-FAC steps, pack them into the pipeline bubbles, print the usage report, and
@@ -88,6 +91,6 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every, log_every=log_every,
                 progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every, echo=click.echo,
-                margin=margin)
+                margin=margin, adapt=adapt)
     except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None

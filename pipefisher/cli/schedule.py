@@ -65,7 +65,7 @@ def run_schedule(
             echo(line)
     data = report_data(schedule, job) if json_path else None
     if save_path:
-        save_schedule(save_path, schedule)
+        save_schedule(save_path, schedule, timelines=[n.path for n in job.nodes])
     if json_path:
         dump_json_atomic(json_path, data)
 

@@ -214,19 +214,28 @@ def compare_command(config: str | None, schedule: str | None, stages: int | None
 
 def _charts(paths: Sequence[str], policy: str | None, packed: bool, title: str | None,  # type: ignore[no-untyped-def]
             margin: float = DEFAULT_MARGIN, allow_mixed: bool = False, out: str | None = None,
-            iterations: int | None = None, node: int | None = None):
+            iterations: int | None = None, node: int | None = None, measured: str | None = None,
+            step: int | None = None):
     from pipefisher.cli._outputs import check_out_file
     from pipefisher.examples import example_timelines
-    from pipefisher.plot import chart_from_job, chart_from_schedule
+    from pipefisher.plot import chart_from_job, chart_from_measured, chart_from_schedule
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.timeline import load_job
 
+    if step is not None and measured is None:
+        raise InputError(None, "--step applies to a measurements CSV: give --measured FILE.csv")
+    if measured is not None:
+        if paths or packed or policy:
+            raise InputError(None, "--measured draws the measurements CSV on its own: "
+                                   "give no TIMELINES, --packed or --policy with it")
+        check_out_file(out, "--out")
+        return chart_from_measured(measured, node=node, iterations=iterations, step=step, title=title)
     if policy:
         get_policy(policy)  # a bad name refuses before any loading
     check_out_file(out, "--out")
     if iterations is not None and not (packed or policy):
-        raise InputError(None, "--iterations applies to the packed cycle (--packed or --policy); "
-                               "timelines hold one step")
+        raise InputError(None, "--iterations applies to the packed cycle (--packed or --policy) or to "
+                               "--measured steps; timelines hold one step")
     job = load_job(paths or example_timelines(), allow_mixed=allow_mixed)
     if packed or policy:
         schedule = get_policy(policy or DEFAULT_POLICY).pack(job, margin)
@@ -247,8 +256,14 @@ def _plot_args(what: str, out_help: str) -> list:  # type: ignore[type-arg]
         click.option("--allow-mixed", is_flag=True,
                      help="load TIMELINES even if they look like several jobs' (see pipefisher schedule)"),
         click.option("--iterations", type=click.IntRange(min=1), default=None,
-                     help=f"{what} only the packed cycle's first N iterations (for long cycles)"),
+                     help=f"{what} only the packed cycle's first N iterations (for long cycles); with "
+                          "--measured: N steps, ending at the last (or from --step)"),
         click.option("--node", type=click.IntRange(min=0), default=None, help=f"{what} only node I"),
+        click.option("--measured", type=click.Path(dir_okay=False), default=None, metavar="FILE.csv",
+                     help=f"{what} a run's measurements CSV (<run>_measurements.csv) instead of TIMELINES: per "
+                          "node (replica 0) a planned and a measured row, over the last complete K-FAC cycle"),
+        click.option("--step", type=int, default=None, metavar="S",
+                     help="with --measured: start at step S (a cycle's steps, or --iterations N)"),
     ]
 
 
@@ -264,19 +279,24 @@ def _with(args: list) -> Callable:  # type: ignore[type-arg]
 @_with(_plot_args("draw", "chart file, .png or .svg"))
 def plot_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str | None, title: str | None,
                  margin: float, allow_mixed: bool = False, iterations: int | None = None,
-                 node: int | None = None) -> None:
+                 node: int | None = None, measured: str | None = None, step: int | None = None) -> None:
     """Draw a Gantt chart (PNG or SVG, by OUT's suffix) of TIMELINES, or of their packed schedule.
 
     One row per node; forwards, backwards and each K-FAC kind in their own colours; idle time
     (bubbles) light grey; dashed lines at iteration boundaries; a red row label where a node's packed
     schedule does not validate. Work closer than a pixel is drawn merged, so charts of long cycles stay
     readable; --iterations and --node zoom in. With no TIMELINES, draws the bundled example.
+
+    With --measured FILE.csv (a run's measurements), draws per node a planned row and a measured row
+    over consecutive steps; a forward's or backward's wait for its input is drawn idle, and measured
+    K-FAC work that overran its bubble is outlined red.
     """
     from pipefisher.plot import render
 
     if os.path.splitext(out)[1].lower() not in (".png", ".svg"):
         raise InputError(out, "chart files must end in .png or .svg")
-    render(_charts(timelines, policy, packed, title, margin, allow_mixed, out, iterations, node), out)
+    render(_charts(timelines, policy, packed, title, margin, allow_mixed, out, iterations, node, measured, step),
+           out)
     click.echo(f"wrote {os.path.normpath(out)}")
 
 
@@ -284,11 +304,12 @@ def plot_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str
 @_with(_plot_args("trace", "trace file (JSON; open it in ui.perfetto.dev or chrome://tracing)"))
 def trace_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str | None, title: str | None,
                   margin: float, allow_mixed: bool = False, iterations: int | None = None,
-                  node: int | None = None) -> None:
-    """Write TIMELINES (or their packed schedule) as Chrome trace / Perfetto JSON (compact)."""
+                  node: int | None = None, measured: str | None = None, step: int | None = None) -> None:
+    """Write TIMELINES (or their packed schedule, or --measured steps) as Chrome trace / Perfetto JSON (compact)."""
     from pipefisher.trace import format_size, write_trace
 
-    write_trace(_charts(timelines, policy, packed, title, margin, allow_mixed, out, iterations, node), out)
+    write_trace(_charts(timelines, policy, packed, title, margin, allow_mixed, out, iterations, node, measured,
+                        step), out)
     click.echo(f"wrote {os.path.normpath(out)} ({format_size(os.path.getsize(out))})")
 
 

@@ -32,7 +32,7 @@ def workers_log(out_dir: str | None, metrics_path: str | None, name: str) -> str
 
 
 def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: str | None,
-                     resume: str | None, mode: str) -> str | None:
+                     resume: str | None, mode: str, adapt: bool = False) -> str | None:
     """Refuse, before any worker starts, a schedule or checkpoint that does not belong to this job.
 
     Returns the schedule's digest (None without a schedule). The workers check again on their own.
@@ -52,7 +52,12 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
     if schedule_path is not None:
         digest = schedule_digest(load_checked_schedule(schedule_path, cfg, replicas))  # type: ignore[arg-type]
     if resume is not None:
-        check_resumable(resume, cfg, mode, digest, stages, replicas)
+        man = check_resumable(resume, cfg, mode, digest, stages, replicas)
+        cycles = man.get("node_cycles") or []
+        if adapt and len(set(cycles)) > 1:
+            raise InputError(resume, f"holds a run whose schedule has cycles of different lengths per node "
+                                     f"({', '.join(map(str, cycles))}): it ran without --adapt, which can switch "
+                                     "only where every node ends its cycle; resume it without --adapt")
     return digest
 
 
@@ -86,6 +91,11 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
               help="steps between checkpoints (0: only at the end)")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None,
               help="continue from the checkpoint in this folder (same config, mode and schedule)")
+@click.option("--adapt", is_flag=True,
+              help="with --schedule: measure every step and re-pack the schedule from the measurements while "
+                   "training (switching at cycle boundaries, on every worker at the same step); the "
+                   "schedules used go to --out")
+@click.option("--adapt-policy", default="tight", show_default=True, help="packing policy of --adapt's re-packs")
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages")
@@ -100,7 +110,8 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def train_command(config_path: str, mode: str | None, schedule_arg: str | None, pipe_schedule: str | None,
                   steps: int, profile: bool, out_dir: str | None, metrics_path: str | None,
-                  checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, nproc: int | None,
+                  checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, adapt: bool,
+                  adapt_policy: str, nproc: int | None,
                   stages: int | None, interval: int | None, timeout_s: float | None, chunks: int | None,
                   overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
     """Train the masked-language model with pipeline parallelism: first-order, K-FAC, or K-FAC packed
@@ -140,6 +151,12 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         raise click.UsageError(f"--schedule FILE trains in scheduled mode, not {mode}")
     if profile and schedule_path:
         raise click.UsageError("--profile runs kfac steps; it does not take a schedule file")
+    if adapt and not schedule_path:
+        raise click.UsageError("--adapt re-packs a schedule while training: it needs --schedule FILE")
+    if adapt:
+        from pipefisher.policies import get_policy
+
+        get_policy(adapt_policy)  # an unknown name: one line, before any worker starts
     cfg = apply_overrides(load_config(config_path), overrides, config_path)
     if cfg.data.text != "synthetic":
         require_runtime("train", ("tokenizers",))  # real text is tokenized by the tokenizers package
@@ -177,7 +194,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         from pipefisher.runtime.progress import phase
 
         phase(f"preparing the '{cfg.data.text}' corpus (the tokenizer and token ids are built once, then cached)")
-    prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode)
+    prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode, adapt)
     if resume_dir:
         from pipefisher.runtime.checkpoint import nothing_left
 
@@ -192,7 +209,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     opts = TrainOptions(mode=mode, steps=steps, profile=profile, out=out_dir, log_every=log_every,
                         progress=not no_progress, schedule=_abs(schedule_path), metrics=_abs(metrics_path),
                         checkpoint_dir=_abs(checkpoint_dir), checkpoint_every=checkpoint_every,
-                        resume=_abs(resume_dir), eval_every=eval_every)
+                        resume=_abs(resume_dir), eval_every=eval_every, adapt=adapt, adapt_policy=adapt_policy)
     try:
         if job is not None or n == 1:
             run_worker(cfg, opts)
@@ -200,6 +217,11 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
             launch_local(cfg, opts, n, echo=click.echo, log_path=workers_log(out_dir, metrics_path, cfg.name))
     except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None
+    if schedule_path and out_dir and (job is None or job.rank == 0):
+        prefix = os.path.join(out_dir, cfg.name)
+        for suffix in ("_measurements.csv", "_measured", "_schedules"):
+            if os.path.exists(prefix + suffix):
+                click.echo(f"wrote {os.path.normpath(prefix + suffix)}")
     if profile:
         from pipefisher.runtime.profiler import timeline_filename
 

@@ -108,6 +108,7 @@ class Worker:
     executor: ScheduleExecutor | None = None
     schedule_digest: str | None = None
     cycles: list[int] = field(default_factory=list)  # every node's K-FAC cycle (scheduled mode)
+    schedule: list[list[list[str]]] | None = None  # the schedule file's labels (scheduled mode)
 
     def step(self, step: int) -> float | None:
         """Training step ``step`` (0, 1, ...): forward and backward over the step's micro-batches in the
@@ -156,14 +157,15 @@ class Worker:
 
 def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order", total_steps: int,
                  schedule: str | None = None, kfac_interval: int | None = None, data: MLMData | None = None,
-                 span: Span | None = None, warn: Callable[[str], None] | None = None) -> Worker:
+                 span: Span | None = None, warn: Callable[[str], None] | None = None,
+                 recorder: Any = None) -> Worker:
     """Everything this worker runs, composed as ``pipefisher train`` composes it.
 
     ``mode``: ``first-order``, ``kfac`` (naive K-FAC every ``kfac_interval`` steps, default
     ``kfac.interval``) or ``scheduled`` (with ``schedule``, a schedule file: checked against this job
     on every worker before anything runs). ``total_steps`` ends the learning-rate schedule when
     ``optim.decay_steps`` is 0. ``span`` times named work (the profiler's); ``warn`` gets K-FAC's
-    warnings. Seeds torch's global generator per worker (dropout), so runs repeat.
+    warnings; ``recorder`` (scheduled mode, :mod:`pipefisher.runtime.recorder`) times every label. Seeds torch's global generator per worker (dropout), so runs repeat.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -213,10 +215,10 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     if schedule is not None:
         # Every worker checks every node, so a bad schedule stops all of them before step 0.
         nodes = load_checked_schedule(schedule, cfg, g.replicas)
-        worker.schedule_digest = schedule_digest(nodes)
+        worker.schedule, worker.schedule_digest = nodes, schedule_digest(nodes)
         worker.cycles = [len(node) for node in nodes]
         check_agreement(ctx, f"schedule {worker.schedule_digest}")  # the same file on every host
-        worker.executor = ScheduleExecutor(nodes[g.stage], engine, kfacs, worker.end_of_step)
+        worker.executor = ScheduleExecutor(nodes[g.stage], engine, kfacs, worker.end_of_step, recorder=recorder)
     # Dropout draws from torch's global generator: seed it per worker, so that a run is repeatable
     # and a resumed run (which restores the generator) continues the very same stream.
     torch.manual_seed((cfg.data.seed * 1_000_003 + g.rank) * 7_919 + 17)

@@ -11,10 +11,11 @@ Every worker writes its file through a temp file and a rename; after a barrier, 
 manifest at the new step folder (also a rename) and removes older ones, so a crash at any moment
 leaves the previous checkpoint whole. A worker file holds the stage's parameters (both stage copies
 under Chimera, every chunk when interleaved), the optimizer state, the K-FAC state of each copy (factors, inverses, pi scales,
-saving flag and any saved micro-batches still waiting for their covariance pieces) and the torch
-random state (dropout). The data position is the
+saving flag and any saved micro-batches still waiting for their covariance pieces), the closed loop's
+state in scheduled mode (the active schedule and the step it began at, the open cycle's measurements,
+and on rank 0 the scheduler's window) and the torch random state (dropout). The data position is the
 step number: every micro-batch is a pure function of (seed, step, replica, index), and the schedule
-position is ``(step - 1) % k``.
+position is ``(step - first step) % k`` of the active schedule.
 
 Files are read with ``torch.load(weights_only=True)``: tensors and plain containers only, no code.
 """
@@ -142,6 +143,8 @@ def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
         "kfac_up": kfac_state(trainer.kfacs[1]) if 1 in trainer.kfacs else None,  # Chimera's up copy
         # every copy by id (interleaving's chunks 2, 3, ... have no slot above)
         "kfac_copies": {p: kfac_state(k) for p, k in trainer.kfacs.items() if p >= 2} or None,
+        # the closed loop: the active schedule, its first step, open measurements, the scheduler (rank 0)
+        "loop": trainer.loop.state_dict() if getattr(trainer, "loop", None) is not None else None,
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if trainer.ctx.device.type == "cuda" else None,
     }
@@ -161,6 +164,9 @@ def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
             # the job's K-FAC cycle k (its longest node's, as the training header says), and each node's
             "cycle": max(trainer.cycles) if trainer.cycles else None,
             "node_cycles": list(trainer.cycles) or None,
+            # the schedule running when it was written (another than the file's after an --adapt switch)
+            "active_schedule": trainer.loop.plan.digest if getattr(trainer, "loop", None) is not None else None,
+            "active_from_step": trainer.loop.first_step if getattr(trainer, "loop", None) is not None else None,
             "stages": g.stages,
             "replicas": g.replicas,
             "fingerprint": trainer.cfg.fingerprint(),
@@ -253,6 +259,8 @@ def load_checkpoint(folder: str, trainer: "Trainer") -> int:
         if saved is None:
             raise InputError(path, "holds no K-FAC state" + (f" of stage copy {pipe}" if pipe else ""))
         load_kfac_state(kfac, saved, path)
+    if getattr(trainer, "loop", None) is not None and state.get("loop") is not None:
+        trainer.loop.load_state_dict(state["loop"])  # the schedule that was running, from where it began
     torch.set_rng_state(state["rng"])
     if state.get("cuda_rng") is not None and trainer.ctx.device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng"])

@@ -156,6 +156,11 @@ class ChimeraEngine:
         for e in self.engines.values():
             e.begin_step(step)
 
+    def set_wait_log(self, log: list[Any] | None) -> None:
+        """Every copy's receive waits into one log (see :meth:`PipelineEngine.set_wait_log`)."""
+        for e in self.engines.values():
+            e.set_wait_log(log)
+
     def finish_step(self) -> float | None:
         """Both pipes' sends waited for; the loss of the micro-batches whose last stage is here."""
         losses = [e.finish_step() for e in self.engines.values()]

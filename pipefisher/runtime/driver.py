@@ -9,7 +9,10 @@ runs sit side by side::
     <run>_schedule.pickle   the packed schedule (the trainer's input)
     <run>_report.json       usage report per node, policy, validation result, training summary
     <run>_chart.png         the packed cycle per node
-    <run>_metrics.csv       step, loss, step time, mode of every training step
+    <run>_metrics.csv       step, loss, step time, mode, cycle k and measured overrun of every step
+    <run>_measurements.csv  every label of every scheduled step: planned and measured start/end, wait
+    <run>_measured/         the timelines measured over the last cycles (``pipefisher schedule`` reads them)
+    <run>_schedules/        every schedule the training used and when it took over (``--adapt`` re-packs)
     <run>_checkpoints/      the last checkpoint (resume with ``pipefisher train --resume``)
     <run>_workers.log       only after a failure: every worker's output and tracebacks
 """
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipefisher.errors import InputError
+from pipefisher.safe_io import load_json
 from pipefisher.runtime.config import RunConfig
 
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -100,27 +104,6 @@ def run_paths(folder: str, cfg: RunConfig, policy: str, name: str | None = None,
     return paths
 
 
-def inflate_kfac(job: Any, factor: float) -> Any:
-    """The job with every K-FAC interval ``factor`` times as long (same start): packing it leaves that
-    much slack for K-FAC work that runs slower, or bubbles that are shorter, than profiled."""
-    import dataclasses
-
-    from pipefisher.timeline import Interval, NodeTimeline, TimelineKey
-
-    if factor == 1.0:
-        return job
-
-    def grow(iv: Any) -> Any:
-        if iv.start is None or iv.end is None:
-            return iv
-        d = (iv.end - iv.start) * factor
-        return Interval(iv.start, iv.start + (int(round(d)) if isinstance(iv.start, int) else d))
-
-    nodes = tuple(NodeTimeline(n.path, {k: (tuple(grow(iv) for iv in v) if TimelineKey.parse(k).is_kfac else v)
-                                        for k, v in n.entries.items()}) for n in job.nodes)
-    return dataclasses.replace(job, nodes=nodes)
-
-
 def config_yaml(cfg: RunConfig) -> str:
     import yaml
 
@@ -166,7 +149,7 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     violations = validate(packed.to_file_data(), job, margin=margin)
     report = report_data(packed, job)
     report.update(run=paths.name, valid=not violations, violations=[str(v) for v in violations[:50]])
-    save_schedule(paths.schedule, packed)
+    save_schedule(paths.schedule, packed, timelines=[n.path for n in job.nodes])
     render(chart_from_schedule(packed, job, violations=violations), paths.chart)
     refusal = runtime_refusal(paths.schedule, cfg, replicas)  # what every worker checks, before they start
     report.update(runnable=refusal is None, runtime_refusal=refusal)
@@ -190,19 +173,21 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
 def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, policy: str | None = None,
             nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
             checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
-            eval_every: int = 0, echo: Callable[[str], None] = print, margin: float | None = None) -> RunPaths:
+            eval_every: int = 0, echo: Callable[[str], None] = print, margin: float | None = None,
+            adapt: bool = False) -> RunPaths:
     """Profile ``profile_steps`` kfac steps, pack them with ``policy`` (K-FAC times x ``kfac_margin``,
     room rule with ``margin``, :mod:`pipefisher.problem`),
     print the usage report, refuse a schedule that ``validate`` rejects (unless ``allow_invalid``) or
     that the runtime cannot run (always; both leave the schedule, chart and report in the run folder),
-    then train ``steps`` steps with it; returns the paths."""
+    then train ``steps`` steps with it (with ``adapt``, re-packing it from the measured steps while it
+    trains, :mod:`pipefisher.runtime.adapt`); returns the paths."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.problem import DEFAULT_MARGIN
     from pipefisher.runtime.launch import launch_local, run_worker
     from pipefisher.runtime.profiler import timeline_filename
     from pipefisher.runtime.trainer import TrainOptions
     from pipefisher.safe_io import dump_json_atomic, write_atomic
-    from pipefisher.timeline import load_job
+    from pipefisher.timeline import inflate_kfac, load_job
 
     packer = get_policy(policy or DEFAULT_POLICY)
     margin = DEFAULT_MARGIN if margin is None else margin
@@ -256,13 +241,20 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
     launch(TrainOptions(mode="scheduled", steps=steps, schedule=os.path.abspath(paths.schedule),
                         metrics=os.path.abspath(paths.metrics), checkpoint_dir=os.path.abspath(paths.checkpoints),
                         checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
-                        eval_every=eval_every))
+                        eval_every=eval_every, adapt=adapt, adapt_policy=packer.name, margin=margin,
+                        measure_prefix=os.path.abspath(os.path.join(paths.folder, paths.name))))
     train_s = time.perf_counter() - t0
     rows = read_metrics(paths.metrics) if os.path.exists(paths.metrics) else []
     times = [float(r["step_seconds"]) for r in rows[1:]] or [float(r["step_seconds"]) for r in rows]
     losses = [float(r["loss"]) for r in rows if r["loss"]]
+    history = os.path.join(paths.folder, f"{paths.name}_schedules", "history.json")
+    switches = load_json(history).get("switches", []) if os.path.exists(history) else []
+    overruns = [float(r["overrun_seconds"]) for r in rows if r.get("overrun_seconds")]
     summary = {
-        "steps": steps, "cycle": max(cycles), "cycles": cycles,
+        "steps": steps, "cycle": max(cycles), "cycles": cycles, "adapt": adapt,
+        "final_cycle": switches[-1]["cycle"] if switches else max(cycles),
+        "switches": [{k: sw[k] for k in ("step", "cycle", "node_cycles", "reason")} for sw in switches[1:]],
+        "median_overrun_seconds": statistics.median(overruns) if overruns else None,
         "median_step_seconds": statistics.median(times) if times else None,
         "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
         "profile_seconds": round(profile_s, 3), "train_seconds": round(train_s, 3),
@@ -271,9 +263,12 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
     dump_json_atomic(paths.report, report)
     if times:
         echo(f"done: {steps} steps, median step {summary['median_step_seconds'] * 1e3:.1f} ms, "
-             f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}")
+             f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"
+             + (f", {len(summary['switches'])} schedule switch(es), final K-FAC cycle k={summary['final_cycle']}"
+                if adapt else ""))
+    measured = [os.path.join(paths.folder, f"{paths.name}_{s}") for s in ("measurements.csv", "measured", "schedules")]
     for p in (paths.config, *([paths.tokenizer] if os.path.exists(paths.tokenizer) else []), paths.timelines,
               paths.schedule, paths.report, paths.chart, paths.metrics,
-              paths.checkpoints):
+              *[m for m in measured if os.path.exists(m)], paths.checkpoints):
         echo(f"wrote {p}")
     return paths

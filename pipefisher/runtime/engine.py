@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -148,6 +149,7 @@ class PipelineEngine:
         self._stash: collections.deque = collections.deque()
         self._sends: list[tuple[Any, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
+        self._wait_log: list[Any] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -308,8 +310,24 @@ class PipelineEngine:
     def _recv(self, src: int | None, tag: int) -> torch.Tensor:
         assert src is not None
         buf = torch.empty(self.act_shape, device=self.ctx.device)
-        dist.recv(buf, src, tag=tag)
+        log = self._wait_log
+        if log is None:
+            dist.recv(buf, src, tag=tag)
+        elif self.ctx.device.type == "cuda":  # events around it, read at the end of the step
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record()
+            dist.recv(buf, src, tag=tag)
+            after.record()
+            log.append((before, after))
+        else:
+            t0 = time.perf_counter()
+            dist.recv(buf, src, tag=tag)
+            log.append(time.perf_counter() - t0)
         return buf
+
+    def set_wait_log(self, log: list[Any] | None) -> None:
+        """Append every receive's wait (seconds on CPU, a CUDA event pair on GPU) to ``log`` (None: off)."""
+        self._wait_log = log
 
 
 

@@ -28,7 +28,6 @@ Every worker checks every node, so all of them refuse together instead of some w
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import re
 from collections import defaultdict, deque
@@ -37,6 +36,7 @@ from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.config import RunConfig
+from pipefisher.schedule import schedule_digest  # noqa: F401 (re-exported)
 from pipefisher.timeline import UP_SUFFIX
 
 START = "-- start --"
@@ -151,16 +151,6 @@ def labelled(name: str, pipe: int, interleaved: bool = False) -> str:
 
 # ----------------------------------------------------------------------------------------------------
 # Checks
-
-
-def schedule_digest(data: ScheduleData) -> str:
-    """A short hash of a schedule's labels (checkpoints and workers compare it)."""
-    h = hashlib.sha256()
-    for n, node in enumerate(data):
-        for i, labels in enumerate(node):
-            h.update(f"{n}/{i}\0".encode())
-            h.update("\0".join(labels).encode())
-    return h.hexdigest()[:16]
 
 
 def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
@@ -359,30 +349,49 @@ class ScheduleExecutor:
     ``kfacs`` maps a copy (0; 1 for ``:up_pipe`` labels; j for ``:chunk<j>`` labels) to the K-FAC
     state of that stage copy. Each iteration is compiled once into a list of bound calls, so a step costs one Python call
     per label. ``span(label)`` wraps every K-FAC label (the profiler uses it; a no-op otherwise).
+    ``recorder`` (:mod:`pipefisher.runtime.recorder`) times every label of every step; its record of
+    the last step is :attr:`last_record`. The cycle starts at step ``first_step``; :meth:`switch` puts
+    another cycle in its place from a later step (a cycle boundary: see :class:`pipefisher.runtime.adapt.ScheduleLoop`).
     """
 
     def __init__(self, iterations: Sequence[Sequence[str]], engine: Any, kfacs: Mapping[int, Any],
-                 end_of_step: Callable[[], None], span: Callable[[str], ContextManager[Any]] | None = None) -> None:
+                 end_of_step: Callable[[], None], span: Callable[[str], ContextManager[Any]] | None = None,
+                 recorder: Any = None, first_step: int = 1) -> None:
         self.engine, self.kfacs, self.end_of_step = engine, kfacs, end_of_step
         self.span = span
-        self.iterations = [list(it) for it in iterations]
-        self._compiled = [[self._compile(label) for label in it] for it in self.iterations]
+        self.recorder = recorder
+        if recorder is not None:
+            recorder.attach(engine)
+        self.last_record: Any = None
         self._step = 0
         self._loss: float | None = None
+        self.switch(iterations, first_step)
+
+    def switch(self, iterations: Sequence[Sequence[str]], first_step: int) -> None:
+        """Run ``iterations`` from training step ``first_step`` on (its iteration 0)."""
+        if first_step < 1:
+            raise ValueError("a schedule's cycle starts at step 1 or later (step 0 is a plain step)")
+        self.iterations = [list(it) for it in iterations]
+        self._compiled = [[self._compile(label) for label in it] for it in self.iterations]
+        self.first_step = first_step
 
     @property
     def cycle(self) -> int:
         return len(self.iterations)
 
     def iteration_of(self, step: int) -> int:
-        """The iteration that training step ``step >= 1`` runs."""
-        return (step - 1) % self.cycle
+        """The iteration that training step ``step >= first_step`` runs."""
+        return (step - self.first_step) % self.cycle
 
     def _set_saving(self, on: bool) -> None:
         for k in self.kfacs.values():
             k.set_saving(on)
 
     def _compile(self, label: str) -> Callable[[], None]:
+        call = self._bind(label)
+        return call if self.recorder is None else self.recorder.wrap(label, call)
+
+    def _bind(self, label: str) -> Callable[[], None]:
         kind, factor, module, pipe = parse_label(label)
         if kind == START:
             return lambda: self.engine.begin_step(self._step)
@@ -413,12 +422,18 @@ class ScheduleExecutor:
         self.end_of_step()
 
     def run_step(self, step: int) -> float | None:
-        """Run the iteration of training step ``step >= 1``; the step's loss on the last stage."""
-        if step < 1:
-            raise ValueError("step 0 is a plain pipeline step with naive K-FAC, not a schedule iteration")
+        """Run the iteration of training step ``step >= first_step``; the step's loss on the last stage."""
+        if step < self.first_step:
+            raise ValueError(f"step {step} comes before this cycle's first step {self.first_step} "
+                             "(step 0 is a plain pipeline step with naive K-FAC, not a schedule iteration)")
         self._step, self._loss = step, None
-        for call in self._compiled[self.iteration_of(step)]:
+        it = self.iteration_of(step)
+        if self.recorder is not None:
+            self.recorder.begin_step(step, it)
+        for call in self._compiled[it]:
             call()
+        if self.recorder is not None:
+            self.last_record = self.recorder.end_step()
         return self._loss
 
 

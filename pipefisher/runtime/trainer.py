@@ -17,9 +17,11 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import click
 import torch
+import torch.distributed as dist
 
 from pipefisher.kfac.factors import BadFactorError
 from pipefisher.runtime import memory
@@ -56,12 +58,26 @@ class TrainOptions:
     resume: str | None = None  # checkpoint folder to continue from
     metrics: str | None = None  # CSV file: step, loss, val_loss, lr, step time, mode (reporting worker)
     eval_every: int = 0  # steps between held-out evaluations (0: none; the last step is always one)
+    # The closed loop (scheduled mode, :mod:`pipefisher.runtime.adapt`): measurements always, re-packing
+    # with ``adapt``. ``margin``: the room rule's for re-packs (default: the schedule's recorded one);
+    # ``schedule_timelines``: the profile the schedule was packed from (default: its metadata's);
+    # ``measure_prefix``: where measurement files go (default: ``out/<name>`` with ``out``).
+    adapt: bool = False
+    adapt_policy: str = "tight"
+    adapt_window: int = 4
+    adapt_quantile: float = 0.5
+    adapt_tie: float = 0.04  # step-time improvement that counts (the adaptive scheduler's tie)
+    margin: float | None = None
+    schedule_timelines: tuple[str, ...] | None = None
+    measure_prefix: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
         if (self.mode == "scheduled") != (self.schedule is not None):
             raise ValueError("mode 'scheduled' and a schedule file go together")
+        if self.adapt and self.mode != "scheduled":
+            raise ValueError("adapting the schedule needs mode 'scheduled' and a schedule file")
         if self.profile and self.mode == "scheduled":
             raise ValueError("profiling runs kfac steps, not a schedule")
 
@@ -82,6 +98,7 @@ class WorkerResult:
     val: list[tuple[int, float, float]] = field(default_factory=list)
     peak_memory_bytes: int = 0  # this process, over the training steps
     peak_saved_bytes: int = 0  # K-FAC inputs/output gradients waiting for their covariance piece
+    measured_paths: list[str] = field(default_factory=list)  # measured timelines (scheduled mode, rank 0)
 
     def median_step_seconds(self, skip: int = 1) -> float:
         times = self.step_seconds[skip:] or self.step_seconds
@@ -91,7 +108,7 @@ class WorkerResult:
 class Trainer:
     """Builds this worker's stage, data, engine, K-FAC and optimizer, and runs the steps."""
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext, opts: TrainOptions) -> None:
+    def __init__(self, cfg: RunConfig, ctx: DistContext, opts: TrainOptions, recorder: Any = None) -> None:
         self.cfg, self.ctx, self.opts = cfg, ctx, opts
         g = ctx.grid
         if g.stages != cfg.pipeline.stages:
@@ -110,19 +127,79 @@ class Trainer:
                     f"{cfg.model.hidden_size}, {g.stages} stage(s)) on {ctx.device}"
                     + (", with K-FAC" if self.mode != "first-order" else ""))
         # The library's composition (pipefisher.runtime.api): a user's own loop gets the same worker.
+        if self.mode == "scheduled" and recorder is None:  # always-on measurement of scheduled steps
+            from pipefisher.runtime.recorder import ClockRecorder
+
+            recorder = ClockRecorder(g.stage, g.replica, cuda=ctx.device.type == "cuda")
         self.worker = build_worker(cfg, ctx, mode=self.mode, total_steps=opts.steps, schedule=opts.schedule,
                                    kfac_interval=self.interval, data=self.data, span=self.profiler.span,
-                                   warn=click.echo)
+                                   warn=click.echo, recorder=recorder)
         w = self.worker
         self.stage, self.kfac, self.kfacs, self.engine = w.stage, w.kfac, w.kfacs, w.engine
         self.updater, self.ops, self.executor = w.updater, w.ops, w.executor
         self.cycles, self.schedule_digest = w.cycles, w.schedule_digest
+        self.loop = self._schedule_loop() if self.executor is not None else None
         self.start_step = 0
         if opts.resume:
             from pipefisher.runtime.checkpoint import load_checkpoint
 
             self._phase(f"loading the checkpoint in {opts.resume}")
             self.start_step = load_checkpoint(opts.resume, self)
+
+    def _schedule_loop(self) -> Any:
+        """The closed loop (:class:`pipefisher.runtime.adapt.ScheduleLoop`) of this worker."""
+        from pipefisher.runtime.adapt import ScheduleLoop
+        from pipefisher.runtime.dist import check_agreement
+        from pipefisher.runtime.executor import check_schedule
+        from pipefisher.scheduler import Plan, make_scheduler
+
+        cfg, ctx, opts, g = self.cfg, self.ctx, self.opts, self.ctx.grid
+        assert opts.schedule is not None and self.worker.schedule is not None
+        margin, timelines = schedule_plan_inputs(opts)
+        data = self.worker.schedule
+        if opts.adapt:  # one cycle length on every node, so that a new schedule can start on all at once
+            from pipefisher.scheduler import equal_cycles
+
+            data = equal_cycles(data)
+            if data != self.worker.schedule:
+                check_schedule(data, cfg, g.replicas)
+                assert self.executor is not None
+                self.executor.switch(data[g.stage], 1)
+                self.cycles = self.worker.cycles = [len(n) for n in data]
+                if self.reporter and opts.progress:
+                    click.echo(f"--adapt: every node runs the job's K-FAC cycle k={max(self.cycles)} (the "
+                               "shorter ones idle through the rest), so that all can switch schedules at once")
+        plan = Plan(data, f"schedule file {os.path.basename(opts.schedule)}", timelines, margin)
+        scheduler = None
+        if g.rank == 0:
+            scheduler = make_scheduler("adaptive" if opts.adapt else "static", plan, g.stages,
+                                       **({"policy": opts.adapt_policy, "margin": margin, "window": opts.adapt_window,
+                                           "q": opts.adapt_quantile, "tie": opts.adapt_tie}
+                                          if opts.adapt else {}))
+        prefix = opts.measure_prefix or (os.path.join(opts.out, self.cfg.name) if opts.out else None)
+        collective = None
+        if ctx.distributed:
+            def gather(obj: Any) -> list[Any]:
+                out: list[Any] = [None] * g.world_size
+                dist.all_gather_object(out, obj)
+                return out
+
+            def broadcast(obj: Any) -> Any:
+                box = [obj]
+                dist.broadcast_object_list(box, src=0)
+                return box[0]
+            collective = (gather, broadcast, dist.barrier)
+
+        def switch(new: Any, first_step: int) -> None:
+            assert self.executor is not None
+            self.executor.switch(new.data[g.stage], first_step)
+            self.cycles = self.worker.cycles = new.cycles
+
+        return ScheduleLoop(plan, node=g.stage, rank=g.rank, nodes=g.stages, scheduler=scheduler, adapt=opts.adapt,
+                            prefix=prefix, collective=collective,
+                            check=lambda new: check_schedule(new.data, cfg, g.replicas),
+                            agree=lambda text: check_agreement(ctx, text), switch=switch,
+                            echo=click.echo if self.reporter and opts.progress else None)
 
     def _phase(self, what: str) -> None:
         """A start-up phase line from the reporting worker (the launcher relays it), unless --no-progress."""
@@ -180,7 +257,7 @@ class Trainer:
                 up = ("" if not p else f" (chunk {p})" if self.cfg.pipeline.schedule == "interleaved"
                       else " (up pipe)" if p == UP else "")
                 click.echo(k.coverage.line(f"stage {node_pipes(self.cfg, g.stage)[p]}{up}"))
-        metrics: list[tuple[int, float | None, float | None, float, float]] = []
+        metrics: list[tuple[int, float | None, float | None, float, float, int | None]] = []
         train_seconds = 0.0
         memory.reset_peak(self.ctx.device)
         if self.kfac is not None:
@@ -195,8 +272,11 @@ class Trainer:
         try:
             for step in range(first, opts.steps):
                 t0 = time.perf_counter()
+                cycle = max(self.cycles) if self.cycles else None  # the schedule this step runs
                 try:
                     loss = self.train_step(step)
+                    if self.loop is not None and step >= 1:
+                        self.loop.after_step(step, self.executor.last_record)
                 except BadFactorError:
                     raise  # its own one line, naming the layer
                 except RuntimeError as err:
@@ -214,7 +294,7 @@ class Trainer:
                         raise PeerLost(self._lost_message(step, err)) from err
                     if val is not None:
                         result.val.append((step + 1, val, train_seconds))
-                metrics.append((step, loss, val, self.updater.lr, result.step_seconds[-1]))
+                metrics.append((step, loss, val, self.updater.lr, result.step_seconds[-1], cycle))
                 if loss is not None:
                     result.losses.append(loss)
                 if bar is not None:
@@ -247,6 +327,14 @@ class Trainer:
                           if self.kfac is not None else ""))
         if todo:
             self.checkpoint(opts.steps)
+        if self.loop is not None:
+            self.loop.finish()  # after the checkpoint: a resumed run gathers the open cycle as this one would
+            self.loop.write_schedules()
+            for path in self.loop.write_measured():
+                result.measured_paths.append(path)
+            if self.reporter and todo:
+                click.echo(f"closed loop ({'adaptive' if opts.adapt else 'static'} scheduler): {self.loop.cost_line()}"
+                           + (f", final K-FAC cycle k={max(self.cycles)}" if opts.adapt else ""))
         if self.reporter and opts.metrics:
             self._write_metrics(opts.metrics, metrics)
         if opts.out is not None:
@@ -261,14 +349,24 @@ class Trainer:
                                   "config": self.cfg.to_dict(), "first_step": first,
                                   # the job's K-FAC cycle k (its longest node's), and each node's
                                   "cycle": max(self.cycles) if self.cycles else None,
-                                  "node_cycles": self.cycles or None})
+                                  "node_cycles": self.cycles or None,
+                                  # scheduled mode: each schedule used from which step, and the loop's cost
+                                  "schedules": [{"step": sw.step, "digest": sw.plan.digest,
+                                                 "node_cycles": sw.plan.cycles, "reason": sw.plan.reason}
+                                                for sw in self.loop.history] if self.loop else None,
+                                  "loop_seconds": {"gathers": self.loop.gather_seconds,
+                                                   "decisions": self.loop.decide_seconds} if self.loop else None})
         return result
 
-    def _write_metrics(self, path: str, rows: list[tuple[int, float | None, float | None, float, float]]) -> None:
-        """The metrics CSV: rows of earlier runs of this file (steps before a resume) are kept."""
+    def _write_metrics(self, path: str, rows: list[tuple[int, float | None, float | None, float, float, int | None]]) -> None:
+        """The metrics CSV: rows of earlier runs of this file (steps before a resume) are kept.
+
+        ``cycle``: the K-FAC cycle k of the schedule the step ran (scheduled mode); ``overrun_seconds``:
+        how long K-FAC work delayed the step's calls past their planned bubbles (the slowest node's;
+        known once the step's job cycle is gathered)."""
         from pipefisher.safe_io import write_atomic
 
-        header = "step,loss,val_loss,lr,step_seconds,mode\n"
+        header = "step,loss,val_loss,lr,step_seconds,mode,cycle,overrun_seconds\n"
         kept: list[str] = []
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
@@ -279,5 +377,22 @@ class Trainer:
         def num(x: float | None) -> str:
             return "" if x is None else f"{x:.6f}"
 
-        body = [f"{s},{num(l)},{num(v)},{lr:.6g},{t:.6f},{self.mode}" for s, l, v, lr, t in rows]
+        over = self.loop.overruns if self.loop is not None else {}
+        body = [f"{s},{num(l)},{num(v)},{lr:.6g},{t:.6f},{self.mode},{'' if k is None else k},{num(over.get(s))}"
+                for s, l, v, lr, t, k in rows]
         write_atomic(path, header + "".join(line + "\n" for line in kept + body))
+
+
+def schedule_plan_inputs(opts: TrainOptions) -> tuple[float, list[dict[str, Any]] | None]:
+    """The room rule's margin and the profile (per-node timeline dicts) a schedule file was packed from:
+    the options' where given, else what its metadata records (:func:`pipefisher.schedule.save_schedule`)."""
+    from pipefisher.problem import DEFAULT_MARGIN
+    from pipefisher.schedule import schedule_margin, schedule_timelines
+    from pipefisher.timeline import read_node_file
+
+    assert opts.schedule is not None
+    margin = opts.margin if opts.margin is not None else (schedule_margin(opts.schedule) or DEFAULT_MARGIN)
+    paths = list(opts.schedule_timelines) if opts.schedule_timelines else schedule_timelines(opts.schedule)
+    if not paths or not all(os.path.exists(p) for p in paths):
+        return margin, None
+    return margin, [read_node_file(p) for p in paths]

@@ -1,0 +1,417 @@
+"""Measured steps: what every label of a schedule really took on a node, and what that says.
+
+In ``scheduled`` mode the runtime records, per training step and node, each label it ran: start and
+end on the node's own clock (seconds from the step's ``-- start --``) and the time it sat idle waiting
+at a receive (``wait``, forwards and backwards only). Clocks of different nodes are never compared.
+From those records this module derives, without torch:
+
+* the **bubbles as they really are**: before every forward or backward, the time from the end of the
+  node's previous call until its input was there (:class:`Gap`). It is known exactly where the call
+  still had to wait, or where no K-FAC work ran before it; where K-FAC work ran and the call did not
+  wait, the input came at some point during that work, so only an upper bound is known;
+* the **overrun**: how long the K-FAC work before a call kept it waiting past its bubble's planned end;
+* a **measured timeline** in the profiled format (:func:`measured_timeline`), from robust statistics
+  over a window of steps: the job the adaptive scheduler re-packs and ``pipefisher schedule`` reads;
+* the **planned placement** of a schedule's labels on a timeline (:func:`lay_out`), which also gives
+  the iteration time a schedule is expected to take there (:func:`expected_step_seconds`);
+* the per-instruction CSV (:data:`CSV_COLUMNS`): node, step, label, planned and measured start/end.
+
+Frame of a measured timeline: every node's times start at its first pipeline call (no head bubble), or,
+given the plan the steps ran, at the plan's head bubble (a head bubble cannot be measured: a step starts
+when the previous one ended; keeping the plan's lets its head work count as fitting, as planned); the
+rest of the idle time a node spends across the step boundary (after its last call, then waiting for the next
+step's first input) becomes its tail bubble, up to the pipeline time of node 0 (its last call's end).
+This equals the real cross-boundary idle when the nodes' end-of-step work (gradient all-reduce and
+update) takes about as long on every node, which a pipeline's stages of one model do.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from pipefisher.policies.base import END, MARKERS, START, Placement, label_category
+from pipefisher.problem import DEFAULT_MARGIN, NodeModel, cov_source
+from pipefisher.timeline import COV_KINDS, STEP_KEY, TimelineKey
+
+WAIT_EPS = 20e-6
+"""Seconds of receive time below which a call counts as not having waited (the copy of an input that
+was already there costs some microseconds)."""
+
+CSV_COLUMNS = ("node", "replica", "step", "iteration", "label", "planned_start", "planned_end",
+               "measured_start", "measured_end", "wait")
+"""The per-instruction export: times in seconds from the step's start on the node's own clock."""
+
+PIPELINE_CATEGORIES = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class LabelTime:
+    """One label as it ran: start and end (seconds from the step's start), idle time at receives."""
+
+    label: str
+    start: float
+    end: float
+    wait: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Everything one node ran in one training step, in order (``iteration``: of the active cycle)."""
+
+    node: int
+    replica: int
+    step: int
+    iteration: int
+    labels: tuple[LabelTime, ...]
+
+    @property
+    def seconds(self) -> float:
+        """The step on this node: from its start to the end of its last label."""
+        return self.labels[-1].end if self.labels else 0.0
+
+
+def is_pipeline(label: str) -> bool:
+    return label_category(label) in PIPELINE_CATEGORIES
+
+
+def is_kfac(label: str) -> bool:
+    return label not in MARKERS and label_category(label) not in PIPELINE_CATEGORIES
+
+
+@dataclass(frozen=True)
+class Gap:
+    """The stretch before pipeline call ``index`` of a step (or after the last call: ``index`` = calls).
+
+    ``opened``: the end of the previous call (0 for the first); ``kfac``: K-FAC seconds run in it;
+    ``closed``: when the call got its input (its start plus its wait; for the tail, the start of
+    ``-- end --``).
+    """
+
+    index: int
+    opened: float
+    kfac: float
+    closed: float
+    wait: float
+
+    @property
+    def exact(self) -> bool:
+        """Whether ``closed - opened`` is the bubble itself: the call waited, or nothing ran before it."""
+        return self.wait > WAIT_EPS or self.kfac == 0
+
+    @property
+    def seen(self) -> float:
+        """``closed - opened``: the bubble where :attr:`exact`, else an upper bound on it."""
+        return max(0.0, self.closed - self.opened)
+
+
+def gaps(record: StepRecord) -> list[Gap]:
+    """The gaps before each pipeline call of the step, then the tail gap (up to ``-- end --``)."""
+    out: list[Gap] = []
+    opened, kfac = 0.0, 0.0
+    for lt in record.labels:
+        if is_pipeline(lt.label):
+            out.append(Gap(len(out), opened, kfac, lt.start + lt.wait, lt.wait))
+            opened, kfac = lt.end, 0.0
+        elif lt.label == END:
+            out.append(Gap(len(out), opened, kfac, lt.start, 0.0))
+            return out
+        elif is_kfac(lt.label):
+            kfac += lt.end - lt.start
+    out.append(Gap(len(out), opened, kfac, opened + kfac, 0.0))
+    return out
+
+
+def pipeline_labels(record: StepRecord) -> list[LabelTime]:
+    return [lt for lt in record.labels if is_pipeline(lt.label)]
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (linear interpolation) of a non-empty sample."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Planned placements
+
+
+def _durations(model: NodeModel) -> dict[str, list[float]]:
+    """Per K-FAC label, its items' durations in cycle order (the j-th covariance piece: its j-th share)."""
+    out: dict[str, list[float]] = {}
+    for w in model.work:
+        out.setdefault(w.label, []).extend(w.pieces)
+    return out
+
+
+def lay_out(iterations: Sequence[Sequence[str]], model: NodeModel) -> list[list[Placement]]:
+    """Each iteration's labels placed in time on ``model`` (times relative to the iteration).
+
+    A pipeline call starts where the timeline has it, or when the K-FAC work placed before it ends if
+    that is later (a delay the rest of the iteration inherits); K-FAC work runs back to back from the
+    end of the previous call. For a schedule that validates on ``model`` this is its plan; for one that
+    does not, it is how long its iterations are expected to take there. The iteration ends at its last
+    label's end, or at the node's pipeline time if that is later (``-- end --`` is placed there).
+    """
+    where: dict[str, list[tuple[float, float]]] = {}
+    for key, s, e in model.pipeline:
+        where.setdefault(key, []).append((float(s), float(e)))
+    lengths = _durations(model)
+    done: dict[str, int] = {}
+    out: list[list[Placement]] = []
+    for i, labels in enumerate(iterations):
+        seen: dict[str, int] = {}
+        cursor = min(0.0, float(model.pipeline[0][1])) if model.pipeline else 0.0
+        placed: list[Placement] = []
+        for label in labels:
+            if label in where:
+                n = seen.get(label, 0)
+                seen[label] = n + 1
+                s, e = where[label][n % len(where[label])]
+                start = max(s, cursor)
+                cursor = start + (e - s)
+                placed.append(Placement(label, start, cursor, i))
+            elif label in lengths:
+                n = done.get(label, 0)
+                done[label] = n + 1
+                d = float(lengths[label][n % len(lengths[label])])
+                placed.append(Placement(label, cursor, cursor + d, i))
+                cursor += d
+            elif label == END:
+                cursor = max(cursor, float(model.base))
+                placed.append(Placement(label, cursor, cursor, i))
+            else:  # markers, and K-FAC work this model has no time for
+                placed.append(Placement(label, cursor, cursor, i))
+        out.append(placed)
+    return out
+
+
+def iteration_time(iterations: Sequence[Sequence[str]], model: NodeModel) -> list[float]:
+    """How long each iteration of a node's cycle is expected to take on ``model`` (see :func:`lay_out`):
+    the node's pipeline time plus every delay its K-FAC work adds to a call or to the iteration's end.
+
+    A delay a later bubble absorbs on this node is still counted: the late call's output reaches the
+    next stage late too, and the pipeline couples them, so an overrun is never free.
+    """
+    out = []
+    where = {key for key, _, _ in model.pipeline}
+    for placed, labels in zip(lay_out(iterations, model), iterations):
+        planned: dict[str, list[float]] = {}
+        for key, s, _ in model.pipeline:
+            planned.setdefault(key, []).append(float(s))
+        seen: dict[str, int] = {}
+        delay, grown, end = 0.0, 0.0, 0.0
+        for p in placed:
+            if p.label in where:
+                n = seen.get(p.label, 0)
+                seen[p.label] = n + 1
+                d = p.start - planned[p.label][n % len(planned[p.label])]
+                grown += max(0.0, d - delay)
+                delay = d
+            end = max(end, p.end)
+        grown += max(0.0, end - float(model.base) - delay)
+        out.append(float(model.base) + grown)
+    return out
+
+
+def expected_step_time(schedule: Sequence[Sequence[Sequence[str]]], models: Sequence[NodeModel],
+                          max_steps: int = 2520) -> float:
+    """Mean expected step time (in the models' time unit) of a job's schedule: per step, its slowest node's iteration (the pipeline
+    couples them), over the job's cycle (the least common multiple of the nodes' cycles, capped)."""
+    per_node = [iteration_time(it, m) for it, m in zip(schedule, models)]
+    steps = 1
+    for times in per_node:
+        steps = steps * len(times) // math.gcd(steps, len(times))
+    steps = min(steps, max_steps)
+    return sum(max(times[t % len(times)] for times in per_node) for t in range(steps)) / steps
+
+
+def planned_gaps(model: NodeModel) -> list[float]:
+    """The bubble before each pipeline call of ``model`` (and the tail after the last), in call order."""
+    out: list[float] = []
+    prev = min(0.0, float(model.pipeline[0][1])) if model.pipeline else 0.0
+    for _, s, e in model.pipeline:
+        out.append(max(0.0, float(s) - prev))
+        prev = max(prev, float(e))
+    out.append(max(0.0, float(model.base) - prev))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Overrun
+
+
+def gap_overruns(record: StepRecord, planned: Sequence[float]) -> list[float]:
+    """Per gap of the step (:func:`gaps`), how long its K-FAC work kept the next call waiting past the
+    bubble's planned length ``planned[i]``: 0 where the call still waited for its input (the work fit),
+    else what the work plus the call's start took beyond the plan. The tail's overrun delays the step's end."""
+    out = []
+    for g in gaps(record):
+        if g.kfac == 0 or g.wait > WAIT_EPS or g.index >= len(planned):
+            out.append(0.0)
+        else:
+            out.append(max(0.0, g.seen - planned[g.index]))
+    return out
+
+
+def significant(overrun: float, planned: float, margin: float = DEFAULT_MARGIN) -> bool:
+    """An overrun beyond the room rule's margin of its planned bubble (and the clock's resolution): work
+    that really outgrew its room, where less is the jitter the margin is there to absorb."""
+    return overrun > max(WAIT_EPS, margin * planned)
+
+
+def step_overrun(record: StepRecord, planned: Sequence[float]) -> float:
+    """Seconds the step's K-FAC work delayed this node's calls beyond their planned bubbles (summed)."""
+    return sum(gap_overruns(record, planned))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measured timelines
+
+
+def measured_timeline(records: Sequence[StepRecord], planned: NodeModel | None = None,
+                      q: float = 0.5) -> dict[str, list[tuple[int, int]]]:
+    """One node's timeline in the profiled format (integer nanoseconds), from its steps' records.
+
+    Every duration is the ``q``-quantile over the records (robust to a few noisy steps): each call's
+    compute time (its length minus its wait), each bubble where it was seen exactly, each K-FAC label.
+    A stretch after a late call (one that did not wait for its input, with K-FAC work before it or
+    before an earlier call it followed without waiting) is left out: it starts late, so it is shorter
+    than the bubble.
+    A bubble never seen exactly (its K-FAC work always overran it) is at most the shortest stretch seen
+    there, and at most ``planned``'s where given (``planned``: in nanoseconds, the profiled format's
+    unit; its head bubble is kept, see the module's docstring). K-FAC keys are written after the pipeline, back to back
+    (only their lengths matter); a covariance key as long as all its pieces together, as profiles have it.
+    """
+    if not records:
+        raise ValueError("no step records to build a timeline from")
+    calls = [lt.label for lt in pipeline_labels(records[0])]
+    same = [r for r in records if [lt.label for lt in pipeline_labels(r)] == calls]
+    compute: list[list[float]] = [[] for _ in calls]
+    exact: list[list[float]] = [[] for _ in range(len(calls) + 1)]
+    upper: list[list[float]] = [[] for _ in range(len(calls) + 1)]
+    work: dict[str, list[float]] = {}
+    for r in same:
+        for i, lt in enumerate(pipeline_labels(r)):
+            compute[i].append(max(0.0, lt.end - lt.start - lt.wait))
+        late = False  # the previous call started after its input came (K-FAC work held it up)
+        for g in gaps(r):
+            if not late:  # after a late call the stretch starts late: it says nothing of the bubble
+                (exact if g.exact else upper)[g.index].append(g.seen)
+            late = g.wait <= WAIT_EPS and (g.kfac > 0 or late)
+        for lt in r.labels:
+            if is_kfac(lt.label):
+                work.setdefault(lt.label, []).append(lt.end - lt.start)
+    # the planned model is in the profiled format's nanoseconds; the records are in seconds
+    plan = [g / 1e9 for g in planned_gaps(planned)] if planned is not None else None
+    bubble = []
+    for i in range(len(calls) + 1):
+        if exact[i]:
+            bubble.append(quantile(exact[i], q))
+        else:
+            bound = min(upper[i]) if upper[i] else 0.0
+            bubble.append(min(bound, plan[i]) if plan is not None and i < len(plan) else bound)
+
+    def ns(x: float) -> int:
+        return int(round(x * 1e9))
+
+    out: dict[str, list[tuple[int, int]]] = {}
+    # The head bubble is never measured (the step starts when the previous one ended); keep the plan's,
+    # so that the current schedule is judged in the frame it was packed in (its head work not a delay).
+    t = plan[0] if plan else 0.0
+    for i, label in enumerate(calls):
+        if i:
+            t += bubble[i]
+        d = quantile(compute[i], q)
+        out.setdefault(label, []).append((ns(t), ns(t + d)))
+        t += d
+    end_of_calls = t
+    counts = {label: len(v) for label, v in out.items()}
+    if planned is not None:  # keys the records lack (work never run in the window): as planned
+        for key, lengths in _durations(planned).items():
+            work.setdefault(key, [float(x) / 1e9 for x in lengths])
+    for key in sorted(work):
+        parsed = TimelineKey.parse(key)
+        d = quantile(work[key], q)
+        if parsed.kind in COV_KINDS:
+            d *= counts.get(cov_source(parsed.factor, parsed.up_pipe, parsed.chunk), 1)
+        out[key] = [(ns(t), ns(t + d))]
+        t += d
+    out[STEP_KEY] = [(0, ns(max(t, end_of_calls + bubble[-1])))]
+    return out
+
+
+def window_timelines(records: Iterable[StepRecord], nodes: int, planned: Sequence[NodeModel | None] | None = None,
+                     q: float = 0.5) -> list[dict[str, list[tuple[int, int]]]]:
+    """:func:`measured_timeline` of every node (records of all replicas of a stage pooled)."""
+    by_node: dict[int, list[StepRecord]] = {n: [] for n in range(nodes)}
+    for r in records:
+        by_node.setdefault(r.node, []).append(r)
+    return [measured_timeline(by_node[n], planned[n] if planned else None, q) for n in range(nodes)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-instruction CSV
+
+
+def instruction_rows(record: StepRecord, planned: Sequence[Placement] | None = None) -> list[tuple]:
+    """The CSV rows of one step (:data:`CSV_COLUMNS`); planned times from the iteration's placements."""
+    rows = []
+    plan = list(planned) if planned is not None else []
+    for j, lt in enumerate(record.labels):
+        p = plan[j] if j < len(plan) and plan[j].label == lt.label else None
+        rows.append((record.node, record.replica, record.step, record.iteration, lt.label,
+                     _num(p.start if p else None), _num(p.end if p else None), _num(lt.start), _num(lt.end),
+                     _num(lt.wait)))
+    return rows
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else f"{x:.9f}"
+
+
+def append_csv(path: str | os.PathLike[str], rows: Iterable[Sequence]) -> None:
+    """Append rows to the per-instruction CSV, with its header when the file is new."""
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(CSV_COLUMNS)
+        w.writerows(rows)
+
+
+def read_csv(path: str | os.PathLike[str]) -> list[StepRecord]:
+    """The steps of a per-instruction CSV back as records (planned times are not kept)."""
+    from pipefisher.errors import InputError
+
+    steps: dict[tuple[int, int, int], list[LabelTime]] = {}
+    iteration: dict[tuple[int, int, int], int] = {}
+    p = os.fspath(path)
+    try:
+        with open(p, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
+            if missing:
+                raise InputError(p, f"is not a pipefisher measurements CSV (no column {missing[0]!r})")
+            for n, row in enumerate(reader, start=2):
+                try:
+                    key = (int(row["node"]), int(row["replica"]), int(row["step"]))
+                    lt = LabelTime(row["label"], float(row["measured_start"]), float(row["measured_end"]),
+                                   float(row["wait"] or 0.0))
+                    iteration[key] = int(row["iteration"])
+                except (TypeError, ValueError):
+                    raise InputError(p, f"line {n}: not a measurement row ({', '.join(map(str, row.values()))})") from None
+                steps.setdefault(key, []).append(lt)
+    except OSError as err:
+        raise InputError(p, f"cannot be read ({err.strerror or err})") from None
+    return [StepRecord(n, rep, s, iteration[(n, rep, s)], tuple(v)) for (n, rep, s), v in sorted(steps.items())]
+
+
+__all__ = ["WAIT_EPS", "CSV_COLUMNS", "LabelTime", "StepRecord", "Gap", "gaps", "lay_out", "iteration_time",
+           "expected_step_time", "planned_gaps", "gap_overruns", "step_overrun", "significant", "measured_timeline",
+           "window_timelines", "instruction_rows", "append_csv", "read_csv", "quantile", "START", "END"]

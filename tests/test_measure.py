@@ -1,0 +1,230 @@
+"""Measured steps (:mod:`pipefisher.measure`): gaps, planned placements, overruns, measured timelines and
+the per-instruction CSV, on hand-made records and on the fake clock (:mod:`_fake_clock`) running the
+bundled example job."""
+from __future__ import annotations
+
+import pytest
+
+from _fake_clock import FakeRecorder, fake_records, period, slowed_job, true_models
+from pipefisher.errors import InputError
+from pipefisher.examples import example_timelines
+from pipefisher.measure import (CSV_COLUMNS, END, START, LabelTime, StepRecord, append_csv, gap_overruns, gaps,
+                                instruction_rows, is_pipeline, lay_out, measured_timeline, planned_gaps, read_csv,
+                                step_overrun, window_timelines)
+from pipefisher.policies import get_policy
+from pipefisher.policies.base import MARKERS
+from pipefisher.problem import DEFAULT_MARGIN, node_model
+from pipefisher.schedule import validate
+from pipefisher.timeline import load_job, job_from_dicts
+
+SLOW_KEY = "cov_kron_A:encoder.layer.3.attention.self.query"  # on node 1 of the example
+TIGHT = get_policy("tight")
+
+
+@pytest.fixture(scope="module")
+def job():
+    return load_job(example_timelines())
+
+
+@pytest.fixture(scope="module")
+def packed(job):
+    return TIGHT.pack(job, DEFAULT_MARGIN)
+
+
+def seconds(gap_list):
+    """Planned gaps of a model in nanoseconds, as the seconds the records are in."""
+    return [g / 1e9 for g in gap_list]
+
+
+def step_of(node, records, step):
+    return next(r for r in records if r.node == node and r.step == step)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gaps
+
+
+def test_a_gap_is_exact_where_the_call_waited_or_nothing_ran_before_it() -> None:
+    """Where K-FAC work ran and the call did not wait, the input came at some point during the work: the
+    gap seen is only an upper bound on the bubble."""
+    record = StepRecord(0, 0, 1, 0, (
+        LabelTime(START, 0.0, 0.0),
+        LabelTime("call_forward", 0.0, 0.012, wait=0.002),   # waited, nothing before it
+        LabelTime("cov_kron_A:l", 0.012, 0.017),
+        LabelTime("call_forward", 0.017, 0.030, wait=0.003),  # work ran, and it still waited
+        LabelTime("cov_kron_A:l", 0.030, 0.035),
+        LabelTime("call_backward", 0.035, 0.045),             # work ran, no wait: the work overran
+        LabelTime("call_backward", 0.045, 0.055),             # back to back, nothing before it
+        LabelTime(END, 0.055, 0.056),
+    ))
+    got = gaps(record)
+    assert [g.exact for g in got] == [True, True, False, True, True]
+    assert [round(g.seen, 9) for g in got] == [0.002, 0.008, 0.005, 0.0, 0.0]
+    assert [round(g.kfac, 9) for g in got] == [0.0, 0.005, 0.005, 0.0, 0.0]
+    # the overrun is counted only where the work kept the call waiting past the plan
+    assert [round(x, 9) for x in gap_overruns(record, [0.002, 0.008, 0.004, 0.0, 0.0])] == [0, 0, 0.001, 0, 0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Planned placements
+
+
+@pytest.mark.parametrize("slower", [1.0, 3.0], ids=["profiled", "kfac-3x-with-overflow"])
+def test_lay_out_of_a_packed_schedule_is_the_packers_placement(job, slower) -> None:
+    """The runtime's plan and the packer's agree on every call and every item placed in a bubble; forced
+    overflow (work that fits no bubble) the packer puts at the pipeline time, the runtime runs it right
+    after the label before it."""
+    j = slowed_job(job, every_kfac=slower)
+    schedule = TIGHT.pack(j, DEFAULT_MARGIN)
+    overflow = 0
+    for n, (node, model) in enumerate(zip(schedule.nodes, true_models(j))):
+        by_iteration: dict[int, list] = {}
+        for p in node.placements:
+            by_iteration.setdefault(p.iteration, []).append(p)
+        for i, placed in enumerate(lay_out(node.iterations, model)):
+            theirs = by_iteration[i]
+            assert [p.label for p in placed] == [p.label for p in theirs]
+            for k, (mine, packer) in enumerate(zip(placed, theirs)):
+                if mine.label in MARKERS:
+                    continue
+                if packer.end > model.base:  # forced overflow
+                    overflow += 1
+                    assert mine.start == placed[k - 1].end
+                    continue
+                assert (mine.start, mine.end) == (packer.start, packer.end), (n, i, mine.label)
+    assert (overflow > 0) == (slower > 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measured timelines
+
+
+def test_measured_timeline_of_an_unchanged_job_gives_back_its_pipeline_and_idle_time(job, packed) -> None:
+    """Running the profile's own schedule on the profile: the measured job has the profile's calls and
+    the same idle time per node, and a schedule packed on it runs without an overrun."""
+    models = true_models(job)
+    data = packed.to_file_data()
+    records = fake_records(data, models, first_step=1, steps=8)
+    for planned in (models, None):  # with the plan, its head bubbles are kept; without, all idle is a tail
+        measured = job_from_dicts(window_timelines(records, len(models), planned))
+        assert measured.span == job.span
+        for n, (node, model) in enumerate(zip(measured.nodes, models)):
+            mm = node_model(node, measured.span)
+            assert [e - s for _, s, e in mm.pipeline] == [e - s for _, s, e in model.pipeline]
+            assert abs((mm.base - mm.pipeline_busy) - (model.base - model.pipeline_busy)) <= len(model.pipeline)
+            if planned is not None:
+                assert [b.length for b in mm.bubbles] == [b.length for b in model.bubbles]
+            for w in model.work:  # every K-FAC key as long as profiled (a covariance key: all its pieces)
+                got = node.intervals(w.label)[0]
+                assert abs(got.duration - sum(w.pieces)) <= len(w.pieces)
+
+    repacked = TIGHT.pack(measured, DEFAULT_MARGIN)
+    assert validate(repacked.to_file_data(), measured) == []
+    again = fake_records(repacked.to_file_data(), models, first_step=9, steps=8)
+    planned_on = [node_model(node, measured.span) for node in measured.nodes]
+    assert all(step_overrun(r, seconds(planned_gaps(planned_on[r.node]))) < 1e-9 for r in again)
+
+
+def test_an_item_twice_as_slow_overruns_exactly_where_it_is_placed(job, packed) -> None:
+    """The overrun points at the gap that holds the slowed item, by how much its work outgrew the
+    bubble; every other gap, node and iteration shows none."""
+    models = true_models(job)
+    slow = true_models(slowed_job(job, {(1, SLOW_KEY): 2.0}))
+    data = packed.to_file_data()
+    records = fake_records(data, slow, first_step=1, steps=len(data[1]))
+    hit = 0
+    for r in records:
+        planned = seconds(planned_gaps(models[r.node]))
+        over = gap_overruns(r, planned)
+        holding = set()  # gaps (pipeline calls before the label) that run the slowed key
+        calls = 0
+        for label in data[r.node][r.iteration]:
+            calls += is_pipeline(label)
+            if r.node == 1 and label == SLOW_KEY:
+                holding.add(calls)
+        assert all(x == 0 for i, x in enumerate(over) if i not in holding), (r.node, r.iteration)
+        for g, x in zip(gaps(r), over):
+            if x > 0:
+                hit += 1
+                assert x == pytest.approx(g.kfac - planned[g.index], abs=1e-9)
+    assert hit > 0
+
+
+def test_one_outlier_step_does_not_move_the_median(job, packed) -> None:
+    """A step that ran twice as slow (a hiccup) leaves the q=0.5 timeline as it was; q=1 follows it.
+    Syncs and inverses run once per cycle, so the window holds five cycles: three samples of a key are
+    the fewest whose median ignores one outlier."""
+    models = true_models(job)
+    records = fake_records(packed.to_file_data(), models, first_step=1, steps=5 * len(packed.nodes[1].iterations))
+    clean = [r for r in records if r.node == 1]
+    hiccup = StepRecord(1, 0, clean[2].step, clean[2].iteration,
+                        tuple(LabelTime(lt.label, 2 * lt.start, 2 * lt.end, 2 * lt.wait) for lt in clean[2].labels))
+    noisy = clean[:2] + [hiccup] + clean[3:]
+
+    def durations(timeline):
+        return {k: [e - s for s, e in v] for k, v in timeline.items()}
+
+    assert durations(measured_timeline(noisy, models[1])) == durations(measured_timeline(clean, models[1]))
+    top = [durations(measured_timeline(r, models[1], q=1.0)) for r in (noisy, clean)]
+    assert top[0] != top[1]
+
+
+def test_the_fake_recorder_records_what_fake_records_fakes_even_resumed(job, packed) -> None:
+    """The fixture's two faces agree: driven label by label as the executor drives a recorder, it gives
+    :func:`fake_records`' records; a fresh recorder (a resumed run) from a later step gives the same."""
+    models = true_models(job)
+    data = packed.to_file_data()
+    expected = fake_records(data, models, first_step=3, steps=6, end_seconds=0.004)
+
+    def drive(recorder, node, steps):
+        out, ran = [], []
+        calls = [[recorder.wrap(label, lambda label=label: ran.append(label)) for label in it] for it in data[node]]
+        for step in steps:
+            recorder.begin_step(step, (step - 3) % len(data[node]))
+            for call in calls[(step - 3) % len(data[node])]:
+                call()
+            out.append(recorder.end_step())
+        return out, ran
+
+    for node in range(len(models)):
+        def recorder():
+            return FakeRecorder(node, 0, models[node], period(models), end_seconds=0.004)
+        got, ran = drive(recorder(), node, range(3, 9))
+        assert got == [r for r in expected if r.node == node]
+        assert ran == [label for r in got for label in (lt.label for lt in r.labels)]  # every call ran
+        assert drive(recorder(), node, range(6, 9))[0] == got[3:]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-instruction CSV
+
+
+def test_csv_round_trip(tmp_path, job, packed) -> None:
+    """What the runtime appends step by step reads back as the records it wrote (planned times are for
+    people and plots, not read back)."""
+    models = true_models(job)
+    data = packed.to_file_data()
+    records = fake_records(data, models, first_step=1, steps=2)
+    path = tmp_path / "run_measurements.csv"
+    for r in records:
+        append_csv(path, instruction_rows(r, lay_out(data[r.node], models[r.node])[r.iteration]))
+    lines = path.read_text().splitlines()
+    assert lines[0] == ",".join(CSV_COLUMNS) and lines.count(lines[0]) == 1
+    assert len(lines) == 1 + sum(len(r.labels) for r in records)
+    assert all(row.split(",")[5] != "" for row in lines[1:])  # every label has its planned start
+    back = read_csv(path)
+    assert sorted(back, key=lambda r: (r.step, r.node)) == sorted(records, key=lambda r: (r.step, r.node))
+
+
+def test_a_bad_csv_is_an_input_error_naming_the_file(tmp_path) -> None:
+    not_ours = tmp_path / "other.csv"
+    not_ours.write_text("a,b,c\n1,2,3\n")
+    with pytest.raises(InputError, match="other.csv.*no column 'node'"):
+        read_csv(not_ours)
+    bad_row = tmp_path / "bad.csv"
+    append_csv(bad_row, [(0, 0, 1, 0, START, "", "", "0.0", "0.0", "0.0"),
+                         (0, 0, 1, 0, END, "", "", "soon", "0.1", "0.0")])
+    with pytest.raises(InputError, match=r"bad.csv: line 3"):
+        read_csv(bad_row)
+    with pytest.raises(InputError, match="missing.csv"):
+        read_csv(tmp_path / "missing.csv")

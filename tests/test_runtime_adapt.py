@@ -1,0 +1,231 @@
+"""The closed loop in the runtime: measured steps, an adaptive re-pack, a switch on every worker at the
+same step, and resumption after a switch, on a fake clock (deterministic durations injected)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from pipefisher.runtime.launch import spawn_local
+from pipefisher.timeline import job_from_dicts
+
+from _fake_clock import FakeRecorder, slowed_job, true_models
+from _schedules import REAL_TEXT, TINY, fake_timelines, replay, tiny
+
+STEPS = 14
+SCALE = 100_000  # fake_timelines' units (10 per forward) to nanoseconds: a 1 ms forward
+KFAC_SCALE = 0.15  # lighter K-FAC work than fake_timelines' (a cycle of 3 instead of 23)
+
+
+def _cfg():
+    """configs/tiny.yaml on real text, its learning rate decaying over STEPS (whatever a run's --steps:
+    a run stopped early and resumed must train as the whole run does)."""
+    return tiny().replace(optim={"decay_steps": STEPS})
+
+
+def _timelines(cfg) -> list[dict]:
+    def scaled(key: str, s: int, e: int) -> tuple[int, int]:
+        return s * SCALE, s * SCALE + int((e - s) * SCALE * (KFAC_SCALE if "kron" in key else 1))
+
+    return [{k: [scaled(k, s, e) for s, e in v] for k, v in raw.items()} for raw in fake_timelines(cfg)]
+
+
+def _job_files(folder, cfg) -> tuple[str, list[str], tuple[int, str]]:
+    """The profile (one pickle per node), its tight schedule (metadata naming the profile), and a K-FAC
+    key that, twice as slow as profiled, no longer fits where the schedule put it."""
+    from pipefisher.policies import get_policy
+    from pipefisher.safe_io import dump_pickle_atomic
+    from pipefisher.schedule import save_schedule, validate
+
+    raws = _timelines(cfg)
+    paths = [str(folder / f"tiny_node{n}_timeline.pickle") for n in range(len(raws))]
+    for p, raw in zip(paths, raws):
+        dump_pickle_atomic(p, raw)
+    job = job_from_dicts(raws, paths)
+    packed = get_policy("tight").pack(job)
+    sched = str(folder / "schedule.pickle")
+    save_schedule(sched, packed, timelines=paths)
+    data = packed.to_file_data()
+    for n, node in enumerate(job.nodes):
+        for key in node.entries:
+            if "kron" in key and validate(data, slowed_job(job, {(n, key): 2.0})):
+                return sched, paths, (n, key)
+    raise AssertionError("no K-FAC key overruns its bubble at twice its time")
+
+
+def _run(sched: str, paths: list[str], slow: tuple[int, str], steps: int, prefix: str, adapt: bool,
+         checkpoint_dir: str | None = None, resume: str | None = None) -> dict:
+    """One worker: a scheduled run whose recorder is the fake clock of the slowed job."""
+    from pipefisher.runtime.dist import init_from_env, shutdown
+    from pipefisher.runtime.trainer import Trainer, TrainOptions
+    from pipefisher.timeline import load_job
+
+    cfg = _cfg().replace(pipeline={"timeout_s": 60.0})
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    g = ctx.grid
+    try:
+        job = slowed_job(load_job(paths), {slow: 2.0})
+        models = true_models(job, 0.05)
+        period = max(m.base for m in models)
+        recorder = FakeRecorder(g.stage, g.replica, models[g.stage], period)
+        torch.manual_seed(0)
+        opts = TrainOptions(mode="scheduled", schedule=sched, steps=steps, progress=False, log_every=10**9,
+                            adapt=adapt, measure_prefix=prefix, checkpoint_dir=checkpoint_dir, resume=resume)
+        trainer = Trainer(cfg, ctx, opts, recorder=recorder)
+        res = trainer.run()
+        loop = trainer.loop
+        return {"stage": g.stage, "losses": res.losses,
+                "params": {n: p.detach().clone() for n, p in trainer.stage.named_parameters()},
+                "history": [(s.step, s.plan.digest, s.plan.cycles) for s in loop.history],
+                "overruns": dict(loop.overruns), "active": loop.plan.data}
+    finally:
+        shutdown(ctx)
+
+
+@pytest.fixture(scope="module")
+def adaptive(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("adapt")
+    sched, paths, slow = _job_files(folder, _cfg())
+    out = {}
+    for name, adapt in (("static", False), ("adaptive", True)):
+        prefix = str(folder / name)
+        results = spawn_local(_run, 2, sched, paths, slow, STEPS, prefix, adapt, timeout_s=180)
+        out[name] = ({r["stage"]: r for r in results}, prefix)
+    return out, sched, paths, slow, folder
+
+
+def _labels_run(prefix: str) -> dict[tuple[int, int], list[str]]:
+    from pipefisher.measure import read_csv
+
+    return {(r.step, r.node): [lt.label for lt in r.labels] for r in read_csv(prefix + "_measurements.csv")
+            if r.replica == 0}
+
+
+def test_a_slower_item_is_repacked_within_two_cycles_on_every_worker_at_once(adaptive):
+    from pipefisher.runtime.adapt import job_cycle
+    from pipefisher.schedule import load_schedule
+
+    out, sched, _, slow, _ = adaptive
+    by_stage, prefix = out["adaptive"]
+    first = load_schedule(sched)
+    history = by_stage[0]["history"]
+    assert history == by_stage[1]["history"]  # every worker switched at the same steps, to the same schedule
+    assert len(history) >= 2, history
+    cycle = job_cycle([len(n) for n in first])
+    assert history[1][0] <= 1 + 2 * cycle  # decided after at most two cycles of the first schedule
+    # the first schedule overran where the slowed item sat; the schedule that ends the run does not
+    overruns = by_stage[0]["overruns"]
+    assert max(overruns[s] for s in range(1, history[1][0])) > 0
+    repaired = range(history[1][0], history[2][0] if len(history) > 2 else STEPS)
+    assert len(repaired) >= cycle and max(overruns[s] for s in repaired) == 0.0
+    # the files a run writes: every schedule used, and when it took over
+    saved = json.load(open(prefix + "_schedules/history.json"))["switches"]
+    assert [(r["step"], r["digest"]) for r in saved] == [(s, d) for s, d, _ in history]
+    assert load_schedule(os.path.join(prefix + "_schedules", saved[-1]["file"])) == by_stage[0]["active"]
+
+
+def test_parameters_equal_a_one_process_replay_of_the_labels_run(adaptive):
+    out, *_ = adaptive
+    by_stage, prefix = out["adaptive"]
+    run = _labels_run(prefix)
+    assert len({tuple(v) for (s, n), v in run.items() if n == 0}) > 2  # several schedules' iterations ran
+    ref = replay(_cfg(), None, STEPS, labels_at=lambda step, node: run[step, node])
+    for stage, res in by_stage.items():
+        for name, t in res["params"].items():
+            assert torch.allclose(t, ref[stage][name], rtol=1e-5, atol=1e-7), name
+
+
+def test_the_static_scheduler_runs_the_file_as_before(adaptive):
+    from pipefisher.schedule import load_schedule
+
+    out, sched, *_ = adaptive
+    by_stage, prefix = out["static"]
+    assert [h[0] for h in by_stage[0]["history"]] == [1]  # measured, never switched
+    assert max(by_stage[0]["overruns"].values()) > 0  # ... though it overran
+    ref = replay(_cfg(), load_schedule(sched), STEPS)
+    for stage, res in by_stage.items():
+        for name, t in res["params"].items():
+            assert torch.allclose(t, ref[stage][name], rtol=1e-5, atol=1e-7), name
+
+
+def test_resuming_after_a_switch_reproduces_the_uninterrupted_run_bit_for_bit(adaptive):
+    out, sched, paths, slow, folder = adaptive
+    by_stage, _ = out["adaptive"]
+    switch = by_stage[0]["history"][1][0]
+    stop = switch + 1  # after the switch, in the middle of the new schedule's first cycle
+    assert stop < STEPS
+    ckpt = str(folder / "ckpt")
+    prefix = str(folder / "resumed")
+    spawn_local(_run, 2, sched, paths, slow, stop, prefix, True, ckpt, None, timeout_s=180)
+    resumed = {r["stage"]: r for r in spawn_local(_run, 2, sched, paths, slow, STEPS, prefix, True, ckpt, ckpt,
+                                                  timeout_s=180)}
+    for stage, res in resumed.items():
+        whole = by_stage[stage]
+        assert res["history"] == whole["history"]
+        for name, t in res["params"].items():
+            assert torch.equal(t, whole["params"][name]), name
+    assert resumed[1]["losses"] == by_stage[1]["losses"][stop:]
+
+
+def test_a_loop_restored_in_the_middle_of_a_cycle_goes_on_as_the_uninterrupted_one(tmp_path):
+    """The loop alone (no torch, no workers): its state in a checkpoint holds the open cycle's records,
+    the window and the active schedule, so a restored loop ends in the very state of one never stopped."""
+    import copy
+
+    from pipefisher.runtime.adapt import ScheduleLoop
+    from pipefisher.scheduler import AdaptiveScheduler, Plan, equal_cycles
+    from pipefisher.timeline import load_job
+
+    from _fake_clock import fake_records
+
+    sched, paths, slow = _job_files(tmp_path, _cfg())
+    from pipefisher.schedule import load_schedule
+    from pipefisher.timeline import read_node_file
+
+    models = true_models(slowed_job(load_job(paths), {slow: 2.0}), 0.05)
+    raws = [read_node_file(p) for p in paths]
+
+    def new_loop() -> ScheduleLoop:
+        plan = Plan(equal_cycles(load_schedule(sched)), timelines=raws)
+        loop: ScheduleLoop
+
+        def gather(mine):  # node 0's records, and the other nodes' of the same steps
+            steps = {r.step for r in mine}
+            every = fake_records(loop.plan.data, models, loop.first_step, max(steps) - loop.first_step + 1)
+            return [mine, [r for r in every if r.step in steps and r.node != 0]]
+        loop = ScheduleLoop(plan, node=0, rank=0, nodes=2, scheduler=AdaptiveScheduler(plan, 2), adapt=True,
+                            collective=(gather, lambda x: x, lambda: None))
+        return loop
+
+    def run(loop: ScheduleLoop, steps: range) -> None:
+        for s in steps:
+            mine = [r for r in fake_records(loop.plan.data, models, loop.first_step, s - loop.first_step + 1)
+                    if r.step == s and r.node == 0]
+            loop.after_step(s, mine[0])
+
+    whole = new_loop()
+    run(whole, range(1, 16))
+    switch = whole.history[1].step
+    stop = switch + 1
+    first = new_loop()
+    run(first, range(1, stop))
+    assert first.pending  # stopped in the middle of a cycle
+    resumed = new_loop()
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    run(resumed, range(stop, 16))
+
+    def deciding(loop: ScheduleLoop) -> dict:  # what decides; how long deciding took (wall clock) does not
+        out = loop.state_dict()
+        for h in out["history"]:
+            h.pop("decide_seconds")
+        return out
+    assert deciding(resumed) == deciding(whole)
+    # ... and one restored without the open cycle's records would not be
+    without = copy.deepcopy(first.state_dict())
+    without["pending"] = []
+    lossy = new_loop()
+    lossy.load_state_dict(without)
+    run(lossy, range(stop, 16))
+    assert deciding(lossy) != deciding(whole)
