@@ -30,7 +30,7 @@ import csv
 import math
 import os
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 from pipefisher.policies.base import END, MARKERS, START, Placement, label_category
 from pipefisher.problem import DEFAULT_MARGIN, NodeModel, cov_source
@@ -270,6 +270,34 @@ def step_overrun(record: StepRecord, planned: Sequence[float]) -> float:
     return sum(gap_overruns(record, planned))
 
 
+def cycle_summary(records: Sequence[StepRecord], planned: Sequence[float] | None = None) -> dict:
+    """One node's steps (a cycle, say) in a few numbers: the steps, their mean time, each K-FAC label's
+    mean time, each bubble as it really was (per gap before a call, then the tail: the median of its
+    exact sightings, None where K-FAC work overran it every time) and the largest overrun of each gap
+    past ``planned`` (seconds; see :func:`gap_overruns`)."""
+    if not records:
+        raise ValueError("no step records to summarize")
+    work: dict[str, list[float]] = {}
+    seen: dict[int, list[float]] = {}
+    over: dict[int, float] = {}
+    for r in records:
+        for lt in r.labels:
+            if is_kfac(lt.label):
+                work.setdefault(lt.label, []).append(lt.end - lt.start)
+        for g in gaps(r):
+            seen.setdefault(g.index, [])
+            if g.exact:
+                seen[g.index].append(g.seen)
+        if planned is not None:
+            for i, o in enumerate(gap_overruns(r, planned)):
+                over[i] = max(over.get(i, 0.0), o)
+    return {"node": records[0].node, "steps": [min(r.step for r in records), max(r.step for r in records)],
+            "step_seconds": sum(r.seconds for r in records) / len(records),
+            "kfac_seconds": {k: sum(v) / len(v) for k, v in sorted(work.items())},
+            "bubble_seconds": [quantile(seen[i], 0.5) if seen[i] else None for i in sorted(seen)],
+            "overrun_seconds": [over.get(i, 0.0) for i in sorted(seen)] if planned is not None else None}
+
+
 # ----------------------------------------------------------------------------------------------------
 # Measured timelines
 
@@ -414,4 +442,4 @@ def read_csv(path: str | os.PathLike[str]) -> list[StepRecord]:
 
 __all__ = ["WAIT_EPS", "CSV_COLUMNS", "LabelTime", "StepRecord", "Gap", "gaps", "lay_out", "iteration_time",
            "expected_step_time", "planned_gaps", "gap_overruns", "step_overrun", "significant", "measured_timeline",
-           "window_timelines", "instruction_rows", "append_csv", "read_csv", "quantile", "START", "END"]
+           "window_timelines", "cycle_summary", "instruction_rows", "append_csv", "read_csv", "quantile", "START", "END"]

@@ -66,12 +66,32 @@ def main() -> None:
             t, labels = _steps(cfg, path, ClockRecorder(0, 0), a.steps)
             on.append(t)
     m_off, m_on = statistics.median(off), statistics.median(on)
+    # the wrapper alone, on a call that does nothing: what a label costs the recorder, without the noise
+    rec = ClockRecorder(0, 0)
+    bare, wrapped = (lambda: None), rec.wrap("cov_kron_A:x", lambda: None)
+    n = 200_000
+    alone = []
+    for call in (bare, wrapped, bare, wrapped, bare, wrapped):
+        rec.begin_step(1, 0)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        alone.append((time.perf_counter() - t0) / n)
+    per_label = statistics.median(alone[1::2]) - statistics.median(alone[0::2])
+    rec.begin_step(1, 0)
+    for _ in range(labels):
+        wrapped()
+    t0 = time.perf_counter()
+    rec.end_step()
+    record_s = time.perf_counter() - t0
     ratios = [b / x for x, b in zip(off, on)]
     print(f"config {os.path.basename(a.config)}, 1 stage, 1 thread, {labels} labels per step, {a.steps} steps, "
           f"median of {a.rounds} interleaved rounds")
     print(f"without the recorder: {m_off * 1e3:.2f} ms per step")
     print(f"with the recorder:    {m_on * 1e3:.2f} ms per step")
     print(f"overhead per label:   {(m_on - m_off) / labels * 1e6:.2f} us (can read below 0: noise)")
+    print(f"the recorder alone:   {per_label * 1e6:.2f} us per label, {record_s * 1e3:.2f} ms to build a step's record "
+          f"({labels * per_label / m_off * 100 + record_s / m_off * 100:.3f} % of an unmeasured step)")
     print(f"measured/unmeasured: {statistics.median(ratios):.4f} [{min(ratios):.4f}-{max(ratios):.4f}]")
 
 

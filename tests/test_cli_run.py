@@ -29,7 +29,7 @@ def test_run_end_to_end_with_two_processes(tmp_path):
     assert "node0:" in text and "node1:" in text and "pipeline iterations (usage:" in text
     assert "mode scheduled, 2 stage(s) x 1 replica(s)" in text and "step     4  loss" in text
     names = sorted(os.listdir(out))
-    assert names == ["first_chart.png", "first_checkpoints", "first_config.yaml", "first_measured",
+    assert names == ["first_chart.png", "first_checkpoints", "first_config.yaml", "first_cycles.jsonl", "first_measured",
                      "first_measurements.csv", "first_metrics.csv", "first_report.json", "first_schedule.pickle",
                      "first_schedule.pickle.meta.json", "first_schedules", "first_timelines"]
     assert {"tiny_node0_timeline.pickle", "tiny_node1_timeline.pickle"} <= set(os.listdir(out / "first_timelines"))
@@ -69,6 +69,8 @@ def test_run_adapt_measures_repacks_and_writes_what_it_used(tmp_path):
         measured = list(csv.DictReader(f))
     assert {int(r["step"]) for r in measured} == set(range(1, 16)) and {r["node"] for r in measured} == {"0", "1"}
     assert all(float(r["measured_end"]) >= float(r["measured_start"]) for r in measured)
+    cycles = [json.loads(line) for line in (out / "a_cycles.jsonl").read_text().splitlines()]
+    assert {c["node"] for c in cycles} == {0, 1} and all(c["kfac_seconds"] and c["step_seconds"] > 0 for c in cycles)
     res = CliRunner().invoke(main, ["schedule", *sorted(str(p) for p in (out / "a_measured").iterdir())])
     assert res.exit_code == 0 and "node1:" in res.output, res.output
 

@@ -8,8 +8,8 @@ import pytest
 from _fake_clock import FakeRecorder, fake_records, period, slowed_job, true_models
 from pipefisher.errors import InputError
 from pipefisher.examples import example_timelines
-from pipefisher.measure import (CSV_COLUMNS, END, START, LabelTime, StepRecord, append_csv, gap_overruns, gaps,
-                                instruction_rows, is_pipeline, lay_out, measured_timeline, planned_gaps, read_csv,
+from pipefisher.measure import (CSV_COLUMNS, END, START, LabelTime, StepRecord, append_csv, cycle_summary, gap_overruns,
+                                gaps, instruction_rows, is_pipeline, lay_out, measured_timeline, planned_gaps, read_csv,
                                 step_overrun, window_timelines)
 from pipefisher.policies import get_policy
 from pipefisher.policies.base import MARKERS
@@ -228,3 +228,22 @@ def test_a_bad_csv_is_an_input_error_naming_the_file(tmp_path) -> None:
         read_csv(bad_row)
     with pytest.raises(InputError, match="missing.csv"):
         read_csv(tmp_path / "missing.csv")
+
+
+def test_a_cycle_summary_says_what_each_label_took_and_where_work_overran() -> None:
+    """Two steps of one node: a bubble seen exactly once (the call waited) and once overrun (it did not):
+    the summary keeps the exact sighting, and the overrun past the planned bubble."""
+    def step(s: int, cov_end: float, wait: float) -> StepRecord:
+        return StepRecord(0, 0, s, s - 1, (
+            LabelTime("-- start --", 0.0, 0.0), LabelTime("call_forward", 0.0, 0.010),
+            LabelTime("cov_kron_A:l", 0.010, cov_end), LabelTime("call_backward", cov_end, cov_end + 0.020 + wait, wait),
+            LabelTime("-- end --", cov_end + 0.020 + wait, cov_end + 0.021 + wait)))
+
+    records = [step(1, 0.014, 0.002), step(2, 0.019, 0.0)]
+    out = cycle_summary(records, planned=[0.0, 0.006, 0.0])
+    assert out["node"] == 0 and out["steps"] == [1, 2]
+    assert out["kfac_seconds"] == {"cov_kron_A:l": pytest.approx(0.0065)}
+    assert out["bubble_seconds"][1] == pytest.approx(0.006)  # 4 ms of work + 2 ms waited: the bubble
+    assert out["overrun_seconds"][1] == pytest.approx(0.003)  # 9 ms of work, no wait, 6 ms planned
+    assert out["step_seconds"] == pytest.approx((0.037 + 0.040) / 2)
+    assert cycle_summary(records)["overrun_seconds"] is None

@@ -219,7 +219,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         raise click.ClickException(str(err)) from None
     if schedule_path and out_dir and (job is None or job.rank == 0):
         prefix = os.path.join(out_dir, cfg.name)
-        for suffix in ("_measurements.csv", "_measured", "_schedules"):
+        for suffix in ("_measurements.csv", "_cycles.jsonl", "_measured", "_schedules"):
             if os.path.exists(prefix + suffix):
                 click.echo(f"wrote {os.path.normpath(prefix + suffix)}")
     if profile:

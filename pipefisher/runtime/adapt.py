@@ -14,6 +14,9 @@ Files (with an output prefix ``P``), written by rank 0:
 * ``P_measurements.csv``: per instruction: node, replica, step, iteration, label, planned start/end,
   measured start/end, wait (:data:`pipefisher.measure.CSV_COLUMNS`); planned times are the plan's
   placements shifted so that the step's first forward or backward gets its input at the same time;
+* ``P_cycles.jsonl``: per gather (a cycle under ``adapt``) and node, a summary
+  (:func:`pipefisher.measure.cycle_summary`): mean step time, each K-FAC label's time, each bubble as
+  it really was, each bubble's largest overrun;
 * ``P_measured/``: the timelines measured over the last cycles, one pickle per node, in the profiled
   format (``pipefisher schedule P_measured/*.pickle`` packs them);
 * ``P_schedules/``: every schedule the run used, ``step-<first step>.pickle`` (with ``.meta.json``),
@@ -21,28 +24,20 @@ Files (with an output prefix ``P``), written by rank 0:
 """
 from __future__ import annotations
 
-import math
+import json
 import os
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-from pipefisher.measure import (StepRecord, append_csv, instruction_rows, lay_out, planned_gaps, step_overrun,
-                                window_timelines)
+from pipefisher.measure import (StepRecord, append_csv, cycle_summary, instruction_rows, lay_out, planned_gaps,
+                                step_overrun, window_timelines)
 from pipefisher.scheduler import Plan, Scheduler, _record_from_state, _record_state
 
 MEASURED_WINDOW = 4
 """Gathers (job cycles, under ``adapt``) the exported measured timelines are built from."""
 STATIC_GATHER_STEPS = 64
 """Without ``adapt``, the measurements are gathered about this often (in whole cycles) and at the end."""
-
-
-def job_cycle(cycles: Sequence[int]) -> int:
-    """The steps after which every node is at the end of its own cycle: the lcm of their cycles."""
-    out = 1
-    for k in cycles:
-        out = out * k // math.gcd(out, k)
-    return out
 
 
 @dataclass(frozen=True)
@@ -137,6 +132,11 @@ class ScheduleLoop:
             self.overruns[r.step] = max(self.overruns.get(r.step, 0.0), self._overrun(r))
         if self.prefix is not None:
             append_csv(self.prefix + "_measurements.csv", [row for r in records for row in self._rows(r)])
+            with open(self.prefix + "_cycles.jsonl", "a", encoding="utf-8") as f:
+                for n in range(self.nodes):
+                    mine = [r for r in records if r.node == n and r.replica == 0]
+                    if mine:
+                        f.write(json.dumps(cycle_summary(mine, self._planned(n)[1])) + "\n")
         return records
 
     def _planned(self, node: int) -> tuple[list[list[Any]], list[float]]:

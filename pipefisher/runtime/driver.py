@@ -11,6 +11,7 @@ runs sit side by side::
     <run>_chart.png         the packed cycle per node
     <run>_metrics.csv       step, loss, step time, mode, cycle k and measured overrun of every step
     <run>_measurements.csv  every label of every scheduled step: planned and measured start/end, wait
+    <run>_cycles.jsonl      per cycle and node: step time, K-FAC label times, bubbles as they were, overruns
     <run>_measured/         the timelines measured over the last cycles (``pipefisher schedule`` reads them)
     <run>_schedules/        every schedule the training used and when it took over (``--adapt`` re-packs)
     <run>_checkpoints/      the last checkpoint (resume with ``pipefisher train --resume``)
@@ -266,7 +267,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
              f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"
              + (f", {len(summary['switches'])} schedule switch(es), final K-FAC cycle k={summary['final_cycle']}"
                 if adapt else ""))
-    measured = [os.path.join(paths.folder, f"{paths.name}_{s}") for s in ("measurements.csv", "measured", "schedules")]
+    measured = [os.path.join(paths.folder, f"{paths.name}_{s}")
+                for s in ("measurements.csv", "cycles.jsonl", "measured", "schedules")]
     for p in (paths.config, *([paths.tokenizer] if os.path.exists(paths.tokenizer) else []), paths.timelines,
               paths.schedule, paths.report, paths.chart, paths.metrics,
               *[m for m in measured if os.path.exists(m)], paths.checkpoints):
