@@ -73,6 +73,18 @@ class StepRecord:
         return self.labels[-1].end if self.labels else 0.0
 
 
+def unit_seconds(model: NodeModel) -> float:
+    """Seconds per time unit of a node model: profiles hold integer nanoseconds, hand-made ones may hold
+    float seconds (the format allows both); records are always in seconds."""
+    return 1e-9 if isinstance(model.base, int) else 1.0
+
+
+def planned_gap_seconds(model: NodeModel) -> list[float]:
+    """:func:`planned_gaps` in seconds, to compare with records."""
+    unit = unit_seconds(model)
+    return [g * unit for g in planned_gaps(model)]
+
+
 def is_pipeline(label: str) -> bool:
     return label_category(label) in PIPELINE_CATEGORIES
 
@@ -335,8 +347,7 @@ def measured_timeline(records: Sequence[StepRecord], planned: NodeModel | None =
         for lt in r.labels:
             if is_kfac(lt.label):
                 work.setdefault(lt.label, []).append(lt.end - lt.start)
-    # the planned model is in the profiled format's nanoseconds; the records are in seconds
-    plan = [g / 1e9 for g in planned_gaps(planned)] if planned is not None else None
+    plan = planned_gap_seconds(planned) if planned is not None else None
     bubble = []
     for i in range(len(calls) + 1):
         if exact[i]:
@@ -362,7 +373,7 @@ def measured_timeline(records: Sequence[StepRecord], planned: NodeModel | None =
     counts = {label: len(v) for label, v in out.items()}
     if planned is not None:  # keys the records lack (work never run in the window): as planned
         for key, lengths in _durations(planned).items():
-            work.setdefault(key, [float(x) / 1e9 for x in lengths])
+            work.setdefault(key, [float(x) * unit_seconds(planned) for x in lengths])
     for key in sorted(work):
         parsed = TimelineKey.parse(key)
         d = quantile(work[key], q)
@@ -441,5 +452,5 @@ def read_csv(path: str | os.PathLike[str]) -> list[StepRecord]:
 
 
 __all__ = ["WAIT_EPS", "CSV_COLUMNS", "LabelTime", "StepRecord", "Gap", "gaps", "lay_out", "iteration_time",
-           "expected_step_time", "planned_gaps", "gap_overruns", "step_overrun", "significant", "measured_timeline",
+           "expected_step_time", "planned_gaps", "gap_overruns", "step_overrun", "significant", "unit_seconds", "planned_gap_seconds", "measured_timeline",
            "window_timelines", "cycle_summary", "instruction_rows", "append_csv", "read_csv", "quantile", "START", "END"]

@@ -71,7 +71,7 @@ class Plan:
     def from_state(cls, state: dict[str, Any]) -> "Plan":
         tl = state.get("timelines")
         return cls([[list(map(str, it)) for it in node] for node in state["data"]], str(state.get("reason", "")),
-                   None if tl is None else [{str(k): [(int(a), int(b)) for a, b in v] for k, v in d.items()} for d in tl],
+                   None if tl is None else [{str(k): [(a, b) for a, b in v] for k, v in d.items()} for d in tl],
                    float(state.get("margin", DEFAULT_MARGIN)), state.get("expected_seconds"))
 
 
@@ -337,13 +337,13 @@ class AdaptiveScheduler(Scheduler):
 def overran(records: Sequence[StepRecord], plan: Plan) -> set[tuple[int, int]]:
     """The (node, iteration) places of a cycle where K-FAC work overran its planned bubble significantly
     (:func:`pipefisher.measure.significant`): kept the next call waiting past the plan."""
-    from pipefisher.measure import gap_overruns, planned_gaps, significant
+    from pipefisher.measure import gap_overruns, planned_gap_seconds, significant
 
     if plan.models is None:
         return set()
     out = set()
     for r in records:
-        gaps = [g / 1e9 for g in planned_gaps(plan.models[r.node])]
+        gaps = planned_gap_seconds(plan.models[r.node])
         if any(significant(o, g, plan.margin) for o, g in zip(gap_overruns(r, gaps), gaps)):
             out.add((r.node, r.iteration))
     return out

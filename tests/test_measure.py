@@ -247,3 +247,22 @@ def test_a_cycle_summary_says_what_each_label_took_and_where_work_overran() -> N
     assert out["overrun_seconds"][1] == pytest.approx(0.003)  # 9 ms of work, no wait, 6 ms planned
     assert out["step_seconds"] == pytest.approx((0.037 + 0.040) / 2)
     assert cycle_summary(records)["overrun_seconds"] is None
+
+
+def test_planned_bubbles_are_compared_in_seconds_whatever_the_profile_unit() -> None:
+    """Profiles hold integer nanoseconds, hand-made ones may hold float seconds: the same bubble either way."""
+    from pipefisher.measure import planned_gap_seconds, unit_seconds
+    from pipefisher.problem import node_model
+    from pipefisher.timeline import job_from_dicts
+
+    def gaps_of(scale, cast):
+        raw = {"call_forward": [(cast(0 * scale), cast(1 * scale))], "call_backward": [(cast(3 * scale), cast(5 * scale))],
+               "cov_kron_A:l": [(cast(5 * scale), cast(6 * scale))], "start_end": [(cast(0), cast(6 * scale))]}
+        job = job_from_dicts([raw])
+        model = node_model(job.nodes[0], job.span)
+        return unit_seconds(model), planned_gap_seconds(model)
+
+    ns_unit, ns_gaps = gaps_of(10**9, int)
+    s_unit, s_gaps = gaps_of(1.0, float)
+    assert (ns_unit, s_unit) == (1e-9, 1.0)
+    assert ns_gaps == pytest.approx(s_gaps) and s_gaps[1] == pytest.approx(2.0)

@@ -30,8 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipefisher.measure import (StepRecord, append_csv, cycle_summary, instruction_rows, lay_out, planned_gaps,
-                                step_overrun, window_timelines)
+from pipefisher.measure import (StepRecord, append_csv, cycle_summary, instruction_rows, lay_out,
+                                planned_gap_seconds, step_overrun, unit_seconds, window_timelines)
 from pipefisher.scheduler import Plan, Scheduler, _record_from_state, _record_state
 
 MEASURED_WINDOW = 4
@@ -144,8 +144,7 @@ class ScheduleLoop:
         if key not in self._placed:
             models = self.plan.models
             assert models is not None
-            self._placed[key] = (lay_out(self.plan.data[node], models[node]), [g / 1e9 for g in planned_gaps(models[node])]
-                                 if _in_ns(models[node]) else planned_gaps(models[node]))
+            self._placed[key] = (lay_out(self.plan.data[node], models[node]), planned_gap_seconds(models[node]))
         return self._placed[key]
 
     def _overrun(self, r: StepRecord) -> float:
@@ -154,7 +153,7 @@ class ScheduleLoop:
     def _rows(self, r: StepRecord) -> list[tuple]:
         placed, _ = self._planned(r.node)
         plan = placed[r.iteration % len(placed)]
-        scale = 1e-9 if _in_ns(self.plan.models[r.node]) else 1.0  # type: ignore[index]
+        scale = unit_seconds(self.plan.models[r.node])  # type: ignore[index]
         first_call = next((p for p in plan if p.category in ("forward", "backward")), None)
         got = next((lt for lt in r.labels if lt.label == (first_call.label if first_call else None)), None)
         shift = (got.start + got.wait - first_call.start * scale) if first_call is not None and got is not None else 0.0
@@ -271,8 +270,3 @@ class ScheduleLoop:
             if state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
         self._switch(self.plan, self.first_step)
-
-
-def _in_ns(model: Any) -> bool:
-    """Whether a node model's times are integer nanoseconds (profiles) rather than seconds."""
-    return isinstance(model.base, int)
