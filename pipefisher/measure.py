@@ -153,14 +153,6 @@ def quantile(values: Sequence[float], q: float) -> float:
 # Planned placements
 
 
-def _durations(model: NodeModel) -> dict[str, list[float]]:
-    """Per K-FAC label, its items' durations in cycle order (the j-th covariance piece: its j-th share)."""
-    out: dict[str, list[float]] = {}
-    for w in model.work:
-        out.setdefault(w.label, []).extend(w.pieces)
-    return out
-
-
 def lay_out(iterations: Sequence[Sequence[str]], model: NodeModel) -> list[list[Placement]]:
     """Each iteration's labels placed in time on ``model`` (times relative to the iteration).
 
@@ -173,7 +165,7 @@ def lay_out(iterations: Sequence[Sequence[str]], model: NodeModel) -> list[list[
     where: dict[str, list[tuple[float, float]]] = {}
     for key, s, e in model.pipeline:
         where.setdefault(key, []).append((float(s), float(e)))
-    lengths = _durations(model)
+    lengths = model.durations
     done: dict[str, int] = {}
     out: list[list[Placement]] = []
     for i, labels in enumerate(iterations):
@@ -372,7 +364,7 @@ def measured_timeline(records: Sequence[StepRecord], planned: NodeModel | None =
     end_of_calls = t
     counts = {label: len(v) for label, v in out.items()}
     if planned is not None:  # keys the records lack (work never run in the window): as planned
-        for key, lengths in _durations(planned).items():
+        for key, lengths in planned.durations.items():
             work.setdefault(key, [float(x) * unit_seconds(planned) for x in lengths])
     for key in sorted(work):
         parsed = TimelineKey.parse(key)
@@ -424,33 +416,71 @@ def append_csv(path: str | os.PathLike[str], rows: Iterable[Sequence]) -> None:
         w.writerows(rows)
 
 
-def read_csv(path: str | os.PathLike[str]) -> list[StepRecord]:
-    """The steps of a per-instruction CSV back as records (planned times are not kept)."""
+@dataclass(frozen=True)
+class InstructionRow:
+    """One row of a per-instruction CSV (:data:`CSV_COLUMNS`); planned times may be missing."""
+
+    node: int
+    replica: int
+    step: int
+    iteration: int
+    label: str
+    planned_start: float | None
+    planned_end: float | None
+    start: float
+    end: float
+    wait: float
+
+
+def read_rows(path: str | os.PathLike[str]) -> list[InstructionRow]:
+    """Every row of a per-instruction CSV; anything else is an :class:`~pipefisher.errors.InputError`
+    naming the file (not CSV text, a missing column, a bad row with its line, no rows at all)."""
     from pipefisher.errors import InputError
 
-    steps: dict[tuple[int, int, int], list[LabelTime]] = {}
-    iteration: dict[tuple[int, int, int], int] = {}
+    def opt(text: str | None) -> float | None:
+        return None if text is None or not text.strip() else float(text)
+
     p = os.fspath(path)
+    out: list[InstructionRow] = []
     try:
         with open(p, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
-            missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
+            if not reader.fieldnames:
+                raise InputError(p, "is empty, not a pipefisher measurements CSV")
+            missing = [c for c in CSV_COLUMNS if c not in reader.fieldnames]
             if missing:
                 raise InputError(p, f"is not a pipefisher measurements CSV (no column {missing[0]!r})")
             for n, row in enumerate(reader, start=2):
                 try:
-                    key = (int(row["node"]), int(row["replica"]), int(row["step"]))
-                    lt = LabelTime(row["label"], float(row["measured_start"]), float(row["measured_end"]),
-                                   float(row["wait"] or 0.0))
-                    iteration[key] = int(row["iteration"])
+                    if not row["label"]:
+                        raise ValueError("no label")
+                    out.append(InstructionRow(int(row["node"]), int(row["replica"]), int(row["step"]),
+                                              int(row["iteration"]), row["label"], opt(row["planned_start"]),
+                                              opt(row["planned_end"]), float(row["measured_start"]),
+                                              float(row["measured_end"]), float(row["wait"] or 0.0)))
                 except (TypeError, ValueError):
-                    raise InputError(p, f"line {n}: not a measurement row ({', '.join(map(str, row.values()))})") from None
-                steps.setdefault(key, []).append(lt)
+                    raise InputError(p, f"line {n}: not a measurement row "
+                                        f"({', '.join(map(str, row.values()))})") from None
     except OSError as err:
         raise InputError(p, f"cannot be read ({err.strerror or err})") from None
+    except (UnicodeDecodeError, csv.Error):
+        raise InputError(p, "is not a pipefisher measurements CSV (not CSV text)") from None
+    if not out:
+        raise InputError(p, "has no measurements (only a header)")
+    return out
+
+
+def read_csv(path: str | os.PathLike[str]) -> list[StepRecord]:
+    """The steps of a per-instruction CSV back as records (:func:`read_rows`; planned times dropped)."""
+    steps: dict[tuple[int, int, int], list[LabelTime]] = {}
+    iteration: dict[tuple[int, int, int], int] = {}
+    for row in read_rows(path):
+        key = (row.node, row.replica, row.step)
+        iteration[key] = row.iteration
+        steps.setdefault(key, []).append(LabelTime(row.label, row.start, row.end, row.wait))
     return [StepRecord(n, rep, s, iteration[(n, rep, s)], tuple(v)) for (n, rep, s), v in sorted(steps.items())]
 
 
 __all__ = ["WAIT_EPS", "CSV_COLUMNS", "LabelTime", "StepRecord", "Gap", "gaps", "lay_out", "iteration_time",
            "expected_step_time", "planned_gaps", "gap_overruns", "step_overrun", "significant", "unit_seconds", "planned_gap_seconds", "measured_timeline",
-           "window_timelines", "cycle_summary", "instruction_rows", "append_csv", "read_csv", "quantile", "START", "END"]
+           "window_timelines", "cycle_summary", "instruction_rows", "append_csv", "InstructionRow", "read_rows", "read_csv", "quantile", "START", "END"]

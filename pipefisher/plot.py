@@ -26,6 +26,7 @@ from pipefisher.violations import Violation
 if TYPE_CHECKING:
     import numpy as np
     from matplotlib.figure import Figure
+    from pipefisher.measure import InstructionRow
 
 CATEGORY_ORDER = ("forward", "backward", "weight", "cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B",
                   "inv_kron_A", "inv_kron_B", "other")
@@ -291,74 +292,28 @@ def chart_from_schedule(schedule: JobSchedule, job: Job, title: str | None = Non
 # Planned vs measured: a run's per-instruction CSV (pipefisher.measure.CSV_COLUMNS)
 
 
-class MeasuredEntry(NamedTuple):
-    """One row of a measurements CSV: times in seconds from the step's start on the node's clock."""
-
-    label: str
-    planned_start: float | None
-    planned_end: float | None
-    start: float
-    end: float
-    wait: float
-
-
 class MeasuredStep(NamedTuple):
+    """One node's step of a measurements CSV: its iteration and its rows (labels in the order they ran)."""
+
     iteration: int
-    entries: list[MeasuredEntry]
-
-
-def _opt_float(text: str | None) -> float | None:
-    return None if text is None or not text.strip() else float(text)
+    entries: list[InstructionRow]
 
 
 def read_measured(path: str | os.PathLike[str]) -> dict[int, dict[int, MeasuredStep]]:
-    """Replica 0's steps of a measurements CSV, planned times kept: ``{node: {step: MeasuredStep}}``.
+    """Replica 0's steps of a measurements CSV (:func:`pipefisher.measure.read_rows`), planned times
+    kept: ``{node: {step: MeasuredStep}}``; a CSV without replica-0 rows is an :class:`InputError`."""
+    from pipefisher.measure import read_rows
 
-    (:func:`pipefisher.measure.read_csv` reads every replica's steps but drops the planned times.)
-    Anything but such a CSV with at least one replica-0 row is an :class:`InputError` naming the file.
-    """
-    import csv
-
-    from pipefisher.measure import CSV_COLUMNS
-
-    p = os.fspath(path)
     out: dict[int, dict[int, MeasuredStep]] = {}
-    rows = 0
-    try:
-        with open(p, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            fields = reader.fieldnames
-            if not fields:
-                raise InputError(p, "is empty, not a pipefisher measurements CSV")
-            missing = [c for c in CSV_COLUMNS if c not in fields]
-            if missing:
-                raise InputError(p, f"is not a pipefisher measurements CSV (no column {missing[0]!r})")
-            for n, row in enumerate(reader, start=2):
-                rows += 1
-                try:
-                    if not row["label"]:
-                        raise ValueError("no label")
-                    if int(row["replica"]) != 0:
-                        continue
-                    node, step, iteration = int(row["node"]), int(row["step"]), int(row["iteration"])
-                    entry = MeasuredEntry(row["label"], _opt_float(row["planned_start"]), _opt_float(row["planned_end"]),
-                                          float(row["measured_start"]), float(row["measured_end"]),
-                                          float(row["wait"] or 0.0))
-                except (TypeError, ValueError):
-                    raise InputError(p, f"line {n}: not a measurement row "
-                                        f"({', '.join(map(str, row.values()))})") from None
-                steps = out.setdefault(node, {})
-                if step not in steps:
-                    steps[step] = MeasuredStep(iteration, [])
-                steps[step].entries.append(entry)
-    except OSError as err:
-        raise InputError(p, f"cannot be read ({err.strerror or err})") from None
-    except (UnicodeDecodeError, csv.Error):
-        raise InputError(p, "is not a pipefisher measurements CSV (not CSV text)") from None
-    if not rows:
-        raise InputError(p, "has no measurements (only a header)")
+    for row in read_rows(path):
+        if row.replica != 0:
+            continue
+        steps = out.setdefault(row.node, {})
+        if row.step not in steps:
+            steps[row.step] = MeasuredStep(row.iteration, [])
+        steps[row.step].entries.append(row)
     if not out:
-        raise InputError(p, "has no measurements of replica 0 (only replica 0 is drawn)")
+        raise InputError(os.fspath(path), "has no measurements of replica 0 (only replica 0 is drawn)")
     return out
 
 
@@ -403,7 +358,7 @@ def measured_steps(data: dict[int, dict[int, MeasuredStep]], nodes: Sequence[int
     return common[-cycle:]
 
 
-def _overrunning(entries: Sequence[MeasuredEntry]) -> set[int]:
+def _overrunning(entries: Sequence[InstructionRow]) -> set[int]:
     """Indices of the K-FAC entries whose work kept the next call waiting past its planned bubble
     (:func:`pipefisher.measure.gap_overruns`) significantly (:func:`pipefisher.measure.significant`); planned
     bubbles from the planned times, so none where a call has no planned time."""

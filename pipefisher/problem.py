@@ -127,6 +127,15 @@ class NodeModel:
         return max((b.length for b in self.bubbles), default=0)
 
     @cached_property
+    def durations(self) -> dict[str, tuple[Time, ...]]:
+        """Per K-FAC label, its items' durations in cycle order: the j-th time a label runs in a cycle it
+        takes the j-th (modulo their count) of these (a covariance key: its j-th piece)."""
+        out: dict[str, list[Time]] = {}
+        for w in self.work:
+            out.setdefault(w.label, []).extend(w.pieces)
+        return {label: tuple(d) for label, d in out.items()}
+
+    @cached_property
     def factors(self) -> Factors:
         """Each factor's piece count, syncs and inverses (work indices, in work order)."""
         pieces = [0] * self.groups

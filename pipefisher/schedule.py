@@ -242,9 +242,7 @@ def _room_violations(node: NodeTimeline, iterations: Sequence[Sequence[str]], sp
     for key, s, e in model.pipeline:
         where[key].append((s, e))
     largest = model.largest
-    lengths: dict[str, list[Time]] = defaultdict(list)  # per K-FAC key: its items' durations, in order
-    for w in model.work:
-        lengths[w.label].extend(w.pieces)
+    lengths = model.durations  # per K-FAC key: its items' durations, in order
     done: dict[str, int] = defaultdict(int)
     begin = min(min((s for _, s, _ in model.pipeline), default=0), 0)
 

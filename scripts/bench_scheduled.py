@@ -8,7 +8,9 @@ Chimera), a profile of a few kfac steps, which rank 0 packs with the default pol
 once per K-FAC margin (profiled K-FAC times x margin: slack for noisy CPU timings, at the price of a
 longer cycle); then first-order, kfac, each static schedule and the adaptive run (``--adapt``, on by
 default: it starts from the margin-1 schedule) of every pipeline, interleaved, ``--rounds`` times.
-Per run it prints the mean step time after the warm-up steps (the median over the rounds), the ratio
+A ``precondition`` run (kfac mode, no refresh after step 0) measures the floor no schedule can go
+below: K-FAC's per-step preconditioning and bookkeeping. Per run it prints the mean step time after
+the warm-up steps (the median over the rounds), the ratio
 to the same pipeline's first-order step (the median over the rounds of each round's ratio, and their
 spread), the bubble fraction of the profiled pipeline, and the K-FAC cycle k per node (for the
 adaptive run: where it ended). Then per pipeline: static at margin 1, the best static margin of the
@@ -26,6 +28,11 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+PRECONDITION = "precondition"
+"""The floor of any schedule: kfac mode whose curvature refresh never comes after step 0, so every step
+pays K-FAC's preconditioning and bookkeeping but no K-FAC work."""
 
 
 def _bubble_fraction(job) -> float:
@@ -55,7 +62,8 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
     one_pipe_ctx = dataclasses.replace(chimera_ctx, chimera=False, stage_group=chimera_ctx.dp_group,
                                        stage_group_size=chimera_ctx.grid.replicas)
     quiet = dict(progress=False, log_every=10**9)
-    runs = [(p, m) for p in pipelines for m in ["first-order", "kfac", *[f"scheduled x{g:g}" for g in margins],
+    runs = [(p, m) for p in pipelines for m in ["first-order", "kfac", PRECONDITION,
+                                                *[f"scheduled x{g:g}" for g in margins],
                                                 *(["adaptive"] if adapt else [])]]
     out: dict = {"rank": rank, "times": {r: [] for r in runs}, "usage": {}, "cycles": {r: [] for r in runs},
                  "violations": {}, "bubbles": {}, "switches": {r: [] for r in runs}}
@@ -98,9 +106,12 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
         for _ in range(rounds):
             for pipe, mode in runs:
                 cfg = base.replace(pipeline={"schedule": pipe})
+                if mode == PRECONDITION:  # K-FAC's update with a refresh never due: no K-FAC work after step 0
+                    cfg = cfg.replace(kfac={"interval": 10**9})
                 ctx = chimera_ctx if pipe == "chimera" else one_pipe_ctx
                 sched = files.get((pipe, mode))
-                opts = TrainOptions(mode="scheduled" if sched else mode, steps=steps, schedule=sched,
+                opts = TrainOptions(mode="scheduled" if sched else "kfac" if mode == PRECONDITION else mode,
+                                    steps=steps, schedule=sched,
                                     adapt=mode == "adaptive", schedule_timelines=timelines[pipe], **quiet)
                 trainer = Trainer(cfg, ctx, opts)
                 res = trainer.run()
@@ -180,7 +191,8 @@ def main() -> None:
         statics = [(ratio[p, m], m) for p, m in runs if p == pipe and m.startswith("scheduled")]
         one = next(((r, m) for r, m in statics if m == "scheduled x1"), statics[0])
         best = min(statics)
-        line = (f"{pipe}: static x1 {one[0]:.3f} (k = {k_of((pipe, one[1]))}); best static "
+        line = (f"{pipe}: floor (preconditioning alone) {ratio[pipe, PRECONDITION]:.3f}; "
+                f"static x1 {one[0]:.3f} (k = {k_of((pipe, one[1]))}); best static "
                 f"{best[1].split()[-1]} {best[0]:.3f} (k = {k_of((pipe, best[1]))})")
         if (pipe, "adaptive") in ratio:
             ad = (pipe, "adaptive")

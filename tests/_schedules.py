@@ -422,3 +422,29 @@ def train_copies_every_step(cfg: RunConfig, runs: list[tuple[str, str | None]], 
     finally:
         shutdown(ctx)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training several runs in the same workers
+
+
+def train_runs(cfg_path: str, runs: list[tuple[str, str | None]], steps: int, overrides: dict) -> dict:
+    """In each worker (spawn_local), one Trainer per (mode, schedule) run, one after the other, each from
+    the same seed: their parameters and losses, keyed by mode (or the schedule file's name)."""
+    from pipefisher.runtime.dist import init_from_env, shutdown
+    from pipefisher.runtime.trainer import Trainer, TrainOptions
+
+    cfg = load_config(cfg_path).replace(**overrides).replace(pipeline={"timeout_s": 30.0})
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    out = {"stage": ctx.grid.stage, "replica": ctx.grid.replica}
+    try:
+        for mode, schedule in runs:
+            torch.manual_seed(0)
+            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
+                                                     log_every=10**9))
+            res = trainer.run()
+            params = {n: p.detach().clone() for n, p in trainer.stage.named_parameters()}
+            out[mode if schedule is None else os.path.basename(schedule)] = (params, res.losses)
+    finally:
+        shutdown(ctx)
+    return out

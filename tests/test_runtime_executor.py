@@ -21,7 +21,7 @@ from pipefisher.runtime.model import PipelineStage
 from pipefisher.runtime.trainer import Trainer, TrainOptions
 from pipefisher.schedule import save_schedule
 
-from _schedules import REAL_TEXT, TINY, packed_schedule, replay, spread_schedule, tiny
+from _schedules import REAL_TEXT, TINY, packed_schedule, replay, spread_schedule, tiny, train_runs
 
 STEPS = 7
 
@@ -147,25 +147,6 @@ def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.stage.named_parameters()}
 
 
-def _train_all(cfg_path: str, runs: list[tuple[str, str | None]], steps: int, overrides: dict) -> dict:
-    """In each worker, one Trainer per (mode, schedule) run, one after the other; their parameters."""
-    from pipefisher.runtime.dist import init_from_env, shutdown
-
-    cfg = load_config(cfg_path).replace(**overrides).replace(pipeline={"timeout_s": 30.0})
-    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
-    out = {"stage": ctx.grid.stage, "replica": ctx.grid.replica}
-    try:
-        for mode, schedule in runs:
-            torch.manual_seed(0)
-            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
-                                                     log_every=10**9))
-            res = trainer.run()
-            out[mode if schedule is None else os.path.basename(schedule)] = (_params(trainer), res.losses)
-    finally:
-        shutdown(ctx)
-    return out
-
-
 @pytest.fixture(scope="module")
 def two_stage_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("schedules")
@@ -176,7 +157,7 @@ def two_stage_runs(tmp_path_factory):
         files[name] = str(folder / f"{name}.pickle")
         save_schedule(files[name], data)
     runs = [("kfac", None)] + [("scheduled", files[n]) for n in ("one", "spread", "packed")]
-    results = spawn_local(_train_all, 2, TINY, runs, STEPS, REAL_TEXT, timeout_s=120)
+    results = spawn_local(train_runs, 2, TINY, runs, STEPS, REAL_TEXT, timeout_s=120)
     return {r["stage"]: r for r in results}, files
 
 
@@ -226,7 +207,7 @@ def test_data_parallel_replicas_run_the_same_labels(tmp_path):
     cfg = tiny()
     path = str(tmp_path / "dp.pickle")
     save_schedule(path, single_iteration_schedule(cfg, replicas=2))
-    results = spawn_local(_train_all, 4, TINY, [("kfac", None), ("scheduled", path)], 3, REAL_TEXT,
+    results = spawn_local(train_runs, 4, TINY, [("kfac", None), ("scheduled", path)], 3, REAL_TEXT,
                           timeout_s=120)
     for r in results:
         _close(r["dp.pickle"][0], r["kfac"][0])

@@ -13,8 +13,9 @@ from pipefisher.cli import main
 from pipefisher.runtime.config import load_config
 from pipefisher.runtime.executor import single_iteration_schedule
 from pipefisher.runtime.launch import spawn_local
-from pipefisher.runtime.trainer import Trainer, TrainOptions
 from pipefisher.schedule import save_schedule
+
+from _schedules import train_runs
 
 pytest.importorskip("transformers")
 
@@ -30,39 +31,20 @@ TINY = dict(model={"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_he
 STEPS = 3
 
 
-def _train(cfg_path: str, runs: list[tuple[str, str | None]]) -> dict:
-    """In each worker, kfac mode and then each schedule, from the same start; their parameters."""
-    from pipefisher.runtime.dist import init_from_env, shutdown
-
-    cfg = load_config(cfg_path).replace(**TINY)
-    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
-    out: dict = {"stage": ctx.grid.stage}
-    try:
-        for mode, schedule in runs:
-            torch.manual_seed(0)
-            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=STEPS, progress=False,
-                                                     log_every=10**9))
-            res = trainer.run()
-            params = {n: p.detach().clone() for n, p in trainer.stage.named_parameters()}
-            out[mode] = (params, res.losses)
-    finally:
-        shutdown(ctx)
-    return out
-
-
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_one_iteration_schedule_equals_kfac_mode(tmp_path, kind):
     cfg = load_config(CONFIGS[kind]).replace(**TINY)
     sched = str(tmp_path / "one.pickle")
     save_schedule(sched, single_iteration_schedule(cfg))
-    results = spawn_local(_train, 2, CONFIGS[kind], [("kfac", None), ("scheduled", sched)], timeout_s=180)
+    results = spawn_local(train_runs, 2, CONFIGS[kind], [("kfac", None), ("scheduled", sched)], STEPS, TINY,
+                          timeout_s=180)
     for res in results:
-        kfac, scheduled = res["kfac"][0], res["scheduled"][0]
+        kfac, scheduled = res["kfac"][0], res["one.pickle"][0]
         assert kfac.keys() == scheduled.keys()
         for name in kfac:
             assert torch.allclose(kfac[name], scheduled[name], rtol=1e-5, atol=1e-7), (kind, res["stage"], name)
     last = next(r for r in results if r["stage"] == 1)
-    assert last["kfac"][1] == pytest.approx(last["scheduled"][1], rel=1e-6)
+    assert last["kfac"][1] == pytest.approx(last["one.pickle"][1], rel=1e-6)
     assert all(loss == loss for loss in last["kfac"][1])  # finite losses, the run trained
 
 

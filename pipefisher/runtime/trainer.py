@@ -98,7 +98,6 @@ class WorkerResult:
     val: list[tuple[int, float, float]] = field(default_factory=list)
     peak_memory_bytes: int = 0  # this process, over the training steps
     peak_saved_bytes: int = 0  # K-FAC inputs/output gradients waiting for their covariance piece
-    measured_paths: list[str] = field(default_factory=list)  # measured timelines (scheduled mode, rank 0)
 
     def median_step_seconds(self, skip: int = 1) -> float:
         times = self.step_seconds[skip:] or self.step_seconds
@@ -137,7 +136,7 @@ class Trainer:
         w = self.worker
         self.stage, self.kfac, self.kfacs, self.engine = w.stage, w.kfac, w.kfacs, w.engine
         self.updater, self.ops, self.executor = w.updater, w.ops, w.executor
-        self.cycles, self.schedule_digest = w.cycles, w.schedule_digest
+        self.schedule_digest = w.schedule_digest
         self.loop = self._schedule_loop() if self.executor is not None else None
         self.start_step = 0
         if opts.resume:
@@ -156,20 +155,24 @@ class Trainer:
         cfg, ctx, opts, g = self.cfg, self.ctx, self.opts, self.ctx.grid
         assert opts.schedule is not None and self.worker.schedule is not None
         margin, timelines = schedule_plan_inputs(opts)
+
+        def switch(new: Any, first_step: int) -> None:
+            assert self.executor is not None
+            self.executor.switch(new.data[g.stage], first_step)
+            self.worker.cycles = new.cycles
+
         data = self.worker.schedule
         if opts.adapt:  # one cycle length on every node, so that a new schedule can start on all at once
             from pipefisher.scheduler import equal_cycles
 
             data = equal_cycles(data)
-            if data != self.worker.schedule:
-                check_schedule(data, cfg, g.replicas)
-                assert self.executor is not None
-                self.executor.switch(data[g.stage], 1)
-                self.cycles = self.worker.cycles = [len(n) for n in data]
-                if self.reporter and opts.progress:
-                    click.echo(f"--adapt: every node runs the job's K-FAC cycle k={max(self.cycles)} (the "
-                               "shorter ones idle through the rest), so that all can switch schedules at once")
         plan = Plan(data, f"schedule file {os.path.basename(opts.schedule)}", timelines, margin)
+        if data != self.worker.schedule:
+            check_schedule(data, cfg, g.replicas)
+            switch(plan, 1)
+            if self.reporter and opts.progress:
+                click.echo(f"--adapt: every node runs the job's K-FAC cycle k={max(plan.cycles)} (the "
+                           "shorter ones idle through the rest), so that all can switch schedules at once")
         scheduler = None
         if g.rank == 0:
             scheduler = make_scheduler("adaptive" if opts.adapt else "static", plan, g.stages,
@@ -190,11 +193,6 @@ class Trainer:
                 return box[0]
             collective = (gather, broadcast, dist.barrier)
 
-        def switch(new: Any, first_step: int) -> None:
-            assert self.executor is not None
-            self.executor.switch(new.data[g.stage], first_step)
-            self.cycles = self.worker.cycles = new.cycles
-
         return ScheduleLoop(plan, node=g.stage, rank=g.rank, nodes=g.stages, scheduler=scheduler, adapt=opts.adapt,
                             prefix=prefix, collective=collective,
                             check=lambda new: check_schedule(new.data, cfg, g.replicas),
@@ -205,6 +203,11 @@ class Trainer:
         """A start-up phase line from the reporting worker (the launcher relays it), unless --no-progress."""
         if self.reporter and self.opts.progress:
             phase(what)
+
+    @property
+    def cycles(self) -> list[int]:
+        """Every node's K-FAC cycle k of the schedule running now (scheduled mode), else empty."""
+        return self.worker.cycles
 
     @property
     def cycle(self) -> int | None:
@@ -330,8 +333,7 @@ class Trainer:
         if self.loop is not None:
             self.loop.finish()  # after the checkpoint: a resumed run gathers the open cycle as this one would
             self.loop.write_schedules()
-            for path in self.loop.write_measured():
-                result.measured_paths.append(path)
+            self.loop.write_measured()
             if self.reporter and todo:
                 click.echo(f"closed loop ({'adaptive' if opts.adapt else 'static'} scheduler): {self.loop.cost_line()}"
                            + (f", final K-FAC cycle k={max(self.cycles)}" if opts.adapt else ""))
