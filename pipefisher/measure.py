@@ -32,7 +32,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from pipefisher.policies.base import END, MARKERS, START, Placement, label_category
+from pipefisher.policies.base import END, MARKERS, PIPELINE_CATEGORIES, START, Placement, label_category
 from pipefisher.problem import DEFAULT_MARGIN, NodeModel, cov_source
 from pipefisher.timeline import COV_KINDS, STEP_KEY, TimelineKey
 
@@ -43,8 +43,6 @@ was already there costs some microseconds)."""
 CSV_COLUMNS = ("node", "replica", "step", "iteration", "label", "planned_start", "planned_end",
                "measured_start", "measured_end", "wait")
 """The per-instruction export: times in seconds from the step's start on the node's own clock."""
-
-PIPELINE_CATEGORIES = ("forward", "backward")
 
 
 @dataclass(frozen=True)

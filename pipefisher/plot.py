@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.safe_io import atomic_path
-from pipefisher.policies.base import MARKERS, JobSchedule, label_category
+from pipefisher.policies.base import MARKERS, PIPELINE_CATEGORIES, JobSchedule, label_category
 from pipefisher.sim.simulator import parse_default_prefix
 from pipefisher.timeline import STEP_KEY, UP_PIPE, Job, TimelineKey, node_file_prefix
 from pipefisher.violations import Violation
@@ -92,7 +92,7 @@ BOUNDARY_PX = 8.0
 S_FROM = 10.0
 """Spans of at least this many seconds are labelled in s, shorter ones in ms."""
 ROW_H = 0.76
-PIPELINE = ("forward", "backward", "weight")
+PIPELINE = PIPELINE_CATEGORIES
 
 
 class Bar(NamedTuple):
@@ -132,8 +132,6 @@ class Chart:
 
 def category(label: str) -> str:
     """The colour group of a timeline key or schedule label."""
-    if label.startswith("call_backward:weight"):
-        return "weight"
     cat = label_category(label)
     return cat if cat in COLOURS else "other"
 

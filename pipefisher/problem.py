@@ -5,7 +5,9 @@ bounds (:mod:`pipefisher.policies.bounds`), the policies, the aligner. So "lower
 schedule that ``validate`` accepts, with the same margin, has fewer iterations.
 
 * **The node.** The pipeline repeats every iteration, so a node's bubbles are the same in every
-  iteration: the idle gaps between consecutive forwards and backwards of either pipe, plus the head and
+  iteration: the idle gaps between its pipeline items (``NodeTimeline.pipe_keys()``, one definition:
+  forwards and backwards of either pipe and every model chunk, and zero-bubble weight-gradient passes
+  W, which are pipeline work but not micro-batches), plus the head and
   tail gaps up to the job's pipeline time (an iteration spans [min(0, first item), max(pipeline time,
   last item end)]).
 * **The work.** A covariance key is a queue of m pieces per interval (m = micro-batches of the pipe its
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from pipefisher.timeline import (
-    BACKWARD, FORWARD, UP_SUFFIX, Interval, NodeTimeline, Time, TimelineKey, pipe_key,
+    BACKWARD, FORWARD, Interval, NodeTimeline, Time, TimelineKey, pipe_key,
 )
 
 DEFAULT_MARGIN = 0.05
@@ -40,8 +42,6 @@ DEFAULT_MARGIN = 0.05
 COV, SYNC, INV = 0, 1, 2
 _KIND = {"cov_kron_A": COV, "cov_kron_B": COV, "sync_kron_A": SYNC, "sync_kron_B": SYNC,
          "inv_kron_A": INV, "inv_kron_B": INV}
-PIPE_KEYS = (FORWARD, FORWARD + UP_SUFFIX, BACKWARD, BACKWARD + UP_SUFFIX)
-"""The pipeline keys of chunk 0 (the published format); a node's own are ``NodeTimeline.pipe_keys()``."""
 
 
 def check_margin(margin: float) -> float:

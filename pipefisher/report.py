@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from pipefisher.policies.base import JobSchedule, NodeSchedule
-from pipefisher.timeline import Job, Time
+from pipefisher.timeline import Job, Time, format_time
 
 
 def usage_line(index: int, node: NodeSchedule) -> str:
@@ -17,7 +17,7 @@ def usage_line(index: int, node: NodeSchedule) -> str:
         return line
     extra = f"lower bound {f.lower_bound}, " + ("optimal" if f.optimal else f"gap {f.gap}")
     if f.overflow:
-        extra += f", overflow {_fmt(f.overflow)}"
+        extra += f", overflow {format_time(f.overflow)}"
     return f"{line} [{extra}]"
 
 

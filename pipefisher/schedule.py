@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+from bisect import bisect_right
 from collections import defaultdict
-from typing import Any, Callable, Sequence
+from itertools import accumulate
+from typing import Any, Callable, Mapping, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.policies.base import END, MARKERS, SAVE_OFF, SAVE_ON, START, JobSchedule
@@ -17,7 +19,7 @@ from pipefisher.policies.groups import job_groups
 from pipefisher.problem import DEFAULT_MARGIN, cov_source, fits, node_model, source_call
 from pipefisher.policies.waits import group_violations
 from pipefisher.safe_io import dump_json_atomic, dump_pickle_atomic, load_json, load_pickle
-from pipefisher.timeline import BACKWARD, COV_KINDS, FORWARD, Job, NodeTimeline, Time, TimelineKey
+from pipefisher.timeline import COV_KINDS, Job, NodeTimeline, Time, TimelineKey, format_time
 from pipefisher.violations import Violation
 
 ScheduleData = list[list[list[str]]]
@@ -57,14 +59,17 @@ def meta_path(path: str | os.PathLike[str]) -> str:
 
 
 def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | ScheduleData,
-                  timelines: Sequence[str | os.PathLike[str]] | None = None) -> None:
+                  timelines: Sequence[str | os.PathLike[str]] | None = None, *, kfac_margin: float = 1.0,
+                  packed_for: Mapping[str, Any] | None = None) -> None:
     """Write the schedule file atomically (the old file stays whole if anything fails).
 
     A packed :class:`JobSchedule` also gets its metadata beside it (:func:`meta_path`): the policy, the
-    margin it was packed under (so ``validate`` checks it under the same rule), per node the cycle
-    and its lower bound, and the ``timelines`` it was packed from where given (absolute paths: the
-    trainer plans its measurements against them). The schedule file itself stays the published
-    format, a plain list.
+    margin it was packed under and the K-FAC inflation ``kfac_margin`` it was packed against
+    (:func:`pipefisher.timeline.inflate_kfac`; so ``validate`` checks it under the same rule, on the
+    same job), per node the cycle and its lower bound, the ``timelines`` it was packed from where
+    given (absolute paths: the trainer plans its measurements against them), and ``packed_for``, the
+    job it fits (:func:`job_layout`, plus the run config's shape where known; the runtime refuses
+    another). The schedule file itself stays the published format, a plain list.
     """
     data = schedule.to_file_data() if isinstance(schedule, JobSchedule) else schedule
     dump_pickle_atomic(path, check_schedule_data(data))
@@ -73,14 +78,41 @@ def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | Schedule
             "format": "pipefisher-schedule-meta/1",
             "policy": schedule.policy,
             "margin": schedule.margin,
+            "kfac_margin": kfac_margin,
             "pipeline_time": schedule.span,
             "nodes": [{"iterations": n.figures.iterations, "lower_bound": n.figures.lower_bound,
                        "optimal": n.figures.optimal if n.figures.lower_bound is not None else None}
                       for n in schedule.nodes],
             **({"timelines": [os.path.abspath(os.fspath(t)) for t in timelines]} if timelines else {}),
+            **({"packed_for": dict(packed_for)} if packed_for else {}),
         })
     elif os.path.exists(meta_path(path)):
         os.remove(meta_path(path))  # metadata of an older schedule would describe the wrong one
+
+
+def job_layout(job: Job) -> dict[str, Any]:
+    """What a job's timelines say about the job a schedule packed from them fits, keyed like the run
+    config: ``pipeline.stages`` (nodes), ``data.num_micro_batches`` (node 0's forwards of chunk 0, both
+    pipes), and ``modules``, per node its K-FAC modules as the labels name them (left out where a
+    timeline has bare keys). The runtime compares it with its own (:mod:`pipefisher.runtime.executor`)."""
+    first = job.nodes[0]
+    out: dict[str, Any] = {"pipeline.stages": len(job.nodes),
+                           "data.num_micro_batches": first.micro_batches() + first.micro_batches(up_pipe=True)}
+    modules = [sorted({str(k).partition(":")[2] for k in node.kfac_keys()}) for node in job.nodes]
+    if all(names and "" not in names for names in modules):
+        out["modules"] = modules
+    return out
+
+
+def read_schedule_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The metadata beside a schedule file (:func:`save_schedule`), or None where there is none."""
+    where = meta_path(path)
+    if not os.path.exists(where):
+        return None
+    meta = load_json(where)
+    if not isinstance(meta, dict):
+        raise InputError(where, f"holds a {type(meta).__name__}, not the schedule's metadata (a JSON object)")
+    return meta
 
 
 def schedule_timelines(path: str | os.PathLike[str]) -> list[str] | None:
@@ -97,14 +129,32 @@ def schedule_timelines(path: str | os.PathLike[str]) -> list[str] | None:
 
 def schedule_margin(path: str | os.PathLike[str]) -> float | None:
     """The margin recorded beside a schedule file, or None where there is no (readable) record."""
-    where = meta_path(path)
-    if not os.path.exists(where):
+    meta = read_schedule_meta(path)
+    if meta is None:
         return None
-    meta = load_json(where)
-    margin = meta.get("margin") if isinstance(meta, dict) else None
+    margin = meta.get("margin")
     if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < 10:
-        raise InputError(where, f"holds no valid margin ({margin!r})")
+        raise InputError(meta_path(path), f"holds no valid margin ({margin!r})")
     return float(margin)
+
+
+def schedule_kfac_margin(path: str | os.PathLike[str]) -> float:
+    """The K-FAC inflation a schedule was packed against (:func:`pipefisher.timeline.inflate_kfac`), as
+    recorded beside it; 1 (the profiled times) where nothing is recorded."""
+    meta = read_schedule_meta(path)
+    scale = 1.0 if meta is None else meta.get("kfac_margin", 1.0)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 1 <= scale < float("inf"):
+        raise InputError(meta_path(path), f"holds no valid kfac_margin ({scale!r}; at least 1)")
+    return float(scale)
+
+
+def schedule_packed_for(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The job a schedule was packed for, as recorded beside it (:func:`save_schedule`), or None."""
+    meta = read_schedule_meta(path)
+    packed_for = None if meta is None else meta.get("packed_for")
+    if packed_for is not None and not isinstance(packed_for, dict):
+        raise InputError(meta_path(path), f"holds no valid packed_for ({packed_for!r}; a JSON object)")
+    return packed_for
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -135,7 +185,7 @@ def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequ
     has_sync: set[tuple[str, tuple[str | None, bool, int]]] = set()
     for key, intervals in node.entries.items():
         parsed = TimelineKey.parse(key)
-        if parsed.kind in (FORWARD, BACKWARD):
+        if parsed.is_pipeline:
             known.add(key)
         elif parsed.is_kfac:
             known.add(key)
@@ -177,8 +227,8 @@ def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequ
             if label in MARKERS or label not in known:
                 continue
             key = TimelineKey.parse(label)
-            if key.kind in (FORWARD, BACKWARD):
-                if i == 0:
+            if key.is_pipeline:
+                if i == 0 and not key.is_weight:  # a W pass is no forward or backward pieces follow
                     seen_pipe[(key.kind, key.up_pipe, key.chunk)] += 1
                 continue
             count[label] += 1
@@ -246,6 +296,31 @@ def _room_violations(node: NodeTimeline, iterations: Sequence[Sequence[str]], sp
     done: dict[str, int] = defaultdict(int)
     begin = min(min((s for _, s, _ in model.pipeline), default=0), 0)
 
+    # Pipeline items in time order, each with its occurrence of its key, and the running latest end: the
+    # items a stretch of K-FAC work starting at t may run over are those after the first whose
+    # running end passes t.
+    occurrence: dict[str, int] = defaultdict(int)
+    items: list[tuple[str, int, Time, Time]] = []
+    for key, s, e in model.pipeline:
+        items.append((key, occurrence[key], s, e))
+        occurrence[key] += 1
+    reach = list(accumulate((e for _, _, _, e in items), max))
+
+    def over_unlisted(i: int, pending: list[tuple[str, Time]], start: Time, before: Time | None,
+                      seen: dict[str, int]) -> None:
+        """K-FAC work laid out from ``start`` that runs over a pipeline item the iteration has not listed
+        before the next listed one (at ``before``; None: none follows), such as a zero-bubble W pass a
+        schedule leaves out: that work and the pipeline would share the node's time."""
+        end = start + sum(d for _, d in pending)
+        for key, k, s, e in items[bisect_right(reach, start):]:
+            if s >= end or (before is not None and s >= before):
+                break
+            if k >= seen[key] and e > start and s < end:
+                bad(i, pending[0][0], "kfac-over-pipeline", f"K-FAC work runs {format_time(start)}..{format_time(end)}"
+                    f", over '{key}' at {format_time(s)}..{format_time(e)}, which the iteration does not list "
+                    f"before it")
+                return
+
     def overfilled(pending: list[tuple[str, Time]], start: Time, end: Time) -> bool:
         t = start  # summed item by item from the gap's start, as the packers lay work out
         for _, d in pending:
@@ -266,9 +341,11 @@ def _room_violations(node: NodeTimeline, iterations: Sequence[Sequence[str]], sp
                     continue  # the pipeline-count rule reports it
                 s, e = where[label][k]
                 if pending and overfilled(pending, frontier, s):
-                    bad(i, label, "bubble-overfilled", f"{sum(d for _, d in pending)} of K-FAC work is placed before it, but "
-                        f"{max(s - frontier, 0)} of idle time precedes it (each item needs its length "
-                        f"x {1 + margin:g} free when it starts)")
+                    bad(i, label, "bubble-overfilled", f"{format_time(sum(d for _, d in pending))} of K-FAC work is "
+                        f"placed before it, but {format_time(max(s - frontier, 0))} of idle time precedes it (each "
+                        f"item needs its length x {1 + margin:g} free when it starts)")
+                if pending:
+                    over_unlisted(i, pending, frontier, s, seen)
                 frontier = max(frontier, e)
                 pending = []
             elif lengths.get(label):
@@ -277,6 +354,7 @@ def _room_violations(node: NodeTimeline, iterations: Sequence[Sequence[str]], sp
                 pending.append((label, lengths[label][n % len(lengths[label])]))
         # After the last pipeline item: fittable work up to the pipeline time; then forced work only,
         # which runs past it (the iteration's overflow).
+        over_unlisted(i, pending, frontier, None, seen)
         t = frontier
         overflowing = False
         for label, d in pending:
@@ -284,7 +362,7 @@ def _room_violations(node: NodeTimeline, iterations: Sequence[Sequence[str]], sp
                 overflowing = True
             elif overflowing or not fits(d, model.base - t, margin):
                 bad(i, label, "unforced-overflow", "runs past the pipeline time, into its margin or after "
-                    f"overflow work, though it fits the node's largest bubble ({largest})")
+                    f"overflow work, though it fits the node's largest bubble ({format_time(largest)})")
             t += d
 
 

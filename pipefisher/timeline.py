@@ -22,6 +22,11 @@ Time = Union[int, float]
 
 FORWARD = "call_forward"
 BACKWARD = "call_backward"
+WEIGHT = "weight"
+WEIGHT_KEY = BACKWARD + ":" + WEIGHT
+"""Zero-bubble schedules' deferred weight-gradient pass W (``call_backward:weight`` plus the pipe's or
+chunk's suffix, :func:`weight_key`): pipeline work no K-FAC item may overlap, but not a micro-batch (m
+counts forwards) and not a backward that covariance pieces of factor B follow (that is the B pass)."""
 UP_PIPE = "up_pipe"
 UP_SUFFIX = ":" + UP_PIPE
 """What a key or label of the second (up) pipe of a Chimera schedule ends with."""
@@ -55,8 +60,22 @@ def chunk_suffix(chunk: int) -> str:
 
 
 def pipe_key(kind: str, up_pipe: bool = False, chunk: int = 0) -> str:
-    """The pipeline key of ``kind`` (forward or backward) for a pipe or a chunk (never both)."""
+    """The pipeline key of ``kind`` (forward, backward or :data:`WEIGHT_KEY`) for a pipe or a chunk
+    (never both)."""
     return kind + (UP_SUFFIX if up_pipe else "") + chunk_suffix(chunk)
+
+
+def weight_key(up_pipe: bool = False, chunk: int = 0) -> str:
+    """The key of the deferred weight-gradient passes (W) of a pipe or a model chunk."""
+    return pipe_key(WEIGHT_KEY, up_pipe, chunk)
+
+
+def format_time(t: Time) -> str:
+    """A time for a message, with its unit: ms for integer nanoseconds (ns below a microsecond), s for
+    float seconds."""
+    if isinstance(t, float):
+        return f"{t:.6g} s"
+    return f"{t / 1e6:.3f} ms" if abs(t) >= 1000 else f"{t} ns"
 
 
 @dataclass(frozen=True)
@@ -94,6 +113,16 @@ class TimelineKey:
         return self.kind in KFAC_KINDS
 
     @property
+    def is_weight(self) -> bool:
+        """A zero-bubble weight-gradient pass (W): pipeline work, but neither a forward nor a backward."""
+        return self.kind == BACKWARD and self.module == WEIGHT
+
+    @property
+    def is_pipeline(self) -> bool:
+        """Pipeline work K-FAC must stay out of: a forward, a backward, or a weight-gradient pass."""
+        return self.kind in (FORWARD, BACKWARD) and self.module in (None, WEIGHT)
+
+    @property
     def factor(self) -> str | None:
         """``'A'`` or ``'B'`` for K-FAC keys, else ``None``."""
         return self.kind[-1] if self.is_kfac else None
@@ -123,6 +152,10 @@ class NodeTimeline:
     def backwards(self, up_pipe: bool = False, chunk: int = 0) -> tuple[Interval, ...]:
         return self.intervals(pipe_key(BACKWARD, up_pipe, chunk))
 
+    def weights(self, up_pipe: bool = False, chunk: int = 0) -> tuple[Interval, ...]:
+        """The deferred weight-gradient passes (W) of a pipe or chunk: pipeline work, not micro-batches."""
+        return self.intervals(weight_key(up_pipe, chunk))
+
     def micro_batches(self, up_pipe: bool = False, chunk: int = 0) -> int:
         """Forwards of one pipe (or one model chunk) in the step: the m its covariance pieces split over."""
         return len(self.forwards(up_pipe, chunk))
@@ -133,7 +166,7 @@ class NodeTimeline:
         return chunks_of(self.entries)
 
     def pipe_keys(self) -> tuple[str, ...]:
-        """Every pipeline key this node may have: both pipes of chunk 0, then each further chunk's."""
+        """Every pipeline key this node may have (:func:`pipeline_keys`)."""
         return pipeline_keys(self.chunks)
 
     def kfac_keys(self) -> list[TimelineKey]:
@@ -167,19 +200,21 @@ def chunks_of(keys: Iterable[str]) -> tuple[int, ...]:
     for key in keys:
         if key.startswith((FORWARD + ":", BACKWARD + ":")):
             parsed = TimelineKey.parse(key)
-            if parsed.kind in (FORWARD, BACKWARD) and parsed.module is None:
+            if parsed.is_pipeline:
                 found.add(parsed.chunk)
     return tuple(sorted(found))
 
 
 def pipeline_keys(chunks: Iterable[int] = (0,)) -> tuple[str, ...]:
-    """The pipeline keys of ``chunks``: for chunk 0 both pipes (the published four), else the chunk's two."""
+    """The one list of pipeline keys (all pipeline work, which K-FAC must stay out of) of ``chunks``:
+    for chunk 0 both pipes (the published four, then the two weight-gradient keys), else the chunk's
+    forward, backward and weight-gradient keys."""
     out: list[str] = []
     for c in chunks:
         if c == 0:
-            out += [FORWARD, FORWARD + UP_SUFFIX, BACKWARD, BACKWARD + UP_SUFFIX]
+            out += [FORWARD, FORWARD + UP_SUFFIX, BACKWARD, BACKWARD + UP_SUFFIX, weight_key(), weight_key(True)]
         else:
-            out += [pipe_key(FORWARD, chunk=c), pipe_key(BACKWARD, chunk=c)]
+            out += [pipe_key(FORWARD, chunk=c), pipe_key(BACKWARD, chunk=c), weight_key(chunk=c)]
     return tuple(out)
 
 
@@ -216,7 +251,10 @@ def _plain_number(x: Any) -> Time:
 def _check_raw(path: str, raw: Any) -> dict[str, list[tuple[Time | None, Time | None]]]:
     """Check the structure of one node's dict and return it with plain Python values."""
     if not isinstance(raw, dict):
-        raise InputError(path, f"holds a {type(raw).__name__}, not a dict of interval lists")
+        raise _not_a_timeline(path, f"it holds a {type(raw).__name__}, not a dict of interval lists")
+    for key in (FORWARD, BACKWARD):  # first: a file without them is some other file, whatever it holds
+        if key not in raw:
+            raise _not_a_timeline(path, f"it has no '{key}' key")
     out: dict[str, list[tuple[Time | None, Time | None]]] = {}
     for key, values in raw.items():
         if not isinstance(key, str):
@@ -232,11 +270,12 @@ def _check_raw(path: str, raw: Any) -> dict[str, list[tuple[Time | None, Time | 
                     raise InputError(
                         path, f"key '{key}' interval {i} has a {type(bound).__name__} time, not a number or None"
                     )
-            pairs.append(tuple(None if b is None else _plain_number(b) for b in pair))
+            start, end = (None if b is None else _plain_number(b) for b in pair)
+            if start is not None and end is not None and end < start:
+                raise InputError(path, f"key '{key}' interval {i} ends before it starts: "
+                                       f"({format_time(start)}, {format_time(end)})")
+            pairs.append((start, end))
         out[key] = pairs  # type: ignore[assignment]
-    for key in (FORWARD, BACKWARD):
-        if key not in out:
-            raise InputError(path, f"has no '{key}' key: not a profiled pipeline timeline")
     for suffix in ("", ":" + UP_PIPE) + tuple(chunk_suffix(c) for c in chunks_of(out) if c):
         nf, nb = len(out.get(FORWARD + suffix, ())), len(out.get(BACKWARD + suffix, ()))
         if nf != nb:
@@ -344,12 +383,34 @@ def job_from_dicts(raws: Sequence[Mapping[str, Sequence[tuple[Any, Any]]]], path
     return Job(nodes=nodes, span=span, origin=origin, steps=steps0)
 
 
+TIMELINE_SUFFIXES = ("_timeline.pickle", "_timeline.json")
+"""How node timeline files end: what a folder argument stands for (trainers write other files beside
+them, such as ``<run>_losses.json`` and ``<run>_tokenizer.json``)."""
+
+
 def expand_paths(paths: Iterable[str]) -> list[str]:
-    """Accept the published script's comma-separated lists as well as separate arguments."""
+    """Accept the published script's comma-separated lists as well as separate arguments, and a folder
+    for its node timelines (:data:`TIMELINE_SUFFIXES`), other files in it left alone."""
     out: list[str] = []
     for p in paths:
-        out.extend(part for part in str(p).split(",") if part)
+        for part in (part for part in str(p).split(",") if part):
+            if not os.path.isdir(part):
+                out.append(part)
+                continue
+            found = sorted(os.path.join(part, name) for name in os.listdir(part) if name.endswith(TIMELINE_SUFFIXES))
+            if not found:
+                raise InputError(part, f"is a folder with no node timelines (no *{' or *'.join(TIMELINE_SUFFIXES)} "
+                                       f"files)")
+            out.extend(found)
     return out
+
+
+def _not_a_timeline(path: str, why: str) -> InputError:
+    """The refusal of a file that is no node timeline, with the way to skip such files where its name
+    says it is none (a trainer's losses or tokenizer file beside the timelines)."""
+    hint = "" if path.endswith(TIMELINE_SUFFIXES) or path.startswith("<") else (
+        f" (give the folder instead of its files to load only its *{' and *'.join(TIMELINE_SUFFIXES)} files)")
+    return InputError(path, f"is not a node timeline: {why}{hint}")
 
 
 _NODE_FILE = re.compile(r"^(?P<prefix>.*)_node(?P<node>\d+)_timeline(?:\.[A-Za-z0-9]+)?$")

@@ -13,6 +13,7 @@ import click
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pipefisher.cli import _common  # noqa: E402
 from pipefisher.cli._common import EXIT_BAD_INPUT  # noqa: E402
 from pipefisher.cli.schedule import _policy_help, run_schedule  # noqa: E402
 from pipefisher.errors import InputError  # noqa: E402
@@ -38,4 +39,5 @@ def auto_schedule(timelines: tuple[str, ...], save_path: str | None, print_workl
 
 
 if __name__ == "__main__":
+    _common.ENDS_WITH_COMMAND = True  # this process ends with the command (see keep_until_exit)
     auto_schedule()

@@ -87,6 +87,7 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
             if rank == 0:
                 from pipefisher.policies import DEFAULT_POLICY, get_policy
                 from pipefisher.report import usage_lines
+                from pipefisher.runtime.executor import packed_for
                 from pipefisher.runtime.profiler import timeline_filename
                 from pipefisher.schedule import save_schedule, validate
                 from pipefisher.timeline import inflate_kfac, load_job
@@ -95,13 +96,15 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
                 out["bubbles"][pipe] = _bubble_fraction(job)
                 for g in margins:
                     v = (pipe, f"scheduled x{g:g}")
-                    packed = get_policy(policy or DEFAULT_POLICY).pack(inflate_kfac(job, g))
+                    inflated = inflate_kfac(job, g)  # what it is packed against is what it is checked on
+                    packed = get_policy(policy or DEFAULT_POLICY).pack(inflated)
                     out["usage"][v] = usage_lines(packed)
-                    out["violations"][v] = len(validate(packed.to_file_data(), job))
+                    out["violations"][v] = len(validate(packed.to_file_data(), inflated))
                     out["policy"] = packed.policy
-                    save_schedule(files[v], packed)
+                    save_schedule(files[v], packed, kfac_margin=g, packed_for=packed_for(cfg))
                 if adapt:  # the closed loop starts from the profile's own schedule (margin 1)
-                    save_schedule(files[pipe, "adaptive"], get_policy(policy or DEFAULT_POLICY).pack(job))
+                    save_schedule(files[pipe, "adaptive"], get_policy(policy or DEFAULT_POLICY).pack(job),
+                                  packed_for=packed_for(cfg))
             dist.barrier()
         for _ in range(rounds):
             for pipe, mode in runs:

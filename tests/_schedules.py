@@ -103,15 +103,20 @@ def fake_timelines(cfg: RunConfig) -> list[dict]:
     return raws
 
 
-def packed_schedule(cfg: RunConfig) -> list[list[list[str]]]:
+def packed_job_schedule(cfg: RunConfig):  # -> pipefisher.policies.base.JobSchedule
+    """The default policy's packing of :func:`fake_timelines`, checked by ``validate``."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.schedule import validate
     from pipefisher.timeline import job_from_dicts
 
     job = job_from_dicts(fake_timelines(cfg))
-    data = get_policy(DEFAULT_POLICY).pack(job).to_file_data()
-    assert validate(data, job) == []
-    return data
+    packed = get_policy(DEFAULT_POLICY).pack(job)
+    assert validate(packed.to_file_data(), job) == []
+    return packed
+
+
+def packed_schedule(cfg: RunConfig) -> list[list[list[str]]]:
+    return packed_job_schedule(cfg).to_file_data()
 
 
 

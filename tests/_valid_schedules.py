@@ -10,7 +10,9 @@ any policy, so a schedule it builds is a witness of what ``validate`` accepts, a
 bounds the optimum from above: a lower bound above one of them is wrong.
 
 Randomness decides which ready item goes next (uniform, or the largest, or the smallest that fits),
-and when to leave a bubble with room to spare. After the last pipeline item, fittable work comes first
+and when to leave a bubble with room to spare. With ``ties`` set to ``"first"`` or ``"last"`` and
+``style="largest"`` it is a deterministic plain best-fit greedy (:func:`plain_greedy_cycle`), the
+baseline ``tight`` must never lose to. After the last pipeline item, fittable work comes first
 (up to the pipeline time) and forced overflow after it, as the problem states.
 """
 from __future__ import annotations
@@ -49,12 +51,15 @@ def _queues(model: NodeModel) -> list[_Queue]:
 
 
 def random_cycle(model: NodeModel, rng: random.Random, *, style: str = "random", leave: float = 0.0,
-                 max_iterations: int = 10_000) -> list[list[str]]:
+                 max_iterations: int = 10_000, sizes: str = "piece", ties: str = "random") -> list[list[str]]:
     """One valid cycle of ``model``'s node (the schedule file's entry for it), built at random.
 
     ``style``: how the next item is chosen among the ready ones that fit: ``"random"``, ``"largest"``
     (best fit: ends near the limit of the room rule), ``"smallest"``, or ``"mixed"`` (a random style per
     choice). ``leave``: the chance of leaving a bubble before it is full (a worse but valid cycle).
+    ``sizes``: what "largest" and "smallest" compare: each item's own duration (``"piece"``), or for a
+    covariance queue its longest piece (``"queue"``: a queue's pieces count as one size). ``ties``:
+    among equally sized items, a random one, or the first or last in the timeline's key order.
     """
     margin = model.margin
     largest = model.largest
@@ -92,14 +97,23 @@ def random_cycle(model: NodeModel, rng: random.Random, *, style: str = "random",
             syncs_done[q.group] += 1
         return q.label, d
 
+    longest = {id(q): max(q.durations, default=0) for q in queues}
+
+    def size(q: _Queue) -> Time:
+        return longest[id(q)] if sizes == "queue" and q.kind == COV else q.durations[q.head]
+
     def choose(cands: list[_Queue]) -> _Queue:
         how = rng.choice(("random", "largest", "smallest")) if style == "mixed" else style
         if how == "largest":
-            top = max(q.durations[q.head] for q in cands)
-            cands = [q for q in cands if q.durations[q.head] == top]
+            top = max(size(q) for q in cands)
+            cands = [q for q in cands if size(q) == top]
         elif how == "smallest":
-            low = min(q.durations[q.head] for q in cands)
-            cands = [q for q in cands if q.durations[q.head] == low]
+            low = min(size(q) for q in cands)
+            cands = [q for q in cands if size(q) == low]
+        if ties == "first":
+            return cands[0]
+        if ties == "last":
+            return cands[-1]
         return rng.choice(cands)
 
     def fill(start: Time, end: Time, iteration: int, pos: int, allow_forced: bool) -> list[str]:
@@ -146,6 +160,16 @@ def random_cycle(model: NodeModel, rng: random.Random, *, style: str = "random",
         cycle = [[START] + [key for key, _, _ in model.pipeline] + [END, SAVE_OFF]]
     cycle[-1].append(SAVE_ON)
     return cycle
+
+
+PLAIN_GREEDIES = tuple((sizes, ties) for sizes in ("piece", "queue") for ties in ("first", "last"))
+"""Plain best-fit variants: (what "largest" compares, which of equally large items goes first)."""
+
+
+def plain_greedy_cycle(model: NodeModel, sizes: str = "piece", ties: str = "first") -> list[list[str]]:
+    """A plain best-fit cycle: in each bubble, in time order, the largest ready item that fits, until none
+    does (deterministic; see :func:`random_cycle` for ``sizes`` and ``ties``)."""
+    return random_cycle(model, random.Random(0), style="largest", sizes=sizes, ties=ties)
 
 
 def random_job_schedule(job: Job, margin: float, rng: random.Random, **kw) -> list[list[list[str]]]:

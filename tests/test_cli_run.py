@@ -30,9 +30,12 @@ def test_run_end_to_end_with_two_processes(tmp_path):
     assert "mode scheduled, 2 stage(s) x 1 replica(s)" in text and "step     4  loss" in text
     names = sorted(os.listdir(out))
     assert names == ["first_chart.png", "first_checkpoints", "first_config.yaml", "first_cycles.jsonl", "first_measured",
-                     "first_measurements.csv", "first_metrics.csv", "first_report.json", "first_schedule.pickle",
-                     "first_schedule.pickle.meta.json", "first_schedules", "first_timelines"]
-    assert {"tiny_node0_timeline.pickle", "tiny_node1_timeline.pickle"} <= set(os.listdir(out / "first_timelines"))
+                     "first_measurements.csv", "first_metrics.csv", "first_profile_losses.json", "first_report.json",
+                     "first_schedule.pickle", "first_schedule.pickle.meta.json", "first_schedules", "first_timelines"]
+    # the timelines folder holds the node files alone, so `pipefisher schedule <run>_timelines/*` reads one job
+    assert sorted(os.listdir(out / "first_timelines")) == ["tiny_node0_timeline.pickle", "tiny_node1_timeline.pickle"]
+    assert CliRunner().invoke(main, ["schedule", *sorted(str(p) for p in (out / "first_timelines").iterdir())]).exit_code == 0
+    assert json.loads((out / "first_profile_losses.json").read_text())["options"]["profile"] is True
     with open(out / "first_metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == list(range(6)) and {r["mode"] for r in rows} == {"scheduled"}
@@ -194,3 +197,59 @@ def test_allow_invalid_trains_what_the_runtime_can_run_and_leaves_a_refused_sche
     packed, report = pack_and_check(job, get_policy("tight"), cfg, RunPaths(str(tmp_path), "t2"), 1,
                                     allow_invalid=True, **quiet)
     assert not report["valid"] and report["runnable"] and len(packed.nodes) == 2
+
+
+def test_run_records_its_kfac_margin_and_validate_checks_the_same_job(tmp_path):
+    """`run --kfac-margin 2` packs against K-FAC times x 2 and says `valid`; `pipefisher validate` reads
+    the factor beside the schedule and checks the same job, so both give one answer."""
+    from pipefisher.policies import get_policy
+    from pipefisher.runtime.driver import RunPaths, pack_and_check
+
+    job, cfg = _chimera_profile()
+    paths = RunPaths(str(tmp_path), "km2")
+    packed, report = pack_and_check(job, get_policy("tight"), cfg, paths, 1, margin=0.05, allow_invalid=False,
+                                    kfac_margin=2.0, echo=lambda line: None)
+    assert report["valid"] and report["kfac_margin"] == 2.0
+    meta_file = tmp_path / "km2_schedule.pickle.meta.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["kfac_margin"] == 2.0 and meta["packed_for"]["pipeline.schedule"] == "chimera"
+    timelines = [n.path for n in job.nodes]
+    res = CliRunner().invoke(main, ["validate", "--schedule", paths.schedule, *timelines])
+    assert res.exit_code == 0, res.output
+    assert "K-FAC times x 2, as recorded beside the schedule" in res.output
+    # tampering: the same schedule checked on the profiled times (the record says x1) overflows ...
+    meta_file.write_text(json.dumps({**meta, "kfac_margin": 1.0}))
+    res = CliRunner().invoke(main, ["validate", "--schedule", paths.schedule, *timelines])
+    assert res.exit_code == 1 and "unforced-overflow" in res.output
+    # ... and a record that is no factor is refused in one line
+    meta_file.write_text(json.dumps({**meta, "kfac_margin": "two"}))
+    res = CliRunner().invoke(main, ["validate", "--schedule", paths.schedule, *timelines])
+    assert res.exit_code == 2 and "holds no valid kfac_margin ('two'" in res.output
+
+
+def test_run_offers_the_pipelines_and_chunks_train_offers():
+    """One definition of --pipeline's choices and --chunks for both commands; run applies --chunks."""
+    def option(command: str, name: str):
+        return next(p for p in main.commands[command].params if p.name == name)
+
+    for name in ("pipe_schedule", "chunks"):
+        run_opt, train_opt = option("run", name), option("train", name)
+        assert run_opt.help == train_opt.help and run_opt.opts == train_opt.opts
+    assert "interleaved" in option("run", "pipe_schedule").type.choices
+    assert "interleaved" in option("run", "pipe_schedule").help
+    # tiny has 4 layers: 2 stages x 3 chunks do not fit, which only an applied --chunks can say
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", "unused", "--pipeline", "interleaved",
+                                    "--chunks", "3", "--no-progress"])
+    assert res.exit_code == 2 and "model.num_layers" in res.output and "Traceback" not in res.output, res.output
+
+
+def test_the_profile_losses_leave_the_timelines_folder(tmp_path):
+    from pipefisher.runtime.driver import RunPaths, keep_only_timelines
+
+    paths = RunPaths(str(tmp_path), "r")
+    os.makedirs(paths.timelines)
+    for name in ("tiny_node0_timeline.pickle", "tiny_losses.json", "tiny_tokenizer.json"):
+        (tmp_path / "r_timelines" / name).write_text(name)
+    keep_only_timelines(paths, "tiny")
+    assert os.listdir(paths.timelines) == ["tiny_node0_timeline.pickle"]
+    assert open(paths.profile_losses).read() == "tiny_losses.json" and os.path.exists(paths.tokenizer)

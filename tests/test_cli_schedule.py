@@ -96,10 +96,18 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[str, str]]:
     counts = small_node(); counts["call_backward"].pop()
     pairs = small_node(); pairs["call_forward"][1] = (1, 2, 3)
     types = small_node(); types["cov_kron_A:layer.0"] = [("a", "b")]
+    backwards = small_node(); backwards["cov_kron_B:layer.0"] = [(2_000_000, 1_000_000)]
     (tmp_path / "folder.pickle").mkdir()
+    (tmp_path / "run_timelines").mkdir()
+    (tmp_path / "run_timelines" / "run_losses.json").write_text("[2.5, 2.25]")
     return [
         (str(tmp_path / "missing.pickle"), "no such file"),
-        (str(tmp_path / "folder.pickle"), "is a directory, not a file"),
+        (str(tmp_path / "folder.pickle"), "is a folder with no node timelines"),
+        (str(tmp_path / "run_timelines"), "is a folder with no node timelines"),
+        (str(tmp_path / "run_timelines" / "run_losses.json"), "is not a node timeline: it holds a list.*give the folder"),
+        (write("run_tokenizer.json", b'{"vocab": [1, 2]}'), "is not a node timeline: it has no 'call_forward' key"),
+        (write("backwards.pickle", pickle.dumps(backwards)),
+         "key 'cov_kron_B:layer.0' interval 0 ends before it starts: \\(2.000 ms, 1.000 ms\\)"),
         (write("truncated.pickle", good[: len(good) // 2]), "truncated or not a pickle|not a valid pickle"),
         (write("text.pickle", b"just some text\n"), "not a valid pickle|truncated or not a pickle"),
         (write("evil.pickle", pickle.dumps({"call_forward": Evil()})), "refused: the pickle refers to"),
@@ -126,6 +134,23 @@ def test_every_bad_input_is_one_line_exit_2_and_leaves_the_old_schedule(tmp_path
         assert re.search(message, lines[0]), (message, lines[0])
         assert out.read_bytes() == b"old contents"
         assert not (tmp_path / "r.json").exists()
+
+
+def test_a_folder_stands_for_its_node_timelines(tmp_path) -> None:
+    # a trainer's run folder: node timelines, and its losses and tokenizer files beside them
+    folder = tmp_path / "run_timelines"
+    folder.mkdir()
+    for i in range(2):
+        (folder / f"run_node{i}_timeline.pickle").write_bytes(pickle.dumps(small_node(offset=10 * i)))
+    (folder / "run_losses.json").write_text("[2.5, 2.25]")
+    (folder / "run_tokenizer.json").write_text('{"vocab": [1, 2]}')
+    files = sorted(str(p) for p in folder.glob("*_timeline.pickle"))
+    by_files = run("schedule", *files)
+    by_folder = run("schedule", str(folder), "--save-path", str(tmp_path / "s.pickle"))
+    assert by_folder.exit_code == 0 and by_folder.output == by_files.output
+    assert run("validate", "--schedule", str(tmp_path / "s.pickle"), str(folder)).exit_code == 0
+    trace = run("trace", str(folder), "--out", str(tmp_path / "t.json"))
+    assert trace.exit_code == 0 and (tmp_path / "t.json").exists()
 
 
 def test_unknown_policy_and_unwritable_output_are_clear(tmp_path) -> None:
@@ -187,7 +212,7 @@ def test_a_schedule_packed_without_margin_is_refused_under_the_default_one(tmp_p
     refused = run("validate", "--schedule", str(out), "--margin", "0.05", str(path))
     assert refused.exit_code == 1 and "bubble-overfilled" in refused.output
     default = run("schedule", str(path))
-    assert default.exit_code == 0 and "overflow 97]" in default.output
+    assert default.exit_code == 0 and "overflow 97 ns]" in default.output  # times with their unit
 
 
 def test_a_plain_schedule_file_drops_stale_metadata(tmp_path) -> None:
@@ -243,3 +268,20 @@ def test_schedule_and_validate_refuse_two_jobs_unless_allow_mixed(tmp_path) -> N
     assert result.exit_code in (0, 1) and "--allow-mixed" not in result.output, result.output
     twice = case_timelines(CASE) + case_timelines(CASE)[:1]
     assert "is given twice" in run("schedule", *twice).output
+
+
+def test_only_a_process_that_ends_with_its_command_freezes_the_packed_job(tmp_path: Path) -> None:
+    # The console script freezes what is alive after packing (the collector's passes over a packed job
+    # free nothing); a process that goes on (tests, the library, the trainer) must keep collecting.
+    import gc
+
+    from pipefisher.cli.schedule import run_schedule
+
+    before = gc.get_freeze_count()
+    run_schedule([], None, None, False, echo=lambda _: None)
+    assert gc.get_freeze_count() == before
+    code = ("import gc; from pipefisher.cli import _common; _common.ENDS_WITH_COMMAND = True; "
+            "from pipefisher.cli.schedule import run_schedule; run_schedule([], None, None, False, echo=print); "
+            "print('frozen', gc.get_freeze_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert int(out.split("frozen")[1]) > 0

@@ -1,14 +1,16 @@
 """The installed package, not the clone: the CLI's defaults must come from package data; and what the
 README's commands write stays out of git.
 
-Builds a wheel, installs it into a fresh venv (system site-packages for numpy, click, ...), and runs the
-commands that read bundled files from a folder outside the repository. About 10-20 s; set
+Builds a wheel, installs it into a fresh venv that sees the packages of the interpreter running the tests
+(numpy, click, matplotlib, ...), and runs the commands that read bundled files from a folder outside the
+repository. About 10-20 s; set
 PIPEFISHER_SKIP_SLOW=1 to skip it.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -36,8 +38,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     assert build.returncode == 0, build.stderr
     (wheel,) = wheels.glob("pipefisher-*.whl")
     venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
+    _see_running_packages(py)
     inst = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
                           capture_output=True, text=True)
     assert inst.returncode == 0, inst.stderr
@@ -46,7 +49,24 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     where = subprocess.run([str(py), "-c", "import pipefisher; print(pipefisher.__file__)"], capture_output=True,
                            text=True, cwd=work, env=_env())
     assert str(venv) in where.stdout, "the venv must run the installed wheel, not the clone"
+    import matplotlib  # the dependency the base interpreter of a venv may lack
+    seen = subprocess.run([str(py), "-c", "import matplotlib; print(matplotlib.__file__)"], capture_output=True,
+                          text=True, cwd=work, env=_env())
+    assert seen.stdout.strip() == matplotlib.__file__, "the venv must see the running interpreter's packages"
     return venv / "bin" / "pipefisher", work
+
+
+def _see_running_packages(py: Path) -> None:
+    """Let the new venv import what the running interpreter can (its dependencies), and nothing of the clone.
+
+    ``--system-site-packages`` is not that: from inside a venv it means the *base* interpreter's packages,
+    which may lack matplotlib. A ``.pth`` file listing the running interpreter's site directories is: its
+    plain lines only extend ``sys.path``, so the editable install's own ``.pth`` hooks there stay unrun.
+    """
+    dirs = [*site.getsitepackages()] + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    (Path(purelib) / "_running_interpreter.pth").write_text("".join(f"{d}\n" for d in dirs if os.path.isdir(d)))
 
 
 def _env() -> dict[str, str]:
@@ -81,7 +101,8 @@ def test_wheel_lists_the_package_data(installed: tuple[Path, Path]) -> None:
 
 README_OUTPUTS = ["pipefisher-demo/chart.png", "runs/x_schedule.pickle", "prof/small_node0_timeline.pickle",
                   "sim/a_node0_timeline.pickle", "ck/rank0.pt", "schedule.pickle", "schedule.pickle.meta.json",
-                  "chart.png", "chart.svg", "trace.json", "report.json", "metrics.csv",
+                  "chart.png", "chart.svg", "trace.json", "report.json", "metrics.csv", "zoom.png",
+                  "measured.png", "measured.json", "s.pickle", "s.pickle.meta.json", "out/x.csv",
                   "bench-convergence/chart.png", "build/lib/x.py", "pipefisher.egg-info/PKG-INFO"]
 
 

@@ -49,3 +49,13 @@ def test_best_fit_is_valid_and_tight_never_loses_to_it() -> None:
         for a, b in zip(ours.nodes, theirs.nodes):
             assert a.figures.iterations <= b.figures.iterations, seed
             assert b.figures.lower_bound is not None and b.figures.lower_bound <= b.figures.iterations
+
+
+def test_equally_large_items_go_in_key_order_or_with_later_first_in_reverse() -> None:
+    # One bubble of 50: two equal pieces (20) of two queues, room for two pieces but three are asked.
+    job = job_from_dicts([_node([50], {"cov_kron_A:a": 20, "cov_kron_A:b": 20, "cov_kron_A:c": 20})])
+    model = node_model(job.nodes[0], job.span)
+    first = [label for _, label, _, _ in pack_best_fit(model).in_bubbles[0]]
+    last = [label for _, label, _, _ in pack_best_fit(model, later_first=True).in_bubbles[0]]
+    assert first == ["cov_kron_A:a", "cov_kron_A:b"]
+    assert last == ["cov_kron_A:c", "cov_kron_A:b"]

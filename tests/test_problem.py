@@ -13,6 +13,7 @@ are shrunk counterexamples to the contract (see each one's docstring).
 """
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -27,7 +28,8 @@ from pipefisher.policies.bounds import model_bounds
 from pipefisher.problem import fits, node_model
 from pipefisher.schedule import validate, validate_node
 from pipefisher.sim.random_jobs import random_raw_job
-from pipefisher.timeline import Job, job_from_dicts
+from pipefisher.sim import load_cost_model, simulate_timelines
+from pipefisher.timeline import KFAC_KINDS, Job, NodeTimeline, job_from_dicts, weight_key
 
 MARGINS = (0.0, 0.05, 0.2)
 TIGHT = get_policy("tight")
@@ -156,7 +158,7 @@ def raw_jobs(draw: Any) -> list[Raw]:
             d["call_forward" + pipe] = []
             d["call_backward" + pipe] = []
         todo = {p: [0, 0] for p in pipes}  # forwards, backwards done
-        t = 0 if n == 0 else draw(st.integers(-300, 300))
+        t = first = 0 if n == 0 else draw(st.integers(-300, 300))
         while any(b < m for _, b in todo.values()):
             p = draw(st.sampled_from([q for q in pipes if todo[q][1] < m]))
             f, b = todo[p]
@@ -178,7 +180,7 @@ def raw_jobs(draw: Any) -> list[Raw]:
                         ivs.append((None, None) if dur is None else (scale(t), scale(t + dur)))
                         t += dur or 0
                     d[f"{kind}:n{n}.l{layer}{pipe}"] = ivs
-        d["start_end"] = [(scale(0), scale(t))]
+        d["start_end"] = [(scale(min(first, 0)), scale(t))]  # a step ends after it starts
         raws.append(d)
     return raws
 
@@ -388,3 +390,57 @@ def test_a_chunks_covariance_pieces_follow_that_chunks_own_calls() -> None:
     assert work["cov_kron_A:l"].group != work["cov_kron_A:l:chunk1"].group
     # the chunk's calls are pipeline work, not idle time
     assert [(b.start, b.end) for b in model.bubbles[:4]] == [(10, 20), (30, 40), (50, 60), (70, 100)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Zero-bubble weight-gradient passes (W) are pipeline work
+
+ZB_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pipefisher", "data", "sim",
+                         "bert-base-4stages.yaml")
+
+
+def zb_h1_job() -> Job:
+    """bert-base on 4 stages under ZB-H1: nodes 1-3 defer W passes into what would be bubbles."""
+    timelines, _ = simulate_timelines(load_cost_model(ZB_CONFIG), "zb-h1", micro_batches=8)
+    return job_from_dicts(timelines)
+
+
+def busy_union(node: NodeTimeline, keys: list[str]) -> int:
+    """Time covered by the intervals of ``keys``, by hand: merge them in start order."""
+    total, end = 0, None
+    for s, e in sorted((iv.start, iv.end) for k in keys for iv in node.intervals(k)):
+        if end is None or s > end:
+            total, end = total + e - s, e
+        elif e > end:
+            total, end = total + e - end, e
+    return total
+
+
+def test_bubbles_exclude_weight_gradient_passes() -> None:
+    job = zb_h1_job()
+    for n, node in enumerate(job.nodes):
+        model = node_model(node, job.span)
+        pipeline = ["call_forward", "call_backward"] + ([weight_key()] if node.weights() else [])
+        assert sum(b.length for b in model.bubbles) == model.length - busy_union(node, pipeline)
+        assert model_bounds(model).bubble_time == model.length - busy_union(node, pipeline)
+        assert node.micro_batches() == 8  # W passes are no micro-batches
+        if n:
+            assert node.weights(), "nodes after the first defer W passes"
+            assert model.length - busy_union(node, pipeline) < model.length - busy_union(node, pipeline[:2])
+
+
+@pytest.mark.parametrize("policy", ["tight", "best-fit", "compat", "exact"])
+def test_no_kfac_item_runs_over_a_weight_gradient_pass(policy: str) -> None:
+    if policy == "exact":
+        pytest.importorskip("ortools")
+    job = zb_h1_job()
+    packed = get_policy(policy, **({"time_limit": 2.0} if policy == "exact" else {})).pack(job)
+    for node, schedule in zip(job.nodes, packed.nodes):
+        weights = [(iv.start, iv.end) for iv in node.weights()]
+        for p in schedule.placements:
+            if p.category in KFAC_KINDS:  # placements are relative to their iteration, as the pipeline is
+                assert not any(p.start < e and s < p.end for s, e in weights), (node.path, p)
+        drawn = [p for p in schedule.placements if p.category == "weight"]
+        assert len(drawn) == len(weights) * len(schedule.iterations)  # the packed chart draws W
+    if policy != "compat":  # compat keeps the published tool's dependency flaws (its spec)
+        assert validate(packed.to_file_data(), job) == []

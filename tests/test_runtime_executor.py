@@ -118,6 +118,66 @@ def test_cli_refuses_a_wrong_schedule_before_training(tmp_path):
     assert res.exit_code == 2 and "--mode scheduled needs --schedule FILE" in res.output
 
 
+def test_a_schedule_packed_for_another_model_is_refused_unless_allowed(tmp_path):
+    """Its metadata records the job it was packed for; another model shape is one line naming what
+    differs, in the CLI before any worker starts and in every worker, unless the run says it means it."""
+    from pipefisher.runtime.dist import single_process
+    from pipefisher.runtime.executor import load_checked_schedule, packed_for
+
+    from _schedules import packed_job_schedule
+
+    cfg = tiny(pipeline={"stages": 1})
+    path = str(tmp_path / "s.pickle")
+    save_schedule(path, packed_job_schedule(cfg), packed_for=packed_for(cfg))
+    load_checked_schedule(path, cfg)  # its own job: fine
+    wider = cfg.replace(model={"hidden_size": 64})
+    with pytest.raises(InputError, match=r"was packed for another job: model.hidden_size 32 \(this run: 64\);"
+                                         r".*--allow-schedule-mismatch"):
+        load_checked_schedule(path, wider)
+    load_checked_schedule(path, wider, allow_mismatch=True)
+    deeper = cfg.replace(model={"num_layers": 6})  # more layers: more K-FAC modules on the stage too
+    with pytest.raises(InputError, match=r"model.num_layers 4 \(this run: 6\), node 0's K-FAC modules "
+                                         r"\(24 packed for, 36 here"):
+        load_checked_schedule(path, deeper)
+    # the workers check it too (torchrun runs no CLI pre-check), and take the override from the options
+    opts = TrainOptions(mode="scheduled", schedule=path, steps=1, progress=False)
+    with pytest.raises(InputError, match="model.hidden_size 32"):
+        Trainer(wider, single_process(), opts)
+    assert Trainer(wider, single_process(), TrainOptions(**{**opts.__dict__, "allow_schedule_mismatch": True})).cycle
+
+    # the CLI, before any worker starts; with the flag it goes on (to the next check, here the resume one)
+    flags = ["train", "--config", TINY, "--stages", "1", "--schedule", path, "--no-progress"]
+    res = CliRunner().invoke(main, [*flags, "--set", "model.hidden_size=64"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert res.output.count("\n") == 1 and "model.hidden_size 32 (this run: 64)" in res.output
+    res = CliRunner().invoke(main, [*flags, "--set", "model.hidden_size=64", "--allow-schedule-mismatch",
+                                    "--resume", str(tmp_path / "none")])
+    assert "packed for another job (model.hidden_size 32 (this run: 64)); training it anyway" in res.output
+    # a schedule without the record (a published file) is checked as before, by its labels alone
+    save_schedule(path, packed_job_schedule(cfg).to_file_data())
+    load_checked_schedule(path, wider)
+
+
+def test_a_schedule_packed_from_timelines_records_what_they_say(tmp_path):
+    """`pipefisher schedule` knows no config: it records the job's stages, micro-batches and K-FAC modules,
+    which the runtime compares with its own (the model's shape stays unchecked there)."""
+    import glob
+
+    from pipefisher.runtime.executor import load_checked_schedule
+    from pipefisher.schedule import schedule_packed_for
+
+    profile = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "data", "profiles", "chimera_tiny_2", "*.pickle")))
+    path = str(tmp_path / "s.pickle")
+    assert CliRunner().invoke(main, ["schedule", *profile, "--save-path", path]).exit_code == 0
+    recorded = schedule_packed_for(path)
+    assert set(recorded) == {"pipeline.stages", "data.num_micro_batches", "modules"}
+    cfg = tiny(pipeline={"schedule": "chimera"})
+    load_checked_schedule(path, cfg)
+    load_checked_schedule(path, cfg.replace(model={"hidden_size": 64}))  # not recorded, not compared
+    with pytest.raises(InputError, match=r"data.num_micro_batches 4 \(this run: 8\)"):
+        load_checked_schedule(path, cfg.replace(data={"num_micro_batches": 8}))
+
+
 def _train_bad(cfg_path: str, schedule: str) -> None:
     from pipefisher.runtime.launch import run_worker
 

@@ -274,3 +274,10 @@ def test_kfac_run_says_what_kfac_covers_at_start_and_first_order_does_not(capsys
                    "ignored by kfac.ignore: cls.predictions.transform.dense, cls.predictions.decoder"]
                   if mode == "kfac" else [])
         assert lines == expect, (mode, lines)
+
+
+def test_the_peak_memory_line_says_which_worker_it_is(capsys):
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})
+    Trainer(cfg, single_process(), TrainOptions(steps=1, progress=False)).run()
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "peak memory" in ln)
+    assert line.endswith(" MiB (rank 0: stage 0, replica 0)"), line

@@ -127,6 +127,41 @@ def test_room_rules_on_a_small_node() -> None:
     assert [v.rule for v in validate([late], job2)] == ["unforced-overflow"]
 
 
+def _zero_bubble_node() -> dict:
+    """Forwards [0, 10) and [100, 110), input-gradient passes B [110, 120) and [200, 210), and one
+    deferred weight-gradient pass W [120, 180): bubbles [10, 100) and [180, 200) only."""
+    return {"start_end": [(0, 240)], "call_forward": [(0, 10), (100, 110)], "call_backward": [(110, 120), (200, 210)],
+            "call_backward:weight": [(120, 180)], "cov_kron_A:l": [(210, 220)], "cov_kron_B:l": [(220, 230)]}
+
+
+def _cycle(first: list[str], second: list[str]) -> list[list[str]]:
+    """A two-iteration cycle of ``first`` and ``second``'s labels between the markers."""
+    return [["-- start --", *first, "-- end --", "turn_off_save_inputs_outgrads"],
+            ["-- start --", *second, "-- end --", "turn_on_save_inputs_outgrads"]]
+
+
+F, B, W, CA, CB = "call_forward", "call_backward", "call_backward:weight", "cov_kron_A:l", "cov_kron_B:l"
+LATER = [F, F, B, W, CB, B]  # the second iteration: factor B's last piece in [180, 200)
+
+
+def test_kfac_placed_over_a_weight_gradient_pass_is_refused() -> None:
+    job = job_from_dicts([_zero_bubble_node()])
+    assert validate([_cycle([F, CA, F, B, W, CA, CB, B], LATER)], job) == []  # both pieces fit [180, 200)
+    # as packers that took W for idle time wrote it: the piece after B0 runs at [120, 125), over W
+    over = {v.rule: str(v) for v in validate([_cycle([F, CA, F, B, CA, CB, B], LATER)], job)}
+    assert "'call_backward:weight' at 120 ns..180 ns" in over["kfac-over-pipeline"]
+    assert "pipeline-count" in over  # and W is missing from the iteration
+    # with W listed after the work, the bubble before W has no room for it
+    assert [v.rule for v in validate([_cycle([F, CA, F, B, CA, W, CB, B], LATER)], job)] == ["bubble-overfilled"]
+
+
+def test_a_weight_gradient_pass_is_not_the_backward_factor_b_pieces_follow() -> None:
+    job = job_from_dicts([_zero_bubble_node()])
+    # factor B's second piece needs backward 1 (B1, [200, 210)); W0 before it is no backward
+    early = _cycle([F, CA, F, B, W, CA, CB, CB, B], [F, F, B, W, B])
+    assert [v.rule for v in validate([early], job, room=False)] == ["cov-before-backward"]
+
+
 def test_schedule_files_round_trip_and_are_checked(tmp_path) -> None:
     path = tmp_path / "s.pickle"
     save_schedule(path, [GOOD])

@@ -8,7 +8,9 @@ import pytest
 
 from conftest import small_node
 from pipefisher.errors import InputError
-from pipefisher.timeline import Interval, TimelineKey, expand_paths, job_from_dicts, load_job, natural_key
+from pipefisher.timeline import (
+    Interval, TimelineKey, expand_paths, format_time, job_from_dicts, load_job, natural_key,
+)
 
 
 def test_natural_sort_puts_node2_before_node10(write_pickle) -> None:
@@ -223,9 +225,10 @@ def test_per_chunk_micro_batch_counts() -> None:
     assert node.chunks == (0, 1)
     assert node.micro_batches() == 2 and node.micro_batches(chunk=1) == 2 and node.micro_batches(chunk=2) == 0
     assert node.pipe_keys() == ("call_forward", "call_forward:up_pipe", "call_backward", "call_backward:up_pipe",
-                                "call_forward:chunk1", "call_backward:chunk1")
+                                "call_backward:weight", "call_backward:weight:up_pipe",
+                                "call_forward:chunk1", "call_backward:chunk1", "call_backward:weight:chunk1")
     published = job_from_dicts([small_node()]).nodes[0]
-    assert published.chunks == (0,) and len(published.pipe_keys()) == 4
+    assert published.chunks == (0,) and len(published.pipe_keys()) == 6
 
 
 def test_a_chunk_with_unequal_forwards_and_backwards_is_refused(write_pickle) -> None:
@@ -233,4 +236,19 @@ def test_a_chunk_with_unequal_forwards_and_backwards_is_refused(write_pickle) ->
     d["call_backward:chunk1"].pop()
     path = write_pickle("bad_node0_timeline.pickle", d)
     with pytest.raises(InputError, match="has 2 'call_forward:chunk1' but 1 'call_backward:chunk1' intervals"):
+        load_job([path])
+
+
+def test_times_in_messages_carry_their_unit() -> None:
+    assert format_time(39716698) == "39.717 ms"  # integer nanoseconds (GPU profiles)
+    assert format_time(97) == "97 ns"
+    assert format_time(0.0397) == "0.0397 s"  # float seconds (CPU or hand-made profiles)
+
+
+def test_an_interval_that_ends_before_it_starts_is_refused(write_pickle) -> None:
+    d = small_node()
+    d["sync_kron_B:layer.0"] = [(50, 40)]
+    path = write_pickle("node0.pickle", d)
+    with pytest.raises(InputError, match=r"node0.pickle: key 'sync_kron_B:layer.0' interval 0 ends before it "
+                                         r"starts: \(50 ns, 40 ns\)"):
         load_job([path])

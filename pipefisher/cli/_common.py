@@ -1,6 +1,7 @@
 """What every command shares: bad input becomes one line on stderr and exit code 2."""
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Any
 
@@ -56,3 +57,44 @@ def margin_option(recorded: bool = False) -> Any:
         show_default=not recorded,
         help="room each K-FAC item needs beyond its own length, as a fraction of it: an item fits where "
              "start + (1 + margin) x length < the bubble's end" + (f" (default: {default})" if default else ""))
+
+
+def pipeline_option() -> Any:
+    """``--pipeline``: the forward/backward order, one definition of its choices for ``train`` and ``run``."""
+    from pipefisher.runtime.config import PIPELINE_ORDERS  # plain Python: no torch
+
+    return click.option(
+        "--pipeline", "pipe_schedule", type=click.Choice(PIPELINE_ORDERS), default=None,
+        help="override pipeline.schedule: the forward/backward order (chimera: two pipes in opposite "
+             "directions, every device holding two stage copies; interleaved: 1F1B over --chunks model "
+             "chunks per device)")
+
+
+def chunks_option() -> Any:
+    """``--chunks``: model chunks per device under ``--pipeline interleaved`` (``train`` and ``run``)."""
+    return click.option(
+        "--chunks", type=click.IntRange(min=2), default=None,
+        help="override pipeline.chunks: model chunks per device with --pipeline interleaved "
+             "(virtual stage s on device s % stages) [config default: 2]")
+
+
+ENDS_WITH_COMMAND = False
+"""True in a process that ends with its one command (the console scripts set it); never in tests, the
+library or the trainer, which go on after a command."""
+
+
+def keep_until_exit() -> None:
+    """After packing, in a process that ends with its command: what is alive now (a packed job is
+    millions of tuples without cycles) stays alive until exit, so the collector's passes over it, the
+    one at exit included, free nothing and only take time (a tenth of a big job's run): freeze it."""
+    if ENDS_WITH_COMMAND:
+        gc.freeze()
+
+
+def console() -> None:
+    """The ``pipefisher`` console script: the command group, in a process that ends with it."""
+    global ENDS_WITH_COMMAND
+    ENDS_WITH_COMMAND = True
+    from pipefisher.cli import main
+
+    main()

@@ -20,7 +20,7 @@ def check_out_file(path: str | os.PathLike[str] | None, option: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise InputError(path, f"cannot be written: its folder does not exist ({option})")
-    if not os.access(folder, os.W_OK | os.X_OK):
+    if not os.access(folder, os.W_OK | os.X_OK) or not _can_create_in(folder):
         raise InputError(path, f"cannot be written: its folder is not writable ({option})")
 
 
@@ -35,7 +35,36 @@ def check_out_folder(path: str | os.PathLike[str], option: str) -> None:
         here = parent
     if not os.path.isdir(here):
         raise InputError(path, f"cannot be created ({option}): {os.path.normpath(here)} is a file")
-    if not os.access(here, os.W_OK | os.X_OK):
+    if not os.access(here, os.W_OK | os.X_OK) or not _can_create_in(here):
         if here == os.path.abspath(path):
             raise InputError(path, f"is not writable ({option})")
         raise InputError(path, f"cannot be created ({option}): {os.path.normpath(here)} is not writable")
+
+
+def _can_create_in(folder: str) -> bool:
+    """Whether a file can really be created in ``folder``: ``os.access`` says yes to root everywhere, and
+    to read-only or virtual file systems (``/proc``) where every write fails; a probe file tells."""
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".pipefisher-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
+def check_profile_folder(folder: str | os.PathLike[str], name: str, rename: str = "--set name=NEW") -> None:
+    """Refuse to profile into a folder that already holds node timelines under the same name: writing
+    would replace them without a word (and a half-replaced set mixes two runs)."""
+    from pipefisher.timeline import node_file_prefix  # the one definition of the node files' names
+
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        return
+    found = sorted(f for f in os.listdir(folder) if node_file_prefix(f) == name)
+    if found:
+        raise InputError(folder, f"already holds timelines of a profile named '{name}' ({found[0]}, "
+                                 f"{len(found)} file(s)); profiling again would overwrite them: choose another "
+                                 f"name ({rename}) or remove them first")

@@ -9,11 +9,10 @@ import os
 import click
 
 from pipefisher.cli import main
-from pipefisher.cli._common import margin_option, require_runtime
+from pipefisher.cli._common import chunks_option, margin_option, pipeline_option, require_runtime
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.cli.train import set_option
 from pipefisher.errors import InputError
-from pipefisher.runtime.config import PIPELINE_ORDERS
 
 
 @main.command("run")
@@ -42,8 +41,8 @@ from pipefisher.runtime.config import PIPELINE_ORDERS
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages")
-@click.option("--pipeline", "pipe_schedule", type=click.Choice(PIPELINE_ORDERS), default=None,
-              help="override pipeline.schedule (gpipe, 1f1b, or chimera: two pipes in opposite directions)")
+@pipeline_option()
+@chunks_option()
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="override pipeline.timeout_s")
 @set_option()
@@ -54,7 +53,7 @@ from pipefisher.runtime.config import PIPELINE_ORDERS
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, policy: str | None,
                 kfac_margin: float, margin: float, adapt: bool, name: str | None, allow_invalid: bool, checkpoint_every: int, nproc: int | None,
-                stages: int | None, pipe_schedule: str | None, timeout_s: float | None,
+                stages: int | None, pipe_schedule: str | None, chunks: int | None, timeout_s: float | None,
                 overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
     """Profile a few K-FAC steps, pack them into the pipeline bubbles, print the usage report, and
     train with the schedule; timelines, schedule, report, chart, metrics and config go to --out."""
@@ -78,8 +77,8 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
     cfg = apply_overrides(load_config(config_path), overrides, config_path)
     if cfg.data.text != "synthetic":
         require_runtime("run", ("tokenizers",))  # real text is tokenized by the tokenizers package
-    pipeline = {k: v for k, v in (("stages", stages), ("schedule", pipe_schedule), ("timeout_s", timeout_s))
-                if v is not None}
+    pipeline = {k: v for k, v in (("stages", stages), ("schedule", pipe_schedule), ("timeout_s", timeout_s),
+                                  ("chunks", chunks)) if v is not None}
     try:
         cfg = cfg.replace(pipeline=pipeline)
     except InputError as err:

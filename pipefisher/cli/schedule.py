@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 import click
 
 from pipefisher.cli import main
-from pipefisher.cli._common import margin_option
+from pipefisher.cli._common import keep_until_exit, margin_option
 from pipefisher.problem import DEFAULT_MARGIN
 
 
@@ -33,7 +33,7 @@ def run_schedule(
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.report import report_data, usage_lines, workload_lines
     from pipefisher.safe_io import dump_json_atomic
-    from pipefisher.schedule import save_schedule
+    from pipefisher.schedule import job_layout, save_schedule
     from pipefisher.timeline import load_job
 
     name = policy or DEFAULT_POLICY
@@ -47,6 +47,7 @@ def run_schedule(
         echo(f"(no timelines given: packing the bundled example, {len(paths)} nodes)")
     job = load_job(paths, allow_mixed=allow_mixed)
     schedule = chosen.pack(job, margin)
+    keep_until_exit()
     if margin != DEFAULT_MARGIN:
         echo(f"(margin {margin:g}: an item fits where start + {1 + margin:g} x length < the bubble's end)")
     if print_workloads:
@@ -65,7 +66,7 @@ def run_schedule(
             echo(line)
     data = report_data(schedule, job) if json_path else None
     if save_path:
-        save_schedule(save_path, schedule, timelines=[n.path for n in job.nodes])
+        save_schedule(save_path, schedule, timelines=[n.path for n in job.nodes], packed_for=job_layout(job))
     if json_path:
         dump_json_atomic(json_path, data)
 

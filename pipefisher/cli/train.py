@@ -5,14 +5,15 @@ torch is imported inside the command only, so the other commands never pay for i
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import click
 
 from pipefisher.cli import main
-from pipefisher.cli._common import require_runtime
+from pipefisher.cli._common import chunks_option, pipeline_option, require_runtime
+from pipefisher.cli._outputs import check_out_file, check_out_folder, check_profile_folder
 from pipefisher.errors import InputError
-from pipefisher.runtime.config import PIPELINE_ORDERS
 
 
 def set_option() -> Any:
@@ -32,14 +33,15 @@ def workers_log(out_dir: str | None, metrics_path: str | None, name: str) -> str
 
 
 def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: str | None,
-                     resume: str | None, mode: str, adapt: bool = False) -> str | None:
+                     resume: str | None, mode: str, adapt: bool = False,
+                     allow_schedule_mismatch: bool = False) -> str | None:
     """Refuse, before any worker starts, a schedule or checkpoint that does not belong to this job.
 
     Returns the schedule's digest (None without a schedule). The workers check again on their own.
     """
     from pipefisher.runtime.checkpoint import check_resumable
     from pipefisher.runtime.corpus import load_corpus
-    from pipefisher.runtime.executor import load_checked_schedule, schedule_digest
+    from pipefisher.runtime.executor import MISMATCH_FLAG, check_packed_for, load_checked_schedule, schedule_digest
     from pipefisher.runtime.model import check_builder
 
     check_builder(cfg, config_path)  # type: ignore[arg-type]  # model.builder imports, its stages fit
@@ -50,7 +52,10 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
         load_corpus(cfg.data, cfg.model.vocab_size)  # type: ignore[attr-defined]
     digest = None
     if schedule_path is not None:
-        digest = schedule_digest(load_checked_schedule(schedule_path, cfg, replicas))  # type: ignore[arg-type]
+        digest = schedule_digest(load_checked_schedule(schedule_path, cfg, replicas,  # type: ignore[arg-type]
+                                                       allow_schedule_mismatch))
+        if allow_schedule_mismatch and (diff := check_packed_for(schedule_path, cfg, True)):  # type: ignore[arg-type]
+            click.echo(f"{schedule_path}: packed for another job ({diff}); training it anyway ({MISMATCH_FLAG})")
     if resume is not None:
         man = check_resumable(resume, cfg, mode, digest, stages, replicas)
         cycles = man.get("node_cycles") or []
@@ -70,13 +75,11 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
                    "[default: first-order]")
 @click.option("--schedule", "schedule_arg", default=None, metavar="FILE",
               help="schedule file (pipefisher schedule --save-path): train in scheduled mode")
-@click.option("--pipeline", "pipe_schedule", type=click.Choice(PIPELINE_ORDERS), default=None,
-              help="override pipeline.schedule: the forward/backward order (chimera: two pipes in "
-                   "opposite directions, every device holding two stage copies; interleaved: 1F1B over "
-                   "--chunks model chunks per device)")
-@click.option("--chunks", type=click.IntRange(min=2), default=None,
-              help="override pipeline.chunks: model chunks per device with --pipeline interleaved "
-                   "(virtual stage s on device s % stages) [config default: 2]")
+@click.option("--allow-schedule-mismatch", is_flag=True,
+              help="train a --schedule whose metadata (FILE.meta.json) says it was packed for another job "
+                   "(model shape, stages, micro-batches, pipeline, K-FAC modules)")
+@pipeline_option()
+@chunks_option()
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
               help="total training steps (with --resume: including those already done)")
 @click.option("--profile", is_flag=True,
@@ -95,7 +98,8 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
               help="with --schedule: measure every step and re-pack the schedule from the measurements while "
                    "training (switching at cycle boundaries, on every worker at the same step); the "
                    "schedules used go to --out")
-@click.option("--adapt-policy", default="tight", show_default=True, help="packing policy of --adapt's re-packs")
+@click.option("--adapt-policy", default=None,
+              help="packing policy of --adapt's re-packs, only with --adapt [default: pipefisher schedule's]")
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages")
@@ -108,10 +112,11 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 @click.option("--log-every", type=click.IntRange(min=1), default=5, show_default=True,
               help="steps between loss lines")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
-def train_command(config_path: str, mode: str | None, schedule_arg: str | None, pipe_schedule: str | None,
+def train_command(config_path: str, mode: str | None, schedule_arg: str | None, allow_schedule_mismatch: bool,
+                  pipe_schedule: str | None,
                   steps: int, profile: bool, out_dir: str | None, metrics_path: str | None,
                   checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, adapt: bool,
-                  adapt_policy: str, nproc: int | None,
+                  adapt_policy: str | None, nproc: int | None,
                   stages: int | None, interval: int | None, timeout_s: float | None, chunks: int | None,
                   overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
     """Train the masked-language model with pipeline parallelism: first-order, K-FAC, or K-FAC packed
@@ -132,15 +137,8 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
                                              "(torchrun --nproc-per-node N --no-python pipefisher train ...) "
                                              "and drop pipefisher's --nproc-per-node")
     require_runtime("train")
-    if not no_progress and os.environ.get("RANK", "0") == "0":
-        from pipefisher.runtime.progress import phase
-
-        phase("loading torch")  # seconds on a cold start, before anything else can be said
-    from pipefisher.kfac.factors import BadFactorError
-    from pipefisher.runtime.config import load_config
-    from pipefisher.runtime.config import apply_overrides
-    from pipefisher.runtime.launch import WorkerFailed, launch_local, run_worker
-    from pipefisher.runtime.trainer import PeerLost, TrainOptions
+    # Up to "loading torch" nothing imports it: a bad config, option or output path costs no start-up.
+    from pipefisher.runtime.config import apply_overrides, load_config
 
     schedule_path = schedule_arg
     if mode is None:
@@ -153,9 +151,13 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         raise click.UsageError("--profile runs kfac steps; it does not take a schedule file")
     if adapt and not schedule_path:
         raise click.UsageError("--adapt re-packs a schedule while training: it needs --schedule FILE")
-    if adapt:
-        from pipefisher.policies import get_policy
+    if adapt_policy is not None and not adapt:
+        raise InputError("--adapt-policy", "sets the packing policy of --adapt's re-packs, and there is no --adapt; "
+                                           "add --adapt, or drop --adapt-policy")
+    from pipefisher.policies import DEFAULT_POLICY, get_policy
 
+    adapt_policy = adapt_policy or DEFAULT_POLICY
+    if adapt:
         get_policy(adapt_policy)  # an unknown name: one line, before any worker starts
     cfg = apply_overrides(load_config(config_path), overrides, config_path)
     if cfg.data.text != "synthetic":
@@ -168,10 +170,18 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         raise InputError(config_path, err.problem) from None
     if profile and not out_dir:
         raise click.UsageError("--profile needs --out DIR for the timeline files")
+    if profile:
+        check_profile_folder(out_dir, cfg.name)  # type: ignore[arg-type]  # never overwrite a profile silently
     if resume_dir and not checkpoint_dir:
         checkpoint_dir = resume_dir  # keep checkpointing where we resumed from
     if checkpoint_every and not checkpoint_dir:
         raise click.UsageError("--checkpoint-every needs --checkpoint-dir DIR")
+    # every output is checked here, before torch loads, not only when written after the last step
+    ck_option = "--checkpoint-dir" if checkpoint_dir != resume_dir else "--resume"
+    for folder, option in ((out_dir, "--out"), (checkpoint_dir, ck_option)):
+        if folder:
+            check_out_folder(folder, option)
+    check_out_file(metrics_path, "--metrics")
     for folder in (out_dir, checkpoint_dir):
         if folder:
             try:
@@ -190,17 +200,27 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
             raise InputError(config_path, f"torchrun started {n} workers (WORLD_SIZE), not a multiple of the "
                                           f"{cfg.pipeline.stages} pipeline stages; start stages x replicas "
                                           "workers (torchrun --nnodes x --nproc-per-node)")
+    if not no_progress and os.environ.get("RANK", "0") == "0":
+        from pipefisher.runtime.progress import phase
+
+        phase("loading torch")  # seconds on a cold start, before anything else can be said
+    from pipefisher.kfac.factors import BadFactorError
+    from pipefisher.runtime.launch import INTERRUPTED_EXIT, Interrupted, WorkerFailed, launch_local, run_worker
+    from pipefisher.runtime.trainer import PeerLost, TrainOptions
+
     if not no_progress and cfg.data.text != "synthetic" and os.environ.get("RANK", "0") == "0":
         from pipefisher.runtime.progress import phase
 
         phase(f"preparing the '{cfg.data.text}' corpus (the tokenizer and token ids are built once, then cached)")
-    prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode, adapt)
+    prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode, adapt, allow_schedule_mismatch)
     if resume_dir:
-        from pipefisher.runtime.checkpoint import nothing_left
+        from pipefisher.runtime.checkpoint import nothing_left, resume_note
 
         if done := nothing_left(resume_dir, steps):  # resuming to the steps already done: say so, start nothing
             click.echo(done)
             return
+        if (note := resume_note(resume_dir, cfg, steps)) and (job is None or job.rank == 0):
+            click.echo(note)  # the learning-rate schedule: changed on purpose, or kept past its end
     if out_dir and (job is None or job.rank == 0):  # the config this run used, --set included
         from pipefisher.runtime.driver import config_yaml
         from pipefisher.safe_io import write_atomic
@@ -209,7 +229,8 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     opts = TrainOptions(mode=mode, steps=steps, profile=profile, out=out_dir, log_every=log_every,
                         progress=not no_progress, schedule=_abs(schedule_path), metrics=_abs(metrics_path),
                         checkpoint_dir=_abs(checkpoint_dir), checkpoint_every=checkpoint_every,
-                        resume=_abs(resume_dir), eval_every=eval_every, adapt=adapt, adapt_policy=adapt_policy)
+                        resume=_abs(resume_dir), eval_every=eval_every, adapt=adapt, adapt_policy=adapt_policy,
+                        allow_schedule_mismatch=allow_schedule_mismatch)
     try:
         if job is not None or n == 1:
             run_worker(cfg, opts)
@@ -217,6 +238,11 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
             launch_local(cfg, opts, n, echo=click.echo, log_path=workers_log(out_dir, metrics_path, cfg.name))
     except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None
+    except KeyboardInterrupt as err:  # Ctrl-C: how far it got and how to go on, not just "Aborted!"
+        if job is None or job.rank == 0:
+            stop = err if isinstance(err, Interrupted) else Interrupted(None)
+            click.echo(interrupted_message(stop, steps, checkpoint_dir, sys.argv), err=True)
+        sys.exit(INTERRUPTED_EXIT)
     if schedule_path and out_dir and (job is None or job.rank == 0):
         prefix = os.path.join(out_dir, cfg.name)
         for suffix in ("_measurements.csv", "_cycles.jsonl", "_measured", "_schedules"):
@@ -227,6 +253,36 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
 
         for node in range(cfg.pipeline.stages):
             click.echo(f"wrote {os.path.normpath(os.path.join(out_dir or '.', timeline_filename(cfg.name, node)))}")
+
+
+def interrupted_message(stop: Any, steps: int, checkpoint_dir: str | None, argv: list[str]) -> str:
+    """The line after Ctrl-C: the steps done, the command that resumes from the last checkpoint (or that
+    there is none), and where the worker log is when one was kept. ``stop``: the run's ``Interrupted``."""
+    from pipefisher.runtime.checkpoint import MANIFEST, read_manifest
+
+    done = "before its first step ended" if stop.steps_done is None else f"after {stop.steps_done} of {steps} steps"
+    if checkpoint_dir is None:
+        then = "no checkpoint to resume from (--checkpoint-dir DIR writes them, --checkpoint-every N how often)"
+    elif not os.path.exists(os.path.join(checkpoint_dir, MANIFEST)):
+        then = f"no checkpoint to resume from: none was written in {os.path.normpath(checkpoint_dir)} yet"
+    else:
+        held = int(read_manifest(checkpoint_dir).get("steps_done") or 0)
+        then = (f"the checkpoint in {os.path.normpath(checkpoint_dir)} has {held} steps done; resume with: "
+                f"{resume_command(argv, checkpoint_dir)}")
+    log = f"; worker output in {stop.log}" if stop.log else ""
+    return f"interrupted {done}; {then}{log}"
+
+
+def resume_command(argv: list[str], checkpoint_dir: str) -> str:
+    """This very command line (``sys.argv``) with ``--resume DIR`` added where it is missing."""
+    import shlex
+
+    if "train" not in argv[1:]:  # not started from a command line (a library call, a test runner)
+        return f"this command with --resume {shlex.quote(checkpoint_dir)}"
+    args = argv[argv.index("train", 1):]
+    if not any(a == "--resume" or a.startswith("--resume=") for a in args):
+        args += ["--resume", checkpoint_dir]
+    return "pipefisher " + shlex.join(args)
 
 
 def _abs(path: str | None) -> str | None:

@@ -44,11 +44,15 @@ def validate_command(schedule_path: str, room: bool, layout: str, margin: float 
     """
     from pipefisher.policies.groups import chimera_groups
     from pipefisher.problem import DEFAULT_MARGIN
-    from pipefisher.schedule import load_schedule, schedule_margin, validate
-    from pipefisher.timeline import load_job
+    from pipefisher.schedule import load_schedule, schedule_kfac_margin, schedule_margin, validate
+    from pipefisher.timeline import inflate_kfac, load_job
 
     job = load_job(timelines, allow_mixed=allow_mixed)
     schedule = load_schedule(schedule_path)
+    kfac_margin = schedule_kfac_margin(schedule_path)  # the job it was packed against: the one it is checked on
+    if kfac_margin != 1.0:
+        job = inflate_kfac(job, kfac_margin)
+        click.echo(f"(K-FAC times x {kfac_margin:g}, as recorded beside the schedule)", err=True)
     if margin is None:
         margin = schedule_margin(schedule_path)
         if margin is None:

@@ -222,7 +222,7 @@ def _member(node: int, model: NodeModel, schedule: NodeSchedule, calls: Sequence
 
 
 def _is_pipeline(label: str) -> bool:
-    return label.startswith(("call_forward", "call_backward"))
+    return TimelineKey.parse(label).is_pipeline
 
 
 def _as_packed(members: Sequence[_Member]) -> dict[Item, float]:

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from functools import lru_cache
 from dataclasses import dataclass, field
-from typing import ClassVar, Iterator, NamedTuple, Sequence
+from typing import Callable, ClassVar, Iterator, NamedTuple, Sequence
 
 from pipefisher.problem import DEFAULT_MARGIN
 from pipefisher.timeline import BACKWARD, FORWARD, KFAC_KINDS, Job, Time, TimelineKey
@@ -21,19 +21,24 @@ END = "-- end --"
 SAVE_OFF = "turn_off_save_inputs_outgrads"
 SAVE_ON = "turn_on_save_inputs_outgrads"
 MARKERS = (START, END, SAVE_OFF, SAVE_ON)
+PIPELINE_CATEGORIES = ("forward", "backward", "weight")
+"""The categories of pipeline work (:attr:`TimelineKey.is_pipeline`): what K-FAC must stay out of."""
 
 
 @lru_cache(maxsize=4096)
 def label_category(label: str) -> str:
-    """``'forward'``, ``'backward'``, ``'marker'``, or the K-FAC kind (``'cov_kron_A'``, ...)."""
+    """``'forward'``, ``'backward'``, ``'weight'`` (a zero-bubble W pass), ``'marker'``, or the K-FAC
+    kind (``'cov_kron_A'``, ...)."""
     if label in MARKERS:
         return "marker"
-    kind = TimelineKey.parse(label).kind
-    if kind == FORWARD:
+    key = TimelineKey.parse(label)
+    if key.is_weight:
+        return "weight"
+    if key.kind == FORWARD:
         return "forward"
-    if kind == BACKWARD:
+    if key.kind == BACKWARD:
         return "backward"
-    return kind if kind in KFAC_KINDS else "other"
+    return key.kind if key.is_kfac else "other"
 
 
 class Placement(NamedTuple):
@@ -87,12 +92,48 @@ class NodeFigures:
         return self.gap == 0
 
 
+class LazyPlacements(Sequence[Placement]):
+    """A node's placements, built on first use: the schedule file, the report and the checks need only the
+    labels and figures, and a big job's placements are millions of tuples only a chart or a workload
+    listing reads. It compares, iterates and pickles as the tuple it stands for."""
+
+    def __init__(self, build: Callable[[], tuple[Placement, ...]]) -> None:
+        self._build: Callable[[], tuple[Placement, ...]] | None = build
+        self._items: tuple[Placement, ...] = ()
+
+    def _all(self) -> tuple[Placement, ...]:
+        if self._build is not None:
+            self._items, self._build = self._build(), None
+        return self._items
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        return self._all()[i]
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __iter__(self) -> Iterator[Placement]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (LazyPlacements, tuple)):
+            return self._all() == tuple(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+    def __reduce__(self) -> tuple[type, tuple[tuple[Placement, ...]]]:
+        return (tuple, (self._all(),))
+
+
 @dataclass(frozen=True)
 class NodeSchedule:
     """One node's cycle: the labels per iteration (the schedule file's entry) and their placement."""
 
     iterations: tuple[tuple[str, ...], ...]
-    placements: tuple[Placement, ...]
+    placements: Sequence[Placement]
+    """In time order per iteration; a tuple, or a :class:`LazyPlacements` that builds it on first use."""
     figures: NodeFigures
 
 

@@ -17,15 +17,23 @@ from bisect import bisect_left, bisect_right, insort
 
 from pipefisher.policies.align import align_groups
 from pipefisher.policies.base import JobSchedule, Policy, gc_paused
-from pipefisher.policies.bounds import model_bounds
+from pipefisher.policies.bounds import fittable_work, model_bounds, sure_to_reach
 from pipefisher.policies.cycle import Packed, node_schedule
 from pipefisher.policies.groups import job_groups
 from pipefisher.problem import COV, DEFAULT_MARGIN, SYNC, NodeModel, node_model
 from pipefisher.timeline import Job, Time
 
 
-def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
-    """The best-fit cycle of one node (see the module's docstring); dependency-correct by construction."""
+def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20, later_first: bool = False,
+                  shorter_than: int | None = None) -> Packed | None:
+    """The best-fit cycle of one node (see the module's docstring); dependency-correct by construction.
+
+    Of equally large ready items the one whose key comes first in the timeline goes first, or with
+    ``later_first`` the one whose key comes last (``tight`` runs both: which factors finish first can
+    decide whether the big inverses find their bubbles in time). With ``shorter_than``, None as soon
+    as the cycle is sure to have that many iterations or more (:func:`sure_to_reach`).
+    """
+    tie = 1 if later_first else -1
     work = model.work
     bubbles = model.bubbles
     scale = model.scale
@@ -36,8 +44,11 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
     pieces_left = list(model.factors.pieces)
     syncs_of, invs_of = model.factors.syncs, model.factors.invs
     synced_yet = [False] * model.groups
+    if shorter_than is not None:
+        bubble_time = sum(b.length for b in bubbles)
+        fit_left = fittable_work(model)  # what is left of it: only bubbles take it
 
-    ready: list[tuple[Time, int, int]] = []  # (room needed, -work index, work index), ascending
+    ready: list[tuple[Time, int, int]] = []  # (room needed, tie * work index, work index), ascending
     forced: list[int] = []  # ready work that fits no bubble: overflow at the iteration's end
     waiting: dict[int, list[int]] = {}  # iteration 0: bubble index -> queues whose head is released there
     iteration = 0
@@ -51,7 +62,7 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
         elif w.kind == COV and iteration == 0 and bisect_right(positions, w.release[head[wi]]) > bubble:
             waiting.setdefault(bisect_right(positions, w.release[head[wi]]), []).append(wi)
         else:
-            insort(ready, (d * scale, -wi, wi))
+            insort(ready, (d * scale, tie * wi, wi))
 
     def factor_pieces_done(g: int) -> None:
         for wi in (syncs_of[g] if model.synced[g] else invs_of[g]):
@@ -105,7 +116,7 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
                     t += d
                     continue
                 # The queue's next piece, if it has the same size, is ready and still fits, would be
-                # the next pick again (nothing ready needs more; equal needs go to the smallest index):
+                # the next pick again (nothing ready needs more, and of equal needs it comes first):
                 # place the whole run at once, then book its last piece with ``done`` as usual.
                 pieces, release, label = w.pieces, w.release, w.label
                 first = h = head[wi]
@@ -124,7 +135,7 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
         if iteration == 0:  # past the last bubble: every release of the first iteration is met
             bubble = len(bubbles)
             for wi in [v for key in sorted(waiting) for v in waiting[key]]:
-                insort(ready, (work[wi].pieces[head[wi]] * scale, -wi, wi))
+                insort(ready, (work[wi].pieces[head[wi]] * scale, tie * wi, wi))
             waiting.clear()
         spill: list[tuple[str, Time]] = []
         while forced:
@@ -134,6 +145,10 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20) -> Packed:
         in_bubbles.append(here)
         overflow.append(spill)
         iteration += 1
+        if shorter_than is not None and (ready or forced or waiting):
+            fit_left -= sum(e - s for _, _, s, e in here)
+            if sure_to_reach(iteration, fit_left, bubble_time, shorter_than):
+                return None
     if not in_bubbles:
         in_bubbles, overflow = [[]], [[]]
     return Packed(len(in_bubbles), in_bubbles, overflow)

@@ -57,6 +57,21 @@ def volume_bound(fittable_work: Time, bubble_time: Time) -> int:
     return max(1, ceil_ratio(fittable_work, bubble_time))
 
 
+def fittable_work(model: NodeModel) -> Time:
+    """The node's work that fits some bubble (with the margin; covariance per piece): only bubbles
+    ever take it."""
+    scale, largest = model.scale, model.largest
+    return sum(d for w in model.work for d in w.pieces if d * scale < largest)
+
+
+def sure_to_reach(done: int, fit_left: Time, bubble_time: Time, iterations: int) -> bool:
+    """Whether a walk with ``done`` iterations packed and work still to place, ``fit_left`` of it
+    fittable, ends with ``iterations`` or more: it needs one more, and an iteration's bubbles take no
+    more than their length. A portfolio's candidate only matters if it is shorter than the best so
+    far, so giving up then changes no result."""
+    return done + max(1, ceil_ratio(fit_left, bubble_time)) >= iterations
+
+
 def _count_capacity(gap: float, h: float, margin: float) -> int:
     """Most items of duration >= h that one bubble of length ``gap`` can hold (never underestimated)."""
     if h <= 0:

@@ -9,7 +9,8 @@ dependencies by rescanning it again, and deep-copies all remaining work for ever
   placed. "The first item at or after position i that fits" is one descent of the tree;
 * the global dependency rules (any pending ``cov_kron_A`` blocks every ``sync_kron_A``, ...) are four
   counters; an item becomes placeable when the counters it waits on reach zero;
-* a trial packs a clone of that state (flat lists copied at C speed) instead of a deep copy.
+* a trial packs a clone of that state (flat lists copied at C speed) instead of a deep copy, and is
+  not run at all where the work left is more than the schedule's gaps can hold (it could not finish).
 
 ``compat_reference`` is the literal transcription this is tested against.
 """
@@ -29,6 +30,7 @@ from pipefisher.policies.base import (
     NodeSchedule,
     Placement,
     Policy,
+    PIPELINE_CATEGORIES,
     gc_paused,
     label_category,
     split_iterations,
@@ -71,7 +73,7 @@ class _Work:
 class _State:
     """The mutable part of the work list; cheap to clone for a trial."""
 
-    __slots__ = ("items", "size", "tree", "alive", "skip_to", "next_id", "counters", "waiters", "queues")
+    __slots__ = ("items", "size", "tree", "alive", "skip_to", "next_id", "counters", "waiters", "queues", "ungated")
 
     def __init__(self, items: Sequence[_Work]) -> None:
         self.items = items
@@ -87,6 +89,7 @@ class _State:
         self.counters = [0, 0, 0, 0]
         self.waiters: list[list[int]] = [[], [], [], []]
         self.queues = [p for p, w in enumerate(items) if w.is_queue]
+        self.ungated = False  # every queue refreshed with all forwards and backwards counted
         for p, w in enumerate(items):
             for c in w.counted:
                 self.counters[c] += 1
@@ -101,6 +104,7 @@ class _State:
         other.skip_to = self.skip_to[:]
         other.next_id = self.next_id[:]
         other.counters = self.counters[:]
+        other.ungated = self.ungated
         return other
 
     # -- tree ---------------------------------------------------------------------------------------
@@ -205,10 +209,21 @@ def _fill(state: _State, base: Sequence[Slot], nf: int, nb: int, pieces: int, ga
           ) -> list[Slot]:
     """Pack work into the gaps between consecutive entries of ``base``; see the spec's ``fill``."""
     queues = state.queues
+    if nf >= pieces and nb >= pieces:
+        # Once refreshed with every gate open, a queue's room only changes where it is placed or
+        # removed, which refreshes it: the refresh below would change nothing again.
+        if not state.ungated:
+            for p in queues:
+                state.refresh(p, nf, nb)
+            state.ungated = True
+        return _fill_ungated(state, base, nf, nb, gaps or _Gaps())
     for p in queues:  # queue gates depend on the counts this fill starts with
         state.refresh(p, nf, nb)
-    if nf >= pieces and nb >= pieces:
-        return _fill_ungated(state, base, nf, nb, gaps or _Gaps())
+    # A forward (backward) opens only the gates of the queues whose next piece waits for exactly that
+    # count; every other queue's room is up to date already.
+    next_id = state.next_id
+    gated_a = [p for p in queues if state.items[p].gate_a]
+    gated_b = [p for p in queues if state.items[p].gate_b]
     out: list[Slot] = [base[0]]
     prev = base[0]
     for nxt in base[1:]:
@@ -216,13 +231,15 @@ def _fill(state: _State, base: Sequence[Slot], nf: int, nb: int, pieces: int, ga
         if label == FORWARD:
             nf += 1
             if nf <= pieces:
-                for p in queues:
-                    state.refresh(p, nf, nb)
+                for p in gated_a:
+                    if next_id[p] + 1 == nf:
+                        state.refresh(p, nf, nb)
         elif label == BACKWARD:
             nb += 1
             if nb <= pieces:
-                for p in queues:
-                    state.refresh(p, nf, nb)
+                for p in gated_b:
+                    if next_id[p] + 1 == nb:
+                        state.refresh(p, nf, nb)
         _fill_gap(state, out, prev[2], nxt[1], nf, nb)
         out.append(nxt)
         prev = nxt
@@ -294,6 +311,10 @@ def _zero(t: Time | None) -> Time:
 
 
 def _pipeline(node: NodeTimeline, span: Time) -> list[Slot]:
+    # The published tool's pipeline: every key CONTAINING call_forward / call_backward (the spec). That
+    # already takes in zero-bubble W passes (``call_backward:weight...``, timeline.weight_key), so compat
+    # keeps K-FAC out of them too; and since only keys that ARE call_forward / call_backward count as
+    # micro-batches (_fill), W never does. No W-specific rule is needed, and byte-exactness is kept.
     slots: list[Slot] = [(START, 0, 0)]
     for word in (FORWARD, BACKWARD):
         for key, intervals in node.entries.items():
@@ -326,42 +347,41 @@ def _work_items(node: NodeTimeline, pieces: int, scale: float) -> list[_Work]:
     return [w for _, _, w in raw]
 
 
-def _gap_lengths(base: Sequence[Slot], gaps: Iterable[int], least: float) -> list[Time]:
-    """Lengths of the gaps before ``base[j]`` (for j in ``gaps``) that can hold some item."""
-    out = []
-    for j in gaps:
-        g = base[j][1] - base[j - 1][2]
-        if least < g:
-            out.append(g)
-    return out
+def _gap_lengths(base: Sequence[Slot], gaps: Iterable[int]) -> list[Time]:
+    """Lengths of the gaps before ``base[j]``, for j in ``gaps``."""
+    return [base[j][1] - base[j - 1][2] for j in gaps]
 
 
-def _cannot_finish(state: _State, live: list[Time], fresh: list[Time], iterations_left: int,
-                   margin: float) -> bool:
-    """Whether the work left cannot go into the ``live`` gaps plus ``iterations_left`` copies of the
-    ``fresh`` ones: for some need h, the items needing at least h are more than the gaps longer than
-    h can hold. An item needs ``d * (1 + margin) < gap``, so such a gap ends with at least
-    ``margin d = h margin / (1 + margin)`` of it free (h / 21 at 5 %)."""
-    free = margin / (1.0 + margin)
+def _work_by_need(state: _State) -> list[tuple[float, Time]]:
+    """The work left (queues: their pieces left), summed per room need, largest need first."""
     need_work: dict[float, Time] = {}
     for p, w in enumerate(state.items):
         if state.alive[p]:
             d = (w.pieces - state.next_id[p]) * w.step if w.is_queue else w.end - w.start
             need_work[w.need] = need_work.get(w.need, 0) + d
-    live = sorted(live, reverse=True)
-    fresh = sorted(fresh, reverse=True)
+    return sorted(need_work.items(), reverse=True)
+
+
+def _cannot_finish(work_by_need: Sequence[tuple[float, Time]], live: list[Time], fresh: list[Time],
+                   iterations_left: int, margin: float, tolerance: float = 0.0) -> bool:
+    """Whether the work left (:func:`_work_by_need`) cannot go into the ``live`` gaps plus
+    ``iterations_left`` copies of the ``fresh`` ones (both longest first): for some need h, the items
+    needing at least h are more (by over ``tolerance``) than the gaps longer than h can hold. An item
+    needs ``d * (1 + margin) < gap``, so such a gap ends with at least ``margin d = h margin / (1 +
+    margin)`` of it free (h / 21 at 5 %). Gaps no longer than the least need never count."""
+    free = margin / (1.0 + margin)
     work: Time = 0
     room: Time = 0
     i = j = 0
-    for need in sorted(need_work, reverse=True):
-        work += need_work[need]
+    for need, amount in work_by_need:
+        work += amount
         while i < len(live) and live[i] > need:
             room += live[i]
             i += 1
         while j < len(fresh) and fresh[j] > need:
             room += fresh[j] * iterations_left
             j += 1
-        if work > room - (i + j * iterations_left) * need * free:
+        if work > room - (i + j * iterations_left) * need * free + tolerance:
             return True
     return False
 
@@ -393,7 +413,9 @@ def _pack_node(node: NodeTimeline, span: Time, give_up_at: int | None, margin: f
     if pieces == 0 and any(w.is_queue for w in items):
         raise InputError(node.path, f"has no '{FORWARD}' intervals to split covariance work over "
                                     "(the compat policy counts only down-pipe forwards)")
-    if any(w.step < 0 or w.end < w.start for w in items):
+    # Room arguments (:func:`_cannot_finish`) hold only where no work has a negative duration.
+    sound = not any(w.step < 0 or w.end < w.start for w in items)
+    if not sound:
         give_up_at = None
     state = _State(items)
     for p in range(len(items)):
@@ -401,19 +423,24 @@ def _pack_node(node: NodeTimeline, span: Time, give_up_at: int | None, margin: f
     sched = _fill(state, pipeline, 0, 0, pieces)
     sched.append((SAVE_OFF, sched[-1][2], sched[-1][2]))
     gaps = _Gaps()
+    fresh = sorted(_gap_lengths(pipeline, range(1, len(pipeline))), reverse=True)  # an added iteration's gaps
     iterations = 1
     while not state.empty():
-        trial = state.clone()
-        attempt = _fill(trial, sched, pieces, pieces, pieces, gaps)
-        if trial.empty():
-            sched = attempt
-            break
-        if give_up_at is not None:
-            least = state.least_need()
-            live = _gap_lengths(sched, gaps.candidates, least)
-            fresh = _gap_lengths(pipeline, range(1, len(pipeline)), least)
-            if _cannot_finish(state, live, fresh, max(0, give_up_at - 1 - iterations), margin):
-                return None
+        # The gaps the trial fills (it makes this same update), and whether the work left can fit them
+        # at all: a trial that cannot finish is not run (the tolerance keeps float rounding from
+        # skipping one that would). Most trials are skipped so.
+        live = sorted(_gap_lengths(sched, gaps.update(sched, state.least_need())), reverse=True)
+        work_left = _work_by_need(state) if sound else []
+        tolerance = 1e-9 * (sum(live) + sum(a for _, a in work_left))
+        if not (sound and _cannot_finish(work_left, live, [], 0, margin, tolerance)):
+            trial = state.clone()
+            attempt = _fill(trial, sched, pieces, pieces, pieces, gaps)
+            if trial.empty():
+                sched = attempt
+                break
+        if give_up_at is not None and _cannot_finish(work_left, live, fresh, max(0, give_up_at - 1 - iterations),
+                                                     margin):
+            return None
         iterations += 1
         before = len(state.remaining())
         sched += _fill(state, pipeline, pieces, pieces, pieces)
@@ -435,7 +462,7 @@ def figures_from_slots(slots: Sequence[Slot], span: Time) -> tuple[int, float, d
         d = end - start
         total += d
         cat = label_category(label)
-        if cat in ("forward", "backward"):
+        if cat in PIPELINE_CATEGORIES:
             busy += d
         elif cat in KFAC_KINDS:
             kfac += d

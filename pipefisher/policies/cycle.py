@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipefisher.policies.base import END, SAVE_OFF, SAVE_ON, START, NodeFigures, NodeSchedule, Placement
+from pipefisher.policies.base import (END, SAVE_OFF, SAVE_ON, START, LazyPlacements, NodeFigures, NodeSchedule,
+                                      Placement)
 from pipefisher.policies.bounds import NodeBounds
 from pipefisher.problem import NodeModel
 from pipefisher.timeline import Time
@@ -24,50 +25,35 @@ class Packed:
 
 
 def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeSchedule:
-    """Labels in time order per iteration, placements with times, and the figures of the report."""
+    """Labels in time order per iteration, placements with times (built when first read), and the
+    figures of the report."""
     pipeline = model.pipeline
     bubbles = model.bubbles
     iterations: list[tuple[str, ...]] = []
-    placements: list[Placement] = []
     kfac: Time = 0
     total_overflow: Time = 0
     k = packed.iterations
-    make = tuple.__new__  # Placement is a NamedTuple: build it without the keyword machinery
-    P = Placement
     for i in range(k):
         labels = [START]
-        places = [make(P, (START, 0, 0, i))]
         nxt = 0  # next pipeline item to emit
         for b, label, s, e in packed.in_bubbles[i]:
             upto = bubbles[b].pos
-            while nxt < upto:
-                key, ps, pe = pipeline[nxt]
-                labels.append(key)
-                places.append(make(P, (key, ps, pe, i)))
-                nxt += 1
+            if nxt < upto:
+                labels.extend([key for key, _, _ in pipeline[nxt:upto]])
+                nxt = upto
             labels.append(label)
-            places.append(make(P, (label, s, e, i)))
             kfac += e - s
-        for key, ps, pe in pipeline[nxt:]:
-            labels.append(key)
-            places.append(make(P, (key, ps, pe, i)))
-        t = model.base
+        labels.extend([key for key, _, _ in pipeline[nxt:]])
         for label, d in packed.overflow[i]:
             labels.append(label)
-            places.append(make(P, (label, t, t + d, i)))
-            t += d
             kfac += d
             total_overflow += d
         labels.append(END)
-        places.append(make(P, (END, t, t, i)))
         if i == 0:
             labels.append(SAVE_OFF)
-            places.append(make(P, (SAVE_OFF, t, t, i)))
         if i == k - 1:
             labels.append(SAVE_ON)
-            places.append(make(P, (SAVE_ON, t, t, i)))
         iterations.append(tuple(labels))
-        placements.extend(places)
     cycle = model.length * k + total_overflow
     busy = model.pipeline_busy * k
     usage = (busy + kfac) / cycle * 100 if cycle else 0.0
@@ -88,4 +74,37 @@ def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeS
             "forced_items": bounds.forced_items,
         },
     )
-    return NodeSchedule(tuple(iterations), tuple(placements), figures)
+    return NodeSchedule(tuple(iterations), LazyPlacements(lambda: _placements(model, packed)), figures)
+
+
+def _placements(model: NodeModel, packed: Packed) -> tuple[Placement, ...]:
+    """Every label of the cycle with its start, end and iteration, as :func:`node_schedule` orders them."""
+    pipeline = model.pipeline
+    bubbles = model.bubbles
+    placements: list[Placement] = []
+    k = packed.iterations
+    make = tuple.__new__  # Placement is a NamedTuple: build it without the keyword machinery
+    P = Placement
+    for i in range(k):
+        places = [make(P, (START, 0, 0, i))]
+        nxt = 0  # next pipeline item to emit
+        for b, label, s, e in packed.in_bubbles[i]:
+            upto = bubbles[b].pos
+            while nxt < upto:
+                key, ps, pe = pipeline[nxt]
+                places.append(make(P, (key, ps, pe, i)))
+                nxt += 1
+            places.append(make(P, (label, s, e, i)))
+        for key, ps, pe in pipeline[nxt:]:
+            places.append(make(P, (key, ps, pe, i)))
+        t = model.base
+        for label, d in packed.overflow[i]:
+            places.append(make(P, (label, t, t + d, i)))
+            t += d
+        places.append(make(P, (END, t, t, i)))
+        if i == 0:
+            places.append(make(P, (SAVE_OFF, t, t, i)))
+        if i == k - 1:
+            places.append(make(P, (SAVE_ON, t, t, i)))
+        placements.extend(places)
+    return tuple(placements)

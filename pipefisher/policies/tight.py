@@ -11,8 +11,10 @@ largest ready item that still fits (``d * 1.05 < room``, the published rule), ti
 covariance work that unlocks the most sync and inverse time. A queue places as many consecutive pieces
 as fit and are ready. Items longer (with the margin) than the node's largest bubble fit nowhere: they
 go, dependency-correct, to the end of an iteration (after its last pipeline item), which they lengthen;
-that is the only overflow. Candidate lookup is one bisect plus one big-integer bit scan over the node's
-distinct (queue, piece size) and plain items, so a node costs O(pieces + items x log items).
+that is the only overflow. A queue's pieces split from one interval count as one size when choosing
+(:func:`size_class`), so the split's one-unit remainder never makes a factor finish late. Candidate
+lookup is one bisect plus one big-integer bit scan over the node's distinct (queue, piece size class)
+and plain items, so a node costs O(pieces + items x log items).
 
 When the walk needs more iterations than the node's lower bound (see :mod:`bounds`), it is repeated
 preferring covariance pieces, and then a construction for a fixed cycle length k (from the bound up)
@@ -23,8 +25,9 @@ candidate is dependency-correct by construction.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from dataclasses import replace
-from typing import Sequence
+from itertools import accumulate
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from pipefisher.policies.align import align_groups
 from pipefisher.policies.bestfit import pack_best_fit
@@ -33,11 +36,12 @@ from pipefisher.policies.base import (
     NodeFigures,
     NodeSchedule,
     Policy,
+    PIPELINE_CATEGORIES,
     gc_paused,
     label_category,
     split_iterations,
 )
-from pipefisher.policies.bounds import model_bounds, with_first_iteration
+from pipefisher.policies.bounds import NodeBounds, fittable_work, model_bounds, sure_to_reach, with_first_iteration
 from pipefisher.policies.cycle import Packed, node_schedule
 from pipefisher.policies.groups import job_groups
 from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, node_model
@@ -49,10 +53,27 @@ from pipefisher.timeline import KFAC_KINDS, Job, NodeTimeline, Time
 # Packing
 
 
+def size_class(pieces: Sequence[Time], fits_somewhere: Callable[[Time], bool] = lambda d: True) -> dict[Time, Time]:
+    """Per piece size of a covariance queue, the size it counts as when the greedy walk chooses.
+
+    An interval split into m integer pieces puts its remainder on the first ones (``split_evenly``), so
+    a queue's pieces differ by one time unit. Choosing strictly by size would take every queue's
+    longer pieces first and leave each factor's last, one-unit-shorter pieces for later: every factor
+    finishes late, and so do its sync and inverse (a cycle longer than the plain greedy's on realistic
+    jobs). A piece one unit shorter than another of its queue is that remainder: it counts as the
+    longer size (it is still placed at its own length, with its own room), unless only the shorter one
+    ``fits_somewhere`` (fits the node's largest bubble): counted as the longer, it would fit none and
+    never be chosen, though it is no forced overflow.
+    """
+    sizes = set(pieces)
+    return {d: d + 1 if isinstance(d, int) and d + 1 in sizes and fits_somewhere(d + 1) == fits_somewhere(d) else d
+            for d in sizes}
+
+
 class _Entities:
     """The things the packer picks from, sorted by the room they need: plain items and, per covariance
-    queue, one entity per distinct piece size (only the one of the queue's current head is ever ready).
-    Equal needs are ordered so that covariance work unlocking the most sync and inverse time comes last,
+    queue, one entity per distinct piece size class (:func:`size_class`; only the one of the queue's
+    current head is ever ready). Equal needs are ordered so that covariance work unlocking the most sync and inverse time comes last,
     that is, is picked first."""
 
     def __init__(self, model: NodeModel) -> None:
@@ -63,27 +84,38 @@ class _Entities:
             if w.kind != COV:
                 downstream[w.group] = downstream.get(w.group, 0) + w.pieces[0]
         entries: list[tuple[float, tuple, int, Time]] = []  # need, tie-break, work index, size
+        largest = model.largest
+
+        def fits_somewhere(d: Time) -> bool:  # not forced overflow (the walk's own test)
+            return d * scale < largest
+
         for wi, w in enumerate(work):
             if w.kind == COV:
-                for d in set(w.pieces):
+                for d in set(size_class(w.pieces, fits_somewhere).values()):
                     entries.append((d * scale, (2, downstream.get(w.group, 0), -wi), wi, d))
             else:
                 entries.append((w.pieces[0] * scale, (1 if w.kind == SYNC else 0, 0, -wi), wi, w.pieces[0]))
         entries.sort(key=lambda e: (e[0], e[1]))
         self.need = [e[0] for e in entries]
         self.work = [e[2] for e in entries]
-        self.size = [e[3] for e in entries]
         self.rank_by_size: list[dict[Time, int]] = [{} for _ in work]
         for r, e in enumerate(entries):
             self.rank_by_size[e[2]][e[3]] = r
+        for wi, w in enumerate(work):  # a queue's pieces map to their class's entity
+            if w.kind == COV:
+                ranks = self.rank_by_size[wi]
+                ranks.update({d: ranks[c] for d, c in size_class(w.pieces, fits_somewhere).items()})
         self.plain_rank = [self.rank_by_size[wi][w.pieces[0]] if w.kind != COV else -1 for wi, w in enumerate(work)]
 
 
-def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int = 1 << 20) -> Packed:
+def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int = 1 << 20,
+                shorter_than: int | None = None) -> Packed | None:
     """Walk the bubbles in time order, filling each with the largest ready item that fits.
 
     ``cov_first``: prefer covariance pieces (the start of every chain) over syncs and inverses, and
     take the largest of those that fit; this wins where inverses wait too long for their factors.
+    With ``shorter_than``, None as soon as the cycle is sure to have that many iterations or more
+    (:func:`sure_to_reach`).
     """
     work = model.work
     bubbles = model.bubbles
@@ -93,7 +125,6 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
     ents = _Entities(model)
     need = ents.need
     ent_work = ents.work
-    ent_size = ents.size
     rank_by_size = ents.rank_by_size
     plain_rank = ents.plain_rank
     pos = [b.pos for b in bubbles]
@@ -109,6 +140,9 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
     syncs_of, invs_of = model.factors.syncs, model.factors.invs
     sync_seen = [False] * model.groups
     remaining = sum(len(w.pieces) for w in work)
+    if shorter_than is not None:
+        bubble_time = sum(b.length for b in bubbles)
+        fit_left = fittable_work(model)  # what is left of it: only bubbles take it
 
     mask = 0
     pending: list[list[int]] = [[] for _ in range(nb + 1)]
@@ -213,11 +247,11 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
                 n = len(pieces)
                 lim = pos[b]
                 label = w.label
-                nr = need[r]
-                sz = ent_size[r]
-                while h < n and pieces[h] == sz and t + nr < end and (iteration or release[h] < lim):
-                    here.append((b, label, t, t + sz))
-                    t += sz
+                ranks = rank_by_size[wi]
+                while h < n and ranks[pieces[h]] == r and t + pieces[h] * scale < end and (iteration or release[h] < lim):
+                    d = pieces[h]
+                    here.append((b, label, t, t + d))
+                    t += d
                     h += 1
                 done = h - head[wi]
                 head[wi] = h
@@ -268,6 +302,10 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
         in_bubbles.append(here)
         overflow.append(spill)
         iteration += 1
+        if shorter_than is not None and remaining:
+            fit_left -= sum(e - s for _, _, s, e in here)
+            if sure_to_reach(iteration, fit_left, bubble_time, shorter_than):
+                return None
     if not in_bubbles:
         in_bubbles, overflow = [[]], [[]]
     return Packed(len(in_bubbles), in_bubbles, overflow)
@@ -289,6 +327,31 @@ def pack_fixed(model: NodeModel, k: int) -> Packed | None:
     inverses laid out first must fit with their own margin (``S' + 0.05 D < G`` for their sum S' and
     largest D, checked when they are placed). A small piece last wastes far less than a large inverse.
     """
+    return _pack_fixed(model, k)[0]
+
+
+@dataclass
+class _Prefix:
+    """Step 2's forward walk of :func:`pack_fixed` up to (not including) ``slot``, for the next k.
+
+    Before the first slot holding a sync or inverse, the walk depends on nothing k changes: the slots
+    are the same (absolute from the start), empty, and no deadline is due yet, so a k' whose syncs and
+    inverses all come at ``slot`` or later, and whose queue order is the same, walks there exactly so.
+    It only gives up differently (its room test), which ``left_at`` lets it check without walking.
+    """
+
+    order: list[int]  # the queues by deadline: the walk's order of preference
+    slot: int
+    head: dict[int, int]
+    active: list[int]
+    left: Time
+    left_at: list[Time]  # ``left`` at the start of each slot before ``slot``
+    content: list[list[tuple[int, int]]]  # the pieces put in each slot before ``slot``
+
+
+def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None) -> tuple[Packed | None, _Prefix | None]:
+    """:func:`pack_fixed`, resuming step 2 from ``prefix`` where that holds for ``k``; also the prefix
+    for the next k (``prefix`` itself where this k gives up before walking)."""
     work = model.work
     bubbles = model.bubbles
     nb = len(bubbles)
@@ -351,10 +414,13 @@ def pack_fixed(model: NodeModel, k: int) -> Packed | None:
             p = r
 
     placed_plain = 0
+    first_busy = nslots  # the first slot with a sync or inverse
 
     def put(wi: int, slot: int) -> list[int]:
         """Lay sync or inverse ``wi`` into ``slot``; returns the syncs this makes ready (its last inverse)."""
-        nonlocal placed_plain
+        nonlocal placed_plain, first_busy
+        if slot < first_busy:
+            first_busy = slot
         d = work[wi].pieces[0]
         used[slot] += d
         if d > maxd[slot]:
@@ -370,6 +436,8 @@ def pack_fixed(model: NodeModel, k: int) -> Packed | None:
         return []
 
     for slot in range(nslots - 1, -1, -1):
+        if not fit_mask and not forced_ready:
+            break  # nothing is ready, so nothing more can be: the slots before stay as they are
         b = slot % per
         if b == nb:  # overflow slot: every ready forced item, and whatever they make ready
             while forced_ready:
@@ -396,7 +464,7 @@ def pack_fixed(model: NodeModel, k: int) -> Packed | None:
                 fit_mask &= ~(1 << r)
                 put(order[r], slot)
     if placed_plain < len(plain):
-        return None
+        return None, prefix
 
     # -- 2. covariance pieces, as early as possible, earliest deadline first -------------------------
     INF = nslots + 1
@@ -408,38 +476,58 @@ def pack_fixed(model: NodeModel, k: int) -> Packed | None:
     pos = [b.pos for b in bubbles]
     # per slot: the largest sync/inverse of each factor in it, and the largest of those that must come
     # after the slot's pieces (their factor has pieces there): the item that ends the bubble
-    big_of: list[dict[int, Time]] = [{} for _ in range(nslots)]
-    for slot in range(nslots):
-        for wi, _ in content[slot]:
-            g, d = work[wi].group, work[wi].pieces[0]
-            if d > big_of[slot].get(g, 0):
-                big_of[slot][g] = d
+    nothing: dict[int, Time] = {}  # shared by the slots without syncs or inverses (never written)
+    big_of: list[dict[int, Time]] = [nothing] * nslots
+    for slot in range(first_busy, nslots):
+        if content[slot]:
+            big = big_of[slot] = {}
+            for wi, _ in content[slot]:
+                g, d = work[wi].group, work[wi].pieces[0]
+                if d > big.get(g, 0):
+                    big[g] = d
     tail = [0] * nslots
     queues = [wi for wi, w in enumerate(work) if w.kind == COV]
     queues.sort(key=lambda wi: (deadline[work[wi].group], wi))
-    head = {wi: 0 for wi in queues}
-    active = list(queues)  # queues with pieces left, by deadline
-    smallest = min((min(work[wi].pieces) for wi in queues), default=0)
+    smallest, left = _pieces_to_fit(model)  # left: what of the pieces fits some bubble
     # Give up as soon as the pieces left that fit a bubble are more than the room left in the bubbles
     # to come (a bubble that takes pieces ends with at least the margin of the smallest one free): the
     # construction would fail anyway, only later. The tolerance keeps float rounding on the safe side.
-    room_from = [0.0] * (nslots + 1)  # room_from[s]: that room in slots s, s + 1, ...
-    for slot in range(nslots - 1, -1, -1):
+    free = [g - margin * smallest for g in gap]
+    frees = ([f if f > 0 else 0 for f in free] + [0]) * k  # per slot (an overflow slot has none)
+    for slot in range(first_busy, nslots):
         b = slot % per
-        free = gap[b] - used[slot] - margin * smallest if b < nb else 0
-        room_from[slot] = room_from[slot + 1] + (free if free > 0 else 0)
-    left: Time = 0  # the pieces that fit some bubble
-    for wi in queues:
-        pieces = work[wi].pieces
-        left += sum(pieces) if max(pieces) * scale < largest else sum(d for d in pieces if d * scale < largest)
+        if used[slot] and b < nb:
+            f = gap[b] - used[slot] - margin * smallest
+            frees[slot] = f if f > 0 else 0
+    room_from = list(accumulate(reversed(frees), initial=0.0))  # that room in slots s, s + 1, ...
+    room_from.reverse()
     tolerance = 1e-9 * (k * sum(gap) + left)
-    for slot in range(nslots):
+    start = 0
+    if prefix is not None and prefix.slot <= first_busy and prefix.order == queues:
+        if any(was > room_from[s] + tolerance for s, was in enumerate(prefix.left_at)):
+            return None, prefix
+        start, left = prefix.slot, prefix.left
+        head, active, left_at = dict(prefix.head), list(prefix.active), list(prefix.left_at)
+        content[:start] = prefix.content
+    else:
+        head = {wi: 0 for wi in queues}
+        active = list(queues)  # queues with pieces left, by deadline
+        left_at = []
+    shared: _Prefix | None = None  # the walk up to the first slot with a sync or inverse
+
+    def walked(upto: int) -> _Prefix:
+        return _Prefix(queues, upto, dict(head), list(active), left, list(left_at), content[:upto])
+
+    for slot in range(start, nslots):
+        if slot == first_busy:
+            shared = walked(slot)
         if not active:
             break
         i, b = divmod(slot, per)
         still = []
         if left > room_from[slot] + tolerance:
-            return None
+            return None, shared or walked(slot)
+        left_at.append(left)
         if b == nb:
             for wi in active:
                 w = work[wi]
@@ -451,16 +539,20 @@ def pack_fixed(model: NodeModel, k: int) -> Packed | None:
                 head[wi] = h
                 if h < len(pieces):
                     if deadline[w.group] <= slot:
-                        return None
+                        return None, shared
                     still.append(wi)
             active = still
             continue
         g_len = gap[b]
+        if not used[slot] + smallest * scale < g_len:  # full (or too small) already: all wait
+            if deadline[work[active[0]].group] <= slot:
+                return None, shared
+            continue
         lim = pos[b]
         for q, wi in enumerate(active):
             if not used[slot] + smallest * scale < g_len:  # full: the rest only wait (by deadline)
                 if deadline[work[wi].group] <= slot:
-                    return None
+                    return None, shared
                 still.extend(active[q:])
                 break
             w = work[wi]
@@ -486,11 +578,11 @@ def pack_fixed(model: NodeModel, k: int) -> Packed | None:
             head[wi] = h
             if h < n:
                 if deadline[w.group] <= slot:
-                    return None
+                    return None, shared
                 still.append(wi)
         active = still
     if active:
-        return None
+        return None, shared
 
     # -- layout ---------------------------------------------------------------------------------------
     in_bubbles: list[list[tuple[int, str, Time, Time]]] = [[] for _ in range(k)]
@@ -509,7 +601,7 @@ def pack_fixed(model: NodeModel, k: int) -> Packed | None:
                 return (1, 0)
             return (2 if w.group in with_pieces else 0, w.kind)
 
-        items.sort(key=place_rank)
+        items = sorted(items, key=place_rank)  # not in place: a prefix's slots are shared
         if b == nb:
             overflow[i].extend((work[wi].label, work[wi].pieces[h]) for wi, h in items)
             continue
@@ -519,49 +611,137 @@ def pack_fixed(model: NodeModel, k: int) -> Packed | None:
             d = work[wi].pieces[h]
             out.append((b, work[wi].label, t, t + d))
             t += d
-    return Packed(k, in_bubbles, overflow)
+    return Packed(k, in_bubbles, overflow), shared
 
 
-def _fixed_below(model: NodeModel, low: int, high: int) -> Packed | None:
-    """The fixed-length construction's shortest cycle in [low, high), or None."""
+def _pieces_to_fit(model: NodeModel) -> tuple[Time, Time]:
+    """The smallest covariance piece, and the pieces' work that fits some bubble (with the margin)."""
+    scale, largest = model.scale, model.largest
+    smallest: Time | None = None
+    left: Time = 0
+    for w in model.work:
+        if w.kind == COV:
+            pieces = w.pieces
+            low = min(pieces)
+            smallest = low if smallest is None or low < smallest else smallest
+            left += sum(pieces) if max(pieces) * scale < largest else sum(d for d in pieces if d * scale < largest)
+    return (smallest or 0), left
+
+
+def fixed_fails_at_once(model: NodeModel, k: int) -> bool:
+    """Whether :func:`pack_fixed` is sure to give up at its first slot for ``k``, without building anything.
+
+    There it gives up when the pieces that fit some bubble are more than the room its first step
+    leaves: per bubble slot, its length less the syncs and inverses put there and the margin of the
+    smallest piece, where that is positive. That step puts every sync and inverse that fits a bubble
+    into a bubble slot (or fails itself), each slot keeping the margin of its largest one free: so the
+    room is at most ``k`` times the bubbles' (each less that margin) less all those syncs and
+    inverses, plus, for those shorter than the smallest piece, the difference of the two margins.
+    Twice the construction's float tolerance keeps this on the safe side of its own sum.
+    """
+    scale, largest, margin = model.scale, model.largest, model.margin
+    smallest, left = _pieces_to_fit(model)
+    plain = [w.pieces[0] for w in model.work if w.kind != COV and w.pieces[0] * scale < largest]
+    excess = margin * sum(smallest - d for d in plain if d < smallest)
+    gaps = [b.length for b in model.bubbles]
+    per_iteration = sum(g - margin * smallest for g in gaps if g - margin * smallest > 0)
+    tolerance = 1e-9 * (k * sum(gaps) + left)
+    return left > k * per_iteration - sum(plain) + excess + 2 * tolerance
+
+
+def _fixed_below(model: NodeModel, low: int, high: int, prune: bool = True) -> Packed | None:
+    """The fixed-length construction's shortest cycle in [low, high), or None (with ``prune``, a k
+    where it is sure to fail at once is not built)."""
+    prefix: _Prefix | None = None
     for k in range(low, high):
-        trial = pack_fixed(model, k)
+        if prune and fixed_fails_at_once(model, k):
+            continue
+        trial, prefix = _pack_fixed(model, k, prefix)
         if trial is not None:
             return trial
     return None
 
 
-def pack_node(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN) -> NodeSchedule:
+@dataclass(frozen=True)
+class _Choice:
+    """What a node's portfolio chose."""
+
+    packed: Packed
+    bounds: NodeBounds
+    how: str
+    compat: NodeSchedule | None  # the published construction's cycle, where honest, valid and shorter
+
+
+def pack_node(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN, prune: bool = True) -> NodeSchedule:
     """One node's cycle, as short as this policy can make it: a small portfolio of constructions.
 
     Each candidate is dependency-correct by construction; the shortest is kept, and the search stops
     as soon as one meets the node's lower bound (then it is optimal). In order: the greedy walk (which
-    meets the bound on most nodes), the walk preferring covariance pieces, plain best-fit, the
+    meets the bound on most nodes), the walk preferring covariance pieces, plain best-fit (ties in key
+    order, then in reverse key order), the
     fixed-length construction for every k from the bound up, and the published packer's cycle where
-    it is valid and honest.
+    it is valid and honest. With ``prune`` (``False`` only to test that it changes nothing), each
+    candidate after the first is told the best cycle so far and gives up once it cannot be shorter.
     """
     model = node_model(node, span, margin)
+    bounds, first = _first_walk(model)
+    return _node_schedule(model, _chosen(first, bounds, _challenge(node, span, model, bounds, first.iterations, prune)))
+
+
+def _first_walk(model: NodeModel) -> tuple[NodeBounds, Packed]:
+    """The node's bounds and the portfolio's first candidate, the greedy walk (the first-iteration
+    bound is only worked out where the walk misses the others)."""
     bounds = model_bounds(model, first_iteration=False)
-    best, how = pack_greedy(model), "greedy"
-    if best.iterations > bounds.tight:
+    first = pack_greedy(model)
+    assert first is not None  # it has no cap
+    if first.iterations > bounds.tight:
         bounds = with_first_iteration(model, bounds)
+    return bounds, first
+
+
+# What the portfolio after the first walk found: a shorter candidate or None, its name, and the
+# published construction's cycle where that is honest, valid and shorter still, or None.
+_Challenge = Tuple[Optional[Packed], str, Optional[NodeSchedule]]
+
+
+def _challenge(node: NodeTimeline, span: Time, model: NodeModel, bounds: NodeBounds, iterations: int,
+               prune: bool = True) -> _Challenge:
+    """The rest of :func:`pack_node`'s portfolio against a first walk of ``iterations``: a worker
+    process needs no more than that number to run it."""
+    best: Packed | None = None
+    how = "greedy"
+
+    def cap() -> int | None:
+        return iterations if prune else None
+
     candidates = (
-        ("greedy, covariance first", lambda: pack_greedy(model, cov_first=True)),
-        ("best-fit", lambda: pack_best_fit(model)),
-        ("fixed k", lambda: _fixed_below(model, bounds.tight, best.iterations)),
+        ("greedy, covariance first", lambda: pack_greedy(model, cov_first=True, shorter_than=cap())),
+        ("best-fit", lambda: pack_best_fit(model, shorter_than=cap())),
+        ("best-fit, later keys first", lambda: pack_best_fit(model, later_first=True, shorter_than=cap())),
+        ("fixed k", lambda: _fixed_below(model, bounds.tight, iterations, prune)),
     )
     for name, construct in candidates:
-        if best.iterations <= bounds.tight:
+        if iterations <= bounds.tight:
             break
         other = construct()
-        if other is not None and other.iterations < best.iterations:
-            best, how = other, name
-    schedule = node_schedule(model, best, bounds)
+        if other is not None and other.iterations < iterations:
+            best, how, iterations = other, name, other.iterations
+    # not provably optimal: the published construction may be shorter
+    theirs = honest_compat(node, span, model, shorter_than=iterations) if iterations > bounds.tight else None
+    return best, how, theirs
+
+
+def _chosen(first: Packed, bounds: NodeBounds, challenge: _Challenge) -> _Choice:
+    best, how, theirs = challenge
+    return _Choice(first if best is None else best, bounds, how, theirs)
+
+
+def _node_schedule(model: NodeModel, choice: _Choice) -> NodeSchedule:
+    """The schedule of what :func:`_choose` chose."""
+    schedule = node_schedule(model, choice.packed, choice.bounds)
     schedule = replace(schedule, figures=replace(schedule.figures, extra={**schedule.figures.extra,
-                                                                         "construction": how}))
-    if best.iterations > bounds.tight:  # not provably optimal: the published construction may be shorter
-        schedule = shorter_valid_compat(node, span, model, schedule)
-    return schedule
+                                                                         "construction": choice.how}))
+    return schedule if choice.compat is None else _as_ours(choice.compat, schedule)
 
 
 def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None,
@@ -615,7 +795,7 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
 def _appended_after_the_pipeline(last_iteration: Sequence[str]) -> bool:
     """Whether K-FAC work follows the cycle's last forward/backward: the published packer appends
     what fits no gap there, as overflow that lengthens the iteration."""
-    pipe = [i for i, label in enumerate(last_iteration) if label_category(label) in ("forward", "backward")]
+    pipe = [i for i, label in enumerate(last_iteration) if label_category(label) in PIPELINE_CATEGORIES]
     after = last_iteration[pipe[-1] + 1:] if pipe else last_iteration
     return any(label_category(label) in KFAC_KINDS for label in after)
 
@@ -623,8 +803,11 @@ def _appended_after_the_pipeline(last_iteration: Sequence[str]) -> bool:
 def shorter_valid_compat(node: NodeTimeline, span: Time, model: NodeModel, ours: NodeSchedule) -> NodeSchedule:
     """``ours``, or the published construction's cycle where that is honest, valid and shorter."""
     theirs = honest_compat(node, span, model, shorter_than=ours.figures.iterations)
-    if theirs is None:
-        return ours
+    return ours if theirs is None else _as_ours(theirs, ours)
+
+
+def _as_ours(theirs: NodeSchedule, ours: NodeSchedule) -> NodeSchedule:
+    """The published construction's cycle, reported with our bound and figures' extras."""
     figures = replace(theirs.figures, lower_bound=ours.figures.lower_bound,
                       extra={**ours.figures.extra, **theirs.figures.extra})
     return replace(theirs, figures=figures)
@@ -638,6 +821,72 @@ class TightPolicy(Policy):
 
     def pack(self, job: Job, margin: float = DEFAULT_MARGIN) -> JobSchedule:
         with gc_paused():
-            nodes = tuple(pack_node(node, job.span, margin) for node in job.nodes)
+            nodes = pack_nodes(job, margin)
             return JobSchedule(self.name, job.span, align_groups(job, nodes, job_groups(job), margin), margin)
 
+
+PARALLEL_PIECES = 50_000
+"""Jobs with at least this many work pieces run the portfolio past its first walk in worker processes,
+on the nodes where that walk misses the bound (some 50 ms to start them, against seconds of packing)."""
+
+
+def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = None) -> tuple[NodeSchedule, ...]:
+    """Every node's :func:`pack_node`, in node order.
+
+    In a big job, the nodes whose first walk misses the bound run the rest of the portfolio in forked
+    worker processes, one per CPU this process may use (``workers`` overrides that; 1: none), while
+    this one walks the next nodes; the workers start only once a node needs them. Each node's result
+    is a pure function of the node, so it is the same either way, and small to send back: no more
+    than a shorter candidate where one is found.
+    """
+    import os
+
+    models = [node_model(node, job.span, margin) for node in job.nodes]
+    if workers is None:
+        big = sum(len(w.pieces) for model in models for w in model.work) >= PARALLEL_PIECES
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = cpus if big else 1
+    pool = None
+    firsts: list[tuple[NodeBounds, Packed]] = []
+    challenges: list[Any] = []
+    try:
+        for node, model in zip(job.nodes, models):
+            bounds, first = _first_walk(model)
+            firsts.append((bounds, first))
+            args = (node, job.span, model, bounds, first.iterations)
+            if first.iterations <= bounds.tight or workers < 2:
+                challenges.append(_challenge(*args))
+                continue
+            if pool is None:
+                import multiprocessing
+
+                if "fork" not in multiprocessing.get_all_start_methods():
+                    workers = 1
+                    challenges.append(_challenge(*args))
+                    continue
+                # forked: the workers inherit the nodes and their models, so a task is only their index
+                pool = multiprocessing.get_context("fork").Pool(workers, _adopt, (job.nodes, job.span, models))
+            challenges.append(pool.apply_async(_challenge_for, ((len(firsts) - 1, bounds, first.iterations),)))
+        return tuple(_node_schedule(model, _chosen(first, bounds, c if isinstance(c, tuple) else c.get()))
+                     for model, (bounds, first), c in zip(models, firsts, challenges))
+    finally:
+        if pool is not None:  # every task is done here, unless this failed
+            pool.terminate()
+            pool.join()
+
+
+_adopted: tuple[Sequence[NodeTimeline], Time, Sequence[NodeModel]] | None = None
+"""In a worker process of :func:`pack_nodes`: the job's nodes, its span and the nodes' models."""
+
+
+def _adopt(nodes: Sequence[NodeTimeline], span: Time, models: Sequence[NodeModel]) -> None:
+    """A worker's start: keep what it inherited from the forking process."""
+    global _adopted
+    _adopted = (nodes, span, models)
+
+
+def _challenge_for(args: tuple[int, NodeBounds, int]) -> _Challenge:
+    index, bounds, iterations = args
+    assert _adopted is not None  # set by the pool's initializer
+    nodes, span, models = _adopted
+    return _challenge(nodes[index], span, models[index], bounds, iterations)

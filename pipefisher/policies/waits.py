@@ -40,10 +40,11 @@ Clock = tuple[float, int]
 
 
 def _call_key(label: str) -> tuple[str, int]:
-    """A call's kind (F or B) and lane: 1 for the up pipe, ``2 j`` for model chunk j of the down pipe
-    (0 for the published keys; the up pipe has no chunks, so one int tells them all apart)."""
+    """A call's kind (F, B, or W for a zero-bubble weight-gradient pass) and lane: 1 for the up pipe,
+    ``2 j`` for model chunk j of the down pipe (0 for the published keys; the up pipe has no chunks, so
+    one int tells them all apart)."""
     key = TimelineKey.parse(label)
-    return _CALLS[key.kind], 1 if key.up_pipe else 2 * key.chunk
+    return ("W" if key.is_weight else _CALLS[key.kind]), 1 if key.up_pipe else 2 * key.chunk
 
 
 def _chunks(lanes: Iterable[int]) -> int:
@@ -53,7 +54,10 @@ def _chunks(lanes: Iterable[int]) -> int:
 
 def _producer(n: int, kind: str, lane: int, nodes: int, chunks: int = 1) -> tuple[int, str, int] | None:
     """Whose call of the same micro-batch a ``kind`` call of ``lane`` on node ``n`` receives from, as
-    (node, kind, lane); None at the first stage (forwards) or the last (backwards) of its pipe."""
+    (node, kind, lane); None at the first stage (forwards) or the last (backwards) of its pipe, and for
+    W passes, which use only their own node's data."""
+    if kind == "W":
+        return None
     if lane == 1:  # the up pipe: stage s on node nodes - 1 - s
         stage = nodes - 1 - n
         src = stage - 1 if kind == "F" else stage + 1

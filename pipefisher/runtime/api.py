@@ -158,14 +158,16 @@ class Worker:
 def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order", total_steps: int,
                  schedule: str | None = None, kfac_interval: int | None = None, data: MLMData | None = None,
                  span: Span | None = None, warn: Callable[[str], None] | None = None,
-                 recorder: Any = None) -> Worker:
+                 recorder: Any = None, allow_schedule_mismatch: bool = False) -> Worker:
     """Everything this worker runs, composed as ``pipefisher train`` composes it.
 
     ``mode``: ``first-order``, ``kfac`` (naive K-FAC every ``kfac_interval`` steps, default
     ``kfac.interval``) or ``scheduled`` (with ``schedule``, a schedule file: checked against this job
     on every worker before anything runs). ``total_steps`` ends the learning-rate schedule when
     ``optim.decay_steps`` is 0. ``span`` times named work (the profiler's); ``warn`` gets K-FAC's
-    warnings; ``recorder`` (scheduled mode, :mod:`pipefisher.runtime.recorder`) times every label. Seeds torch's global generator per worker (dropout), so runs repeat.
+    warnings; ``recorder`` (scheduled mode, :mod:`pipefisher.runtime.recorder`) times every label;
+    ``allow_schedule_mismatch`` trains a schedule whose metadata says it was packed for another job
+    (:func:`pipefisher.runtime.executor.check_packed_for`). Seeds torch's global generator per worker (dropout), so runs repeat.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -214,7 +216,7 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
                     kfac_interval or cfg.kfac.interval, span)
     if schedule is not None:
         # Every worker checks every node, so a bad schedule stops all of them before step 0.
-        nodes = load_checked_schedule(schedule, cfg, g.replicas)
+        nodes = load_checked_schedule(schedule, cfg, g.replicas, allow_schedule_mismatch)
         worker.schedule, worker.schedule_digest = nodes, schedule_digest(nodes)
         worker.cycles = [len(node) for node in nodes]
         check_agreement(ctx, f"schedule {worker.schedule_digest}")  # the same file on every host

@@ -3,7 +3,8 @@
 Layout of a checkpoint folder::
 
     checkpoint.json                         manifest: steps done, config, mode, schedule digest, layout,
-                                            K-FAC cycle k of the job (``cycle``) and of each node
+                                            K-FAC cycle k of the job (``cycle``) and of each node, the
+                                            step the learning rate decays to (``lr_horizon``)
     step-00000012/stage0-replica0.pt        one torch file per worker (stage, replica)
     step-00000012/stage1-replica0.pt
 
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 MANIFEST = "checkpoint.json"
 FORMAT = 2  # 2: running-average factors, damping schedule, optimizer pair
 _VOLATILE = {("pipeline", "timeout_s")}  # may change between a run and its resumption
+LR_SCHEDULE_KEYS = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "schedule"), ("optim", "decay_steps"),
+                    ("optim", "min_lr_ratio"), ("kfac", "lr"))
+"""The learning-rate schedule: a resumed run may change it on purpose (one line says what changed)."""
 
 
 def _added_later() -> dict[tuple[str, str], Any]:
@@ -55,7 +59,8 @@ def rank_filename(stage: int, replica: int) -> str:
 def _config_for_compare(cfg: dict[str, Any]) -> dict[str, Any]:
     """The config as a resumption compares it: volatile keys left out, keys an older manifest lacks
     read as the value they stand for (so checkpoints from before a key existed still resume)."""
-    out = {sec: ({k: v for k, v in vals.items() if (sec, k) not in _VOLATILE} if isinstance(vals, dict) else vals)
+    out = {sec: ({k: v for k, v in vals.items() if (sec, k) not in _VOLATILE and (sec, k) not in LR_SCHEDULE_KEYS}
+                 if isinstance(vals, dict) else vals)
            for sec, vals in cfg.items()}
     for (sec, key), value in _added_later().items():
         if isinstance(out.get(sec), dict):
@@ -169,6 +174,8 @@ def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
             "active_from_step": trainer.loop.first_step if getattr(trainer, "loop", None) is not None else None,
             "stages": g.stages,
             "replicas": g.replicas,
+            # the step where the learning-rate decay ends: a resumed run keeps it (see lr_horizon)
+            "lr_horizon": trainer.updater.schedule.total_steps,
             "fingerprint": trainer.cfg.fingerprint(),
             "config": _jsonable(trainer.cfg.to_dict()),
         })
@@ -233,6 +240,43 @@ def nothing_left(folder: str | os.PathLike[str], steps: int) -> str | None:
     if steps == done:
         return f"nothing to do: the checkpoint in {os.path.normpath(folder)} has {done} steps done, --steps is {steps}"
     return None
+
+
+def lr_schedule_changes(man: dict[str, Any], cfg: Any) -> list[str]:
+    """What a resumed run changes in the learning-rate schedule (:data:`LR_SCHEDULE_KEYS`), as
+    ``optim.decay_steps 0 -> 100``; empty when it continues the checkpoint's run's schedule."""
+    theirs, mine = man.get("config") or {}, _jsonable(cfg.to_dict())
+    return [f"{sec}.{key} {theirs[sec][key]} -> {mine[sec][key]}" for sec, key in LR_SCHEDULE_KEYS
+            if isinstance(theirs.get(sec), dict) and key in theirs[sec] and theirs[sec][key] != mine[sec][key]]
+
+
+def lr_horizon(man: dict[str, Any], cfg: Any, steps: int) -> int:
+    """The step where a resumed run's learning-rate decay ends: the one the checkpoint's run decayed to
+    (its ``optim.decay_steps``, else its ``--steps``), so that ``--steps`` growing on resume does not move
+    the schedule under the run; a changed ``optim.decay_steps`` sets a new one (0: this run's ``--steps``).
+    Checkpoints written before the horizon was recorded decay to this run's ``--steps``, as they did."""
+    recorded = man.get("lr_horizon")
+    theirs = ((man.get("config") or {}).get("optim") or {}).get("decay_steps", 0)
+    if recorded is None or cfg.optim.decay_steps != theirs:
+        return int(cfg.optim.decay_steps or steps)
+    return int(recorded)
+
+
+def resume_note(folder: str | os.PathLike[str], cfg: Any, steps: int) -> str | None:
+    """The line a resumed run prints about its learning-rate schedule, or None when there is nothing to say:
+    what the user changed on purpose, or that the steps past the first run's decay keep its final rate."""
+    man = read_manifest(folder)
+    changes = lr_schedule_changes(man, cfg)
+    horizon = lr_horizon(man, cfg, steps)
+    if changes:
+        return (f"resuming with another learning-rate schedule than the checkpoint's run: {', '.join(changes)} "
+                f"(decay to step {horizon})")
+    o = cfg.optim
+    if man.get("lr_horizon") is None or steps <= horizon or o.schedule == "constant":
+        return None
+    return (f"resuming: the learning rate keeps the schedule of the checkpoint's run, which decayed to step "
+            f"{horizon}; steps {horizon}-{steps - 1} run at its final rate {o.min_lr_ratio * o.lr:g} "
+            f"(optim.min_lr_ratio x optim.lr); --set optim.decay_steps={steps} decays over all {steps} steps instead")
 
 
 def load_checkpoint(folder: str, trainer: "Trainer") -> int:

@@ -5,7 +5,8 @@ runs sit side by side::
 
     <run>_config.yaml       the config used (after command-line overrides)
     <run>_tokenizer.json    the subword tokenizer trained on the corpus (the run's vocabulary)
-    <run>_timelines/        one profiled timeline per pipeline node
+    <run>_timelines/        one profiled timeline per pipeline node, nothing else (``pipefisher schedule`` reads it)
+    <run>_profile_losses.json  the profiling steps' losses and options (what ``train --out`` calls <name>_losses.json)
     <run>_schedule.pickle   the packed schedule (the trainer's input)
     <run>_report.json       usage report per node, policy, validation result, training summary
     <run>_chart.png         the packed cycle per node
@@ -54,6 +55,11 @@ class RunPaths:
     @property
     def timelines(self) -> str:
         return self._p("timelines")
+
+    @property
+    def profile_losses(self) -> str:
+        """The profiling steps' ``<name>_losses.json``, kept beside the timelines, not among them."""
+        return self._p("profile_losses.json")
 
     @property
     def schedule(self) -> str:
@@ -116,6 +122,20 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
         return list(csv.DictReader(f))
 
 
+def keep_only_timelines(paths: RunPaths, name: str) -> None:
+    """The profiling trainer writes its ``<name>_losses.json`` (and tokenizer) into its output folder,
+    the timelines': move them out, so that the folder holds node files only and
+    ``pipefisher schedule <run>_timelines/*`` reads one job. The tokenizer is the run's own already."""
+    from pipefisher.runtime.trainer import losses_path, tokenizer_path
+
+    losses = losses_path(paths.timelines, name)
+    if os.path.exists(losses):
+        os.replace(losses, paths.profile_losses)
+    tokenizer = tokenizer_path(paths.timelines, name)
+    if os.path.exists(tokenizer):
+        os.replace(tokenizer, paths.tokenizer)  # the same corpus's tokenizer: one copy, where the run keeps it
+
+
 def runtime_refusal(schedule_path: str, cfg: RunConfig, replicas: int) -> str | None:
     """Why the runtime would refuse this schedule file (the check every worker makes), or None.
 
@@ -132,8 +152,11 @@ def runtime_refusal(schedule_path: str, cfg: RunConfig, replicas: int) -> str | 
 
 
 def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, replicas: int, *, margin: float,
-                   allow_invalid: bool, echo: Callable[[str], None] = print) -> tuple[Any, dict[str, Any]]:
-    """Pack ``job``, print the usage report, write the schedule and its chart, and decide whether to train it.
+                   allow_invalid: bool, kfac_margin: float = 1.0,
+                   echo: Callable[[str], None] = print) -> tuple[Any, dict[str, Any]]:
+    """Pack ``job`` with its K-FAC times x ``kfac_margin``, print the usage report, write the schedule
+    (its metadata records both margins and the job it is for, so ``pipefisher validate`` checks the same
+    rule on the same job, and a run of another job refuses it) and its chart, and decide whether to train it.
 
     Refuses (:class:`InputError`, after writing the report too) a schedule that ``validate`` rejects unless
     ``allow_invalid``, and one the runtime cannot run always. A refused schedule stays in the run folder
@@ -142,15 +165,20 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     from pipefisher.plot import chart_from_schedule, render
     from pipefisher.report import report_data, usage_lines
     from pipefisher.safe_io import dump_json_atomic
+    from pipefisher.runtime.executor import packed_for
     from pipefisher.schedule import save_schedule, validate
+    from pipefisher.timeline import inflate_kfac
 
+    timelines = [n.path for n in job.nodes]
+    job = inflate_kfac(job, kfac_margin)
     packed = packer.pack(job, margin)
     for line in usage_lines(packed):
         echo(line)
     violations = validate(packed.to_file_data(), job, margin=margin)
     report = report_data(packed, job)
-    report.update(run=paths.name, valid=not violations, violations=[str(v) for v in violations[:50]])
-    save_schedule(paths.schedule, packed, timelines=[n.path for n in job.nodes])
+    report.update(run=paths.name, valid=not violations, violations=[str(v) for v in violations[:50]],
+                  kfac_margin=kfac_margin)
+    save_schedule(paths.schedule, packed, timelines=timelines, kfac_margin=kfac_margin, packed_for=packed_for(cfg))
     render(chart_from_schedule(packed, job, violations=violations), paths.chart)
     refusal = runtime_refusal(paths.schedule, cfg, replicas)  # what every worker checks, before they start
     report.update(runnable=refusal is None, runtime_refusal=refusal)
@@ -188,7 +216,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
     from pipefisher.runtime.profiler import timeline_filename
     from pipefisher.runtime.trainer import TrainOptions
     from pipefisher.safe_io import dump_json_atomic, write_atomic
-    from pipefisher.timeline import inflate_kfac, load_job
+    from pipefisher.timeline import load_job
 
     packer = get_policy(policy or DEFAULT_POLICY)
     margin = DEFAULT_MARGIN if margin is None else margin
@@ -225,15 +253,14 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
     launch(TrainOptions(mode="kfac", steps=profile_steps, profile=True, out=paths.timelines, progress=False,
                         log_every=10**9))
     timelines = [os.path.join(paths.timelines, timeline_filename(cfg.name, i)) for i in range(stages)]
+    keep_only_timelines(paths, cfg.name)
     profile_s = time.perf_counter() - t0
 
     # 2. pack, report, check
     echo(f"[2/3] packing with policy {packer.name}"
          + (f", K-FAC times x {kfac_margin:g}" if kfac_margin != 1.0 else ""))
-    job = inflate_kfac(load_job(timelines), kfac_margin)
-    packed, report = pack_and_check(job, packer, cfg, paths, replicas, margin=margin, allow_invalid=allow_invalid,
-                                    echo=echo)
-    report.update(kfac_margin=kfac_margin)
+    packed, report = pack_and_check(load_job(timelines), packer, cfg, paths, replicas, margin=margin,
+                                    allow_invalid=allow_invalid, kfac_margin=kfac_margin, echo=echo)
     cycles = [node.figures.iterations for node in packed.nodes]
 
     # 3. train
@@ -270,6 +297,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
     measured = [os.path.join(paths.folder, f"{paths.name}_{s}")
                 for s in ("measurements.csv", "cycles.jsonl", "measured", "schedules")]
     for p in (paths.config, *([paths.tokenizer] if os.path.exists(paths.tokenizer) else []), paths.timelines,
+              *([paths.profile_losses] if os.path.exists(paths.profile_losses) else []),
               paths.schedule, paths.report, paths.chart, paths.metrics,
               *[m for m in measured if os.path.exists(m)], paths.checkpoints):
         echo(f"wrote {p}")

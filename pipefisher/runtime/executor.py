@@ -307,11 +307,75 @@ def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.
     return data
 
 
-def load_checked_schedule(path: str | os.PathLike[str], cfg: RunConfig, replicas: int = 1) -> ScheduleData:
-    """Load a schedule file through the restricted loader and :func:`check_schedule` it."""
+SHAPE_KEYS = ("model.builder", "model.options", "model.vocab_size", "model.hidden_size", "model.num_layers",
+              "model.num_heads", "model.intermediate_size", "model.max_position", "data.seq_len",
+              "data.micro_batch_size", "data.num_micro_batches", "pipeline.stages", "pipeline.schedule",
+              "pipeline.chunks")
+"""The config values a schedule's fit depends on: its labels (stages, micro-batches, pipeline order,
+chunks) and the K-FAC and pipeline times it was packed from (the model's and the micro-batches' shape)."""
+
+MISMATCH_FLAG = "--allow-schedule-mismatch"
+
+
+def packed_for(cfg: RunConfig) -> dict[str, Any]:
+    """What a schedule packed for ``cfg`` fits, as its metadata records it (``packed_for``,
+    :func:`pipefisher.schedule.save_schedule`): the :data:`SHAPE_KEYS` values (``pipeline.chunks`` 1
+    unless interleaved) and, per node, its K-FAC modules as the labels name them (the keys of
+    :func:`pipefisher.schedule.job_layout`, which is what a profile alone can say)."""
+    import json
+
+    values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SHAPE_KEYS}
+    values["pipeline.chunks"] = cfg.pipeline.chunks if is_interleaved(cfg) else 1
+    values["modules"] = [sorted(labelled(n, pipe, is_interleaved(cfg)) for pipe, names in by_pipe.items()
+                                for n in names) for by_pipe in node_kfac_names(cfg)]
+    return json.loads(json.dumps(values, default=list))  # as JSON reads it back: lists, plain dicts
+
+
+def schedule_mismatch(recorded: Mapping[str, Any], cfg: RunConfig) -> str | None:
+    """What differs between the job a schedule was packed for (``recorded``) and ``cfg``, in a few
+    words, or None; keys the record lacks (a schedule packed from timelines alone) are not compared."""
+    here = packed_for(cfg)
+    diffs = []
+    for key, want in recorded.items():
+        if key not in here or here[key] == want:
+            continue
+        if key == "modules":
+            nodes = [n for n, (a, b) in enumerate(zip(want, here[key])) if a != b] if isinstance(want, list) else []
+            n = nodes[0] if nodes else 0
+            ours = here[key][n] if n < len(here[key]) else []
+            theirs = want[n] if isinstance(want, list) and n < len(want) and isinstance(want[n], list) else []
+            odd = sorted(set(theirs) ^ set(ours))
+            diffs.append(f"node {n}'s K-FAC modules ({len(theirs)} packed for, {len(ours)} here"
+                         + (f"; e.g. '{odd[0]}'" if odd else "") + ")")
+        else:
+            diffs.append(f"{key} {want!r} (this run: {here[key]!r})")
+    return ", ".join(diffs) or None
+
+
+def check_packed_for(path: str | os.PathLike[str], cfg: RunConfig, allow_mismatch: bool = False) -> str | None:
+    """Refuse a schedule whose metadata says it was packed for another job than ``cfg`` (another model
+    shape, stage split, micro-batch count, pipeline order or K-FAC modules); a schedule without that
+    record (a published file) passes. With ``allow_mismatch``, return the difference instead."""
+    from pipefisher.schedule import schedule_packed_for
+
+    recorded = schedule_packed_for(path)
+    diff = None if recorded is None else schedule_mismatch(recorded, cfg)
+    if diff is not None and not allow_mismatch:
+        raise InputError(os.fspath(path), f"was packed for another job: {diff}; pack one for this run "
+                                          f"(pipefisher run, or train --profile then schedule), or pass "
+                                          f"{MISMATCH_FLAG} to train it anyway")
+    return diff
+
+
+def load_checked_schedule(path: str | os.PathLike[str], cfg: RunConfig, replicas: int = 1,
+                          allow_mismatch: bool = False) -> ScheduleData:
+    """Load a schedule file through the restricted loader, refuse it if its metadata says it was packed
+    for another job (:func:`check_packed_for`, unless ``allow_mismatch``), and :func:`check_schedule` it."""
     from pipefisher.schedule import load_schedule
 
-    return check_schedule(load_schedule(path), cfg, replicas, path)
+    data = load_schedule(path)
+    check_packed_for(path, cfg, allow_mismatch)
+    return check_schedule(data, cfg, replicas, path)
 
 
 def single_iteration_schedule(cfg: RunConfig, replicas: int = 1) -> ScheduleData:

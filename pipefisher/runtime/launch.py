@@ -37,10 +37,21 @@ ERROR_MARK = "@@pipefisher-error "
 """Starts a worker's one-line error, so the launcher can quote it instead of relaying it."""
 PEER_LOST_EXIT = 3
 """Exit code of a worker that failed because a peer went away: a consequence, never the first cause."""
+INTERRUPTED_EXIT = 130
+"""Exit code after Ctrl-C (128 + SIGINT, as shells report it), of ``pipefisher train`` and its workers."""
 
 
 class WorkerFailed(RuntimeError):
     """A worker process exited with an error (or was killed)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while training: how many steps were done (None: the first had not ended) and, from the local
+    launcher, where the workers' output was kept (None: nowhere)."""
+
+    def __init__(self, steps_done: int | None, log: str | None = None) -> None:
+        super().__init__(steps_done)
+        self.steps_done, self.log = steps_done, log
 
 
 @dataclass(frozen=True)
@@ -213,6 +224,7 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
              for r in range(nproc)]
     tails: list[list[str]] = [[] for _ in procs]
     errors = [""] * nproc
+    done: list[int] = []  # steps done, from the reporting worker's marks (for the line after Ctrl-C)
     quiet = threading.Event()  # set once a worker failed: what follows is aftermath, for the log only
 
     def relay(r: int, p: subprocess.Popen) -> None:
@@ -222,6 +234,8 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
             with lock:
                 if line.startswith(PROGRESS_MARK):
                     mark = parse_mark(line)
+                    if mark is not None:
+                        done[:] = [opts.steps - mark[1] + mark[0]]  # the marks count this run's steps
                     if bar is not None and mark is not None and not quiet.is_set():
                         bar.update(*mark)
                     continue
@@ -252,18 +266,22 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
                 seen[r] = now
         return len(seen) == nproc
 
-    failed = False
+    failed = interrupted = False
     try:
-        while not look():
-            if any(procs[r].returncode != 0 for r in seen):
-                failed = True
-                quiet.set()
-                deadline = time.monotonic() + grace_s  # let the others exit and log their errors
-                while time.monotonic() < deadline and not look() \
-                        and not all(errors[r] for r in range(nproc) if r not in seen):  # said: stop them
-                    time.sleep(0.02)
-                break
-            time.sleep(0.02)
+        try:
+            while not look():
+                if any(procs[r].returncode != 0 for r in seen):
+                    failed = True
+                    quiet.set()
+                    deadline = time.monotonic() + grace_s  # let the others exit and log their errors
+                    while time.monotonic() < deadline and not look() \
+                            and not all(errors[r] for r in range(nproc) if r not in seen):  # said: stop them
+                        time.sleep(0.02)
+                    break
+                time.sleep(0.02)
+        except KeyboardInterrupt:  # Ctrl-C: the workers are stopped below, the caller says how far it got
+            interrupted = True
+            quiet.set()
     finally:
         for r, p in enumerate(procs):
             if p.poll() is None:
@@ -284,9 +302,11 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
                              stopped)
         with lock:
             log.close()
-        kept = _keep_log(tmp_log, log_path) if rank is not None or failed else None
+        kept = _keep_log(tmp_log, log_path) if rank is not None or failed or interrupted else None
         if kept is None:
             os.unlink(tmp_log)
+    if interrupted:
+        raise Interrupted(done[0] if done else None, kept)
     if rank is not None:
         code = procs[rank].returncode
         line = errors[rank] or (next((ln for ln in reversed(tails[rank]) if ln.strip()), "") if code > 0 else "")

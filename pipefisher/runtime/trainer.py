@@ -24,18 +24,30 @@ import torch
 import torch.distributed as dist
 
 from pipefisher.kfac.factors import BadFactorError
+from pipefisher.policies import DEFAULT_POLICY
 from pipefisher.runtime import memory
 from pipefisher.runtime.api import build_worker
 from pipefisher.runtime.config import RunConfig
 from pipefisher.runtime.data import MLMData
 from pipefisher.runtime.dist import DistContext
 from pipefisher.runtime.executor import node_pipes
+from pipefisher.runtime.launch import Interrupted
 from pipefisher.runtime.profiler import Profiler
 from pipefisher.runtime.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar, phase  # noqa: F401 (re-exported)
 from pipefisher.safe_io import dump_json_atomic
 from pipefisher.sim.schedules import UP
 
 MODES = ("first-order", "kfac", "scheduled")
+
+
+def losses_path(out: str, name: str) -> str:
+    """Where a run with ``--out`` writes its losses, options and memory figures."""
+    return os.path.join(out, f"{name}_losses.json")
+
+
+def tokenizer_path(out: str, name: str) -> str:
+    """Where a run with ``--out`` writes the tokenizer trained on its corpus (its vocabulary)."""
+    return os.path.join(out, f"{name}_tokenizer.json")
 
 
 class PeerLost(RuntimeError):
@@ -53,6 +65,7 @@ class TrainOptions:
     log_every: int = 5
     progress: bool = True
     schedule: str | None = None  # schedule file (mode "scheduled")
+    allow_schedule_mismatch: bool = False  # train a schedule whose metadata says it fits another job
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end, if checkpoint_dir)
     resume: str | None = None  # checkpoint folder to continue from
@@ -63,7 +76,7 @@ class TrainOptions:
     # ``schedule_timelines``: the profile the schedule was packed from (default: its metadata's);
     # ``measure_prefix``: where measurement files go (default: ``out/<name>`` with ``out``).
     adapt: bool = False
-    adapt_policy: str = "tight"
+    adapt_policy: str = DEFAULT_POLICY
     adapt_window: int = 4
     adapt_quantile: float = 0.5
     adapt_tie: float = 0.04  # step-time improvement that counts (the adaptive scheduler's tie)
@@ -130,9 +143,16 @@ class Trainer:
             from pipefisher.runtime.recorder import ClockRecorder
 
             recorder = ClockRecorder(g.stage, g.replica, cuda=ctx.device.type == "cuda")
-        self.worker = build_worker(cfg, ctx, mode=self.mode, total_steps=opts.steps, schedule=opts.schedule,
+        # the learning rate decays over the steps the first run defined, not a resumed run's --steps
+        horizon = opts.steps
+        if opts.resume:
+            from pipefisher.runtime.checkpoint import lr_horizon, read_manifest
+
+            horizon = lr_horizon(read_manifest(opts.resume), cfg, opts.steps)
+        self.worker = build_worker(cfg, ctx, mode=self.mode, total_steps=horizon, schedule=opts.schedule,
                                    kfac_interval=self.interval, data=self.data, span=self.profiler.span,
-                                   warn=click.echo, recorder=recorder)
+                                   warn=click.echo, recorder=recorder,
+                                   allow_schedule_mismatch=opts.allow_schedule_mismatch)
         w = self.worker
         self.stage, self.kfac, self.kfacs, self.engine = w.stage, w.kfac, w.kfacs, w.engine
         self.updater, self.ops, self.executor = w.updater, w.ops, w.executor
@@ -268,7 +288,7 @@ class Trainer:
         if opts.out is not None and self.reporter and self.data.corpus is not None:
             from pipefisher.runtime.corpus import save_tokenizer  # the run's vocabulary, from the start
 
-            save_tokenizer(self.data.corpus, os.path.join(opts.out, f"{self.cfg.name}_tokenizer.json"))
+            save_tokenizer(self.data.corpus, tokenizer_path(opts.out, self.cfg.name))
         bar = StepBar() if show else None
         if todo:
             self._phase("first step (compiles / warms up; later steps are faster, the bar's ETA follows)")
@@ -302,7 +322,7 @@ class Trainer:
                     result.losses.append(loss)
                 if bar is not None:
                     bar.update(step + 1 - first, todo)
-                elif relay and self.reporter and opts.progress:
+                elif relay and self.reporter:  # the launcher's bar, and its line after Ctrl-C
                     click.echo(f"{PROGRESS_MARK} {step + 1 - first} {todo}")
                 if self.reporter and loss is not None and (step % opts.log_every == 0 or last or val is not None):
                     held = f"  held-out {val:.4f}" if val is not None else ""
@@ -315,6 +335,8 @@ class Trainer:
                     self.checkpoint(step + 1)
                     if self.reporter and opts.metrics:
                         self._write_metrics(opts.metrics, metrics)
+        except KeyboardInterrupt:  # Ctrl-C: say how far it got (the CLI turns it into one line)
+            raise Interrupted(len(result.step_seconds) + first) from None
         finally:
             if bar is not None:
                 bar.clear()
@@ -325,7 +347,7 @@ class Trainer:
         if self.reporter and todo:
             times = result.step_seconds[1:] or result.step_seconds
             click.echo(f"median step {statistics.median(times) * 1e3:.1f} ms, peak memory "
-                       f"{memory.mib(result.peak_memory_bytes)} (this worker)"
+                       f"{memory.mib(result.peak_memory_bytes)} (rank {g.rank}: stage {g.stage}, replica {g.replica})"
                        + (f", K-FAC saved tensors {memory.mib(result.peak_saved_bytes)} at most"
                           if self.kfac is not None else ""))
         if todo:
@@ -343,7 +365,7 @@ class Trainer:
             if opts.profile and g.replica == 0:
                 result.timeline_path = self.profiler.write(opts.out, self.cfg.name, g.stage)
             if self.reporter:
-                dump_json_atomic(os.path.join(opts.out, f"{self.cfg.name}_losses.json"),
+                dump_json_atomic(losses_path(opts.out, self.cfg.name),
                                  {"mode": self.mode, "losses": result.losses, "val": result.val,
                                   "step_seconds": result.step_seconds, "options": asdict(opts),
                                   "peak_memory_bytes": result.peak_memory_bytes,

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr, flush=True)
         return 2
     from pipefisher.kfac.factors import BadFactorError
-    from pipefisher.runtime.launch import PEER_LOST_EXIT, decode_spec, run_worker
+    from pipefisher.runtime.launch import INTERRUPTED_EXIT, PEER_LOST_EXIT, decode_spec, run_worker
     from pipefisher.runtime.trainer import PeerLost
 
     rank = os.environ.get("RANK", "0")
@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         _log_traceback(rank)
         _say(f"worker rank {rank} failed: PeerLost: {err}")
         return PEER_LOST_EXIT
+    except KeyboardInterrupt:  # Ctrl-C reaches every worker; the launcher says how far the run got
+        return INTERRUPTED_EXIT
     except Exception as err:
         _log_traceback(rank)
         _say(f"worker rank {rank} failed: {type(err).__name__}: {err}")

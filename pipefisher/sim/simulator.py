@@ -17,9 +17,10 @@ Mapping choices (see also the format spec):
   chunk j's layers end in ``:chunk<j>`` (none for chunk 0), each covering that chunk's ``m`` micro-batches.
 - ZB-H1: ``call_backward`` is the input-gradient pass B. A weight-gradient pass W that directly
   follows its own B is merged into that interval (so node 0 looks like 1F1B); a deferred W is written
-  under ``call_backward:weight`` (not a micro-batch: the scheduler counts only exact
-  ``call_backward``; policies that treat keys containing ``call_backward`` as pipeline work keep
-  K-FAC out of it).
+  under :func:`pipefisher.timeline.weight_key` (``call_backward:weight`` plus the pipe's or chunk's
+  suffix): pipeline work, which every policy and ``validate`` keep K-FAC out of (the problem's one
+  list of pipeline keys), but not a micro-batch (m counts forwards) and not the backward that factor
+  B's covariance pieces follow (that is B).
 - Chimera: up-pipe operations are ``call_forward:up_pipe``/``call_backward:up_pipe``; the up-pipe copy
   of a layer has its K-FAC keys suffixed ``:up_pipe`` and covers that pipe's micro-batches.
 """
@@ -32,13 +33,13 @@ from typing import Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.sim.costs import NS_PER_MS, CostModel, ModuleCost
-from pipefisher.timeline import UP_SUFFIX, chunk_suffix
+from pipefisher.timeline import BACKWARD as BACKWARD_KEY, FORWARD as FORWARD_KEY
+from pipefisher.timeline import UP_SUFFIX, chunk_suffix, pipe_key, weight_key
 from pipefisher.sim.schedules import (
     BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op, PipelineSchedule, canonical_name, generate,
 )
 
 Timelines = list[dict[str, list[tuple[int, int]]]]
-WEIGHT_KEY = "call_backward:weight"
 
 
 @dataclass(frozen=True)
@@ -181,14 +182,14 @@ def node_layers(model: CostModel, schedule: PipelineSchedule) -> list[list[Layer
 
 
 def _pipeline_keys(result: SimResult, device: int) -> dict[str, list[tuple[int, int]]]:
-    entries: dict[str, list[tuple[int, int]]] = {"call_forward": [], "call_backward": []}
+    entries: dict[str, list[tuple[int, int]]] = {FORWARD_KEY: [], BACKWARD_KEY: []}
     ops = result.devices[device]
     i = 0
     while i < len(ops):
         t = ops[i]
-        suffix = UP_SUFFIX if t.op.pipe == UP else chunk_suffix(t.op.chunk)
+        up, chunk = t.op.pipe == UP, (0 if t.op.pipe == UP else t.op.chunk)
         if t.op.kind == FORWARD:
-            entries.setdefault("call_forward" + suffix, []).append((t.start, t.end))
+            entries.setdefault(pipe_key(FORWARD_KEY, up, chunk), []).append((t.start, t.end))
         elif t.op.kind == BACKWARD:
             end = t.end
             nxt = ops[i + 1] if i + 1 < len(ops) else None
@@ -196,9 +197,9 @@ def _pipeline_keys(result: SimResult, device: int) -> dict[str, list[tuple[int, 
                     and nxt.op.stage == t.op.stage and nxt.op.pipe == t.op.pipe:
                 end = nxt.end  # W right after its own B: one backward interval
                 i += 1
-            entries.setdefault("call_backward" + suffix, []).append((t.start, end))
+            entries.setdefault(pipe_key(BACKWARD_KEY, up, chunk), []).append((t.start, end))
         else:
-            entries.setdefault(WEIGHT_KEY, []).append((t.start, t.end))
+            entries.setdefault(weight_key(up, chunk), []).append((t.start, t.end))
         i += 1
     return entries
 
