@@ -31,42 +31,94 @@ import os
 import statistics
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODES = ("baseline", "kfac", "scheduled")
 
 
-def _worker(config_path: str, steps: int, seeds: int, eval_every: int, lrs: list[float], warmups: list[int],
-            profile_steps: int, folder: str) -> dict[str, Any]:
-    import torch.distributed as dist
+def bench_config(config_path: str, overrides: list[str]) -> Any:
+    """The run config with the benchmark's ``--set`` overrides, on 2 stages."""
+    from pipefisher.runtime.config import apply_overrides, load_config
 
-    from pipefisher.runtime.config import load_config
-    from pipefisher.runtime.dist import init_from_env, shutdown
-    from pipefisher.runtime.trainer import Trainer, TrainOptions
+    return apply_overrides(load_config(config_path), overrides, config_path).replace(pipeline={"stages": 2})
 
-    base = load_config(config_path).replace(pipeline={"stages": 2})
+
+def start_worker(config_path: str, overrides: list[str]) -> tuple[Any, int, Any]:
+    """(the config on 2 stages, this worker's rank, its process group): one core per stage."""
+    from pipefisher.runtime.dist import init_from_env
+
+    base = bench_config(config_path, overrides)
     rank = int(os.environ["RANK"])
     if hasattr(os, "sched_setaffinity") and os.cpu_count():
         os.sched_setaffinity(0, {rank % os.cpu_count()})  # one core per stage
-    ctx = init_from_env(2, base.pipeline.timeout_s)
-    quiet = dict(progress=False, log_every=10**9)
-    out: dict[str, Any] = {"rank": rank, "sweep": [], "runs": [], "cycles": None}
+    return base, rank, init_from_env(2, base.pipeline.timeout_s)
 
-    def train(cfg: Any, mode: str, schedule: str | None = None, evals: int = eval_every) -> Any:
-        opts = TrainOptions(mode=mode, steps=steps, schedule=schedule, eval_every=evals, **quiet)
+
+def trainer_of(ctx: Any, steps: int, eval_every: int) -> Callable[..., tuple[Any, Any]]:
+    """``train(cfg, mode, schedule=None, evals=eval_every) -> (trainer, result)``, quietly, in these workers."""
+    from pipefisher.runtime.trainer import Trainer, TrainOptions
+
+    def train(cfg: Any, mode: str, schedule: str | None = None, evals: int = eval_every) -> tuple[Any, Any]:
+        opts = TrainOptions(mode=mode, steps=steps, schedule=schedule, eval_every=evals, progress=False,
+                            log_every=10**9)
         trainer = Trainer(cfg, ctx, opts)
-        res = trainer.run()
-        return trainer, res
+        return trainer, trainer.run()
 
-    def announce(msg: str) -> None:
-        if rank == 1:  # the last stage holds the losses
-            print(msg, flush=True)
+    return train
 
+
+def announcer(rank: int) -> Callable[[str], None]:
+    """Print on the last stage, which holds the losses."""
+    return lambda msg: print(msg, flush=True) if rank == 1 else None
+
+
+def choose_baseline(train: Callable[..., tuple[Any, Any]], base: Any, steps: int, lrs: list[float],
+                    warmups: list[int], announce: Callable[[str], None]) -> tuple[float, int, list[dict[str, Any]]]:
+    """The AdamW sweep on seed 0, judged on TRAINING loss only (the mean of the last 10 % of steps): the
+    held-out text never chooses anything. Returns (lr, warm-up, the sweep's rows), the same on every worker."""
+    import torch.distributed as dist
+
+    tail = max(1, steps // 10)
+    sweep = []
+    for lr in lrs:
+        for warm in warmups:
+            _, res = train(base.replace(optim={"lr": lr, "warmup_steps": warm}), "first-order", evals=0)
+            score = statistics.mean(res.losses[-tail:]) if res.losses else math.nan
+            sweep.append({"lr": lr, "warmup_steps": warm, "train_loss_tail": score})
+            announce(f"sweep: AdamW lr {lr:g}, warm-up {warm}: training loss (last {tail} steps) {score:.4f}")
+    choice: list[Any] = [None]
+    if int(os.environ["RANK"]) == 1:  # the last stage knows the losses: everyone takes its choice
+        best = min(sweep, key=lambda r: r["train_loss_tail"])
+        choice = [(best["lr"], best["warmup_steps"])]
+    dist.broadcast_object_list(choice, src=1)
+    lr, warm = choice[0]
+    announce(f"baseline: AdamW lr {lr:g}, warm-up {warm} steps (same settings for the K-FAC runs)")
+    return lr, warm, sweep
+
+
+def run_record(mode: str, seed: int, res: Any, **extra: Any) -> dict[str, Any]:
+    """What a benchmark keeps of one training run."""
+    return {"mode": mode, "seed": seed, "val": res.val, "losses": res.losses, "step_seconds": res.step_seconds,
+            "peak_memory": res.peak_memory_bytes, "peak_saved": res.peak_saved_bytes, **extra}
+
+
+def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval_every: int, lrs: list[float],
+            warmups: list[int], profile_steps: int, folder: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from pipefisher.runtime.dist import shutdown
+    from pipefisher.runtime.trainer import Trainer, TrainOptions
+
+    base, rank, ctx = start_worker(config_path, overrides)
+    train = trainer_of(ctx, steps, eval_every)
+    announce = announcer(rank)
+    out: dict[str, Any] = {"rank": rank, "sweep": [], "runs": [], "cycles": None}
     try:
         # 1. profile and pack
-        Trainer(base, ctx, TrainOptions(mode="kfac", profile=True, steps=profile_steps, out=folder, **quiet)).run()
+        Trainer(base, ctx, TrainOptions(mode="kfac", profile=True, steps=profile_steps, out=folder, progress=False,
+                                        log_every=10**9)).run()
         dist.barrier()
         sched = os.path.join(folder, "schedule.pickle")
         if rank == 0:
@@ -82,23 +134,8 @@ def _worker(config_path: str, steps: int, seeds: int, eval_every: int, lrs: list
         dist.barrier()
 
         # 2. the baseline sweep, judged on training loss only
-        tail = max(1, steps // 10)
-        for lr in lrs:
-            for warm in warmups:
-                cfg = base.replace(optim={"lr": lr, "warmup_steps": warm})
-                _, res = train(cfg, "first-order", evals=0)
-                score = statistics.mean(res.losses[-tail:]) if res.losses else math.nan
-                out["sweep"].append({"lr": lr, "warmup_steps": warm, "train_loss_tail": score})
-                announce(f"sweep: AdamW lr {lr:g}, warm-up {warm}: training loss (last {tail} steps) {score:.4f}")
-        # rank 1 (last stage) knows the losses: everyone takes its choice
-        choice: list[Any] = [None]
-        if rank == 1:
-            best = min(out["sweep"], key=lambda r: r["train_loss_tail"])
-            choice = [(best["lr"], best["warmup_steps"])]
-        dist.broadcast_object_list(choice, src=1)
-        lr, warm = choice[0]
+        lr, warm, out["sweep"] = choose_baseline(train, base, steps, lrs, warmups, announce)
         out["baseline"] = {"lr": lr, "warmup_steps": warm}
-        announce(f"baseline: AdamW lr {lr:g}, warm-up {warm} steps (same settings for the K-FAC runs)")
 
         # 3. three modes per seed, interleaved
         for seed in range(seeds):
@@ -108,15 +145,32 @@ def _worker(config_path: str, steps: int, seeds: int, eval_every: int, lrs: list
                                      schedule=sched if mode == "scheduled" else None)
                 if trainer.cycles:
                     out["cycles"] = trainer.cycles
-                out["runs"].append({"mode": mode, "seed": seed, "val": res.val, "losses": res.losses,
-                                    "step_seconds": res.step_seconds, "peak_memory": res.peak_memory_bytes,
-                                    "peak_saved": res.peak_saved_bytes})
+                out["runs"].append(run_record(mode, seed, res))
                 if res.val:
                     announce(f"seed {seed} {mode:9}: held-out {res.val[-1][1]:.4f} after {steps} steps, "
                              f"{res.val[-1][2]:.0f} s of training")
     finally:
         shutdown(ctx)
     return out
+
+
+def merged_runs(results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """(the runs as the last stage saw them, with both workers' memory and step times; rank 0's result;
+    rank 1's result)."""
+    last = next(r for r in results if r["rank"] == 1)
+    first = next(r for r in results if r["rank"] == 0)
+    runs = last["runs"]
+    for run, other in zip(runs, first["runs"]):  # memory: the larger of the two workers
+        run["peak_memory"] = max(run["peak_memory"], other["peak_memory"])
+        run["peak_saved"] = max(run["peak_saved"], other["peak_saved"])
+        # a step ends when both stages are done: the slower stage's time
+        run["step_seconds"] = [max(x, y) for x, y in zip(run["step_seconds"], other["step_seconds"])]
+    return runs, first, last
+
+
+def baseline_target(runs: list[dict[str, Any]]) -> float:
+    """The target held-out loss: the median over seeds of the baseline's final held-out loss."""
+    return _median([r["val"][-1][1] for r in runs if r["mode"] == "baseline"])
 
 
 def steps_and_time_to(val: list[tuple[int, float, float]], target: float) -> tuple[float, float]:
@@ -163,50 +217,59 @@ def chart(runs: list[dict[str, Any]], target: float, path: str, title: str) -> N
     lo = min(v[1] for r in runs for v in r["val"])
     axes[0].set_ylim(lo - 0.1, min(max(v[1] for r in runs for v in r["val"]), target + 1.0))
     fig.suptitle(title)
-    fig.tight_layout()
+    save_png(fig, path)
+
+
+def save_png(fig: Any, path: str) -> None:
+    """Write a benchmark's chart atomically, and let it go."""
+    import matplotlib.pyplot as plt
+
     from pipefisher.safe_io import atomic_path
 
+    fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
 
 
-def main() -> None:
+def common_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every convergence-style benchmark shares: the run config, its length and seeds, the
+    held-out evaluations and the AdamW sweep (one definition, so they measure the same thing)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--config", default=os.path.join(root, "configs", "small.yaml"), help="YAML run config")
     ap.add_argument("--steps", type=int, default=300, help="steps of every run (the baseline's run length)")
     ap.add_argument("--seeds", type=int, default=3, help="runs per setting, with different data seeds")
     ap.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations")
     ap.add_argument("--lrs", default="5e-4,1e-3,2e-3", help="AdamW peak learning rates of the sweep")
     ap.add_argument("--warmups", default="0,30", help="AdamW warm-up steps of the sweep")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config value, as pipefisher train --set does (e.g. --set data.text=DIR: "
+                         "any folder or file of text as the corpus); repeatable")
+    return ap
+
+
+def main() -> None:
+    ap = common_arguments(__doc__.splitlines()[0])
     ap.add_argument("--profile-steps", type=int, default=4, help="kfac steps profiled before packing")
     ap.add_argument("--out", default="bench-convergence", help="folder for the chart and the raw results")
     a = ap.parse_args()
     lrs = [float(x) for x in a.lrs.split(",")]
     warmups = [int(x) for x in a.warmups.split(",")]
 
-    from pipefisher.runtime.config import load_config
     from pipefisher.runtime.corpus import load_corpus
     from pipefisher.runtime.launch import spawn_local
 
-    cfg = load_config(a.config)
+    cfg = bench_config(a.config, a.overrides)
     os.makedirs(a.out, exist_ok=True)
     corpus = load_corpus(cfg.data, cfg.model.vocab_size)  # build the cache once, before the workers
     print(f"corpus '{cfg.data.text}': {corpus.files} files, {len(corpus.train)} training and {len(corpus.val)} "
           f"held-out tokens, {cfg.data.tokenizer} vocabulary {cfg.model.vocab_size}", flush=True)
     with tempfile.TemporaryDirectory(prefix="pipefisher-conv-") as folder:
-        results = spawn_local(_worker, 2, a.config, a.steps, a.seeds, a.eval_every, lrs, warmups,
+        results = spawn_local(_worker, 2, a.config, a.overrides, a.steps, a.seeds, a.eval_every, lrs, warmups,
                               a.profile_steps, folder, timeout_s=3 * 3600)
-    last = next(r for r in results if r["rank"] == 1)
-    first = next(r for r in results if r["rank"] == 0)
-    runs = last["runs"]
-    for run, other in zip(runs, first["runs"]):  # memory: the larger of the two workers
-        run["peak_memory"] = max(run["peak_memory"], other["peak_memory"])
-        run["peak_saved"] = max(run["peak_saved"], other["peak_saved"])
-        # a step ends when both stages are done: the slower stage's time
-        run["step_seconds"] = [max(x, y) for x, y in zip(run["step_seconds"], other["step_seconds"])]
-    target = _median([r["val"][-1][1] for r in runs if r["mode"] == "baseline"])
+    runs, first, last = merged_runs(results)
+    target = baseline_target(runs)
     table: dict[str, dict[str, float]] = {}
     for mode in MODES:
         mine = [r for r in runs if r["mode"] == mode]
@@ -241,9 +304,16 @@ def main() -> None:
                      {"target": target, "table": table, "baseline": b, "sweep": last["sweep"], "runs": runs,
                       "cycles": first["cycles"], "args": vars(a)})
     print(f"wrote {png} and {os.path.join(a.out, 'convergence.json')}")
+    print(f"scheduled step / first-order step: {_ratio(table['scheduled']['step_ms'], table['baseline']['step_ms'])} "
+          f"(medians over seeds of each run's median step, measured in this run)")
     print(f"kfac steps-to-target / baseline: {_ratio(table['kfac']['steps'], table['baseline']['steps'])}; "
           f"scheduled time-to-target / baseline: {_ratio(table['scheduled']['seconds'], table['baseline']['seconds'])}")
 
 
 if __name__ == "__main__":
-    main()
+    from pipefisher.errors import InputError
+
+    try:
+        main()
+    except InputError as err:  # a bad config or --set: one line
+        sys.exit(f"error: {err}")
