@@ -117,11 +117,8 @@ def read_schedule_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 def schedule_timelines(path: str | os.PathLike[str]) -> list[str] | None:
     """The timeline files recorded beside a schedule file (what it was packed from), or None."""
-    where = meta_path(path)
-    if not os.path.exists(where):
-        return None
-    meta = load_json(where)
-    paths = meta.get("timelines") if isinstance(meta, dict) else None
+    meta = read_schedule_meta(path)
+    paths = None if meta is None else meta.get("timelines")
     if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
         return None
     return paths
