@@ -35,6 +35,13 @@ _CHUNK_SUFFIX = re.compile(r"(?:^|:)chunk([1-9][0-9]*)$")
 """``:chunk<j>`` (j >= 1) ends the keys of model chunk j of an interleaved schedule; chunk 0 has none,
 so the published tool's files (one chunk) read unchanged."""
 STEP_KEY = "start_end"
+UPDATE_KEY = "update"
+"""End-of-step work a profile may record, one interval per step (an "other key" to the packer): the
+whole ``-- end --`` (gradient all-reduce, clipping, preconditioning, optimizer step). A first-order
+step pays it less :data:`PRECONDITION_KEY`."""
+PRECONDITION_KEY = "precondition"
+"""The part of :data:`UPDATE_KEY`'s interval that K-FAC adds: preconditioning every layer's gradient.
+The time-to-target objective (:mod:`pipefisher.objective`) adds both to a step's pipeline and K-FAC time."""
 KFAC_KINDS = ("cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B", "inv_kron_A", "inv_kron_B")
 COV_KINDS = ("cov_kron_A", "cov_kron_B")
 
