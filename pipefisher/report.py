@@ -22,7 +22,11 @@ def usage_line(index: int, node: NodeSchedule) -> str:
 
 
 def usage_lines(schedule: JobSchedule) -> list[str]:
-    return [usage_line(i, node) for i, node in enumerate(schedule.nodes)]
+    """Per node, its cycle and usage; for a ``target`` schedule, then the trade-off it was chosen by."""
+    lines = [usage_line(i, node) for i, node in enumerate(schedule.nodes)]
+    if schedule.tradeoff is not None:
+        lines += ["", *schedule.tradeoff.lines()]
+    return lines
 
 
 def _fmt(t: Time) -> str:
@@ -97,6 +101,7 @@ def report_data(schedule: JobSchedule, job: Job) -> dict[str, Any]:
     return {
         "policy": schedule.policy,
         "margin": schedule.margin,
+        **({"tradeoff": schedule.tradeoff.data()} if schedule.tradeoff is not None else {}),
         "pipeline_time": job.span,
         "time_unit": "seconds" if isinstance(job.span, float) else "nanoseconds",
         "nodes": nodes,

@@ -180,6 +180,12 @@ class AdaptiveScheduler(Scheduler):
     * **shorter cycle** (a trial, once climbing is over): a re-pack at the kept slack that needs fewer
       iterations, kept if no slower than ``tie`` (fresher curvature wins a tie).
 
+    "Faster" is the user's objective (:mod:`pipefisher.objective`): the measured step time times the
+    ``staleness`` curve at the schedule's cycle k, so more slack that lengthens the cycle must save more
+    step time than its staler curvature costs in steps. The ladder is the density search the ``target``
+    policy does on a model, done here on measurements: its re-packs use ``tight`` (``target`` would search
+    again inside each rung), and the climb starts at the rung nearest the initial schedule's margin.
+
     Going back restores the kept schedule itself, whose step time was measured, never a re-pack of it.
     """
 
@@ -187,19 +193,25 @@ class AdaptiveScheduler(Scheduler):
 
     def __init__(self, initial: Plan, nodes: int, *, policy: str = "tight", margin: float = DEFAULT_MARGIN,
                  window: int = 4, q: float = 0.5, settle: int = 2, tie: float = 0.04,
-                 ladder: Sequence[float] = SLACK_LADDER) -> None:
+                 ladder: Sequence[float] = SLACK_LADDER, staleness: Any = None) -> None:
+        from pipefisher.objective import MEASURED_STALENESS
+
         super().__init__(initial)
         if window < 1 or settle < 1 or not 0 <= q <= 1 or not 0 <= tie < 1 or not ladder \
                 or any(g < 1 for g in ladder):
             raise ValueError("window and settle must be >= 1, q in [0, 1], tie in [0, 1), and the ladder's "
                              "factors >= 1")
-        self.nodes, self.policy, self.margin = nodes, policy, margin
+        self.nodes, self.margin = nodes, margin
+        self.policy = "tight" if policy == "target" else policy
         self.window, self.q, self.settle, self.tie = window, q, settle, tie
         self.ladder = tuple(ladder)
+        self.staleness = staleness if staleness is not None else MEASURED_STALENESS
         self._cycles: deque[list[StepRecord]] = deque(maxlen=window)
         self._since_switch = 0
-        self.kept, self.kept_rung = initial, 0  # the schedule that measured best so far, and its slack
-        self.rung = 0  # the current schedule's slack (an index into ladder)
+        start = min(range(len(self.ladder)),  # the initial schedule's slack, as a rung
+                    key=lambda r: abs(self.ladder[r] - (1 + initial.margin) / (1 + margin)))
+        self.kept, self.kept_rung = initial, start  # the schedule that measured best so far, and its slack
+        self.rung = start  # the current schedule's slack (an index into ladder)
         self.trial: str | None = None  # "slack" or "cycle" while the current schedule is on trial
         self.climbing, self.shorter_tried = True, False
         self.costs: dict[str, list[float]] = {}  # schedule digest -> mean step seconds of its cycles
@@ -228,12 +240,19 @@ class AdaptiveScheduler(Scheduler):
         c = self.costs.get(plan.digest, [])
         return statistics.median(c[-self.settle:]) if len(c) >= self.settle else None
 
+    def value(self, plan: Plan) -> float | None:
+        """What a schedule costs the user: its step time x the staleness curve at its cycle k (the steps
+        to the target relative to first-order), None before it ran ``settle`` cycles."""
+        c = self.cost(plan)
+        return None if c is None else c * self.staleness.at(max(plan.cycles))
+
     def next_schedule(self) -> Plan:
         if not self._cycles:
             return self.current
         again = [p for p in self.overran[-1] if p in self.overran[0]] if len(self.overran) == 2 else []
         self.last_decision = {"rung": self.rung, "factor": self.ladder[self.rung], "trial": self.trial,
                               "cost": self.cost(self.current), "kept_cost": self.cost(self.kept),
+                              "value": self.value(self.current), "kept_value": self.value(self.kept),
                               "overran": self.overran[-1] if self.overran else []}
         if again:
             where = ", ".join(f"node {n} iteration {i}" for n, i in again[:3]) + (", ..." if len(again) > 3 else "")
@@ -250,14 +269,14 @@ class AdaptiveScheduler(Scheduler):
             return plan
         if self._since_switch < self.settle:
             return self.current
-        here, kept = self.cost(self.current), self.cost(self.kept)
+        here, kept = self.value(self.current), self.value(self.kept)
         if self.trial is not None and here is not None and kept is not None:
             better = here < kept * (1 - self.tie) or (self.trial == "cycle" and here <= kept * (1 + self.tie))
             trial, self.trial = self.trial, None
             if better:
                 self.kept, self.kept_rung = self.current, self.rung
                 if trial == "slack" and self.rung + 1 < len(self.ladder):
-                    return self._try_slack(here)
+                    return self._try_slack(self.cost(self.current))
                 self.climbing = self.climbing and trial != "slack"
                 return self.current
             if trial == "slack":
@@ -265,11 +284,11 @@ class AdaptiveScheduler(Scheduler):
             else:
                 self.shorter_tried = True
             why = (f"back to the kept schedule (K-FAC slack x{self.ladder[self.kept_rung]:g}, "
-                   f"{kept * 1e3:.1f} ms per step; the {'slack' if trial == 'slack' else 'shorter cycle'} "
-                   f"tried took {here * 1e3:.1f} ms)")
+                   f"{self._costs_text(self.kept)}; the {'slack' if trial == 'slack' else 'shorter cycle'} "
+                   f"tried: {self._costs_text(self.current)})")
             return self._restore(why)
         if self.climbing and self.rung + 1 < len(self.ladder):
-            return self._try_slack(here)
+            return self._try_slack(self.cost(self.current))
         self.climbing = False
         if not self.shorter_tried:
             self.shorter_tried = True
@@ -279,6 +298,11 @@ class AdaptiveScheduler(Scheduler):
                 self._repaired = False
                 return plan
         return self.current
+
+    def _costs_text(self, plan: Plan) -> str:
+        c, v = self.cost(plan), self.value(plan)
+        return "not measured" if c is None or v is None else \
+            f"{c * 1e3:.1f} ms per step, k = {max(plan.cycles)}, {v * 1e3:.1f} ms x steps-to-target ratio"
 
     def _try_slack(self, here: float | None) -> Plan:
         ms = f" ({here * 1e3:.1f} ms per step at x{self.ladder[self.rung]:g})" if here is not None else ""

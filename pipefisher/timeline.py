@@ -301,6 +301,80 @@ def _last_step(raw: dict[str, list[tuple[Any, Any]]]) -> tuple[dict[str, list[tu
     return {k: list(v[-(len(v) // steps):]) for k, v in raw.items()}, steps
 
 
+def _median(values: list[Any], integral: bool) -> Any:
+    """The median; of an even count, the mean of the middle two, floored for integer times (so that
+    integer nanoseconds stay integers). Both are monotone in every value, which keeps order."""
+    xs = sorted(values)
+    mid = len(xs) // 2
+    if len(xs) % 2:
+        return xs[mid]
+    return (xs[mid - 1] + xs[mid]) // 2 if integral else (xs[mid - 1] + xs[mid]) / 2
+
+
+def median_step(raw: Mapping[str, Sequence[tuple[Any, Any]]], skip: int = 1) -> dict[str, list[tuple[Any, Any]]]:
+    """One representative step of a multi-step profile, in the same format (``start_end`` holds one step).
+
+    Why: the loader keeps only the last step (:func:`_last_step`, as the published tool does), and on a
+    CPU one step's bubbles jitter by +-25 %, so the cycle a profile packs to varied from run to run. The
+    median step is steadier.
+
+    Rule: with n steps in ``start_end``, the steps used are those after the first ``skip`` (the warm-up)
+    when at least two remain (n >= skip + 2); otherwise the result is the last step alone, exactly what
+    the loader would keep. For every key whose interval count is a multiple of n (the same count per
+    step) and whose bounds are all numbers, interval i of the result starts at the median over the used
+    steps of interval i's start, taken relative to that step's own ``start_end`` start, and ends at the
+    median of its end, likewise; both are then placed relative to the last step's ``start_end`` start,
+    so absolute times stay plausible (and comparable across nodes, whose profiled steps start together
+    after a barrier). Other keys (another count, a ``None`` bound) keep the last step's slice the loader
+    would keep. The median of an even count is the mean of the middle two, floored when every time is an
+    integer (integers stay integers; otherwise times become floats).
+
+    Order is kept: if ``x_j <= y_j`` in every step j then ``median(x) <= median(y)`` (order statistics,
+    their mean and its floor are all monotone), so every interval still ends after it starts, work
+    nested in another (``precondition`` in ``update``) stays inside it, and micro-batches stay in order.
+    """
+    if skip < 0:
+        raise ValueError(f"skip must be 0 or more, not {skip}")
+    plain = {k: list(v) for k, v in raw.items()}
+    last, _ = _last_step(plain)
+    fallback = {k: [tuple(p) for p in v] for k, v in last.items()}  # type: ignore[misc]
+    steps = plain.get(STEP_KEY) or []
+    n = len(steps)
+    if n < skip + 2:
+        return fallback
+    used = range(skip, n)  # includes the last step, whose start is the base
+    starts = [steps[j][0] if isinstance(steps[j], (list, tuple)) and len(steps[j]) == 2 else None for j in used]
+    if any(s is None or not _is_number(s) for s in starts):
+        return fallback
+    step_start = [_plain_number(s) for s in starts]
+
+    def regular(v: list[Any]) -> bool:
+        return len(v) % n == 0 and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(b is not None and _is_number(b) for b in p)
+            for p in v)
+
+    keys = [k for k, v in plain.items() if regular(v)]
+    integral = all(isinstance(s, int) for s in step_start) and all(
+        isinstance(_plain_number(b), int) for k in keys for p in plain[k] for b in p)
+    as_time = (lambda t: t) if integral else float
+    base = as_time(step_start[-1])
+    out: dict[str, list[tuple[Any, Any]]] = {}
+    for key, values in plain.items():
+        if key not in keys:
+            out[key] = fallback[key]
+            continue
+        per = len(values) // n
+        rows = []
+        for i in range(per):
+            pairs = [(as_time(_plain_number(values[j * per + i][0])) - as_time(s0),
+                      as_time(_plain_number(values[j * per + i][1])) - as_time(s0))
+                     for j, s0 in zip(used, step_start)]
+            rows.append((base + _median([a for a, _ in pairs], integral),
+                         base + _median([b for _, b in pairs], integral)))
+        out[key] = rows
+    return out
+
+
 def read_node_file(path: str | os.PathLike[str]) -> dict[str, list[tuple[Time | None, Time | None]]]:
     """Read and check one node file (pickle, or JSON with the same structure); last step only."""
     path = os.fspath(path)

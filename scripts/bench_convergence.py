@@ -5,7 +5,8 @@ Two pipeline stages, one CPU core each, the config's corpus (default: the Python
 own source files, tokenized by a BPE tokenizer trained on the training files), fixed seeds. The same
 two worker processes run everything, so every mode sees the same machine:
 
-1. a profile of a few ``kfac`` steps, which rank 0 packs with ``tight`` into a schedule file;
+1. a profile of a few ``kfac`` steps, whose median step rank 0 packs with the default policy
+   (``target``: the density with the least expected time-to-target) into a schedule file;
 2. a small AdamW sweep (peak learning rate x warm-up) on seed 0, each run as long as the benchmark's
    runs; the setting with the lowest mean TRAINING loss over the last 10 % of steps wins (the held-out
    text is never used to choose anything);
@@ -15,7 +16,9 @@ two worker processes run everything, so every mode sees the same machine:
 
 The target is the median over seeds of the baseline's final held-out loss. Steps to target: the first
 evaluation at or below it; time to target: the training seconds until then (evaluations excluded).
-Printed: a table per mode (medians over seeds), and the last line
+Printed: a table per mode (medians over seeds); the packing report with its trade-off; the plan against
+the run (the objective's planned step, :mod:`pipefisher.objective`, against the measured mean step, for
+the scheduled and the first-order runs); ``scheduled step / first-order step: X``; and the last line
 ``kfac steps-to-target / baseline: X; scheduled time-to-target / baseline: Y`` (``inf`` where the median
 seed never reached it). ``--out`` gets the chart (held-out loss against steps and against seconds) and
 the raw results as JSON.
@@ -122,15 +125,20 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
         dist.barrier()
         sched = os.path.join(folder, "schedule.pickle")
         if rank == 0:
-            from pipefisher.policies import get_policy
+            from pipefisher.objective import step_cost
+            from pipefisher.policies import DEFAULT_POLICY, get_policy
+            from pipefisher.report import usage_lines
             from pipefisher.runtime.profiler import timeline_filename
             from pipefisher.schedule import save_schedule, validate
             from pipefisher.timeline import load_job
 
             job = load_job([os.path.join(folder, timeline_filename(base.name, i)) for i in range(2)])
-            packed = get_policy("tight").pack(job)
-            assert not validate(packed.to_file_data(), job), "tight gave an invalid schedule"
+            packed = get_policy(DEFAULT_POLICY).pack(job)
+            assert not validate(packed.to_file_data(), job, margin=packed.margin), "an invalid schedule"
             save_schedule(sched, packed)
+            plan = step_cost(packed.to_file_data(), job)  # the profile is in nanoseconds
+            out["plan"] = {"policy": packed.policy, "step_ms": plan.step * 1e-6, "first_order_ms": plan.first_order * 1e-6,
+                           "report": usage_lines(packed)}
         dist.barrier()
 
         # 2. the baseline sweep, judged on training loss only
@@ -251,7 +259,8 @@ def common_arguments(description: str) -> argparse.ArgumentParser:
 
 def main() -> None:
     ap = common_arguments(__doc__.splitlines()[0])
-    ap.add_argument("--profile-steps", type=int, default=4, help="kfac steps profiled before packing")
+    ap.add_argument("--profile-steps", type=int, default=10,
+                    help="kfac steps profiled before packing (default 10; their median step is packed)")
     ap.add_argument("--out", default="bench-convergence", help="folder for the chart and the raw results")
     a = ap.parse_args()
     lrs = [float(x) for x in a.lrs.split(",")]
@@ -302,8 +311,18 @@ def main() -> None:
 
     dump_json_atomic(os.path.join(a.out, "convergence.json"),
                      {"target": target, "table": table, "baseline": b, "sweep": last["sweep"], "runs": runs,
-                      "cycles": first["cycles"], "args": vars(a)})
+                      "cycles": first["cycles"], "plan": first["plan"], "args": vars(a)})
     print(f"wrote {png} and {os.path.join(a.out, 'convergence.json')}")
+    plan = first["plan"]
+    print(f"packed with '{plan['policy']}' on the profile's median step:")
+    for line in plan["report"]:
+        print(f"  {line}")
+    measured = {m: _median([statistics.fmean(r["step_seconds"][1:]) * 1e3 for r in runs if r["mode"] == m])
+                for m in ("baseline", "scheduled")}
+    print(f"plan against run (mean step after step 0, median over seeds): scheduled planned {plan['step_ms']:.1f} ms, "
+          f"measured {measured['scheduled']:.1f} ms ({_ratio(measured['scheduled'], plan['step_ms'])}); first-order "
+          f"planned {plan['first_order_ms']:.1f} ms, measured {measured['baseline']:.1f} ms "
+          f"({_ratio(measured['baseline'], plan['first_order_ms'])})")
     print(f"scheduled step / first-order step: {_ratio(table['scheduled']['step_ms'], table['baseline']['step_ms'])} "
           f"(medians over seeds of each run's median step, measured in this run)")
     print(f"kfac steps-to-target / baseline: {_ratio(table['kfac']['steps'], table['baseline']['steps'])}; "

@@ -4,17 +4,18 @@ static schedules) and ``adaptive`` (the closed loop: re-packed from the measured
 on 2 pipeline stages, one CPU core each, for each pipeline order asked for, in one go.
 
 The same two worker processes run everything: per pipeline (``--pipelines``, default 1F1B and
-Chimera), a profile of a few kfac steps, which rank 0 packs with the default policy (or --policy)
-once per K-FAC margin (profiled K-FAC times x margin: slack for noisy CPU timings, at the price of a
-longer cycle); then first-order, kfac, each static schedule and the adaptive run (``--adapt``, on by
-default: it starts from the margin-1 schedule) of every pipeline, interleaved, ``--rounds`` times.
+Chimera), a profile of a few kfac steps, whose median step rank 0 packs with the default policy
+(``target``: the density with the least expected time-to-target) and with ``tight`` (or --policy) once
+per K-FAC margin (profiled K-FAC times x margin: slack for noisy CPU timings, at the price of a longer
+cycle); then first-order, kfac, each static schedule and the adaptive run (``--adapt``, on by default:
+it starts from the ``target`` schedule) of every pipeline, interleaved, ``--rounds`` times.
 A ``precondition`` run (kfac mode, no refresh after step 0) measures the floor no schedule can go
 below: K-FAC's per-step preconditioning and bookkeeping. Per run it prints the mean step time after
 the warm-up steps (the median over the rounds), the ratio
 to the same pipeline's first-order step (the median over the rounds of each round's ratio, and their
 spread), the bubble fraction of the profiled pipeline, and the K-FAC cycle k per node (for the
-adaptive run: where it ended). Then per pipeline: static at margin 1, the best static margin of the
-sweep, and adaptive; the last line, ``adaptive/first-order: X (k = K)``, is the worst pipeline's median.
+adaptive run: where it ended). Then per pipeline: ``target``, static at margin 1, the best static
+margin of the sweep, and adaptive; the last line, ``adaptive/first-order: X (k = K)``, is the worst pipeline's median.
 
     python scripts/bench_scheduled.py [--config configs/small.yaml] [--steps 80] [--warmup 3] [--rounds 5] \
         [--kfac-margin 1,1.25,1.5,2] [--micro-batches M] [--pipelines 1f1b,chimera] [--no-adapt]
@@ -30,6 +31,8 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+TARGET = "target"
+"""The default policy's schedule: the packing density with the least expected time-to-target."""
 PRECONDITION = "precondition"
 """The floor of any schedule: kfac mode whose curvature refresh never comes after step 0, so every step
 pays K-FAC's preconditioning and bookkeeping but no K-FAC work."""
@@ -62,7 +65,7 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
     one_pipe_ctx = dataclasses.replace(chimera_ctx, chimera=False, stage_group=chimera_ctx.dp_group,
                                        stage_group_size=chimera_ctx.grid.replicas)
     quiet = dict(progress=False, log_every=10**9)
-    runs = [(p, m) for p in pipelines for m in ["first-order", "kfac", PRECONDITION,
+    runs = [(p, m) for p in pipelines for m in ["first-order", "kfac", PRECONDITION, TARGET,
                                                 *[f"scheduled x{g:g}" for g in margins],
                                                 *(["adaptive"] if adapt else [])]]
     out: dict = {"rank": rank, "times": {r: [] for r in runs}, "usage": {}, "cycles": {r: [] for r in runs},
@@ -80,6 +83,7 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
             dist.barrier()
             for i, g in enumerate(margins):
                 files[pipe, f"scheduled x{g:g}"] = os.path.join(sub, f"schedule-{i}.pickle")
+            files[pipe, TARGET] = os.path.join(sub, "schedule-target.pickle")
             files[pipe, "adaptive"] = os.path.join(sub, "schedule-adaptive.pickle")
             from pipefisher.runtime.profiler import timeline_filename as _tf
 
@@ -97,14 +101,18 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
                 for g in margins:
                     v = (pipe, f"scheduled x{g:g}")
                     inflated = inflate_kfac(job, g)  # what it is packed against is what it is checked on
-                    packed = get_policy(policy or DEFAULT_POLICY).pack(inflated)
+                    packed = get_policy(policy or "tight").pack(inflated)
                     out["usage"][v] = usage_lines(packed)
                     out["violations"][v] = len(validate(packed.to_file_data(), inflated))
                     out["policy"] = packed.policy
                     save_schedule(files[v], packed, kfac_margin=g, packed_for=packed_for(cfg))
-                if adapt:  # the closed loop starts from the profile's own schedule (margin 1)
-                    save_schedule(files[pipe, "adaptive"], get_policy(policy or DEFAULT_POLICY).pack(job),
-                                  packed_for=packed_for(cfg))
+                chosen = get_policy(DEFAULT_POLICY).pack(job)  # the density with the least expected time-to-target
+                v = (pipe, TARGET)
+                out["usage"][v] = usage_lines(chosen)
+                out["violations"][v] = len(validate(chosen.to_file_data(), job, margin=chosen.margin))
+                save_schedule(files[v], chosen, packed_for=packed_for(cfg))
+                if adapt:  # the closed loop starts from the default policy's schedule
+                    save_schedule(files[pipe, "adaptive"], chosen, packed_for=packed_for(cfg))
             dist.barrier()
         for _ in range(rounds):
             for pipe, mode in runs:
@@ -136,9 +144,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=80,
                     help="training steps per run (the adaptive run spends its first cycles measuring)")
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the mean")
-    ap.add_argument("--profile-steps", type=int, default=4, help="kfac steps profiled before packing")
+    ap.add_argument("--profile-steps", type=int, default=10,
+                    help="kfac steps profiled before packing (default 10; their median step is packed)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every run (median reported)")
-    ap.add_argument("--policy", default=None, help="packing policy (default: the default policy)")
+    ap.add_argument("--policy", default=None, help="packing policy of the margin sweep (default: tight)")
     ap.add_argument("--micro-batches", type=int, default=None, help="override data.num_micro_batches")
     ap.add_argument("--pipelines", default="1f1b,chimera",
                     help="comma-separated pipeline orders to compare (gpipe, 1f1b, chimera)")
@@ -195,6 +204,7 @@ def main() -> None:
         one = next(((r, m) for r, m in statics if m == "scheduled x1"), statics[0])
         best = min(statics)
         line = (f"{pipe}: floor (preconditioning alone) {ratio[pipe, PRECONDITION]:.3f}; "
+                f"target {ratio[pipe, TARGET]:.3f} (k = {k_of((pipe, TARGET))}); "
                 f"static x1 {one[0]:.3f} (k = {k_of((pipe, one[1]))}); best static "
                 f"{best[1].split()[-1]} {best[0]:.3f} (k = {k_of((pipe, best[1]))})")
         if (pipe, "adaptive") in ratio:

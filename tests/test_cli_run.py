@@ -30,10 +30,12 @@ def test_run_end_to_end_with_two_processes(tmp_path):
     assert "mode scheduled, 2 stage(s) x 1 replica(s)" in text and "step     4  loss" in text
     names = sorted(os.listdir(out))
     assert names == ["first_chart.png", "first_checkpoints", "first_config.yaml", "first_cycles.jsonl", "first_measured",
-                     "first_measurements.csv", "first_metrics.csv", "first_profile_losses.json", "first_report.json",
-                     "first_schedule.pickle", "first_schedule.pickle.meta.json", "first_schedules", "first_timelines"]
+                     "first_measurements.csv", "first_metrics.csv", "first_profile_losses.json", "first_profile_steps",
+                     "first_report.json", "first_schedule.pickle", "first_schedule.pickle.meta.json", "first_schedules",
+                     "first_timelines"]
     # the timelines folder holds the node files alone, so `pipefisher schedule <run>_timelines/*` reads one job
     assert sorted(os.listdir(out / "first_timelines")) == ["tiny_node0_timeline.pickle", "tiny_node1_timeline.pickle"]
+    assert sorted(os.listdir(out / "first_profile_steps")) == ["tiny_node0_steps.pickle", "tiny_node1_steps.pickle"]
     assert CliRunner().invoke(main, ["schedule", *sorted(str(p) for p in (out / "first_timelines").iterdir())]).exit_code == 0
     assert json.loads((out / "first_profile_losses.json").read_text())["options"]["profile"] is True
     with open(out / "first_metrics.csv", newline="") as f:
@@ -42,7 +44,8 @@ def test_run_end_to_end_with_two_processes(tmp_path):
     assert all(float(r["loss"]) > 0 and float(r["step_seconds"]) > 0 for r in rows)
     assert [bool(r["val_loss"]) for r in rows] == [False, False, True, False, False, True]  # held-out loss
     report = json.loads((out / "first_report.json").read_text())
-    assert report["valid"] and report["policy"] == "tight" and len(report["nodes"]) == 2
+    assert report["valid"] and report["policy"] == "target" and len(report["nodes"]) == 2
+    assert report["tradeoff"]["candidates"]  # why its k: the run's report says it too
     assert report["training"]["cycle"] == max(n["iterations"] for n in report["nodes"])
     assert load_config(out / "first_config.yaml") == load_config(TINY)
     assert (out / "first_chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -248,8 +251,10 @@ def test_the_profile_losses_leave_the_timelines_folder(tmp_path):
 
     paths = RunPaths(str(tmp_path), "r")
     os.makedirs(paths.timelines)
-    for name in ("tiny_node0_timeline.pickle", "tiny_losses.json", "tiny_tokenizer.json"):
+    for name in ("tiny_node0_timeline.pickle", "tiny_losses.json", "tiny_tokenizer.json", "tiny_node0_steps.pickle",
+                 "tiny_node1_steps.pickle"):
         (tmp_path / "r_timelines" / name).write_text(name)
     keep_only_timelines(paths, "tiny")
     assert os.listdir(paths.timelines) == ["tiny_node0_timeline.pickle"]
     assert open(paths.profile_losses).read() == "tiny_losses.json" and os.path.exists(paths.tokenizer)
+    assert sorted(os.listdir(paths.profile_steps_dir)) == ["tiny_node0_steps.pickle", "tiny_node1_steps.pickle"]

@@ -185,7 +185,7 @@ def test_no_paths_packs_the_bundled_example(tmp_path) -> None:
 def test_margin_is_recorded_beside_the_schedule_and_validate_uses_it(tmp_path) -> None:
     out = tmp_path / "s.pickle"
     paths = case_timelines(CASE)
-    result = run("schedule", *paths, "--margin", "0.3", "--save-path", str(out))
+    result = run("schedule", *paths, "--policy", "tight", "--margin", "0.3", "--save-path", str(out))
     assert result.exit_code == 0, result.output
     meta = json.loads((tmp_path / "s.pickle.meta.json").read_text())
     assert meta["margin"] == 0.3 and meta["policy"] == "tight"
@@ -285,3 +285,17 @@ def test_only_a_process_that_ends_with_its_command_freezes_the_packed_job(tmp_pa
             "print('frozen', gc.get_freeze_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert int(out.split("frozen")[1]) > 0
+
+
+def test_the_default_policy_prints_why_its_k_and_takes_a_staleness_curve() -> None:
+    result = run("schedule")
+    assert result.exit_code == 0, result.output
+    assert "time-to-target trade-off" in result.output and result.output.count("<- chosen") == 1
+    steep = run("schedule", "--staleness", "1:0.5,2:50")  # any staler curvature is ruinous: the shortest k
+    tight = run("schedule", "--policy", "tight")
+    assert steep.exit_code == 0 and [line for line in steep.output.splitlines() if line.startswith("node")] == \
+        [line for line in tight.output.splitlines() if line.startswith("node")]
+    for args, why in ((["--staleness", "1:x"], "staleness curve '1:x'"),
+                      (["--policy", "tight", "--kfac-slowdown", "0.2"], "--kfac-slowdown applies to the 'target'")):
+        bad = run("schedule", *args)
+        assert bad.exit_code == 2 and why in bad.output and "Traceback" not in bad.output

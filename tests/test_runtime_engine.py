@@ -32,11 +32,21 @@ def _worker(cfg: RunConfig) -> dict:
     engine = PipelineEngine(stage, ctx, MLMData(cfg.data, cfg.model.vocab_size), m)
     kfac = KFAC(stage, damping=cfg.kfac.damping, loss_scale=m, dp_group=ctx.dp_group, dp_size=g.replicas)
     out: dict = {"stage": g.stage, "replica": g.replica}
-    for kind in ("gpipe", "1f1b"):
+    for kind in (PREPOSTED, "gpipe", "1f1b"):
         stage.zero_grad(set_to_none=True)
         kfac.set_saving(kind == "1f1b")
         engine.begin_step(0)
-        engine.run(pipeline_ops(kind, g.stage, g.stages, m))
+        if kind == PREPOSTED:  # 1F1B, every call's receives posted ahead of it, their waits logged
+            waits: list = []
+            engine.set_wait_log(waits)
+            for label in pipeline_ops("1f1b", g.stage, g.stages, m):
+                engine.prepost(label)
+                assert engine.prepost(label) == 0  # posted once
+                engine.op(label)()
+            engine.set_wait_log(None)
+            out["posted"], out["waits"] = engine.posted_ahead, len(waits)
+        else:
+            engine.run(pipeline_ops(kind, g.stage, g.stages, m))
         engine.finish_step()
         engine.allreduce_gradients()
         out[kind] = {n: p.grad.clone() for n, p in stage.named_parameters()}
@@ -87,6 +97,7 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float =
 
 
 LAYOUTS = {"2 stages x 2 replicas": (2, 2), "4 stages x 1 replica": (4, 1)}
+PREPOSTED = "1f1b, receives posted ahead"
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -106,7 +117,7 @@ def test_pipeline_ops_orders():
         pipeline_ops("zigzag", 0, 2, 2)
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", PREPOSTED])
 def test_pipelined_gradients_equal_single_process(layout_run, kind):
     cfg, replicas, results, ref = layout_run
     seen = set()
@@ -115,6 +126,19 @@ def test_pipelined_gradients_equal_single_process(layout_run, kind):
             _assert_close(grad, ref["grads"][name], f"{kind} stage {res['stage']} {name}")
             seen.add(name)
     assert seen == set(ref["grads"])  # every parameter lives on exactly the stages that computed it
+
+
+def test_receives_posted_ahead_are_the_calls_own(layout_run):
+    """Posting every call's receives ahead of it: each forward's activation (not on the first stage) and
+    each backward's gradient (not on the last) once, waited for by its call (one wait each), and the
+    gradients bit for bit those of the same 1F1B step receiving as it goes."""
+    cfg, replicas, results, ref = layout_run
+    m, last = cfg.data.num_micro_batches, cfg.pipeline.stages - 1
+    for res in results:
+        want = m * (res["stage"] > 0) + m * (res["stage"] < last)
+        assert res["posted"] == res["waits"] == want, res["stage"]
+        for name, grad in res[PREPOSTED].items():
+            assert torch.equal(grad, res["1f1b"][name]), (res["stage"], name)
 
 
 def test_kfac_factors_inverses_and_preconditioned_gradients_equal_single_process(layout_run):
@@ -130,8 +154,9 @@ def test_kfac_factors_inverses_and_preconditioned_gradients_equal_single_process
     assert names == {k[0] for k in ref["factors"]}
 
 
-def _true_fisher_step(cfg: RunConfig, distributed: bool) -> dict:
-    """One saved 1F1B step with true-Fisher K-FAC: factor B of every layer, and the parameter gradients."""
+def _true_fisher_step(cfg: RunConfig, distributed: bool, prepost: bool = False) -> dict:
+    """One saved 1F1B step with true-Fisher K-FAC: factor B of every layer, and the parameter gradients
+    (with ``prepost``, every call's receives posted ahead of it)."""
     from pipefisher.runtime.dist import single_process
     from pipefisher.runtime.update import make_kfac
 
@@ -142,7 +167,10 @@ def _true_fisher_step(cfg: RunConfig, distributed: bool) -> dict:
     engine = PipelineEngine(stage, ctx, MLMData(cfg.data, cfg.model.vocab_size), m, kfac=kfac)
     kfac.set_saving(True)
     engine.begin_step(0)
-    engine.run(pipeline_ops("1f1b", g.stage, g.stages, m))
+    for label in pipeline_ops("1f1b", g.stage, g.stages, m):
+        if prepost:
+            engine.prepost(label)
+        engine.op(label)()
     engine.finish_step()
     factors = {}
     for n in kfac.names:
@@ -151,7 +179,7 @@ def _true_fisher_step(cfg: RunConfig, distributed: bool) -> dict:
     grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
     if distributed:
         shutdown(ctx)
-    return {"stage": g.stage, "factors": factors, "grads": grads}
+    return {"stage": g.stage, "factors": factors, "grads": grads, "posted": engine.posted_ahead}
 
 
 def test_true_fisher_factors_and_gradients_equal_single_process():
@@ -168,3 +196,151 @@ def test_true_fisher_factors_and_gradients_equal_single_process():
             assert float((f - plain["factors"][n, "B"]).norm()) > 1e-3 * float(f.norm())
         for n, gr in r["grads"].items():
             _assert_close(gr, plain["grads"][n], f"stage {r['stage']} gradient of {n}")
+
+
+def test_true_fisher_with_receives_posted_ahead_equals_single_process():
+    """Under the true Fisher a backward receives two gradients (sampled-label, then real): both are
+    posted ahead, in that order, and the factors and gradients stay those of one process."""
+    cfg = BASE.replace(pipeline=dict(stages=2))
+    m = cfg.data.num_micro_batches
+    results = spawn_local(_true_fisher_step, 2, cfg, True, True, timeout_s=120)
+    ref = _true_fisher_step(cfg.replace(pipeline=dict(stages=1)), False)
+    plain = _reference(cfg, 1)
+    for r in results:
+        assert r["posted"] == (2 * m if r["stage"] == 0 else m)  # stage 1: its forwards' activations
+        for n, f in r["factors"].items():
+            _assert_close(f, ref["factors"][n], f"stage {r['stage']} true-Fisher B of {n}")
+        for n, gr in r["grads"].items():
+            _assert_close(gr, plain["grads"][n], f"stage {r['stage']} gradient of {n}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Receives posted ahead, on a fake transport (one process)
+
+
+class _Work:
+    def __init__(self, buf: torch.Tensor, log: list) -> None:
+        self.buf, self.log = buf, log
+
+    def wait(self) -> bool:
+        self.log.append("wait")
+        self.buf.fill_(0.5)
+        return True
+
+
+@pytest.fixture
+def fake_p2p(monkeypatch):
+    """The engine's torch.distributed p2p calls, logged: irecv/recv fill the buffer, isend is done."""
+    import pipefisher.runtime.engine as eng
+
+    log: list = []
+
+    def irecv(buf, src, tag=0):
+        log.append(("irecv", src, tag, tuple(buf.shape), buf.dtype))
+        return _Work(buf, log)
+
+    def recv(buf, src, tag=0):
+        log.append(("recv", src, tag, tuple(buf.shape), buf.dtype))
+        buf.fill_(0.5)
+
+    def isend(t, dst, tag=0):
+        log.append(("isend", dst, tag))
+        return _Work(t.new_empty(0), [])
+
+    monkeypatch.setattr(eng.dist, "irecv", irecv)
+    monkeypatch.setattr(eng.dist, "recv", recv)
+    monkeypatch.setattr(eng.dist, "isend", isend)
+    return log
+
+
+def _fake_engine(device: int, devices: int = 2, chunk: int | None = None) -> PipelineEngine:
+    """Device ``device``'s engine (of chunk ``chunk``, two per device, when given) on the fake transport."""
+    from pipefisher.runtime.dist import DistContext, Grid
+
+    cfg = BASE.replace(data=dict(text="synthetic", num_micro_batches=2))
+    ctx = DistContext(Grid(device, devices, devices), torch.device("cpu"), "gloo")
+    virtual, count = (device, devices) if chunk is None else (device + chunk * devices, 2 * devices)
+    stage = PipelineStage(cfg.model, virtual, count, seed=cfg.data.seed)
+    return PipelineEngine(stage, ctx, MLMData(cfg.data, cfg.model.vocab_size), 2, chunk=chunk)
+
+
+def test_a_forward_takes_its_receive_posted_ahead(fake_p2p):
+    engine = _fake_engine(1)  # the last stage: forwards receive, backwards do not
+    waits: list = []
+    engine.set_wait_log(waits)
+    engine.begin_step(0)
+    with pytest.raises(ValueError, match="not a pipeline call"):
+        engine.prepost("call_forward:up_pipe")
+    assert engine.prepost(FORWARD) == 1 and engine.prepost(FORWARD) == 0
+    assert engine.prepost(BACKWARD) == 0  # the last stage receives no gradient (and none is in flight)
+    shape = (engine.data.cfg.micro_batch_size, engine.data.cfg.seq_len, engine.stage.hidden_size)
+    assert fake_p2p == [("irecv", 0, 1, shape, torch.float32)]  # the call's own: peer, tag, shape, dtype
+    engine.forward()
+    assert fake_p2p[1:] == ["wait"] and len(waits) == 1  # waited on, not received again; the call's wait
+    engine.forward()  # not posted ahead: received as before
+    assert fake_p2p[2][0] == "recv" and len(waits) == 2
+    assert engine.prepost(FORWARD) == 0  # every micro-batch ran forward: nothing left to receive
+    assert engine.prepost(BACKWARD) == 0
+    engine.backward()
+    engine.backward()
+    assert engine.finish_step() is not None
+
+
+def test_a_backward_takes_its_gradient_posted_ahead_and_leftovers_are_refused(fake_p2p):
+    engine = _fake_engine(0)  # the first stage: backwards receive, forwards do not
+    engine.begin_step(0)
+    assert engine.prepost(BACKWARD) == 0  # no forward in flight yet
+    assert engine.prepost(FORWARD) == 0
+    engine.forward()
+    engine.forward()
+    assert engine.prepost(BACKWARD) == 1
+    assert ("irecv", 1, 2) == fake_p2p[-1][:3]
+    engine.backward()
+    assert fake_p2p[-1] == "wait"  # the first stage sends nothing back
+    assert engine.prepost(BACKWARD) == 1  # the second backward's, posted and never taken:
+    with pytest.raises(RuntimeError, match=r"posted ahead but taken by no call .*\(1, 2\)"):
+        engine.finish_step()
+    engine._stash.clear()  # the failed step's state, as a new run would start
+    engine.begin_step(1)  # nothing left posted: the next step may begin
+    engine.forward()
+    engine.prepost(BACKWARD)
+    assert engine.drop_preposted() == 1 and engine.drop_preposted() == 0
+
+
+def test_interleaved_chunks_post_on_their_own_boundary_tags(fake_p2p):
+    """Device 0's chunk 1 reads device 1's chunk 0 on the chunk-1 tags (the tag the call would use)."""
+    engine = _fake_engine(0, chunk=1)
+    engine.begin_step(0)
+    assert engine.receives("call_forward:chunk1") == [(1, 1 + 16)]
+    assert engine.prepost("call_forward:chunk1") == 1
+    engine.forward()
+    assert fake_p2p[0][:3] == ("irecv", 1, 17) and fake_p2p[1] == "wait"
+
+
+def _silent_peer(cfg: RunConfig) -> tuple[float, str] | None:
+    """Stage 1 posts its first forward's receive ahead, then runs the forward; stage 0 stays alive and
+    sends nothing, past the process group's timeout: stage 1's wait on the posted receive must end there."""
+    import time
+
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    m = cfg.data.num_micro_batches
+    stage = PipelineStage(cfg.model, ctx.grid.stage, ctx.grid.stages, seed=cfg.data.seed)
+    engine = PipelineEngine(stage, ctx, MLMData(cfg.data, cfg.model.vocab_size), m)
+    if ctx.grid.stage == 0:
+        time.sleep(cfg.pipeline.timeout_s + 3)
+        return None
+    engine.begin_step(0)
+    assert engine.prepost(FORWARD) == 1
+    t0 = time.monotonic()
+    try:
+        engine.forward()
+    except RuntimeError as err:
+        return time.monotonic() - t0, str(err)
+    return time.monotonic() - t0, "no error"
+
+
+def test_a_wait_on_a_receive_posted_ahead_stays_bounded_by_the_timeout():
+    cfg = BASE.replace(pipeline=dict(stages=2, timeout_s=2.0), data=dict(text="synthetic"))
+    _, (waited, err) = spawn_local(_silent_peer, 2, cfg, timeout_s=60)
+    assert 1.5 < waited < 10, waited
+    assert "Timed out" in err or "timeout" in err.lower(), err

@@ -15,7 +15,8 @@ from pipefisher.cli import main
 from pipefisher.errors import InputError
 from pipefisher.runtime.config import load_config
 from pipefisher.runtime.engine import FORWARD
-from pipefisher.runtime.executor import SAVE_ON, check_schedule, single_iteration_schedule
+from pipefisher.runtime.executor import (END, SAVE_ON, START, ScheduleExecutor, check_schedule, prepost_points,
+                                         single_iteration_schedule)
 from pipefisher.runtime.launch import WorkerFailed, spawn_local
 from pipefisher.runtime.model import PipelineStage
 from pipefisher.runtime.trainer import Trainer, TrainOptions
@@ -207,6 +208,34 @@ def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.stage.named_parameters()}
 
 
+NOT_POSTED = "packed, receives not posted ahead"
+
+
+def _train_runs_posting(cfg_path: str, runs: list[tuple[str, str | None]], steps: int, overrides: dict) -> dict:
+    """:func:`train_runs`, also recording how many receives each run posted ahead of its calls, and a
+    last run of the final schedule with posting ahead off (:data:`NOT_POSTED`)."""
+    from pipefisher.runtime.dist import init_from_env, shutdown
+
+    cfg = load_config(cfg_path).replace(**overrides).replace(pipeline={"timeout_s": 30.0})
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    out: dict = {"stage": ctx.grid.stage, "replica": ctx.grid.replica, "posted": {}}
+    try:
+        for mode, schedule, name in [(m, s, m if s is None else os.path.basename(s)) for m, s in runs] \
+                + [("scheduled", runs[-1][1], NOT_POSTED)]:
+            torch.manual_seed(0)
+            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
+                                                     log_every=10**9))
+            if name == NOT_POSTED:
+                trainer.executor.prepost = False
+                trainer.executor.switch(trainer.executor.iterations, trainer.executor.first_step)
+            res = trainer.run()
+            out[name] = ({n: p.detach().clone() for n, p in trainer.stage.named_parameters()}, res.losses)
+            out["posted"][name] = trainer.engine.posted_ahead
+    finally:
+        shutdown(ctx)
+    return out
+
+
 @pytest.fixture(scope="module")
 def two_stage_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("schedules")
@@ -217,7 +246,7 @@ def two_stage_runs(tmp_path_factory):
         files[name] = str(folder / f"{name}.pickle")
         save_schedule(files[name], data)
     runs = [("kfac", None)] + [("scheduled", files[n]) for n in ("one", "spread", "packed")]
-    results = spawn_local(train_runs, 2, TINY, runs, STEPS, REAL_TEXT, timeout_s=120)
+    results = spawn_local(_train_runs_posting, 2, TINY, runs, STEPS, REAL_TEXT, timeout_s=120)
     return {r["stage"]: r for r in results}, files
 
 
@@ -251,6 +280,19 @@ def test_multi_iteration_schedule_equals_a_one_process_replay(two_stage_runs, na
     # ... and the curvature of a longer cycle really differs from refreshing every step
     with pytest.raises(AssertionError):
         _close(by_stage[0][f"{name}.pickle"][0], by_stage[0]["kfac"][0], tol=1e-6)
+
+
+def test_scheduled_runs_post_receives_ahead_and_train_as_without(two_stage_runs):
+    """Schedules with K-FAC work in bubbles post the next call's receives ahead of it on both stages
+    (the replay equalities above ran so), and a run with that off trains bit for bit the same."""
+    by_stage, _ = two_stage_runs
+    for stage, res in by_stage.items():
+        assert res["posted"]["kfac"] == 0 and res["posted"][NOT_POSTED] == 0
+        assert res["posted"]["spread.pickle"] > 0 and res["posted"]["packed.pickle"] > 0, (stage, res["posted"])
+        params, losses = res[NOT_POSTED]
+        want, want_losses = res["packed.pickle"]
+        assert all(torch.equal(params[k], want[k]) for k in want)
+        assert losses == want_losses
 
 
 def test_replay_of_the_one_iteration_schedule_equals_kfac(two_stage_runs):
@@ -296,3 +338,120 @@ def test_one_stage_run_in_one_process_uses_the_executor():
         finally:
             torch.set_num_threads(threads)
     _close(_params(trainer), replay(cfg, data, STEPS)[0])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Receives posted ahead of bubble work, on a fake engine
+
+_BWD = "call_backward"
+_M = "encoder.layer.0.output.dense"
+
+
+class _FakeKFAC:
+    def __init__(self, log: list, fail: str | None = None) -> None:
+        self.log, self.fail = log, fail
+
+    def set_saving(self, on: bool) -> None:
+        self.log.append(("saving", on))
+
+    def _work(self, kind: str, factor: str, module: str) -> None:
+        if kind == self.fail:
+            raise RuntimeError(f"{kind} failed")
+        self.log.append((kind, factor))
+
+    def cov(self, factor: str, module: str) -> None:
+        self._work("cov", factor, module)
+
+    def sync(self, factor: str, module: str) -> None:
+        self._work("sync", factor, module)
+
+    def inv(self, factor: str, module: str) -> None:
+        self._work("inv", factor, module)
+
+
+class _BareEngine:
+    """Logs every call (an engine that cannot post receives ahead)."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.posted, self.dropped = log, set(), 0
+
+    def begin_step(self, step: int) -> None:
+        self.log.append(("begin", step))
+
+    def op(self, label: str):
+        def call() -> None:
+            self.log.append(("call", label, label in self.posted))
+            self.posted.discard(label)
+        return call
+
+    def finish_step(self) -> None:
+        assert not self.posted
+        self.log.append(("finish",))
+
+    def set_wait_log(self, log) -> None:
+        pass
+
+
+class _FakeEngine(_BareEngine):
+    """``prepost`` remembers what is posted, the call takes it, as the real engine."""
+
+    def prepost(self, label: str) -> int:
+        self.log.append(("prepost", label))
+        self.posted.add(label)
+        return 1
+
+    def drop_preposted(self) -> int:
+        self.dropped += len(self.posted)
+        self.posted.clear()
+        return self.dropped
+
+
+_ITERATION = [START, f"cov_kron_A:{_M}", FORWARD, f"cov_kron_A:{_M}", f"cov_kron_A:{_M}", SAVE_ON,
+              f"sync_kron_A:{_M}", FORWARD, _BWD, f"cov_kron_B:{_M}", _BWD, f"inv_kron_A:{_M}", END,
+              f"inv_kron_B:{_M}"]
+
+
+def test_prepost_points_are_the_starts_of_bubbles_before_a_call():
+    # the head bubble (after the start), the first of a run of K-FAC labels, each call once, nothing
+    # for work after the end; a bubble split by a marker posts its call once
+    assert prepost_points(_ITERATION) == {1: FORWARD, 3: FORWARD, 9: _BWD}
+    assert prepost_points([START, FORWARD, _BWD, END]) == {}
+    assert prepost_points([START, FORWARD, f"inv_kron_A:{_M}", END, f"inv_kron_B:{_M}"]) == {}
+
+
+def test_the_executor_posts_the_next_calls_receives_before_bubble_work():
+    log: list = []
+    engine = _FakeEngine(log)
+    ex = ScheduleExecutor([_ITERATION], engine, {0: _FakeKFAC(log)}, lambda: log.append(("end",)))
+    ex.run_step(1)
+    assert log == [("begin", 1), ("prepost", FORWARD), ("cov", "A"), ("call", FORWARD, True),
+                   ("prepost", FORWARD), ("cov", "A"), ("cov", "A"), ("saving", True), ("sync", "A"),
+                   ("call", FORWARD, True), ("call", _BWD, False), ("prepost", _BWD), ("cov", "B"),
+                   ("call", _BWD, True), ("inv", "A"), ("finish",), ("end",), ("inv", "B")]
+    # off (or an engine without prepost): the labels' calls alone, in the same order
+    plain = [x[:2] + (False,) if x[0] == "call" else x for x in log if x[0] != "prepost"]
+    for other, on in ((_FakeEngine([]), False), (_BareEngine([]), True)):
+        ScheduleExecutor([_ITERATION], other, {0: _FakeKFAC(other.log)}, lambda e=other: e.log.append(("end",)),
+                         prepost=on).run_step(1)
+        assert other.log == plain
+
+
+def test_a_failed_step_drops_what_it_posted_ahead():
+    log: list = []
+    engine = _FakeEngine(log)
+    ex = ScheduleExecutor([_ITERATION], engine, {0: _FakeKFAC(log, fail="sync")}, lambda: None)
+    with pytest.raises(RuntimeError, match="sync failed"):
+        ex.run_step(1)
+    assert log[-4:] == [("prepost", FORWARD), ("cov", "A"), ("cov", "A"), ("saving", True)]
+    assert engine.dropped == 1 and not engine.posted
+
+
+def test_posting_ahead_is_no_label_of_the_record():
+    """The recorder times the labels alone; a call's receive wait stays in its own label."""
+    from pipefisher.runtime.recorder import ClockRecorder
+
+    log: list = []
+    rec = ClockRecorder(0, 0)
+    ex = ScheduleExecutor([_ITERATION], _FakeEngine(log), {0: _FakeKFAC(log)}, lambda: None, recorder=rec)
+    ex.run_step(1)
+    assert [t.label for t in ex.last_record.labels] == _ITERATION

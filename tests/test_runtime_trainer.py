@@ -52,23 +52,31 @@ def profiled(tmp_path_factory):
 
 
 def test_profile_writes_one_timeline_per_node_in_the_profiled_format(profiled):
+    """Beside each node's timeline (the median step) lie all its profiled steps as recorded."""
     from pipefisher.safe_io import load_pickle
+    from pipefisher.timeline import median_step
 
     _, paths = profiled
     for node, path in enumerate(paths):
+        raw = load_pickle(path.replace("_timeline.pickle", "_steps.pickle"))
         tl = load_pickle(path)
-        assert len(tl["start_end"]) == 3
-        assert len(tl["call_forward"]) == len(tl["call_backward"]) == 3 * 4
-        layers = sorted({k.split(":", 1)[1] for k in tl if k.startswith("cov_kron_A:")})
-        assert len(layers) == 12 and all(f"encoder.layer.{2 * node}." in n or f"encoder.layer.{2 * node + 1}."
-                                         in n for n in layers)
-        for kind in ("cov_kron_A", "cov_kron_B", "inv_kron_A", "inv_kron_B"):
-            assert all(len(tl[f"{kind}:{n}"]) == 3 for n in layers)
-        assert not any(k.startswith("sync_kron") for k in tl)  # one replica: nothing to all-reduce
-        for intervals in tl.values():
-            assert all(isinstance(s, int) and isinstance(e, int) and 0 <= s <= e for s, e in intervals)
-        (s0, e0), = tl["start_end"][-1:]
-        assert all(s0 <= s <= e <= e0 for s, e in tl["call_forward"][-4:])
+        assert tl == median_step(raw)
+        for steps, d in ((3, raw), (1, tl)):
+            assert len(d["start_end"]) == len(d["update"]) == len(d["precondition"]) == steps
+            assert len(d["call_forward"]) == len(d["call_backward"]) == steps * 4
+            layers = sorted({k.split(":", 1)[1] for k in d if k.startswith("cov_kron_A:")})
+            assert len(layers) == 12 and all(f"encoder.layer.{2 * node}." in n or f"encoder.layer.{2 * node + 1}."
+                                             in n for n in layers)
+            for kind in ("cov_kron_A", "cov_kron_B", "inv_kron_A", "inv_kron_B"):
+                assert all(len(d[f"{kind}:{n}"]) == steps for n in layers)
+            assert not any(k.startswith("sync_kron") for k in d)  # one replica: nothing to all-reduce
+            for intervals in d.values():
+                assert all(isinstance(s, int) and isinstance(e, int) and 0 <= s <= e for s, e in intervals)
+            for j, (s0, e0) in enumerate(d["start_end"]):
+                (u0, u1), (p0, p1) = d["update"][j], d["precondition"][j]
+                # the update ends the step, after its last backward; preconditioning lies inside it
+                assert s0 <= d["call_backward"][4 * j + 3][1] <= u0 <= p0 <= p1 <= u1 <= e0
+                assert all(s0 <= s <= e <= e0 for s, e in d["call_forward"][4 * j:4 * j + 4])
 
 
 def test_profile_loads_and_packs_in_the_scheduler(profiled):
@@ -76,6 +84,7 @@ def test_profile_loads_and_packs_in_the_scheduler(profiled):
 
     out, paths = profiled
     assert len(load_job(paths).nodes) == 2
+    assert [n.path for n in load_job([str(out)]).nodes] == paths  # the folder: the raw steps left out
     res = CliRunner().invoke(main, ["schedule", *paths, "--save-path", str(out / "sched.pickle")])
     assert res.exit_code == 0, res.output
     assert "node0:" in res.output and "node1:" in res.output

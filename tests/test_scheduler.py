@@ -154,25 +154,41 @@ def test_k_shrinks_when_kfac_work_gets_faster(job, initial) -> None:
     assert overrun(shorter, records) < NS
 
 
-def _on_trial(job, initial, trial_cost: float):
-    """A scheduler whose trial of more slack measured ``trial_cost`` a step, the kept schedule 0.10 s."""
-    loop = Loop(AdaptiveScheduler(initial, 4), job)
+def _on_trial(job, initial, value_ratio: float, staleness=None):
+    """A scheduler whose trial of more slack measured ``value_ratio`` times the kept schedule's objective
+    (its step time 0.10 s times the staleness curve at its k), the kept schedule 0.10 s a step."""
+    loop = Loop(AdaptiveScheduler(initial, 4, staleness=staleness), job)
     loop.cycle()
     _, trial = loop.cycle()
     assert loop.scheduler.trial == "slack"
+    curve = loop.scheduler.staleness
+    stale = curve.at(max(trial.cycles)) / curve.at(max(initial.cycles))
     loop.cycle()
     loop.scheduler.observe(fake_records(trial.data, loop.models, loop.step, max(trial.cycles)))
     loop.scheduler.costs[initial.digest] = [0.10, 0.10]
-    loop.scheduler.costs[trial.digest] = [trial_cost, trial_cost]
+    loop.scheduler.costs[trial.digest] = [0.10 * value_ratio / stale] * 2
     return loop.scheduler, trial
 
 
-@pytest.mark.parametrize("trial_cost, kept", [(0.09, True), (0.0985, False), (0.11, False)])
-def test_more_slack_is_kept_only_where_it_measures_faster(job, initial, trial_cost, kept) -> None:
-    scheduler, trial = _on_trial(job, initial, trial_cost)
+@pytest.mark.parametrize("value_ratio, kept", [(0.9, True), (0.985, False), (1.1, False)])
+def test_more_slack_is_kept_only_where_it_measures_faster(job, initial, value_ratio, kept) -> None:
+    scheduler, trial = _on_trial(job, initial, value_ratio)
     nxt = scheduler.next_schedule()
     if kept:  # faster beyond the tie: kept, and the next slack is tried
         assert scheduler.kept is trial and scheduler.trial == "slack" and "x1.5" in nxt.reason
     else:  # within the tie, or slower: back to the schedule that was kept, no more climbing
         assert nxt.digest == initial.digest and scheduler.kept is initial
         assert not scheduler.climbing and "back to the kept schedule" in nxt.reason
+
+
+def test_a_faster_step_with_staler_curvature_loses_where_the_staleness_costs_more(job, initial) -> None:
+    """The closed loop's objective is the user's: step time x steps-to-target at the cycle's k."""
+    from pipefisher.objective import StalenessCurve
+
+    steep = StalenessCurve(((1, 0.5), (4, 0.5), (5, 1.0), (64, 1.0)))
+    scheduler, trial = _on_trial(job, initial, 1.0, staleness=steep)
+    assert max(trial.cycles) > max(initial.cycles)  # more slack: a longer cycle
+    # 5 % faster per step, but the longer cycle's curvature doubles the steps to the target
+    scheduler.costs[trial.digest] = [0.095, 0.095]
+    nxt = scheduler.next_schedule()
+    assert nxt.digest == initial.digest and "back to the kept schedule" in nxt.reason

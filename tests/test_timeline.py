@@ -252,3 +252,112 @@ def test_an_interval_that_ends_before_it_starts_is_refused(write_pickle) -> None
     with pytest.raises(InputError, match=r"node0.pickle: key 'sync_kron_B:layer.0' interval 0 ends before it "
                                          r"starts: \(50 ns, 40 ns\)"):
         load_job([path])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The median step of a multi-step profile
+
+
+def _four_steps() -> dict:
+    """Four steps of one node, each given relative to its own start: step 0 is a slow warm-up."""
+    rel = [  # start_end end, forwards, backwards, update, precondition
+        (500, [(0, 200), (200, 300)], [(300, 400), (400, 450)], (450, 500), (460, 490)),
+        (90, [(0, 10), (10, 30)], [(30, 50), (50, 80)], (80, 90), (82, 88)),
+        (110, [(0, 14), (14, 28)], [(28, 60), (60, 100)], (100, 110), (101, 109)),
+        (100, [(0, 12), (12, 34)], [(34, 55), (55, 75)], (75, 100), (90, 95)),
+    ]
+    starts = [7, 1003, 2011, 3005]
+    raw: dict = {k: [] for k in ("start_end", "call_forward", "call_backward", "update", "precondition")}
+    for s0, (end, fwd, bwd, upd, pre) in zip(starts, rel):
+        raw["start_end"].append((s0, s0 + end))
+        raw["call_forward"] += [(s0 + a, s0 + b) for a, b in fwd]
+        raw["call_backward"] += [(s0 + a, s0 + b) for a, b in bwd]
+        raw["update"].append((s0 + upd[0], s0 + upd[1]))
+        raw["precondition"].append((s0 + pre[0], s0 + pre[1]))
+    return raw
+
+
+def test_median_step_takes_per_interval_medians_relative_to_each_step_start() -> None:
+    from pipefisher.timeline import median_step
+
+    raw = _four_steps()
+    med = median_step(raw)
+    base = 3005  # the last step's start
+    want = {"start_end": [(0, 100)], "call_forward": [(0, 12), (12, 30)], "call_backward": [(30, 55), (55, 80)],
+            "update": [(80, 100)], "precondition": [(90, 95)]}
+    assert med == {k: [(base + a, base + b) for a, b in v] for k, v in want.items()}
+    assert list(med) == list(raw)  # key order kept (the compat policy reads it)
+    assert all(isinstance(t, int) for v in med.values() for pair in v for t in pair)
+    # with the warm-up step in, 4 steps: mean of the middle two, floored (integers stay integers)
+    assert median_step(raw, skip=0)["start_end"] == [(base, base + (100 + 110) // 2)]
+    job = job_from_dicts([med])
+    assert job.steps == 1 and job.span == 80 and job.nodes[0].forwards()[1] == Interval(12, 30)
+
+
+def test_median_step_keeps_order_and_nesting() -> None:
+    """Medians of starts and of ends, taken separately, keep every order that holds in every step."""
+    import random
+
+    from pipefisher.timeline import median_step
+
+    rng = random.Random(3)
+    for _ in range(50):
+        n, per = rng.randint(3, 9), rng.randint(1, 4)
+        raw: dict = {"start_end": [], "call_forward": [], "call_backward": [], "update": [], "precondition": []}
+        for j in range(n):
+            t = s0 = j * 10_000 + rng.randint(0, 50)
+            for key in ("call_forward", "call_backward"):
+                for _ in range(per):
+                    a = t + rng.randint(0, 30)
+                    t = a + rng.randint(0, 300)
+                    raw[key].append((a, t))
+            u0 = t + rng.randint(0, 30)
+            p0 = u0 + rng.randint(0, 20)
+            p1 = p0 + rng.randint(0, 200)
+            u1 = p1 + rng.randint(0, 20)
+            raw["update"].append((u0, u1))
+            raw["precondition"].append((p0, p1))
+            raw["start_end"].append((s0, u1 + rng.randint(0, 10)))
+        med = median_step(raw, skip=rng.randint(0, 2))
+        flat = med["call_forward"] + med["call_backward"]
+        assert all(a <= b for a, b in flat) and all(b <= c for (_, b), (c, _) in zip(flat, flat[1:]))
+        (u0, u1), = med["update"]
+        (p0, p1), = med["precondition"]
+        (s0, s1), = med["start_end"]
+        assert s0 <= flat[0][0] and flat[-1][1] <= u0 <= p0 <= p1 <= u1 <= s1
+
+
+def test_median_step_falls_back_to_the_last_step_with_few_steps() -> None:
+    from pipefisher.timeline import _last_step, median_step
+
+    raw = _four_steps()
+    two = {k: v[len(v) // 2:] for k, v in raw.items()}  # steps 2 and 3: one left after the warm-up
+    assert median_step(two) == {k: v[len(v) // 2:] for k, v in two.items()} == _last_step(two)[0]
+    one = {k: v[-(len(v) // 4):] for k, v in raw.items()}
+    assert median_step(one) == one and median_step(one, skip=0) == one
+    # skip=0 with two steps: the mean of both, floored for integers, exact for floats
+    med = median_step(two, skip=0)
+    assert med["start_end"] == [(3005, 3005 + 105)] and med["call_forward"][1] == (3005 + 13, 3005 + 31)
+    floats = {k: [(a / 1e3, b / 1e3) for a, b in v] for k, v in two.items()}
+    fmed = median_step(floats, skip=0)
+    assert fmed["start_end"] == [pytest.approx((3.005, 3.005 + 0.105))]
+    assert all(isinstance(t, float) for v in fmed.values() for pair in v for t in pair)
+    with pytest.raises(ValueError):
+        median_step(raw, skip=-1)
+
+
+def test_median_step_keeps_odd_keys_last_slice_as_the_loader_would() -> None:
+    from pipefisher.timeline import median_step
+
+    raw = _four_steps()
+    raw["inv_kron_A:l"] = [(2500, 2600)]  # fewer intervals than steps: the loader keeps them all
+    raw["cov_kron_A:l"] = [(i, i + 1) for i in range(0, 3000, 500)]  # 6, not a multiple of 4: the last 1
+    raw["sync_kron_A:l"] = [(1000, 1001), (2000, None), (3010, 3011), (3020, 3030)]  # a None bound
+    raw["numpy"] = [(np.int64(s), np.int64(e)) for s, e in raw["update"]]
+    med = median_step(raw)
+    assert med["inv_kron_A:l"] == [(2500, 2600)]
+    assert med["cov_kron_A:l"] == [(2500, 2501)]
+    assert med["sync_kron_A:l"] == [(3020, 3030)]
+    assert med["numpy"] == med["update"] and all(type(t) is int for t in med["numpy"][0])
+    assert med["call_forward"] == median_step(_four_steps())["call_forward"]
+    assert len(job_from_dicts([med]).nodes) == 1

@@ -22,8 +22,8 @@ from pipefisher.errors import InputError
               help="folder for this run's files (all named <run>_...; several runs sit side by side)")
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
               help="training steps with the schedule")
-@click.option("--profile-steps", type=click.IntRange(min=1), default=3, show_default=True,
-              help="kfac steps to profile (the last one is packed)")
+@click.option("--profile-steps", type=click.IntRange(min=1), default=10, show_default=True,
+              help="kfac steps to profile (their median step is packed)")
 @click.option("--policy", default=None, help=_policy_help())
 @click.option("--kfac-margin", type=click.FloatRange(min=1.0), default=1.0, show_default=True,
               help="pack as if every profiled K-FAC piece took this many times as long (slack for noisy "

@@ -21,6 +21,8 @@ def run_schedule(
     margin: float = DEFAULT_MARGIN,
     time_limit: float | None = None,
     allow_mixed: bool = False,
+    staleness: str | None = None,
+    slowdown: float | None = None,
 ) -> None:
     """Load, pack, report, then write the outputs; nothing is written unless everything before worked.
 
@@ -39,7 +41,10 @@ def run_schedule(
     name = policy or DEFAULT_POLICY
     if time_limit is not None and name != "exact":
         raise InputError(None, f"--time-limit applies to the 'exact' policy only, not to '{name}'")
-    chosen = get_policy(name, time_limit=time_limit)
+    for flag, given in (("--staleness", staleness), ("--kfac-slowdown", slowdown)):
+        if given is not None and name != "target":
+            raise InputError(None, f"{flag} applies to the 'target' policy only, not to '{name}'")
+    chosen = get_policy(name, time_limit=time_limit, staleness=staleness, slowdown=slowdown)
     check_out_file(save_path, "--save-path")
     check_out_file(json_path, "--json")
     if not paths:
@@ -90,16 +95,24 @@ def _policy_help() -> str:
 @margin_option()
 @click.option("--time-limit", type=click.FloatRange(0, min_open=True), default=None,
               help="seconds the 'exact' policy may search, for the whole job (default: 5)")
+@click.option("--staleness", default=None, metavar="K:RATIO,...",
+              help="for 'target': K-FAC's steps to the target relative to first-order per curvature refresh "
+                   "interval k, e.g. 1:0.5,2:0.53,4:0.57,8:0.83,16:inf (default: the curve measured on "
+                   "configs/small.yaml at 300 steps)")
+@click.option("--kfac-slowdown", "slowdown", type=click.FloatRange(0, 10), default=None,
+              help="for 'target': how much longer than profiled K-FAC work runs in a bubble, as a fraction "
+                   "(default: 0.1, measured)")
 @click.option("--allow-mixed", is_flag=True,
               help="load TIMELINES even if they look like several jobs' (other name prefixes, a node index "
                    "missing or twice, a file twice, or another run's start_end)")
 def schedule_command(timelines: tuple[str, ...], save_path: str | None, policy: str | None,
                      print_workloads: bool, json_path: str | None, compare: bool, margin: float,
-                     time_limit: float | None, allow_mixed: bool) -> None:
+                     time_limit: float | None, allow_mixed: bool, staleness: str | None,
+                     slowdown: float | None) -> None:
     """Pack per-node TIMELINES (pickle or JSON; comma-separated lists work too) into bubbles.
 
     With no TIMELINES, packs the bundled example job. With --save-path, the schedule's metadata (policy,
     margin, cycle and bound per node) is written beside it as FILE.meta.json.
     """
     run_schedule(timelines, save_path, policy, print_workloads, json_path, compare=compare, margin=margin,
-                 time_limit=time_limit, allow_mixed=allow_mixed)
+                 time_limit=time_limit, allow_mixed=allow_mixed, staleness=staleness, slowdown=slowdown)

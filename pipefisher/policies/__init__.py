@@ -8,6 +8,7 @@ from pipefisher.policies.base import JobSchedule, NodeFigures, NodeSchedule, Pla
 from pipefisher.policies.bestfit import BestFitPolicy
 from pipefisher.policies.compat import CompatPolicy
 from pipefisher.policies.exact import ExactPolicy
+from pipefisher.policies.target import TargetPolicy
 from pipefisher.policies.tight import TightPolicy
 
 POLICIES: dict[str, type[Policy]] = {
@@ -15,15 +16,18 @@ POLICIES: dict[str, type[Policy]] = {
     TightPolicy.name: TightPolicy,
     BestFitPolicy.name: BestFitPolicy,
     ExactPolicy.name: ExactPolicy,
+    TargetPolicy.name: TargetPolicy,
 }
-DEFAULT_POLICY = TightPolicy.name
+DEFAULT_POLICY = TargetPolicy.name
 
 
 def get_policy(name: str, **options: Any) -> Policy:
     """The policy registered under ``name``, made with ``options`` (those given as None are left out);
     an unknown name, or an option the policy does not take, is an input error.
 
-    Options: ``time_limit`` (seconds per job) for ``exact``; the other policies take none.
+    Options: ``time_limit`` (seconds per job) for ``exact``; ``staleness`` (a
+    :class:`pipefisher.objective.StalenessCurve` or its text) and ``slowdown`` for ``target``; the other
+    policies take none.
     ``exact`` without OR-Tools installed is an input error that says how to install it.
     """
     try:

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from functools import lru_cache
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 
 from pipefisher.problem import DEFAULT_MARGIN
 from pipefisher.timeline import BACKWARD, FORWARD, KFAC_KINDS, Job, Time, TimelineKey
@@ -146,6 +146,9 @@ class JobSchedule:
     nodes: tuple[NodeSchedule, ...]
     margin: float = DEFAULT_MARGIN
     """The room rule's margin it was packed under (:mod:`pipefisher.problem`)."""
+    tradeoff: Any = None
+    """The ``target`` policy's weighing (a :class:`pipefisher.objective.Tradeoff`: the densities it packed
+    and evaluated, this schedule one of them); None for the other policies."""
 
     def to_file_data(self) -> list[list[list[str]]]:
         """The schedule file's content: ``schedules[node][iteration] = [label, ...]``."""

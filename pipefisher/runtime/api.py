@@ -34,9 +34,9 @@ from pipefisher.runtime.engine import PipelineEngine, pipe_micro_batches, pipeli
 from pipefisher.runtime.executor import (ScheduleExecutor, chunk_suffix, load_checked_schedule, node_pipes,
                                          schedule_digest)
 from pipefisher.runtime.model import StageBuilder, load_builder, make_stage
-from pipefisher.runtime.profiler import STEP_KEY
 from pipefisher.runtime.update import Updater, make_kfac
 from pipefisher.sim.schedules import DOWN, UP
+from pipefisher.timeline import STEP_KEY, UPDATE_KEY
 
 __all__ = ["RunConfig", "load_config", "StageBuilder", "load_builder", "make_stage", "init_context",
            "build_stages", "build_worker", "Worker", "shutdown"]
@@ -136,9 +136,11 @@ class Worker:
         return self.mean_loss(loss)
 
     def end_of_step(self) -> None:
-        """The ``-- end --`` label: gradient all-reduce, then the update (:class:`Updater`)."""
-        self.engine.allreduce_gradients()
-        self.updater.step(self.stage)
+        """The ``-- end --`` label: gradient all-reduce, then the update (:class:`Updater`). Profiled
+        as one :data:`UPDATE_KEY` interval: work outside the pipeline that no bubble hides."""
+        with self.span(UPDATE_KEY):
+            self.engine.allreduce_gradients()
+            self.updater.step(self.stage)
 
     def mean_loss(self, loss: float | None) -> float | None:
         """The step's loss over every replica of the last stage (and both pipes under Chimera, whose
@@ -210,7 +212,7 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     else:
         stage, kfac, engine = copies[DOWN], kfacs.get(DOWN), engines[DOWN]
     updater = Updater(cfg, stage, kfac, cfg.optim.decay_steps or total_steps,
-                      pipe_group=ctx.pipe_group, copies=2 if chimera else 1)
+                      pipe_group=ctx.pipe_group, copies=2 if chimera else 1, span=span)
     worker = Worker(cfg, ctx, mode, data, copies, stage, engine, kfacs, kfac, updater,
                     pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m, v),
                     kfac_interval or cfg.kfac.interval, span)

@@ -152,6 +152,19 @@ class ChimeraEngine:
         for label in ops:
             self.op(label)()
 
+    def prepost(self, label: str) -> int:
+        """Post ahead the receives of the call ``label`` on its copy's engine
+        (:meth:`PipelineEngine.prepost`); each copy's receives have their own tags."""
+        self.op(label)
+        return self.engines[label_copy(label)].prepost(label)
+
+    def drop_preposted(self) -> int:
+        return sum(e.drop_preposted() for e in self.engines.values())
+
+    @property
+    def posted_ahead(self) -> int:
+        return sum(e.posted_ahead for e in self.engines.values())
+
     def begin_step(self, step: int) -> None:
         for e in self.engines.values():
             e.begin_step(step)

@@ -7,6 +7,7 @@ runs sit side by side::
     <run>_tokenizer.json    the subword tokenizer trained on the corpus (the run's vocabulary)
     <run>_timelines/        one profiled timeline per pipeline node, nothing else (``pipefisher schedule`` reads it)
     <run>_profile_losses.json  the profiling steps' losses and options (what ``train --out`` calls <name>_losses.json)
+    <run>_profile_steps/    every profiled step per node (<name>_node<i>_steps.pickle), whose median step the timelines hold
     <run>_schedule.pickle   the packed schedule (the trainer's input)
     <run>_report.json       usage report per node, policy, validation result, training summary
     <run>_chart.png         the packed cycle per node
@@ -60,6 +61,12 @@ class RunPaths:
     def profile_losses(self) -> str:
         """The profiling steps' ``<name>_losses.json``, kept beside the timelines, not among them."""
         return self._p("profile_losses.json")
+
+    @property
+    def profile_steps_dir(self) -> str:
+        """The raw multi-step profiles (:func:`pipefisher.runtime.profiler.steps_filename`), kept beside
+        the timelines, not among them."""
+        return self._p("profile_steps")
 
     @property
     def schedule(self) -> str:
@@ -123,10 +130,17 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 
 def keep_only_timelines(paths: RunPaths, name: str) -> None:
-    """The profiling trainer writes its ``<name>_losses.json`` (and tokenizer) into its output folder,
-    the timelines': move them out, so that the folder holds node files only and
-    ``pipefisher schedule <run>_timelines/*`` reads one job. The tokenizer is the run's own already."""
+    """The profiling trainer writes its ``<name>_losses.json`` (and tokenizer, and every node's raw
+    ``<name>_node<i>_steps.pickle``) into its output folder, the timelines': move them out, so that the
+    folder holds node files only and ``pipefisher schedule <run>_timelines/*`` reads one job. The
+    tokenizer is the run's own already; the raw steps go to ``<run>_profile_steps/``."""
     from pipefisher.runtime.trainer import losses_path, tokenizer_path
+
+    steps = re.compile(re.escape(name) + r"_node\d+_steps\.pickle")
+    for entry in sorted(os.listdir(paths.timelines)) if os.path.isdir(paths.timelines) else []:
+        if steps.fullmatch(entry):
+            os.makedirs(paths.profile_steps_dir, exist_ok=True)
+            os.replace(os.path.join(paths.timelines, entry), os.path.join(paths.profile_steps_dir, entry))
 
     losses = losses_path(paths.timelines, name)
     if os.path.exists(losses):
@@ -199,12 +213,13 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     return packed, report
 
 
-def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, policy: str | None = None,
+def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, policy: str | None = None,
             nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
             checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
             eval_every: int = 0, echo: Callable[[str], None] = print, margin: float | None = None,
             adapt: bool = False) -> RunPaths:
-    """Profile ``profile_steps`` kfac steps, pack them with ``policy`` (K-FAC times x ``kfac_margin``,
+    """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.timeline.median_step`),
+    pack them with ``policy`` (K-FAC times x ``kfac_margin``,
     room rule with ``margin``, :mod:`pipefisher.problem`),
     print the usage report, refuse a schedule that ``validate`` rejects (unless ``allow_invalid``) or
     that the runtime cannot run (always; both leave the schedule, chart and report in the run folder),
@@ -298,6 +313,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 3, pol
                 for s in ("measurements.csv", "cycles.jsonl", "measured", "schedules")]
     for p in (paths.config, *([paths.tokenizer] if os.path.exists(paths.tokenizer) else []), paths.timelines,
               *([paths.profile_losses] if os.path.exists(paths.profile_losses) else []),
+              *([paths.profile_steps_dir] if os.path.exists(paths.profile_steps_dir) else []),
               paths.schedule, paths.report, paths.chart, paths.metrics,
               *[m for m in measured if os.path.exists(m)], paths.checkpoints):
         echo(f"wrote {p}")

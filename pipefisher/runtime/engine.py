@@ -3,7 +3,9 @@
 ``forward()`` and ``backward()`` are exactly the runtime meaning of the ``call_forward`` and
 ``call_backward`` schedule labels: the next micro-batch, with its point-to-point receive and send.
 Sends are asynchronous (waited for at the end of the step); receives block, under the process
-group's timeout.
+group's timeout. ``prepost(label)`` posts a call's receives ahead of the call (the executor does it
+before K-FAC work in a bubble): with gloo a send completes only once its receive is posted, so a
+receive posted late holds the sender; the call then waits on the posted receive, under the same timeout.
 
 The order of those calls on each device comes from the simulator's schedule generators
 (:mod:`pipefisher.sim.schedules`), the one definition of every pipeline order. A Chimera device runs
@@ -148,6 +150,10 @@ class PipelineEngine:
         self._next_fwd = self._next_bwd = 0
         self._stash: collections.deque = collections.deque()
         self._sends: list[tuple[Any, torch.Tensor]] = []
+        # receives posted ahead of their call (prepost): (src, tag) -> (buffer, irecv work); at most one
+        # per (src, tag), the oldest outstanding receive of that pair, so FIFO matching is unchanged
+        self._posted: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
+        self.posted_ahead = 0  # receives posted by prepost over the engine's life (a diagnostic)
         self.losses: list[torch.Tensor] = []
         self._wait_log: list[Any] | None = None
 
@@ -160,7 +166,7 @@ class PipelineEngine:
         return self.stage.is_last
 
     def begin_step(self, step: int) -> None:
-        if self._stash or self._sends:
+        if self._stash or self._sends or self._posted:
             raise RuntimeError("begin_step while the previous step still has micro-batches in flight")
         self.step = step
         self._next_fwd = self._next_bwd = 0
@@ -185,6 +191,9 @@ class PipelineEngine:
             x = self._recv(self.prev_rank, _TAG_ACT + self._in)
             x.requires_grad_(True)
         sampled = None
+        # whether this micro-batch's backward runs the true-Fisher backward (kfac.take_forward() not
+        # None): it then receives a sampled-label gradient too, which prepost must know beforehand
+        two_grads = self.kfac is not None and bool(self.kfac.samples_labels)
         with self.span(self.forward_key):
             if self.is_last and self.kfac is not None and self.kfac.samples_labels:
                 out, sampled = self.stage(x, labels, sample=self._sampling_generator(i))
@@ -198,7 +207,7 @@ class PipelineEngine:
                 self._send(out.detach(), self.next_rank, _TAG_ACT + self._out)
             if self.kfac is not None:
                 self.kfac.end_forward()
-        self._stash.append((x, out, sampled))
+        self._stash.append((x, out, sampled, two_grads))
 
     def _sampling_generator(self, index: int) -> torch.Generator:
         """Labels for the true Fisher, a pure function of (seed, step, replica, micro-batch)."""
@@ -210,24 +219,32 @@ class PipelineEngine:
         if not self._stash:
             raise RuntimeError(f"{self.backward_key}: no forward micro-batch is waiting for its backward")
         self._next_bwd += 1
-        x, out, sampled = self._stash.popleft()
-        grad = None if self.is_last else self._recv(self.next_rank, _TAG_GRAD + self._out)
+        x, out, sampled, _ = self._stash.popleft()
         outputs = self.kfac.take_forward() if self.kfac is not None else None
+        # receives in the order the next stage sends: the sampled-label gradient first (backends that
+        # match by order alone, NCCL, would otherwise swap the two), then the real one
+        seed_grad = grad = None
+        if not self.is_last:
+            if outputs is not None:
+                seed_grad = self._recv(self.next_rank, _TAG_SAMPLED_GRAD + self._out)
+            grad = self._recv(self.next_rank, _TAG_GRAD + self._out)
         with self.span(self.backward_key):
             if outputs is not None:
-                self._sampled_backward(x, out, sampled, outputs)
+                self._sampled_backward(x, out, sampled, outputs, seed_grad)
             out.backward(grad)
             if not self.is_first:
                 self._send(x.grad, self.prev_rank, _TAG_GRAD + self._in)
 
     def _sampled_backward(self, x: torch.Tensor, out: torch.Tensor, sampled: torch.Tensor | None,
-                          outputs: list[tuple[Any, torch.Tensor]]) -> None:
-        """True Fisher: gradients of the sampled-label loss w.r.t. the K-FAC layers' outputs (and x)."""
+                          outputs: list[tuple[Any, torch.Tensor]], seed_grad: torch.Tensor | None) -> None:
+        """True Fisher: gradients of the sampled-label loss w.r.t. the K-FAC layers' outputs (and x);
+        ``seed_grad`` is the next stage's sampled-label gradient (None on the last stage)."""
         if self.is_last:
             assert sampled is not None, "the last stage sampled no labels for a saved micro-batch"
-            root, seed_grad = sampled, None
+            root = sampled
         else:
-            root, seed_grad = out, self._recv(self.next_rank, _TAG_SAMPLED_GRAD + self._out)
+            assert seed_grad is not None
+            root = out
         targets = [o for _, o in outputs] + ([] if self.is_first else [x])
         if not targets:
             return
@@ -236,6 +253,54 @@ class PipelineEngine:
         if not self.is_first:
             gx = grads[-1] if grads[-1] is not None else torch.zeros_like(x)
             self._send(gx, self.prev_rank, _TAG_SAMPLED_GRAD + self._in)
+
+    def receives(self, label: str) -> list[tuple[int, int]]:
+        """``(src, tag)`` of every receive the call ``label`` would post if it ran now, in its order:
+        a forward's activation, a backward's sampled-label (true Fisher) then real output gradient;
+        none on the first stage's forwards, the last stage's backwards, or a call that cannot run."""
+        self.op(label)  # refuses a label of another pipe or chunk
+        if label == self.forward_key:
+            if self.is_first or self._next_fwd >= len(self.micro_batches):
+                return []
+            assert self.prev_rank is not None
+            return [(self.prev_rank, _TAG_ACT + self._in)]
+        if self.is_last or not self._stash:
+            return []
+        assert self.next_rank is not None
+        two_grads = self._stash[0][3]
+        return ([(self.next_rank, _TAG_SAMPLED_GRAD + self._out)] if two_grads else []) + \
+            [(self.next_rank, _TAG_GRAD + self._out)]
+
+    def prepost(self, label: str) -> int:
+        """Post now, as irecvs, the receives the call ``label`` will make; returns how many it posted.
+
+        With gloo a send completes only once its receive is posted: a receive posted late (after
+        K-FAC work in a bubble) holds the sender, then still pays the transfer. Each receive goes into
+        the buffer the call will use and is the one the call would post (same peer, tag, shape, dtype,
+        group); the call waits on it instead of posting its own. Messages between two ranks keep
+        their order: a pair (src, tag) is matched first in, first out, and only the oldest receive of a
+        pair is ever posted ahead (a pair already posted is left alone). Nothing to receive: a no-op.
+        """
+        n = 0
+        for key in self.receives(label):
+            if key in self._posted:
+                continue
+            src, tag = key
+            buf = torch.empty(self.act_shape, device=self.ctx.device)
+            self._posted[key] = (buf, dist.irecv(buf, src, tag=tag))
+            n += 1
+        self.posted_ahead += n
+        return n
+
+    def drop_preposted(self) -> int:
+        """Forget every receive posted ahead and not taken (a failed step); returns how many.
+
+        torch offers no cancel of a posted receive; the handles are released (gloo then drops the
+        receive), and the step cannot go on: the run is failing, its process group goes down with it.
+        """
+        n = len(self._posted)
+        self._posted.clear()
+        return n
 
     def op(self, label: str) -> Callable[[], None]:
         """The call a ``call_forward`` / ``call_backward`` label stands for on this engine."""
@@ -254,6 +319,10 @@ class PipelineEngine:
         for work, _ in self._sends:
             work.wait()
         self._sends = []
+        if self._posted:
+            left = sorted(self._posted)
+            self.drop_preposted()
+            raise RuntimeError(f"receive(s) posted ahead but taken by no call of the step: (src, tag) {left}")
         if self._stash:
             raise RuntimeError(f"{len(self._stash)} micro-batches ran forward but not backward")
         return float(sum(self.losses)) if self.is_last else None
@@ -272,7 +341,7 @@ class PipelineEngine:
     @torch.no_grad()
     def evaluate_batch(self, mb: Any) -> float:
         """One held-out micro-batch through this copy (dropout off): its loss on the last stage, else 0."""
-        if self._stash or self._sends:
+        if self._stash or self._sends or self._posted:
             raise RuntimeError("evaluate while a training step still has micro-batches in flight")
         was_training = self.stage.training
         self.stage.eval()
@@ -308,20 +377,29 @@ class PipelineEngine:
         self._sends.append((dist.isend(t, dst, tag=tag), t))
 
     def _recv(self, src: int | None, tag: int) -> torch.Tensor:
+        """The next message of (src, tag): its receive posted ahead (:meth:`prepost`) waited for, else
+        posted and waited for now. Either wait is the call's wait in the wait log."""
         assert src is not None
-        buf = torch.empty(self.act_shape, device=self.ctx.device)
+        posted = self._posted.pop((src, tag), None)
+        wait: Callable[[], Any]
+        if posted is None:
+            buf = torch.empty(self.act_shape, device=self.ctx.device)
+            wait = functools.partial(dist.recv, buf, src, tag=tag)
+        else:
+            buf, work = posted
+            wait = work.wait  # no timeout argument: the process group's timeout, as dist.recv's
         log = self._wait_log
         if log is None:
-            dist.recv(buf, src, tag=tag)
+            wait()
         elif self.ctx.device.type == "cuda":  # events around it, read at the end of the step
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             before.record()
-            dist.recv(buf, src, tag=tag)
+            wait()
             after.record()
             log.append((before, after))
         else:
             t0 = time.perf_counter()
-            dist.recv(buf, src, tag=tag)
+            wait()
             log.append(time.perf_counter() - t0)
         return buf
 

@@ -24,6 +24,11 @@ factors left over at the end of the cycle, no all-reduce with several replicas o
 Chimera, two devices sharing a group that would all-reduce (or refresh) their factors in different
 orders (they would deadlock, mix factors up, or let the two copies of a stage drift apart).
 Every worker checks every node, so all of them refuse together instead of some waiting on the others.
+
+Before the K-FAC work of a bubble (the first of a run of K-FAC labels followed, within the step, by a
+pipeline call), the executor has the engine post that call's receives (``engine.prepost``): with gloo
+a neighbour's send completes only once its receive is posted, so posting it only when the call comes
+would hold the neighbour for the whole bubble (:func:`prepost_points`).
 """
 from __future__ import annotations
 
@@ -407,6 +412,31 @@ def single_iteration_schedule(cfg: RunConfig, replicas: int = 1) -> ScheduleData
 # Running
 
 
+def prepost_points(labels: Sequence[str]) -> dict[int, str]:
+    """Where the executor posts a pipeline call's receives ahead: label index -> the call's label.
+
+    At the first K-FAC label of every bubble (a run of K-FAC labels, after a pipeline call or the
+    step's start) whose step goes on with a pipeline call: that call's receives, so the neighbour's
+    send completes while this node works. Each call is posted for at most once; work after
+    ``-- end --`` (the next step's call lies beyond the step's end) posts nothing.
+    """
+    kinds = [parse_label(label)[0] for label in labels]
+    out: dict[int, str] = {}
+    claimed: set[int] = set()
+    for i, kind in enumerate(kinds):
+        if kind not in KFAC_KINDS or (i > 0 and kinds[i - 1] in KFAC_KINDS):
+            continue
+        for j in range(i + 1, len(kinds)):
+            if kinds[j] in (FORWARD, BACKWARD):
+                if j not in claimed:
+                    out[i] = labels[j]
+                    claimed.add(j)
+                break
+            if kinds[j] in (START, END):
+                break
+    return out
+
+
 class ScheduleExecutor:
     """Runs one node's iterations label by label on an engine, its K-FAC states and an end-of-step call.
 
@@ -416,13 +446,16 @@ class ScheduleExecutor:
     ``recorder`` (:mod:`pipefisher.runtime.recorder`) times every label of every step; its record of
     the last step is :attr:`last_record`. The cycle starts at step ``first_step``; :meth:`switch` puts
     another cycle in its place from a later step (a cycle boundary: see :class:`pipefisher.runtime.adapt.ScheduleLoop`).
+    With ``prepost`` (and an engine that has ``prepost``), every bubble's K-FAC work is preceded by
+    posting the next pipeline call's receives (:func:`prepost_points`); that is no label, not recorded.
     """
 
     def __init__(self, iterations: Sequence[Sequence[str]], engine: Any, kfacs: Mapping[int, Any],
                  end_of_step: Callable[[], None], span: Callable[[str], ContextManager[Any]] | None = None,
-                 recorder: Any = None, first_step: int = 1) -> None:
+                 recorder: Any = None, first_step: int = 1, prepost: bool = True) -> None:
         self.engine, self.kfacs, self.end_of_step = engine, kfacs, end_of_step
         self.span = span
+        self.prepost = prepost
         self.recorder = recorder
         if recorder is not None:
             recorder.attach(engine)
@@ -436,7 +469,7 @@ class ScheduleExecutor:
         if first_step < 1:
             raise ValueError("a schedule's cycle starts at step 1 or later (step 0 is a plain step)")
         self.iterations = [list(it) for it in iterations]
-        self._compiled = [[self._compile(label) for label in it] for it in self.iterations]
+        self._compiled = [self._compile_iteration(it) for it in self.iterations]
         self.first_step = first_step
 
     @property
@@ -450,6 +483,17 @@ class ScheduleExecutor:
     def _set_saving(self, on: bool) -> None:
         for k in self.kfacs.values():
             k.set_saving(on)
+
+    def _compile_iteration(self, labels: Sequence[str]) -> list[Callable[[], None]]:
+        """One bound call per label, each bubble's receive posts (unrecorded) before its K-FAC work."""
+        post = getattr(self.engine, "prepost", None) if self.prepost else None
+        points = prepost_points(labels) if post is not None else {}
+        calls: list[Callable[[], None]] = []
+        for i, label in enumerate(labels):
+            if i in points:
+                calls.append(functools.partial(post, points[i]))
+            calls.append(self._compile(label))
+        return calls
 
     def _compile(self, label: str) -> Callable[[], None]:
         call = self._bind(label)
@@ -494,8 +538,14 @@ class ScheduleExecutor:
         it = self.iteration_of(step)
         if self.recorder is not None:
             self.recorder.begin_step(step, it)
-        for call in self._compiled[it]:
-            call()
+        try:
+            for call in self._compiled[it]:
+                call()
+        except BaseException:
+            drop = getattr(self.engine, "drop_preposted", None)
+            if drop is not None:  # receives posted ahead of a call the failed step never ran
+                drop()
+            raise
         if self.recorder is not None:
             self.last_record = self.recorder.end_step()
         return self._loss

@@ -2,7 +2,9 @@
 
 All workers start their clocks together: a barrier, then each takes its time base. Times are integer
 nanoseconds from that base: wall-clock (``perf_counter_ns``) on CPU, CUDA-event device times on GPU.
-The clocks of different hosts are never compared.
+The clocks of different hosts are never compared. Every profiled step starts after another barrier
+(:meth:`Profiler.barrier`), so that step starts line up across nodes and the median step
+(:func:`pipefisher.timeline.median_step`) that :meth:`Profiler.write` writes has one reference on all.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from pipefisher.safe_io import dump_pickle_atomic
+from pipefisher.timeline import STEP_KEY, median_step
 
-STEP_KEY = "start_end"
+__all__ = ["Profiler", "STEP_KEY", "steps_filename", "timeline_filename"]
 
 
 class Profiler:
@@ -29,8 +32,10 @@ class Profiler:
         self._base_event: Any = None
         self._records: dict[str, list[Any]] = {}
 
-    def align(self, group: Any = None, distributed: bool = True) -> None:
-        """Take the time base right after a barrier with every other worker."""
+    def barrier(self, group: Any = None, distributed: bool = True) -> None:
+        """Wait until every worker (of ``group``, default all) gets here, keeping the time base: called
+        before each profiled step so that its ``start_end`` starts at the same moment on every node.
+        Not profiling, or in one process, it does nothing."""
         if not self.enabled:
             return
         if self.cuda:
@@ -39,6 +44,12 @@ class Profiler:
             dist.barrier(group=group)
             if self.cuda:
                 torch.cuda.synchronize()
+
+    def align(self, group: Any = None, distributed: bool = True) -> None:
+        """Take the time base right after a barrier with every other worker."""
+        if not self.enabled:
+            return
+        self.barrier(group, distributed)
         if self.cuda:
             self._base_event = torch.cuda.Event(enable_timing=True)
             self._base_event.record()
@@ -72,10 +83,24 @@ class Profiler:
         return {k: [(ns(s), ns(e)) for s, e in v] for k, v in self._records.items()}
 
     def write(self, folder: str | os.PathLike[str], name: str, node: int) -> str:
-        path = os.path.join(os.fspath(folder), timeline_filename(name, node))
-        dump_pickle_atomic(path, self.timeline())
+        """Write the node's timeline, the median of its profiled steps (:func:`median_step`: one step,
+        steadier than the last step the loader would keep), and beside it every profiled step as recorded
+        (:func:`steps_filename`); returns the timeline's path. The timeline is written last, so where it
+        exists, so do the steps."""
+        raw = self.timeline()
+        folder = os.fspath(folder)
+        dump_pickle_atomic(os.path.join(folder, steps_filename(name, node)), raw)
+        path = os.path.join(folder, timeline_filename(name, node))
+        dump_pickle_atomic(path, median_step(raw))
         return path
 
 
 def timeline_filename(name: str, node: int) -> str:
     return f"{name}_node{node}_timeline.pickle"
+
+
+def steps_filename(name: str, node: int) -> str:
+    """The raw multi-step profile of a node, in the timeline format, for anyone checking its median
+    step. Its name has no timeline suffix, so a folder argument (which stands for its ``*_timeline.*``
+    files) leaves it out."""
+    return f"{name}_node{node}_steps.pickle"

@@ -4,8 +4,9 @@ Modes: ``first-order`` (pipeline, gradient all-reduce, optimizer), ``kfac`` (the
 ``kfac.interval`` steps, all K-FAC work for every layer after the pipeline; gradients are
 preconditioned with the latest inverses every step) and ``scheduled`` (step 0 as ``kfac``, then the
 schedule file's cycle label by label, K-FAC work inside the pipeline's bubbles; see
-:mod:`pipefisher.runtime.executor`). Profiling runs ``kfac`` with a refresh every step and writes one
-timeline per pipeline node (replica 0 of each stage). Checkpoints (:mod:`pipefisher.runtime.checkpoint`)
+:mod:`pipefisher.runtime.executor`). Profiling runs ``kfac`` with a refresh every step, each step after a
+barrier over the whole job, and writes one timeline per pipeline node (replica 0 of each stage): the
+median of its steps, with the raw steps beside it (:meth:`pipefisher.runtime.profiler.Profiler.write`). Checkpoints (:mod:`pipefisher.runtime.checkpoint`)
 are written every ``checkpoint_every`` steps and at the end; ``resume`` continues from one.
 Every step ends with the update rule of :mod:`pipefisher.runtime.update` (learning-rate schedule,
 clipping, preconditioning, KL-clip, optimizers); every ``eval_every`` steps the pipeline evaluates the
@@ -235,7 +236,10 @@ class Trainer:
         return None if self.executor is None else self.executor.cycle
 
     def train_step(self, step: int) -> float | None:
-        """One step; returns the loss (mean over replicas) on the last stage, else None."""
+        """One step; returns the loss (mean over replicas) on the last stage, else None. Profiling, a
+        barrier over the whole job first: every node starts the step's ``start_end`` together, the
+        common reference of the median step (:func:`pipefisher.timeline.median_step`)."""
+        self.profiler.barrier(distributed=self.ctx.distributed)
         return self.worker.step(step)
 
     def end_of_step(self) -> None:

@@ -22,7 +22,8 @@ PipeFisher and KAISA BERT runs also feed K-FAC's gradient to the base optimizer 
 """
 from __future__ import annotations
 
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from torch import nn
 from pipefisher.kfac.factors import kl_clip_scale
 from pipefisher.runtime.config import RunConfig
 from pipefisher.runtime.optim import LRSchedule, clip_grad_norm, make_optimizer
+from pipefisher.timeline import PRECONDITION_KEY
 
 
 class Updater:
@@ -39,12 +41,15 @@ class Updater:
     ``pipe_group`` is the process group of this replica's pipeline (all its stages), over which the
     global gradient norm and the KL-clip sum are all-reduced; None in one process. ``copies``: how
     many devices of the pipeline hold each stage (2 under Chimera), so each copy contributes its share
-    of those sums and every stage counts once.
+    of those sums and every stage counts once. ``span`` (the profiler's) times the preconditioning as
+    :data:`PRECONDITION_KEY`, what K-FAC adds to every step's update.
     """
 
     def __init__(self, cfg: RunConfig, stage: nn.Module, kfac: Any, total_steps: int,
-                 pipe_group: Any = None, copies: int = 1) -> None:
+                 pipe_group: Any = None, copies: int = 1,
+                 span: Callable[[str], ContextManager[Any]] | None = None) -> None:
         self.cfg, self.kfac, self.pipe_group = cfg, kfac, pipe_group
+        self.span = span or (lambda key: nullcontext())
         self.share = 1.0 / copies
         self.schedule = LRSchedule(cfg.optim, total_steps)
         own = kfac is not None and cfg.kfac.update == "momentum"
@@ -79,7 +84,8 @@ class Updater:
         if o.clip_norm > 0:
             clip_grad_norm(stage.parameters(), o.clip_norm, group=self.pipe_group, share=self.share)
         if self.kfac is not None:
-            self.kfac.precondition_all()
+            with self.span(PRECONDITION_KEY):
+                self.kfac.precondition_all()
             if k.kl_clip > 0:
                 lr = (self.kfac_optimizer.param_groups[0]["lr"] if self.kfac_optimizer is not None else self.lr)
                 self.kfac.scale_step(kl_clip_scale(self._pipe_sum(self.kfac.grad_dot_step * self.share), lr, k.kl_clip))
