@@ -13,7 +13,11 @@ user's. A user pays ``steps(k) x step_time(k)``:
 * **steps**: K-FAC's steps to the target relative to first-order's, at a curvature refreshed every k
   steps (a :class:`StalenessCurve`; the default is the one measured by ``scripts/bench_staleness.py``).
 
-First-order's step is the same pipeline with the update alone (no K-FAC work, no preconditioning).
+First-order's step is the same pipeline with the update alone (no K-FAC work, no preconditioning). The
+profile is of a ``kfac`` run, whose forwards and backwards also save K-FAC's inputs and output gradients,
+so this overstates first-order's step a little (about 5 % on ``configs/small.yaml`` on CPU, where the
+convergence benchmark prints planned against measured for both): the ratios printed are then slightly
+low; the choice, made among schedules of the same profile, does not depend on it.
 :func:`tradeoff` packs the candidate densities and evaluates each; the ``target`` policy
 (:mod:`pipefisher.policies.target`) keeps the one with the least expected time-to-target.
 """

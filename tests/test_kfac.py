@@ -143,6 +143,32 @@ def test_cov_takes_the_oldest_micro_batch_and_labels_dispatch():
         kfac.inv("B", n)  # nothing accumulated into B yet
 
 
+def test_cov_stride_builds_the_factors_from_every_s_th_token_row_and_saves_s_times_less():
+    """``kfac.cov_stride`` s: factor A from rows 0, s, 2s, ... of each micro-batch's inputs, factor B
+    from the same rows of the output gradients, scaled as per-row gradients of the full micro-batch."""
+    def run(stride: int):
+        torch.manual_seed(0)
+        model = PipelineStage(CFG, 0, 1)
+        kfac = KFAC(model, damping=DAMPING, loss_scale=3, cov_stride=stride)
+        kfac.apply_label("turn_on_save_inputs_outgrads")
+        mb = MLMData(DATA, CFG.vocab_size).micro_batch(0, 0, 0)
+        (model(mb.input_ids, mb.labels) / 3).backward()
+        return kfac
+
+    full, half = run(1), run(2)
+    n = full.names[0]
+    x, g = full.layers[n].inputs[0], full.layers[n].outgrads[0]
+    assert half.saved_bytes() * 2 == full.saved_bytes()
+    assert torch.equal(half.layers[n].inputs[0], x[::2]) and half.layers[n].inputs[0].is_contiguous()
+    half.cov("A", n), half.cov("B", n)
+    assert _close(half.factor(n, "A"), fx.cov_a(x[::2], True))
+    rows = g.shape[0]  # per-row gradients of the full micro-batch: g x loss_scale x rows
+    per_row = g[::2] * (3 * rows)
+    assert _close(half.factor(n, "B"), per_row.t() @ per_row / per_row.shape[0])
+    with pytest.raises(ValueError, match="cov_stride"):
+        KFAC(PipelineStage(CFG, 0, 1), damping=DAMPING, cov_stride=0)
+
+
 # -- K-FAC options on small models ---------------------------------------------------------------
 #
 # The tests below use a two-layer perceptron (``TinyMLP``) or a single softmax layer (``Softmax``):

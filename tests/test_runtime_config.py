@@ -40,6 +40,7 @@ def test_bundled_configs_cover_tests_demo_and_bert_shapes():
     ({"pipeline": {"schedule": "chimera", "stages": 3}, "model": {"num_layers": 4}},
      "chimera needs an even number of stages"),
     ({"pipeline": {"schedule": "chimera"}, "data": {"num_micro_batches": 3}}, "and of data.num_micro_batches"),
+    ({"kfac": {"cov_stride": 0}}, "kfac.cov_stride must be an integer >= 1"),
 ])
 def test_bad_configs_are_input_errors(raw, problem):
     with pytest.raises(InputError, match=problem.replace("(", r"\(").replace(")", r"\)")):

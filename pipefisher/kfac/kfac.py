@@ -209,7 +209,7 @@ class KFAC:
                  damping_min: float | None = None, damping_decay: float = 1.0, factor_decay: float = 0.0,
                  inverse: str = "cholesky", inverse_dtype: str = "float32", on_bad_factor: str = "stop",
                  save_dtype: str = "float32", fisher: str = "empirical",
-                 warn: Callable[[str], None] | None = None) -> None:
+                 warn: Callable[[str], None] | None = None, cov_stride: int = 1) -> None:
         if not (damping > 0 and math.isfinite(damping)):  # also refuses NaN and infinity
             raise ValueError(f"K-FAC damping must be positive and finite, not {damping!r}: an undamped "
                              "factor is singular")
@@ -227,6 +227,9 @@ class KFAC:
         self.inverse_method, self.inverse_dtype = inverse, DTYPES[inverse_dtype]
         self.on_bad_factor, self.fisher = on_bad_factor, fisher
         self.save_dtype = DTYPES[save_dtype]
+        if not isinstance(cov_stride, int) or cov_stride < 1:
+            raise ValueError(f"K-FAC cov_stride must be an integer >= 1, not {cov_stride!r}")
+        self.cov_stride = cov_stride
         self.warn = warn or (lambda msg: None)
         self.loss_scale = float(loss_scale)
         self.dp_group, self.dp_size = dp_group, int(dp_size)
@@ -256,7 +259,11 @@ class KFAC:
         self.saving = bool(on)
 
     def _compact(self, t: torch.Tensor) -> torch.Tensor:
+        """The rows a covariance piece will use, in the saved dtype: every ``cov_stride``-th token row
+        (copied, so the full micro-batch is not kept alive by a view of it)."""
         t = t.detach().reshape(-1, t.shape[-1])
+        if self.cov_stride > 1:
+            t = t[::self.cov_stride].contiguous()
         return t if t.dtype == self.save_dtype else t.to(self.save_dtype)
 
     def _saved_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -376,7 +383,8 @@ class KFAC:
         self._settle(name, factor)
         x = queue.popleft()
         self._release(x)
-        contrib = fx.cov_a(x, st.bias) if factor == "A" else fx.cov_b(x, self.loss_scale)
+        # B: the saved rows are gradients of a mean over cov_stride times as many rows (see fx.cov_b)
+        contrib = fx.cov_a(x, st.bias) if factor == "A" else fx.cov_b(x, self.loss_scale * self.cov_stride)
         st.sums[factor] = contrib if st.sums[factor] is None else st.sums[factor] + contrib
         st.counts[factor] += 1
         st.synced[factor] = False

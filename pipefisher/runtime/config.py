@@ -140,6 +140,8 @@ class KfacConfig:
     model's own output distribution, one extra backward). ``on_bad_factor``: a factor that is not
     finite, or not positive definite after damping, ``stop``s the run or ``skip``s that refresh.
     ``save_dtype``: the dtype saved inputs and output gradients wait in until their covariance piece.
+    ``cov_stride``: every how many token rows of a micro-batch one feeds the covariance factors (1: all);
+    a stride s saves s times less and makes every covariance piece about s times cheaper.
     """
 
     damping: float = 1e-3
@@ -157,6 +159,7 @@ class KfacConfig:
     inverse_dtype: str = "float32"
     on_bad_factor: str = "stop"
     save_dtype: str = "float32"
+    cov_stride: int = 1
 
 
 PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved")
@@ -388,6 +391,8 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("kfac.damping_decay must be in (0, 1] and kfac.factor_decay in [0, 1)")
     if k.kl_clip < 0 or k.lr <= 0 or not 0.0 <= k.momentum < 1.0:
         problems.append("kfac.kl_clip must be >= 0, kfac.lr > 0 and kfac.momentum in [0, 1)")
+    if not isinstance(k.cov_stride, int) or k.cov_stride < 1:
+        problems.append("kfac.cov_stride must be an integer >= 1")
     for key, allowed in (("update", ("momentum", "base")), ("fisher", FISHERS), ("inverse", INVERSES),
                          ("inverse_dtype", ("float32", "float64")), ("on_bad_factor", ON_BAD_FACTOR),
                          ("save_dtype", SAVE_DTYPES)):

@@ -115,4 +115,5 @@ def make_kfac(cfg: RunConfig, stage: nn.Module, *, dp_group: Any = None, dp_size
     return KFAC(stage, damping=k.damping, damping_min=k.damping_min or None, damping_decay=k.damping_decay,
                 ignore=k.ignore, loss_scale=cfg.data.num_micro_batches, dp_group=dp_group, dp_size=dp_size,
                 factor_decay=k.factor_decay, inverse=k.inverse, inverse_dtype=k.inverse_dtype,
-                on_bad_factor=k.on_bad_factor, save_dtype=k.save_dtype, fisher=k.fisher, warn=warn)
+                on_bad_factor=k.on_bad_factor, save_dtype=k.save_dtype, fisher=k.fisher, warn=warn,
+                cov_stride=k.cov_stride)
