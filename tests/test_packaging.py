@@ -103,7 +103,8 @@ README_OUTPUTS = ["pipefisher-demo/chart.png", "runs/x_schedule.pickle", "prof/s
                   "sim/a_node0_timeline.pickle", "ck/rank0.pt", "schedule.pickle", "schedule.pickle.meta.json",
                   "chart.png", "chart.svg", "trace.json", "report.json", "metrics.csv", "zoom.png",
                   "measured.png", "measured.json", "s.pickle", "s.pickle.meta.json", "out/x.csv",
-                  "bench-convergence/chart.png", "bench-staleness/staleness.png", "build/lib/x.py", "pipefisher.egg-info/PKG-INFO"]
+                  "bench-convergence/chart.png", "bench-staleness/staleness.png", "build/lib/x.py", "pipefisher.egg-info/PKG-INFO",
+                  "site/index.html"]
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git clone")

@@ -224,3 +224,36 @@ def test_an_explicit_change_of_the_learning_rate_schedule_on_resume_is_said_in_o
     assert _lrs(metrics) == [0.1, 0.075, 0.05, 0.025, 0.05, 0.0375, 0.025, 0.0125]  # 4-7 decay to step 8
     with open(os.path.join(ck, MANIFEST)) as f:
         assert json.load(f)["lr_horizon"] == 8  # what a further resumption keeps
+
+
+def _late_manifest_worker(cfg, folder: str) -> int:
+    """Rank 0 writes the manifest a second late; every worker reads it as soon as its run returns."""
+    import time
+
+    from pipefisher.runtime import checkpoint
+    from pipefisher.runtime.dist import init_from_env, shutdown
+
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    try:
+        if ctx.grid.rank == 0:
+            write = checkpoint.dump_json_atomic
+
+            def late(*args, **kwargs):
+                time.sleep(1.0)
+                return write(*args, **kwargs)
+
+            checkpoint.dump_json_atomic = late
+        Trainer(cfg, ctx, TrainOptions(mode="first-order", steps=1, progress=False, log_every=10**9,
+                                       checkpoint_dir=folder)).run()
+        return checkpoint.read_manifest(folder)["steps_done"]
+    finally:
+        shutdown(ctx)
+
+
+def test_a_checkpoint_is_complete_on_every_worker_when_its_save_returns(tmp_path):
+    """A worker that resumes from the folder right away (a driver's next run) finds the manifest."""
+    from pipefisher.runtime.launch import spawn_local
+
+    results = spawn_local(_late_manifest_worker, 2, tiny(pipeline=dict(stages=2)), str(tmp_path / "ck"),
+                          timeout_s=120)
+    assert results == [1, 1]

@@ -182,6 +182,10 @@ def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
         for entry in os.listdir(folder):  # older checkpoints only: a newer one is never touched
             if entry.startswith("step-") and entry[5:].isdigit() and int(entry[5:]) < steps_done:
                 shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+    if trainer.ctx.distributed:
+        # the manifest is written before any worker goes on: one that resumes from this folder right
+        # away (a driver's next run) must not find it missing, or an older one being swept
+        dist.barrier()
     return path
 
 
