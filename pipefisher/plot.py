@@ -21,7 +21,7 @@ from pipefisher.safe_io import atomic_path
 from pipefisher.policies.base import MARKERS, PIPELINE_CATEGORIES, JobSchedule, label_category
 from pipefisher.sim.simulator import parse_default_prefix
 from pipefisher.timeline import STEP_KEY, UP_PIPE, Job, TimelineKey, node_file_prefix
-from pipefisher.violations import Violation
+from pipefisher.rules.violations import Violation
 
 if TYPE_CHECKING:
     import numpy as np
@@ -212,11 +212,11 @@ def chart_from_job(job: Job, title: str | None = None, node: int | None = None) 
 
 def violations_per_node(schedule: JobSchedule, job: Job,
                         violations: Sequence[Violation] | None = None) -> dict[int, int]:
-    """How many rules each node's schedule breaks (:func:`pipefisher.schedule.validate`, under the
+    """How many rules each node's schedule breaks (:func:`pipefisher.rules.validate`, under the
     margin it was packed with, unless the caller already has its ``violations``); nodes that break none
     are left out."""
     if violations is None:
-        from pipefisher.schedule import validate
+        from pipefisher.rules import validate
 
         violations = validate(schedule.to_file_data(), job, margin=schedule.margin)
     counts: dict[int, int] = {}

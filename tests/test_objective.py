@@ -22,7 +22,7 @@ from pipefisher.objective import (
 from pipefisher.policies import get_policy
 from pipefisher.policies.base import END, SAVE_OFF, SAVE_ON, START, JobSchedule, NodeFigures, NodeSchedule
 from pipefisher.report import usage_lines
-from pipefisher.schedule import validate
+from pipefisher.rules import validate
 from pipefisher.timeline import job_from_dicts
 
 from tests.conftest import small_node

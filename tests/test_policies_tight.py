@@ -24,7 +24,7 @@ from pipefisher.policies.bounds import model_bounds
 from pipefisher.policies.tight import (_pack_fixed, fixed_fails_at_once, honest_compat, pack_fixed, pack_greedy,
                                        pack_node, pack_nodes, shorter_valid_compat)
 from pipefisher.report import usage_lines
-from pipefisher.schedule import validate, validate_node
+from pipefisher.rules import validate, validate_node
 from pipefisher.sim.random_jobs import random_raw_job
 from pipefisher.timeline import COV_KINDS, Job, TimelineKey, job_from_dicts, load_job
 

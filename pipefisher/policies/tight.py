@@ -43,7 +43,7 @@ from pipefisher.policies.base import (
 )
 from pipefisher.policies.bounds import NodeBounds, fittable_work, model_bounds, sure_to_reach, with_first_iteration
 from pipefisher.policies.cycle import Packed, node_schedule
-from pipefisher.policies.groups import job_groups
+from pipefisher.rules.groups import job_groups
 from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, node_model
 from pipefisher.timeline import KFAC_KINDS, Job, NodeTimeline, Time
 
@@ -757,7 +757,7 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
     and busy time within the cycle measured by this policy's iteration length.
     """
     from pipefisher.policies.compat import pack_node_slots, pack_node_slots_below, placements_from_slots
-    from pipefisher.schedule import validate_node
+    from pipefisher.rules import validate_node
 
     if not all(isinstance(x, int) for ivs in node.entries.values() for iv in ivs for x in (iv.start, iv.end)):
         return None
