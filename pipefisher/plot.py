@@ -17,11 +17,11 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from pipefisher.errors import InputError
-from pipefisher.safe_io import atomic_path
 from pipefisher.policies.base import MARKERS, PIPELINE_CATEGORIES, JobSchedule, label_category
+from pipefisher.rules.violations import Violation
+from pipefisher.safe_io import atomic_path
 from pipefisher.sim.simulator import parse_default_prefix
 from pipefisher.timeline import STEP_KEY, UP_PIPE, Job, TimelineKey, node_file_prefix
-from pipefisher.rules.violations import Violation
 
 if TYPE_CHECKING:
     import numpy as np

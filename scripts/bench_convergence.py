@@ -128,8 +128,8 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
             from pipefisher.objective import step_cost
             from pipefisher.policies import DEFAULT_POLICY, get_policy
             from pipefisher.report import usage_lines
-            from pipefisher.runtime.train.profiler import timeline_filename
             from pipefisher.rules import validate
+            from pipefisher.runtime.train.profiler import timeline_filename
             from pipefisher.schedule_file import save_schedule
             from pipefisher.timeline import load_job
 

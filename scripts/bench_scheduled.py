@@ -91,9 +91,9 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
             if rank == 0:
                 from pipefisher.policies import DEFAULT_POLICY, get_policy
                 from pipefisher.report import usage_lines
+                from pipefisher.rules import validate
                 from pipefisher.runtime.pipeline.checks import packed_for
                 from pipefisher.runtime.train.profiler import timeline_filename
-                from pipefisher.rules import validate
                 from pipefisher.schedule_file import save_schedule
                 from pipefisher.timeline import inflate_kfac, load_job
 

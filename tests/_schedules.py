@@ -6,13 +6,13 @@ from typing import Callable
 
 import torch
 
-from pipefisher.runtime.job.config import RunConfig, load_config
+from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.runtime.data.batches import MLMData
+from pipefisher.runtime.job.config import RunConfig, load_config
+from pipefisher.runtime.models.bert import PipelineStage
 from pipefisher.runtime.pipeline.engine import pipeline_ops
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.runtime.pipeline.layout import stage_kfac_names
-from pipefisher.runtime.models.bert import PipelineStage
 from pipefisher.runtime.train.update import Updater, make_kfac
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

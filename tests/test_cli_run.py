@@ -176,8 +176,8 @@ def _chimera_profile() -> tuple:  # type: ignore[type-arg]
 def test_allow_invalid_trains_what_the_runtime_can_run_and_leaves_a_refused_schedule(tmp_path, monkeypatch):
     import pipefisher.rules
     from pipefisher.policies import get_policy
-    from pipefisher.runtime.launch.driver import RunPaths, pack_and_check
     from pipefisher.rules.violations import Violation
+    from pipefisher.runtime.launch.driver import RunPaths, pack_and_check
 
     job, cfg = _chimera_profile()
     quiet = {"margin": 0.05, "echo": lambda line: None}

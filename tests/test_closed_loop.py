@@ -12,13 +12,13 @@ import json
 import pytest
 
 from _fake_clock import fake_records, slowed_job, true_models
+from pipefisher.closed_loop import (AdaptiveScheduler, Plan, StaticScheduler, cycle_seconds, job_models,
+                                    make_scheduler)
 from pipefisher.examples import example_timelines
 from pipefisher.measure import gap_overruns, planned_gaps, step_overrun
 from pipefisher.policies import get_policy
 from pipefisher.problem import DEFAULT_MARGIN
 from pipefisher.rules import validate
-from pipefisher.closed_loop import (AdaptiveScheduler, Plan, StaticScheduler, cycle_seconds, job_models,
-                                    make_scheduler)
 from pipefisher.timeline import load_job, read_node_file
 
 SLOW_KEY = "cov_kron_A:encoder.layer.3.attention.self.query"  # on node 1 of the example

@@ -11,8 +11,8 @@ from torch import nn
 from pipefisher.kfac import KFAC, kfac_modules
 from pipefisher.kfac import factors as fx
 from pipefisher.kfac.factors import BadFactorError
-from pipefisher.runtime.job.config import DataConfig, ModelConfig
 from pipefisher.runtime.data.batches import MLMData
+from pipefisher.runtime.job.config import DataConfig, ModelConfig
 from pipefisher.runtime.models.bert import PipelineStage
 
 torch.set_num_threads(1)

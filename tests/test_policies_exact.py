@@ -152,8 +152,8 @@ def test_proof_model_is_a_relaxation_of_the_solution_model(seed, node):
     """Where the proof model says "no k-iteration cycle", the solution model finds none either; where
     the solution model finds one, it validates."""
     _needs_ortools()
-    from pipefisher.policies.cycle import node_schedule
     from pipefisher.policies.bounds import model_bounds
+    from pipefisher.policies.cycle import node_schedule
     from pipefisher.policies.exact import _solve, cp_model_module
 
     cp = cp_model_module()

@@ -11,10 +11,10 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.policies import get_policy
-from pipefisher.rules.groups import (chimera_groups, group_order_violations, identity, is_chimera_job, job_groups,
-                                     shared_sequence)
 from pipefisher.policies.tight import pack_node
 from pipefisher.rules import validate
+from pipefisher.rules.groups import (chimera_groups, group_order_violations, identity, is_chimera_job, job_groups,
+                                     shared_sequence)
 from pipefisher.sim.costs import load_cost_model
 from pipefisher.sim.random_jobs import random_raw_job
 from pipefisher.sim.simulator import simulate_timelines

@@ -10,10 +10,10 @@ import pytest
 
 from pipefisher.policies import get_policy
 from pipefisher.policies.align import _Member, align_group, job_calls
-from pipefisher.rules.groups import chimera_groups, job_groups, singleton_groups
 from pipefisher.policies.tight import pack_node
-from pipefisher.rules.waits import call_clock, deadlock_violations
 from pipefisher.rules import validate
+from pipefisher.rules.groups import chimera_groups, job_groups, singleton_groups
+from pipefisher.rules.waits import call_clock, deadlock_violations
 from pipefisher.sim.costs import load_cost_model
 from pipefisher.sim.simulator import simulate_timelines
 from pipefisher.timeline import Job, job_from_dicts, load_job

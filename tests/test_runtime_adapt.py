@@ -36,8 +36,8 @@ def _job_files(folder, cfg) -> tuple[str, list[str], tuple[int, str]]:
     """The profile (one pickle per node), its tight schedule (metadata naming the profile), and a K-FAC
     key that, twice as slow as profiled, no longer fits where the schedule put it."""
     from pipefisher.policies import get_policy
-    from pipefisher.safe_io import dump_pickle_atomic
     from pipefisher.rules import validate
+    from pipefisher.safe_io import dump_pickle_atomic
     from pipefisher.schedule_file import save_schedule
 
     raws = _timelines(cfg)
@@ -174,8 +174,8 @@ def test_a_loop_restored_in_the_middle_of_a_cycle_goes_on_as_the_uninterrupted_o
     the window and the active schedule, so a restored loop ends in the very state of one never stopped."""
     import copy
 
-    from pipefisher.runtime.train.adapt import ScheduleLoop
     from pipefisher.closed_loop import AdaptiveScheduler, Plan, equal_cycles
+    from pipefisher.runtime.train.adapt import ScheduleLoop
     from pipefisher.timeline import load_job
 
     from _fake_clock import fake_records

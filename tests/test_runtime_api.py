@@ -16,9 +16,9 @@ from pipefisher.errors import InputError
 from pipefisher.runtime import api
 from pipefisher.runtime.job.config import load_config
 from pipefisher.runtime.job.dist import single_process
-from pipefisher.runtime.pipeline.layout import stage_kfac_names
 from pipefisher.runtime.models.bert import PipelineStage, build_stage
 from pipefisher.runtime.models.builders import check_builder, load_builder, make_stage
+from pipefisher.runtime.pipeline.layout import stage_kfac_names
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

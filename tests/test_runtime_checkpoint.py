@@ -11,9 +11,9 @@ from click.testing import CliRunner
 from pipefisher.cli import main
 from pipefisher.errors import InputError
 from pipefisher.runtime.job.config import load_config
-from pipefisher.runtime.train.checkpoint import MANIFEST, check_resumable
 from pipefisher.runtime.job.dist import single_process
 from pipefisher.runtime.pipeline.checks import single_iteration_schedule
+from pipefisher.runtime.train.checkpoint import MANIFEST, check_resumable
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from pipefisher.schedule_file import save_schedule
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pipefisher.errors import InputError
-from pipefisher.runtime.job.config import RunConfig, config_from_dict, load_config
 from pipefisher.runtime.data.batches import MASK, MLMData
+from pipefisher.runtime.job.config import RunConfig, config_from_dict, load_config
 from pipefisher.runtime.models.bert import PipelineStage
 from pipefisher.runtime.models.builders import IGNORE_INDEX, stage_layers
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from pipefisher.kfac import KFAC
-from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.data.batches import MLMData
+from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import init_from_env, shutdown
-from pipefisher.runtime.pipeline.engine import PipelineEngine, pipeline_ops
-from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD
 from pipefisher.runtime.launch.local import spawn_local
 from pipefisher.runtime.models.bert import PipelineStage
+from pipefisher.runtime.pipeline.engine import PipelineEngine, pipeline_ops
+from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD
 
 BASE = RunConfig().replace(
     model=dict(vocab_size=64, hidden_size=16, num_layers=4, num_heads=2, intermediate_size=32, max_position=8),

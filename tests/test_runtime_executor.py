@@ -13,13 +13,13 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
-from pipefisher.runtime.job.config import load_config
-from pipefisher.runtime.pipeline.labels import FORWARD
 from pipefisher.rules.format import END, SAVE_ON, START
-from pipefisher.runtime.pipeline.checks import check_schedule, single_iteration_schedule
-from pipefisher.runtime.pipeline.executor import ScheduleExecutor, prepost_points
+from pipefisher.runtime.job.config import load_config
 from pipefisher.runtime.launch.local import WorkerFailed, spawn_local
 from pipefisher.runtime.models.bert import PipelineStage
+from pipefisher.runtime.pipeline.checks import check_schedule, single_iteration_schedule
+from pipefisher.runtime.pipeline.executor import ScheduleExecutor, prepost_points
+from pipefisher.runtime.pipeline.labels import FORWARD
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from pipefisher.schedule_file import save_schedule
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from pipefisher.errors import InputError
-from pipefisher.runtime.job.dist import init_from_env, shutdown
-from pipefisher.runtime.pipeline.engine import device_plan, pipe_micro_batches, pipeline_ops
-from pipefisher.runtime.launch.local import spawn_local
-from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from pipefisher.pipeline_orders import generate
+from pipefisher.runtime.job.dist import init_from_env, shutdown
+from pipefisher.runtime.launch.local import spawn_local
+from pipefisher.runtime.pipeline.engine import device_plan, pipe_micro_batches, pipeline_ops
+from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
 from _schedules import train_copies_every_step
 

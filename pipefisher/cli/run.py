@@ -8,8 +8,8 @@ import os
 
 import click
 
-from pipefisher.cli.group import main
 from pipefisher.cli._common import chunks_option, margin_option, pipeline_option, require_runtime
+from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.cli.train import set_option
 from pipefisher.errors import InputError

@@ -5,8 +5,8 @@ from typing import Callable, Sequence
 
 import click
 
-from pipefisher.cli.group import main
 from pipefisher.cli._common import keep_until_exit, margin_option
+from pipefisher.cli.group import main
 from pipefisher.problem import DEFAULT_MARGIN
 
 

@@ -9,8 +9,8 @@ from typing import Callable, Sequence
 
 import click
 
-from pipefisher.cli.group import main
 from pipefisher.cli._common import margin_option
+from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.errors import InputError
 from pipefisher.problem import DEFAULT_MARGIN

@@ -10,9 +10,9 @@ from typing import Any
 
 import click
 
-from pipefisher.cli.group import main
 from pipefisher.cli._common import chunks_option, pipeline_option, require_runtime
 from pipefisher.cli._outputs import check_out_file, check_out_folder, check_profile_folder
+from pipefisher.cli.group import main
 from pipefisher.errors import InputError
 
 
@@ -39,11 +39,11 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 
     Returns the schedule's digest (None without a schedule). The workers check again on their own.
     """
-    from pipefisher.runtime.train.checkpoint import check_resumable
     from pipefisher.runtime.data.corpus import load_corpus
-    from pipefisher.runtime.pipeline.checks import MISMATCH_FLAG, check_packed_for, load_checked_schedule
-    from pipefisher.schedule_file import schedule_digest
     from pipefisher.runtime.models.builders import check_builder
+    from pipefisher.runtime.pipeline.checks import MISMATCH_FLAG, check_packed_for, load_checked_schedule
+    from pipefisher.runtime.train.checkpoint import check_resumable
+    from pipefisher.schedule_file import schedule_digest
 
     check_builder(cfg, config_path)  # type: ignore[arg-type]  # model.builder imports, its stages fit
     stages = cfg.pipeline.stages  # type: ignore[attr-defined]

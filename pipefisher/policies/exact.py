@@ -43,8 +43,8 @@ from pipefisher.policies.align import align_groups
 from pipefisher.policies.base import JobSchedule, NodeSchedule, Policy, gc_paused
 from pipefisher.policies.bounds import model_bounds
 from pipefisher.policies.cycle import Packed, node_schedule
-from pipefisher.rules.groups import job_groups
 from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, fits, node_model
+from pipefisher.rules.groups import job_groups
 from pipefisher.timeline import Job, NodeTimeline, Time
 
 MISSING_ORTOOLS = ("the 'exact' policy needs OR-Tools: pip install 'pipefisher[exact]' "

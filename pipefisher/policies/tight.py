@@ -30,7 +30,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from pipefisher.policies.align import align_groups
-from pipefisher.policies.bestfit import pack_best_fit
 from pipefisher.policies.base import (
     JobSchedule,
     NodeFigures,
@@ -41,10 +40,11 @@ from pipefisher.policies.base import (
     label_category,
     split_iterations,
 )
+from pipefisher.policies.bestfit import pack_best_fit
 from pipefisher.policies.bounds import NodeBounds, fittable_work, model_bounds, sure_to_reach, with_first_iteration
 from pipefisher.policies.cycle import Packed, node_schedule
-from pipefisher.rules.groups import job_groups
 from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, node_model
+from pipefisher.rules.groups import job_groups
 from pipefisher.timeline import KFAC_KINDS, Job, NodeTimeline, Time
 
 

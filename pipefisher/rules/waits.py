@@ -27,8 +27,8 @@ from typing import Iterable, Sequence
 
 from pipefisher.rules.format import END
 from pipefisher.rules.groups import group_order_violations, identity
-from pipefisher.timeline import TimelineKey
 from pipefisher.rules.violations import Violation
+from pipefisher.timeline import TimelineKey
 
 _CALLS = {"call_forward": "F", "call_backward": "B"}
 MAX_STEPS = 4096

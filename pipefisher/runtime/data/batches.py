@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipefisher.runtime.job.config import SYNTHETIC, DataConfig
 from pipefisher.runtime.data.corpus import SPECIAL_TOKENS, Corpus, check_corpus, load_corpus
+from pipefisher.runtime.job.config import SYNTHETIC, DataConfig
 from pipefisher.runtime.models.builders import IGNORE_INDEX
 
 PAD, UNK, CLS, SEP, MASK = range(5)

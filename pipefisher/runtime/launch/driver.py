@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipefisher.errors import InputError
-from pipefisher.safe_io import load_json
 from pipefisher.runtime.job.config import RunConfig
+from pipefisher.safe_io import load_json
 
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -178,9 +178,9 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     """
     from pipefisher.plot import chart_from_schedule, render
     from pipefisher.report import report_data, usage_lines
-    from pipefisher.safe_io import dump_json_atomic
-    from pipefisher.runtime.pipeline.checks import packed_for
     from pipefisher.rules import validate
+    from pipefisher.runtime.pipeline.checks import packed_for
+    from pipefisher.safe_io import dump_json_atomic
     from pipefisher.schedule_file import save_schedule
     from pipefisher.timeline import inflate_kfac
 

@@ -150,8 +150,8 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
 
 def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.PathLike[str] | None = None) -> ScheduleData:
     """Refuse a schedule that does not belong to this job; every node is checked, whatever the caller's."""
-    from pipefisher.runtime.pipeline.engine import pipeline_ops
     from pipefisher.rules.format import check_schedule_data
+    from pipefisher.runtime.pipeline.engine import pipeline_ops
 
     p = None if path is None else os.fspath(path)
     data = check_schedule_data(data, p)

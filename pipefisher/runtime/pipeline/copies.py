@@ -22,10 +22,10 @@ from typing import Any, Callable, ContextManager, Iterator
 
 from torch import nn
 
+from pipefisher.pipeline_orders import DOWN, UP
 from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.pipeline.engine import PipelineEngine, average_gradients
 from pipefisher.runtime.pipeline.labels import parse_label
-from pipefisher.pipeline_orders import DOWN, UP
 from pipefisher.timeline import UP_SUFFIX
 
 Span = Callable[[str], ContextManager[Any]]

@@ -21,12 +21,12 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
-from pipefisher.runtime.job.config import PIPELINE_ORDERS
-from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, chunk_suffix
-from pipefisher.runtime.data.batches import MLMData, batch_seed
-from pipefisher.runtime.job.dist import DistContext
 from pipefisher.pipeline_orders import DOWN, UP, generate
 from pipefisher.pipeline_orders import FORWARD as _F
+from pipefisher.runtime.data.batches import MLMData, batch_seed
+from pipefisher.runtime.job.config import PIPELINE_ORDERS
+from pipefisher.runtime.job.dist import DistContext
+from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, chunk_suffix
 from pipefisher.timeline import UP_SUFFIX
 
 _TAG_ACT, _TAG_GRAD, _TAG_SAMPLED_GRAD, _TAG_EVAL = 1, 2, 3, 4

@@ -10,11 +10,10 @@ from __future__ import annotations
 import re
 
 from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
-from pipefisher.timeline import UP_SUFFIX
+from pipefisher.timeline import BACKWARD, FORWARD, UP_SUFFIX
 
-FORWARD, BACKWARD = "call_forward", "call_backward"
 KFAC_KINDS = ("cov_kron", "sync_kron", "inv_kron")
-
+"""The kinds of K-FAC work a label names, without the factor (:data:`pipefisher.timeline.KFAC_KINDS` has both)."""
 
 CHUNK_SUFFIX = ":chunk"
 _CHUNK_RE = re.compile(r":chunk([1-9][0-9]*)$")

@@ -30,9 +30,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pipefisher.closed_loop import Plan, Scheduler, _record_from_state, _record_state
 from pipefisher.measure import (StepRecord, append_csv, cycle_summary, instruction_rows, lay_out,
                                 planned_gap_seconds, step_overrun, unit_seconds, window_timelines)
-from pipefisher.closed_loop import Plan, Scheduler, _record_from_state, _record_state
 
 MEASURED_WINDOW = 4
 """Gathers (job cycles, under ``adapt``) the exported measured timelines are built from."""

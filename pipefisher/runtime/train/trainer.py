@@ -25,20 +25,18 @@ import torch
 import torch.distributed as dist
 
 from pipefisher.kfac.factors import BadFactorError
-from pipefisher.policies import DEFAULT_POLICY
-from pipefisher.runtime.job import memory
-from pipefisher.runtime.train.worker import build_worker
-from pipefisher.runtime.job.config import RunConfig
-from pipefisher.runtime.data.batches import MLMData
-from pipefisher.runtime.job.dist import DistContext
-from pipefisher.runtime.pipeline.layout import node_pipes
-from pipefisher.runtime.job.process import Interrupted
-from pipefisher.runtime.train.profiler import Profiler
-from pipefisher.runtime.job.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar, phase  # noqa: F401 (re-exported)
-from pipefisher.safe_io import dump_json_atomic
 from pipefisher.pipeline_orders import UP
-
-MODES = ("first-order", "kfac", "scheduled")
+from pipefisher.policies import DEFAULT_POLICY
+from pipefisher.runtime.data.batches import MLMData
+from pipefisher.runtime.job import memory
+from pipefisher.runtime.job.config import RunConfig
+from pipefisher.runtime.job.dist import DistContext
+from pipefisher.runtime.job.process import Interrupted
+from pipefisher.runtime.job.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar, phase  # noqa: F401 (re-exported)
+from pipefisher.runtime.pipeline.layout import node_pipes
+from pipefisher.runtime.train.profiler import Profiler
+from pipefisher.runtime.train.worker import MODES, build_worker
+from pipefisher.safe_io import dump_json_atomic
 
 
 def losses_path(out: str, name: str) -> str:
@@ -168,10 +166,10 @@ class Trainer:
 
     def _schedule_loop(self) -> Any:
         """The closed loop (:class:`pipefisher.runtime.train.adapt.ScheduleLoop`) of this worker."""
-        from pipefisher.runtime.train.adapt import ScheduleLoop
+        from pipefisher.closed_loop import Plan, make_scheduler
         from pipefisher.runtime.job.dist import check_agreement
         from pipefisher.runtime.pipeline.checks import check_schedule
-        from pipefisher.closed_loop import Plan, make_scheduler
+        from pipefisher.runtime.train.adapt import ScheduleLoop
 
         cfg, ctx, opts, g = self.cfg, self.ctx, self.opts, self.ctx.grid
         assert opts.schedule is not None and self.worker.schedule is not None
