@@ -133,7 +133,7 @@ def equal_cycles(data: ScheduleData) -> ScheduleData:
     and 23 iterations that would otherwise take 506 steps). A node that refreshed its curvature every
     k_n < k steps now does so every k."""
     from pipefisher.measure import is_pipeline
-    from pipefisher.policies.base import END, SAVE_ON, START
+    from pipefisher.rules.format import END, SAVE_ON, START
 
     k = max(len(node) for node in data)
     out = []

@@ -17,7 +17,8 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from pipefisher.errors import InputError
-from pipefisher.policies.base import MARKERS, PIPELINE_CATEGORIES, JobSchedule, label_category
+from pipefisher.policies.base import JobSchedule
+from pipefisher.rules.format import MARKERS, PIPELINE_CATEGORIES, label_category
 from pipefisher.rules.violations import Violation
 from pipefisher.safe_io import atomic_path
 from pipefisher.sim.simulator import parse_default_prefix
@@ -361,7 +362,7 @@ def _overrunning(entries: Sequence[InstructionRow]) -> set[int]:
     (:func:`pipefisher.measure.gap_overruns`) significantly (:func:`pipefisher.measure.significant`); planned
     bubbles from the planned times, so none where a call has no planned time."""
     from pipefisher.measure import LabelTime, StepRecord, gap_overruns, is_kfac, is_pipeline, significant
-    from pipefisher.policies.base import END, START
+    from pipefisher.rules.format import END, START
 
     calls = [e for e in entries if is_pipeline(e.label)]
     if not calls or any(e.planned_start is None or e.planned_end is None for e in calls):

@@ -37,8 +37,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pipefisher.policies.base import END, MARKERS, SAVE_OFF, SAVE_ON, START, NodeFigures, NodeSchedule, Placement
+from pipefisher.policies.base import NodeFigures, NodeSchedule, Placement
 from pipefisher.problem import DEFAULT_MARGIN, NodeModel, fits, node_model
+from pipefisher.rules.format import END, MARKERS, SAVE_OFF, SAVE_ON, START
 from pipefisher.rules.groups import Group, identity, is_shared
 from pipefisher.rules.waits import Clock, call_clock, deadlock_violations, layer_of
 from pipefisher.timeline import Job, Time, TimelineKey

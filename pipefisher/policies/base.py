@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 
 from pipefisher.problem import DEFAULT_MARGIN
-from pipefisher.rules.format import (END, MARKERS, PIPELINE_CATEGORIES, SAVE_OFF, SAVE_ON,  # noqa: F401 (the packers' labels)
-                                     START, label_category)
+from pipefisher.rules.format import START, label_category
 from pipefisher.timeline import Job, Time
 
 

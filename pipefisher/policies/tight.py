@@ -30,20 +30,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from pipefisher.policies.align import align_groups
-from pipefisher.policies.base import (
-    JobSchedule,
-    NodeFigures,
-    NodeSchedule,
-    Policy,
-    PIPELINE_CATEGORIES,
-    gc_paused,
-    label_category,
-    split_iterations,
-)
+from pipefisher.policies.base import JobSchedule, NodeFigures, NodeSchedule, Policy, gc_paused, split_iterations
 from pipefisher.policies.bestfit import pack_best_fit
 from pipefisher.policies.bounds import NodeBounds, fittable_work, model_bounds, sure_to_reach, with_first_iteration
 from pipefisher.policies.cycle import Packed, node_schedule
 from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, node_model
+from pipefisher.rules.format import PIPELINE_CATEGORIES, label_category
 from pipefisher.rules.groups import job_groups
 from pipefisher.timeline import KFAC_KINDS, Job, NodeTimeline, Time
 
