@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipefisher.errors import InputError
-from pipefisher.runtime import corpus as corpus_mod
+from pipefisher.runtime.data import corpus as corpus_mod
 from pipefisher.runtime.data.batches import CLS, MASK, NUM_SPECIAL, PAD, SEP, UNK, MLMData
 from pipefisher.runtime.data.corpus import (SPECIAL_TOKENS, corpus_files, corpus_root, load_corpus,
                                             save_tokenizer, split_files, train_tokenizer)

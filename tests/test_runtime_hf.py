@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipefisher.errors import InputError
-from pipefisher.runtime import hf
+from pipefisher.runtime.models import hf
 from pipefisher.runtime.job.config import ModelConfig, RunConfig
 
 TINY = ModelConfig(vocab_size=40, hidden_size=16, num_layers=4, num_heads=2, intermediate_size=32,

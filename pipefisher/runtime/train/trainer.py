@@ -4,7 +4,7 @@ Modes: ``first-order`` (pipeline, gradient all-reduce, optimizer), ``kfac`` (the
 ``kfac.interval`` steps, all K-FAC work for every layer after the pipeline; gradients are
 preconditioned with the latest inverses every step) and ``scheduled`` (step 0 as ``kfac``, then the
 schedule file's cycle label by label, K-FAC work inside the pipeline's bubbles; see
-:mod:`pipefisher.runtime.pipeline.checks`). Profiling runs ``kfac`` with a refresh every step, each step after a
+:mod:`pipefisher.runtime.pipeline.executor`). Profiling runs ``kfac`` with a refresh every step, each step after a
 barrier over the whole job, and writes one timeline per pipeline node (replica 0 of each stage): the
 median of its steps, with the raw steps beside it (:meth:`pipefisher.runtime.train.profiler.Profiler.write`). Checkpoints (:mod:`pipefisher.runtime.train.checkpoint`)
 are written every ``checkpoint_every`` steps and at the end; ``resume`` continues from one.
