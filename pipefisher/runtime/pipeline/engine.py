@@ -21,6 +21,7 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
+
 from pipefisher.pipeline_orders import DOWN, UP, generate
 from pipefisher.pipeline_orders import FORWARD as _F
 from pipefisher.runtime.data.batches import MLMData, batch_seed
