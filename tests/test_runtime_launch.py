@@ -62,7 +62,7 @@ def test_a_world_size_that_does_not_fit_the_stages_is_one_line(monkeypatch):
 
 
 def test_the_worker_module_points_people_to_pipefisher_train(capsys):
-    from pipefisher.runtime.launch.worker import main as worker_main
+    from pipefisher.runtime.launch.child import main as worker_main
 
     assert worker_main(["--config", TINY, "--steps", "3"]) == 2
     err = capsys.readouterr().err

@@ -143,7 +143,7 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
     log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {nproc} workers of '{cfg.name}', mode {opts.mode}, "
               f"{opts.steps} steps\n")
     log.flush()
-    procs = [subprocess.Popen([sys.executable, "-m", "pipefisher.runtime.launch.worker", "--spec", spec],
+    procs = [subprocess.Popen([sys.executable, "-m", "pipefisher.runtime.launch.child", "--spec", spec],
                               env={**worker_env(r, nproc, port), PROGRESS_ENV: "1", LOG_ENV: tmp_log},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
              for r in range(nproc)]

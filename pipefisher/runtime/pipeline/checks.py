@@ -20,10 +20,13 @@ from collections import defaultdict, deque
 from typing import Any, Mapping, Sequence
 
 from pipefisher.errors import InputError
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START, ScheduleData
+from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START, ScheduleData, check_schedule_data
+from pipefisher.rules.groups import chimera_groups
+from pipefisher.rules.waits import group_violations
 from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, labelled, parse_label
 from pipefisher.runtime.pipeline.layout import is_chimera, is_interleaved, node_kfac_names, sync_copies
+from pipefisher.schedule_file import load_schedule, schedule_packed_for
 from pipefisher.timeline import UP_SUFFIX
 
 
@@ -150,7 +153,6 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
 
 def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.PathLike[str] | None = None) -> ScheduleData:
     """Refuse a schedule that does not belong to this job; every node is checked, whatever the caller's."""
-    from pipefisher.rules.format import check_schedule_data
     from pipefisher.runtime.pipeline.engine import pipeline_ops
 
     p = None if path is None else os.fspath(path)
@@ -163,9 +165,6 @@ def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.
         check_schedule_for_stage(data[node], node=node, names=names, ops=ops,
                                  replicas=sync_copies(cfg, replicas), path=p, interleaved=is_interleaved(cfg))
     if is_chimera(cfg):
-        from pipefisher.rules.groups import chimera_groups
-        from pipefisher.rules.waits import group_violations
-
         bad = group_violations(data, chimera_groups(stages))
         if bad:
             why = ("; it would hang until pipeline.timeout_s" if bad[0].rule == "deadlock" else
@@ -224,8 +223,6 @@ def check_packed_for(path: str | os.PathLike[str], cfg: RunConfig, allow_mismatc
     """Refuse a schedule whose metadata says it was packed for another job than ``cfg`` (another model
     shape, stage split, micro-batch count, pipeline order or K-FAC modules); a schedule without that
     record (a published file) passes. With ``allow_mismatch``, return the difference instead."""
-    from pipefisher.schedule_file import schedule_packed_for
-
     recorded = schedule_packed_for(path)
     diff = None if recorded is None else schedule_mismatch(recorded, cfg)
     if diff is not None and not allow_mismatch:
@@ -239,8 +236,6 @@ def load_checked_schedule(path: str | os.PathLike[str], cfg: RunConfig, replicas
                           allow_mismatch: bool = False) -> ScheduleData:
     """Load a schedule file through the restricted loader, refuse it if its metadata says it was packed
     for another job (:func:`check_packed_for`, unless ``allow_mismatch``), and :func:`check_schedule` it."""
-    from pipefisher.schedule_file import load_schedule
-
     data = load_schedule(path)
     check_packed_for(path, cfg, allow_mismatch)
     return check_schedule(data, cfg, replicas, path)

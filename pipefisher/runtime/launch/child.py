@@ -1,6 +1,6 @@
 """Internal entry point of one worker process started by the local launcher.
 
-:func:`pipefisher.runtime.launch.local.launch_local` runs ``python -m pipefisher.runtime.launch.worker --spec <json>``
+:func:`pipefisher.runtime.launch.local.launch_local` runs ``python -m pipefisher.runtime.launch.child --spec <json>``
 (config and options already checked by ``pipefisher train``). People, and torchrun, use
 ``pipefisher train`` itself, which has the one set of options::
 
@@ -17,7 +17,7 @@ import traceback
 
 from pipefisher.errors import InputError
 
-USAGE = ("error: python -m pipefisher.runtime.launch.worker is the local launcher's internal entry point; run "
+USAGE = ("error: python -m pipefisher.runtime.launch.child is the local launcher's internal entry point; run "
          "'pipefisher train --config FILE ...' (under torchrun: 'torchrun --nproc-per-node N --no-python "
          "pipefisher train --config FILE ...')")
 
