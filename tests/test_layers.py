@@ -16,7 +16,8 @@ import pipefisher
 PACKAGE_DIR = os.path.dirname(os.path.abspath(pipefisher.__file__))
 
 # Bottom to top. A module belongs to the layer of the longest prefix here that names it or a package
-# above it; it may import its own layer and the layers below, never one above.
+# above it; it may import its own layer and the layers below, never one above. K-FAC and the runtime
+# (torch) sit above every scheduling layer, so the scheduling path cannot reach torch.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundations", ("pipefisher", "pipefisher.errors", "pipefisher.safe_io", "pipefisher.timeline",
                      "pipefisher.pipeline_orders", "pipefisher.examples")),
