@@ -9,7 +9,7 @@ import torch
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.data.batches import MASK, MLMData
-from pipefisher.runtime.job.config import RunConfig, config_from_dict, load_config
+from pipefisher.runtime.job.config import RunConfig, apply_overrides, config_from_dict, load_config
 from pipefisher.runtime.models.bert import PipelineStage
 from pipefisher.runtime.models.builders import IGNORE_INDEX, stage_layers
 
@@ -73,6 +73,26 @@ def test_builder_defaults_to_bert_and_options_pass_through_untouched():
     hash(cfg.model)  # stage layouts are cached by model config: options must not make it unhashable
     assert hash(cfg.replace(model={"options": {"depth_mult": 2}}).model) != hash(cfg.model)
     assert cfg.fingerprint() != cfg.replace(model={"options": {"depth_mult": 3}}).fingerprint()
+
+
+@pytest.mark.parametrize("old, new", [("pipefisher.runtime.model:build_stage", "pipefisher.runtime.models.bert:build_stage"),
+                                      ("pipefisher.runtime.hf:gpt2_clm", "pipefisher.runtime.models.hf:gpt2_clm")])
+def test_the_built_in_builders_old_names_still_name_them(old, new):
+    """Configs, checkpoints and schedule metadata written before the runtime's layers name the built-in
+    builders by their old modules; they load, resume and match as the same builders."""
+    from pipefisher.runtime.train.checkpoint import _config_for_compare
+
+    cfg = config_from_dict({"model": {"builder": old}})
+    assert cfg.model.builder == new
+    assert apply_overrides(RunConfig(), [f"model.builder={old}"]).model.builder == new
+    assert _config_for_compare({"model": {"builder": old}}) == _config_for_compare({"model": {"builder": new}})
+
+
+def test_a_schedule_packed_for_the_old_default_builder_fits_the_default_model():
+    from pipefisher.runtime.pipeline.checks import schedule_mismatch
+
+    assert schedule_mismatch({"model.builder": "pipefisher.runtime.model:build_stage"}, RunConfig()) is None
+    assert schedule_mismatch({"model.builder": "pkg.mod:build"}, RunConfig()) is not None
 
 
 def test_stage_split_keeps_names_and_weights_of_the_whole_model():

@@ -22,6 +22,17 @@ DEFAULT_KFAC_IGNORE = ("embeddings", "LayerNorm", "cls")
 DEFAULT_BUILDER = "pipefisher.runtime.models.bert:build_stage"
 """The built-in BERT-style model's stage builder (``model.builder``)."""
 
+MOVED_BUILDERS = {"pipefisher.runtime.model:build_stage": DEFAULT_BUILDER,
+                  "pipefisher.runtime.hf:bert_mlm": "pipefisher.runtime.models.hf:bert_mlm",
+                  "pipefisher.runtime.hf:gpt2_clm": "pipefisher.runtime.models.hf:gpt2_clm"}
+"""The built-in builders' names before the runtime was split into layers: configs, checkpoint manifests
+and schedule metadata that name them mean the same builders (:func:`current_builder`)."""
+
+
+def current_builder(spec: Any) -> Any:
+    """``spec`` under its current name where it names a built-in builder by its old one; else itself."""
+    return MOVED_BUILDERS.get(spec, spec) if isinstance(spec, str) else spec
+
 
 class Options(dict):
     """``model.options``: builder-specific settings, passed to the builder untouched.
@@ -255,7 +266,7 @@ def _coerce(section: str, key: str, value: Any, path: str | os.PathLike[str] | N
     if isinstance(default, str):
         if not isinstance(value, str):  # a number here would crash later checks with a traceback
             raise InputError(path, f"{section}.{key} must be a str, not {value!r}")
-        return value
+        return current_builder(value) if (section, key) == ("model", "builder") else value
     if isinstance(default, bool) or default is None:
         return value
     if isinstance(default, int) and not isinstance(value, bool) and isinstance(value, int):

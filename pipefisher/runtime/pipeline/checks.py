@@ -23,7 +23,7 @@ from pipefisher.errors import InputError
 from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START, ScheduleData, check_schedule_data
 from pipefisher.rules.groups import chimera_groups
 from pipefisher.rules.waits import group_violations
-from pipefisher.runtime.job.config import RunConfig
+from pipefisher.runtime.job.config import RunConfig, current_builder
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, labelled, parse_label
 from pipefisher.runtime.pipeline.layout import is_chimera, is_interleaved, node_kfac_names, sync_copies
 from pipefisher.schedule_file import load_schedule, schedule_packed_for
@@ -204,6 +204,8 @@ def schedule_mismatch(recorded: Mapping[str, Any], cfg: RunConfig) -> str | None
     here = packed_for(cfg)
     diffs = []
     for key, want in recorded.items():
+        if key == "model.builder":
+            want = current_builder(want)
         if key not in here or here[key] == want:
             continue
         if key == "modules":

@@ -28,6 +28,7 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from pipefisher.errors import InputError
+from pipefisher.runtime.job.config import DEFAULT_BUILDER, current_builder
 from pipefisher.safe_io import atomic_path, dump_json_atomic, load_json
 
 if TYPE_CHECKING:
@@ -43,8 +44,6 @@ LR_SCHEDULE_KEYS = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "sched
 
 def _added_later() -> dict[tuple[str, str], Any]:
     """Config keys newer than some checkpoints, with the value a run had before the key existed."""
-    from pipefisher.runtime.job.config import DEFAULT_BUILDER
-
     return {("model", "builder"): DEFAULT_BUILDER, ("model", "options"): {}, ("data", "objective"): "mlm"}
 
 
@@ -65,6 +64,8 @@ def _config_for_compare(cfg: dict[str, Any]) -> dict[str, Any]:
     for (sec, key), value in _added_later().items():
         if isinstance(out.get(sec), dict):
             out[sec].setdefault(key, value)
+    if isinstance(out.get("model"), dict):
+        out["model"]["builder"] = current_builder(out["model"].get("builder"))
     return out
 
 
