@@ -1,4 +1,4 @@
-"""The pipeline executor: one forward or backward micro-batch per call, in a generator's order.
+"""The pipeline engine: one forward or backward micro-batch per call, in a generator's order.
 
 ``forward()`` and ``backward()`` are exactly the runtime meaning of the ``call_forward`` and
 ``call_backward`` schedule labels: the next micro-batch, with its point-to-point receive and send.
