@@ -1,4 +1,4 @@
 """``python -m pipefisher``: the same as the ``pipefisher`` command."""
-from pipefisher.cli._common import console
+from pipefisher.cli import console
 
 console()

@@ -32,8 +32,9 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from pipefisher.policies.base import END, MARKERS, PIPELINE_CATEGORIES, START, Placement, label_category
+from pipefisher.policies.base import Placement
 from pipefisher.problem import DEFAULT_MARGIN, NodeModel, cov_source
+from pipefisher.rules.format import END, MARKERS, PIPELINE_CATEGORIES, START, label_category
 from pipefisher.timeline import COV_KINDS, STEP_KEY, TimelineKey
 
 WAIT_EPS = 20e-6

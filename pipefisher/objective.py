@@ -29,8 +29,9 @@ from typing import Callable, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.measure import lay_out, iteration_time
-from pipefisher.policies.base import END, JobSchedule
+from pipefisher.policies.base import JobSchedule
 from pipefisher.problem import NodeModel, node_model
+from pipefisher.rules.format import END
 from pipefisher.timeline import PRECONDITION_KEY, UPDATE_KEY, Job, NodeTimeline, inflate_kfac
 
 DEFAULT_SLOWDOWN = 0.10

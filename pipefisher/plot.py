@@ -17,11 +17,12 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from pipefisher.errors import InputError
+from pipefisher.policies.base import JobSchedule
+from pipefisher.rules.format import MARKERS, PIPELINE_CATEGORIES, label_category
+from pipefisher.rules.violations import Violation
 from pipefisher.safe_io import atomic_path
-from pipefisher.policies.base import MARKERS, PIPELINE_CATEGORIES, JobSchedule, label_category
 from pipefisher.sim.simulator import parse_default_prefix
 from pipefisher.timeline import STEP_KEY, UP_PIPE, Job, TimelineKey, node_file_prefix
-from pipefisher.violations import Violation
 
 if TYPE_CHECKING:
     import numpy as np
@@ -212,11 +213,11 @@ def chart_from_job(job: Job, title: str | None = None, node: int | None = None) 
 
 def violations_per_node(schedule: JobSchedule, job: Job,
                         violations: Sequence[Violation] | None = None) -> dict[int, int]:
-    """How many rules each node's schedule breaks (:func:`pipefisher.schedule.validate`, under the
+    """How many rules each node's schedule breaks (:func:`pipefisher.rules.validate`, under the
     margin it was packed with, unless the caller already has its ``violations``); nodes that break none
     are left out."""
     if violations is None:
-        from pipefisher.schedule import validate
+        from pipefisher.rules import validate
 
         violations = validate(schedule.to_file_data(), job, margin=schedule.margin)
     counts: dict[int, int] = {}
@@ -361,7 +362,7 @@ def _overrunning(entries: Sequence[InstructionRow]) -> set[int]:
     (:func:`pipefisher.measure.gap_overruns`) significantly (:func:`pipefisher.measure.significant`); planned
     bubbles from the planned times, so none where a call has no planned time."""
     from pipefisher.measure import LabelTime, StepRecord, gap_overruns, is_kfac, is_pipeline, significant
-    from pipefisher.policies.base import END, START
+    from pipefisher.rules.format import END, START
 
     calls = [e for e in entries if is_pipeline(e.label)]
     if not calls or any(e.planned_start is None or e.planned_end is None for e in calls):

@@ -113,7 +113,7 @@ def compare_lines(job: Job, schedules: "list[JobSchedule]") -> list[str]:
 
     The bound column shows the best bound any of the policies proves (compat proves none).
     """
-    from pipefisher.schedule import validate
+    from pipefisher.rules import validate
 
     bad = [{v.node for v in validate(s.to_file_data(), job, margin=s.margin)} for s in schedules]
     head = ["node"]

@@ -43,14 +43,14 @@ MODES = ("baseline", "kfac", "scheduled")
 
 def bench_config(config_path: str, overrides: list[str]) -> Any:
     """The run config with the benchmark's ``--set`` overrides, on 2 stages."""
-    from pipefisher.runtime.config import apply_overrides, load_config
+    from pipefisher.runtime.job.config import apply_overrides, load_config
 
     return apply_overrides(load_config(config_path), overrides, config_path).replace(pipeline={"stages": 2})
 
 
 def start_worker(config_path: str, overrides: list[str]) -> tuple[Any, int, Any]:
     """(the config on 2 stages, this worker's rank, its process group): one core per stage."""
-    from pipefisher.runtime.dist import init_from_env
+    from pipefisher.runtime.job.dist import init_from_env
 
     base = bench_config(config_path, overrides)
     rank = int(os.environ["RANK"])
@@ -61,7 +61,7 @@ def start_worker(config_path: str, overrides: list[str]) -> tuple[Any, int, Any]
 
 def trainer_of(ctx: Any, steps: int, eval_every: int) -> Callable[..., tuple[Any, Any]]:
     """``train(cfg, mode, schedule=None, evals=eval_every) -> (trainer, result)``, quietly, in these workers."""
-    from pipefisher.runtime.trainer import Trainer, TrainOptions
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
     def train(cfg: Any, mode: str, schedule: str | None = None, evals: int = eval_every) -> tuple[Any, Any]:
         opts = TrainOptions(mode=mode, steps=steps, schedule=schedule, eval_every=evals, progress=False,
@@ -111,8 +111,8 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
             warmups: list[int], profile_steps: int, folder: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from pipefisher.runtime.dist import shutdown
-    from pipefisher.runtime.trainer import Trainer, TrainOptions
+    from pipefisher.runtime.job.dist import shutdown
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
     base, rank, ctx = start_worker(config_path, overrides)
     train = trainer_of(ctx, steps, eval_every)
@@ -128,8 +128,9 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
             from pipefisher.objective import step_cost
             from pipefisher.policies import DEFAULT_POLICY, get_policy
             from pipefisher.report import usage_lines
-            from pipefisher.runtime.profiler import timeline_filename
-            from pipefisher.schedule import save_schedule, validate
+            from pipefisher.rules import validate
+            from pipefisher.runtime.train.profiler import timeline_filename
+            from pipefisher.schedule_file import save_schedule
             from pipefisher.timeline import load_job
 
             job = load_job([os.path.join(folder, timeline_filename(base.name, i)) for i in range(2)])
@@ -266,8 +267,8 @@ def main() -> None:
     lrs = [float(x) for x in a.lrs.split(",")]
     warmups = [int(x) for x in a.warmups.split(",")]
 
-    from pipefisher.runtime.corpus import load_corpus
-    from pipefisher.runtime.launch import spawn_local
+    from pipefisher.runtime.data.corpus import load_corpus
+    from pipefisher.runtime.launch.local import spawn_local
 
     cfg = bench_config(a.config, a.overrides)
     os.makedirs(a.out, exist_ok=True)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """What the always-on measurement of scheduled steps costs: the same schedule run with and without the
-recorder (:mod:`pipefisher.runtime.recorder`), in one process, interleaved rounds.
+recorder (:mod:`pipefisher.runtime.train.recorder`), in one process, interleaved rounds.
 
 One pipeline stage in one process (no point-to-point waits: what is left is the recorder's own cost:
 two clock reads and an append per label, and turning a step's labels into a record), a schedule of one
@@ -26,7 +26,7 @@ def _steps(cfg, schedule: str, recorder, steps: int) -> tuple[float, int]:
     import torch
 
     from pipefisher.runtime.api import build_worker
-    from pipefisher.runtime.dist import single_process
+    from pipefisher.runtime.job.dist import single_process
 
     torch.manual_seed(0)
     ctx = single_process()
@@ -49,10 +49,10 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from pipefisher.runtime.config import load_config
-    from pipefisher.runtime.executor import single_iteration_schedule
-    from pipefisher.runtime.recorder import ClockRecorder
-    from pipefisher.schedule import save_schedule
+    from pipefisher.runtime.job.config import load_config
+    from pipefisher.runtime.pipeline.checks import single_iteration_schedule
+    from pipefisher.runtime.train.recorder import ClockRecorder
+    from pipefisher.schedule_file import save_schedule
 
     torch.set_num_threads(1)
     cfg = load_config(a.config).replace(pipeline={"stages": 1, "schedule": "1f1b"})

@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pipefisher.policies import DEFAULT_POLICY, get_policy  # noqa: E402
 from pipefisher.policies.compat_reference import ref_pack_job  # noqa: E402
 from pipefisher.report import usage_lines  # noqa: E402
-from pipefisher.schedule import load_schedule, save_schedule, validate  # noqa: E402
+from pipefisher.rules import validate  # noqa: E402
+from pipefisher.schedule_file import load_schedule, save_schedule  # noqa: E402
 from pipefisher.sim.simulator import write_timelines  # noqa: E402
 from pipefisher.sim.synthetic import synthetic_timelines  # noqa: E402
 from pipefisher.timeline import load_job, natural_key  # noqa: E402

@@ -17,9 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _bench(config_path: str, steps: int, warmup: int) -> dict[str, float]:
-    from pipefisher.runtime.config import load_config
-    from pipefisher.runtime.dist import init_from_env, shutdown
-    from pipefisher.runtime.trainer import Trainer, TrainOptions
+    from pipefisher.runtime.job.config import load_config
+    from pipefisher.runtime.job.dist import init_from_env, shutdown
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
     cfg = load_config(config_path).replace(pipeline={"stages": 2})
     rank = int(os.environ["RANK"])
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
     a = ap.parse_args()
 
-    from pipefisher.runtime.launch import spawn_local  # torch: only once the arguments are good
+    from pipefisher.runtime.launch.local import spawn_local  # torch: only once the arguments are good
 
     results = spawn_local(_bench, 2, a.config, a.steps, a.warmup, timeout_s=600)
     # A step ends on stage 0 (its last backward is the pipeline's last); report the slower stage anyway.

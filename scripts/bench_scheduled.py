@@ -52,9 +52,9 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
 
     import torch.distributed as dist
 
-    from pipefisher.runtime.config import load_config
-    from pipefisher.runtime.dist import init_from_env, shutdown
-    from pipefisher.runtime.trainer import Trainer, TrainOptions
+    from pipefisher.runtime.job.config import load_config
+    from pipefisher.runtime.job.dist import init_from_env, shutdown
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
     base = load_config(config_path).replace(**overrides)
     rank = int(os.environ["RANK"])
@@ -85,15 +85,16 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
                 files[pipe, f"scheduled x{g:g}"] = os.path.join(sub, f"schedule-{i}.pickle")
             files[pipe, TARGET] = os.path.join(sub, "schedule-target.pickle")
             files[pipe, "adaptive"] = os.path.join(sub, "schedule-adaptive.pickle")
-            from pipefisher.runtime.profiler import timeline_filename as _tf
+            from pipefisher.runtime.train.profiler import timeline_filename as _tf
 
             timelines[pipe] = tuple(os.path.join(sub, _tf(cfg.name, i)) for i in range(2))
             if rank == 0:
                 from pipefisher.policies import DEFAULT_POLICY, get_policy
                 from pipefisher.report import usage_lines
-                from pipefisher.runtime.executor import packed_for
-                from pipefisher.runtime.profiler import timeline_filename
-                from pipefisher.schedule import save_schedule, validate
+                from pipefisher.rules import validate
+                from pipefisher.runtime.pipeline.checks import packed_for
+                from pipefisher.runtime.train.profiler import timeline_filename
+                from pipefisher.schedule_file import save_schedule
                 from pipefisher.timeline import inflate_kfac, load_job
 
                 job = load_job([os.path.join(sub, timeline_filename(cfg.name, i)) for i in range(2)])
@@ -156,7 +157,7 @@ def main() -> None:
     ap.add_argument("--no-adapt", dest="adapt", action="store_false",
                     help="leave out the adaptive run (the closed loop starting from the margin-1 schedule)")
     a = ap.parse_args()
-    from pipefisher.runtime.launch import spawn_local  # torch: only once the arguments are good
+    from pipefisher.runtime.launch.local import spawn_local  # torch: only once the arguments are good
 
     margins = [float(x) for x in a.kfac_margin.split(",")]
     pipelines = [p.strip() for p in a.pipelines.split(",") if p.strip()]

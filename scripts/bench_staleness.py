@@ -34,7 +34,7 @@ from bench_convergence import (_median, announcer, baseline_target, bench_config
 
 def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval_every: int, lrs: list[float],
             warmups: list[int], intervals: list[int]) -> dict[str, Any]:
-    from pipefisher.runtime.dist import shutdown
+    from pipefisher.runtime.job.dist import shutdown
 
     base, rank, ctx = start_worker(config_path, overrides)
     train = trainer_of(ctx, steps, eval_every)
@@ -122,8 +122,8 @@ def main() -> None:
     if not intervals or intervals[0] < 1:
         ap.error("--intervals: refresh intervals are whole steps, at least 1")
 
-    from pipefisher.runtime.corpus import load_corpus
-    from pipefisher.runtime.launch import spawn_local
+    from pipefisher.runtime.data.corpus import load_corpus
+    from pipefisher.runtime.launch.local import spawn_local
 
     cfg = bench_config(a.config, a.overrides)
     os.makedirs(a.out, exist_ok=True)

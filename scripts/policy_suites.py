@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pipefisher.errors import InputError  # noqa: E402
 from pipefisher.policies import DEFAULT_POLICY, Policy, get_policy  # noqa: E402
 from pipefisher.policies.tight import honest_compat  # noqa: E402
-from pipefisher.schedule import validate  # noqa: E402
+from pipefisher.rules import validate  # noqa: E402
 from pipefisher.sim.random_jobs import random_raw_job  # noqa: E402
 from pipefisher.timeline import Job, job_from_dicts  # noqa: E402
 

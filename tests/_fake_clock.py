@@ -35,9 +35,9 @@ import dataclasses
 from typing import Callable, Mapping, Sequence
 
 from pipefisher.measure import LabelTime, StepRecord
-from pipefisher.policies.base import END, MARKERS
 from pipefisher.problem import DEFAULT_MARGIN, NodeModel, node_model
-from pipefisher.runtime.recorder import StepRecorder
+from pipefisher.rules.format import END, MARKERS
+from pipefisher.runtime.train.recorder import StepRecorder
 from pipefisher.timeline import Interval, Job, TimelineKey
 
 

@@ -6,12 +6,14 @@ from typing import Callable
 
 import torch
 
-from pipefisher.runtime.config import RunConfig, load_config
-from pipefisher.runtime.data import MLMData
-from pipefisher.runtime.engine import BACKWARD, FORWARD, pipeline_ops
-from pipefisher.runtime.executor import END, SAVE_OFF, SAVE_ON, START, stage_kfac_names
-from pipefisher.runtime.model import PipelineStage
-from pipefisher.runtime.update import Updater, make_kfac
+from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.runtime.data.batches import MLMData
+from pipefisher.runtime.job.config import RunConfig, load_config
+from pipefisher.runtime.models.bert import PipelineStage
+from pipefisher.runtime.pipeline.engine import pipeline_ops
+from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD
+from pipefisher.runtime.pipeline.layout import stage_kfac_names
+from pipefisher.runtime.train.update import Updater, make_kfac
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -106,7 +108,7 @@ def fake_timelines(cfg: RunConfig) -> list[dict]:
 def packed_job_schedule(cfg: RunConfig):  # -> pipefisher.policies.base.JobSchedule
     """The default policy's packing of :func:`fake_timelines`, checked by ``validate``."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
-    from pipefisher.schedule import validate
+    from pipefisher.rules import validate
     from pipefisher.timeline import job_from_dicts
 
     job = job_from_dicts(fake_timelines(cfg))
@@ -181,8 +183,9 @@ def chimera_spread_schedule(cfg: RunConfig) -> list[list[list[str]]]:
     pipeline calls, then the first half of the syncs and inverses before ``-- end --``. Iteration 2:
     a quarter before ``-- end --``, the rest after it.
     """
-    from pipefisher.runtime.engine import device_plan
-    from pipefisher.runtime.executor import labelled, node_kfac_names
+    from pipefisher.runtime.pipeline.engine import device_plan
+    from pipefisher.runtime.pipeline.labels import labelled
+    from pipefisher.runtime.pipeline.layout import node_kfac_names
 
     m, stages = cfg.data.num_micro_batches, cfg.pipeline.stages
     out = []
@@ -221,8 +224,8 @@ def chimera_spread_schedule(cfg: RunConfig) -> list[list[list[str]]]:
 def _replay_chimera(cfg: RunConfig, schedule: list[list[list[str]]], steps: int) -> dict[int, dict[str, torch.Tensor]]:
     """Every stage as two copies (down and up pipe), each with its own K-FAC and optimizer, fed its
     pipe's micro-batches; a sync averages the two copies' factors where the pair's shared labels say."""
-    from pipefisher.runtime.engine import pipe_micro_batches
-    from pipefisher.runtime.executor import parse_label
+    from pipefisher.runtime.pipeline.engine import pipe_micro_batches
+    from pipefisher.runtime.pipeline.labels import parse_label
 
     stages, m = cfg.pipeline.stages, cfg.data.num_micro_batches
     pipes = pipe_micro_batches("chimera", 0, stages, m)  # the same split on every device
@@ -329,7 +332,8 @@ def interleaved_spread_schedule(cfg: RunConfig) -> list[list[list[str]]]:
     """A 2-iteration cycle per device: iteration 0 takes each chunk's covariance pieces right after that
     chunk's own forwards (A) and backwards (B), saving off at its end; iteration 1 inverts half the
     factors before ``-- end --`` and half after it, saving back on at the end of the cycle."""
-    from pipefisher.runtime.executor import chunk_suffix, node_kfac_names, parse_label
+    from pipefisher.runtime.pipeline.labels import chunk_suffix, parse_label
+    from pipefisher.runtime.pipeline.layout import node_kfac_names
 
     stages, m, v = cfg.pipeline.stages, cfg.data.num_micro_batches, cfg.pipeline.chunks
     out = []
@@ -355,7 +359,7 @@ def _replay_virtual_stages(cfg: RunConfig, labels_at: Callable[[int, int], list[
     its own module, K-FAC and optimizer; each node's labels run on the virtual stage their ``:chunk<j>``
     suffix names. With clip_norm or kl_clip the workers sum over the whole pipeline and this replay
     would not: the tests that compare with it use neither."""
-    from pipefisher.runtime.executor import parse_label
+    from pipefisher.runtime.pipeline.labels import parse_label
 
     p, v, m = cfg.pipeline.stages, chunks, cfg.data.num_micro_batches
     n = p * v
@@ -404,8 +408,8 @@ def _replay_virtual_stages(cfg: RunConfig, labels_at: Callable[[int, int], list[
 def train_copies_every_step(cfg: RunConfig, runs: list[tuple[str, str | None]], steps: int) -> dict:
     """In each worker, one Trainer per (mode, schedule) run, from the same seed; every stage copy's
     parameters after every step (copies: Chimera's pipes 0 and 1, or the interleaved chunks)."""
-    from pipefisher.runtime.dist import init_from_env, shutdown
-    from pipefisher.runtime.trainer import Trainer, TrainOptions
+    from pipefisher.runtime.job.dist import init_from_env, shutdown
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
     chimera = cfg.pipeline.schedule == "chimera"
     copies = (0, 1) if chimera else range(cfg.pipeline.chunks)
@@ -436,8 +440,8 @@ def train_copies_every_step(cfg: RunConfig, runs: list[tuple[str, str | None]], 
 def train_runs(cfg_path: str, runs: list[tuple[str, str | None]], steps: int, overrides: dict) -> dict:
     """In each worker (spawn_local), one Trainer per (mode, schedule) run, one after the other, each from
     the same seed: their parameters and losses, keyed by mode (or the schedule file's name)."""
-    from pipefisher.runtime.dist import init_from_env, shutdown
-    from pipefisher.runtime.trainer import Trainer, TrainOptions
+    from pipefisher.runtime.job.dist import init_from_env, shutdown
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
     cfg = load_config(cfg_path).replace(**overrides).replace(pipeline={"timeout_s": 30.0})
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)

@@ -21,8 +21,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pipefisher.policies.base import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.problem import COV, SYNC, NodeModel, fits, node_model
+from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.timeline import Job, NodeTimeline, Time
 
 

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
-from pipefisher.runtime.config import load_config
-from pipefisher.runtime.driver import config_yaml, run_paths
+from pipefisher.runtime.job.config import load_config
+from pipefisher.runtime.launch.driver import config_yaml, run_paths
 
 from _schedules import TINY, tiny
 
@@ -84,7 +84,7 @@ def test_run_adapt_measures_repacks_and_writes_what_it_used(tmp_path):
 def test_train_adapt_needs_a_schedule_and_a_known_policy(tmp_path):
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--adapt", "--no-progress"])
     assert res.exit_code == 2 and "--adapt re-packs a schedule while training: it needs --schedule FILE" in res.output
-    from pipefisher.schedule import save_schedule
+    from pipefisher.schedule_file import save_schedule
 
     from _schedules import packed_schedule
 
@@ -110,7 +110,7 @@ def test_config_yaml_round_trips():
     cfg = tiny(kfac={"ignore": ("embeddings", "cls")})
     import yaml
 
-    from pipefisher.runtime.config import config_from_dict
+    from pipefisher.runtime.job.config import config_from_dict
 
     assert config_from_dict(yaml.safe_load(config_yaml(cfg))) == cfg
 
@@ -131,7 +131,7 @@ def test_cli_import_does_not_load_torch():
 def test_run_chimera_end_to_end(tmp_path):
     """The published workflow: profile Chimera with K-FAC, pack (pairs aligned), train from the schedule."""
     from pipefisher.safe_io import load_pickle
-    from pipefisher.schedule import load_schedule, save_schedule
+    from pipefisher.schedule_file import load_schedule, save_schedule
 
     out = tmp_path / "runs"
     res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", "chimera", "--out", str(out), "--steps", "6",
@@ -174,10 +174,10 @@ def _chimera_profile() -> tuple:  # type: ignore[type-arg]
 
 
 def test_allow_invalid_trains_what_the_runtime_can_run_and_leaves_a_refused_schedule(tmp_path, monkeypatch):
-    import pipefisher.schedule
+    import pipefisher.rules
     from pipefisher.policies import get_policy
-    from pipefisher.runtime.driver import RunPaths, pack_and_check
-    from pipefisher.violations import Violation
+    from pipefisher.rules.violations import Violation
+    from pipefisher.runtime.launch.driver import RunPaths, pack_and_check
 
     job, cfg = _chimera_profile()
     quiet = {"margin": 0.05, "echo": lambda line: None}
@@ -192,7 +192,7 @@ def test_allow_invalid_trains_what_the_runtime_can_run_and_leaves_a_refused_sche
     # a schedule validate rejects (a room rule, say) that the runtime can run: refused without the flag,
     # trained with it
     broken = Violation(0, 0, "-- end --", "bubble-overfilled", "made up for the test")
-    monkeypatch.setattr(pipefisher.schedule, "validate", lambda *a, **k: [broken])
+    monkeypatch.setattr(pipefisher.rules, "validate", lambda *a, **k: [broken])
     paths = RunPaths(str(tmp_path), "t")
     with pytest.raises(InputError, match="--allow-invalid trains it anyway: the runtime can run it"):
         pack_and_check(job, get_policy("tight"), cfg, paths, 1, allow_invalid=False, **quiet)
@@ -206,7 +206,7 @@ def test_run_records_its_kfac_margin_and_validate_checks_the_same_job(tmp_path):
     """`run --kfac-margin 2` packs against K-FAC times x 2 and says `valid`; `pipefisher validate` reads
     the factor beside the schedule and checks the same job, so both give one answer."""
     from pipefisher.policies import get_policy
-    from pipefisher.runtime.driver import RunPaths, pack_and_check
+    from pipefisher.runtime.launch.driver import RunPaths, pack_and_check
 
     job, cfg = _chimera_profile()
     paths = RunPaths(str(tmp_path), "km2")
@@ -247,7 +247,7 @@ def test_run_offers_the_pipelines_and_chunks_train_offers():
 
 
 def test_the_profile_losses_leave_the_timelines_folder(tmp_path):
-    from pipefisher.runtime.driver import RunPaths, keep_only_timelines
+    from pipefisher.runtime.launch.driver import RunPaths, keep_only_timelines
 
     paths = RunPaths(str(tmp_path), "r")
     os.makedirs(paths.timelines)

@@ -167,7 +167,7 @@ def test_validate_refuses_a_schedule_of_another_job(tmp_path) -> None:
 
 
 def test_scheduling_path_imports_no_torch_and_no_matplotlib() -> None:
-    code = "import sys, pipefisher.cli, pipefisher.policies, pipefisher.report, pipefisher.schedule; " \
+    code = "import sys, pipefisher.cli, pipefisher.policies, pipefisher.report, pipefisher.schedule_file; " \
            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib')))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert result.stdout.strip() == "[]"
@@ -193,7 +193,7 @@ def test_margin_is_recorded_beside_the_schedule_and_validate_uses_it(tmp_path) -
     assert run("validate", "--schedule", str(out), *paths).exit_code == 0  # under the recorded 0.3
     assert run("validate", "--schedule", str(out), "--margin", "0.05", *paths).exit_code == 0  # looser: also ok
     # ... and the timelines it was packed from, which the trainer plans its measurements against
-    from pipefisher.schedule import schedule_timelines
+    from pipefisher.schedule_file import schedule_timelines
 
     assert schedule_timelines(out) == [os.path.abspath(p) for p in paths] == meta["timelines"]
     assert schedule_timelines(tmp_path / "none.pickle") is None
@@ -216,7 +216,7 @@ def test_a_schedule_packed_without_margin_is_refused_under_the_default_one(tmp_p
 
 
 def test_a_plain_schedule_file_drops_stale_metadata(tmp_path) -> None:
-    from pipefisher.schedule import save_schedule
+    from pipefisher.schedule_file import save_schedule
 
     out = tmp_path / "s.pickle"
     assert run("schedule", *case_timelines(CASE), "--save-path", str(out)).exit_code == 0

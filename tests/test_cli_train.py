@@ -79,7 +79,7 @@ def test_ctrl_c_says_how_far_it_got_how_to_resume_and_where_the_worker_log_is(tm
 
 def test_ctrl_c_without_checkpoints_says_there_is_nothing_to_resume_from():
     from pipefisher.cli.train import interrupted_message
-    from pipefisher.runtime.launch import Interrupted
+    from pipefisher.runtime.job.process import Interrupted
 
     line = interrupted_message(Interrupted(7), 20, None, ["pipefisher", "train", "--config", "c.yaml"])
     assert line == ("interrupted after 7 of 20 steps; no checkpoint to resume from (--checkpoint-dir DIR "

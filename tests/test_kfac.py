@@ -11,9 +11,9 @@ from torch import nn
 from pipefisher.kfac import KFAC, kfac_modules
 from pipefisher.kfac import factors as fx
 from pipefisher.kfac.factors import BadFactorError
-from pipefisher.runtime.config import DataConfig, ModelConfig
-from pipefisher.runtime.data import MLMData
-from pipefisher.runtime.model import PipelineStage
+from pipefisher.runtime.data.batches import MLMData
+from pipefisher.runtime.job.config import DataConfig, ModelConfig
+from pipefisher.runtime.models.bert import PipelineStage
 
 torch.set_num_threads(1)
 CFG = ModelConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32, max_position=16)
@@ -659,7 +659,7 @@ def test_the_kfac_package_does_not_import_transformers():
 
 
 def test_conv1d_kfac_state_survives_a_checkpoint_round_trip():
-    from pipefisher.runtime.checkpoint import kfac_state, load_kfac_state
+    from pipefisher.runtime.train.checkpoint import kfac_state, load_kfac_state
 
     def fresh():
         torch.manual_seed(0)

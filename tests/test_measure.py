@@ -12,9 +12,9 @@ from pipefisher.measure import (CSV_COLUMNS, END, START, LabelTime, StepRecord, 
                                 gaps, instruction_rows, is_pipeline, lay_out, measured_timeline, planned_gaps, read_csv,
                                 step_overrun, window_timelines)
 from pipefisher.policies import get_policy
-from pipefisher.policies.base import MARKERS
 from pipefisher.problem import DEFAULT_MARGIN, node_model
-from pipefisher.schedule import validate
+from pipefisher.rules import validate
+from pipefisher.rules.format import MARKERS
 from pipefisher.timeline import load_job, job_from_dicts
 
 SLOW_KEY = "cov_kron_A:encoder.layer.3.attention.self.query"  # on node 1 of the example

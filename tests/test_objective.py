@@ -20,9 +20,10 @@ from pipefisher.objective import (
     tradeoff,
 )
 from pipefisher.policies import get_policy
-from pipefisher.policies.base import END, SAVE_OFF, SAVE_ON, START, JobSchedule, NodeFigures, NodeSchedule
+from pipefisher.policies.base import JobSchedule, NodeFigures, NodeSchedule
 from pipefisher.report import usage_lines
-from pipefisher.schedule import validate
+from pipefisher.rules import validate
+from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.timeline import job_from_dicts
 
 from tests.conftest import small_node

@@ -320,7 +320,8 @@ def test_interleaved_chunks_are_drawn_in_lighter_shades_and_named_in_the_trace(t
 
 from pipefisher.measure import LabelTime, StepRecord, append_csv, instruction_rows  # noqa: E402
 from pipefisher.plot import OVERRUN, chart_from_measured, measured_steps, read_measured  # noqa: E402
-from pipefisher.policies.base import END, START, Placement  # noqa: E402
+from pipefisher.policies.base import Placement  # noqa: E402
+from pipefisher.rules.format import END, START  # noqa: E402
 
 
 def measured_step(node, step, iteration, overrun=False):

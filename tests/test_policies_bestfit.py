@@ -4,7 +4,7 @@ from __future__ import annotations
 from pipefisher.policies import get_policy
 from pipefisher.policies.bestfit import pack_best_fit
 from pipefisher.problem import node_model
-from pipefisher.schedule import validate
+from pipefisher.rules import validate
 from pipefisher.sim.random_jobs import random_raw_job
 from pipefisher.timeline import job_from_dicts
 

@@ -62,8 +62,9 @@ def test_figures_break_usage_down() -> None:
 def test_giving_up_early_never_drops_a_shorter_cycle():
     """``pack_node_slots_below`` is the full construction, or None only when the cycle would reach
     the limit anyway (or end by appending work as it stands, which is never an honest cycle)."""
-    from pipefisher.policies.base import END, split_iterations
+    from pipefisher.policies.base import split_iterations
     from pipefisher.policies.compat import pack_node_slots, pack_node_slots_below
+    from pipefisher.rules.format import END
 
     early = 0
     for seed in range(0, 240, 3):

@@ -14,7 +14,7 @@ from pipefisher.policies import get_policy
 from pipefisher.policies.exact import MISSING_ORTOOLS, ExactPolicy
 from pipefisher.policies.tight import pack_node
 from pipefisher.problem import node_model
-from pipefisher.schedule import validate, validate_node
+from pipefisher.rules import validate, validate_node
 from pipefisher.sim.random_jobs import random_raw_job
 from pipefisher.timeline import job_from_dicts
 
@@ -152,8 +152,8 @@ def test_proof_model_is_a_relaxation_of_the_solution_model(seed, node):
     """Where the proof model says "no k-iteration cycle", the solution model finds none either; where
     the solution model finds one, it validates."""
     _needs_ortools()
-    from pipefisher.policies.cycle import node_schedule
     from pipefisher.policies.bounds import model_bounds
+    from pipefisher.policies.cycle import node_schedule
     from pipefisher.policies.exact import _solve, cp_model_module
 
     cp = cp_model_module()
@@ -186,7 +186,7 @@ def test_time_limit_zero_keeps_tight():
 @pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 8)])
 def test_chimera_jobs_are_aligned(stages, micro_batches):
     _needs_ortools()
-    from pipefisher.policies.groups import chimera_groups, is_chimera_job
+    from pipefisher.rules.groups import chimera_groups, is_chimera_job
 
     job = _simulated("bert-base-4stages.yaml", "chimera", stages, micro_batches)
     assert is_chimera_job(job)

@@ -15,16 +15,17 @@ from _realistic_jobs import realistic_family, realistic_job
 from _valid_schedules import PLAIN_GREEDIES, plain_greedy_cycle
 from conftest import COMPAT_CASES, case_timelines, small_node
 from pipefisher.policies import DEFAULT_POLICY, get_policy
-from pipefisher.policies.base import END, SAVE_OFF, SAVE_ON, START, split_iterations
-from pipefisher.problem import fits
-from pipefisher.policies.compat import pack_node_slots
-from pipefisher.problem import COV, NodeModel, node_model
+from pipefisher.policies.base import split_iterations
 from pipefisher.policies.bestfit import pack_best_fit
 from pipefisher.policies.bounds import model_bounds
+from pipefisher.policies.compat import pack_node_slots
 from pipefisher.policies.tight import (_pack_fixed, fixed_fails_at_once, honest_compat, pack_fixed, pack_greedy,
                                        pack_node, pack_nodes, shorter_valid_compat)
+from pipefisher.problem import fits
+from pipefisher.problem import COV, NodeModel, node_model
 from pipefisher.report import usage_lines
-from pipefisher.schedule import validate, validate_node
+from pipefisher.rules import validate, validate_node
+from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.sim.random_jobs import random_raw_job
 from pipefisher.timeline import COV_KINDS, Job, TimelineKey, job_from_dicts, load_job
 

@@ -23,12 +23,12 @@ from hypothesis import strategies as st
 
 from _valid_schedules import random_job_schedule
 from pipefisher.policies import get_policy
-from pipefisher.policies.base import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.policies.bounds import model_bounds
 from pipefisher.problem import fits, node_model
-from pipefisher.schedule import validate, validate_node
-from pipefisher.sim.random_jobs import random_raw_job
+from pipefisher.rules import validate, validate_node
+from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.sim import load_cost_model, simulate_timelines
+from pipefisher.sim.random_jobs import random_raw_job
 from pipefisher.timeline import KFAC_KINDS, Job, NodeTimeline, job_from_dicts, weight_key
 
 MARGINS = (0.0, 0.05, 0.2)

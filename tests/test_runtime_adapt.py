@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from pipefisher.runtime.launch import spawn_local
+from pipefisher.runtime.launch.local import spawn_local
 from pipefisher.timeline import job_from_dicts
 
 from _fake_clock import FakeRecorder, slowed_job, true_models
@@ -36,8 +36,9 @@ def _job_files(folder, cfg) -> tuple[str, list[str], tuple[int, str]]:
     """The profile (one pickle per node), its tight schedule (metadata naming the profile), and a K-FAC
     key that, twice as slow as profiled, no longer fits where the schedule put it."""
     from pipefisher.policies import get_policy
+    from pipefisher.rules import validate
     from pipefisher.safe_io import dump_pickle_atomic
-    from pipefisher.schedule import save_schedule, validate
+    from pipefisher.schedule_file import save_schedule
 
     raws = _timelines(cfg)
     paths = [str(folder / f"tiny_node{n}_timeline.pickle") for n in range(len(raws))]
@@ -58,8 +59,8 @@ def _job_files(folder, cfg) -> tuple[str, list[str], tuple[int, str]]:
 def _run(sched: str, paths: list[str], slow: tuple[int, str], steps: int, prefix: str, adapt: bool,
          checkpoint_dir: str | None = None, resume: str | None = None) -> dict:
     """One worker: a scheduled run whose recorder is the fake clock of the slowed job."""
-    from pipefisher.runtime.dist import init_from_env, shutdown
-    from pipefisher.runtime.trainer import Trainer, TrainOptions
+    from pipefisher.runtime.job.dist import init_from_env, shutdown
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
     from pipefisher.timeline import load_job
 
     cfg = _cfg().replace(pipeline={"timeout_s": 60.0})
@@ -104,7 +105,7 @@ def _labels_run(prefix: str) -> dict[tuple[int, int], list[str]]:
 
 
 def test_a_slower_item_is_repacked_within_two_cycles_on_every_worker_at_once(adaptive):
-    from pipefisher.schedule import load_schedule
+    from pipefisher.schedule_file import load_schedule
 
     out, sched, _, slow, _ = adaptive
     by_stage, prefix = out["adaptive"]
@@ -137,7 +138,7 @@ def test_parameters_equal_a_one_process_replay_of_the_labels_run(adaptive):
 
 
 def test_the_static_scheduler_runs_the_file_as_before(adaptive):
-    from pipefisher.schedule import load_schedule
+    from pipefisher.schedule_file import load_schedule
 
     out, sched, *_ = adaptive
     by_stage, prefix = out["static"]
@@ -173,14 +174,14 @@ def test_a_loop_restored_in_the_middle_of_a_cycle_goes_on_as_the_uninterrupted_o
     the window and the active schedule, so a restored loop ends in the very state of one never stopped."""
     import copy
 
-    from pipefisher.runtime.adapt import ScheduleLoop
-    from pipefisher.scheduler import AdaptiveScheduler, Plan, equal_cycles
+    from pipefisher.closed_loop import AdaptiveScheduler, Plan, equal_cycles
+    from pipefisher.runtime.train.adapt import ScheduleLoop
     from pipefisher.timeline import load_job
 
     from _fake_clock import fake_records
 
     sched, paths, slow = _job_files(tmp_path, _cfg())
-    from pipefisher.schedule import load_schedule
+    from pipefisher.schedule_file import load_schedule
     from pipefisher.timeline import read_node_file
 
     models = true_models(slowed_job(load_job(paths), {slow: 2.0}), 0.05)

@@ -14,11 +14,12 @@ from click.testing import CliRunner
 from pipefisher.cli import main
 from pipefisher.errors import InputError
 from pipefisher.runtime import api
-from pipefisher.runtime.config import load_config
-from pipefisher.runtime.dist import single_process
-from pipefisher.runtime.executor import stage_kfac_names
-from pipefisher.runtime.model import PipelineStage, build_stage, check_builder, load_builder, make_stage
-from pipefisher.runtime.trainer import Trainer, TrainOptions
+from pipefisher.runtime.job.config import load_config
+from pipefisher.runtime.job.dist import single_process
+from pipefisher.runtime.models.bert import PipelineStage, build_stage
+from pipefisher.runtime.models.builders import check_builder, load_builder, make_stage
+from pipefisher.runtime.pipeline.layout import stage_kfac_names
+from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -91,7 +92,7 @@ def test_custom_builder_trains_two_stages_through_pipefisher_train(tmp_path):
     assert report["config"]["model"]["builder"] == OWN and report["config"]["model"]["options"] == {"width": 16}
 
 
-@pytest.mark.parametrize("builder", ["pipefisher.runtime.model:build_stage", OWN])
+@pytest.mark.parametrize("builder", ["pipefisher.runtime.models.bert:build_stage", OWN])
 def test_own_step_loop_gives_the_parameters_pipefisher_train_gives(builder):
     torch.set_num_threads(1)
     cfg = _tiny(builder=builder).replace(pipeline={"stages": 1})

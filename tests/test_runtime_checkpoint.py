@@ -10,12 +10,12 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
-from pipefisher.runtime.config import load_config
-from pipefisher.runtime.checkpoint import MANIFEST, check_resumable
-from pipefisher.runtime.dist import single_process
-from pipefisher.runtime.executor import single_iteration_schedule
-from pipefisher.runtime.trainer import Trainer, TrainOptions
-from pipefisher.schedule import save_schedule
+from pipefisher.runtime.job.config import load_config
+from pipefisher.runtime.job.dist import single_process
+from pipefisher.runtime.pipeline.checks import single_iteration_schedule
+from pipefisher.runtime.train.checkpoint import MANIFEST, check_resumable
+from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+from pipefisher.schedule_file import save_schedule
 
 from _schedules import TINY, packed_schedule, spread_schedule, tiny
 
@@ -230,8 +230,8 @@ def _late_manifest_worker(cfg, folder: str) -> int:
     """Rank 0 writes the manifest a second late; every worker reads it as soon as its run returns."""
     import time
 
-    from pipefisher.runtime import checkpoint
-    from pipefisher.runtime.dist import init_from_env, shutdown
+    from pipefisher.runtime.train import checkpoint
+    from pipefisher.runtime.job.dist import init_from_env, shutdown
 
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
     try:
@@ -252,7 +252,7 @@ def _late_manifest_worker(cfg, folder: str) -> int:
 
 def test_a_checkpoint_is_complete_on_every_worker_when_its_save_returns(tmp_path):
     """A worker that resumes from the folder right away (a driver's next run) finds the manifest."""
-    from pipefisher.runtime.launch import spawn_local
+    from pipefisher.runtime.launch.local import spawn_local
 
     results = spawn_local(_late_manifest_worker, 2, tiny(pipeline=dict(stages=2)), str(tmp_path / "ck"),
                           timeout_s=120)

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from pipefisher.errors import InputError
-from pipefisher.runtime.config import RunConfig, config_from_dict, load_config
-from pipefisher.runtime.data import MASK, MLMData
-from pipefisher.runtime.model import IGNORE_INDEX, PipelineStage, stage_layers
+from pipefisher.runtime.data.batches import MASK, MLMData
+from pipefisher.runtime.job.config import RunConfig, apply_overrides, config_from_dict, load_config
+from pipefisher.runtime.models.bert import PipelineStage
+from pipefisher.runtime.models.builders import IGNORE_INDEX, stage_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -64,7 +65,7 @@ def test_bad_builder_options_and_objective_are_one_line_input_errors(raw, proble
 def test_builder_defaults_to_bert_and_options_pass_through_untouched():
     cfg = config_from_dict({"model": {"builder": "pkg.mod:build", "options": {"depth_mult": 2, "act": "relu",
                                                                               "nested": {"k": [1, 2]}}}})
-    assert RunConfig().model.builder == "pipefisher.runtime.model:build_stage"
+    assert RunConfig().model.builder == "pipefisher.runtime.models.bert:build_stage"
     assert RunConfig().data.objective == "mlm"
     assert cfg.model.builder == "pkg.mod:build"
     assert dict(cfg.model.options) == {"depth_mult": 2, "act": "relu", "nested": {"k": [1, 2]}}
@@ -72,6 +73,26 @@ def test_builder_defaults_to_bert_and_options_pass_through_untouched():
     hash(cfg.model)  # stage layouts are cached by model config: options must not make it unhashable
     assert hash(cfg.replace(model={"options": {"depth_mult": 2}}).model) != hash(cfg.model)
     assert cfg.fingerprint() != cfg.replace(model={"options": {"depth_mult": 3}}).fingerprint()
+
+
+@pytest.mark.parametrize("old, new", [("pipefisher.runtime.model:build_stage", "pipefisher.runtime.models.bert:build_stage"),
+                                      ("pipefisher.runtime.hf:gpt2_clm", "pipefisher.runtime.models.hf:gpt2_clm")])
+def test_the_built_in_builders_old_names_still_name_them(old, new):
+    """Configs, checkpoints and schedule metadata written before the runtime's layers name the built-in
+    builders by their old modules; they load, resume and match as the same builders."""
+    from pipefisher.runtime.train.checkpoint import _config_for_compare
+
+    cfg = config_from_dict({"model": {"builder": old}})
+    assert cfg.model.builder == new
+    assert apply_overrides(RunConfig(), [f"model.builder={old}"]).model.builder == new
+    assert _config_for_compare({"model": {"builder": old}}) == _config_for_compare({"model": {"builder": new}})
+
+
+def test_a_schedule_packed_for_the_old_default_builder_fits_the_default_model():
+    from pipefisher.runtime.pipeline.checks import schedule_mismatch
+
+    assert schedule_mismatch({"model.builder": "pipefisher.runtime.model:build_stage"}, RunConfig()) is None
+    assert schedule_mismatch({"model.builder": "pkg.mod:build"}, RunConfig()) is not None
 
 
 def test_stage_split_keeps_names_and_weights_of_the_whole_model():
@@ -108,7 +129,7 @@ def test_text_file_data(tmp_path, monkeypatch):
 
 
 def test_set_overrides_are_read_as_yaml_and_applied():
-    from pipefisher.runtime.config import apply_overrides, parse_override
+    from pipefisher.runtime.job.config import apply_overrides, parse_override
 
     assert parse_override("optim.lr=0.01") == ("optim.lr", 0.01)
     assert parse_override("optim.lr=1e-3") == ("optim.lr", 1e-3)  # YAML 1.1 would say '1e-3'
@@ -132,7 +153,7 @@ def test_set_overrides_are_read_as_yaml_and_applied():
     ("optim.lr=[1", "--set optim.lr=[1: the value is not valid YAML"),
 ])
 def test_bad_set_overrides_name_the_option_and_key(text, problem):
-    from pipefisher.runtime.config import apply_overrides
+    from pipefisher.runtime.job.config import apply_overrides
 
     with pytest.raises(InputError) as err:
         apply_overrides(load_config(TINY), [text], TINY)
@@ -140,7 +161,7 @@ def test_bad_set_overrides_name_the_option_and_key(text, problem):
 
 
 def test_set_overrides_are_checked_with_the_file_like_the_file():
-    from pipefisher.runtime.config import apply_overrides
+    from pipefisher.runtime.job.config import apply_overrides
 
     with pytest.raises(InputError) as err:
         apply_overrides(load_config(TINY), ["pipeline.stages=8"], TINY)

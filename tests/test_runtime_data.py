@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from pipefisher.errors import InputError
-from pipefisher.runtime import corpus as corpus_mod
-from pipefisher.runtime.config import DataConfig
-from pipefisher.runtime.corpus import (SPECIAL_TOKENS, corpus_files, corpus_root, load_corpus,
-                                       save_tokenizer, split_files, train_tokenizer)
-from pipefisher.runtime.data import CLS, MASK, NUM_SPECIAL, PAD, SEP, UNK, MLMData
-from pipefisher.runtime.model import IGNORE_INDEX
+from pipefisher.runtime.data import corpus as corpus_mod
+from pipefisher.runtime.data.batches import CLS, MASK, NUM_SPECIAL, PAD, SEP, UNK, MLMData
+from pipefisher.runtime.data.corpus import (SPECIAL_TOKENS, corpus_files, corpus_root, load_corpus,
+                                            save_tokenizer, split_files, train_tokenizer)
+from pipefisher.runtime.job.config import DataConfig
+from pipefisher.runtime.models.builders import IGNORE_INDEX
 
 WORDS = ("the cat sat on a mat while dogs ran past small houses near green hills and rivers "
          "under bright skies every morning people walked slowly toward busy markets").split()

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from pipefisher.kfac import KFAC
-from pipefisher.runtime.config import RunConfig
-from pipefisher.runtime.data import MLMData
-from pipefisher.runtime.dist import init_from_env, shutdown
-from pipefisher.runtime.engine import BACKWARD, FORWARD, PipelineEngine, pipeline_ops
-from pipefisher.runtime.launch import spawn_local
-from pipefisher.runtime.model import PipelineStage
+from pipefisher.runtime.data.batches import MLMData
+from pipefisher.runtime.job.config import RunConfig
+from pipefisher.runtime.job.dist import init_from_env, shutdown
+from pipefisher.runtime.launch.local import spawn_local
+from pipefisher.runtime.models.bert import PipelineStage
+from pipefisher.runtime.pipeline.engine import PipelineEngine, pipeline_ops
+from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD
 
 BASE = RunConfig().replace(
     model=dict(vocab_size=64, hidden_size=16, num_layers=4, num_heads=2, intermediate_size=32, max_position=8),
@@ -157,8 +158,8 @@ def test_kfac_factors_inverses_and_preconditioned_gradients_equal_single_process
 def _true_fisher_step(cfg: RunConfig, distributed: bool, prepost: bool = False) -> dict:
     """One saved 1F1B step with true-Fisher K-FAC: factor B of every layer, and the parameter gradients
     (with ``prepost``, every call's receives posted ahead of it)."""
-    from pipefisher.runtime.dist import single_process
-    from pipefisher.runtime.update import make_kfac
+    from pipefisher.runtime.job.dist import single_process
+    from pipefisher.runtime.train.update import make_kfac
 
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s) if distributed else single_process()
     g, m = ctx.grid, cfg.data.num_micro_batches
@@ -231,7 +232,7 @@ class _Work:
 @pytest.fixture
 def fake_p2p(monkeypatch):
     """The engine's torch.distributed p2p calls, logged: irecv/recv fill the buffer, isend is done."""
-    import pipefisher.runtime.engine as eng
+    import pipefisher.runtime.pipeline.engine as eng
 
     log: list = []
 
@@ -255,7 +256,7 @@ def fake_p2p(monkeypatch):
 
 def _fake_engine(device: int, devices: int = 2, chunk: int | None = None) -> PipelineEngine:
     """Device ``device``'s engine (of chunk ``chunk``, two per device, when given) on the fake transport."""
-    from pipefisher.runtime.dist import DistContext, Grid
+    from pipefisher.runtime.job.dist import DistContext, Grid
 
     cfg = BASE.replace(data=dict(text="synthetic", num_micro_batches=2))
     ctx = DistContext(Grid(device, devices, devices), torch.device("cpu"), "gloo")

@@ -13,14 +13,15 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
-from pipefisher.runtime.config import load_config
-from pipefisher.runtime.engine import FORWARD
-from pipefisher.runtime.executor import (END, SAVE_ON, START, ScheduleExecutor, check_schedule, prepost_points,
-                                         single_iteration_schedule)
-from pipefisher.runtime.launch import WorkerFailed, spawn_local
-from pipefisher.runtime.model import PipelineStage
-from pipefisher.runtime.trainer import Trainer, TrainOptions
-from pipefisher.schedule import save_schedule
+from pipefisher.rules.format import END, SAVE_ON, START
+from pipefisher.runtime.job.config import load_config
+from pipefisher.runtime.launch.local import WorkerFailed, spawn_local
+from pipefisher.runtime.models.bert import PipelineStage
+from pipefisher.runtime.pipeline.checks import check_schedule, single_iteration_schedule
+from pipefisher.runtime.pipeline.executor import ScheduleExecutor, prepost_points
+from pipefisher.runtime.pipeline.labels import FORWARD
+from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+from pipefisher.schedule_file import save_schedule
 
 from _schedules import REAL_TEXT, TINY, packed_schedule, replay, spread_schedule, tiny, train_runs
 
@@ -122,8 +123,8 @@ def test_cli_refuses_a_wrong_schedule_before_training(tmp_path):
 def test_a_schedule_packed_for_another_model_is_refused_unless_allowed(tmp_path):
     """Its metadata records the job it was packed for; another model shape is one line naming what
     differs, in the CLI before any worker starts and in every worker, unless the run says it means it."""
-    from pipefisher.runtime.dist import single_process
-    from pipefisher.runtime.executor import load_checked_schedule, packed_for
+    from pipefisher.runtime.job.dist import single_process
+    from pipefisher.runtime.pipeline.checks import load_checked_schedule, packed_for
 
     from _schedules import packed_job_schedule
 
@@ -164,8 +165,8 @@ def test_a_schedule_packed_from_timelines_records_what_they_say(tmp_path):
     which the runtime compares with its own (the model's shape stays unchecked there)."""
     import glob
 
-    from pipefisher.runtime.executor import load_checked_schedule
-    from pipefisher.schedule import schedule_packed_for
+    from pipefisher.runtime.pipeline.checks import load_checked_schedule
+    from pipefisher.schedule_file import schedule_packed_for
 
     profile = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "data", "profiles", "chimera_tiny_2", "*.pickle")))
     path = str(tmp_path / "s.pickle")
@@ -180,7 +181,7 @@ def test_a_schedule_packed_from_timelines_records_what_they_say(tmp_path):
 
 
 def _train_bad(cfg_path: str, schedule: str) -> None:
-    from pipefisher.runtime.launch import run_worker
+    from pipefisher.runtime.launch.local import run_worker
 
     cfg = load_config(cfg_path).replace(pipeline={"timeout_s": 20.0})
     run_worker(cfg, TrainOptions(mode="scheduled", schedule=schedule, steps=3, progress=False))
@@ -214,7 +215,7 @@ NOT_POSTED = "packed, receives not posted ahead"
 def _train_runs_posting(cfg_path: str, runs: list[tuple[str, str | None]], steps: int, overrides: dict) -> dict:
     """:func:`train_runs`, also recording how many receives each run posted ahead of its calls, and a
     last run of the final schedule with posting ahead off (:data:`NOT_POSTED`)."""
-    from pipefisher.runtime.dist import init_from_env, shutdown
+    from pipefisher.runtime.job.dist import init_from_env, shutdown
 
     cfg = load_config(cfg_path).replace(**overrides).replace(pipeline={"timeout_s": 30.0})
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
@@ -269,7 +270,7 @@ def test_one_iteration_schedule_equals_kfac_every_step(two_stage_runs):
 
 @pytest.mark.parametrize("name", ["spread", "packed"])
 def test_multi_iteration_schedule_equals_a_one_process_replay(two_stage_runs, name):
-    from pipefisher.schedule import load_schedule
+    from pipefisher.schedule_file import load_schedule
 
     by_stage, files = two_stage_runs
     schedule = load_schedule(files[name])
@@ -326,7 +327,7 @@ def test_one_stage_run_in_one_process_uses_the_executor():
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "s.pickle")
         save_schedule(path, data)
-        from pipefisher.runtime.dist import single_process
+        from pipefisher.runtime.job.dist import single_process
 
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -448,7 +449,7 @@ def test_a_failed_step_drops_what_it_posted_ahead():
 
 def test_posting_ahead_is_no_label_of_the_record():
     """The recorder times the labels alone; a call's receive wait stays in its own label."""
-    from pipefisher.runtime.recorder import ClockRecorder
+    from pipefisher.runtime.train.recorder import ClockRecorder
 
     log: list = []
     rec = ClockRecorder(0, 0)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pipefisher.errors import InputError
-from pipefisher.runtime import hf
-from pipefisher.runtime.config import ModelConfig, RunConfig
+from pipefisher.runtime.models import hf
+from pipefisher.runtime.job.config import ModelConfig, RunConfig
 
 TINY = ModelConfig(vocab_size=40, hidden_size=16, num_layers=4, num_heads=2, intermediate_size=32,
                    max_position=12, dropout=0.0)

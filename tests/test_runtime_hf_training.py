@@ -10,10 +10,10 @@ import torch
 from click.testing import CliRunner
 
 from pipefisher.cli import main
-from pipefisher.runtime.config import load_config
-from pipefisher.runtime.executor import single_iteration_schedule
-from pipefisher.runtime.launch import spawn_local
-from pipefisher.schedule import save_schedule
+from pipefisher.runtime.job.config import load_config
+from pipefisher.runtime.launch.local import spawn_local
+from pipefisher.runtime.pipeline.checks import single_iteration_schedule
+from pipefisher.schedule_file import save_schedule
 
 from _schedules import train_runs
 

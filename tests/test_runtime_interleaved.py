@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from pipefisher.errors import InputError
-from pipefisher.runtime.dist import init_from_env, shutdown
-from pipefisher.runtime.engine import device_plan, pipe_micro_batches, pipeline_ops
-from pipefisher.runtime.launch import spawn_local
-from pipefisher.runtime.trainer import Trainer, TrainOptions
-from pipefisher.sim.schedules import generate
+from pipefisher.pipeline_orders import generate
+from pipefisher.runtime.job.dist import init_from_env, shutdown
+from pipefisher.runtime.launch.local import spawn_local
+from pipefisher.runtime.pipeline.engine import device_plan, pipe_micro_batches, pipeline_ops
+from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
 from _schedules import train_copies_every_step
 
@@ -126,8 +126,8 @@ STEPS = 4  # step 0, a full 2-iteration cycle of the spread schedule, and the ne
 
 @pytest.fixture(scope="module")
 def interleaved_runs(tmp_path_factory):
-    from pipefisher.runtime.executor import check_schedule, single_iteration_schedule
-    from pipefisher.schedule import save_schedule
+    from pipefisher.runtime.pipeline.checks import check_schedule, single_iteration_schedule
+    from pipefisher.schedule_file import save_schedule
 
     from _schedules import interleaved_spread_schedule, tiny
 
@@ -158,7 +158,7 @@ def test_one_iteration_interleaved_schedule_equals_kfac_mode(interleaved_runs):
 
 @pytest.mark.parametrize("name", ["one", "spread"])
 def test_interleaved_schedule_equals_single_process_replay(interleaved_runs, name):
-    from pipefisher.schedule import load_schedule
+    from pipefisher.schedule_file import load_schedule
 
     from _schedules import replay
     from test_runtime_executor import _close
@@ -176,8 +176,8 @@ def test_interleaved_schedule_equals_single_process_replay(interleaved_runs, nam
 
 def test_trainer_refuses_a_covariance_piece_before_its_own_chunks_forward(tmp_path):
     """The device's first forward is chunk 0's: a chunk-1 A piece right after it has nothing saved yet."""
-    from pipefisher.runtime.executor import load_checked_schedule, single_iteration_schedule
-    from pipefisher.schedule import save_schedule
+    from pipefisher.runtime.pipeline.checks import load_checked_schedule, single_iteration_schedule
+    from pipefisher.schedule_file import save_schedule
 
     from _schedules import tiny
 
@@ -200,7 +200,7 @@ def test_trainer_refuses_a_covariance_piece_before_its_own_chunks_forward(tmp_pa
 
 
 def test_chunk_labels_are_refused_outside_interleaving(tmp_path):
-    from pipefisher.runtime.executor import check_schedule, single_iteration_schedule
+    from pipefisher.runtime.pipeline.checks import check_schedule, single_iteration_schedule
 
     from _schedules import tiny
 
@@ -223,7 +223,7 @@ def test_profiled_timelines_carry_the_chunk_keys(tmp_path):
     """Chunk 0 keeps the plain keys; chunk 1's pipeline and K-FAC keys get ':chunk1' exactly once."""
     import pickle
 
-    from pipefisher.runtime.executor import node_kfac_names
+    from pipefisher.runtime.pipeline.layout import node_kfac_names
 
     cfg = INTERLEAVED.replace(pipeline=dict(stages=2))
     spawn_local(_profile_worker, 2, cfg, str(tmp_path), timeout_s=120)

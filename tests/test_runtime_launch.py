@@ -10,11 +10,12 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
-from pipefisher.runtime.config import load_config
-from pipefisher.runtime.dist import free_port
-from pipefisher.runtime.launch import (PEER_LOST_EXIT, JobEnv, WorkerFailed, failure_message, first_failure,
-                                       launch_local, threads_per_worker, torchrun_env, worker_env)
-from pipefisher.runtime.trainer import TrainOptions
+from pipefisher.runtime.job.config import load_config
+from pipefisher.runtime.job.dist import free_port
+from pipefisher.runtime.job.process import JobEnv, threads_per_worker, torchrun_env
+from pipefisher.runtime.launch.local import (PEER_LOST_EXIT, WorkerFailed, failure_message, first_failure,
+                                             launch_local, worker_env)
+from pipefisher.runtime.train.trainer import TrainOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -61,7 +62,7 @@ def test_a_world_size_that_does_not_fit_the_stages_is_one_line(monkeypatch):
 
 
 def test_the_worker_module_points_people_to_pipefisher_train(capsys):
-    from pipefisher.runtime.worker import main as worker_main
+    from pipefisher.runtime.launch.child import main as worker_main
 
     assert worker_main(["--config", TINY, "--steps", "3"]) == 2
     err = capsys.readouterr().err
@@ -144,7 +145,7 @@ def test_omp_threads_respect_the_user_and_default_to_the_cores_shared_out(monkey
 def test_a_torchrun_worker_keeps_the_users_omp_threads(monkeypatch):
     import torch
 
-    from pipefisher.runtime.dist import init_from_env, shutdown
+    from pipefisher.runtime.job.dist import init_from_env, shutdown
 
     before = torch.get_num_threads()
     _as_torchrun(monkeypatch, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from pipefisher.runtime.config import OptimConfig
-from pipefisher.runtime.launch import spawn_local
-from pipefisher.runtime.optim import (Lamb, LRSchedule, clip_grad_norm, lr_factor, make_optimizer, no_decay,
-                                      param_groups)
+from pipefisher.runtime.job.config import OptimConfig
+from pipefisher.runtime.launch.local import spawn_local
+from pipefisher.runtime.train.optim import (Lamb, LRSchedule, clip_grad_norm, lr_factor, make_optimizer, no_decay,
+                                            param_groups)
 
 
 class Tiny(nn.Module):

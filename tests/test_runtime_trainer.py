@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from pipefisher.cli import main
-from pipefisher.runtime.config import load_config
-from pipefisher.runtime.dist import StageMismatchError, single_process
-from pipefisher.runtime.launch import WorkerFailed, launch_local, run_worker, spawn_local
-from pipefisher.runtime.trainer import Trainer, TrainOptions
+from pipefisher.runtime.job.config import load_config
+from pipefisher.runtime.job.dist import StageMismatchError, single_process
+from pipefisher.runtime.launch.local import WorkerFailed, launch_local, run_worker, spawn_local
+from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -102,7 +102,7 @@ def test_profile_schedule_validates_with_a_dependency_correct_policy(profiled, p
 
 def _dies_at_start(cfg_path: str) -> None:
     """Rank 1 vanishes after joining; rank 0 trains and must fail on its timeout, not hang."""
-    from pipefisher.runtime.dist import init_from_env
+    from pipefisher.runtime.job.dist import init_from_env
 
     cfg = load_config(cfg_path).replace(pipeline={"timeout_s": 3.0})
     ctx = init_from_env(2, cfg.pipeline.timeout_s)
@@ -148,7 +148,7 @@ def _config_file(tmp_path, **sections) -> str:
     """configs/tiny.yaml with some sections changed, written as a YAML file for the CLI."""
     import yaml
 
-    from pipefisher.runtime.driver import config_yaml
+    from pipefisher.runtime.launch.driver import config_yaml
 
     path = tmp_path / "cfg.yaml"
     path.write_text(config_yaml(load_config(TINY).replace(**sections)))
@@ -241,7 +241,7 @@ class _Terminal(io.StringIO):
 
 
 def test_step_bar_shows_position_and_an_eta_without_the_warm_up_step():
-    from pipefisher.runtime.progress import StepBar, format_eta
+    from pipefisher.runtime.job.progress import StepBar, format_eta
 
     now = [0.0]
     out = _Terminal()
@@ -258,7 +258,7 @@ def test_step_bar_shows_position_and_an_eta_without_the_warm_up_step():
 
 
 def test_step_bar_draws_nothing_off_a_terminal():
-    from pipefisher.runtime.progress import StepBar
+    from pipefisher.runtime.job.progress import StepBar
 
     out = io.StringIO()
     bar = StepBar(file=out)
@@ -269,7 +269,7 @@ def test_step_bar_draws_nothing_off_a_terminal():
 
 
 def test_eta_format():
-    from pipefisher.runtime.progress import format_eta
+    from pipefisher.runtime.job.progress import format_eta
 
     assert format_eta(65.4) == "ETA 1:05" and format_eta(3 * 3600 + 62) == "ETA 3:01:02" and format_eta(-1) == "ETA 0:00"
 

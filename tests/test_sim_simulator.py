@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from pipefisher.cli import main
 from pipefisher.errors import InputError
 from pipefisher.policies import get_policy
-from pipefisher.schedule import validate
+from pipefisher.rules import validate
 from pipefisher.sim import (
     cost_model_from_dict, load_cost_model, simulate_timelines, synthetic_model, synthetic_timelines, write_timelines,
 )

@@ -61,7 +61,7 @@ def margin_option(recorded: bool = False) -> Any:
 
 def pipeline_option() -> Any:
     """``--pipeline``: the forward/backward order, one definition of its choices for ``train`` and ``run``."""
-    from pipefisher.runtime.config import PIPELINE_ORDERS  # plain Python: no torch
+    from pipefisher.runtime.job.config import PIPELINE_ORDERS  # plain Python: no torch
 
     return click.option(
         "--pipeline", "pipe_schedule", type=click.Choice(PIPELINE_ORDERS), default=None,
@@ -89,12 +89,3 @@ def keep_until_exit() -> None:
     one at exit included, free nothing and only take time (a tenth of a big job's run): freeze it."""
     if ENDS_WITH_COMMAND:
         gc.freeze()
-
-
-def console() -> None:
-    """The ``pipefisher`` console script: the command group, in a process that ends with it."""
-    global ENDS_WITH_COMMAND
-    ENDS_WITH_COMMAND = True
-    from pipefisher.cli import main
-
-    main()

@@ -8,8 +8,8 @@ import os
 
 import click
 
-from pipefisher.cli import main
 from pipefisher.cli._common import chunks_option, margin_option, pipeline_option, require_runtime
+from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.cli.train import set_option
 from pipefisher.errors import InputError
@@ -58,21 +58,21 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
     """Profile a few K-FAC steps, pack them into the pipeline bubbles, print the usage report, and
     train with the schedule; timelines, schedule, report, chart, metrics and config go to --out."""
     require_runtime("run")
-    from pipefisher.runtime.launch import torchrun_env  # no torch: refuse a bad launch at once
+    from pipefisher.runtime.job.process import torchrun_env  # no torch: refuse a bad launch at once
 
     if torchrun_env() is not None:
         raise InputError(None, "pipefisher run launches its own workers (--nproc-per-node); under torchrun, "
                                "profile, pack and train in steps: pipefisher train --profile, pipefisher "
                                "schedule, pipefisher train --schedule")
     if not no_progress and os.environ.get("RANK", "0") == "0":
-        from pipefisher.runtime.progress import phase
+        from pipefisher.runtime.job.progress import phase
 
         phase("loading torch")  # seconds on a cold start, before anything else can be said
     from pipefisher.kfac.factors import BadFactorError
-    from pipefisher.runtime.config import apply_overrides, load_config
-    from pipefisher.runtime.driver import run_job
-    from pipefisher.runtime.launch import WorkerFailed
-    from pipefisher.runtime.trainer import PeerLost
+    from pipefisher.runtime.job.config import apply_overrides, load_config
+    from pipefisher.runtime.launch.driver import run_job
+    from pipefisher.runtime.launch.local import WorkerFailed
+    from pipefisher.runtime.train.trainer import PeerLost
 
     cfg = apply_overrides(load_config(config_path), overrides, config_path)
     if cfg.data.text != "synthetic":
@@ -83,7 +83,7 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
         cfg = cfg.replace(pipeline=pipeline)
     except InputError as err:
         raise InputError(config_path, err.problem) from None
-    from pipefisher.runtime.model import check_builder
+    from pipefisher.runtime.models.builders import check_builder
 
     check_builder(cfg, config_path)  # model.builder imports and its stages fit, before any work
     try:

@@ -5,8 +5,8 @@ from typing import Callable, Sequence
 
 import click
 
-from pipefisher.cli import main
 from pipefisher.cli._common import keep_until_exit, margin_option
+from pipefisher.cli.group import main
 from pipefisher.problem import DEFAULT_MARGIN
 
 
@@ -35,7 +35,7 @@ def run_schedule(
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.report import report_data, usage_lines, workload_lines
     from pipefisher.safe_io import dump_json_atomic
-    from pipefisher.schedule import job_layout, save_schedule
+    from pipefisher.schedule_file import job_layout, save_schedule
     from pipefisher.timeline import load_job
 
     name = policy or DEFAULT_POLICY

@@ -9,8 +9,8 @@ from typing import Callable, Sequence
 
 import click
 
-from pipefisher.cli import main
 from pipefisher.cli._common import margin_option
+from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.errors import InputError
 from pipefisher.problem import DEFAULT_MARGIN
@@ -81,7 +81,7 @@ def run_simulate(config: str, schedule: str | None, stages: int | None, micro_ba
 
 
 def _schedule_help() -> str:
-    from pipefisher.sim.schedules import schedule_names
+    from pipefisher.pipeline_orders import schedule_names
 
     return f"pipeline schedule: {', '.join(schedule_names())} (default: the file's)"
 
@@ -324,7 +324,7 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.report import report_data, usage_lines
     from pipefisher.safe_io import dump_json_atomic, write_atomic
-    from pipefisher.schedule import save_schedule
+    from pipefisher.schedule_file import save_schedule
     from pipefisher.sim import load_cost_model, simulate_timelines, write_timelines
     from pipefisher.timeline import load_job
     from pipefisher.trace import write_trace

@@ -10,9 +10,9 @@ from typing import Any
 
 import click
 
-from pipefisher.cli import main
 from pipefisher.cli._common import chunks_option, pipeline_option, require_runtime
 from pipefisher.cli._outputs import check_out_file, check_out_folder, check_profile_folder
+from pipefisher.cli.group import main
 from pipefisher.errors import InputError
 
 
@@ -39,10 +39,11 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 
     Returns the schedule's digest (None without a schedule). The workers check again on their own.
     """
-    from pipefisher.runtime.checkpoint import check_resumable
-    from pipefisher.runtime.corpus import load_corpus
-    from pipefisher.runtime.executor import MISMATCH_FLAG, check_packed_for, load_checked_schedule, schedule_digest
-    from pipefisher.runtime.model import check_builder
+    from pipefisher.runtime.data.corpus import load_corpus
+    from pipefisher.runtime.models.builders import check_builder
+    from pipefisher.runtime.pipeline.checks import MISMATCH_FLAG, check_packed_for, load_checked_schedule
+    from pipefisher.runtime.train.checkpoint import check_resumable
+    from pipefisher.schedule_file import schedule_digest
 
     check_builder(cfg, config_path)  # type: ignore[arg-type]  # model.builder imports, its stages fit
     stages = cfg.pipeline.stages  # type: ignore[attr-defined]
@@ -126,7 +127,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     torchrun (torchrun --nproc-per-node N --no-python pipefisher train ...; RANK and WORLD_SIZE set),
     this process is one worker and torchrun's options say how many there are.
     """
-    from pipefisher.runtime.launch import torchrun_env  # no torch: refuse a bad launch at once
+    from pipefisher.runtime.job.process import torchrun_env  # no torch: refuse a bad launch at once
 
     job = torchrun_env()  # under torchrun this process is one worker; torchrun started the others
     if job is not None and nproc is not None:
@@ -138,7 +139,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
                                              "and drop pipefisher's --nproc-per-node")
     require_runtime("train")
     # Up to "loading torch" nothing imports it: a bad config, option or output path costs no start-up.
-    from pipefisher.runtime.config import apply_overrides, load_config
+    from pipefisher.runtime.job.config import apply_overrides, load_config
 
     schedule_path = schedule_arg
     if mode is None:
@@ -201,20 +202,21 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
                                           f"{cfg.pipeline.stages} pipeline stages; start stages x replicas "
                                           "workers (torchrun --nnodes x --nproc-per-node)")
     if not no_progress and os.environ.get("RANK", "0") == "0":
-        from pipefisher.runtime.progress import phase
+        from pipefisher.runtime.job.progress import phase
 
         phase("loading torch")  # seconds on a cold start, before anything else can be said
     from pipefisher.kfac.factors import BadFactorError
-    from pipefisher.runtime.launch import INTERRUPTED_EXIT, Interrupted, WorkerFailed, launch_local, run_worker
-    from pipefisher.runtime.trainer import PeerLost, TrainOptions
+    from pipefisher.runtime.job.process import Interrupted
+    from pipefisher.runtime.launch.local import INTERRUPTED_EXIT, WorkerFailed, launch_local, run_worker
+    from pipefisher.runtime.train.trainer import PeerLost, TrainOptions
 
     if not no_progress and cfg.data.text != "synthetic" and os.environ.get("RANK", "0") == "0":
-        from pipefisher.runtime.progress import phase
+        from pipefisher.runtime.job.progress import phase
 
         phase(f"preparing the '{cfg.data.text}' corpus (the tokenizer and token ids are built once, then cached)")
     prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode, adapt, allow_schedule_mismatch)
     if resume_dir:
-        from pipefisher.runtime.checkpoint import nothing_left, resume_note
+        from pipefisher.runtime.train.checkpoint import nothing_left, resume_note
 
         if done := nothing_left(resume_dir, steps):  # resuming to the steps already done: say so, start nothing
             click.echo(done)
@@ -222,7 +224,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         if (note := resume_note(resume_dir, cfg, steps)) and (job is None or job.rank == 0):
             click.echo(note)  # the learning-rate schedule: changed on purpose, or kept past its end
     if out_dir and (job is None or job.rank == 0):  # the config this run used, --set included
-        from pipefisher.runtime.driver import config_yaml
+        from pipefisher.runtime.launch.driver import config_yaml
         from pipefisher.safe_io import write_atomic
 
         write_atomic(os.path.join(out_dir, f"{cfg.name}_config.yaml"), config_yaml(cfg))
@@ -249,7 +251,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
             if os.path.exists(prefix + suffix):
                 click.echo(f"wrote {os.path.normpath(prefix + suffix)}")
     if profile:
-        from pipefisher.runtime.profiler import timeline_filename
+        from pipefisher.runtime.train.profiler import timeline_filename
 
         for node in range(cfg.pipeline.stages):
             click.echo(f"wrote {os.path.normpath(os.path.join(out_dir or '.', timeline_filename(cfg.name, node)))}")
@@ -258,7 +260,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
 def interrupted_message(stop: Any, steps: int, checkpoint_dir: str | None, argv: list[str]) -> str:
     """The line after Ctrl-C: the steps done, the command that resumes from the last checkpoint (or that
     there is none), and where the worker log is when one was kept. ``stop``: the run's ``Interrupted``."""
-    from pipefisher.runtime.checkpoint import MANIFEST, read_manifest
+    from pipefisher.runtime.train.checkpoint import MANIFEST, read_manifest
 
     done = "before its first step ended" if stop.steps_done is None else f"after {stop.steps_done} of {steps} steps"
     if checkpoint_dir is None:

@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from pipefisher.cli import main
 from pipefisher.cli._common import margin_option
+from pipefisher.cli.group import main
 
 
 @main.command("validate", options_metavar="--schedule FILE [OPTIONS]")
@@ -42,9 +42,10 @@ def validate_command(schedule_path: str, room: bool, layout: str, margin: float 
     waits (an inverse for its peers' syncs, '-- end --' for its peers' ends, a forward or backward for
     its input) form a cycle in some training step is reported as 'deadlock'.
     """
-    from pipefisher.policies.groups import chimera_groups
     from pipefisher.problem import DEFAULT_MARGIN
-    from pipefisher.schedule import load_schedule, schedule_kfac_margin, schedule_margin, validate
+    from pipefisher.rules import validate
+    from pipefisher.rules.groups import chimera_groups
+    from pipefisher.schedule_file import load_schedule, schedule_kfac_margin, schedule_margin
     from pipefisher.timeline import inflate_kfac, load_job
 
     job = load_job(timelines, allow_mixed=allow_mixed)

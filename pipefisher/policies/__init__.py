@@ -1,4 +1,8 @@
-"""Packing policies, by name. A policy takes a loaded job and returns per-node schedules and figures."""
+"""Packing policies, by name: a policy takes a loaded job and returns per-node schedules and figures.
+Packing only: what a packed schedule must satisfy is :mod:`pipefisher.rules`, which the policies call
+(to align sync groups, to check their own output) and never redefine. What a policy returns is
+:mod:`pipefisher.policies.base`, a layer below the policies, since measurements and objectives read it.
+"""
 from __future__ import annotations
 
 from typing import Any

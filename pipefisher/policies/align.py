@@ -1,7 +1,7 @@
 """Aligning the schedules of a sync group, so that its members share syncs, inverses and ends in order.
 
 Each node is packed on its own; in a Chimera job the two replicas of a stage (a sync group, see
-:mod:`pipefisher.policies.groups`) must then issue their all-reduces, refresh their inverses and end
+:mod:`pipefisher.rules.groups`) must then issue their all-reduces, refresh their inverses and end
 their steps in the same order. This module takes the packed members of a group and rewrites them:
 
 1. pad them to the same cycle length with iterations that hold only the pipeline;
@@ -16,7 +16,7 @@ their steps in the same order. This module takes the packed members of a group a
    until every member has room there, and, for an inverse before the end, until it cannot deadlock;
 4. drop trailing iterations that hold no K-FAC work on any member, and recompute placements and figures.
 
-An inverse waits for every member to reach its syncs of the layer (:mod:`pipefisher.policies.waits`),
+An inverse waits for every member to reach its syncs of the layer (:mod:`pipefisher.rules.waits`),
 and under Chimera the members also feed each other's pipelines: an inverse on one member before a call
 whose input comes, through the pipelines, after a peer's sync would deadlock. So the aligner keeps a
 clock that every point-to-point wait respects (:func:`waits.call_clock`; a profile's own times do not,
@@ -37,10 +37,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pipefisher.policies.base import END, MARKERS, SAVE_OFF, SAVE_ON, START, NodeFigures, NodeSchedule, Placement
-from pipefisher.policies.groups import Group, identity, is_shared
+from pipefisher.policies.base import NodeFigures, NodeSchedule, Placement
 from pipefisher.problem import DEFAULT_MARGIN, NodeModel, fits, node_model
-from pipefisher.policies.waits import Clock, call_clock, deadlock_violations, layer_of
+from pipefisher.rules.format import END, MARKERS, SAVE_OFF, SAVE_ON, START
+from pipefisher.rules.groups import Group, identity, is_shared
+from pipefisher.rules.waits import Clock, call_clock, deadlock_violations, layer_of
 from pipefisher.timeline import Job, Time, TimelineKey
 
 Item = tuple[str, int]  # (identity, occurrence): one shared label of the cycle, as all members know it

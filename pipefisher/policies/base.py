@@ -9,36 +9,12 @@ from __future__ import annotations
 import gc
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 
 from pipefisher.problem import DEFAULT_MARGIN
-from pipefisher.timeline import BACKWARD, FORWARD, KFAC_KINDS, Job, Time, TimelineKey
-
-START = "-- start --"
-END = "-- end --"
-SAVE_OFF = "turn_off_save_inputs_outgrads"
-SAVE_ON = "turn_on_save_inputs_outgrads"
-MARKERS = (START, END, SAVE_OFF, SAVE_ON)
-PIPELINE_CATEGORIES = ("forward", "backward", "weight")
-"""The categories of pipeline work (:attr:`TimelineKey.is_pipeline`): what K-FAC must stay out of."""
-
-
-@lru_cache(maxsize=4096)
-def label_category(label: str) -> str:
-    """``'forward'``, ``'backward'``, ``'weight'`` (a zero-bubble W pass), ``'marker'``, or the K-FAC
-    kind (``'cov_kron_A'``, ...)."""
-    if label in MARKERS:
-        return "marker"
-    key = TimelineKey.parse(label)
-    if key.is_weight:
-        return "weight"
-    if key.kind == FORWARD:
-        return "forward"
-    if key.kind == BACKWARD:
-        return "backward"
-    return key.kind if key.is_kfac else "other"
+from pipefisher.rules.format import START, label_category
+from pipefisher.timeline import Job, Time
 
 
 class Placement(NamedTuple):

@@ -19,8 +19,8 @@ from pipefisher.policies.align import align_groups
 from pipefisher.policies.base import JobSchedule, Policy, gc_paused
 from pipefisher.policies.bounds import fittable_work, model_bounds, sure_to_reach
 from pipefisher.policies.cycle import Packed, node_schedule
-from pipefisher.policies.groups import job_groups
 from pipefisher.problem import COV, DEFAULT_MARGIN, SYNC, NodeModel, node_model
+from pipefisher.rules.groups import job_groups
 from pipefisher.timeline import Job, Time
 
 

@@ -20,22 +20,10 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from pipefisher.errors import InputError
-from pipefisher.policies.base import (
-    END,
-    SAVE_OFF,
-    SAVE_ON,
-    START,
-    JobSchedule,
-    NodeFigures,
-    NodeSchedule,
-    Placement,
-    Policy,
-    PIPELINE_CATEGORIES,
-    gc_paused,
-    label_category,
-    split_iterations,
-)
+from pipefisher.policies.base import (JobSchedule, NodeFigures, NodeSchedule, Placement, Policy, gc_paused,
+                                      split_iterations)
 from pipefisher.problem import DEFAULT_MARGIN, check_margin
+from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START, PIPELINE_CATEGORIES, label_category
 from pipefisher.timeline import BACKWARD, COV_KINDS, FORWARD, KFAC_KINDS, Job, NodeTimeline, Time
 
 INF = float("inf")

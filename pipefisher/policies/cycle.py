@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipefisher.policies.base import (END, SAVE_OFF, SAVE_ON, START, LazyPlacements, NodeFigures, NodeSchedule,
-                                      Placement)
+from pipefisher.policies.base import LazyPlacements, NodeFigures, NodeSchedule, Placement
 from pipefisher.policies.bounds import NodeBounds
 from pipefisher.problem import NodeModel
+from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.timeline import Time
 
 

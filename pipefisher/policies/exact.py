@@ -27,7 +27,7 @@ any solution is valid in any dependency-respecting order. Infeasibility proofs u
 rounded the other way: ``sum + margin * (smallest item of the node) < bubble``, which every schedule
 ``validate`` accepts satisfies (its last item needs its margin). A relaxed solution is also tried as
 a schedule: where it happens to pass ``validate`` it counts too. Every schedule this policy returns is
-re-checked with :func:`pipefisher.schedule.validate_node`.
+re-checked with :func:`pipefisher.rules.validate_node`.
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ from pipefisher.policies.align import align_groups
 from pipefisher.policies.base import JobSchedule, NodeSchedule, Policy, gc_paused
 from pipefisher.policies.bounds import model_bounds
 from pipefisher.policies.cycle import Packed, node_schedule
-from pipefisher.policies.groups import job_groups
 from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, fits, node_model
+from pipefisher.rules.groups import job_groups
 from pipefisher.timeline import Job, NodeTimeline, Time
 
 MISSING_ORTOOLS = ("the 'exact' policy needs OR-Tools: pip install 'pipefisher[exact]' "
@@ -410,7 +410,7 @@ def search_node(cp_model: Any, node: NodeTimeline, span: Time, margin: float, st
                 seconds: float) -> NodeSchedule:
     """``start`` (``tight``'s schedule), or a shorter valid cycle found within ``seconds``; its figures
     carry the best proven bound and the search's outcome."""
-    from pipefisher.schedule import validate_node
+    from pipefisher.rules import validate_node
 
     t0 = time.perf_counter()
     deadline = t0 + seconds

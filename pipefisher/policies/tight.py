@@ -30,21 +30,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from pipefisher.policies.align import align_groups
+from pipefisher.policies.base import JobSchedule, NodeFigures, NodeSchedule, Policy, gc_paused, split_iterations
 from pipefisher.policies.bestfit import pack_best_fit
-from pipefisher.policies.base import (
-    JobSchedule,
-    NodeFigures,
-    NodeSchedule,
-    Policy,
-    PIPELINE_CATEGORIES,
-    gc_paused,
-    label_category,
-    split_iterations,
-)
 from pipefisher.policies.bounds import NodeBounds, fittable_work, model_bounds, sure_to_reach, with_first_iteration
 from pipefisher.policies.cycle import Packed, node_schedule
-from pipefisher.policies.groups import job_groups
 from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, node_model
+from pipefisher.rules.format import PIPELINE_CATEGORIES, label_category
+from pipefisher.rules.groups import job_groups
 from pipefisher.timeline import KFAC_KINDS, Job, NodeTimeline, Time
 
 
@@ -757,7 +749,7 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
     and busy time within the cycle measured by this policy's iteration length.
     """
     from pipefisher.policies.compat import pack_node_slots, pack_node_slots_below, placements_from_slots
-    from pipefisher.schedule import validate_node
+    from pipefisher.rules import validate_node
 
     if not all(isinstance(x, int) for ivs in node.entries.values() for iv in ivs for x in (iv.start, iv.end)):
         return None

@@ -1,12 +1,13 @@
-"""Simulated pipeline steps: schedule generators, cost models, and a timeline simulator.
+"""Simulated pipeline steps: cost models and a timeline simulator over the pipeline orders
+(:mod:`pipefisher.pipeline_orders`, re-exported here).
 
 Answers "what will K-FAC cost with this schedule?" from a cost model in seconds, writing timelines in
 the profiled format so that ``pipefisher schedule`` packs them like a real profile.
 """
 from __future__ import annotations
 
+from pipefisher.pipeline_orders import Op, PipelineSchedule, generate, schedule_names
 from pipefisher.sim.costs import CostModel, ModuleCost, cost_model_from_dict, load_cost_model
-from pipefisher.sim.schedules import Op, PipelineSchedule, generate, schedule_names
 from pipefisher.sim.simulator import (
     PipeCosts,
     SimResult,

@@ -32,12 +32,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pipefisher.errors import InputError
+from pipefisher.pipeline_orders import (BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op, PipelineSchedule, canonical_name,
+                                        generate)
 from pipefisher.sim.costs import NS_PER_MS, CostModel, ModuleCost
 from pipefisher.timeline import BACKWARD as BACKWARD_KEY, FORWARD as FORWARD_KEY
 from pipefisher.timeline import UP_SUFFIX, chunk_suffix, pipe_key, weight_key
-from pipefisher.sim.schedules import (
-    BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op, PipelineSchedule, canonical_name, generate,
-)
 
 Timelines = list[dict[str, list[tuple[int, int]]]]
 

@@ -1,0 +1,398 @@
+"""Schedulers with the loop in them: they observe how the schedule they handed out really ran, and
+hand out the next one.
+
+A packing policy (:mod:`pipefisher.policies`) turns one profile into one schedule. A training run
+drifts from its profile (K-FAC pieces interleaved with the pipeline run slower than profiled alone,
+forwards and backwards jitter, a bubble overrun delays the next stage), so a :class:`Scheduler` keeps
+packing while the job runs: at the end of every job cycle the trainer gives it that cycle's measured
+steps (:meth:`Scheduler.observe`) and asks which schedule runs next (:meth:`Scheduler.next_schedule`).
+Schedulers are plain Python, no torch: the runtime calls them on one rank, between steps (never inside
+a bubble), and hands their answer to every worker.
+
+* :class:`StaticScheduler` keeps the schedule it started with: today's behaviour, exactly.
+* :class:`AdaptiveScheduler` re-packs a timeline measured over its last cycles (robust quantiles, not
+  one noisy sample) when the current schedule's work overruns its bubbles, and tries more K-FAC slack
+  while the measured step time improves by a margin (going back where it does not: the shorter cycle
+  wins a tie); it grows or shrinks k as the measurements say.
+"""
+from __future__ import annotations
+
+import statistics
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, ClassVar, Sequence
+
+from pipefisher.measure import StepRecord, expected_step_time, window_timelines
+from pipefisher.problem import DEFAULT_MARGIN, NodeModel, node_model
+from pipefisher.rules.format import ScheduleData
+from pipefisher.schedule_file import schedule_digest
+
+
+Timelines = list[dict[str, list[tuple[int, int]]]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A schedule handed out: the labels every node walks, and what it was planned on.
+
+    ``timelines``: the job (profiled format, one dict per node) its placements were planned on, None
+    for a schedule file given without its timelines; ``margin``: the room rule's margin it was packed
+    under; ``expected_seconds``: its expected step time on the timeline measured when it was chosen;
+    ``reason``: why it was chosen, for the run's history.
+    """
+
+    data: ScheduleData
+    reason: str = "initial schedule"
+    timelines: Timelines | None = None
+    margin: float = DEFAULT_MARGIN
+    expected_seconds: float | None = None
+    digest: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "digest", schedule_digest(self.data))
+
+    @property
+    def cycles(self) -> list[int]:
+        """Each node's cycle k."""
+        return [len(node) for node in self.data]
+
+    @cached_property
+    def models(self) -> tuple[NodeModel, ...] | None:
+        """The node models of :attr:`timelines` (None without them)."""
+        return None if self.timelines is None else job_models(self.timelines, self.margin)[1]
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able: what a checkpoint keeps of the active plan."""
+        return {"data": self.data, "reason": self.reason, "timelines": self.timelines, "margin": self.margin,
+                "expected_seconds": self.expected_seconds}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "Plan":
+        tl = state.get("timelines")
+        return cls([[list(map(str, it)) for it in node] for node in state["data"]], str(state.get("reason", "")),
+                   None if tl is None else [{str(k): [(a, b) for a, b in v] for k, v in d.items()} for d in tl],
+                   float(state.get("margin", DEFAULT_MARGIN)), state.get("expected_seconds"))
+
+
+def job_models(timelines: Sequence[dict[str, Any]], margin: float) -> tuple[Any, tuple[NodeModel, ...]]:
+    """The job of per-node timeline dicts, and its node models under the room rule's ``margin``."""
+    from pipefisher.timeline import job_from_dicts
+
+    job = job_from_dicts(list(timelines), [f"<measured node{n}>" for n in range(len(timelines))])
+    return job, tuple(node_model(n, job.span, margin) for n in job.nodes)
+
+
+class Scheduler(ABC):
+    """Observes the measured steps of the current schedule's cycles; says which schedule runs next."""
+
+    name: ClassVar[str]
+
+    def __init__(self, initial: Plan) -> None:
+        self.current = initial
+
+    @abstractmethod
+    def observe(self, records: Sequence[StepRecord]) -> None:
+        """One job cycle of the current schedule as it ran: every node's (and replica's) step records."""
+
+    @abstractmethod
+    def next_schedule(self) -> Plan:
+        """The schedule of the next job cycle: :attr:`current` to keep it, or a new one to switch to."""
+
+    def learned(self, plan: Plan) -> None:
+        """The runtime learned what a schedule handed out was planned on (its first measured cycle, for a
+        schedule file given without its profile): ``plan`` is that schedule, with its timelines."""
+        if plan.digest == self.current.digest:
+            self.current = plan
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to decide as the uninterrupted one would (JSON-able)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s content."""
+
+
+class StaticScheduler(Scheduler):
+    """The schedule it was given, for the whole run."""
+
+    name = "static"
+
+    def observe(self, records: Sequence[StepRecord]) -> None:
+        pass
+
+    def next_schedule(self) -> Plan:
+        return self.current
+
+
+def equal_cycles(data: ScheduleData) -> ScheduleData:
+    """Every node's cycle made as long as the longest (k): a shorter one gets iterations of its pipeline
+    alone at its end, with saving turned back on at the new last one. Then the whole job is at a cycle
+    boundary every k steps, where a new schedule can start on every worker at once (with cycles of 22
+    and 23 iterations that would otherwise take 506 steps). A node that refreshed its curvature every
+    k_n < k steps now does so every k."""
+    from pipefisher.measure import is_pipeline
+    from pipefisher.rules.format import END, SAVE_ON, START
+
+    k = max(len(node) for node in data)
+    out = []
+    for node in data:
+        if len(node) == k:
+            out.append([list(it) for it in node])
+            continue
+        body = [list(it) for it in node]
+        body[-1] = [label for label in body[-1] if label != SAVE_ON]
+        calls = [label for label in node[0] if is_pipeline(label)]
+        body += [[START, *calls, END] for _ in range(k - len(node))]
+        body[-1].append(SAVE_ON)
+        out.append(body)
+    return out
+
+
+def cycle_seconds(records: Sequence[StepRecord]) -> float:
+    """Mean step time of a job cycle: per step, its slowest node (the pipeline couples them)."""
+    per_step: dict[int, float] = {}
+    for r in records:
+        per_step[r.step] = max(per_step.get(r.step, 0.0), r.seconds)
+    return statistics.fmean(per_step.values()) if per_step else 0.0
+
+
+SLACK_LADDER = (1.0, 1.25, 1.5, 2.0, 3.0)
+"""K-FAC time factors the adaptive scheduler packs the measured timeline with (rung 0: as measured)."""
+
+
+class AdaptiveScheduler(Scheduler):
+    """Re-packs the timeline measured over the last ``window`` job cycles, and keeps what measures fastest.
+
+    The measured timeline takes the ``q``-quantile of every duration over the window
+    (:func:`pipefisher.measure.measured_timeline`), so a schedule packed on it fits the work as it runs.
+    Packing K-FAC work densely costs more than its own time, though (it slows the forwards and
+    backwards around it, a shorter cycle saves micro-batches more often), and no timeline shows that;
+    so every change but a repair is a *trial*, kept only if the measured step time says so:
+
+    * **repair**: when the schedule's work overran its planned bubbles significantly (beyond the room
+      rule's margin) at the same place (node and iteration) two cycles in a row, it is re-packed from
+      the measurements at its K-FAC slack; if that re-pack overruns too, at the next slack of ``ladder``
+      (a schedule on trial that overruns has failed its trial instead);
+    * **more slack** (a trial): packed with the next factor of ``ladder``, kept if its step time (the
+      median of ``settle`` cycles) beats the kept schedule's by more than ``tie``, and then the next
+      factor is tried; otherwise the scheduler goes back to the kept schedule and stops climbing;
+    * **shorter cycle** (a trial, once climbing is over): a re-pack at the kept slack that needs fewer
+      iterations, kept if no slower than ``tie`` (fresher curvature wins a tie).
+
+    "Faster" is the user's objective (:mod:`pipefisher.objective`): the measured step time times the
+    ``staleness`` curve at the schedule's cycle k, so more slack that lengthens the cycle must save more
+    step time than its staler curvature costs in steps. The ladder is the density search the ``target``
+    policy does on a model, done here on measurements: its re-packs use ``tight`` (``target`` would search
+    again inside each rung), and the climb starts at the rung nearest the initial schedule's margin.
+
+    Going back restores the kept schedule itself, whose step time was measured, never a re-pack of it.
+    """
+
+    name = "adaptive"
+
+    def __init__(self, initial: Plan, nodes: int, *, policy: str = "tight", margin: float = DEFAULT_MARGIN,
+                 window: int = 4, q: float = 0.5, settle: int = 2, tie: float = 0.04,
+                 ladder: Sequence[float] = SLACK_LADDER, staleness: Any = None) -> None:
+        from pipefisher.objective import MEASURED_STALENESS
+
+        super().__init__(initial)
+        if window < 1 or settle < 1 or not 0 <= q <= 1 or not 0 <= tie < 1 or not ladder \
+                or any(g < 1 for g in ladder):
+            raise ValueError("window and settle must be >= 1, q in [0, 1], tie in [0, 1), and the ladder's "
+                             "factors >= 1")
+        self.nodes, self.margin = nodes, margin
+        self.policy = "tight" if policy == "target" else policy
+        self.window, self.q, self.settle, self.tie = window, q, settle, tie
+        self.ladder = tuple(ladder)
+        self.staleness = staleness if staleness is not None else MEASURED_STALENESS
+        self._cycles: deque[list[StepRecord]] = deque(maxlen=window)
+        self._since_switch = 0
+        start = min(range(len(self.ladder)),  # the initial schedule's slack, as a rung
+                    key=lambda r: abs(self.ladder[r] - (1 + initial.margin) / (1 + margin)))
+        self.kept, self.kept_rung = initial, start  # the schedule that measured best so far, and its slack
+        self.rung = start  # the current schedule's slack (an index into ladder)
+        self.trial: str | None = None  # "slack" or "cycle" while the current schedule is on trial
+        self.climbing, self.shorter_tried = True, False
+        self.costs: dict[str, list[float]] = {}  # schedule digest -> mean step seconds of its cycles
+        self.overran: list[list[list[int]]] = []  # the current schedule's last two cycles: where it overran
+        self._repaired = False  # the current schedule is a repair at its slack
+        self.last_decision: dict[str, Any] = {}
+
+    def observe(self, records: Sequence[StepRecord]) -> None:
+        self._cycles.append(list(records))
+        self._since_switch += 1
+        self.costs.setdefault(self.current.digest, []).append(cycle_seconds(records))
+        self.overran = self.overran[-1:] + [sorted(map(list, overran(records, self.current)))]
+
+    def measured_timelines(self) -> Timelines:
+        """Every node's timeline measured over the window (:func:`pipefisher.measure.window_timelines`)."""
+        records = [r for cycle in self._cycles for r in cycle]
+        return window_timelines(records, self.nodes, self.current.models, self.q)
+
+    def learned(self, plan: Plan) -> None:
+        super().learned(plan)
+        if plan.digest == self.kept.digest:
+            self.kept = plan
+
+    def cost(self, plan: Plan) -> float | None:
+        """A schedule's step time: the median of its last ``settle`` cycles (None before it ran that many)."""
+        c = self.costs.get(plan.digest, [])
+        return statistics.median(c[-self.settle:]) if len(c) >= self.settle else None
+
+    def value(self, plan: Plan) -> float | None:
+        """What a schedule costs the user: its step time x the staleness curve at its cycle k (the steps
+        to the target relative to first-order), None before it ran ``settle`` cycles."""
+        c = self.cost(plan)
+        return None if c is None else c * self.staleness.at(max(plan.cycles))
+
+    def next_schedule(self) -> Plan:
+        if not self._cycles:
+            return self.current
+        again = [p for p in self.overran[-1] if p in self.overran[0]] if len(self.overran) == 2 else []
+        self.last_decision = {"rung": self.rung, "factor": self.ladder[self.rung], "trial": self.trial,
+                              "cost": self.cost(self.current), "kept_cost": self.cost(self.kept),
+                              "value": self.value(self.current), "kept_value": self.value(self.kept),
+                              "overran": self.overran[-1] if self.overran else []}
+        if again:
+            where = ", ".join(f"node {n} iteration {i}" for n, i in again[:3]) + (", ..." if len(again) > 3 else "")
+            over = f"its K-FAC work overran its bubbles two cycles in a row ({where})"
+            if self.trial is not None:  # a trial that overruns has failed
+                self.climbing = self.climbing and self.trial != "slack"
+                self.shorter_tried = True
+                self.trial = None
+                return self._restore(f"back to the kept schedule (K-FAC slack x{self.ladder[self.kept_rung]:g}): "
+                                     f"the one on trial overran ({where})")
+            up = self._repaired and self.rung + 1 < len(self.ladder)  # a re-pack as measured was not enough
+            plan = self._pack(self.rung + up, f"{over}" + (": more slack" if up else ": re-packed as measured"))
+            self.kept, self.kept_rung, self.trial, self._repaired, self.shorter_tried = plan, self.rung, None, True, False
+            return plan
+        if self._since_switch < self.settle:
+            return self.current
+        here, kept = self.value(self.current), self.value(self.kept)
+        if self.trial is not None and here is not None and kept is not None:
+            better = here < kept * (1 - self.tie) or (self.trial == "cycle" and here <= kept * (1 + self.tie))
+            trial, self.trial = self.trial, None
+            if better:
+                self.kept, self.kept_rung = self.current, self.rung
+                if trial == "slack" and self.rung + 1 < len(self.ladder):
+                    return self._try_slack(self.cost(self.current))
+                self.climbing = self.climbing and trial != "slack"
+                return self.current
+            if trial == "slack":
+                self.climbing = False
+            else:
+                self.shorter_tried = True
+            why = (f"back to the kept schedule (K-FAC slack x{self.ladder[self.kept_rung]:g}, "
+                   f"{self._costs_text(self.kept)}; the {'slack' if trial == 'slack' else 'shorter cycle'} "
+                   f"tried: {self._costs_text(self.current)})")
+            return self._restore(why)
+        if self.climbing and self.rung + 1 < len(self.ladder):
+            return self._try_slack(self.cost(self.current))
+        self.climbing = False
+        if not self.shorter_tried:
+            self.shorter_tried = True
+            plan = self._pack(self.rung, "a shorter cycle, tried", dry_run=True)
+            if max(plan.cycles) < max(self.current.cycles):
+                self.current, self._since_switch, self.overran, self.trial = plan, 0, [], "cycle"
+                self._repaired = False
+                return plan
+        return self.current
+
+    def _costs_text(self, plan: Plan) -> str:
+        c, v = self.cost(plan), self.value(plan)
+        return "not measured" if c is None or v is None else \
+            f"{c * 1e3:.1f} ms per step, k = {max(plan.cycles)}, {v * 1e3:.1f} ms x steps-to-target ratio"
+
+    def _try_slack(self, here: float | None) -> Plan:
+        ms = f" ({here * 1e3:.1f} ms per step at x{self.ladder[self.rung]:g})" if here is not None else ""
+        plan = self._pack(self.rung + 1, f"trying K-FAC slack x{self.ladder[self.rung + 1]:g}{ms}")
+        self.trial = "slack"
+        return plan
+
+    def _restore(self, why: str) -> Plan:
+        kept = self.kept
+        self.current = Plan(kept.data, why, kept.timelines, kept.margin, kept.expected_seconds)
+        self.rung, self._since_switch, self.overran, self._repaired = self.kept_rung, 0, [], False
+        return self.current
+
+    def _pack(self, rung: int, why: str, dry_run: bool = False) -> Plan:
+        """The measured timeline packed with ``ladder[rung]``; unless ``dry_run``, handed out from now on."""
+        from pipefisher.policies import get_policy
+        from pipefisher.timeline import inflate_kfac
+
+        timelines = self.measured_timelines()
+        job, models = job_models(timelines, self.margin)
+        packed = get_policy(self.policy).pack(inflate_kfac(job, self.ladder[rung]), self.margin)
+        data = equal_cycles(packed.to_file_data())
+        expected = expected_step_time(data, models) / 1e9  # measured timelines are in nanoseconds
+        plan = Plan(data, f"measured re-pack ({self.policy}, K-FAC slack x{self.ladder[rung]:g}): {why}",
+                    timelines, self.margin, expected)
+        if not dry_run:
+            self.current, self.rung, self._since_switch, self.overran = plan, rung, 0, []
+            self._repaired = False
+        return plan
+
+    # -- resumption -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cycles": [[_record_state(r) for r in c] for c in self._cycles],
+                "since_switch": self._since_switch, "rung": self.rung, "kept": self.kept.state(),
+                "kept_rung": self.kept_rung, "trial": self.trial, "climbing": self.climbing,
+                "shorter_tried": self.shorter_tried, "costs": {k: list(v) for k, v in self.costs.items()},
+                "overran": self.overran, "repaired": self._repaired, "current": self.current.state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._cycles = deque(([_record_from_state(x) for x in c] for c in state.get("cycles", [])),
+                             maxlen=self.window)
+        self._since_switch = int(state.get("since_switch", 0))
+        self.rung, self.kept_rung = int(state.get("rung", 0)), int(state.get("kept_rung", 0))
+        self.trial = state.get("trial")
+        self.climbing, self.shorter_tried = bool(state.get("climbing", True)), bool(state.get("shorter_tried", False))
+        self.costs = {str(k): [float(x) for x in v] for k, v in state.get("costs", {}).items()}
+        self.overran = [[[int(n), int(i)] for n, i in c] for c in state.get("overran", [])]
+        self._repaired = bool(state.get("repaired", False))
+        if state.get("current") is not None:
+            self.current = Plan.from_state(state["current"])
+        if state.get("kept") is not None:
+            self.kept = Plan.from_state(state["kept"])
+
+
+def overran(records: Sequence[StepRecord], plan: Plan) -> set[tuple[int, int]]:
+    """The (node, iteration) places of a cycle where K-FAC work overran its planned bubble significantly
+    (:func:`pipefisher.measure.significant`): kept the next call waiting past the plan."""
+    from pipefisher.measure import gap_overruns, planned_gap_seconds, significant
+
+    if plan.models is None:
+        return set()
+    out = set()
+    for r in records:
+        gaps = planned_gap_seconds(plan.models[r.node])
+        if any(significant(o, g, plan.margin) for o, g in zip(gap_overruns(r, gaps), gaps)):
+            out.add((r.node, r.iteration))
+    return out
+
+
+def _record_state(r: StepRecord) -> list[Any]:
+    return [r.node, r.replica, r.step, r.iteration, [[lt.label, lt.start, lt.end, lt.wait] for lt in r.labels]]
+
+
+def _record_from_state(x: Sequence[Any]) -> StepRecord:
+    from pipefisher.measure import LabelTime
+
+    node, replica, step, iteration, labels = x
+    return StepRecord(int(node), int(replica), int(step), int(iteration),
+                      tuple(LabelTime(str(a), float(b), float(c), float(d)) for a, b, c, d in labels))
+
+
+SCHEDULERS = ("static", "adaptive")
+
+
+def make_scheduler(name: str, initial: Plan, nodes: int, **options: Any) -> Scheduler:
+    """A scheduler by name (:data:`SCHEDULERS`); ``options`` go to the adaptive one."""
+    if name == "static":
+        return StaticScheduler(initial)
+    if name == "adaptive":
+        return AdaptiveScheduler(initial, nodes, **options)
+    raise ValueError(f"unknown scheduler {name!r} ({', '.join(SCHEDULERS)})")

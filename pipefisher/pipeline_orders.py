@@ -1,0 +1,448 @@
+"""Pipeline orders (GPipe, 1F1B, Chimera, interleaved, zero-bubble): for each device, the ordered
+forward/backward operations.
+
+The simulator times them (:mod:`pipefisher.sim`) and the runtime's engine runs them
+(:mod:`pipefisher.runtime.pipeline.engine`): one definition of each order, below both.
+
+A schedule only fixes the ORDER of operations on each device; when they run follows from a cost model
+(see :mod:`pipefisher.sim.simulator`). Operations are identified by kind, micro-batch, stage and pipe:
+
+- ``stage`` is the position in its pipe, ``0 .. virtual_stages - 1``. With interleaving (``chunks = v``
+  model chunks per device) there are ``p * v`` virtual stages and virtual stage ``s`` runs on device
+  ``s % p`` as that device's chunk ``s // p`` (the Megatron-LM layout). ``chunk`` always follows from
+  the stage: ``stage // p`` on the down pipe (so 0 everywhere in a non-interleaved schedule) and 0 on the
+  up pipe, the same rule :meth:`PipelineSchedule.dependencies` uses to name the operations it waits for.
+- ``pipe`` is 0 for the usual (down) pipe and 1 for Chimera's second pipe, whose stage ``s`` runs on
+  device ``p - 1 - s`` (the ``:up_pipe`` operations of the timeline format).
+- ``kind`` is ``F`` (forward), ``B`` (backward; only the input gradient when the schedule splits the
+  backward) or ``W`` (weight gradient, zero-bubble schedules only).
+"""
+from __future__ import annotations
+
+import heapq
+import numbers
+import operator
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from pipefisher.errors import InputError
+
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
+DOWN, UP = 0, 1
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    """One pipeline operation of one micro-batch on one (virtual) stage of one pipe."""
+
+    kind: str
+    micro_batch: int
+    stage: int
+    chunk: int = 0
+    pipe: int = DOWN
+
+    def key(self) -> tuple[str, int, int, int]:
+        """Identity without the chunk (which follows from the stage)."""
+        return (self.kind, self.micro_batch, self.stage, self.pipe)
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """The per-device operation order of one pipeline step."""
+
+    name: str
+    stages: int
+    """Devices (= pipeline nodes)."""
+    micro_batches: int
+    chunks: int
+    devices: tuple[tuple[Op, ...], ...]
+    split_backward: bool = False
+    """True when backwards are split into B (input gradient) and W (weight gradient)."""
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.stages * self.chunks
+
+    @property
+    def pipes(self) -> int:
+        return 1 + any(op.pipe == UP for ops in self.devices for op in ops)
+
+    def device_of(self, stage: int, pipe: int = DOWN) -> int:
+        """The device that runs virtual stage ``stage`` of ``pipe``."""
+        return self.stages - 1 - stage if pipe == UP else stage % self.stages
+
+    def dependencies(self, op: Op) -> list[Op]:
+        """The operations whose outputs ``op`` needs (on any device)."""
+        last = self.virtual_stages - 1
+        chunk_of = (lambda s: 0) if op.pipe == UP else (lambda s: s // self.stages)
+        if op.kind == FORWARD:
+            if op.stage == 0:
+                return []
+            return [Op(FORWARD, op.micro_batch, op.stage - 1, chunk_of(op.stage - 1), op.pipe)]
+        if op.kind == BACKWARD:
+            own_forward = Op(FORWARD, op.micro_batch, op.stage, op.chunk, op.pipe)
+            if op.stage == last:
+                return [own_forward]
+            return [Op(BACKWARD, op.micro_batch, op.stage + 1, chunk_of(op.stage + 1), op.pipe), own_forward]
+        return [Op(BACKWARD, op.micro_batch, op.stage, op.chunk, op.pipe)]
+
+    def check(self) -> None:
+        """Every operation appears exactly once on its own device, and the order cannot deadlock.
+
+        Expected: for each micro-batch, one pipe (Chimera splits micro-batches between two), and on it
+        every virtual stage with each kind (F and B, plus W when the backward is split), with the chunk
+        that :meth:`dependencies` names. Raises AssertionError naming the first problem.
+        """
+        if len(self.devices) != self.stages:
+            raise AssertionError(f"{self.name}: {len(self.devices)} device orders for {self.stages} stages")
+        kinds = (FORWARD, BACKWARD, WEIGHT) if self.split_backward else (FORWARD, BACKWARD)
+        listed: dict[Op, int] = {}
+        pipe_of: dict[int, int] = {}
+        for d, ops in enumerate(self.devices):
+            for op in ops:
+                if op.kind not in kinds or not 0 <= op.micro_batch < self.micro_batches \
+                        or not 0 <= op.stage < self.virtual_stages or op.pipe not in (DOWN, UP):
+                    raise AssertionError(f"{self.name}: {op} on device {d} is not an operation of this schedule")
+                if op.chunk != (0 if op.pipe == UP else op.stage // self.stages):
+                    raise AssertionError(f"{self.name}: {op} on device {d} has the wrong chunk for its stage")
+                if self.device_of(op.stage, op.pipe) != d:
+                    raise AssertionError(f"{self.name}: {op} is listed on device {d}")
+                if op in listed:
+                    raise AssertionError(f"{self.name}: {op} appears twice")
+                if pipe_of.setdefault(op.micro_batch, op.pipe) != op.pipe:
+                    raise AssertionError(f"{self.name}: micro-batch {op.micro_batch} runs on both pipes")
+                listed[op] = d
+        for j in range(self.micro_batches):
+            if j not in pipe_of:
+                raise AssertionError(f"{self.name}: micro-batch {j} never runs")
+            missing = [op for op in (_op(k, j, s, self.stages, pipe_of[j]) for s in range(self.virtual_stages)
+                                     for k in kinds) if op not in listed]
+            if missing:
+                shown = ", ".join(map(str, missing[:3])) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+                raise AssertionError(f"{self.name}: never runs {shown}")
+        self._check_no_deadlock()
+
+    def _check_no_deadlock(self) -> None:
+        """Run the per-device orders as dataflow: a device's next op may run once its dependencies have."""
+        done: set[Op] = set()
+        pos = [0] * self.stages
+        progressed = True
+        while progressed:
+            progressed = False
+            for d, ops in enumerate(self.devices):
+                while pos[d] < len(ops) and all(dep in done for dep in self.dependencies(ops[pos[d]])):
+                    done.add(ops[pos[d]])
+                    pos[d] += 1
+                    progressed = True
+        stuck = [f"device {d} at {ops[pos[d]]} (waits for "
+                 f"{', '.join(str(dep) for dep in self.dependencies(ops[pos[d]]) if dep not in done)})"
+                 for d, ops in enumerate(self.devices) if pos[d] < len(ops)]
+        if stuck:
+            raise AssertionError(f"{self.name}: the order deadlocks: {'; '.join(stuck)}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise InputError(None, what)
+
+
+def _count(name: str, what: str, value: object, minimum: int = 1) -> int:
+    """``value`` as a plain int: any integral type (numpy's too) but bool, which is a flag, not a size."""
+    _need(isinstance(value, numbers.Integral) and not isinstance(value, bool) and operator.index(value) >= minimum,
+          f"{name}: {what} must be a whole number >= {minimum}, got {value!r}")
+    return operator.index(value)  # type: ignore[arg-type]
+
+
+def _check_common(name: str, stages: object, micro_batches: object) -> tuple[int, int]:
+    return _count(name, "stages", stages), _count(name, "micro-batches", micro_batches)
+
+
+def _op(kind: str, mb: int, stage: int, p: int, pipe: int = DOWN) -> Op:
+    """An operation with its chunk numbered the way :meth:`PipelineSchedule.dependencies` names it."""
+    return Op(kind, mb, stage, stage // p if pipe == DOWN else 0, pipe)
+
+
+def _fwd(mb: int, stage: int, p: int, pipe: int = DOWN) -> Op:
+    return _op(FORWARD, mb, stage, p, pipe)
+
+
+def _bwd(mb: int, stage: int, p: int, pipe: int = DOWN) -> Op:
+    return _op(BACKWARD, mb, stage, p, pipe)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Generators
+
+
+def gpipe(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
+    """GPipe: every device runs all forwards, then all backwards (in micro-batch order)."""
+    stages, micro_batches = _check_common("gpipe", stages, micro_batches)
+    _need(_count("gpipe", "chunks", chunks) == 1, "gpipe: has one model chunk per device (use 'interleaved' for chunks > 1)")
+    devices = tuple(
+        tuple(_fwd(j, d, stages) for j in range(micro_batches))
+        + tuple(_bwd(j, d, stages) for j in range(micro_batches))
+        for d in range(stages)
+    )
+    return PipelineSchedule("gpipe", stages, micro_batches, 1, devices)
+
+
+def one_f_one_b(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
+    """1F1B (PipeDream-flush / DAPPLE): a warm-up of ``p - d - 1`` forwards, then forward/backward pairs."""
+    stages, micro_batches = _check_common("1f1b", stages, micro_batches)
+    _need(_count("1f1b", "chunks", chunks) == 1, "1f1b: has one model chunk per device (use 'interleaved' for chunks > 1)")
+    devices = []
+    for d in range(stages):
+        warmup = min(stages - d - 1, micro_batches)
+        ops = [_fwd(j, d, stages) for j in range(warmup)]
+        for j in range(micro_batches - warmup):
+            ops += [_fwd(warmup + j, d, stages), _bwd(j, d, stages)]
+        ops += [_bwd(j, d, stages) for j in range(micro_batches - warmup, micro_batches)]
+        devices.append(tuple(ops))
+    return PipelineSchedule("1f1b", stages, micro_batches, 1, tuple(devices))
+
+
+def interleaved(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSchedule:
+    """Interleaved 1F1B (Megatron-LM, as torch's ``ScheduleInterleaved1F1B`` runs it): ``v`` model chunks
+    per device, visited in rounds of ``r`` micro-batches.
+
+    Like torch, the micro-batch count need not be a multiple of the stage count: there are
+    ``max(1, m // p)`` rounds of ``r = m / rounds`` micro-batches (so m must split evenly into them; for
+    multiples of ``p``, ``r = p``, Megatron-LM's order). The k-th forward of a device runs chunk
+    ``(k // r) % v`` on that chunk's next micro-batch; backwards visit the chunks in reverse; device d
+    warms up with ``(v - 1) r + 2 (p - 1 - d)`` forwards.
+    """
+    stages, micro_batches = _check_common("interleaved", stages, micro_batches)
+    _need(isinstance(chunks, numbers.Integral) and not isinstance(chunks, bool) and operator.index(chunks) >= 2,
+          f"interleaved: needs chunks >= 2 model chunks per device, got {chunks!r}")
+    chunks = operator.index(chunks)
+    p, v, m = stages, chunks, micro_batches
+    rounds = max(1, m // p)
+    _need(m % rounds == 0,
+          f"interleaved: micro-batches ({m}) must split evenly into max(1, {m} // {p}) = {rounds} rounds "
+          f"(torch's ScheduleInterleaved1F1B refuses it too)")
+    per_round = m // rounds
+    total = m * v
+
+    devices = []
+    for d in range(p):
+        next_f = [0] * v  # per chunk: its next micro-batch, forwards and backwards in order
+        next_b = [0] * v
+
+        def f(k: int) -> Op:
+            c = (k // per_round) % v
+            next_f[c] += 1
+            return _fwd(next_f[c] - 1, c * p + d, p)
+
+        def b(k: int) -> Op:
+            c = v - 1 - (k // per_round) % v
+            next_b[c] += 1
+            return _bwd(next_b[c] - 1, c * p + d, p)
+
+        warmup = min((v - 1) * per_round + 2 * (p - 1 - d), total)
+        ops = [f(k) for k in range(warmup)]
+        for k in range(total - warmup):
+            ops.append(f(warmup + k))
+            ops.append(b(k))
+        ops += [b(k) for k in range(total - warmup, total)]
+        devices.append(tuple(ops))
+    return PipelineSchedule("interleaved", p, m, v, tuple(devices))
+
+
+def zb_h1(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
+    """ZB-H1 (zero bubble, Qi et al. 2023): 1F1B with the backward split into B and W.
+
+    Device ``d`` keeps 1F1B's warm-up and its forward/B pairs, but runs each weight gradient ``d``
+    micro-batches late, so the deferred W passes fill the tail where 1F1B waits for backwards. In-flight
+    activations (forwards whose W has not run) stay at most ``p``, the peak of 1F1B.
+    """
+    stages, micro_batches = _check_common("zb-h1", stages, micro_batches)
+    _need(_count("zb-h1", "chunks", chunks) == 1, "zb-h1: has one model chunk per device")
+    devices = []
+    for d in range(stages):
+        warmup = min(stages - d - 1, micro_batches)
+        ops: list[Op] = [_fwd(j, d, stages) for j in range(warmup)]
+        next_w = 0
+
+        def weights_up_to(k: int) -> list[Op]:
+            nonlocal next_w
+            out = []
+            while next_w <= k:
+                out.append(_op(WEIGHT, next_w, d, stages))
+                next_w += 1
+            return out
+
+        for j in range(micro_batches):
+            if warmup + j < micro_batches:
+                ops.append(_fwd(warmup + j, d, stages))
+            ops.append(_bwd(j, d, stages))
+            ops += weights_up_to(j - d)
+        ops += weights_up_to(micro_batches - 1)
+        devices.append(tuple(ops))
+    return PipelineSchedule("zb-h1", stages, micro_batches, 1, tuple(devices), split_backward=True)
+
+
+Durations = Callable[[Op], int]
+"""Time of one operation (any unit); the generators that depend on costs take one."""
+
+
+def chimera(stages: int, micro_batches: int, chunks: int = 1, durations: Durations | None = None) -> PipelineSchedule:
+    """Chimera (Li & Hoefler, SC'21): two pipelines in opposite directions over the same devices.
+
+    Device ``d`` holds stage ``d`` of the down pipe and stage ``p - 1 - d`` of the up pipe. Micro-batches
+    are dealt in units of ``p``: the first half of each unit goes down, the second half up.
+
+    The paper draws its orders by hand; here the order on each device comes from list scheduling the
+    step under ``durations`` (default: forward = backward = 1, the paper's own assumption), with two
+    rules, keeping the shorter step:
+
+    - *furthest along first*: a free device runs the ready operation whose micro-batch has done the most
+      of its forward-then-backward chain. With equal forward and backward times this gives the paper's
+      D - 2 idle units per device for any number of basic units, and holds about as many activations
+      as 1F1B;
+    - *forwards first*: a free device runs the ready forward that became ready first, else the ready
+      backward that did. When backwards take longer than forwards it removes the intermediate
+      bubbles of concatenated units (the paper's concern in its section on more micro-batches), at the
+      memory cost of keeping forwards ahead.
+
+    Forwards of one pipe always run in micro-batch order on each device.
+    """
+    stages, micro_batches = _check_common("chimera", stages, micro_batches)
+    _need(_count("chimera", "chunks", chunks) == 1, "chimera: has one model chunk per device and pipe")
+    _need(stages % 2 == 0, f"chimera: needs an even number of stages, got {stages}")
+    _need(micro_batches % 2 == 0, f"chimera: needs an even number of micro-batches (half per pipe), got {micro_batches}")
+    p, m = stages, micro_batches
+    down: list[int] = []
+    for unit in range(0, m, p):
+        size = min(p, m - unit)  # the last unit may be short; it is split in halves too
+        down += range(unit, unit + size // 2)
+    up = [j for j in range(m) if j not in set(down)]
+    order = {DOWN: down, UP: up}
+    shell = PipelineSchedule("chimera", p, m, 1, tuple(() for _ in range(p)))
+    cost = durations or (lambda op: 1)
+    candidates = [_list_schedule(shell, order, cost, rule) for rule in (_furthest_along_first, _forwards_first)]
+    _, devices = min(candidates, key=lambda c: c[0])  # ties keep the first rule
+    return PipelineSchedule("chimera", p, m, 1, devices)
+
+
+Priority = Callable[[Op, int, int, int], tuple]
+"""(operation, its chain progress, when its inputs were ready, its micro-batch's rank) -> sort key."""
+
+
+def _furthest_along_first(op: Op, progress: int, ready: int, rank: int) -> tuple:
+    return (-progress, rank, op.pipe)
+
+
+def _forwards_first(op: Op, progress: int, ready: int, rank: int) -> tuple:
+    return (op.kind != FORWARD, ready, rank, op.pipe)
+
+
+def _list_schedule(
+    shell: PipelineSchedule,
+    order: dict[int, list[int]],
+    cost: Durations,
+    priority: Priority,
+) -> tuple[int, tuple[tuple[Op, ...], ...]]:
+    """Greedy list scheduling (Chimera): the step's makespan and the order it gives each device.
+
+    Whenever a device is free it starts the ready operation that ``priority`` ranks first; a forward is
+    ready only when it is its pipe's next on that device. Progress along a micro-batch's chain counts
+    forwards by stage, then backwards from the last stage down.
+    """
+    p, S = shell.stages, shell.virtual_stages
+    ops_of: list[list[Op]] = [[] for _ in range(p)]
+    for pipe, mbs in order.items():
+        for j in mbs:
+            for s in range(S):
+                d = shell.device_of(s, pipe)
+                ops_of[d] += [_fwd(j, s, p, pipe), _bwd(j, s, p, pipe)]
+    rank = {pipe: {j: i for i, j in enumerate(mbs)} for pipe, mbs in order.items()}
+    end: dict[tuple[str, int, int, int], int] = {}
+    pending = [set(o.key() for o in ops) for ops in ops_of]
+    by_key = {o.key(): o for ops in ops_of for o in ops}
+    free = [0] * p
+    issued = {(d, pipe): 0 for d in range(p) for pipe in order}
+    out: list[list[Op]] = [[] for _ in range(p)]
+    total = sum(len(x) for x in pending)
+    done = 0
+    events: list[int] = [0]
+    while done < total:
+        if not events:  # pragma: no cover - the rules above always make progress
+            raise AssertionError("list scheduling stalled")
+        t = heapq.heappop(events)
+        while events and events[0] == t:
+            heapq.heappop(events)
+        for d in range(p):
+            if free[d] > t:
+                continue
+            best = None
+            for k in pending[d]:
+                op = by_key[k]
+                deps = shell.dependencies(op)
+                if any(dep.key() not in end or end[dep.key()] > t for dep in deps):
+                    continue
+                if op.kind == FORWARD and rank[op.pipe][op.micro_batch] != issued[(d, op.pipe)]:
+                    continue
+                ready = max([end[dep.key()] for dep in deps], default=0)
+                progress = op.stage if op.kind == FORWARD else 2 * S - 1 - op.stage
+                prio = priority(op, progress, ready, rank[op.pipe][op.micro_batch])
+                if best is None or prio < best[0]:
+                    best = (prio, op)
+            if best is None:
+                continue
+            op = best[1]
+            pending[d].discard(op.key())
+            end[op.key()] = free[d] = t + cost(op)
+            heapq.heappush(events, free[d])
+            if op.kind == FORWARD:
+                issued[(d, op.pipe)] += 1
+            out[d].append(op)
+            done += 1
+    return max(end.values()), tuple(tuple(ops) for ops in out)
+
+
+GENERATORS: dict[str, Callable[..., PipelineSchedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "zb-h1": zb_h1,
+    "chimera": chimera,
+}
+ALIASES = {"interleaved-1f1b": "interleaved", "zbh1": "zb-h1", "zb_h1": "zb-h1", "dapple": "1f1b", "pipedream-flush": "1f1b"}
+
+
+def schedule_names() -> list[str]:
+    return list(GENERATORS)
+
+
+def canonical_name(name: str) -> str:
+    """The generator name for ``name`` (aliases and case accepted)."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in GENERATORS:
+        raise InputError(None, f"unknown schedule '{name}' (known: {', '.join(GENERATORS)})")
+    return key
+
+
+def generate(
+    name: str, stages: int, micro_batches: int, chunks: int | None = None, durations: Durations | None = None,
+) -> PipelineSchedule:
+    """Build the named schedule; ``chunks`` defaults to 2 for interleaved and 1 otherwise.
+
+    ``durations`` (operation -> time) is used by the generators whose order depends on costs (Chimera);
+    the others ignore it.
+    """
+    key = canonical_name(name)
+    if chunks is None:
+        chunks = 2 if key == "interleaved" else 1
+    if key == "chimera":
+        return chimera(stages, micro_batches, chunks, durations)
+    return GENERATORS[key](stages, micro_batches, chunks)
+
+
+def iter_ops(schedule: PipelineSchedule) -> Iterator[tuple[int, Op]]:
+    for d, ops in enumerate(schedule.devices):
+        for op in ops:
+            yield d, op

@@ -1,0 +1,440 @@
+"""Run configuration read from YAML: model shape, pipeline layout, data, optimizer and K-FAC settings.
+
+Plain dataclasses (no torch), so the CLI can check a config before any worker starts.
+``--set SECTION.KEY=VALUE`` overrides (:func:`apply_overrides`) go through the same checks as the file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from pipefisher.errors import InputError
+
+DEFAULT_KFAC_IGNORE = ("embeddings", "LayerNorm", "cls")
+"""Substrings of module names K-FAC leaves alone: embeddings, norms and the prediction head."""
+
+
+DEFAULT_BUILDER = "pipefisher.runtime.models.bert:build_stage"
+"""The built-in BERT-style model's stage builder (``model.builder``)."""
+
+MOVED_BUILDERS = {"pipefisher.runtime.model:build_stage": DEFAULT_BUILDER,
+                  "pipefisher.runtime.hf:bert_mlm": "pipefisher.runtime.models.hf:bert_mlm",
+                  "pipefisher.runtime.hf:gpt2_clm": "pipefisher.runtime.models.hf:gpt2_clm"}
+"""The built-in builders' names before the runtime was split into layers: configs, checkpoint manifests
+and schedule metadata that name them mean the same builders (:func:`current_builder`)."""
+
+
+def current_builder(spec: Any) -> Any:
+    """``spec`` under its current name where it names a built-in builder by its old one; else itself."""
+    return MOVED_BUILDERS.get(spec, spec) if isinstance(spec, str) else spec
+
+
+class Options(dict):
+    """``model.options``: builder-specific settings, passed to the builder untouched.
+
+    A dict (YAML and JSON read and write it as one) that hashes by content, so a :class:`ModelConfig`
+    holding it can still key a cache. Treat it as read-only.
+    """
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(json.dumps(self, sort_keys=True, default=str))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the model, and which stage builder makes it.
+
+    ``builder`` (``"package.module:function"``) builds one pipeline stage; the default is the built-in
+    BERT-style masked-language model. ``options`` is for the builder's own settings (the config checks
+    nothing in it), so a user's builder needs no new config keys.
+    """
+
+    vocab_size: int = 100
+    hidden_size: int = 32
+    num_layers: int = 2
+    num_heads: int = 2
+    intermediate_size: int = 64
+    max_position: int = 64
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-12
+    init_std: float = 0.02
+    builder: str = DEFAULT_BUILDER
+    options: Options = field(default_factory=Options)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.options, Options) and isinstance(self.options, Mapping):
+            object.__setattr__(self, "options", Options(self.options))  # replace(model={"options": {...}})
+
+
+SYNTHETIC = "synthetic"
+STDLIB = "stdlib"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where batches come from.
+
+    ``text`` is a text corpus: ``stdlib`` (the Python standard library's own source files, present on
+    every machine with Python, so runs need no download), a file, a folder (its text files, recursively)
+    or a glob. It is split by file into training and held-out text (``val_fraction`` of the files,
+    chosen by a hash of their paths) and tokenized by a subword tokenizer trained on the training files
+    (``tokenizer``: ``bpe`` or ``wordpiece``, ``model.vocab_size`` tokens). ``synthetic`` gives seeded
+    synthetic tokens instead: for unit tests only, there is little in them to learn.
+    """
+
+    seq_len: int = 16
+    micro_batch_size: int = 4
+    num_micro_batches: int = 4
+    mask_prob: float = 0.15
+    seed: int = 0
+    text: str = STDLIB
+    tokenizer: str = "bpe"
+    val_fraction: float = 0.05
+    val_batches: int = 8
+    objective: str = "mlm"  # one of OBJECTIVES
+
+
+OBJECTIVES = ("mlm", "clm")
+"""``data.objective``: masked-LM (BERT masking) or causal-LM (labels are the next tokens) batches."""
+
+OPTIMIZERS = ("adamw", "lamb", "sgd", "adam")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The first-order optimizer: every parameter K-FAC does not precondition, or all of them without K-FAC.
+
+    ``lr`` is the peak learning rate: it rises linearly over ``warmup_steps``, then follows ``schedule``
+    down to ``min_lr_ratio * lr`` at step ``decay_steps`` (0: the run's last step). ``weight_decay`` is
+    decoupled (AdamW, LAMB) and never applies to biases and LayerNorm weights. ``clip_norm`` > 0 clips
+    the global gradient norm (over every stage) before K-FAC and the optimizer see the gradients.
+    """
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, ...] = (0.9, 0.999)
+    eps: float = 1e-8
+    momentum: float = 0.9
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    decay_steps: int = 0
+    min_lr_ratio: float = 0.0
+    clip_norm: float = 0.0
+
+
+FISHERS = ("empirical", "true")
+INVERSES = ("cholesky", "eigen")
+ON_BAD_FACTOR = ("stop", "skip")
+SAVE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class KfacConfig:
+    """K-FAC for the ``nn.Linear`` layers not matched by ``ignore``.
+
+    Curvature: factors refreshed every ``interval`` steps (in ``scheduled`` mode: once per cycle), kept
+    as running averages (``factor_decay``: the weight of the old factor; 0 keeps only the newest),
+    inverted with damping ``damping`` (decayed by ``damping_decay`` per refresh down to
+    ``damping_min``; 0: ``damping`` itself), split between the factors by the pi rule, in ``inverse_dtype`` by ``inverse``.
+    Update: the preconditioned gradient is scaled so the step's predicted KL change stays under
+    ``kl_clip`` (0: off), then ``update`` decides who takes it: ``momentum`` (heavy-ball momentum
+    ``momentum`` with its own peak learning rate ``lr``, on the same warm-up and schedule as the
+    optimizer) or ``base`` (the first-order optimizer, like every other parameter).
+    ``fisher``: ``empirical`` (the training labels' gradients) or ``true`` (labels sampled from the
+    model's own output distribution, one extra backward). ``on_bad_factor``: a factor that is not
+    finite, or not positive definite after damping, ``stop``s the run or ``skip``s that refresh.
+    ``save_dtype``: the dtype saved inputs and output gradients wait in until their covariance piece.
+    ``cov_stride``: every how many token rows of a micro-batch one feeds the covariance factors (1: all);
+    a stride s saves s times less and makes every covariance piece about s times cheaper.
+    """
+
+    damping: float = 1e-3
+    damping_min: float = 0.0  # 0: no decay below ``damping``
+    damping_decay: float = 1.0
+    interval: int = 1
+    ignore: tuple[str, ...] = DEFAULT_KFAC_IGNORE
+    factor_decay: float = 0.0
+    kl_clip: float = 0.0
+    update: str = "momentum"
+    lr: float = 0.1
+    momentum: float = 0.9
+    fisher: str = "empirical"
+    inverse: str = "cholesky"
+    inverse_dtype: str = "float32"
+    on_bad_factor: str = "stop"
+    save_dtype: str = "float32"
+    cov_stride: int = 1
+
+
+PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved")
+"""Forward/backward orders the trainer runs (their generators live in :mod:`pipefisher.pipeline_orders`)."""
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline layout. ``stages`` x data-parallel replicas = world size; replicas are inferred."""
+
+    stages: int = 2
+    schedule: str = "1f1b"  # one of PIPELINE_ORDERS
+    timeout_s: float = 60.0
+    chunks: int = 2  # interleaved: model chunks per device (virtual stage s on device s % stages)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stage copies in the whole pipeline: ``stages * chunks`` interleaved, else ``stages``."""
+        return self.stages * (self.chunks if self.schedule == "interleaved" else 1)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    kfac: KfacConfig = field(default_factory=KfacConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+    def replace(self, **sections: Mapping[str, Any]) -> "RunConfig":
+        """A copy with some fields of some sections changed, e.g. ``replace(pipeline={"stages": 4})``."""
+        changes = {}
+        for name, values in sections.items():
+            if name == "name":
+                changes[name] = values
+                continue
+            changes[name] = dataclasses.replace(getattr(self, name), **values)
+        out = dataclasses.replace(self, **changes)
+        check_config(out, None)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Short hash that every worker compares at start-up, so stages never run different setups."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=list).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "kfac": KfacConfig,
+             "pipeline": PipelineConfig}
+
+
+def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None) -> RunConfig:
+    """Build and check a :class:`RunConfig`; unknown keys and bad values are :class:`InputError`."""
+    if not isinstance(raw, Mapping):
+        raise InputError(path, "config must be a mapping of sections (model, data, optim, kfac, pipeline)")
+    unknown = set(raw) - set(_SECTIONS) - {"name"}
+    if unknown:
+        raise InputError(path, f"unknown config section(s): {', '.join(sorted(map(str, unknown)))}")
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        values = raw.get(name) or {}
+        if not isinstance(values, Mapping):
+            raise InputError(path, f"section '{name}' must be a mapping")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        bad = set(values) - set(known)
+        if bad:
+            raise InputError(path, f"unknown key(s) in '{name}': {', '.join(sorted(map(str, bad)))}")
+        sections[name] = cls(**{key: _coerce(name, key, value, path) for key, value in values.items()})
+    cfg = RunConfig(name=str(raw.get("name", "run")), **sections)
+    check_config(cfg, path)
+    return cfg
+
+
+def _coerce(section: str, key: str, value: Any, path: str | os.PathLike[str] | None) -> Any:
+    """``value`` as the type of ``section.key``'s default, or an :class:`InputError` naming the key."""
+    default = getattr(_SECTIONS[section](), key)
+    if isinstance(default, dict):
+        if not isinstance(value, Mapping):
+            raise InputError(path, f"{section}.{key} must be a mapping, not {value!r}")
+        return Options(value)
+    if isinstance(default, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise InputError(path, f"{section}.{key} must be a list")
+        if default and isinstance(default[0], float):
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                raise InputError(path, f"{section}.{key} must be a list of numbers, not {value!r}")
+            return tuple(float(v) for v in value)
+        return tuple(str(v) for v in value)
+    if isinstance(default, str):
+        if not isinstance(value, str):  # a number here would crash later checks with a traceback
+            raise InputError(path, f"{section}.{key} must be a str, not {value!r}")
+        return current_builder(value) if (section, key) == ("model", "builder") else value
+    if isinstance(default, bool) or default is None:
+        return value
+    if isinstance(default, int) and not isinstance(value, bool) and isinstance(value, int):
+        return value
+    if isinstance(default, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise InputError(path, f"{section}.{key} must be a {type(default).__name__}, not {value!r}")
+
+
+_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``SECTION.KEY=VALUE`` (``--set``) as (``SECTION.KEY``, value); VALUE is read as YAML.
+
+    YAML 1.1 reads ``1e-3`` as a string; it is taken as the number a user means. A key the config
+    does not have, or a value of the wrong type, is an :class:`InputError` naming the option.
+    """
+    import yaml
+
+    where = f"--set {text}"
+    dotted, sep, raw = text.partition("=")
+    dotted = dotted.strip()
+    if not sep or not dotted:
+        raise InputError(where, "expected SECTION.KEY=VALUE, e.g. optim.lr=0.01")
+    if dotted == "name":
+        return dotted, raw.strip()
+    section, dot, key = dotted.partition(".")
+    if section not in _SECTIONS:
+        raise InputError(where, f"unknown config section '{section}' (one of name, {', '.join(_SECTIONS)})")
+    known = [f.name for f in dataclasses.fields(_SECTIONS[section])]
+    if not dot or key not in known:
+        raise InputError(where, f"unknown key '{key}' in '{section}' (one of {', '.join(known)})")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise InputError(where, f"the value is not valid YAML ({str(err).splitlines()[0]})") from None
+    if isinstance(value, str) and _NUMBER.match(value.strip()):
+        value = float(value)
+    if isinstance(getattr(_SECTIONS[section](), key), str) and not isinstance(value, str):
+        value = raw.strip()  # a str field takes what was typed: name=123, data.text=2024
+    _coerce(section, key, value, where)
+    return dotted, value
+
+
+def apply_overrides(cfg: RunConfig, overrides: "list[str] | tuple[str, ...]",
+                    path: str | os.PathLike[str] | None = None) -> RunConfig:
+    """``cfg`` with ``--set SECTION.KEY=VALUE`` overrides applied (later ones win), checked like a file.
+
+    A combination the checks refuse is reported against the config file and the overrides together.
+    """
+    if not overrides:
+        return cfg
+    raw = json.loads(json.dumps(cfg.to_dict(), default=list))
+    for text in overrides:
+        dotted, value = parse_override(text)
+        if dotted == "name":
+            raw["name"] = value
+        else:
+            section, _, key = dotted.partition(".")
+            raw[section][key] = value
+    where = f"{path if path is not None else 'config'} with {' '.join('--set ' + o for o in overrides)}"
+    return config_from_dict(raw, where)
+
+
+def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
+    m, d, p = cfg.model, cfg.data, cfg.pipeline
+    problems = []
+    if m.hidden_size % m.num_heads:
+        problems.append("model.hidden_size must be a multiple of model.num_heads")
+    if min(m.vocab_size, m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size) < 1:
+        problems.append("model sizes must be positive")
+    if m.vocab_size < 8:
+        problems.append("model.vocab_size must be at least 8 (special tokens)")
+    if d.seq_len > m.max_position:
+        problems.append("data.seq_len must not exceed model.max_position")
+    if min(d.seq_len, d.micro_batch_size, d.num_micro_batches) < 1:
+        problems.append("data sizes must be positive")
+    if not 0.0 < d.mask_prob <= 1.0:
+        problems.append("data.mask_prob must be in (0, 1]")
+    if p.schedule not in PIPELINE_ORDERS:
+        problems.append(f"pipeline.schedule must be one of {', '.join(PIPELINE_ORDERS)}")
+    if p.schedule == "chimera" and (p.stages % 2 or d.num_micro_batches % 2):
+        problems.append("pipeline.schedule chimera needs an even number of stages and of "
+                        "data.num_micro_batches (half of them run on each pipe)")
+    if p.schedule == "interleaved":
+        if isinstance(p.chunks, bool) or not isinstance(p.chunks, int) or p.chunks < 2:
+            problems.append("pipeline.chunks must be an integer >= 2 (model chunks per device) with "
+                            "pipeline.schedule interleaved")
+        elif p.stages < 2:
+            problems.append("pipeline.schedule interleaved needs pipeline.stages >= 2")
+        elif _interleaved_refusal(p.stages, d.num_micro_batches, p.chunks):
+            problems.append(_interleaved_refusal(p.stages, d.num_micro_batches, p.chunks) or "")
+        elif m.num_layers < p.stages * p.chunks:
+            problems.append(f"pipeline.schedule interleaved needs model.num_layers >= pipeline.stages x "
+                            f"pipeline.chunks ({p.stages} x {p.chunks} = {p.stages * p.chunks} model chunks)")
+    if not 1 <= p.stages <= m.num_layers:
+        problems.append("pipeline.stages must be between 1 and model.num_layers")
+    if p.timeout_s <= 0:
+        problems.append("pipeline.timeout_s must be positive")
+    if d.text.strip() == "":
+        problems.append("data.text must name a corpus ('stdlib', a file, a folder or a glob) or 'synthetic'")
+    if d.objective not in OBJECTIVES:
+        problems.append(f"data.objective must be one of {', '.join(OBJECTIVES)}")
+    if d.objective == "clm" and d.seq_len < 2:
+        problems.append("data.objective clm needs data.seq_len >= 2 (a next token to predict)")
+    module, colon, func = m.builder.partition(":")
+    if not colon or not module.strip() or not func.strip() or ":" in func:
+        problems.append(f"model.builder must be 'package.module:function', not {m.builder!r}")
+    if d.tokenizer not in ("bpe", "wordpiece"):
+        problems.append("data.tokenizer must be 'bpe' or 'wordpiece'")
+    if not 0.0 < d.val_fraction < 1.0:
+        problems.append("data.val_fraction must be in (0, 1)")
+    if d.val_batches < 0:
+        problems.append("data.val_batches must be >= 0")
+    o = cfg.optim
+    if o.name not in OPTIMIZERS:
+        problems.append(f"optim.name must be one of {', '.join(OPTIMIZERS)}")
+    if o.schedule not in LR_SCHEDULES:
+        problems.append(f"optim.schedule must be one of {', '.join(LR_SCHEDULES)}")
+    if o.lr <= 0 or o.eps <= 0 or o.weight_decay < 0 or o.clip_norm < 0:
+        problems.append("optim.lr and optim.eps must be > 0, optim.weight_decay and optim.clip_norm >= 0")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        problems.append("optim.betas must be two numbers in [0, 1)")
+    if not 0.0 <= o.momentum < 1.0 or not 0.0 <= o.min_lr_ratio <= 1.0:
+        problems.append("optim.momentum must be in [0, 1) and optim.min_lr_ratio in [0, 1]")
+    if o.warmup_steps < 0 or o.decay_steps < 0:
+        problems.append("optim.warmup_steps and optim.decay_steps must be >= 0")
+    k = cfg.kfac
+    if k.interval < 1 or not k.damping > 0 or not 0 <= k.damping_min <= k.damping:
+        problems.append("kfac.interval must be >= 1, kfac.damping > 0 and kfac.damping_min in [0, damping]")
+    if not 0.0 < k.damping_decay <= 1.0 or not 0.0 <= k.factor_decay < 1.0:
+        problems.append("kfac.damping_decay must be in (0, 1] and kfac.factor_decay in [0, 1)")
+    if k.kl_clip < 0 or k.lr <= 0 or not 0.0 <= k.momentum < 1.0:
+        problems.append("kfac.kl_clip must be >= 0, kfac.lr > 0 and kfac.momentum in [0, 1)")
+    if not isinstance(k.cov_stride, int) or k.cov_stride < 1:
+        problems.append("kfac.cov_stride must be an integer >= 1")
+    for key, allowed in (("update", ("momentum", "base")), ("fisher", FISHERS), ("inverse", INVERSES),
+                         ("inverse_dtype", ("float32", "float64")), ("on_bad_factor", ON_BAD_FACTOR),
+                         ("save_dtype", SAVE_DTYPES)):
+        if getattr(k, key) not in allowed:
+            problems.append(f"kfac.{key} must be one of {', '.join(allowed)}")
+    if problems:
+        raise InputError(path, "; ".join(problems))
+
+
+def load_config(path: str | os.PathLike[str]) -> RunConfig:
+    """Read a YAML config file."""
+    import yaml
+
+    from pipefisher.safe_io import read_bytes
+
+    data = read_bytes(path)
+    try:
+        raw = yaml.safe_load(data)
+    except yaml.YAMLError as err:
+        raise InputError(path, f"is not valid YAML ({err})") from None
+    return config_from_dict(raw, path)
+
+
+def _interleaved_refusal(stages: int, micro_batches: int, chunks: int) -> str | None:
+    """Why the interleaved generator (the one source of the order) refuses this shape, or None: it
+    takes the micro-batch counts torch's ScheduleInterleaved1F1B takes, multiples of the stages or not."""
+    from pipefisher.errors import InputError
+    from pipefisher.pipeline_orders import interleaved
+
+    try:
+        interleaved(stages, micro_batches, chunks)
+    except InputError as err:
+        return f"pipeline.schedule interleaved with data.num_micro_batches {micro_batches}: {err.problem}"
+    return None

@@ -1,0 +1,79 @@
+"""Internal entry point of one worker process started by the local launcher.
+
+:func:`pipefisher.runtime.launch.local.launch_local` runs ``python -m pipefisher.runtime.launch.child --spec <json>``
+(config and options already checked by ``pipefisher train``). People, and torchrun, use
+``pipefisher train`` itself, which has the one set of options::
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29500 \\
+        --no-python pipefisher train --config configs/bert-base.yaml --mode kfac --steps 100
+
+A failure ends in one line (marked for the launcher); its traceback goes to the launcher's log.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from pipefisher.errors import InputError
+
+USAGE = ("error: python -m pipefisher.runtime.launch.child is the local launcher's internal entry point; run "
+         "'pipefisher train --config FILE ...' (under torchrun: 'torchrun --nproc-per-node N --no-python "
+         "pipefisher train --config FILE ...')")
+
+
+def _say(line: str) -> None:
+    """The worker's last line, marked so the launcher quotes it in its own error."""
+    from pipefisher.runtime.launch.local import ERROR_MARK
+
+    print(f"{ERROR_MARK}{line}", file=sys.stderr, flush=True)
+
+
+def _log_traceback(rank: str) -> None:
+    from pipefisher.runtime.launch.local import LOG_ENV
+
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        traceback.print_exc()
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"[rank {rank}] traceback:\n{traceback.format_exc()}")
+    except OSError:
+        traceback.print_exc()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "--spec":
+        print(USAGE, file=sys.stderr, flush=True)
+        return 2
+    from pipefisher.kfac.factors import BadFactorError
+    from pipefisher.runtime.launch.local import INTERRUPTED_EXIT, PEER_LOST_EXIT, decode_spec, run_worker
+    from pipefisher.runtime.train.trainer import PeerLost
+
+    rank = os.environ.get("RANK", "0")
+    try:
+        cfg, opts = decode_spec(args[1])
+        run_worker(cfg, opts)
+    except InputError as err:
+        _say(f"error: {err}")
+        return 2
+    except BadFactorError as err:  # one line naming the layer
+        _say(f"error: {err}")
+        return 1
+    except PeerLost as err:  # a consequence of another worker's failure (or a stall)
+        _log_traceback(rank)
+        _say(f"worker rank {rank} failed: PeerLost: {err}")
+        return PEER_LOST_EXIT
+    except KeyboardInterrupt:  # Ctrl-C reaches every worker; the launcher says how far the run got
+        return INTERRUPTED_EXIT
+    except Exception as err:
+        _log_traceback(rank)
+        _say(f"worker rank {rank} failed: {type(err).__name__}: {err}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

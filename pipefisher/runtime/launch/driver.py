@@ -1,0 +1,321 @@
+"""The whole loop in one call, like a job driver: profile, pack, report, check, train with the schedule.
+
+Everything a run makes goes into one folder, every name prefixed by the run's name so that several
+runs sit side by side::
+
+    <run>_config.yaml       the config used (after command-line overrides)
+    <run>_tokenizer.json    the subword tokenizer trained on the corpus (the run's vocabulary)
+    <run>_timelines/        one profiled timeline per pipeline node, nothing else (``pipefisher schedule`` reads it)
+    <run>_profile_losses.json  the profiling steps' losses and options (what ``train --out`` calls <name>_losses.json)
+    <run>_profile_steps/    every profiled step per node (<name>_node<i>_steps.pickle), whose median step the timelines hold
+    <run>_schedule.pickle   the packed schedule (the trainer's input)
+    <run>_report.json       usage report per node, policy, validation result, training summary
+    <run>_chart.png         the packed cycle per node
+    <run>_metrics.csv       step, loss, step time, mode, cycle k and measured overrun of every step
+    <run>_measurements.csv  every label of every scheduled step: planned and measured start/end, wait
+    <run>_cycles.jsonl      per cycle and node: step time, K-FAC label times, bubbles as they were, overruns
+    <run>_measured/         the timelines measured over the last cycles (``pipefisher schedule`` reads them)
+    <run>_schedules/        every schedule the training used and when it took over (``--adapt`` re-packs)
+    <run>_checkpoints/      the last checkpoint (resume with ``pipefisher train --resume``)
+    <run>_workers.log       only after a failure: every worker's output and tracebacks
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pipefisher.errors import InputError
+from pipefisher.runtime.job.config import RunConfig
+from pipefisher.safe_io import load_json
+
+_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    folder: str
+    name: str
+
+    def _p(self, suffix: str) -> str:
+        return os.path.join(self.folder, f"{self.name}_{suffix}")
+
+    @property
+    def config(self) -> str:
+        return self._p("config.yaml")
+
+    @property
+    def tokenizer(self) -> str:
+        return self._p("tokenizer.json")
+
+    @property
+    def timelines(self) -> str:
+        return self._p("timelines")
+
+    @property
+    def profile_losses(self) -> str:
+        """The profiling steps' ``<name>_losses.json``, kept beside the timelines, not among them."""
+        return self._p("profile_losses.json")
+
+    @property
+    def profile_steps_dir(self) -> str:
+        """The raw multi-step profiles (:func:`pipefisher.runtime.train.profiler.steps_filename`), kept beside
+        the timelines, not among them."""
+        return self._p("profile_steps")
+
+    @property
+    def schedule(self) -> str:
+        return self._p("schedule.pickle")
+
+    @property
+    def report(self) -> str:
+        return self._p("report.json")
+
+    @property
+    def chart(self) -> str:
+        return self._p("chart.png")
+
+    @property
+    def metrics(self) -> str:
+        return self._p("metrics.csv")
+
+    @property
+    def checkpoints(self) -> str:
+        return self._p("checkpoints")
+
+    @property
+    def workers_log(self) -> str:
+        """Worker output and tracebacks of a run that failed (none after a run that succeeded)."""
+        return self._p("workers.log")
+
+    def taken(self) -> bool:
+        prefix = f"{self.name}_"
+        return os.path.isdir(self.folder) and any(e.startswith(prefix) for e in os.listdir(self.folder))
+
+
+def run_paths(folder: str, cfg: RunConfig, policy: str, name: str | None = None,
+              now: Callable[[], float] = time.time) -> RunPaths:
+    """Where a run's files go. An explicit ``name`` must be new in ``folder``; the default name
+    ``{config}-{policy}-{YYYYmmdd-HHMMSS}`` gets a ``-2``, ``-3``, ... suffix if that one is taken."""
+    folder = os.path.normpath(folder)  # the paths it prints read cleanly ('runs/x', not 'runs//x')
+    if name is not None:
+        if not _NAME_OK.match(name):
+            raise InputError(None, f"run name '{name}' must be letters, digits, '.', '_' or '-'")
+        paths = RunPaths(folder, name)
+        if paths.taken():
+            raise InputError(folder, f"already holds a run named '{name}'; choose another --name")
+        return paths
+    base = f"{cfg.name}-{policy}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now()))}"
+    paths, n = RunPaths(folder, base), 1
+    while paths.taken():
+        n += 1
+        paths = RunPaths(folder, f"{base}-{n}")
+    return paths
+
+
+def config_yaml(cfg: RunConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(json.loads(json.dumps(cfg.to_dict(), default=list)), sort_keys=False)
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def keep_only_timelines(paths: RunPaths, name: str) -> None:
+    """The profiling trainer writes its ``<name>_losses.json`` (and tokenizer, and every node's raw
+    ``<name>_node<i>_steps.pickle``) into its output folder, the timelines': move them out, so that the
+    folder holds node files only and ``pipefisher schedule <run>_timelines/*`` reads one job. The
+    tokenizer is the run's own already; the raw steps go to ``<run>_profile_steps/``."""
+    from pipefisher.runtime.train.trainer import losses_path, tokenizer_path
+
+    steps = re.compile(re.escape(name) + r"_node\d+_steps\.pickle")
+    for entry in sorted(os.listdir(paths.timelines)) if os.path.isdir(paths.timelines) else []:
+        if steps.fullmatch(entry):
+            os.makedirs(paths.profile_steps_dir, exist_ok=True)
+            os.replace(os.path.join(paths.timelines, entry), os.path.join(paths.profile_steps_dir, entry))
+
+    losses = losses_path(paths.timelines, name)
+    if os.path.exists(losses):
+        os.replace(losses, paths.profile_losses)
+    tokenizer = tokenizer_path(paths.timelines, name)
+    if os.path.exists(tokenizer):
+        os.replace(tokenizer, paths.tokenizer)  # the same corpus's tokenizer: one copy, where the run keeps it
+
+
+def runtime_refusal(schedule_path: str, cfg: RunConfig, replicas: int) -> str | None:
+    """Why the runtime would refuse this schedule file (the check every worker makes), or None.
+
+    ``--allow-invalid`` lets a run train a schedule that ``validate`` rejects, but never one the runtime
+    cannot execute (a covariance piece before its micro-batch is saved, say): that would stop every worker.
+    """
+    from pipefisher.runtime.pipeline.checks import load_checked_schedule
+
+    try:
+        load_checked_schedule(schedule_path, cfg, replicas)
+    except InputError as err:
+        return err.problem if err.path == schedule_path else str(err)
+    return None
+
+
+def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, replicas: int, *, margin: float,
+                   allow_invalid: bool, kfac_margin: float = 1.0,
+                   echo: Callable[[str], None] = print) -> tuple[Any, dict[str, Any]]:
+    """Pack ``job`` with its K-FAC times x ``kfac_margin``, print the usage report, write the schedule
+    (its metadata records both margins and the job it is for, so ``pipefisher validate`` checks the same
+    rule on the same job, and a run of another job refuses it) and its chart, and decide whether to train it.
+
+    Refuses (:class:`InputError`, after writing the report too) a schedule that ``validate`` rejects unless
+    ``allow_invalid``, and one the runtime cannot run always. A refused schedule stays in the run folder
+    with its chart and report, for inspection. Returns the packed schedule and the report (not yet written).
+    """
+    from pipefisher.plot import chart_from_schedule, render
+    from pipefisher.report import report_data, usage_lines
+    from pipefisher.rules import validate
+    from pipefisher.runtime.pipeline.checks import packed_for
+    from pipefisher.safe_io import dump_json_atomic
+    from pipefisher.schedule_file import save_schedule
+    from pipefisher.timeline import inflate_kfac
+
+    timelines = [n.path for n in job.nodes]
+    job = inflate_kfac(job, kfac_margin)
+    packed = packer.pack(job, margin)
+    for line in usage_lines(packed):
+        echo(line)
+    violations = validate(packed.to_file_data(), job, margin=margin)
+    report = report_data(packed, job)
+    report.update(run=paths.name, valid=not violations, violations=[str(v) for v in violations[:50]],
+                  kfac_margin=kfac_margin)
+    save_schedule(paths.schedule, packed, timelines=timelines, kfac_margin=kfac_margin, packed_for=packed_for(cfg))
+    render(chart_from_schedule(packed, job, violations=violations), paths.chart)
+    refusal = runtime_refusal(paths.schedule, cfg, replicas)  # what every worker checks, before they start
+    report.update(runnable=refusal is None, runtime_refusal=refusal)
+    if violations:
+        echo(f"the schedule breaks {len(violations)} rule(s) of pipefisher validate; first: {violations[0]}")
+    if refusal is not None or (violations and not allow_invalid):
+        dump_json_atomic(paths.report, report)
+        where = f" (report: {paths.report})"
+        if refusal is not None:
+            raise InputError(paths.schedule, f"policy '{packer.name}' gave a schedule the runtime cannot run "
+                                             f"({refusal}); not training it, not even with --allow-invalid{where}")
+        raise InputError(paths.schedule, f"policy '{packer.name}' gave a schedule that breaks {len(violations)} "
+                                         f"rule(s) of pipefisher validate; not training it (--allow-invalid trains "
+                                         f"it anyway: the runtime can run it){where}")
+    if violations:
+        echo("training it anyway (--allow-invalid): the runtime can run it; its iterations may take longer "
+             "than the report says")
+    return packed, report
+
+
+def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, policy: str | None = None,
+            nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
+            checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
+            eval_every: int = 0, echo: Callable[[str], None] = print, margin: float | None = None,
+            adapt: bool = False) -> RunPaths:
+    """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.timeline.median_step`),
+    pack them with ``policy`` (K-FAC times x ``kfac_margin``,
+    room rule with ``margin``, :mod:`pipefisher.problem`),
+    print the usage report, refuse a schedule that ``validate`` rejects (unless ``allow_invalid``) or
+    that the runtime cannot run (always; both leave the schedule, chart and report in the run folder),
+    then train ``steps`` steps with it (with ``adapt``, re-packing it from the measured steps while it
+    trains, :mod:`pipefisher.runtime.train.adapt`); returns the paths."""
+    from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.problem import DEFAULT_MARGIN
+    from pipefisher.runtime.launch.local import launch_local, run_worker
+    from pipefisher.runtime.train.profiler import timeline_filename
+    from pipefisher.runtime.train.trainer import TrainOptions
+    from pipefisher.safe_io import dump_json_atomic, write_atomic
+    from pipefisher.timeline import load_job
+
+    packer = get_policy(policy or DEFAULT_POLICY)
+    margin = DEFAULT_MARGIN if margin is None else margin
+    stages = cfg.pipeline.stages
+    n = nproc or stages
+    if kfac_margin < 1.0:
+        raise InputError(None, f"--kfac-margin must be at least 1, not {kfac_margin:g}")
+    if n % stages:
+        raise InputError(None, f"--nproc-per-node {n} is not a multiple of the {stages} pipeline stages")
+    replicas = n // stages
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as err:
+        raise InputError(out, f"cannot be created ({err.strerror or err})") from None
+    paths = run_paths(out, cfg, packer.name, name)
+    os.makedirs(paths.timelines, exist_ok=True)
+    write_atomic(paths.config, config_yaml(cfg))
+    if cfg.data.text != "synthetic":
+        from pipefisher.runtime.data.corpus import load_corpus, save_tokenizer
+
+        save_tokenizer(load_corpus(cfg.data, cfg.model.vocab_size), paths.tokenizer)
+    echo(f"run {paths.name}: {cfg.name}, {stages} stage(s) x {replicas} replica(s), policy {packer.name}, "
+         f"files in {paths.folder}")
+
+    def launch(opts: TrainOptions) -> None:
+        if n == 1:
+            run_worker(cfg, opts)
+        else:
+            launch_local(cfg, opts, n, echo=echo, log_path=os.path.abspath(paths.workers_log))
+
+    # 1. profile
+    echo(f"[1/3] profiling {profile_steps} kfac step(s)")
+    t0 = time.perf_counter()
+    launch(TrainOptions(mode="kfac", steps=profile_steps, profile=True, out=paths.timelines, progress=False,
+                        log_every=10**9))
+    timelines = [os.path.join(paths.timelines, timeline_filename(cfg.name, i)) for i in range(stages)]
+    keep_only_timelines(paths, cfg.name)
+    profile_s = time.perf_counter() - t0
+
+    # 2. pack, report, check
+    echo(f"[2/3] packing with policy {packer.name}"
+         + (f", K-FAC times x {kfac_margin:g}" if kfac_margin != 1.0 else ""))
+    packed, report = pack_and_check(load_job(timelines), packer, cfg, paths, replicas, margin=margin,
+                                    allow_invalid=allow_invalid, kfac_margin=kfac_margin, echo=echo)
+    cycles = [node.figures.iterations for node in packed.nodes]
+
+    # 3. train
+    echo(f"[3/3] training {steps} step(s) with the schedule (K-FAC cycle k={max(cycles)})")
+    t0 = time.perf_counter()
+    launch(TrainOptions(mode="scheduled", steps=steps, schedule=os.path.abspath(paths.schedule),
+                        metrics=os.path.abspath(paths.metrics), checkpoint_dir=os.path.abspath(paths.checkpoints),
+                        checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
+                        eval_every=eval_every, adapt=adapt, adapt_policy=packer.name, margin=margin,
+                        measure_prefix=os.path.abspath(os.path.join(paths.folder, paths.name))))
+    train_s = time.perf_counter() - t0
+    rows = read_metrics(paths.metrics) if os.path.exists(paths.metrics) else []
+    times = [float(r["step_seconds"]) for r in rows[1:]] or [float(r["step_seconds"]) for r in rows]
+    losses = [float(r["loss"]) for r in rows if r["loss"]]
+    history = os.path.join(paths.folder, f"{paths.name}_schedules", "history.json")
+    switches = load_json(history).get("switches", []) if os.path.exists(history) else []
+    overruns = [float(r["overrun_seconds"]) for r in rows if r.get("overrun_seconds")]
+    summary = {
+        "steps": steps, "cycle": max(cycles), "cycles": cycles, "adapt": adapt,
+        "final_cycle": switches[-1]["cycle"] if switches else max(cycles),
+        "switches": [{k: sw[k] for k in ("step", "cycle", "node_cycles", "reason")} for sw in switches[1:]],
+        "median_overrun_seconds": statistics.median(overruns) if overruns else None,
+        "median_step_seconds": statistics.median(times) if times else None,
+        "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+        "profile_seconds": round(profile_s, 3), "train_seconds": round(train_s, 3),
+    }
+    report["training"] = summary
+    dump_json_atomic(paths.report, report)
+    if times:
+        echo(f"done: {steps} steps, median step {summary['median_step_seconds'] * 1e3:.1f} ms, "
+             f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"
+             + (f", {len(summary['switches'])} schedule switch(es), final K-FAC cycle k={summary['final_cycle']}"
+                if adapt else ""))
+    measured = [os.path.join(paths.folder, f"{paths.name}_{s}")
+                for s in ("measurements.csv", "cycles.jsonl", "measured", "schedules")]
+    for p in (paths.config, *([paths.tokenizer] if os.path.exists(paths.tokenizer) else []), paths.timelines,
+              *([paths.profile_losses] if os.path.exists(paths.profile_losses) else []),
+              *([paths.profile_steps_dir] if os.path.exists(paths.profile_steps_dir) else []),
+              paths.schedule, paths.report, paths.chart, paths.metrics,
+              *[m for m in measured if os.path.exists(m)], paths.checkpoints):
+        echo(f"wrote {p}")
+    return paths

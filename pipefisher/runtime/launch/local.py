@@ -1,0 +1,317 @@
+"""Starting workers: as this process (torchrun or a single process) or as local child processes.
+
+``pipefisher train --nproc-per-node N`` runs :func:`launch_local`, which starts N workers on
+127.0.0.1 with torchrun's environment variables, relays their output, and stops them all with a
+clear error as soon as one fails (the others would otherwise wait for it until their timeout). The
+error names the worker that failed first (not a peer that merely lost it) and how; tracebacks go to a
+log file, not the terminal. Under torchrun (:func:`pipefisher.runtime.job.process.torchrun_env`), ``pipefisher train`` is one worker.
+:func:`spawn_local` does the same for a Python function (tests, the benchmark).
+
+Nothing here imports torch at module level, so the CLI can check its launch options first.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from pipefisher.runtime.job.config import RunConfig, config_from_dict
+from pipefisher.runtime.job.process import Interrupted, threads_per_worker
+
+if TYPE_CHECKING:
+    from pipefisher.runtime.train.trainer import TrainOptions, WorkerResult
+
+LOG_ENV = "PIPEFISHER_WORKER_LOG"
+"""Set by :func:`launch_local`: the file a worker appends its traceback to (the terminal gets one line)."""
+ERROR_MARK = "@@pipefisher-error "
+"""Starts a worker's one-line error, so the launcher can quote it instead of relaying it."""
+PEER_LOST_EXIT = 3
+"""Exit code of a worker that failed because a peer went away: a consequence, never the first cause."""
+INTERRUPTED_EXIT = 130
+"""Exit code after Ctrl-C (128 + SIGINT, as shells report it), of ``pipefisher train`` and its workers."""
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process exited with an error (or was killed)."""
+
+
+_LAUNCHER_VARS = ("GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                  "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def worker_env(rank: int, world: int, port: int) -> dict[str, str]:
+    # Nothing of an outer torchrun may leak in: its agent store would make the workers wait for a
+    # rendezvous that never comes.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_") and k not in _LAUNCHER_VARS}
+    # Children must import this very pipefisher, installed or not.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+               WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               OMP_NUM_THREADS=str(threads_per_worker(world)), PYTHONUNBUFFERED="1")
+    return env
+
+
+def encode_spec(cfg: RunConfig, opts: TrainOptions) -> str:
+    return json.dumps({"config": cfg.to_dict(), "options": opts.__dict__})
+
+
+def decode_spec(text: str) -> tuple[RunConfig, TrainOptions]:
+    from pipefisher.runtime.train.trainer import TrainOptions
+
+    raw = json.loads(text)
+    return config_from_dict(raw["config"]), TrainOptions(**raw["options"])
+
+
+def exit_reason(code: int) -> str:
+    """How a process ended, in words: a signal by name (negative codes), else the exit code."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {code})"
+    return f"exited with code {code}"
+
+
+def first_failure(exits: Sequence[tuple[int, int | None, float]], stopped: Sequence[int] = ()) -> int | None:
+    """The rank whose failure ended the job, from (rank, exit code, when its exit was seen).
+
+    A worker that only lost a peer (:data:`PEER_LOST_EXIT`) or that the launcher stopped is a
+    consequence: the cause is the earliest other failure; only without one are those blamed.
+    """
+    bad = [(r, c, t) for r, c, t in exits if c not in (None, 0)]
+    causes = [e for e in bad if e[0] not in stopped] or bad
+    if not causes:
+        return None
+    return min(causes, key=lambda e: (e[1] == PEER_LOST_EXIT, e[2], e[0]))[0]
+
+
+def failure_message(rank: int, nproc: int, code: int, error_line: str, log: str | None) -> str:
+    """The one line a failed local run ends with."""
+    if error_line:
+        what = f": {error_line.strip()}"
+    elif code < 0:
+        what = ": no error message (stopped from outside: out of memory, a job scheduler, or kill)"
+    else:
+        what = ""
+    return (f"worker rank {rank} of {nproc} {exit_reason(code)}{what}; the other workers were stopped"
+            + (f"; worker output and tracebacks in {log}" if log else ""))
+
+
+def run_worker(cfg: RunConfig, opts: TrainOptions) -> WorkerResult:
+    """This process is one worker: join the job (env://) or, alone, run without torch.distributed."""
+    from pipefisher.runtime.job.dist import init_context, shutdown
+    from pipefisher.runtime.train.trainer import Trainer
+
+    ctx = init_context(cfg, json.dumps(opts.__dict__, sort_keys=True))
+    try:
+        return Trainer(cfg, ctx, opts).run()
+    finally:
+        shutdown(ctx)
+
+
+def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[[str], None] = print,
+                 grace_s: float = 3.0, log_path: str | None = None) -> None:
+    """Run ``nproc`` workers as child processes; raise :class:`WorkerFailed` if any of them fails.
+
+    Worker output is relayed to ``echo`` and kept in a log; tracebacks go to the log only. On failure
+    the log is appended to ``log_path`` (or kept as a temp file) and the error names it; a run that
+    succeeds leaves no log behind.
+    """
+    from pipefisher.runtime.job.dist import free_port
+    from pipefisher.runtime.job.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar, parse_mark, phase
+
+    if opts.progress:  # the seconds until a worker speaks (python, torch, the process group) are not silent
+        phase(f"spawning {nproc} workers (each starts python, imports torch and joins the process group)", echo)
+    port = free_port()
+    spec = encode_spec(cfg, opts)
+    bar = StepBar() if opts.progress else None  # drawn from the reporting worker's marks
+    lock = threading.Lock()
+    fd, tmp_log = tempfile.mkstemp(prefix="pipefisher-workers-", suffix=".log")
+    os.close(fd)
+    log = open(tmp_log, "a", encoding="utf-8")  # O_APPEND: the workers append their tracebacks too
+    log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {nproc} workers of '{cfg.name}', mode {opts.mode}, "
+              f"{opts.steps} steps\n")
+    log.flush()
+    procs = [subprocess.Popen([sys.executable, "-m", "pipefisher.runtime.launch.child", "--spec", spec],
+                              env={**worker_env(r, nproc, port), PROGRESS_ENV: "1", LOG_ENV: tmp_log},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+             for r in range(nproc)]
+    tails: list[list[str]] = [[] for _ in procs]
+    errors = [""] * nproc
+    done: list[int] = []  # steps done, from the reporting worker's marks (for the line after Ctrl-C)
+    quiet = threading.Event()  # set once a worker failed: what follows is aftermath, for the log only
+
+    def relay(r: int, p: subprocess.Popen) -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            line = line.rstrip("\n")
+            with lock:
+                if line.startswith(PROGRESS_MARK):
+                    mark = parse_mark(line)
+                    if mark is not None:
+                        done[:] = [opts.steps - mark[1] + mark[0]]  # the marks count this run's steps
+                    if bar is not None and mark is not None and not quiet.is_set():
+                        bar.update(*mark)
+                    continue
+                if not log.closed:  # a straggler after the launcher gave up on this worker
+                    log.write(f"[rank {r}] {line[len(ERROR_MARK):] if line.startswith(ERROR_MARK) else line}\n")
+                    log.flush()
+                if line.startswith(ERROR_MARK):
+                    errors[r] = line[len(ERROR_MARK):]
+                    quiet.set()
+                    continue
+                tails[r] = (tails[r] + [line])[-20:]
+                if quiet.is_set():
+                    continue
+                if bar is not None:
+                    bar.clear()
+                echo(line)
+
+    threads = [threading.Thread(target=relay, args=(r, p), daemon=True) for r, p in enumerate(procs)]
+    for t in threads:
+        t.start()
+    seen: dict[int, float] = {}  # rank -> when its exit was first seen: who died first
+    stopped: list[int] = []
+
+    def look() -> bool:
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if r not in seen and p.poll() is not None:
+                seen[r] = now
+        return len(seen) == nproc
+
+    failed = interrupted = False
+    try:
+        try:
+            while not look():
+                if any(procs[r].returncode != 0 for r in seen):
+                    failed = True
+                    quiet.set()
+                    deadline = time.monotonic() + grace_s  # let the others exit and log their errors
+                    while time.monotonic() < deadline and not look() \
+                            and not all(errors[r] for r in range(nproc) if r not in seen):  # said: stop them
+                        time.sleep(0.02)
+                    break
+                time.sleep(0.02)
+        except KeyboardInterrupt:  # Ctrl-C: the workers are stopped below, the caller says how far it got
+            interrupted = True
+            quiet.set()
+    finally:
+        for r, p in enumerate(procs):
+            if p.poll() is None:
+                stopped.append(r)
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for t in threads:
+            t.join(timeout=2)
+        if bar is not None:
+            bar.clear()
+        look()
+        rank = first_failure([(r, p.returncode, seen.get(r, float("inf"))) for r, p in enumerate(procs)],
+                             stopped)
+        with lock:
+            log.close()
+        kept = _keep_log(tmp_log, log_path) if rank is not None or failed or interrupted else None
+        if kept is None:
+            os.unlink(tmp_log)
+    if interrupted:
+        raise Interrupted(done[0] if done else None, kept)
+    if rank is not None:
+        code = procs[rank].returncode
+        line = errors[rank] or (next((ln for ln in reversed(tails[rank]) if ln.strip()), "") if code > 0 else "")
+        raise WorkerFailed(failure_message(rank, nproc, code, line, kept))
+
+
+def _keep_log(tmp_log: str, log_path: str | None) -> str:
+    """Where a failed run's worker log ends up: appended to ``log_path``, else the temp file itself."""
+    if log_path is None:
+        return tmp_log
+    try:
+        with open(tmp_log, encoding="utf-8") as src, open(log_path, "a", encoding="utf-8") as dst:
+            shutil.copyfileobj(src, dst)
+    except OSError:
+        return tmp_log
+    os.unlink(tmp_log)
+    return log_path
+
+
+def _spawn_entry(fn: Callable[..., Any], rank: int, world: int, port: int, folder: str,
+                 args: Sequence[Any]) -> None:
+    os.environ.update(worker_env(rank, world, port), OMP_NUM_THREADS="1")  # tests: one thread each
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        value = fn(*args)
+        with open(os.path.join(folder, f"rank{rank}.pt"), "wb") as f:
+            torch.save(value, f)
+    except BaseException:
+        with open(os.path.join(folder, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise SystemExit(1)
+
+
+def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """Run ``fn(*args)`` in ``nprocs`` fresh processes set up like torchrun workers; their return values.
+
+    ``fn`` must be importable by name (a module-level function). The first failure is raised with the
+    worker's traceback; the remaining workers are stopped.
+    """
+    import torch
+
+    from pipefisher.runtime.job.dist import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="pipefisher-spawn-") as folder:
+        procs = [ctx.Process(target=_spawn_entry, args=(fn, r, nprocs, port, folder, args), daemon=True)
+                 for r in range(nprocs)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.is_alive() for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    time.sleep(0.5)
+                    break
+                time.sleep(0.02)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                p.join(10)
+        errors = []
+        for r in range(nprocs):
+            err = os.path.join(folder, f"rank{r}.err")
+            if os.path.exists(err):
+                with open(err) as f:
+                    errors.append(f"rank {r}:\n{f.read()}")
+        if errors:
+            raise WorkerFailed("\n".join(errors))
+        if any(p.exitcode != 0 for p in procs):
+            codes = [p.exitcode for p in procs]
+            raise WorkerFailed(f"workers did not finish within {timeout_s:.0f} s (exit codes {codes})")
+        out = []
+        for r in range(nprocs):
+            path = os.path.join(folder, f"rank{r}.pt")
+            if not os.path.exists(path):
+                raise WorkerFailed(f"worker rank {r} of {nprocs} exited without a result")
+            with open(path, "rb") as f:
+                out.append(torch.load(f, weights_only=False))
+        return out

@@ -1,0 +1,194 @@
+"""Copies of a device: Chimera's two stage copies (two pipes), or interleaving's chunks, one K-FAC state each.
+
+Device ``d`` of a ``D``-stage Chimera job holds stage ``d`` of the down pipe and stage ``D - 1 - d``
+of the up pipe (Li & Hoefler, SC'21). Each copy has its own parameters, K-FAC state and saved
+micro-batches, and runs its own micro-batches through its own :class:`PipelineEngine`; the order of
+their calls on the device is the simulator's Chimera order (:func:`pipefisher.runtime.pipeline.engine.device_plan`).
+
+The two copies of a stage (on devices ``s`` and ``D - 1 - s``) stay bit-identical: at ``-- end --``
+their gradients are summed over the pair (and averaged over data-parallel replicas), and their
+K-FAC factors are averaged over the same group by ``sync_kron`` before they are inverted. Everything
+that talks to that group runs in one canonical order on both devices: the copies by stage index.
+
+Interleaved 1F1B holds ``v`` copies keyed by chunk instead: chunk ``j`` of device ``d`` is virtual
+stage ``d + j*D`` (:class:`StageChunks`), with its own engine, K-FAC state, saved micro-batches and
+``:chunk<j>`` profiler keys; the same :class:`KFACPair` and :class:`ChimeraEngine` route the work by
+copy id. Each chunk is a distinct stage, so gradients and factors average over the replicas only.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Iterator
+
+from torch import nn
+
+from pipefisher.pipeline_orders import DOWN, UP
+from pipefisher.runtime.job.dist import DistContext
+from pipefisher.runtime.pipeline.engine import PipelineEngine, average_gradients
+from pipefisher.runtime.pipeline.labels import parse_label
+from pipefisher.timeline import UP_SUFFIX
+
+Span = Callable[[str], ContextManager[Any]]
+
+
+def up_span(span: Span | None) -> Span:
+    """The profiler's span for the up copy: every key gets the ``:up_pipe`` suffix of the format."""
+    return suffix_span(span, UP_SUFFIX)
+
+
+def suffix_span(span: Span | None, suffix: str) -> Span:
+    """The profiler's span for one copy: every key gets the copy's suffix (``:up_pipe``, ``:chunk<j>``)."""
+    if span is None:
+        return lambda key: nullcontext()
+    if not suffix:
+        return span
+    return lambda key: span(key + suffix)
+
+
+def label_copy(label: str) -> int:
+    """The copy a pipeline label runs on: 1 for ``:up_pipe``, j for ``:chunk<j>``, else 0."""
+    return parse_label(label)[3]
+
+
+class StagePair(nn.Module):
+    """The two stage copies of a Chimera device: ``down`` (stage d) and ``up`` (stage D - 1 - d).
+
+    ``order`` lists the pipes in canonical order (:func:`pipefisher.runtime.pipeline.layout.node_pipes`), the
+    same on both devices of the pair: gradient buffers and naive K-FAC follow it.
+    """
+
+    def __init__(self, down: nn.Module, up: nn.Module, order: list[int]) -> None:
+        super().__init__()
+        self.down, self.up, self.order = down, up, order
+
+    def copy(self, pipe: int) -> nn.Module:
+        return self.up if pipe == UP else self.down
+
+
+class StageChunks(nn.Module):
+    """The ``v`` stage copies of an interleaved device, by chunk (chunk j: virtual stage d + j*D)."""
+
+    def __init__(self, chunks: list[nn.Module]) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.order = list(range(len(chunks)))
+
+    def copy(self, chunk: int) -> nn.Module:
+        return self.chunks[chunk]
+
+
+class KFACPair:
+    """The K-FAC states of a device's stage copies (Chimera's two pipes, or interleaving's chunks),
+    seen as one by the trainer and the updater. ``suffixes``: each copy's profiler key suffix
+    (default: Chimera's, ``:up_pipe`` for the up copy)."""
+
+    def __init__(self, kfacs: dict[int, Any], order: list[int], suffixes: dict[int, str] | None = None) -> None:
+        self.kfacs, self.order = kfacs, order
+        self.suffixes = suffixes if suffixes is not None else {p: UP_SUFFIX if p == UP else "" for p in kfacs}
+
+    def __getitem__(self, pipe: int) -> Any:
+        return self.kfacs[pipe]
+
+    def _all(self) -> Iterator[Any]:
+        return (self.kfacs[p] for p in self.order)
+
+    def set_saving(self, on: bool) -> None:
+        for k in self._all():
+            k.set_saving(on)
+
+    def update_curvature(self, span: Span | None = None) -> None:
+        """Naive K-FAC of both copies, in canonical order (their syncs share one group)."""
+        for p in self.order:
+            suffix = self.suffixes.get(p, "")
+            self.kfacs[p].update_curvature(span=suffix_span(span, suffix) if suffix else span)
+
+    def clear_saved(self) -> None:
+        for k in self._all():
+            k.clear_saved()
+
+    def settle_all(self) -> None:
+        for k in self._all():
+            k.settle_all()
+
+    def reset_peak_saved(self) -> None:
+        for k in self._all():
+            k.reset_peak_saved()
+
+    @property
+    def peak_saved_bytes(self) -> int:
+        """An upper bound: the two copies' high-water marks added."""
+        return sum(k.peak_saved_bytes for k in self._all())
+
+    def precondition_all(self) -> int:
+        return sum(k.precondition_all() for k in self._all())
+
+    @property
+    def grad_dot_step(self) -> float:
+        return sum(k.grad_dot_step for k in self._all())
+
+    def scale_step(self, nu: float) -> None:
+        for k in self._all():
+            k.scale_step(nu)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for k in self._all() for p in k.parameters()]
+
+
+class ChimeraEngine:
+    """The pipeline calls of a device with several stage copies (Chimera's pipes, interleaving's
+    chunks): each label to its copy's engine, and the step's ends."""
+
+    def __init__(self, pair: StagePair | StageChunks, ctx: DistContext, engines: dict[int, PipelineEngine]) -> None:
+        self.pair, self.ctx, self.engines = pair, ctx, engines
+        self.down = engines[DOWN]
+
+    def op(self, label: str) -> Callable[[], None]:
+        copy = label_copy(label)
+        if copy not in self.engines:
+            raise ValueError(f"label {label!r} names a stage copy this device does not hold")
+        return self.engines[copy].op(label)
+
+    def run(self, ops: list[str]) -> None:
+        for label in ops:
+            self.op(label)()
+
+    def prepost(self, label: str) -> int:
+        """Post ahead the receives of the call ``label`` on its copy's engine
+        (:meth:`PipelineEngine.prepost`); each copy's receives have their own tags."""
+        self.op(label)
+        return self.engines[label_copy(label)].prepost(label)
+
+    def drop_preposted(self) -> int:
+        return sum(e.drop_preposted() for e in self.engines.values())
+
+    @property
+    def posted_ahead(self) -> int:
+        return sum(e.posted_ahead for e in self.engines.values())
+
+    def begin_step(self, step: int) -> None:
+        for e in self.engines.values():
+            e.begin_step(step)
+
+    def set_wait_log(self, log: list[Any] | None) -> None:
+        """Every copy's receive waits into one log (see :meth:`PipelineEngine.set_wait_log`)."""
+        for e in self.engines.values():
+            e.set_wait_log(log)
+
+    def finish_step(self) -> float | None:
+        """Both pipes' sends waited for; the loss of the micro-batches whose last stage is here."""
+        losses = [e.finish_step() for e in self.engines.values()]
+        mine = [x for x in losses if x is not None]
+        return sum(mine) if mine else None
+
+    def allreduce_gradients(self) -> None:
+        average_gradients([self.pair.copy(p) for p in self.pair.order], self.ctx)
+
+    def evaluate(self, batches: list[Any]) -> float | None:
+        """Held-out loss through the down pipe (the copies are identical, one pipe is enough); when
+        interleaved, each batch through every chunk in turn (the whole model)."""
+        if not isinstance(self.pair, StageChunks):
+            return self.down.evaluate(batches)
+        engines = [self.engines[j] for j in self.pair.order]
+        total = sum(e.evaluate_batch(mb) for mb in batches for e in engines)
+        last = engines[-1]
+        return last.replica_mean(total / len(batches)) if last.is_last and batches else None

@@ -1,0 +1,438 @@
+"""The pipeline engine: one forward or backward micro-batch per call, in a generator's order.
+
+``forward()`` and ``backward()`` are exactly the runtime meaning of the ``call_forward`` and
+``call_backward`` schedule labels: the next micro-batch, with its point-to-point receive and send.
+Sends are asynchronous (waited for at the end of the step); receives block, under the process
+group's timeout. ``prepost(label)`` posts a call's receives ahead of the call (the executor does it
+before K-FAC work in a bubble): with gloo a send completes only once its receive is posted, so a
+receive posted late holds the sender; the call then waits on the posted receive, under the same timeout.
+
+The order of those calls on each device comes from the simulator's schedule generators
+(:mod:`pipefisher.pipeline_orders`), the one definition of every pipeline order. A Chimera device runs
+two pipes, each through its own :class:`PipelineEngine` (see :mod:`pipefisher.runtime.pipeline.copies`).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipefisher.pipeline_orders import DOWN, UP, generate
+from pipefisher.pipeline_orders import FORWARD as _F
+from pipefisher.runtime.data.batches import MLMData, batch_seed
+from pipefisher.runtime.job.config import PIPELINE_ORDERS
+from pipefisher.runtime.job.dist import DistContext
+from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, chunk_suffix
+from pipefisher.timeline import UP_SUFFIX
+
+_TAG_ACT, _TAG_GRAD, _TAG_SAMPLED_GRAD, _TAG_EVAL = 1, 2, 3, 4
+_TAG_PIPE_STRIDE = 8  # the up pipe's tags: the same kinds, shifted, so the two pipes never mix
+_TAG_CHUNK_STRIDE = 16  # interleaving: a boundary's tags shifted by its receiving chunk, so chunks never mix
+Span = Callable[[str], ContextManager[Any]]
+
+
+def pipe_label(kind: str, pipe: int) -> str:
+    """``call_forward`` / ``call_backward`` of ``pipe`` (``:up_pipe`` for Chimera's second pipe)."""
+    return kind + (UP_SUFFIX if pipe == UP else "")
+
+
+def copy_label(kind: str, copy: int, interleaved: bool) -> str:
+    """``call_forward`` / ``call_backward`` of a device's stage copy: its chunk's (``:chunk<j>``,
+    interleaved) or its pipe's (``:up_pipe``, Chimera); copy 0 keeps the plain key."""
+    return kind + chunk_suffix(copy) if interleaved else pipe_label(kind, copy)
+
+
+def device_plan(kind: str, device: int, devices: int, num_micro_batches: int,
+                chunks: int = 2) -> list[tuple[str, int, int]]:
+    """``(label, copy, micro-batch)`` for every forward and backward call of one device in one step.
+
+    ``copy`` is the pipe (Chimera) or the chunk (interleaved, ``chunks`` per device) whose stage copy
+    runs the call. Taken from the simulator's generator of ``kind`` (Chimera with the paper's equal
+    forward and backward times), so the trainer, the profiler and the simulator run one and the same order.
+    """
+    if kind not in PIPELINE_ORDERS:
+        raise ValueError(f"unknown pipeline schedule {kind!r} ({', '.join(PIPELINE_ORDERS)})")
+    return list(_plans(kind, devices, num_micro_batches, chunks if kind == "interleaved" else 1)[device])
+
+
+@functools.lru_cache(maxsize=64)
+def _plans(kind: str, devices: int, num_micro_batches: int,
+           chunks: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Every device's plan at once (Chimera's list scheduling orders all devices together)."""
+    schedule = generate(kind, devices, num_micro_batches, chunks)
+    inter = kind == "interleaved"
+    return tuple(tuple((copy_label(FORWARD if op.kind == _F else BACKWARD, op.chunk if inter else op.pipe, inter),
+                        op.chunk if inter else op.pipe, op.micro_batch)
+                       for op in ops) for ops in schedule.devices)
+
+
+def pipeline_ops(kind: str, stage: int, num_stages: int, num_micro_batches: int, chunks: int = 2) -> list[str]:
+    """The labels of one device's forward and backward calls in one step (:func:`device_plan`).
+
+    GPipe: all forwards, then all backwards. 1F1B: ``num_stages - stage - 1`` warm-up forwards, then
+    alternate one forward and one backward, then the remaining backwards. Chimera: both pipes, as
+    the simulator's list scheduling orders them.
+    """
+    return [label for label, _, _ in device_plan(kind, stage, num_stages, num_micro_batches, chunks)]
+
+
+def pipe_micro_batches(kind: str, device: int, devices: int, num_micro_batches: int,
+                       chunks: int = 2) -> dict[int, list[int]]:
+    """Per pipe, the micro-batches this device runs, in forward order; refuses a plan whose backwards
+    do not follow the forwards' order on a pipe (each engine keeps its in-flight micro-batches FIFO)."""
+    out: dict[int, list[int]] = {}
+    backs: dict[int, list[int]] = {}
+    for label, pipe, mb in device_plan(kind, device, devices, num_micro_batches, chunks):
+        (out if label.startswith(FORWARD) else backs).setdefault(pipe, []).append(mb)
+    for pipe, order in out.items():
+        if backs.get(pipe) != order:
+            raise ValueError(f"{kind}: device {device} runs the backwards of pipe {pipe} out of forward order")
+    return out
+
+
+class PipelineEngine:
+    """Runs one stage's part of each step's pipeline, on one pipe.
+
+    ``stage`` is any module keeping the stage protocol (``is_first``, ``is_last``, ``hidden_size``,
+    ``forward(x, labels=None, sample=None)``; see :func:`pipefisher.runtime.models.builders.make_stage`).
+
+    The loss of every micro-batch is divided by the number of micro-batches of the step (both pipes
+    together under Chimera), so the gradients of a step are those of the mean loss over the step's
+    batch (then averaged over replicas).
+
+    ``pipe`` is 0 (down) or 1 (Chimera's up pipe, whose stage ``s`` sits on device ``D - 1 - s``:
+    activations flow towards lower ranks); ``micro_batches`` are the step's micro-batch indices this
+    pipe runs, in forward order (default: all of them). ``chunk`` (interleaved 1F1B) makes this
+    engine chunk j of its device, virtual stage ``d + j*D``: device 0's chunk j receives from device
+    D-1's chunk j-1, device D-1's chunk j sends to device 0's chunk j+1, each boundary on its own tags;
+    its keys are ``call_forward:chunk<j>`` / ``call_backward:chunk<j>`` (plain for chunk 0).
+
+    With a true-Fisher ``kfac`` that saves the micro-batch, the last stage also computes the loss
+    against labels sampled from its predictions, and every stage runs a second backward of that loss
+    (input and layer-output gradients only, no weight gradients) before the real one: its layer-output
+    gradients build factor B, and its input gradient travels to the previous stage beside the real one.
+    """
+
+    def __init__(self, stage: torch.nn.Module, ctx: DistContext, data: MLMData, num_micro_batches: int,
+                 span: Span | None = None, kfac: Any = None, *, pipe: int = DOWN,
+                 micro_batches: Sequence[int] | None = None, chunk: int | None = None) -> None:
+        self.stage, self.ctx, self.data = stage, ctx, data
+        self.kfac = kfac
+        self.num_micro_batches = num_micro_batches
+        self.micro_batches = list(range(num_micro_batches) if micro_batches is None else micro_batches)
+        self.pipe, self.chunk = pipe, chunk
+        self.span: Span = span or (lambda key: nullcontext())
+        g = ctx.grid
+        if chunk is None:
+            self.forward_key, self.backward_key = pipe_label(FORWARD, pipe), pipe_label(BACKWARD, pipe)
+            step = 1 if pipe == DOWN else -1  # the up pipe's next stage is the previous device
+            self.prev_rank = None if stage.is_first else g.rank - step
+            self.next_rank = None if stage.is_last else g.rank + step
+            shift = shift_out = _TAG_PIPE_STRIDE * pipe
+        else:
+            # Interleaved: chunk j of device d is virtual stage d + j*D; device 0's chunk j reads from
+            # device D-1's chunk j-1, device D-1's chunk j sends to device 0's chunk j+1.
+            d, last = g.stage, g.stages - 1
+            self.forward_key, self.backward_key = FORWARD + chunk_suffix(chunk), BACKWARD + chunk_suffix(chunk)
+            self.prev_rank = None if stage.is_first else g.rank_of(d - 1 if d > 0 else last, g.replica)
+            self.next_rank = None if stage.is_last else g.rank_of(d + 1 if d < last else 0, g.replica)
+            shift = _TAG_CHUNK_STRIDE * chunk  # tags of the boundary into this copy
+            shift_out = _TAG_CHUNK_STRIDE * (chunk if d < last else chunk + 1)  # into the next copy
+        self._in, self._out = shift, shift_out  # tag shifts of the boundaries with prev_rank / next_rank
+        c, h = data.cfg, stage.hidden_size
+        self.act_shape = (c.micro_batch_size, c.seq_len, h)
+        self.step = 0
+        self._next_fwd = self._next_bwd = 0
+        self._stash: collections.deque = collections.deque()
+        self._sends: list[tuple[Any, torch.Tensor]] = []
+        # receives posted ahead of their call (prepost): (src, tag) -> (buffer, irecv work); at most one
+        # per (src, tag), the oldest outstanding receive of that pair, so FIFO matching is unchanged
+        self._posted: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
+        self.posted_ahead = 0  # receives posted by prepost over the engine's life (a diagnostic)
+        self.losses: list[torch.Tensor] = []
+        self._wait_log: list[Any] | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage.is_last
+
+    def begin_step(self, step: int) -> None:
+        if self._stash or self._sends or self._posted:
+            raise RuntimeError("begin_step while the previous step still has micro-batches in flight")
+        self.step = step
+        self._next_fwd = self._next_bwd = 0
+        self.losses = []
+
+    # -- one label each ------------------------------------------------------------------------------
+
+    def forward(self) -> None:
+        """The next forward micro-batch: receive (not first stage), compute, send (not last stage)."""
+        if self._next_fwd >= len(self.micro_batches):
+            raise RuntimeError(f"{self.forward_key}: all {len(self.micro_batches)} micro-batches already ran forward")
+        i = self.micro_batches[self._next_fwd]
+        self._next_fwd += 1
+        dev = self.ctx.device
+        labels = None
+        if self.is_first or self.is_last:
+            mb = self.data.micro_batch(self.step, self.ctx.grid.replica, i)
+            labels = mb.labels.to(dev) if self.is_last else None
+        if self.is_first:
+            x = mb.input_ids.to(dev)
+        else:
+            x = self._recv(self.prev_rank, _TAG_ACT + self._in)
+            x.requires_grad_(True)
+        sampled = None
+        # whether this micro-batch's backward runs the true-Fisher backward (kfac.take_forward() not
+        # None): it then receives a sampled-label gradient too, which prepost must know beforehand
+        two_grads = self.kfac is not None and bool(self.kfac.samples_labels)
+        with self.span(self.forward_key):
+            if self.is_last and self.kfac is not None and self.kfac.samples_labels:
+                out, sampled = self.stage(x, labels, sample=self._sampling_generator(i))
+                sampled = sampled / self.num_micro_batches
+            else:
+                out = self.stage(x, labels)
+            if self.is_last:
+                out = out / self.num_micro_batches
+                self.losses.append(out.detach())
+            else:
+                self._send(out.detach(), self.next_rank, _TAG_ACT + self._out)
+            if self.kfac is not None:
+                self.kfac.end_forward()
+        self._stash.append((x, out, sampled, two_grads))
+
+    def _sampling_generator(self, index: int) -> torch.Generator:
+        """Labels for the true Fisher, a pure function of (seed, step, replica, micro-batch)."""
+        seed = batch_seed(self.data.cfg.seed, self.step, self.ctx.grid.replica, index)
+        return torch.Generator().manual_seed(seed * 31 + 7)  # a stream apart from the batch's own
+
+    def backward(self) -> None:
+        """The next backward micro-batch (oldest first): receive the output gradient, backprop, send."""
+        if not self._stash:
+            raise RuntimeError(f"{self.backward_key}: no forward micro-batch is waiting for its backward")
+        self._next_bwd += 1
+        x, out, sampled, _ = self._stash.popleft()
+        outputs = self.kfac.take_forward() if self.kfac is not None else None
+        # receives in the order the next stage sends: the sampled-label gradient first (backends that
+        # match by order alone, NCCL, would otherwise swap the two), then the real one
+        seed_grad = grad = None
+        if not self.is_last:
+            if outputs is not None:
+                seed_grad = self._recv(self.next_rank, _TAG_SAMPLED_GRAD + self._out)
+            grad = self._recv(self.next_rank, _TAG_GRAD + self._out)
+        with self.span(self.backward_key):
+            if outputs is not None:
+                self._sampled_backward(x, out, sampled, outputs, seed_grad)
+            out.backward(grad)
+            if not self.is_first:
+                self._send(x.grad, self.prev_rank, _TAG_GRAD + self._in)
+
+    def _sampled_backward(self, x: torch.Tensor, out: torch.Tensor, sampled: torch.Tensor | None,
+                          outputs: list[tuple[Any, torch.Tensor]], seed_grad: torch.Tensor | None) -> None:
+        """True Fisher: gradients of the sampled-label loss w.r.t. the K-FAC layers' outputs (and x);
+        ``seed_grad`` is the next stage's sampled-label gradient (None on the last stage)."""
+        if self.is_last:
+            assert sampled is not None, "the last stage sampled no labels for a saved micro-batch"
+            root = sampled
+        else:
+            assert seed_grad is not None
+            root = out
+        targets = [o for _, o in outputs] + ([] if self.is_first else [x])
+        if not targets:
+            return
+        grads = torch.autograd.grad(root, targets, grad_outputs=seed_grad, retain_graph=True, allow_unused=True)
+        self.kfac.save_outgrads(outputs, grads[:len(outputs)])
+        if not self.is_first:
+            gx = grads[-1] if grads[-1] is not None else torch.zeros_like(x)
+            self._send(gx, self.prev_rank, _TAG_SAMPLED_GRAD + self._in)
+
+    def receives(self, label: str) -> list[tuple[int, int]]:
+        """``(src, tag)`` of every receive the call ``label`` would post if it ran now, in its order:
+        a forward's activation, a backward's sampled-label (true Fisher) then real output gradient;
+        none on the first stage's forwards, the last stage's backwards, or a call that cannot run."""
+        self.op(label)  # refuses a label of another pipe or chunk
+        if label == self.forward_key:
+            if self.is_first or self._next_fwd >= len(self.micro_batches):
+                return []
+            assert self.prev_rank is not None
+            return [(self.prev_rank, _TAG_ACT + self._in)]
+        if self.is_last or not self._stash:
+            return []
+        assert self.next_rank is not None
+        two_grads = self._stash[0][3]
+        return ([(self.next_rank, _TAG_SAMPLED_GRAD + self._out)] if two_grads else []) + \
+            [(self.next_rank, _TAG_GRAD + self._out)]
+
+    def prepost(self, label: str) -> int:
+        """Post now, as irecvs, the receives the call ``label`` will make; returns how many it posted.
+
+        With gloo a send completes only once its receive is posted: a receive posted late (after
+        K-FAC work in a bubble) holds the sender, then still pays the transfer. Each receive goes into
+        the buffer the call will use and is the one the call would post (same peer, tag, shape, dtype,
+        group); the call waits on it instead of posting its own. Messages between two ranks keep
+        their order: a pair (src, tag) is matched first in, first out, and only the oldest receive of a
+        pair is ever posted ahead (a pair already posted is left alone). Nothing to receive: a no-op.
+        """
+        n = 0
+        for key in self.receives(label):
+            if key in self._posted:
+                continue
+            src, tag = key
+            buf = torch.empty(self.act_shape, device=self.ctx.device)
+            self._posted[key] = (buf, dist.irecv(buf, src, tag=tag))
+            n += 1
+        self.posted_ahead += n
+        return n
+
+    def drop_preposted(self) -> int:
+        """Forget every receive posted ahead and not taken (a failed step); returns how many.
+
+        torch offers no cancel of a posted receive; the handles are released (gloo then drops the
+        receive), and the step cannot go on: the run is failing, its process group goes down with it.
+        """
+        n = len(self._posted)
+        self._posted.clear()
+        return n
+
+    def op(self, label: str) -> Callable[[], None]:
+        """The call a ``call_forward`` / ``call_backward`` label stands for on this engine."""
+        if label == self.forward_key:
+            return self.forward
+        if label == self.backward_key:
+            return self.backward
+        raise ValueError(f"label {label!r} is not a pipeline call of this engine's pipe")
+
+    def run(self, ops: Sequence[str]) -> None:
+        for label in ops:
+            self.op(label)()
+
+    def finish_step(self) -> float | None:
+        """Wait for outstanding sends; the step's loss (sum of micro-batch losses) on the last stage."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+        if self._posted:
+            left = sorted(self._posted)
+            self.drop_preposted()
+            raise RuntimeError(f"receive(s) posted ahead but taken by no call of the step: (src, tag) {left}")
+        if self._stash:
+            raise RuntimeError(f"{len(self._stash)} micro-batches ran forward but not backward")
+        return float(sum(self.losses)) if self.is_last else None
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Any]) -> float | None:
+        """Mean loss over held-out micro-batches, forward only through the pipeline (dropout off).
+
+        Every stage of a replica must call it at the same point; the last stage returns the loss,
+        averaged over the data-parallel replicas (each evaluates the same batches), the others None.
+        Nothing is saved for K-FAC (no gradients are enabled).
+        """
+        total = sum(self.evaluate_batch(mb) for mb in batches)
+        return self.replica_mean(total / len(batches)) if self.is_last and batches else None
+
+    @torch.no_grad()
+    def evaluate_batch(self, mb: Any) -> float:
+        """One held-out micro-batch through this copy (dropout off): its loss on the last stage, else 0."""
+        if self._stash or self._sends or self._posted:
+            raise RuntimeError("evaluate while a training step still has micro-batches in flight")
+        was_training = self.stage.training
+        self.stage.eval()
+        dev = self.ctx.device
+        try:
+            x = mb.input_ids.to(dev) if self.is_first else self._recv(self.prev_rank, _TAG_EVAL + self._in)
+            out = self.stage(x, mb.labels.to(dev) if self.is_last else None)
+            if self.is_last:
+                return float(out)
+            dist.send(out.contiguous(), self.next_rank, tag=_TAG_EVAL + self._out)
+            return 0.0
+        finally:
+            self.stage.train(was_training)
+
+    def replica_mean(self, value: float) -> float:
+        """``value`` averaged over the data-parallel replicas of this stage."""
+        grid = self.ctx.grid
+        if grid.replicas == 1:
+            return value
+        loss = torch.tensor([value], device=self.ctx.device)
+        dist.all_reduce(loss, group=self.ctx.dp_group)
+        return float(loss / grid.replicas)
+
+    def allreduce_gradients(self) -> None:
+        """Average gradients over the stage's data-parallel group (one flat buffer)."""
+        average_gradients([self.stage], self.ctx)
+
+    # -- point to point ------------------------------------------------------------------------------
+
+    def _send(self, t: torch.Tensor, dst: int | None, tag: int) -> None:
+        assert dst is not None
+        t = t.contiguous()
+        self._sends.append((dist.isend(t, dst, tag=tag), t))
+
+    def _recv(self, src: int | None, tag: int) -> torch.Tensor:
+        """The next message of (src, tag): its receive posted ahead (:meth:`prepost`) waited for, else
+        posted and waited for now. Either wait is the call's wait in the wait log."""
+        assert src is not None
+        posted = self._posted.pop((src, tag), None)
+        wait: Callable[[], Any]
+        if posted is None:
+            buf = torch.empty(self.act_shape, device=self.ctx.device)
+            wait = functools.partial(dist.recv, buf, src, tag=tag)
+        else:
+            buf, work = posted
+            wait = work.wait  # no timeout argument: the process group's timeout, as dist.recv's
+        log = self._wait_log
+        if log is None:
+            wait()
+        elif self.ctx.device.type == "cuda":  # events around it, read at the end of the step
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record()
+            wait()
+            after.record()
+            log.append((before, after))
+        else:
+            t0 = time.perf_counter()
+            wait()
+            log.append(time.perf_counter() - t0)
+        return buf
+
+    def set_wait_log(self, log: list[Any] | None) -> None:
+        """Append every receive's wait (seconds on CPU, a CUDA event pair on GPU) to ``log`` (None: off)."""
+        self._wait_log = log
+
+
+
+def average_gradients(stages: Sequence[torch.nn.Module], ctx: DistContext) -> None:
+    """Average the gradients of this device's stage copies over every replica of them, in one buffer.
+
+    The group is ``ctx.stage_group``: the data-parallel replicas of the device's stage, or under
+    Chimera every device holding a copy of the same two stages. The gradients are summed over the
+    group and divided by the data-parallel replica count: the two pipes of a Chimera replica each
+    hold the gradient of their own micro-batches (already divided by the step's micro-batch count),
+    which add up to the replica's gradient. ``stages`` must come in the same (stage index) order on
+    every member, so the flat buffers line up.
+    """
+    if ctx.stage_group_size == 1:
+        return
+    params = [p for stage in stages for p in stage.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=ctx.stage_group)
+    if ctx.grid.replicas > 1:
+        flat /= ctx.grid.replicas
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        chunk = flat[offset:offset + n].view_as(g)
+        if p.grad is None:
+            p.grad = chunk.clone()
+        else:
+            p.grad.copy_(chunk)
+        offset += n

@@ -1,0 +1,175 @@
+"""Running a schedule: where a label becomes a call, walked label by label, one bound call each.
+
+A schedule file is ``schedules[node][iteration] = [label, ...]`` (see the format spec). Training step 0
+is a plain pipeline step plus naive K-FAC; step ``s >= 1`` runs iteration ``(s - 1) % k`` of the node's
+cycle, one call per label (:mod:`pipefisher.runtime.pipeline.checks` has refused, before any step,
+a schedule this run cannot run):
+
+=====================================  ===========================================================
+label                                  call
+=====================================  ===========================================================
+``-- start --``                        ``engine.begin_step(step)``
+``call_forward`` / ``call_backward``   ``engine.forward()`` / ``engine.backward()`` (with p2p)
+``cov/sync/inv_kron_A|B:<module>``     ``kfac.cov / sync / inv(factor, module)``
+any of these with ``:up_pipe``         the same on the up pipe's engine / stage copy (Chimera)
+any of these with ``:chunk<j>``        the same on chunk j's engine / stage copy (interleaved)
+``-- end --``                          ``engine.finish_step()``, then the trainer's end of step
+``turn_off/on_save_inputs_outgrads``   ``kfac.set_saving(False / True)``
+=====================================  ===========================================================
+
+Before the K-FAC work of a bubble (the first of a run of K-FAC labels followed, within the step, by a
+pipeline call), the executor has the engine post that call's receives (``engine.prepost``): with gloo
+a neighbour's send completes only once its receive is posted, so posting it only when the call comes
+would hold the neighbour for the whole bubble (:func:`prepost_points`).
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Mapping, Sequence
+
+from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, KFAC_KINDS, parse_label
+
+
+def prepost_points(labels: Sequence[str]) -> dict[int, str]:
+    """Where the executor posts a pipeline call's receives ahead: label index -> the call's label.
+
+    At the first K-FAC label of every bubble (a run of K-FAC labels, after a pipeline call or the
+    step's start) whose step goes on with a pipeline call: that call's receives, so the neighbour's
+    send completes while this node works. Each call is posted for at most once; work after
+    ``-- end --`` (the next step's call lies beyond the step's end) posts nothing.
+    """
+    kinds = [parse_label(label)[0] for label in labels]
+    out: dict[int, str] = {}
+    claimed: set[int] = set()
+    for i, kind in enumerate(kinds):
+        if kind not in KFAC_KINDS or (i > 0 and kinds[i - 1] in KFAC_KINDS):
+            continue
+        for j in range(i + 1, len(kinds)):
+            if kinds[j] in (FORWARD, BACKWARD):
+                if j not in claimed:
+                    out[i] = labels[j]
+                    claimed.add(j)
+                break
+            if kinds[j] in (START, END):
+                break
+    return out
+
+
+class ScheduleExecutor:
+    """Runs one node's iterations label by label on an engine, its K-FAC states and an end-of-step call.
+
+    ``kfacs`` maps a copy (0; 1 for ``:up_pipe`` labels; j for ``:chunk<j>`` labels) to the K-FAC
+    state of that stage copy. Each iteration is compiled once into a list of bound calls, so a step costs one Python call
+    per label. ``span(label)`` wraps every K-FAC label (the profiler uses it; a no-op otherwise).
+    ``recorder`` (:mod:`pipefisher.runtime.train.recorder`) times every label of every step; its record of
+    the last step is :attr:`last_record`. The cycle starts at step ``first_step``; :meth:`switch` puts
+    another cycle in its place from a later step (a cycle boundary: see :class:`pipefisher.runtime.train.adapt.ScheduleLoop`).
+    With ``prepost`` (and an engine that has ``prepost``), every bubble's K-FAC work is preceded by
+    posting the next pipeline call's receives (:func:`prepost_points`); that is no label, not recorded.
+    """
+
+    def __init__(self, iterations: Sequence[Sequence[str]], engine: Any, kfacs: Mapping[int, Any],
+                 end_of_step: Callable[[], None], span: Callable[[str], ContextManager[Any]] | None = None,
+                 recorder: Any = None, first_step: int = 1, prepost: bool = True) -> None:
+        self.engine, self.kfacs, self.end_of_step = engine, kfacs, end_of_step
+        self.span = span
+        self.prepost = prepost
+        self.recorder = recorder
+        if recorder is not None:
+            recorder.attach(engine)
+        self.last_record: Any = None
+        self._step = 0
+        self._loss: float | None = None
+        self.switch(iterations, first_step)
+
+    def switch(self, iterations: Sequence[Sequence[str]], first_step: int) -> None:
+        """Run ``iterations`` from training step ``first_step`` on (its iteration 0)."""
+        if first_step < 1:
+            raise ValueError("a schedule's cycle starts at step 1 or later (step 0 is a plain step)")
+        self.iterations = [list(it) for it in iterations]
+        self._compiled = [self._compile_iteration(it) for it in self.iterations]
+        self.first_step = first_step
+
+    @property
+    def cycle(self) -> int:
+        return len(self.iterations)
+
+    def iteration_of(self, step: int) -> int:
+        """The iteration that training step ``step >= first_step`` runs."""
+        return (step - self.first_step) % self.cycle
+
+    def _set_saving(self, on: bool) -> None:
+        for k in self.kfacs.values():
+            k.set_saving(on)
+
+    def _compile_iteration(self, labels: Sequence[str]) -> list[Callable[[], None]]:
+        """One bound call per label, each bubble's receive posts (unrecorded) before its K-FAC work."""
+        post = getattr(self.engine, "prepost", None) if self.prepost else None
+        points = prepost_points(labels) if post is not None else {}
+        calls: list[Callable[[], None]] = []
+        for i, label in enumerate(labels):
+            if i in points:
+                calls.append(functools.partial(post, points[i]))
+            calls.append(self._compile(label))
+        return calls
+
+    def _compile(self, label: str) -> Callable[[], None]:
+        call = self._bind(label)
+        return call if self.recorder is None else self.recorder.wrap(label, call)
+
+    def _bind(self, label: str) -> Callable[[], None]:
+        kind, factor, module, pipe = parse_label(label)
+        if kind == START:
+            return lambda: self.engine.begin_step(self._step)
+        if kind in (FORWARD, BACKWARD):
+            return self.engine.op(label)
+        if kind == END:
+            return self._end
+        if kind == SAVE_ON:
+            return functools.partial(self._set_saving, True)
+        if kind == SAVE_OFF:
+            return functools.partial(self._set_saving, False)
+        if kind in KFAC_KINDS and module is not None:
+            kfac = self.kfacs[pipe]
+            work = {"cov_kron": kfac.cov, "sync_kron": kfac.sync, "inv_kron": kfac.inv}[kind]
+            call = functools.partial(work, factor, module)
+            if self.span is None:
+                return call
+            span = self.span
+
+            def spanned() -> None:
+                with span(label):
+                    call()
+            return spanned
+        raise ValueError(f"label {label!r} cannot be run (check the schedule first)")
+
+    def _end(self) -> None:
+        self._loss = self.engine.finish_step()
+        self.end_of_step()
+
+    def run_step(self, step: int) -> float | None:
+        """Run the iteration of training step ``step >= first_step``; the step's loss on the last stage."""
+        if step < self.first_step:
+            raise ValueError(f"step {step} comes before this cycle's first step {self.first_step} "
+                             "(step 0 is a plain pipeline step with naive K-FAC, not a schedule iteration)")
+        self._step, self._loss = step, None
+        it = self.iteration_of(step)
+        if self.recorder is not None:
+            self.recorder.begin_step(step, it)
+        try:
+            for call in self._compiled[it]:
+                call()
+        except BaseException:
+            drop = getattr(self.engine, "drop_preposted", None)
+            if drop is not None:  # receives posted ahead of a call the failed step never ran
+                drop()
+            raise
+        if self.recorder is not None:
+            self.last_record = self.recorder.end_step()
+        return self._loss
+
+
+def null_span(label: str) -> ContextManager[Any]:
+    return nullcontext()

@@ -1,0 +1,235 @@
+"""First-order optimizers as transformer trainers use them: parameter groups, AdamW, LAMB, warm-up then
+decay, global-norm clipping.
+
+LAMB is written here: the published PipeFisher BERT runs used it, and no maintained library provides it
+without a heavy dependency stack (timm needs a torchvision matching the torch build; torch-optimizer
+has been unmaintained since 2021; torch itself has none).
+
+Everything here is per stage: each pipeline stage owns the optimizer of its own parameters. The only
+collective is :func:`clip_grad_norm`'s all-reduce, so that every stage clips by the same global norm.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipefisher.runtime.job.config import LR_SCHEDULES, OptimConfig
+
+NO_DECAY_MARKERS = ("LayerNorm",)
+"""Substrings of parameter names that never take weight decay (besides names ending in ``bias``)."""
+
+
+def no_decay(name: str, param: torch.Tensor | None = None) -> bool:
+    """Whether a parameter is exempt from weight decay: biases, LayerNorm weights and, when ``param`` is
+    given, every 1-D tensor (gains and offsets of any norm layer, whatever it is called).
+
+    Decaying them only shrinks scales and offsets that the next layer would have to undo, and BERT's
+    recipes exclude them. Without ``param`` only the name decides (names containing ``LayerNorm`` or
+    ending in ``bias``); embeddings and weight matrices (2-D) always decay.
+    """
+    if name.endswith("bias") or any(m in name for m in NO_DECAY_MARKERS):
+        return True
+    return param is not None and param.ndim <= 1
+
+
+def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups, in this order and each in model order: ``decay`` (``weight_decay``) and ``no_decay``
+    (0, see :func:`no_decay`); empty groups are dropped.
+
+    Each group carries a ``"group"`` label for readability (torch keeps extra keys and saves them in
+    ``state_dict``). Frozen parameters are left out and a parameter met twice (tied weights) is kept
+    once, since torch refuses a parameter in two groups.
+    """
+    decay: list[nn.Parameter] = []
+    plain: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for name, p in named_params:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (plain if no_decay(name, p) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": float(weight_decay), "group": "decay"},
+              {"params": plain, "weight_decay": 0.0, "group": "no_decay"}]
+    return [g for g in groups if g["params"]]
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2).
+
+    Per parameter tensor ``p`` with gradient ``g`` at step ``t`` (1-based)::
+
+        m = b1 m + (1 - b1) g            v = b2 v + (1 - b2) g^2
+        m_hat = m / (1 - b1^t)           v_hat = v / (1 - b2^t)       (bias correction: applied)
+        u = m_hat / (sqrt(v_hat) + eps) + weight_decay * p              (decoupled weight decay)
+        r = ||p|| / ||u||   (1 where either norm is 0)                  (trust ratio, phi = identity)
+        p = p - lr * r * u
+
+    The trust ratio sets each tensor's step relative to its own size, which is what keeps very large
+    batches stable. Bias correction follows the paper (Google's original BERT LAMB left it out). The
+    trust ratio applies to every tensor, no-decay ones included; a zero tensor (a fresh bias) takes a
+    plain Adam step of size ``lr``. The norms stay on the device (no host synchronisation), and the
+    state is ``step`` (a float64 scalar, like torch's Adam), ``exp_avg`` and ``exp_avg_sq``, so a
+    ``state_dict`` round trip continues bit-exactly.
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0) -> None:
+        if not lr > 0 or not eps > 0 or weight_decay < 0 or len(betas) != 2 \
+                or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError("Lamb needs lr > 0, eps > 0, weight_decay >= 0 and two betas in [0, 1)")
+        super().__init__(params, dict(lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps,
+                                      weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.is_sparse:
+                    raise RuntimeError("Lamb does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float64)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                t = float(state["step"])  # a CPU scalar: no device synchronisation
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                update = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt_().add_(eps))
+                if wd != 0:
+                    update.add_(p, alpha=wd)
+                w_norm = torch.linalg.vector_norm(p)
+                u_norm = torch.linalg.vector_norm(update)
+                ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+                p.add_(update.mul_(ratio), alpha=-lr)
+        return loss
+
+
+def make_optimizer(cfg: OptimConfig, named_params: Iterable[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+    """The configured optimizer over :func:`param_groups` (weight decay never on biases or norms).
+
+    ``adamw`` and ``lamb``: decoupled weight decay (``p -= lr * wd * p`` beside the adaptive step);
+    ``adam`` and ``sgd``: coupled L2 decay (``wd * p`` added to the gradient), as torch defines them,
+    on the decay group only. With no trainable parameter (every one handed to K-FAC's own update) the
+    optimizer holds one empty group, so setting learning rates and stepping still work.
+    """
+    groups = param_groups(named_params, cfg.weight_decay)
+    if not groups:
+        groups = [{"params": [], "weight_decay": 0.0, "group": "no_decay"}]
+    if len(cfg.betas) != 2:
+        raise ValueError(f"optim.betas must be two numbers, not {cfg.betas!r}")
+    betas = (float(cfg.betas[0]), float(cfg.betas[1]))
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+    if cfg.name == "lamb":
+        return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+    if cfg.name == "adam":
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    raise ValueError(f"unknown optimizer {cfg.name!r}")
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Multiplier of the peak learning rate at 0-based ``step``.
+
+    Warm-up: ``(step + 1) / warmup_steps`` for ``step < warmup_steps`` (the first step already moves,
+    the last warm-up step reaches 1). Then, with ``progress = (step - warmup_steps) / (total_steps -
+    warmup_steps)`` clamped to [0, 1]: ``constant`` stays 1; ``linear`` is ``1 - progress``; ``cosine``
+    is ``(1 + cos(pi * progress)) / 2``, each mapped onto [``min_lr_ratio``, 1]. So the floor is
+    reached at step ``total_steps`` and kept after it; with a run of N steps and ``total_steps = N``
+    the last step (N - 1) still moves, as in the usual transformer schedules. ``warmup_steps >=
+    total_steps`` decays at once after the warm-up.
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown learning-rate schedule {schedule!r} (one of {', '.join(LR_SCHEDULES)})")
+    if step < 0 or warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError("lr_factor needs step >= 0, warmup_steps >= 0 and min_lr_ratio in [0, 1]")
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+class LRSchedule:
+    """Sets optimizers' learning rates for a step from :func:`lr_factor`.
+
+    Stateless apart from the config (unlike torch's schedulers, which count calls), so a resumed run
+    just applies its step. ``total_steps`` is where the decay ends: ``cfg.decay_steps`` when set,
+    otherwise the given ``total_steps`` (the run's number of steps).
+    """
+
+    def __init__(self, cfg: OptimConfig, total_steps: int) -> None:
+        self.cfg = cfg
+        self.total_steps = int(cfg.decay_steps or total_steps)
+
+    def factor(self, step: int) -> float:
+        c = self.cfg
+        return lr_factor(step, warmup_steps=c.warmup_steps, total_steps=self.total_steps, schedule=c.schedule,
+                         min_lr_ratio=c.min_lr_ratio)
+
+    def apply(self, optimizer: torch.optim.Optimizer, step: int, peak_lr: float | None = None) -> float:
+        """Set every group's lr to ``peak_lr * factor(step)`` (``peak_lr`` defaults to ``cfg.lr``; K-FAC's
+        momentum update passes its own); returns that lr."""
+        lr = (self.cfg.lr if peak_lr is None else float(peak_lr)) * self.factor(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, group: Any = None, share: float = 1.0) -> float:
+    """Scale gradients by ``min(1, max_norm / (norm + 1e-6))`` where ``norm`` is their global L2 norm;
+    returns the norm before clipping.
+
+    With ``group`` (a process group: the stages of ONE pipeline) the sum of squares is all-reduced over
+    it, so every stage clips by the norm of the whole model's gradient and the result equals clipping
+    the unsplit model. Data-parallel replicas hold identical gradients after their all-reduce, so the
+    pipeline is enough. Every rank of ``group`` must call this, with or without gradients. Squares are
+    summed in float64 so the norm does not depend on how the model is split. A non-finite norm scales
+    nothing and is returned: the caller decides (skip the step, stop). ``share`` weighs this rank's
+    sum of squares before the all-reduce (1/2 where two devices hold a copy of every stage: Chimera).
+    """
+    if not max_norm > 0:
+        raise ValueError(f"clip_grad_norm needs max_norm > 0, not {max_norm}")
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        device = grads[0].device
+    elif group is not None and dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        sq += torch.linalg.vector_norm(g.detach(), dtype=torch.float64).to(device).square()
+    if group is not None:
+        if share != 1.0:
+            sq *= share
+        dist.all_reduce(sq, group=group)
+    norm = math.sqrt(float(sq))
+    if not math.isfinite(norm):
+        return norm
+    scale = min(1.0, max_norm / (norm + 1e-6))
+    if scale < 1.0:
+        for g in grads:
+            g.detach().mul_(scale)
+    return norm

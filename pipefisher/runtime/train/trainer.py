@@ -1,0 +1,424 @@
+"""One worker's training loop: pipeline steps, first-order or naive K-FAC, progress, profiling.
+
+Modes: ``first-order`` (pipeline, gradient all-reduce, optimizer), ``kfac`` (the same plus, every
+``kfac.interval`` steps, all K-FAC work for every layer after the pipeline; gradients are
+preconditioned with the latest inverses every step) and ``scheduled`` (step 0 as ``kfac``, then the
+schedule file's cycle label by label, K-FAC work inside the pipeline's bubbles; see
+:mod:`pipefisher.runtime.pipeline.executor`). Profiling runs ``kfac`` with a refresh every step, each step after a
+barrier over the whole job, and writes one timeline per pipeline node (replica 0 of each stage): the
+median of its steps, with the raw steps beside it (:meth:`pipefisher.runtime.train.profiler.Profiler.write`). Checkpoints (:mod:`pipefisher.runtime.train.checkpoint`)
+are written every ``checkpoint_every`` steps and at the end; ``resume`` continues from one.
+Every step ends with the update rule of :mod:`pipefisher.runtime.train.update` (learning-rate schedule,
+clipping, preconditioning, KL-clip, optimizers); every ``eval_every`` steps the pipeline evaluates the
+held-out batches (timed apart from training), and the run reports its peak memory.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import click
+import torch
+import torch.distributed as dist
+
+from pipefisher.kfac.factors import BadFactorError
+from pipefisher.pipeline_orders import UP
+from pipefisher.policies import DEFAULT_POLICY
+from pipefisher.runtime.data.batches import MLMData
+from pipefisher.runtime.job import memory
+from pipefisher.runtime.job.config import RunConfig
+from pipefisher.runtime.job.dist import DistContext
+from pipefisher.runtime.job.process import Interrupted
+from pipefisher.runtime.job.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar, phase  # noqa: F401 (re-exported)
+from pipefisher.runtime.pipeline.layout import node_pipes
+from pipefisher.runtime.train.profiler import Profiler
+from pipefisher.runtime.train.worker import MODES, build_worker
+from pipefisher.safe_io import dump_json_atomic
+
+
+def losses_path(out: str, name: str) -> str:
+    """Where a run with ``--out`` writes its losses, options and memory figures."""
+    return os.path.join(out, f"{name}_losses.json")
+
+
+def tokenizer_path(out: str, name: str) -> str:
+    """Where a run with ``--out`` writes the tokenizer trained on its corpus (its vocabulary)."""
+    return os.path.join(out, f"{name}_tokenizer.json")
+
+
+class PeerLost(RuntimeError):
+    """A training step failed in communication (or compute) on this worker; says which and when."""
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """What to run, as opposed to what model to run it on (that is the :class:`RunConfig`)."""
+
+    mode: str = "first-order"
+    steps: int = 10
+    profile: bool = False
+    out: str | None = None
+    log_every: int = 5
+    progress: bool = True
+    schedule: str | None = None  # schedule file (mode "scheduled")
+    allow_schedule_mismatch: bool = False  # train a schedule whose metadata says it fits another job
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end, if checkpoint_dir)
+    resume: str | None = None  # checkpoint folder to continue from
+    metrics: str | None = None  # CSV file: step, loss, val_loss, lr, step time, mode (reporting worker)
+    eval_every: int = 0  # steps between held-out evaluations (0: none; the last step is always one)
+    # The closed loop (scheduled mode, :mod:`pipefisher.runtime.train.adapt`): measurements always, re-packing
+    # with ``adapt``. ``margin``: the room rule's for re-packs (default: the schedule's recorded one);
+    # ``schedule_timelines``: the profile the schedule was packed from (default: its metadata's);
+    # ``measure_prefix``: where measurement files go (default: ``out/<name>`` with ``out``).
+    adapt: bool = False
+    adapt_policy: str = DEFAULT_POLICY
+    adapt_window: int = 4
+    adapt_quantile: float = 0.5
+    adapt_tie: float = 0.04  # step-time improvement that counts (the adaptive scheduler's tie)
+    margin: float | None = None
+    schedule_timelines: tuple[str, ...] | None = None
+    measure_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
+        if (self.mode == "scheduled") != (self.schedule is not None):
+            raise ValueError("mode 'scheduled' and a schedule file go together")
+        if self.adapt and self.mode != "scheduled":
+            raise ValueError("adapting the schedule needs mode 'scheduled' and a schedule file")
+        if self.profile and self.mode == "scheduled":
+            raise ValueError("profiling runs kfac steps, not a schedule")
+
+    @property
+    def effective_mode(self) -> str:
+        return "kfac" if self.profile else self.mode
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    stage: int
+    replica: int
+    losses: list[float] = field(default_factory=list)  # last stage: mean over replicas, per step
+    step_seconds: list[float] = field(default_factory=list)
+    timeline_path: str | None = None
+    # held-out loss after a step: (steps done, loss, training seconds so far); last stage only
+    val: list[tuple[int, float, float]] = field(default_factory=list)
+    peak_memory_bytes: int = 0  # this process, over the training steps
+    peak_saved_bytes: int = 0  # K-FAC inputs/output gradients waiting for their covariance piece
+
+    def median_step_seconds(self, skip: int = 1) -> float:
+        times = self.step_seconds[skip:] or self.step_seconds
+        return statistics.median(times)
+
+
+class Trainer:
+    """Builds this worker's stage, data, engine, K-FAC and optimizer, and runs the steps."""
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext, opts: TrainOptions, recorder: Any = None) -> None:
+        self.cfg, self.ctx, self.opts = cfg, ctx, opts
+        g = ctx.grid
+        if g.stages != cfg.pipeline.stages:
+            raise ValueError(f"the grid has {g.stages} stages but the config asks for {cfg.pipeline.stages}")
+        self.mode = opts.effective_mode
+        self.interval = 1 if opts.profile else cfg.kfac.interval
+        self.chimera = cfg.pipeline.schedule == "chimera"
+        if ctx.chimera != self.chimera:
+            raise ValueError("the process groups were set up for another pipeline schedule than the config's")
+        self.reporter = g.stage == g.stages - 1 and g.replica == 0
+        self._phase(f"loading data ({cfg.data.text} text)")
+        self.data = MLMData(cfg.data, cfg.model.vocab_size)
+        self.val_batches = self.data.validation_batches() if opts.eval_every else []
+        self.profiler = Profiler(opts.profile, ctx.device)
+        self._phase(f"building the model ({cfg.model.builder}, {cfg.model.num_layers} layers, hidden "
+                    f"{cfg.model.hidden_size}, {g.stages} stage(s)) on {ctx.device}"
+                    + (", with K-FAC" if self.mode != "first-order" else ""))
+        # The library's composition (pipefisher.runtime.api): a user's own loop gets the same worker.
+        if self.mode == "scheduled" and recorder is None:  # always-on measurement of scheduled steps
+            from pipefisher.runtime.train.recorder import ClockRecorder
+
+            recorder = ClockRecorder(g.stage, g.replica, cuda=ctx.device.type == "cuda")
+        # the learning rate decays over the steps the first run defined, not a resumed run's --steps
+        horizon = opts.steps
+        if opts.resume:
+            from pipefisher.runtime.train.checkpoint import lr_horizon, read_manifest
+
+            horizon = lr_horizon(read_manifest(opts.resume), cfg, opts.steps)
+        self.worker = build_worker(cfg, ctx, mode=self.mode, total_steps=horizon, schedule=opts.schedule,
+                                   kfac_interval=self.interval, data=self.data, span=self.profiler.span,
+                                   warn=click.echo, recorder=recorder,
+                                   allow_schedule_mismatch=opts.allow_schedule_mismatch)
+        w = self.worker
+        self.stage, self.kfac, self.kfacs, self.engine = w.stage, w.kfac, w.kfacs, w.engine
+        self.updater, self.ops, self.executor = w.updater, w.ops, w.executor
+        self.schedule_digest = w.schedule_digest
+        self.loop = self._schedule_loop() if self.executor is not None else None
+        self.start_step = 0
+        if opts.resume:
+            from pipefisher.runtime.train.checkpoint import load_checkpoint
+
+            self._phase(f"loading the checkpoint in {opts.resume}")
+            self.start_step = load_checkpoint(opts.resume, self)
+
+    def _schedule_loop(self) -> Any:
+        """The closed loop (:class:`pipefisher.runtime.train.adapt.ScheduleLoop`) of this worker."""
+        from pipefisher.closed_loop import Plan, make_scheduler
+        from pipefisher.runtime.job.dist import check_agreement
+        from pipefisher.runtime.pipeline.checks import check_schedule
+        from pipefisher.runtime.train.adapt import ScheduleLoop
+
+        cfg, ctx, opts, g = self.cfg, self.ctx, self.opts, self.ctx.grid
+        assert opts.schedule is not None and self.worker.schedule is not None
+        margin, timelines = schedule_plan_inputs(opts)
+
+        def switch(new: Any, first_step: int) -> None:
+            assert self.executor is not None
+            self.executor.switch(new.data[g.stage], first_step)
+            self.worker.cycles = new.cycles
+
+        data = self.worker.schedule
+        if opts.adapt:  # one cycle length on every node, so that a new schedule can start on all at once
+            from pipefisher.closed_loop import equal_cycles
+
+            data = equal_cycles(data)
+        plan = Plan(data, f"schedule file {os.path.basename(opts.schedule)}", timelines, margin)
+        if data != self.worker.schedule:
+            check_schedule(data, cfg, g.replicas)
+            switch(plan, 1)
+            if self.reporter and opts.progress:
+                click.echo(f"--adapt: every node runs the job's K-FAC cycle k={max(plan.cycles)} (the "
+                           "shorter ones idle through the rest), so that all can switch schedules at once")
+        scheduler = None
+        if g.rank == 0:
+            scheduler = make_scheduler("adaptive" if opts.adapt else "static", plan, g.stages,
+                                       **({"policy": opts.adapt_policy, "margin": margin, "window": opts.adapt_window,
+                                           "q": opts.adapt_quantile, "tie": opts.adapt_tie}
+                                          if opts.adapt else {}))
+        prefix = opts.measure_prefix or (os.path.join(opts.out, self.cfg.name) if opts.out else None)
+        collective = None
+        if ctx.distributed:
+            def gather(obj: Any) -> list[Any]:
+                out: list[Any] = [None] * g.world_size
+                dist.all_gather_object(out, obj)
+                return out
+
+            def broadcast(obj: Any) -> Any:
+                box = [obj]
+                dist.broadcast_object_list(box, src=0)
+                return box[0]
+            collective = (gather, broadcast, dist.barrier)
+
+        return ScheduleLoop(plan, node=g.stage, rank=g.rank, nodes=g.stages, scheduler=scheduler, adapt=opts.adapt,
+                            prefix=prefix, collective=collective,
+                            check=lambda new: check_schedule(new.data, cfg, g.replicas),
+                            agree=lambda text: check_agreement(ctx, text), switch=switch,
+                            echo=click.echo if self.reporter and opts.progress else None)
+
+    def _phase(self, what: str) -> None:
+        """A start-up phase line from the reporting worker (the launcher relays it), unless --no-progress."""
+        if self.reporter and self.opts.progress:
+            phase(what)
+
+    @property
+    def cycles(self) -> list[int]:
+        """Every node's K-FAC cycle k of the schedule running now (scheduled mode), else empty."""
+        return self.worker.cycles
+
+    @property
+    def cycle(self) -> int | None:
+        """K-FAC cycle length k of this node's schedule (``scheduled`` mode), else None."""
+        return None if self.executor is None else self.executor.cycle
+
+    def train_step(self, step: int) -> float | None:
+        """One step; returns the loss (mean over replicas) on the last stage, else None. Profiling, a
+        barrier over the whole job first: every node starts the step's ``start_end`` together, the
+        common reference of the median step (:func:`pipefisher.timeline.median_step`)."""
+        self.profiler.barrier(distributed=self.ctx.distributed)
+        return self.worker.step(step)
+
+    def end_of_step(self) -> None:
+        """The ``-- end --`` label: gradient all-reduce, then the update (:class:`Updater`)."""
+        self.worker.end_of_step()
+
+    def _lost_message(self, step: int, err: BaseException) -> str:
+        g = self.ctx.grid
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if not self.ctx.distributed:
+            return f"step {step} failed: {first}"
+        return (f"stage {g.stage} of replica {g.replica} (rank {g.rank}) failed at step {step}: {first}. "
+                f"A peer died, stalled beyond the {self.cfg.pipeline.timeout_s:g} s timeout, or runs a "
+                f"different pipeline")
+
+    def checkpoint(self, steps_done: int) -> str | None:
+        """Write this worker's checkpoint after ``steps_done`` steps (collective: every worker calls it)."""
+        if not self.opts.checkpoint_dir:
+            return None
+        from pipefisher.runtime.train.checkpoint import save_checkpoint
+
+        return save_checkpoint(self.opts.checkpoint_dir, self, steps_done)
+
+    def run(self) -> WorkerResult:
+        g, opts = self.ctx.grid, self.opts
+        result = WorkerResult(g.rank, g.stage, g.replica)
+        self.stage.train()
+        self.profiler.align(distributed=self.ctx.distributed)
+        relay = os.environ.get(PROGRESS_ENV) == "1"  # the local launcher draws the bar for us
+        show = self.reporter and opts.progress and not relay  # StepBar draws on a terminal only
+        first = self.start_step
+        todo = max(0, opts.steps - first)
+        if self.reporter:
+            extra = (f", K-FAC cycle k={max(self.cycles)} (per node: {', '.join(map(str, self.cycles))})"
+                     if self.cycles else "")
+            resumed = f", resuming after step {first - 1}" if first else ""
+            click.echo(f"pipefisher train: mode {self.mode}, {g.stages} stage(s) x {g.replicas} replica(s), "
+                       f"{self.cfg.pipeline.schedule}, {self.cfg.data.num_micro_batches} micro-batches, "
+                       f"{opts.steps} steps on {self.ctx.device}{extra}{resumed}")
+        if g.replica == 0:  # each stage says what its K-FAC covers (every replica holds the same layers)
+            for p, k in self.kfacs.items():
+                up = ("" if not p else f" (chunk {p})" if self.cfg.pipeline.schedule == "interleaved"
+                      else " (up pipe)" if p == UP else "")
+                click.echo(k.coverage.line(f"stage {node_pipes(self.cfg, g.stage)[p]}{up}"))
+        metrics: list[tuple[int, float | None, float | None, float, float, int | None]] = []
+        train_seconds = 0.0
+        memory.reset_peak(self.ctx.device)
+        if self.kfac is not None:
+            self.kfac.reset_peak_saved()
+        if opts.out is not None and self.reporter and self.data.corpus is not None:
+            from pipefisher.runtime.data.corpus import save_tokenizer  # the run's vocabulary, from the start
+
+            save_tokenizer(self.data.corpus, tokenizer_path(opts.out, self.cfg.name))
+        bar = StepBar() if show else None
+        if todo:
+            self._phase("first step (compiles / warms up; later steps are faster, the bar's ETA follows)")
+        try:
+            for step in range(first, opts.steps):
+                t0 = time.perf_counter()
+                cycle = max(self.cycles) if self.cycles else None  # the schedule this step runs
+                try:
+                    loss = self.train_step(step)
+                    if self.loop is not None and step >= 1:
+                        self.loop.after_step(step, self.executor.last_record)
+                except BadFactorError:
+                    raise  # its own one line, naming the layer
+                except RuntimeError as err:
+                    raise PeerLost(self._lost_message(step, err)) from err
+                if self.ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                result.step_seconds.append(time.perf_counter() - t0)
+                train_seconds += result.step_seconds[-1]
+                last = step == opts.steps - 1
+                val = None
+                if opts.eval_every and ((step + 1) % opts.eval_every == 0 or last):
+                    try:
+                        val = self.engine.evaluate(self.val_batches)
+                    except RuntimeError as err:
+                        raise PeerLost(self._lost_message(step, err)) from err
+                    if val is not None:
+                        result.val.append((step + 1, val, train_seconds))
+                metrics.append((step, loss, val, self.updater.lr, result.step_seconds[-1], cycle))
+                if loss is not None:
+                    result.losses.append(loss)
+                if bar is not None:
+                    bar.update(step + 1 - first, todo)
+                elif relay and self.reporter:  # the launcher's bar, and its line after Ctrl-C
+                    click.echo(f"{PROGRESS_MARK} {step + 1 - first} {todo}")
+                if self.reporter and loss is not None and (step % opts.log_every == 0 or last or val is not None):
+                    held = f"  held-out {val:.4f}" if val is not None else ""
+                    msg = f"step {step:>5}  loss {loss:.4f}{held}  {result.step_seconds[-1] * 1e3:.1f} ms"
+                    if bar is not None:
+                        bar.clear()  # the loss line takes the bar's line; the next step redraws the bar
+                    click.echo(msg)
+                every = opts.checkpoint_every
+                if every and (step + 1) % every == 0 and not last:
+                    self.checkpoint(step + 1)
+                    if self.reporter and opts.metrics:
+                        self._write_metrics(opts.metrics, metrics)
+        except KeyboardInterrupt:  # Ctrl-C: say how far it got (the CLI turns it into one line)
+            raise Interrupted(len(result.step_seconds) + first) from None
+        finally:
+            if bar is not None:
+                bar.clear()
+        if self.kfac is not None:
+            self.kfac.settle_all()  # no all-reduce left in flight when the process group goes
+        result.peak_memory_bytes = memory.peak_bytes(self.ctx.device)
+        result.peak_saved_bytes = self.kfac.peak_saved_bytes if self.kfac is not None else 0
+        if self.reporter and todo:
+            times = result.step_seconds[1:] or result.step_seconds
+            click.echo(f"median step {statistics.median(times) * 1e3:.1f} ms, peak memory "
+                       f"{memory.mib(result.peak_memory_bytes)} (rank {g.rank}: stage {g.stage}, replica {g.replica})"
+                       + (f", K-FAC saved tensors {memory.mib(result.peak_saved_bytes)} at most"
+                          if self.kfac is not None else ""))
+        if todo:
+            self.checkpoint(opts.steps)
+        if self.loop is not None:
+            self.loop.finish()  # after the checkpoint: a resumed run gathers the open cycle as this one would
+            self.loop.write_schedules()
+            self.loop.write_measured()
+            if self.reporter and todo:
+                click.echo(f"closed loop ({'adaptive' if opts.adapt else 'static'} scheduler): {self.loop.cost_line()}"
+                           + (f", final K-FAC cycle k={max(self.cycles)}" if opts.adapt else ""))
+        if self.reporter and opts.metrics:
+            self._write_metrics(opts.metrics, metrics)
+        if opts.out is not None:
+            if opts.profile and g.replica == 0:
+                result.timeline_path = self.profiler.write(opts.out, self.cfg.name, g.stage)
+            if self.reporter:
+                dump_json_atomic(losses_path(opts.out, self.cfg.name),
+                                 {"mode": self.mode, "losses": result.losses, "val": result.val,
+                                  "step_seconds": result.step_seconds, "options": asdict(opts),
+                                  "peak_memory_bytes": result.peak_memory_bytes,
+                                  "peak_saved_bytes": result.peak_saved_bytes,
+                                  "config": self.cfg.to_dict(), "first_step": first,
+                                  # the job's K-FAC cycle k (its longest node's), and each node's
+                                  "cycle": max(self.cycles) if self.cycles else None,
+                                  "node_cycles": self.cycles or None,
+                                  # scheduled mode: each schedule used from which step, and the loop's cost
+                                  "schedules": [{"step": sw.step, "digest": sw.plan.digest,
+                                                 "node_cycles": sw.plan.cycles, "reason": sw.plan.reason}
+                                                for sw in self.loop.history] if self.loop else None,
+                                  "loop_seconds": {"gathers": self.loop.gather_seconds,
+                                                   "decisions": self.loop.decide_seconds} if self.loop else None})
+        return result
+
+    def _write_metrics(self, path: str, rows: list[tuple[int, float | None, float | None, float, float, int | None]]) -> None:
+        """The metrics CSV: rows of earlier runs of this file (steps before a resume) are kept.
+
+        ``cycle``: the K-FAC cycle k of the schedule the step ran (scheduled mode); ``overrun_seconds``:
+        how long K-FAC work delayed the step's calls past their planned bubbles (the slowest node's;
+        known once the step's job cycle is gathered)."""
+        from pipefisher.safe_io import write_atomic
+
+        header = "step,loss,val_loss,lr,step_seconds,mode,cycle,overrun_seconds\n"
+        kept: list[str] = []
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+            first = rows[0][0] if rows else 0
+            kept = [ln for ln in lines[1:] if ln and ln.split(",", 1)[0].isdigit()
+                    and int(ln.split(",", 1)[0]) < first]
+        def num(x: float | None) -> str:
+            return "" if x is None else f"{x:.6f}"
+
+        over = self.loop.overruns if self.loop is not None else {}
+        body = [f"{s},{num(l)},{num(v)},{lr:.6g},{t:.6f},{self.mode},{'' if k is None else k},{num(over.get(s))}"
+                for s, l, v, lr, t, k in rows]
+        write_atomic(path, header + "".join(line + "\n" for line in kept + body))
+
+
+def schedule_plan_inputs(opts: TrainOptions) -> tuple[float, list[dict[str, Any]] | None]:
+    """The room rule's margin and the profile (per-node timeline dicts) a schedule file was packed from:
+    the options' where given, else what its metadata records (:func:`pipefisher.schedule_file.save_schedule`)."""
+    from pipefisher.problem import DEFAULT_MARGIN
+    from pipefisher.schedule_file import schedule_margin, schedule_timelines
+    from pipefisher.timeline import read_node_file
+
+    assert opts.schedule is not None
+    margin = opts.margin if opts.margin is not None else (schedule_margin(opts.schedule) or DEFAULT_MARGIN)
+    paths = list(opts.schedule_timelines) if opts.schedule_timelines else schedule_timelines(opts.schedule)
+    if not paths or not all(os.path.exists(p) for p in paths):
+        return margin, None
+    return margin, [read_node_file(p) for p in paths]

@@ -1,0 +1,134 @@
+"""Schedule files: reading and writing them, and the metadata written beside them.
+
+A schedule file is ``schedules[node][iteration] = [label, ...]`` (see the format spec), a plain list as
+the published tool writes it; what makes one valid is :mod:`pipefisher.rules`. A packed schedule also
+gets ``<file>.meta.json``: the policy, margins, cycles, the timelines it was packed from and the job it
+fits, which ``validate``, the trainer and the runtime's checks read back.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any, Mapping, Sequence
+
+from pipefisher.errors import InputError
+from pipefisher.policies.base import JobSchedule
+from pipefisher.rules.format import ScheduleData, check_schedule_data
+from pipefisher.safe_io import dump_json_atomic, dump_pickle_atomic, load_json, load_pickle
+from pipefisher.timeline import Job
+
+
+def schedule_digest(data: ScheduleData) -> str:
+    """A short hash of a schedule's labels (checkpoints and workers compare it)."""
+    h = hashlib.sha256()
+    for n, node in enumerate(data):
+        for i, labels in enumerate(node):
+            h.update(f"{n}/{i}\0".encode())
+            h.update("\0".join(labels).encode())
+    return h.hexdigest()[:16]
+
+
+def load_schedule(path: str | os.PathLike[str]) -> ScheduleData:
+    """Load a schedule file through the restricted pickle loader and check its structure."""
+    return check_schedule_data(load_pickle(path), os.fspath(path))
+
+
+def meta_path(path: str | os.PathLike[str]) -> str:
+    """Where a schedule file's metadata lies: beside it, ``<file>.meta.json``."""
+    return os.fspath(path) + ".meta.json"
+
+
+def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | ScheduleData,
+                  timelines: Sequence[str | os.PathLike[str]] | None = None, *, kfac_margin: float = 1.0,
+                  packed_for: Mapping[str, Any] | None = None) -> None:
+    """Write the schedule file atomically (the old file stays whole if anything fails).
+
+    A packed :class:`JobSchedule` also gets its metadata beside it (:func:`meta_path`): the policy, the
+    margin it was packed under and the K-FAC inflation ``kfac_margin`` it was packed against
+    (:func:`pipefisher.timeline.inflate_kfac`; so ``validate`` checks it under the same rule, on the
+    same job), per node the cycle and its lower bound, the ``timelines`` it was packed from where
+    given (absolute paths: the trainer plans its measurements against them), and ``packed_for``, the
+    job it fits (:func:`job_layout`, plus the run config's shape where known; the runtime refuses
+    another). The schedule file itself stays the published format, a plain list.
+    """
+    data = schedule.to_file_data() if isinstance(schedule, JobSchedule) else schedule
+    dump_pickle_atomic(path, check_schedule_data(data))
+    if isinstance(schedule, JobSchedule):
+        dump_json_atomic(meta_path(path), {
+            "format": "pipefisher-schedule-meta/1",
+            "policy": schedule.policy,
+            "margin": schedule.margin,
+            "kfac_margin": kfac_margin,
+            "pipeline_time": schedule.span,
+            "nodes": [{"iterations": n.figures.iterations, "lower_bound": n.figures.lower_bound,
+                       "optimal": n.figures.optimal if n.figures.lower_bound is not None else None}
+                      for n in schedule.nodes],
+            **({"timelines": [os.path.abspath(os.fspath(t)) for t in timelines]} if timelines else {}),
+            **({"packed_for": dict(packed_for)} if packed_for else {}),
+        })
+    elif os.path.exists(meta_path(path)):
+        os.remove(meta_path(path))  # metadata of an older schedule would describe the wrong one
+
+
+def job_layout(job: Job) -> dict[str, Any]:
+    """What a job's timelines say about the job a schedule packed from them fits, keyed like the run
+    config: ``pipeline.stages`` (nodes), ``data.num_micro_batches`` (node 0's forwards of chunk 0, both
+    pipes), and ``modules``, per node its K-FAC modules as the labels name them (left out where a
+    timeline has bare keys). The runtime compares it with its own (:mod:`pipefisher.runtime.pipeline.checks`)."""
+    first = job.nodes[0]
+    out: dict[str, Any] = {"pipeline.stages": len(job.nodes),
+                           "data.num_micro_batches": first.micro_batches() + first.micro_batches(up_pipe=True)}
+    modules = [sorted({str(k).partition(":")[2] for k in node.kfac_keys()}) for node in job.nodes]
+    if all(names and "" not in names for names in modules):
+        out["modules"] = modules
+    return out
+
+
+def read_schedule_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The metadata beside a schedule file (:func:`save_schedule`), or None where there is none."""
+    where = meta_path(path)
+    if not os.path.exists(where):
+        return None
+    meta = load_json(where)
+    if not isinstance(meta, dict):
+        raise InputError(where, f"holds a {type(meta).__name__}, not the schedule's metadata (a JSON object)")
+    return meta
+
+
+def schedule_timelines(path: str | os.PathLike[str]) -> list[str] | None:
+    """The timeline files recorded beside a schedule file (what it was packed from), or None."""
+    meta = read_schedule_meta(path)
+    paths = None if meta is None else meta.get("timelines")
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        return None
+    return paths
+
+
+def schedule_margin(path: str | os.PathLike[str]) -> float | None:
+    """The margin recorded beside a schedule file, or None where there is no (readable) record."""
+    meta = read_schedule_meta(path)
+    if meta is None:
+        return None
+    margin = meta.get("margin")
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < 10:
+        raise InputError(meta_path(path), f"holds no valid margin ({margin!r})")
+    return float(margin)
+
+
+def schedule_kfac_margin(path: str | os.PathLike[str]) -> float:
+    """The K-FAC inflation a schedule was packed against (:func:`pipefisher.timeline.inflate_kfac`), as
+    recorded beside it; 1 (the profiled times) where nothing is recorded."""
+    meta = read_schedule_meta(path)
+    scale = 1.0 if meta is None else meta.get("kfac_margin", 1.0)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 1 <= scale < float("inf"):
+        raise InputError(meta_path(path), f"holds no valid kfac_margin ({scale!r}; at least 1)")
+    return float(scale)
+
+
+def schedule_packed_for(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The job a schedule was packed for, as recorded beside it (:func:`save_schedule`), or None."""
+    meta = read_schedule_meta(path)
+    packed_for = None if meta is None else meta.get("packed_for")
+    if packed_for is not None and not isinstance(packed_for, dict):
+        raise InputError(meta_path(path), f"holds no valid packed_for ({packed_for!r}; a JSON object)")
+    return packed_for

@@ -1,0 +1,169 @@
+"""The package's import arrows point only downwards: no cycle anywhere, no module importing a layer above.
+
+Read from the source with :mod:`ast`, without importing anything: every ``import`` and ``from ... import``
+of a pipefisher module in a file, at module level or inside a function (a lazy import is still an
+arrow), relative ones resolved, ``from package import submodule`` counted as an arrow to the submodule.
+Only imports under ``if TYPE_CHECKING:`` are exempt: they never run.
+"""
+from __future__ import annotations
+
+import ast
+import os
+from typing import Iterator
+
+import pipefisher
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(pipefisher.__file__))
+
+# Bottom to top. A module belongs to the layer of the longest prefix here that names it or a package
+# above it; it may import its own layer and the layers below, never one above. K-FAC and the runtime
+# (torch) sit above every scheduling layer, so the scheduling path cannot reach torch.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("foundations", ("pipefisher", "pipefisher.errors", "pipefisher.safe_io", "pipefisher.timeline",
+                     "pipefisher.pipeline_orders", "pipefisher.examples")),
+    ("simulation", ("pipefisher.sim",)),
+    ("problem", ("pipefisher.problem",)),
+    ("rules", ("pipefisher.rules",)),
+    ("packed schedules", ("pipefisher.policies.base", "pipefisher.schedule_file", "pipefisher.measure",
+                          "pipefisher.objective")),
+    ("policies", ("pipefisher.policies",)),
+    ("scheduling outputs and the closed loop", ("pipefisher.report", "pipefisher.plot", "pipefisher.trace",
+                                                "pipefisher.closed_loop")),
+    ("kfac", ("pipefisher.kfac",)),
+    ("runtime: the job", ("pipefisher.runtime", "pipefisher.runtime.job")),
+    ("runtime: models", ("pipefisher.runtime.models",)),
+    ("runtime: data", ("pipefisher.runtime.data",)),
+    ("runtime: pipeline", ("pipefisher.runtime.pipeline",)),
+    ("runtime: training", ("pipefisher.runtime.train",)),
+    ("runtime: launch", ("pipefisher.runtime.launch", "pipefisher.runtime.api")),
+    ("cli", ("pipefisher.cli", "pipefisher.__main__")),
+)
+
+
+def _modules() -> dict[str, tuple[str, bool]]:
+    """Module name -> (file, is a package), for every module of the package."""
+    root = os.path.dirname(PACKAGE_DIR)
+    out = {}
+    for folder, dirs, files in os.walk(PACKAGE_DIR):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for f in sorted(files):
+            if f.endswith(".py"):
+                parts = os.path.relpath(os.path.join(folder, f), root)[:-3].split(os.sep)
+                package = parts[-1] == "__init__"
+                out[".".join(parts[:-1] if package else parts)] = (os.path.join(folder, f), package)
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement in the tree, at any depth, except those under ``if TYPE_CHECKING:``."""
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, ast.If) and _is_type_checking(child):
+            for node in child.orelse:
+                yield from _imports(ast.Module(body=[node], type_ignores=[]))
+            continue
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        yield from _imports(child)
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """Module -> {imported pipefisher module: the line of its first import}."""
+    modules = _modules()
+    graph: dict[str, dict[str, int]] = {}
+    for name, (path, package) in modules.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        arrows: dict[str, int] = {}
+        for node in _imports(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                if node.level:
+                    base = name.split(".") if package else name.split(".")[:-1]
+                    base = base[:len(base) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
+            for target in targets:
+                if target.split(".")[0] != "pipefisher" or target == name:
+                    continue
+                assert target in modules, f"{name} (line {node.lineno}) imports {target}, which is no module"
+                arrows.setdefault(target, node.lineno)
+        graph[name] = arrows
+    return graph
+
+
+def layer_of(module: str) -> int:
+    best, where = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, where = len(prefix), i
+    assert where is not None, f"{module} is in no layer: add it to LAYERS in {__file__}"
+    return where
+
+
+def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One import cycle (its modules, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(graph.get(m, {})):
+            if state.get(t) == 1:
+                return path[path.index(t):] + [t]
+            if t not in state:
+                found = visit(t)
+                if found:
+                    return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+def test_every_module_is_in_a_layer() -> None:
+    for module in import_graph():
+        layer_of(module)
+
+
+def test_no_import_cycle() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_every_import_goes_to_the_same_or_a_lower_layer() -> None:
+    upward = []
+    for module, arrows in sorted(import_graph().items()):
+        for target, line in sorted(arrows.items()):
+            if layer_of(target) > layer_of(module):
+                upward.append(f"{module} (line {line}, layer '{LAYERS[layer_of(module)][0]}') imports {target} "
+                              f"(layer '{LAYERS[layer_of(target)][0]}')")
+    assert not upward, "imports from a layer above:\n" + "\n".join(upward)
+
+
+def test_the_checks_see_what_they_must() -> None:
+    """The walk finds lazy imports and skips TYPE_CHECKING ones; a cycle is found; the layers are ordered."""
+    graph = import_graph()
+    assert "pipefisher.runtime.job.dist" in graph["pipefisher.runtime.api"]
+    assert "pipefisher.rules" in graph["pipefisher.cli.validate"]  # imported inside the command function
+    assert find_cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == ["a", "b", "c", "a"]
+    assert layer_of("pipefisher.runtime.pipeline.engine") > layer_of("pipefisher.rules.groups")
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
+                     "def f():\n    import c\n")
+    assert [n.names[0].name for n in _imports(tree) if isinstance(n, ast.Import)] == ["b", "c"]

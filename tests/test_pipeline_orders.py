@@ -1,0 +1,311 @@
+"""Schedule generators: closed-form bubbles, dependencies, and clear refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipefisher.errors import InputError
+from pipefisher.pipeline_orders import BACKWARD, FORWARD, WEIGHT, Op, PipelineSchedule, generate, schedule_names
+from pipefisher.sim.simulator import PipeCosts, simulate
+
+UNIT = 1000  # ns; equal forward and backward cost, zero latency
+
+
+def uniform(schedule, forward=UNIT, backward=UNIT, latency=0, input_grad_fraction=0.5):
+    return PipeCosts.uniform(schedule.virtual_stages, forward, backward, latency, input_grad_fraction)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 4), (4, 8), (8, 8), (8, 32), (3, 5)])
+def test_gpipe_and_1f1b_bubble_fraction_is_p_minus_1_over_m_plus_p_minus_1(name, p, m):
+    s = generate(name, p, m)
+    r = simulate(s, uniform(s))
+    assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 3, 8), (8, 2, 16), (4, 4, 12)])
+def test_interleaved_bubble_fraction_is_p_minus_1_over_vm_plus_p_minus_1(p, v, m):
+    s = generate("interleaved", p, m, chunks=v)
+    # each chunk holds 1/v of a stage: its forward and backward take 1/v of a stage's (1200 ns)
+    r = simulate(s, uniform(s, 1200 // v, 1200 // v))
+    assert r.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+@pytest.mark.parametrize("p", [4, 6, 8, 10, 16])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_chimera_matches_its_papers_bubble_ratio(p, k):
+    """Chimera (Li & Hoefler, SC'21) gives (D-2)/(2N+D-2) for D stages and N micro-batches.
+
+    Under the paper's own assumptions: forward and backward of a micro-batch take the same time on
+    every stage, and communication is free. N = k * D: one basic unit, or k of them concatenated.
+    """
+    m = k * p
+    s = generate("chimera", p, m)
+    r = simulate(s, uniform(s))
+    assert r.bubble_fraction == pytest.approx((p - 2) / (2 * m + p - 2))
+
+
+@pytest.mark.parametrize("p", [4, 6, 8, 16])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_chimera_with_twice_as_long_backwards_beats_1f1b(p, k):
+    """With backward = 2 x forward (as in practice) and the costs given to the generator, concatenated
+    units leave no intermediate bubbles: the paper's ratio still holds from two units on."""
+    m = k * p
+    costs = uniform(generate("1f1b", p, m), UNIT, 2 * UNIT)
+    s = generate("chimera", p, m, durations=lambda op: costs.duration(op, False))
+    chimera = simulate(s, costs).bubble_fraction
+    assert chimera < simulate(generate("1f1b", p, m), costs).bubble_fraction
+    if k > 1:
+        assert chimera == pytest.approx((p - 2) / (2 * m + p - 2))
+
+
+@pytest.mark.parametrize("p", [4, 6, 8, 12])
+def test_chimera_leaves_d_minus_2_idle_units_on_every_device(p):
+    """The paper's D - 2 bubbles are per device (D/2 - 1 as the pipes fill, D/2 - 1 as they drain)."""
+    s = generate("chimera", p, p)
+    r = simulate(s, uniform(s))
+    assert r.makespan == (2 * p + p - 2) * UNIT
+    assert [r.idle(d) for d in range(p)] == [(p - 2) * UNIT] * p
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (8, 8), (8, 24)])
+@pytest.mark.parametrize("f,b,w", [(3, 3, 3), (4, 3, 2), (2, 3, 1), (3, 2, 3)])
+def test_zb_h1_idle_per_device_is_its_closed_form_and_below_1f1b(p, m, f, b, w):
+    """ZB-H1 (Qi et al. 2023) leaves (p-1)(T_F + T_B - T_W) idle per device, 1F1B (p-1)(T_F + T_B + T_W).
+
+    The closed form assumes T_W <= T_B (as the paper's equal-cost case); with a longer W the forward
+    ramp-up, (p-1) T_F, is the floor.
+    """
+    zb = generate("zb-h1", p, m)
+    costs = PipeCosts.uniform(p, f * UNIT, (b + w) * UNIT, 0, b / (b + w))
+    r = simulate(zb, costs)
+    assert [r.idle(d) for d in range(p)] == [(p - 1) * max(f + b - w, f) * UNIT] * p
+    base = simulate(generate("1f1b", p, m), costs)
+    assert all(r.idle(d) < base.idle(d) for d in range(p))
+    assert [base.idle(d) for d in range(p)] == [(p - 1) * (f + b + w) * UNIT] * p
+
+
+def test_zb_h1_keeps_1f1b_peak_activation_memory():
+    p, m = 4, 12
+    for d, ops in enumerate(generate("zb-h1", p, m).devices):
+        live = peak = 0
+        for op in ops:
+            live += op.kind == FORWARD
+            live -= op.kind == WEIGHT
+            peak = max(peak, live)
+        assert peak <= p
+
+
+def _check_times(result, latency):
+    s = result.schedule
+    when = {}
+    for d, timed in enumerate(result.devices):
+        assert [t.op for t in timed] == list(s.devices[d])
+        for a, b in zip(timed, timed[1:]):
+            assert b.start >= a.end, "a device runs one operation at a time"
+        for t in timed:
+            when[t.op.key()] = (t, d)
+    for d, timed in enumerate(result.devices):
+        for t in timed:
+            for dep in s.dependencies(t.op):
+                before, dd = when[dep.key()]
+                assert t.start >= before.end + (latency if dd != d else 0), f"{t.op} starts before {dep}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "chimera"]),
+    p=st.integers(1, 6),
+    mult=st.integers(1, 4),
+    extra=st.integers(0, 3),
+    v=st.integers(2, 3),
+    fwd=st.lists(st.integers(1, 50), min_size=18, max_size=18),
+    bwd=st.lists(st.integers(1, 90), min_size=18, max_size=18),
+    latency=st.integers(0, 7),
+)
+def test_every_generated_schedule_respects_its_dependencies(name, p, mult, extra, v, fwd, bwd, latency):
+    if name == "chimera":
+        p = 2 * ((p + 1) // 2)
+        m = 2 * (mult + extra)
+    elif name == "interleaved":
+        m = p * mult
+    else:
+        m = mult + extra
+    s = generate(name, p, m, v if name == "interleaved" else None)
+    s.check()
+    S = s.virtual_stages
+    costs = PipeCosts(tuple(fwd[:S]), tuple(bwd[:S]), latency, 0.5)
+    r = simulate(s, costs)
+    _check_times(r, latency)
+    kinds = {BACKWARD, FORWARD} | ({WEIGHT} if s.split_backward else set())
+    total = sum(len(ops) for ops in s.devices)
+    assert total == len(kinds) * m * S
+
+
+def test_latency_is_added_between_devices_only():
+    s = generate("gpipe", 2, 1)
+    r = simulate(s, PipeCosts.uniform(2, 10, 20, latency_ns=5))
+    (f0, b0), (f1, b1) = r.devices
+    assert (f0.start, f0.end, f1.start, f1.end, b1.start, b1.end, b0.start) == (0, 10, 15, 25, 25, 45, 50)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: generate("interleaved", 4, 9), r"split evenly into max\(1, 9 // 4\) = 2 rounds"),
+    (lambda: generate("interleaved", 4, 8, chunks=1), "chunks >= 2"),
+    (lambda: generate("chimera", 3, 6), "even number of stages"),
+    (lambda: generate("chimera", 4, 5), "even number of micro-batches"),
+    (lambda: generate("1f1b", 0, 4), "stages must be"),
+    (lambda: generate("gpipe", 4, 0), "micro-batches must be"),
+    (lambda: generate("gpipe", 4, 4, chunks=2), "one model chunk"),
+    (lambda: generate("pipedream-2bw", 4, 4), "unknown schedule"),
+])
+def test_generators_refuse_what_they_cannot_do_with_a_clear_message(call, message):
+    with pytest.raises(InputError, match=message):
+        call()
+
+
+def test_schedule_names_and_aliases():
+    assert schedule_names() == ["gpipe", "1f1b", "interleaved", "zb-h1", "chimera"]
+    assert generate("DAPPLE", 2, 2).name == "1f1b"
+    assert generate("interleaved-1f1b", 2, 2).chunks == 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# Chunk numbering, check() and size arguments (defects found against peer implementations)
+
+
+ALL_SHAPES = [(name, p, m, v) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "chimera")
+              for p in range(1, 5) for m in range(1, 9) for v in ((2, 3) if name == "interleaved" else (None,))
+              if not (name == "interleaved" and m % max(1, m // p)) and not (name == "chimera" and (p % 2 or m % 2))]
+
+
+@pytest.mark.parametrize("name,p,m,v", ALL_SHAPES)
+def test_every_dependency_of_every_op_is_an_op_of_the_schedule(name, p, m, v):
+    """dependencies() names chunk stage // p; the generators must number their ops the same way."""
+    s = generate(name, p, m, v)
+    ops = {op for device in s.devices for op in device}
+    for op in ops:
+        assert op.chunk == (op.stage // p if op.pipe == 0 else 0), op
+        for dep in s.dependencies(op):
+            assert dep in ops, f"{op} needs {dep}, which is not in the schedule"
+    s.check()
+
+
+def _without(schedule, drop):
+    return PipelineSchedule(schedule.name, schedule.stages, schedule.micro_batches, schedule.chunks,
+                            tuple(tuple(op for op in ops if not drop(op)) for ops in schedule.devices),
+                            schedule.split_backward)
+
+
+@pytest.mark.parametrize("drop,message", [
+    (lambda op: op.micro_batch == 2, "micro-batch 2 never runs"),
+    (lambda op: op.micro_batch == 2 and op.stage == 1, "never runs Op\\(kind='F', micro_batch=2, stage=1"),
+    (lambda op: op.kind == WEIGHT and op.micro_batch == 0 and op.stage == 0, "never runs Op\\(kind='W', micro_batch=0"),
+])
+def test_check_refuses_a_schedule_that_misses_operations(drop, message):
+    s = _without(generate("zb-h1", 2, 3), drop)
+    with pytest.raises(AssertionError, match=message):
+        s.check()
+
+
+def test_check_refuses_crossed_orders_that_deadlock_and_names_the_stuck_ops():
+    F, B = FORWARD, BACKWARD
+    s = PipelineSchedule("crossed", 2, 2, 1, (
+        (Op(F, 0, 0), Op(B, 0, 0), Op(F, 1, 0), Op(B, 1, 0)),  # device 0 wants B0 before it sends F1
+        (Op(F, 0, 1), Op(F, 1, 1), Op(B, 0, 1), Op(B, 1, 1)),  # device 1 wants F1 before it sends B0
+    ))
+    with pytest.raises(AssertionError, match="deadlocks") as err:
+        s.check()
+    assert "device 0 at Op(kind='B', micro_batch=0, stage=0" in str(err.value)
+    assert "device 1 at Op(kind='F', micro_batch=1, stage=1" in str(err.value)
+
+
+def test_check_refuses_a_duplicate_and_an_op_on_the_wrong_device():
+    s = generate("1f1b", 2, 2)
+    twice = PipelineSchedule("1f1b", 2, 2, 1, (s.devices[0] + s.devices[0][:1], s.devices[1]))
+    with pytest.raises(AssertionError, match="appears twice"):
+        twice.check()
+    swapped = PipelineSchedule("1f1b", 2, 2, 1, (s.devices[1], s.devices[0]))
+    with pytest.raises(AssertionError, match="is listed on device 0"):
+        swapped.check()
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "chimera", "interleaved"])
+def test_numpy_integers_are_accepted_as_sizes(name):
+    v = np.int64(2) if name == "interleaved" else np.int64(1)
+    s = generate(name, np.int64(2), np.int32(4), v)
+    assert (s.stages, s.micro_batches) == (2, 4) and type(s.stages) is int and type(s.chunks) is int
+    assert [[op.key() for op in ops] for ops in s.devices] == \
+        [[op.key() for op in ops] for ops in generate(name, 2, 4, int(v)).devices]
+
+
+@pytest.mark.parametrize("args,message", [
+    ((True, 2), "stages must be a whole number >= 1, got True"),
+    ((2, True), "micro-batches must be a whole number >= 1, got True"),
+    ((2.0, 2), "stages must be a whole number >= 1, got 2.0"),
+    ((2, "2"), "micro-batches must be a whole number >= 1, got '2'"),
+    ((np.int64(0), 2), "stages must be a whole number >= 1"),
+    ((2, 2, True), "chunks must be a whole number >= 1, got True"),
+])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "chimera"])
+def test_bool_and_non_integer_sizes_are_refused_in_one_line(name, args, message):
+    with pytest.raises(InputError, match=f"^{name}: {message}") as err:
+        generate(name, *args)
+    assert "\n" not in str(err.value)
+
+
+def test_interleaved_refuses_true_as_its_chunk_count():
+    with pytest.raises(InputError, match="interleaved: needs chunks >= 2 model chunks per device, got True"):
+        generate("interleaved", 2, 4, True)
+
+
+def _megatron_order(p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
+    """The interleaved order for m a multiple of p, in Megatron-LM's closed form (the order before
+    counts that are not multiples were accepted): forward k is chunk (k // p) % v of micro-batch
+    (k // (p v)) p + k % p."""
+    out = []
+    for d in range(p):
+        def mb(k: int) -> int:
+            return (k // (p * v)) * p + k % p
+        f = [("F", mb(k), ((k // p) % v) * p + d) for k in range(m * v)]
+        b = [("B", mb(k), (v - 1 - (k // p) % v) * p + d) for k in range(m * v)]
+        warmup = min((p - d - 1) * 2 + (v - 1) * p, m * v)
+        ops = f[:warmup]
+        for k in range(m * v - warmup):
+            ops += [f[warmup + k], b[k]]
+        ops += b[m * v - warmup:]
+        out.append(ops)
+    return out
+
+
+@pytest.mark.parametrize("p,m,v", [(p, m, v) for p in range(1, 6) for m in range(p, 4 * p + 1, p) for v in (2, 3)])
+def test_interleaved_keeps_megatrons_order_for_multiples_of_the_stage_count(p, m, v):
+    s = generate("interleaved", p, m, v)
+    assert [[(op.kind, op.micro_batch, op.stage) for op in ops] for ops in s.devices] == _megatron_order(p, m, v)
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 3, 2), (4, 6, 2), (4, 10, 2), (4, 6, 3), (3, 4, 2), (3, 8, 3), (5, 7, 2),
+                                   (2, 3, 2), (8, 12, 2)])
+def test_interleaved_accepts_micro_batch_counts_torch_accepts(p, m, v):
+    s = generate("interleaved", p, m, v)
+    s.check()  # every op once, on its device, no deadlock
+    assert s.micro_batches == m and sum(len(ops) for ops in s.devices) == 2 * m * v * p
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 6, 2), (4, 10, 2), (4, 3, 2), (3, 8, 3), (4, 8, 2)])
+def test_interleaved_orders_each_device_as_torchs_schedule_interleaved_1f1b(p, m, v):
+    """Cross-check with torch's own per-rank order (``ScheduleInterleaved1F1B``'s computation, run
+    without process groups), where torch is installed."""
+    from types import SimpleNamespace
+
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    rounds = max(1, m // p)
+    fake = SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=p, _n_microbatches=m)
+    s = generate("interleaved", p, m, v)
+    for d in range(p):
+        actions = schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, d)
+        theirs = [("F" if a.computation_type == schedules._ComputationType.FORWARD else "B", a.microbatch_index,
+                   a.stage_index) for a in actions if a is not None]
+        assert [(op.kind, op.micro_batch, op.stage) for op in s.devices[d]] == theirs, d
