@@ -106,6 +106,21 @@ def test_the_site_builds_strict(tmp_path: Path) -> None:
     # the API reference was rendered from the docstrings, not left as `::: module` lines
     kfac = (site / "reference" / "kfac" / "index.html").read_text()
     assert "KFAC" in kfac and ":::" not in kfac
+    # ... with the docstrings' Sphinx roles shown as plain names (docs/hooks/roles.py), and the hook
+    # itself left out of the site
+    for page in (site / "reference").glob("*/index.html"):
+        assert not re.search(r":(class|func|meth|attr|data|mod):<code>", page.read_text()), page
+    assert not (site / "hooks").exists()
+
+
+def test_the_roles_hook_keeps_the_name_and_drops_the_role() -> None:
+    spec = importlib.util.spec_from_file_location("roles", DOCS / "hooks" / "roles.py")
+    roles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(roles)
+    assert roles.plain("see :class:<code>~pipefisher.objective.Candidate</code> and "
+                       ":func:<code>pipefisher.measure.lay_out</code>") == \
+        "see <code>Candidate</code> and <code>pipefisher.measure.lay_out</code>"
+    assert roles.plain("<code>a.b</code> stays") == "<code>a.b</code> stays"
 
 
 def _quick_start() -> list[list[str]]:
