@@ -194,16 +194,20 @@ def lay_out(iterations: Sequence[Sequence[str]], model: NodeModel) -> list[list[
     return out
 
 
-def iteration_time(iterations: Sequence[Sequence[str]], model: NodeModel) -> list[float]:
+def iteration_time(iterations: Sequence[Sequence[str]], model: NodeModel,
+                   placed_iterations: Sequence[Sequence[Placement]] | None = None) -> list[float]:
     """How long each iteration of a node's cycle is expected to take on ``model`` (see :func:`lay_out`):
     the node's pipeline time plus every delay its K-FAC work adds to a call or to the iteration's end.
+    ``placed_iterations``: the cycle's :func:`lay_out` on ``model``, where the caller has it already.
 
     A delay a later bubble absorbs on this node is still counted: the late call's output reaches the
     next stage late too, and the pipeline couples them, so an overrun is never free.
     """
     out = []
     where = {key for key, _, _ in model.pipeline}
-    for placed, labels in zip(lay_out(iterations, model), iterations):
+    if placed_iterations is None:
+        placed_iterations = lay_out(iterations, model)
+    for placed, labels in zip(placed_iterations, iterations):
         planned: dict[str, list[float]] = {}
         for key, s, _ in model.pipeline:
             planned.setdefault(key, []).append(float(s))
@@ -226,7 +230,12 @@ def expected_step_time(schedule: Sequence[Sequence[Sequence[str]]], models: Sequ
                           max_steps: int = 2520) -> float:
     """Mean expected step time (in the models' time unit) of a job's schedule: per step, its slowest node's iteration (the pipeline
     couples them), over the job's cycle (the least common multiple of the nodes' cycles, capped)."""
-    per_node = [iteration_time(it, m) for it, m in zip(schedule, models)]
+    return job_cycle_mean([iteration_time(it, m) for it, m in zip(schedule, models)], max_steps)
+
+
+def job_cycle_mean(per_node: Sequence[Sequence[float]], max_steps: int = 2520) -> float:
+    """Per-iteration times of every node's cycle, as the job's mean step: per step, the slowest node's
+    (the pipeline couples them), over the least common multiple of the cycles (capped at ``max_steps``)."""
     steps = 1
     for times in per_node:
         steps = steps * len(times) // math.gcd(steps, len(times))

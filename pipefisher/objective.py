@@ -15,9 +15,9 @@ user's. A user pays ``steps(k) x step_time(k)``:
 
 First-order's step is the same pipeline with the update alone (no K-FAC work, no preconditioning). The
 profile is of a ``kfac`` run, whose forwards and backwards also save K-FAC's inputs and output gradients,
-so this overstates first-order's step a little (about 5 % on ``configs/small.yaml`` on CPU, where the
-convergence benchmark prints planned against measured for both): the ratios printed are then slightly
-low; the choice, made among schedules of the same profile, does not depend on it.
+which first-order does not pay; the convergence benchmark prints planned against measured for both (in
+three runs first-order's plan was 0.97-1.04 of its run: the profile's own noise is larger). The choice,
+made among schedules of the same profile, does not depend on it.
 :func:`tradeoff` packs the candidate densities and evaluates each; the ``target`` policy
 (:mod:`pipefisher.policies.target`) keeps the one with the least expected time-to-target.
 """
@@ -28,16 +28,17 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from pipefisher.errors import InputError
-from pipefisher.measure import lay_out, iteration_time
-from pipefisher.policies.base import JobSchedule
+from pipefisher.measure import iteration_time, job_cycle_mean, lay_out
+from pipefisher.policies.base import JobSchedule, Placement
 from pipefisher.problem import NodeModel, node_model
 from pipefisher.rules.format import END
 from pipefisher.timeline import PRECONDITION_KEY, UPDATE_KEY, Job, NodeTimeline, inflate_kfac
 
 DEFAULT_SLOWDOWN = 0.10
 """How much longer than profiled a K-FAC item takes when it runs in a bubble, as a fraction of its
-profiled time. Measured on ``configs/small.yaml`` (2 stages, one CPU core each): covariance pieces ran
-1.05-1.27x their profiled time, about 1.1x over a cycle's work."""
+profiled time. Measured on ``configs/small.yaml`` (2 stages, one CPU core each): single small covariance
+pieces ran 1.05-1.27x their profiled time, a cycle's K-FAC work on the node that ends the pipeline 1.04x
+(``pipefisher run``, 75 steps); 0.1 also covers a neighbour's call made late by it."""
 
 
 @dataclass(frozen=True)
@@ -135,39 +136,40 @@ def end_of_step(node: NodeTimeline) -> tuple[float, float]:
     return max(0.0, update - precondition), precondition
 
 
-def _exposed(model: NodeModel, labels: Sequence[str], seconds: float) -> float:
+def _exposed(model: NodeModel, placed: Sequence[Placement], seconds: float) -> float:
     """How much of ``seconds`` of end-of-step work adds to an iteration's time on this node: the part its
-    tail bubble does not hide. The work starts when the last label before ``-- end --`` ends
-    (:func:`pipefisher.measure.lay_out`); from there to the node's pipeline time the node sits idle."""
-    placed = lay_out([labels], model)[0]
+    tail bubble does not hide. The work starts when the last label before ``-- end --`` ends (``placed``:
+    the iteration's :func:`pipefisher.measure.lay_out`); from there to the node's pipeline time the node
+    sits idle."""
     cut = next((i for i, p in enumerate(placed) if p.label == END), len(placed))
     ready = max((p.end for p in placed[:cut]), default=0.0)
     return max(0.0, seconds - max(0.0, float(model.base) - ready))
 
 
+def slowed_models(job: Job, slowdown: float = DEFAULT_SLOWDOWN) -> list[NodeModel]:
+    """The node models a plan is evaluated on: every K-FAC item ``slowdown`` longer than profiled."""
+    return [node_model(n, job.span) for n in inflate_kfac(job, 1 + slowdown).nodes]
+
+
 def step_cost(schedule: Sequence[Sequence[Sequence[str]]], job: Job, slowdown: float = DEFAULT_SLOWDOWN,
-              max_steps: int = 2520) -> StepCost:
+              models: Sequence[NodeModel] | None = None) -> StepCost:
     """The expected cost per step of a schedule (file data) on ``job``, see the module docstring.
 
     Per step, the slowest node sets the time (the pipeline couples them): its iteration time (pipeline,
     delays, overflow; K-FAC ``slowdown`` x longer than profiled) plus whatever of its end-of-step work
-    its tail bubble does not hide. Averaged over the job's cycle (the nodes' cycles' least common
-    multiple, capped at ``max_steps``).
+    its tail bubble does not hide, averaged over the job's cycle (:func:`pipefisher.measure.job_cycle_mean`).
+    ``models``: :func:`slowed_models` of the job, where the caller evaluates several schedules.
     """
-    slow = inflate_kfac(job, 1 + slowdown)
-    models = [node_model(n, job.span) for n in slow.nodes]
+    models = slowed_models(job, slowdown) if models is None else models
     ends = [end_of_step(n) for n in job.nodes]
     per_node = []
     for labels, model, (update, precondition) in zip(schedule, models, ends):
-        times = iteration_time(labels, model)
-        per_node.append([t + _exposed(model, it, update + precondition) for t, it in zip(times, labels)])
-    first_order = max(float(m.base) + _exposed(m, _first_order_labels(m), u) for m, (u, _) in zip(models, ends))
-    steps = 1
-    for times in per_node:
-        steps = steps * len(times) // math.gcd(steps, len(times))
-    steps = min(steps, max_steps)
-    step = sum(max(times[t % len(times)] for times in per_node) for t in range(steps)) / steps
-    return StepCost(max(len(node) for node in schedule), first_order, step)
+        placed = lay_out(labels, model)
+        times = iteration_time(labels, model, placed)
+        per_node.append([t + _exposed(model, p, update + precondition) for t, p in zip(times, placed)])
+    first_order = max(float(m.base) + _exposed(m, lay_out([_first_order_labels(m)], m)[0], u)
+                      for m, (u, _) in zip(models, ends))
+    return StepCost(max(len(node) for node in schedule), first_order, job_cycle_mean(per_node))
 
 
 def _first_order_labels(model: NodeModel) -> list[str]:
@@ -192,6 +194,7 @@ def tradeoff(job: Job, pack: Callable[[Job, float], JobSchedule], margin: float,
     out: list[Candidate] = []
     seen: set[str] = set()
     best = math.inf
+    models = slowed_models(job, slowdown)
     for m in [margin, *(d for d in DENSITIES if d > margin)]:
         packed = pack(job, m)
         data = packed.to_file_data()
@@ -199,7 +202,7 @@ def tradeoff(job: Job, pack: Callable[[Job, float], JobSchedule], margin: float,
         if digest in seen:
             continue
         seen.add(digest)
-        cost = step_cost(data, job, slowdown)
+        cost = step_cost(data, job, slowdown, models)
         c = Candidate(m, packed, cost, staleness.at(cost.cycle))
         out.append(c)
         best = min(best, c.relative_time)
