@@ -1,4 +1,4 @@
-"""Pipeline orders (GPipe, 1F1B, Chimera, interleaved, zero-bubble): for each device, the ordered
+"""Pipeline orders (GPipe, 1F1B, Chimera, interleaved, zero-bubble H1 and V): for each device, the ordered
 forward/backward operations.
 
 The simulator times them (:mod:`pipefisher.sim`) and the runtime's engine runs them
@@ -7,11 +7,14 @@ The simulator times them (:mod:`pipefisher.sim`) and the runtime's engine runs t
 A schedule only fixes the ORDER of operations on each device; when they run follows from a cost model
 (see :mod:`pipefisher.sim.simulator`). Operations are identified by kind, micro-batch, stage and pipe:
 
-- ``stage`` is the position in its pipe, ``0 .. virtual_stages - 1``. With interleaving (``chunks = v``
-  model chunks per device) there are ``p * v`` virtual stages and virtual stage ``s`` runs on device
-  ``s % p`` as that device's chunk ``s // p`` (the Megatron-LM layout). ``chunk`` always follows from
-  the stage: ``stage // p`` on the down pipe (so 0 everywhere in a non-interleaved schedule) and 0 on the
-  up pipe, the same rule :meth:`PipelineSchedule.dependencies` uses to name the operations it waits for.
+- ``stage`` is the position in its pipe, ``0 .. virtual_stages - 1``. With ``v`` model chunks per
+  device there are ``p * v`` virtual stages, placed by the schedule's layout (:func:`stage_on`): in a
+  loop (:data:`LOOP`, interleaved 1F1B as Megatron-LM lays it out) virtual stage ``s`` runs on device
+  ``s % p``; in a V (:data:`V`, ZB-V's two chunks) it runs on device ``s`` going down and on device
+  ``2p - 1 - s`` coming back, so the last device holds the V's turn (stages ``p - 1`` and ``p``) and the
+  first device both ends. ``chunk`` always follows from the stage: ``stage // p`` on the down pipe (so 0
+  everywhere in a single-chunk schedule) and 0 on the up pipe, in either layout, the same rule
+  :meth:`PipelineSchedule.dependencies` uses to name the operations it waits for.
 - ``pipe`` is 0 for the usual (down) pipe and 1 for Chimera's second pipe, whose stage ``s`` runs on
   device ``p - 1 - s`` (the ``:up_pipe`` operations of the timeline format).
 - ``kind`` is ``F`` (forward), ``B`` (backward; only the input gradient when the schedule splits the
@@ -29,6 +32,40 @@ from pipefisher.errors import InputError
 
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 DOWN, UP = 0, 1
+LOOP, V = "loop", "v"
+"""How model chunks sit on the devices: chunk ``c`` of device ``d`` is virtual stage ``d + c p`` in a
+loop, and ``d`` (chunk 0) or ``2p - 1 - d`` (chunk 1) in a V (see :func:`stage_on`)."""
+LAYOUTS = (LOOP, V)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown chunk layout {layout!r} (known: {', '.join(LAYOUTS)})")
+
+
+def stage_on(device: int, chunk: int, stages: int, layout: str = LOOP) -> int:
+    """The virtual stage that model chunk ``chunk`` of ``device`` holds, in a pipe of ``stages`` devices.
+
+    The one mapping from (device, chunk) to stage: the simulator names a node's K-FAC layers by it and
+    the runtime builds its model chunks by it. A V has exactly two chunks.
+    """
+    _check_layout(layout)
+    if not (0 <= device < stages and chunk >= 0):
+        raise ValueError(f"device {device}, chunk {chunk} is not a place in a pipe of {stages} devices")
+    if layout == V:
+        if chunk > 1:
+            raise ValueError(f"a V has chunks 0 and 1, not {chunk}")
+        return device if chunk == 0 else 2 * stages - 1 - device
+    return device + chunk * stages
+
+
+def device_of_stage(stage: int, stages: int, layout: str = LOOP) -> int:
+    """The device that holds virtual ``stage`` (as chunk ``stage // stages``): :func:`stage_on` inverted."""
+    _check_layout(layout)
+    chunk = stage // stages
+    if layout == V and chunk == 1:
+        return 2 * stages - 1 - stage
+    return stage - chunk * stages
 
 
 @dataclass(frozen=True, order=True)
@@ -58,6 +95,8 @@ class PipelineSchedule:
     devices: tuple[tuple[Op, ...], ...]
     split_backward: bool = False
     """True when backwards are split into B (input gradient) and W (weight gradient)."""
+    layout: str = LOOP
+    """Where the model chunks sit (:data:`LOOP` or :data:`V`, see :func:`stage_on`)."""
 
     @property
     def virtual_stages(self) -> int:
@@ -69,7 +108,7 @@ class PipelineSchedule:
 
     def device_of(self, stage: int, pipe: int = DOWN) -> int:
         """The device that runs virtual stage ``stage`` of ``pipe``."""
-        return self.stages - 1 - stage if pipe == UP else stage % self.stages
+        return self.stages - 1 - stage if pipe == UP else device_of_stage(stage, self.stages, self.layout)
 
     def dependencies(self, op: Op) -> list[Op]:
         """The operations whose outputs ``op`` needs (on any device)."""
@@ -235,12 +274,12 @@ def interleaved(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSch
         def f(k: int) -> Op:
             c = (k // per_round) % v
             next_f[c] += 1
-            return _fwd(next_f[c] - 1, c * p + d, p)
+            return _fwd(next_f[c] - 1, stage_on(d, c, p), p)
 
         def b(k: int) -> Op:
             c = v - 1 - (k // per_round) % v
             next_b[c] += 1
-            return _bwd(next_b[c] - 1, c * p + d, p)
+            return _bwd(next_b[c] - 1, stage_on(d, c, p), p)
 
         warmup = min((v - 1) * per_round + 2 * (p - 1 - d), total)
         ops = [f(k) for k in range(warmup)]
@@ -283,6 +322,50 @@ def zb_h1(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
         ops += weights_up_to(micro_batches - 1)
         devices.append(tuple(ops))
     return PipelineSchedule("zb-h1", stages, micro_batches, 1, tuple(devices), split_backward=True)
+
+
+def zb_v(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSchedule:
+    """ZB-V (zero bubble V, Qi et al. 2023, section 6): two model chunks per device in a V, the backward
+    split into B and W.
+
+    Device ``d`` holds virtual stage ``d`` (chunk 0, on the way down) and ``2p - 1 - d`` (chunk 1, on
+    the way back), so the first device starts and ends every micro-batch and the last one turns it
+    round locally. Each (kind, chunk) stream of a device runs its micro-batches in order; the device
+    interleaves the streams in three phases:
+
+    - warm-up: ``2 (p - d) - 1`` chunk-0 forwards (as many as fit while micro-batch 0 goes down the V
+      from this device and comes back to it), then ``d`` pairs of chunk-1 and chunk-0 forwards, then ``p - d``
+      chunk-1 F, B, W triples: the first backwards, each with its W at once, as nothing else is ready;
+    - steady state: rounds of chunk 0's F, B, W then chunk 1's F, B, W, equal work on both chunks, so
+      activations stay bounded (chunk 0 stops taking forwards once all are in);
+    - cool-down: the B passes first (they are on the critical path to the devices above), ``d`` chunk-0
+      and chunk-1 pairs, then ``p - d`` chunk-0 B passes each with a deferred chunk-0 W; the W passes
+      still owed fill the drain: chunk 1's, then chunk 0's.
+
+    This is torch's ``ScheduleZBVZeroBubble`` order, and like torch any ``m >= 1`` works: below the
+    ``2p - 1`` micro-batches the warm-up assumes, the order is built for ``2p - 1`` and the operations
+    of the missing micro-batches are left out.
+    """
+    stages, micro_batches = _check_common("zb-v", stages, micro_batches)
+    _need(_count("zb-v", "chunks", chunks) == 2, "zb-v: has exactly 2 model chunks per device (a V)")
+    p, m = stages, micro_batches
+    n = max(2 * p - 1, m)
+    devices = []
+    for d in range(p):
+        f0, b0, w0 = (FORWARD, 0), (BACKWARD, 0), (WEIGHT, 0)  # (kind, chunk) streams
+        f1, b1, w1 = (FORWARD, 1), (BACKWARD, 1), (WEIGHT, 1)
+        slots = [f0] * (2 * (p - d) - 1) + [f1, f0] * d + [f1, b1, w1] * (p - d)
+        for k in range(n - p):  # chunk 1 catches up with chunk 0, whose last p - 1 - d rounds take no forward
+            slots += ([f0] if k < n - 2 * p + 1 + d else []) + [b0, w0, f1, b1, w1]
+        slots += [b0, b1] * d + [b0, w0] * (p - d) + [w1] * d + [w0] * d
+        taken: dict[tuple[str, int], int] = {}
+        ops = []
+        for kind, c in slots:
+            j = taken[kind, c] = taken.get((kind, c), -1) + 1
+            if j < m:
+                ops.append(_op(kind, j, stage_on(d, c, p, V), p))
+        devices.append(tuple(ops))
+    return PipelineSchedule("zb-v", p, m, 2, tuple(devices), split_backward=True, layout=V)
 
 
 Durations = Callable[[Op], int]
@@ -409,9 +492,15 @@ GENERATORS: dict[str, Callable[..., PipelineSchedule]] = {
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
     "zb-h1": zb_h1,
+    "zb-v": zb_v,
     "chimera": chimera,
 }
-ALIASES = {"interleaved-1f1b": "interleaved", "zbh1": "zb-h1", "zb_h1": "zb-h1", "dapple": "1f1b", "pipedream-flush": "1f1b"}
+ALIASES = {"interleaved-1f1b": "interleaved", "zbh1": "zb-h1", "zb_h1": "zb-h1", "zbv": "zb-v", "zb_v": "zb-v",
+           "dapple": "1f1b", "pipedream-flush": "1f1b"}
+DEFAULT_CHUNKS = {"interleaved": 2, "zb-v": 2}
+"""Model chunks per device of the schedules that have more than one by default."""
+V_SCHEDULES = ("zb-v",)
+"""The schedules whose two chunks sit in a V (:data:`V`); the rest use the loop (:data:`LOOP`)."""
 
 
 def schedule_names() -> list[str]:
@@ -426,17 +515,29 @@ def canonical_name(name: str) -> str:
     return key
 
 
+def default_chunks(name: str) -> int:
+    """Model chunks per device the named schedule has unless told otherwise: 2 for interleaved and
+    zb-v, 1 for the rest."""
+    return DEFAULT_CHUNKS.get(canonical_name(name), 1)
+
+
+def layout_of(name: str) -> str:
+    """Where the named schedule puts its model chunks: :data:`V` for zb-v, :data:`LOOP` for the rest."""
+    return V if canonical_name(name) in V_SCHEDULES else LOOP
+
+
 def generate(
     name: str, stages: int, micro_batches: int, chunks: int | None = None, durations: Durations | None = None,
 ) -> PipelineSchedule:
-    """Build the named schedule; ``chunks`` defaults to 2 for interleaved and 1 otherwise.
+    """Build the named schedule; ``chunks`` defaults to :func:`default_chunks` (2 for interleaved and
+    zb-v, 1 otherwise).
 
     ``durations`` (operation -> time) is used by the generators whose order depends on costs (Chimera);
     the others ignore it.
     """
     key = canonical_name(name)
     if chunks is None:
-        chunks = 2 if key == "interleaved" else 1
+        chunks = default_chunks(key)
     if key == "chimera":
         return chimera(stages, micro_batches, chunks, durations)
     return GENERATORS[key](stages, micro_batches, chunks)

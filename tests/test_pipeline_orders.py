@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipefisher.errors import InputError
-from pipefisher.pipeline_orders import BACKWARD, FORWARD, WEIGHT, Op, PipelineSchedule, generate, schedule_names
+from pipefisher.pipeline_orders import (BACKWARD, FORWARD, LOOP, V, WEIGHT, Op, PipelineSchedule, default_chunks,
+                                        device_of_stage, generate, layout_of, schedule_names, stage_on)
 from pipefisher.sim.simulator import PipeCosts, simulate
 
 UNIT = 1000  # ns; equal forward and backward cost, zero latency
@@ -87,15 +88,20 @@ def test_zb_h1_idle_per_device_is_its_closed_form_and_below_1f1b(p, m, f, b, w):
     assert [base.idle(d) for d in range(p)] == [(p - 1) * (f + b + w) * UNIT] * p
 
 
+def peak_activations(ops) -> int:
+    """The most activations one device holds at once: forwards whose weight gradient has not run."""
+    live = peak = 0
+    for op in ops:
+        live += op.kind == FORWARD
+        live -= op.kind == WEIGHT
+        peak = max(peak, live)
+    return peak
+
+
 def test_zb_h1_keeps_1f1b_peak_activation_memory():
     p, m = 4, 12
-    for d, ops in enumerate(generate("zb-h1", p, m).devices):
-        live = peak = 0
-        for op in ops:
-            live += op.kind == FORWARD
-            live -= op.kind == WEIGHT
-            peak = max(peak, live)
-        assert peak <= p
+    for ops in generate("zb-h1", p, m).devices:
+        assert peak_activations(ops) <= p
 
 
 def _check_times(result, latency):
@@ -116,7 +122,7 @@ def _check_times(result, latency):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    name=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "chimera"]),
+    name=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "chimera"]),
     p=st.integers(1, 6),
     mult=st.integers(1, 4),
     extra=st.integers(0, 3),
@@ -159,6 +165,8 @@ def test_latency_is_added_between_devices_only():
     (lambda: generate("1f1b", 0, 4), "stages must be"),
     (lambda: generate("gpipe", 4, 0), "micro-batches must be"),
     (lambda: generate("gpipe", 4, 4, chunks=2), "one model chunk"),
+    (lambda: generate("zb-v", 4, 8, chunks=3), "^zb-v: has exactly 2 model chunks per device \\(a V\\)$"),
+    (lambda: generate("zb-v", 4, 8, chunks=1), "^zb-v: has exactly 2 model chunks"),
     (lambda: generate("pipedream-2bw", 4, 4), "unknown schedule"),
 ])
 def test_generators_refuse_what_they_cannot_do_with_a_clear_message(call, message):
@@ -167,16 +175,24 @@ def test_generators_refuse_what_they_cannot_do_with_a_clear_message(call, messag
 
 
 def test_schedule_names_and_aliases():
-    assert schedule_names() == ["gpipe", "1f1b", "interleaved", "zb-h1", "chimera"]
+    assert schedule_names() == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "chimera"]
     assert generate("DAPPLE", 2, 2).name == "1f1b"
     assert generate("interleaved-1f1b", 2, 2).chunks == 2
+    for alias in ("zbv", "ZB_V", "zb-v"):
+        s = generate(alias, 2, 4)
+        assert (s.name, s.chunks, s.layout, s.split_backward) == ("zb-v", 2, V, True)
+    assert [default_chunks(n) for n in schedule_names()] == [1, 1, 2, 1, 2, 1]
+    assert [layout_of(n) for n in schedule_names()] == [LOOP, LOOP, LOOP, LOOP, V, LOOP]
+    assert layout_of("zbv") == V
+    for n in schedule_names():  # the layout a generator builds is the one layout_of names
+        assert generate(n, 2, 4).layout == layout_of(n), n
 
 
 # ----------------------------------------------------------------------------------------------------
 # Chunk numbering, check() and size arguments (defects found against peer implementations)
 
 
-ALL_SHAPES = [(name, p, m, v) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "chimera")
+ALL_SHAPES = [(name, p, m, v) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "chimera")
               for p in range(1, 5) for m in range(1, 9) for v in ((2, 3) if name == "interleaved" else (None,))
               if not (name == "interleaved" and m % max(1, m // p)) and not (name == "chimera" and (p % 2 or m % 2))]
 
@@ -196,7 +212,7 @@ def test_every_dependency_of_every_op_is_an_op_of_the_schedule(name, p, m, v):
 def _without(schedule, drop):
     return PipelineSchedule(schedule.name, schedule.stages, schedule.micro_batches, schedule.chunks,
                             tuple(tuple(op for op in ops if not drop(op)) for ops in schedule.devices),
-                            schedule.split_backward)
+                            schedule.split_backward, schedule.layout)
 
 
 @pytest.mark.parametrize("drop,message", [
@@ -232,9 +248,9 @@ def test_check_refuses_a_duplicate_and_an_op_on_the_wrong_device():
         swapped.check()
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "chimera", "interleaved"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-v", "chimera", "interleaved"])
 def test_numpy_integers_are_accepted_as_sizes(name):
-    v = np.int64(2) if name == "interleaved" else np.int64(1)
+    v = np.int64(default_chunks(name))
     s = generate(name, np.int64(2), np.int32(4), v)
     assert (s.stages, s.micro_batches) == (2, 4) and type(s.stages) is int and type(s.chunks) is int
     assert [[op.key() for op in ops] for ops in s.devices] == \
@@ -249,7 +265,7 @@ def test_numpy_integers_are_accepted_as_sizes(name):
     ((np.int64(0), 2), "stages must be a whole number >= 1"),
     ((2, 2, True), "chunks must be a whole number >= 1, got True"),
 ])
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "chimera"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-v", "chimera"])
 def test_bool_and_non_integer_sizes_are_refused_in_one_line(name, args, message):
     with pytest.raises(InputError, match=f"^{name}: {message}") as err:
         generate(name, *args)
@@ -309,3 +325,125 @@ def test_interleaved_orders_each_device_as_torchs_schedule_interleaved_1f1b(p, m
         theirs = [("F" if a.computation_type == schedules._ComputationType.FORWARD else "B", a.microbatch_index,
                    a.stage_index) for a in actions if a is not None]
         assert [(op.kind, op.micro_batch, op.stage) for op in s.devices[d]] == theirs, d
+
+
+# ----------------------------------------------------------------------------------------------------
+# Zero-bubble orders: ZB-V's layout and its cross-checks with torch
+
+
+def _torch_actions(schedules, actions) -> list[tuple[str, int, int]]:
+    """torch's per-rank actions (its None bubbles left out) as (kind, micro-batch, stage)."""
+    kind = {schedules._ComputationType.FORWARD: FORWARD, schedules._ComputationType.BACKWARD_INPUT: BACKWARD,
+            schedules._ComputationType.BACKWARD_WEIGHT: WEIGHT}
+    return [(kind[a.computation_type], a.microbatch_index, a.stage_index) for a in actions if a is not None]
+
+
+def _ours(schedule, d: int) -> list[tuple[str, int, int]]:
+    return [(op.kind, op.micro_batch, op.stage) for op in schedule.devices[d]]
+
+
+@pytest.mark.parametrize("p", range(1, 7))
+def test_zb_v_orders_each_device_as_torchs_schedule_zbv_zero_bubble(p):
+    """torch's ``ScheduleZBVZeroBubble`` computes every rank's order without process groups; any m >= 1."""
+    from types import SimpleNamespace
+
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    for m in range(1, 17):
+        fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+        s = generate("zb-v", p, m)
+        for d in range(p):
+            theirs = _torch_actions(schedules, schedules.ScheduleZBVZeroBubble._calculate_single_rank_operations(fake, d))
+            assert _ours(s, d) == theirs, (m, d)
+
+
+@pytest.mark.parametrize("p", range(1, 7))
+def test_zb_h1_orders_each_device_as_torchs_interleaved_zero_bubble_with_one_local_stage(p):
+    """torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank is ZB-H1; its constructor
+    refuses micro-batch counts that do not split into ``max(1, m // p)`` rounds, so those are skipped."""
+    from types import SimpleNamespace
+
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    checked = 0
+    for m in range(1, 17):
+        rounds = max(1, m // p)
+        if m % rounds:
+            continue
+        fake = SimpleNamespace(n_local_stages=1, microbatches_per_round=m // rounds, pp_group_size=p, _n_microbatches=m)
+        s = generate("zb-h1", p, m)
+        for d in range(p):
+            theirs = _torch_actions(
+                schedules, schedules.ScheduleInterleavedZeroBubble._calculate_single_rank_operations(fake, d))
+            assert _ours(s, d) == theirs, (m, d)
+        checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("p", range(1, 6))
+def test_stage_on_places_chunks_in_a_loop_or_a_v_and_device_of_inverts_it(p):
+    loop = [[stage_on(d, c, p) for c in range(3)] for d in range(p)]
+    assert loop == [[d, d + p, d + 2 * p] for d in range(p)]
+    v = [[stage_on(d, c, p, V) for c in range(2)] for d in range(p)]
+    assert v == [[d, 2 * p - 1 - d] for d in range(p)]
+    assert sorted(s for row in v for s in row) == list(range(2 * p))  # every stage once
+    assert stage_on(p - 1, 1, p, V) == p  # the V turns on the last device
+    for layout, table in ((LOOP, loop), (V, v)):
+        for d, row in enumerate(table):
+            for c, s in enumerate(row):
+                assert device_of_stage(s, p, layout) == d and s // p == c
+    s = generate("zb-v", p, 4)
+    assert [s.device_of(st) for st in range(2 * p)] == [device_of_stage(st, p, V) for st in range(2 * p)]
+
+
+def test_stage_on_refuses_places_a_layout_does_not_have():
+    with pytest.raises(ValueError, match="a V has chunks 0 and 1, not 2"):
+        stage_on(0, 2, 4, V)
+    with pytest.raises(ValueError, match="unknown chunk layout 'ring'"):
+        stage_on(0, 0, 4, "ring")
+    with pytest.raises(ValueError, match="not a place in a pipe of 4 devices"):
+        stage_on(4, 0, 4)
+
+
+def test_check_holds_zb_v_to_its_v():
+    """The same order read in a loop layout puts chunk 1 on the wrong devices."""
+    s = generate("zb-v", 3, 5)
+    s.check()
+    loop = PipelineSchedule(s.name, s.stages, s.micro_batches, s.chunks, s.devices, s.split_backward, LOOP)
+    with pytest.raises(AssertionError, match=r"stage=5, chunk=1.* is listed on device 0"):
+        loop.check()
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_zb_v_leaves_only_the_unavoidable_fill_idle_and_less_than_1f1b_and_interleaved(p):
+    """Equal work per stage for every schedule: forward = B = W = 2 units per stage, so 1 unit per chunk.
+
+    Every device does the same 6m units, and the last device cannot start before the first micro-batch
+    has crossed the p - 1 devices above it: p - 1 units idle on every device is the least any order
+    leaves. ZB-V leaves exactly that from m = 2p - 1 on (the micro-batches its warm-up fills the V with);
+    below, measured, each micro-batch short of them adds 2 units. ZB-H1 leaves 2(p - 1), interleaved
+    (v = 2) 3(p - 1), 1F1B 6(p - 1).
+    """
+    u = UNIT
+    for m in range(1, 4 * p + 2):
+        zbv = simulate(generate("zb-v", p, m), PipeCosts.uniform(2 * p, u, 2 * u, 0, 0.5))
+        idle = [zbv.idle(d) for d in range(p)]
+        assert idle == [max(4 * (p - 1) - 2 * (m - 1), p - 1) * u] * p, m
+        one = simulate(generate("1f1b", p, m), PipeCosts.uniform(p, 2 * u, 4 * u))
+        zbh1 = simulate(generate("zb-h1", p, m), PipeCosts.uniform(p, 2 * u, 4 * u, 0, 0.5))
+        for d in range(p):
+            if p > 1:
+                assert idle[d] < one.idle(d)
+            assert idle[d] <= zbh1.idle(d)
+            if m >= 2 * p - 1 and p > 1:
+                assert idle[d] < zbh1.idle(d)
+        if m % max(1, m // p) == 0:
+            inter = simulate(generate("interleaved", p, m), PipeCosts.uniform(2 * p, u, 2 * u))
+            assert all(idle[d] < inter.idle(d) for d in range(p) if p > 1)
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_zb_v_holds_at_most_1f1bs_peak_activations(p):
+    """In-flight activations per device, in chunks (forwards whose W has not run): at most 2p, which is p
+    whole stages, 1F1B's peak; measured, ``min(2p, 2m, m + 1 + d)`` on device d."""
+    for m in range(1, 4 * p + 2):
+        for d, ops in enumerate(generate("zb-v", p, m).devices):
+            assert peak_activations(ops) == min(2 * p, 2 * m, m + 1 + d), (m, d)
