@@ -34,7 +34,7 @@ CATEGORY_ORDER = ("forward", "backward", "weight", "cov_kron_A", "cov_kron_B", "
 COLOURS = {
     "forward": "#4c78a8",
     "backward": "#54a24b",
-    "weight": "#88d27a",
+    "weight": "#17becf",
     "cov_kron_A": "#f58518",
     "cov_kron_B": "#ffbf79",
     "sync_kron_A": "#7a4fa3",

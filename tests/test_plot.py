@@ -315,6 +315,31 @@ def test_interleaved_chunks_are_drawn_in_lighter_shades_and_named_in_the_trace(t
     check_png(render(chart, tmp_path / "interleaved.png"), rows=2)
 
 
+def test_zb_v_draws_each_chunks_weight_passes_in_a_colour_of_their_own(tmp_path):
+    """ZB-V's deferred W passes of chunk 1 (``call_backward:weight:chunk1``) are drawn in the lighter
+    shade of W, and both shades of W stay apart from each other and from every other colour: a
+    lighter (chunk 1) backward must not read as a W."""
+    import itertools
+    import math
+
+    from matplotlib.colors import to_hex, to_rgb
+
+    from pipefisher.plot import chunk_colour
+
+    model = synthetic_model(stages=3, micro_batches=6, layers_per_stage=2, schedule="zb-v")
+    chart = chart_from_job(job_from_dicts(simulate_timelines(model)[0]))
+    weights = {b.label for b in chart.bars if b.category == "weight"}
+    assert weights == {"call_backward:weight", "call_backward:weight:chunk1"}
+    colours = bar_collections(figure(chart))
+    for chunk in (0, 1):
+        assert to_hex(chunk_colour(COLOURS["weight"], chunk)) in colours
+    w = [chunk_colour(COLOURS["weight"], chunk) for chunk in (0, 1)]
+    others = [chunk_colour(COLOURS[cat], chunk) for cat in ("forward", "backward") for chunk in (0, 1)]
+    others += [to_rgb(COLOURS[cat]) for cat in COLOURS if cat not in ("forward", "backward", "weight")]
+    assert min(math.dist(a, b) for a, b in [*itertools.product(w, others), tuple(w)]) > 0.2
+    check_png(render(chart, tmp_path / "zbv.png"), rows=3)
+
+
 # ----------------------------------------------------------------------------------------------------
 # planned vs measured: a run's per-instruction CSV (pipefisher.measure.CSV_COLUMNS)
 

@@ -163,6 +163,53 @@ def test_a_weight_gradient_pass_is_not_the_backward_factor_b_pieces_follow() -> 
     assert [v.rule for v in validate([early], job, room=False)] == ["cov-before-backward"]
 
 
+def _zb_v_node() -> dict:
+    """A ZB-V node's two chunks (m = 2), with chunk 1's first W deferred: forwards of chunk 0 and 1,
+    chunk 1's B passes [120, 130) and [250, 260), its W passes [130, 190) and [260, 270), then chunk 0's
+    backwards (W merged) [280, 300); bubbles [20, 100), [190, 250) and [270, 280). Chunk 1's layer has
+    two covariance pieces of 5 ns per factor."""
+    return {"start_end": [(0, 330)], "call_forward": [(0, 10), (100, 110)],
+            "call_forward:chunk1": [(10, 20), (110, 120)], "call_backward:chunk1": [(120, 130), (250, 260)],
+            "call_backward:weight:chunk1": [(130, 190), (260, 270)], "call_backward": [(280, 290), (290, 300)],
+            "cov_kron_A:l:chunk1": [(300, 310)], "cov_kron_B:l:chunk1": [(310, 320)]}
+
+
+F1, B1, W1 = "call_forward:chunk1", "call_backward:chunk1", "call_backward:weight:chunk1"
+CA1, CB1 = "cov_kron_A:l:chunk1", "cov_kron_B:l:chunk1"
+
+
+def _one_iteration(labels: list[str]) -> list[list[str]]:
+    return [["-- start --", *labels, "-- end --", "turn_off_save_inputs_outgrads", "turn_on_save_inputs_outgrads"]]
+
+
+def test_kfac_placed_over_a_chunk_1_weight_gradient_pass_is_refused() -> None:
+    job = job_from_dicts([_zb_v_node()])
+    assert validate([_one_iteration([F, F1, CA1, F, F1, B1, W1, CA1, CB1, B1, W1, CB1, B, B])], job) == []
+    # as a packer that took chunk 1's W passes for idle time would write it: the work after each B1
+    # runs over the W pass that follows it
+    got = validate([_one_iteration([F, F1, CA1, F, F1, B1, CA1, CB1, B1, CB1, B, B])], job)
+    over = [v.detail for v in got if v.rule == "kfac-over-pipeline"]
+    assert len(over) == 2
+    assert "runs 130 ns..140 ns, over 'call_backward:weight:chunk1' at 130 ns..190 ns" in over[0]
+    assert "runs 260 ns..265 ns, over 'call_backward:weight:chunk1' at 260 ns..270 ns" in over[1]
+    assert ("call_backward:weight:chunk1", "pipeline-count") in [(v.label, v.rule) for v in got]
+
+
+def test_chunk_1_factor_b_pieces_follow_its_b_passes_not_its_w_passes() -> None:
+    """A piece of factor B may run between its micro-batch's B pass and that B's deferred W; a W pass
+    is no backward, so a piece after W1 of micro-batch 0 but before B1 of micro-batch 1 is early."""
+    job = job_from_dicts([_zb_v_node()])
+    between = [F, F1, CA1, F, F1, B1, CB1, W1, CA1, B1, CB1, W1, B, B]
+    assert validate([_one_iteration(between)], job, room=False) == []
+    after_w = [F, F1, CA1, F, F1, B1, W1, CA1, CB1, CB1, B1, W1, B, B]
+    got = validate([_one_iteration(after_w)], job, room=False)
+    assert [(v.label, v.rule) for v in got] == [(CB1, "cov-before-backward")]
+    assert got[0].detail == ("piece 1 needs backward 1 of the first iteration of chunk 1 ('call_backward:chunk1'), "
+                             "which has not run yet")
+    before_b = [F, F1, CA1, F, F1, CB1, B1, W1, CA1, B1, CB1, W1, B, B]
+    assert [v.rule for v in validate([_one_iteration(before_b)], job, room=False)] == ["cov-before-backward"]
+
+
 def test_node_count_mismatch_is_an_input_error(job) -> None:
     with pytest.raises(InputError, match="has 2 node schedules but the job has 1 timelines"):
         validate([GOOD, GOOD], job, "s.pickle")

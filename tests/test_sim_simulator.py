@@ -87,6 +87,49 @@ def test_zb_h1_counts_stay_equal_and_deferred_weight_passes_are_their_own_key():
     assert len(last["call_forward"]) == len(last["call_backward"]) == len(last["call_backward:weight"]) == 8
 
 
+def test_zb_v_nodes_hold_both_chunks_with_their_b_and_w_passes():
+    """Chunk 1's forwards, B and W passes carry ':chunk1'; every chunk has m forwards and m B passes,
+    and its W passes are either deferred (their own key) or merged into the B right before them."""
+    m = 8
+    timelines, result = simulate_timelines(load_cost_model(BASE), "zb-v", micro_batches=m)
+    assert (result.schedule.name, result.schedule.chunks) == ("zb-v", 2)
+    deferred = 0
+    for node in timelines:
+        pipeline = {k for k in node if k.startswith("call_")}
+        assert pipeline <= {"call_forward", "call_backward", "call_backward:weight",
+                            "call_forward:chunk1", "call_backward:chunk1", "call_backward:weight:chunk1"}
+        for suffix in ("", ":chunk1"):
+            assert len(node["call_forward" + suffix]) == len(node["call_backward" + suffix]) == m
+            assert len(node.get("call_backward:weight" + suffix, [])) <= m
+        deferred += len(node.get("call_backward:weight:chunk1", []))
+    assert "call_backward:weight:chunk1" not in timelines[0]  # the first node runs each W right after its B
+    assert deferred > 0
+
+
+def test_zb_v_puts_each_nodes_chunk_1_layers_on_the_way_back_up():
+    """6 layers, 3 nodes, 6 virtual stages of one layer: node d holds layer d (chunk 0) and layer 5 - d
+    (chunk 1, ':chunk1' keys), not layer d + 3 as interleaving would."""
+    model = synthetic_model(stages=3, micro_batches=4, layers_per_stage=2, schedule="zb-v")
+    timelines, _ = simulate_timelines(model)
+    for d, node in enumerate(timelines):
+        layers = {(int(k.split(".")[2]), k.endswith(":chunk1")) for k in kfac_keys(node)}
+        assert layers == {(d, False), (5 - d, True)}, d
+    interleaved, _ = simulate_timelines(model, "interleaved", chunks=2)
+    assert {int(k.split(".")[2]) for k in kfac_keys(interleaved[0])} == {0, 3}
+
+
+def test_zb_v_turns_on_the_last_node_without_latency():
+    """The last node hands micro-batch 0 from its chunk 0 (stage p - 1) to its chunk 1 (stage p) at once;
+    between nodes every hand-off waits the latency."""
+    model = synthetic_model(stages=3, micro_batches=4, layers_per_stage=2, schedule="zb-v", latency_ms=2.0)
+    _, result = simulate_timelines(model)
+    start = {(t.op.kind, t.op.micro_batch, t.op.stage): (t.start, t.end) for ops in result.devices for t in ops}
+    latency = round(2.0 * NS_PER_MS)
+    assert start["F", 0, 3][0] == start["F", 0, 2][1]  # node 2: chunk 0 -> chunk 1
+    assert start["F", 0, 1][0] == start["F", 0, 0][1] + latency  # node 0 -> node 1
+    assert start["F", 0, 4][0] == start["F", 0, 3][1] + latency  # node 2 -> node 1, on the way up
+
+
 def test_chimera_up_pipe_keys():
     timelines, _ = simulate_timelines(load_cost_model(BASE), "chimera", micro_batches=8)
     node = timelines[0]
@@ -96,7 +139,7 @@ def test_chimera_up_pipe_keys():
 
 
 @pytest.mark.parametrize("config", [BASE, LARGE])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "chimera"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "chimera"])
 def test_simulated_pickles_load_and_pack(tmp_path, config, schedule):
     timelines, _ = simulate_timelines(load_cost_model(config), schedule)
     paths = write_timelines(tmp_path, "sim", timelines)
@@ -192,6 +235,15 @@ def test_compare_prints_one_row_per_schedule_and_micro_batch_count(tmp_path):
     assert (tmp_path / "c.json").exists()
 
 
+def test_compare_by_default_has_a_row_for_every_schedule_zero_bubble_ones_too():
+    res = CliRunner().invoke(main, ["compare", "--config", BASE, "-m", "8"])
+    assert res.exit_code == 0, res.output
+    rows = [line.split()[0] for line in res.output.splitlines()[3:-1]]
+    assert rows == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "chimera"]
+    zbv = next(line for line in res.output.splitlines() if line.startswith("zb-v"))
+    assert "n/a" not in zbv
+
+
 def test_demo_writes_everything_into_one_folder(tmp_path):
     out = tmp_path / "demo"
     res = CliRunner().invoke(main, ["demo", "--out", str(out)])
@@ -273,3 +325,24 @@ def test_tight_packs_a_simulated_interleaved_job_in_the_chunk_format(tmp_path):
     assert validate(packed.to_file_data(), job) == []
     for n in packed.nodes:
         assert n.figures.lower_bound is not None and n.figures.lower_bound <= n.figures.iterations
+
+
+@pytest.mark.parametrize("policy", ["target", "tight"])
+def test_a_simulated_zb_v_job_packs_and_validates_end_to_end(tmp_path, policy):
+    """``simulate --schedule zb-v``, then ``schedule`` and ``validate`` on its files: the packed schedule
+    keeps K-FAC off every W pass and validates; the default prefix says v2."""
+    runner = CliRunner()
+    res = runner.invoke(main, ["simulate", "--config", BASE, "--schedule", "zb-v", "-m", "8", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "zb-v, 4 stages, 8 micro-batches, 2 chunks" in res.output
+    paths = sorted(str(p) for p in tmp_path.glob("*.pickle"))
+    assert [os.path.basename(p) for p in paths] == [f"bert-base-4stages_zb-v_p4_v2_m8_node{i}_timeline.pickle"
+                                                    for i in range(4)]
+    saved = str(tmp_path / "s.pickle")
+    res = runner.invoke(main, ["schedule", *paths, "--policy", policy, "--save-path", saved])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(main, ["validate", "--schedule", saved, *paths])
+    assert res.exit_code == 0 and "no violations" in res.output, res.output
+    job = load_job(paths)
+    assert {c for node in job.nodes for c in node.chunks} == {0, 1}
+    assert any(node.weights(chunk=1) for node in job.nodes)

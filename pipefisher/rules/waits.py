@@ -4,7 +4,9 @@ A schedule's labels block on other nodes in three ways at run time:
 
 - ``call_forward`` / ``call_backward`` (either pipe, any model chunk) receive the activation or gradient
   of the same micro-batch from the neighbouring (virtual) stage of their pipe (sends never block); under
-  interleaving chunk j of node n is virtual stage ``j * nodes + n`` (``:chunk<j>`` labels);
+  interleaving chunk j of node n is virtual stage ``j * nodes + n`` (``:chunk<j>`` labels, the loop
+  layout of :func:`pipefisher.pipeline_orders.stage_on`: the labels do not say whether the chunks sit
+  in a V, and the waits are followed in grouped jobs only, Chimera's, which have one chunk);
 - ``inv_kron_X:<m>`` waits for the all-reduces of layer ``m``'s factors that this node started and
   has not waited for yet (a ``sync_kron`` only starts its all-reduce), so for every member of the
   sync group to have started them;
@@ -25,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from pipefisher.pipeline_orders import device_of_stage, stage_on
 from pipefisher.rules.format import END
 from pipefisher.rules.groups import group_order_violations, identity
 from pipefisher.rules.violations import Violation
@@ -62,11 +65,11 @@ def _producer(n: int, kind: str, lane: int, nodes: int, chunks: int = 1) -> tupl
         stage = nodes - 1 - n
         src = stage - 1 if kind == "F" else stage + 1
         return (nodes - 1 - src, kind, 1) if 0 <= src < nodes else None
-    stage = (lane // 2) * nodes + n  # virtual stage: chunk j of node n
+    stage = stage_on(n, lane // 2, nodes)  # virtual stage: chunk j of node n
     src = stage - 1 if kind == "F" else stage + 1
     if not 0 <= src < nodes * chunks:
         return None
-    return src % nodes, kind, 2 * (src // nodes)
+    return device_of_stage(src, nodes), kind, 2 * (src // nodes)
 
 
 def call_clock(orders: Sequence[Sequence[str]],

@@ -15,7 +15,11 @@ Mapping choices (see also the format spec):
   ``call_forward``/``call_backward``, chunk j's (j >= 1) ``call_forward:chunk<j>``/``call_backward:chunk<j>``,
   one interval per micro-batch in execution order, so each chunk has ``m`` of each; the K-FAC keys of
   chunk j's layers end in ``:chunk<j>`` (none for chunk 0), each covering that chunk's ``m`` micro-batches.
-- ZB-H1: ``call_backward`` is the input-gradient pass B. A weight-gradient pass W that directly
+- ZB-V: two chunks per device as interleaved (the chunk format, costs of two chunks per device), but
+  placed in a V (:func:`pipefisher.pipeline_orders.stage_on`): chunk 1 of node d holds virtual stage
+  ``2p - 1 - d``, so its ``:chunk1`` K-FAC keys are that stage's layers, and the last node hands its
+  chunk 0's output to its own chunk 1 (no latency). Its W passes are written as ZB-H1's.
+- ZB-H1 (and ZB-V): ``call_backward`` is the input-gradient pass B. A weight-gradient pass W that directly
   follows its own B is merged into that interval (so node 0 looks like 1F1B); a deferred W is written
   under :func:`pipefisher.timeline.weight_key` (``call_backward:weight`` plus the pipe's or chunk's
   suffix): pipeline work, which every policy and ``validate`` keep K-FAC out of (the problem's one
@@ -33,7 +37,7 @@ from typing import Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.pipeline_orders import (BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op, PipelineSchedule, canonical_name,
-                                        generate)
+                                        default_chunks, generate, stage_on)
 from pipefisher.sim.costs import NS_PER_MS, CostModel, ModuleCost
 from pipefisher.timeline import BACKWARD as BACKWARD_KEY, FORWARD as FORWARD_KEY
 from pipefisher.timeline import UP_SUFFIX, chunk_suffix, pipe_key, weight_key
@@ -163,17 +167,16 @@ class LayerCopy:
 
 
 def node_layers(model: CostModel, schedule: PipelineSchedule) -> list[list[LayerCopy]]:
-    """The layer copies each node holds: its chunks' layers (down pipe), then its up-pipe stage's layers."""
+    """The layer copies each node holds: its chunks' layers (down pipe, chunk c of node d being virtual
+    stage :func:`~pipefisher.pipeline_orders.stage_on` in the schedule's layout), then its up-pipe
+    stage's layers."""
     S = schedule.virtual_stages
-    per_pipe = [sum(1 for op in ops if op.kind == FORWARD and op.pipe == pipe and op.stage == 0)
-                for pipe in (DOWN, UP) for ops in schedule.devices[:1]]
     down_mb = sum(1 for ops in schedule.devices for op in ops if op.kind == FORWARD and op.pipe == DOWN and op.stage == 0)
     up_mb = sum(1 for ops in schedule.devices for op in ops if op.kind == FORWARD and op.pipe == UP and op.stage == 0)
-    del per_pipe
     out: list[list[LayerCopy]] = []
     for d in range(schedule.stages):
-        copies = [LayerCopy(layer, False, down_mb, c)
-                  for c in range(schedule.chunks) for layer in model.stage_layers(c * schedule.stages + d, S)]
+        copies = [LayerCopy(layer, False, down_mb, c) for c in range(schedule.chunks)
+                  for layer in model.stage_layers(stage_on(d, c, schedule.stages, schedule.layout), S)]
         if up_mb:
             copies += [LayerCopy(layer, True, up_mb) for layer in model.stage_layers(schedule.stages - 1 - d, S)]
         out.append(copies)
@@ -250,12 +253,13 @@ def simulate_timelines(
     """Simulate ``model`` (its own settings, overridden by the arguments); returns timelines and times.
 
     The model's own ``chunks`` applies to the interleaved schedule only; an explicit ``chunks`` argument
-    applies to any schedule (and is refused by those that have one chunk).
+    applies to any schedule (and is refused by those that cannot have that many). Without either, each
+    schedule has its :func:`~pipefisher.pipeline_orders.default_chunks` (2 for interleaved and zb-v).
     """
     model = model.replace(schedule=schedule, stages=stages, micro_batches=micro_batches, chunks=chunks)
     name = canonical_name(model.schedule)
     use_chunks = chunks if chunks is not None else (model.chunks if name == "interleaved" else None)
-    costs = pipe_costs(model, use_chunks or (2 if name == "interleaved" else 1))
+    costs = pipe_costs(model, use_chunks or default_chunks(name))
     sched = generate(name, model.stages, model.micro_batches, use_chunks, lambda op: costs.duration(op, False))
     result = simulate(sched, costs)
     return timelines_from_result(result, model), result
