@@ -16,9 +16,14 @@ to the same pipeline's first-order step (the median over the rounds of each roun
 spread), the bubble fraction of the profiled pipeline, and the K-FAC cycle k per node (for the
 adaptive run: where it ended). Then per pipeline: ``target``, static at margin 1, the best static
 margin of the sweep, and adaptive; the last line, ``adaptive/first-order: X (k = K)``, is the worst pipeline's median.
+With several pipelines it then compares them against the fastest first-order step of all (the baseline
+a user would otherwise train with): per pipeline its first-order, kfac and ``target`` steps over that
+step, and the ``target`` schedule's expected time to a target loss over first-order's at that step,
+``steps(k) x step`` on the measured staleness curve (:mod:`pipefisher.objective`).
 
     python scripts/bench_scheduled.py [--config configs/small.yaml] [--steps 80] [--warmup 3] [--rounds 5] \
         [--kfac-margin 1,1.25,1.5,2] [--micro-batches M] [--pipelines 1f1b,chimera] [--no-adapt]
+    python scripts/bench_scheduled.py --pipelines 1f1b,zb-h1,zb-v --kfac-margin 1 --no-adapt   # zero bubble
 """
 from __future__ import annotations
 
@@ -151,7 +156,7 @@ def main() -> None:
     ap.add_argument("--policy", default=None, help="packing policy of the margin sweep (default: tight)")
     ap.add_argument("--micro-batches", type=int, default=None, help="override data.num_micro_batches")
     ap.add_argument("--pipelines", default="1f1b,chimera",
-                    help="comma-separated pipeline orders to compare (gpipe, 1f1b, chimera)")
+                    help="comma-separated pipeline orders to compare (gpipe, 1f1b, chimera, interleaved, zb-h1, zb-v)")
     ap.add_argument("--kfac-margin", default="1,1.25,1.5,2",
                     help="comma-separated K-FAC time factors to pack with, one static scheduled run each")
     ap.add_argument("--no-adapt", dest="adapt", action="store_false",
@@ -217,6 +222,30 @@ def main() -> None:
         print(line)
     if worst is not None:
         print(f"adaptive/first-order: {worst[0]:.3f} (k = {worst[1]})")
+    pipes = list(dict.fromkeys(p for p, _ in runs))
+    if len(pipes) > 1:
+        for line in across_pipelines(pipes, per_round, a.rounds, k_of):
+            print(line)
+
+
+def across_pipelines(pipes: list[str], per_round: dict, rounds: int, k_of) -> list[str]:  # noqa: ANN001
+    """Every pipeline against the fastest first-order step of them all, round by round (medians)."""
+    from pipefisher.objective import MEASURED_STALENESS
+
+    def over_best(mode: str, pipe: str) -> float:
+        return statistics.median(per_round[pipe, mode][i] / min(per_round[q, "first-order"][i] for q in pipes)
+                                 for i in range(rounds))
+
+    best = min(pipes, key=lambda q: statistics.median(per_round[q, "first-order"]))
+    out = [f"against the fastest first-order step ({best}, "
+           f"{statistics.median(per_round[best, 'first-order']) * 1e3:.1f} ms; medians of each round's ratio):",
+           f"{'pipeline':9} {'first-order':>12} {'kfac':>8} {'target':>8} {'k':>4} {'time to target (expected)':>27}"]
+    for pipe in pipes:
+        k = k_of((pipe, TARGET))
+        steps = MEASURED_STALENESS.at(k) if k else float("nan")
+        out.append(f"{pipe:9} {over_best('first-order', pipe):12.3f} {over_best('kfac', pipe):8.3f} "
+                   f"{over_best(TARGET, pipe):8.3f} {k:>4} {steps * over_best(TARGET, pipe):27.3f}")
+    return out
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ def replay(cfg: RunConfig, schedule: list[list[list[str]]] | None, steps: int,
         if cfg.pipeline.schedule == "chimera":
             assert schedule is not None and labels_at is None
             return _replay_chimera(cfg, schedule, steps)
-        chunks = cfg.pipeline.chunks if cfg.pipeline.schedule == "interleaved" else 1
+        chunks = cfg.pipeline.chunks if cfg.pipeline.chunked else 1
         if labels_at is None:
             assert schedule is not None
             sched = schedule
@@ -329,22 +329,25 @@ def _replay_chimera(cfg: RunConfig, schedule: list[list[list[str]]], steps: int)
 
 
 def interleaved_spread_schedule(cfg: RunConfig) -> list[list[list[str]]]:
-    """A 2-iteration cycle per device: iteration 0 takes each chunk's covariance pieces right after that
-    chunk's own forwards (A) and backwards (B), saving off at its end; iteration 1 inverts half the
-    factors before ``-- end --`` and half after it, saving back on at the end of the cycle."""
+    """A 2-iteration cycle per device: iteration 0 takes each copy's covariance pieces right after that
+    copy's own forwards (A) and backwards (B; the B pass, before its W, in zero-bubble orders), saving
+    off at its end; iteration 1 inverts half the factors before ``-- end --`` and half after it, saving
+    back on at the end of the cycle. For any one-pipe order (chunks or not)."""
     from pipefisher.runtime.pipeline.labels import chunk_suffix, parse_label
     from pipefisher.runtime.pipeline.layout import node_kfac_names
 
     stages, m, v = cfg.pipeline.stages, cfg.data.num_micro_batches, cfg.pipeline.chunks
     out = []
     for node, by_chunk in enumerate(node_kfac_names(cfg)):
-        ops = pipeline_ops("interleaved", node, stages, m, v)
+        ops = pipeline_ops(cfg.pipeline.schedule, node, stages, m, v)
         it0 = [START]
         for label in ops:
             it0.append(label)
             kind, _, _, chunk = parse_label(label)
+            if kind not in (FORWARD, BACKWARD):
+                continue
             f = "A" if kind == FORWARD else "B"
-            it0 += [f"cov_kron_{f}:{n}{chunk_suffix(chunk)}" for n in by_chunk[chunk]]
+            it0 += [f"cov_kron_{f}:{n}{chunk_suffix(chunk) if cfg.pipeline.chunked else ''}" for n in by_chunk[chunk]]
         it0 += [END, SAVE_OFF]
         invs = [f"inv_kron_{f}:{n}{chunk_suffix(j)}" for j, names in by_chunk.items() for n in names for f in "AB"]
         half = len(invs) // 2
@@ -355,13 +358,17 @@ def interleaved_spread_schedule(cfg: RunConfig) -> list[list[list[str]]]:
 
 def _replay_virtual_stages(cfg: RunConfig, labels_at: Callable[[int, int], list[str]], steps: int,
                            chunks: int) -> dict[int, dict[str, torch.Tensor]]:
-    """Every virtual stage (chunk j of device d: d + j*D; one chunk per device without interleaving) as
-    its own module, K-FAC and optimizer; each node's labels run on the virtual stage their ``:chunk<j>``
-    suffix names. With clip_norm or kl_clip the workers sum over the whole pipeline and this replay
-    would not: the tests that compare with it use neither."""
+    """Every virtual stage (chunk j of device d: ``stage_on(d, j, D, layout)``, d + j*D interleaved; one
+    chunk per device without chunks) as its own module, K-FAC and optimizer; each node's labels run on
+    the virtual stage their ``:chunk<j>`` suffix names. With clip_norm or kl_clip the workers sum over
+    the whole pipeline and this replay would not: the tests that compare with it use neither."""
+    from pipefisher.pipeline_orders import layout_of, stage_on
     from pipefisher.runtime.pipeline.labels import parse_label
 
     p, v, m = cfg.pipeline.stages, chunks, cfg.data.num_micro_batches
+
+    def at(node: int, j: int) -> int:
+        return stage_on(node, j, p, layout_of(cfg.pipeline.schedule))
     n = p * v
     mods = [PipelineStage(cfg.model, s, n, seed=cfg.data.seed) for s in range(n)]
     kfacs = [make_kfac(cfg, mod) for mod in mods]
@@ -371,10 +378,10 @@ def _replay_virtual_stages(cfg: RunConfig, labels_at: Callable[[int, int], list[
     def apply(node: int, label: str) -> None:
         kind, factor, module, chunk = parse_label(label)
         if factor is not None:
-            kfacs[node + chunk * p].apply_label(f"{kind}_{factor}:{module}")
+            kfacs[at(node, chunk)].apply_label(f"{kind}_{factor}:{module}")
         else:
             for j in range(v):
-                kfacs[node + j * p].apply_label(label)
+                kfacs[at(node, j)].apply_label(label)
 
     for k in kfacs:
         k.set_saving(True)
@@ -386,7 +393,7 @@ def _replay_virtual_stages(cfg: RunConfig, labels_at: Callable[[int, int], list[
         for node in range(p):
             labels = iters[node]
             for j in range(v):
-                s = node + j * p
+                s = at(node, j)
                 if labels is None:
                     kfacs[s].update_curvature()
                     kfacs[s].clear_saved()
@@ -394,7 +401,7 @@ def _replay_virtual_stages(cfg: RunConfig, labels_at: Callable[[int, int], list[
                 for label in labels[:labels.index(END)]:
                     apply(node, label)
             for j in range(v):
-                updaters[node + j * p].step(mods[node + j * p])
+                updaters[at(node, j)].step(mods[at(node, j)])
             if labels is not None:
                 for label in labels[labels.index(END) + 1:]:
                     apply(node, label)
@@ -412,7 +419,7 @@ def train_copies_every_step(cfg: RunConfig, runs: list[tuple[str, str | None]], 
     from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
     chimera = cfg.pipeline.schedule == "chimera"
-    copies = (0, 1) if chimera else range(cfg.pipeline.chunks)
+    copies = (0, 1) if chimera else range(cfg.pipeline.chunks) if cfg.pipeline.chunked else (0,)
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s, chimera=chimera)
     out: dict = {"device": ctx.grid.stage, "replica": ctx.grid.replica}
     try:
@@ -421,12 +428,13 @@ def train_copies_every_step(cfg: RunConfig, runs: list[tuple[str, str | None]], 
             trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
                                                      log_every=10**9))
             trainer.stage.train()
-            index = {c: trainer.stage.copy(c).index for c in copies}
+            def copy(c: int):  # noqa: ANN202
+                return trainer.stage.copy(c) if hasattr(trainer.stage, "copy") else trainer.stage
+            index = {c: copy(c).index for c in copies}
             history, losses = [], []
             for step in range(steps):
                 losses.append(trainer.train_step(step))
-                history.append({c: {n: t.detach().clone() for n, t in trainer.stage.copy(c).named_parameters()}
-                                for c in copies})
+                history.append({c: {n: t.detach().clone() for n, t in copy(c).named_parameters()} for c in copies})
             out[mode if schedule is None else os.path.basename(schedule)] = (index, history, losses)
     finally:
         shutdown(ctx)
@@ -457,3 +465,59 @@ def train_runs(cfg_path: str, runs: list[tuple[str, str | None]], steps: int, ov
     finally:
         shutdown(ctx)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# What every one-pipe layout of copies (interleaved chunks, zero-bubble orders) must show
+
+
+def train_one_and_spread_schedules(cfg: RunConfig, folder, steps: int) -> tuple[list[dict], dict[str, str]]:  # noqa: ANN001
+    """Workers train ``first-order``, ``kfac``, a one-iteration schedule (``one``) and
+    :func:`interleaved_spread_schedule` (``spread``), both checked and saved in ``folder``: the
+    results of :func:`train_copies_every_step` and the schedule files by name."""
+    from pipefisher.runtime.launch.local import spawn_local
+    from pipefisher.runtime.pipeline.checks import check_schedule, single_iteration_schedule
+    from pipefisher.schedule_file import save_schedule
+
+    files = {}
+    for name, data in (("one", single_iteration_schedule(cfg)), ("spread", interleaved_spread_schedule(cfg))):
+        check_schedule(data, cfg)
+        files[name] = str(folder / f"{name}.pickle")
+        save_schedule(files[name], data)
+    runs = [("first-order", None), ("kfac", None)] + [("scheduled", files[n]) for n in ("one", "spread")]
+    return spawn_local(train_copies_every_step, 2, cfg, runs, steps, timeout_s=180), files
+
+
+def assert_one_iteration_schedule_trains_as_kfac_mode(results: list[dict], steps: int) -> None:
+    """Results of :func:`train_copies_every_step` with runs ``kfac`` and ``one.pickle`` (a one-iteration
+    schedule): every copy's parameters after every step agree, and so does the loss, which K-FAC moved
+    away from the ``first-order`` run's."""
+    import pytest
+
+    from test_runtime_executor import _close
+
+    for res in results:
+        for step in range(steps):
+            for j in res["kfac"][1][step]:
+                _close(res["one.pickle"][1][step][j], res["kfac"][1][step][j])
+    last = [res for res in results if res["kfac"][2][0] is not None]
+    assert len(last) == 1 and last[0]["one.pickle"][2] == pytest.approx(last[0]["kfac"][2], rel=1e-6)
+    assert last[0]["kfac"][2] != pytest.approx(last[0]["first-order"][2], rel=1e-4)  # K-FAC changed the run
+
+
+def assert_schedule_trains_as_its_replay(cfg: RunConfig, results: list[dict], path: str, steps: int) -> None:
+    """The run of schedule file ``path`` ends with every virtual stage's parameters equal to a
+    one-process :func:`replay` of its labels."""
+    from pipefisher.schedule_file import load_schedule
+
+    from test_runtime_executor import _close
+
+    want = replay(cfg, load_schedule(path), steps)
+    seen = set()
+    for res in results:
+        index, history, _ = res[os.path.basename(path)]
+        for j, s in index.items():
+            _close(history[-1][j], want[s], 1e-4)
+            seen.add(s)
+    assert seen == set(want)
+

@@ -97,6 +97,64 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float =
     assert err <= tol * max(1.0, float(want.double().norm())), f"{what}: off by {err:.3g}"
 
 
+def copies_step_worker(cfg: RunConfig) -> dict:
+    """One kfac-mode step of a worker whose device holds stage copies (chunks, or one stage): every
+    copy's gradients after the replicas' all-reduce, then naive K-FAC's inverses and the
+    preconditioned gradients, the loss and a held-out loss."""
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    try:
+        trainer = Trainer(cfg, ctx, TrainOptions(mode="kfac", steps=1, progress=False))
+        eng, kfac = trainer.engine, trainer.kfac
+        copies, kfacs = dict(trainer.worker.copies), dict(trainer.kfacs)
+        kfac.set_saving(True)
+        eng.begin_step(0)
+        eng.run(trainer.ops)
+        loss = eng.finish_step()
+        eng.allreduce_gradients()
+        grads = {j: {n: t.grad.clone() for n, t in c.named_parameters()} for j, c in copies.items()}
+        kfac.update_curvature()
+        inverses = {j: {(n, f): k.inverse(n, f).clone() for n in k.names for f in "AB"} for j, k in kfacs.items()}
+        kfac.precondition_all()
+        precond = {j: {n: t.grad.clone() for n, t in c.named_parameters()} for j, c in copies.items()}
+        val = trainer.worker.evaluate(trainer.data.validation_batches()[:2])
+        return {"device": ctx.grid.stage, "replica": ctx.grid.replica, "index": {j: c.index for j, c in copies.items()},
+                "grads": grads, "inverses": inverses, "precond": precond, "loss": loss, "val": val}
+    finally:
+        shutdown(ctx)
+
+
+def assert_copies_step_equals_reference(cfg: RunConfig, replicas: int, results: list[dict], ref: dict) -> None:
+    """Every copy holds the stage :func:`pipefisher.runtime.pipeline.layout.node_pipes` places there, its
+    gradients equal the one-process reference's, the loss comes from the device holding the last
+    stage, once per replica, and every replica agrees on the held-out loss."""
+    from pipefisher.runtime.pipeline.layout import loss_device, node_pipes
+
+    seen = set()
+    for res in results:
+        for j, grads in res["grads"].items():
+            assert res["index"][j] == node_pipes(cfg, res["device"])[j]
+            for name, grad in grads.items():
+                _assert_close(grad, ref["grads"][name], f"device {res['device']} copy {j} {name}")
+                seen.add(name)
+    assert seen == set(ref["grads"])
+    losses = [res for res in results if res["loss"] is not None]
+    assert len(losses) == replicas and all(res["device"] == loss_device(cfg) for res in losses)
+    vals = [res["val"] for res in results if res["val"] is not None]
+    assert len(vals) == replicas and all(v == pytest.approx(vals[0]) for v in vals)
+
+
+def assert_copies_kfac_equals_reference(results: list[dict], ref: dict) -> None:
+    """Every copy's K-FAC inverses and preconditioned gradients equal the one-process reference's."""
+    for res in results:
+        for j in res["inverses"]:
+            for key, inv in res["inverses"][j].items():
+                _assert_close(inv, ref["inverses"][key], f"inverse {key}", 1e-3)
+            for name, grad in res["precond"][j].items():
+                _assert_close(grad, ref["precond"][name], f"preconditioned {name}", 1e-3)
+
+
 LAYOUTS = {"2 stages x 2 replicas": (2, 2), "4 stages x 1 replica": (4, 1)}
 PREPOSTED = "1f1b, receives posted ahead"
 
@@ -155,9 +213,10 @@ def test_kfac_factors_inverses_and_preconditioned_gradients_equal_single_process
     assert names == {k[0] for k in ref["factors"]}
 
 
-def _true_fisher_step(cfg: RunConfig, distributed: bool, prepost: bool = False) -> dict:
-    """One saved 1F1B step with true-Fisher K-FAC: factor B of every layer, and the parameter gradients
-    (with ``prepost``, every call's receives posted ahead of it)."""
+def _true_fisher_step(cfg: RunConfig, distributed: bool, prepost: bool = False, order: str = "1f1b") -> dict:
+    """One saved step (1F1B, or ``order``) with true-Fisher K-FAC: factor B of every layer, and the
+    parameter gradients (with ``prepost``, every call's receives posted ahead of it)."""
+    from pipefisher.runtime.pipeline.engine import splits_backward
     from pipefisher.runtime.job.dist import single_process
     from pipefisher.runtime.train.update import make_kfac
 
@@ -165,10 +224,11 @@ def _true_fisher_step(cfg: RunConfig, distributed: bool, prepost: bool = False) 
     g, m = ctx.grid, cfg.data.num_micro_batches
     stage = PipelineStage(cfg.model, g.stage, g.stages, seed=cfg.data.seed)
     kfac = make_kfac(cfg.replace(kfac={"fisher": "true"}), stage)
-    engine = PipelineEngine(stage, ctx, MLMData(cfg.data, cfg.model.vocab_size), m, kfac=kfac)
+    engine = PipelineEngine(stage, ctx, MLMData(cfg.data, cfg.model.vocab_size), m, kfac=kfac,
+                            split=splits_backward(order))
     kfac.set_saving(True)
     engine.begin_step(0)
-    for label in pipeline_ops("1f1b", g.stage, g.stages, m):
+    for label in pipeline_ops(order, g.stage, g.stages, m):
         if prepost:
             engine.prepost(label)
         engine.op(label)()
@@ -195,6 +255,20 @@ def test_true_fisher_factors_and_gradients_equal_single_process():
             _assert_close(f, ref["factors"][n], f"stage {r['stage']} true-Fisher B of {n}")
             # the sampled labels differ from the training labels: so does the factor
             assert float((f - plain["factors"][n, "B"]).norm()) > 1e-3 * float(f.norm())
+        for n, gr in r["grads"].items():
+            _assert_close(gr, plain["grads"][n], f"stage {r['stage']} gradient of {n}")
+
+
+def test_true_fisher_in_a_zero_bubble_order_equals_single_process():
+    """ZB-H1: the sampled-label backward runs in the B pass beside the input gradient, and the W pass
+    adds the real weight gradients later; factors and gradients stay those of one process."""
+    cfg = BASE.replace(pipeline=dict(stages=2))
+    results = spawn_local(_true_fisher_step, 2, cfg, True, True, "zb-h1", timeout_s=120)
+    ref = _true_fisher_step(cfg.replace(pipeline=dict(stages=1)), False)
+    plain = _reference(cfg, 1)
+    for r in results:
+        for n, f in r["factors"].items():
+            _assert_close(f, ref["factors"][n], f"stage {r['stage']} true-Fisher B of {n}")
         for n, gr in r["grads"].items():
             _assert_close(gr, plain["grads"][n], f"stage {r['stage']} gradient of {n}")
 

@@ -17,9 +17,11 @@ from pipefisher.runtime.launch.local import spawn_local
 from pipefisher.runtime.pipeline.engine import device_plan, pipe_micro_batches, pipeline_ops
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
-from _schedules import train_copies_every_step
+from _schedules import (assert_one_iteration_schedule_trains_as_kfac_mode, assert_schedule_trains_as_its_replay,
+                        train_one_and_spread_schedules)
 
-from test_runtime_engine import BASE, _assert_close, _reference
+from test_runtime_engine import (BASE, _reference, assert_copies_kfac_equals_reference, assert_copies_step_equals_reference,
+                                 copies_step_worker)
 
 INTERLEAVED = BASE.replace(pipeline=dict(schedule="interleaved", chunks=2), data=dict(num_micro_batches=4))
 
@@ -49,32 +51,6 @@ def test_config_checks_the_interleaved_layout():
     assert INTERLEAVED.pipeline.virtual_stages == 4
 
 
-def _step_worker(cfg) -> dict:
-    """One kfac-mode step: gradients after the replicas' all-reduce, then naive K-FAC and preconditioning."""
-    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
-    try:
-        trainer = Trainer(cfg, ctx, TrainOptions(mode="kfac", steps=1, progress=False))
-        eng, kfac, chunks = trainer.engine, trainer.kfac, trainer.stage
-        v = cfg.pipeline.chunks
-        kfac.set_saving(True)
-        eng.begin_step(0)
-        eng.run(trainer.ops)
-        loss = eng.finish_step()
-        eng.allreduce_gradients()
-        grads = {j: {n: t.grad.clone() for n, t in chunks.copy(j).named_parameters()} for j in range(v)}
-        kfac.update_curvature()
-        inverses = {j: {(n, f): kfac[j].inverse(n, f).clone() for n in kfac[j].names for f in "AB"}
-                    for j in range(v)}
-        kfac.precondition_all()
-        precond = {j: {n: t.grad.clone() for n, t in chunks.copy(j).named_parameters()} for j in range(v)}
-        index = {j: chunks.copy(j).index for j in range(v)}
-        val = eng.evaluate(trainer.data.validation_batches()[:2])
-        return {"device": ctx.grid.stage, "replica": ctx.grid.replica, "index": index, "grads": grads,
-                "inverses": inverses, "precond": precond, "loss": loss, "val": val}
-    finally:
-        shutdown(ctx)
-
-
 LAYOUTS = {"D=2 v=2": (2, 1, 4, 4), "D=2 v=2 x 2 replicas": (2, 2, 4, 4), "D=4 v=2": (4, 1, 8, 4),
            "D=2 v=2 m=3 (not a multiple of D)": (2, 1, 4, 3)}
 
@@ -84,35 +60,19 @@ def interleaved_step(request):
     stages, replicas, layers, micro_batches = LAYOUTS[request.param]
     cfg = INTERLEAVED.replace(pipeline=dict(stages=stages), model=dict(num_layers=layers),
                               data=dict(num_micro_batches=micro_batches))
-    results = spawn_local(_step_worker, stages * replicas, cfg, timeout_s=180)
+    results = spawn_local(copies_step_worker, stages * replicas, cfg, timeout_s=180)
     return cfg, replicas, results, _reference(cfg, replicas)
 
 
 def test_interleaved_gradients_equal_single_process(interleaved_step):
-    cfg, replicas, results, ref = interleaved_step
-    seen = set()
-    for res in results:
-        for j, grads in res["grads"].items():
-            assert res["index"][j] == res["device"] + j * cfg.pipeline.stages
-            for name, grad in grads.items():
-                _assert_close(grad, ref["grads"][name], f"device {res['device']} chunk {j} {name}")
-                seen.add(name)
-    assert seen == set(ref["grads"])
-    losses = [res["loss"] for res in results if res["loss"] is not None]  # the last virtual stage only
-    assert len(losses) == replicas and all(res["device"] == cfg.pipeline.stages - 1
-                                           for res in results if res["loss"] is not None)
-    vals = [res["val"] for res in results if res["val"] is not None]
-    assert len(vals) == replicas and all(v == pytest.approx(vals[0]) for v in vals)
+    cfg, _, results, _ = interleaved_step
+    assert all(res["index"][j] == res["device"] + j * cfg.pipeline.stages for res in results for j in res["index"])
+    assert_copies_step_equals_reference(*interleaved_step)
 
 
 def test_interleaved_kfac_inverses_and_preconditioned_gradients_equal_single_process(interleaved_step):
-    cfg, replicas, results, ref = interleaved_step
-    for res in results:
-        for j in res["inverses"]:
-            for key, inv in res["inverses"][j].items():
-                _assert_close(inv, ref["inverses"][key], f"inverse {key}", 1e-3)
-            for name, grad in res["precond"][j].items():
-                _assert_close(grad, ref["precond"][name], f"preconditioned {name}", 1e-3)
+    _, _, results, ref = interleaved_step
+    assert_copies_kfac_equals_reference(results, ref)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -126,52 +86,23 @@ STEPS = 4  # step 0, a full 2-iteration cycle of the spread schedule, and the ne
 
 @pytest.fixture(scope="module")
 def interleaved_runs(tmp_path_factory):
-    from pipefisher.runtime.pipeline.checks import check_schedule, single_iteration_schedule
-    from pipefisher.schedule_file import save_schedule
-
-    from _schedules import interleaved_spread_schedule, tiny
+    from _schedules import tiny
 
     cfg = tiny(pipeline={"schedule": "interleaved", "chunks": 2, "timeout_s": 30.0})
     folder = tmp_path_factory.mktemp("interleaved")
-    files = {}
-    for name, data in (("one", single_iteration_schedule(cfg)), ("spread", interleaved_spread_schedule(cfg))):
-        check_schedule(data, cfg)
-        files[name] = str(folder / f"{name}.pickle")
-        save_schedule(files[name], data)
-    runs = [("first-order", None), ("kfac", None)] + [("scheduled", files[n]) for n in ("one", "spread")]
-    results = spawn_local(train_copies_every_step, 2, cfg, runs, STEPS, timeout_s=180)
+    results, files = train_one_and_spread_schedules(cfg, folder, STEPS)
     return cfg, results, files
 
 
 def test_one_iteration_interleaved_schedule_equals_kfac_mode(interleaved_runs):
-    from test_runtime_executor import _close
-
-    cfg, results, _ = interleaved_runs
-    for res in results:
-        for step in range(STEPS):
-            for j in range(cfg.pipeline.chunks):
-                _close(res["one.pickle"][1][step][j], res["kfac"][1][step][j])
-    last = [res for res in results if res["kfac"][2][0] is not None]
-    assert len(last) == 1 and last[0]["one.pickle"][2] == pytest.approx(last[0]["kfac"][2], rel=1e-6)
-    assert last[0]["kfac"][2] != pytest.approx(last[0]["first-order"][2], rel=1e-4)  # K-FAC changed the run
+    _, results, _ = interleaved_runs
+    assert_one_iteration_schedule_trains_as_kfac_mode(results, STEPS)
 
 
 @pytest.mark.parametrize("name", ["one", "spread"])
 def test_interleaved_schedule_equals_single_process_replay(interleaved_runs, name):
-    from pipefisher.schedule_file import load_schedule
-
-    from _schedules import replay
-    from test_runtime_executor import _close
-
     cfg, results, files = interleaved_runs
-    want = replay(cfg, load_schedule(files[name]), STEPS)
-    seen = set()
-    for res in results:
-        index, history, _ = res[f"{name}.pickle"]
-        for j, s in index.items():
-            _close(history[-1][j], want[s], 1e-4)
-            seen.add(s)
-    assert seen == set(want)
+    assert_schedule_trains_as_its_replay(cfg, results, files[name], STEPS)
 
 
 def test_trainer_refuses_a_covariance_piece_before_its_own_chunks_forward(tmp_path):

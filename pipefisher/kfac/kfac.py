@@ -311,9 +311,22 @@ class KFAC:
             if self.fisher == "true":
                 self._forward_outputs.append((st, out))
             else:
-                out.register_hook(lambda g: st.outgrads.append(self._hold(self._compact(g))))
+                out.register_hook(self._once(st))
 
         return st.module.register_forward_hook(on_forward)
+
+    def _once(self, st: LayerState) -> Callable[[torch.Tensor], None]:
+        """The output-gradient hook of one forward: it keeps the first gradient it sees. A zero-bubble
+        W pass (:mod:`pipefisher.runtime.pipeline.split_backward`) may re-enter the layer's node with the
+        same gradient, which must not count twice."""
+        seen = False
+
+        def keep(g: torch.Tensor) -> None:
+            nonlocal seen
+            if not seen:
+                seen = True
+                st.outgrads.append(self._hold(self._compact(g)))
+        return keep
 
     # -- true Fisher: the engine runs a second backward with sampled labels --------------------------
 

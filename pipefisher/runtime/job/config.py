@@ -173,8 +173,11 @@ class KfacConfig:
     cov_stride: int = 1
 
 
-PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved")
-"""Forward/backward orders the trainer runs (their generators live in :mod:`pipefisher.pipeline_orders`)."""
+PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v")
+"""Pipeline orders the trainer runs (their generators live in :mod:`pipefisher.pipeline_orders`)."""
+CHUNKED_ORDERS = ("interleaved", "zb-v")
+"""Orders whose devices hold several model chunks: ``pipeline.chunks`` of them interleaved, two in
+ZB-V's V (where each sits: :func:`pipefisher.pipeline_orders.stage_on`)."""
 
 
 @dataclass(frozen=True)
@@ -184,12 +187,17 @@ class PipelineConfig:
     stages: int = 2
     schedule: str = "1f1b"  # one of PIPELINE_ORDERS
     timeout_s: float = 60.0
-    chunks: int = 2  # interleaved: model chunks per device (virtual stage s on device s % stages)
+    chunks: int = 2  # interleaved: model chunks per device (virtual stage s on device s % stages); zb-v: 2
+
+    @property
+    def chunked(self) -> bool:
+        """Whether each device holds several model chunks (:data:`CHUNKED_ORDERS`)."""
+        return self.schedule in CHUNKED_ORDERS
 
     @property
     def virtual_stages(self) -> int:
-        """Stage copies in the whole pipeline: ``stages * chunks`` interleaved, else ``stages``."""
-        return self.stages * (self.chunks if self.schedule == "interleaved" else 1)
+        """Stage copies in the whole pipeline: ``stages * chunks`` with model chunks, else ``stages``."""
+        return self.stages * (self.chunks if self.chunked else 1)
 
 
 @dataclass(frozen=True)
@@ -363,6 +371,13 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         elif m.num_layers < p.stages * p.chunks:
             problems.append(f"pipeline.schedule interleaved needs model.num_layers >= pipeline.stages x "
                             f"pipeline.chunks ({p.stages} x {p.chunks} = {p.stages * p.chunks} model chunks)")
+    if p.schedule == "zb-v":
+        if p.chunks != 2 or isinstance(p.chunks, bool):
+            problems.append("pipeline.schedule zb-v has exactly 2 model chunks per device (its V): "
+                            "pipeline.chunks must be 2")
+        elif m.num_layers < 2 * p.stages:
+            problems.append(f"pipeline.schedule zb-v needs model.num_layers >= 2 x pipeline.stages "
+                            f"({2 * p.stages} model chunks)")
     if not 1 <= p.stages <= m.num_layers:
         problems.append("pipeline.stages must be between 1 and model.num_layers")
     if p.timeout_s <= 0:

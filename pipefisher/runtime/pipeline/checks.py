@@ -24,7 +24,7 @@ from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START, ScheduleData,
 from pipefisher.rules.groups import chimera_groups
 from pipefisher.rules.waits import group_violations
 from pipefisher.runtime.job.config import RunConfig, current_builder
-from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, labelled, parse_label
+from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, PIPELINE_CALLS, WEIGHT, labelled, parse_label
 from pipefisher.runtime.pipeline.layout import is_chimera, is_interleaved, node_kfac_names, sync_copies
 from pipefisher.schedule_file import load_schedule, schedule_packed_for
 from pipefisher.timeline import UP_SUFFIX
@@ -55,7 +55,7 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
             if chunked and (not interleaved or pipe not in by_pipe):
                 refuse(f"iteration {i}", f"'{label}': work of model chunk {pipe}, but this run has "
                        + (f"{len(by_pipe)} chunk(s) per device" if interleaved else
-                          "one model chunk per device (pipeline.schedule: interleaved has several)"))
+                          "one model chunk per device (pipeline.schedule: interleaved and zb-v have several)"))
             if pipe not in by_pipe or (pipe > 0 and interleaved and not chunked):
                 refuse(f"iteration {i}", f"'{label}': work of a second (up) pipeline, but this run's "
                                          "pipeline has one pipe (pipeline.schedule: chimera has two)")
@@ -83,7 +83,7 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
             refuse(where, f"does not begin with '{START}'")
         if labels.count(END) != 1:
             refuse(where, f"has {labels.count(END)} '{END}' labels, not 1")
-        pipe_calls = [lb for lb in labels if parse_label(lb)[0] in (FORWARD, BACKWARD)]
+        pipe_calls = [lb for lb in labels if parse_label(lb)[0] in PIPELINE_CALLS]
         if pipe_calls != list(ops):
             if sorted(pipe_calls) != sorted(ops):
                 def count(seq: Sequence[str]) -> str:
@@ -96,7 +96,7 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
         ended = False
         for j, label in enumerate(labels):
             kind, factor, module, pipe = parse_label(label)
-            if ended and kind in (START, END, FORWARD, BACKWARD):
+            if ended and kind in (START, END, *PIPELINE_CALLS):
                 refuse(where, f"'{label}' after '{END}'")
             if kind == END:
                 ended = True
@@ -107,10 +107,12 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
                 if saving:
                     for m in by_pipe[pipe]:
                         saved["A", m, pipe] += 1
-            elif kind == BACKWARD:
+            elif kind == BACKWARD:  # the B pass when split: factor B's output gradients come from it
                 if stash[pipe].popleft():
                     for m in by_pipe[pipe]:
                         saved["B", m, pipe] += 1
+            elif kind == WEIGHT:  # a W pass: weight gradients only, nothing K-FAC saves
+                pass
             elif kind == START:
                 if j != 0:
                     refuse(where, f"has a second '{START}'")

@@ -2,6 +2,9 @@
 
 ``forward()`` and ``backward()`` are exactly the runtime meaning of the ``call_forward`` and
 ``call_backward`` schedule labels: the next micro-batch, with its point-to-point receive and send.
+Zero-bubble orders (ZB-H1, ZB-V) split the backward: ``call_backward`` is then the B pass (the input
+gradient, sent at once; :mod:`pipefisher.runtime.pipeline.split_backward`) and ``call_backward:weight``
+the W pass of the oldest micro-batch whose B ran, from the graph kept in between.
 Sends are asynchronous (waited for at the end of the step); receives block, under the process
 group's timeout. ``prepost(label)`` posts a call's receives ahead of the call (the executor does it
 before K-FAC work in a bubble): with gloo a send completes only once its receive is posted, so a
@@ -22,12 +25,13 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from pipefisher.pipeline_orders import DOWN, UP, generate
+from pipefisher.pipeline_orders import DOWN, LOOP, UP, default_chunks, device_of_stage, generate, stage_on
+from pipefisher.pipeline_orders import BACKWARD as _B
 from pipefisher.pipeline_orders import FORWARD as _F
 from pipefisher.runtime.data.batches import MLMData, batch_seed
 from pipefisher.runtime.job.config import PIPELINE_ORDERS
 from pipefisher.runtime.job.dist import DistContext
-from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, chunk_suffix
+from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, WEIGHT, chunk_suffix
 from pipefisher.timeline import UP_SUFFIX
 
 _TAG_ACT, _TAG_GRAD, _TAG_SAMPLED_GRAD, _TAG_EVAL = 1, 2, 3, 4
@@ -37,27 +41,40 @@ Span = Callable[[str], ContextManager[Any]]
 
 
 def pipe_label(kind: str, pipe: int) -> str:
-    """``call_forward`` / ``call_backward`` of ``pipe`` (``:up_pipe`` for Chimera's second pipe)."""
+    """``call_forward`` / ``call_backward`` / ``call_backward:weight`` of ``pipe`` (``:up_pipe`` for
+    Chimera's second pipe)."""
     return kind + (UP_SUFFIX if pipe == UP else "")
 
 
 def copy_label(kind: str, copy: int, interleaved: bool) -> str:
-    """``call_forward`` / ``call_backward`` of a device's stage copy: its chunk's (``:chunk<j>``,
-    interleaved) or its pipe's (``:up_pipe``, Chimera); copy 0 keeps the plain key."""
+    """``call_forward`` / ``call_backward`` / ``call_backward:weight`` of a device's stage copy: its
+    chunk's (``:chunk<j>``, interleaved and ZB-V) or its pipe's (``:up_pipe``, Chimera); copy 0 keeps
+    the plain key."""
     return kind + chunk_suffix(copy) if interleaved else pipe_label(kind, copy)
 
 
 def device_plan(kind: str, device: int, devices: int, num_micro_batches: int,
                 chunks: int = 2) -> list[tuple[str, int, int]]:
-    """``(label, copy, micro-batch)`` for every forward and backward call of one device in one step.
+    """``(label, copy, micro-batch)`` for every pipeline call of one device in one step.
 
-    ``copy`` is the pipe (Chimera) or the chunk (interleaved, ``chunks`` per device) whose stage copy
-    runs the call. Taken from the simulator's generator of ``kind`` (Chimera with the paper's equal
+    ``copy`` is the pipe (Chimera) or the chunk (interleaved, ``chunks`` per device; ZB-V, two) whose
+    stage copy runs the call; zero-bubble orders add a W call (``call_backward:weight``) per B. Taken from the simulator's generator of ``kind`` (Chimera with the paper's equal
     forward and backward times), so the trainer, the profiler and the simulator run one and the same order.
     """
     if kind not in PIPELINE_ORDERS:
         raise ValueError(f"unknown pipeline schedule {kind!r} ({', '.join(PIPELINE_ORDERS)})")
-    return list(_plans(kind, devices, num_micro_batches, chunks if kind == "interleaved" else 1)[device])
+    return list(_plans(kind, devices, num_micro_batches, device_chunks(kind, chunks))[device])
+
+
+def device_chunks(kind: str, chunks: int = 2) -> int:
+    """Model chunks per device of pipeline order ``kind``: ``chunks`` when interleaved, 2 for ZB-V
+    (its V), else 1."""
+    return chunks if kind == "interleaved" else default_chunks(kind)
+
+
+def splits_backward(kind: str) -> bool:
+    """Whether pipeline order ``kind`` splits each backward into a B and a W pass (zero-bubble orders)."""
+    return generate(kind, 2, 2, device_chunks(kind)).split_backward
 
 
 @functools.lru_cache(maxsize=64)
@@ -65,14 +82,15 @@ def _plans(kind: str, devices: int, num_micro_batches: int,
            chunks: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     """Every device's plan at once (Chimera's list scheduling orders all devices together)."""
     schedule = generate(kind, devices, num_micro_batches, chunks)
-    inter = kind == "interleaved"
-    return tuple(tuple((copy_label(FORWARD if op.kind == _F else BACKWARD, op.chunk if inter else op.pipe, inter),
+    inter = schedule.chunks > 1
+    names = {_F: FORWARD, _B: BACKWARD}
+    return tuple(tuple((copy_label(names.get(op.kind, WEIGHT), op.chunk if inter else op.pipe, inter),
                         op.chunk if inter else op.pipe, op.micro_batch)
                        for op in ops) for ops in schedule.devices)
 
 
 def pipeline_ops(kind: str, stage: int, num_stages: int, num_micro_batches: int, chunks: int = 2) -> list[str]:
-    """The labels of one device's forward and backward calls in one step (:func:`device_plan`).
+    """The labels of one device's pipeline calls in one step (:func:`device_plan`).
 
     GPipe: all forwards, then all backwards. 1F1B: ``num_stages - stage - 1`` warm-up forwards, then
     alternate one forward and one backward, then the remaining backwards. Chimera: both pipes, as
@@ -87,11 +105,15 @@ def pipe_micro_batches(kind: str, device: int, devices: int, num_micro_batches: 
     do not follow the forwards' order on a pipe (each engine keeps its in-flight micro-batches FIFO)."""
     out: dict[int, list[int]] = {}
     backs: dict[int, list[int]] = {}
+    weights: dict[int, list[int]] = {}
     for label, pipe, mb in device_plan(kind, device, devices, num_micro_batches, chunks):
-        (out if label.startswith(FORWARD) else backs).setdefault(pipe, []).append(mb)
+        which = out if label.startswith(FORWARD) else weights if label.startswith(WEIGHT) else backs
+        which.setdefault(pipe, []).append(mb)
     for pipe, order in out.items():
         if backs.get(pipe) != order:
             raise ValueError(f"{kind}: device {device} runs the backwards of pipe {pipe} out of forward order")
+        if weights and weights.get(pipe) != order:
+            raise ValueError(f"{kind}: device {device} runs the weight passes of pipe {pipe} out of forward order")
     return out
 
 
@@ -107,10 +129,14 @@ class PipelineEngine:
 
     ``pipe`` is 0 (down) or 1 (Chimera's up pipe, whose stage ``s`` sits on device ``D - 1 - s``:
     activations flow towards lower ranks); ``micro_batches`` are the step's micro-batch indices this
-    pipe runs, in forward order (default: all of them). ``chunk`` (interleaved 1F1B) makes this
-    engine chunk j of its device, virtual stage ``d + j*D``: device 0's chunk j receives from device
-    D-1's chunk j-1, device D-1's chunk j sends to device 0's chunk j+1, each boundary on its own tags;
-    its keys are ``call_forward:chunk<j>`` / ``call_backward:chunk<j>`` (plain for chunk 0).
+    pipe runs, in forward order (default: all of them). ``chunk`` makes this engine chunk j of its
+    device, virtual stage ``stage_on(d, j, D, layout)`` (:mod:`pipefisher.pipeline_orders`): interleaved
+    (``layout`` loop), device 0's chunk j receives from device D-1's chunk j-1 and device D-1's chunk j
+    sends to device 0's chunk j+1; in ZB-V's V, device D-1's chunk 0 hands its output to its own chunk 1
+    through ``local`` (a :class:`LocalLink` the device's engines share), and chunk 1 flows back towards
+    device 0. Every boundary has its own tags; the keys are ``call_forward:chunk<j>`` /
+    ``call_backward:chunk<j>`` (plain for chunk 0). ``split`` (zero-bubble orders) splits each backward
+    into its B pass and a later W pass (:meth:`weight`).
 
     With a true-Fisher ``kfac`` that saves the micro-batch, the last stage also computes the loss
     against labels sampled from its predictions, and every stage runs a second backward of that loss
@@ -120,8 +146,15 @@ class PipelineEngine:
 
     def __init__(self, stage: torch.nn.Module, ctx: DistContext, data: MLMData, num_micro_batches: int,
                  span: Span | None = None, kfac: Any = None, *, pipe: int = DOWN,
-                 micro_batches: Sequence[int] | None = None, chunk: int | None = None) -> None:
+                 micro_batches: Sequence[int] | None = None, chunk: int | None = None,
+                 layout: str = LOOP, split: bool = False, local: "LocalLink | None" = None) -> None:
         self.stage, self.ctx, self.data = stage, ctx, data
+        self.split = split
+        if split:  # only zero-bubble orders need it (and torch >= 2.4)
+            from pipefisher.runtime.pipeline.split_backward import backward_input
+            self._backward_input = backward_input
+        self.local = local if local is not None else LocalLink()
+        self._params = [p for p in stage.parameters() if p.requires_grad]
         self.kfac = kfac
         self.num_micro_batches = num_micro_batches
         self.micro_batches = list(range(num_micro_batches) if micro_batches is None else micro_batches)
@@ -130,25 +163,29 @@ class PipelineEngine:
         g = ctx.grid
         if chunk is None:
             self.forward_key, self.backward_key = pipe_label(FORWARD, pipe), pipe_label(BACKWARD, pipe)
+            self.weight_key = pipe_label(WEIGHT, pipe)
             step = 1 if pipe == DOWN else -1  # the up pipe's next stage is the previous device
             self.prev_rank = None if stage.is_first else g.rank - step
             self.next_rank = None if stage.is_last else g.rank + step
             shift = shift_out = _TAG_PIPE_STRIDE * pipe
         else:
-            # Interleaved: chunk j of device d is virtual stage d + j*D; device 0's chunk j reads from
-            # device D-1's chunk j-1, device D-1's chunk j sends to device 0's chunk j+1.
-            d, last = g.stage, g.stages - 1
-            self.forward_key, self.backward_key = FORWARD + chunk_suffix(chunk), BACKWARD + chunk_suffix(chunk)
-            self.prev_rank = None if stage.is_first else g.rank_of(d - 1 if d > 0 else last, g.replica)
-            self.next_rank = None if stage.is_last else g.rank_of(d + 1 if d < last else 0, g.replica)
-            shift = _TAG_CHUNK_STRIDE * chunk  # tags of the boundary into this copy
-            shift_out = _TAG_CHUNK_STRIDE * (chunk if d < last else chunk + 1)  # into the next copy
+            # Chunk j of device d is virtual stage s: it reads from the device holding s - 1 and sends
+            # to the one holding s + 1; the boundary into stage s is tagged by the chunk s belongs to.
+            D = g.stages
+            s = stage_on(g.stage, chunk, D, layout)
+            suffix = chunk_suffix(chunk)
+            self.forward_key, self.backward_key, self.weight_key = FORWARD + suffix, BACKWARD + suffix, WEIGHT + suffix
+            self.prev_rank = None if stage.is_first else g.rank_of(device_of_stage(s - 1, D, layout), g.replica)
+            self.next_rank = None if stage.is_last else g.rank_of(device_of_stage(s + 1, D, layout), g.replica)
+            shift = _TAG_CHUNK_STRIDE * (s // D)  # tags of the boundary into this copy
+            shift_out = _TAG_CHUNK_STRIDE * ((s + 1) // D)  # into the next copy
         self._in, self._out = shift, shift_out  # tag shifts of the boundaries with prev_rank / next_rank
         c, h = data.cfg, stage.hidden_size
         self.act_shape = (c.micro_batch_size, c.seq_len, h)
         self.step = 0
         self._next_fwd = self._next_bwd = 0
         self._stash: collections.deque = collections.deque()
+        self._weights: collections.deque[Any] = collections.deque()  # DeferredWeights: B ran, W not yet (split)
         self._sends: list[tuple[Any, torch.Tensor]] = []
         # receives posted ahead of their call (prepost): (src, tag) -> (buffer, irecv work); at most one
         # per (src, tag), the oldest outstanding receive of that pair, so FIFO matching is unchanged
@@ -166,7 +203,7 @@ class PipelineEngine:
         return self.stage.is_last
 
     def begin_step(self, step: int) -> None:
-        if self._stash or self._sends or self._posted:
+        if self._stash or self._sends or self._posted or self._weights:
             raise RuntimeError("begin_step while the previous step still has micro-batches in flight")
         self.step = step
         self._next_fwd = self._next_bwd = 0
@@ -231,9 +268,24 @@ class PipelineEngine:
         with self.span(self.backward_key):
             if outputs is not None:
                 self._sampled_backward(x, out, sampled, outputs, seed_grad)
-            out.backward(grad)
+            if self.split:  # the B pass: the input gradient now, the weight gradients at the W label
+                grads, deferred = self._backward_input([out], [grad], [] if self.is_first else [x], self._params)
+                self._weights.append(deferred)
+                gx = grads[0] if grads else None
+            else:
+                out.backward(grad)
+                gx = None if self.is_first else x.grad
             if not self.is_first:
-                self._send(x.grad, self.prev_rank, _TAG_GRAD + self._in)
+                self._send(gx if gx is not None else torch.zeros_like(x), self.prev_rank, _TAG_GRAD + self._in)
+
+    def weight(self) -> None:
+        """The next W pass (oldest B pass first): that micro-batch's weight gradients, added into
+        ``.grad``; no communication (zero-bubble orders only)."""
+        if not self._weights:
+            raise RuntimeError(f"{self.weight_key}: no B pass is waiting for its weight pass")
+        deferred = self._weights.popleft()
+        with self.span(self.weight_key):
+            deferred.run()
 
     def _sampled_backward(self, x: torch.Tensor, out: torch.Tensor, sampled: torch.Tensor | None,
                           outputs: list[tuple[Any, torch.Tensor]], seed_grad: torch.Tensor | None) -> None:
@@ -257,8 +309,11 @@ class PipelineEngine:
     def receives(self, label: str) -> list[tuple[int, int]]:
         """``(src, tag)`` of every receive the call ``label`` would post if it ran now, in its order:
         a forward's activation, a backward's sampled-label (true Fisher) then real output gradient;
-        none on the first stage's forwards, the last stage's backwards, or a call that cannot run."""
+        none on the first stage's forwards, the last stage's backwards, a weight pass, or a call that
+        cannot run."""
         self.op(label)  # refuses a label of another pipe or chunk
+        if label == self.weight_key:
+            return []
         if label == self.forward_key:
             if self.is_first or self._next_fwd >= len(self.micro_batches):
                 return []
@@ -283,7 +338,7 @@ class PipelineEngine:
         """
         n = 0
         for key in self.receives(label):
-            if key in self._posted:
+            if key in self._posted or key[0] == self.ctx.grid.rank:  # a hand-off on this device: no wait
                 continue
             src, tag = key
             buf = torch.empty(self.act_shape, device=self.ctx.device)
@@ -308,7 +363,10 @@ class PipelineEngine:
             return self.forward
         if label == self.backward_key:
             return self.backward
-        raise ValueError(f"label {label!r} is not a pipeline call of this engine's pipe")
+        if label == self.weight_key and self.split:
+            return self.weight
+        raise ValueError(f"label {label!r} is not a pipeline call of this engine's pipe"
+                         + (" (weight passes need a zero-bubble pipeline order)" if label == self.weight_key else ""))
 
     def run(self, ops: Sequence[str]) -> None:
         for label in ops:
@@ -325,6 +383,10 @@ class PipelineEngine:
             raise RuntimeError(f"receive(s) posted ahead but taken by no call of the step: (src, tag) {left}")
         if self._stash:
             raise RuntimeError(f"{len(self._stash)} micro-batches ran forward but not backward")
+        if self._weights:
+            n = len(self._weights)
+            self._weights.clear()
+            raise RuntimeError(f"{n} micro-batches ran their B pass but not their weight pass")
         return float(sum(self.losses)) if self.is_last else None
 
     @torch.no_grad()
@@ -341,7 +403,7 @@ class PipelineEngine:
     @torch.no_grad()
     def evaluate_batch(self, mb: Any) -> float:
         """One held-out micro-batch through this copy (dropout off): its loss on the last stage, else 0."""
-        if self._stash or self._sends or self._posted:
+        if self._stash or self._sends or self._posted or self._weights:
             raise RuntimeError("evaluate while a training step still has micro-batches in flight")
         was_training = self.stage.training
         self.stage.eval()
@@ -351,7 +413,10 @@ class PipelineEngine:
             out = self.stage(x, mb.labels.to(dev) if self.is_last else None)
             if self.is_last:
                 return float(out)
-            dist.send(out.contiguous(), self.next_rank, tag=_TAG_EVAL + self._out)
+            if self.next_rank == self.ctx.grid.rank:
+                self.local.put(_TAG_EVAL + self._out, out)
+            else:
+                dist.send(out.contiguous(), self.next_rank, tag=_TAG_EVAL + self._out)
             return 0.0
         finally:
             self.stage.train(was_training)
@@ -373,6 +438,9 @@ class PipelineEngine:
 
     def _send(self, t: torch.Tensor, dst: int | None, tag: int) -> None:
         assert dst is not None
+        if dst == self.ctx.grid.rank:  # ZB-V's turn: to this device's other chunk
+            self.local.put(tag, t)
+            return
         t = t.contiguous()
         self._sends.append((dist.isend(t, dst, tag=tag), t))
 
@@ -380,6 +448,8 @@ class PipelineEngine:
         """The next message of (src, tag): its receive posted ahead (:meth:`prepost`) waited for, else
         posted and waited for now. Either wait is the call's wait in the wait log."""
         assert src is not None
+        if src == self.ctx.grid.rank:
+            return self.local.take(tag)
         posted = self._posted.pop((src, tag), None)
         wait: Callable[[], Any]
         if posted is None:
@@ -407,6 +477,25 @@ class PipelineEngine:
         """Append every receive's wait (seconds on CPU, a CUDA event pair on GPU) to ``log`` (None: off)."""
         self._wait_log = log
 
+
+
+class LocalLink:
+    """What one stage copy of a device hands another on the same device: ZB-V's turn of the V, where
+    device D-1's chunk 0 feeds its own chunk 1 and gets its gradient back. A queue per tag, first in,
+    first out, like point-to-point messages; a process group cannot send to its own rank."""
+
+    def __init__(self) -> None:
+        self._queues: dict[int, collections.deque] = {}
+
+    def put(self, tag: int, t: torch.Tensor) -> None:
+        self._queues.setdefault(tag, collections.deque()).append(t.detach())
+
+    def take(self, tag: int) -> torch.Tensor:
+        queue = self._queues.get(tag)
+        if not queue:
+            raise RuntimeError(f"a stage copy of this device waits for a hand-off (tag {tag}) its other copy "
+                               "has not made: the pipeline order runs them out of turn")
+        return queue.popleft()
 
 
 def average_gradients(stages: Sequence[torch.nn.Module], ctx: DistContext) -> None:

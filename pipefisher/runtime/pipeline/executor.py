@@ -10,6 +10,7 @@ label                                  call
 =====================================  ===========================================================
 ``-- start --``                        ``engine.begin_step(step)``
 ``call_forward`` / ``call_backward``   ``engine.forward()`` / ``engine.backward()`` (with p2p)
+``call_backward:weight``               ``engine.weight()``: a zero-bubble W pass (no p2p)
 ``cov/sync/inv_kron_A|B:<module>``     ``kfac.cov / sync / inv(factor, module)``
 any of these with ``:up_pipe``         the same on the up pipe's engine / stage copy (Chimera)
 any of these with ``:chunk<j>``        the same on chunk j's engine / stage copy (interleaved)
@@ -29,16 +30,17 @@ from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
-from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, KFAC_KINDS, parse_label
+from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, KFAC_KINDS, PIPELINE_CALLS, WEIGHT, parse_label
 
 
 def prepost_points(labels: Sequence[str]) -> dict[int, str]:
     """Where the executor posts a pipeline call's receives ahead: label index -> the call's label.
 
     At the first K-FAC label of every bubble (a run of K-FAC labels, after a pipeline call or the
-    step's start) whose step goes on with a pipeline call: that call's receives, so the neighbour's
-    send completes while this node works. Each call is posted for at most once; work after
-    ``-- end --`` (the next step's call lies beyond the step's end) posts nothing.
+    step's start) whose step goes on with a forward or backward: that call's receives, so the
+    neighbour's send completes while this node works (a weight pass receives nothing: the search goes
+    past it). Each call is posted for at most once; work after ``-- end --`` (the next step's call lies
+    beyond the step's end) posts nothing.
     """
     kinds = [parse_label(label)[0] for label in labels]
     out: dict[int, str] = {}
@@ -47,6 +49,8 @@ def prepost_points(labels: Sequence[str]) -> dict[int, str]:
         if kind not in KFAC_KINDS or (i > 0 and kinds[i - 1] in KFAC_KINDS):
             continue
         for j in range(i + 1, len(kinds)):
+            if kinds[j] == WEIGHT:
+                continue
             if kinds[j] in (FORWARD, BACKWARD):
                 if j not in claimed:
                     out[i] = labels[j]
@@ -123,7 +127,7 @@ class ScheduleExecutor:
         kind, factor, module, pipe = parse_label(label)
         if kind == START:
             return lambda: self.engine.begin_step(self._step)
-        if kind in (FORWARD, BACKWARD):
+        if kind in PIPELINE_CALLS:
             return self.engine.op(label)
         if kind == END:
             return self._end

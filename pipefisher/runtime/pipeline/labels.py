@@ -1,8 +1,8 @@
 """The labels the runtime runs: what kind each is, which stage copy it belongs to, and its name there.
 
-A label is a marker (:mod:`pipefisher.rules.format`), ``call_forward``/``call_backward``, or a K-FAC
-piece ``<kind>_A|B:<module>``; any but a marker may end in ``:up_pipe`` (Chimera's up pipe) or
-``:chunk<j>`` (chunk j of an interleaved device). Plain Python, shared by the engine, the executor and
+A label is a marker (:mod:`pipefisher.rules.format`), ``call_forward``/``call_backward``, a zero-bubble
+weight pass ``call_backward:weight``, or a K-FAC piece ``<kind>_A|B:<module>``; any but a marker may end
+in ``:up_pipe`` (Chimera's up pipe) or ``:chunk<j>`` (chunk j of an interleaved or ZB-V device). Plain Python, shared by the engine, the executor and
 the checks.
 """
 from __future__ import annotations
@@ -11,9 +11,13 @@ import re
 
 from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.timeline import BACKWARD, FORWARD, UP_SUFFIX
+from pipefisher.timeline import WEIGHT_KEY as WEIGHT
 
 KFAC_KINDS = ("cov_kron", "sync_kron", "inv_kron")
 """The kinds of K-FAC work a label names, without the factor (:data:`pipefisher.timeline.KFAC_KINDS` has both)."""
+
+PIPELINE_CALLS = (FORWARD, BACKWARD, WEIGHT)
+"""The kinds of label that are pipeline calls (the engine's), as :func:`parse_label` names them."""
 
 CHUNK_SUFFIX = ":chunk"
 _CHUNK_RE = re.compile(r":chunk([1-9][0-9]*)$")
@@ -31,7 +35,7 @@ def copy_suffix(copy: int, interleaved: bool) -> str:
 
 def parse_label(label: str) -> tuple[str, str | None, str | None, int]:
     """``(kind, factor, module, copy)``: kind is a marker, ``call_forward``/``call_backward``,
-    ``cov_kron``, ``sync_kron``, ``inv_kron`` or ``unknown``; copy is 1 for ``:up_pipe`` labels and
+    ``call_backward:weight`` (:data:`WEIGHT`), ``cov_kron``, ``sync_kron``, ``inv_kron`` or ``unknown``; copy is 1 for ``:up_pipe`` labels and
     j for ``:chunk<j>`` ones (:func:`label_is_chunked` tells the two apart), else 0."""
     pipe = 0
     if label.endswith(UP_SUFFIX):
@@ -40,7 +44,7 @@ def parse_label(label: str) -> tuple[str, str | None, str | None, int]:
         label, pipe = label[: hit.start()], int(hit.group(1))
     if label in (START, END, SAVE_OFF, SAVE_ON):
         return (label, None, None, 0) if pipe == 0 else ("unknown", None, None, pipe)
-    if label in (FORWARD, BACKWARD):
+    if label in (FORWARD, BACKWARD, WEIGHT):
         return label, None, None, pipe
     head, _, module = label.partition(":")
     for kind in KFAC_KINDS:

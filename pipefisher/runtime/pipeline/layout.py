@@ -1,7 +1,8 @@
 """Which stage copies each device holds, and their K-FAC modules, for a run config.
 
-A device holds one stage, two under Chimera (the up pipe's copy of stage ``D - 1 - d``), or ``chunks``
-virtual stages when interleaved; every label names its copy. The K-FAC module names come from the run's
+A device holds one stage, two under Chimera (the up pipe's copy of stage ``D - 1 - d``), ``chunks``
+virtual stages when interleaved, or two in ZB-V's V (stages ``d`` and ``2D - 1 - d``); every label
+names its copy. The K-FAC module names come from the run's
 stage builder, built on torch's "meta" device (no memory, whatever the model's size).
 """
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import functools
 
 from pipefisher.errors import InputError
+from pipefisher.pipeline_orders import LOOP, device_of_stage, layout_of, stage_on
 from pipefisher.runtime.job.config import RunConfig
 
 
@@ -46,20 +48,29 @@ def is_chimera(cfg: RunConfig) -> bool:
 
 
 def is_interleaved(cfg: RunConfig) -> bool:
-    return cfg.pipeline.schedule == "interleaved"
+    """Whether the device's copies are model chunks (``:chunk<j>`` labels): interleaved 1F1B and ZB-V."""
+    return cfg.pipeline.chunked
 
 
 def node_pipes(cfg: RunConfig, node: int) -> dict[int, int]:
     """Copy -> the (virtual) stage that copy holds on device ``node``, in canonical order (stage index):
     the order of everything a Chimera pair of devices does together. Copies are pipes under Chimera
-    (the up pipe's: stage ``D - 1 - node``) and chunks when interleaved (chunk j: ``node + j*D``)."""
+    (the up pipe's: stage ``D - 1 - node``) and chunks in model-chunk orders (chunk j: the stage
+    :func:`pipefisher.pipeline_orders.stage_on` places there, ``node + j*D`` interleaved)."""
     p = cfg.pipeline
     if is_interleaved(cfg):
-        return {j: node + j * p.stages for j in range(p.chunks)}
+        return {j: stage_on(node, j, p.stages, layout_of(p.schedule)) for j in range(p.chunks)}
     pipes = {0: node}
     if is_chimera(cfg):
         pipes[1] = p.stages - 1 - node
     return dict(sorted(pipes.items(), key=lambda kv: kv[1]))
+
+
+def loss_device(cfg: RunConfig) -> int:
+    """The device holding the model's last (virtual) stage, which computes the loss: ``D - 1``, except
+    in ZB-V's V, which ends on device 0 where it began."""
+    p = cfg.pipeline
+    return device_of_stage(p.virtual_stages - 1, p.stages, layout_of(p.schedule) if p.chunked else LOOP)
 
 
 def node_kfac_names(cfg: RunConfig) -> list[dict[int, list[str]]]:

@@ -33,7 +33,7 @@ from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.job.process import Interrupted
 from pipefisher.runtime.job.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar, phase  # noqa: F401 (re-exported)
-from pipefisher.runtime.pipeline.layout import node_pipes
+from pipefisher.runtime.pipeline.layout import loss_device, node_pipes
 from pipefisher.runtime.train.profiler import Profiler
 from pipefisher.runtime.train.worker import MODES, build_worker
 from pipefisher.safe_io import dump_json_atomic
@@ -129,7 +129,7 @@ class Trainer:
         self.chimera = cfg.pipeline.schedule == "chimera"
         if ctx.chimera != self.chimera:
             raise ValueError("the process groups were set up for another pipeline schedule than the config's")
-        self.reporter = g.stage == g.stages - 1 and g.replica == 0
+        self.reporter = g.stage == loss_device(cfg) and g.replica == 0  # it holds the loss
         self._phase(f"loading data ({cfg.data.text} text)")
         self.data = MLMData(cfg.data, cfg.model.vocab_size)
         self.val_batches = self.data.validation_batches() if opts.eval_every else []
@@ -279,7 +279,7 @@ class Trainer:
                        f"{opts.steps} steps on {self.ctx.device}{extra}{resumed}")
         if g.replica == 0:  # each stage says what its K-FAC covers (every replica holds the same layers)
             for p, k in self.kfacs.items():
-                up = ("" if not p else f" (chunk {p})" if self.cfg.pipeline.schedule == "interleaved"
+                up = ("" if not p else f" (chunk {p})" if self.cfg.pipeline.chunked
                       else " (up pipe)" if p == UP else "")
                 click.echo(k.coverage.line(f"stage {node_pipes(self.cfg, g.stage)[p]}{up}"))
         metrics: list[tuple[int, float | None, float | None, float, float, int | None]] = []

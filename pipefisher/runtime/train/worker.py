@@ -15,14 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipefisher.pipeline_orders import DOWN, UP
+from pipefisher.pipeline_orders import DOWN, UP, layout_of
 from pipefisher.runtime.data.batches import MLMData
 from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext, check_agreement
 from pipefisher.runtime.models.builders import make_stage
 from pipefisher.runtime.pipeline.checks import load_checked_schedule
 from pipefisher.runtime.pipeline.copies import ChimeraEngine, KFACPair, StageChunks, StagePair
-from pipefisher.runtime.pipeline.engine import PipelineEngine, pipe_micro_batches, pipeline_ops
+from pipefisher.runtime.pipeline.engine import (LocalLink, PipelineEngine, pipe_micro_batches, pipeline_ops,
+                                                splits_backward)
 from pipefisher.runtime.pipeline.executor import ScheduleExecutor
 from pipefisher.runtime.pipeline.labels import chunk_suffix
 from pipefisher.runtime.pipeline.layout import node_pipes
@@ -37,7 +38,7 @@ Span = Callable[[str], ContextManager[Any]]
 
 def build_stages(cfg: RunConfig, ctx: DistContext) -> dict[int, nn.Module]:
     """This device's stage copies by pipe (down: 0; Chimera's up pipe: 1) or by chunk (interleaved:
-    chunk j is virtual stage ``d + j*D`` of ``D*v``), in canonical order (stage index, the order
+    chunk j is virtual stage ``d + j*D`` of ``D*v``; ZB-V: stages ``d`` and ``2D - 1 - d``), in canonical order (stage index, the order
     everything a Chimera pair does together follows), built by ``model.builder`` from the run seed
     and moved to ``ctx.device``."""
     g = ctx.grid
@@ -147,7 +148,7 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
         raise ValueError("the process groups were set up for another pipeline schedule than the config's")
     data = data if data is not None else MLMData(cfg.data, cfg.model.vocab_size)
     span = span or (lambda key: _nothing())
-    interleaved = cfg.pipeline.schedule == "interleaved"
+    interleaved = cfg.pipeline.chunked  # the copies are model chunks (interleaved, ZB-V)
     v = cfg.pipeline.chunks
     copies = build_stages(cfg, ctx)
     index = node_pipes(cfg, g.stage)
@@ -159,12 +160,15 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
             say = (lambda msg, where=where: warn(f"{where}: {msg}")) if warn is not None else None
             kfacs[p] = make_kfac(cfg, copy, dp_group=ctx.stage_group, dp_size=ctx.stage_group_size, warn=say)
     plan = pipe_micro_batches(cfg.pipeline.schedule, g.stage, g.stages, m, v)
+    split = splits_backward(cfg.pipeline.schedule)  # zero-bubble: B and W passes apart
     if interleaved:  # one engine per chunk, on the down pipe; its own keys carry ``:chunk<j>``
-        engines = {j: PipelineEngine(copies[j], ctx, data, m, span=span, kfac=kfacs.get(j),
-                                     micro_batches=plan[j], chunk=j) for j in plan}
+        local = LocalLink()  # ZB-V's turn: device D-1's chunk 0 feeds its own chunk 1
+        engines = {j: PipelineEngine(copies[j], ctx, data, m, span=span, kfac=kfacs.get(j), micro_batches=plan[j],
+                                     chunk=j, layout=layout_of(cfg.pipeline.schedule), split=split, local=local)
+                   for j in plan}
     else:
         engines = {p: PipelineEngine(copies[p], ctx, data, m, span=span, kfac=kfacs.get(p), pipe=p,
-                                     micro_batches=plan[p]) for p in plan}
+                                     micro_batches=plan[p], split=split) for p in plan}
     if interleaved:
         stage: nn.Module = StageChunks([copies[j] for j in range(v)])
         kfac: Any = KFACPair(kfacs, list(index), {j: chunk_suffix(j) for j in index}) if kfacs else None
