@@ -72,9 +72,17 @@ def trainer_of(ctx: Any, steps: int, eval_every: int) -> Callable[..., tuple[Any
     return train
 
 
-def announcer(rank: int) -> Callable[[str], None]:
-    """Print on the last stage, which holds the losses."""
-    return lambda msg: print(msg, flush=True) if rank == 1 else None
+def loss_rank(cfg: Any) -> int:
+    """The worker holding the losses (2 stages, one replica): the device of the last stage, 1, except
+    in ZB-V's V, which ends on device 0."""
+    from pipefisher.runtime.pipeline.layout import loss_device
+
+    return loss_device(cfg)
+
+
+def announcer(rank: int, cfg: Any) -> Callable[[str], None]:
+    """Print on the worker that holds the losses."""
+    return lambda msg: print(msg, flush=True) if rank == loss_rank(cfg) else None
 
 
 def choose_baseline(train: Callable[..., tuple[Any, Any]], base: Any, steps: int, lrs: list[float],
@@ -92,10 +100,10 @@ def choose_baseline(train: Callable[..., tuple[Any, Any]], base: Any, steps: int
             sweep.append({"lr": lr, "warmup_steps": warm, "train_loss_tail": score})
             announce(f"sweep: AdamW lr {lr:g}, warm-up {warm}: training loss (last {tail} steps) {score:.4f}")
     choice: list[Any] = [None]
-    if int(os.environ["RANK"]) == 1:  # the last stage knows the losses: everyone takes its choice
+    if int(os.environ["RANK"]) == loss_rank(base):  # the last stage knows the losses: everyone takes its choice
         best = min(sweep, key=lambda r: r["train_loss_tail"])
         choice = [(best["lr"], best["warmup_steps"])]
-    dist.broadcast_object_list(choice, src=1)
+    dist.broadcast_object_list(choice, src=loss_rank(base))
     lr, warm = choice[0]
     announce(f"baseline: AdamW lr {lr:g}, warm-up {warm} steps (same settings for the K-FAC runs)")
     return lr, warm, sweep
@@ -116,8 +124,8 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
 
     base, rank, ctx = start_worker(config_path, overrides)
     train = trainer_of(ctx, steps, eval_every)
-    announce = announcer(rank)
-    out: dict[str, Any] = {"rank": rank, "sweep": [], "runs": [], "cycles": None}
+    announce = announcer(rank, base)
+    out: dict[str, Any] = {"rank": rank, "holds_loss": rank == loss_rank(base), "sweep": [], "runs": [], "cycles": None}
     try:
         # 1. profile and pack
         Trainer(base, ctx, TrainOptions(mode="kfac", profile=True, steps=profile_steps, out=folder, progress=False,
@@ -165,11 +173,12 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
 
 def merged_runs(results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """(the runs as the last stage saw them, with both workers' memory and step times; rank 0's result;
-    rank 1's result)."""
-    last = next(r for r in results if r["rank"] == 1)
+    the result of the worker holding the losses: rank 1, rank 0 under ZB-V)."""
+    last = next(r for r in results if r["holds_loss"])
     first = next(r for r in results if r["rank"] == 0)
     runs = last["runs"]
-    for run, other in zip(runs, first["runs"]):  # memory: the larger of the two workers
+    other_result = next(r for r in results if r is not last)
+    for run, other in zip(runs, other_result["runs"]):  # memory: the larger of the two workers
         run["peak_memory"] = max(run["peak_memory"], other["peak_memory"])
         run["peak_saved"] = max(run["peak_saved"], other["peak_saved"])
         # a step ends when both stages are done: the slower stage's time

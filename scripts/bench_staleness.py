@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, the convergence benchmark
 
 from bench_convergence import (_median, announcer, baseline_target, bench_config, choose_baseline,  # noqa: E402
-                               common_arguments, merged_runs, run_record, save_png, start_worker,
+                               common_arguments, loss_rank, merged_runs, run_record, save_png, start_worker,
                                steps_and_time_to, trainer_of)
 
 
@@ -38,8 +38,8 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
 
     base, rank, ctx = start_worker(config_path, overrides)
     train = trainer_of(ctx, steps, eval_every)
-    announce = announcer(rank)
-    out: dict[str, Any] = {"rank": rank, "runs": []}
+    announce = announcer(rank, base)
+    out: dict[str, Any] = {"rank": rank, "holds_loss": rank == loss_rank(base), "runs": []}
     try:
         lr, warm, out["sweep"] = choose_baseline(train, base, steps, lrs, warmups, announce)
         out["baseline"] = {"lr": lr, "warmup_steps": warm}

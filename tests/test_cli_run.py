@@ -258,3 +258,26 @@ def test_the_profile_losses_leave_the_timelines_folder(tmp_path):
     assert os.listdir(paths.timelines) == ["tiny_node0_timeline.pickle"]
     assert open(paths.profile_losses).read() == "tiny_losses.json" and os.path.exists(paths.tokenizer)
     assert sorted(os.listdir(paths.profile_steps_dir)) == ["tiny_node0_steps.pickle", "tiny_node1_steps.pickle"]
+
+
+@pytest.mark.parametrize("pipeline", ["zb-h1", "zb-v"])
+def test_run_a_zero_bubble_pipeline_end_to_end(tmp_path, pipeline):
+    """Profile (W passes under their own keys), pack, validate and train with the schedule: the loss falls."""
+    from pipefisher.timeline import load_job
+
+    out = tmp_path / "runs"
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", pipeline, "--out", str(out), "--steps", "12",
+                                    "--profile-steps", "2", "--nproc-per-node", "2", "--name", "zb", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert f"mode scheduled, 2 stage(s) x 1 replica(s), {pipeline}" in res.output
+    timelines = sorted(str(p) for p in (out / "zb_timelines").iterdir())
+    job = load_job(timelines)
+    assert all(node.weights() for node in job.nodes)  # every node profiled its W passes
+    if pipeline == "zb-v":
+        assert all(node.weights(chunk=1) and node.forwards(chunk=1) for node in job.nodes)
+    assert json.loads((out / "zb_report.json").read_text())["valid"]
+    check = CliRunner().invoke(main, ["validate", "--schedule", str(out / "zb_schedule.pickle"), *timelines])
+    assert check.exit_code == 0, check.output
+    with open(out / "zb_metrics.csv", newline="") as f:
+        losses = [float(r["loss"]) for r in csv.DictReader(f)]
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])

@@ -163,3 +163,18 @@ def test_run_under_torchrun_is_refused_in_one_line(tmp_path, monkeypatch):
     res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(tmp_path / "r"), "--steps", "1"])
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
     assert "pipefisher run launches its own workers" in res.output and not (tmp_path / "r").exists()
+
+
+def test_a_run_alone_takes_the_device_a_launched_worker_would(monkeypatch):
+    """One stage without a launcher trains in this process: on the GPU where there is one (it used to
+    stay on the CPU), on the CPU with this machine's threads otherwise."""
+    import torch
+
+    import pipefisher.runtime.job.dist as dist_mod
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})
+    assert dist_mod.init_context(cfg).device == dist_mod.pick_device(0)[0]
+    monkeypatch.setattr(dist_mod, "pick_device", lambda local_rank: (torch.device("meta"), "nccl"))
+    assert dist_mod.init_context(cfg).device == torch.device("meta")

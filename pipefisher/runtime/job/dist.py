@@ -176,8 +176,10 @@ def init_context(cfg: RunConfig, agree_on: str = "") -> DistContext:
         if cfg.pipeline.stages != 1:
             raise ValueError("a pipeline of several stages needs several workers (pipefisher train "
                              "--nproc-per-node, or torchrun)")
-        torch.set_num_threads(threads_per_worker(1))
-        ctx = single_process()
+        device, _ = pick_device(0)  # the GPU where there is one, as a launched worker would take
+        if device.type == "cpu":
+            torch.set_num_threads(threads_per_worker(1))
+        ctx = single_process(device)
     try:
         check_agreement(ctx, cfg.fingerprint() + agree_on)
     except BaseException:

@@ -58,8 +58,9 @@ def device_plan(kind: str, device: int, devices: int, num_micro_batches: int,
     """``(label, copy, micro-batch)`` for every pipeline call of one device in one step.
 
     ``copy`` is the pipe (Chimera) or the chunk (interleaved, ``chunks`` per device; ZB-V, two) whose
-    stage copy runs the call; zero-bubble orders add a W call (``call_backward:weight``) per B. Taken from the simulator's generator of ``kind`` (Chimera with the paper's equal
-    forward and backward times), so the trainer, the profiler and the simulator run one and the same order.
+    stage copy runs the call; zero-bubble orders add a W call (``call_backward:weight``) per B. Taken
+    from the simulator's generator of ``kind`` (Chimera with the paper's equal forward and backward
+    times), so the trainer, the profiler and the simulator run one and the same order.
     """
     if kind not in PIPELINE_ORDERS:
         raise ValueError(f"unknown pipeline schedule {kind!r} ({', '.join(PIPELINE_ORDERS)})")
@@ -94,7 +95,8 @@ def pipeline_ops(kind: str, stage: int, num_stages: int, num_micro_batches: int,
 
     GPipe: all forwards, then all backwards. 1F1B: ``num_stages - stage - 1`` warm-up forwards, then
     alternate one forward and one backward, then the remaining backwards. Chimera: both pipes, as
-    the simulator's list scheduling orders them.
+    the simulator's list scheduling orders them. ZB-H1, ZB-V: B passes as ``call_backward``, each with
+    its W pass (``call_backward:weight``) where the order defers it.
     """
     return [label for label, _, _ in device_plan(kind, stage, num_stages, num_micro_batches, chunks)]
 
