@@ -100,3 +100,9 @@ def test_a_stage_that_reaches_no_parameter_leaves_no_weight_pass():
     x = torch.randn(3, requires_grad=True)
     (gx,), deferred = backward_input([(x * 2).sum()], [None], [x], [])
     assert torch.equal(gx, torch.full((3,), 2.0)) and not deferred.joins
+
+
+def test_a_stage_with_nothing_to_differentiate_returns_at_once():
+    w = torch.ones(3, requires_grad=True)
+    (gx,), deferred = backward_input([(w * 2).sum()], [None], [torch.zeros(3)], [])  # w is no parameter of it
+    assert gx is None and not deferred.joins and w.grad is None

@@ -150,6 +150,8 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
             joins.append((node, side))
     edges = [GradientEdge(node, i) for node, _ in joins for i in sorted(used.get(node, ()))]
     shared = [by_bit[b] for b in by_bit if b & twice]
+    if not (wanted or edges or shared):  # nothing below the outputs needs a gradient
+        return [None] * len(inputs), DeferredWeights()
     got = torch.autograd.grad(roots, list(wanted) + edges + shared, grad_outputs=grads,
                               retain_graph=True, allow_unused=True)
     input_grads = dict(zip(map(id, wanted), got[:len(wanted)]))
