@@ -68,7 +68,8 @@ def bench_stage(cfg, index: int, stages: int, repeat: int, device) -> dict:  # n
         box: list = []
         tb = _timed(lambda: box.append(backward_input([out], [grad], [] if stage.is_first else [x], params)), device)
         tw = _timed(lambda: box[0][1].run(), device)
-        return {"B": tb, "W": tw, "grads": {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}}
+        grads = {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
+        return {"B": tb, "W": tw, "grads": grads}
 
     for _ in range(3):
         full(), split()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -471,7 +471,7 @@ def train_runs(cfg_path: str, runs: list[tuple[str, str | None]], steps: int, ov
 # What every one-pipe layout of copies (interleaved chunks, zero-bubble orders) must show
 
 
-def train_one_and_spread_schedules(cfg: RunConfig, folder, steps: int) -> tuple[list[dict], dict[str, str]]:  # noqa: ANN001
+def train_one_and_spread_schedules(cfg: RunConfig, folder: Any, steps: int) -> tuple[list[dict], dict[str, str]]:
     """Workers train ``first-order``, ``kfac``, a one-iteration schedule (``one``) and
     :func:`interleaved_spread_schedule` (``spread``), both checked and saved in ``folder``: the
     results of :func:`train_copies_every_step` and the schedule files by name."""

@@ -20,8 +20,8 @@ from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from _schedules import (assert_one_iteration_schedule_trains_as_kfac_mode, assert_schedule_trains_as_its_replay,
                         train_one_and_spread_schedules)
 
-from test_runtime_engine import (BASE, _reference, assert_copies_kfac_equals_reference, assert_copies_step_equals_reference,
-                                 copies_step_worker)
+from test_runtime_engine import (BASE, _reference, assert_copies_kfac_equals_reference,
+                                 assert_copies_step_equals_reference, copies_step_worker)
 
 INTERLEAVED = BASE.replace(pipeline=dict(schedule="interleaved", chunks=2), data=dict(num_micro_batches=4))
 

@@ -23,8 +23,8 @@ from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from _schedules import (assert_one_iteration_schedule_trains_as_kfac_mode, assert_schedule_trains_as_its_replay,
                         train_one_and_spread_schedules)
 
-from test_runtime_engine import (BASE, _reference, assert_copies_kfac_equals_reference, assert_copies_step_equals_reference,
-                                 copies_step_worker)
+from test_runtime_engine import (BASE, _reference, assert_copies_kfac_equals_reference,
+                                 assert_copies_step_equals_reference, copies_step_worker)
 
 ZB_H1 = BASE.replace(pipeline=dict(schedule="zb-h1"), data=dict(num_micro_batches=4))
 ZB_V = BASE.replace(pipeline=dict(schedule="zb-v"), data=dict(num_micro_batches=4))
@@ -183,7 +183,8 @@ def _resume_worker(cfg, folder: str) -> list:
                                 checkpoint_dir=ck, resume=resume)
             trainer = Trainer(cfg, ctx, opts)
             losses = trainer.run().losses
-            params = {f"{j}.{n}": t.detach().clone() for j, c in trainer.worker.copies.items() for n, t in c.named_parameters()}
+            params = {f"{j}.{n}": t.detach().clone()
+                      for j, c in trainer.worker.copies.items() for n, t in c.named_parameters()}
             return [losses, params]
 
         straight = run(3, None, None)

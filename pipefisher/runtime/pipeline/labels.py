@@ -2,8 +2,8 @@
 
 A label is a marker (:mod:`pipefisher.rules.format`), ``call_forward``/``call_backward``, a zero-bubble
 weight pass ``call_backward:weight``, or a K-FAC piece ``<kind>_A|B:<module>``; any but a marker may end
-in ``:up_pipe`` (Chimera's up pipe) or ``:chunk<j>`` (chunk j of an interleaved or ZB-V device). Plain Python, shared by the engine, the executor and
-the checks.
+in ``:up_pipe`` (Chimera's up pipe) or ``:chunk<j>`` (chunk j of an interleaved or ZB-V device). Plain
+Python, shared by the engine, the executor and the checks.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def copy_suffix(copy: int, interleaved: bool) -> str:
 
 def parse_label(label: str) -> tuple[str, str | None, str | None, int]:
     """``(kind, factor, module, copy)``: kind is a marker, ``call_forward``/``call_backward``,
-    ``call_backward:weight`` (:data:`WEIGHT`), ``cov_kron``, ``sync_kron``, ``inv_kron`` or ``unknown``; copy is 1 for ``:up_pipe`` labels and
+    ``call_backward:weight`` (:data:`WEIGHT`), ``cov_kron``, ``sync_kron``, ``inv_kron`` or ``unknown``;
+    copy is 1 for ``:up_pipe`` labels and
     j for ``:chunk<j>`` ones (:func:`label_is_chunked` tells the two apart), else 0."""
     pipe = 0
     if label.endswith(UP_SUFFIX):

@@ -38,9 +38,9 @@ Span = Callable[[str], ContextManager[Any]]
 
 def build_stages(cfg: RunConfig, ctx: DistContext) -> dict[int, nn.Module]:
     """This device's stage copies by pipe (down: 0; Chimera's up pipe: 1) or by chunk (interleaved:
-    chunk j is virtual stage ``d + j*D`` of ``D*v``; ZB-V: stages ``d`` and ``2D - 1 - d``), in canonical order (stage index, the order
-    everything a Chimera pair does together follows), built by ``model.builder`` from the run seed
-    and moved to ``ctx.device``."""
+    chunk j is virtual stage ``d + j*D`` of ``D*v``; ZB-V: stages ``d`` and ``2D - 1 - d``), in
+    canonical order (stage index, the order everything a Chimera pair does together follows), built by
+    ``model.builder`` from the run seed and moved to ``ctx.device``."""
     g = ctx.grid
     n = cfg.pipeline.virtual_stages
     return {p: make_stage(cfg, s, n).to(ctx.device) for p, s in node_pipes(cfg, g.stage).items()}
