@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pipefisher.errors import InputError
+from pipefisher.pipeline_orders import default_chunks
 
 DEFAULT_KFAC_IGNORE = ("embeddings", "LayerNorm", "cls")
 """Substrings of module names K-FAC leaves alone: embeddings, norms and the prediction head."""
@@ -175,9 +176,6 @@ class KfacConfig:
 
 PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v")
 """Pipeline orders the trainer runs (their generators live in :mod:`pipefisher.pipeline_orders`)."""
-CHUNKED_ORDERS = ("interleaved", "zb-v")
-"""Orders whose devices hold several model chunks: ``pipeline.chunks`` of them interleaved, two in
-ZB-V's V (where each sits: :func:`pipefisher.pipeline_orders.stage_on`)."""
 
 
 @dataclass(frozen=True)
@@ -191,8 +189,9 @@ class PipelineConfig:
 
     @property
     def chunked(self) -> bool:
-        """Whether each device holds several model chunks (:data:`CHUNKED_ORDERS`)."""
-        return self.schedule in CHUNKED_ORDERS
+        """Whether each device holds several model chunks: ``pipeline.chunks`` of them interleaved, two
+        in ZB-V's V (the orders :func:`pipefisher.pipeline_orders.default_chunks` gives more than one)."""
+        return self.schedule in PIPELINE_ORDERS and default_chunks(self.schedule) > 1
 
     @property
     def virtual_stages(self) -> int:

@@ -25,7 +25,7 @@ from pipefisher.rules.groups import chimera_groups
 from pipefisher.rules.waits import group_violations
 from pipefisher.runtime.job.config import RunConfig, current_builder
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, PIPELINE_CALLS, WEIGHT, labelled, parse_label
-from pipefisher.runtime.pipeline.layout import is_chimera, is_interleaved, node_kfac_names, sync_copies
+from pipefisher.runtime.pipeline.layout import is_chimera, node_kfac_names, sync_copies
 from pipefisher.schedule_file import load_schedule, schedule_packed_for
 from pipefisher.timeline import UP_SUFFIX
 
@@ -165,7 +165,7 @@ def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.
     for node, names in enumerate(node_kfac_names(cfg)):
         ops = pipeline_ops(cfg.pipeline.schedule, node, stages, cfg.data.num_micro_batches, cfg.pipeline.chunks)
         check_schedule_for_stage(data[node], node=node, names=names, ops=ops,
-                                 replicas=sync_copies(cfg, replicas), path=p, interleaved=is_interleaved(cfg))
+                                 replicas=sync_copies(cfg, replicas), path=p, interleaved=cfg.pipeline.chunked)
     if is_chimera(cfg):
         bad = group_violations(data, chimera_groups(stages))
         if bad:
@@ -194,8 +194,8 @@ def packed_for(cfg: RunConfig) -> dict[str, Any]:
     import json
 
     values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SHAPE_KEYS}
-    values["pipeline.chunks"] = cfg.pipeline.chunks if is_interleaved(cfg) else 1
-    values["modules"] = [sorted(labelled(n, pipe, is_interleaved(cfg)) for pipe, names in by_pipe.items()
+    values["pipeline.chunks"] = cfg.pipeline.chunks if cfg.pipeline.chunked else 1
+    values["modules"] = [sorted(labelled(n, pipe, cfg.pipeline.chunked) for pipe, names in by_pipe.items()
                                 for n in names) for by_pipe in node_kfac_names(cfg)]
     return json.loads(json.dumps(values, default=list))  # as JSON reads it back: lists, plain dicts
 
@@ -258,8 +258,8 @@ def single_iteration_schedule(cfg: RunConfig, replicas: int = 1) -> ScheduleData
     stages, m = cfg.pipeline.stages, cfg.data.num_micro_batches
     for node, by_pipe in enumerate(node_kfac_names(cfg)):
         labels = [START, *pipeline_ops(cfg.pipeline.schedule, node, stages, m, cfg.pipeline.chunks)]
-        mods = [labelled(n, pipe, is_interleaved(cfg)) for pipe, names in by_pipe.items() for n in names]
-        per_copy = m if is_interleaved(cfg) else m // len(by_pipe)  # each chunk sees every micro-batch
+        mods = [labelled(n, pipe, cfg.pipeline.chunked) for pipe, names in by_pipe.items() for n in names]
+        per_copy = m if cfg.pipeline.chunked else m // len(by_pipe)  # each chunk sees every micro-batch
         for name in mods:
             for f in "AB":
                 labels += [f"cov_kron_{f}:{name}"] * per_copy

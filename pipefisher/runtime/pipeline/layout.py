@@ -47,18 +47,13 @@ def is_chimera(cfg: RunConfig) -> bool:
     return cfg.pipeline.schedule == "chimera"
 
 
-def is_interleaved(cfg: RunConfig) -> bool:
-    """Whether the device's copies are model chunks (``:chunk<j>`` labels): interleaved 1F1B and ZB-V."""
-    return cfg.pipeline.chunked
-
-
 def node_pipes(cfg: RunConfig, node: int) -> dict[int, int]:
     """Copy -> the (virtual) stage that copy holds on device ``node``, in canonical order (stage index):
     the order of everything a Chimera pair of devices does together. Copies are pipes under Chimera
     (the up pipe's: stage ``D - 1 - node``) and chunks in model-chunk orders (chunk j: the stage
     :func:`pipefisher.pipeline_orders.stage_on` places there, ``node + j*D`` interleaved)."""
     p = cfg.pipeline
-    if is_interleaved(cfg):
+    if p.chunked:
         return {j: stage_on(node, j, p.stages, layout_of(p.schedule)) for j in range(p.chunks)}
     pipes = {0: node}
     if is_chimera(cfg):
