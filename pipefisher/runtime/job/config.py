@@ -52,7 +52,8 @@ class ModelConfig:
 
     ``builder`` (``"package.module:function"``) builds one pipeline stage; the default is the built-in
     BERT-style masked-language model. ``options`` is for the builder's own settings (the config checks
-    nothing in it), so a user's builder needs no new config keys.
+    nothing in it), so a user's builder needs no new config keys. ``pretrained`` (Hugging Face
+    builders) starts from the weights ``save_pretrained`` wrote to a local folder instead of a random init.
     """
 
     vocab_size: int = 100
@@ -66,6 +67,7 @@ class ModelConfig:
     init_std: float = 0.02
     builder: str = DEFAULT_BUILDER
     options: Options = field(default_factory=Options)
+    pretrained: str = ""  # a local folder of save_pretrained weights (Hugging Face builders); "": random init
 
     def __post_init__(self) -> None:
         if not isinstance(self.options, Options) and isinstance(self.options, Mapping):
@@ -86,6 +88,11 @@ class DataConfig:
     chosen by a hash of their paths) and tokenized by a subword tokenizer trained on the training files
     (``tokenizer``: ``bpe`` or ``wordpiece``, ``model.vocab_size`` tokens). ``synthetic`` gives seeded
     synthetic tokens instead: for unit tests only, there is little in them to learn.
+
+    Other sources: ``builder`` names a function (``"package.module:function"``, like ``model.builder``)
+    that returns the documents, strings or lists of token ids; ``dataset`` (``text``, ``json`` or
+    ``parquet``) reads the local files ``text`` names with Hugging Face ``datasets`` (``column`` holds
+    the text). Either way the held-out split and the batches are made as for text files.
     """
 
     seq_len: int = 16
@@ -98,10 +105,16 @@ class DataConfig:
     val_fraction: float = 0.05
     val_batches: int = 8
     objective: str = "mlm"  # one of OBJECTIVES
+    builder: str = ""  # "package.module:function" giving the documents instead of ``text``
+    dataset: str = ""  # one of DATASET_FORMATS: ``text`` names local files read by Hugging Face datasets
+    column: str = "text"  # the column of a ``json`` / ``parquet`` dataset that holds the text
 
 
 OBJECTIVES = ("mlm", "clm")
 """``data.objective``: masked-LM (BERT masking) or causal-LM (labels are the next tokens) batches."""
+
+DATASET_FORMATS = ("text", "json", "parquet")
+"""``data.dataset``: the Hugging Face ``datasets`` builders for local files that a run may read."""
 
 OPTIMIZERS = ("adamw", "lamb", "sgd", "adam")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -199,6 +212,22 @@ class PipelineConfig:
         return self.stages * (self.chunks if self.chunked else 1)
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""``train.precision``: the compute dtype of forwards and backwards (autocast); weights, optimizer
+state and K-FAC factors stay float32. ``fp16`` needs CUDA (and scales the loss)."""
+RECOMPUTE = ("none", "layer")
+"""``train.recompute``: keep every activation, or recompute each transformer block's in its backward."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How each step computes: ``precision`` (one of :data:`PRECISIONS`) and activation
+    ``recompute`` (one of :data:`RECOMPUTE`). Neither changes the model or its schedule's labels."""
+
+    precision: str = "fp32"
+    recompute: str = "none"
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
@@ -207,6 +236,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     kfac: KfacConfig = field(default_factory=KfacConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def replace(self, **sections: Mapping[str, Any]) -> "RunConfig":
         """A copy with some fields of some sections changed, e.g. ``replace(pipeline={"stages": 4})``."""
@@ -230,13 +260,13 @@ class RunConfig:
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "kfac": KfacConfig,
-             "pipeline": PipelineConfig}
+             "pipeline": PipelineConfig, "train": TrainConfig}
 
 
 def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None) -> RunConfig:
     """Build and check a :class:`RunConfig`; unknown keys and bad values are :class:`InputError`."""
     if not isinstance(raw, Mapping):
-        raise InputError(path, "config must be a mapping of sections (model, data, optim, kfac, pipeline)")
+        raise InputError(path, "config must be a mapping of sections (" + ", ".join(_SECTIONS) + ")")
     unknown = set(raw) - set(_SECTIONS) - {"name"}
     if unknown:
         raise InputError(path, f"unknown config section(s): {', '.join(sorted(map(str, unknown)))}")
@@ -387,9 +417,25 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append(f"data.objective must be one of {', '.join(OBJECTIVES)}")
     if d.objective == "clm" and d.seq_len < 2:
         problems.append("data.objective clm needs data.seq_len >= 2 (a next token to predict)")
-    module, colon, func = m.builder.partition(":")
-    if not colon or not module.strip() or not func.strip() or ":" in func:
-        problems.append(f"model.builder must be 'package.module:function', not {m.builder!r}")
+    for key, spec in (("model.builder", m.builder), ("data.builder", d.builder)):
+        if spec == "" and key == "data.builder":
+            continue
+        module, colon, func = spec.partition(":")
+        if not colon or not module.strip() or not func.strip() or ":" in func:
+            problems.append(f"{key} must be 'package.module:function', not {spec!r}")
+    if d.dataset and d.dataset not in DATASET_FORMATS:
+        problems.append(f"data.dataset must be one of {', '.join(DATASET_FORMATS)} (or empty: plain text files)")
+    if d.dataset and d.builder:
+        problems.append("data.builder and data.dataset are two sources of documents: set one")
+    if d.dataset and d.text in (STDLIB, SYNTHETIC):
+        problems.append(f"data.dataset {d.dataset} reads the local files data.text names, not {d.text!r}")
+    if not d.column.strip():
+        problems.append("data.column must name a column")
+    t = cfg.train
+    if t.precision not in PRECISIONS:
+        problems.append(f"train.precision must be one of {', '.join(PRECISIONS)}")
+    if t.recompute not in RECOMPUTE:
+        problems.append(f"train.recompute must be one of {', '.join(RECOMPUTE)}")
     if d.tokenizer not in ("bpe", "wordpiece"):
         problems.append("data.tokenizer must be 'bpe' or 'wordpiece'")
     if not 0.0 < d.val_fraction < 1.0:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 MANIFEST = "checkpoint.json"
 FORMAT = 2  # 2: running-average factors, damping schedule, optimizer pair
-_VOLATILE = {("pipeline", "timeout_s")}  # may change between a run and its resumption
+_VOLATILE = {("pipeline", "timeout_s"), ("train", "recompute")}  # may change between a run and its resumption
 LR_SCHEDULE_KEYS = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "schedule"), ("optim", "decay_steps"),
                     ("optim", "min_lr_ratio"), ("kfac", "lr"))
 """The learning-rate schedule: a resumed run may change it on purpose (one line says what changed)."""
@@ -44,7 +44,9 @@ LR_SCHEDULE_KEYS = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "sched
 
 def _added_later() -> dict[tuple[str, str], Any]:
     """Config keys newer than some checkpoints, with the value a run had before the key existed."""
-    return {("model", "builder"): DEFAULT_BUILDER, ("model", "options"): {}, ("data", "objective"): "mlm"}
+    return {("model", "builder"): DEFAULT_BUILDER, ("model", "options"): {}, ("data", "objective"): "mlm",
+            ("model", "pretrained"): "", ("data", "builder"): "", ("data", "dataset"): "", ("data", "column"): "text",
+            ("train", "precision"): "fp32"}
 
 
 def step_folder(steps_done: int) -> str:
@@ -62,6 +64,8 @@ def _config_for_compare(cfg: dict[str, Any]) -> dict[str, Any]:
                  if isinstance(vals, dict) else vals)
            for sec, vals in cfg.items()}
     for (sec, key), value in _added_later().items():
+        if out.get(sec) is None:  # a whole section newer than the manifest
+            out[sec] = {}
         if isinstance(out.get(sec), dict):
             out[sec].setdefault(key, value)
     if isinstance(out.get("model"), dict):
