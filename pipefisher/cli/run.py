@@ -11,7 +11,7 @@ import click
 from pipefisher.cli._common import chunks_option, margin_option, pipeline_option, require_runtime
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
-from pipefisher.cli.train import set_option
+from pipefisher.cli.train import check_tensorboard, set_option, tensorboard_option
 from pipefisher.errors import InputError
 
 
@@ -36,6 +36,7 @@ from pipefisher.errors import InputError
 @click.option("--allow-invalid", is_flag=True,
               help="train a schedule that pipefisher validate rejects, where the runtime can still run it (a "
                    "schedule it cannot run is refused anyway; a refused one stays in --out for inspection)")
+@tensorboard_option()
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="steps between checkpoints in <run>_checkpoints/ (0: only at the end)")
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
@@ -52,7 +53,8 @@ from pipefisher.errors import InputError
               help="steps between loss lines")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, policy: str | None,
-                kfac_margin: float, margin: float, adapt: bool, name: str | None, allow_invalid: bool, checkpoint_every: int, nproc: int | None,
+                kfac_margin: float, margin: float, adapt: bool, name: str | None, allow_invalid: bool,
+                tensorboard_dir: str | None, checkpoint_every: int, nproc: int | None,
                 stages: int | None, pipe_schedule: str | None, chunks: int | None, timeout_s: float | None,
                 overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
     """Profile a few K-FAC steps, pack them into the pipeline bubbles, print the usage report, and
@@ -64,6 +66,7 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
         raise InputError(None, "pipefisher run launches its own workers (--nproc-per-node); under torchrun, "
                                "profile, pack and train in steps: pipefisher train --profile, pipefisher "
                                "schedule, pipefisher train --schedule")
+    tensorboard_dir = check_tensorboard(tensorboard_dir)
     if not no_progress and os.environ.get("RANK", "0") == "0":
         from pipefisher.runtime.job.progress import phase
 
@@ -90,6 +93,6 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every, log_every=log_every,
                 progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every, echo=click.echo,
-                margin=margin, adapt=adapt)
+                margin=margin, adapt=adapt, tensorboard=tensorboard_dir)
     except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None

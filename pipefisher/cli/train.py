@@ -25,6 +25,28 @@ def set_option() -> Any:
              "writes)")
 
 
+def tensorboard_option() -> Any:
+    """``--tensorboard DIR``: TensorBoard logs of the training (``train`` and ``run``)."""
+    return click.option(
+        "--tensorboard", "tensorboard_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+        help="also write TensorBoard logs of the training here: loss, held-out loss, learning rate, step time, "
+             "K-FAC cycle k and overrun (scheduled mode), peak memory; a resumed run appends. Needs the "
+             "tensorboard extra; look with: tensorboard --logdir DIR")
+
+
+def check_tensorboard(folder: str | None) -> str | None:
+    """Refuse ``--tensorboard DIR`` without the tensorboard package, or where DIR cannot be written, before
+    torch loads and any worker starts; returns DIR made absolute (the workers may run elsewhere)."""
+    if folder is None:
+        return None
+    from pipefisher.runtime.train.tensorboard import MISSING, available
+
+    if not available():
+        raise click.ClickException(MISSING)
+    check_out_folder(folder, "--tensorboard")
+    return os.path.abspath(folder)
+
+
 def workers_log(out_dir: str | None, metrics_path: str | None, name: str) -> str | None:
     """Where a failed local run's worker output and tracebacks go: beside --out or --metrics."""
     folder = out_dir or (os.path.dirname(os.path.abspath(metrics_path)) if metrics_path else None)
@@ -89,6 +111,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
               help="folder for timelines (--profile) and <name>_losses.json")
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False), default=None,
               help="write a CSV of step, loss, step time, mode here")
+@tensorboard_option()
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
               help="write checkpoints here (at the end, and every --checkpoint-every steps)")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
@@ -115,7 +138,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def train_command(config_path: str, mode: str | None, schedule_arg: str | None, allow_schedule_mismatch: bool,
                   pipe_schedule: str | None,
-                  steps: int, profile: bool, out_dir: str | None, metrics_path: str | None,
+                  steps: int, profile: bool, out_dir: str | None, metrics_path: str | None, tensorboard_dir: str | None,
                   checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, adapt: bool,
                   adapt_policy: str | None, nproc: int | None,
                   stages: int | None, interval: int | None, timeout_s: float | None, chunks: int | None,
@@ -183,6 +206,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         if folder:
             check_out_folder(folder, option)
     check_out_file(metrics_path, "--metrics")
+    tensorboard_dir = check_tensorboard(tensorboard_dir)
     for folder in (out_dir, checkpoint_dir):
         if folder:
             try:
@@ -230,6 +254,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         write_atomic(os.path.join(out_dir, f"{cfg.name}_config.yaml"), config_yaml(cfg))
     opts = TrainOptions(mode=mode, steps=steps, profile=profile, out=out_dir, log_every=log_every,
                         progress=not no_progress, schedule=_abs(schedule_path), metrics=_abs(metrics_path),
+                        tensorboard=tensorboard_dir,
                         checkpoint_dir=_abs(checkpoint_dir), checkpoint_every=checkpoint_every,
                         resume=_abs(resume_dir), eval_every=eval_every, adapt=adapt, adapt_policy=adapt_policy,
                         allow_schedule_mismatch=allow_schedule_mismatch)

@@ -218,14 +218,15 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
             nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
             checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
             eval_every: int = 0, echo: Callable[[str], None] = print, margin: float | None = None,
-            adapt: bool = False) -> RunPaths:
+            adapt: bool = False, tensorboard: str | None = None) -> RunPaths:
     """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.timeline.median_step`),
     pack them with ``policy`` (K-FAC times x ``kfac_margin``,
     room rule with ``margin``, :mod:`pipefisher.problem`),
     print the usage report, refuse a schedule that ``validate`` rejects (unless ``allow_invalid``) or
     that the runtime cannot run (always; both leave the schedule, chart and report in the run folder),
     then train ``steps`` steps with it (with ``adapt``, re-packing it from the measured steps while it
-    trains, :mod:`pipefisher.runtime.train.adapt`); returns the paths."""
+    trains, :mod:`pipefisher.runtime.train.adapt`; with ``tensorboard``, TensorBoard logs of the training
+    in that folder); returns the paths."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.problem import DEFAULT_MARGIN
     from pipefisher.runtime.launch.local import launch_local, run_worker
@@ -286,6 +287,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
                         metrics=os.path.abspath(paths.metrics), checkpoint_dir=os.path.abspath(paths.checkpoints),
                         checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
                         eval_every=eval_every, adapt=adapt, adapt_policy=packer.name, margin=margin,
+                        tensorboard=tensorboard,
                         measure_prefix=os.path.abspath(os.path.join(paths.folder, paths.name))))
     train_s = time.perf_counter() - t0
     rows = read_metrics(paths.metrics) if os.path.exists(paths.metrics) else []
@@ -316,6 +318,6 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
               *([paths.profile_losses] if os.path.exists(paths.profile_losses) else []),
               *([paths.profile_steps_dir] if os.path.exists(paths.profile_steps_dir) else []),
               paths.schedule, paths.report, paths.chart, paths.metrics,
-              *[m for m in measured if os.path.exists(m)], paths.checkpoints):
+              *[m for m in measured if os.path.exists(m)], paths.checkpoints, *([tensorboard] if tensorboard else [])):
         echo(f"wrote {p}")
     return paths

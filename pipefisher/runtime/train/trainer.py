@@ -35,6 +35,7 @@ from pipefisher.runtime.job.process import Interrupted
 from pipefisher.runtime.job.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar, phase  # noqa: F401 (re-exported)
 from pipefisher.runtime.pipeline.layout import loss_device, node_pipes
 from pipefisher.runtime.train.profiler import Profiler
+from pipefisher.runtime.train.tensorboard import TensorBoardLog  # imports its writer when made
 from pipefisher.runtime.train.worker import MODES, build_worker
 from pipefisher.safe_io import dump_json_atomic
 
@@ -69,6 +70,7 @@ class TrainOptions:
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end, if checkpoint_dir)
     resume: str | None = None  # checkpoint folder to continue from
     metrics: str | None = None  # CSV file: step, loss, val_loss, lr, step time, mode (reporting worker)
+    tensorboard: str | None = None  # TensorBoard log folder (reporting worker; see train.tensorboard)
     eval_every: int = 0  # steps between held-out evaluations (0: none; the last step is always one)
     # The closed loop (scheduled mode, :mod:`pipefisher.runtime.train.adapt`): measurements always, re-packing
     # with ``adapt``. ``margin``: the room rule's for re-packs (default: the schedule's recorded one);
@@ -262,7 +264,19 @@ class Trainer:
         return save_checkpoint(self.opts.checkpoint_dir, self, steps_done)
 
     def run(self) -> WorkerResult:
-        g, opts = self.ctx.grid, self.opts
+        """Train; the reporting worker keeps the ``tensorboard`` option's log open meanwhile (closed also
+        on a failure or Ctrl-C)."""
+        self.tensorboard: TensorBoardLog | None = None
+        if self.reporter and self.opts.tensorboard:
+            self.tensorboard = TensorBoardLog(self.opts.tensorboard, self.start_step)
+        try:
+            return self._run()
+        finally:
+            if self.tensorboard is not None:
+                self.tensorboard.close()
+
+    def _run(self) -> WorkerResult:
+        g, opts, tb = self.ctx.grid, self.opts, self.tensorboard
         result = WorkerResult(g.rank, g.stage, g.replica)
         self.stage.train()
         self.profiler.align(distributed=self.ctx.distributed)
@@ -320,6 +334,11 @@ class Trainer:
                     if val is not None:
                         result.val.append((step + 1, val, train_seconds))
                 metrics.append((step, loss, val, self.updater.lr, result.step_seconds[-1], cycle))
+                if tb is not None:
+                    tb.log_step(step, loss=loss, val_loss=val, lr=self.updater.lr,
+                                step_seconds=result.step_seconds[-1], cycle=cycle)
+                    if self.loop is not None:
+                        tb.log_overruns(self.loop.overruns)
                 if loss is not None:
                     result.losses.append(loss)
                 if bar is not None:
@@ -337,6 +356,8 @@ class Trainer:
                     self.checkpoint(step + 1)
                     if self.reporter and opts.metrics:
                         self._write_metrics(opts.metrics, metrics)
+                    if tb is not None:
+                        tb.flush()
         except KeyboardInterrupt:  # Ctrl-C: say how far it got (the CLI turns it into one line)
             raise Interrupted(len(result.step_seconds) + first) from None
         finally:
@@ -352,10 +373,15 @@ class Trainer:
                        f"{memory.mib(result.peak_memory_bytes)} (rank {g.rank}: stage {g.stage}, replica {g.replica})"
                        + (f", K-FAC saved tensors {memory.mib(result.peak_saved_bytes)} at most"
                           if self.kfac is not None else ""))
+            if tb is not None:
+                tb.log_peak_memory(opts.steps - 1, result.peak_memory_bytes,
+                                   result.peak_saved_bytes if self.kfac is not None else None)
         if todo:
             self.checkpoint(opts.steps)
         if self.loop is not None:
             self.loop.finish()  # after the checkpoint: a resumed run gathers the open cycle as this one would
+            if tb is not None:
+                tb.log_overruns(self.loop.overruns)
             self.loop.write_schedules()
             self.loop.write_measured()
             if self.reporter and todo:
