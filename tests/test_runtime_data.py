@@ -13,8 +13,8 @@ import torch
 from pipefisher.errors import InputError
 from pipefisher.runtime.data import corpus as corpus_mod
 from pipefisher.runtime.data.batches import CLS, MASK, NUM_SPECIAL, PAD, SEP, UNK, MLMData
-from pipefisher.runtime.data.corpus import (SPECIAL_TOKENS, corpus_files, corpus_root, load_corpus,
-                                            save_tokenizer, split_files, train_tokenizer)
+from pipefisher.runtime.data.corpus import SPECIAL_TOKENS, load_corpus, save_tokenizer, train_tokenizer
+from pipefisher.runtime.data.sources import corpus_files, corpus_root, split_files
 from pipefisher.runtime.job.config import DataConfig
 from pipefisher.runtime.models.builders import IGNORE_INDEX
 

@@ -29,14 +29,16 @@ STAGE_ATTRIBUTES = ("is_first", "is_last", "hidden_size")
 """What the runtime reads off a stage besides ``forward(x, labels=None, sample=None)``."""
 
 
-def load_builder(spec: str, where: str | os.PathLike[str] | None = None) -> StageBuilder:
-    """The function ``"package.module:function"`` names, or an :class:`InputError` (one line, ``where``).
+def load_builder(spec: str, where: str | os.PathLike[str] | None = None,
+                 key: str = "model.builder") -> StageBuilder:
+    """The function ``"package.module:function"`` names, or an :class:`InputError` (one line, ``where``,
+    naming the config ``key`` that gave ``spec``: ``data.builder`` loads its function here too).
 
     The module is imported as ``python -m`` would, so a module in the current directory works from
     ``pipefisher train`` too (console scripts do not put the current directory on the path).
     """
     module_name, _, func_name = spec.partition(":")
-    what = f"model.builder {spec!r}"
+    what = f"{key} {spec!r}"
     try:
         try:
             module = importlib.import_module(module_name)
