@@ -190,3 +190,20 @@ def test_cli_set_is_applied_and_recorded_in_the_config_the_run_writes(tmp_path):
         assert res.exit_code == 2, res.output
         assert res.output.startswith("error: --set optim.lrr=0.05: unknown key 'lrr' in 'optim'")
         assert res.output.count("\n") == 1
+
+
+@pytest.mark.parametrize("section, key, value, problem", [
+    ("train", "precision", "fp8", "train.precision must be one of fp32, bf16"),
+    ("train", "recompute", "all", "train.recompute must be one of none, layer"),
+    ("data", "dataset", "csv", "data.dataset must be one of text, json, parquet"),
+    ("data", "builder", "nocolon", "data.builder must be 'package.module:function'"),
+])
+def test_new_training_keys_are_checked_in_one_line(section, key, value, problem):
+    with pytest.raises(InputError, match=problem):
+        config_from_dict({section: {key: value}}, "run.yaml")
+
+
+def test_a_data_builder_is_not_silently_replaced_by_synthetic_tokens():
+    with pytest.raises(InputError, match="data.builder gives the documents"):
+        config_from_dict({"data": {"builder": "docs:all", "text": "synthetic"}}, "run.yaml")
+    assert config_from_dict({"data": {"builder": "docs:all"}}).data.builder == "docs:all"

@@ -246,6 +246,7 @@ class KFAC:
         self._forward_outputs: list[tuple[LayerState, torch.Tensor]] = []
         self._awaiting: collections.deque = collections.deque()  # per forwarded micro-batch, true Fisher
         self._in_flight: dict[tuple[str, str], Any] = {}  # (layer, factor) -> all-reduce not yet waited for
+        self._replaying = False  # a forward run again for its backward (activation recomputation)
         self._handles = [self._hook(st) for st in self.layers.values()]
 
     # -- saving inputs and output gradients -------------------------------------------------------
@@ -301,9 +302,15 @@ class KFAC:
     def reset_peak_saved(self) -> None:
         self.peak_saved_bytes = self.saved_now
 
+    def replaying(self) -> "_Replaying":
+        """Forwards run inside this context are recomputations of forwards already seen (activation
+        checkpointing runs a block again in its backward): their inputs are not saved a second time.
+        The context may be entered again and again (a graph kept for a second backward recomputes again)."""
+        return _Replaying(self)
+
     def _hook(self, st: LayerState) -> Any:
         def on_forward(module: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-            if not (self.saving and torch.is_grad_enabled()):
+            if not (self.saving and torch.is_grad_enabled()) or self._replaying:
                 return
             st.inputs.append(self._saved_input(inputs[0]))
             if not out.requires_grad:
@@ -603,6 +610,21 @@ class KFAC:
             raise KeyError(f"{label}: this stage has no K-FAC layer named {name!r}")
         work(kind[-1], name)
         return True
+
+
+class _Replaying:
+    """:meth:`KFAC.replaying`'s context: re-enterable, nesting-safe."""
+
+    def __init__(self, kfac: KFAC) -> None:
+        self.kfac = kfac
+        self._before: list[bool] = []
+
+    def __enter__(self) -> None:
+        self._before.append(self.kfac._replaying)
+        self.kfac._replaying = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.kfac._replaying = self._before.pop()
 
 
 def _check(factor: str) -> str:

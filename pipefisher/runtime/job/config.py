@@ -212,9 +212,9 @@ class PipelineConfig:
         return self.stages * (self.chunks if self.chunked else 1)
 
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16")
 """``train.precision``: the compute dtype of forwards and backwards (autocast); weights, optimizer
-state and K-FAC factors stay float32. ``fp16`` needs CUDA (and scales the loss)."""
+state and K-FAC factors stay float32."""
 RECOMPUTE = ("none", "layer")
 """``train.recompute``: keep every activation, or recompute each transformer block's in its backward."""
 
@@ -427,6 +427,9 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append(f"data.dataset must be one of {', '.join(DATASET_FORMATS)} (or empty: plain text files)")
     if d.dataset and d.builder:
         problems.append("data.builder and data.dataset are two sources of documents: set one")
+    if d.builder and d.text == SYNTHETIC:
+        problems.append("data.builder gives the documents, but data.text synthetic gives synthetic tokens "
+                        "instead: set data.text to stdlib (the default), or leave data.builder empty")
     if d.dataset and d.text in (STDLIB, SYNTHETIC):
         problems.append(f"data.dataset {d.dataset} reads the local files data.text names, not {d.text!r}")
     if not d.column.strip():

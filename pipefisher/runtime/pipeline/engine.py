@@ -31,6 +31,7 @@ from pipefisher.pipeline_orders import FORWARD as _F
 from pipefisher.runtime.data.batches import MLMData, batch_seed
 from pipefisher.runtime.job.config import PIPELINE_ORDERS
 from pipefisher.runtime.job.dist import DistContext
+from pipefisher.runtime.pipeline.compute import autocast, wire_dtype
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, WEIGHT, chunk_suffix
 from pipefisher.timeline import UP_SUFFIX
 
@@ -138,7 +139,9 @@ class PipelineEngine:
     through ``local`` (a :class:`LocalLink` the device's engines share), and chunk 1 flows back towards
     device 0. Every boundary has its own tags; the keys are ``call_forward:chunk<j>`` /
     ``call_backward:chunk<j>`` (plain for chunk 0). ``split`` (zero-bubble orders) splits each backward
-    into its B pass and a later W pass (:meth:`weight`).
+    into its B pass and a later W pass (:meth:`weight`). ``precision`` (``train.precision``) is the
+    compute dtype of the stage's forwards (autocast) and of what crosses its boundaries
+    (:mod:`pipefisher.runtime.pipeline.compute`).
 
     With a true-Fisher ``kfac`` that saves the micro-batch, the last stage also computes the loss
     against labels sampled from its predictions, and every stage runs a second backward of that loss
@@ -149,8 +152,11 @@ class PipelineEngine:
     def __init__(self, stage: torch.nn.Module, ctx: DistContext, data: MLMData, num_micro_batches: int,
                  span: Span | None = None, kfac: Any = None, *, pipe: int = DOWN,
                  micro_batches: Sequence[int] | None = None, chunk: int | None = None,
-                 layout: str = LOOP, split: bool = False, local: "LocalLink | None" = None) -> None:
+                 layout: str = LOOP, split: bool = False, local: "LocalLink | None" = None,
+                 precision: str = "fp32") -> None:
         self.stage, self.ctx, self.data = stage, ctx, data
+        self.precision = precision
+        self.wire = wire_dtype(precision)  # activations and gradients between stages
         self.split = split
         if split:  # only zero-bubble orders need it (and torch >= 2.4)
             from pipefisher.runtime.pipeline.split_backward import backward_input
@@ -234,11 +240,12 @@ class PipelineEngine:
         # None): it then receives a sampled-label gradient too, which prepost must know beforehand
         two_grads = self.kfac is not None and bool(self.kfac.samples_labels)
         with self.span(self.forward_key):
-            if self.is_last and self.kfac is not None and self.kfac.samples_labels:
-                out, sampled = self.stage(x, labels, sample=self._sampling_generator(i))
-                sampled = sampled / self.num_micro_batches
-            else:
-                out = self.stage(x, labels)
+            with autocast(self.precision, dev):
+                if self.is_last and self.kfac is not None and self.kfac.samples_labels:
+                    out, sampled = self.stage(x, labels, sample=self._sampling_generator(i))
+                    sampled = sampled / self.num_micro_batches
+                else:
+                    out = self.stage(x, labels)
             if self.is_last:
                 out = out / self.num_micro_batches
                 self.losses.append(out.detach())
@@ -266,7 +273,7 @@ class PipelineEngine:
         if not self.is_last:
             if outputs is not None:
                 seed_grad = self._recv(self.next_rank, _TAG_SAMPLED_GRAD + self._out)
-            grad = self._recv(self.next_rank, _TAG_GRAD + self._out)
+            grad = self._recv(self.next_rank, _TAG_GRAD + self._out).to(out.dtype)
         with self.span(self.backward_key):
             if outputs is not None:
                 self._sampled_backward(x, out, sampled, outputs, seed_grad)
@@ -298,7 +305,7 @@ class PipelineEngine:
             root = sampled
         else:
             assert seed_grad is not None
-            root = out
+            root, seed_grad = out, seed_grad.to(out.dtype)
         targets = [o for _, o in outputs] + ([] if self.is_first else [x])
         if not targets:
             return
@@ -343,7 +350,7 @@ class PipelineEngine:
             if key in self._posted or key[0] == self.ctx.grid.rank:  # a hand-off on this device: no wait
                 continue
             src, tag = key
-            buf = torch.empty(self.act_shape, device=self.ctx.device)
+            buf = torch.empty(self.act_shape, device=self.ctx.device, dtype=self.wire)
             self._posted[key] = (buf, dist.irecv(buf, src, tag=tag))
             n += 1
         self.posted_ahead += n
@@ -412,9 +419,11 @@ class PipelineEngine:
         dev = self.ctx.device
         try:
             x = mb.input_ids.to(dev) if self.is_first else self._recv(self.prev_rank, _TAG_EVAL + self._in)
-            out = self.stage(x, mb.labels.to(dev) if self.is_last else None)
+            with autocast(self.precision, dev):
+                out = self.stage(x, mb.labels.to(dev) if self.is_last else None)
             if self.is_last:
                 return float(out)
+            out = out.to(self.wire)
             if self.next_rank == self.ctx.grid.rank:
                 self.local.put(_TAG_EVAL + self._out, out)
             else:
@@ -440,6 +449,7 @@ class PipelineEngine:
 
     def _send(self, t: torch.Tensor, dst: int | None, tag: int) -> None:
         assert dst is not None
+        t = t.to(self.wire)
         if dst == self.ctx.grid.rank:  # ZB-V's turn: to this device's other chunk
             self.local.put(tag, t)
             return
@@ -455,7 +465,7 @@ class PipelineEngine:
         posted = self._posted.pop((src, tag), None)
         wait: Callable[[], Any]
         if posted is None:
-            buf = torch.empty(self.act_shape, device=self.ctx.device)
+            buf = torch.empty(self.act_shape, device=self.ctx.device, dtype=self.wire)
             wait = functools.partial(dist.recv, buf, src, tag=tag)
         else:
             buf, work = posted

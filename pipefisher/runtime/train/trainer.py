@@ -290,7 +290,7 @@ class Trainer:
             resumed = f", resuming after step {first - 1}" if first else ""
             click.echo(f"pipefisher train: mode {self.mode}, {g.stages} stage(s) x {g.replicas} replica(s), "
                        f"{self.cfg.pipeline.schedule}, {self.cfg.data.num_micro_batches} micro-batches, "
-                       f"{opts.steps} steps on {self.ctx.device}{extra}{resumed}")
+                       f"{opts.steps} steps on {self.ctx.device}{compute_line(self.cfg)}{extra}{resumed}")
         if g.replica == 0:  # each stage says what its K-FAC covers (every replica holds the same layers)
             for p, k in self.kfacs.items():
                 up = ("" if not p else f" (chunk {p})" if self.cfg.pipeline.chunked
@@ -433,6 +433,13 @@ class Trainer:
         body = [f"{s},{num(l)},{num(v)},{lr:.6g},{t:.6f},{self.mode},{'' if k is None else k},{num(over.get(s))}"
                 for s, l, v, lr, t, k in rows]
         write_atomic(path, header + "".join(line + "\n" for line in kept + body))
+
+
+def compute_line(cfg: RunConfig) -> str:
+    """How steps compute, for the start line: nothing for the defaults (fp32, every activation kept)."""
+    t = cfg.train
+    return ((f", {t.precision} autocast" if t.precision != "fp32" else "")
+            + (", each block recomputed in its backward" if t.recompute == "layer" else ""))
 
 
 def schedule_plan_inputs(opts: TrainOptions) -> tuple[float, list[dict[str, Any]] | None]:
