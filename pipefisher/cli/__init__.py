@@ -15,6 +15,7 @@ from pipefisher.cli import validate as _validate  # noqa: E402,F401
 from pipefisher.cli import train as _train  # noqa: E402,F401
 from pipefisher.cli import sim as _sim  # noqa: E402,F401
 from pipefisher.cli import run as _run  # noqa: E402,F401
+from pipefisher.cli import export as _export  # noqa: E402,F401
 
 
 def console() -> None:

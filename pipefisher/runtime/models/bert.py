@@ -5,23 +5,117 @@ so K-FAC keys and schedule labels name the same layer whichever stage holds it. 
 initialised from a generator seeded by the run seed and the parameter's full name, so a model split
 into stages holds exactly the weights of the same model in one process. The decoder is not tied to
 the word embeddings (they live on different stages).
+
+With ``model.pretrained`` the stage starts from the weights ``pipefisher export`` wrote
+(:mod:`pipefisher.runtime.train.export`): a folder holding ``config.json`` (the model section it was
+trained with) and ``model.safetensors`` (or ``model.pt``), or such a weights file alone. The run
+config's model section must describe that model (:data:`PRETRAINED_KEYS`); a mismatch is refused in
+one line naming the keys, rather than loading weights into a model of another shape.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+import os
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipefisher.errors import InputError
 from pipefisher.runtime.job.config import ModelConfig, RunConfig
 from pipefisher.runtime.models.builders import lm_loss, stage_layers
+from pipefisher.safe_io import load_json
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILES = ("model.safetensors", "model.pt")
+"""What ``pipefisher export`` writes for the built-in model: the state dict as safetensors (``model.pt``,
+a ``torch.save`` of it, where safetensors is not installed) beside ``config.json``."""
+
+PRETRAINED_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position",
+                   "layer_norm_eps")
+"""The ``model`` keys a pretrained model must agree with: its shape, and its norms' epsilon (the run
+config stays the true description of the model it trains, which checkpoints and exports record)."""
 
 
 def build_stage(cfg: RunConfig, index: int, num_stages: int, seed: int) -> nn.Module:
-    """The built-in stage builder (the default ``model.builder``): stage ``index`` of the BERT-style model."""
-    return PipelineStage(cfg.model, index, num_stages, seed=seed)
+    """The built-in stage builder (the default ``model.builder``): stage ``index`` of the BERT-style model,
+    from ``model.pretrained``'s weights when it names some."""
+    stage = PipelineStage(cfg.model, index, num_stages, seed=seed)
+    if cfg.model.pretrained:
+        load_pretrained(stage, cfg.model)
+    return stage
+
+
+def check_pretrained(where: str, theirs: Mapping[str, Any], model: ModelConfig) -> None:
+    """Refuse in one line (naming ``where`` and every differing key) a pretrained model whose
+    :data:`PRETRAINED_KEYS` (``theirs``) differ from the run config's ``model`` section."""
+    diff = [f"{key} {theirs.get(key)!r} there, {getattr(model, key)!r} in the run config"
+            for key in PRETRAINED_KEYS if theirs.get(key) != getattr(model, key)]
+    if diff:
+        raise InputError(where, f"model.pretrained holds a model that the run config's model section does not "
+                                f"describe: {'; '.join(diff)} (set those keys in the config's model section)")
+
+
+def pretrained_weights(model: ModelConfig) -> str:
+    """The weights file ``model.pretrained`` names: itself, or the one in the export folder it names
+    (whose ``config.json`` is checked against ``model`` first)."""
+    path = model.pretrained
+    if os.path.isfile(path):
+        return path
+    if not os.path.isdir(path):
+        raise InputError(path, "model.pretrained: no such file or folder (a folder pipefisher export wrote)")
+    raw = load_json(os.path.join(path, CONFIG_FILE)) if os.path.isfile(os.path.join(path, CONFIG_FILE)) else None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
+        kind = raw.get("model_type") if isinstance(raw, dict) else None
+        hint = (f"; it holds a transformers {kind} model: train it with a model.builder of "
+                f"pipefisher.runtime.models.hf" if kind else "")
+        raise InputError(path, f"model.pretrained: holds no {CONFIG_FILE} of a model pipefisher export wrote{hint}")
+    check_pretrained(path, raw["model"], model)
+    for name in WEIGHTS_FILES:
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    raise InputError(path, f"model.pretrained: holds neither {' nor '.join(WEIGHTS_FILES)}")
+
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """A state dict from a ``.safetensors`` file, else from a ``torch.save`` file (tensors only, no code)."""
+    try:
+        if path.endswith(".safetensors"):
+            try:
+                from safetensors.torch import load_file
+            except ImportError:
+                raise InputError(path, "model.pretrained: reading .safetensors needs safetensors "
+                                       "(pip install safetensors)") from None
+            out = load_file(path)
+        else:
+            out = torch.load(path, map_location="cpu", weights_only=True)
+    except InputError:
+        raise
+    except Exception as err:  # a damaged file, or one that is no state dict
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InputError(path, f"model.pretrained: is not a readable weights file ({first})") from None
+    if not isinstance(out, dict) or not all(isinstance(v, torch.Tensor) for v in out.values()):
+        raise InputError(path, "model.pretrained: holds no state dict (a mapping of names to tensors)")
+    return out
+
+
+def load_pretrained(stage: nn.Module, model: ModelConfig) -> None:
+    """Fill ``stage`` with its tensors from ``model.pretrained`` (every stage takes its own names from
+    the one file). Built on the meta device (the builder check), it checks the config only."""
+    path = pretrained_weights(model)
+    own = stage.state_dict()
+    if any(t.is_meta for t in own.values()):
+        return
+    found = read_weights(path)
+    missing = [k for k in own if k not in found]
+    wrong = [k for k in own if k in found and found[k].shape != own[k].shape]
+    if missing or wrong:
+        what = (f"lacks {len(missing)} of this stage's tensors ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''})" if missing else
+                f"holds {wrong[0]} of shape {tuple(found[wrong[0]].shape)}, not {tuple(own[wrong[0]].shape)}")
+        raise InputError(path, f"model.pretrained: {what}: not weights of this model")
+    stage.load_state_dict({k: found[k] for k in own})
 
 
 class Embeddings(nn.Module):

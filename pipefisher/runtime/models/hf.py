@@ -13,18 +13,30 @@ in every process costs its memory for a moment: fine for models that fit in one 
 The output layer is *not* tied to the input embeddings (transformers ties them by default): they live
 on different stages, so each has its own weights. transformers is imported inside the builders only,
 so the rest of pipefisher never needs it.
+
+``model.pretrained`` names a local folder ``save_pretrained`` wrote (``pipefisher export`` writes one
+too): the whole model is loaded from it with ``from_pretrained(folder, local_files_only=True)`` (the
+hub is never contacted) instead of a random init, then split as above. The run config's ``model``
+section must describe it (:data:`pipefisher.runtime.models.bert.PRETRAINED_KEYS`: shape and norm
+epsilon), else one line names the folder and the differing keys; ``model.dropout`` is the run's. A
+model saved with tied embeddings loads with the output layer a copy of the word embeddings, so both
+stages start equal to the saved model; every weight must be in the folder (none starts random).
 """
 from __future__ import annotations
 
+import os
 import re
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.job.config import ModelConfig, RunConfig
+from pipefisher.runtime.models.bert import CONFIG_FILE, check_pretrained
 from pipefisher.runtime.models.builders import lm_loss, stage_layers
+from pipefisher.safe_io import load_json
 
 MISSING_TRANSFORMERS = ("the Hugging Face models need transformers: pip install 'pipefisher[hf]' "
                         "(or -e '.[hf]' in a clone)")
@@ -53,42 +65,155 @@ def hf_config(model: ModelConfig, kind: str) -> Any:
     Word embeddings and output layer are untied (they live on different stages); SDPA attention.
     """
     tf = _transformers()
-    common = dict(vocab_size=model.vocab_size, initializer_range=model.init_std, tie_word_embeddings=False)
+    common = dict(vocab_size=model.vocab_size, initializer_range=model.init_std, tie_word_embeddings=False,
+                  **_dropout(model, kind))
     if kind == "bert":
         cfg = tf.BertConfig(hidden_size=model.hidden_size, num_hidden_layers=model.num_layers,
                             num_attention_heads=model.num_heads, intermediate_size=model.intermediate_size,
-                            max_position_embeddings=model.max_position, hidden_dropout_prob=model.dropout,
-                            attention_probs_dropout_prob=model.dropout, layer_norm_eps=model.layer_norm_eps,
+                            max_position_embeddings=model.max_position, layer_norm_eps=model.layer_norm_eps,
                             **common)
-    elif kind == "gpt2":
+    else:
         # bos/eos inside the vocabulary (GPT-2's default 50256 is not in a small one); unused here.
         cfg = tf.GPT2Config(n_embd=model.hidden_size, n_layer=model.num_layers, n_head=model.num_heads,
                             n_inner=model.intermediate_size, n_positions=model.max_position,
-                            resid_pdrop=model.dropout, embd_pdrop=model.dropout, attn_pdrop=model.dropout,
                             layer_norm_epsilon=model.layer_norm_eps, bos_token_id=0, eos_token_id=0, **common)
-    else:
-        raise ValueError(f"unknown Hugging Face model kind {kind!r}")
     cfg._attn_implementation = "sdpa"
     return cfg
 
 
+KINDS = {"bert": "BertForMaskedLM", "gpt2": "GPT2LMHeadModel"}
+"""Each model kind's transformers class."""
+
+BUILDER_KINDS = {f"{__name__}:bert_mlm": "bert", f"{__name__}:gpt2_clm": "gpt2"}
+"""``model.builder`` -> the kind of model it builds (what ``pipefisher export`` rebuilds)."""
+
+
+def _dropout(model: ModelConfig, kind: str) -> dict[str, float]:
+    """The transformers config keys of ``model.dropout`` for ``kind`` (the run's, pretrained or not)."""
+    if kind == "bert":
+        return dict(hidden_dropout_prob=model.dropout, attention_probs_dropout_prob=model.dropout)
+    if kind == "gpt2":
+        return dict(resid_pdrop=model.dropout, embd_pdrop=model.dropout, attn_pdrop=model.dropout)
+    raise ValueError(f"unknown Hugging Face model kind {kind!r}")
+
+
+def pretrained_config(model: ModelConfig, kind: str) -> Any:
+    """The transformers config in the ``model.pretrained`` folder, checked against the run config's
+    ``model`` section (one-line :class:`InputError` naming the folder otherwise), with the run's dropout."""
+    tf = _transformers()
+    folder = model.pretrained
+    where = f"model.pretrained (model.builder for {KINDS[kind]})"
+    if not os.path.isdir(folder):
+        raise InputError(folder, f"{where}: no such folder (a folder save_pretrained wrote)")
+    if not os.path.isfile(os.path.join(folder, CONFIG_FILE)):
+        raise InputError(folder, f"{where}: holds no {CONFIG_FILE} (not a folder save_pretrained wrote)")
+    raw = load_json(os.path.join(folder, CONFIG_FILE))
+    found = raw.get("model_type") if isinstance(raw, dict) else None
+    if found != kind:
+        held = f"a {found} model" if found else f"no transformers model ({CONFIG_FILE} names no model_type)"
+        raise InputError(folder, f"{where}: holds {held}, not a {kind} one")
+    cfg = (tf.BertConfig if kind == "bert" else tf.GPT2Config).from_pretrained(folder, local_files_only=True)
+    inner = cfg.intermediate_size if kind == "bert" else (cfg.n_inner or 4 * cfg.n_embd)
+    check_pretrained(folder, {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+                              "num_layers": cfg.num_hidden_layers, "num_heads": cfg.num_attention_heads,
+                              "intermediate_size": inner, "max_position": cfg.max_position_embeddings,
+                              "layer_norm_eps": cfg.layer_norm_eps if kind == "bert" else cfg.layer_norm_epsilon},
+                     model)
+    for key, value in _dropout(model, kind).items():
+        setattr(cfg, key, value)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+@contextmanager
+def _quiet(tf: Any) -> Iterator[None]:
+    """transformers without its progress bars and load report (every worker would print them; what
+    matters in the report, missing weights, is refused by the caller in one line)."""
+    verbosity, bars = tf.logging.get_verbosity(), tf.utils.logging.is_progress_bar_enabled()
+    tf.logging.set_verbosity_error()
+    tf.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        tf.logging.set_verbosity(verbosity)
+        if bars:
+            tf.utils.logging.enable_progress_bar()
+
+
+def _untie(out: nn.Module, kind: str) -> nn.Module:
+    """The output layer a copy of the word embeddings where they are one tensor (they live on different
+    stages); BERT's decoder bias tied to ``cls.predictions.bias``, as transformers has it."""
+    emb, head = out.get_input_embeddings(), out.get_output_embeddings()
+    if head.weight is emb.weight:
+        head.weight = nn.Parameter(emb.weight.detach().clone())
+    out.config.tie_word_embeddings = False
+    if kind == "bert":
+        out.cls.predictions.decoder.bias = out.cls.predictions.bias
+    return out
+
+
+def pretrained_model(model: ModelConfig, kind: str) -> nn.Module:
+    """The whole transformers model in the ``model.pretrained`` folder, untied (:func:`_untie`).
+
+    On the meta device (the builder check before any worker starts) ``from_pretrained`` cannot run: the
+    config is checked and the model built empty from it, which is all that check needs."""
+    tf = _transformers()
+    config = pretrained_config(model, kind)
+    cls = getattr(tf, KINDS[kind])
+    if torch.empty(0).device.type == "meta":
+        return _untie(cls(config), kind)
+    with _quiet(tf):
+        out, info = cls.from_pretrained(model.pretrained, config=config, local_files_only=True,
+                                        dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True)
+    filled = {"cls.predictions.decoder.bias"} if kind == "bert" else set()  # tied to cls.predictions.bias
+    missing = sorted(set(info["missing_keys"]) - filled)
+    if missing:
+        raise InputError(model.pretrained, f"model.pretrained: lacks {len(missing)} weight(s) of a {KINDS[kind]} "
+                                           f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), "
+                                           "which would start random")
+    return _untie(out, kind)
+
+
 def full_model(model: ModelConfig, kind: str, seed: int) -> nn.Module:
-    """The unsplit transformers model, initialised by transformers' own init under ``torch.manual_seed(seed)``.
+    """The unsplit transformers model, initialised by transformers' own init under ``torch.manual_seed(seed)``,
+    or loaded from ``model.pretrained`` (:func:`pretrained_model`).
 
     The global RNG is forked, so building it leaves the caller's random state as it was. BERT's
     decoder bias stays tied to ``cls.predictions.bias`` (both on the last stage), as transformers does.
     """
     tf = _transformers()
-    config = hf_config(model, kind)
     with torch.random.fork_rng(devices=[]):
+        if model.pretrained:
+            return pretrained_model(model, kind)
         torch.manual_seed(seed)
-        if kind == "bert":
-            out = tf.BertForMaskedLM(config)
-            head = out.cls.predictions
-            head.decoder.bias = head.bias  # untying the embeddings unties this too; keep it as HF has it
-        else:
-            out = tf.GPT2LMHeadModel(config)
+        # untying the embeddings unties BERT's decoder bias too; _untie keeps it as HF has it
+        return _untie(getattr(tf, KINDS[kind])(hf_config(model, kind)), kind)
+
+
+def export_model(model: ModelConfig, kind: str, state: dict[str, torch.Tensor]) -> nn.Module:
+    """The whole transformers model holding ``state`` (every stage's tensors), to ``save_pretrained``:
+    the run's config (the pretrained folder's, where the run started from one), embeddings untied. BERT's
+    decoder bias is left its own tensor here (untied, transformers keeps it apart), so that the saved
+    file holds it: saving drops a tied copy, and ``from_pretrained`` of an untied model would miss it."""
+    tf = _transformers()
+    if model.pretrained and not os.path.isdir(model.pretrained):
+        raise InputError(model.pretrained, "model.pretrained of the run: no such folder; the export takes the "
+                                           "model's config from it (run it where the run ran, or restore the folder)")
+    config = pretrained_config(model, kind) if model.pretrained else hf_config(model, kind)
+    config.tie_word_embeddings = False
+    with torch.random.fork_rng(devices=[]):
+        out = getattr(tf, KINDS[kind])(config)
+    out.load_state_dict(state, strict=True)
     return out
+
+
+def export_pretrained(model: ModelConfig, kind: str, state: dict[str, torch.Tensor], folder: str) -> str:
+    """``save_pretrained`` (safetensors) of :func:`export_model` into ``folder``; what it wrote, in words."""
+    tf = _transformers()
+    with _quiet(tf):
+        export_model(model, kind, state).save_pretrained(folder, safe_serialization=True)
+    auto = "AutoModelForMaskedLM" if kind == "bert" else "AutoModelForCausalLM"
+    return f"a {KINDS[kind]} in safetensors (transformers.{auto}.from_pretrained loads it)"
 
 
 class _Stage(nn.Module):

@@ -1,0 +1,193 @@
+"""pipefisher export: a checkpoint's stages become one model that computes what the pipeline computes,
+loads without pipefisher (Hugging Face builders) and trains again as model.pretrained."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipefisher.cli import main
+from pipefisher.pipeline_orders import UP
+from pipefisher.runtime.job.config import RunConfig, load_config
+from pipefisher.runtime.job.dist import single_process
+from pipefisher.runtime.models.bert import PipelineStage
+from pipefisher.runtime.models.builders import make_stage
+from pipefisher.runtime.pipeline.copies import StageChunks, StagePair
+from pipefisher.runtime.pipeline.layout import node_pipes
+from pipefisher.runtime.train.checkpoint import FORMAT, MANIFEST, rank_filename, step_folder
+from pipefisher.runtime.train.export import export
+from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+from pipefisher.safe_io import dump_json_atomic
+
+from _schedules import TINY as TINY_YAML
+from test_runtime_hf import TINY, batch, chain
+
+AUTO = {"bert": "AutoModelForMaskedLM", "gpt2": "AutoModelForCausalLM"}
+
+
+def _runner() -> CliRunner:
+    """stdout and stderr apart (click < 8.2 needs asking)."""
+    try:
+        return CliRunner(mix_stderr=False)  # type: ignore[call-arg]
+    except TypeError:
+        return CliRunner()
+
+
+def trained(cfg: RunConfig, ck: str, steps: int = 2) -> Trainer:
+    """``cfg`` trained in this process (one stage) for ``steps`` steps, checkpointed to ``ck``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        opts = TrainOptions(steps=steps, progress=False, log_every=10**9, checkpoint_dir=ck)
+        t = Trainer(cfg, single_process(), opts)
+        t.run()
+    finally:
+        torch.set_num_threads(threads)
+    return t
+
+
+def hf_run(kind: str) -> RunConfig:
+    builder = {"bert": "bert_mlm", "gpt2": "gpt2_clm"}[kind]
+    model = dataclasses.replace(TINY, builder=f"pipefisher.runtime.models.hf:{builder}", dropout=0.1)
+    base = RunConfig()
+    return RunConfig(name=f"hf-{kind}", model=model,
+                     data=dataclasses.replace(base.data, text="synthetic", seq_len=10, micro_batch_size=2,
+                                              num_micro_batches=2, objective="mlm" if kind == "bert" else "clm"),
+                     optim=dataclasses.replace(base.optim, name="adam", lr=0.01),
+                     pipeline=dataclasses.replace(base.pipeline, stages=1))
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_a_hugging_face_export_loads_without_pipefisher_and_computes_what_the_pipeline_does(kind, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = hf_run(kind)
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "model")
+    stage = trained(cfg, ck).stage.eval()
+    line = export(ck, out)
+    assert line.startswith(f"wrote {out}: a ") and "\n" not in line and "after 2 steps" in line
+    model = getattr(transformers, AUTO[kind]).from_pretrained(out).eval()  # transformers alone
+    assert model.config.tie_word_embeddings is False
+    for name, t in stage.state_dict().items():  # the trained weights, none lost (BERT's decoder bias)
+        assert torch.equal(model.state_dict()[name], t), name
+    x, labels, ref_labels = batch(kind)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=x).logits, stage(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(input_ids=x, labels=ref_labels).loss, stage(x, labels), rtol=1e-5, atol=1e-5)
+    # the exported folder is a pretrained model to train from, split into stages
+    again = cfg.replace(model={"pretrained": out})
+    stages = [make_stage(again, i, 2).eval() for i in range(2)]
+    for s in stages:
+        for name, t in s.state_dict().items():
+            assert torch.equal(t, model.state_dict()[name]), name
+    with torch.no_grad():
+        torch.testing.assert_close(chain(stages, x), stage(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_built_in_model_exported_through_the_cli_from_a_run_folder(tmp_path):
+    cfg = load_config(TINY_YAML).replace(pipeline={"stages": 1})
+    run = tmp_path / "runs"
+    ck = str(run / f"{cfg.name}_checkpoints")  # where pipefisher run --out puts a run's checkpoints
+    stage = trained(cfg, ck).stage.eval()
+    out = str(tmp_path / "model")
+    res = _runner().invoke(main, ["export", str(run), "--out", out])
+    assert res.exit_code == 0, res.output
+    assert res.stdout == (f"wrote {out}: model.safetensors and config.json, {len(stage.state_dict())} tensors "
+                          f"(model.pretrained trains from the folder); run 'tiny' after 2 steps, from "
+                          f"{os.path.join(ck, step_folder(2))}\n")
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    from safetensors.torch import load_file
+
+    one = PipelineStage(cfg.model, 0, 1, seed=123).eval()
+    one.load_state_dict(load_file(os.path.join(out, "model.safetensors")))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_len), generator=g)
+    labels = torch.where(torch.rand(x.shape, generator=g) < 0.3, x, torch.full_like(x, -100))
+    labels[0, 0] = x[0, 0]
+    with torch.no_grad():
+        torch.testing.assert_close(one(x), stage(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(one(x, labels), stage(x, labels), rtol=1e-5, atol=1e-5)
+    again = cfg.replace(model={"pretrained": out})
+    for i in range(2):
+        for name, t in make_stage(again, i, 2).state_dict().items():
+            assert torch.equal(t, stage.state_dict()[name]), name
+    # an existing folder: refused, then replaced with --force
+    res = _runner().invoke(main, ["export", ck, "--out", out])
+    assert res.exit_code == 2
+    assert res.stderr == f"error: {out}: is not empty; --force replaces its contents with the exported model\n"
+    res = _runner().invoke(main, ["export", ck, "--out", out, "--force"])
+    assert res.exit_code == 0, res.output
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert [e for e in os.listdir(tmp_path) if e.startswith(".")] == []  # no temp folder left behind
+
+
+def fake_checkpoint(cfg: RunConfig, folder: str, steps: int = 3) -> dict[str, torch.Tensor]:
+    """Worker files as ``save_checkpoint`` lays them out (each device's stage copies in the container
+    the worker trains: :class:`StagePair` under Chimera, :class:`StageChunks` with model chunks), the
+    stage copies built as every worker builds them; returns the unsplit model's tensors."""
+    v = cfg.pipeline.virtual_stages
+    sub = os.path.join(folder, step_folder(steps))
+    os.makedirs(sub)
+    for device in range(cfg.pipeline.stages):
+        copies = {p: make_stage(cfg, s, v) for p, s in node_pipes(cfg, device).items()}
+        if cfg.pipeline.chunked:
+            held: torch.nn.Module = StageChunks([copies[j] for j in range(len(copies))])
+        elif len(copies) == 2:
+            held = StagePair(copies[0], copies[UP], list(copies))
+        else:
+            held = copies[0]
+        for replica in range(2):  # replica 1 holds other tensors: only replica 0's are read
+            model = held.state_dict() if replica == 0 else {k: t + 1 for k, t in held.state_dict().items()}
+            torch.save({"steps_done": steps, "stage": device, "replica": replica, "model": model},
+                       os.path.join(sub, rank_filename(device, replica)))
+    dump_json_atomic(os.path.join(folder, MANIFEST), {
+        "format": FORMAT, "steps_done": steps, "folder": step_folder(steps), "stages": cfg.pipeline.stages,
+        "replicas": 2, "config": cfg.to_dict()})
+    return PipelineStage(cfg.model, 0, 1, seed=cfg.data.seed).state_dict()
+
+
+@pytest.mark.parametrize("order", ["1f1b", "chimera", "interleaved", "zb-v"])
+def test_every_stage_copy_layout_merges_into_the_unsplit_model(order, tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = load_config(TINY_YAML).replace(pipeline={"schedule": order, "stages": 2})
+    want = fake_checkpoint(cfg, str(tmp_path / "ck"))
+    export(str(tmp_path / "ck"), str(tmp_path / "out"))
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+
+
+def test_bad_input_is_one_line_naming_the_path(tmp_path):
+    cfg = load_config(TINY_YAML)
+    ck = str(tmp_path / "a_checkpoints")
+    fake_checkpoint(cfg, ck)
+    shutil.copytree(ck, str(tmp_path / "b_checkpoints"))
+    os.remove(os.path.join(ck, step_folder(3), rank_filename(1, 0)))
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    out = str(tmp_path / "out")
+    cases = [
+        ([str(tmp_path / "nowhere"), "--out", out],
+         f"{tmp_path / 'nowhere'}: is not a checkpoint folder nor a run folder (no such folder)"),
+        ([str(tmp_path / "plain"), "--out", out],
+         f"{tmp_path / 'plain'}: holds no checkpoint: no checkpoint.json (pipefisher train --checkpoint-dir writes "
+         "one) and no <run>_checkpoints folder (pipefisher run --out writes one)"),
+        ([str(tmp_path), "--out", out],
+         f"{tmp_path}: holds the checkpoints of 2 runs (a_checkpoints, b_checkpoints): pass one checkpoint folder, "
+         f"e.g. {ck}"),
+        ([ck, "--out", out], f"{os.path.join(ck, step_folder(3))}: is incomplete: stage1-replica0.pt missing"),
+        ([ck, "--out", str(tmp_path / "full")],
+         f"{tmp_path / 'full'}: is not empty; --force replaces its contents with the exported model"),
+        ([ck, "--out", str(tmp_path), "--force"],
+         f"{tmp_path}: holds the checkpoint being exported ({ck}); choose another --out"),
+    ]
+    for args, says in cases:
+        res = _runner().invoke(main, ["export", *args])
+        assert (res.exit_code, res.stdout, res.stderr) == (2, "", f"error: {says}\n"), args
+    assert not os.path.exists(out) and os.listdir(tmp_path / "full") == ["x"]
