@@ -14,6 +14,7 @@ CUDA, the allocator's peak.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -47,6 +48,7 @@ def _bench(config_path: str, mode: str, steps: int, warmup: int, stages: int) ->
     try:
         for precision, recompute in VARIANTS:
             cfg = base.replace(train={"precision": precision, "recompute": recompute})
+            gc.collect()  # the previous variant's trainer is gone before this one's baseline
             trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, steps=steps, progress=False, log_every=10**9))
             before = _resident_bytes(ctx.device)
             res = trainer.run()

@@ -183,6 +183,7 @@ class LayerState:
     inversions: dict[str, int] = field(default_factory=lambda: {"A": 0, "B": 0})
     synced: dict[str, bool] = field(default_factory=lambda: {"A": False, "B": False})  # since the last piece
     skipped: int = 0  # refreshes of a factor dropped because it could not be inverted honestly
+    overflowed: dict[str, int] = field(default_factory=lambda: {"A": 0, "B": 0})  # fp16 pieces dropped
 
     @property
     def bias(self) -> bool:
@@ -247,6 +248,10 @@ class KFAC:
         self._awaiting: collections.deque = collections.deque()  # per forwarded micro-batch, true Fisher
         self._in_flight: dict[tuple[str, str], Any] = {}  # (layer, factor) -> all-reduce not yet waited for
         self._replaying = False  # a forward run again for its backward (activation recomputation)
+        # fp16's loss scale (pipefisher.runtime.pipeline.compute.LossScale), None otherwise: saved output
+        # gradients are divided by it, and a piece that overflowed is dropped rather than added
+        self.grad_scaler: Any = None
+        self._told_overflow = False
         self._handles = [self._hook(st) for st in self.layers.values()]
 
     # -- saving inputs and output gradients -------------------------------------------------------
@@ -332,7 +337,7 @@ class KFAC:
             nonlocal seen
             if not seen:
                 seen = True
-                st.outgrads.append(self._hold(self._compact(g)))
+                st.outgrads.append(self._hold(self._unscaled(g)))
         return keep
 
     # -- true Fisher: the engine runs a second backward with sampled labels --------------------------
@@ -359,7 +364,12 @@ class KFAC:
                       grads: Iterable[torch.Tensor | None]) -> None:
         """Save the sampled-label gradients of those outputs for factor B (None: the output was unused)."""
         for (st, out), g in zip(outputs, grads):
-            st.outgrads.append(self._hold(self._compact(torch.zeros_like(out) if g is None else g)))
+            st.outgrads.append(self._hold(self._unscaled(torch.zeros_like(out) if g is None else g)))
+
+    def _unscaled(self, g: torch.Tensor) -> torch.Tensor:
+        """An output gradient as saved: compacted, and divided by fp16's loss scale when there is one."""
+        saved = self._compact(g)
+        return saved if self.grad_scaler is None else saved / self.grad_scaler.scale
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -403,6 +413,9 @@ class KFAC:
         self._settle(name, factor)
         x = queue.popleft()
         self._release(x)
+        if self.grad_scaler is not None and not bool(torch.isfinite(x).all()):
+            st.overflowed[factor] += 1  # fp16: this micro-batch overflowed; its step's update is skipped too
+            return True
         # B: the saved rows are gradients of a mean over cov_stride times as many rows (see fx.cov_b)
         contrib = fx.cov_a(x, st.bias) if factor == "A" else fx.cov_b(x, self.loss_scale * self.cov_stride)
         st.sums[factor] = contrib if st.sums[factor] is None else st.sums[factor] + contrib
@@ -429,20 +442,40 @@ class KFAC:
         st = self.layers[name]
         self._settle(name, _check(factor))
         f = st.factor(factor)
-        if f is None:
+        if f is None and self.grad_scaler is None:
             raise RuntimeError(f"sync_kron_{factor}:{name}: factor {factor} has no covariance yet")
-        if self.dp_size > 1:
+        if self.grad_scaler is not None:  # fp16: a replica whose every piece overflowed brings nothing
+            size = _factor_size(st, factor)
+            has = (torch.zeros((size, size), device=st.module.weight.device) if f is None else f).reshape(-1)
+            f = torch.cat([has, has.new_ones(1) * (f is not None)])  # the mean, then how many replicas had one
+            if self.dp_size > 1:
+                self._in_flight[name, factor] = dist.all_reduce(f, group=self.dp_group, async_op=True)
+            st.sums[factor], st.counts[factor] = f, -1  # counted: settled by _settle
+        elif self.dp_size > 1:
             f = f.contiguous()
             self._in_flight[name, factor] = dist.all_reduce(f, group=self.dp_group, async_op=True)
-        st.sums[factor], st.counts[factor] = f, 1
+            st.sums[factor], st.counts[factor] = f, 1
+        else:
+            st.sums[factor], st.counts[factor] = f, 1
         st.synced[factor] = True
+        if st.counts[factor] == -1 and self.dp_size == 1:
+            self._settle(name, factor)
 
     def _settle(self, name: str, factor: str) -> None:
         """Wait for the factor's all-reduce, if one is in flight, and finish the average."""
         work = self._in_flight.pop((name, factor), None)
+        st = self.layers[name]
         if work is not None:
             work.wait()
-            self.layers[name].sums[factor] /= self.dp_size
+            if st.counts[factor] != -1:
+                st.sums[factor] /= self.dp_size
+        if st.counts[factor] == -1:  # fp16's counted mean: the replicas that had covariance, averaged
+            flat = st.sums[factor]
+            assert flat is not None
+            replicas = float(flat[-1])
+            size = _factor_size(st, factor)
+            st.sums[factor] = flat[:-1].reshape(size, size) / replicas if replicas > 0 else None
+            st.counts[factor] = 1 if replicas > 0 else 0
 
     def settle_all(self) -> None:
         """Wait for every all-reduce in flight (before a checkpoint, at the end of a run)."""
@@ -489,6 +522,13 @@ class KFAC:
         for f in FACTORS:  # this factor, and the other one that pi reads
             self._settle(name, f)
         if st.factor(_check(factor)) is None:
+            if self.grad_scaler is not None:  # fp16: every piece of this refresh overflowed, on every replica
+                st.synced[factor] = False
+                if not self._told_overflow:  # once: an overflow usually hits every layer together
+                    self._told_overflow = True
+                    self.warn(f"K-FAC layer {name} factor {factor}: every piece of this refresh overflowed in "
+                              "fp16; kept the previous inverse (said once; LayerState.overflowed counts them)")
+                return
             raise RuntimeError(f"inv_kron_{factor}:{name}: factor {factor} has no covariance to invert")
         f = self.averaged(name, factor)
         assert f is not None
@@ -610,6 +650,12 @@ class KFAC:
             raise KeyError(f"{label}: this stage has no K-FAC layer named {name!r}")
         work(kind[-1], name)
         return True
+
+
+def _factor_size(st: LayerState, factor: str) -> int:
+    """The side of a layer's factor: its inputs (and the bias column) for A, its outputs for B."""
+    out_features, in_features = st.kind.grad_matrix(st.module.weight).shape
+    return in_features + int(st.bias) if factor == "A" else out_features
 
 
 class _Replaying:

@@ -52,8 +52,9 @@ class ModelConfig:
 
     ``builder`` (``"package.module:function"``) builds one pipeline stage; the default is the built-in
     BERT-style masked-language model. ``options`` is for the builder's own settings (the config checks
-    nothing in it), so a user's builder needs no new config keys. ``pretrained`` (Hugging Face
-    builders) starts from the weights ``save_pretrained`` wrote to a local folder instead of a random init.
+    nothing in it), so a user's builder needs no new config keys. ``pretrained`` starts from weights
+    in a local folder instead of a random init: one ``save_pretrained`` wrote (Hugging Face builders) or
+    one ``pipefisher export`` wrote (the built-in model too).
     """
 
     vocab_size: int = 100
@@ -67,7 +68,7 @@ class ModelConfig:
     init_std: float = 0.02
     builder: str = DEFAULT_BUILDER
     options: Options = field(default_factory=Options)
-    pretrained: str = ""  # a local folder of save_pretrained weights (Hugging Face builders); "": random init
+    pretrained: str = ""  # a local folder to start from (save_pretrained, or pipefisher export); "": random init
 
     def __post_init__(self) -> None:
         if not isinstance(self.options, Options) and isinstance(self.options, Mapping):
@@ -212,20 +213,22 @@ class PipelineConfig:
         return self.stages * (self.chunks if self.chunked else 1)
 
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 """``train.precision``: the compute dtype of forwards and backwards (autocast); weights, optimizer
-state and K-FAC factors stay float32."""
+state and K-FAC factors stay float32. ``fp16`` also scales the loss (``train.loss_scale`` to start)."""
 RECOMPUTE = ("none", "layer")
 """``train.recompute``: keep every activation, or recompute each transformer block's in its backward."""
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How each step computes: ``precision`` (one of :data:`PRECISIONS`) and activation
-    ``recompute`` (one of :data:`RECOMPUTE`). Neither changes the model or its schedule's labels."""
+    """How each step computes: ``precision`` (one of :data:`PRECISIONS`), activation ``recompute``
+    (one of :data:`RECOMPUTE`) and, for fp16, the loss scale to start from (halved on every overflow,
+    doubled after 2000 finite steps). None of them changes the model or its schedule's labels."""
 
     precision: str = "fp32"
     recompute: str = "none"
+    loss_scale: float = 65536.0
 
 
 @dataclass(frozen=True)
@@ -437,6 +440,8 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
     t = cfg.train
     if t.precision not in PRECISIONS:
         problems.append(f"train.precision must be one of {', '.join(PRECISIONS)}")
+    if not 0 < t.loss_scale < float("inf"):
+        problems.append("train.loss_scale must be positive and finite")
     if t.recompute not in RECOMPUTE:
         problems.append(f"train.recompute must be one of {', '.join(RECOMPUTE)}")
     if d.tokenizer not in ("bpe", "wordpiece"):

@@ -1,11 +1,12 @@
 """How a stage computes its forwards and backwards: mixed precision and activation recomputation.
 
-``train.precision`` ``bf16``: every forward runs under ``torch.autocast`` in that dtype, so
+``train.precision`` ``bf16`` / ``fp16``: every forward runs under ``torch.autocast`` in that dtype, so
 matrix products run in it while weights, gradients and optimizer state stay float32. K-FAC keeps its
 factors in float32: the inputs and output gradients it saves are cast to ``kfac.save_dtype`` (float32
 by default) as they are saved, and the covariance, all-reduce and inverse work on those. Activations
 and their gradients cross stage boundaries in the compute dtype (:func:`wire_dtype`), half the bytes of
-float32. bfloat16 has float32's exponent, so gradients need no loss scaling.
+float32. bfloat16 has float32's exponent, so gradients need no loss scaling; float16's narrow one
+loses small gradients, so ``fp16`` scales the loss (:class:`LossScale`).
 
 ``train.recompute: layer``: each transformer block of a stage (:func:`blocks`) runs under
 ``torch.utils.checkpoint``, which keeps only the block's input after the forward and runs the block
@@ -22,7 +23,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``train.precision`` -> the dtype forwards and backwards compute in."""
 
 
@@ -43,6 +44,52 @@ def autocast(precision: str, device: torch.device) -> ContextManager[Any]:
 def wire_dtype(precision: str) -> torch.dtype:
     """The dtype of activations and gradients sent between stages: the compute dtype."""
     return compute_dtype(precision)
+
+
+class LossScale:
+    """Dynamic loss scaling for ``fp16``, one per worker, in agreement over the whole pipeline.
+
+    The last stage starts each backward from ``scale`` instead of 1 (:meth:`root`), so every gradient
+    of the step is ``scale`` times too large and small ones survive float16. K-FAC divides the output
+    gradients it saves by the scale of their step. At the update the gradients are divided back
+    (:meth:`unscale`); if any of them, on any stage, is not finite, the step's update is skipped and the
+    scale halved, and after ``growth_interval`` finite steps in a row it is doubled (the policy of
+    torch's ``GradScaler``, made to agree across the stages of a pipeline and kept in checkpoints).
+    """
+
+    def __init__(self, scale: float = 2.0 ** 16, growth_interval: int = 2000) -> None:
+        self.scale, self.growth_interval = float(scale), int(growth_interval)
+        self.good_steps = 0  # finite steps since the last change of scale
+        self.skipped = 0  # updates skipped for overflow over the run
+
+    def root(self, out: torch.Tensor) -> torch.Tensor:
+        """The gradient a last stage's backward starts from: the scale, in ``out``'s shape."""
+        return torch.full_like(out, self.scale)
+
+    def unscale(self, params: list[nn.Parameter]) -> bool:
+        """Divide the gradients by the scale; whether all of them are finite (on this worker)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return True
+        torch._foreach_mul_(grads, 1.0 / self.scale)
+        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+    def update(self, finite: bool) -> None:
+        """After the step's update: halve the scale on an overflow, double it after a long finite run."""
+        if not finite:
+            self.scale, self.good_steps = self.scale / 2, 0
+            self.skipped += 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale, self.good_steps = self.scale * 2, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        self.skipped = int(state["skipped"])
 
 
 def blocks(stage: nn.Module) -> list[tuple[str, nn.Module]]:

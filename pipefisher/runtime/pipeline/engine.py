@@ -141,7 +141,8 @@ class PipelineEngine:
     ``call_backward:chunk<j>`` (plain for chunk 0). ``split`` (zero-bubble orders) splits each backward
     into its B pass and a later W pass (:meth:`weight`). ``precision`` (``train.precision``) is the
     compute dtype of the stage's forwards (autocast) and of what crosses its boundaries
-    (:mod:`pipefisher.runtime.pipeline.compute`).
+    (:mod:`pipefisher.runtime.pipeline.compute`); ``scaler`` (fp16, a ``LossScale``) is what the last
+    stage's backwards start from instead of 1.
 
     With a true-Fisher ``kfac`` that saves the micro-batch, the last stage also computes the loss
     against labels sampled from its predictions, and every stage runs a second backward of that loss
@@ -153,9 +154,9 @@ class PipelineEngine:
                  span: Span | None = None, kfac: Any = None, *, pipe: int = DOWN,
                  micro_batches: Sequence[int] | None = None, chunk: int | None = None,
                  layout: str = LOOP, split: bool = False, local: "LocalLink | None" = None,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", scaler: Any = None) -> None:
         self.stage, self.ctx, self.data = stage, ctx, data
-        self.precision = precision
+        self.precision, self.scaler = precision, scaler
         self.wire = wire_dtype(precision)  # activations and gradients between stages
         self.split = split
         if split:  # only zero-bubble orders need it (and torch >= 2.4)
@@ -274,6 +275,8 @@ class PipelineEngine:
             if outputs is not None:
                 seed_grad = self._recv(self.next_rank, _TAG_SAMPLED_GRAD + self._out)
             grad = self._recv(self.next_rank, _TAG_GRAD + self._out).to(out.dtype)
+        elif self.scaler is not None:
+            grad = self.scaler.root(out)
         with self.span(self.backward_key):
             if outputs is not None:
                 self._sampled_backward(x, out, sampled, outputs, seed_grad)
@@ -303,6 +306,7 @@ class PipelineEngine:
         if self.is_last:
             assert sampled is not None, "the last stage sampled no labels for a saved micro-batch"
             root = sampled
+            seed_grad = None if self.scaler is None else self.scaler.root(sampled)
         else:
             assert seed_grad is not None
             root, seed_grad = out, seed_grad.to(out.dtype)

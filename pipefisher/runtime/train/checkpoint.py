@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 MANIFEST = "checkpoint.json"
 FORMAT = 2  # 2: running-average factors, damping schedule, optimizer pair
-_VOLATILE = {("pipeline", "timeout_s"), ("train", "recompute")}  # may change between a run and its resumption
+_VOLATILE = {("pipeline", "timeout_s"), ("train", "recompute"), ("train", "loss_scale")}  # may change between a run and its resumption
 LR_SCHEDULE_KEYS = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "schedule"), ("optim", "decay_steps"),
                     ("optim", "min_lr_ratio"), ("kfac", "lr"))
 """The learning-rate schedule: a resumed run may change it on purpose (one line says what changed)."""
@@ -46,7 +46,7 @@ def _added_later() -> dict[tuple[str, str], Any]:
     """Config keys newer than some checkpoints, with the value a run had before the key existed."""
     return {("model", "builder"): DEFAULT_BUILDER, ("model", "options"): {}, ("data", "objective"): "mlm",
             ("model", "pretrained"): "", ("data", "builder"): "", ("data", "dataset"): "", ("data", "column"): "text",
-            ("train", "precision"): "fp32"}
+            ("train", "precision"): "fp32", ("train", "loss_scale"): 65536.0}
 
 
 def step_folder(steps_done: int) -> str:

@@ -373,6 +373,10 @@ class Trainer:
                        f"{memory.mib(result.peak_memory_bytes)} (rank {g.rank}: stage {g.stage}, replica {g.replica})"
                        + (f", K-FAC saved tensors {memory.mib(result.peak_saved_bytes)} at most"
                           if self.kfac is not None else ""))
+            scaler = self.updater.scaler
+            if scaler is not None:
+                click.echo(f"fp16: {scaler.skipped} update(s) skipped for overflow over the run, loss scale now "
+                           f"{scaler.scale:g}")
             if tb is not None:
                 tb.log_peak_memory(opts.steps - 1, result.peak_memory_bytes,
                                    result.peak_saved_bytes if self.kfac is not None else None)

@@ -5,6 +5,8 @@ equals a replay of its labels" compares the same update rule.
 
 Order, every step (after the data-parallel gradient all-reduce):
 
+0. ``train.precision: fp16``: the gradients are divided by the loss scale; if any gradient of any
+   stage is not finite, the step's update is skipped (gradients cleared) and the scale halved;
 1. the learning rates of this step (warm-up, then the schedule) are set;
 2. ``optim.clip_norm``: gradients are clipped by their global norm over the whole pipeline;
 3. K-FAC layers with inverses get ``B^-1 G A^-1`` in place of their gradients;
@@ -47,8 +49,9 @@ class Updater:
 
     def __init__(self, cfg: RunConfig, stage: nn.Module, kfac: Any, total_steps: int,
                  pipe_group: Any = None, copies: int = 1,
-                 span: Callable[[str], ContextManager[Any]] | None = None) -> None:
+                 span: Callable[[str], ContextManager[Any]] | None = None, scaler: Any = None) -> None:
         self.cfg, self.kfac, self.pipe_group = cfg, kfac, pipe_group
+        self.scaler = scaler  # fp16's LossScale (pipefisher.runtime.pipeline.compute), else None
         self.span = span or (lambda key: nullcontext())
         self.share = 1.0 / copies
         self.schedule = LRSchedule(cfg.optim, total_steps)
@@ -79,8 +82,17 @@ class Updater:
         return float(t)
 
     def step(self, stage: nn.Module) -> None:
-        """Steps 2-5 above on ``stage``'s gradients, then clear them."""
+        """Steps 0 and 2-5 above on ``stage``'s gradients, then clear them."""
         o, k = self.cfg.optim, self.cfg.kfac
+        if self.scaler is not None:
+            finite = self.scaler.unscale(list(stage.parameters()))
+            overflow = torch.tensor([0.0 if finite else 1.0], device=self.device)
+            if self.pipe_group is not None:  # every stage skips, or none (replicas hold the same gradients)
+                dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.pipe_group)
+            self.scaler.update(not bool(overflow))
+            if bool(overflow):
+                self._clear()
+                return
         if o.clip_norm > 0:
             clip_grad_norm(stage.parameters(), o.clip_norm, group=self.pipe_group, share=self.share)
         if self.kfac is not None:
@@ -92,18 +104,24 @@ class Updater:
         self.optimizer.step()
         if self.kfac_optimizer is not None:
             self.kfac_optimizer.step()
+        self._clear()
+
+    def _clear(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         if self.kfac_optimizer is not None:
             self.kfac_optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(),
-                "kfac_optimizer": None if self.kfac_optimizer is None else self.kfac_optimizer.state_dict()}
+                "kfac_optimizer": None if self.kfac_optimizer is None else self.kfac_optimizer.state_dict(),
+                "loss_scale": None if self.scaler is None else self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.kfac_optimizer is not None:
             self.kfac_optimizer.load_state_dict(state["kfac_optimizer"])
+        if self.scaler is not None and state.get("loss_scale") is not None:
+            self.scaler.load_state_dict(state["loss_scale"])
 
 
 def make_kfac(cfg: RunConfig, stage: nn.Module, *, dp_group: Any = None, dp_size: int = 1,

@@ -21,7 +21,7 @@ from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext, check_agreement
 from pipefisher.runtime.models.builders import make_stage
 from pipefisher.runtime.pipeline.checks import load_checked_schedule
-from pipefisher.runtime.pipeline.compute import recompute_blocks
+from pipefisher.runtime.pipeline.compute import LossScale, recompute_blocks
 from pipefisher.runtime.pipeline.copies import ChimeraEngine, KFACPair, StageChunks, StagePair
 from pipefisher.runtime.pipeline.engine import (LocalLink, PipelineEngine, pipe_micro_batches, pipeline_ops,
                                                 splits_backward)
@@ -160,6 +160,9 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
             where = f"stage {index[p]}" + what + f" replica {g.replica}"
             say = (lambda msg, where=where: warn(f"{where}: {msg}")) if warn is not None else None
             kfacs[p] = make_kfac(cfg, copy, dp_group=ctx.stage_group, dp_size=ctx.stage_group_size, warn=say)
+    scaler = LossScale(cfg.train.loss_scale) if cfg.train.precision == "fp16" else None
+    for k in kfacs.values():
+        k.grad_scaler = scaler
     if cfg.train.recompute == "layer":  # after K-FAC's hooks exist: a recomputed block pauses them
         for p, copy in copies.items():
             recompute_blocks(copy, kfacs.get(p))
@@ -169,11 +172,12 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
         local = LocalLink()  # ZB-V's turn: device D-1's chunk 0 feeds its own chunk 1
         engines = {j: PipelineEngine(copies[j], ctx, data, m, span=span, kfac=kfacs.get(j), micro_batches=plan[j],
                                      chunk=j, layout=layout_of(cfg.pipeline.schedule), split=split, local=local,
-                                     precision=cfg.train.precision)
+                                     precision=cfg.train.precision, scaler=scaler)
                    for j in plan}
     else:
         engines = {p: PipelineEngine(copies[p], ctx, data, m, span=span, kfac=kfacs.get(p), pipe=p,
-                                     micro_batches=plan[p], split=split, precision=cfg.train.precision) for p in plan}
+                                     micro_batches=plan[p], split=split, precision=cfg.train.precision,
+                                     scaler=scaler) for p in plan}
     if interleaved:
         stage: nn.Module = StageChunks([copies[j] for j in range(v)])
         kfac: Any = KFACPair(kfacs, list(index), {j: chunk_suffix(j) for j in index}) if kfacs else None
@@ -185,7 +189,7 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     else:
         stage, kfac, engine = copies[DOWN], kfacs.get(DOWN), engines[DOWN]
     updater = Updater(cfg, stage, kfac, cfg.optim.decay_steps or total_steps,
-                      pipe_group=ctx.pipe_group, copies=2 if chimera else 1, span=span)
+                      pipe_group=ctx.pipe_group, copies=2 if chimera else 1, span=span, scaler=scaler)
     worker = Worker(cfg, ctx, mode, data, copies, stage, engine, kfacs, kfac, updater,
                     pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m, v),
                     kfac_interval or cfg.kfac.interval, span)
