@@ -50,6 +50,17 @@ def label_copy(label: str) -> int:
     return parse_label(label)[3]
 
 
+def copy_prefix(chunked: bool, chimera: bool, copy: int) -> str:
+    """Where stage copy ``copy`` of a device sits in the state dict of its :class:`StageChunks`
+    (``chunks.<j>.``, interleaved and ZB-V) or :class:`StagePair` (``down.`` / ``up.``, Chimera); a
+    device with one stage keeps the stage's own names."""
+    if chunked:
+        return f"chunks.{copy}."
+    if chimera:
+        return "up." if copy == UP else "down."
+    return ""
+
+
 class StagePair(nn.Module):
     """The two stage copies of a Chimera device: ``down`` (stage d) and ``up`` (stage D - 1 - d).
 

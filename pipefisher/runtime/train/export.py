@@ -68,22 +68,12 @@ def check_out(out: str, force: bool, source: str) -> None:
         raise InputError(out, "is not empty; --force replaces its contents with the exported model")
 
 
-def copy_prefix(cfg: RunConfig, copy: int) -> str:
-    """Where a device's stage copy ``copy`` sits in its worker file's state dict (see
-    :func:`pipefisher.runtime.train.worker.build_worker`): ``chunks.<j>.`` (model chunks), ``down.`` /
-    ``up.`` (Chimera's pipes), nothing for a device with one stage."""
-    if cfg.pipeline.chunked:
-        return f"chunks.{copy}."
-    if cfg.pipeline.schedule == "chimera":
-        return "up." if copy else "down."
-    return ""
-
-
 def merged_state(folder: str, man: dict[str, Any], cfg: RunConfig) -> dict[str, "torch.Tensor"]:
     """The whole model's tensors from replica 0's worker files of the manifest's step: every stage
     from one copy (Chimera's two copies of a stage are equal), the copy prefix dropped."""
     import torch
 
+    from pipefisher.runtime.pipeline.copies import copy_prefix
     from pipefisher.runtime.pipeline.layout import node_pipes
 
     sub = os.path.join(folder, str(man.get("folder")))
@@ -108,7 +98,7 @@ def merged_state(folder: str, man: dict[str, Any], cfg: RunConfig) -> dict[str, 
             if stage in taken:
                 continue
             taken.add(stage)
-            prefix = copy_prefix(cfg, copy)
+            prefix = copy_prefix(cfg.pipeline.chunked, cfg.pipeline.schedule == "chimera", copy)
             out.update({k[len(prefix):]: v for k, v in state["model"].items() if k.startswith(prefix)})
     if len(taken) != cfg.pipeline.virtual_stages:
         raise InputError(sub, f"holds {len(taken)} of the {cfg.pipeline.virtual_stages} stages")
