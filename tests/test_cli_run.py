@@ -281,3 +281,21 @@ def test_run_a_zero_bubble_pipeline_end_to_end(tmp_path, pipeline):
     with open(out / "zb_metrics.csv", newline="") as f:
         losses = [float(r["loss"]) for r in csv.DictReader(f)]
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+
+
+def test_run_validates_a_schedule_under_the_margin_its_policy_chose(tmp_path):
+    """``target`` may pack under another margin than the one it was given (its trade-off picks one): the
+    run checks the schedule under that margin, as ``pipefisher validate`` does from the metadata. This
+    one-stage profile (from a real run) packs at margin 3, and broke 21 rules under the default 0.05."""
+    import glob
+
+    from pipefisher.policies import get_policy
+    from pipefisher.problem import DEFAULT_MARGIN
+    from pipefisher.runtime.launch.driver import RunPaths, pack_and_check
+    from pipefisher.timeline import load_job
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profiles", "tiny_one_stage")
+    job = load_job(sorted(glob.glob(os.path.join(here, "*.pickle"))))
+    packed, report = pack_and_check(job, get_policy("target"), tiny(pipeline={"stages": 1}), RunPaths(str(tmp_path), "m"),
+                                    1, margin=DEFAULT_MARGIN, allow_invalid=False, echo=lambda line: None)
+    assert packed.margin != DEFAULT_MARGIN and report["valid"]
