@@ -42,9 +42,13 @@ def realistic_job(model: str, batch: int, schedule: str, stages: int, micro_batc
     return job_from_dicts(timelines)
 
 
+def realistic_shapes() -> list[tuple[str, int, str, int, int, bool]]:
+    """The family's shapes, the arguments of :func:`realistic_job`: BERT-Base/Large, micro-batch size 4
+    to 32, GPipe/1F1B, 4/8 stages, 4/8/12 micro-batches, with and without syncs."""
+    return list(itertools.product(MODELS, (4, 8, 16, 32), ("1f1b", "gpipe"), (4, 8), (4, 8, 12), (False, True)))
+
+
 def realistic_family(every: int = 1) -> Iterator[tuple[str, Job]]:
-    """Every ``every``-th job of the family: BERT-Base/Large, micro-batch size 4 to 32, GPipe/1F1B,
-    4/8 stages, 4/8/12 micro-batches, with and without syncs."""
-    shapes = itertools.product(MODELS, (4, 8, 16, 32), ("1f1b", "gpipe"), (4, 8), (4, 8, 12), (False, True))
-    for shape in itertools.islice(shapes, 0, None, every):
+    """Every ``every``-th job of the family (:func:`realistic_shapes`)."""
+    for shape in realistic_shapes()[::every]:
         yield " ".join(map(str, shape)), realistic_job(*shape)
