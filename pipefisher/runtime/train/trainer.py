@@ -265,15 +265,20 @@ class Trainer:
 
     def run(self) -> WorkerResult:
         """Train; the reporting worker keeps the ``tensorboard`` option's log open meanwhile (closed also
-        on a failure or Ctrl-C)."""
+        on a failure or Ctrl-C). Returns once every worker of the job is done."""
         self.tensorboard: TensorBoardLog | None = None
         if self.reporter and self.opts.tensorboard:
             self.tensorboard = TensorBoardLog(self.opts.tensorboard, self.start_step)
         try:
-            return self._run()
+            result = self._run()
         finally:
             if self.tensorboard is not None:
                 self.tensorboard.close()
+        if self.ctx.distributed:
+            # Every worker leaves together: one that ended its process group while a peer was still at
+            # work (rank 0 writing the closed loop's files) aborted in gloo now and then at exit.
+            dist.barrier()
+        return result
 
     def _run(self) -> WorkerResult:
         g, opts, tb = self.ctx.grid, self.opts, self.tensorboard
