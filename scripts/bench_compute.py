@@ -38,12 +38,11 @@ def _resident_bytes(device: object) -> int:
 def _bench(config_path: str, mode: str, steps: int, warmup: int, stages: int) -> dict[str, tuple[float, int]]:
     from pipefisher.runtime.job.config import load_config
     from pipefisher.runtime.job.dist import init_from_env, shutdown
+    from pipefisher.runtime.launch.local import pin_to_one_core
     from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
     base = load_config(config_path).replace(pipeline={"stages": stages})
-    rank = int(os.environ["RANK"])
-    if hasattr(os, "sched_setaffinity") and os.cpu_count():
-        os.sched_setaffinity(0, {rank % os.cpu_count()})  # one core per stage
+    pin_to_one_core()  # one core per stage
     ctx = init_from_env(stages, base.pipeline.timeout_s)
     out = {}
     try:

@@ -51,11 +51,10 @@ def bench_config(config_path: str, overrides: list[str]) -> Any:
 def start_worker(config_path: str, overrides: list[str]) -> tuple[Any, int, Any]:
     """(the config on 2 stages, this worker's rank, its process group): one core per stage."""
     from pipefisher.runtime.job.dist import init_from_env
+    from pipefisher.runtime.launch.local import pin_to_one_core
 
     base = bench_config(config_path, overrides)
-    rank = int(os.environ["RANK"])
-    if hasattr(os, "sched_setaffinity") and os.cpu_count():
-        os.sched_setaffinity(0, {rank % os.cpu_count()})  # one core per stage
+    rank = pin_to_one_core()  # one core per stage
     return base, rank, init_from_env(2, base.pipeline.timeout_s)
 
 

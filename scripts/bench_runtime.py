@@ -19,12 +19,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def _bench(config_path: str, steps: int, warmup: int) -> dict[str, float]:
     from pipefisher.runtime.job.config import load_config
     from pipefisher.runtime.job.dist import init_from_env, shutdown
+    from pipefisher.runtime.launch.local import pin_to_one_core
     from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
     cfg = load_config(config_path).replace(pipeline={"stages": 2})
-    rank = int(os.environ["RANK"])
-    if hasattr(os, "sched_setaffinity") and os.cpu_count():
-        os.sched_setaffinity(0, {rank % os.cpu_count()})  # one core per stage
+    pin_to_one_core()  # one core per stage
     ctx = init_from_env(2, cfg.pipeline.timeout_s)
     out = {}
     try:

@@ -59,12 +59,11 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
 
     from pipefisher.runtime.job.config import load_config
     from pipefisher.runtime.job.dist import init_from_env, shutdown
+    from pipefisher.runtime.launch.local import pin_to_one_core
     from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
     base = load_config(config_path).replace(**overrides)
-    rank = int(os.environ["RANK"])
-    if hasattr(os, "sched_setaffinity") and os.cpu_count():
-        os.sched_setaffinity(0, {rank % os.cpu_count()})  # one core per stage
+    rank = pin_to_one_core()  # one core per stage
     # One set of process groups serves both layouts: the Chimera pair of 2 stages is the whole job.
     chimera_ctx = init_from_env(2, base.pipeline.timeout_s, chimera=True)
     one_pipe_ctx = dataclasses.replace(chimera_ctx, chimera=False, stage_group=chimera_ctx.dp_group,

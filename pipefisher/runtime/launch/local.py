@@ -72,6 +72,15 @@ def decode_spec(text: str) -> tuple[RunConfig, TrainOptions]:
     return config_from_dict(raw["config"]), TrainOptions(**raw["options"])
 
 
+def pin_to_one_core() -> int:
+    """Pin this worker (a process ``spawn_local`` or torchrun started) to one CPU core, its rank's, so
+    benchmark workers on one machine never share a core; returns the rank."""
+    rank = int(os.environ["RANK"])
+    if hasattr(os, "sched_setaffinity") and os.cpu_count():
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    return rank
+
+
 def exit_reason(code: int) -> str:
     """How a process ended, in words: a signal by name (negative codes), else the exit code."""
     if code < 0:
