@@ -11,3 +11,17 @@ class InputError(Exception):
         self.path = None if path is None else os.fspath(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}" if self.path is not None else problem)
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it says nothing: what a
+    caught error contributes to a one-line :class:`InputError`."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def described(err: BaseException) -> str:
+    """``Type: first line of the message`` (``Type`` alone when it says nothing), for an error whose
+    kind tells the user something (a user's module or function failed)."""
+    text = str(err).strip()
+    return type(err).__name__ + (f": {text.splitlines()[0]}" if text else "")

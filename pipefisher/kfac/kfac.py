@@ -444,38 +444,34 @@ class KFAC:
         f = st.factor(factor)
         if f is None and self.grad_scaler is None:
             raise RuntimeError(f"sync_kron_{factor}:{name}: factor {factor} has no covariance yet")
-        if self.grad_scaler is not None:  # fp16: a replica whose every piece overflowed brings nothing
-            size = _factor_size(st, factor)
-            has = (torch.zeros((size, size), device=st.module.weight.device) if f is None else f).reshape(-1)
-            f = torch.cat([has, has.new_ones(1) * (f is not None)])  # the mean, then how many replicas had one
-            if self.dp_size > 1:
-                self._in_flight[name, factor] = dist.all_reduce(f, group=self.dp_group, async_op=True)
-            st.sums[factor], st.counts[factor] = f, -1  # counted: settled by _settle
-        elif self.dp_size > 1:
-            f = f.contiguous()
-            self._in_flight[name, factor] = dist.all_reduce(f, group=self.dp_group, async_op=True)
-            st.sums[factor], st.counts[factor] = f, 1
-        else:
-            st.sums[factor], st.counts[factor] = f, 1
+        if self.dp_size > 1:
+            counted = self.grad_scaler is not None  # fp16: a replica whose every piece overflowed brings none
+            if counted:  # the mean (or zeros), then whether this replica had one: averaged over those that had
+                size = _factor_size(st, factor)
+                mean = torch.zeros((size, size), device=st.module.weight.device) if f is None else f
+                f = torch.cat([mean.reshape(-1), mean.new_ones(1) * (f is not None)])
+            else:
+                f = f.contiguous()
+            self._in_flight[name, factor] = (dist.all_reduce(f, group=self.dp_group, async_op=True), counted)
+        st.sums[factor], st.counts[factor] = f, int(f is not None)
         st.synced[factor] = True
-        if st.counts[factor] == -1 and self.dp_size == 1:
-            self._settle(name, factor)
 
     def _settle(self, name: str, factor: str) -> None:
         """Wait for the factor's all-reduce, if one is in flight, and finish the average."""
-        work = self._in_flight.pop((name, factor), None)
+        entry = self._in_flight.pop((name, factor), None)
+        if entry is None:
+            return
+        work, counted = entry
+        work.wait()
         st = self.layers[name]
-        if work is not None:
-            work.wait()
-            if st.counts[factor] != -1:
-                st.sums[factor] /= self.dp_size
-        if st.counts[factor] == -1:  # fp16's counted mean: the replicas that had covariance, averaged
-            flat = st.sums[factor]
-            assert flat is not None
-            replicas = float(flat[-1])
-            size = _factor_size(st, factor)
-            st.sums[factor] = flat[:-1].reshape(size, size) / replicas if replicas > 0 else None
-            st.counts[factor] = 1 if replicas > 0 else 0
+        if not counted:
+            st.sums[factor] /= self.dp_size
+            return
+        flat = st.sums[factor]
+        assert flat is not None
+        replicas, size = float(flat[-1]), _factor_size(st, factor)
+        st.sums[factor] = flat[:-1].reshape(size, size) / replicas if replicas > 0 else None
+        st.counts[factor] = int(replicas > 0)
 
     def settle_all(self) -> None:
         """Wait for every all-reduce in flight (before a checkpoint, at the end of a run)."""

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from pipefisher.errors import InputError
+from pipefisher.errors import InputError, described
 from pipefisher.runtime.job.config import STDLIB, DataConfig
 
 TEXT, IDS = "text", "ids"
@@ -221,12 +221,6 @@ def source_error(cfg: DataConfig, problem: str) -> InputError:
     return InputError(cfg.text, problem)
 
 
-def _one_line(err: BaseException) -> str:
-    """``Type: first line of the message``."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return type(err).__name__ + (f": {first}" if first else "")
-
-
 def _as_ids(item: Any) -> np.ndarray | None:
     """``item`` as a 1-D int64 array if it is a sequence of ints (a list, a tuple, a numpy array, a
     CPU tensor), else None."""
@@ -355,14 +349,14 @@ def _builder_source(cfg: DataConfig) -> Source:
     except InputError:
         raise
     except Exception as err:  # noqa: BLE001 - the user's function failed: say how, on one line
-        raise source_error(cfg, f"failed: {_one_line(err)}") from None
+        raise source_error(cfg, f"failed: {described(err)}") from None
     if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
         raise source_error(cfg, f"returned a {type(result).__name__}, not an iterable of documents "
                                 "(a list of strings, say)")
     try:
         items = list(result)  # a generator runs here
     except Exception as err:  # noqa: BLE001
-        raise source_error(cfg, f"failed: {_one_line(err)}") from None
+        raise source_error(cfg, f"failed: {described(err)}") from None
     kind, docs = as_documents(items, cfg, "returned no documents")
     identity = {"builder": cfg.builder, "kind": kind, "documents": documents_digest(kind, docs)}
     return Source(identity, lambda val_fraction: split_documents(docs, kind, val_fraction))
@@ -401,7 +395,7 @@ def _load_column(cfg: DataConfig, files: list[str], cache_dir: str) -> list[Any]
     except Exception as err:  # noqa: BLE001 - a file that is not of the format: one line naming the files
         while err.__cause__ is not None:  # datasets wraps the reader's error, which says what is wrong
             err = err.__cause__  # type: ignore[assignment]
-        raise source_error(cfg, f"cannot be read as a {cfg.dataset} dataset ({_one_line(err)})") from None
+        raise source_error(cfg, f"cannot be read as a {cfg.dataset} dataset ({described(err)})") from None
     finally:
         config.HF_HUB_OFFLINE, config.HF_DATASETS_OFFLINE = saved[:2]
         if saved[2]:

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipefisher.errors import InputError
+from pipefisher.errors import InputError, first_line
 from pipefisher.pipeline_orders import default_chunks
 
 DEFAULT_KFAC_IGNORE = ("embeddings", "LayerNorm", "cls")
@@ -343,7 +343,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
-        raise InputError(where, f"the value is not valid YAML ({str(err).splitlines()[0]})") from None
+        raise InputError(where, f"the value is not valid YAML ({first_line(err)})") from None
     if isinstance(value, str) and _NUMBER.match(value.strip()):
         value = float(value)
     if isinstance(getattr(_SECTIONS[section](), key), str) and not isinstance(value, str):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipefisher.errors import InputError
+from pipefisher.errors import InputError, first_line
 from pipefisher.runtime.job.config import ModelConfig, RunConfig
 from pipefisher.runtime.models.builders import lm_loss, stage_layers
 from pipefisher.safe_io import load_json
@@ -93,8 +93,7 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     except InputError:
         raise
     except Exception as err:  # a damaged file, or one that is no state dict
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise InputError(path, f"model.pretrained: is not a readable weights file ({first})") from None
+        raise InputError(path, f"model.pretrained: is not a readable weights file ({first_line(err)})") from None
     if not isinstance(out, dict) or not all(isinstance(v, torch.Tensor) for v in out.values()):
         raise InputError(path, "model.pretrained: holds no state dict (a mapping of names to tensors)")
     return out

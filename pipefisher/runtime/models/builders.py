@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipefisher.errors import InputError
+from pipefisher.errors import InputError, described
 from pipefisher.runtime.job.config import RunConfig
 
 IGNORE_INDEX = -100
@@ -51,9 +51,7 @@ def load_builder(spec: str, where: str | os.PathLike[str] | None = None,
         missing = f"module {err.name!r} not found" if err.name else str(err)
         raise InputError(where, f"{what}: cannot import {module_name!r} ({missing})") from None
     except Exception as err:  # the user's module failed while importing: say how, on one line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise InputError(where, f"{what}: importing {module_name!r} failed: {type(err).__name__}"
-                                + (f": {first}" if first else "")) from None
+        raise InputError(where, f"{what}: importing {module_name!r} failed: {described(err)}") from None
     func = getattr(module, func_name, None)
     if not callable(func):
         raise InputError(where, f"{what}: module {module_name!r} has no function {func_name!r}")

@@ -27,7 +27,7 @@ import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
-from pipefisher.errors import InputError
+from pipefisher.errors import InputError, first_line
 from pipefisher.runtime.job.config import DEFAULT_BUILDER, current_builder
 from pipefisher.safe_io import atomic_path, dump_json_atomic, load_json
 
@@ -301,7 +301,7 @@ def load_checkpoint(folder: str, trainer: "Trainer") -> int:
     except OSError as err:
         raise InputError(path, f"cannot be read ({err.strerror or err})") from None
     except Exception as err:  # unpickling refused or a damaged file
-        raise InputError(path, f"is not a readable checkpoint ({str(err).splitlines()[0] if str(err) else err})") from None
+        raise InputError(path, f"is not a readable checkpoint ({first_line(err)})") from None
     if not isinstance(state, dict) or state.get("steps_done") != man["steps_done"] \
             or (state.get("stage"), state.get("replica")) != (g.stage, g.replica):
         raise InputError(path, "does not match the manifest (another step, stage or replica)")

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from pipefisher.errors import InputError
+from pipefisher.errors import InputError, first_line
 from pipefisher.runtime.job.config import DEFAULT_BUILDER, RunConfig, config_from_dict, current_builder
 from pipefisher.runtime.train.checkpoint import MANIFEST, rank_filename, read_manifest
 from pipefisher.safe_io import dump_json_atomic
@@ -89,8 +89,7 @@ def merged_state(folder: str, man: dict[str, Any], cfg: RunConfig) -> dict[str, 
             with open(path, "rb") as f:
                 state = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as err:  # unreadable, unpickling refused, or a damaged file
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise InputError(path, f"is not a readable checkpoint file ({first})") from None
+            raise InputError(path, f"is not a readable checkpoint file ({first_line(err)})") from None
         placed = tuple(state.get(k) for k in ("steps_done", "stage", "replica")) if isinstance(state, dict) else None
         if placed != (man.get("steps_done"), device, 0) or not isinstance(state.get("model"), dict):
             raise InputError(path, "does not match the manifest (another step, stage or replica)")

@@ -24,6 +24,7 @@ import click
 import torch
 import torch.distributed as dist
 
+from pipefisher.errors import first_line
 from pipefisher.kfac.factors import BadFactorError
 from pipefisher.pipeline_orders import UP
 from pipefisher.policies import DEFAULT_POLICY
@@ -248,7 +249,7 @@ class Trainer:
 
     def _lost_message(self, step: int, err: BaseException) -> str:
         g = self.ctx.grid
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         if not self.ctx.distributed:
             return f"step {step} failed: {first}"
         return (f"stage {g.stage} of replica {g.replica} (rank {g.rank}) failed at step {step}: {first}. "
