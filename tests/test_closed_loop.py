@@ -16,12 +16,16 @@ from pipefisher.closed_loop import (AdaptiveScheduler, Plan, StaticScheduler, cy
                                     make_scheduler)
 from pipefisher.examples import example_timelines
 from pipefisher.measure import gap_overruns, planned_gaps, step_overrun
+from pipefisher.objective import MEASURED_STALENESS
 from pipefisher.policies import get_policy
 from pipefisher.problem import DEFAULT_MARGIN
 from pipefisher.rules import validate
 from pipefisher.timeline import load_job, read_node_file
 
 SLOW_KEY = "cov_kron_A:encoder.layer.3.attention.self.query"  # on node 1 of the example
+CURVE = MEASURED_STALENESS
+"""These tests weigh k with a staleness curve (the trials as they are with one); without one the
+drift rule sets k (test_closed_loop_drift.py)."""
 NS = 1e-9
 """Overruns below a nanosecond are float noise: a call that waited less than ``WAIT_EPS`` counts as not
 having waited, and its gap's upper bound then equals the planned bubble up to rounding."""
@@ -79,7 +83,7 @@ def test_without_drift_the_adaptive_scheduler_tries_more_slack_and_comes_back(jo
     the very schedule it kept (not a re-pack of it) and stays there: a re-pack needs as many iterations,
     so there is no shorter cycle to try either. (The measured frame keeps the plan's head bubbles:
     judged without them, the profile's head work looked like a 7 % delay.)"""
-    loop = Loop(AdaptiveScheduler(initial, 4), job)
+    loop = Loop(AdaptiveScheduler(initial, 4, staleness=CURVE), job)
     plans = []
     for _ in range(8):
         records, nxt = loop.cycle()
@@ -96,7 +100,7 @@ def test_an_item_twice_as_slow_gets_a_schedule_where_it_fits(job, initial) -> No
     """One item of node 1 runs 2x its profiled time: the profile's schedule overruns there in every cycle
     (by little: ~1 ms a step), so after the second cycle the scheduler re-packs what it measured. The new
     plan's work fits the measured bubbles and runs without an overrun on the true timings."""
-    loop = Loop(AdaptiveScheduler(initial, 4), slowed_job(job, {(1, SLOW_KEY): 2.0}))
+    loop = Loop(AdaptiveScheduler(initial, 4, staleness=CURVE), slowed_job(job, {(1, SLOW_KEY): 2.0}))
     records, nxt = loop.cycle()
     assert overrun(initial, records) > 0 and nxt is initial  # one cycle could be noise: wait for a second
     records, nxt = loop.cycle()
@@ -112,13 +116,13 @@ def test_an_item_twice_as_slow_gets_a_schedule_where_it_fits(job, initial) -> No
 def test_a_resumed_scheduler_decides_as_the_uninterrupted_one(job, initial) -> None:
     """Its state goes through JSON (a checkpoint) into a fresh scheduler: the same next plan, for the same
     reason, mid-run after a switch as well."""
-    loop = Loop(AdaptiveScheduler(initial, 4), slowed_job(job, {(1, SLOW_KEY): 2.0}, every_kfac=1.2))
+    loop = Loop(AdaptiveScheduler(initial, 4, staleness=CURVE), slowed_job(job, {(1, SLOW_KEY): 2.0}, every_kfac=1.2))
     for _ in range(3):
         loop.scheduler.observe(fake_records(loop.scheduler.current.data, loop.models, loop.step,
                                             max(loop.scheduler.current.cycles)))
         loop.step += max(loop.scheduler.current.cycles)
         state = json.loads(json.dumps(loop.scheduler.state_dict()))
-        resumed = AdaptiveScheduler(initial, 4)
+        resumed = AdaptiveScheduler(initial, 4, staleness=CURVE)
         resumed.load_state_dict(state)
         assert resumed.current.digest == loop.scheduler.current.digest
         theirs, ours = resumed.next_schedule(), loop.scheduler.next_schedule()
@@ -131,7 +135,7 @@ def test_k_grows_when_kfac_work_gets_much_slower(job, initial) -> None:
     """3x K-FAC work cannot fit in 4 iterations: after two cycles the plan spreads it over more. Some
     inverses then fit no bubble at all (forced overflow): they run after the last call and lengthen
     their steps, the only overrun left, and the steps are faster than before the switch."""
-    loop = Loop(AdaptiveScheduler(initial, 4), slowed_job(job, every_kfac=3.0))
+    loop = Loop(AdaptiveScheduler(initial, 4, staleness=CURVE), slowed_job(job, every_kfac=3.0))
     before = loop.cycle()[0]
     assert loop.scheduler.current is initial  # one cycle could be noise
     loop.cycle()
@@ -146,7 +150,7 @@ def test_k_grows_when_kfac_work_gets_much_slower(job, initial) -> None:
 def test_k_shrinks_when_kfac_work_gets_faster(job, initial) -> None:
     """Half as long K-FAC work: nothing overruns; more slack does not pay, and then a re-pack of what was
     measured fits fewer iterations: tried, as fast, kept (fresher curvature wins a tie)."""
-    loop = Loop(AdaptiveScheduler(initial, 4), slowed_job(job, every_kfac=0.5))
+    loop = Loop(AdaptiveScheduler(initial, 4, staleness=CURVE), slowed_job(job, every_kfac=0.5))
     plans = [loop.cycle()[1] for _ in range(8)]
     shorter = next(p for p in plans if "a shorter cycle, tried" in p.reason)
     assert max(shorter.cycles) < max(initial.cycles)
@@ -156,6 +160,7 @@ def test_k_shrinks_when_kfac_work_gets_faster(job, initial) -> None:
 
 
 def _on_trial(job, initial, value_ratio: float, staleness=None):
+    staleness = staleness or CURVE
     """A scheduler whose trial of more slack measured ``value_ratio`` times the kept schedule's objective
     (its step time 0.10 s times the staleness curve at its k), the kept schedule 0.10 s a step."""
     loop = Loop(AdaptiveScheduler(initial, 4, staleness=staleness), job)

@@ -191,10 +191,11 @@ def test_a_loop_restored_in_the_middle_of_a_cycle_goes_on_as_the_uninterrupted_o
         plan = Plan(equal_cycles(load_schedule(sched)), timelines=raws)
         loop: ScheduleLoop
 
-        def gather(mine):  # node 0's records, and the other nodes' of the same steps
-            steps = {r.step for r in mine}
+        def gather(mine):  # node 0's records, and the other nodes' of the same steps (no drift measured)
+            records, drift = mine
+            steps = {r.step for r in records}
             every = fake_records(loop.plan.data, models, loop.first_step, max(steps) - loop.first_step + 1)
-            return [mine, [r for r in every if r.step in steps and r.node != 0]]
+            return [mine, ([r for r in every if r.step in steps and r.node != 0], [])]
         loop = ScheduleLoop(plan, node=0, rank=0, nodes=2, scheduler=AdaptiveScheduler(plan, 2), adapt=True,
                             collective=(gather, lambda x: x, lambda: None))
         return loop

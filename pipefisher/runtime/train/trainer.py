@@ -159,6 +159,12 @@ class Trainer:
         self.stage, self.kfac, self.kfacs, self.engine = w.stage, w.kfac, w.kfacs, w.engine
         self.updater, self.ops, self.executor = w.updater, w.ops, w.executor
         self.schedule_digest = w.schedule_digest
+        self.drift_log = None  # this worker's curvature drift samples (K-FAC modes), see pipefisher.drift
+        if self.kfacs:
+            from pipefisher.runtime.train.drift import DriftLog
+
+            self.drift_log = DriftLog(self.kfacs, node_pipes(cfg, g.stage), g.stage)
+        self._refreshes: dict[int, Any] = {}  # kfac mode: the job's refreshes gathered so far, by step
         self.loop = self._schedule_loop() if self.executor is not None else None
         self.start_step = 0
         if opts.resume:
@@ -219,12 +225,34 @@ class Trainer:
                             prefix=prefix, collective=collective,
                             check=lambda new: check_schedule(new.data, cfg, g.replicas),
                             agree=lambda text: check_agreement(ctx, text), switch=switch,
-                            echo=click.echo if self.reporter and opts.progress else None)
+                            echo=click.echo if self.reporter and opts.progress else None,
+                            drift=self.drift_log.drain if self.drift_log is not None else None)
 
     def _phase(self, what: str) -> None:
         """A start-up phase line from the reporting worker (the launcher relays it), unless --no-progress."""
         if self.reporter and self.opts.progress:
             phase(what)
+
+    @property
+    def refreshes(self) -> dict[int, Any]:
+        """The job's curvature refreshes gathered so far (:class:`pipefisher.drift.Refresh`), by the step
+        each completed in: the closed loop's (scheduled mode, every gather), else those gathered at
+        checkpoints and at the end (kfac mode). Every worker holds them."""
+        return self.loop.refreshes if self.loop is not None else self._refreshes
+
+    def _gather_drift(self) -> None:
+        """kfac mode: every worker's drift samples to every worker, grouped by step (a collective: every
+        worker calls it at the same point). Scheduled mode gathers them with its cycles."""
+        if self.drift_log is None or self.loop is not None:
+            return
+        from pipefisher.drift import refreshes
+
+        mine = self.drift_log.drain()
+        parts: list[Any] = [mine]
+        if self.ctx.distributed:
+            parts = [None] * self.ctx.grid.world_size
+            dist.all_gather_object(parts, mine)
+        self._refreshes.update((r.step, r) for r in refreshes(s for part in parts for s in part))
 
     @property
     def cycles(self) -> list[int]:
@@ -320,6 +348,8 @@ class Trainer:
                 cycle = max(self.cycles) if self.cycles else None  # the schedule this step runs
                 try:
                     loss = self.train_step(step)
+                    if self.drift_log is not None:
+                        self.drift_log.take(step)  # tensors: read where the workers gather anyway
                     if self.loop is not None and step >= 1:
                         self.loop.after_step(step, self.executor.last_record)
                 except BadFactorError:
@@ -344,7 +374,8 @@ class Trainer:
                     tb.log_step(step, loss=loss, val_loss=val, lr=self.updater.lr,
                                 step_seconds=result.step_seconds[-1], cycle=cycle)
                     if self.loop is not None:
-                        tb.log_overruns(self.loop.overruns)
+                        tb.log_late("overrun_seconds", self.loop.overruns)
+                    tb.log_late("drift", {s: r.drift for s, r in self.refreshes.items()})
                 if loss is not None:
                     result.losses.append(loss)
                 if bar is not None:
@@ -359,6 +390,7 @@ class Trainer:
                     click.echo(msg)
                 every = opts.checkpoint_every
                 if every and (step + 1) % every == 0 and not last:
+                    self._gather_drift()
                     self.checkpoint(step + 1)
                     if self.reporter and opts.metrics:
                         self._write_metrics(opts.metrics, metrics)
@@ -387,16 +419,21 @@ class Trainer:
                 tb.log_peak_memory(opts.steps - 1, result.peak_memory_bytes,
                                    result.peak_saved_bytes if self.kfac is not None else None)
         if todo:
+            self._gather_drift()
             self.checkpoint(opts.steps)
         if self.loop is not None:
             self.loop.finish()  # after the checkpoint: a resumed run gathers the open cycle as this one would
             if tb is not None:
-                tb.log_overruns(self.loop.overruns)
+                tb.log_late("overrun_seconds", self.loop.overruns)
             self.loop.write_schedules()
             self.loop.write_measured()
             if self.reporter and todo:
                 click.echo(f"closed loop ({'adaptive' if opts.adapt else 'static'} scheduler): {self.loop.cost_line()}"
                            + (f", final K-FAC cycle k={max(self.cycles)}" if opts.adapt else ""))
+        if tb is not None:
+            tb.log_late("drift", {s: r.drift for s, r in self.refreshes.items()})
+        if self.reporter and todo and self.refreshes:
+            click.echo(drift_line(list(self.refreshes.values())))
         if self.reporter and opts.metrics:
             self._write_metrics(opts.metrics, metrics)
         if opts.out is not None:
@@ -417,7 +454,9 @@ class Trainer:
                                                  "node_cycles": sw.plan.cycles, "reason": sw.plan.reason}
                                                 for sw in self.loop.history] if self.loop else None,
                                   "loop_seconds": {"gathers": self.loop.gather_seconds,
-                                                   "decisions": self.loop.decide_seconds} if self.loop else None})
+                                                   "decisions": self.loop.decide_seconds} if self.loop else None,
+                                  # the curvature refreshes' drift, the job's figure and every layer's
+                                  "drift": [r.state() for _, r in sorted(self.refreshes.items())]})
         return result
 
     def _write_metrics(self, path: str, rows: list[tuple[int, float | None, float | None, float, float, int | None]]) -> None:
@@ -425,10 +464,11 @@ class Trainer:
 
         ``cycle``: the K-FAC cycle k of the schedule the step ran (scheduled mode); ``overrun_seconds``:
         how long K-FAC work delayed the step's calls past their planned bubbles (the slowest node's;
-        known once the step's job cycle is gathered)."""
+        known once the step's job cycle is gathered); ``drift``: the curvature drift of the refresh that
+        completed in the step (:mod:`pipefisher.drift`; empty on other steps)."""
         from pipefisher.safe_io import write_atomic
 
-        header = "step,loss,val_loss,lr,step_seconds,mode,cycle,overrun_seconds\n"
+        header = "step,loss,val_loss,lr,step_seconds,mode,cycle,overrun_seconds,drift\n"
         kept: list[str] = []
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
@@ -440,9 +480,17 @@ class Trainer:
             return "" if x is None else f"{x:.6f}"
 
         over = self.loop.overruns if self.loop is not None else {}
-        body = [f"{s},{num(l)},{num(v)},{lr:.6g},{t:.6f},{self.mode},{'' if k is None else k},{num(over.get(s))}"
-                for s, l, v, lr, t, k in rows]
+        drift = {s: r.drift for s, r in self.refreshes.items()}
+        body = [f"{s},{num(l)},{num(v)},{lr:.6g},{t:.6f},{self.mode},{'' if k is None else k},{num(over.get(s))},"
+                f"{num(drift.get(s))}" for s, l, v, lr, t, k in rows]
         write_atomic(path, header + "".join(line + "\n" for line in kept + body))
+
+
+def drift_line(refreshes: list[Any]) -> str:
+    """The run's curvature drift in one line: how many refreshes, their median, the first and the last."""
+    ds = [r.drift for r in sorted(refreshes, key=lambda r: r.step)]
+    return (f"curvature drift over {len(ds)} refresh(es): median {statistics.median(ds):.3f}, first {ds[0]:.3f}, "
+            f"last {ds[-1]:.3f} (relative change of the preconditioned gradient at a refresh)")
 
 
 def compute_line(cfg: RunConfig) -> str:
