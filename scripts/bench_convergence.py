@@ -59,12 +59,14 @@ def start_worker(config_path: str, overrides: list[str]) -> tuple[Any, int, Any]
 
 
 def trainer_of(ctx: Any, steps: int, eval_every: int) -> Callable[..., tuple[Any, Any]]:
-    """``train(cfg, mode, schedule=None, evals=eval_every) -> (trainer, result)``, quietly, in these workers."""
+    """``train(cfg, mode, schedule=None, evals=eval_every, **options) -> (trainer, result)``, quietly, in these
+    workers (``options``: more :class:`TrainOptions`, such as ``adapt=True``)."""
     from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
-    def train(cfg: Any, mode: str, schedule: str | None = None, evals: int = eval_every) -> tuple[Any, Any]:
+    def train(cfg: Any, mode: str, schedule: str | None = None, evals: int = eval_every,
+              **options: Any) -> tuple[Any, Any]:
         opts = TrainOptions(mode=mode, steps=steps, schedule=schedule, eval_every=evals, progress=False,
-                            log_every=10**9)
+                            log_every=10**9, **options)
         trainer = Trainer(cfg, ctx, opts)
         return trainer, trainer.run()
 
@@ -114,12 +116,44 @@ def run_record(mode: str, seed: int, res: Any, **extra: Any) -> dict[str, Any]:
             "peak_memory": res.peak_memory_bytes, "peak_saved": res.peak_saved_bytes, **extra}
 
 
-def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval_every: int, lrs: list[float],
-            warmups: list[int], profile_steps: int, folder: str) -> dict[str, Any]:
+def profile_and_pack(base: Any, ctx: Any, rank: int, folder: str, profile_steps: int) -> tuple[str, dict[str, Any] | None]:
+    """A profile of ``profile_steps`` kfac steps in these workers, whose median step rank 0 packs with the
+    default policy into ``folder/schedule.pickle`` (its metadata names the profile, which an ``--adapt``
+    run plans against). Returns the schedule's path and, on rank 0, the plan: the policy, the planned
+    and first-order step (ms) and the packing report's lines."""
     import torch.distributed as dist
 
-    from pipefisher.runtime.job.dist import shutdown
+    from pipefisher.runtime.train.profiler import timeline_filename
     from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+
+    Trainer(base, ctx, TrainOptions(mode="kfac", profile=True, steps=profile_steps, out=folder, progress=False,
+                                    log_every=10**9)).run()
+    dist.barrier()
+    sched = os.path.join(folder, "schedule.pickle")
+    plan = None
+    if rank == 0:
+        from pipefisher.objective import step_cost
+        from pipefisher.policies import DEFAULT_POLICY, get_policy
+        from pipefisher.report import usage_lines
+        from pipefisher.rules import validate
+        from pipefisher.schedule_file import save_schedule
+        from pipefisher.timeline import load_job
+
+        timelines = [os.path.join(folder, timeline_filename(base.name, i)) for i in range(2)]
+        job = load_job(timelines)
+        packed = get_policy(DEFAULT_POLICY).pack(job)
+        assert not validate(packed.to_file_data(), job, margin=packed.margin), "an invalid schedule"
+        save_schedule(sched, packed, timelines)
+        cost = step_cost(packed.to_file_data(), job)  # the profile is in nanoseconds
+        plan = {"policy": packed.policy, "step_ms": cost.step * 1e-6, "first_order_ms": cost.first_order * 1e-6,
+                "report": usage_lines(packed)}
+    dist.barrier()
+    return sched, plan
+
+
+def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval_every: int, lrs: list[float],
+            warmups: list[int], profile_steps: int, folder: str) -> dict[str, Any]:
+    from pipefisher.runtime.job.dist import shutdown
 
     base, rank, ctx = start_worker(config_path, overrides)
     train = trainer_of(ctx, steps, eval_every)
@@ -127,27 +161,7 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
     out: dict[str, Any] = {"rank": rank, "holds_loss": rank == loss_rank(base), "sweep": [], "runs": [], "cycles": None}
     try:
         # 1. profile and pack
-        Trainer(base, ctx, TrainOptions(mode="kfac", profile=True, steps=profile_steps, out=folder, progress=False,
-                                        log_every=10**9)).run()
-        dist.barrier()
-        sched = os.path.join(folder, "schedule.pickle")
-        if rank == 0:
-            from pipefisher.objective import step_cost
-            from pipefisher.policies import DEFAULT_POLICY, get_policy
-            from pipefisher.report import usage_lines
-            from pipefisher.rules import validate
-            from pipefisher.runtime.train.profiler import timeline_filename
-            from pipefisher.schedule_file import save_schedule
-            from pipefisher.timeline import load_job
-
-            job = load_job([os.path.join(folder, timeline_filename(base.name, i)) for i in range(2)])
-            packed = get_policy(DEFAULT_POLICY).pack(job)
-            assert not validate(packed.to_file_data(), job, margin=packed.margin), "an invalid schedule"
-            save_schedule(sched, packed)
-            plan = step_cost(packed.to_file_data(), job)  # the profile is in nanoseconds
-            out["plan"] = {"policy": packed.policy, "step_ms": plan.step * 1e-6, "first_order_ms": plan.first_order * 1e-6,
-                           "report": usage_lines(packed)}
-        dist.barrier()
+        sched, out["plan"] = profile_and_pack(base, ctx, rank, folder, profile_steps)
 
         # 2. the baseline sweep, judged on training loss only
         lr, warm, out["sweep"] = choose_baseline(train, base, steps, lrs, warmups, announce)

@@ -14,6 +14,7 @@ import pytest
 from _fake_clock import fake_records, slowed_job, true_models
 from pipefisher.closed_loop import (AdaptiveScheduler, Plan, StaticScheduler, cycle_seconds, job_models,
                                     make_scheduler)
+from pipefisher.drift import Refresh
 from pipefisher.examples import example_timelines
 from pipefisher.measure import gap_overruns, planned_gaps, step_overrun
 from pipefisher.objective import MEASURED_STALENESS
@@ -49,12 +50,15 @@ class Loop:
     def __init__(self, scheduler, true_job) -> None:
         self.scheduler, self.models, self.step = scheduler, true_models(true_job), 1
 
-    def cycle(self) -> tuple[list, Plan]:
-        """One observed cycle: its records, and the plan the scheduler hands out next."""
+    def cycle(self, drift: float | None = None) -> tuple[list, Plan]:
+        """One observed cycle (whose curvature refresh measured ``drift``, if given): its records, and the
+        plan the scheduler hands out next."""
         plan = self.scheduler.current
         records = fake_records(plan.data, self.models, self.step, max(plan.cycles))
         self.step += max(plan.cycles)
         self.scheduler.observe(records)
+        if drift is not None:
+            self.scheduler.observe_drift([Refresh(self.step - 1, drift)])
         return records, self.scheduler.next_schedule()
 
 
@@ -198,3 +202,102 @@ def test_a_faster_step_with_staler_curvature_loses_where_the_staleness_costs_mor
     scheduler.costs[trial.digest] = [0.095, 0.095]
     nxt = scheduler.next_schedule()
     assert nxt.digest == initial.digest and "back to the kept schedule" in nxt.reason
+
+
+# -- without a staleness curve: the drift rule sets k ---------------------------------------------------
+
+LOW, HIGH = 0.1, 0.3
+
+
+def _drifting(job, initial) -> Loop:
+    return Loop(AdaptiveScheduler(initial, 4, drift_low=LOW, drift_high=HIGH), job)
+
+
+def _until_k(loop: Loop, drift: float, k: int, cycles: int = 20) -> list[Plan]:
+    """Cycles at ``drift`` until the plan handed out runs cycle ``k``; every plan handed out."""
+    plans = []
+    for _ in range(cycles):
+        plans.append(loop.cycle(drift)[1])
+        if max(plans[-1].cycles) == k:
+            return plans
+    raise AssertionError(f"k never became {k}: {[max(p.cycles) for p in plans]} ({loop.scheduler.last_decision})")
+
+
+def test_without_a_curve_a_low_drift_lengthens_the_cycle_with_pipeline_only_iterations(job, initial) -> None:
+    """k = 4 on the example. Two refreshes below the low threshold (the first cycle's is left out: it is
+    measured against step 0's) double k: the same packing, four pipeline-only iterations appended, saving
+    turned back on at the new last one. More slack, which packs into more than 4 iterations, could not be
+    tried at k = 4; at k = 8 it is, lengthened to 8 as well."""
+    from pipefisher.rules.format import SAVE_ON
+
+    loop = _drifting(job, initial)
+    k = max(initial.cycles)
+    assert loop.cycle(0.05)[1] is initial and loop.cycle(0.05)[1] is initial
+    assert "packs into 5 iterations, the drift allows k = 4" in loop.scheduler.last_decision["blocked"]
+    longer = loop.cycle(0.05)[1]
+    assert max(longer.cycles) == 2 * k
+    assert "drift 0.050 (median of 2 refreshes at k = 4) below 0.1" in longer.reason
+    assert "4 pipeline-only iterations appended" in longer.reason
+    assert loop.scheduler.natural(longer) == initial.data and loop.scheduler.kept is longer
+    for node, natural in zip(longer.data, initial.data):
+        assert node[:k - 1] == natural[:k - 1] and node[k - 1] == [x for x in natural[-1] if x != SAVE_ON]
+        assert all(not any("kron" in x for x in it) for it in node[k:]) and node[-1][-1] == SAVE_ON
+    assert loop.scheduler.climbing  # more slack may fit the longer cycle
+    trial = next(p for p in (loop.cycle(0.05)[1] for _ in range(4)) if loop.scheduler.trial == "slack")
+    assert "trying K-FAC slack x1.25" in trial.reason and max(trial.cycles) == 2 * k
+    assert len(loop.scheduler.natural(trial)[0]) > k
+
+
+def test_a_high_drift_shortens_the_cycle_back_to_denser_packings_down_to_the_densest(job, initial) -> None:
+    loop = _drifting(job, initial)
+    k = max(initial.cycles)
+    _until_k(loop, 0.05, 4 * k)
+    shorter = _until_k(loop, 0.5, 2 * k)[-1]
+    assert "above 0.3: a shorter cycle: k 16 -> 8" in shorter.reason
+    back = _until_k(loop, 0.5, k)[-1]
+    assert back.data == loop.scheduler.natural(back) and max(back.cycles) == k  # the packing itself again
+    floors = []
+    for _ in range(6):  # nothing packs in fewer than 4 iterations: the rule's floor, no switch
+        assert loop.cycle(0.5)[1] is back
+        floors.append(loop.scheduler.last_decision.get("drift_floor"))
+    assert loop.scheduler.rule.floor == k and "no packing needs fewer than 4 iterations" in next(filter(None, floors))
+
+
+def test_between_the_thresholds_and_in_the_first_cycle_after_a_switch_k_holds(job, initial) -> None:
+    loop = _drifting(job, initial)
+    k = max(initial.cycles)
+    assert all(max(loop.cycle(0.2)[1].cycles) == k for _ in range(10))
+    _until_k(loop, 0.05, 2 * k)
+    loop.cycle(0.01)  # the first cycle of the new schedule: its refresh is measured against the old one's
+    assert loop.scheduler.rule.window == []
+    loop.cycle(0.01)
+    assert loop.scheduler.rule.window == [0.01]
+
+
+def test_a_resumed_drift_driven_scheduler_decides_as_the_uninterrupted_one(job, initial) -> None:
+    """Its state (the rule's cycle, floor and window, the packings lengthened plans come from) goes through
+    JSON into a fresh scheduler, at each point of a run that lengthens and shortens."""
+    loop = _drifting(job, initial)
+    ks = []
+    for drift in [0.05] * 9 + [0.5] * 8:
+        plan = loop.scheduler.current
+        loop.scheduler.observe(fake_records(plan.data, loop.models, loop.step, max(plan.cycles)))
+        loop.step += max(plan.cycles)
+        loop.scheduler.observe_drift([Refresh(loop.step - 1, drift)])
+        state = json.loads(json.dumps(loop.scheduler.state_dict()))
+        resumed = AdaptiveScheduler(initial, 4, drift_low=LOW, drift_high=HIGH)
+        resumed.load_state_dict(state)
+        theirs, ours = resumed.next_schedule(), loop.scheduler.next_schedule()
+        assert (theirs.digest, theirs.reason) == (ours.digest, ours.reason)
+        assert resumed.natural(theirs) == loop.scheduler.natural(ours)
+        assert json.loads(json.dumps(resumed.state_dict())) == json.loads(json.dumps(loop.scheduler.state_dict()))
+        ks.append(max(ours.cycles))
+    assert ks[0] == 4 and 16 in ks and ks[-1] < 16, ks  # lengthened, and shortened again
+
+
+def test_with_a_curve_the_drift_decides_nothing(job, initial) -> None:
+    """Given a staleness curve, k follows the curve, as before: drift figures change no decision."""
+    plain, drifting = (Loop(AdaptiveScheduler(initial, 4, staleness=CURVE), job) for _ in range(2))
+    assert drifting.scheduler.rule is None
+    for _ in range(8):
+        assert plain.cycle()[1].digest == drifting.cycle(0.01)[1].digest

@@ -83,6 +83,7 @@ class ScheduleLoop:
         self._drift = drift or (lambda: [])
         self.refreshes: dict[int, Refresh] = {}  # the job's curvature refreshes gathered so far, by step
         self._fresh: list[Refresh] = []  # those of the last gather
+        self.last_step: int | None = None  # the last step this worker ran
         self.pending: list[StepRecord] = []  # this worker's records of the current job cycle
         self.recent: deque[list[StepRecord]] = deque(maxlen=MEASURED_WINDOW)  # every node's, last cycles
         self.overruns: dict[int, float] = {}  # step -> seconds (the slowest node's), once its cycle is in
@@ -108,17 +109,21 @@ class ScheduleLoop:
         """Called by every worker after every scheduled step, with that step's record."""
         if record is not None:
             self.pending.append(record)
+        self.last_step = step
         if (step - self.first_step + 1) % self.gather_every == 0:
             self._cycle_end(step)
 
     def finish(self) -> None:
-        """The end of training: the records of an incomplete last cycle are gathered too (no decision)."""
-        self._collect()
+        """The end of training: the records of an incomplete last cycle are gathered too (no decision;
+        its curvature refresh, incomplete, gives no figure: a run resumed from a checkpoint completes it)."""
+        self._collect(self.last_step)
         self._barrier()  # gloo aborted now and then when a worker left right after an object gather
 
     # -- the cycle's end ----------------------------------------------------------------------------
 
-    def _collect(self) -> list[StepRecord]:
+    def _collect(self, through: int | None) -> list[StepRecord]:
+        """Gather every worker's records and drift samples; refreshes whose job cycle ended by step
+        ``through`` become figures."""
         import time
 
         mine, self.pending = self.pending, []
@@ -127,7 +132,8 @@ class ScheduleLoop:
         self.gather_seconds.append(time.perf_counter() - t0)
         records = sorted((r for part, _ in parts for r in part), key=lambda r: (r.step, r.node, r.replica))
         samples = [s for _, part in parts for s in part]
-        self._fresh = refreshes(samples, group=self._cycle_of)
+        self._fresh = [r for r in refreshes(samples, group=self._cycle_of)
+                       if through is not None and self._cycle_of(r.step) + self.cycle - 1 <= through]
         self.refreshes.update((r.step, r) for r in self._fresh)
         if not records:
             return records
@@ -184,7 +190,7 @@ class ScheduleLoop:
     def _cycle_end(self, step: int) -> None:
         import time
 
-        records = self._collect()
+        records = self._collect(step)
         if not self.adapt:
             return
         t0 = time.perf_counter()
