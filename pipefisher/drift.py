@@ -1,22 +1,30 @@
 """Drift: how fast a run's curvature ages, measured at every K-FAC refresh, and the cycle it allows.
 
 At a refresh K-FAC swaps a layer's inverses for fresh ones. How far that moves the preconditioned
-gradient says what stale curvature costs right now: with ``P(G) = B^-1 G A^-1``, a layer's drift is
-``||P_new(G) - P_old(G)||_F / ||P_new(G)||_F`` for the gradient ``G`` it preconditioned last
-(:meth:`pipefisher.kfac.kfac.KFAC.inv` measures it in the inverse's own label, in a bubble). Between two
-refreshes k steps apart, it is the error of the preconditioner in use at the end of a cycle of k, against
-the fresh one: small, and a longer cycle loses little; large, and the curvature ages faster than it is
-refreshed.
-
-A refresh's figure aggregates its layers as ``sqrt(sum ||P_new - P_old||^2 / sum ||P_new||^2)``: the
-relative change of the whole preconditioned gradient (every K-FAC layer's, stacked), the step the
+gradient says what stale curvature costs right now: with ``P(G) = B^-1 G A^-1``, a layer's **drift** is
+``||P_n(G) - P_{n-1}(G)||_F / ||P_n(G)||_F``, refresh n against the refresh before, for the gradient ``G``
+it preconditioned last (:meth:`pipefisher.kfac.kfac.KFAC.inv` measures it in the inverse's own label, in
+a bubble). A refresh's figure aggregates its layers as ``sqrt(sum ||P_n - P_{n-1}||^2 / sum ||P_n||^2)``:
+the relative change of the whole preconditioned gradient (every K-FAC layer's, stacked), the step the
 optimizer receives. A layer counts by the size of its part of that step, so a layer whose gradient is
-nearly zero (whose ratio is then mostly rounding) cannot swing the figure, and the figure does not depend on
-how the model is cut into layers or stages. Per-layer values are kept beside it.
+nearly zero (whose ratio is then mostly rounding) cannot swing the figure, and the figure does not depend
+on how the model is cut into layers or stages. Per-layer values are kept beside it.
+
+The drift holds two things: the curvature that moved in the k steps between the refreshes (what a longer
+cycle makes worse), and the sampling noise of each refresh's factors, estimated afresh from one step's
+micro-batches every time (the same at any k). Measured on ``configs/small.yaml``, the noise dominates:
+refreshes every 1, 2 and 4 steps all drift by about 0.35 (docs/adapt.md). So every refresh also measures
+``||P_n - P_{n-2}||``, against the refresh two back, on the same ``G``; the noise adds the same to both
+in expectation, the curvature's movement more over two cycles than over one. The refresh's **aging**,
+
+    (sum ||P_n - P_{n-2}||^2 - sum ||P_n - P_{n-1}||^2) / sum ||P_n - P_{n-1}||^2,
+
+is how much the preconditioner's squared error would grow if the cycle were twice as long: about 0 when
+the cycle is short against the curvature's pace (noise only), 1 and more when its movement dominates.
 
 The closed loop turns it into a cycle length (:class:`DriftRule`, used by
 :class:`pipefisher.closed_loop.AdaptiveScheduler` when no staleness curve is given): double the cycle
-while the drift stays below :data:`DRIFT_LOW`, halve it when it is above :data:`DRIFT_HIGH`, hold in
+while the aging stays below :data:`AGING_LOW`, halve it when it is above :data:`AGING_HIGH`, hold in
 between. Plain Python, no torch: the scheduler runs it on rank 0 between steps.
 """
 from __future__ import annotations
@@ -26,12 +34,17 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-DRIFT_LOW = 0.30
-"""Below it (the median of :data:`DRIFT_SAMPLES` refreshes) the cycle may double. Calibrated on
-``configs/small.yaml`` (2 stages, kfac runs with ``kfac.interval`` k; docs/adapt.md has the figures):
-placeholder until calibrated."""
-DRIFT_HIGH = 0.60
-"""Above it the cycle halves. Between the two thresholds the cycle holds (hysteresis)."""
+AGING_LOW = 0.10
+"""Below it (the median of :data:`DRIFT_SAMPLES` refreshes) the cycle doubles: twice as long a cycle
+would add under 10 % to the preconditioner's squared error (about 5 % to the error). Calibrated on
+``configs/small.yaml`` (docs/adapt.md): at every phase of a 300-step run but its first 50 steps, the
+aging of a refresh every step was about this or less, and the staleness curve measured at that horizon
+charges the doubling from k = 1 to 2 6.6 % more steps."""
+AGING_HIGH = 0.40
+"""Above it the cycle halves. The same calibration: k = 4's aging was 0.25-0.8 over steps 50-150, k = 8's
+0.6-1.7; the curve charges the doubling from 4 to 8 47 % more steps, from 2 to 4 6 %. Between the two
+thresholds the cycle holds (hysteresis): their ratio, 4, exceeds what one doubling of k did to the aging
+in the calibration (2-3x), so a cycle does not go back and forth between two lengths."""
 DRIFT_SAMPLES = 2
 """Refreshes at one cycle length whose median decides (one refresh is noisy)."""
 DRIFT_MAX_CYCLE = 64
@@ -45,16 +58,18 @@ class DriftSample:
     step: int  # the training step whose ``inv`` label completed the refresh
     node: int  # the pipeline node (device) that measured it
     layer: str  # ``<stage>/<module name>``: unique in the job (a Chimera pair's two copies share it)
-    change: float  # ||P_new(G) - P_old(G)||_F^2
-    norm: float  # ||P_new(G)||_F^2
+    change: float  # ||P_n(G) - P_{n-1}(G)||_F^2
+    change2: float | None  # ||P_n(G) - P_{n-2}(G)||_F^2 (None: no refresh two back yet)
+    norm: float  # ||P_n(G)||_F^2
 
     def state(self) -> list[Any]:
-        return [self.step, self.node, self.layer, self.change, self.norm]
+        return [self.step, self.node, self.layer, self.change, self.change2, self.norm]
 
     @classmethod
     def from_state(cls, x: Iterable[Any]) -> "DriftSample":
-        step, node, layer, change, norm = x
-        return cls(int(step), int(node), str(layer), float(change), float(norm))
+        step, node, layer, change, change2, norm = x
+        return cls(int(step), int(node), str(layer), float(change), None if change2 is None else float(change2),
+                   float(norm))
 
 
 def relative(change: float, norm: float) -> float:
@@ -64,23 +79,33 @@ def relative(change: float, norm: float) -> float:
     return math.sqrt(change / norm)
 
 
+def aging(change: float, change2: float) -> float | None:
+    """``(change2 - change) / change``: the growth of the squared drift from one refresh back to two
+    (None where the refresh did not move at all)."""
+    return (change2 - change) / change if change > 0 else None
+
+
 @dataclass(frozen=True)
 class Refresh:
-    """One curvature refresh of the job: its figure and every layer's drift."""
+    """One curvature refresh of the job: its figures and every layer's."""
 
     step: int  # the step its last layer was refreshed in
     drift: float
-    layers: dict[str, float] = field(default_factory=dict)
+    aging: float | None = None  # None until two refreshes back exist
+    layers: dict[str, float] = field(default_factory=dict)  # drift per layer
+    layer_aging: dict[str, float | None] = field(default_factory=dict)
 
     def state(self) -> dict[str, Any]:
-        return {"step": self.step, "drift": self.drift, "layers": dict(self.layers)}
+        return {"step": self.step, "drift": self.drift, "aging": self.aging, "layers": dict(self.layers),
+                "layer_aging": dict(self.layer_aging)}
 
 
 def refreshes(samples: Iterable[DriftSample], group: Callable[[int], int] = lambda step: step) -> list[Refresh]:
     """The job's refreshes from its layers' samples, in step order: samples whose steps ``group`` maps to
     the same key form one refresh (``kfac`` mode: the step; scheduled: the job cycle). A layer measured
     twice in one refresh (replicas, a Chimera pair's two copies: the same figure) counts once; one
-    refreshed twice in a group (a node with a shorter cycle, without ``--adapt``) adds both."""
+    refreshed twice in a group (a node with a shorter cycle, without ``--adapt``) adds both. The aging
+    is taken over the layers that have a refresh two back."""
     seen: set[tuple[int, str, int]] = set()
     groups: dict[int, dict[str, list[float]]] = {}
     last: dict[int, int] = {}
@@ -89,31 +114,36 @@ def refreshes(samples: Iterable[DriftSample], group: Callable[[int], int] = lamb
         if (key, s.layer, s.step) in seen:
             continue
         seen.add((key, s.layer, s.step))
-        sums = groups.setdefault(key, {}).setdefault(s.layer, [0.0, 0.0])
+        sums = groups.setdefault(key, {}).setdefault(s.layer, [0.0, 0.0, 0.0, 0.0])  # change, norm, over two
         sums[0] += s.change
         sums[1] += s.norm
+        if s.change2 is not None:
+            sums[2] += s.change2
+            sums[3] += s.change
         last[key] = max(last.get(key, s.step), s.step)
     out = []
     for key, layers in groups.items():
-        change = sum(c for c, _ in layers.values())
-        norm = sum(n for _, n in layers.values())
+        change, norm = sum(v[0] for v in layers.values()), sum(v[1] for v in layers.values())
+        two = [v for v in layers.values() if v[3] > 0]
         out.append(Refresh(last[key], relative(change, norm),
-                           {name: relative(c, n) for name, (c, n) in sorted(layers.items())}))
+                           aging(sum(v[3] for v in two), sum(v[2] for v in two)) if two else None,
+                           {name: relative(v[0], v[1]) for name, v in sorted(layers.items())},
+                           {name: aging(v[3], v[2]) for name, v in sorted(layers.items())}))
     return sorted(out, key=lambda r: r.step)
 
 
 class DriftRule:
-    """The cycle k the drift allows, refresh by refresh.
+    """The cycle k the curvature's aging allows, refresh by refresh.
 
-    It starts at ``cycle``. Once ``samples`` refreshes measured at the cycle in force are in, their
-    median decides: below ``low`` the cycle doubles (up to ``max_cycle``), above ``high`` it halves
+    It starts at ``cycle``. Once ``samples`` refreshes measured at the cycle in force are in, the median
+    of their aging decides: below ``low`` the cycle doubles (up to ``max_cycle``), above ``high`` it halves
     (down to :attr:`floor`), in between it holds. Every change starts a new window, so the next decision
     is made on refreshes measured at the new length; the gap between the thresholds is the hysteresis
     that keeps it from going back and forth between two lengths whose drifts differ by less than
     ``high / low``. The caller says what it made of a proposal (:meth:`moved`, :meth:`at_floor`).
     """
 
-    def __init__(self, cycle: int, low: float = DRIFT_LOW, high: float = DRIFT_HIGH,
+    def __init__(self, cycle: int, low: float = AGING_LOW, high: float = AGING_HIGH,
                  max_cycle: int = DRIFT_MAX_CYCLE, samples: int = DRIFT_SAMPLES) -> None:
         if not (0 < low < high and math.isfinite(high)) or max_cycle < 1 or samples < 1 or cycle < 1:
             raise ValueError("the drift rule needs 0 < low < high, a cycle and max_cycle >= 1 and samples >= 1")
@@ -121,9 +151,10 @@ class DriftRule:
         self.cycle, self.floor = int(cycle), 1
         self.window: list[float] = []
 
-    def observe(self, drift: float) -> None:
-        """A refresh measured at the cycle in force (not the first after a switch: see the scheduler)."""
-        self.window = (self.window + [float(drift)])[-self.samples:]
+    def observe(self, aging: float) -> None:
+        """A refresh's aging measured at the cycle in force (not in the first two cycles after a switch,
+        whose refreshes two back ran another schedule: see the scheduler)."""
+        self.window = (self.window + [float(aging)])[-self.samples:]
 
     @property
     def measured(self) -> float | None:
@@ -135,7 +166,7 @@ class DriftRule:
         d = self.measured
         if d is None:
             return None
-        told = f"drift {d:.3f} (median of {len(self.window)} refreshes at k = {self.cycle})"
+        told = f"curvature aging {d:.3f} (median of {len(self.window)} refreshes at k = {self.cycle})"
         if d < self.low and self.cycle < self.max_cycle:
             return min(2 * self.cycle, self.max_cycle), f"{told} below {self.low:g}: a longer cycle"
         if d > self.high and self.cycle > self.floor:

@@ -50,15 +50,15 @@ class Loop:
     def __init__(self, scheduler, true_job) -> None:
         self.scheduler, self.models, self.step = scheduler, true_models(true_job), 1
 
-    def cycle(self, drift: float | None = None) -> tuple[list, Plan]:
-        """One observed cycle (whose curvature refresh measured ``drift``, if given): its records, and the
+    def cycle(self, aging: float | None = None) -> tuple[list, Plan]:
+        """One observed cycle (whose curvature refresh measured ``aging``, if given): its records, and the
         plan the scheduler hands out next."""
         plan = self.scheduler.current
         records = fake_records(plan.data, self.models, self.step, max(plan.cycles))
         self.step += max(plan.cycles)
         self.scheduler.observe(records)
-        if drift is not None:
-            self.scheduler.observe_drift([Refresh(self.step - 1, drift)])
+        if aging is not None:
+            self.scheduler.observe_drift([Refresh(self.step - 1, 0.4, aging)])
         return records, self.scheduler.next_schedule()
 
 
@@ -210,33 +210,34 @@ LOW, HIGH = 0.1, 0.3
 
 
 def _drifting(job, initial) -> Loop:
-    return Loop(AdaptiveScheduler(initial, 4, drift_low=LOW, drift_high=HIGH), job)
+    return Loop(AdaptiveScheduler(initial, 4, aging_low=LOW, aging_high=HIGH), job)
 
 
-def _until_k(loop: Loop, drift: float, k: int, cycles: int = 20) -> list[Plan]:
-    """Cycles at ``drift`` until the plan handed out runs cycle ``k``; every plan handed out."""
+def _until_k(loop: Loop, aging: float, k: int, cycles: int = 20) -> list[Plan]:
+    """Cycles whose refreshes age by ``aging`` until the plan handed out runs cycle ``k``; every plan."""
     plans = []
     for _ in range(cycles):
-        plans.append(loop.cycle(drift)[1])
+        plans.append(loop.cycle(aging)[1])
         if max(plans[-1].cycles) == k:
             return plans
     raise AssertionError(f"k never became {k}: {[max(p.cycles) for p in plans]} ({loop.scheduler.last_decision})")
 
 
-def test_without_a_curve_a_low_drift_lengthens_the_cycle_with_pipeline_only_iterations(job, initial) -> None:
-    """k = 4 on the example. Two refreshes below the low threshold (the first cycle's is left out: it is
-    measured against step 0's) double k: the same packing, four pipeline-only iterations appended, saving
-    turned back on at the new last one. More slack, which packs into more than 4 iterations, could not be
-    tried at k = 4; at k = 8 it is, lengthened to 8 as well."""
+def test_without_a_curve_a_low_aging_lengthens_the_cycle_with_pipeline_only_iterations(job, initial) -> None:
+    """k = 4 on the example. Two refreshes aging below the low threshold (the first two cycles' are left
+    out: they are measured against step 0's refresh) double k: the same packing, four pipeline-only
+    iterations appended, saving turned back on at the new last one. More slack, which packs into more than
+    4 iterations, could not be tried at k = 4; at k = 8 it is, lengthened to 8 as well."""
     from pipefisher.rules.format import SAVE_ON
 
     loop = _drifting(job, initial)
     k = max(initial.cycles)
     assert loop.cycle(0.05)[1] is initial and loop.cycle(0.05)[1] is initial
     assert "packs into 5 iterations, the drift allows k = 4" in loop.scheduler.last_decision["blocked"]
+    assert loop.cycle(0.05)[1] is initial  # one refresh in: not yet
     longer = loop.cycle(0.05)[1]
     assert max(longer.cycles) == 2 * k
-    assert "drift 0.050 (median of 2 refreshes at k = 4) below 0.1" in longer.reason
+    assert "curvature aging 0.050 (median of 2 refreshes at k = 4) below 0.1" in longer.reason
     assert "4 pipeline-only iterations appended" in longer.reason
     assert loop.scheduler.natural(longer) == initial.data and loop.scheduler.kept is longer
     for node, natural in zip(longer.data, initial.data):
@@ -248,7 +249,7 @@ def test_without_a_curve_a_low_drift_lengthens_the_cycle_with_pipeline_only_iter
     assert len(loop.scheduler.natural(trial)[0]) > k
 
 
-def test_a_high_drift_shortens_the_cycle_back_to_denser_packings_down_to_the_densest(job, initial) -> None:
+def test_a_high_aging_shortens_the_cycle_back_to_denser_packings_down_to_the_densest(job, initial) -> None:
     loop = _drifting(job, initial)
     k = max(initial.cycles)
     _until_k(loop, 0.05, 4 * k)
@@ -263,12 +264,13 @@ def test_a_high_drift_shortens_the_cycle_back_to_denser_packings_down_to_the_den
     assert loop.scheduler.rule.floor == k and "no packing needs fewer than 4 iterations" in next(filter(None, floors))
 
 
-def test_between_the_thresholds_and_in_the_first_cycle_after_a_switch_k_holds(job, initial) -> None:
-    loop = _drifting(job, initial)
+def test_between_the_thresholds_and_in_the_first_two_cycles_after_a_switch_k_holds(job, initial) -> None:
+    loop = Loop(AdaptiveScheduler(initial, 4, aging_low=LOW, aging_high=HIGH, ladder=(1.0,)), job)  # no trials
     k = max(initial.cycles)
     assert all(max(loop.cycle(0.2)[1].cycles) == k for _ in range(10))
     _until_k(loop, 0.05, 2 * k)
-    loop.cycle(0.01)  # the first cycle of the new schedule: its refresh is measured against the old one's
+    loop.cycle(0.01)  # the first two cycles of the new schedule: their refreshes two back ran the old one
+    loop.cycle(0.01)
     assert loop.scheduler.rule.window == []
     loop.cycle(0.01)
     assert loop.scheduler.rule.window == [0.01]
@@ -279,13 +281,13 @@ def test_a_resumed_drift_driven_scheduler_decides_as_the_uninterrupted_one(job, 
     JSON into a fresh scheduler, at each point of a run that lengthens and shortens."""
     loop = _drifting(job, initial)
     ks = []
-    for drift in [0.05] * 9 + [0.5] * 8:
+    for aging in [0.05] * 16 + [0.5] * 12:
         plan = loop.scheduler.current
         loop.scheduler.observe(fake_records(plan.data, loop.models, loop.step, max(plan.cycles)))
         loop.step += max(plan.cycles)
-        loop.scheduler.observe_drift([Refresh(loop.step - 1, drift)])
+        loop.scheduler.observe_drift([Refresh(loop.step - 1, 0.4, aging)])
         state = json.loads(json.dumps(loop.scheduler.state_dict()))
-        resumed = AdaptiveScheduler(initial, 4, drift_low=LOW, drift_high=HIGH)
+        resumed = AdaptiveScheduler(initial, 4, aging_low=LOW, aging_high=HIGH)
         resumed.load_state_dict(state)
         theirs, ours = resumed.next_schedule(), loop.scheduler.next_schedule()
         assert (theirs.digest, theirs.reason) == (ours.digest, ours.reason)

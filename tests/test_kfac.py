@@ -807,7 +807,13 @@ def _step_gradients(model, seed: int) -> None:
 
 
 def _drifts(kfac) -> dict[str, tuple[float, float]]:
-    return {n: (float(c), float(s)) for n, c, s in kfac.take_drift()}
+    """Per layer: (||P_new - P_old||^2, ||P_new||^2)."""
+    return {n: (float(c), float(s)) for n, c, _, s in kfac.take_drift()}
+
+
+def _two_back(kfac) -> dict[str, float | None]:
+    """Per layer: ||P_new - P_older||^2 (None without a refresh two back)."""
+    return {n: None if c2 is None else float(c2) for n, _, c2, _ in kfac.take_drift()}
 
 
 class NoBiasMLP(TinyMLP):
@@ -905,3 +911,32 @@ def test_a_kfac_that_does_not_measure_drift_keeps_no_gradient():
         _refresh(model, kfac, seed)
         kfac.precondition_all()
     assert kfac.take_drift() == [] and all(st.last_grad is None for st in kfac.layers.values())
+
+
+def test_every_refresh_also_measures_the_change_since_the_refresh_before_the_last():
+    """Refreshes r0, r1, r2 on other micro-batches: r1 has no refresh two back, r2 compares its inverses
+    with r0's as well as r1's, on the same gradient; a checkpoint after r1 keeps r0's inverses for it."""
+    from pipefisher.runtime.train.checkpoint import kfac_state, load_kfac_state
+
+    model = TinyMLP()
+    kfac = KFAC(model, damping=1e-2, ignore=())
+    inverses = []
+    for seed in (0, 3):
+        _refresh(model, kfac, seed)
+        inverses.append(_inverses(kfac, "fc2"))
+        _step_gradients(model, seed + 1)
+        g = _flat_grad(model.fc2)  # G, before precondition_all puts B^-1 G A^-1 in its place
+        kfac.precondition_all()
+    assert _two_back(kfac) == {"fc1": None, "fc2": None}  # r1: no refresh two back yet
+    twin = TinyMLP()
+    twin.load_state_dict(model.state_dict())
+    resumed = KFAC(twin, damping=1e-2, ignore=())
+    load_kfac_state(resumed, kfac_state(kfac), "ckpt")
+    _refresh(model, kfac, seed=4)
+    _refresh(twin, resumed, seed=4)
+    far, _ = _hand_drift(g, inverses[0], _inverses(kfac, "fc2"))
+    near, _ = _hand_drift(g, inverses[1], _inverses(kfac, "fc2"))
+    for k in (kfac, resumed):
+        [(_, change, change2, _)] = [x for x in k.take_drift() if x[0] == "fc2"]
+        assert float(change) == pytest.approx(near, rel=1e-4) and float(change2) == pytest.approx(far, rel=1e-4)
+    assert far != pytest.approx(near, rel=1e-3)

@@ -17,8 +17,8 @@ Files (with an output prefix ``P``), written by rank 0:
 * ``P_cycles.jsonl``: per gather (a cycle under ``adapt``) and node, a summary
   (:func:`pipefisher.measure.cycle_summary`): mean step time, each K-FAC label's time, each bubble as
   it really was, each bubble's largest overrun; and the curvature refreshes completed in it
-  (``drift``: the job's figure and this node's layers', :mod:`pipefisher.drift`), which the workers
-  gather with their records;
+  (``drift``: the job's drift and aging, and this node's layers', :mod:`pipefisher.drift`), which the
+  workers gather with their records;
 * ``P_measured/``: the timelines measured over the last cycles, one pickle per node, in the profiled
   format (``pipefisher schedule P_measured/*.pickle`` packs them);
 * ``P_schedules/``: every schedule the run used, ``step-<first step>.pickle`` (with ``.meta.json``),
@@ -155,8 +155,10 @@ class ScheduleLoop:
                     mine = [r for r in records if r.node == n and r.replica == 0]
                     if mine:
                         ours = {s.layer for s in samples if s.node == n}
-                        drift = [{"step": r.step, "drift": r.drift,
-                                  "layers": {k: v for k, v in r.layers.items() if k in ours}} for r in self._fresh]
+                        drift = [{"step": r.step, "drift": r.drift, "aging": r.aging,
+                                  "layers": {k: v for k, v in r.layers.items() if k in ours},
+                                  "layer_aging": {k: v for k, v in r.layer_aging.items() if k in ours}}
+                                 for r in self._fresh]
                         f.write(json.dumps({**cycle_summary(mine, self._planned(n)[1]), "drift": drift}) + "\n")
         return records
 

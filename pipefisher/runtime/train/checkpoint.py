@@ -14,7 +14,7 @@ leaves the previous checkpoint whole. A worker file holds the stage's parameters
 under Chimera, every chunk when interleaved), the optimizer state, the K-FAC state of each copy (factors, inverses, pi scales,
 saving flag and any saved micro-batches still waiting for their covariance pieces, and what the next
 refresh's drift is measured with: the gradient last preconditioned, its preconditioned gradient, the
-inverses a half-done refresh replaced), the drift samples not gathered yet, the closed loop's
+inverses a half-done refresh replaced and those of the refresh before), the drift samples not gathered yet, the closed loop's
 state in scheduled mode (the active schedule and the step it began at, the open cycle's measurements,
 and on rank 0 the scheduler's window) and the torch random state (dropout). The data position is the
 step number: every micro-batch is a pure function of (seed, step, replica, index), and the schedule
@@ -107,7 +107,7 @@ def kfac_state(kfac: Any) -> dict[str, Any]:
             # the drift's (KFAC._measure_drift): a refresh can be half done at a checkpoint
             "last_grad": st.last_grad, "last_pre": st.last_pre,
             "pre_versions": list(st.pre_versions) if st.pre_versions is not None else None,
-            "replaced": dict(st.replaced), "handled": sorted(st.handled),
+            "replaced": dict(st.replaced), "handled": sorted(st.handled), "previous": dict(st.previous),
         }
     return {"saving": kfac.saving, "layers": layers}
 
@@ -136,6 +136,7 @@ def load_kfac_state(kfac: Any, state: dict[str, Any], path: str) -> None:
         st.pre_versions = (int(versions[0]), int(versions[1])) if versions is not None else None
         st.replaced = {f: t for f, t in (s.get("replaced") or {}).items()}
         st.handled = set(s.get("handled") or ())
+        st.previous = {f: (s.get("previous") or {}).get(f) for f in "AB"}
     kfac.recount_saved()
 
 

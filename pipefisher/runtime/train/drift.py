@@ -21,34 +21,35 @@ class DriftLog:
 
     def __init__(self, kfacs: Mapping[int, Any], stages: Mapping[int, int], node: int) -> None:
         self.kfacs, self.stages, self.node = dict(kfacs), dict(stages), node
-        self.pending: list[tuple[int, str, Any, Any]] = []  # step, layer, change, norm (tensors or floats)
+        self.pending: list[tuple[Any, ...]] = []  # step, layer, change, change2, norm (tensors, floats or None)
 
     def take(self, step: int) -> None:
         """File what the K-FAC copies measured during training step ``step`` (no host sync)."""
         for p, kfac in self.kfacs.items():
-            for name, change, norm in kfac.take_drift():
-                self.pending.append((step, f"{self.stages[p]}/{name}", change, norm))
+            for name, change, change2, norm in kfac.take_drift():
+                self.pending.append((step, f"{self.stages[p]}/{name}", change, change2, norm))
 
     def drain(self) -> list[DriftSample]:
         """Every sample not gathered yet, as numbers (one device-to-host transfer), and forget them."""
         pending, self.pending = self.pending, []
-        tensors = [t for _, _, c, n in pending for t in (c, n) if isinstance(t, torch.Tensor)]
+        tensors = [t for entry in pending for t in entry[2:] if isinstance(t, torch.Tensor)]
         values = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()) if tensors \
             else iter(())
 
-        def num(x: Any) -> float:
-            return float(next(values)) if isinstance(x, torch.Tensor) else float(x)
+        def num(x: Any) -> float | None:  # in the order the tensors were stacked
+            return float(next(values)) if isinstance(x, torch.Tensor) else None if x is None else float(x)
         out = []
-        for step, layer, change, norm in pending:
-            c = num(change)
-            out.append(DriftSample(step, self.node, layer, c, num(norm)))
+        for step, layer, change, change2, norm in pending:
+            c, c2, n = num(change), num(change2), num(norm)
+            assert c is not None and n is not None
+            out.append(DriftSample(step, self.node, layer, c, c2, n))
         return out
 
     def state_dict(self) -> list[list[Any]]:
         """The samples not gathered yet (a checkpoint can fall in the middle of a cycle), as numbers."""
         samples = self.drain()
-        self.pending = [(s.step, s.layer, s.change, s.norm) for s in samples]
+        self.pending = [(s.step, s.layer, s.change, s.change2, s.norm) for s in samples]
         return [s.state() for s in samples]
 
     def load_state_dict(self, state: list[list[Any]]) -> None:
-        self.pending = [(s.step, s.layer, s.change, s.norm) for s in map(DriftSample.from_state, state)]
+        self.pending = [(s.step, s.layer, s.change, s.change2, s.norm) for s in map(DriftSample.from_state, state)]

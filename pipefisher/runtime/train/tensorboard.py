@@ -4,8 +4,9 @@ The reporting worker (the one holding the loss) writes, per step (the global ste
 as in the CSV): ``loss/train``, ``loss/held_out`` (when evaluated), ``optim/lr``, ``time/step_seconds``,
 and in scheduled mode ``kfac/cycle`` (the K-FAC cycle k of the schedule the step ran) and
 ``kfac/overrun_seconds`` (known only once the step's job cycle is gathered, so written then, under the
-step it belongs to); with K-FAC, ``kfac/drift`` under the step each curvature refresh completed in (known
-once gathered: every cycle under ``--adapt``, else at checkpoints and the end; :mod:`pipefisher.drift`);
+step it belongs to); with K-FAC, ``kfac/drift`` and ``kfac/aging`` under the step each curvature refresh
+completed in (known once gathered: in scheduled mode with the measurements, every cycle under
+``--adapt``; in kfac mode at checkpoints and the end; :mod:`pipefisher.drift`);
 at the end ``memory/peak_mib`` (and ``memory/kfac_saved_peak_mib`` with K-FAC).
 
 A resumed run appends to the same folder: its writer purges (``purge_step``) whatever an earlier run
@@ -24,8 +25,7 @@ MISSING = "--tensorboard needs the tensorboard package: pip install 'pipefisher[
 
 TAGS = {"loss": "loss/train", "val_loss": "loss/held_out", "lr": "optim/lr", "step_seconds": "time/step_seconds",
         "cycle": "kfac/cycle", "overrun_seconds": "kfac/overrun_seconds", "drift": "kfac/drift",
-        "peak_mib": "memory/peak_mib",
-        "kfac_saved_peak_mib": "memory/kfac_saved_peak_mib"}
+        "aging": "kfac/aging", "peak_mib": "memory/peak_mib", "kfac_saved_peak_mib": "memory/kfac_saved_peak_mib"}
 """Column (as in the metrics CSV, where it has one) -> TensorBoard tag."""
 
 
@@ -62,7 +62,7 @@ class TensorBoardLog:
             self._add(key, value, step)
 
     def log_late(self, key: str, values: Mapping[int, float]) -> None:
-        """Figures known only after their step (``overrun_seconds``, ``drift``: step -> value) not written
+        """Figures known only after their step (``overrun_seconds``, ``drift``, ``aging``: step -> value) not written
         yet, each under its own step, in step order."""
         done = self._late_done.setdefault(key, set())
         for step in sorted(s for s in values if s >= self.first_step and s not in done):

@@ -254,6 +254,11 @@ class Trainer:
             dist.all_gather_object(parts, mine)
         self._refreshes.update((r.step, r) for r in refreshes(s for part in parts for s in part))
 
+    def _log_drift(self, tb: TensorBoardLog) -> None:
+        """Each refresh's drift and aging not logged yet, under the step it completed in."""
+        tb.log_late("drift", {s: r.drift for s, r in self.refreshes.items()})
+        tb.log_late("aging", {s: r.aging for s, r in self.refreshes.items() if r.aging is not None})
+
     @property
     def cycles(self) -> list[int]:
         """Every node's K-FAC cycle k of the schedule running now (scheduled mode), else empty."""
@@ -375,7 +380,7 @@ class Trainer:
                                 step_seconds=result.step_seconds[-1], cycle=cycle)
                     if self.loop is not None:
                         tb.log_late("overrun_seconds", self.loop.overruns)
-                    tb.log_late("drift", {s: r.drift for s, r in self.refreshes.items()})
+                    self._log_drift(tb)
                 if loss is not None:
                     result.losses.append(loss)
                 if bar is not None:
@@ -431,7 +436,7 @@ class Trainer:
                 click.echo(f"closed loop ({'adaptive' if opts.adapt else 'static'} scheduler): {self.loop.cost_line()}"
                            + (f", final K-FAC cycle k={max(self.cycles)}" if opts.adapt else ""))
         if tb is not None:
-            tb.log_late("drift", {s: r.drift for s, r in self.refreshes.items()})
+            self._log_drift(tb)
         if self.reporter and todo and self.refreshes:
             click.echo(drift_line(list(self.refreshes.values())))
         if self.reporter and opts.metrics:
@@ -464,11 +469,11 @@ class Trainer:
 
         ``cycle``: the K-FAC cycle k of the schedule the step ran (scheduled mode); ``overrun_seconds``:
         how long K-FAC work delayed the step's calls past their planned bubbles (the slowest node's;
-        known once the step's job cycle is gathered); ``drift``: the curvature drift of the refresh that
-        completed in the step (:mod:`pipefisher.drift`; empty on other steps)."""
+        known once the step's job cycle is gathered); ``drift`` and ``aging``: the curvature drift and
+        aging of the refresh that completed in the step (:mod:`pipefisher.drift`; empty on other steps)."""
         from pipefisher.safe_io import write_atomic
 
-        header = "step,loss,val_loss,lr,step_seconds,mode,cycle,overrun_seconds,drift\n"
+        header = "step,loss,val_loss,lr,step_seconds,mode,cycle,overrun_seconds,drift,aging\n"
         kept: list[str] = []
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
@@ -480,17 +485,20 @@ class Trainer:
             return "" if x is None else f"{x:.6f}"
 
         over = self.loop.overruns if self.loop is not None else {}
-        drift = {s: r.drift for s, r in self.refreshes.items()}
+        fresh = self.refreshes
         body = [f"{s},{num(l)},{num(v)},{lr:.6g},{t:.6f},{self.mode},{'' if k is None else k},{num(over.get(s))},"
-                f"{num(drift.get(s))}" for s, l, v, lr, t, k in rows]
+                f"{num(fresh[s].drift if s in fresh else None)},{num(fresh[s].aging if s in fresh else None)}"
+                for s, l, v, lr, t, k in rows]
         write_atomic(path, header + "".join(line + "\n" for line in kept + body))
 
 
 def drift_line(refreshes: list[Any]) -> str:
-    """The run's curvature drift in one line: how many refreshes, their median, the first and the last."""
-    ds = [r.drift for r in sorted(refreshes, key=lambda r: r.step)]
-    return (f"curvature drift over {len(ds)} refresh(es): median {statistics.median(ds):.3f}, first {ds[0]:.3f}, "
-            f"last {ds[-1]:.3f} (relative change of the preconditioned gradient at a refresh)")
+    """The run's curvature drift in one line: how many refreshes, their drift and aging (medians, last)."""
+    rs = sorted(refreshes, key=lambda r: r.step)
+    ages = [r.aging for r in rs if r.aging is not None]
+    aged = f"; aging median {statistics.median(ages):.3f}, last {ages[-1]:.3f}" if ages else ""
+    return (f"curvature drift over {len(rs)} refresh(es): median {statistics.median(r.drift for r in rs):.3f}, "
+            f"last {rs[-1].drift:.3f}{aged} (see pipefisher.drift)")
 
 
 def compute_line(cfg: RunConfig) -> str:
