@@ -24,6 +24,7 @@ import click
 import torch
 import torch.distributed as dist
 
+from pipefisher.drift import AGING_HIGH, AGING_LOW, DRIFT_MAX_CYCLE
 from pipefisher.errors import first_line
 from pipefisher.kfac.factors import BadFactorError
 from pipefisher.pipeline_orders import UP
@@ -82,6 +83,11 @@ class TrainOptions:
     adapt_window: int = 4
     adapt_quantile: float = 0.5
     adapt_tie: float = 0.04  # step-time improvement that counts (the adaptive scheduler's tie)
+    # without a staleness curve the drift rule sets k (pipefisher.drift): its thresholds on the curvature's
+    # aging, and the longest cycle (None: a quarter of --steps, at most DRIFT_MAX_CYCLE)
+    adapt_aging_low: float = AGING_LOW
+    adapt_aging_high: float = AGING_HIGH
+    adapt_max_cycle: int | None = None
     margin: float | None = None
     schedule_timelines: tuple[str, ...] | None = None
     measure_prefix: str | None = None
@@ -95,6 +101,8 @@ class TrainOptions:
             raise ValueError("adapting the schedule needs mode 'scheduled' and a schedule file")
         if self.profile and self.mode == "scheduled":
             raise ValueError("profiling runs kfac steps, not a schedule")
+        if not 0 < self.adapt_aging_low < self.adapt_aging_high:
+            raise ValueError("the drift rule's aging thresholds need 0 < adapt_aging_low < adapt_aging_high")
 
     @property
     def effective_mode(self) -> str:
@@ -205,7 +213,9 @@ class Trainer:
         if g.rank == 0:
             scheduler = make_scheduler("adaptive" if opts.adapt else "static", plan, g.stages,
                                        **({"policy": opts.adapt_policy, "margin": margin, "window": opts.adapt_window,
-                                           "q": opts.adapt_quantile, "tie": opts.adapt_tie}
+                                           "q": opts.adapt_quantile, "tie": opts.adapt_tie,
+                                           "aging_low": opts.adapt_aging_low, "aging_high": opts.adapt_aging_high,
+                                           "max_cycle": opts.adapt_max_cycle or max(1, min(DRIFT_MAX_CYCLE, opts.steps // 4))}
                                           if opts.adapt else {}))
         prefix = opts.measure_prefix or (os.path.join(opts.out, self.cfg.name) if opts.out else None)
         collective = None
