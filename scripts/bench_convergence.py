@@ -212,6 +212,22 @@ def steps_and_time_to(val: list[tuple[int, float, float]], target: float) -> tup
     return math.inf, math.inf
 
 
+def reach_row(mine: list[dict[str, Any]], target: float) -> dict[str, float]:
+    """Runs of one mode against the target: median steps and training seconds to it, median final held-out
+    loss, and how many runs reached it."""
+    reach = [steps_and_time_to(r["val"], target) for r in mine]
+    return {"steps": _median([s for s, _ in reach]), "seconds": _median([t for _, t in reach]),
+            "final": _median([r["val"][-1][1] for r in mine]), "reached": sum(1 for s, _ in reach if not math.isinf(s))}
+
+
+def header_lines(a: argparse.Namespace, baseline: dict[str, Any], target: float, extra: str = "") -> list[str]:
+    """The run's setting and its target, as the convergence-style benchmarks print them first."""
+    return [f"config {os.path.basename(a.config)}, 2 stages x 1 core, {a.steps} steps, {a.seeds} seed(s), held-out "
+            f"evaluation every {a.eval_every} steps; baseline AdamW lr {baseline['lr']:g}, warm-up "
+            f"{baseline['warmup_steps']} (chosen on training loss){extra}",
+            f"target held-out loss: {target:.4f} (median of the baseline's final held-out loss)"]
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
@@ -305,22 +321,17 @@ def main() -> None:
     table: dict[str, dict[str, float]] = {}
     for mode in MODES:
         mine = [r for r in runs if r["mode"] == mode]
-        reach = [steps_and_time_to(r["val"], target) for r in mine]
         table[mode] = {
-            "steps": _median([s for s, _ in reach]), "seconds": _median([t for _, t in reach]),
-            "final": _median([r["val"][-1][1] for r in mine]),
+            **reach_row(mine, target),
             "step_ms": _median([statistics.median(r["step_seconds"][1:]) * 1e3 for r in mine]),
             "memory": _median([r["peak_memory"] / 2**20 for r in mine]),
             "saved": _median([r["peak_saved"] / 2**20 for r in mine]),
-            "reached": sum(1 for s, _ in reach if not math.isinf(s)),
         }
     b = last["baseline"]
     print()
-    print(f"config {os.path.basename(a.config)}, 2 stages x 1 core, {a.steps} steps, {a.seeds} seeds, "
-          f"held-out evaluation every {a.eval_every} steps; baseline AdamW lr {b['lr']:g}, warm-up "
-          f"{b['warmup_steps']} (chosen on training loss); scheduled K-FAC cycle k = "
-          f"{max(first['cycles'] or [0])} (per node {first['cycles']})")
-    print(f"target held-out loss: {target:.4f} (median of the baseline's final held-out loss)")
+    for line in header_lines(a, b, target, f"; scheduled K-FAC cycle k = {max(first['cycles'] or [0])} "
+                                           f"(per node {first['cycles']})"):
+        print(line)
     print("| mode | steps to target | time to target (s) | final held-out loss | step (ms) | peak memory (MiB) "
           "| K-FAC saved (MiB) | seeds reaching |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, the convergence benchmark
 
 from bench_convergence import (_median, announcer, baseline_target, bench_config, choose_baseline,  # noqa: E402
-                               common_arguments, loss_rank, merged_runs, profile_and_pack, run_record,
-                               start_worker, steps_and_time_to, trainer_of)
+                               common_arguments, header_lines, loss_rank, merged_runs, profile_and_pack, reach_row,
+                               run_record, start_worker, trainer_of)
 
 RUNS = ("baseline", "static", "adaptive")
 WITHIN = 0.10
@@ -216,17 +216,12 @@ def main() -> None:
     table: dict[str, dict[str, Any]] = {}
     for run in RUNS:
         mine = [r for r in runs if r["mode"] == run]
-        reach = [steps_and_time_to(r["val"], target) for r in mine]
-        table[run] = {"steps": _median([s for s, _ in reach]), "seconds": _median([t for _, t in reach]),
-                      "final": _median([r["val"][-1][1] for r in mine]),
+        table[run] = {**reach_row(mine, target),
                       "step_ms": _median([statistics.fmean(r["step_seconds"][1:]) * 1e3 for r in mine]),
-                      "k": [r.get("k") for r in mine], "reached": sum(1 for s, _ in reach if not math.isinf(s)),
-                      "k_most": [_most_steps(r["ks"], a.steps) for r in mine if "ks" in r]}
+                      "k": [r.get("k") for r in mine], "k_most": [_most_steps(r["ks"], a.steps) for r in mine if "ks" in r]}
     b = last["baseline"]
-    print(f"config {os.path.basename(a.config)}, 2 stages x 1 core, {a.steps} steps, {a.seeds} seed(s), held-out "
-          f"evaluation every {a.eval_every} steps; baseline AdamW lr {b['lr']:g}, warm-up {b['warmup_steps']} (chosen "
-          f"on training loss); static: policy '{first['plan']['policy']}', no staleness curve")
-    print(f"target held-out loss: {target:.4f} (median of the baseline's final held-out loss)")
+    for line in header_lines(a, b, target, f"; static: policy '{first['plan']['policy']}', no staleness curve"):
+        print(line)
     print("| run | k settled (most steps), per seed | steps to target | time to target (s) | / AdamW time | "
           "final held-out loss | mean step (ms) | seeds reaching |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
