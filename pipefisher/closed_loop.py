@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 from pipefisher.drift import AGING_HIGH, AGING_LOW, DRIFT_MAX_CYCLE, DRIFT_SAMPLES, DriftRule, Refresh
 from pipefisher.measure import StepRecord, expected_step_time, unit_seconds, window_timelines
@@ -187,7 +187,8 @@ class AdaptiveScheduler(Scheduler):
     * **repair**: when the schedule's work overran its planned bubbles significantly (beyond the room
       rule's margin) at the same place (node and iteration) two cycles in a row, it is re-packed from
       the measurements at its K-FAC slack; if that re-pack overruns too, at the next slack of ``ladder``
-      (a schedule on trial that overruns has failed its trial instead);
+      (a schedule on trial that overruns has failed its trial instead). Under the drift rule a repair
+      stays within its k: the re-pack at that slack if it fits, else the densest that does, else none;
     * **more slack** (a trial): packed with the next factor of ``ladder``, kept if its value (the median
       step time of ``settle`` cycles, see :meth:`value`) beats the kept schedule's by more than ``tie``,
       and then the next factor is tried; otherwise the scheduler goes back to the kept schedule and stops
@@ -305,11 +306,20 @@ class AdaptiveScheduler(Scheduler):
                 return self._restore(f"back to the kept schedule (K-FAC slack x{self.ladder[self.kept_rung]:g}): "
                                      f"the one on trial overran ({where})")
             up = self._repaired and self.rung + 1 < len(self.ladder)  # a re-pack as measured was not enough
-            plan = self._hand_out(self._pack(self.rung + up, f"{over}" + (": more slack" if up else ": re-packed as measured"),
-                                             self._k()), self.rung + up)
+            why = f"{over}" + (": more slack" if up else ": re-packed as measured")
+            k = self._k()
+            if k is None:
+                plan, rung = self._pack(self.rung + up, why), self.rung + up
+            else:  # within the cycle the drift allows: at this slack, else the densest that fits
+                fits = next(((p, r) for p, r in self._repacks(self.rung + up, why, k) if len(self.natural(p)[0]) <= k),
+                            None)
+                if fits is None:  # staler curvature is not the price of a repair: the overruns stay
+                    self.overran = []
+                    self.last_decision["repair_blocked"] = f"{over}, and no re-pack fits the k = {k} the drift allows"
+                    return self.current
+                plan, rung = fits
+            plan = self._hand_out(plan, rung)
             self.kept, self.kept_rung, self.trial, self._repaired, self.shorter_tried = plan, self.rung, None, True, False
-            if self.rule is not None and max(plan.cycles) != self.rule.cycle:  # the work needs a longer cycle
-                self.rule.moved(max(plan.cycles))
             return plan
         if self._since_switch < self.settle:
             return self.current
@@ -384,8 +394,7 @@ class AdaptiveScheduler(Scheduler):
         base, rung = self.kept, self.kept_rung
         if len(self.natural(base)[0]) > want:  # the kept packing needs more iterations: a denser one
             best: tuple[Plan, int] | None = None
-            for r in range(self.kept_rung, -1, -1):
-                plan = self._pack(r, "a denser packing for a shorter cycle")
+            for plan, r in self._repacks(self.kept_rung, "a denser packing for a shorter cycle"):
                 if best is None or max(plan.cycles) < max(best[0].cycles):
                     best = (plan, r)
                 if max(plan.cycles) <= want:
@@ -411,6 +420,12 @@ class AdaptiveScheduler(Scheduler):
         if k > now:  # more slack may fit the longer cycle
             self.climbing = self.rung + 1 < len(self.ladder)
         return plan
+
+    def _repacks(self, top: int, why: str, cycle: int | None = None) -> Iterator[tuple[Plan, int]]:
+        """Re-packs of the measured timeline at rung ``top``, then at every denser one down to the densest
+        (lengthened to ``cycle`` where they need fewer iterations), with their rungs, packed as asked for."""
+        for r in range(top, -1, -1):
+            yield self._pack(r, why, cycle), r
 
     def natural(self, plan: Plan) -> ScheduleData:
         """The packing a plan runs (every node's cycle equal), before pipeline-only iterations lengthened it."""

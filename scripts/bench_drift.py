@@ -55,9 +55,9 @@ def _refreshes(trainer: Any) -> list[list[Any]]:
     return [[s, r.drift, r.aging] for s, r in sorted(trainer.refreshes.items())]
 
 
-def _k_history(trainer: Any) -> list[list[int]]:
-    """[first step, job cycle k] of every schedule the run used."""
-    return [[sw.step, max(sw.plan.cycles)] for sw in trainer.loop.history]
+def _k_history(trainer: Any) -> list[list[Any]]:
+    """[first step, job cycle k, why] of every schedule the run used."""
+    return [[sw.step, max(sw.plan.cycles), sw.plan.reason] for sw in trainer.loop.history]
 
 
 def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval_every: int, lrs: list[float],
@@ -154,12 +154,12 @@ def calibration_report(runs: list[dict[str, Any]], steps: int) -> list[str]:
     return lines
 
 
-def _k_at(ks: list[list[int]], step: int) -> int:
-    """The k of the schedule that ran ``step`` (``ks``: [first step, k] of every schedule used)."""
-    return next(k for s, k in reversed(ks) if s <= step)
+def _k_at(ks: list[list[Any]], step: int) -> int:
+    """The k of the schedule that ran ``step`` (``ks``: [first step, k, why] of every schedule used)."""
+    return next(k for s, k, _ in reversed(ks) if s <= step)
 
 
-def _most_steps(ks: list[list[int]], steps: int) -> int:
+def _most_steps(ks: list[list[Any]], steps: int) -> int:
     """The k the most steps of the run (from step 1) ran at."""
     count: dict[int, int] = {}
     for s in range(1, steps):
@@ -231,10 +231,12 @@ def main() -> None:
         ratio = t["seconds"] / table["baseline"]["seconds"] if table["baseline"]["seconds"] else math.inf
         print(f"| {run} | {ks} | {_fmt(t['steps'], 0)} | {_fmt(t['seconds'])} | {_fmt(ratio, 3)} | {t['final']:.4f} "
               f"| {t['step_ms']:.1f} | {t['reached']}/{a.seeds} |")
-    print("k history of the adaptive runs (first step: k):")
+    print("k history of the adaptive runs (first step: k), and why each schedule took over:")
     for r in runs:
         if r["mode"] == "adaptive":
-            print(f"  seed {r['seed']}: " + ", ".join(f"{s}: {k}" for s, k in r["ks"]))
+            print(f"  seed {r['seed']}: " + ", ".join(f"{s}: {k}" for s, k, _ in r["ks"]))
+            for s, k, why in r["ks"][1:]:
+                print(f"    step {s}, k = {k}: {why}")
     print("per refresh, median drift / aging by the k it was measured at (refreshes):")
     for run in ("static", "adaptive"):
         by_k: dict[int, list[list[Any]]] = {}

@@ -303,3 +303,22 @@ def test_with_a_curve_the_drift_decides_nothing(job, initial) -> None:
     assert drifting.scheduler.rule is None
     for _ in range(8):
         assert plain.cycle()[1].digest == drifting.cycle(0.01)[1].digest
+
+
+def test_without_a_curve_a_repair_stays_within_the_cycle_the_drift_allows(job, initial) -> None:
+    """3x slower K-FAC work fits no packing of 4 iterations. With a curve the repair lengthens k
+    (test_k_grows_when_kfac_work_gets_much_slower); without one the drift set k = 4, and the overruns stay
+    rather than the curvature growing staler, until the aging says a longer cycle costs little: then the
+    work is re-packed within the longer cycle."""
+    loop = _drifting(slowed_job(job, every_kfac=3.0), initial)
+    blocked = []
+    for _ in range(4):
+        assert loop.cycle(0.2)[1] is initial  # aging in the band: k holds at 4
+        blocked.append(loop.scheduler.last_decision.get("repair_blocked"))
+    assert "and no re-pack fits the k = 4 the drift allows" in next(filter(None, blocked))
+    plans = []
+    for _ in range(16):
+        plans.append(loop.cycle(0.01)[1])
+        assert max(plans[-1].cycles) <= loop.scheduler.rule.cycle
+    repaired = [p for p in plans if "overran its bubbles" in p.reason]
+    assert repaired and max(repaired[0].cycles) > 4
