@@ -318,6 +318,9 @@ class AdaptiveScheduler(Scheduler):
                     self.last_decision["repair_blocked"] = f"{over}, and no re-pack fits the k = {k} the drift allows"
                     return self.current
                 plan, rung = fits
+                if rung != self.rung + up:
+                    plan = Plan(plan.data, f"{plan.reason} (the densest re-pack that fits the k = {k} the drift allows)",
+                                plan.timelines, plan.margin, plan.expected_seconds)
             plan = self._hand_out(plan, rung)
             self.kept, self.kept_rung, self.trial, self._repaired, self.shorter_tried = plan, self.rung, None, True, False
             return plan

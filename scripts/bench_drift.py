@@ -100,7 +100,8 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
 
 def staleness_curve(text: str) -> Any:
     """``--staleness``: a ``staleness.json`` of ``scripts/bench_staleness.py`` (its ``curve``: k and steps
-    to target over AdamW's, null where never reached) or ``k:ratio`` pairs."""
+    to target over AdamW's, null where never reached; over k = 1's where AdamW's are not known, which
+    serves the check against k = 1 as well) or ``k:ratio`` pairs."""
     from pipefisher.errors import InputError
     from pipefisher.objective import StalenessCurve
     from pipefisher.safe_io import load_json
@@ -110,10 +111,14 @@ def staleness_curve(text: str) -> Any:
             raise InputError(text, "no such staleness curve file (--staleness)")
         return StalenessCurve.parse(text)
     data = load_json(text)
+
+    def points(key: str) -> tuple[tuple[float, float], ...]:
+        return tuple((float(row["interval"]), math.inf if row[key] is None else float(row[key])) for row in data["curve"])
     try:
-        points = tuple((float(row["interval"]), math.inf if row["vs_baseline"] is None else float(row["vs_baseline"]))
-                       for row in data["curve"])
-        return StalenessCurve(points, source=text)
+        try:
+            return StalenessCurve(points("vs_baseline"), source=text)
+        except ValueError:  # AdamW's own steps to the target unknown (ratios 0): the curve relative to k = 1
+            return StalenessCurve(points("vs_first"), source=f"{text} (relative to its k = 1)")
     except (KeyError, TypeError, ValueError) as err:
         raise InputError(text, f"is not a staleness curve of scripts/bench_staleness.py ({err})") from None
 
