@@ -92,3 +92,20 @@ def test_the_resume_command_is_the_command_line_with_resume_added():
     argv = ["/usr/bin/pipefisher", "train", "--config", "my run.yaml", "--checkpoint-dir", "ck"]
     assert resume_command(argv, "ck") == "pipefisher train --config 'my run.yaml' --checkpoint-dir ck --resume ck"
     assert resume_command(argv + ["--resume", "ck"], "ck").count("--resume") == 1
+
+
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_muon_on_a_torch_without_it_is_refused_in_one_line_before_any_worker(tmp_path, monkeypatch, command):
+    import torch
+
+    from pipefisher.runtime.launch import local
+
+    monkeypatch.delattr(torch.optim, "Muon")
+    monkeypatch.setattr(torch, "__version__", "2.8.0")
+    monkeypatch.setattr(local, "spawn_local", lambda *a, **k: pytest.fail("a worker started"))
+    args = ["--nproc-per-node", "2"] if command == "train" else ["--out", str(tmp_path / "out")]
+    res = CliRunner().invoke(main, [command, "--config", TINY, "--no-progress", "--steps", "2",
+                                    "--set", "optim.name=muon"] + args)
+    assert res.exit_code == 2, res.output
+    assert res.output == (f"error: {TINY}: optim.name muon needs torch >= 2.9 (torch.optim.Muon); this torch is 2.8.0: "
+                    "pip install 'torch>=2.9', or choose another optim.name\n"), res.output

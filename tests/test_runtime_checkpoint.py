@@ -63,6 +63,42 @@ def test_resume_in_one_process_continues_exactly(tmp_path, mode):
         assert torch.equal(p, _params(resumed)[name]), name
 
 
+@pytest.mark.parametrize("mode", ["first-order", "kfac"])
+def test_resume_with_muon_continues_exactly(tmp_path, mode):
+    """Muon with AdamW (in kfac mode: Muon takes K-FAC's preconditioned gradients): both optimizers'
+    state goes into the checkpoint and the resumed run ends bit for bit where the whole one does."""
+    cfg = tiny(pipeline={"stages": 1}, model={"dropout": 0.1}, kfac={"update": "base"},
+               optim={"name": "muon", "lr": 0.01, "warmup_steps": 2, "decay_steps": 6})
+    full = _train(cfg, mode=mode, steps=6)
+    ck = str(tmp_path / "ck")
+    _train(cfg, mode=mode, steps=3, checkpoint_dir=ck)
+    state = torch.load(os.path.join(ck, "step-00000003", "stage0-replica0.pt"), weights_only=True)
+    assert set(state["optimizer"]["optimizer"]) == {"muon", "adamw"} and state["optimizer"]["optimizer"]["muon"]
+    resumed = _train(cfg, mode=mode, steps=6, resume=ck, checkpoint_dir=ck)
+    assert resumed.start_step == 3
+    for name, p in _params(full).items():
+        assert torch.equal(p, _params(resumed)[name]), name
+
+
+def test_muon_resume_on_two_stages_one_without_muon_parameters(tmp_path):
+    """Muon only on layer 0 (stage 0): stage 1 steps with AdamW alone, and a run stopped after step 2
+    and resumed to step 4 ends with the weights of the run that never stopped, on both stages."""
+    base = ["train", "--config", TINY, "--nproc-per-node", "2", "--no-progress", "--set", "data.text=stdlib",
+            "--set", "optim.name=muon", "--set", "optim.lr=0.01", "--set", "optim.muon_include=[encoder.layer.0]"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    runner = CliRunner()
+    for args in (["--steps", "4", "--checkpoint-dir", a], ["--steps", "2", "--checkpoint-dir", b],
+                 ["--steps", "4", "--resume", b]):
+        res = runner.invoke(main, base + args)
+        assert res.exit_code == 0, res.output
+    for stage in range(2):
+        fa = torch.load(os.path.join(a, "step-00000004", f"stage{stage}-replica0.pt"), weights_only=True)
+        fb = torch.load(os.path.join(b, "step-00000004", f"stage{stage}-replica0.pt"), weights_only=True)
+        assert (fa["optimizer"]["optimizer"]["muon"] is None) == (stage == 1)
+        for name, p in fa["model"].items():
+            assert torch.equal(p, fb["model"][name]), (stage, name)
+
+
 def test_resume_with_two_stages_through_the_cli(tmp_path):
     """Stop after step 1 (iteration 0 of a k >= 2 cycle), resume to step 5: the parameters equal those
     of the uninterrupted run, and the metrics CSV holds every step once."""

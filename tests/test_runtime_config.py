@@ -203,6 +203,25 @@ def test_new_training_keys_are_checked_in_one_line(section, key, value, problem)
         config_from_dict({section: {key: value}}, "run.yaml")
 
 
+@pytest.mark.parametrize("optim, problem", [
+    ({"muon_exclude": ["cls", ""]}, "optim.muon_exclude must list parameter-name parts"),
+    ({"muon_include": [" encoder"]}, "optim.muon_include must list parameter-name parts"),
+    ({"muon_include": "encoder"}, "optim.muon_include must be a list"),
+    ({"muon_momentum": 1.0}, r"optim.muon_momentum must be in \[0, 1\)"),
+    ({"name": "shampoo"}, "optim.name must be one of adamw, lamb, sgd, adam, muon"),
+])
+def test_muon_keys_are_checked_in_one_line(optim, problem):
+    with pytest.raises(InputError, match=problem):
+        config_from_dict({"optim": {"name": "muon", **optim}}, "run.yaml")
+
+
+def test_muon_keys_read_from_yaml_and_set():
+    cfg = config_from_dict({"optim": {"name": "muon", "muon_include": ["encoder"], "muon_exclude": []}})
+    assert cfg.optim.muon_include == ("encoder",) and cfg.optim.muon_exclude == ()
+    cfg = apply_overrides(cfg, ["optim.muon_exclude=[cls, lm_head]", "optim.muon_momentum=0.9"])
+    assert cfg.optim.muon_exclude == ("cls", "lm_head") and cfg.optim.muon_momentum == 0.9
+
+
 def test_a_data_builder_is_not_silently_replaced_by_synthetic_tokens():
     with pytest.raises(InputError, match="data.builder gives the documents"):
         config_from_dict({"data": {"builder": "docs:all", "text": "synthetic"}}, "run.yaml")

@@ -87,8 +87,10 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
     except InputError as err:
         raise InputError(config_path, err.problem) from None
     from pipefisher.runtime.models.builders import check_builder
+    from pipefisher.runtime.train.optim import check_optimizer
 
     check_builder(cfg, config_path)  # model.builder imports and its stages fit, before any work
+    check_optimizer(cfg.optim, config_path)  # this torch has optim.name's optimizer
     try:
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every, log_every=log_every,

@@ -28,7 +28,7 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from pipefisher.errors import InputError, first_line
-from pipefisher.runtime.job.config import DEFAULT_BUILDER, current_builder
+from pipefisher.runtime.job.config import DEFAULT_BUILDER, OptimConfig, current_builder
 from pipefisher.safe_io import atomic_path, dump_json_atomic, load_json
 
 if TYPE_CHECKING:
@@ -46,7 +46,9 @@ def _added_later() -> dict[tuple[str, str], Any]:
     """Config keys newer than some checkpoints, with the value a run had before the key existed."""
     return {("model", "builder"): DEFAULT_BUILDER, ("model", "options"): {}, ("data", "objective"): "mlm",
             ("model", "pretrained"): "", ("data", "builder"): "", ("data", "dataset"): "", ("data", "column"): "text",
-            ("train", "precision"): "fp32", ("train", "loss_scale"): 65536.0}
+            ("train", "precision"): "fp32", ("train", "loss_scale"): 65536.0,
+            **{("optim", key): _jsonable(getattr(OptimConfig(), key))
+               for key in ("muon_momentum", "muon_include", "muon_exclude")}}
 
 
 def step_folder(steps_done: int) -> str:
