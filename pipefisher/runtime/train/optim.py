@@ -135,12 +135,9 @@ class MuonWithAdamW:
         """Per-parameter state of both optimizers (parameters are never in both)."""
         return {p: st for o in self.optimizers for p, st in o.state.items()}
 
-    @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        """Both optimizers' steps (each under no_grad, as torch's are), after ``closure`` if given."""
+        loss = None if closure is None else closure()
         for o in self.optimizers:
             o.step()
         return loss
