@@ -147,11 +147,12 @@ def test_a_foreign_checkpoint_is_refused(tmp_path):
     t = _train(cfg, mode="scheduled", schedule=sched, steps=2, checkpoint_dir=ck)
     digest = t.schedule_digest
     check_resumable(ck, cfg, "scheduled", digest, 1, 1)  # its own run is fine
-    # a manifest from before model.builder/options and data.objective existed: those keys at the
-    # values they stand for still resume; another builder does not
+    # a manifest from before model.builder/options, data.objective and the Muon keys existed: those keys
+    # at the values they stand for still resume; another builder does not
     with open(os.path.join(ck, MANIFEST)) as f:
         manifest = json.load(f)
-    for sec, key in (("model", "builder"), ("model", "options"), ("data", "objective")):
+    for sec, key in (("model", "builder"), ("model", "options"), ("data", "objective"), ("optim", "muon_momentum"),
+                     ("optim", "muon_include"), ("optim", "muon_exclude")):
         del manifest["config"][sec][key]
     with open(os.path.join(ck, MANIFEST), "w") as f:
         json.dump(manifest, f)
@@ -161,6 +162,8 @@ def test_a_foreign_checkpoint_is_refused(tmp_path):
     with pytest.raises(InputError, match=r"another config \(differs in optim.weight_decay\)"):
         check_resumable(ck, cfg.replace(optim={"weight_decay": 0.5}), "scheduled", digest, 1, 1)
     check_resumable(ck, cfg.replace(optim={"lr": 0.5}), "scheduled", digest, 1, 1)  # the lr schedule may change
+    with pytest.raises(InputError, match=r"another config \(differs in optim.muon_exclude\)"):
+        check_resumable(ck, cfg.replace(optim={"muon_exclude": ["cls"]}), "scheduled", digest, 1, 1)
     with pytest.raises(InputError, match="another schedule file"):
         check_resumable(ck, cfg, "scheduled", "0" * 16, 1, 1)
     with pytest.raises(InputError, match="mode 'scheduled', this run is 'kfac'"):
