@@ -452,6 +452,14 @@ def test_a_torch_without_muon_is_refused_in_one_line(monkeypatch):
         make_optimizer(MUON, Block().named_parameters())
     check_optimizer(OptimConfig(name="adamw"), "run.yaml")  # the others need nothing new
 
+    class EarlyMuon(torch.optim.Optimizer):  # a Muon without the learning-rate scaling we ask for
+        def __init__(self, params, lr=1e-3, momentum=0.95):  # noqa: ANN001, ANN204
+            super().__init__(params, {"lr": lr})
+
+    monkeypatch.setattr(torch.optim, "Muon", EarlyMuon, raising=False)
+    with pytest.raises(InputError, match="needs torch >= 2.9"):
+        check_optimizer(MUON, "run.yaml")
+
 
 def _muon_step_worker(cfg) -> dict:
     """One training step with Muon (first-order, then kfac with ``kfac.update: base``, each from the seed's

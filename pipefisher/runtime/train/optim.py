@@ -68,8 +68,12 @@ MUON_SINCE = "2.9"
 
 
 def muon_refusal() -> str | None:
-    """Why this torch cannot run ``optim.name: muon`` (one line), or None when it can."""
-    if hasattr(torch.optim, "Muon"):
+    """Why this torch cannot run ``optim.name: muon`` (one line), or None when it can: it needs
+    ``torch.optim.Muon`` with the ``adjust_lr_fn`` argument (:func:`make_muon` passes ``match_rms_adamw``)."""
+    import inspect
+
+    muon = getattr(torch.optim, "Muon", None)
+    if muon is not None and "adjust_lr_fn" in inspect.signature(muon).parameters:
         return None
     return (f"optim.name muon needs torch >= {MUON_SINCE} (torch.optim.Muon); this torch is {torch.__version__}: "
             f"pip install 'torch>={MUON_SINCE}', or choose another optim.name")
