@@ -257,3 +257,21 @@ def test_a_checkpoint_is_complete_on_every_worker_when_its_save_returns(tmp_path
     results = spawn_local(_late_manifest_worker, 2, tiny(pipeline=dict(stages=2)), str(tmp_path / "ck"),
                           timeout_s=120)
     assert results == [1, 1]
+
+
+def test_checkpoint_keep_keeps_the_newest_checkpoints_and_export_takes_any_of_them(tmp_path):
+    from safetensors.torch import load_file
+
+    from pipefisher.runtime.models.bert import from_transformers
+    from pipefisher.runtime.train.export import export
+
+    cfg = tiny(pipeline={"stages": 1}, checkpoint={"keep": 2})
+    ck = str(tmp_path / "ck")
+    _train(cfg, mode="first-order", steps=4, checkpoint_dir=ck, checkpoint_every=1)
+    assert sorted(e for e in os.listdir(ck) if e.startswith("step-")) == ["step-00000003", "step-00000004"]
+    check_resumable(ck, cfg.replace(checkpoint={"keep": 1}), "first-order", None, 1, 1)  # it may change
+    line = export(os.path.join(ck, "step-00000003"), str(tmp_path / "out"))
+    assert "after 3 steps" in line and line.endswith(os.path.join(ck, "step-00000003"))
+    got = from_transformers(load_file(str(tmp_path / "out" / "model.safetensors")), "out")
+    for name, p in _params(_train(cfg, mode="first-order", steps=3)).items():
+        assert torch.equal(got[name], p), name

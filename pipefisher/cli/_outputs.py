@@ -18,6 +18,8 @@ def check_out_file(path: str | os.PathLike[str] | None, option: str) -> None:
     if os.path.isdir(path):
         raise InputError(path, f"is a folder; {option} needs a file name")
     folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise InputError(path, f"cannot be written: {os.path.normpath(folder)} is a file, not a folder ({option})")
     if not os.path.isdir(folder):
         raise InputError(path, f"cannot be written: its folder does not exist ({option})")
     if not os.access(folder, os.W_OK | os.X_OK) or not _can_create_in(folder):
@@ -34,6 +36,8 @@ def check_out_folder(path: str | os.PathLike[str], option: str) -> None:
             break
         here = parent
     if not os.path.isdir(here):
+        if here == os.path.abspath(path):
+            raise InputError(path, f"is a file; {option} needs a folder")
         raise InputError(path, f"cannot be created ({option}): {os.path.normpath(here)} is a file")
     if not os.access(here, os.W_OK | os.X_OK) or not _can_create_in(here):
         if here == os.path.abspath(path):

@@ -272,6 +272,26 @@ def check_corpus(corpus: Corpus, cfg: DataConfig) -> None:
                                 f"(data.seq_len = {cfg.seq_len}); {more} or raise data.val_fraction")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""A transformers tokenizer folder: the tokenizer as trained, and its config naming the special tokens."""
+
+
+def write_transformers_tokenizer(tokenizer_json: str, folder: str | os.PathLike[str], *, causal: bool,
+                                 max_length: int) -> None:
+    """The run's tokenizer as a folder ``transformers.AutoTokenizer.from_pretrained`` loads (a
+    ``PreTrainedTokenizerFast``): :data:`TOKENIZER_FILES`, the special tokens at ids 0..4 named as
+    transformers names them, and for a ``causal`` model ``[CLS]``/``[SEP]`` as its bos/eos (every
+    document ends with ``[SEP]``). No transformers needed to write it."""
+    pad, unk, cls, sep, mask = SPECIAL_TOKENS
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+                              "pad_token": pad, "unk_token": unk, "cls_token": cls, "sep_token": sep,
+                              "mask_token": mask, "clean_up_tokenization_spaces": False}
+    if causal:
+        config.update(bos_token=cls, eos_token=sep)
+    write_atomic(os.path.join(folder, TOKENIZER_FILES[0]), tokenizer_json)
+    write_atomic(os.path.join(folder, TOKENIZER_FILES[1]), json.dumps(config, indent=2) + "\n")
+
+
 def save_tokenizer(corpus: Corpus, path: str | os.PathLike[str]) -> None:
     """Write the tokenizer JSON (atomically), so a run folder records the vocabulary its ids mean. A
     corpus of token ids has no tokenizer: nothing is written."""
