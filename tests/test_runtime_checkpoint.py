@@ -192,19 +192,26 @@ def _lrs(metrics: str) -> list[float]:
         return [float(row.split(",")[3]) for row in f.read().splitlines()[1:]]
 
 
-def test_resuming_with_more_steps_keeps_the_learning_rate_schedule(tmp_path):
-    """README's example: 4 steps, then --steps 8 --resume. The decay ends where the first run put it (its
-    --steps, recorded in the checkpoint), so every lr equals that of a run that never stopped with that
-    end; one line says that the steps past it keep the final rate."""
+def test_resuming_past_the_learning_rate_decay_is_refused_unless_asked_for(tmp_path):
+    """README's example: 4 steps, then --steps 8 --resume. The decay ended where the first run put it (its
+    --steps, recorded in the checkpoint), so steps 4-7 would train at the final rate, 0: refused in one line
+    with both fixes. With --past-decay every lr equals that of a run that never stopped with that end, and
+    one line says that the steps past it keep the final rate."""
     base = ["train", "--config", TINY, "--stages", "1", "--no-progress", "--set", "optim.schedule=linear"]
     ck, resumed, whole = str(tmp_path / "ck"), str(tmp_path / "resumed.csv"), str(tmp_path / "whole.csv")
     runner = CliRunner()
     res = runner.invoke(main, base + ["--steps", "4", "--checkpoint-dir", ck, "--metrics", resumed])
     assert res.exit_code == 0, res.output
     res = runner.invoke(main, base + ["--steps", "8", "--resume", ck, "--metrics", resumed])
+    assert (res.exit_code, res.output) == (2, (
+        f"error: {ck}: holds a run whose linear learning-rate schedule decayed to step 4: --steps 8 would train "
+        "steps 4-7 at its final rate 0 (optim.min_lr_ratio x optim.lr); --set optim.decay_steps=8 decays over all "
+        "8 steps instead, --past-decay trains them at the final rate\n"))
+    res = runner.invoke(main, base + ["--steps", "8", "--resume", ck, "--metrics", resumed, "--past-decay"])
     assert res.exit_code == 0, res.output
     assert res.output.count("resuming: the learning rate keeps the schedule of the checkpoint's run, which "
-                            "decayed to step 4; steps 4-7 run at its final rate 0") == 1, res.output
+                            "decayed to step 4; steps 4-7 run at its final rate 0 (optim.min_lr_ratio x optim.lr) "
+                            "(--past-decay)") == 1, res.output
     res = runner.invoke(main, base + ["--steps", "8", "--set", "optim.decay_steps=4", "--metrics", whole])
     assert res.exit_code == 0, res.output
     assert _lrs(resumed) == _lrs(whole) == [0.1, 0.075, 0.05, 0.025, 0, 0, 0, 0]

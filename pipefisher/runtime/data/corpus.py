@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.data.sources import IDS, TEXT, Documents, open_source, source_error
@@ -241,9 +241,11 @@ def build_corpus(docs: Documents, cfg: DataConfig, vocab_size: int, key: str = "
                   docs.count, key, _tokenizer_vocab_size(tokenizer_json))
 
 
-def load_corpus(cfg: DataConfig, vocab_size: int, cache_dir: str | None = None) -> Corpus:
+def load_corpus(cfg: DataConfig, vocab_size: int, cache_dir: str | None = None,
+                on_build: Callable[[str], None] | None = None) -> Corpus:
     """The corpus ``cfg`` names (:func:`pipefisher.runtime.data.sources.open_source`) for a
-    ``vocab_size`` model, from the cache or built and cached.
+    ``vocab_size`` model, from the cache or built and cached; ``on_build(what)`` is called before a
+    build (not when the cache has it), ``what`` saying what is built, for a phase line.
 
     ``cache_dir`` defaults to ``$PIPEFISHER_CACHE`` or ``~/.cache/pipefisher``. Too short a corpus is an
     :class:`~pipefisher.errors.InputError` (see :func:`check_corpus`).
@@ -254,7 +256,10 @@ def load_corpus(cfg: DataConfig, vocab_size: int, cache_dir: str | None = None) 
     folder = os.path.join(cache_dir, f"corpus-{key}")
     corpus = _load_cached(folder, key)
     if corpus is None:
-        corpus = build_corpus(source.read(cfg.val_fraction), cfg, vocab_size, key)
+        docs = source.read(cfg.val_fraction)
+        if on_build is not None:
+            on_build("token ids" if docs.kind == IDS else "tokenizer and token ids")
+        corpus = build_corpus(docs, cfg, vocab_size, key)
         _save_cached(folder, corpus)
     check_corpus(corpus, cfg)
     return corpus

@@ -136,7 +136,7 @@ def load_kfac_state(kfac: Any, state: dict[str, Any], path: str) -> None:
 # ----------------------------------------------------------------------------------------------------
 # Writing
 
-RUN_OPTIONS = ("adapt", "adapt_policy", "margin", "eval_every", "checkpoint_every", "log_every")
+RUN_OPTIONS = ("adapt", "adapt_policy", "margin", "eval_every", "checkpoint_every", "log_every", "tensorboard")
 """The training options a manifest records (``options``): what ``pipefisher run --resume`` runs again."""
 
 
@@ -300,9 +300,11 @@ def lr_horizon(man: dict[str, Any], cfg: Any, steps: int) -> int:
     return int(recorded)
 
 
-def resume_note(folder: str | os.PathLike[str], cfg: Any, steps: int) -> str | None:
+def resume_note(folder: str | os.PathLike[str], cfg: Any, steps: int, past_decay: bool = False) -> str | None:
     """The line a resumed run prints about its learning-rate schedule, or None when there is nothing to say:
-    what the user changed on purpose, or that the steps past the first run's decay keep its final rate."""
+    what the user changed on purpose, or (``past_decay``) that the steps past the first run's decay keep
+    its final rate. Without ``past_decay`` such steps are refused (:class:`InputError`), with the fix:
+    they would train at the decayed rate (0 by default), which is rarely what more steps are for."""
     man = read_manifest(folder)
     changes = lr_schedule_changes(man, cfg)
     horizon = lr_horizon(man, cfg, steps)
@@ -312,9 +314,14 @@ def resume_note(folder: str | os.PathLike[str], cfg: Any, steps: int) -> str | N
     o = cfg.optim
     if man.get("lr_horizon") is None or steps <= horizon or o.schedule == "constant":
         return None
+    final = f"{o.min_lr_ratio * o.lr:g} (optim.min_lr_ratio x optim.lr)"
+    if not past_decay:
+        raise InputError(os.fspath(folder), f"holds a run whose {o.schedule} learning-rate schedule decayed to step "
+                                            f"{horizon}: --steps {steps} would train steps {horizon}-{steps - 1} at "
+                                            f"its final rate {final}; --set optim.decay_steps={steps} decays over all "
+                                            f"{steps} steps instead, --past-decay trains them at the final rate")
     return (f"resuming: the learning rate keeps the schedule of the checkpoint's run, which decayed to step "
-            f"{horizon}; steps {horizon}-{steps - 1} run at its final rate {o.min_lr_ratio * o.lr:g} "
-            f"(optim.min_lr_ratio x optim.lr); --set optim.decay_steps={steps} decays over all {steps} steps instead")
+            f"{horizon}; steps {horizon}-{steps - 1} run at its final rate {final} (--past-decay)")
 
 
 def load_checkpoint(folder: str, trainer: "Trainer") -> int:

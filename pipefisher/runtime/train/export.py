@@ -72,8 +72,7 @@ def find_checkpoint(path: str) -> str:
             return path
         raise InputError(path, f"is a step folder of a checkpoint, but {parent} holds no {MANIFEST}: pass the "
                                "checkpoint folder that does")
-    runs = sorted(e for e in os.listdir(path)
-                  if e.endswith(RUN_CHECKPOINTS) and os.path.isdir(os.path.join(path, e)))
+    runs = run_checkpoint_folders(path)
     if len(runs) == 1:
         return os.path.join(path, runs[0])
     if runs:
@@ -81,6 +80,11 @@ def find_checkpoint(path: str) -> str:
                                f"checkpoint folder, e.g. {os.path.join(path, runs[0])}")
     raise InputError(path, f"holds no checkpoint: no {MANIFEST} (pipefisher train --checkpoint-dir writes one) "
                            f"and no <run>{RUN_CHECKPOINTS} folder (pipefisher run --out writes one)")
+
+
+def run_checkpoint_folders(folder: str) -> list[str]:
+    """The ``<run>_checkpoints`` folders in a ``pipefisher run --out`` folder, sorted."""
+    return sorted(e for e in os.listdir(folder) if e.endswith(RUN_CHECKPOINTS) and os.path.isdir(os.path.join(folder, e)))
 
 
 def checkpoint_step(folder: str) -> tuple[str, dict[str, Any]]:

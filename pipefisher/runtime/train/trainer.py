@@ -133,7 +133,9 @@ class Trainer:
         if ctx.chimera != self.chimera:
             raise ValueError("the process groups were set up for another pipeline schedule than the config's")
         self.reporter = g.stage == loss_device(cfg) and g.replica == 0  # it holds the loss
-        self._phase(f"loading data ({cfg.data.text} text)")
+        from pipefisher.runtime.data.sources import describe_source
+
+        self._phase(f"loading data ({describe_source(cfg.data)})")
         self.data = MLMData(cfg.data, cfg.model.vocab_size)
         self.val_batches = self.data.validation_batches() if opts.eval_every else []
         self.profiler = Profiler(opts.profile, ctx.device)
@@ -166,6 +168,8 @@ class Trainer:
 
             self._phase(f"loading the checkpoint in {opts.resume}")
             self.start_step = load_checkpoint(opts.resume, self)
+        elif cfg.model.pretrained and self.reporter:  # said also without phase lines: what the run trains
+            click.echo(f"model.pretrained: the model starts from the weights in {cfg.model.pretrained}")
 
     def _schedule_loop(self) -> Any:
         """The closed loop (:class:`pipefisher.runtime.train.adapt.ScheduleLoop`) of this worker."""
