@@ -138,8 +138,8 @@ def test_a_schedule_packed_for_another_model_is_refused_unless_allowed(tmp_path)
         load_checked_schedule(path, wider)
     load_checked_schedule(path, wider, allow_mismatch=True)
     deeper = cfg.replace(model={"num_layers": 6})  # more layers: more K-FAC modules on the stage too
-    with pytest.raises(InputError, match=r"model.num_layers 4 \(this run: 6\), node 0's K-FAC modules "
-                                         r"\(24 packed for, 36 here"):
+    with pytest.raises(InputError, match=r"model.num_layers 4 \(this run: 6\), node 0's K-FAC modules: 12 in "
+                                         r"this run not in it \(e.g. 'encoder.layer.4."):
         load_checked_schedule(path, deeper)
     # the workers check it too (torchrun runs no CLI pre-check), and take the override from the options
     opts = TrainOptions(mode="scheduled", schedule=path, steps=1, progress=False)

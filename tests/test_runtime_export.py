@@ -91,14 +91,17 @@ def test_a_hugging_face_export_loads_without_pipefisher_and_computes_what_the_pi
         torch.testing.assert_close(chain(stages, x), stage(x), rtol=1e-5, atol=1e-5)
 
 
-def test_an_export_needs_neither_the_pretrained_folder_nor_the_folder_the_run_started_in(tmp_path, monkeypatch):
+def test_an_export_needs_neither_the_pretrained_folder_nor_the_folder_the_run_started_in(tmp_path, monkeypatch,
+                                                                                        capsys):
     """The checkpoint keeps the transformers config: exported after the pretrained folder is gone, and
-    from another working folder, it is the same model."""
+    from another working folder, it is the same model. A run from pretrained weights says so."""
     transformers = pytest.importorskip("transformers")
     first, ck0, ck = str(tmp_path / "first"), str(tmp_path / "ck0"), str(tmp_path / "ck")
     trained(hf_run("gpt2"), ck0, steps=1)
     export(ck0, first)
+    capsys.readouterr()
     stage = trained(hf_run("gpt2").replace(model={"pretrained": first}), ck, steps=1).stage.eval()
+    assert f"model.pretrained: the model starts from the weights in {first}\n" in capsys.readouterr().out
     shutil.rmtree(first)
     monkeypatch.chdir(ck0)
     export(ck, str(tmp_path / "again"))
