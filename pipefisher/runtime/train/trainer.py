@@ -112,7 +112,15 @@ class WorkerResult:
     # held-out loss after a step: (steps done, loss, training seconds so far); last stage only
     val: list[tuple[int, float, float]] = field(default_factory=list)
     peak_memory_bytes: int = 0  # this process, over the training steps
+    base_memory_bytes: int = 0  # what it held as the steps began (the built model), on the peak's counter
     peak_saved_bytes: int = 0  # K-FAC inputs/output gradients waiting for their covariance piece
+
+    @property
+    def peak_above_base_bytes(self) -> int:
+        """The peak above what the process held as the steps began: what the steps themselves took. Never
+        below 0: the kernel's resident-set counters are approximate (per-CPU batches), so on CPU a peak
+        within a fraction of a MiB of the start can read a little below it; that is noise, shown as 0."""
+        return max(0, self.peak_memory_bytes - self.base_memory_bytes)
 
     def median_step_seconds(self, skip: int = 1) -> float:
         times = self.step_seconds[skip:] or self.step_seconds
@@ -309,6 +317,7 @@ class Trainer:
         metrics: list[tuple[int, float | None, float | None, float, float, int | None]] = []
         train_seconds = 0.0
         memory.reset_peak(self.ctx.device)
+        result.base_memory_bytes = memory.peak_bytes(self.ctx.device)  # just reset: what it holds now
         if self.kfac is not None:
             self.kfac.reset_peak_saved()
         if opts.out is not None and self.reporter and self.data.corpus is not None:
