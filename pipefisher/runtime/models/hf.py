@@ -284,6 +284,20 @@ def export_pretrained(model: ModelConfig, kind: str, state: dict[str, torch.Tens
     return f"a {KINDS[kind]} in safetensors (transformers.{AUTO_CLASSES[kind]}.from_pretrained loads it)"
 
 
+def positions(x: torch.Tensor) -> torch.Tensor:
+    """The position ids of a micro-batch of fixed-length windows: ``0 .. seq_len - 1``, one row."""
+    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+
+
+def causal_mask(config: Any, h: torch.Tensor, pos: torch.Tensor) -> Any:
+    """The causal mask transformers' decoder blocks take, as their models make it without a cache or an
+    attention mask (every window is full length, no padding)."""
+    from transformers.masking_utils import create_causal_mask
+
+    return create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                              position_ids=pos)
+
+
 class _Stage(nn.Module):
     """What every builder's stages share: the pipeline-stage protocol's attributes."""
 
@@ -295,6 +309,19 @@ class _Stage(nn.Module):
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.layer_ids = stage_layers(model.num_layers, num_stages)[index]
         self.hidden_size, self.vocab_size = model.hidden_size, model.vocab_size
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The last stage's head: hidden states to vocabulary logits."""
+        raise NotImplementedError
+
+    def _end(self, h: torch.Tensor, labels: torch.Tensor | None, sample: torch.Generator | None) -> Any:
+        """What the stage returns after its blocks: the hidden states, or on the last stage the logits (no
+        ``labels``) or the mean loss (``(loss, sampled_loss)`` with ``sample``, :func:`lm_loss`)."""
+        if not self.is_last:
+            return h
+        if labels is None:
+            return self._head(h)
+        return lm_loss(self._head, h, labels, sample)
 
 
 class BertStage(_Stage):
@@ -310,6 +337,9 @@ class BertStage(_Stage):
         self.bert.encoder.layer = nn.ModuleDict({str(i): full.bert.encoder.layer[i] for i in self.layer_ids})
         self.cls = full.cls if self.is_last else None
 
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.cls(h)
+
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
                 sample: torch.Generator | None = None) -> Any:
         """Hidden states (not the last stage), logits (last, no labels), the mean MLM loss, or
@@ -321,11 +351,7 @@ class BertStage(_Stage):
         mask = create_bidirectional_mask(config=self.config, inputs_embeds=h, attention_mask=None)
         for layer in self.bert.encoder.layer.values():
             h = layer(h, mask, None, encoder_attention_mask=None, past_key_values=None)
-        if self.cls is None:
-            return h
-        if labels is None:
-            return self.cls(h)
-        return lm_loss(self.cls, h, labels, sample)
+        return self._end(h, labels, sample)
 
 
 class GPT2Stage(_Stage):
@@ -352,24 +378,17 @@ class GPT2Stage(_Stage):
                 sample: torch.Generator | None = None) -> Any:
         """Hidden states, logits, or the mean causal-LM loss; ``labels`` are already the next tokens
         (``data.objective: clm``), so they are not shifted again. ``sample``: as in the built-in model."""
-        from transformers.masking_utils import create_causal_mask
-
         # As GPT2Model.forward (transformers 5.23) does without a cache or an attention mask.
-        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        pos = positions(x)
         if self.is_first:
             t = self.transformer
             h = t.drop(t.wte(x) + t.wpe(pos))
         else:
             h = x
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
-                                  past_key_values=None, position_ids=pos)
+        mask = causal_mask(self.config, h, pos)
         for block in self.transformer.h.values():
             h = block(h, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=pos)
-        if not self.is_last:
-            return h
-        if labels is None:
-            return self._head(h)
-        return lm_loss(self._head, h, labels, sample)
+        return self._end(h, labels, sample)
 
 
 class LlamaStage(_Stage):
@@ -398,21 +417,14 @@ class LlamaStage(_Stage):
                 sample: torch.Generator | None = None) -> Any:
         """Hidden states, logits, or the mean causal-LM loss of labels that are already the next tokens
         (as :class:`GPT2Stage`); as ``LlamaModel.forward`` (transformers 5.23) without a cache or mask."""
-        from transformers.masking_utils import create_causal_mask
-
-        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        pos = positions(x)
         h = self.model.embed_tokens(x) if self.is_first else x
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
-                                  past_key_values=None, position_ids=pos)
+        mask = causal_mask(self.config, h, pos)
         angles = self.model.rotary_emb(h, position_ids=pos)
         for layer in self.model.layers.values():
             h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=None, use_cache=False,
                       position_embeddings=angles)
-        if not self.is_last:
-            return h
-        if labels is None:
-            return self._head(h)
-        return lm_loss(self._head, h, labels, sample)
+        return self._end(h, labels, sample)
 
 
 def bert_mlm(cfg: RunConfig, index: int, num_stages: int, seed: int) -> nn.Module:
