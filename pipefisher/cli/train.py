@@ -226,7 +226,9 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
             check_out_folder(folder, option)
     check_out_file(metrics_path, "--metrics")
     tensorboard_dir = check_tensorboard(tensorboard_dir)
-    if not resume_dir:  # a new run never writes over an earlier one's outputs; a resumed one continues its own
+    # A new run never writes over an earlier one's outputs; a resumed one continues its own. Under torchrun
+    # rank 0 (which writes them) checks, before any worker writes: a later-starting worker would see them.
+    if not resume_dir and (job is None or job.rank == 0):
         check_fresh_outputs(out=out_dir, name=cfg.name, metrics=metrics_path, tensorboard=tensorboard_dir,
                             checkpoints=checkpoint_dir)
     for folder in (out_dir, checkpoint_dir):

@@ -101,7 +101,7 @@ def checkpoint_step(folder: str) -> tuple[str, dict[str, Any]]:
 
 def check_out(out: str, force: bool, source: str) -> None:
     """Refuse, before any work, an output that is a file, a non-empty folder without ``force``, or one
-    that holds the checkpoint (replacing it would delete what is exported)."""
+    that holds the checkpoint (the export's files would mix with, or replace, what is exported)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise InputError(out, "is a file; --out needs a folder")
     src, dst = os.path.realpath(source), os.path.realpath(out)
