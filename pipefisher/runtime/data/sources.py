@@ -222,7 +222,7 @@ def describe_source(cfg: DataConfig) -> str:
     if cfg.dataset:
         return f"the {cfg.dataset} dataset {cfg.text!r}"
     if cfg.text == STDLIB:
-        return "the 'stdlib' corpus (the standard library's source files)"
+        return "the 'stdlib' corpus, the standard library's source files"
     if cfg.text == SYNTHETIC:
         return "synthetic tokens"
     return f"the text files of {cfg.text!r}"
