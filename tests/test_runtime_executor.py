@@ -161,8 +161,8 @@ def test_a_schedule_packed_for_another_model_is_refused_unless_allowed(tmp_path)
 
 
 def test_a_schedule_packed_from_timelines_records_what_they_say(tmp_path):
-    """`pipefisher schedule` knows no config: it records the job's stages, micro-batches and K-FAC modules,
-    which the runtime compares with its own (the model's shape stays unchecked there)."""
+    """`pipefisher schedule` knows no config: it records the job's stages, micro-batches, layout and K-FAC
+    modules, which the runtime compares with its own (the model's shape stays unchecked there)."""
     import glob
 
     from pipefisher.runtime.pipeline.checks import load_checked_schedule
@@ -172,7 +172,8 @@ def test_a_schedule_packed_from_timelines_records_what_they_say(tmp_path):
     path = str(tmp_path / "s.pickle")
     assert CliRunner().invoke(main, ["schedule", *profile, "--save-path", path]).exit_code == 0
     recorded = schedule_packed_for(path)
-    assert set(recorded) == {"pipeline.stages", "data.num_micro_batches", "modules"}
+    assert set(recorded) == {"pipeline.stages", "data.num_micro_batches", "layout", "modules"}
+    assert recorded["layout"] == [1, True, False]  # Chimera: one chunk per device, two pipes, whole backwards
     cfg = tiny(pipeline={"schedule": "chimera"})
     load_checked_schedule(path, cfg)
     load_checked_schedule(path, cfg.replace(model={"hidden_size": 64}))  # not recorded, not compared
