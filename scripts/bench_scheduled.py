@@ -144,7 +144,7 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
 
 def main() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--config", default=os.path.join(root, "configs", "small.yaml"), help="YAML run config")
     ap.add_argument("--steps", type=int, default=80,
                     help="training steps per run (the adaptive run spends its first cycles measuring)")

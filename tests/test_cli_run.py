@@ -91,7 +91,7 @@ def test_train_adapt_needs_a_schedule_and_a_known_policy(tmp_path):
     sched = str(tmp_path / "s.pickle")
     save_schedule(sched, packed_schedule(tiny()))
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--schedule", sched, "--adapt", "--adapt-policy",
-                                    "nope", "--no-progress"])
+                                    "nope", "--no-progress", "--out", str(tmp_path / "out")])
     assert res.exit_code == 2 and "nope" in res.output and "Traceback" not in res.output
 
 
@@ -299,3 +299,42 @@ def test_run_validates_a_schedule_under_the_margin_its_policy_chose(tmp_path):
     packed, report = pack_and_check(job, get_policy("target"), tiny(pipeline={"stages": 1}), RunPaths(str(tmp_path), "m"),
                                     1, margin=DEFAULT_MARGIN, allow_invalid=False, echo=lambda line: None)
     assert packed.margin != DEFAULT_MARGIN and report["valid"]
+
+
+def test_run_resume_continues_a_run_where_its_checkpoint_stopped_with_its_schedule(tmp_path):
+    """A one-stage run (in this process), resumed from 3 steps to 5: the run's schedule, config and
+    options go on, its metrics hold every step once, and the model is the one a 5-step training with
+    that schedule gives."""
+    import torch
+
+    out = tmp_path / "runs"
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--stages", "1", "--out", str(out), "--name", "r",
+                                    "--steps", "3", "--profile-steps", "2", "--eval-every", "2", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    schedule = (out / "r_schedule.pickle").read_bytes()
+    res = CliRunner().invoke(main, ["run", "--resume", str(out), "--steps", "5", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert f"run r: resuming from {out / 'r_checkpoints'}, training up to 5 step(s) with its schedule" in res.output
+    assert "mode scheduled, 1 stage(s) x 1 replica(s)" in res.output and "resuming after step 2" in res.output
+    with open(out / "r_metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(5))
+    assert [bool(r["val_loss"]) for r in rows] == [False, True, True, True, True]  # --eval-every 2 went on
+    assert json.loads((out / "r_report.json").read_text())["training"]["steps"] == 5
+    assert (out / "r_schedule.pickle").read_bytes() == schedule
+    ck = str(tmp_path / "ck")
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--stages", "1", "--schedule", str(out / "r_schedule.pickle"),
+                                    "--steps", "5", "--checkpoint-dir", ck, "--no-progress"])
+    assert res.exit_code == 0, res.output
+    whole = torch.load(os.path.join(ck, "step-00000005", "stage0-replica0.pt"), weights_only=True)["model"]
+    resumed = torch.load(out / "r_checkpoints" / "step-00000005" / "stage0-replica0.pt", weights_only=True)["model"]
+    assert all(torch.equal(t, resumed[k]) for k, t in whole.items())
+    res = CliRunner().invoke(main, ["run", "--resume", str(out), "--steps", "5"])
+    assert res.exit_code == 0 and res.output.endswith(f"nothing to do: the checkpoint in {out / 'r_checkpoints'} has "
+                                                      "5 steps done, --steps is 5\n"), res.output
+    res = CliRunner().invoke(main, ["run", "--resume", str(out), "--steps", "6", "--stages", "2", "--policy", "tight"])
+    assert (res.exit_code, res.output) == (2, "error: --policy, --stages: set a run up, which --resume continues as it "
+                                              "was set up: drop them\n")
+    res = CliRunner().invoke(main, ["run", "--resume", str(tmp_path), "--steps", "6"])
+    assert (res.exit_code, res.output) == (2, f"error: {tmp_path}: holds no run's checkpoints (<run>_checkpoints); "
+                                              "--resume takes the --out folder of a pipefisher run\n")

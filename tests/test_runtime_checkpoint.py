@@ -231,19 +231,26 @@ def _lrs(metrics: str) -> list[float]:
         return [float(row.split(",")[3]) for row in f.read().splitlines()[1:]]
 
 
-def test_resuming_with_more_steps_keeps_the_learning_rate_schedule(tmp_path):
-    """README's example: 4 steps, then --steps 8 --resume. The decay ends where the first run put it (its
-    --steps, recorded in the checkpoint), so every lr equals that of a run that never stopped with that
-    end; one line says that the steps past it keep the final rate."""
+def test_resuming_past_the_learning_rate_decay_is_refused_unless_asked_for(tmp_path):
+    """README's example: 4 steps, then --steps 8 --resume. The decay ended where the first run put it (its
+    --steps, recorded in the checkpoint), so steps 4-7 would train at the final rate, 0: refused in one line
+    with both fixes. With --past-decay every lr equals that of a run that never stopped with that end, and
+    one line says that the steps past it keep the final rate."""
     base = ["train", "--config", TINY, "--stages", "1", "--no-progress", "--set", "optim.schedule=linear"]
     ck, resumed, whole = str(tmp_path / "ck"), str(tmp_path / "resumed.csv"), str(tmp_path / "whole.csv")
     runner = CliRunner()
     res = runner.invoke(main, base + ["--steps", "4", "--checkpoint-dir", ck, "--metrics", resumed])
     assert res.exit_code == 0, res.output
     res = runner.invoke(main, base + ["--steps", "8", "--resume", ck, "--metrics", resumed])
+    assert (res.exit_code, res.output) == (2, (
+        f"error: {ck}: holds a run whose linear learning-rate schedule decayed to step 4: --steps 8 would train "
+        "steps 4-7 at its final rate 0 (optim.min_lr_ratio x optim.lr); --set optim.decay_steps=8 decays over all "
+        "8 steps instead, --past-decay trains them at the final rate\n"))
+    res = runner.invoke(main, base + ["--steps", "8", "--resume", ck, "--metrics", resumed, "--past-decay"])
     assert res.exit_code == 0, res.output
     assert res.output.count("resuming: the learning rate keeps the schedule of the checkpoint's run, which "
-                            "decayed to step 4; steps 4-7 run at its final rate 0") == 1, res.output
+                            "decayed to step 4; steps 4-7 run at its final rate 0 (optim.min_lr_ratio x optim.lr) "
+                            "(--past-decay)") == 1, res.output
     res = runner.invoke(main, base + ["--steps", "8", "--set", "optim.decay_steps=4", "--metrics", whole])
     assert res.exit_code == 0, res.output
     assert _lrs(resumed) == _lrs(whole) == [0.1, 0.075, 0.05, 0.025, 0, 0, 0, 0]
@@ -296,3 +303,21 @@ def test_a_checkpoint_is_complete_on_every_worker_when_its_save_returns(tmp_path
     results = spawn_local(_late_manifest_worker, 2, tiny(pipeline=dict(stages=2)), str(tmp_path / "ck"),
                           timeout_s=120)
     assert results == [1, 1]
+
+
+def test_checkpoint_keep_keeps_the_newest_checkpoints_and_export_takes_any_of_them(tmp_path):
+    from safetensors.torch import load_file
+
+    from pipefisher.runtime.models.bert import from_transformers
+    from pipefisher.runtime.train.export import export
+
+    cfg = tiny(pipeline={"stages": 1}, checkpoint={"keep": 2})
+    ck = str(tmp_path / "ck")
+    _train(cfg, mode="first-order", steps=4, checkpoint_dir=ck, checkpoint_every=1)
+    assert sorted(e for e in os.listdir(ck) if e.startswith("step-")) == ["step-00000003", "step-00000004"]
+    check_resumable(ck, cfg.replace(checkpoint={"keep": 1}), "first-order", None, 1, 1)  # it may change
+    line = export(os.path.join(ck, "step-00000003"), str(tmp_path / "out"))
+    assert "after 3 steps" in line and line.endswith(os.path.join(ck, "step-00000003"))
+    got = from_transformers(load_file(str(tmp_path / "out" / "model.safetensors")), "out")
+    for name, p in _params(_train(cfg, mode="first-order", steps=3)).items():
+        assert torch.equal(got[name], p), name

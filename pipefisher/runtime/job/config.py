@@ -246,6 +246,14 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """What a run's checkpoint folder keeps: the newest ``keep`` checkpoints (1: only the latest; older
+    ones are removed as each new one is complete). It may change when a run is resumed."""
+
+    keep: int = 1
+
+
+@dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -254,6 +262,7 @@ class RunConfig:
     kfac: KfacConfig = field(default_factory=KfacConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def replace(self, **sections: Mapping[str, Any]) -> "RunConfig":
         """A copy with some fields of some sections changed, e.g. ``replace(pipeline={"stages": 4})``."""
@@ -277,7 +286,7 @@ class RunConfig:
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "kfac": KfacConfig,
-             "pipeline": PipelineConfig, "train": TrainConfig}
+             "pipeline": PipelineConfig, "train": TrainConfig, "checkpoint": CheckpointConfig}
 
 
 def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None) -> RunConfig:
@@ -458,6 +467,9 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("train.loss_scale must be positive and finite")
     if t.recompute not in RECOMPUTE:
         problems.append(f"train.recompute must be one of {', '.join(RECOMPUTE)}")
+    keep = cfg.checkpoint.keep
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        problems.append("checkpoint.keep must be an integer >= 1 (the newest checkpoints a run keeps)")
     if d.tokenizer not in ("bpe", "wordpiece"):
         problems.append("data.tokenizer must be 'bpe' or 'wordpiece'")
     if not 0.0 < d.val_fraction < 1.0:

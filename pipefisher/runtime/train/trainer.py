@@ -112,7 +112,15 @@ class WorkerResult:
     # held-out loss after a step: (steps done, loss, training seconds so far); last stage only
     val: list[tuple[int, float, float]] = field(default_factory=list)
     peak_memory_bytes: int = 0  # this process, over the training steps
+    base_memory_bytes: int = 0  # what it held as the steps began (the built model), on the peak's counter
     peak_saved_bytes: int = 0  # K-FAC inputs/output gradients waiting for their covariance piece
+
+    @property
+    def peak_above_base_bytes(self) -> int:
+        """The peak above what the process held as the steps began: what the steps themselves took. Never
+        below 0: the kernel's resident-set counters are approximate (per-CPU batches), so on CPU a peak
+        within a fraction of a MiB of the start can read a little below it; that is noise, shown as 0."""
+        return max(0, self.peak_memory_bytes - self.base_memory_bytes)
 
     def median_step_seconds(self, skip: int = 1) -> float:
         times = self.step_seconds[skip:] or self.step_seconds
@@ -133,7 +141,9 @@ class Trainer:
         if ctx.chimera != self.chimera:
             raise ValueError("the process groups were set up for another pipeline schedule than the config's")
         self.reporter = g.stage == loss_device(cfg) and g.replica == 0  # it holds the loss
-        self._phase(f"loading data ({cfg.data.text} text)")
+        from pipefisher.runtime.data.sources import describe_source
+
+        self._phase(f"loading data ({describe_source(cfg.data)})")
         self.data = MLMData(cfg.data, cfg.model.vocab_size)
         self.val_batches = self.data.validation_batches() if opts.eval_every else []
         self.profiler = Profiler(opts.profile, ctx.device)
@@ -166,6 +176,8 @@ class Trainer:
 
             self._phase(f"loading the checkpoint in {opts.resume}")
             self.start_step = load_checkpoint(opts.resume, self)
+        elif cfg.model.pretrained and self.reporter:  # said also without phase lines: what the run trains
+            click.echo(f"model.pretrained: the model starts from the weights in {cfg.model.pretrained}")
 
     def _schedule_loop(self) -> Any:
         """The closed loop (:class:`pipefisher.runtime.train.adapt.ScheduleLoop`) of this worker."""
@@ -305,6 +317,7 @@ class Trainer:
         metrics: list[tuple[int, float | None, float | None, float, float, int | None]] = []
         train_seconds = 0.0
         memory.reset_peak(self.ctx.device)
+        result.base_memory_bytes = memory.peak_bytes(self.ctx.device)  # just reset: what it holds now
         if self.kfac is not None:
             self.kfac.reset_peak_saved()
         if opts.out is not None and self.reporter and self.data.corpus is not None:
