@@ -8,7 +8,8 @@ import os
 
 import click
 
-from pipefisher.cli._common import chunks_option, margin_option, pipeline_option, require_runtime
+from pipefisher.cli._common import (chunks_option, margin_option, pipeline_option, require_runtime,
+                                    staleness_for, staleness_option)
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.cli.train import check_tensorboard, set_option, tensorboard_option
@@ -29,6 +30,7 @@ from pipefisher.errors import InputError
               help="pack as if every profiled K-FAC piece took this many times as long (slack for noisy "
                    "CPU timings; a longer cycle k)")
 @margin_option()
+@staleness_option()
 @click.option("--adapt", is_flag=True,
               help="measure every training step and re-pack the schedule from the measurements while training "
                    "(same policy; switches at cycle boundaries, on every worker at the same step)")
@@ -53,7 +55,8 @@ from pipefisher.errors import InputError
               help="steps between loss lines")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, policy: str | None,
-                kfac_margin: float, margin: float, adapt: bool, name: str | None, allow_invalid: bool,
+                kfac_margin: float, margin: float, staleness: str | None, adapt: bool, name: str | None,
+                allow_invalid: bool,
                 tensorboard_dir: str | None, checkpoint_every: int, nproc: int | None,
                 stages: int | None, pipe_schedule: str | None, chunks: int | None, timeout_s: float | None,
                 overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
@@ -67,6 +70,7 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
                                "profile, pack and train in steps: pipefisher train --profile, pipefisher "
                                "schedule, pipefisher train --schedule")
     tensorboard_dir = check_tensorboard(tensorboard_dir)
+    curve = staleness_for(staleness, policy)  # a bad file: one line, before torch loads
     if not no_progress and os.environ.get("RANK", "0") == "0":
         from pipefisher.runtime.job.progress import phase
 
@@ -95,6 +99,6 @@ def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, 
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every, log_every=log_every,
                 progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every, echo=click.echo,
-                margin=margin, adapt=adapt, tensorboard=tensorboard_dir)
+                margin=margin, adapt=adapt, tensorboard=tensorboard_dir, staleness=curve)
     except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None

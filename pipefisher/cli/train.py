@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from pipefisher.cli._common import chunks_option, pipeline_option, require_runtime
+from pipefisher.cli._common import chunks_option, pipeline_option, require_runtime, staleness_option
 from pipefisher.cli._outputs import check_out_file, check_out_folder, check_profile_folder
 from pipefisher.cli.group import main
 from pipefisher.errors import InputError
@@ -126,6 +126,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
                    "schedules used go to --out")
 @click.option("--adapt-policy", default=None,
               help="packing policy of --adapt's re-packs, only with --adapt [default: pipefisher schedule's]")
+@staleness_option()
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages")
@@ -142,7 +143,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
                   pipe_schedule: str | None,
                   steps: int, profile: bool, out_dir: str | None, metrics_path: str | None, tensorboard_dir: str | None,
                   checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, adapt: bool,
-                  adapt_policy: str | None, nproc: int | None,
+                  adapt_policy: str | None, staleness: str | None, nproc: int | None,
                   stages: int | None, interval: int | None, timeout_s: float | None, chunks: int | None,
                   overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
     """Train the masked-language model with pipeline parallelism: first-order, K-FAC, or K-FAC packed
@@ -180,12 +181,19 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     if adapt_policy is not None and not adapt:
         raise InputError("--adapt-policy", "sets the packing policy of --adapt's re-packs, and there is no --adapt; "
                                            "add --adapt, or drop --adapt-policy")
+    if staleness is not None and not adapt:
+        raise InputError("--staleness", "weighs the trials of --adapt (step time x the curve at k), and there is "
+                                        "no --adapt; add --adapt, or drop --staleness")
     from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.staleness import curve_for_job, read_staleness, staleness_data
 
+    read_staleness(staleness)  # a bad file: one line, before the config loads
     adapt_policy = adapt_policy or DEFAULT_POLICY
     if adapt:
         get_policy(adapt_policy)  # an unknown name: one line, before any worker starts
     cfg = apply_overrides(load_config(config_path), overrides, config_path)
+    curve = curve_for_job(staleness, cfg.fingerprint(layout=False), config_path,
+                          click.echo if job is None or job.rank == 0 else (lambda _: None))
     if cfg.data.text != "synthetic":
         require_runtime("train", ("tokenizers",))  # real text is tokenized by the tokenizers package
     pipeline = {k: v for k, v in (("stages", stages), ("schedule", pipe_schedule), ("timeout_s", timeout_s),
@@ -259,7 +267,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
                         tensorboard=tensorboard_dir,
                         checkpoint_dir=_abs(checkpoint_dir), checkpoint_every=checkpoint_every,
                         resume=_abs(resume_dir), eval_every=eval_every, adapt=adapt, adapt_policy=adapt_policy,
-                        allow_schedule_mismatch=allow_schedule_mismatch)
+                        allow_schedule_mismatch=allow_schedule_mismatch, staleness=staleness_data(curve))
     try:
         if job is not None or n == 1:
             run_worker(cfg, opts)
