@@ -30,7 +30,7 @@ import csv
 import math
 import os
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import accumulate, chain, cycle, islice, repeat
 from typing import Iterable, Sequence
 
 from pipefisher.policies.base import KfacLayout, Placement
@@ -321,47 +321,90 @@ def _planned_layout(layout: KfacLayout, model: NodeModel) -> tuple[list[float], 
         total[j + 1] = total[j] + gaps[j]
         previous_end = float(e)
     last_end = previous_end  # the last call's planned end (cursor0 without calls)
-    overlaps = [j for j in range(n) if gaps[j] < 0]
+    overlaps = [j for j in range(n) if gaps[j] < 0] + [n + 1]  # calls a delay can grow at without work
     lengths = model.durations
-    done: dict[str, int] = {}
+    seen: dict[str, list] = {}  # per label: [the running sum of its durations over one round, runs so far]
     times, ready = [], []
     for work in layout:
-        events: list[tuple[int, float]] = []  # (call, K-FAC work before it), in order; call n: the tail
-        for pos, label in work:
-            ds = lengths.get(label)
-            if ds is None:  # K-FAC work this model has no time for: a marker
-                continue
-            c = done.get(label, 0)
-            done[label] = c + 1
-            d = float(ds[c % len(ds)])
-            if events and events[-1][0] == pos:
-                events[-1] = (pos, events[-1][1] + d)
+        # one pass over the iteration's runs of K-FAC work; at each call with work before it (or a call
+        # that overlaps the one before), the delay: D_j = max(0, D_j-1 + K_j - g_j), grown where it rises
+        delay = grown = tail = 0.0  # the delay of the call before call j; work after the last call
+        j, o = 0, 0  # the next call; the next overlap
+        here, k = -1, 0.0  # the call the work gathered so far comes before, and that work
+        for pos, label, count in (*work, (n + 1, "", 0)):  # a last run past every call: the flush
+            if pos != here:
+                while here >= 0:  # call `here` gets its work k (and overlaps before it, none)
+                    at = overlaps[o] if overlaps[o] < here else here
+                    if at < j:  # an overlap passed already
+                        o += 1
+                        continue
+                    if at >= n:
+                        if j < n:
+                            delay = max(0.0, delay - (total[n] - total[j]))
+                            j = n
+                        tail += k
+                        break
+                    if delay and at > j:  # calls j .. at-1: no work before them, no overlap: it shrinks
+                        delay = max(0.0, delay - (total[at] - total[j]))
+                    late = delay + (k if at == here else 0.0) - gaps[at]
+                    if late > 0.0:
+                        if late > delay:
+                            grown += late - delay
+                        delay = late
+                    else:
+                        delay = 0.0
+                    j = at + 1
+                    if at == here:
+                        break
+                    o += 1
+                if pos > n:
+                    break
+                here, k = pos, 0.0
+            state = seen.get(label)
+            if state is None:
+                ds = lengths.get(label)
+                if ds is None:  # K-FAC work this model has no time for: a marker
+                    continue
+                state = seen[label] = [[0.0, *accumulate(map(float, ds))], 0]
+            running, first = state
+            state[1] = first + count
+            size = len(running) - 1
+            i = first % size
+            if i + count <= size:  # the label's durations i .. i + count - 1, without wrapping round
+                k += running[i + count] - running[i]
             else:
-                events.append((pos, d))
-        if overlaps:
-            at = {p for p, _ in events}
-            events = sorted(events + [(j, 0.0) for j in overlaps if j not in at])
-        delay, grown, j = 0.0, 0.0, 0  # the delay of the call before call j
-        tail = 0.0
-        for pos, k in events:
-            if pos >= n:
-                if j < n:
-                    delay = max(0.0, delay - (total[n] - total[j]))
-                    j = n
-                tail += k
+                k += _cyclic_sum(running, first, count)
+        while overlaps[o] < n:  # overlaps after the last call with work
+            at = overlaps[o]
+            o += 1
+            if at < j:
                 continue
-            if pos > j:  # calls j .. pos-1: no work before them, no overlap: their delay shrinks
-                delay = max(0.0, delay - (total[pos] - total[j]))
-            late = max(0.0, delay + k - gaps[pos])
-            grown += max(0.0, late - delay)
-            delay, j = late, pos + 1
+            if delay and at > j:
+                delay = max(0.0, delay - (total[at] - total[j]))
+            late = delay - gaps[at]
+            if late > delay:
+                grown += late - delay
+            delay, j = max(0.0, late), at + 1
         if j < n:
             delay = max(0.0, delay - (total[n] - total[j]))
-        before_end = last_end + delay + tail if n else cursor0 + tail
-        end = max(0.0, max(before_end, base))
+        before_end = last_end + delay + tail
+        end = max(0.0, before_end, base)
         times.append(base + grown + max(0.0, end - base - delay))
         ready.append(before_end)
     return times, ready
+
+
+def _cyclic_sum(running: list[float], first: int, count: int) -> float:
+    """The sum of ``count`` durations from the ``first``-th, cyclically, of a label whose running sum over
+    one round is ``running`` (``running[j]``: the first j)."""
+    n = len(running) - 1
+    if count == 1:
+        i = first % n
+        return running[i + 1] - running[i]
+    rounds, start = divmod(first, n)
+    end = first + count
+    full, stop = divmod(end, n)
+    return (full - rounds) * running[n] + running[stop] - running[start]
 
 
 def expected_step_time(schedule: Sequence[Sequence[Sequence[str]]], models: Sequence[NodeModel],
@@ -378,7 +421,7 @@ def job_cycle_mean(per_node: Sequence[Sequence[float]], max_steps: int = 2520) -
     for times in per_node:
         steps = steps * len(times) // math.gcd(steps, len(times))
     steps = min(steps, max_steps)
-    return sum(max(times[t % len(times)] for times in per_node) for t in range(steps)) / steps
+    return sum(map(max, zip(*(islice(cycle(times), steps) for times in per_node)))) / steps
 
 
 def planned_gaps(model: NodeModel) -> list[float]:

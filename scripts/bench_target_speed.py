@@ -14,8 +14,9 @@ each (byte code and file caches warm, as a user's are), best and median of ``--r
 * the BERT-Large regression job (``tests/data/regressions/bert-large-8stages-m12-bs8``), where no
   density is at the floor, so ``target`` packs all of them.
 
-Each line: best and median seconds per policy, ``target / tight`` (best, median), the cycle k each
-chose. With ``--check``, each job's ``target`` schedule is also compared with the one the unpruned
+Each line: best and median seconds per policy (and the processor seconds of the best run, its
+workers' included: on a busy machine the wall clock mostly measures the neighbours), ``target / tight``
+(best, median), the cycle k each chose. With ``--check``, each job's ``target`` schedule is also compared with the one the unpruned
 weighing gives (every density packed, :func:`~pipefisher.objective.tradeoff` with ``prune=False``).
 
     python scripts/bench_target_speed.py [--repeat 5] [--check]
@@ -23,6 +24,7 @@ weighing gives (every density packed, :func:`~pipefisher.objective.tradeoff` wit
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -57,35 +59,45 @@ def command(paths: list[str], policy: str, out: str, published: bool) -> list[st
     return [sys.executable, "-m", "pipefisher", "schedule", *paths, "--save-path", out, "--policy", policy]
 
 
-def time_policies(paths: list[str], repeat: int, published: bool) -> dict[str, tuple[list[float], int]]:
-    """Per policy: the seconds of each timed run (alternating with the other policy) and the k it chose."""
+Runs = dict[str, tuple[list[tuple[float, float]], int]]
+"""Per policy: (wall, processor) seconds of each timed run, and the cycle k it chose."""
+
+
+def time_policies(paths: list[str], repeat: int, published: bool) -> Runs:
+    """Every policy's whole process, alternating, after one untimed round (caches warm)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-    times: dict[str, list[float]] = {"tight": [], "target": []}
+    times: dict[str, list[tuple[float, float]]] = {"tight": [], "target": []}
     cycles: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as out:
         for rnd in range(repeat + 1):
             for policy in times:
                 cmd = command(paths, policy, os.path.join(out, f"{policy}.pickle"), published)
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 t0 = time.perf_counter()
                 res = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT)
+                wall = time.perf_counter() - t0
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
                 if rnd:  # the first round only warms the caches
-                    times[policy].append(time.perf_counter() - t0)
+                    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+                    times[policy].append((wall, cpu))
                 cycles[policy] = max(int(line.split(":")[1].split()[0]) for line in res.stdout.splitlines()
                                      if line.startswith("node"))
     return {p: (times[p], cycles[p]) for p in times}
 
 
-def report(name: str, runs: dict[str, tuple[list[float], int]]) -> tuple[float, float]:
-    """Print one job's line; returns target's best seconds and target / tight (best)."""
+def report(name: str, runs: Runs) -> tuple[float, float]:
+    """Print one job's lines; returns target's best seconds and target / tight (best)."""
     best = {p: min(t) for p, (t, _) in runs.items()}
-    median = {p: statistics.median(t) for p, (t, _) in runs.items()}
+    median = {p: statistics.median(w for w, _ in t) for p, (t, _) in runs.items()}
     click.echo(f"{name}:")
-    for p, (t, k) in runs.items():
-        click.echo(f"  {p:6}: best {best[p]:.3f} s, median {median[p]:.3f} s (k = {k})")
-    ratio = best["target"] / best["tight"]
-    click.echo(f"  target / tight: best {ratio:.3f}, median {median['target'] / median['tight']:.3f}")
-    return best["target"], ratio
+    for p, (_, k) in runs.items():
+        click.echo(f"  {p:6}: best {best[p][0]:.3f} s ({best[p][1]:.3f} s of processor time), median "
+                   f"{median[p]:.3f} s (k = {k})")
+    ratio = best["target"][0] / best["tight"][0]
+    click.echo(f"  target / tight: best {ratio:.3f} (processor time {best['target'][1] / best['tight'][1]:.3f}), "
+               f"median {median['target'] / median['tight']:.3f}")
+    return best["target"][0], ratio
 
 
 def same_as_unpruned(paths: list[str]) -> bool:

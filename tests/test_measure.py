@@ -154,6 +154,27 @@ def test_planned_iterations_are_the_placements_figures_from_labels_or_layout() -
     assert layouts > 50
 
 
+@pytest.mark.parametrize("slower", [0.0, 1.0, 3.0])
+@pytest.mark.parametrize("margin", [DEFAULT_MARGIN, 2.0])
+def test_calls_that_overlap_delay_the_next_one_from_labels_or_layout(slower, margin) -> None:
+    """A node whose calls overlap (a profile's own jitter): a call starts when the one before it ends, a
+    delay the layout's evaluation must not skip though no K-FAC work comes before it."""
+    from pipefisher.measure import planned_iterations
+    from pipefisher.objective import slowed_models
+
+    node = {"call_forward": [(0, 100), (80, 200), (400, 500)], "call_backward": [(600, 700), (650, 800), (900, 1000)],
+            "cov_kron_A:l": [(0, 90)], "cov_kron_B:l": [(0, 60)], "inv_kron_A:l": [(0, 150)],
+            "inv_kron_B:l": [(0, 120)], "cov_kron_A:m": [(0, 30)], "cov_kron_B:m": [(0, 33)],
+            "inv_kron_A:m": [(0, 250)], "inv_kron_B:m": [(0, 80)]}
+    overlapping = job_from_dicts([node])
+    (model,) = slowed_models(overlapping, slower)
+    (packed_node,) = TIGHT.pack(overlapping, margin).nodes
+    want = placed_figures(packed_node.iterations, model)
+    assert min(want[0]) > model.base  # the overlaps delay every iteration
+    assert planned_iterations(packed_node.iterations, model) == want
+    assert planned_iterations(packed_node.iterations, model, packed_node.layout) == want
+
+
 def test_planned_iterations_of_any_label_order_are_the_placements_figures(job, packed) -> None:
     """Labels a policy would never write: calls out of order or missing, ``-- end --`` early or twice,
     work after it, labels no model knows, an empty iteration, times in float seconds."""

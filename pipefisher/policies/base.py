@@ -103,11 +103,12 @@ class LazyPlacements(Sequence[Placement]):
         return (tuple, (self._all(),))
 
 
-KfacLayout = tuple[tuple[tuple[int, str], ...], ...]
+KfacLayout = tuple[tuple[tuple[int, str, int], ...], ...]
 """A cycle's K-FAC labels where every iteration is ``-- start --``, the node's pipeline calls in timeline
-order with K-FAC work between them and then its overflow, ``-- end --`` and markers: per iteration, each
-K-FAC label with the number of calls before it (all of them for overflow), in order. It says what the
-labels say, in a form whose size is the K-FAC work's, not the pipeline's."""
+order with K-FAC work between them and then its overflow, ``-- end --`` and markers: per iteration, in
+order, each run of one K-FAC label (a queue's pieces back to back) as (the number of calls before it,
+all of them for overflow; the label; how many times it runs there). It says what the labels say, in a
+form whose size is the K-FAC work's, not the pipeline's."""
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,14 @@ def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeS
     at = [b.pos for b in model.bubbles]
     calls = len(keys)
     iterations: list[tuple[str, ...]] = []
-    layout: list[tuple[tuple[int, str], ...]] = []
+    layout: list[tuple[tuple[int, str, int], ...]] = []
     kfac: Time = 0
     total_overflow: Time = 0
     k = packed.iterations
     for i in range(k):
         labels = [START]
-        work: list[tuple[int, str]] = []
+        work: list[tuple[int, str, int]] = []
+        run = (-1, "", 0)  # the run of one label being counted
         nxt = 0  # next pipeline item to emit
         for b, label, s, e in packed.in_bubbles[i]:
             upto = at[b]
@@ -45,14 +46,26 @@ def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeS
                 labels += keys[nxt:upto]
                 nxt = upto
             labels.append(label)
-            work.append((upto, label))
+            if run[1] == label and run[0] == upto:
+                run = (upto, label, run[2] + 1)
+            else:
+                if run[2]:
+                    work.append(run)
+                run = (upto, label, 1)
             kfac += e - s
         labels += keys[nxt:]
         for label, d in packed.overflow[i]:
             labels.append(label)
-            work.append((calls, label))
+            if run[1] == label and run[0] == calls:
+                run = (calls, label, run[2] + 1)
+            else:
+                if run[2]:
+                    work.append(run)
+                run = (calls, label, 1)
             kfac += d
             total_overflow += d
+        if run[2]:
+            work.append(run)
         labels.append(END)
         if i == 0:
             labels.append(SAVE_OFF)

@@ -239,10 +239,10 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     from pipefisher.staleness import staleness_data
     from pipefisher.timeline import load_job
 
-    name = policy or DEFAULT_POLICY
-    if staleness is not None and name != "target":
-        raise InputError(None, f"--staleness applies to the 'target' policy only, not to '{name}'")
-    packer = get_policy(name, **({"staleness": staleness, "max_cycle": steps} if name == "target" else {}))
+    policy = policy or DEFAULT_POLICY
+    if staleness is not None and policy != "target":
+        raise InputError(None, f"--staleness applies to the 'target' policy only, not to '{policy}'")
+    packer = get_policy(policy, **({"staleness": staleness, "max_cycle": steps} if policy == "target" else {}))
     margin = DEFAULT_MARGIN if margin is None else margin
     stages = cfg.pipeline.stages
     n = nproc or stages
