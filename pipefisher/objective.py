@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from pipefisher.measure import job_cycle_mean, planned_iterations
 from pipefisher.policies.base import JobSchedule, KfacLayout
@@ -232,16 +232,16 @@ def choose_without_curve(candidates: Sequence[Candidate], max_cycle: int | None 
     fit, warnings = within_run(candidates, max_cycle)
     densest = candidates[0]
     if any(c is densest for c in fit) and at_the_floor(densest, tolerance):
-        return Choice(densest, f"no staleness curve: the densest packing (margin {densest.margin:g}, k = "
-                               f"{densest.cost.cycle}), its planned step {_pct(densest.cost.above_floor)} above the "
-                               f"floor no packing goes below (within {_pct(tolerance)}); sparser ones could only "
-                               "lengthen the cycle for no step time", warnings)
+        return Choice(densest, f"by planned step time alone: the densest packing (margin {densest.margin:g}, k = "
+                               f"{densest.cost.cycle}): its planned step is {_pct(densest.cost.above_floor)} above "
+                               f"the floor no packing goes below, within {_pct(tolerance)}, so no sparser one "
+                               "could save more step time than that", warnings)
     least = min(c.cost.step for c in fit)
     forced = densest.overflow_per_step
     eligible = [c for c in fit if c.cost.step <= least * (1 + tolerance)
                 and (c.overflow_per_step <= forced or c.cost.step == least)]
     best = min(eligible, key=lambda c: (c.cost.cycle, c.cost.step, c.margin))
-    return Choice(best, f"no staleness curve: the least planned step ({_pct(min(c.cost.overhead for c in fit))} "
+    return Choice(best, f"by planned step time alone: the least planned step ({_pct(min(c.cost.overhead for c in fit))} "
                         f"over first-order), then among the schedules within {_pct(tolerance)} of it the "
                         f"shortest cycle: k = {best.cost.cycle} at margin {best.margin:g}", warnings)
 
@@ -347,8 +347,9 @@ class Tradeoff:
                                 "chosen": c is self.chosen} for c in self.candidates]}
 
 
-CycleBound = Callable[[Job, float], int]
-"""A proven lower bound on the cycle k of any valid schedule of a job at a margin (the policy's bounds)."""
+CycleBound = Callable[[Job, float, Sequence[int]], Iterator[int]]
+"""Proven lower bounds on the cycle of any valid schedule of a job at a margin (the policy's bounds): one
+per node, of the nodes given in that order; their running maximum bounds the job's cycle k."""
 
 
 @dataclass
@@ -396,9 +397,10 @@ def tradeoff(job: Job, pack: Callable[[Job, float], JobSchedule], margin: float,
 
     With ``prune`` (``False`` only to test that it changes nothing), densities that cannot be chosen are
     not packed: without a curve, every one but the densest where that is at the floor
-    (:func:`at_the_floor`, the rule's second step); with one, a density whose cycle is at least
-    ``bound(job, m)``, where the curve (at its least from there on) times the floor's step ratio cannot
-    beat the best so far.
+    (:func:`at_the_floor`, the rule's second step); with one, a density whose cycle is at least what
+    ``bound`` proves, where the curve (at its least from there on) times the floor's step ratio cannot
+    beat the best so far, or never reaches the target (packed after all where no density does and the
+    rule without a curve needs them).
     """
     margins = [margin, *(d for d in DENSITIES if d > margin)]
     w = _Weighing(job, pack, staleness, slowdown, margins)
@@ -407,23 +409,31 @@ def tradeoff(job: Job, pack: Callable[[Job, float], JobSchedule], margin: float,
         for m in margins:
             w.get(m)
     elif staleness is not None:
-        best: Candidate | None = None
-        for m in margins:
-            if best is not None and bound is not None:
-                k = bound(job, m)
-                floor = best.cost.floor / best.cost.first_order if best.cost.first_order else 1.0
-                least = staleness.least_from(k, max_cycle if max_cycle is not None else math.inf) * floor
-                if (least, k) >= _curve_order(best)[:2]:
-                    unpacked.append(f"margin {m:g} (cycle k >= {k}, where the curve gives at best "
-                                    f"{'never' if math.isinf(least) else f'{least:.3f}'} x first-order's time)")
-                    continue
+        densest = w.get(margins[0])
+        assert densest is not None
+        best = densest if _reaches(densest, max_cycle) else None
+        # the nodes whose bound is likeliest to be high first: the densest packing's longest cycles
+        order = sorted(range(len(densest.schedule.nodes)), key=lambda i: -densest.schedule.nodes[i].figures.iterations)
+        floor = densest.cost.floor / densest.cost.first_order if densest.cost.first_order else 1.0
+        upto = max_cycle if max_cycle is not None else math.inf
+        never: list[float] = []  # densities no cycle of which reaches the target: needed only if none does
+        for m in margins[1:]:
+            why = None if bound is None else _cannot_win(staleness, bound(job, m, order), floor, upto, best)
+            if why is not None:
+                if math.isinf(why[0]):
+                    never.append(m)
+                else:
+                    unpacked.append(f"margin {m:g} (cycle k >= {why[1]}, where the curve gives at best "
+                                    f"{why[0]:.3f} x first-order's time)")
+                continue
             c = w.get(m)
-            if c is not None and (max_cycle is None or c.cost.cycle <= max_cycle) and c.relative_time is not None \
-                    and math.isfinite(c.relative_time) and (best is None or _curve_order(c) < _curve_order(best)):
+            if c is not None and _reaches(c, max_cycle) and (best is None or _curve_order(c) < _curve_order(best)):
                 best = c
-        if best is None:  # no finite candidate: the rule without a curve decides
-            unpacked.clear()
+        if best is None:  # no finite candidate: the rule without a curve decides, over every density
             _without_curve(w, max_cycle, unpacked)
+        elif never:
+            unpacked.append(f"margins {', '.join(f'{m:g}' for m in never)} (their cycles never reach the "
+                            "target on the curve)")
     else:
         _without_curve(w, max_cycle, unpacked)
     candidates = w.packed()
@@ -432,12 +442,33 @@ def tradeoff(job: Job, pack: Callable[[Job, float], JobSchedule], margin: float,
                     tuple(unpacked), max_cycle)
 
 
+def _reaches(c: Candidate, max_cycle: int | None) -> bool:
+    """Whether a candidate can be chosen by the curve: a cycle the run completes, and a finite time."""
+    return (max_cycle is None or c.cost.cycle <= max_cycle) and c.relative_time is not None \
+        and math.isfinite(c.relative_time)
+
+
+def _cannot_win(curve: StalenessCurve, bounds: Iterator[int], floor: float, upto: float,
+                best: Candidate | None) -> tuple[float, int] | None:
+    """(the least time-to-target ratio, the cycle bound proving it) where a density cannot be chosen by the
+    curve: no cycle from its bound on reaches the target (ratio inf), or none beats ``best`` (the curve
+    at its least from there on times the floor's step ratio, and a tie on time and cycle goes to the
+    denser ``best``); None where that is not proven. Stops at the first node whose bound proves it."""
+    k = 0
+    for b in bounds:
+        k = max(k, b)
+        least = curve.least_from(k, upto) * floor
+        if math.isinf(least) or (best is not None and (least, k) >= _curve_order(best)[:2]):
+            return least, k
+    return None
+
+
 def _without_curve(w: _Weighing, max_cycle: int | None, unpacked: list[str]) -> None:
     """Pack what :func:`choose_without_curve` needs: the densest alone where it is at the floor."""
     densest = w.get(w.margins[0])
     assert densest is not None
     if (max_cycle is None or densest.cost.cycle <= max_cycle) and at_the_floor(densest):
-        rest = w.margins[1:]
+        rest = [m for m in w.margins[1:] if m not in w.done]
         if rest:
             unpacked.append(f"margins {', '.join(f'{m:g}' for m in rest)} (the densest packing is at the floor)")
         return

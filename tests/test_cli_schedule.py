@@ -292,7 +292,7 @@ def test_the_default_policy_prints_why_its_k_and_predicts_nothing_without_a_curv
     result = run("schedule")
     assert result.exit_code == 0, result.output
     assert "packing densities weighed" in result.output and result.output.count("<- chosen") == 1
-    assert "no time-to-target is predicted" in result.output and "chosen: no staleness curve" in result.output
+    assert "no time-to-target is predicted" in result.output and "chosen: by planned step time alone" in result.output
     assert "time-to-target vs" not in result.output and "never" not in result.output
 
 

@@ -139,7 +139,7 @@ def test_without_a_curve_no_time_to_target_is_printed_and_the_rule_is_stated() -
     text = "\n".join(w.lines())
     assert all(c.relative_time is None for c in w.candidates)
     assert "time-to-target vs" not in text and "never" not in text and "no time-to-target is predicted" in text
-    assert "chosen: no staleness curve" in text
+    assert "chosen: by planned step time alone" in text
     # k = 1: 630 a step, k = 2: 455 (floor 430: first-order 420 plus the 10 of preconditioning): the least
     # step, k = 2, is more than 2 % above the floor, so every density is weighed
     assert w.chosen.cost.cycle == 2 and w.chosen.cost.floor == 430

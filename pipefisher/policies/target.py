@@ -13,6 +13,7 @@ packed at, which is at least the one asked for.
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterator, Sequence
 
 from pipefisher.policies.base import JobSchedule, Policy, gc_paused
 from pipefisher.policies.tight import TightPolicy
@@ -20,14 +21,16 @@ from pipefisher.problem import DEFAULT_MARGIN
 from pipefisher.timeline import Job
 
 
-def cycle_bound(job: Job, margin: float) -> int:
-    """A proven lower bound on the cycle k of every valid schedule of ``job`` at ``margin``: the largest
-    node bound (:mod:`pipefisher.policies.bounds`; the first-iteration bound left out, it walks every piece)."""
+def cycle_bound(job: Job, margin: float, order: Sequence[int]) -> Iterator[int]:
+    """Per node of ``job``, in ``order``, a proven lower bound on its cycle in every valid schedule at
+    ``margin`` (:mod:`pipefisher.policies.bounds`; the first-iteration bound left out, it walks every
+    piece): their running maximum bounds the job's cycle k. One at a time, so that a proof needing only
+    the first few costs only theirs."""
     from pipefisher.policies.bounds import model_bounds
     from pipefisher.problem import node_model
 
-    return max((model_bounds(node_model(n, job.span, margin), first_iteration=False).tight for n in job.nodes),
-               default=1)
+    for i in order:
+        yield model_bounds(node_model(job.nodes[i], job.span, margin), first_iteration=False).tight
 
 
 class TargetPolicy(Policy):
