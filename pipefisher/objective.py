@@ -277,9 +277,9 @@ def choose(candidates: Sequence[Candidate], staleness: StalenessCurve | None = N
     if staleness is None:
         return plain
     never = ", ".join(str(k) for k in sorted({c.cost.cycle for c in candidates}))
-    return Choice(plain.chosen, plain.why, (f"warning: no density reaches the target on the staleness curve "
-                                            f"(k = {never}: never); chosen as without a curve",
-                                            *plain.warnings))
+    which = "no density" if max_cycle is None else f"no density whose cycle the run's {max_cycle} steps complete"
+    return Choice(plain.chosen, plain.why, (f"warning: {which} reaches the target on the staleness curve "
+                                            f"(k = {never}); chosen as without a curve", *plain.warnings))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -76,17 +76,21 @@ def weighed_fully() -> list[tuple[str, Job, list]]:
             for name, job in jobs]
 
 
-@pytest.mark.parametrize("curve", [None, AT_1000_STEPS, PAST_6_NEVER, "1:0.5,4:0.6,8:inf", "1:inf"])
-def test_packing_only_what_can_be_chosen_gives_the_schedule_weighing_every_density_gives(weighed_fully, curve) -> None:
+@pytest.mark.parametrize("curve, max_cycle", [(None, None), (AT_1000_STEPS, None), (PAST_6_NEVER, None),
+                                               ("1:0.5,4:0.6,8:inf", None), ("1:inf", None), (None, 5),
+                                               (AT_1000_STEPS, 5)])
+def test_packing_only_what_can_be_chosen_gives_the_schedule_weighing_every_density_gives(weighed_fully, curve,
+                                                                                         max_cycle) -> None:
     """The reference: every density packed, and the whole rule (:func:`choose`) applied to them all."""
     staleness = None if curve is None else StalenessCurve.parse(curve)
     pruned = 0
     for name, job, every in weighed_fully:
         scored = [Candidate(c.margin, c.schedule, c.cost, None if staleness is None else staleness.at(c.cost.cycle))
                   for c in every]
-        want = choose(scored, staleness).chosen
-        fast = tradeoff(job, TightPolicy().pack, DEFAULT_MARGIN, staleness, bound=cycle_bound)
+        want = choose(scored, staleness, max_cycle).chosen
+        fast = tradeoff(job, TightPolicy().pack, DEFAULT_MARGIN, staleness, max_cycle=max_cycle, bound=cycle_bound)
         assert fast.chosen.schedule.to_file_data() == want.schedule.to_file_data(), name
         assert fast.chosen.margin == want.margin, name
         pruned += bool(fast.unpacked)
-    assert pruned > 0  # the proofs did spare some packing
+    if max_cycle is None:  # (in a run of 5 steps most densest packings are too long: every density is packed)
+        assert pruned > 0  # the proofs did spare some packing
