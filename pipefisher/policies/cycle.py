@@ -7,6 +7,7 @@ the schedule file's labels, the placements a chart draws and the report's figure
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 
 from pipefisher.policies.base import LazyPlacements, NodeFigures, NodeSchedule, Placement
 from pipefisher.policies.bounds import NodeBounds
@@ -37,8 +38,7 @@ def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeS
     k = packed.iterations
     for i in range(k):
         labels = [START]
-        work: list[tuple[int, str, int]] = []
-        run = (-1, "", 0)  # the run of one label being counted
+        work: list[tuple[int, str]] = []  # each K-FAC label, with the calls before it
         nxt = 0  # next pipeline item to emit
         for b, label, s, e in packed.in_bubbles[i]:
             upto = at[b]
@@ -46,33 +46,21 @@ def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeS
                 labels += keys[nxt:upto]
                 nxt = upto
             labels.append(label)
-            if run[1] == label and run[0] == upto:
-                run = (upto, label, run[2] + 1)
-            else:
-                if run[2]:
-                    work.append(run)
-                run = (upto, label, 1)
+            work.append((upto, label))
             kfac += e - s
         labels += keys[nxt:]
         for label, d in packed.overflow[i]:
             labels.append(label)
-            if run[1] == label and run[0] == calls:
-                run = (calls, label, run[2] + 1)
-            else:
-                if run[2]:
-                    work.append(run)
-                run = (calls, label, 1)
+            work.append((calls, label))
             kfac += d
             total_overflow += d
-        if run[2]:
-            work.append(run)
         labels.append(END)
         if i == 0:
             labels.append(SAVE_OFF)
         if i == k - 1:
             labels.append(SAVE_ON)
         iterations.append(tuple(labels))
-        layout.append(tuple(work))
+        layout.append(tuple((calls_before, label, len(list(run))) for (calls_before, label), run in groupby(work)))
     cycle = model.length * k + total_overflow
     busy = model.pipeline_busy * k
     usage = (busy + kfac) / cycle * 100 if cycle else 0.0
