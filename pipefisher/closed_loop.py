@@ -181,9 +181,10 @@ class AdaptiveScheduler(Scheduler):
     * **shorter cycle** (a trial, once climbing is over): a re-pack at the kept slack that needs fewer
       iterations, kept if no slower than ``tie`` (fresher curvature wins a tie).
 
-    "Faster" is the user's objective (:mod:`pipefisher.objective`): the measured step time times the
-    ``staleness`` curve at the schedule's cycle k, so more slack that lengthens the cycle must save more
-    step time than its staler curvature costs in steps. The ladder is the density search the ``target``
+    "Faster" is the user's objective (:mod:`pipefisher.objective`): with the job's ``staleness`` curve
+    (a :class:`~pipefisher.staleness.StalenessCurve`), the measured step time times the curve at the
+    schedule's cycle k, so more slack that lengthens the cycle must save more step time than its staler
+    curvature costs in steps; without one (None), the measured step time alone. The ladder is the density search the ``target``
     policy does on a model, done here on measurements: its re-packs use ``tight`` (``target`` would search
     again inside each rung), and the climb starts at the rung nearest the initial schedule's margin.
 
@@ -195,8 +196,6 @@ class AdaptiveScheduler(Scheduler):
     def __init__(self, initial: Plan, nodes: int, *, policy: str = "tight", margin: float = DEFAULT_MARGIN,
                  window: int = 4, q: float = 0.5, settle: int = 2, tie: float = 0.04,
                  ladder: Sequence[float] = SLACK_LADDER, staleness: Any = None) -> None:
-        from pipefisher.objective import MEASURED_STALENESS
-
         super().__init__(initial)
         if window < 1 or settle < 1 or not 0 <= q <= 1 or not 0 <= tie < 1 or not ladder \
                 or any(g < 1 for g in ladder):
@@ -206,7 +205,7 @@ class AdaptiveScheduler(Scheduler):
         self.policy = "tight" if policy == "target" else policy
         self.window, self.q, self.settle, self.tie = window, q, settle, tie
         self.ladder = tuple(ladder)
-        self.staleness = staleness if staleness is not None else MEASURED_STALENESS
+        self.staleness = staleness  # None: no curve, step time alone
         self._cycles: deque[list[StepRecord]] = deque(maxlen=window)
         self._since_switch = 0
         start = min(range(len(self.ladder)),  # the initial schedule's slack, as a rung
@@ -243,9 +242,12 @@ class AdaptiveScheduler(Scheduler):
 
     def value(self, plan: Plan) -> float | None:
         """What a schedule costs the user: its step time x the staleness curve at its cycle k (the steps
-        to the target relative to first-order), None before it ran ``settle`` cycles."""
+        to the target relative to first-order), or its step time alone without a curve; None before it
+        ran ``settle`` cycles."""
         c = self.cost(plan)
-        return None if c is None else c * self.staleness.at(max(plan.cycles))
+        if c is None:
+            return None
+        return c if self.staleness is None else c * self.staleness.at(max(plan.cycles))
 
     def next_schedule(self) -> Plan:
         if not self._cycles:
@@ -302,8 +304,10 @@ class AdaptiveScheduler(Scheduler):
 
     def _costs_text(self, plan: Plan) -> str:
         c, v = self.cost(plan), self.value(plan)
-        return "not measured" if c is None or v is None else \
-            f"{c * 1e3:.1f} ms per step, k = {max(plan.cycles)}, {v * 1e3:.1f} ms x steps-to-target ratio"
+        if c is None or v is None:
+            return "not measured"
+        return f"{c * 1e3:.1f} ms per step, k = {max(plan.cycles)}" + \
+            ("" if self.staleness is None else f", {v * 1e3:.1f} ms x steps-to-target ratio")
 
     def _try_slack(self, here: float | None) -> Plan:
         ms = f" ({here * 1e3:.1f} ms per step at x{self.ladder[self.rung]:g})" if here is not None else ""

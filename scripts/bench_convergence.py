@@ -157,7 +157,8 @@ def run_record(mode: str, seed: int, res: Any, **extra: Any) -> dict[str, Any]:
 
 
 def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval_every: int,
-            sweeps: dict[str, list[float] | str], warmups: list[int], profile_steps: int, folder: str) -> dict[str, Any]:
+            sweeps: dict[str, list[float] | str], warmups: list[int], profile_steps: int, folder: str,
+            staleness: str | None = None) -> dict[str, Any]:
     """Every mode of ``sweeps`` (key: its learning rates, or :data:`SHARE`), swept then run per seed."""
     import torch.distributed as dist
 
@@ -185,7 +186,9 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
             from pipefisher.timeline import load_job
 
             job = load_job([os.path.join(folder, timeline_filename(base.name, i)) for i in range(2)])
-            packed = get_policy(DEFAULT_POLICY).pack(job)
+            from pipefisher.staleness import read_staleness
+
+            packed = get_policy(DEFAULT_POLICY, staleness=read_staleness(staleness), max_cycle=steps).pack(job)
             assert not validate(packed.to_file_data(), job, margin=packed.margin), "an invalid schedule"
             save_schedule(sched, packed)
             plan = step_cost(packed.to_file_data(), job)  # the profile is in nanoseconds
@@ -359,9 +362,10 @@ def save_png(fig: Any, path: str) -> None:
     plt.close(fig)
 
 
-def common_arguments(description: str) -> argparse.ArgumentParser:
+def common_arguments(description: str, packs: bool = True) -> argparse.ArgumentParser:
     """The options every convergence-style benchmark shares: the run config, its length and seeds, the
-    held-out evaluations and the AdamW sweep (one definition, so they measure the same thing)."""
+    held-out evaluations and the AdamW sweep (one definition, so they measure the same thing); for one
+    that packs (``packs``), the job's staleness curve."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--config", default=os.path.join(root, "configs", "small.yaml"), help="YAML run config")
@@ -373,6 +377,10 @@ def common_arguments(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config value, as pipefisher train --set does (e.g. --set data.text=DIR: "
                          "any folder or file of text as the corpus); repeatable")
+    if packs:
+        from pipefisher.staleness import STALENESS_HELP
+
+        ap.add_argument("--staleness", default=None, metavar="FILE|K:RATIO,...", help=STALENESS_HELP)
     return ap
 
 
@@ -417,13 +425,16 @@ def main() -> None:
     from pipefisher.runtime.launch.local import spawn_local
 
     cfg = bench_config(a.config, a.overrides)
+    from pipefisher.staleness import curve_for_job
+
+    curve_for_job(a.staleness, cfg.fingerprint(layout=False), a.config)  # a bad file: one line, before any run
     os.makedirs(a.out, exist_ok=True)
     corpus = load_corpus(cfg.data, cfg.model.vocab_size)  # build the cache once, before the workers
     print(f"corpus '{cfg.data.text}': {corpus.files} files, {len(corpus.train)} training and {len(corpus.val)} "
           f"held-out tokens, {cfg.data.tokenizer} vocabulary {cfg.model.vocab_size}", flush=True)
     with tempfile.TemporaryDirectory(prefix="pipefisher-conv-") as folder:
         results = spawn_local(_worker, 2, a.config, a.overrides, a.steps, a.seeds, a.eval_every, sweeps, warmups,
-                              a.profile_steps, folder, timeout_s=3 * 3600)
+                              a.profile_steps, folder, a.staleness, timeout_s=3 * 3600)
     runs, first, last = merged_runs(results)
     best = best_first_order(runs)
     target = final_loss(runs, best) if best else math.nan

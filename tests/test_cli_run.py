@@ -122,6 +122,13 @@ def test_run_rejects_bad_input_before_starting_workers(tmp_path):
     assert res.exit_code == 2 and "not a multiple of the 2 pipeline stages" in res.output
 
 
+def test_run_takes_the_jobs_staleness_curve_and_refuses_a_bad_one_before_starting_workers(tmp_path):
+    for args, why in ((["--policy", "tight", "--staleness", "1:0.5"], "--staleness applies to the 'target' policy"),
+                      (["--staleness", str(tmp_path / "none.json")], "none.json: no such file")):
+        res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(tmp_path / "o"), *args])
+        assert res.exit_code == 2 and why in res.output and res.output.count("\n") == 1, res.output
+
+
 def test_cli_import_does_not_load_torch():
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import pipefisher.cli"], capture_output=True,
                          text=True, check=True)
@@ -286,7 +293,8 @@ def test_run_a_zero_bubble_pipeline_end_to_end(tmp_path, pipeline):
 def test_run_validates_a_schedule_under_the_margin_its_policy_chose(tmp_path):
     """``target`` may pack under another margin than the one it was given (its trade-off picks one): the
     run checks the schedule under that margin, as ``pipefisher validate`` does from the metadata. This
-    one-stage profile (from a real run) packs at margin 3, and broke 21 rules under the default 0.05."""
+    one-stage profile (from a real run), with a flat staleness curve (only the step counts), packs at
+    margin 0.75; such schedules once broke 21 rules checked under the default 0.05."""
     import glob
 
     from pipefisher.policies import get_policy
@@ -296,8 +304,9 @@ def test_run_validates_a_schedule_under_the_margin_its_policy_chose(tmp_path):
 
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profiles", "tiny_one_stage")
     job = load_job(sorted(glob.glob(os.path.join(here, "*.pickle"))))
-    packed, report = pack_and_check(job, get_policy("target"), tiny(pipeline={"stages": 1}), RunPaths(str(tmp_path), "m"),
-                                    1, margin=DEFAULT_MARGIN, allow_invalid=False, echo=lambda line: None)
+    packed, report = pack_and_check(job, get_policy("target", staleness="1:0.5,64:0.5"), tiny(pipeline={"stages": 1}),
+                                    RunPaths(str(tmp_path), "m"), 1, margin=DEFAULT_MARGIN, allow_invalid=False,
+                                    echo=lambda line: None)
     assert packed.margin != DEFAULT_MARGIN and report["valid"]
 
 

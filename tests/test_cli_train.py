@@ -78,6 +78,36 @@ def test_adapt_policy_without_adapt_is_refused_in_one_line():
     assert res.output.startswith("error: --adapt-policy: ") and "no --adapt" in res.output
 
 
+def test_a_staleness_curve_needs_adapt_and_a_bad_one_is_refused_before_torch_loads(tmp_path):
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--stages", "1", "--steps", "1", "--no-progress",
+                                    "--staleness", "1:0.5,4:0.6"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert res.output.startswith("error: --staleness: ") and "no --adapt" in res.output
+    schedule = tmp_path / "s.pickle"
+    schedule.write_bytes(b"")
+    [(code, err, torch_loaded)] = _torch_free([["train", "--config", TINY, "--stages", "1", "--no-progress",
+                                                "--out", str(tmp_path / "out"), "--schedule", str(schedule),
+                                                "--adapt", "--staleness", str(tmp_path / "none.json")]])
+    assert code == 2 and err.strip() == f"error: {tmp_path / 'none.json'}: no such file" and not torch_loaded
+
+
+def test_the_curve_reaches_the_adaptive_scheduler_through_the_workers_options():
+    """``--staleness`` travels in the training options, as JSON, to the worker that runs the closed loop."""
+    from pipefisher.closed_loop import Plan, make_scheduler
+    from pipefisher.runtime.job.config import load_config
+    from pipefisher.runtime.launch.local import decode_spec, encode_spec
+    from pipefisher.runtime.train.trainer import TrainOptions
+    from pipefisher.staleness import StalenessCurve, staleness_data
+
+    curve = StalenessCurve.parse("1:0.5,4:0.6")
+    opts = TrainOptions(mode="scheduled", schedule="s.pickle", adapt=True, staleness=staleness_data(curve))
+    _, back = decode_spec(encode_spec(load_config(TINY), opts))
+    plan = Plan([[["-- start --", "-- end --"]]])
+    scheduler = make_scheduler("adaptive", plan, 1, staleness=back.staleness_curve)
+    assert scheduler.staleness.points == curve.points and scheduler.staleness.source == curve.source
+    assert make_scheduler("adaptive", plan, 1, staleness=TrainOptions().staleness_curve).staleness is None
+
+
 def test_ctrl_c_says_how_far_it_got_how_to_resume_and_where_the_worker_log_is(tmp_path):
     """Ctrl-C reaches the whole process group (the launcher and its two workers), as from a terminal."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.csv"

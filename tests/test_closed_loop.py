@@ -162,8 +162,8 @@ def _on_trial(job, initial, value_ratio: float, staleness=None):
     loop.cycle()
     _, trial = loop.cycle()
     assert loop.scheduler.trial == "slack"
-    curve = loop.scheduler.staleness
-    stale = curve.at(max(trial.cycles)) / curve.at(max(initial.cycles))
+    curve = loop.scheduler.staleness  # None: no curve, the step time alone
+    stale = 1.0 if curve is None else curve.at(max(trial.cycles)) / curve.at(max(initial.cycles))
     loop.cycle()
     loop.scheduler.observe(fake_records(trial.data, loop.models, loop.step, max(trial.cycles)))
     loop.scheduler.costs[initial.digest] = [0.10, 0.10]
@@ -182,9 +182,15 @@ def test_more_slack_is_kept_only_where_it_measures_faster(job, initial, value_ra
         assert not scheduler.climbing and "back to the kept schedule" in nxt.reason
 
 
+def test_without_a_curve_a_schedule_is_worth_its_measured_step_time(job, initial) -> None:
+    scheduler, trial = _on_trial(job, initial, 0.9)
+    assert scheduler.staleness is None
+    assert scheduler.value(trial) == scheduler.cost(trial) == pytest.approx(0.09)
+
+
 def test_a_faster_step_with_staler_curvature_loses_where_the_staleness_costs_more(job, initial) -> None:
     """The closed loop's objective is the user's: step time x steps-to-target at the cycle's k."""
-    from pipefisher.objective import StalenessCurve
+    from pipefisher.staleness import StalenessCurve
 
     steep = StalenessCurve(((1, 0.5), (4, 0.5), (5, 1.0), (64, 1.0)))
     scheduler, trial = _on_trial(job, initial, 1.0, staleness=steep)

@@ -62,6 +62,24 @@ def margin_option(recorded: bool = False) -> Any:
                                                                     "and the schedule's .meta.json say which)"))
 
 
+def staleness_option() -> Any:
+    """``--staleness FILE|K:RATIO,...``: the job's staleness curve, one option for every command that packs
+    with the default policy (:func:`pipefisher.staleness.read_staleness` reads it)."""
+    from pipefisher.staleness import STALENESS_HELP
+
+    return click.option("--staleness", default=None, metavar="FILE|K:RATIO,...", help=STALENESS_HELP)
+
+
+def staleness_for(text: str | None, policy: str | None) -> Any:
+    """The curve ``--staleness`` gives (None without one), refused for a policy that does not weigh one."""
+    from pipefisher.policies import DEFAULT_POLICY
+    from pipefisher.staleness import read_staleness
+
+    if text is not None and (policy or DEFAULT_POLICY) != "target":
+        raise InputError(None, f"--staleness applies to the 'target' policy only, not to '{policy}'")
+    return read_staleness(text)
+
+
 def pipeline_option() -> Any:
     """``--pipeline``: the forward/backward order, one definition of its choices for ``train`` and ``run``."""
     from pipefisher.runtime.job.config import PIPELINE_ORDERS  # plain Python: no torch

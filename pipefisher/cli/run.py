@@ -12,14 +12,16 @@ from typing import Any, Iterator
 
 import click
 
-from pipefisher.cli._common import chunks_option, margin_option, pipeline_option, require_runtime
+from pipefisher.cli._common import (chunks_option, margin_option, pipeline_option, require_runtime,
+                                    staleness_for, staleness_option)
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.cli.train import (check_tensorboard, no_progress_option, past_decay_option, set_option,
                                   tensorboard_option)
 from pipefisher.errors import InputError
 
-SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "margin", "adapt", "allow_invalid",
+SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "margin", "staleness", "adapt",
+          "allow_invalid",
           "nproc", "stages", "pipe_schedule", "chunks")
 """What sets a run up: ``--resume`` continues the run as it was set up, so these are refused with it."""
 
@@ -43,6 +45,7 @@ SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "m
               help="pack as if every profiled K-FAC piece took this many times as long (slack for noisy "
                    "CPU timings; a longer cycle k)")
 @margin_option()
+@staleness_option()
 @click.option("--adapt", is_flag=True,
               help="measure every training step and re-pack the schedule from the measurements while training "
                    "(same policy; switches at cycle boundaries, on every worker at the same step)")
@@ -72,7 +75,8 @@ SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "m
 @click.pass_context
 def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None, resume_dir: str | None, steps: int,
                 past_decay: bool, profile_steps: int, policy: str | None, kfac_margin: float, margin: float,
-                adapt: bool, name: str | None, allow_invalid: bool, tensorboard_dir: str | None,
+                staleness: str | None, adapt: bool, name: str | None, allow_invalid: bool,
+                tensorboard_dir: str | None,
                 checkpoint_every: int | None, nproc: int | None, stages: int | None, pipe_schedule: str | None,
                 chunks: int | None, timeout_s: float | None, overrides: tuple[str, ...], eval_every: int | None,
                 log_every: int | None, no_progress: bool) -> None:
@@ -108,6 +112,7 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
                                                          "timeout_s": timeout_s, "chunks": chunks})
     check_out_folder(out_dir, "--out")
     tensorboard_dir = check_tensorboard(tensorboard_dir)
+    curve = staleness_for(staleness, policy)  # a bad file: one line, before torch loads
     check_fresh_outputs(tensorboard=tensorboard_dir)  # each run's files have their own names; TensorBoard's not
     _phase_torch(no_progress)
     from pipefisher.runtime.launch.driver import run_job
@@ -120,7 +125,7 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every or 0, log_every=log_every or 5,
                 progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every or 0, echo=click.echo,
-                margin=margin, adapt=adapt, tensorboard=tensorboard_dir)
+                margin=margin, adapt=adapt, tensorboard=tensorboard_dir, staleness=curve)
 
 
 def _phase_torch(no_progress: bool) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from pipefisher.cli._common import chunks_option, pipeline_option, require_runtime
+from pipefisher.cli._common import chunks_option, pipeline_option, require_runtime, staleness_option
 from pipefisher.cli._outputs import check_fresh_outputs, check_out_file, check_out_folder, check_profile_folder
 from pipefisher.cli.group import main
 from pipefisher.errors import InputError
@@ -148,6 +148,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
                    "schedules used and the measurements go to --out")
 @click.option("--adapt-policy", default=None,
               help="packing policy of --adapt's re-packs, only with --adapt [default: pipefisher schedule's]")
+@staleness_option()
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages")
@@ -164,7 +165,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
                   pipe_schedule: str | None,
                   steps: int, profile: bool, out_dir: str | None, metrics_path: str | None, tensorboard_dir: str | None,
                   checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, past_decay: bool,
-                  adapt: bool, adapt_policy: str | None, nproc: int | None,
+                  adapt: bool, adapt_policy: str | None, staleness: str | None, nproc: int | None,
                   stages: int | None, interval: int | None, timeout_s: float | None, chunks: int | None,
                   overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
     """Train a model with pipeline parallelism (the built-in BERT-style masked-language model, a Hugging
@@ -206,13 +207,20 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     if adapt_policy is not None and not adapt:
         raise InputError("--adapt-policy", "sets the packing policy of --adapt's re-packs, and there is no --adapt; "
                                            "add --adapt, or drop --adapt-policy")
+    if staleness is not None and not adapt:
+        raise InputError("--staleness", "weighs the trials of --adapt (step time x the curve at k), and there is "
+                                        "no --adapt; add --adapt, or drop --staleness")
     from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.staleness import curve_for_job, read_staleness, staleness_data
 
+    read_staleness(staleness)  # a bad file: one line, before the config loads
     adapt_policy = adapt_policy or DEFAULT_POLICY
     if adapt:
         get_policy(adapt_policy)  # an unknown name: one line, before any worker starts
     cfg = read_run_config(config_path, overrides, "train", {"stages": stages, "schedule": pipe_schedule,
                                                            "timeout_s": timeout_s, "chunks": chunks}, interval)
+    curve = curve_for_job(staleness, cfg.fingerprint(layout=False), config_path,
+                          click.echo if job is None or job.rank == 0 else (lambda _: None))
     if profile and not out_dir:
         raise click.UsageError("--profile needs --out DIR for the timeline files")
     if profile:
@@ -280,7 +288,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
                         tensorboard=tensorboard_dir,
                         checkpoint_dir=_abs(checkpoint_dir), checkpoint_every=checkpoint_every,
                         resume=_abs(resume_dir), eval_every=eval_every, adapt=adapt, adapt_policy=adapt_policy,
-                        allow_schedule_mismatch=allow_schedule_mismatch)
+                        allow_schedule_mismatch=allow_schedule_mismatch, staleness=staleness_data(curve))
     try:
         if job is not None or n == 1:
             run_worker(cfg, opts)

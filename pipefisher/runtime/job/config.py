@@ -279,9 +279,15 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def fingerprint(self) -> str:
-        """Short hash that every worker compares at start-up, so stages never run different setups."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, default=list).encode()
+    def fingerprint(self, layout: bool = True) -> str:
+        """Short hash of the config: the one digest of a config's identity. Every worker compares it at
+        start-up, so stages never run different setups. ``layout=False`` leaves out the name and the
+        pipeline section (stages, order, chunks, timeout), which change how a step runs but not what the
+        model learns: the identity a staleness curve is measured for and checked against."""
+        raw = self.to_dict()
+        if not layout:
+            raw = {k: v for k, v in raw.items() if k not in ("name", "pipeline")}
+        blob = json.dumps(raw, sort_keys=True, default=list).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 

@@ -219,7 +219,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
             nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
             checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
             eval_every: int = 0, echo: Callable[[str], None] = print, margin: float | None = None,
-            adapt: bool = False, tensorboard: str | None = None) -> RunPaths:
+            adapt: bool = False, tensorboard: str | None = None, staleness: Any = None) -> RunPaths:
     """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.timeline.median_step`),
     pack them with ``policy`` (K-FAC times x ``kfac_margin``,
     room rule with ``margin``, :mod:`pipefisher.problem`),
@@ -227,15 +227,21 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     that the runtime cannot run (always; both leave the schedule, chart and report in the run folder),
     then train ``steps`` steps with it (with ``adapt``, re-packing it from the measured steps while it
     trains, :mod:`pipefisher.runtime.train.adapt`; with ``tensorboard``, TensorBoard logs of the training
-    in that folder); returns the paths."""
+    in that folder); returns the paths. ``staleness``: the job's
+    :class:`~pipefisher.staleness.StalenessCurve` (None: none), for the ``target`` policy, which also
+    never chooses a cycle longer than the ``steps`` of the run, and for ``adapt``."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.problem import DEFAULT_MARGIN
     from pipefisher.runtime.train.profiler import timeline_filename
     from pipefisher.runtime.train.trainer import TrainOptions
     from pipefisher.safe_io import dump_json_atomic, write_atomic
+    from pipefisher.staleness import staleness_data
     from pipefisher.timeline import load_job
 
-    packer = get_policy(policy or DEFAULT_POLICY)
+    policy = policy or DEFAULT_POLICY
+    if staleness is not None and policy != "target":
+        raise InputError(None, f"--staleness applies to the 'target' policy only, not to '{policy}'")
+    packer = get_policy(policy, **({"staleness": staleness, "max_cycle": steps} if policy == "target" else {}))
     margin = DEFAULT_MARGIN if margin is None else margin
     stages = cfg.pipeline.stages
     n = nproc or stages
@@ -257,6 +263,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
         save_tokenizer(load_corpus(cfg.data, cfg.model.vocab_size), paths.tokenizer)
     echo(f"run {paths.name}: {cfg.name}, {stages} stage(s) x {replicas} replica(s), policy {packer.name}, "
          f"files in {paths.folder}")
+    if staleness is not None and (warning := staleness.config_warning(cfg.fingerprint(layout=False), cfg.name)):
+        echo(warning)
 
     launch = launcher(cfg, n, paths, echo)
 
@@ -282,7 +290,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     t0 = time.perf_counter()
     launch(scheduled_options(paths, steps, checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
                              eval_every=eval_every, adapt=adapt, adapt_policy=packer.name, margin=margin,
-                             tensorboard=tensorboard))
+                             tensorboard=tensorboard, staleness=staleness_data(staleness) if adapt else None))
     report["training"] = training_summary(paths, steps, cycles, adapt, profile_s, time.perf_counter() - t0, echo)
     dump_json_atomic(paths.report, report)
     measured = [os.path.join(paths.folder, f"{paths.name}_{s}")

@@ -85,6 +85,9 @@ class TrainOptions:
     margin: float | None = None
     schedule_timelines: tuple[str, ...] | None = None
     measure_prefix: str | None = None
+    # the job's staleness curve for ``adapt`` (None: none, step time alone), as data: options travel to
+    # the workers as JSON (:meth:`pipefisher.staleness.StalenessCurve.to_data`)
+    staleness: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -95,6 +98,13 @@ class TrainOptions:
             raise ValueError("adapting the schedule needs mode 'scheduled' and a schedule file")
         if self.profile and self.mode == "scheduled":
             raise ValueError("profiling runs kfac steps, not a schedule")
+
+    @property
+    def staleness_curve(self) -> Any:
+        """:attr:`staleness` as a :class:`~pipefisher.staleness.StalenessCurve` (None without one)."""
+        from pipefisher.staleness import StalenessCurve
+
+        return None if self.staleness is None else StalenessCurve.from_data(self.staleness, "--staleness")
 
     @property
     def effective_mode(self) -> str:
@@ -211,7 +221,8 @@ class Trainer:
         if g.rank == 0:
             scheduler = make_scheduler("adaptive" if opts.adapt else "static", plan, g.stages,
                                        **({"policy": opts.adapt_policy, "margin": margin, "window": opts.adapt_window,
-                                           "q": opts.adapt_quantile, "tie": opts.adapt_tie}
+                                           "q": opts.adapt_quantile, "tie": opts.adapt_tie,
+                                           "staleness": opts.staleness_curve}
                                           if opts.adapt else {}))
         prefix = opts.measure_prefix or (os.path.join(opts.out, self.cfg.name) if opts.out else None)
         collective = None
