@@ -196,7 +196,7 @@ class AdaptiveScheduler(Scheduler):
     * **shorter cycle** (a trial, once climbing is over, with a staleness curve): a re-pack at the kept
       slack that needs fewer iterations, kept if no slower than ``tie`` (fresher curvature wins a tie).
 
-    **Which cycle k.** Given a ``staleness`` curve (:class:`pipefisher.objective.StalenessCurve`), a
+    **Which cycle k.** Given a ``staleness`` curve (:class:`pipefisher.staleness.StalenessCurve`), a
     schedule's value is its measured step time x the curve at its k, so more slack that lengthens the
     cycle must save more step time than its staler curvature costs in steps. Without one (``None``), the
     run's own drift decides (:mod:`pipefisher.drift`, :meth:`observe_drift`): a :class:`DriftRule` sets

@@ -30,9 +30,10 @@ import csv
 import math
 import os
 from dataclasses import dataclass
+from itertools import accumulate, chain, cycle, islice, repeat
 from typing import Iterable, Sequence
 
-from pipefisher.policies.base import Placement
+from pipefisher.policies.base import KfacLayout, Placement
 from pipefisher.problem import DEFAULT_MARGIN, NodeModel, cov_source
 from pipefisher.rules.format import END, MARKERS, PIPELINE_CATEGORIES, START, label_category
 from pipefisher.timeline import COV_KINDS, STEP_KEY, TimelineKey
@@ -194,36 +195,216 @@ def lay_out(iterations: Sequence[Sequence[str]], model: NodeModel) -> list[list[
     return out
 
 
-def iteration_time(iterations: Sequence[Sequence[str]], model: NodeModel,
-                   placed_iterations: Sequence[Sequence[Placement]] | None = None) -> list[float]:
+def iteration_time(iterations: Sequence[Sequence[str]], model: NodeModel) -> list[float]:
     """How long each iteration of a node's cycle is expected to take on ``model`` (see :func:`lay_out`):
     the node's pipeline time plus every delay its K-FAC work adds to a call or to the iteration's end.
-    ``placed_iterations``: the cycle's :func:`lay_out` on ``model``, where the caller has it already.
 
     A delay a later bubble absorbs on this node is still counted: the late call's output reaches the
     next stage late too, and the pipeline couples them, so an overrun is never free.
     """
-    out = []
-    where = {key for key, _, _ in model.pipeline}
-    if placed_iterations is None:
-        placed_iterations = lay_out(iterations, model)
-    for placed, labels in zip(placed_iterations, iterations):
-        planned: dict[str, list[float]] = {}
-        for key, s, _ in model.pipeline:
-            planned.setdefault(key, []).append(float(s))
-        seen: dict[str, int] = {}
-        delay, grown, end = 0.0, 0.0, 0.0
-        for p in placed:
-            if p.label in where:
-                n = seen.get(p.label, 0)
-                seen[p.label] = n + 1
-                d = p.start - planned[p.label][n % len(planned[p.label])]
-                grown += max(0.0, d - delay)
-                delay = d
-            end = max(end, p.end)
-        grown += max(0.0, end - float(model.base) - delay)
-        out.append(float(model.base) + grown)
-    return out
+    return planned_iterations(iterations, model)[0]
+
+
+def planned_iterations(iterations: Sequence[Sequence[str]], model: NodeModel,
+                       layout: KfacLayout | None = None) -> tuple[list[float], list[float]]:
+    """Per iteration of a node's cycle on ``model``: its expected time (:func:`iteration_time`), and when
+    its last label before ``-- end --`` ends (0 where none comes before it), where end-of-step work starts.
+
+    The figures :func:`lay_out`'s placements give, without building them: a cycle of a big job is
+    millions of labels, and the ``target`` policy evaluates several. Every label moves a cursor
+    (a call to ``max(its start, cursor)`` plus its length, K-FAC work by its length, ``-- end --`` to
+    the pipeline time at least), so the cursor after label j is ``B_j + max(cursor0, max_i<=j a_i - B_i-1)``
+    with ``B`` the running sum of the lengths and ``a_i`` the label's earliest start: a running sum and
+    a running maximum per iteration, in numpy. On integer timelines (profiled nanoseconds) every figure
+    is exact, so equal to the placements' to the unit. ``layout``: the labels' :data:`KfacLayout`, where
+    the policy has it (:func:`_planned_layout` then reads only the K-FAC work).
+    """
+    if layout is not None:
+        return _planned_layout(layout, model)
+    import numpy as np
+
+    keys: dict[str, int] = {}
+    starts: list[list[float]] = []
+    ends: list[list[float]] = []
+    for key, s, e in model.pipeline:
+        i = keys.setdefault(key, len(keys))
+        if i == len(starts):
+            starts.append([])
+            ends.append([])
+        starts[i].append(float(s))
+        ends[i].append(float(e))
+    pipes = len(keys)
+    code_of: dict[str, int] = dict(keys)
+    code_of[END] = pipes
+    table: list[float] = []
+    offset: list[int] = []
+    count: list[int] = []
+    for label, ds in model.durations.items():
+        if label not in code_of:
+            code_of[label] = pipes + 1 + len(offset)
+            offset.append(len(table))
+            count.append(len(ds))
+            table.extend(map(float, ds))
+    sizes = np.fromiter(map(len, iterations), dtype=np.int64, count=len(iterations))
+    k, n = len(sizes), int(sizes.sum())
+    base = float(model.base)
+    cursor0 = min(0.0, float(model.pipeline[0][1])) if model.pipeline else 0.0
+    if n == 0:
+        return [base] * k, [0.0] * k
+    codes = np.fromiter(map(code_of.get, chain.from_iterable(iterations), repeat(-1)), dtype=np.int64, count=n)
+    first = np.zeros(k + 1, dtype=np.int64)
+    np.cumsum(sizes, out=first[1:])
+    row = np.repeat(np.arange(k), sizes)  # each label's iteration, and its place in it
+    col = np.arange(n) - first[row]
+    earliest = np.full(n, -np.inf)  # a_i: where the label can start at the earliest
+    length = np.zeros(n)  # b_i: how far it moves the cursor past that
+    for i in range(pipes):  # the j-th call of a key in an iteration is the key's j-th in the timeline
+        at = np.flatnonzero(codes == i)
+        nth = (np.arange(len(at)) - np.searchsorted(at, first[:-1])[row[at]]) % len(starts[i])
+        s = np.asarray(starts[i])[nth]
+        earliest[at], length[at] = s, np.asarray(ends[i])[nth] - s
+    ends_at = np.flatnonzero(codes == pipes)
+    earliest[ends_at] = base
+    work = np.flatnonzero(codes > pipes)
+    if len(work):  # the j-th run of a K-FAC label in the cycle takes its j-th duration (cyclically)
+        ids = codes[work] - pipes - 1
+        order = np.argsort(ids, kind="stable")
+        ranked = ids[order]
+        nth = np.empty_like(ids)
+        nth[order] = np.arange(len(ids)) - np.searchsorted(ranked, ranked)
+        length[work] = np.asarray(table)[np.asarray(offset)[ids] + nth % np.asarray(count)[ids]]
+    # one row per iteration, padded: the running sum and maximum restart with every iteration
+    width = int(sizes.max())
+    b = np.zeros((k, width))
+    a = np.full((k, width), -np.inf)
+    b[row, col], a[row, col] = length, earliest
+    total = np.cumsum(b, axis=1)
+    cursor = total + np.maximum(np.maximum.accumulate(a - (total - b), axis=1), cursor0)
+    previous = np.concatenate((np.full((k, 1), cursor0), cursor[:, :-1]), axis=1)
+    calls = np.flatnonzero((codes >= 0) & (codes < pipes))
+    late = np.maximum(previous[row[calls], col[calls]] - earliest[calls], 0.0)  # each call's delay
+    before = np.concatenate(([0.0], late[:-1]))
+    opening = np.searchsorted(calls, first[:-1])  # each iteration's first call (where it has one)
+    before[opening[opening < np.searchsorted(calls, first[1:])]] = 0.0
+    grown = np.bincount(row[calls], weights=np.maximum(late - before, 0.0), minlength=k)
+    last = np.zeros(k)
+    last[row[calls]] = late  # the last call's delay (later ones overwrite earlier)
+    end = np.maximum(cursor[np.arange(k), np.maximum(sizes - 1, 0)], 0.0)
+    end[sizes == 0] = 0.0
+    times = base + (grown + np.maximum(end - base - last, 0.0))
+    # end-of-step work starts after the last label before the iteration's first -- end --
+    cut = sizes.copy()
+    its, firsts = np.unique(row[ends_at], return_index=True)
+    cut[its] = col[ends_at[firsts]]
+    ready = np.where(cut > 0, cursor[np.arange(k), np.maximum(cut - 1, 0)], 0.0)
+    return times.tolist(), ready.tolist()
+
+
+def _planned_layout(layout: KfacLayout, model: NodeModel) -> tuple[list[float], list[float]]:
+    """:func:`planned_iterations` of labels laid out as ``layout`` says, from their K-FAC work alone.
+
+    The calls run in timeline order, so each one's delay is ``D_j = max(0, D_j-1 + K_j - g_j)``, with
+    ``K_j`` the K-FAC work before it and ``g_j`` its bubble (its start less the previous call's end).
+    Between calls with no work before them and no negative bubble (calls that overlap) the delay only
+    shrinks, by the bubbles' sum at most down to 0, so only the calls with work before them (and those
+    overlaps) are visited: per iteration, its K-FAC work, not its pipeline.
+    """
+    calls = model.pipeline
+    n = len(calls)
+    base = float(model.base)
+    cursor0 = min(0.0, float(calls[0][1])) if calls else 0.0
+    gaps = [0.0] * n  # g_j, and their running sum: the decay over a stretch of calls
+    total = [0.0] * (n + 1)
+    previous_end = cursor0
+    for j, (_, s, e) in enumerate(calls):
+        gaps[j] = float(s) - previous_end
+        total[j + 1] = total[j] + gaps[j]
+        previous_end = float(e)
+    last_end = previous_end  # the last call's planned end (cursor0 without calls)
+    overlaps = [j for j in range(n) if gaps[j] < 0] + [n + 1]  # calls a delay can grow at without work
+    lengths = model.durations
+    seen: dict[str, list] = {}  # per label: [the running sum of its durations over one round, runs so far]
+    times, ready = [], []
+    for work in layout:
+        # one pass over the iteration's runs of K-FAC work; at each call with work before it (or a call
+        # that overlaps the one before), the delay: D_j = max(0, D_j-1 + K_j - g_j), grown where it rises
+        delay = grown = tail = 0.0  # the delay of the call before call j; work after the last call
+        j, o = 0, 0  # the next call; the next overlap
+        here, k = -1, 0.0  # the call the work gathered so far comes before, and that work
+        for pos, label, count in (*work, (n + 1, "", 0)):  # a last run past every call: the flush
+            if pos != here:
+                while here >= 0:  # call `here` gets its work k (and overlaps before it, none)
+                    at = overlaps[o] if overlaps[o] < here else here
+                    if at < j:  # an overlap passed already
+                        o += 1
+                        continue
+                    if at >= n:
+                        if j < n:
+                            delay = max(0.0, delay - (total[n] - total[j]))
+                            j = n
+                        tail += k
+                        break
+                    if delay and at > j:  # calls j .. at-1: no work before them, no overlap: it shrinks
+                        delay = max(0.0, delay - (total[at] - total[j]))
+                    late = delay + (k if at == here else 0.0) - gaps[at]
+                    if late > 0.0:
+                        if late > delay:
+                            grown += late - delay
+                        delay = late
+                    else:
+                        delay = 0.0
+                    j = at + 1
+                    if at == here:
+                        break
+                    o += 1
+                if pos > n:
+                    break
+                here, k = pos, 0.0
+            state = seen.get(label)
+            if state is None:
+                ds = lengths.get(label)
+                if ds is None:  # K-FAC work this model has no time for: a marker
+                    continue
+                state = seen[label] = [[0.0, *accumulate(map(float, ds))], 0]
+            running, first = state
+            state[1] = first + count
+            size = len(running) - 1
+            i = first % size
+            if i + count <= size:  # the label's durations i .. i + count - 1, without wrapping round
+                k += running[i + count] - running[i]
+            else:
+                k += _cyclic_sum(running, first, count)
+        while overlaps[o] < n:  # overlaps after the last call with work
+            at = overlaps[o]
+            o += 1
+            if at < j:
+                continue
+            if delay and at > j:
+                delay = max(0.0, delay - (total[at] - total[j]))
+            late = delay - gaps[at]
+            if late > delay:
+                grown += late - delay
+            delay, j = max(0.0, late), at + 1
+        if j < n:
+            delay = max(0.0, delay - (total[n] - total[j]))
+        before_end = last_end + delay + tail
+        end = max(0.0, before_end, base)
+        times.append(base + grown + max(0.0, end - base - delay))
+        ready.append(before_end)
+    return times, ready
+
+
+def _cyclic_sum(running: list[float], first: int, count: int) -> float:
+    """The sum of ``count`` durations from the ``first``-th, cyclically, of a label whose running sum over
+    one round is ``running`` (``running[j]``: the first j)."""
+    n = len(running) - 1
+    if count == 1:
+        i = first % n
+        return running[i + 1] - running[i]
+    rounds, start = divmod(first, n)
+    end = first + count
+    full, stop = divmod(end, n)
+    return (full - rounds) * running[n] + running[stop] - running[start]
 
 
 def expected_step_time(schedule: Sequence[Sequence[Sequence[str]]], models: Sequence[NodeModel],
@@ -240,7 +421,7 @@ def job_cycle_mean(per_node: Sequence[Sequence[float]], max_steps: int = 2520) -
     for times in per_node:
         steps = steps * len(times) // math.gcd(steps, len(times))
     steps = min(steps, max_steps)
-    return sum(max(times[t % len(times)] for times in per_node) for t in range(steps)) / steps
+    return sum(map(max, zip(*(islice(cycle(times), steps) for times in per_node)))) / steps
 
 
 def planned_gaps(model: NodeModel) -> list[float]:
@@ -489,6 +670,6 @@ def read_csv(path: str | os.PathLike[str]) -> list[StepRecord]:
     return [StepRecord(n, rep, s, iteration[(n, rep, s)], tuple(v)) for (n, rep, s), v in sorted(steps.items())]
 
 
-__all__ = ["WAIT_EPS", "CSV_COLUMNS", "LabelTime", "StepRecord", "Gap", "gaps", "lay_out", "iteration_time",
+__all__ = ["WAIT_EPS", "CSV_COLUMNS", "LabelTime", "StepRecord", "Gap", "gaps", "lay_out", "iteration_time", "planned_iterations",
            "expected_step_time", "planned_gaps", "gap_overruns", "step_overrun", "significant", "unit_seconds", "planned_gap_seconds", "measured_timeline",
            "window_timelines", "cycle_summary", "instruction_rows", "append_csv", "InstructionRow", "read_rows", "read_csv", "quantile", "START", "END"]

@@ -1,4 +1,5 @@
-"""What a user pays for a schedule: the expected time to reach a target loss, relative to first-order.
+"""What a user pays for a schedule: its planned step time and, given the job's staleness curve, the
+expected time to reach a target loss, relative to first-order.
 
 The packer's own goal (the shortest cycle k at the densest packing the room rule allows) is not the
 user's. A user pays ``steps(k) x step_time(k)``:
@@ -11,27 +12,34 @@ user's. A user pays ``steps(k) x step_time(k)``:
   piece is its own call, the caches are colder, the neighbour's send waits): ``slowdown`` makes every
   K-FAC item that much longer when the plan is evaluated, so a densely packed bubble costs what it costs;
 * **steps**: K-FAC's steps to the target relative to first-order's, at a curvature refreshed every k
-  steps (a :class:`StalenessCurve`; the default is the one measured by ``scripts/bench_staleness.py``).
+  steps: the job's :class:`~pipefisher.staleness.StalenessCurve`, measured on it
+  (``scripts/bench_staleness.py``) or given. There is no default: what staleness costs depends on the
+  model, the data, the learning rate and the horizon, so a curve from another job would decide with
+  someone else's numbers.
 
 First-order's step is the same pipeline with the update alone (no K-FAC work, no preconditioning). The
 profile is of a ``kfac`` run, whose forwards and backwards also save K-FAC's inputs and output gradients,
 which first-order does not pay; the convergence benchmark prints planned against measured for both (in
 three runs first-order's plan was 0.97-1.04 of its run: the profile's own noise is larger). The choice,
 made among schedules of the same profile, does not depend on it.
-:func:`tradeoff` packs the candidate densities and evaluates each; the ``target`` policy
-(:mod:`pipefisher.policies.target`) keeps the one with the least expected time-to-target.
+
+:func:`tradeoff` packs the candidate densities and weighs them; the ``target`` policy
+(:mod:`pipefisher.policies.target`) keeps what it chooses. With a curve: the least expected
+time-to-target. Without one, a rule that needs none (:func:`choose_without_curve`): the densest packing
+where its planned step is within :data:`NO_CURVE_TOLERANCE` of the floor (the step no packing goes
+below), else the least planned step and, within the tolerance of it, the shortest cycle.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
-from pipefisher.errors import InputError
-from pipefisher.measure import iteration_time, job_cycle_mean, lay_out
-from pipefisher.policies.base import JobSchedule, Placement
+from pipefisher.measure import job_cycle_mean, planned_iterations
+from pipefisher.policies.base import JobSchedule, KfacLayout
 from pipefisher.problem import NodeModel, node_model
 from pipefisher.rules.format import END
+from pipefisher.staleness import StalenessCurve
 from pipefisher.timeline import PRECONDITION_KEY, UPDATE_KEY, Job, NodeTimeline, inflate_kfac
 
 DEFAULT_SLOWDOWN = 0.10
@@ -40,56 +48,9 @@ profiled time. Measured on ``configs/small.yaml`` (2 stages, one CPU core each):
 pieces ran 1.05-1.27x their profiled time, a cycle's K-FAC work on the node that ends the pipeline 1.04x
 (``pipefisher run``, 75 steps); 0.1 also covers a neighbour's call made late by it."""
 
-
-@dataclass(frozen=True)
-class StalenessCurve:
-    """K-FAC's steps to a target loss relative to first-order's, per curvature refresh interval k.
-
-    Between measured points the ratio is interpolated linearly in log k; below the first it is the
-    first; past the last point, or at a point that never reached the target (``inf``), it is infinite:
-    a staleness nobody measured reaching the target is never chosen.
-    """
-
-    points: tuple[tuple[float, float], ...]
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        ks = [k for k, _ in self.points]
-        if not self.points or ks != sorted(ks) or len(set(ks)) != len(ks) or ks[0] < 1 \
-                or any(not r > 0 for _, r in self.points):
-            raise ValueError("a staleness curve needs points k:ratio with k >= 1 increasing and ratios > 0")
-
-    def at(self, k: float) -> float:
-        pts = self.points
-        if k <= pts[0][0]:
-            return pts[0][1]
-        for (k0, r0), (k1, r1) in zip(pts, pts[1:]):
-            if k <= k1:
-                if math.isinf(r0) or math.isinf(r1):
-                    return r1 if k == k1 else math.inf
-                w = math.log(k / k0) / math.log(k1 / k0)
-                return r0 + (r1 - r0) * w
-        return math.inf
-
-    @classmethod
-    def parse(cls, text: str) -> "StalenessCurve":
-        """``"1:0.5,2:0.53,4:0.57,8:0.83,16:inf"``: k, then steps-to-target relative to first-order."""
-        try:
-            points = []
-            for part in text.split(","):
-                k, r = part.split(":")
-                points.append((float(k), float(r)))
-            return cls(tuple(points), source=text)
-        except ValueError as e:
-            why = str(e) if "staleness curve" in str(e) else "expected k:ratio pairs such as 1:0.5,4:0.57,8:0.83"
-            raise InputError(None, f"staleness curve '{text}': {why}") from None
-
-
-MEASURED_STALENESS = StalenessCurve(
-    ((1, 0.500), (2, 0.533), (4, 0.567), (8, 0.833), (16, math.inf)),
-    source="measured, configs/small.yaml at 300 steps")
-"""The default curve: steps-to-target of kfac with ``kfac.interval`` k relative to the tuned AdamW, measured
-on the convergence benchmark (the README's staleness section has the chart and the 1000-step curve)."""
+NO_CURVE_TOLERANCE = 0.02
+"""Without a staleness curve, planned step times this close (as a fraction) count as equal, and the
+shorter cycle (fresher curvature) decides between them."""
 
 
 @dataclass(frozen=True)
@@ -102,27 +63,47 @@ class StepCost:
     """The first-order step on the same pipeline: pipeline time and the update's exposed part."""
     step: float
     """The schedule's step: pipeline, K-FAC delays and overflow, preconditioning and update."""
+    floor: float = 0.0
+    """The step no schedule of this job goes below: first-order's, with the whole end-of-step work
+    (preconditioning too) exposed as far as the tail bubble leaves it, and no K-FAC delay at all."""
 
     @property
     def overhead(self) -> float:
         """Planned time per step beyond first-order's, as a fraction of it."""
         return self.step / self.first_order - 1 if self.first_order else 0.0
 
+    @property
+    def above_floor(self) -> float:
+        """Planned time per step beyond the floor, as a fraction of the floor."""
+        return self.step / self.floor - 1 if self.floor else 0.0
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, eq=False)
 class Candidate:
-    """One packing density the ``target`` policy weighed: its schedule, expected cost and time-to-target."""
+    """One packing density the ``target`` policy weighed: its schedule, expected cost and time-to-target
+    (compared by identity: two candidates are never the same schedule)."""
 
     margin: float
     schedule: JobSchedule
     cost: StepCost
-    relative_steps: float
-    """Steps to the target relative to first-order at this cycle (the staleness curve at k)."""
+    relative_steps: float | None
+    """Steps to the target relative to first-order at this cycle (the staleness curve at k); None
+    without a curve."""
 
     @property
-    def relative_time(self) -> float:
-        """Expected time to the target relative to first-order: steps ratio x step ratio."""
+    def relative_time(self) -> float | None:
+        """Expected time to the target relative to first-order: steps ratio x step ratio (None without
+        a curve)."""
+        if self.relative_steps is None:
+            return None
         return self.relative_steps * (self.cost.step / self.cost.first_order if self.cost.first_order else 1.0)
+
+    @property
+    def overflow_per_step(self) -> float:
+        """The most time a node's overflow (work its margin lets fit no bubble) adds per step, averaged
+        over its cycle, in the job's unit (profiled times)."""
+        return max((n.figures.overflow / n.figures.iterations for n in self.schedule.nodes
+                    if n.figures.iterations), default=0.0)
 
 
 def end_of_step(node: NodeTimeline) -> tuple[float, float]:
@@ -136,13 +117,11 @@ def end_of_step(node: NodeTimeline) -> tuple[float, float]:
     return max(0.0, update - precondition), precondition
 
 
-def _exposed(model: NodeModel, placed: Sequence[Placement], seconds: float) -> float:
+def _exposed(model: NodeModel, ready: float, seconds: float) -> float:
     """How much of ``seconds`` of end-of-step work adds to an iteration's time on this node: the part its
-    tail bubble does not hide. The work starts when the last label before ``-- end --`` ends (``placed``:
-    the iteration's :func:`pipefisher.measure.lay_out`); from there to the node's pipeline time the node
-    sits idle."""
-    cut = next((i for i, p in enumerate(placed) if p.label == END), len(placed))
-    ready = max((p.end for p in placed[:cut]), default=0.0)
+    tail bubble does not hide. The work starts when the last label before ``-- end --`` ends (``ready``,
+    :func:`pipefisher.measure.planned_iterations`); from there to the node's pipeline time the node sits
+    idle."""
     return max(0.0, seconds - max(0.0, float(model.base) - ready))
 
 
@@ -151,25 +130,44 @@ def slowed_models(job: Job, slowdown: float = DEFAULT_SLOWDOWN) -> list[NodeMode
     return [node_model(n, job.span) for n in inflate_kfac(job, 1 + slowdown).nodes]
 
 
+NodeTimes = dict[tuple[int, object], list[float]]
+"""Per (node, its cycle's labels): the node's planned time per iteration, end-of-step work included
+(a cache: densities that pack a node alike evaluate it once); the labels stand for themselves by
+their :data:`~pipefisher.policies.base.KfacLayout` where there is one."""
+
+
 def step_cost(schedule: Sequence[Sequence[Sequence[str]]], job: Job, slowdown: float = DEFAULT_SLOWDOWN,
-              models: Sequence[NodeModel] | None = None) -> StepCost:
+              models: Sequence[NodeModel] | None = None, known: NodeTimes | None = None,
+              layouts: Sequence[KfacLayout | None] | None = None) -> StepCost:
     """The expected cost per step of a schedule (file data) on ``job``, see the module docstring.
 
     Per step, the slowest node sets the time (the pipeline couples them): its iteration time (pipeline,
     delays, overflow; K-FAC ``slowdown`` x longer than profiled) plus whatever of its end-of-step work
     its tail bubble does not hide, averaged over the job's cycle (:func:`pipefisher.measure.job_cycle_mean`).
-    ``models``: :func:`slowed_models` of the job, where the caller evaluates several schedules.
+    ``models``: :func:`slowed_models` of the job, where the caller evaluates several schedules; ``known``:
+    node times already worked out on them (filled in here); ``layouts``: per node, its labels'
+    :data:`~pipefisher.policies.base.KfacLayout` where the policy gave one (the same figures, faster).
     """
     models = slowed_models(job, slowdown) if models is None else models
     ends = [end_of_step(n) for n in job.nodes]
+    layouts = layouts if layouts is not None else [None] * len(schedule)
     per_node = []
-    for labels, model, (update, precondition) in zip(schedule, models, ends):
-        placed = lay_out(labels, model)
-        times = iteration_time(labels, model, placed)
-        per_node.append([t + _exposed(model, p, update + precondition) for t, p in zip(times, placed)])
-    first_order = max(float(m.base) + _exposed(m, lay_out([_first_order_labels(m)], m)[0], u)
-                      for m, (u, _) in zip(models, ends))
-    return StepCost(max(len(node) for node in schedule), first_order, job_cycle_mean(per_node))
+    for i, (labels, layout, model, (update, precondition)) in enumerate(zip(schedule, layouts, models, ends)):
+        key = (i, layout if layout is not None else tuple(map(tuple, labels)))
+        if known is not None and key in known:
+            per_node.append(known[key])
+            continue
+        times, ready = planned_iterations(labels, model, layout)
+        node = [t + _exposed(model, r, update + precondition) for t, r in zip(times, ready)]
+        if known is not None:
+            known[key] = node
+        per_node.append(node)
+    first_order, floor = 0.0, 0.0
+    for m, (u, p) in zip(models, ends):
+        _, (ready,) = planned_iterations([_first_order_labels(m)], m, ((),))
+        first_order = max(first_order, float(m.base) + _exposed(m, ready, u))
+        floor = max(floor, float(m.base) + _exposed(m, ready, u + p))
+    return StepCost(max(len(node) for node in schedule), first_order, job_cycle_mean(per_node), floor)
 
 
 def _first_order_labels(model: NodeModel) -> list[str]:
@@ -182,40 +180,110 @@ DENSITIES = (0.15, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 each leaves K-FAC items that much more room than their profiled time, a sparser, longer cycle."""
 
 
-def tradeoff(job: Job, pack: Callable[[Job, float], JobSchedule], margin: float, staleness: StalenessCurve = MEASURED_STALENESS,
-             slowdown: float = DEFAULT_SLOWDOWN) -> list[Candidate]:
-    """Every distinct schedule ``pack(job, m)`` gives at margin ``margin`` and the sparser :data:`DENSITIES`,
-    with its expected cost and time-to-target, in order of packing density (densest first).
+# ----------------------------------------------------------------------------------------------------
+# The choice
 
-    Packing stops once the staleness alone makes a candidate cost at least the best so far: its step
-    costs no less than first-order's, and sparser packings only lengthen the cycle (for a curve that
-    grows with k, as measured ones do).
+
+@dataclass(frozen=True)
+class Choice:
+    """A candidate chosen, why (one line a report prints), and warnings about the choice."""
+
+    chosen: Candidate
+    why: str
+    warnings: tuple[str, ...] = ()
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def within_run(candidates: Sequence[Candidate], max_cycle: int | None) -> tuple[list[Candidate], tuple[str, ...]]:
+    """The candidates whose cycle the run completes (k <= ``max_cycle``, its steps); where none does,
+    the shortest cycle, with a warning saying so."""
+    if max_cycle is None:
+        return list(candidates), ()
+    fit = [c for c in candidates if c.cost.cycle <= max_cycle]
+    if fit:
+        return fit, ()
+    short = min(candidates, key=lambda c: (c.cost.cycle, c.cost.step, c.margin))
+    return [short], (f"warning: every density packs a cycle longer than the run's {max_cycle} steps; the "
+                     f"shortest, k = {short.cost.cycle} (margin {short.margin:g}), refreshes the curvature "
+                     "less often than once",)
+
+
+def at_the_floor(densest: Candidate, tolerance: float = NO_CURVE_TOLERANCE) -> bool:
+    """Whether the densest packing's planned step is within ``tolerance`` of the floor: then no packing's
+    step is lower by more than that, and the rule without a curve keeps it, unpacked ones unseen."""
+    return densest.cost.step <= densest.cost.floor * (1 + tolerance)
+
+
+def choose_without_curve(candidates: Sequence[Candidate], max_cycle: int | None = None,
+                         tolerance: float = NO_CURVE_TOLERANCE) -> Choice:
+    """The choice that needs no staleness curve, among ``candidates`` in packing order (the first is the
+    densest, at the margin asked for):
+
+    1. only cycles the run completes (k <= ``max_cycle``; where none does, the shortest);
+    2. the densest packing, tight's shortest cycle at the margin asked for, where its planned step is
+       within ``tolerance`` of the floor (no schedule's step is lower by more than that);
+    3. else the least planned step and, among the schedules within ``tolerance`` of it, the shortest
+       cycle (then the lesser step, then the denser packing), counting a schedule that overflows more
+       per step than the densest one (overflow it chose by its margin) only where it has the least step.
     """
-    out: list[Candidate] = []
-    seen: set[str] = set()
-    best = math.inf
-    models = slowed_models(job, slowdown)
-    for m in [margin, *(d for d in DENSITIES if d > margin)]:
-        packed = pack(job, m)
-        data = packed.to_file_data()
-        digest = repr(data)
-        if digest in seen:
-            continue
-        seen.add(digest)
-        cost = step_cost(data, job, slowdown, models)
-        c = Candidate(m, packed, cost, staleness.at(cost.cycle))
-        out.append(c)
-        best = min(best, c.relative_time)
-        if c.relative_steps >= best:
-            break
-    return out
+    fit, warnings = within_run(candidates, max_cycle)
+    densest = candidates[0]
+    if any(c is densest for c in fit) and at_the_floor(densest, tolerance):
+        return Choice(densest, f"by planned step time alone: the densest packing (margin {densest.margin:g}, k = "
+                               f"{densest.cost.cycle}): its planned step is {_pct(densest.cost.above_floor)} above "
+                               f"the floor no packing goes below, within {_pct(tolerance)}, so no sparser one "
+                               "could save more step time than that", warnings)
+    least = min(c.cost.step for c in fit)
+    forced = densest.overflow_per_step
+    eligible = [c for c in fit if c.cost.step <= least * (1 + tolerance)
+                and (c.overflow_per_step <= forced or c.cost.step == least)]
+    best = min(eligible, key=lambda c: (c.cost.cycle, c.cost.step, c.margin))
+    return Choice(best, f"by planned step time alone: the least planned step ({_pct(min(c.cost.overhead for c in fit))} "
+                        f"over first-order), then among the schedules within {_pct(tolerance)} of it the "
+                        f"shortest cycle: k = {best.cost.cycle} at margin {best.margin:g}", warnings)
 
 
-def choose(candidates: Sequence[Candidate]) -> Candidate:
-    """The least expected time-to-target; a tie goes to the shorter cycle (fresher curvature)."""
+def choose_with_curve(candidates: Sequence[Candidate], max_cycle: int | None = None) -> Choice | None:
+    """The least expected time-to-target among the cycles the run completes (a tie goes to the shorter
+    cycle, then the denser packing); None where no candidate reaches the target on the curve."""
+    fit, warnings = within_run(candidates, max_cycle)
+    finite = [c for c in fit if c.relative_time is not None and math.isfinite(c.relative_time)]
+    if not finite:
+        return None
+    best = min(finite, key=_curve_order)
+    return Choice(best, f"the least expected time-to-target: {best.relative_time:.3f} x first-order's "
+                        f"(k = {best.cost.cycle} at margin {best.margin:g})", warnings)
+
+
+def _curve_order(c: Candidate) -> tuple[float, int, float]:
+    return (c.relative_time if c.relative_time is not None else math.inf, c.cost.cycle, c.margin)
+
+
+def choose(candidates: Sequence[Candidate], staleness: StalenessCurve | None = None,
+           max_cycle: int | None = None) -> Choice:
+    """The whole rule on ``candidates`` (every density, in packing order): with a curve, the least
+    expected time-to-target; without one, or where no candidate reaches the target on it (a warning
+    says so), :func:`choose_without_curve`."""
     if not candidates:
         raise ValueError("no candidate schedules")
-    return min(candidates, key=lambda c: (c.relative_time, c.cost.cycle, -c.margin))
+    if staleness is not None:
+        chosen = choose_with_curve(candidates, max_cycle)
+        if chosen is not None:
+            return chosen
+    plain = choose_without_curve(candidates, max_cycle)
+    if staleness is None:
+        return plain
+    never = ", ".join(str(k) for k in sorted({c.cost.cycle for c in candidates}))
+    which = "no density" if max_cycle is None else f"no density whose cycle the run's {max_cycle} steps complete"
+    return Choice(plain.chosen, plain.why, (f"warning: {which} reaches the target on the staleness curve "
+                                            f"(k = {never}); chosen as without a curve", *plain.warnings))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The weighing
 
 
 @dataclass(frozen=True)
@@ -224,28 +292,185 @@ class Tradeoff:
 
     candidates: tuple[Candidate, ...]
     chosen: Candidate
-    staleness: StalenessCurve
+    staleness: StalenessCurve | None
     slowdown: float
+    why: str = ""
+    warnings: tuple[str, ...] = ()
+    unpacked: tuple[str, ...] = ()
+    """Densities not packed, and why they could not have been chosen."""
+    max_cycle: int | None = None
 
     def lines(self) -> list[str]:
-        """The table reports print: per candidate k, planned overhead per step and expected time-to-target."""
-        out = [f"time-to-target trade-off (K-FAC items {1 + self.slowdown:g}x their profiled time; staleness "
-               f"{self.staleness.source or 'given'}):",
-               f"  {'k':>3}  {'margin':>6}  {'overhead/step':>13}  {'steps vs first-order':>20}  "
-               f"{'time-to-target vs first-order':>29}"]
+        """The table reports print: per candidate k, planned overhead and overflow per step, and with a
+        curve the expected time-to-target; then why the chosen one, and what was not packed."""
+        from pipefisher.timeline import format_time
+
+        curve = self.staleness
+        if curve is not None:
+            head = (f"time-to-target trade-off (K-FAC items {1 + self.slowdown:g}x their profiled time; staleness "
+                    f"{curve.describe()}):")
+        else:
+            head = (f"packing densities weighed (K-FAC items {1 + self.slowdown:g}x their profiled time; no "
+                    "staleness curve for this job, so no time-to-target is predicted: --staleness gives one):")
+        cols = f"  {'k':>3}  {'margin':>6}  {'overhead/step':>13}  {'overflow/step':>13}"
+        if curve is not None:
+            cols += f"  {'steps vs first-order':>20}  {'time-to-target vs first-order':>29}"
+        out = [head, cols]
         for c in self.candidates:
-            rel = "never" if math.isinf(c.relative_time) else f"{c.relative_time:.3f}"
-            steps = "never" if math.isinf(c.relative_steps) else f"{c.relative_steps:.3f}"
-            out.append(f"  {c.cost.cycle:>3}  {c.margin:>6g}  {100 * c.cost.overhead:>12.1f}%  {steps:>20}  "
-                       f"{rel:>29}" + ("  <- chosen" if c is self.chosen else ""))
+            over = c.overflow_per_step
+            row = (f"  {c.cost.cycle:>3}  {c.margin:>6g}  {100 * c.cost.overhead:>12.1f}%  "
+                   f"{format_time(round(over) if isinstance(c.schedule.span, int) else over):>13}")
+            if curve is not None:
+                rel, steps = c.relative_time, c.relative_steps
+                row += (f"  {'never' if steps is None or math.isinf(steps) else f'{steps:.3f}':>20}  "
+                        f"{'never' if rel is None or math.isinf(rel) else f'{rel:.3f}':>29}")
+            out.append(row + ("  <- chosen" if c is self.chosen else ""))
+        out.append(f"  chosen: {self.why}" + (f" (cycles up to the run's {self.max_cycle} steps)"
+                                                if self.max_cycle is not None else ""))
+        out += [f"  not packed: {u}" for u in self.unpacked]
+        out += [f"  {w}" for w in self.warnings]
         return out
 
     def data(self) -> dict[str, object]:
         """For ``--json`` reports."""
-        def num(x: float) -> float | None:
-            return None if math.isinf(x) else round(x, 6)
+        def num(x: float | None) -> float | None:
+            return None if x is None or math.isinf(x) else round(x, 6)
 
-        return {"staleness": [[k, num(r)] for k, r in self.staleness.points], "slowdown": self.slowdown,
+        curve = self.staleness
+        return {"staleness": None if curve is None else {"points": [[k, num(r)] for k, r in curve.points],
+                                                          "source": curve.describe()},
+                "slowdown": self.slowdown, "why": self.why, "warnings": list(self.warnings),
+                "unpacked": list(self.unpacked), "max_cycle": self.max_cycle,
                 "candidates": [{"margin": c.margin, "cycle": c.cost.cycle, "overhead": num(c.cost.overhead),
+                                "overflow_per_step": num(c.overflow_per_step),
                                 "relative_steps": num(c.relative_steps), "relative_time": num(c.relative_time),
                                 "chosen": c is self.chosen} for c in self.candidates]}
+
+
+CycleBound = Callable[[Job, float, Sequence[int]], Iterator[int]]
+"""Proven lower bounds on the cycle of any valid schedule of a job at a margin (the policy's bounds): one
+per node, of the nodes given in that order; their running maximum bounds the job's cycle k."""
+
+
+@dataclass
+class _Weighing:
+    """Densities packed and evaluated on demand, each once; a schedule another density already gave is
+    left out (it would tie, and the denser one wins a tie)."""
+
+    job: Job
+    pack: Callable[[Job, float], JobSchedule]
+    staleness: StalenessCurve | None
+    slowdown: float
+    margins: list[float]
+    models: list[NodeModel] = field(default_factory=list)
+    known: NodeTimes = field(default_factory=dict)
+    done: dict[float, Candidate | None] = field(default_factory=dict)
+
+    def get(self, m: float) -> Candidate | None:
+        if m not in self.done:
+            if not self.models:
+                self.models = slowed_models(self.job, self.slowdown)
+            packed = self.pack(self.job, m)
+            same = next((c for c in self.done.values() if c is not None and _same(c.schedule, packed)), None)
+            if same is not None:
+                self.done[m] = None
+            else:
+                cost = step_cost([n.iterations for n in packed.nodes], self.job, self.slowdown, self.models,
+                                 self.known, [n.layout for n in packed.nodes])
+                steps = None if self.staleness is None else self.staleness.at(cost.cycle)
+                self.done[m] = Candidate(m, packed, cost, steps)
+        return self.done[m]
+
+    def packed(self) -> list[Candidate]:
+        return [c for m in self.margins if (c := self.done.get(m)) is not None]
+
+
+def _same(a: JobSchedule, b: JobSchedule) -> bool:
+    return len(a.nodes) == len(b.nodes) and all(x.iterations == y.iterations for x, y in zip(a.nodes, b.nodes))
+
+
+def tradeoff(job: Job, pack: Callable[[Job, float], JobSchedule], margin: float,
+             staleness: StalenessCurve | None = None, slowdown: float = DEFAULT_SLOWDOWN,
+             max_cycle: int | None = None, bound: CycleBound | None = None, prune: bool = True) -> Tradeoff:
+    """Pack ``job`` at ``margin`` and the sparser :data:`DENSITIES` (``pack(job, m)``), evaluate each
+    distinct schedule, and choose (:func:`choose`): every density is weighed, whatever its k.
+
+    With ``prune`` (``False`` only to test that it changes nothing), densities that cannot be chosen are
+    not packed: without a curve, every one but the densest where that is at the floor
+    (:func:`at_the_floor`, the rule's second step); with one, a density whose cycle is at least what
+    ``bound`` proves, where the curve (at its least from there on) times the floor's step ratio cannot
+    beat the best so far, or never reaches the target (packed after all where no density does and the
+    rule without a curve needs them).
+    """
+    margins = [margin, *(d for d in DENSITIES if d > margin)]
+    w = _Weighing(job, pack, staleness, slowdown, margins)
+    unpacked: list[str] = []
+    if not prune:
+        for m in margins:
+            w.get(m)
+    elif staleness is not None:
+        densest = w.get(margins[0])
+        assert densest is not None
+        best = densest if _reaches(densest, max_cycle) else None
+        # the nodes whose bound is likeliest to be high first: the densest packing's longest cycles
+        order = sorted(range(len(densest.schedule.nodes)), key=lambda i: -densest.schedule.nodes[i].figures.iterations)
+        floor = densest.cost.floor / densest.cost.first_order if densest.cost.first_order else 1.0
+        upto = max_cycle if max_cycle is not None else math.inf
+        never: list[float] = []  # densities no cycle of which reaches the target: needed only if none does
+        for m in margins[1:]:
+            why = None if bound is None else _cannot_win(staleness, bound(job, m, order), floor, upto, best)
+            if why is not None:
+                if math.isinf(why[0]):
+                    never.append(m)
+                else:
+                    unpacked.append(f"margin {m:g} (cycle k >= {why[1]}, where the curve gives at best "
+                                    f"{why[0]:.3f} x first-order's time)")
+                continue
+            c = w.get(m)
+            if c is not None and _reaches(c, max_cycle) and (best is None or _curve_order(c) < _curve_order(best)):
+                best = c
+        if best is None:  # no finite candidate: the rule without a curve decides, over every density
+            _without_curve(w, max_cycle, unpacked)
+        elif never:
+            unpacked.append(f"margins {', '.join(f'{m:g}' for m in never)} (their cycles never reach the "
+                            "target on the curve)")
+    else:
+        _without_curve(w, max_cycle, unpacked)
+    candidates = w.packed()
+    choice = choose(candidates, staleness, max_cycle)
+    return Tradeoff(tuple(candidates), choice.chosen, staleness, slowdown, choice.why, choice.warnings,
+                    tuple(unpacked), max_cycle)
+
+
+def _reaches(c: Candidate, max_cycle: int | None) -> bool:
+    """Whether a candidate can be chosen by the curve: a cycle the run completes, and a finite time."""
+    return (max_cycle is None or c.cost.cycle <= max_cycle) and c.relative_time is not None \
+        and math.isfinite(c.relative_time)
+
+
+def _cannot_win(curve: StalenessCurve, bounds: Iterator[int], floor: float, upto: float,
+                best: Candidate | None) -> tuple[float, int] | None:
+    """(the least time-to-target ratio, the cycle bound proving it) where a density cannot be chosen by the
+    curve: no cycle from its bound on reaches the target (ratio inf), or none beats ``best`` (the curve
+    at its least from there on times the floor's step ratio, and a tie on time and cycle goes to the
+    denser ``best``); None where that is not proven. Stops at the first node whose bound proves it."""
+    k = 0
+    for b in bounds:
+        k = max(k, b)
+        least = curve.least_from(k, upto) * floor
+        if math.isinf(least) or (best is not None and (least, k) >= _curve_order(best)[:2]):
+            return least, k
+    return None
+
+
+def _without_curve(w: _Weighing, max_cycle: int | None, unpacked: list[str]) -> None:
+    """Pack what :func:`choose_without_curve` needs: the densest alone where it is at the floor."""
+    densest = w.get(w.margins[0])
+    assert densest is not None
+    if (max_cycle is None or densest.cost.cycle <= max_cycle) and at_the_floor(densest):
+        rest = [m for m in w.margins[1:] if m not in w.done]
+        if rest:
+            unpacked.append(f"margins {', '.join(f'{m:g}' for m in rest)} (the densest packing is at the floor)")
+        return
+    for m in w.margins:
+        w.get(m)

@@ -7,23 +7,27 @@ from pipefisher.policies.base import JobSchedule, NodeSchedule
 from pipefisher.timeline import Job, Time, format_time
 
 
-def usage_line(index: int, node: NodeSchedule) -> str:
+def usage_line(index: int, node: NodeSchedule, margin: float | None = None) -> str:
     """The published tool's line, character for character; policies that prove a lower bound on the
-    cycle append it, whether the cycle meets it (optimal) or by how much it misses it (gap), and their
-    overflow time, if any: ``... (usage: 91.20 %) [lower bound 3, optimal]``."""
+    cycle append it, with the room rule's margin it holds for (``margin``: the schedule's), whether the
+    cycle meets it (optimal at that margin) or by how much it misses it (gap), and their overflow, if
+    any, per step and per cycle: ``... (usage: 91.20 %) [lower bound 3 at margin 0.05, optimal]``."""
     f = node.figures
     line = f"node{index}:{f.iterations} pipeline iterations (usage: {f.usage:.2f} %)"
     if f.lower_bound is None:
         return line
-    extra = f"lower bound {f.lower_bound}, " + ("optimal" if f.optimal else f"gap {f.gap}")
+    at = "" if margin is None else f" at margin {margin:g}"
+    extra = f"lower bound {f.lower_bound}{at}, " + ("optimal" if f.optimal else f"gap {f.gap}")
     if f.overflow:
-        extra += f", overflow {format_time(f.overflow)}"
+        step = f.overflow / f.iterations if f.iterations else f.overflow
+        step = round(step) if isinstance(f.overflow, int) else step
+        extra += f"; overflow {format_time(step)} per step, {format_time(f.overflow)} per cycle"
     return f"{line} [{extra}]"
 
 
 def usage_lines(schedule: JobSchedule) -> list[str]:
     """Per node, its cycle and usage; for a ``target`` schedule, then the trade-off it was chosen by."""
-    lines = [usage_line(i, node) for i, node in enumerate(schedule.nodes)]
+    lines = [usage_line(i, node, schedule.margin) for i, node in enumerate(schedule.nodes)]
     if schedule.tradeoff is not None:
         lines += ["", *schedule.tradeoff.lines()]
     return lines

@@ -74,10 +74,13 @@ def job_layout(job: Job) -> dict[str, Any]:
     """What a job's timelines say about the job a schedule packed from them fits, keyed like the run
     config: ``pipeline.stages`` (nodes), ``data.num_micro_batches`` (node 0's forwards of chunk 0, both
     pipes), and ``modules``, per node its K-FAC modules as the labels name them (left out where a
-    timeline has bare keys). The runtime compares it with its own (:mod:`pipefisher.runtime.pipeline.checks`)."""
+    timeline has bare keys), and ``layout``, what the timelines say of the pipeline order
+    (:func:`timeline_shape`: model chunks per device, a second pipe, split backwards). The runtime compares
+    it with its own (:mod:`pipefisher.runtime.pipeline.checks`), ``validate`` with its timelines'."""
     first = job.nodes[0]
     out: dict[str, Any] = {"pipeline.stages": len(job.nodes),
-                           "data.num_micro_batches": first.micro_batches() + first.micro_batches(up_pipe=True)}
+                           "data.num_micro_batches": first.micro_batches() + first.micro_batches(up_pipe=True),
+                           "layout": list(timeline_shape(job))}
     modules = [sorted({str(k).partition(":")[2] for k in node.kfac_keys()}) for node in job.nodes]
     if all(names and "" not in names for names in modules):
         out["modules"] = modules
@@ -132,3 +135,68 @@ def schedule_packed_for(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     if packed_for is not None and not isinstance(packed_for, dict):
         raise InputError(meta_path(path), f"holds no valid packed_for ({packed_for!r}; a JSON object)")
     return packed_for
+
+
+def modules_difference(node: int, theirs: Sequence[str], ours: Sequence[str], here: str = "here") -> str:
+    """How one node's K-FAC modules differ between a schedule's record (``theirs``) and a job
+    (``ours``, named ``here``): which are in the schedule only, which are missing from it, one example each."""
+    extra, missing = sorted(set(theirs) - set(ours)), sorted(set(ours) - set(theirs))
+    parts = ([f"{len(extra)} of its {len(theirs)} not {here} (e.g. '{extra[0]}')"] if extra else []) + \
+            ([f"{len(missing)} {here} not in it (e.g. '{missing[0]}')"] if missing else [])
+    return f"node {node}'s K-FAC modules: " + "; ".join(parts or ["another order"])
+
+
+def pipeline_shape(order: str, stages: int, micro_batches: int, chunks: int = 1) -> tuple[int, bool, bool]:
+    """What a pipeline order leaves in a node's timeline: (model chunks per device, a second pipe,
+    backwards split into B and W passes), from the order's own generator."""
+    from pipefisher.pipeline_orders import UP, WEIGHT, generate
+
+    ops = [op for device in generate(order, stages, micro_batches, chunks if chunks > 1 else None).devices
+           for op in device]
+    return (max(op.chunk for op in ops) + 1, any(op.pipe == UP for op in ops), any(op.kind == WEIGHT for op in ops))
+
+
+def timeline_shape(job: Job) -> tuple[int, bool, bool]:
+    """What a job's timelines hold of its pipeline order: :func:`pipeline_shape`'s figures, from node 0."""
+    node = job.nodes[0]
+    return (len(node.chunks), node.has_up_pipe,
+            any(node.weights(up, c) for up in (False, True) for c in node.chunks))
+
+
+def _shape_words(shape: Sequence[Any]) -> str:
+    chunks, up, split = shape
+    return (f"{chunks} model chunk{'s' if chunks > 1 else ''} per device" + (", two pipes" if up else "")
+            + (", backwards split into B and W" if split else ", whole backwards"))
+
+
+def timelines_mismatch(path: str | os.PathLike[str], job: Job) -> str | None:
+    """What differs between the job a schedule's metadata says it was packed for and the job of these
+    timelines, in a few words (the pipeline order first), or None: what ``validate`` says instead of
+    every label that could not fit."""
+    recorded = schedule_packed_for(path)
+    if recorded is None:
+        return None
+    here = job_layout(job)
+    order, stages, m = (recorded.get(k) for k in ("pipeline.schedule", "pipeline.stages", "data.num_micro_batches"))
+    diffs = []
+    layout = recorded.get("layout")
+    if isinstance(layout, list) and len(layout) == 3 and tuple(layout) != timeline_shape(job):
+        diffs.append(f"another pipeline order ({_shape_words(tuple(layout))}; the timelines: "
+                     f"{_shape_words(timeline_shape(job))})")
+    elif isinstance(order, str) and isinstance(stages, int) and isinstance(m, int):
+        chunks = recorded.get("pipeline.chunks")
+        try:
+            want = pipeline_shape(order, stages, m, chunks if isinstance(chunks, int) else 1)
+        except InputError:
+            want = None  # not an order this version knows: the rules will say what does not fit
+        if want is not None and want != timeline_shape(job):
+            diffs.append(f"pipeline {order} ({_shape_words(want)}; the timelines: {_shape_words(timeline_shape(job))})")
+    for key in ("pipeline.stages", "data.num_micro_batches"):
+        if key in recorded and key in here and recorded[key] != here[key]:
+            diffs.append(f"{key} {recorded[key]!r} (the timelines: {here[key]!r})")
+    theirs, ours = recorded.get("modules"), here.get("modules")
+    if not diffs and isinstance(theirs, list) and isinstance(ours, list) and theirs != ours:
+        n = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), 0)
+        diffs.append(modules_difference(n, theirs[n] if n < len(theirs) else [], ours[n] if n < len(ours) else [],
+                                        "in the timelines"))
+    return ", ".join(diffs) or None

@@ -6,9 +6,10 @@ two worker processes, one after the other, so all see the same machine, after an
 two steps over every variant (so no variant pays a process's first use of its kernels); ratios are
 against the fp32, no-recomputation run of the same invocation. Per variant: the median step time (first steps skipped as
 warm-up) of the slower stage, and per stage the peak memory of the steps above what the built model
-held before them (activations, gradients, optimizer and K-FAC state). On CPU the peak is the resident
-set's high-water mark with glibc's mmap threshold fixed (freed tensors leave the resident set); on
-CUDA, the allocator's peak.
+held as they began (activations, gradients, optimizer and K-FAC state;
+``WorkerResult.peak_above_base_bytes``, never negative). On CPU the peak is the resident set's high-water mark with glibc's mmap threshold
+fixed (freed tensors leave the resident set); on CUDA, the allocator's peak. Peaks are counted in pages:
+no ratio is printed against a reference peak under 1 MiB (a tiny model's), which is noise.
 
     python scripts/bench_compute.py [--config configs/small.yaml] [--mode kfac] [--steps 12] [--warmup 2]
 """
@@ -26,13 +27,13 @@ VARIANTS = (("fp32", "none"), ("bf16", "none"), ("fp32", "layer"), ("bf16", "lay
 LIVE_RSS = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # see tests/test_runtime_compute.py: RSS follows live tensors
 
 
-def _resident_bytes(device: object) -> int:
-    import torch
+RATIO_FLOOR = 2**20
+"""Peaks are measured in pages: a ratio against a reference peak below 1 MiB is page-level noise, not shown."""
 
-    if getattr(device, "type", "cpu") == "cuda":
-        return int(torch.cuda.memory_allocated(device))
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+def ratio(value: float, reference: float, floor: float = 0.0) -> str:
+    """``value / reference`` as a table cell, or ``-`` where the reference is at most ``floor``."""
+    return f"{value / reference:>6.2f}" if reference > floor else f"{'-':>6}"
 
 
 def _bench(config_path: str, mode: str, steps: int, warmup: int, stages: int) -> dict[str, tuple[float, int]]:
@@ -54,11 +55,10 @@ def _bench(config_path: str, mode: str, steps: int, warmup: int, stages: int) ->
                 gc.collect()  # the previous variant's trainer is gone before this one's baseline
                 opts = TrainOptions(mode=mode, steps=steps if measured else 2, progress=False, log_every=10**9)
                 trainer = Trainer(cfg, ctx, opts)
-                before = _resident_bytes(ctx.device)
                 res = trainer.run()
-                if measured:
+                if measured:  # the peak above what the process held as the steps began
                     out[f"{precision}/{recompute}"] = (statistics.median(res.step_seconds[warmup:]),
-                                                       res.peak_memory_bytes - before)
+                                                       res.peak_above_base_bytes)
                 del trainer, res
     finally:
         shutdown(ctx)
@@ -82,7 +82,7 @@ def main() -> None:
 
     results = spawn_local(_bench, a.stages, a.config, a.mode, a.steps, a.warmup, a.stages, timeout_s=1200)
     print(f"config {os.path.basename(a.config)}, mode {a.mode}, {a.stages} stages x 1 core, {a.steps} steps "
-          f"(median after {a.warmup}); ratios against fp32/none of this run")
+          f"(median after {a.warmup}); ratios against fp32/none of this run (none against a peak under 1 MiB)")
     print(f"{'precision/recompute':<20} {'step ms':>9} {'ratio':>6}   "
           + "   ".join(f"{'stage %d peak MiB' % s:>17} {'ratio':>6}" for s in range(a.stages)))
     ref = max(r["fp32/none"][0] for r in results)
@@ -90,8 +90,8 @@ def main() -> None:
     for precision, recompute in VARIANTS:
         key = f"{precision}/{recompute}"
         step = max(r[key][0] for r in results)  # the step ends when the slower stage's part does
-        mems = "   ".join(f"{r[key][1] / 2**20:>17.1f} {r[key][1] / max(m, 1):>6.2f}" for r, m in zip(results, ref_mem))
-        print(f"{key:<20} {step * 1e3:>9.1f} {step / ref:>6.2f}   {mems}")
+        mems = "   ".join(f"{r[key][1] / 2**20:>17.1f} {ratio(r[key][1], m, RATIO_FLOOR)}" for r, m in zip(results, ref_mem))
+        print(f"{key:<20} {step * 1e3:>9.1f} {ratio(step, ref)}   {mems}")
 
 
 if __name__ == "__main__":

@@ -41,9 +41,11 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, the convergence benchmark
 
+from pipefisher.errors import InputError  # noqa: E402
+
 from bench_convergence import (_median, announcer, baseline_target, bench_config, choose_baseline,  # noqa: E402
-                               common_arguments, header_lines, loss_rank, merged_runs, profile_and_pack, reach_row,
-                               run_record, start_worker, trainer_of)
+                               common_arguments, loss_rank, merged_runs, profile_and_pack, race_table, run_record,
+                               start_worker, trainer_of)
 
 RUNS = ("baseline", "static", "adaptive")
 WITHIN = 0.10
@@ -77,7 +79,7 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
                     out["runs"].append(run_record("kfac", seed, res, interval=k, drift=_refreshes(trainer)))
                     announce(f"seed {seed} kfac every {k:2} steps: {len(trainer.refreshes)} refreshes")
             return out
-        sched, out["plan"] = profile_and_pack(base, ctx, rank, folder, profile_steps)
+        sched, out["plan"] = profile_and_pack(base, ctx, rank, folder, profile_steps, steps)  # no curve
         lr, warm, out["sweep"] = choose_baseline(train, base, steps, lrs, warmups, announce)
         out["baseline"] = {"lr": lr, "warmup_steps": warm}
         for seed in range(seeds):  # per seed: the three runs, interleaved
@@ -99,28 +101,31 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
 
 
 def staleness_curve(text: str) -> Any:
-    """``--staleness``: a ``staleness.json`` of ``scripts/bench_staleness.py`` (its ``curve``: k and steps
-    to target over AdamW's, null where never reached; over k = 1's where AdamW's are not known, which
-    serves the check against k = 1 as well) or ``k:ratio`` pairs."""
-    from pipefisher.errors import InputError
-    from pipefisher.objective import StalenessCurve
+    """``--staleness``: a curve ``scripts/bench_staleness.py`` measured (its ``staleness.json``) or
+    ``k:ratio`` pairs (:func:`pipefisher.staleness.read_staleness`). A file whose ratios to AdamW are
+    unusable (AdamW never reached its own median target, so they read 0) is read relative to its k = 1,
+    which is all the check against k = 1 needs: its ``vs_first`` (format 1) or its median steps (format 2)."""
     from pipefisher.safe_io import load_json
+    from pipefisher.staleness import StalenessCurve, read_staleness
 
-    if not os.path.exists(text):
-        if text.endswith(".json") or os.sep in text:
-            raise InputError(text, "no such staleness curve file (--staleness)")
-        return StalenessCurve.parse(text)
-    data = load_json(text)
-
-    def points(key: str) -> tuple[tuple[float, float], ...]:
-        return tuple((float(row["interval"]), math.inf if row[key] is None else float(row[key])) for row in data["curve"])
     try:
+        return read_staleness(text)
+    except InputError as err:
+        if not os.path.isfile(text):
+            raise InputError(text, "no such staleness curve file, nor k:ratio pairs (--staleness)") from None
+        data = load_json(text)
+        rows = data.get("curve") if isinstance(data, dict) else None
         try:
-            return StalenessCurve(points("vs_baseline"), source=text)
-        except ValueError:  # AdamW's own steps to the target unknown (ratios 0): the curve relative to k = 1
-            return StalenessCurve(points("vs_first"), source=f"{text} (relative to its k = 1)")
-    except (KeyError, TypeError, ValueError) as err:
-        raise InputError(text, f"is not a staleness curve of scripts/bench_staleness.py ({err})") from None
+            old = [(float(r["interval"]), r["vs_first"]) for r in rows]
+            points = tuple((k, math.inf if v is None else float(v)) for k, v in old)
+        except (KeyError, TypeError, ValueError):
+            try:
+                med = [(float(r["k"]), r["steps_median"]) for r in rows]
+                first = float(med[0][1])
+                points = tuple((k, math.inf if v is None else float(v) / first) for k, v in med)
+            except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError):
+                raise err from None
+        return StalenessCurve(points, source=f"{text} (relative to its k = 1)")
 
 
 def within(curve: Any, k: int) -> tuple[bool, str]:
@@ -173,7 +178,7 @@ def _most_steps(ks: list[list[Any]], steps: int) -> int:
 
 
 def main() -> None:
-    ap = common_arguments(__doc__.splitlines()[0])
+    ap = common_arguments(__doc__.splitlines()[0], packs=False)  # the static schedule is packed without a curve
     ap.add_argument("--profile-steps", type=int, default=10,
                     help="kfac steps profiled before packing (default 10; their median step is packed)")
     ap.add_argument("--staleness", default=None, metavar="FILE|k:r,...",
@@ -218,15 +223,15 @@ def main() -> None:
         return
     runs, first, _ = merged_runs(results)
     target = baseline_target(runs)
-    table: dict[str, dict[str, Any]] = {}
-    for run in RUNS:
+    table: dict[str, dict[str, Any]] = race_table(runs, target, RUNS)
+    for run, t in table.items():
         mine = [r for r in runs if r["mode"] == run]
-        table[run] = {**reach_row(mine, target),
-                      "step_ms": _median([statistics.fmean(r["step_seconds"][1:]) * 1e3 for r in mine]),
-                      "k": [r.get("k") for r in mine], "k_most": [_most_steps(r["ks"], a.steps) for r in mine if "ks" in r]}
+        t.update(k=[r.get("k") for r in mine], k_most=[_most_steps(r["ks"], a.steps) for r in mine if "ks" in r])
     b = last["baseline"]
-    for line in header_lines(a, b, target, f"; static: policy '{first['plan']['policy']}', no staleness curve"):
-        print(line)
+    print(f"config {os.path.basename(a.config)}, 2 stages x 1 core, {a.steps} steps, {a.seeds} seed(s), held-out "
+          f"evaluation every {a.eval_every} steps; AdamW lr {b['lr']:g}, warm-up {b['warmup_steps']} (chosen on "
+          f"training loss, for every run); static: policy '{first['plan']['policy']}', no staleness curve")
+    print(f"target held-out loss: {target:.4f} (median of AdamW's final held-out loss)")
     print("| run | k settled (most steps), per seed | steps to target | time to target (s) | / AdamW time | "
           "final held-out loss | mean step (ms) | seeds reaching |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -235,7 +240,7 @@ def main() -> None:
         ks = "-" if run == "baseline" else ", ".join(f"{k} ({m})" for k, m in zip(t["k"], t["k_most"]))
         ratio = t["seconds"] / table["baseline"]["seconds"] if table["baseline"]["seconds"] else math.inf
         print(f"| {run} | {ks} | {_fmt(t['steps'], 0)} | {_fmt(t['seconds'])} | {_fmt(ratio, 3)} | {t['final']:.4f} "
-              f"| {t['step_ms']:.1f} | {t['reached']}/{a.seeds} |")
+              f"| {t['mean_step_ms']:.1f} | {t['reached']}/{a.seeds} |")
     print("k history of the adaptive runs (first step: k), and why each schedule took over:")
     for r in runs:
         if r["mode"] == "adaptive":

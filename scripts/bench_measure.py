@@ -42,7 +42,7 @@ def _steps(cfg, schedule: str, recorder, steps: int) -> tuple[float, int]:
 
 def main() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--config", default=os.path.join(root, "configs", "small.yaml"), help="YAML run config")
     ap.add_argument("--steps", type=int, default=40, help="steps per run")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median reported)")

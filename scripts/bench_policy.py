@@ -32,11 +32,13 @@ import click
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pipefisher.cli._common import staleness_for, staleness_option  # noqa: E402
 from pipefisher.policies import DEFAULT_POLICY, get_policy  # noqa: E402
 from pipefisher.policies.compat_reference import ref_pack_job  # noqa: E402
 from pipefisher.report import usage_lines  # noqa: E402
 from pipefisher.rules import validate  # noqa: E402
-from pipefisher.schedule_file import load_schedule, save_schedule  # noqa: E402
+from pipefisher.problem import DEFAULT_MARGIN  # noqa: E402
+from pipefisher.schedule_file import load_schedule, save_schedule, schedule_margin  # noqa: E402
 from pipefisher.sim.simulator import write_timelines  # noqa: E402
 from pipefisher.sim.synthetic import synthetic_timelines  # noqa: E402
 from pipefisher.timeline import load_job, natural_key  # noqa: E402
@@ -61,17 +63,19 @@ def best_of(repeat: int, fn: Callable[[], object]) -> float:
     return best
 
 
-def end_to_end(paths: list[str], policy: str, out: str) -> None:
+def end_to_end(paths: list[str], policy: str, out: str, staleness: object = None) -> None:
     job = load_job(paths)
-    schedule = get_policy(policy).pack(job)
+    schedule = get_policy(policy, staleness=staleness).pack(job)
     usage_lines(schedule)
     save_schedule(out, schedule)
 
 
-def whole_process(folder: str, repeat: int, policy: str, against: str | None = None) -> None:
+def whole_process(folder: str, repeat: int, policy: str, against: str | None = None,
+                  staleness: str | None = None) -> None:
     """Time ``scripts/auto_schedule.py`` on the node files in ``folder`` as a fresh process: best and
     median of ``repeat`` runs after one untimed run, byte-code cached as a user's interpreter caches it.
-    With ``against`` (a git revision), that revision's script runs too, alternating with this one's."""
+    With ``against`` (a git revision), that revision's script runs too, alternating with this one's
+    (``staleness``, the job's curve for ``target``, goes to this tree's script only)."""
     paths = sorted((os.path.join(folder, f) for f in os.listdir(folder) if f.endswith("_timeline.pickle")),
                    key=natural_key)
     if not paths:
@@ -91,6 +95,8 @@ def whole_process(folder: str, repeat: int, policy: str, against: str | None = N
                 target = os.path.join(out, f"{name.replace(os.sep, '_')}-{rnd}.pickle")
                 cmd = [sys.executable, os.path.join(root, "scripts", "auto_schedule.py"), ",".join(paths),
                        "--save_path", target, "--policy", policy]
+                if staleness is not None and name == "this tree":
+                    cmd += ["--staleness", staleness]
                 t0 = time.perf_counter()
                 res = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=root)
                 if rnd:  # the first round only warms the byte-code and file caches
@@ -99,7 +105,7 @@ def whole_process(folder: str, repeat: int, policy: str, against: str | None = N
                 if name == "this tree":
                     saved = target
         job = load_job(paths)
-        ok = not validate(load_schedule(saved), job)
+        ok = not validate(load_schedule(saved), job, margin=schedule_margin(saved) or DEFAULT_MARGIN)
     click.echo(f"job: {os.path.basename(folder.rstrip(os.sep))} ({len(paths)} nodes), whole process "
                f"(python scripts/auto_schedule.py ... --save_path s.pickle), {repeat} runs each")
     for name in roots:
@@ -124,9 +130,11 @@ def whole_process(folder: str, repeat: int, policy: str, against: str | None = N
 @click.option("--process-only", is_flag=True, help="time only the heavy regression job, as a whole process")
 @click.option("--against", default=None, metavar="REV",
               help="also time that git revision's scripts/auto_schedule.py on the heavy job, alternating")
+@staleness_option()
 def main(kfac_scale: float, repeat: int, reference: bool, policy: str, heavy_job: str, process_only: bool,
-         against: str | None) -> None:
-    whole_process(heavy_job, repeat, policy, against)
+         against: str | None, staleness: str | None) -> None:
+    curve = staleness_for(staleness, policy)
+    whole_process(heavy_job, repeat, policy, against, staleness)
     if process_only:
         return
     with tempfile.TemporaryDirectory() as folder:
@@ -138,11 +146,11 @@ def main(kfac_scale: float, repeat: int, reference: bool, policy: str, heavy_job
             note = " -- heavy, about 40 iterations" if (stages, mb, lps, scale) == heavy else ""
             click.echo(f"job: {stages} nodes x {mb} micro-batches x {lps * 6} K-FAC layers per node "
                        f"(K-FAC scale {scale}){note}")
-            t_new = best_of(repeat, lambda: end_to_end(paths, policy, out))
+            t_new = best_of(repeat, lambda: end_to_end(paths, policy, out, curve))
             t_compat = best_of(1 if not note else repeat, lambda: end_to_end(paths, "compat", out))
             job = load_job(paths)
-            packed = get_policy(policy).pack(job)
-            ok = not validate(packed.to_file_data(), job)
+            packed = get_policy(policy, staleness=curve).pack(job)
+            ok = not validate(packed.to_file_data(), job, margin=packed.margin)
             cycles = sum(n.figures.iterations for n in packed.nodes)
             bound = sum(n.figures.lower_bound or 1 for n in packed.nodes)
             compat_packed = get_policy("compat").pack(job)

@@ -18,11 +18,13 @@ adaptive run: where it ended). Then per pipeline: ``target``, static at margin 1
 margin of the sweep, and adaptive; the last line, ``adaptive/first-order: X (k = K)``, is the worst pipeline's median.
 With several pipelines it then compares them against the fastest first-order step of all (the baseline
 a user would otherwise train with): per pipeline its first-order, kfac and ``target`` steps over that
-step, and the ``target`` schedule's expected time to a target loss over first-order's at that step,
-``steps(k) x step`` on the measured staleness curve (:mod:`pipefisher.objective`).
+step, and, given the job's staleness curve (``--staleness``, from ``scripts/bench_staleness.py``), the
+``target`` schedule's expected time to a target loss over first-order's at that step, ``steps(k) x step``
+(:mod:`pipefisher.objective`); without one, no time to target is predicted.
 
     python scripts/bench_scheduled.py [--config configs/small.yaml] [--steps 80] [--warmup 3] [--rounds 5] \
-        [--kfac-margin 1,1.25,1.5,2] [--micro-batches M] [--pipelines 1f1b,chimera] [--no-adapt]
+        [--kfac-margin 1,1.25,1.5,2] [--micro-batches M] [--pipelines 1f1b,chimera] [--no-adapt] \
+        [--staleness bench-staleness/staleness.json]
     python scripts/bench_scheduled.py --pipelines 1f1b,zb-h1,zb-v --kfac-margin 1 --no-adapt   # zero bubble
 """
 from __future__ import annotations
@@ -52,7 +54,8 @@ def _bubble_fraction(job) -> float:
 
 
 def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, warmup: int, profile_steps: int,
-           policy: str | None, folder: str, rounds: int, margins: list[float], adapt: bool) -> dict:
+           policy: str | None, folder: str, rounds: int, margins: list[float], adapt: bool,
+           staleness: str | None = None) -> dict:
     import dataclasses
 
     import torch.distributed as dist
@@ -68,7 +71,10 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
     chimera_ctx = init_from_env(2, base.pipeline.timeout_s, chimera=True)
     one_pipe_ctx = dataclasses.replace(chimera_ctx, chimera=False, stage_group=chimera_ctx.dp_group,
                                        stage_group_size=chimera_ctx.grid.replicas)
+    from pipefisher.staleness import read_staleness, staleness_data
+
     quiet = dict(progress=False, log_every=10**9)
+    curve_data = staleness_data(read_staleness(staleness))  # the adaptive run's too
     runs = [(p, m) for p in pipelines for m in ["first-order", "kfac", PRECONDITION, TARGET,
                                                 *[f"scheduled x{g:g}" for g in margins],
                                                 *(["adaptive"] if adapt else [])]]
@@ -111,7 +117,8 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
                     out["violations"][v] = len(validate(packed.to_file_data(), inflated))
                     out["policy"] = packed.policy
                     save_schedule(files[v], packed, kfac_margin=g, packed_for=packed_for(cfg))
-                chosen = get_policy(DEFAULT_POLICY).pack(job)  # the density with the least expected time-to-target
+                # the density with the least expected time-to-target (with a curve), else the least step
+                chosen = get_policy(DEFAULT_POLICY, staleness=read_staleness(staleness), max_cycle=steps).pack(job)
                 v = (pipe, TARGET)
                 out["usage"][v] = usage_lines(chosen)
                 out["violations"][v] = len(validate(chosen.to_file_data(), job, margin=chosen.margin))
@@ -128,7 +135,8 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
                 sched = files.get((pipe, mode))
                 opts = TrainOptions(mode="scheduled" if sched else "kfac" if mode == PRECONDITION else mode,
                                     steps=steps, schedule=sched,
-                                    adapt=mode == "adaptive", schedule_timelines=timelines[pipe], **quiet)
+                                    adapt=mode == "adaptive", schedule_timelines=timelines[pipe],
+                                    staleness=curve_data if mode == "adaptive" else None, **quiet)
                 trainer = Trainer(cfg, ctx, opts)
                 res = trainer.run()
                 # the mean, not the median: a cycle's steps carry different K-FAC loads, the cost is their sum
@@ -144,7 +152,7 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
 
 def main() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--config", default=os.path.join(root, "configs", "small.yaml"), help="YAML run config")
     ap.add_argument("--steps", type=int, default=80,
                     help="training steps per run (the adaptive run spends its first cycles measuring)")
@@ -160,17 +168,25 @@ def main() -> None:
                     help="comma-separated K-FAC time factors to pack with, one static scheduled run each")
     ap.add_argument("--no-adapt", dest="adapt", action="store_false",
                     help="leave out the adaptive run (the closed loop starting from the margin-1 schedule)")
+    from pipefisher.staleness import STALENESS_HELP
+
+    ap.add_argument("--staleness", default=None, metavar="FILE|K:RATIO,...", help=STALENESS_HELP)
     a = ap.parse_args()
-    from pipefisher.runtime.launch.local import spawn_local  # torch: only once the arguments are good
+    from pipefisher.runtime.job.config import load_config
+    from pipefisher.staleness import curve_for_job
 
     margins = [float(x) for x in a.kfac_margin.split(",")]
     pipelines = [p.strip() for p in a.pipelines.split(",") if p.strip()]
     overrides: dict = {"pipeline": {"stages": 2}}
     if a.micro_batches:
         overrides["data"] = {"num_micro_batches": a.micro_batches}
+    cfg = load_config(a.config).replace(**overrides)
+    curve = curve_for_job(a.staleness, cfg.fingerprint(layout=False), a.config)  # a bad file: one line, now
+    from pipefisher.runtime.launch.local import spawn_local  # torch: only once the arguments are good
+
     with tempfile.TemporaryDirectory(prefix="pipefisher-bench-") as folder:
         results = spawn_local(_bench, 2, a.config, overrides, pipelines, a.steps, a.warmup, a.profile_steps,
-                              a.policy, folder, a.rounds, margins, a.adapt, timeout_s=3600)
+                              a.policy, folder, a.rounds, margins, a.adapt, a.staleness, timeout_s=3600)
     r0 = next(r for r in results if r["rank"] == 0)
     runs = list(r0["times"])
     # Both stages finish a step together (the pipeline couples them); report the slower one anyway.
@@ -223,14 +239,13 @@ def main() -> None:
         print(f"adaptive/first-order: {worst[0]:.3f} (k = {worst[1]})")
     pipes = list(dict.fromkeys(p for p, _ in runs))
     if len(pipes) > 1:
-        for line in across_pipelines(pipes, per_round, a.rounds, k_of):
+        for line in across_pipelines(pipes, per_round, a.rounds, k_of, curve):
             print(line)
 
 
-def across_pipelines(pipes: list[str], per_round: dict, rounds: int, k_of) -> list[str]:  # noqa: ANN001
-    """Every pipeline against the fastest first-order step of them all, round by round (medians)."""
-    from pipefisher.objective import MEASURED_STALENESS
-
+def across_pipelines(pipes: list[str], per_round: dict, rounds: int, k_of, curve=None) -> list[str]:  # noqa: ANN001
+    """Every pipeline against the fastest first-order step of them all, round by round (medians); with the
+    job's staleness ``curve``, the ``target`` schedule's expected time to the target too."""
     def over_best(mode: str, pipe: str) -> float:
         return statistics.median(per_round[pipe, mode][i] / min(per_round[q, "first-order"][i] for q in pipes)
                                  for i in range(rounds))
@@ -238,14 +253,25 @@ def across_pipelines(pipes: list[str], per_round: dict, rounds: int, k_of) -> li
     best = min(pipes, key=lambda q: statistics.median(per_round[q, "first-order"]))
     out = [f"against the fastest first-order step ({best}, "
            f"{statistics.median(per_round[best, 'first-order']) * 1e3:.1f} ms; medians of each round's ratio):",
-           f"{'pipeline':9} {'first-order':>12} {'kfac':>8} {'target':>8} {'k':>4} {'time to target (expected)':>27}"]
+           f"{'pipeline':9} {'first-order':>12} {'kfac':>8} {'target':>8} {'k':>4}"
+           + (f" {'time to target (expected)':>27}" if curve is not None else "")]
     for pipe in pipes:
         k = k_of((pipe, TARGET))
-        steps = MEASURED_STALENESS.at(k) if k else float("nan")
-        out.append(f"{pipe:9} {over_best('first-order', pipe):12.3f} {over_best('kfac', pipe):8.3f} "
-                   f"{over_best(TARGET, pipe):8.3f} {k:>4} {steps * over_best(TARGET, pipe):27.3f}")
+        line = (f"{pipe:9} {over_best('first-order', pipe):12.3f} {over_best('kfac', pipe):8.3f} "
+                f"{over_best(TARGET, pipe):8.3f} {k:>4}")
+        if curve is not None:
+            steps = curve.at(k) if k else float("nan")
+            line += f" {steps * over_best(TARGET, pipe):27.3f}"
+        out.append(line)
+    if curve is None:
+        out.append("(no staleness curve given, --staleness FILE: no time to target is predicted)")
     return out
 
 
 if __name__ == "__main__":
-    main()
+    from pipefisher.errors import InputError
+
+    try:
+        main()
+    except InputError as err:  # a bad config or --staleness: one line
+        sys.exit(f"error: {err}")

@@ -10,8 +10,11 @@ only, and the same target (the median over seeds of the chosen AdamW's final hel
 
 Printed: per k, the median over seeds of the steps to target, relative to AdamW and to k = 1, and the
 final held-out loss; the last line ``staleness (kfac steps-to-target / AdamW) at k = 1, 2, ...: ...``.
-``--out`` gets ``staleness.png`` (steps to target against k) and ``staleness.json`` (the curve and the
-raw runs). A run that never reaches the target counts as ``inf``.
+``--out`` gets ``staleness.png`` (steps to target against k) and ``staleness.json``: the job's staleness
+curve (``pipefisher-staleness/2``, docs/formats.md) with its provenance (the config's digest, name and
+path, model, data, horizon, target, seeds, the per-k spread of the steps over seeds, the optimizer it
+is relative to) and the raw runs beside it; every command that packs takes it as ``--staleness FILE``.
+A run that never reaches the target counts as ``inf``.
 
     python scripts/bench_staleness.py [--config configs/small.yaml] [--steps 300] [--seeds 3]
         [--intervals 1,2,4,8,16] [--eval-every 10] [--lrs 5e-4,1e-3,2e-3] [--warmups 0,30]
@@ -58,21 +61,45 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
 
 
 def curve(runs: list[dict[str, Any]], target: float, intervals: list[int]) -> list[dict[str, float]]:
-    """Per interval k: the median steps to target of the kfac runs, that over AdamW's, and over k = 1's."""
-    def steps_of(mine: list[dict[str, Any]]) -> float:
-        return _median([steps_and_time_to(r["val"], target)[0] for r in mine])
+    """Per interval k: the median steps to target of the kfac runs (and their least and most over the
+    seeds), that over AdamW's, and over k = 1's."""
+    def steps(mine: list[dict[str, Any]]) -> list[float]:
+        return [steps_and_time_to(r["val"], target)[0] for r in mine]
 
-    baseline = steps_of([r for r in runs if r["mode"] == "baseline"])
+    baseline = _median(steps([r for r in runs if r["mode"] == "baseline"]))
     rows = []
     for k in intervals:
         mine = [r for r in runs if r["mode"] == "kfac" and r.get("interval") == k]
-        rows.append({"interval": k, "steps": steps_of(mine), "final": _median([r["val"][-1][1] for r in mine]),
-                     "reached": sum(1 for r in mine if not math.isinf(steps_and_time_to(r["val"], target)[0]))})
+        each = steps(mine)
+        rows.append({"interval": k, "steps": _median(each), "steps_min": min(each, default=math.nan),
+                     "steps_max": max(each, default=math.nan), "final": _median([r["val"][-1][1] for r in mine]),
+                     "reached": sum(1 for x in each if not math.isinf(x))})
     first = rows[0]["steps"] if rows else math.nan
     for row in rows:
         row["vs_baseline"] = row["steps"] / baseline if baseline and not math.isinf(row["steps"]) else math.inf
         row["vs_first"] = row["steps"] / first if first and not math.isinf(row["steps"]) else math.inf
     return rows
+
+
+def measured_curve(rows: list[dict[str, float]], cfg: Any, config_path: str, steps: int, target: float, seeds: int,
+                   baseline: dict[str, Any]) -> Any:
+    """The job's :class:`~pipefisher.staleness.StalenessCurve` from :func:`curve`'s rows, with where it was
+    measured: the config's digest (:meth:`RunConfig.fingerprint` without the layout), name and path, model,
+    data, horizon, target, seeds, the per-k spread over seeds, and the optimizer it is relative to."""
+    from pipefisher.staleness import Provenance, StalenessCurve
+
+    m, d = cfg.model, cfg.data
+    provenance = Provenance(
+        config_digest=cfg.fingerprint(layout=False), config_name=cfg.name, config_path=config_path,
+        model=f"{m.builder}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, vocab "
+              f"{m.vocab_size}" + (f", from {m.pretrained}" if m.pretrained else ""),
+        data=f"{d.text} ({d.tokenizer} tokens, {d.objective}), {d.num_micro_batches} micro-batches of "
+             f"{d.micro_batch_size} x {d.seq_len} tokens per step",
+        horizon=steps, target=target, seeds=seeds,
+        relative_to=f"{cfg.optim.name} lr {baseline['lr']:g}, warm-up {baseline['warmup_steps']} steps (the best "
+                    "of the sweep, on training loss)")
+    return StalenessCurve(tuple((float(r["interval"]), r["vs_baseline"]) for r in rows), provenance=provenance,
+                          spread=tuple((r["steps_min"], r["steps"], r["steps_max"]) for r in rows))
 
 
 def _fmt(x: float) -> str:
@@ -109,7 +136,7 @@ def chart(rows: list[dict[str, float]], path: str, title: str) -> None:
 
 
 def main() -> None:
-    ap = common_arguments(__doc__.splitlines()[0])
+    ap = common_arguments(__doc__.splitlines()[0], packs=False)
     ap.add_argument("--intervals", default="1,2,4,8,16", help="curvature refresh intervals k to measure")
     ap.add_argument("--out", default="bench-staleness", help="folder for the chart and the raw results")
     a = ap.parse_args()
@@ -149,10 +176,8 @@ def main() -> None:
     from pipefisher.safe_io import dump_json_atomic
 
     dump_json_atomic(os.path.join(a.out, "staleness.json"),
-                     {"format": "pipefisher-staleness/1", "horizon": a.steps, "target": target,
-                      "curve": [{key: None if isinstance(v, float) and math.isinf(v) else v for key, v in r.items()}
-                                for r in rows],  # never reached: null
-                      "baseline": b, "sweep": last["sweep"], "runs": runs, "args": vars(a)})
+                     measured_curve(rows, cfg, a.config, a.steps, target, a.seeds, b).to_data(
+                         baseline=b, sweep=last["sweep"], runs=runs, args=vars(a)))
     print(f"wrote {png} and {os.path.join(a.out, 'staleness.json')}")
     ks = ", ".join(str(r["interval"]) for r in rows)
     print(f"staleness (kfac steps-to-target / AdamW) at k = {ks}: "

@@ -1,6 +1,8 @@
-"""The convergence benchmark reads the losses from the worker that holds them: rank 1, or rank 0 under ZB-V."""
+"""The convergence benchmark reads the losses from the worker that holds them (rank 1, or rank 0 under ZB-V),
+and races K-FAC against the best first-order optimizer."""
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -24,3 +26,44 @@ def test_the_losses_come_from_the_worker_holding_the_last_stage():
     assert last["rank"] == 0 and first["rank"] == 0
     assert runs[0]["val"] == [(10, 5.0, 1.0)]
     assert runs[0]["step_seconds"] == [0.3, 0.3] and runs[0]["peak_memory"] == 20  # the slower, the larger
+
+
+def _race_run(mode: str, seed: int, losses: list[float], step_s: float = 0.1, lr: float = 1e-3) -> dict:
+    # held-out evaluations every 10 steps, (step, loss, training seconds); a step of step_s seconds
+    return {"mode": mode, "seed": seed, "lr": lr, "warmup_steps": 0, "peak_memory": 2**20, "peak_saved": 0,
+            "val": [(10 * (i + 1), loss, 10 * (i + 1) * step_s) for i, loss in enumerate(losses)],
+            "step_seconds": [1.0] + [step_s] * 30}
+
+
+def test_the_target_is_the_best_first_order_optimizers_final_loss_and_the_last_line_races_it():
+    from bench_convergence import best_first_order, final_loss, last_line, race_table
+
+    runs = [_race_run("baseline", s, [6.3, 6.1, f]) for s, f in enumerate([6.0, 5.9, 6.1])]  # median 6.0
+    runs += [_race_run("muon", s, [6.0, f, f - 0.1], lr=4e-3) for s, f in enumerate([5.8, 5.7, 5.9])]  # 5.7
+    runs += [_race_run("kfac", s, [6.0, 5.6, 5.5], step_s=0.2) for s in range(3)]  # reaches 5.7 at 20
+    runs += [_race_run("scheduled", s, [6.1, 5.8, 5.6], step_s=0.11) for s in range(3)]  # at 30
+    best = best_first_order(runs)
+    assert best == "muon" and final_loss(runs, best) == 5.7
+    table = race_table(runs, 5.7)
+    assert list(table) == ["baseline", "muon", "kfac", "scheduled"]
+    assert table["baseline"]["steps"] == math.inf and table["baseline"]["reached"] == 0  # AdamW never gets there
+    assert table["muon"]["steps"] == 30 and table["muon"]["seconds"] == 3.0 and table["muon"]["lr"] == 4e-3
+    assert table["kfac"]["steps"] == 20 and table["kfac"]["seconds"] == 4.0
+    assert table["scheduled"]["seconds"] == 3.3 and table["scheduled"]["mean_step_ms"] == 110.0
+    assert last_line(table, best) == ("kfac steps-to-target / baseline: n/a; scheduled time-to-target / baseline: n/a; "
+                                      "best first-order: muon; scheduled time-to-target / best first-order: 1.100")
+    # AdamW the best (6.0; it reaches that at step 30 on the median seed, K-FAC at 10, in the bubbles at 20)
+    table = race_table([r for r in runs if r["mode"] != "muon"], 6.0)
+    assert best_first_order([r for r in runs if r["mode"] != "muon"]) == "baseline"
+    assert last_line(table, "baseline") == ("kfac steps-to-target / baseline: 0.333; scheduled time-to-target / "
+                                            "baseline: 0.733; best first-order: adamw; scheduled time-to-target / "
+                                            "best first-order: 0.733")
+
+
+def test_ratios_say_inf_when_never_reached_and_n_a_when_there_is_nothing_to_divide_by():
+    from bench_convergence import _ratio
+
+    assert _ratio(1.0, 4.0) == "0.250"
+    assert _ratio(math.inf, 4.0) == "inf"  # the median seed never reached the target
+    assert _ratio(3.0, math.inf) == _ratio(math.inf, math.inf) == "n/a"  # the reference never did
+    assert _ratio(math.nan, 4.0) == _ratio(3.0, math.nan) == "n/a"  # a mode not in the race

@@ -35,3 +35,29 @@ def test_the_curve_is_the_median_steps_to_target_relative_to_adamw_and_to_every_
     assert [r["vs_first"] for r in rows] == [1.0, 1.5, math.inf]
     assert [r["reached"] for r in rows] == [3, 2, 1]
     assert rows[1]["final"] == 5.0
+
+
+def test_the_benchmark_writes_the_jobs_curve_with_where_it_was_measured(tmp_path) -> None:
+    from bench_staleness import measured_curve
+
+    from pipefisher.runtime.job.config import RunConfig
+    from pipefisher.safe_io import dump_json_atomic
+    from pipefisher.staleness import read_staleness
+
+    runs = [_run("baseline", [6.0, 5.0, 4.9]), _run("kfac", [5.5, 4.9, 4.7], 1), _run("kfac", [5.6, 5.0, 4.8], 1),
+            _run("kfac", [6.0, 5.9, 5.8], 4), _run("kfac", [5.9, 5.5, 4.9], 4)]
+    rows = curve(runs, target=5.0, intervals=[1, 4])
+    assert [(r["steps_min"], r["steps"], r["steps_max"]) for r in rows] == [(20, 20, 20), (30, math.inf, math.inf)]
+    cfg = RunConfig(name="tiny")
+    path = str(tmp_path / "staleness.json")
+    dump_json_atomic(path, measured_curve(rows, cfg, "configs/tiny.yaml", 30, 5.0, 2,
+                                          {"lr": 1e-3, "warmup_steps": 0}).to_data(runs=runs))
+    loaded = read_staleness(path)
+    assert loaded.points == ((1, 20 / 20), (4, math.inf)) and loaded.spread[0] == (20, 20, 20)
+    p = loaded.provenance
+    assert (p.config_digest, p.config_name, p.config_path) == (cfg.fingerprint(layout=False), "tiny", "configs/tiny.yaml")
+    assert (p.horizon, p.target, p.seeds) == (30, 5.0, 2) and p.relative_to.startswith("adamw lr 0.001")
+    assert "layers" in p.model and "micro-batches" in p.data
+    # a run of the same model on another pipeline layout is the same job; another learning rate is not
+    assert loaded.config_warning(cfg.replace(pipeline={"stages": 1, "schedule": "gpipe"}).fingerprint(layout=False), "x") is None
+    assert loaded.config_warning(cfg.replace(optim={"lr": 0.5}).fingerprint(layout=False), "x") is not None

@@ -53,6 +53,16 @@ def test_compare_refuses_schedule_and_schedules_together_in_one_line():
     assert res.stderr == "error: give --schedule (one) or --schedules (several), not both\n"
 
 
+def test_the_help_texts_a_new_user_read_say_what_the_commands_do():
+    train, run = _help("train"), _help("run")
+    for text in (train, run):
+        assert "forward/backward order (gpipe; 1f1b; chimera:" in text and "zb-h1 and zb-v: zero bubble" in text
+        assert "--no-progress no start-up phase lines and no progress bar" in text
+    assert "Train the masked-language model" not in train and "a Hugging Face BERT, GPT-2 or Llama" in train
+    for name in ("schedule", "run"):  # the default policy may pack at a larger margin than --margin's
+        assert "the least one: policy target packs at larger ones too" in _help(name)
+
+
 def test_trace_title_is_the_trace_title_not_a_chart_title():
     assert "--title TEXT trace title (the process name Perfetto shows)" in _help("trace")
     assert "--title TEXT chart title" in _help("plot")
@@ -91,6 +101,8 @@ def test_every_script_answers_dash_h_quickly_without_torch(script):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "usage:" in res.stdout.lower()
     assert took < 10, f"{os.path.basename(script)} -h took {took:.1f} s"
+    description = res.stdout.split("\n\n")[1]  # after the usage lines: whole sentences, not cut at a line end
+    assert description.rstrip().endswith("."), description
 
 
 _NO_TORCH = ("import sys; sys.modules['torch'] = None; from pipefisher.cli import main; "

@@ -98,7 +98,7 @@ def test_train_adapt_needs_a_schedule_and_a_known_policy(tmp_path):
     sched = str(tmp_path / "s.pickle")
     save_schedule(sched, packed_schedule(tiny()))
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--schedule", sched, "--adapt", "--adapt-policy",
-                                    "nope", "--no-progress"])
+                                    "nope", "--no-progress", "--out", str(tmp_path / "out")])
     assert res.exit_code == 2 and "nope" in res.output and "Traceback" not in res.output
 
 
@@ -127,6 +127,13 @@ def test_run_rejects_bad_input_before_starting_workers(tmp_path):
     assert res.exit_code == 2 and "unknown policy 'nope'" in res.output
     res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(tmp_path), "--nproc-per-node", "3"])
     assert res.exit_code == 2 and "not a multiple of the 2 pipeline stages" in res.output
+
+
+def test_run_takes_the_jobs_staleness_curve_and_refuses_a_bad_one_before_starting_workers(tmp_path):
+    for args, why in ((["--policy", "tight", "--staleness", "1:0.5"], "--staleness applies to the 'target' policy"),
+                      (["--staleness", str(tmp_path / "none.json")], "none.json: no such file")):
+        res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(tmp_path / "o"), *args])
+        assert res.exit_code == 2 and why in res.output and res.output.count("\n") == 1, res.output
 
 
 def test_cli_import_does_not_load_torch():
@@ -293,7 +300,8 @@ def test_run_a_zero_bubble_pipeline_end_to_end(tmp_path, pipeline):
 def test_run_validates_a_schedule_under_the_margin_its_policy_chose(tmp_path):
     """``target`` may pack under another margin than the one it was given (its trade-off picks one): the
     run checks the schedule under that margin, as ``pipefisher validate`` does from the metadata. This
-    one-stage profile (from a real run) packs at margin 3, and broke 21 rules under the default 0.05."""
+    one-stage profile (from a real run), with a flat staleness curve (only the step counts), packs at
+    margin 0.75; such schedules once broke 21 rules checked under the default 0.05."""
     import glob
 
     from pipefisher.policies import get_policy
@@ -303,6 +311,46 @@ def test_run_validates_a_schedule_under_the_margin_its_policy_chose(tmp_path):
 
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profiles", "tiny_one_stage")
     job = load_job(sorted(glob.glob(os.path.join(here, "*.pickle"))))
-    packed, report = pack_and_check(job, get_policy("target"), tiny(pipeline={"stages": 1}), RunPaths(str(tmp_path), "m"),
-                                    1, margin=DEFAULT_MARGIN, allow_invalid=False, echo=lambda line: None)
+    packed, report = pack_and_check(job, get_policy("target", staleness="1:0.5,64:0.5"), tiny(pipeline={"stages": 1}),
+                                    RunPaths(str(tmp_path), "m"), 1, margin=DEFAULT_MARGIN, allow_invalid=False,
+                                    echo=lambda line: None)
     assert packed.margin != DEFAULT_MARGIN and report["valid"]
+
+
+def test_run_resume_continues_a_run_where_its_checkpoint_stopped_with_its_schedule(tmp_path):
+    """A one-stage run (in this process), resumed from 3 steps to 5: the run's schedule, config and
+    options go on, its metrics hold every step once, and the model is the one a 5-step training with
+    that schedule gives."""
+    import torch
+
+    out = tmp_path / "runs"
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--stages", "1", "--out", str(out), "--name", "r",
+                                    "--steps", "3", "--profile-steps", "2", "--eval-every", "2", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    schedule = (out / "r_schedule.pickle").read_bytes()
+    res = CliRunner().invoke(main, ["run", "--resume", str(out), "--steps", "5", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert f"run r: resuming from {out / 'r_checkpoints'}, training up to 5 step(s) with its schedule" in res.output
+    assert "mode scheduled, 1 stage(s) x 1 replica(s)" in res.output and "resuming after step 2" in res.output
+    with open(out / "r_metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(5))
+    assert [bool(r["val_loss"]) for r in rows] == [False, True, True, True, True]  # --eval-every 2 went on
+    assert json.loads((out / "r_report.json").read_text())["training"]["steps"] == 5
+    assert (out / "r_schedule.pickle").read_bytes() == schedule
+    ck = str(tmp_path / "ck")
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--stages", "1", "--schedule", str(out / "r_schedule.pickle"),
+                                    "--steps", "5", "--checkpoint-dir", ck, "--no-progress"])
+    assert res.exit_code == 0, res.output
+    whole = torch.load(os.path.join(ck, "step-00000005", "stage0-replica0.pt"), weights_only=True)["model"]
+    resumed = torch.load(out / "r_checkpoints" / "step-00000005" / "stage0-replica0.pt", weights_only=True)["model"]
+    assert all(torch.equal(t, resumed[k]) for k, t in whole.items())
+    res = CliRunner().invoke(main, ["run", "--resume", str(out), "--steps", "5"])
+    assert res.exit_code == 0 and res.output.endswith(f"nothing to do: the checkpoint in {out / 'r_checkpoints'} has "
+                                                      "5 steps done, --steps is 5\n"), res.output
+    res = CliRunner().invoke(main, ["run", "--resume", str(out), "--steps", "6", "--stages", "2", "--policy", "tight"])
+    assert (res.exit_code, res.output) == (2, "error: --policy, --stages: set a run up, which --resume continues as it "
+                                              "was set up: drop them\n")
+    res = CliRunner().invoke(main, ["run", "--resume", str(tmp_path), "--steps", "6"])
+    assert (res.exit_code, res.output) == (2, f"error: {tmp_path}: holds no run's checkpoints (<run>_checkpoints); "
+                                              "--resume takes the --out folder of a pipefisher run\n")

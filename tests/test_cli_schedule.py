@@ -212,7 +212,8 @@ def test_a_schedule_packed_without_margin_is_refused_under_the_default_one(tmp_p
     refused = run("validate", "--schedule", str(out), "--margin", "0.05", str(path))
     assert refused.exit_code == 1 and "bubble-overfilled" in refused.output
     default = run("schedule", str(path))
-    assert default.exit_code == 0 and "overflow 97 ns]" in default.output  # times with their unit
+    # times with their unit, per step (over the cycle's 2 iterations) and per cycle
+    assert default.exit_code == 0 and "overflow 48 ns per step, 97 ns per cycle]" in default.output
 
 
 def test_a_plain_schedule_file_drops_stale_metadata(tmp_path) -> None:
@@ -287,15 +288,56 @@ def test_only_a_process_that_ends_with_its_command_freezes_the_packed_job(tmp_pa
     assert int(out.split("frozen")[1]) > 0
 
 
-def test_the_default_policy_prints_why_its_k_and_takes_a_staleness_curve() -> None:
+def test_the_default_policy_prints_why_its_k_and_predicts_nothing_without_a_curve() -> None:
     result = run("schedule")
     assert result.exit_code == 0, result.output
-    assert "time-to-target trade-off" in result.output and result.output.count("<- chosen") == 1
+    assert "packing densities weighed" in result.output and result.output.count("<- chosen") == 1
+    assert "no time-to-target is predicted" in result.output and "chosen: by planned step time alone" in result.output
+    assert "time-to-target vs" not in result.output and "never" not in result.output
+
+
+def test_the_default_policy_takes_a_staleness_curve_inline_or_as_a_file(tmp_path) -> None:
+    from pipefisher.safe_io import dump_json_atomic
+    from pipefisher.staleness import Provenance, StalenessCurve
+
     steep = run("schedule", "--staleness", "1:0.5,2:50")  # any staler curvature is ruinous: the shortest k
     tight = run("schedule", "--policy", "tight")
-    assert steep.exit_code == 0 and [line for line in steep.output.splitlines() if line.startswith("node")] == \
-        [line for line in tight.output.splitlines() if line.startswith("node")]
+    assert steep.exit_code == 0 and "time-to-target trade-off" in steep.output
+    def cycles(output: str) -> list[str]:  # per node its cycle and usage, not the margin its bound is at
+        return [line.split(" [")[0] for line in output.splitlines() if line.startswith("node")]
+
+    assert cycles(steep.output) == cycles(tight.output)
+    path = str(tmp_path / "staleness.json")
+    dump_json_atomic(path, StalenessCurve(((1, 0.5), (2, 50.0)), provenance=Provenance(
+        config_digest="0123456789abcdef", config_name="small", config_path="configs/small.yaml", horizon=300)).to_data())
+    from_file = run("schedule", "--staleness", path)
+    assert from_file.exit_code == 0, from_file.output
+    # the job's config is unknown here (timelines only): the report says which one the curve was measured on
+    assert f"staleness {path}, measured on config 'small' (configs/small.yaml, digest 0123456789abcdef), 300 steps" \
+        in from_file.output
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "pipefisher-staleness/2"}')
     for args, why in ((["--staleness", "1:x"], "staleness curve '1:x'"),
+                      (["--staleness", str(bad)], f"{bad}: has no 'curve' rows"),
+                      (["--staleness", str(tmp_path / "none.json")], "none.json: no such file"),
+                      (["--policy", "tight", "--staleness", "1:0.5"], "--staleness applies to the 'target'"),
                       (["--policy", "tight", "--kfac-slowdown", "0.2"], "--kfac-slowdown applies to the 'target'")):
-        bad = run("schedule", *args)
-        assert bad.exit_code == 2 and why in bad.output and "Traceback" not in bad.output
+        result = run("schedule", *args)
+        assert result.exit_code == 2 and why in result.output and "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) == 1
+
+
+def test_bert_large_packs_near_first_order_without_a_curve_and_for_its_curve_with_one() -> None:
+    """The regression job, as a user packs it: no curve, then the convergence benchmark's 1000-step curve,
+    then a curve past which k = 7 never reaches the target."""
+    files = sorted(str(p) for p in (Path(__file__).parent / "data" / "regressions" / "bert-large-8stages-m12-bs8")
+                   .glob("*_timeline.pickle"))
+    plain = run("schedule", *files)
+    assert plain.exit_code == 0 and "never" not in plain.output
+    chosen = next(line for line in plain.output.splitlines() if line.endswith("<- chosen"))
+    k, _, overhead = chosen.split()[:3]
+    assert k == "7" and float(overhead.rstrip("%")) <= 5.0
+    for curve, want in (("1:0.718,2:0.718,4:0.769,8:0.923,16:0.846", "7"), ("1:0.5,2:0.533,4:0.567,6:inf", "3")):
+        result = run("schedule", *files, "--staleness", curve)
+        chosen = next(line for line in result.output.splitlines() if line.endswith("<- chosen"))
+        assert chosen.split()[0] == want, result.output

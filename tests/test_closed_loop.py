@@ -8,6 +8,7 @@ observes whole job cycles (the least common multiple of the ks), which only adds
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -17,16 +18,17 @@ from pipefisher.closed_loop import (AdaptiveScheduler, Plan, StaticScheduler, cy
 from pipefisher.drift import Refresh
 from pipefisher.examples import example_timelines
 from pipefisher.measure import gap_overruns, planned_gaps, step_overrun
-from pipefisher.objective import MEASURED_STALENESS
 from pipefisher.policies import get_policy
 from pipefisher.problem import DEFAULT_MARGIN
 from pipefisher.rules import validate
+from pipefisher.staleness import StalenessCurve
 from pipefisher.timeline import load_job, read_node_file
 
 SLOW_KEY = "cov_kron_A:encoder.layer.3.attention.self.query"  # on node 1 of the example
-CURVE = MEASURED_STALENESS
-"""These tests weigh k with a staleness curve (the trials as they are with one); without one the
-drift rule sets k (test_closed_loop_drift.py)."""
+CURVE = StalenessCurve.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         "examples", "staleness", "small-300-steps.json"))
+"""The trials as they are with a staleness curve (k weighed by it); without one the drift rule sets k
+(the tests at the end)."""
 NS = 1e-9
 """Overruns below a nanosecond are float noise: a call that waited less than ``WAIT_EPS`` counts as not
 having waited, and its gap's upper bound then equals the planned bubble up to rounding."""
@@ -163,16 +165,15 @@ def test_k_shrinks_when_kfac_work_gets_faster(job, initial) -> None:
     assert overrun(shorter, records) < NS
 
 
-def _on_trial(job, initial, value_ratio: float, staleness=None):
-    staleness = staleness or CURVE
+def _on_trial(job, initial, value_ratio: float, staleness=CURVE):
     """A scheduler whose trial of more slack measured ``value_ratio`` times the kept schedule's objective
     (its step time 0.10 s times the staleness curve at its k), the kept schedule 0.10 s a step."""
     loop = Loop(AdaptiveScheduler(initial, 4, staleness=staleness), job)
     loop.cycle()
     _, trial = loop.cycle()
     assert loop.scheduler.trial == "slack"
-    curve = loop.scheduler.staleness
-    stale = curve.at(max(trial.cycles)) / curve.at(max(initial.cycles))
+    curve = loop.scheduler.staleness  # None: no curve, the step time alone
+    stale = 1.0 if curve is None else curve.at(max(trial.cycles)) / curve.at(max(initial.cycles))
     loop.cycle()
     loop.scheduler.observe(fake_records(trial.data, loop.models, loop.step, max(trial.cycles)))
     loop.scheduler.costs[initial.digest] = [0.10, 0.10]
@@ -191,9 +192,16 @@ def test_more_slack_is_kept_only_where_it_measures_faster(job, initial, value_ra
         assert not scheduler.climbing and "back to the kept schedule" in nxt.reason
 
 
+def test_without_a_curve_a_schedule_is_worth_its_measured_step_time(job, initial) -> None:
+    scheduler = AdaptiveScheduler(initial, 4)
+    scheduler.costs[initial.digest] = [0.09, 0.09]
+    assert scheduler.staleness is None and scheduler.rule is not None  # k from the drift rule instead
+    assert scheduler.value(initial) == scheduler.cost(initial) == pytest.approx(0.09)
+
+
 def test_a_faster_step_with_staler_curvature_loses_where_the_staleness_costs_more(job, initial) -> None:
     """The closed loop's objective is the user's: step time x steps-to-target at the cycle's k."""
-    from pipefisher.objective import StalenessCurve
+    from pipefisher.staleness import StalenessCurve
 
     steep = StalenessCurve(((1, 0.5), (4, 0.5), (5, 1.0), (64, 1.0)))
     scheduler, trial = _on_trial(job, initial, 1.0, staleness=steep)

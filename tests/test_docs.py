@@ -149,3 +149,17 @@ def test_the_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     for argv in commands:
         res = subprocess.run(_as_run_here(argv), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
         assert res.returncode == 0, f"{shlex.join(argv)}: exit {res.returncode}\n{res.stderr[-3000:]}"
+
+
+def test_the_api_reference_shows_no_restructuredtext_literal_markers() -> None:
+    """The reference pages render docstrings as Markdown, where a line ending in '::' (reST's literal
+    block) shows its two colons: each module a page names says 'does:' and indents the block."""
+    modules = [m for page in (DOCS / "reference").glob("*.md")
+               for m in re.findall(r"^::: ([\w.]+)\s*$", page.read_text(), re.M)]
+    assert "pipefisher.runtime.api" in modules
+    marked = []
+    for module in modules:
+        base = ROOT / module.replace(".", "/")
+        source = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        marked += [f"{module}: {line.strip()}" for line in source.read_text().splitlines() if line.rstrip().endswith("::")]
+    assert not marked, marked

@@ -19,7 +19,7 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(pipefisher.__file__))
 # above it; it may import its own layer and the layers below, never one above. K-FAC and the runtime
 # (torch) sit above every scheduling layer, so the scheduling path cannot reach torch.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundations", ("pipefisher", "pipefisher.errors", "pipefisher.safe_io", "pipefisher.timeline",
+    ("foundations", ("pipefisher", "pipefisher.errors", "pipefisher.safe_io", "pipefisher.staleness", "pipefisher.timeline",
                      "pipefisher.pipeline_orders", "pipefisher.examples")),
     ("simulation", ("pipefisher.sim",)),
     ("problem", ("pipefisher.problem",)),

@@ -95,6 +95,111 @@ def test_lay_out_of_a_packed_schedule_is_the_packers_placement(job, slower) -> N
     assert (overflow > 0) == (slower > 1)
 
 
+def placed_figures(iterations, model) -> tuple[list[float], list[float]]:
+    """Per iteration, from :func:`lay_out`'s placements: the node's pipeline time plus each call's delay
+    beyond the one before it plus what runs past the pipeline time; and where the last label before
+    ``-- end --`` ends (what :func:`planned_iterations` works out without placing anything)."""
+    times, ready = [], []
+    planned = {}
+    for key, s, _ in model.pipeline:
+        planned.setdefault(key, []).append(float(s))
+    for placed in lay_out(iterations, model):
+        seen: dict[str, int] = {}
+        delay = grown = end = 0.0
+        for p in placed:
+            if p.label in planned:
+                n = seen.get(p.label, 0)
+                seen[p.label] = n + 1
+                d = p.start - planned[p.label][n % len(planned[p.label])]
+                grown += max(0.0, d - delay)
+                delay = d
+            end = max(end, p.end)
+        times.append(float(model.base) + grown + max(0.0, end - float(model.base) - delay))
+        cut = next((i for i, p in enumerate(placed) if p.label == END), len(placed))
+        ready.append(max((p.end for p in placed[:cut]), default=0.0))
+    return times, ready
+
+
+def packed_jobs():
+    """Jobs of every pipeline shape, packed at a dense and a sparse margin, on models whose K-FAC runs
+    1.1x its profiled time (so that work outgrows its bubbles): (name, node schedules, models)."""
+    from _realistic_jobs import realistic_family
+    from pipefisher.sim import load_cost_model, simulate_timelines
+    from pipefisher.examples import cost_model_path
+    from pipefisher.objective import slowed_models
+
+    jobs = list(realistic_family(every=24))
+    model = load_cost_model(cost_model_path("bert-base-4stages"))
+    for schedule in ("interleaved", "chimera", "zb-h1", "zb-v"):
+        timelines, _ = simulate_timelines(model, schedule, None, 8)
+        jobs.append((schedule, job_from_dicts(timelines)))
+    for name, j in jobs:
+        models = slowed_models(j)
+        for margin in (DEFAULT_MARGIN, 2.0):
+            yield f"{name} margin {margin}", TIGHT.pack(j, margin).nodes, models
+
+
+def test_planned_iterations_are_the_placements_figures_from_labels_or_layout() -> None:
+    from pipefisher.measure import iteration_time, planned_iterations
+
+    layouts = 0
+    for name, nodes, models in packed_jobs():
+        for node, model in zip(nodes, models):
+            want = placed_figures(node.iterations, model)
+            assert planned_iterations(node.iterations, model) == want, name
+            assert iteration_time(node.iterations, model) == want[0], name
+            if node.layout is not None:
+                layouts += 1
+                assert planned_iterations(node.iterations, model, node.layout) == want, name
+    assert layouts > 50
+
+
+@pytest.mark.parametrize("slower", [0.0, 1.0, 3.0])
+@pytest.mark.parametrize("margin", [DEFAULT_MARGIN, 2.0])
+def test_calls_that_overlap_delay_the_next_one_from_labels_or_layout(slower, margin) -> None:
+    """A node whose calls overlap (a profile's own jitter): a call starts when the one before it ends, a
+    delay the layout's evaluation must not skip though no K-FAC work comes before it."""
+    from pipefisher.measure import planned_iterations
+    from pipefisher.objective import slowed_models
+
+    node = {"call_forward": [(0, 100), (80, 200), (400, 500)], "call_backward": [(600, 700), (650, 800), (900, 1000)],
+            "cov_kron_A:l": [(0, 90)], "cov_kron_B:l": [(0, 60)], "inv_kron_A:l": [(0, 150)],
+            "inv_kron_B:l": [(0, 120)], "cov_kron_A:m": [(0, 30)], "cov_kron_B:m": [(0, 33)],
+            "inv_kron_A:m": [(0, 250)], "inv_kron_B:m": [(0, 80)]}
+    overlapping = job_from_dicts([node])
+    (model,) = slowed_models(overlapping, slower)
+    (packed_node,) = TIGHT.pack(overlapping, margin).nodes
+    want = placed_figures(packed_node.iterations, model)
+    assert min(want[0]) > model.base  # the overlaps delay every iteration
+    assert planned_iterations(packed_node.iterations, model) == want
+    assert planned_iterations(packed_node.iterations, model, packed_node.layout) == want
+
+
+def test_planned_iterations_of_any_label_order_are_the_placements_figures(job, packed) -> None:
+    """Labels a policy would never write: calls out of order or missing, ``-- end --`` early or twice,
+    work after it, labels no model knows, an empty iteration, times in float seconds."""
+    import random
+
+    from pipefisher.measure import planned_iterations
+
+    rng = random.Random(7)
+    for n, node in enumerate(packed.nodes):
+        model = node_model(job.nodes[n], job.span)
+        labels = [list(it) + ["no_such_label"] for it in node.iterations]
+        for it in labels:
+            rng.shuffle(it)
+        labels.append([])
+        assert planned_iterations(labels, model) == placed_figures(labels, model)
+    seconds_job = job_from_dicts([{"call_forward": [(0.0, 0.1), (0.15, 0.25)],
+                                   "call_backward": [(0.5, 0.7), (0.75, 0.9)],
+                                   "cov_kron_A:l": [(0.0, 0.125)], "inv_kron_A:l": [(0.0, 0.3)]}])
+    model = node_model(seconds_job.nodes[0], seconds_job.span)
+    labels = [[START, "call_forward", "cov_kron_A:l", "call_forward", "inv_kron_A:l", "call_backward",
+               "call_backward", END]] * 2
+    mine, want = planned_iterations(labels, model), placed_figures(labels, model)
+    assert mine[0] == pytest.approx(want[0]) and mine[1] == pytest.approx(want[1])
+
+
 # ----------------------------------------------------------------------------------------------------
 # Measured timelines
 

@@ -10,11 +10,12 @@ import math
 
 import pytest
 
-from pipefisher.errors import InputError
 from pipefisher.objective import (
-    MEASURED_STALENESS,
-    StalenessCurve,
+    NO_CURVE_TOLERANCE,
+    Candidate,
+    StepCost,
     choose,
+    choose_without_curve,
     end_of_step,
     step_cost,
     tradeoff,
@@ -24,6 +25,7 @@ from pipefisher.policies.base import JobSchedule, NodeFigures, NodeSchedule
 from pipefisher.report import usage_lines
 from pipefisher.rules import validate
 from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.staleness import StalenessCurve
 from pipefisher.timeline import job_from_dicts
 
 from tests.conftest import small_node
@@ -80,25 +82,28 @@ def test_a_tail_bubble_hides_end_of_step_work() -> None:
     assert step_cost(plain, job, slowdown=0).first_order == 430
 
 
-def candidates_of(curve: StalenessCurve):
-    """:func:`tradeoff` with a packer that gives the k = 1 schedule densely, the k = 2 one sparser."""
+def hand_packer(dense: list, sparse: list, turn: float = 0.1):
+    """A packer that gives ``dense`` below margin ``turn`` and ``sparse`` from it on."""
     def pack(job, margin):
-        data = SHORTEST if margin < 0.1 else LONGER
-
+        data = dense if margin < turn else sparse
         nodes = tuple(NodeSchedule(tuple(tuple(it) for it in node), (), NodeFigures(len(node), 0.0, 0, 0, 0, 0))
                       for node in data)
         return JobSchedule("hand", job.span, nodes, margin)
 
-    return tradeoff(hand_job(), pack, 0.05, curve, slowdown=0)
+    return pack
+
+
+def weighed(curve: StalenessCurve | None, dense=SHORTEST, sparse=LONGER, turn: float = 0.1, **options):
+    """:func:`tradeoff` on the hand job with :func:`hand_packer` (the k = 1 schedule densely, k = 2 sparser)."""
+    return tradeoff(hand_job(), hand_packer(dense, sparse, turn), 0.05, curve, slowdown=0, **options)
 
 
 def test_the_longer_cycle_wins_where_the_shortest_overflows_more_per_step() -> None:
-    cands = candidates_of(StalenessCurve(((1, 0.5), (2, 0.55), (4, 0.6))))
-    assert [c.cost.cycle for c in cands] == [1, 2]  # the sparser margins give the same k = 2 schedule: once
-    best = choose(cands)
-    assert best.cost.cycle == 2
-    assert best.relative_time == pytest.approx(0.55 * 455 / 420)
-    assert cands[0].relative_time == pytest.approx(0.5 * 630 / 420)
+    w = weighed(StalenessCurve(((1, 0.5), (2, 0.55), (4, 0.6))))
+    assert [c.cost.cycle for c in w.candidates] == [1, 2]  # the sparser margins give the same k = 2 schedule: once
+    assert w.chosen.cost.cycle == 2
+    assert w.chosen.relative_time == pytest.approx(0.55 * 455 / 420)
+    assert w.candidates[0].relative_time == pytest.approx(0.5 * 630 / 420)
 
 
 @pytest.mark.parametrize("ratio_at_2, chosen_k", [(0.69, 2), (0.695, 1)])
@@ -107,20 +112,82 @@ def test_the_choice_turns_where_the_hand_computation_says(ratio_at_2, chosen_k) 
     # Below it k = 2 wins, above it k = 1.
     turn = 0.5 * 630 / 455
     assert (ratio_at_2 < turn) == (chosen_k == 2)
-    cands = candidates_of(StalenessCurve(((1, 0.5), (2, ratio_at_2))))
-    assert choose(cands).cost.cycle == chosen_k
+    assert weighed(StalenessCurve(((1, 0.5), (2, ratio_at_2)))).chosen.cost.cycle == chosen_k
 
 
-def test_staleness_curves_interpolate_in_log_k_and_refuse_bad_text() -> None:
-    curve = StalenessCurve(((1, 0.5), (4, 0.7), (8, math.inf)))
-    assert curve.at(1) == 0.5 and curve.at(0.5) == 0.5
-    assert curve.at(2) == pytest.approx(0.6)  # halfway in log k between 1 and 4
-    assert curve.at(8) == math.inf and curve.at(5) == math.inf and curve.at(100) == math.inf
-    assert StalenessCurve.parse("1:0.5,4:0.7").at(2) == pytest.approx(0.6)
-    assert MEASURED_STALENESS.at(1) == 0.5
-    for bad in ("1:x", "2:1,1:3", "0:1", "1:-1", ""):
-        with pytest.raises(InputError, match="staleness curve"):
-            StalenessCurve.parse(bad)
+def test_every_density_is_weighed_though_the_margin_does_not_move_k_one_way() -> None:
+    # The dense margin packs k = 2 and every sparser one k = 1: the sparser one is still packed and
+    # weighed, though the dense one never reaches the target on the curve (no early stop after it).
+    w = weighed(StalenessCurve(((1, 0.5), (1.5, math.inf))), dense=LONGER, sparse=SHORTEST)
+    assert [c.cost.cycle for c in w.candidates] == [2, 1]
+    assert w.candidates[0].relative_time == math.inf
+    assert w.chosen.cost.cycle == 1 and not w.warnings
+    assert any("never" in line for line in w.lines()) and sum("<- chosen" in line for line in w.lines()) == 1
+
+
+def test_an_all_infinite_curve_chooses_as_without_a_curve_and_says_why() -> None:
+    never = StalenessCurve(((1, math.inf),))
+    w = weighed(never)
+    plain = weighed(None)
+    assert w.chosen.schedule.to_file_data() == plain.chosen.schedule.to_file_data()
+    assert len(w.warnings) == 1 and "no density reaches the target" in w.warnings[0]
+    assert any("no density reaches the target" in line for line in w.lines())
+
+
+def test_without_a_curve_no_time_to_target_is_printed_and_the_rule_is_stated() -> None:
+    w = weighed(None)
+    text = "\n".join(w.lines())
+    assert all(c.relative_time is None for c in w.candidates)
+    assert "time-to-target vs" not in text and "never" not in text and "no time-to-target is predicted" in text
+    assert "chosen: by planned step time alone" in text
+    # k = 1: 630 a step, k = 2: 455 (floor 430: first-order 420 plus the 10 of preconditioning): the least
+    # step, k = 2, is more than 2 % above the floor, so every density is weighed
+    assert w.chosen.cost.cycle == 2 and w.chosen.cost.floor == 430
+
+
+def test_a_cycle_longer_than_the_run_is_never_chosen() -> None:
+    short_run = weighed(StalenessCurve(((1, 0.5), (2, 0.55))), max_cycle=1)
+    assert short_run.chosen.cost.cycle == 1 and "the run's 1 steps" in "\n".join(short_run.lines())
+    assert weighed(None, max_cycle=1).chosen.cost.cycle == 1
+    # no density fits a run of 1 step: the shortest cycle, with a warning
+    both_long = weighed(None, dense=LONGER, sparse=LONGER, max_cycle=1)
+    assert both_long.chosen.cost.cycle == 2 and "longer than the run" in both_long.warnings[0]
+
+
+def candidate(margin: float, cycle: int, step: float, overflow: int = 0, floor: float = 100.0,
+              first_order: float = 100.0) -> Candidate:
+    """A candidate of hand-set figures: ``overflow`` per step on its one node."""
+    node = NodeSchedule((), (), NodeFigures(cycle, 0.0, 0, 0, 0, 0, overflow=overflow * cycle))
+    return Candidate(margin, JobSchedule("hand", 1000, (node,), margin), StepCost(cycle, first_order, step, floor), None)
+
+
+def test_the_rule_without_a_curve_keeps_the_densest_at_the_floor() -> None:
+    densest = candidate(0.05, 9, 101.9)  # 1.9 % above the floor: within the tolerance
+    shorter = candidate(2.0, 3, 101.0)  # a shorter cycle and a lower step, sparser: not looked at
+    assert NO_CURVE_TOLERANCE == 0.02
+    assert choose_without_curve([densest, shorter]).chosen is densest
+
+
+def test_the_rule_without_a_curve_takes_the_shortest_cycle_near_the_least_step() -> None:
+    densest = candidate(0.05, 7, 125.0)  # 25 % above the floor
+    least = candidate(0.5, 9, 103.0)
+    near = candidate(1.0, 8, 104.5)  # within 2 % of 103: the shorter cycle wins
+    far = candidate(2.0, 3, 106.0)  # beyond 2 % of 103
+    assert choose_without_curve([densest, least, near, far]).chosen is near
+    # overflow beyond the densest packing's only where it has the least step
+    overflowing = candidate(1.0, 8, 104.5, overflow=5)
+    assert choose_without_curve([densest, least, overflowing, far]).chosen is least
+    assert choose_without_curve([densest, candidate(0.5, 9, 103.0, overflow=5)]).chosen.cost.cycle == 9
+
+
+def test_choose_needs_candidates_and_the_curve_decides_where_it_can() -> None:
+    with pytest.raises(ValueError):
+        choose([])
+    a, b = candidate(0.05, 2, 110.0), candidate(0.5, 8, 101.0)
+    curve = StalenessCurve(((1, 0.5), (4, 0.6), (8, 0.9)))
+    with_curve = [Candidate(c.margin, c.schedule, c.cost, curve.at(c.cost.cycle)) for c in (a, b)]
+    assert choose(with_curve, curve).chosen is with_curve[0]  # 0.55 x 1.10 = 0.605 < 0.9 x 1.01
+    assert choose([a, b]).chosen is b  # without it: the least step, 10 % above the floor
 
 
 def small_two_node_job():
@@ -129,16 +196,17 @@ def small_two_node_job():
 
 def test_the_target_policy_keeps_the_least_time_to_target_and_validates() -> None:
     job = small_two_node_job()
-    packed = get_policy("target").pack(job)
+    packed = get_policy("target", staleness="1:0.5,4:0.6,16:0.9").pack(job)
     assert packed.policy == "target"
-    weighed = packed.tradeoff
-    assert weighed.chosen.relative_time == min(c.relative_time for c in weighed.candidates)
-    assert weighed.chosen.margin == packed.margin
-    assert weighed.chosen.schedule.to_file_data() == packed.to_file_data()
+    w = packed.tradeoff
+    assert w.chosen.relative_time == min(c.relative_time for c in w.candidates)
+    assert w.chosen.margin == packed.margin
+    assert w.chosen.schedule.to_file_data() == packed.to_file_data()
     assert not validate(packed.to_file_data(), job, margin=packed.margin)
     lines = usage_lines(packed)
     assert sum("<- chosen" in line for line in lines) == 1
-    assert len(lines) == 2 + 1 + 2 + len(weighed.candidates)  # 2 nodes, a gap, a header of 2, the candidates
+    # 2 nodes, a gap, a header of 2, the candidates, why, what was not packed
+    assert len(lines) == 2 + 1 + 2 + len(w.candidates) + 1 + len(w.unpacked)
 
 
 def test_a_flat_curve_buys_the_cheapest_step_and_a_steep_one_the_shortest_cycle() -> None:

@@ -482,7 +482,8 @@ def test_measured_input_errors_are_one_line_naming_the_file(tmp_path, measured_c
          f"error: {measured_csv}: --step 9 is not in the file (its steps common to all nodes: 0 to 3)"),
         (["--step", "1"], "error: --step applies to a measurements CSV: give --measured FILE.csv"),
         (["--measured", str(measured_csv), "--packed"],
-         "error: --measured draws the measurements CSV on its own: give no TIMELINES, --packed or --policy with it"),
+         "error: --measured draws the measurements CSV on its own: give no TIMELINES, --packed, --policy or "
+             "--staleness with it"),
     ]
     for args, line in cases:
         for command in ("plot", "trace"):

@@ -31,3 +31,25 @@ def test_lazy_placements_are_built_once_and_behave_as_their_tuple() -> None:
     assert lazy == items and lazy == LazyPlacements(lambda: items) and lazy != items[:1]
     assert pickle.loads(pickle.dumps(lazy)) == items and type(pickle.loads(pickle.dumps(lazy))) is tuple
     assert built == [1]
+
+
+def test_the_kfac_layout_says_what_the_labels_say() -> None:
+    """Every iteration is ``-- start --``, the calls in timeline order with each run of K-FAC labels the
+    layout places after as many calls as it says, ``-- end --`` and the markers; no two runs in a row are
+    of the same label at the same place."""
+    from pipefisher.problem import node_model
+    from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
+
+    job = load_job(example_timelines())
+    for margin in (0.05, 3.0):  # 3: work that fits no bubble overflows after the last call
+        for node, timeline in zip(get_policy("tight").pack(job, margin).nodes, job.nodes):
+            keys = [key for key, _, _ in node_model(timeline, job.span).pipeline]
+            assert node.layout is not None and len(node.layout) == len(node.iterations)
+            for i, (labels, work) in enumerate(zip(node.iterations, node.layout)):
+                rebuilt, done = [START], 0
+                for calls, label, count in work:
+                    rebuilt += keys[done:calls] + [label] * count
+                    done = calls
+                rebuilt += keys[done:] + [END] + [SAVE_OFF] * (i == 0) + [SAVE_ON] * (i == len(node.layout) - 1)
+                assert tuple(rebuilt) == labels
+                assert all(a[:2] != b[:2] for a, b in zip(work, work[1:]))

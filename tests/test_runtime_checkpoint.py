@@ -68,6 +68,42 @@ def test_resume_in_one_process_continues_exactly(tmp_path, mode):
         assert max(after) >= 5 and after == {s: (full.refreshes[s].drift, full.refreshes[s].aging) for s in after}
 
 
+@pytest.mark.parametrize("mode", ["first-order", "kfac"])
+def test_resume_with_muon_continues_exactly(tmp_path, mode):
+    """Muon with AdamW (in kfac mode: Muon takes K-FAC's preconditioned gradients): both optimizers'
+    state goes into the checkpoint and the resumed run ends bit for bit where the whole one does."""
+    cfg = tiny(pipeline={"stages": 1}, model={"dropout": 0.1}, kfac={"update": "base"},
+               optim={"name": "muon", "lr": 0.01, "warmup_steps": 2, "decay_steps": 6})
+    full = _train(cfg, mode=mode, steps=6)
+    ck = str(tmp_path / "ck")
+    _train(cfg, mode=mode, steps=3, checkpoint_dir=ck)
+    state = torch.load(os.path.join(ck, "step-00000003", "stage0-replica0.pt"), weights_only=True)
+    assert set(state["optimizer"]["optimizer"]) == {"muon", "adamw"} and state["optimizer"]["optimizer"]["muon"]
+    resumed = _train(cfg, mode=mode, steps=6, resume=ck, checkpoint_dir=ck)
+    assert resumed.start_step == 3
+    for name, p in _params(full).items():
+        assert torch.equal(p, _params(resumed)[name]), name
+
+
+def test_muon_resume_on_two_stages_one_without_muon_parameters(tmp_path):
+    """Muon only on layer 0 (stage 0): stage 1 steps with AdamW alone, and a run stopped after step 2
+    and resumed to step 4 ends with the weights of the run that never stopped, on both stages."""
+    base = ["train", "--config", TINY, "--nproc-per-node", "2", "--no-progress", "--set", "data.text=stdlib",
+            "--set", "optim.name=muon", "--set", "optim.lr=0.01", "--set", "optim.muon_include=[encoder.layer.0]"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    runner = CliRunner()
+    for args in (["--steps", "4", "--checkpoint-dir", a], ["--steps", "2", "--checkpoint-dir", b],
+                 ["--steps", "4", "--resume", b]):
+        res = runner.invoke(main, base + args)
+        assert res.exit_code == 0, res.output
+    for stage in range(2):
+        fa = torch.load(os.path.join(a, "step-00000004", f"stage{stage}-replica0.pt"), weights_only=True)
+        fb = torch.load(os.path.join(b, "step-00000004", f"stage{stage}-replica0.pt"), weights_only=True)
+        assert (fa["optimizer"]["optimizer"]["muon"] is None) == (stage == 1)
+        for name, p in fa["model"].items():
+            assert torch.equal(p, fb["model"][name]), (stage, name)
+
+
 def test_resume_with_two_stages_through_the_cli(tmp_path):
     """Stop after step 1 (iteration 0 of a k >= 2 cycle), resume to step 5: the parameters equal those
     of the uninterrupted run, and the metrics CSV holds every step once."""
@@ -116,11 +152,12 @@ def test_a_foreign_checkpoint_is_refused(tmp_path):
     t = _train(cfg, mode="scheduled", schedule=sched, steps=2, checkpoint_dir=ck)
     digest = t.schedule_digest
     check_resumable(ck, cfg, "scheduled", digest, 1, 1)  # its own run is fine
-    # a manifest from before model.builder/options and data.objective existed: those keys at the
-    # values they stand for still resume; another builder does not
+    # a manifest from before model.builder/options, data.objective and the Muon keys existed: those keys
+    # at the values they stand for still resume; another builder does not
     with open(os.path.join(ck, MANIFEST)) as f:
         manifest = json.load(f)
-    for sec, key in (("model", "builder"), ("model", "options"), ("data", "objective")):
+    for sec, key in (("model", "builder"), ("model", "options"), ("data", "objective"), ("optim", "muon_momentum"),
+                     ("optim", "muon_include"), ("optim", "muon_exclude")):
         del manifest["config"][sec][key]
     with open(os.path.join(ck, MANIFEST), "w") as f:
         json.dump(manifest, f)
@@ -130,6 +167,8 @@ def test_a_foreign_checkpoint_is_refused(tmp_path):
     with pytest.raises(InputError, match=r"another config \(differs in optim.weight_decay\)"):
         check_resumable(ck, cfg.replace(optim={"weight_decay": 0.5}), "scheduled", digest, 1, 1)
     check_resumable(ck, cfg.replace(optim={"lr": 0.5}), "scheduled", digest, 1, 1)  # the lr schedule may change
+    with pytest.raises(InputError, match=r"another config \(differs in optim.muon_exclude\)"):
+        check_resumable(ck, cfg.replace(optim={"muon_exclude": ["cls"]}), "scheduled", digest, 1, 1)
     with pytest.raises(InputError, match="another schedule file"):
         check_resumable(ck, cfg, "scheduled", "0" * 16, 1, 1)
     with pytest.raises(InputError, match="mode 'scheduled', this run is 'kfac'"):
@@ -197,19 +236,26 @@ def _lrs(metrics: str) -> list[float]:
         return [float(row.split(",")[3]) for row in f.read().splitlines()[1:]]
 
 
-def test_resuming_with_more_steps_keeps_the_learning_rate_schedule(tmp_path):
-    """README's example: 4 steps, then --steps 8 --resume. The decay ends where the first run put it (its
-    --steps, recorded in the checkpoint), so every lr equals that of a run that never stopped with that
-    end; one line says that the steps past it keep the final rate."""
+def test_resuming_past_the_learning_rate_decay_is_refused_unless_asked_for(tmp_path):
+    """README's example: 4 steps, then --steps 8 --resume. The decay ended where the first run put it (its
+    --steps, recorded in the checkpoint), so steps 4-7 would train at the final rate, 0: refused in one line
+    with both fixes. With --past-decay every lr equals that of a run that never stopped with that end, and
+    one line says that the steps past it keep the final rate."""
     base = ["train", "--config", TINY, "--stages", "1", "--no-progress", "--set", "optim.schedule=linear"]
     ck, resumed, whole = str(tmp_path / "ck"), str(tmp_path / "resumed.csv"), str(tmp_path / "whole.csv")
     runner = CliRunner()
     res = runner.invoke(main, base + ["--steps", "4", "--checkpoint-dir", ck, "--metrics", resumed])
     assert res.exit_code == 0, res.output
     res = runner.invoke(main, base + ["--steps", "8", "--resume", ck, "--metrics", resumed])
+    assert (res.exit_code, res.output) == (2, (
+        f"error: {ck}: holds a run whose linear learning-rate schedule decayed to step 4: --steps 8 would train "
+        "steps 4-7 at its final rate 0 (optim.min_lr_ratio x optim.lr); --set optim.decay_steps=8 decays over all "
+        "8 steps instead, --past-decay trains them at the final rate\n"))
+    res = runner.invoke(main, base + ["--steps", "8", "--resume", ck, "--metrics", resumed, "--past-decay"])
     assert res.exit_code == 0, res.output
     assert res.output.count("resuming: the learning rate keeps the schedule of the checkpoint's run, which "
-                            "decayed to step 4; steps 4-7 run at its final rate 0") == 1, res.output
+                            "decayed to step 4; steps 4-7 run at its final rate 0 (optim.min_lr_ratio x optim.lr) "
+                            "(--past-decay)") == 1, res.output
     res = runner.invoke(main, base + ["--steps", "8", "--set", "optim.decay_steps=4", "--metrics", whole])
     assert res.exit_code == 0, res.output
     assert _lrs(resumed) == _lrs(whole) == [0.1, 0.075, 0.05, 0.025, 0, 0, 0, 0]
@@ -262,3 +308,21 @@ def test_a_checkpoint_is_complete_on_every_worker_when_its_save_returns(tmp_path
     results = spawn_local(_late_manifest_worker, 2, tiny(pipeline=dict(stages=2)), str(tmp_path / "ck"),
                           timeout_s=120)
     assert results == [1, 1]
+
+
+def test_checkpoint_keep_keeps_the_newest_checkpoints_and_export_takes_any_of_them(tmp_path):
+    from safetensors.torch import load_file
+
+    from pipefisher.runtime.models.bert import from_transformers
+    from pipefisher.runtime.train.export import export
+
+    cfg = tiny(pipeline={"stages": 1}, checkpoint={"keep": 2})
+    ck = str(tmp_path / "ck")
+    _train(cfg, mode="first-order", steps=4, checkpoint_dir=ck, checkpoint_every=1)
+    assert sorted(e for e in os.listdir(ck) if e.startswith("step-")) == ["step-00000003", "step-00000004"]
+    check_resumable(ck, cfg.replace(checkpoint={"keep": 1}), "first-order", None, 1, 1)  # it may change
+    line = export(os.path.join(ck, "step-00000003"), str(tmp_path / "out"))
+    assert "after 3 steps" in line and line.endswith(os.path.join(ck, "step-00000003"))
+    got = from_transformers(load_file(str(tmp_path / "out" / "model.safetensors")), "out")
+    for name, p in _params(_train(cfg, mode="first-order", steps=3)).items():
+        assert torch.equal(got[name], p), name

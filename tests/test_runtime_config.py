@@ -197,10 +197,30 @@ def test_cli_set_is_applied_and_recorded_in_the_config_the_run_writes(tmp_path):
     ("train", "recompute", "all", "train.recompute must be one of none, layer"),
     ("data", "dataset", "csv", "data.dataset must be one of text, json, parquet"),
     ("data", "builder", "nocolon", "data.builder must be 'package.module:function'"),
+    ("checkpoint", "keep", 0, r"checkpoint.keep must be an integer >= 1 \(the newest checkpoints a run keeps\)"),
 ])
 def test_new_training_keys_are_checked_in_one_line(section, key, value, problem):
     with pytest.raises(InputError, match=problem):
         config_from_dict({section: {key: value}}, "run.yaml")
+
+
+@pytest.mark.parametrize("optim, problem", [
+    ({"muon_exclude": ["cls", ""]}, "optim.muon_exclude must list parameter-name parts"),
+    ({"muon_include": [" encoder"]}, "optim.muon_include must list parameter-name parts"),
+    ({"muon_include": "encoder"}, "optim.muon_include must be a list"),
+    ({"muon_momentum": 1.0}, r"optim.muon_momentum must be in \[0, 1\)"),
+    ({"name": "shampoo"}, "optim.name must be one of adamw, lamb, sgd, adam, muon"),
+])
+def test_muon_keys_are_checked_in_one_line(optim, problem):
+    with pytest.raises(InputError, match=problem):
+        config_from_dict({"optim": {"name": "muon", **optim}}, "run.yaml")
+
+
+def test_muon_keys_read_from_yaml_and_set():
+    cfg = config_from_dict({"optim": {"name": "muon", "muon_include": ["encoder"], "muon_exclude": []}})
+    assert cfg.optim.muon_include == ("encoder",) and cfg.optim.muon_exclude == ()
+    cfg = apply_overrides(cfg, ["optim.muon_exclude=[cls, lm_head]", "optim.muon_momentum=0.9"])
+    assert cfg.optim.muon_exclude == ("cls", "lm_head") and cfg.optim.muon_momentum == 0.9
 
 
 def test_a_data_builder_is_not_silently_replaced_by_synthetic_tokens():

@@ -138,8 +138,8 @@ def test_a_schedule_packed_for_another_model_is_refused_unless_allowed(tmp_path)
         load_checked_schedule(path, wider)
     load_checked_schedule(path, wider, allow_mismatch=True)
     deeper = cfg.replace(model={"num_layers": 6})  # more layers: more K-FAC modules on the stage too
-    with pytest.raises(InputError, match=r"model.num_layers 4 \(this run: 6\), node 0's K-FAC modules "
-                                         r"\(24 packed for, 36 here"):
+    with pytest.raises(InputError, match=r"model.num_layers 4 \(this run: 6\), node 0's K-FAC modules: 12 in "
+                                         r"this run not in it \(e.g. 'encoder.layer.4."):
         load_checked_schedule(path, deeper)
     # the workers check it too (torchrun runs no CLI pre-check), and take the override from the options
     opts = TrainOptions(mode="scheduled", schedule=path, steps=1, progress=False)
@@ -161,8 +161,8 @@ def test_a_schedule_packed_for_another_model_is_refused_unless_allowed(tmp_path)
 
 
 def test_a_schedule_packed_from_timelines_records_what_they_say(tmp_path):
-    """`pipefisher schedule` knows no config: it records the job's stages, micro-batches and K-FAC modules,
-    which the runtime compares with its own (the model's shape stays unchecked there)."""
+    """`pipefisher schedule` knows no config: it records the job's stages, micro-batches, layout and K-FAC
+    modules, which the runtime compares with its own (the model's shape stays unchecked there)."""
     import glob
 
     from pipefisher.runtime.pipeline.checks import load_checked_schedule
@@ -172,7 +172,8 @@ def test_a_schedule_packed_from_timelines_records_what_they_say(tmp_path):
     path = str(tmp_path / "s.pickle")
     assert CliRunner().invoke(main, ["schedule", *profile, "--save-path", path]).exit_code == 0
     recorded = schedule_packed_for(path)
-    assert set(recorded) == {"pipeline.stages", "data.num_micro_batches", "modules"}
+    assert set(recorded) == {"pipeline.stages", "data.num_micro_batches", "layout", "modules"}
+    assert recorded["layout"] == [1, True, False]  # Chimera: one chunk per device, two pipes, whole backwards
     cfg = tiny(pipeline={"schedule": "chimera"})
     load_checked_schedule(path, cfg)
     load_checked_schedule(path, cfg.replace(model={"hidden_size": 64}))  # not recorded, not compared

@@ -14,7 +14,8 @@ from pipefisher.cli import main
 from pipefisher.pipeline_orders import UP
 from pipefisher.runtime.job.config import RunConfig, load_config
 from pipefisher.runtime.job.dist import single_process
-from pipefisher.runtime.models.bert import PipelineStage
+from pipefisher.runtime.models.bert import PipelineStage, from_transformers
+from pipefisher.runtime.data.corpus import SPECIAL_TOKENS
 from pipefisher.runtime.models.builders import make_stage
 from pipefisher.runtime.pipeline.copies import StageChunks, StagePair
 from pipefisher.runtime.pipeline.layout import node_pipes
@@ -23,10 +24,10 @@ from pipefisher.runtime.train.export import export
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from pipefisher.safe_io import dump_json_atomic
 
-from _schedules import TINY as TINY_YAML
-from test_runtime_hf import TINY, batch, chain
+from _schedules import TINY as TINY_YAML, tiny
+from test_runtime_hf import MODELS, batch, chain
 
-AUTO = {"bert": "AutoModelForMaskedLM", "gpt2": "AutoModelForCausalLM"}
+AUTO = {"bert": "AutoModelForMaskedLM", "gpt2": "AutoModelForCausalLM", "llama": "AutoModelForCausalLM"}
 
 
 def _runner() -> CliRunner:
@@ -51,8 +52,8 @@ def trained(cfg: RunConfig, ck: str, steps: int = 2) -> Trainer:
 
 
 def hf_run(kind: str) -> RunConfig:
-    builder = {"bert": "bert_mlm", "gpt2": "gpt2_clm"}[kind]
-    model = dataclasses.replace(TINY, builder=f"pipefisher.runtime.models.hf:{builder}", dropout=0.1)
+    builder = {"bert": "bert_mlm", "gpt2": "gpt2_clm", "llama": "llama_clm"}[kind]
+    model = dataclasses.replace(MODELS[kind], builder=f"pipefisher.runtime.models.hf:{builder}", dropout=0.1)
     base = RunConfig()
     return RunConfig(name=f"hf-{kind}", model=model,
                      data=dataclasses.replace(base.data, text="synthetic", seq_len=10, micro_batch_size=2,
@@ -61,7 +62,7 @@ def hf_run(kind: str) -> RunConfig:
                      pipeline=dataclasses.replace(base.pipeline, stages=1))
 
 
-@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+@pytest.mark.parametrize("kind", ["bert", "gpt2", "llama"])
 def test_a_hugging_face_export_loads_without_pipefisher_and_computes_what_the_pipeline_does(kind, tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = hf_run(kind)
@@ -71,6 +72,9 @@ def test_a_hugging_face_export_loads_without_pipefisher_and_computes_what_the_pi
     assert line.startswith(f"wrote {out}: a ") and "\n" not in line and "after 2 steps" in line
     model = getattr(transformers, AUTO[kind]).from_pretrained(out).eval()  # transformers alone
     assert model.config.tie_word_embeddings is False
+    if kind != "bert":  # generation stops at the [SEP] that ends every document; [PAD] pads
+        ids = (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id)
+        assert ids == tuple(SPECIAL_TOKENS.index(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
     for name, t in stage.state_dict().items():  # the trained weights, none lost (BERT's decoder bias)
         assert torch.equal(model.state_dict()[name], t), name
     x, labels, ref_labels = batch(kind)
@@ -87,40 +91,82 @@ def test_a_hugging_face_export_loads_without_pipefisher_and_computes_what_the_pi
         torch.testing.assert_close(chain(stages, x), stage(x), rtol=1e-5, atol=1e-5)
 
 
+def test_an_export_needs_neither_the_pretrained_folder_nor_the_folder_the_run_started_in(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """The checkpoint keeps the transformers config: exported after the pretrained folder is gone, and
+    from another working folder, it is the same model. A run from pretrained weights says so."""
+    transformers = pytest.importorskip("transformers")
+    first, ck0, ck = str(tmp_path / "first"), str(tmp_path / "ck0"), str(tmp_path / "ck")
+    trained(hf_run("gpt2"), ck0, steps=1)
+    export(ck0, first)
+    capsys.readouterr()
+    stage = trained(hf_run("gpt2").replace(model={"pretrained": first}), ck, steps=1).stage.eval()
+    assert f"model.pretrained: the model starts from the weights in {first}\n" in capsys.readouterr().out
+    shutil.rmtree(first)
+    monkeypatch.chdir(ck0)
+    export(ck, str(tmp_path / "again"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again")).eval()
+    x = batch("gpt2")[0]
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=x).logits, stage(x), rtol=1e-5, atol=1e-5)
+
+
 def test_the_built_in_model_exported_through_the_cli_from_a_run_folder(tmp_path):
-    cfg = load_config(TINY_YAML).replace(pipeline={"stages": 1})
+    """A run on real text: the export is a transformers BertForMaskedLM and a tokenizer, both loaded
+    by transformers alone, the model computing what the pipeline does; model.pretrained trains from it;
+    --force replaces only what an export writes."""
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny(pipeline={"stages": 1})  # configs/tiny.yaml's model on the standard library's text
     run = tmp_path / "runs"
     ck = str(run / f"{cfg.name}_checkpoints")  # where pipefisher run --out puts a run's checkpoints
-    stage = trained(cfg, ck).stage.eval()
+    trainer = trained(cfg, ck)
+    stage = trainer.stage.eval()
     out = str(tmp_path / "model")
     res = _runner().invoke(main, ["export", str(run), "--out", out])
     assert res.exit_code == 0, res.output
-    assert res.stdout == (f"wrote {out}: model.safetensors and config.json, {len(stage.state_dict())} tensors "
-                          f"(model.pretrained trains from the folder); run 'tiny' after 2 steps, from "
-                          f"{os.path.join(ck, step_folder(2))}\n")
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
-    from safetensors.torch import load_file
-
-    one = PipelineStage(cfg.model, 0, 1, seed=123).eval()
-    one.load_state_dict(load_file(os.path.join(out, "model.safetensors")))
+    assert res.stdout == (f"wrote {out}: a BertForMaskedLM in model.safetensors, {len(stage.state_dict()) + 2} "
+                          "tensors (transformers.AutoModelForMaskedLM.from_pretrained loads it; model.pretrained "
+                          "trains from it); its tokenizer (transformers.AutoTokenizer loads it); run 'tiny' after 2 "
+                          f"steps, from {os.path.join(ck, step_folder(2))}\n")
+    files = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(out)) == files
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {oct(os.stat(os.path.join(out, f)).st_mode & 0o777) for f in files} == {oct(0o666 & ~mask)}
+    model, info = transformers.AutoModelForMaskedLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info  # every weight there, none left over
+    model.eval()
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_len), generator=g)
     labels = torch.where(torch.rand(x.shape, generator=g) < 0.3, x, torch.full_like(x, -100))
     labels[0, 0] = x[0, 0]
     with torch.no_grad():
-        torch.testing.assert_close(one(x), stage(x), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(one(x, labels), stage(x, labels), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(input_ids=x).logits, stage(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(input_ids=x, labels=labels).loss, stage(x, labels), rtol=1e-5, atol=1e-5)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert [tokenizer.pad_token, tokenizer.unk_token, tokenizer.cls_token, tokenizer.sep_token,
+            tokenizer.mask_token] == list(SPECIAL_TOKENS)
+    assert tokenizer.mask_token_id == SPECIAL_TOKENS.index("[MASK]")
+    from tokenizers import Tokenizer
+
+    text = "def f(x):\n    return x + 1"
+    assert tokenizer(text).input_ids == Tokenizer.from_str(trainer.data.corpus.tokenizer_json).encode(text).ids
     again = cfg.replace(model={"pretrained": out})
     for i in range(2):
         for name, t in make_stage(again, i, 2).state_dict().items():
             assert torch.equal(t, stage.state_dict()[name]), name
-    # an existing folder: refused, then replaced with --force
+    # an existing folder: refused, then written into with --force, which leaves what is not an export's alone
+    (tmp_path / "model" / "notes.txt").write_text("mine")
+    (tmp_path / "model" / "sub").mkdir()
+    (tmp_path / "model" / "model.pt").write_bytes(b"an older export's weights")
     res = _runner().invoke(main, ["export", ck, "--out", out])
     assert res.exit_code == 2
-    assert res.stderr == f"error: {out}: is not empty; --force replaces its contents with the exported model\n"
+    assert res.stderr == (f"error: {out}: is not empty; --force writes the export into it, replacing only the files "
+                          "an export writes (config.json, model.safetensors, tokenizer.json, ...)\n")
     res = _runner().invoke(main, ["export", ck, "--out", out, "--force"])
     assert res.exit_code == 0, res.output
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == sorted(files + ["notes.txt", "sub"])
+    assert (tmp_path / "model" / "notes.txt").read_text() == "mine"
     assert [e for e in os.listdir(tmp_path) if e.startswith(".")] == []  # no temp folder left behind
 
 
@@ -156,7 +202,7 @@ def test_every_stage_copy_layout_merges_into_the_unsplit_model(order, tmp_path):
     cfg = load_config(TINY_YAML).replace(pipeline={"schedule": order, "stages": 2})
     want = fake_checkpoint(cfg, str(tmp_path / "ck"))
     export(str(tmp_path / "ck"), str(tmp_path / "out"))
-    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    got = from_transformers(load_file(str(tmp_path / "out" / "model.safetensors")), "out")
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert torch.equal(got[name], t), name
@@ -171,6 +217,8 @@ def test_bad_input_is_one_line_naming_the_path(tmp_path):
     (tmp_path / "plain").mkdir()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
+    (tmp_path / "lines.txt").write_text("a file\n")
+    (tmp_path / "step-00000007").mkdir()
     out = str(tmp_path / "out")
     cases = [
         ([str(tmp_path / "nowhere"), "--out", out],
@@ -183,7 +231,14 @@ def test_bad_input_is_one_line_naming_the_path(tmp_path):
          f"e.g. {ck}"),
         ([ck, "--out", out], f"{os.path.join(ck, step_folder(3))}: is incomplete: stage1-replica0.pt missing"),
         ([ck, "--out", str(tmp_path / "full")],
-         f"{tmp_path / 'full'}: is not empty; --force replaces its contents with the exported model"),
+         f"{tmp_path / 'full'}: is not empty; --force writes the export into it, replacing only the files an export "
+         "writes (config.json, model.safetensors, tokenizer.json, ...)"),
+        ([ck, "--out", str(tmp_path / "lines.txt")], f"{tmp_path / 'lines.txt'}: is a file; --out needs a folder"),
+        ([str(tmp_path / "lines.txt"), "--out", out],
+         f"{tmp_path / 'lines.txt'}: is a file, not a checkpoint folder nor a run folder"),
+        ([str(tmp_path / "step-00000007"), "--out", out],
+         f"{tmp_path / 'step-00000007'}: is a step folder of a checkpoint, but {tmp_path} holds no checkpoint.json: "
+         "pass the checkpoint folder that does"),
         ([ck, "--out", str(tmp_path), "--force"],
          f"{tmp_path}: holds the checkpoint being exported ({ck}); choose another --out"),
     ]

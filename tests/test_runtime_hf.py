@@ -1,6 +1,7 @@
 """Hugging Face stage builders: a split model computes what the unsplit transformers model computes."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -12,8 +13,11 @@ from pipefisher.runtime.job.config import ModelConfig, RunConfig
 
 TINY = ModelConfig(vocab_size=40, hidden_size=16, num_layers=4, num_heads=2, intermediate_size=32,
                    max_position=12, dropout=0.0)
+LLAMA = dataclasses.replace(TINY, num_heads=4, layer_norm_eps=1e-6, options={"num_key_value_heads": 2})
+"""A Llama with grouped-query attention: 4 query heads share 2 key/value heads."""
 SEED = 3
-BUILDERS = {"bert": hf.bert_mlm, "gpt2": hf.gpt2_clm}
+BUILDERS = {"bert": hf.bert_mlm, "gpt2": hf.gpt2_clm, "llama": hf.llama_clm}
+MODELS = {"bert": TINY, "gpt2": TINY, "llama": LLAMA}
 
 
 def batch(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -41,12 +45,13 @@ def transformers():
     return pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+@pytest.mark.parametrize("kind", ["bert", "gpt2", "llama"])
 def test_split_model_matches_unsplit_transformers_model(transformers, kind: str) -> None:
     # The reference is transformers' own model class under the seed, built without our helpers.
-    config = hf.hf_config(TINY, kind)
+    model = MODELS[kind]
+    config = hf.hf_config(model, kind)
     torch.manual_seed(SEED)
-    ref = transformers.BertForMaskedLM(config) if kind == "bert" else transformers.GPT2LMHeadModel(config)
+    ref = getattr(transformers, hf.KINDS[kind])(config)
     if kind == "bert":
         ref.cls.predictions.decoder.bias = ref.cls.predictions.bias
     x, labels, ref_labels = batch(kind)
@@ -55,7 +60,7 @@ def test_split_model_matches_unsplit_transformers_model(transformers, kind: str)
     ref_params = dict(ref.named_parameters())
     for num_stages in (2, 4):
         before = torch.random.get_rng_state()
-        stages = [BUILDERS[kind](RunConfig(model=TINY), i, num_stages, SEED) for i in range(num_stages)]
+        stages = [BUILDERS[kind](RunConfig(model=model), i, num_stages, SEED) for i in range(num_stages)]
         assert torch.equal(torch.random.get_rng_state(), before)  # building leaves the caller's RNG alone
         assert [s.is_first for s in stages] == [True] + [False] * (num_stages - 1)
         assert [s.is_last for s in stages] == [False] * (num_stages - 1) + [True]
@@ -74,9 +79,9 @@ def test_split_model_matches_unsplit_transformers_model(transformers, kind: str)
         torch.testing.assert_close(logits, ref(input_ids=x).logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+@pytest.mark.parametrize("kind", ["bert", "gpt2", "llama"])
 def test_sample_path_returns_two_finite_losses(transformers, kind: str) -> None:
-    stages = [BUILDERS[kind](RunConfig(model=TINY), i, 2, SEED) for i in range(2)]
+    stages = [BUILDERS[kind](RunConfig(model=MODELS[kind]), i, 2, SEED) for i in range(2)]
     x, labels, _ = batch(kind)
     loss, sampled = chain(stages, x, labels, torch.Generator().manual_seed(0))
     assert loss.ndim == sampled.ndim == 0 and torch.isfinite(loss) and torch.isfinite(sampled)
@@ -93,6 +98,30 @@ def test_module_names_are_transformers_names(transformers) -> None:
     assert {"transformer.wte", "transformer.wpe", "transformer.h.1.attn.c_attn", "transformer.h.0.mlp.c_fc"} <= set(gpt2)
     assert "lm_head" not in gpt2 and "transformer.h.2.attn.c_attn" not in gpt2
     assert "lm_head" in dict(hf.gpt2_clm(cfg, 1, 2, SEED).named_modules())
+    llama = dict(hf.llama_clm(RunConfig(model=LLAMA), 1, 2, SEED).named_modules())
+    assert {"model.layers.2.self_attn.k_proj", "model.layers.3.mlp.gate_proj", "model.norm", "lm_head"} <= set(llama)
+    assert "model.embed_tokens" not in llama and "model.layers.1.mlp.up_proj" not in llama
+
+
+def test_k_fac_covers_every_projection_of_a_llama(transformers) -> None:
+    """Grouped-query attention's narrower k/v projections and the gated MLP's three are plain Linear
+    layers: K-FAC takes all seven of each layer; RMSNorm, embeddings and the ignored head are first-order."""
+    from pipefisher.kfac.kfac import coverage
+
+    stages = [hf.llama_clm(RunConfig(model=LLAMA), i, 2, SEED) for i in range(2)]
+    covered = [coverage(s, ("lm_head",)) for s in stages]
+    assert [c.line(f"stage {i}") for i, c in enumerate(covered)] == [
+        "K-FAC covers 14 layers (14 Linear) on stage 0; first-order only: Embedding (1), LlamaRMSNorm (4)",
+        "K-FAC covers 14 layers (14 Linear) on stage 1; first-order only: LlamaRMSNorm (5); ignored by "
+        "kfac.ignore: lm_head"]
+    assert stages[0].model.layers["0"].self_attn.k_proj.weight.shape == (8, 16)  # 2 of 4 heads' width
+
+
+def test_a_key_value_head_count_that_does_not_divide_the_heads_is_one_line(transformers) -> None:
+    bad = dataclasses.replace(LLAMA, options={"num_key_value_heads": 3})
+    with pytest.raises(InputError, match=r"^model.options.num_key_value_heads must be a positive integer that "
+                                         r"divides model.num_heads \(4\), not 3$"):
+        hf.llama_clm(RunConfig(model=bad), 0, 2, SEED)
 
 
 @pytest.mark.parametrize("builder", [hf.bert_mlm, hf.gpt2_clm])

@@ -1,8 +1,11 @@
 """Hugging Face models through the whole runtime: a one-iteration schedule trains exactly as kfac mode,
-and a profile of them packs (``tight``) into a schedule ``validate`` accepts."""
+a profile of them packs (``tight``) into a schedule ``validate`` accepts, and a Llama trains with K-FAC
+in every pipeline order."""
 from __future__ import annotations
 
+import dataclasses
 import glob
+import math
 import os
 
 import pytest
@@ -17,11 +20,12 @@ from pipefisher.schedule_file import save_schedule
 
 from _schedules import train_runs
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {"gpt2": os.path.join(ROOT, "configs", "hf-gpt2-small.yaml"),
-           "bert": os.path.join(ROOT, "configs", "hf-bert-small.yaml")}
+           "bert": os.path.join(ROOT, "configs", "hf-bert-small.yaml"),
+           "llama": os.path.join(ROOT, "configs", "hf-llama-small.yaml")}
 TINY = dict(model={"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
                    "max_position": 16, "dropout": 0.0},
             data={"text": "synthetic", "seq_len": 16, "micro_batch_size": 2, "num_micro_batches": 4},
@@ -66,3 +70,64 @@ def test_a_profile_packs_into_a_schedule_validate_accepts(tmp_path, kind):
     res = CliRunner().invoke(main, ["train", "--config", CONFIGS[kind], *args, "--schedule", sched, "--steps", "3",
                                     "--nproc-per-node", "2", "--no-progress"])
     assert res.exit_code == 0, res.output
+
+
+LLAMA_TINY = dict(TINY, model=dict(TINY["model"], num_layers=4, num_heads=4, layer_norm_eps=1e-6,
+                                   options={"num_key_value_heads": 2}))
+"""configs/hf-llama-small.yaml at test size: 4 layers (2 chunks per device under interleaved and ZB-V),
+grouped-query attention kept (2 key/value heads for 4 query heads)."""
+
+
+def _kfac_in_every_order(cfg_path: str, overrides: dict, steps: int, folder: str) -> dict:
+    """In each worker: ``steps`` kfac steps of the config under every pipeline order, one after the
+    other in the same process group (Chimera's pair groups made once; the one-pipe orders take the
+    context without them), then a profile of 1F1B into ``folder``/prof checkpointed to ``folder``/ck.
+    Per order: the losses, K-FAC's layers on this device, and whether every factor was inverted."""
+    from pipefisher.runtime.job.config import PIPELINE_ORDERS
+    from pipefisher.runtime.job.dist import init_from_env, shutdown
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+
+    base = load_config(cfg_path).replace(**overrides)
+    ctx = init_from_env(base.pipeline.stages, base.pipeline.timeout_s, chimera=True)
+    plain = dataclasses.replace(ctx, chimera=False, stage_group=ctx.dp_group, stage_group_size=ctx.grid.replicas)
+    out = {}
+    try:
+        for order in PIPELINE_ORDERS:
+            cfg = base.replace(pipeline={"schedule": order})
+            trainer = Trainer(cfg, ctx if order == "chimera" else plain,
+                              TrainOptions(mode="kfac", steps=steps, progress=False, log_every=10**9))
+            res = trainer.run()
+            layers = [st for k in trainer.kfacs.values() for st in k.layers.values()]
+            out[order] = (res.losses, len(layers), all(st.inversions["A"] == st.inversions["B"] == steps
+                                                       for st in layers))
+        Trainer(base, plain, TrainOptions(mode="kfac", steps=3, profile=True, out=os.path.join(folder, "prof"),
+                                          checkpoint_dir=os.path.join(folder, "ck"), progress=False,
+                                          log_every=10**9)).run()
+    finally:
+        shutdown(ctx)
+    return out
+
+
+def test_a_llama_trains_with_k_fac_on_two_stages_in_every_pipeline_order_profiles_packs_and_exports(tmp_path):
+    """configs/hf-llama-small.yaml at test size, all in one launch of two workers: K-FAC in each of the
+    six orders; its 1F1B profile packs into a schedule validate accepts; its checkpoint exports to a
+    folder transformers' AutoModelForCausalLM loads."""
+    from pipefisher.runtime.job.config import PIPELINE_ORDERS
+
+    (tmp_path / "prof").mkdir()
+    results = spawn_local(_kfac_in_every_order, 2, CONFIGS["llama"], LLAMA_TINY, 2, str(tmp_path), timeout_s=240)
+    for order in PIPELINE_ORDERS:
+        # 4 layers x 7 projections (q, k, v, o; gate, up, down) over the two devices (Chimera: both copies),
+        # each factor inverted every step
+        copies = 2 if order == "chimera" else 1
+        assert sum(r[order][1] for r in results) == 28 * copies and all(r[order][2] for r in results), order
+        losses = [r[order][0] for r in results if r[order][0]]  # where the loss is (Chimera: both ends)
+        assert losses and all(len(x) == 2 and all(map(math.isfinite, x)) for x in losses), (order, losses)
+    timelines = sorted(glob.glob(str(tmp_path / "prof" / "*_timeline.pickle")))
+    sched = str(tmp_path / "s.pickle")
+    for args in (["schedule", *timelines, "--save-path", sched], ["validate", "--schedule", sched, *timelines],
+                 ["export", str(tmp_path / "ck"), "--out", str(tmp_path / "model")]):
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 0, (args[0], res.output)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_key_value_heads == 2

@@ -1,5 +1,5 @@
-"""First-order optimizers: AdamW and LAMB against hand computations, the learning-rate schedule and
-global-norm clipping (one process and a two-stage pipeline over gloo)."""
+"""First-order optimizers: AdamW and LAMB against hand computations, Muon with AdamW as torch's own
+updates, the learning-rate schedule and global-norm clipping (one process and pipelines over gloo)."""
 from __future__ import annotations
 
 import io
@@ -11,8 +11,8 @@ from torch import nn
 
 from pipefisher.runtime.job.config import OptimConfig
 from pipefisher.runtime.launch.local import spawn_local
-from pipefisher.runtime.train.optim import (Lamb, LRSchedule, clip_grad_norm, lr_factor, make_optimizer, no_decay,
-                                            param_groups)
+from pipefisher.runtime.train.optim import (Lamb, LRSchedule, clip_grad_norm, lr_factor, make_optimizer, muon_split,
+                                            no_decay, param_groups)
 
 
 class Tiny(nn.Module):
@@ -291,3 +291,273 @@ def test_clip_grad_norm_uses_the_global_norm_of_the_whole_pipeline():
     assert r0[0][1] == pytest.approx([3.0 * scale, 4.0 * scale]) and r1[0][1] == pytest.approx([12.0 * scale])
     assert r0[1][0] == r1[1][0] == pytest.approx(5.0)  # a stage without gradients still joins
     assert r0[1][1] == pytest.approx([3.0 / (5.0 + 1e-6), 4.0 / (5.0 + 1e-6)]) and r1[1][1] == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# Muon: torch's update on the hidden matrices, AdamW on the rest
+
+
+def _named(shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, nn.Parameter]]:
+    return [(name, nn.Parameter(torch.zeros(shape))) for name, shape in shapes.items()]
+
+
+BERT_NAMES = {"embeddings.word_embeddings.weight": (50, 8), "embeddings.LayerNorm.weight": (8,),
+              "encoder.layer.0.attention.self.query.weight": (8, 8), "encoder.layer.0.attention.self.query.bias": (8,),
+              "encoder.layer.0.intermediate.dense.weight": (16, 8), "encoder.layer.1.output.dense.weight": (8, 16),
+              "cls.predictions.transform.dense.weight": (8, 8), "cls.predictions.decoder.weight": (50, 8)}
+GPT2_NAMES = {"transformer.wte.weight": (50, 8), "transformer.wpe.weight": (16, 8),
+              "transformer.h.0.attn.c_attn.weight": (8, 24), "transformer.h.0.ln_1.weight": (8,),
+              "transformer.h.0.mlp.c_proj.weight": (32, 8), "lm_head.weight": (50, 8)}
+
+
+def _split_names(shapes: dict[str, tuple[int, ...]], **optim) -> tuple[list[str], list[str]]:
+    muon, rest = muon_split(_named(shapes), OptimConfig(name="muon", **optim))
+    return [n for n, _ in muon], [n for n, _ in rest]
+
+
+def test_muon_takes_the_hidden_matrices_and_leaves_embeddings_heads_biases_and_norms_to_adamw():
+    muon, rest = _split_names(BERT_NAMES)
+    assert muon == ["encoder.layer.0.attention.self.query.weight", "encoder.layer.0.intermediate.dense.weight",
+                    "encoder.layer.1.output.dense.weight"]
+    assert rest == ["embeddings.word_embeddings.weight", "embeddings.LayerNorm.weight",
+                    "encoder.layer.0.attention.self.query.bias", "cls.predictions.transform.dense.weight",
+                    "cls.predictions.decoder.weight"]
+    muon, rest = _split_names(GPT2_NAMES)  # transformers' GPT-2: Conv1D matrices, wte/wpe/lm_head
+    assert muon == ["transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_proj.weight"]
+    # Chimera's and interleaving's copies prefix the names (down./up., chunks.<j>.): the rule still holds
+    muon, _ = _split_names({"chunks.1.cls.predictions.decoder.weight": (50, 8), "down.encoder.layer.0.q.weight": (8, 8)})
+    assert muon == ["down.encoder.layer.0.q.weight"]
+
+
+def test_the_muon_split_is_overridden_by_include_and_exclude():
+    muon, _ = _split_names(BERT_NAMES, muon_include=("encoder.layer.1",))
+    assert muon == ["encoder.layer.1.output.dense.weight"]
+    muon, rest = _split_names(BERT_NAMES, muon_exclude=())  # every matrix, never a 1-D tensor
+    assert muon == [n for n, s in BERT_NAMES.items() if len(s) == 2]
+    assert rest == [n for n, s in BERT_NAMES.items() if len(s) == 1]
+    muon, _ = _split_names(BERT_NAMES, muon_exclude=("cls", "intermediate"))
+    assert "embeddings.word_embeddings.weight" in muon and "encoder.layer.0.intermediate.dense.weight" not in muon
+    frozen = _named({"a.weight": (4, 4)})
+    frozen[0][1].requires_grad_(False)
+    tied = _named({"b.weight": (4, 4)}) * 2
+    assert muon_split(frozen + tied, OptimConfig(name="muon")) == (tied[:1], [])
+
+
+class Block(nn.Module):
+    """Embeddings, one hidden layer (matrix + bias), a norm and a head: both kinds of Muon parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.embeddings = nn.Embedding(10, 6)
+        self.dense = nn.Linear(6, 12)
+        self.out = nn.Linear(12, 6, bias=False)
+        self.LayerNorm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.LayerNorm(self.out(torch.relu(self.dense(self.embeddings(x))))))
+
+
+def _grads(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+MUON = OptimConfig(name="muon", lr=0.01, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1, muon_momentum=0.9)
+
+
+def test_a_muon_step_is_torchs_muon_step_and_the_rest_torchs_adamw():
+    ours, theirs = Block(), Block()
+    opt = make_optimizer(MUON, ours.named_parameters())
+    assert type(opt.muon) is torch.optim.Muon and type(opt.adamw) is torch.optim.AdamW
+    assert [g["group"] for g in opt.param_groups] == ["muon", "decay", "no_decay"]
+    hidden = [theirs.dense.weight, theirs.out.weight]
+    muon = torch.optim.Muon(hidden, lr=0.01, weight_decay=0.1, momentum=0.9, nesterov=True,
+                            adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([{"params": [theirs.embeddings.weight, theirs.head.weight], "weight_decay": 0.1},
+                               {"params": [theirs.dense.bias, theirs.LayerNorm.weight, theirs.LayerNorm.bias,
+                                           theirs.head.bias], "weight_decay": 0.0}],
+                              lr=0.01, betas=(0.9, 0.98), eps=1e-8)
+    schedule = LRSchedule(OptimConfig(lr=0.01, warmup_steps=2), 10)
+    for step in range(3):
+        schedule.apply(opt, step)  # one peak lr for both: the warm-up reaches every group
+        for o in (muon, adamw):
+            schedule.apply(o, step)
+        _grads(ours, step)
+        _grads(theirs, step)
+        opt.step()
+        muon.step()
+        adamw.step()
+        opt.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in ours.parameters())
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(a, b), name
+    assert set(opt.state) == set(ours.parameters())  # every parameter's state, from one of the two
+
+
+def test_muon_with_adamw_state_dict_round_trip_continues_bit_exactly():
+    a = Block()
+    opt_a = make_optimizer(MUON, a.named_parameters())
+    for step in range(2):
+        _grads(a, step)
+        opt_a.step()
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "optim": opt_a.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)  # what a checkpoint holds reads back without code
+    b = Block()
+    b.load_state_dict(saved["model"])
+    opt_b = make_optimizer(MUON, b.named_parameters())
+    opt_b.load_state_dict(saved["optim"])
+    for step in range(2, 4):
+        _grads(a, step)
+        _grads(b, step)
+        opt_a.step()
+        opt_b.step()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    assert torch.equal(opt_a.state[a.dense.weight]["momentum_buffer"], opt_b.state[b.dense.weight]["momentum_buffer"])
+    with pytest.raises(ValueError, match="not that of Muon with AdamW"):
+        make_optimizer(MUON, Block().head.named_parameters(prefix="head")).load_state_dict(saved["optim"])
+
+
+def test_a_stage_without_muon_parameters_steps_with_adamw_alone():
+    """A head-only stage (every matrix excluded), or one whose matrices all went to K-FAC's own update."""
+    head = Block().head
+    opt = make_optimizer(MUON, head.named_parameters(prefix="head"))
+    assert opt.muon is None and [g["group"] for g in opt.param_groups] == ["decay", "no_decay"]
+    LRSchedule(MUON, 10).apply(opt, 0)
+    _grads(head, 0)
+    before = head.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(head.weight, before)
+    assert opt.state_dict()["muon"] is None
+    empty = make_optimizer(MUON, [])
+    empty.step()
+    assert empty.param_groups[0]["lr"] == MUON.lr
+
+
+def test_a_torch_without_muon_is_refused_in_one_line(monkeypatch):
+    from pipefisher.errors import InputError
+    from pipefisher.runtime.train.optim import check_optimizer
+
+    monkeypatch.delattr(torch.optim, "Muon")
+    monkeypatch.setattr(torch, "__version__", "2.8.0")
+    with pytest.raises(InputError, match=r"^run.yaml: optim.name muon needs torch >= 2.9 \(torch.optim.Muon\); "
+                                         r"this torch is 2.8.0"):
+        check_optimizer(MUON, "run.yaml")
+    with pytest.raises(InputError, match="needs torch >= 2.9"):
+        make_optimizer(MUON, Block().named_parameters())
+    check_optimizer(OptimConfig(name="adamw"), "run.yaml")  # the others need nothing new
+
+    class EarlyMuon(torch.optim.Optimizer):  # a Muon without the learning-rate scaling we ask for
+        def __init__(self, params, lr=1e-3, momentum=0.95):  # noqa: ANN001, ANN204
+            super().__init__(params, {"lr": lr})
+
+    monkeypatch.setattr(torch.optim, "Muon", EarlyMuon, raising=False)
+    with pytest.raises(InputError, match="needs torch >= 2.9"):
+        check_optimizer(MUON, "run.yaml")
+
+
+def _muon_step_worker(cfg) -> dict:
+    """One training step with Muon (first-order, then kfac with ``kfac.update: base``, each from the seed's
+    weights) in a worker of a pipeline: per stage copy, its virtual stage, which of its parameters Muon
+    took, Muon's momentum buffers (after one step: (1 - momentum) x the gradient Muon saw) and the
+    parameters after the step."""
+    from pipefisher.runtime.job.dist import init_from_env, shutdown
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    out: dict = {"device": ctx.grid.stage, "replica": ctx.grid.replica}
+    try:
+        for mode in ("first-order", "kfac"):
+            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, steps=1, progress=False, log_every=10**9))
+            copies = dict(trainer.worker.copies)
+            opt = trainer.updater.optimizer
+            muon_ids = {id(p) for g in opt.param_groups if g["group"] == "muon" for p in g["params"]}
+            trainer.train_step(0)
+            out[mode] = {j: {"index": c.index,
+                             "muon": sorted(n for n, p in c.named_parameters() if id(p) in muon_ids),
+                             "buffers": {n: opt.state[p]["momentum_buffer"].clone()
+                                         for n, p in c.named_parameters() if id(p) in muon_ids},
+                             "params": {n: p.detach().clone() for n, p in c.named_parameters()}}
+                         for j, c in copies.items()}
+    finally:
+        shutdown(ctx)
+    return out
+
+
+MUON_LAYOUTS = {"zb-v, 2 devices (4 virtual stages)": ("zb-v", 2, 1), "1f1b, 2 stages x 2 replicas": ("1f1b", 2, 2)}
+
+
+@pytest.mark.parametrize("layout", list(MUON_LAYOUTS))
+def test_muon_in_a_pipeline_steps_as_on_the_whole_model(layout):
+    """Each copy's Muon takes its hidden matrices; it sees the whole model's gradient (first-order) or
+    K-FAC's preconditioned one (``kfac.update: base``), and the step equals the whole model's."""
+    from test_runtime_engine import BASE, _assert_close, _reference
+
+    order, stages, replicas = MUON_LAYOUTS[layout]
+    cfg = BASE.replace(pipeline=dict(schedule=order, stages=stages), kfac=dict(update="base"),
+                       optim=dict(name="muon", lr=0.01, weight_decay=0.01))
+    results = spawn_local(_muon_step_worker, stages * replicas, cfg, timeout_s=180)
+    ref = _reference(cfg, replicas)
+    momentum = cfg.optim.muon_momentum
+    from pipefisher.runtime.models.bert import PipelineStage
+
+    for mode, seen_grads in (("first-order", ref["grads"]), ("kfac", ref["precond"])):
+        whole = PipelineStage(cfg.model, 0, 1, seed=cfg.data.seed)
+        want_muon = [n for n, _ in muon_split(whole.named_parameters(), cfg.optim)[0]]
+        opt = make_optimizer(cfg.optim, whole.named_parameters())
+        LRSchedule(cfg.optim, 1).apply(opt, 0)
+        for n, p in whole.named_parameters():
+            p.grad = seen_grads[n].clone()
+        opt.step()
+        want = dict(whole.named_parameters())
+        got_muon = set()
+        for res in results:
+            for j, copy in res[mode].items():
+                assert copy["muon"] == sorted(n for n in want_muon if n in copy["params"])
+                got_muon |= set(copy["muon"])
+                for n, buf in copy["buffers"].items():
+                    _assert_close(buf / (1 - momentum), seen_grads[n], f"{mode} {layout} Muon's gradient of {n}")
+                for n, p in copy["params"].items():
+                    _assert_close(p, want[n].detach(), f"{mode} {layout} {n} after the step")
+        assert got_muon == set(want_muon) and want_muon
+    if replicas > 1:  # the replicas of a stage hold the very same weights
+        for a in results:
+            for b in results:
+                if a["device"] == b["device"]:
+                    for n, p in a["kfac"][0]["params"].items():
+                        assert torch.equal(p, b["kfac"][0]["params"][n]), n
+
+
+def test_muon_under_fp16_sees_unscaled_gradients_and_skips_an_overflowing_step():
+    from pipefisher.runtime.job.config import RunConfig
+    from pipefisher.runtime.pipeline.compute import LossScale
+    from pipefisher.runtime.train.update import Updater
+
+    cfg = RunConfig().replace(optim={"name": "muon", "lr": 0.01, "betas": [0.9, 0.98], "muon_momentum": 0.9},
+                              train={"precision": "fp16", "loss_scale": 1024.0})
+    model, scaler = Block(), LossScale(cfg.train.loss_scale)
+    updater = Updater(cfg, model, None, total_steps=10, scaler=scaler)
+    updater.set_step(0)
+    _grads(model, 0)
+    true = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad.mul_(1024.0)  # what the backward of a scaled loss leaves
+    updater.step(model)
+    state = updater.optimizer.state
+    # after one step Muon's momentum is (1 - momentum) g and AdamW's first moment (1 - beta1) g: g unscaled
+    assert torch.allclose(state[model.dense.weight]["momentum_buffer"], 0.1 * true["dense.weight"], rtol=1e-6)
+    assert torch.allclose(state[model.head.weight]["exp_avg"], 0.1 * true["head.weight"], rtol=1e-6)
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    buffer = state[model.dense.weight]["momentum_buffer"].clone()
+    updater.set_step(1)
+    _grads(model, 1)
+    model.out.weight.grad[0, 0] = float("inf")  # one overflow anywhere: no parameter moves
+    updater.step(model)
+    assert all(torch.equal(p, after[n]) for n, p in model.named_parameters())
+    assert torch.equal(updater.optimizer.state[model.dense.weight]["momentum_buffer"], buffer)
+    assert scaler.scale == 512.0 and scaler.skipped == 1 and all(p.grad is None for p in model.parameters())

@@ -247,3 +247,23 @@ def test_a_builder_corpus_trains_through_the_library_api():
     losses = [worker.step(step) for step in range(2)]
     assert all(np.isfinite(loss) for loss in losses), losses
     assert worker.data.corpus is not None and worker.data.corpus.files == len(LINES)
+
+
+def test_the_phase_lines_name_the_documents_source_and_a_build_only_when_there_is_one(capsys):
+    """With data.builder the run says where its documents come from (not 'stdlib'), and that it builds the
+    tokenizer and ids only on the run that builds them; later runs find them in the cache."""
+    from pipefisher.cli.train import prepare_training
+    from pipefisher.runtime.job.config import ModelConfig, PipelineConfig, RunConfig
+
+    cfg = RunConfig(model=ModelConfig(vocab_size=VOCAB), data=cfg_of(builder=spec("prose_documents")),
+                    pipeline=PipelineConfig(stages=1))
+    prepare_training(cfg, "run.yaml", 1, None, None, "first-order")
+    said = f"... preparing the documents of data.builder '{spec('prose_documents')}'\n"
+    assert capsys.readouterr().out == said + ("... building its tokenizer and token ids (once: later runs load them "
+                                              "from the cache)\n")
+    prepare_training(cfg, "run.yaml", 1, None, None, "first-order")
+    assert capsys.readouterr().out == said
+    prepare_training(cfg, "run.yaml", 1, None, None, "first-order", progress=False)
+    assert capsys.readouterr().out == ""
+    assert sources.describe_source(cfg_of(dataset="json", text="corpus/*.jsonl")) == "the json dataset 'corpus/*.jsonl'"
+    assert sources.describe_source(cfg_of(text="docs/")) == "the text files of 'docs/'"

@@ -254,6 +254,28 @@ def test_demo_writes_everything_into_one_folder(tmp_path):
     assert len(os.listdir(out / "timelines")) == 4
 
 
+def test_the_demo_predicts_no_time_to_target_without_the_jobs_staleness_curve(tmp_path):
+    res = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "plain")])
+    assert res.exit_code == 0, res.output
+    report = (tmp_path / "plain" / "report.txt").read_text()
+    for text in (res.output, report):
+        assert "time-to-target" not in text.replace("no time-to-target is predicted", "") and "never" not in text
+    given = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "given"), "--staleness", "1:0.5,4:0.6,16:0.9"])
+    assert given.exit_code == 0 and "time-to-target trade-off" in given.output and "given as 1:0.5" in given.output
+    bad = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "bad"), "--staleness", str(tmp_path / "x.json")])
+    assert bad.exit_code == 2 and bad.output.count("\n") == 1 and not (tmp_path / "bad").exists()
+
+
+def test_compare_gives_a_time_to_target_column_only_with_a_staleness_curve():
+    args = ["compare", "--config", BASE, "--schedules", "1f1b", "-m", "8"]
+    plain = CliRunner().invoke(main, args)
+    given = CliRunner().invoke(main, [*args, "--staleness", "1:0.5,4:0.6,16:0.9"])
+    assert plain.exit_code == 0 and given.exit_code == 0, (plain.output, given.output)
+    assert "time to target" not in plain.output.lower() and "time to target" in given.output
+    row = next(line for line in given.output.splitlines() if line.startswith("1f1b"))
+    assert 0 < float(row.split()[-1]) < 1
+
+
 def test_two_simulations_in_one_folder_cannot_be_packed_as_one_job(tmp_path):
     """The user's report: 5 stages, then 4 stages into one folder, then ``schedule OUT/*.pickle``."""
     runner = CliRunner()

@@ -56,7 +56,28 @@ def margin_option(recorded: bool = False) -> Any:
         "--margin", type=click.FloatRange(0, 10, max_open=True), default=None if recorded else DEFAULT_MARGIN,
         show_default=not recorded,
         help="room each K-FAC item needs beyond its own length, as a fraction of it: an item fits where "
-             "start + (1 + margin) x length < the bubble's end" + (f" (default: {default})" if default else ""))
+             "start + (1 + margin) x length < the bubble's end" + (f" (default: {default})" if default else
+                                                                    "; the least one: policy target packs at "
+                                                                    "larger ones too and may choose one (its report "
+                                                                    "and the schedule's .meta.json say which)"))
+
+
+def staleness_option() -> Any:
+    """``--staleness FILE|K:RATIO,...``: the job's staleness curve, one option for every command that packs
+    with the default policy (:func:`pipefisher.staleness.read_staleness` reads it)."""
+    from pipefisher.staleness import STALENESS_HELP
+
+    return click.option("--staleness", default=None, metavar="FILE|K:RATIO,...", help=STALENESS_HELP)
+
+
+def staleness_for(text: str | None, policy: str | None) -> Any:
+    """The curve ``--staleness`` gives (None without one), refused for a policy that does not weigh one."""
+    from pipefisher.policies import DEFAULT_POLICY
+    from pipefisher.staleness import read_staleness
+
+    if text is not None and (policy or DEFAULT_POLICY) != "target":
+        raise InputError(None, f"--staleness applies to the 'target' policy only, not to '{policy}'")
+    return read_staleness(text)
 
 
 def pipeline_option() -> Any:
@@ -65,9 +86,10 @@ def pipeline_option() -> Any:
 
     return click.option(
         "--pipeline", "pipe_schedule", type=click.Choice(PIPELINE_ORDERS), default=None,
-        help="override pipeline.schedule: the forward/backward order (chimera: two pipes in opposite "
-             "directions, every device holding two stage copies; interleaved: 1F1B over --chunks model "
-             "chunks per device)")
+        help="override pipeline.schedule: the forward/backward order (gpipe; 1f1b; chimera: two pipes in "
+             "opposite directions, every device holding two stage copies; interleaved: 1F1B over --chunks model "
+             "chunks per device; zb-h1 and zb-v: zero bubble, every backward split into an input-gradient and "
+             "a weight-gradient pass, zb-v with 2 chunks per device in a V)")
 
 
 def chunks_option() -> Any:
@@ -75,7 +97,7 @@ def chunks_option() -> Any:
     return click.option(
         "--chunks", type=click.IntRange(min=2), default=None,
         help="override pipeline.chunks: model chunks per device with --pipeline interleaved "
-             "(virtual stage s on device s % stages) [config default: 2]")
+             "(virtual stage s on device s % stages; zb-v has 2) [config default: 2]")
 
 
 ENDS_WITH_COMMAND = False

@@ -13,17 +13,22 @@ from pipefisher.cli.group import main
 
 @main.command("export")
 @click.argument("source", metavar="RUN_OR_CHECKPOINT", type=click.Path())
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+@click.option("--out", "out_dir", required=True, type=click.Path(),
               help="folder to write the model into (created; written whole or not at all)")
-@click.option("--force", is_flag=True, help="replace the contents of a --out folder that is not empty")
+@click.option("--force", is_flag=True,
+              help="write into a --out folder that is not empty, replacing only the files an export writes "
+                   "(config.json, model.safetensors, tokenizer.json, ...); the rest stays")
 def export_command(source: str, out_dir: str, force: bool) -> None:
-    """Write the model of a checkpoint as one model: a Hugging Face builder's as a transformers folder
-    (from_pretrained loads it without pipefisher), the built-in model's as model.safetensors and
-    config.json (model.pretrained trains from it).
+    """Write the model of a checkpoint as one model, with the run's tokenizer, as a transformers folder:
+    from_pretrained loads it without pipefisher (AutoModelForMaskedLM for BERT and the built-in model,
+    AutoModelForCausalLM for GPT-2 and Llama; AutoTokenizer for the tokenizer), and model.pretrained
+    trains from it.
 
-    RUN_OR_CHECKPOINT is a checkpoint folder (pipefisher train --checkpoint-dir) or a run folder
-    (pipefisher run --out) holding one run's <run>_checkpoints/. The latest step's stage files of
-    replica 0 are merged, one copy of every stage.
+    RUN_OR_CHECKPOINT is a checkpoint folder (pipefisher train --checkpoint-dir), one of its step-NNNNNNNN
+    folders (a checkpoint that checkpoint.keep kept), or a run folder (pipefisher run --out) holding one
+    run's <run>_checkpoints/. The stage files of replica 0 of the latest step (or that step) are merged,
+    one copy of every stage. The checkpoint holds all an export needs: it runs from any folder, also
+    once a model.pretrained folder the run started from is gone.
     """
     require_runtime("export")
     from pipefisher.cli._outputs import check_out_folder

@@ -1,27 +1,43 @@
-"""``pipefisher run``: profile, pack, report and train with the schedule, in one command.
+"""``pipefisher run``: profile, pack, report and train with the schedule, in one command; ``--resume``
+continues such a run where its checkpoint stopped.
 
-torch and matplotlib are imported inside the command only.
+torch and matplotlib are imported inside the command only, after the config, options and outputs
+are checked.
 """
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import click
 
-from pipefisher.cli._common import chunks_option, margin_option, pipeline_option, require_runtime
+from pipefisher.cli._common import (chunks_option, margin_option, pipeline_option, require_runtime,
+                                    staleness_for, staleness_option)
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
-from pipefisher.cli.train import check_tensorboard, set_option, tensorboard_option
+from pipefisher.cli.train import (check_tensorboard, no_progress_option, past_decay_option, set_option,
+                                  tensorboard_option)
 from pipefisher.errors import InputError
+
+SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "margin", "staleness", "adapt",
+          "allow_invalid",
+          "nproc", "stages", "pipe_schedule", "chunks")
+"""What sets a run up: ``--resume`` continues the run as it was set up, so these are refused with it."""
 
 
 @main.command("run")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
-              help="YAML run config (see configs/)")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="folder for this run's files (all named <run>_...; several runs sit side by side)")
+@click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False),
+              help="YAML run config (see configs/); required unless --resume")
+@click.option("--out", "out_dir", default=None, type=click.Path(),
+              help="folder for this run's files (all named <run>_...; several runs sit side by side); required "
+                   "unless --resume")
+@click.option("--resume", "resume_dir", default=None, type=click.Path(), metavar="RUN_DIR",
+              help="continue the run in RUN_DIR (its --out folder; --name picks one of several) where its checkpoint "
+                   "stopped, with its config, schedule, workers and options, up to --steps steps in all")
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
-              help="training steps with the schedule")
+              help="training steps with the schedule (with --resume: in all, those done included)")
+@past_decay_option()
 @click.option("--profile-steps", type=click.IntRange(min=1), default=10, show_default=True,
               help="kfac steps to profile (their median step is packed)")
 @click.option("--policy", default=None, help=_policy_help())
@@ -29,16 +45,19 @@ from pipefisher.errors import InputError
               help="pack as if every profiled K-FAC piece took this many times as long (slack for noisy "
                    "CPU timings; a longer cycle k)")
 @margin_option()
+@staleness_option()
 @click.option("--adapt", is_flag=True,
               help="measure every training step and re-pack the schedule from the measurements while training "
                    "(same policy; switches at cycle boundaries, on every worker at the same step)")
-@click.option("--name", default=None, help="run name (default: <config>-<policy>-<timestamp>)")
+@click.option("--name", default=None,
+              help="run name (default: <config>-<policy>-<timestamp>); with --resume, the run to continue")
 @click.option("--allow-invalid", is_flag=True,
               help="train a schedule that pipefisher validate rejects, where the runtime can still run it (a "
                    "schedule it cannot run is refused anyway; a refused one stays in --out for inspection)")
 @tensorboard_option()
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
-              help="steps between checkpoints in <run>_checkpoints/ (0: only at the end)")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=None,
+              help="steps between checkpoints in <run>_checkpoints/ (0: only at the end) [default: 0; with "
+                   "--resume, the run's]")
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages")
@@ -47,52 +66,120 @@ from pipefisher.errors import InputError
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="override pipeline.timeout_s")
 @set_option()
-@click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
-              help="steps between held-out evaluations while training (0: none)")
-@click.option("--log-every", type=click.IntRange(min=1), default=5, show_default=True,
-              help="steps between loss lines")
-@click.option("--no-progress", is_flag=True, help="no progress bar")
-def run_command(config_path: str, out_dir: str, steps: int, profile_steps: int, policy: str | None,
-                kfac_margin: float, margin: float, adapt: bool, name: str | None, allow_invalid: bool,
-                tensorboard_dir: str | None, checkpoint_every: int, nproc: int | None,
-                stages: int | None, pipe_schedule: str | None, chunks: int | None, timeout_s: float | None,
-                overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
+@click.option("--eval-every", type=click.IntRange(min=0), default=None,
+              help="steps between held-out evaluations while training (0: none) [default: 0; with --resume, "
+                   "the run's]")
+@click.option("--log-every", type=click.IntRange(min=1), default=None,
+              help="steps between loss lines [default: 5; with --resume, the run's]")
+@no_progress_option()
+@click.pass_context
+def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None, resume_dir: str | None, steps: int,
+                past_decay: bool, profile_steps: int, policy: str | None, kfac_margin: float, margin: float,
+                staleness: str | None, adapt: bool, name: str | None, allow_invalid: bool,
+                tensorboard_dir: str | None,
+                checkpoint_every: int | None, nproc: int | None, stages: int | None, pipe_schedule: str | None,
+                chunks: int | None, timeout_s: float | None, overrides: tuple[str, ...], eval_every: int | None,
+                log_every: int | None, no_progress: bool) -> None:
     """Profile a few K-FAC steps, pack them into the pipeline bubbles, print the usage report, and
-    train with the schedule; timelines, schedule, report, chart, metrics and config go to --out."""
+    train with the schedule; timelines, schedule, report, chart, metrics and config go to --out.
+    With --resume RUN_DIR, continue such a run from its checkpoint instead."""
     require_runtime("run")
+    from pipefisher.cli._outputs import check_fresh_outputs, check_out_folder
+    from pipefisher.cli._runconfig import read_run_config
     from pipefisher.runtime.job.process import torchrun_env  # no torch: refuse a bad launch at once
 
     if torchrun_env() is not None:
         raise InputError(None, "pipefisher run launches its own workers (--nproc-per-node); under torchrun, "
                                "profile, pack and train in steps: pipefisher train --profile, pipefisher "
                                "schedule, pipefisher train --schedule")
+    if resume_dir is not None:
+        given = [p.opts[0] for p in ctx.command.params
+                 if p.name in SET_UP and ctx.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT]
+        if given:
+            raise InputError(", ".join(given), f"set{'s' if len(given) == 1 else ''} a run up, which --resume "
+                                               f"continues as it was set up: drop {'it' if len(given) == 1 else 'them'}")
+        _resume(resume_dir, name, steps, overrides, past_decay, timeout_s, no_progress,
+                {"tensorboard": tensorboard_dir, "checkpoint_every": checkpoint_every, "eval_every": eval_every,
+                 "log_every": log_every})
+        return
+    if past_decay:
+        raise InputError("--past-decay", "is for --resume (training past the decay of the run it continues)")
+    if config_path is None or out_dir is None:
+        raise click.UsageError(f"{'--config FILE' if config_path is None else '--out DIR'} is required "
+                               "(or --resume RUN_DIR)")
+    # Up to "loading torch" nothing imports it: a bad config, option or output path costs no start-up.
+    cfg = read_run_config(config_path, overrides, "run", {"stages": stages, "schedule": pipe_schedule,
+                                                         "timeout_s": timeout_s, "chunks": chunks})
+    check_out_folder(out_dir, "--out")
     tensorboard_dir = check_tensorboard(tensorboard_dir)
+    curve = staleness_for(staleness, policy)  # a bad file: one line, before torch loads
+    check_fresh_outputs(tensorboard=tensorboard_dir)  # each run's files have their own names; TensorBoard's not
+    _phase_torch(no_progress)
+    from pipefisher.runtime.launch.driver import run_job
+    from pipefisher.runtime.models.builders import check_builder
+    from pipefisher.runtime.train.optim import check_optimizer
+
+    check_builder(cfg, config_path)  # model.builder imports and its stages fit, before any work
+    check_optimizer(cfg.optim, config_path)  # this torch has optim.name's optimizer
+    with _one_line_failures():
+        run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
+                allow_invalid=allow_invalid, checkpoint_every=checkpoint_every or 0, log_every=log_every or 5,
+                progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every or 0, echo=click.echo,
+                margin=margin, adapt=adapt, tensorboard=tensorboard_dir, staleness=curve)
+
+
+def _phase_torch(no_progress: bool) -> None:
     if not no_progress and os.environ.get("RANK", "0") == "0":
         from pipefisher.runtime.job.progress import phase
 
         phase("loading torch")  # seconds on a cold start, before anything else can be said
+
+
+@contextmanager
+def _one_line_failures() -> Iterator[None]:
+    """A worker's failure, a lost peer or a bad factor as one ``Error:`` line (their messages say it all)."""
     from pipefisher.kfac.factors import BadFactorError
-    from pipefisher.runtime.job.config import apply_overrides, load_config
-    from pipefisher.runtime.launch.driver import run_job
     from pipefisher.runtime.launch.local import WorkerFailed
     from pipefisher.runtime.train.trainer import PeerLost
 
-    cfg = apply_overrides(load_config(config_path), overrides, config_path)
-    if cfg.data.text != "synthetic":
-        require_runtime("run", ("tokenizers",))  # real text is tokenized by the tokenizers package
-    pipeline = {k: v for k, v in (("stages", stages), ("schedule", pipe_schedule), ("timeout_s", timeout_s),
-                                  ("chunks", chunks)) if v is not None}
     try:
-        cfg = cfg.replace(pipeline=pipeline)
-    except InputError as err:
-        raise InputError(config_path, err.problem) from None
-    from pipefisher.runtime.models.builders import check_builder
-
-    check_builder(cfg, config_path)  # model.builder imports and its stages fit, before any work
-    try:
-        run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
-                allow_invalid=allow_invalid, checkpoint_every=checkpoint_every, log_every=log_every,
-                progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every, echo=click.echo,
-                margin=margin, adapt=adapt, tensorboard=tensorboard_dir)
+        yield
     except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None
+
+
+def _resume(run_dir: str, name: str | None, steps: int, overrides: tuple[str, ...], past_decay: bool,
+            timeout_s: float | None, no_progress: bool, given: dict[str, Any]) -> None:
+    """``run --resume``: the run's config (``<run>_config.yaml`` with ``--set``, which may change only the
+    learning-rate schedule), its schedule, worker count and recorded options (``given`` ones replace
+    theirs), checked as ``train --resume`` checks, then trained on from its checkpoint."""
+    from pipefisher.cli._runconfig import read_run_config
+    from pipefisher.cli.train import prepare_training
+    from pipefisher.runtime.launch.driver import find_run
+    from pipefisher.runtime.train.checkpoint import RUN_OPTIONS, read_manifest
+
+    paths = find_run(run_dir, name)
+    man = read_manifest(paths.checkpoints)
+    if not os.path.isfile(paths.config) or not os.path.isfile(paths.schedule):
+        missing = paths.config if not os.path.isfile(paths.config) else paths.schedule
+        raise InputError(missing, "is missing: --resume needs the run's config and schedule where the run wrote them")
+    cfg = read_run_config(paths.config, overrides, "run", {"timeout_s": timeout_s})
+    options = {k: v for k, v in (man.get("options") or {}).items() if k in RUN_OPTIONS}
+    options.update({k: v for k, v in given.items() if v is not None})
+    if given.get("tensorboard") is not None:
+        options["tensorboard"] = check_tensorboard(given["tensorboard"])
+    nproc = int(man.get("stages") or 1) * int(man.get("replicas") or 1)
+    _phase_torch(no_progress)
+    from pipefisher.runtime.launch.driver import resume_job
+    from pipefisher.runtime.train.checkpoint import nothing_left, resume_note
+
+    prepare_training(cfg, paths.config, nproc, paths.schedule, paths.checkpoints, "scheduled",
+                     bool(options.get("adapt")), progress=not no_progress)
+    if done := nothing_left(paths.checkpoints, steps):
+        click.echo(done)
+        return
+    if note := resume_note(paths.checkpoints, cfg, steps, past_decay):
+        click.echo(note)
+    with _one_line_failures():
+        resume_job(cfg, paths, steps=steps, nproc=nproc, options={**options, "progress": not no_progress},
+                   echo=click.echo)

@@ -5,7 +5,7 @@ from typing import Callable, Sequence
 
 import click
 
-from pipefisher.cli._common import keep_until_exit, margin_option
+from pipefisher.cli._common import keep_until_exit, margin_option, staleness_for, staleness_option
 from pipefisher.cli.group import main
 from pipefisher.problem import DEFAULT_MARGIN
 
@@ -41,10 +41,9 @@ def run_schedule(
     name = policy or DEFAULT_POLICY
     if time_limit is not None and name != "exact":
         raise InputError(None, f"--time-limit applies to the 'exact' policy only, not to '{name}'")
-    for flag, given in (("--staleness", staleness), ("--kfac-slowdown", slowdown)):
-        if given is not None and name != "target":
-            raise InputError(None, f"{flag} applies to the 'target' policy only, not to '{name}'")
-    chosen = get_policy(name, time_limit=time_limit, staleness=staleness, slowdown=slowdown)
+    if slowdown is not None and name != "target":
+        raise InputError(None, f"--kfac-slowdown applies to the 'target' policy only, not to '{name}'")
+    chosen = get_policy(name, time_limit=time_limit, staleness=staleness_for(staleness, name), slowdown=slowdown)
     check_out_file(save_path, "--save-path")
     check_out_file(json_path, "--json")
     if not paths:
@@ -95,10 +94,7 @@ def _policy_help() -> str:
 @margin_option()
 @click.option("--time-limit", type=click.FloatRange(0, min_open=True), default=None,
               help="seconds the 'exact' policy may search, for the whole job (default: 5)")
-@click.option("--staleness", default=None, metavar="K:RATIO,...",
-              help="for 'target': K-FAC's steps to the target relative to first-order per curvature refresh "
-                   "interval k, e.g. 1:0.5,2:0.53,4:0.57,8:0.83,16:inf (default: the curve measured on "
-                   "configs/small.yaml at 300 steps)")
+@staleness_option()
 @click.option("--kfac-slowdown", "slowdown", type=click.FloatRange(0, 10), default=None,
               help="for 'target': how much longer than profiled K-FAC work runs in a bubble, as a fraction "
                    "(default: 0.1, measured)")

@@ -5,11 +5,11 @@ Heavy imports (matplotlib) happen inside the commands, so ``pipefisher --help`` 
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import click
 
-from pipefisher.cli._common import margin_option
+from pipefisher.cli._common import margin_option, staleness_for, staleness_option
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.errors import InputError
@@ -126,14 +126,15 @@ def simulate_command(config: str | None, schedule: str | None, stages: int | Non
 def compare_rows(config: str, schedules: Sequence[str] | None, micro_batches: Sequence[int] | None,
                  policy: str | None, stages: int | None = None, chunks: int | None = None,
                  kfac_scale: float | None = None, latency_ms: float | None = None,
-                 margin: float = DEFAULT_MARGIN) -> list[dict[str, object]]:
-    """One row per (schedule, micro-batch count): bubble fraction, K-FAC cycle length and usage."""
+                 margin: float = DEFAULT_MARGIN, staleness: Any = None) -> list[dict[str, object]]:
+    """One row per (schedule, micro-batch count): bubble fraction, K-FAC cycle length and usage; with the
+    job's staleness curve (``target``), the expected time to the target relative to first-order too."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.sim import load_cost_model, schedule_names, simulate_timelines
     from pipefisher.timeline import job_from_dicts
 
     model = load_cost_model(config).replace(stages=stages, kfac_scale=kfac_scale, latency_ms=latency_ms)
-    chosen = get_policy(policy or DEFAULT_POLICY)
+    chosen = get_policy(policy or DEFAULT_POLICY, staleness=staleness)
     names = list(schedules) if schedules else schedule_names()
     counts = list(micro_batches) if micro_batches else sorted({model.stages, 2 * model.stages, 4 * model.stages})
     rows: list[dict[str, object]] = []
@@ -160,22 +161,32 @@ def compare_rows(config: str, schedules: Sequence[str] | None, micro_batches: Se
                 "usage_percent_min": min(usage),
                 "refresh_ms": max(its) * result.makespan / 1e6,
             })
+            if staleness is not None and packed.tradeoff is not None:
+                rel = packed.tradeoff.chosen.relative_time
+                row["time_to_target"] = None if rel is None or rel == float("inf") else rel
             rows.append(row)
     return rows
 
 
 def format_compare(rows: Sequence[dict[str, object]], title: str) -> list[str]:
+    predicted = any("time_to_target" in r for r in rows)  # only with the job's staleness curve
     head = f"{'schedule':<12} {'m':>4} {'pipeline ms':>12} {'bubble %':>9} {'K-FAC cycle':>12} {'usage % (mean/min)':>19} {'refresh ms':>11}"
+    head += f" {'time to target':>15}" if predicted else ""
     out = [title, head, "-" * len(head)]
     for r in rows:
         if "error" in r:
             out.append(f"{r['schedule']:<12} {r['micro_batches']:>4}   n/a: {r['error']}")
             continue
         usage = f"{r['usage_percent_mean']:.1f} / {r['usage_percent_min']:.1f}"
-        out.append(f"{r['schedule']:<12} {r['micro_batches']:>4} {r['pipeline_ms']:>12.1f} {r['bubble_percent']:>9.1f} "
-                   f"{str(r['cycle_iterations']) + ' it.':>12} {usage:>19} {r['refresh_ms']:>11.1f}")
+        line = (f"{r['schedule']:<12} {r['micro_batches']:>4} {r['pipeline_ms']:>12.1f} {r['bubble_percent']:>9.1f} "
+                f"{str(r['cycle_iterations']) + ' it.':>12} {usage:>19} {r['refresh_ms']:>11.1f}")
+        if predicted:
+            rel = r.get("time_to_target")
+            line += f" {'never' if rel is None else f'{rel:.3f}':>15}"
+        out.append(line)
     out.append("K-FAC cycle: pipeline iterations per curvature refresh (the most over nodes); "
-               "refresh ms = cycle x pipeline time.")
+               "refresh ms = cycle x pipeline time." + (" Time to target: expected, relative to first-order's, "
+                                                        "on the staleness curve given." if predicted else ""))
     return out
 
 
@@ -188,19 +199,21 @@ def format_compare(rows: Sequence[dict[str, object]], title: str) -> list[str]:
 @click.option("--policy", default=None, help=_policy_help())
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write the rows as JSON")
 @margin_option()
+@staleness_option()
 def compare_command(config: str | None, schedule: str | None, stages: int | None, chunks: int | None,
                     latency_ms: float | None, kfac_scale: float | None, schedules: str | None,
                     micro_batches: str | None, policy: str | None, json_path: str | None,
-                    margin: float) -> None:
+                    margin: float, staleness: str | None) -> None:
     """Compare pipeline schedules and micro-batch counts for one cost model: the table to choose from."""
     from pipefisher.safe_io import dump_json_atomic
 
     if schedule and schedules:
         raise InputError(None, "give --schedule (one) or --schedules (several), not both")
+    curve = staleness_for(staleness, policy)
     config = bundled_config(config)
     names = [s.strip() for s in schedules.split(",") if s.strip()] if schedules else ([schedule] if schedule else None)
     rows = compare_rows(config, names, _ints(micro_batches, "--micro-batches"), policy, stages, chunks, kfac_scale,
-                        latency_ms, margin)
+                        latency_ms, margin, curve)
     from pipefisher.policies import DEFAULT_POLICY
 
     for line in format_compare(rows, f"{os.path.basename(config)} (policy {policy or DEFAULT_POLICY})"):
@@ -216,7 +229,7 @@ def compare_command(config: str | None, schedule: str | None, stages: int | None
 def _charts(paths: Sequence[str], policy: str | None, packed: bool, title: str | None,  # type: ignore[no-untyped-def]
             margin: float = DEFAULT_MARGIN, allow_mixed: bool = False, out: str | None = None,
             iterations: int | None = None, node: int | None = None, measured: str | None = None,
-            step: int | None = None):
+            step: int | None = None, staleness: str | None = None):
     from pipefisher.cli._outputs import check_out_file
     from pipefisher.examples import example_timelines
     from pipefisher.plot import chart_from_job, chart_from_measured, chart_from_schedule
@@ -226,20 +239,23 @@ def _charts(paths: Sequence[str], policy: str | None, packed: bool, title: str |
     if step is not None and measured is None:
         raise InputError(None, "--step applies to a measurements CSV: give --measured FILE.csv")
     if measured is not None:
-        if paths or packed or policy:
+        if paths or packed or policy or staleness:
             raise InputError(None, "--measured draws the measurements CSV on its own: "
-                                   "give no TIMELINES, --packed or --policy with it")
+                                   "give no TIMELINES, --packed, --policy or --staleness with it")
         check_out_file(out, "--out")
         return chart_from_measured(measured, node=node, iterations=iterations, step=step, title=title)
     if policy:
         get_policy(policy)  # a bad name refuses before any loading
+    curve = staleness_for(staleness, policy)
+    if curve is not None:
+        packed = True
     check_out_file(out, "--out")
     if iterations is not None and not (packed or policy):
         raise InputError(None, "--iterations applies to the packed cycle (--packed or --policy) or to "
                                "--measured steps; timelines hold one step")
     job = load_job(paths or example_timelines(), allow_mixed=allow_mixed)
     if packed or policy:
-        schedule = get_policy(policy or DEFAULT_POLICY).pack(job, margin)
+        schedule = get_policy(policy or DEFAULT_POLICY, staleness=curve).pack(job, margin)
         return chart_from_schedule(schedule, job, title, iterations=iterations, node=node)
     return chart_from_job(job, title, node=node)
 
@@ -265,6 +281,7 @@ def _plot_args(what: str, out_help: str) -> list:  # type: ignore[type-arg]
                           "node (replica 0) a planned and a measured row, over the last complete K-FAC cycle"),
         click.option("--step", type=int, default=None, metavar="S",
                      help="with --measured: start at step S (a cycle's steps, or --iterations N)"),
+        staleness_option(),
     ]
 
 
@@ -280,7 +297,8 @@ def _with(args: list) -> Callable:  # type: ignore[type-arg]
 @_with(_plot_args("draw", "chart file, .png or .svg"))
 def plot_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str | None, title: str | None,
                  margin: float, allow_mixed: bool = False, iterations: int | None = None,
-                 node: int | None = None, measured: str | None = None, step: int | None = None) -> None:
+                 node: int | None = None, measured: str | None = None, step: int | None = None,
+                 staleness: str | None = None) -> None:
     """Draw a Gantt chart (PNG or SVG, by OUT's suffix) of TIMELINES, or of their packed schedule.
 
     One row per node; forwards, backwards and each K-FAC kind in their own colours; idle time
@@ -296,8 +314,8 @@ def plot_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str
 
     if os.path.splitext(out)[1].lower() not in (".png", ".svg"):
         raise InputError(out, "chart files must end in .png or .svg")
-    render(_charts(timelines, policy, packed, title, margin, allow_mixed, out, iterations, node, measured, step),
-           out)
+    render(_charts(timelines, policy, packed, title, margin, allow_mixed, out, iterations, node, measured, step,
+                   staleness), out)
     click.echo(f"wrote {os.path.normpath(out)}")
 
 
@@ -305,12 +323,13 @@ def plot_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str
 @_with(_plot_args("trace", "trace file (JSON; open it in ui.perfetto.dev or chrome://tracing)"))
 def trace_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str | None, title: str | None,
                   margin: float, allow_mixed: bool = False, iterations: int | None = None,
-                  node: int | None = None, measured: str | None = None, step: int | None = None) -> None:
+                  node: int | None = None, measured: str | None = None, step: int | None = None,
+                  staleness: str | None = None) -> None:
     """Write TIMELINES (or their packed schedule, or --measured steps) as Chrome trace / Perfetto JSON (compact)."""
     from pipefisher.trace import format_size, write_trace
 
     write_trace(_charts(timelines, policy, packed, title, margin, allow_mixed, out, iterations, node, measured,
-                        step), out)
+                        step, staleness), out)
     click.echo(f"wrote {os.path.normpath(out)} ({format_size(os.path.getsize(out))})")
 
 
@@ -319,8 +338,10 @@ def trace_command(timelines: tuple[str, ...], out: str, packed: bool, policy: st
 
 
 def run_demo(config: str | None, schedule: str | None, micro_batches: int | None, policy: str | None, out: str,
-             echo: Callable[[str], None] = click.echo, margin: float = DEFAULT_MARGIN) -> dict[str, str]:
-    """Simulate a bundled model, pack it, report, and write everything into ``out``."""
+             echo: Callable[[str], None] = click.echo, margin: float = DEFAULT_MARGIN,
+             staleness: str | None = None) -> dict[str, str]:
+    """Simulate a bundled model, pack it, report, and write everything into ``out``. ``staleness``: the
+    ``--staleness`` text (a curve file or ``k:ratio,...``); without it nothing predicts a time-to-target."""
     from pipefisher.plot import chart_from_job, chart_from_schedule, render
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.report import report_data, usage_lines
@@ -333,7 +354,8 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
     from pipefisher.cli._outputs import check_out_folder
     from pipefisher.sim.simulator import default_prefix
 
-    chosen = get_policy(policy or DEFAULT_POLICY)  # options and the output folder first: no work is wasted
+    # options and the output folder first: no work is wasted
+    chosen = get_policy(policy or DEFAULT_POLICY, staleness=staleness_for(staleness, policy))
     check_out_folder(out, "--out")
     config = bundled_config(config)
     model = load_cost_model(config)
@@ -381,7 +403,8 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
 @click.option("--out", type=click.Path(file_okay=False), default="pipefisher-demo", show_default=True,
               help="output folder")
 @margin_option()
+@staleness_option()
 def demo_command(config: str | None, schedule: str | None, micro_batches: int | None, policy: str | None,
-                 out: str, margin: float) -> None:
+                 out: str, margin: float, staleness: str | None) -> None:
     """Simulate a bundled BERT model, pack its K-FAC work, print the report, and save it all (with a chart)."""
-    run_demo(config, schedule, micro_batches, policy, out, margin=margin)
+    run_demo(config, schedule, micro_batches, policy, out, margin=margin, staleness=staleness)

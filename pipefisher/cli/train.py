@@ -1,4 +1,4 @@
-"""``pipefisher train``: run the BERT-style pipeline locally (workers launched here) or under torchrun.
+"""``pipefisher train``: train a pipeline locally (workers launched here) or under torchrun.
 
 torch is imported inside the command only, so the other commands never pay for it.
 """
@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
-from pipefisher.cli._common import chunks_option, pipeline_option, require_runtime
-from pipefisher.cli._outputs import check_out_file, check_out_folder, check_profile_folder
+from pipefisher.cli._common import chunks_option, pipeline_option, require_runtime, staleness_option
+from pipefisher.cli._outputs import check_fresh_outputs, check_out_file, check_out_folder, check_profile_folder
 from pipefisher.cli.group import main
 from pipefisher.errors import InputError
 
@@ -28,10 +28,23 @@ def set_option() -> Any:
 def tensorboard_option() -> Any:
     """``--tensorboard DIR``: TensorBoard logs of the training (``train`` and ``run``)."""
     return click.option(
-        "--tensorboard", "tensorboard_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+        "--tensorboard", "tensorboard_dir", type=click.Path(), default=None, metavar="DIR",
         help="also write TensorBoard logs of the training here: loss, held-out loss, learning rate, step time, "
-             "K-FAC cycle k and overrun (scheduled mode), peak memory; a resumed run appends. Needs the "
-             "tensorboard extra; look with: tensorboard --logdir DIR")
+             "K-FAC cycle k and overrun (scheduled mode), peak memory; a folder that holds another run's logs "
+             "is refused, a resumed run appends. Needs the tensorboard extra; look with: tensorboard --logdir DIR")
+
+
+def past_decay_option() -> Any:
+    """``--past-decay``: resume past the end of the learning-rate decay (``train`` and ``run``)."""
+    return click.option(
+        "--past-decay", is_flag=True,
+        help="with --resume and more --steps than the checkpoint's run decayed its learning rate over: train "
+             "the extra steps at its final rate (refused without it; --set optim.decay_steps=N decays over all N)")
+
+
+def no_progress_option() -> Any:
+    """``--no-progress`` (``train`` and ``run``)."""
+    return click.option("--no-progress", is_flag=True, help="no start-up phase lines and no progress bar")
 
 
 def check_tensorboard(folder: str | None) -> str | None:
@@ -56,23 +69,31 @@ def workers_log(out_dir: str | None, metrics_path: str | None, name: str) -> str
 
 def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: str | None,
                      resume: str | None, mode: str, adapt: bool = False,
-                     allow_schedule_mismatch: bool = False) -> str | None:
-    """Refuse, before any worker starts, a schedule or checkpoint that does not belong to this job.
+                     allow_schedule_mismatch: bool = False, progress: bool = True) -> str | None:
+    """Refuse, before any worker starts, a schedule or checkpoint that does not belong to this job; build
+    (or find in the cache) the corpus the workers will load, saying so in a phase line (``progress``).
 
     Returns the schedule's digest (None without a schedule). The workers check again on their own.
     """
     from pipefisher.runtime.data.corpus import load_corpus
+    from pipefisher.runtime.data.sources import describe_source
+    from pipefisher.runtime.job.progress import phase
     from pipefisher.runtime.models.builders import check_builder
     from pipefisher.runtime.pipeline.checks import MISMATCH_FLAG, check_packed_for, load_checked_schedule
     from pipefisher.runtime.train.checkpoint import check_resumable
+    from pipefisher.runtime.train.optim import check_optimizer
     from pipefisher.schedule_file import schedule_digest
 
     check_builder(cfg, config_path)  # type: ignore[arg-type]  # model.builder imports, its stages fit
+    check_optimizer(cfg.optim, config_path)  # type: ignore[attr-defined]  # this torch has optim.name's optimizer
     stages = cfg.pipeline.stages  # type: ignore[attr-defined]
     replicas = max(1, nproc // stages)
     if cfg.data.text != "synthetic":  # type: ignore[attr-defined]
         # tokenizer and token ids built (or found in the cache) once, before the workers need them
-        load_corpus(cfg.data, cfg.model.vocab_size)  # type: ignore[attr-defined]
+        say = phase if progress and os.environ.get("RANK", "0") == "0" else (lambda what: None)
+        say(f"preparing {describe_source(cfg.data)}")  # type: ignore[attr-defined]
+        load_corpus(cfg.data, cfg.model.vocab_size,  # type: ignore[attr-defined]
+                    on_build=lambda what: say(f"building its {what} (once: later runs load them from the cache)"))
     digest = None
     if schedule_path is not None:
         digest = schedule_digest(load_checked_schedule(schedule_path, cfg, replicas,  # type: ignore[arg-type]
@@ -107,23 +128,27 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
               help="total training steps (with --resume: including those already done)")
 @click.option("--profile", is_flag=True,
               help="run kfac steps and write one timeline pickle per pipeline node into --out")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False),
-              help="folder for timelines (--profile) and <name>_losses.json")
-@click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False), default=None,
-              help="write a CSV of step, loss, step time, mode here")
+@click.option("--out", "out_dir", type=click.Path(),
+              help="folder for timelines (--profile), <name>_losses.json, <name>_config.yaml and "
+                   "<name>_tokenizer.json (a folder that holds a run of the same name is refused)")
+@click.option("--metrics", "metrics_path", type=click.Path(), default=None,
+              help="write a CSV of step, loss, step time, mode here (a new file, or the resumed run's)")
 @tensorboard_option()
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
-              help="write checkpoints here (at the end, and every --checkpoint-every steps)")
+@click.option("--checkpoint-dir", type=click.Path(), default=None,
+              help="write checkpoints here (at the end, and every --checkpoint-every steps; checkpoint.keep "
+                   "of them are kept); and the run's tokenizer, for pipefisher export")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="steps between checkpoints (0: only at the end)")
-@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--resume", "resume_dir", type=click.Path(), default=None,
               help="continue from the checkpoint in this folder (same config, mode and schedule)")
+@past_decay_option()
 @click.option("--adapt", is_flag=True,
-              help="with --schedule: measure every step and re-pack the schedule from the measurements while "
-                   "training (switching at cycle boundaries, on every worker at the same step); the "
-                   "schedules used go to --out")
+              help="with --schedule and --out: measure every step and re-pack the schedule from the measurements "
+                   "while training (switching at cycle boundaries, on every worker at the same step); the "
+                   "schedules used and the measurements go to --out")
 @click.option("--adapt-policy", default=None,
               help="packing policy of --adapt's re-packs, only with --adapt [default: pipefisher schedule's]")
+@staleness_option()
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages")
@@ -135,15 +160,16 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
               help="steps between held-out evaluations (loss on data.val_batches of held-out text; 0: none)")
 @click.option("--log-every", type=click.IntRange(min=1), default=5, show_default=True,
               help="steps between loss lines")
-@click.option("--no-progress", is_flag=True, help="no progress bar")
+@no_progress_option()
 def train_command(config_path: str, mode: str | None, schedule_arg: str | None, allow_schedule_mismatch: bool,
                   pipe_schedule: str | None,
                   steps: int, profile: bool, out_dir: str | None, metrics_path: str | None, tensorboard_dir: str | None,
-                  checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, adapt: bool,
-                  adapt_policy: str | None, nproc: int | None,
+                  checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, past_decay: bool,
+                  adapt: bool, adapt_policy: str | None, staleness: str | None, nproc: int | None,
                   stages: int | None, interval: int | None, timeout_s: float | None, chunks: int | None,
                   overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
-    """Train the masked-language model with pipeline parallelism: first-order, K-FAC, or K-FAC packed
+    """Train a model with pipeline parallelism (the built-in BERT-style masked-language model, a Hugging
+    Face BERT, GPT-2 or Llama, or your own builder's; see configs/): first-order, K-FAC, or K-FAC packed
     into the pipeline bubbles by a schedule file.
 
     Locally, --nproc-per-node N starts N workers on this machine (gloo on CPU, NCCL on GPUs). Under
@@ -162,7 +188,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
                                              "and drop pipefisher's --nproc-per-node")
     require_runtime("train")
     # Up to "loading torch" nothing imports it: a bad config, option or output path costs no start-up.
-    from pipefisher.runtime.job.config import apply_overrides, load_config
+    from pipefisher.cli._runconfig import read_run_config
 
     schedule_path = schedule_arg
     if mode is None:
@@ -175,23 +201,26 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         raise click.UsageError("--profile runs kfac steps; it does not take a schedule file")
     if adapt and not schedule_path:
         raise click.UsageError("--adapt re-packs a schedule while training: it needs --schedule FILE")
+    if adapt and not out_dir:
+        raise InputError("--adapt", "writes the schedules it re-packs and the measurements they come from into "
+                                    "--out DIR, and there is no --out: add --out DIR")
     if adapt_policy is not None and not adapt:
         raise InputError("--adapt-policy", "sets the packing policy of --adapt's re-packs, and there is no --adapt; "
                                            "add --adapt, or drop --adapt-policy")
+    if staleness is not None and not adapt:
+        raise InputError("--staleness", "weighs the trials of --adapt (step time x the curve at k), and there is "
+                                        "no --adapt; add --adapt, or drop --staleness")
     from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.staleness import curve_for_job, read_staleness, staleness_data
 
+    read_staleness(staleness)  # a bad file: one line, before the config loads
     adapt_policy = adapt_policy or DEFAULT_POLICY
     if adapt:
         get_policy(adapt_policy)  # an unknown name: one line, before any worker starts
-    cfg = apply_overrides(load_config(config_path), overrides, config_path)
-    if cfg.data.text != "synthetic":
-        require_runtime("train", ("tokenizers",))  # real text is tokenized by the tokenizers package
-    pipeline = {k: v for k, v in (("stages", stages), ("schedule", pipe_schedule), ("timeout_s", timeout_s),
-                                  ("chunks", chunks)) if v is not None}
-    try:
-        cfg = cfg.replace(pipeline=pipeline, kfac={"interval": interval} if interval else {})
-    except InputError as err:
-        raise InputError(config_path, err.problem) from None
+    cfg = read_run_config(config_path, overrides, "train", {"stages": stages, "schedule": pipe_schedule,
+                                                           "timeout_s": timeout_s, "chunks": chunks}, interval)
+    curve = curve_for_job(staleness, cfg.fingerprint(layout=False), config_path,
+                          click.echo if job is None or job.rank == 0 else (lambda _: None))
     if profile and not out_dir:
         raise click.UsageError("--profile needs --out DIR for the timeline files")
     if profile:
@@ -207,6 +236,11 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
             check_out_folder(folder, option)
     check_out_file(metrics_path, "--metrics")
     tensorboard_dir = check_tensorboard(tensorboard_dir)
+    # A new run never writes over an earlier one's outputs; a resumed one continues its own. Under torchrun
+    # rank 0 (which writes them) checks, before any worker writes: a later-starting worker would see them.
+    if not resume_dir and (job is None or job.rank == 0):
+        check_fresh_outputs(out=out_dir, name=cfg.name, metrics=metrics_path, tensorboard=tensorboard_dir,
+                            checkpoints=checkpoint_dir)
     for folder in (out_dir, checkpoint_dir):
         if folder:
             try:
@@ -234,18 +268,15 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     from pipefisher.runtime.launch.local import INTERRUPTED_EXIT, WorkerFailed, launch_local, run_worker
     from pipefisher.runtime.train.trainer import PeerLost, TrainOptions
 
-    if not no_progress and cfg.data.text != "synthetic" and os.environ.get("RANK", "0") == "0":
-        from pipefisher.runtime.job.progress import phase
-
-        phase(f"preparing the '{cfg.data.text}' corpus (the tokenizer and token ids are built once, then cached)")
-    prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode, adapt, allow_schedule_mismatch)
+    prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode, adapt, allow_schedule_mismatch,
+                     progress=not no_progress)
     if resume_dir:
         from pipefisher.runtime.train.checkpoint import nothing_left, resume_note
 
         if done := nothing_left(resume_dir, steps):  # resuming to the steps already done: say so, start nothing
             click.echo(done)
             return
-        if (note := resume_note(resume_dir, cfg, steps)) and (job is None or job.rank == 0):
+        if (note := resume_note(resume_dir, cfg, steps, past_decay)) and (job is None or job.rank == 0):
             click.echo(note)  # the learning-rate schedule: changed on purpose, or kept past its end
     if out_dir and (job is None or job.rank == 0):  # the config this run used, --set included
         from pipefisher.runtime.launch.driver import config_yaml
@@ -257,7 +288,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
                         tensorboard=tensorboard_dir,
                         checkpoint_dir=_abs(checkpoint_dir), checkpoint_every=checkpoint_every,
                         resume=_abs(resume_dir), eval_every=eval_every, adapt=adapt, adapt_policy=adapt_policy,
-                        allow_schedule_mismatch=allow_schedule_mismatch)
+                        allow_schedule_mismatch=allow_schedule_mismatch, staleness=staleness_data(curve))
     try:
         if job is not None or n == 1:
             run_worker(cfg, opts)

@@ -32,7 +32,9 @@ def validate_command(schedule_path: str, room: bool, layout: str, margin: float 
 
     The spec's rules: each covariance piece after the forward or backward whose data it needs, syncs
     after all pieces, inverses after their sync, every piece, sync and inverse as often as the timeline
-    asks. With --room (the default), also the room rule, with its margin: the K-FAC work between two
+    asks. A schedule whose metadata (FILE.meta.json) says it was packed for another job (another pipeline
+    order, node or micro-batch count, other K-FAC modules) is refused in one line. With --room (the
+    default), also the room rule, with its margin: the K-FAC work between two
     pipeline items runs back to back, and each item must start early enough that its length times
     (1 + margin) ends before the next pipeline item; only work no bubble can hold runs past the
     pipeline time. A schedule that packs more than that into a bubble makes its iterations longer than
@@ -42,14 +44,21 @@ def validate_command(schedule_path: str, room: bool, layout: str, margin: float 
     waits (an inverse for its peers' syncs, '-- end --' for its peers' ends, a forward or backward for
     its input) form a cycle in some training step is reported as 'deadlock'.
     """
+    from pipefisher.errors import InputError
     from pipefisher.problem import DEFAULT_MARGIN
     from pipefisher.rules import validate
     from pipefisher.rules.groups import chimera_groups
-    from pipefisher.schedule_file import load_schedule, schedule_kfac_margin, schedule_margin
+    from pipefisher.schedule_file import (load_schedule, schedule_kfac_margin, schedule_margin, schedule_timelines,
+                                          timelines_mismatch)
     from pipefisher.timeline import inflate_kfac, load_job
 
     job = load_job(timelines, allow_mixed=allow_mixed)
     schedule = load_schedule(schedule_path)
+    if diff := timelines_mismatch(schedule_path, job):  # one line, not a violation for every label that cannot fit
+        packed_from = schedule_timelines(schedule_path)
+        raise InputError(schedule_path, f"was packed for another job than these timelines: {diff}; check it against "
+                                        "the timelines it was packed from"
+                                        + (f" (its metadata names {packed_from[0]}, ...)" if packed_from else ""))
     kfac_margin = schedule_kfac_margin(schedule_path)  # the job it was packed against: the one it is checked on
     if kfac_margin != 1.0:
         job = inflate_kfac(job, kfac_margin)

@@ -103,6 +103,14 @@ class LazyPlacements(Sequence[Placement]):
         return (tuple, (self._all(),))
 
 
+KfacLayout = tuple[tuple[tuple[int, str, int], ...], ...]
+"""A cycle's K-FAC labels where every iteration is ``-- start --``, the node's pipeline calls in timeline
+order with K-FAC work between them and then its overflow, ``-- end --`` and markers: per iteration, in
+order, each run of one K-FAC label (a queue's pieces back to back) as (the number of calls before it,
+all of them for overflow; the label; how many times it runs there). It says what the labels say, in a
+form whose size is the K-FAC work's, not the pipeline's."""
+
+
 @dataclass(frozen=True)
 class NodeSchedule:
     """One node's cycle: the labels per iteration (the schedule file's entry) and their placement."""
@@ -111,6 +119,8 @@ class NodeSchedule:
     placements: Sequence[Placement]
     """In time order per iteration; a tuple, or a :class:`LazyPlacements` that builds it on first use."""
     figures: NodeFigures
+    layout: KfacLayout | None = None
+    """The labels' :data:`KfacLayout`, where the policy built them so (None: only the labels say it)."""
 
 
 @dataclass(frozen=True)

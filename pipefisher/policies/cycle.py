@@ -7,6 +7,7 @@ the schedule file's labels, the placements a chart draws and the report's figure
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 
 from pipefisher.policies.base import LazyPlacements, NodeFigures, NodeSchedule, Placement
 from pipefisher.policies.bounds import NodeBounds
@@ -27,25 +28,30 @@ class Packed:
 def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeSchedule:
     """Labels in time order per iteration, placements with times (built when first read), and the
     figures of the report."""
-    pipeline = model.pipeline
-    bubbles = model.bubbles
+    keys = [key for key, _, _ in model.pipeline]
+    at = [b.pos for b in model.bubbles]
+    calls = len(keys)
     iterations: list[tuple[str, ...]] = []
+    layout: list[tuple[tuple[int, str, int], ...]] = []
     kfac: Time = 0
     total_overflow: Time = 0
     k = packed.iterations
     for i in range(k):
         labels = [START]
+        work: list[tuple[int, str]] = []  # each K-FAC label, with the calls before it
         nxt = 0  # next pipeline item to emit
         for b, label, s, e in packed.in_bubbles[i]:
-            upto = bubbles[b].pos
+            upto = at[b]
             if nxt < upto:
-                labels.extend([key for key, _, _ in pipeline[nxt:upto]])
+                labels += keys[nxt:upto]
                 nxt = upto
             labels.append(label)
+            work.append((upto, label))
             kfac += e - s
-        labels.extend([key for key, _, _ in pipeline[nxt:]])
+        labels += keys[nxt:]
         for label, d in packed.overflow[i]:
             labels.append(label)
+            work.append((calls, label))
             kfac += d
             total_overflow += d
         labels.append(END)
@@ -54,6 +60,7 @@ def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeS
         if i == k - 1:
             labels.append(SAVE_ON)
         iterations.append(tuple(labels))
+        layout.append(tuple((calls_before, label, len(list(run))) for (calls_before, label), run in groupby(work)))
     cycle = model.length * k + total_overflow
     busy = model.pipeline_busy * k
     usage = (busy + kfac) / cycle * 100 if cycle else 0.0
@@ -74,7 +81,7 @@ def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeS
             "forced_items": bounds.forced_items,
         },
     )
-    return NodeSchedule(tuple(iterations), LazyPlacements(lambda: _placements(model, packed)), figures)
+    return NodeSchedule(tuple(iterations), LazyPlacements(lambda: _placements(model, packed)), figures, tuple(layout))
 
 
 def _placements(model: NodeModel, packed: Packed) -> tuple[Placement, ...]:

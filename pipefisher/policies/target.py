@@ -1,43 +1,65 @@
-"""The ``target`` policy: the schedule with the least expected time to a target loss.
+"""The ``target`` policy: the packing density a user's time asks for, not merely the densest.
 
 ``tight`` packs for the shortest cycle k at the densest packing the room rule allows: the published
 tool's goal, and a fine one when the K-FAC work costs exactly its profiled time. It does not: work
 packed densely into bubbles runs longer and delays the pipeline, and the end-of-step preconditioning
 is paid every step. ``target`` packs ``tight`` at its margin and at sparser ones
-(:data:`pipefisher.objective.DENSITIES`), evaluates each schedule's expected step time and its
-curvature's staleness (:mod:`pipefisher.objective`), and keeps the one with the least expected
-time-to-target relative to first-order. Every candidate is a ``tight`` schedule, so it is
-dependency-correct under the margin it was packed at, which is at least the one asked for.
+(:data:`pipefisher.objective.DENSITIES`), evaluates each schedule's expected step time, and chooses
+(:func:`pipefisher.objective.tradeoff`): with the job's staleness curve, the least expected
+time-to-target relative to first-order; without one, by planned step time alone, by a rule that needs
+no curve. Every candidate is a ``tight`` schedule, so it is dependency-correct under the margin it was
+packed at, which is at least the one asked for.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterator, Sequence
 
-from pipefisher.policies.base import JobSchedule, Policy
+from pipefisher.policies.base import JobSchedule, Policy, gc_paused
 from pipefisher.policies.tight import TightPolicy
 from pipefisher.problem import DEFAULT_MARGIN
 from pipefisher.timeline import Job
+
+
+def cycle_bound(job: Job, margin: float, order: Sequence[int]) -> Iterator[int]:
+    """Per node of ``job``, in ``order``, a proven lower bound on its cycle in every valid schedule at
+    ``margin`` (:mod:`pipefisher.policies.bounds`; the first-iteration bound left out, it walks every
+    piece): their running maximum bounds the job's cycle k. One at a time, so that a proof needing only
+    the first few costs only theirs."""
+    from pipefisher.policies.bounds import model_bounds
+    from pipefisher.problem import node_model
+
+    for i in order:
+        yield model_bounds(node_model(job.nodes[i], job.span, margin), first_iteration=False).tight
 
 
 class TargetPolicy(Policy):
     """Pack for the user's cost, steps(k) x step_time(k), rather than for the shortest cycle."""
 
     name = "target"
-    summary = "the packing density and cycle with the least expected time-to-target (tight at several margins)"
-    options = ("staleness", "slowdown")
+    summary = ("the packing density with the least expected time-to-target given the job's staleness curve, "
+               "else the least planned step (tight at several margins)")
+    options = ("staleness", "slowdown", "max_cycle")
 
-    def __init__(self, staleness: object = None, slowdown: float | None = None) -> None:
-        from pipefisher.objective import DEFAULT_SLOWDOWN, MEASURED_STALENESS, StalenessCurve
+    def __init__(self, staleness: object = None, slowdown: float | None = None, max_cycle: int | None = None) -> None:
+        """``staleness``: the job's :class:`~pipefisher.staleness.StalenessCurve` (or its text: a file or
+        ``k:ratio,...``), None for none; ``max_cycle``: the run's length in steps, where known (no
+        schedule whose cycle the run does not complete is chosen)."""
+        from pipefisher.objective import DEFAULT_SLOWDOWN
+        from pipefisher.staleness import StalenessCurve, read_staleness
 
         if isinstance(staleness, str):
-            staleness = StalenessCurve.parse(staleness)
-        self.staleness = staleness if isinstance(staleness, StalenessCurve) else MEASURED_STALENESS
+            staleness = read_staleness(staleness)
+        if staleness is not None and not isinstance(staleness, StalenessCurve):
+            raise TypeError(f"staleness must be a StalenessCurve, its text or None, not {type(staleness).__name__}")
+        self.staleness = staleness
         self.slowdown = DEFAULT_SLOWDOWN if slowdown is None else float(slowdown)
+        self.max_cycle = None if max_cycle is None else int(max_cycle)
 
     def pack(self, job: Job, margin: float = DEFAULT_MARGIN) -> JobSchedule:
-        from pipefisher.objective import Tradeoff, choose, tradeoff
+        from pipefisher.objective import tradeoff
 
-        candidates = tradeoff(job, TightPolicy().pack, margin, self.staleness, self.slowdown)
-        best = choose(candidates)
-        weighed = Tradeoff(tuple(candidates), best, self.staleness, self.slowdown)
-        return dataclasses.replace(best.schedule, policy=self.name, tradeoff=weighed)
+        with gc_paused():  # what it allocates never forms cycles; the packed candidates are millions of tuples
+            weighed = tradeoff(job, TightPolicy().pack, margin, self.staleness, self.slowdown, self.max_cycle,
+                               bound=cycle_bound)
+        return dataclasses.replace(weighed.chosen.schedule, policy=self.name, tradeoff=weighed)

@@ -1,7 +1,7 @@
 """The runtime as a library: this worker's stage(s), pipeline, K-FAC and update, for your own loop.
 
 ``pipefisher train`` is one loop around these names (:class:`pipefisher.runtime.train.trainer.Trainer`);
-a loop of your own uses the same ones, so it trains exactly as ``pipefisher train`` does::
+a loop of your own uses the same ones, so it trains exactly as ``pipefisher train`` does:
 
     from pipefisher.runtime import api
 

@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.data.sources import IDS, TEXT, Documents, open_source, source_error
@@ -241,9 +241,11 @@ def build_corpus(docs: Documents, cfg: DataConfig, vocab_size: int, key: str = "
                   docs.count, key, _tokenizer_vocab_size(tokenizer_json))
 
 
-def load_corpus(cfg: DataConfig, vocab_size: int, cache_dir: str | None = None) -> Corpus:
+def load_corpus(cfg: DataConfig, vocab_size: int, cache_dir: str | None = None,
+                on_build: Callable[[str], None] | None = None) -> Corpus:
     """The corpus ``cfg`` names (:func:`pipefisher.runtime.data.sources.open_source`) for a
-    ``vocab_size`` model, from the cache or built and cached.
+    ``vocab_size`` model, from the cache or built and cached; ``on_build(what)`` is called before a
+    build (not when the cache has it), ``what`` saying what is built, for a phase line.
 
     ``cache_dir`` defaults to ``$PIPEFISHER_CACHE`` or ``~/.cache/pipefisher``. Too short a corpus is an
     :class:`~pipefisher.errors.InputError` (see :func:`check_corpus`).
@@ -254,7 +256,10 @@ def load_corpus(cfg: DataConfig, vocab_size: int, cache_dir: str | None = None) 
     folder = os.path.join(cache_dir, f"corpus-{key}")
     corpus = _load_cached(folder, key)
     if corpus is None:
-        corpus = build_corpus(source.read(cfg.val_fraction), cfg, vocab_size, key)
+        docs = source.read(cfg.val_fraction)
+        if on_build is not None:
+            on_build("token ids" if docs.kind == IDS else "tokenizer and token ids")
+        corpus = build_corpus(docs, cfg, vocab_size, key)
         _save_cached(folder, corpus)
     check_corpus(corpus, cfg)
     return corpus
@@ -270,6 +275,26 @@ def check_corpus(corpus: Corpus, cfg: DataConfig) -> None:
         more = "add files" if not (cfg.builder or cfg.dataset) else "add documents"
         raise source_error(cfg, f"held-out text is {len(corpus.val)} tokens, shorter than one sequence "
                                 f"(data.seq_len = {cfg.seq_len}); {more} or raise data.val_fraction")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""A transformers tokenizer folder: the tokenizer as trained, and its config naming the special tokens."""
+
+
+def write_transformers_tokenizer(tokenizer_json: str, folder: str | os.PathLike[str], *, causal: bool,
+                                 max_length: int) -> None:
+    """The run's tokenizer as a folder ``transformers.AutoTokenizer.from_pretrained`` loads (a
+    ``PreTrainedTokenizerFast``): :data:`TOKENIZER_FILES`, the special tokens at ids 0..4 named as
+    transformers names them, and for a ``causal`` model ``[CLS]``/``[SEP]`` as its bos/eos (every
+    document ends with ``[SEP]``). No transformers needed to write it."""
+    pad, unk, cls, sep, mask = SPECIAL_TOKENS
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+                              "pad_token": pad, "unk_token": unk, "cls_token": cls, "sep_token": sep,
+                              "mask_token": mask, "clean_up_tokenization_spaces": False}
+    if causal:
+        config.update(bos_token=cls, eos_token=sep)
+    write_atomic(os.path.join(folder, TOKENIZER_FILES[0]), tokenizer_json)
+    write_atomic(os.path.join(folder, TOKENIZER_FILES[1]), json.dumps(config, indent=2) + "\n")
 
 
 def save_tokenizer(corpus: Corpus, path: str | os.PathLike[str]) -> None:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from pipefisher.errors import InputError, described
-from pipefisher.runtime.job.config import STDLIB, DataConfig
+from pipefisher.runtime.job.config import STDLIB, SYNTHETIC, DataConfig
 
 TEXT, IDS = "text", "ids"
 """The kinds of documents: strings (a tokenizer is trained on them) or int64 token-id arrays (used as
@@ -211,6 +211,21 @@ class Documents:
     val: list[Any]
     kind: str
     count: int  # files (text files) or documents (builder, dataset), before the split
+
+
+def describe_source(cfg: DataConfig) -> str:
+    """Where ``cfg``'s documents come from, for a phase line: ``the 'stdlib' corpus``, ``the text files of
+    'corpus/'``, ``the json dataset 'corpus/*.jsonl'``, ``the documents of data.builder 'mydocs:documents'``,
+    ``synthetic tokens``."""
+    if cfg.builder:
+        return f"the documents of data.builder {cfg.builder!r}"
+    if cfg.dataset:
+        return f"the {cfg.dataset} dataset {cfg.text!r}"
+    if cfg.text == STDLIB:
+        return "the 'stdlib' corpus, the standard library's source files"
+    if cfg.text == SYNTHETIC:
+        return "synthetic tokens"
+    return f"the text files of {cfg.text!r}"
 
 
 def source_error(cfg: DataConfig, problem: str) -> InputError:

@@ -19,6 +19,12 @@ from pipefisher.pipeline_orders import default_chunks
 DEFAULT_KFAC_IGNORE = ("embeddings", "LayerNorm", "cls")
 """Substrings of module names K-FAC leaves alone: embeddings, norms and the prediction head."""
 
+DEFAULT_MUON_EXCLUDE = ("embed", "embeddings", "embed_tokens", "wte", "wpe", "cls", "head", "lm_head")
+"""Parameter-name parts ``optim.name: muon`` leaves to AdamW although their tensors are 2-D: input
+embeddings and output heads, as the built-in BERT (``embeddings``, ``cls``), transformers' BERT, GPT-2
+(``wte``, ``wpe``, ``lm_head``) and LLaMA-style models (``embed_tokens``) and plain ones (``embed``,
+``head``) name them. Muon is meant for the hidden layers' matrices (Jordan et al. 2024)."""
+
 
 DEFAULT_BUILDER = "pipefisher.runtime.models.bert:build_stage"
 """The built-in BERT-style model's stage builder (``model.builder``)."""
@@ -117,7 +123,7 @@ OBJECTIVES = ("mlm", "clm")
 DATASET_FORMATS = ("text", "json", "parquet")
 """``data.dataset``: the Hugging Face ``datasets`` builders for local files that a run may read."""
 
-OPTIMIZERS = ("adamw", "lamb", "sgd", "adam")
+OPTIMIZERS = ("adamw", "lamb", "sgd", "adam", "muon")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -127,8 +133,13 @@ class OptimConfig:
 
     ``lr`` is the peak learning rate: it rises linearly over ``warmup_steps``, then follows ``schedule``
     down to ``min_lr_ratio * lr`` at step ``decay_steps`` (0: the run's last step). ``weight_decay`` is
-    decoupled (AdamW, LAMB) and never applies to biases and LayerNorm weights. ``clip_norm`` > 0 clips
-    the global gradient norm (over every stage) before K-FAC and the optimizer see the gradients.
+    decoupled (AdamW, LAMB, Muon) and never applies to biases and LayerNorm weights. ``clip_norm`` > 0
+    clips the global gradient norm (over every stage) before K-FAC and the optimizer see the gradients.
+
+    ``muon``: torch's Muon (momentum ``muon_momentum``, Nesterov, its learning rate scaled to match
+    AdamW's update size) on the 2-D parameters that ``muon_include`` (empty: every one) and not
+    ``muon_exclude`` name, AdamW (``betas``, ``eps``) on all others; one peak ``lr`` for both
+    (:func:`pipefisher.runtime.train.optim.muon_split` is the rule).
     """
 
     name: str = "adamw"
@@ -142,6 +153,9 @@ class OptimConfig:
     decay_steps: int = 0
     min_lr_ratio: float = 0.0
     clip_norm: float = 0.0
+    muon_momentum: float = 0.95  # torch.optim.Muon's default
+    muon_include: tuple[str, ...] = ()  # parameter-name parts Muon may take (empty: any 2-D parameter)
+    muon_exclude: tuple[str, ...] = DEFAULT_MUON_EXCLUDE
 
 
 FISHERS = ("empirical", "true")
@@ -232,6 +246,14 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """What a run's checkpoint folder keeps: the newest ``keep`` checkpoints (1: only the latest; older
+    ones are removed as each new one is complete). It may change when a run is resumed."""
+
+    keep: int = 1
+
+
+@dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -240,6 +262,7 @@ class RunConfig:
     kfac: KfacConfig = field(default_factory=KfacConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def replace(self, **sections: Mapping[str, Any]) -> "RunConfig":
         """A copy with some fields of some sections changed, e.g. ``replace(pipeline={"stages": 4})``."""
@@ -256,14 +279,20 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def fingerprint(self) -> str:
-        """Short hash that every worker compares at start-up, so stages never run different setups."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, default=list).encode()
+    def fingerprint(self, layout: bool = True) -> str:
+        """Short hash of the config: the one digest of a config's identity. Every worker compares it at
+        start-up, so stages never run different setups. ``layout=False`` leaves out the name and the
+        pipeline section (stages, order, chunks, timeout), which change how a step runs but not what the
+        model learns: the identity a staleness curve is measured for and checked against."""
+        raw = self.to_dict()
+        if not layout:
+            raw = {k: v for k, v in raw.items() if k not in ("name", "pipeline")}
+        blob = json.dumps(raw, sort_keys=True, default=list).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "kfac": KfacConfig,
-             "pipeline": PipelineConfig, "train": TrainConfig}
+             "pipeline": PipelineConfig, "train": TrainConfig, "checkpoint": CheckpointConfig}
 
 
 def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None) -> RunConfig:
@@ -444,6 +473,9 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("train.loss_scale must be positive and finite")
     if t.recompute not in RECOMPUTE:
         problems.append(f"train.recompute must be one of {', '.join(RECOMPUTE)}")
+    keep = cfg.checkpoint.keep
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        problems.append("checkpoint.keep must be an integer >= 1 (the newest checkpoints a run keeps)")
     if d.tokenizer not in ("bpe", "wordpiece"):
         problems.append("data.tokenizer must be 'bpe' or 'wordpiece'")
     if not 0.0 < d.val_fraction < 1.0:
@@ -463,6 +495,12 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("optim.momentum must be in [0, 1) and optim.min_lr_ratio in [0, 1]")
     if o.warmup_steps < 0 or o.decay_steps < 0:
         problems.append("optim.warmup_steps and optim.decay_steps must be >= 0")
+    if not 0.0 <= o.muon_momentum < 1.0:
+        problems.append("optim.muon_momentum must be in [0, 1)")
+    for key in ("muon_include", "muon_exclude"):
+        if any(not part.strip() or part != part.strip() for part in getattr(o, key)):
+            problems.append(f"optim.{key} must list parameter-name parts (e.g. embeddings, lm_head, "
+                            f"encoder.layer.0), not {list(getattr(o, key))!r}")
     k = cfg.kfac
     if k.interval < 1 or not k.damping > 0 or not 0 <= k.damping_min <= k.damping:
         problems.append("kfac.interval must be >= 1, kfac.damping > 0 and kfac.damping_min in [0, damping]")

@@ -16,7 +16,7 @@ runs sit side by side::
     <run>_cycles.jsonl      per cycle and node: step time, K-FAC label times, bubbles as they were, overruns
     <run>_measured/         the timelines measured over the last cycles (``pipefisher schedule`` reads them)
     <run>_schedules/        every schedule the training used and when it took over (``--adapt`` re-packs)
-    <run>_checkpoints/      the last checkpoint (resume with ``pipefisher train --resume``)
+    <run>_checkpoints/      the last checkpoint(s) and the tokenizer (``pipefisher run --resume`` continues the run)
     <run>_workers.log       only after a failure: every worker's output and tracebacks
 """
 from __future__ import annotations
@@ -219,7 +219,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
             nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
             checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
             eval_every: int = 0, echo: Callable[[str], None] = print, margin: float | None = None,
-            adapt: bool = False, tensorboard: str | None = None) -> RunPaths:
+            adapt: bool = False, tensorboard: str | None = None, staleness: Any = None) -> RunPaths:
     """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.timeline.median_step`),
     pack them with ``policy`` (K-FAC times x ``kfac_margin``,
     room rule with ``margin``, :mod:`pipefisher.problem`),
@@ -227,16 +227,21 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     that the runtime cannot run (always; both leave the schedule, chart and report in the run folder),
     then train ``steps`` steps with it (with ``adapt``, re-packing it from the measured steps while it
     trains, :mod:`pipefisher.runtime.train.adapt`; with ``tensorboard``, TensorBoard logs of the training
-    in that folder); returns the paths."""
+    in that folder); returns the paths. ``staleness``: the job's
+    :class:`~pipefisher.staleness.StalenessCurve` (None: none), for the ``target`` policy, which also
+    never chooses a cycle longer than the ``steps`` of the run, and for ``adapt``."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.problem import DEFAULT_MARGIN
-    from pipefisher.runtime.launch.local import launch_local, run_worker
     from pipefisher.runtime.train.profiler import timeline_filename
     from pipefisher.runtime.train.trainer import TrainOptions
     from pipefisher.safe_io import dump_json_atomic, write_atomic
+    from pipefisher.staleness import staleness_data
     from pipefisher.timeline import load_job
 
-    packer = get_policy(policy or DEFAULT_POLICY)
+    policy = policy or DEFAULT_POLICY
+    if staleness is not None and policy != "target":
+        raise InputError(None, f"--staleness applies to the 'target' policy only, not to '{policy}'")
+    packer = get_policy(policy, **({"staleness": staleness, "max_cycle": steps} if policy == "target" else {}))
     margin = DEFAULT_MARGIN if margin is None else margin
     stages = cfg.pipeline.stages
     n = nproc or stages
@@ -258,12 +263,10 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
         save_tokenizer(load_corpus(cfg.data, cfg.model.vocab_size), paths.tokenizer)
     echo(f"run {paths.name}: {cfg.name}, {stages} stage(s) x {replicas} replica(s), policy {packer.name}, "
          f"files in {paths.folder}")
+    if staleness is not None and (warning := staleness.config_warning(cfg.fingerprint(layout=False), cfg.name)):
+        echo(warning)
 
-    def launch(opts: TrainOptions) -> None:
-        if n == 1:
-            run_worker(cfg, opts)
-        else:
-            launch_local(cfg, opts, n, echo=echo, log_path=os.path.abspath(paths.workers_log))
+    launch = launcher(cfg, n, paths, echo)
 
     # 1. profile
     echo(f"[1/3] profiling {profile_steps} kfac step(s)")
@@ -280,17 +283,55 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     packed, report = pack_and_check(load_job(timelines), packer, cfg, paths, replicas, margin=margin,
                                     allow_invalid=allow_invalid, kfac_margin=kfac_margin, echo=echo)
     cycles = [node.figures.iterations for node in packed.nodes]
+    dump_json_atomic(paths.report, report)  # the packing's report, also if the training is cut short
 
     # 3. train
     echo(f"[3/3] training {steps} step(s) with the schedule (K-FAC cycle k={max(cycles)})")
     t0 = time.perf_counter()
-    launch(TrainOptions(mode="scheduled", steps=steps, schedule=os.path.abspath(paths.schedule),
+    launch(scheduled_options(paths, steps, checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
+                             eval_every=eval_every, adapt=adapt, adapt_policy=packer.name, margin=margin,
+                             tensorboard=tensorboard, staleness=staleness_data(staleness) if adapt else None))
+    report["training"] = training_summary(paths, steps, cycles, adapt, profile_s, time.perf_counter() - t0, echo)
+    dump_json_atomic(paths.report, report)
+    measured = [os.path.join(paths.folder, f"{paths.name}_{s}")
+                for s in ("measurements.csv", "cycles.jsonl", "measured", "schedules")]
+    for p in (paths.config, *([paths.tokenizer] if os.path.exists(paths.tokenizer) else []), paths.timelines,
+              *([paths.profile_losses] if os.path.exists(paths.profile_losses) else []),
+              *([paths.profile_steps_dir] if os.path.exists(paths.profile_steps_dir) else []),
+              paths.schedule, paths.report, paths.chart, paths.metrics,
+              *[m for m in measured if os.path.exists(m)], paths.checkpoints, *([tensorboard] if tensorboard else [])):
+        echo(f"wrote {p}")
+    return paths
+
+
+def launcher(cfg: RunConfig, n: int, paths: RunPaths, echo: Callable[[str], None]) -> Callable[[Any], None]:
+    """How a run launches its ``n`` workers for one phase (here, for one; else local processes, their
+    output in ``<run>_workers.log`` after a failure)."""
+    from pipefisher.runtime.launch.local import launch_local, run_worker
+
+    def launch(opts: Any) -> None:
+        if n == 1:
+            run_worker(cfg, opts)
+        else:
+            launch_local(cfg, opts, n, echo=echo, log_path=os.path.abspath(paths.workers_log))
+
+    return launch
+
+
+def scheduled_options(paths: RunPaths, steps: int, **options: Any) -> Any:
+    """The ``TrainOptions`` of a run's training phase: scheduled mode with the run's schedule, its metrics,
+    checkpoints and measurement files in the run folder, and ``options`` (how it trains)."""
+    from pipefisher.runtime.train.trainer import TrainOptions
+
+    return TrainOptions(mode="scheduled", steps=steps, schedule=os.path.abspath(paths.schedule),
                         metrics=os.path.abspath(paths.metrics), checkpoint_dir=os.path.abspath(paths.checkpoints),
-                        checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
-                        eval_every=eval_every, adapt=adapt, adapt_policy=packer.name, margin=margin,
-                        tensorboard=tensorboard,
-                        measure_prefix=os.path.abspath(os.path.join(paths.folder, paths.name))))
-    train_s = time.perf_counter() - t0
+                        measure_prefix=os.path.abspath(os.path.join(paths.folder, paths.name)), **options)
+
+
+def training_summary(paths: RunPaths, steps: int, cycles: list[int], adapt: bool, profile_s: float | None,
+                     train_s: float, echo: Callable[[str], None]) -> dict[str, Any]:
+    """The report's ``training`` section, from the run's metrics (every step, a resumed run's earlier ones
+    included) and schedule history; says the line ``done: ...``."""
     rows = read_metrics(paths.metrics) if os.path.exists(paths.metrics) else []
     times = [float(r["step_seconds"]) for r in rows[1:]] or [float(r["step_seconds"]) for r in rows]
     losses = [float(r["loss"]) for r in rows if r["loss"]]
@@ -306,21 +347,57 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
         "refreshes": len(drifts), "median_drift": statistics.median(drifts) if drifts else None,
         "median_step_seconds": statistics.median(times) if times else None,
         "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-        "profile_seconds": round(profile_s, 3), "train_seconds": round(train_s, 3),
+        "profile_seconds": None if profile_s is None else round(profile_s, 3), "train_seconds": round(train_s, 3),
     }
-    report["training"] = summary
-    dump_json_atomic(paths.report, report)
     if times:
         echo(f"done: {steps} steps, median step {summary['median_step_seconds'] * 1e3:.1f} ms, "
              f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"
              + (f", {len(summary['switches'])} schedule switch(es), final K-FAC cycle k={summary['final_cycle']}"
                 if adapt else ""))
-    measured = [os.path.join(paths.folder, f"{paths.name}_{s}")
-                for s in ("measurements.csv", "cycles.jsonl", "measured", "schedules")]
-    for p in (paths.config, *([paths.tokenizer] if os.path.exists(paths.tokenizer) else []), paths.timelines,
-              *([paths.profile_losses] if os.path.exists(paths.profile_losses) else []),
-              *([paths.profile_steps_dir] if os.path.exists(paths.profile_steps_dir) else []),
-              paths.schedule, paths.report, paths.chart, paths.metrics,
-              *[m for m in measured if os.path.exists(m)], paths.checkpoints, *([tensorboard] if tensorboard else [])):
+    return summary
+
+
+def find_run(folder: str, name: str | None = None) -> RunPaths:
+    """The run in the run folder ``folder`` (``pipefisher run --out``) that ``--resume`` continues: the
+    one named ``name``, else the only one there with checkpoints; one line says what is missing."""
+    from pipefisher.runtime.train.export import RUN_CHECKPOINTS, run_checkpoint_folders
+
+    if not os.path.isdir(folder):
+        raise InputError(folder, "is not a run folder (no such folder); --resume takes the --out folder of a run")
+    if name is not None:
+        paths = RunPaths(os.path.normpath(folder), name)
+        if not os.path.isdir(paths.checkpoints):
+            raise InputError(folder, f"holds no checkpoints of a run named '{name}' ({os.path.basename(paths.checkpoints)})")
+        return paths
+    runs = [e[: -len(RUN_CHECKPOINTS)] for e in run_checkpoint_folders(folder)]
+    if len(runs) != 1:
+        what = f"the checkpoints of {len(runs)} runs ({', '.join(runs)}): pick one with --name" if runs else \
+            f"no run's checkpoints (<run>{RUN_CHECKPOINTS}); --resume takes the --out folder of a pipefisher run"
+        raise InputError(folder, f"holds {what}")
+    return RunPaths(os.path.normpath(folder), runs[0])
+
+
+def resume_job(cfg: RunConfig, paths: RunPaths, *, steps: int, nproc: int, options: dict[str, Any],
+               echo: Callable[[str], None] = print) -> RunPaths:
+    """Continue the run at ``paths`` from its checkpoint up to ``steps`` steps in all, with its schedule
+    (and with the closed loop's state the checkpoint holds), ``nproc`` workers as it had and the
+    training ``options`` it recorded (:data:`pipefisher.runtime.train.checkpoint.RUN_OPTIONS`, some
+    given anew); the metrics and report go on where they were. The caller has checked the checkpoint."""
+    from pipefisher.safe_io import dump_json_atomic
+    from pipefisher.schedule_file import read_schedule_meta
+
+    meta = read_schedule_meta(paths.schedule) or {}
+    cycles = [int(n["iterations"]) for n in meta.get("nodes", [])] or [1]
+    report = load_json(paths.report) if os.path.exists(paths.report) else {"run": paths.name}
+    echo(f"run {paths.name}: resuming from {paths.checkpoints}, training up to {steps} step(s) with its schedule "
+         f"(K-FAC cycle k={max(cycles)})")
+    t0 = time.perf_counter()
+    launcher(cfg, nproc, paths, echo)(scheduled_options(paths, steps, resume=os.path.abspath(paths.checkpoints),
+                                                        **options))
+    previous = report.get("training") or {}
+    report["training"] = training_summary(paths, steps, cycles, bool(options.get("adapt")),
+                                          previous.get("profile_seconds"), time.perf_counter() - t0, echo)
+    dump_json_atomic(paths.report, report)
+    for p in (paths.report, paths.metrics, paths.checkpoints):
         echo(f"wrote {p}")
     return paths

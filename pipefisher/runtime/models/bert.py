@@ -6,9 +6,13 @@ initialised from a generator seeded by the run seed and the parameter's full nam
 into stages holds exactly the weights of the same model in one process. The decoder is not tied to
 the word embeddings (they live on different stages).
 
+The model is transformers' ``BertForMaskedLM`` without token types (:func:`transformers_config`,
+:func:`to_transformers`), so ``pipefisher export`` writes it as a folder ``AutoModelForMaskedLM`` loads.
+
 With ``model.pretrained`` the stage starts from the weights ``pipefisher export`` wrote
 (:mod:`pipefisher.runtime.train.export`): a folder holding ``config.json`` (the model section it was
-trained with) and ``model.safetensors`` (or ``model.pt``), or such a weights file alone. The run
+trained with, under ``pipefisher``; ``model`` in older exports) and ``model.safetensors`` (or
+``model.pt``), or such a weights file alone, under transformers' names or this module's. The run
 config's model section must describe that model (:data:`PRETRAINED_KEYS`); a mismatch is refused in
 one line naming the keys, rather than loading weights into a model of another shape.
 """
@@ -36,6 +40,53 @@ PRETRAINED_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "inte
                    "layer_norm_eps")
 """The ``model`` keys a pretrained model must agree with: its shape, and its norms' epsilon (the run
 config stays the true description of the model it trains, which checkpoints and exports record)."""
+
+
+HF_PREFIX = "bert."
+"""transformers' ``BertForMaskedLM`` holds the embeddings and encoder under ``bert.``; ``cls`` is the same."""
+HF_DECODER_BIAS = ("cls.predictions.decoder.bias", "cls.predictions.bias")
+"""The decoder bias: here the decoder's own; transformers also has ``cls.predictions.bias``, tied to it
+(both are written: the release this was tested with loads the decoder's own, older ones the other)."""
+HF_TOKEN_TYPES = "bert.embeddings.token_type_embeddings.weight"
+"""transformers' token-type embeddings, which this model has not: one type whose row is zero adds nothing."""
+
+
+def transformers_config(model: ModelConfig) -> dict[str, Any]:
+    """The ``config.json`` keys of the transformers ``BertForMaskedLM`` that computes what this model
+    does: one token type (its embedding zero), exact GELU, untied output layer."""
+    return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "vocab_size": model.vocab_size,
+            "hidden_size": model.hidden_size, "num_hidden_layers": model.num_layers,
+            "num_attention_heads": model.num_heads, "intermediate_size": model.intermediate_size,
+            "hidden_act": "gelu", "hidden_dropout_prob": model.dropout, "attention_probs_dropout_prob": model.dropout,
+            "max_position_embeddings": model.max_position, "type_vocab_size": 1, "initializer_range": model.init_std,
+            "layer_norm_eps": model.layer_norm_eps, "pad_token_id": 0, "tie_word_embeddings": False}
+
+
+def to_transformers(state: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """The whole model's state dict under transformers' ``BertForMaskedLM`` names (with its zero token-type row)."""
+    out = {HF_TOKEN_TYPES: torch.zeros(1, model.hidden_size)}
+    for name, t in state.items():
+        out[name if name.startswith("cls.") else HF_PREFIX + name] = t
+    out[HF_DECODER_BIAS[1]] = state[HF_DECODER_BIAS[0]]
+    return out
+
+
+def from_transformers(state: Mapping[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """A state dict under transformers' names (:func:`to_transformers`) under this module's; one under
+    this module's names is returned as it is. A token-type row that is not zero is refused: this model
+    has no token types, and dropping the row would change what the model computes."""
+    if not any(k.startswith(HF_PREFIX) for k in state):
+        return dict(state)
+    types = state.get(HF_TOKEN_TYPES)
+    if types is not None and (types.shape[0] != 1 or bool(types.any())):
+        raise InputError(where, "model.pretrained: holds token-type embeddings that are not zero; the built-in "
+                                "model has no token types (train it with model.builder "
+                                "pipefisher.runtime.models.hf:bert_mlm instead)")
+    out = {name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else name: t for name, t in state.items()
+           if name not in (HF_TOKEN_TYPES, HF_DECODER_BIAS[1])}
+    if HF_DECODER_BIAS[0] not in out and HF_DECODER_BIAS[1] in state:
+        out[HF_DECODER_BIAS[0]] = state[HF_DECODER_BIAS[1]]
+    return out
 
 
 def build_stage(cfg: RunConfig, index: int, num_stages: int, seed: int) -> nn.Module:
@@ -66,6 +117,8 @@ def pretrained_weights(model: ModelConfig) -> str:
     if not os.path.isdir(path):
         raise InputError(path, "model.pretrained: no such file or folder (a folder pipefisher export wrote)")
     raw = load_json(os.path.join(path, CONFIG_FILE)) if os.path.isfile(os.path.join(path, CONFIG_FILE)) else None
+    if isinstance(raw, dict) and isinstance(raw.get("pipefisher"), dict):
+        raw = raw["pipefisher"]  # an export that transformers loads too: pipefisher's record under its own key
     if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
         kind = raw.get("model_type") if isinstance(raw, dict) else None
         hint = (f"; it holds a transformers {kind} model: train it with a model.builder of "
@@ -106,7 +159,7 @@ def load_pretrained(stage: nn.Module, model: ModelConfig) -> None:
     own = stage.state_dict()
     if any(t.is_meta for t in own.values()):
         return
-    found = read_weights(path)
+    found = from_transformers(read_weights(path), path)
     missing = [k for k in own if k not in found]
     wrong = [k for k in own if k in found and found[k].shape != own[k].shape]
     if missing or wrong:

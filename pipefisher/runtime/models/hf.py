@@ -1,14 +1,18 @@
-"""Hugging Face transformers models as pipeline stages: ``bert_mlm`` and ``gpt2_clm`` stage builders.
+"""Hugging Face transformers models as pipeline stages: ``bert_mlm``, ``gpt2_clm`` and ``llama_clm``
+stage builders.
 
-Name one in a run config (``model.builder: pipefisher.runtime.models.hf:gpt2_clm``) to train a transformers
-``BertForMaskedLM`` or ``GPT2LMHeadModel`` with random initial weights (nothing is downloaded), shaped by
-the config's ``model`` section. Each builder makes the whole model once, from a generator seeded by the
-run seed, and keeps only its stage's contiguous run of transformer blocks (the split of
-:func:`pipefisher.runtime.models.builders.stage_layers`), the embeddings on the first stage and the head on the
-last. So a split model holds exactly the unsplit model's weights, and every module keeps its
-transformers name (``bert.encoder.layer.3.attention.self.query``, ``transformer.h.3.mlp.c_fc``), so
-K-FAC keys and schedule labels name the same layer whichever stage holds it. Building the whole model
-in every process costs its memory for a moment: fine for models that fit in one process.
+Name one in a run config (``model.builder: pipefisher.runtime.models.hf:llama_clm``) to train a
+transformers ``BertForMaskedLM``, ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` (RMSNorm, rotary
+positions, gated MLP, grouped-query attention with ``model.options.num_key_value_heads`` key/value
+heads) with random initial weights (nothing is downloaded), shaped by the config's ``model`` section.
+Each builder makes the whole model once, from a generator seeded by the run seed, and keeps only its
+stage's contiguous run of transformer blocks (the split of
+:func:`pipefisher.runtime.models.builders.stage_layers`), the embeddings on the first stage and the
+head on the last. So a split model holds exactly the unsplit model's weights, and every module keeps
+its transformers name (``bert.encoder.layer.3.attention.self.query``, ``transformer.h.3.mlp.c_fc``,
+``model.layers.3.mlp.gate_proj``), so K-FAC keys and schedule labels name the same layer whichever
+stage holds it. Building the whole model in every process costs its memory for a moment: fine for
+models that fit in one process.
 
 The output layer is *not* tied to the input embeddings (transformers ties them by default): they live
 on different stages, so each has its own weights. transformers is imported inside the builders only,
@@ -18,9 +22,10 @@ so the rest of pipefisher never needs it.
 too): the whole model is loaded from it with ``from_pretrained(folder, local_files_only=True)`` (the
 hub is never contacted) instead of a random init, then split as above. The run config's ``model``
 section must describe it (:data:`pipefisher.runtime.models.bert.PRETRAINED_KEYS`: shape and norm
-epsilon), else one line names the folder and the differing keys; ``model.dropout`` is the run's. A
-model saved with tied embeddings loads with the output layer a copy of the word embeddings, so both
-stages start equal to the saved model; every weight must be in the folder (none starts random).
+epsilon; Llama's key/value heads too), else one line names the folder and the differing keys;
+``model.dropout`` is the run's. A model saved with tied embeddings loads with the output layer a copy
+of the word embeddings, so both stages start equal to the saved model; every weight must be in the
+folder (none starts random).
 """
 from __future__ import annotations
 
@@ -59,33 +64,67 @@ def _transformers() -> Any:
     return transformers
 
 
-def hf_config(model: ModelConfig, kind: str) -> Any:
-    """The transformers config (``kind``: ``bert`` or ``gpt2``) for the run config's ``model`` section.
+KINDS = {"bert": "BertForMaskedLM", "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+"""Each model kind's transformers class."""
 
-    Word embeddings and output layer are untied (they live on different stages); SDPA attention.
+CONFIG_CLASSES = {"bert": "BertConfig", "gpt2": "GPT2Config", "llama": "LlamaConfig"}
+"""Each model kind's transformers config class."""
+
+BUILDER_KINDS = {f"{__name__}:bert_mlm": "bert", f"{__name__}:gpt2_clm": "gpt2", f"{__name__}:llama_clm": "llama"}
+"""``model.builder`` -> the kind of model it builds (what ``pipefisher export`` rebuilds)."""
+
+AUTO_CLASSES = {"bert": "AutoModelForMaskedLM", "gpt2": "AutoModelForCausalLM", "llama": "AutoModelForCausalLM"}
+"""The transformers auto class that loads each kind's export."""
+
+
+def key_value_heads(model: ModelConfig) -> int:
+    """Llama's key/value heads: ``model.options.num_key_value_heads`` (grouped-query attention), else
+    ``model.num_heads`` (plain multi-head attention); a count that does not divide the heads is refused."""
+    kv = model.options.get("num_key_value_heads", model.num_heads)
+    if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or model.num_heads % kv:
+        raise InputError(None, f"model.options.num_key_value_heads must be a positive integer that divides "
+                               f"model.num_heads ({model.num_heads}), not {kv!r}")
+    return kv
+
+
+def _special_ids() -> dict[str, int]:
+    """The run vocabulary's special tokens as transformers configs name them (pad, and for causal
+    models bos/eos: ``[CLS]`` and the ``[SEP]`` that ends every document)."""
+    from pipefisher.runtime.data.corpus import SPECIAL_TOKENS
+
+    return {"pad_token_id": SPECIAL_TOKENS.index("[PAD]"), "bos_token_id": SPECIAL_TOKENS.index("[CLS]"),
+            "eos_token_id": SPECIAL_TOKENS.index("[SEP]")}
+
+
+def hf_config(model: ModelConfig, kind: str) -> Any:
+    """The transformers config (``kind``: one of :data:`KINDS`) for the run config's ``model`` section.
+
+    Word embeddings and output layer are untied (they live on different stages); SDPA attention. The
+    special token ids are the run vocabulary's (:func:`_special_ids`), so an export generates and pads
+    with the tokens its tokenizer has.
     """
     tf = _transformers()
     common = dict(vocab_size=model.vocab_size, initializer_range=model.init_std, tie_word_embeddings=False,
                   **_dropout(model, kind))
+    ids = _special_ids()
     if kind == "bert":
         cfg = tf.BertConfig(hidden_size=model.hidden_size, num_hidden_layers=model.num_layers,
                             num_attention_heads=model.num_heads, intermediate_size=model.intermediate_size,
                             max_position_embeddings=model.max_position, layer_norm_eps=model.layer_norm_eps,
-                            **common)
-    else:
-        # bos/eos inside the vocabulary (GPT-2's default 50256 is not in a small one); unused here.
+                            pad_token_id=ids["pad_token_id"], **common)
+    elif kind == "gpt2":
         cfg = tf.GPT2Config(n_embd=model.hidden_size, n_layer=model.num_layers, n_head=model.num_heads,
                             n_inner=model.intermediate_size, n_positions=model.max_position,
-                            layer_norm_epsilon=model.layer_norm_eps, bos_token_id=0, eos_token_id=0, **common)
+                            layer_norm_epsilon=model.layer_norm_eps, **ids, **common)
+    else:
+        theta = model.options.get("rope_theta", 10000.0)
+        cfg = tf.LlamaConfig(hidden_size=model.hidden_size, num_hidden_layers=model.num_layers,
+                             num_attention_heads=model.num_heads, num_key_value_heads=key_value_heads(model),
+                             intermediate_size=model.intermediate_size, max_position_embeddings=model.max_position,
+                             rms_norm_eps=model.layer_norm_eps,
+                             rope_parameters={"rope_type": "default", "rope_theta": float(theta)}, **ids, **common)
     cfg._attn_implementation = "sdpa"
     return cfg
-
-
-KINDS = {"bert": "BertForMaskedLM", "gpt2": "GPT2LMHeadModel"}
-"""Each model kind's transformers class."""
-
-BUILDER_KINDS = {f"{__name__}:bert_mlm": "bert", f"{__name__}:gpt2_clm": "gpt2"}
-"""``model.builder`` -> the kind of model it builds (what ``pipefisher export`` rebuilds)."""
 
 
 def _dropout(model: ModelConfig, kind: str) -> dict[str, float]:
@@ -94,7 +133,18 @@ def _dropout(model: ModelConfig, kind: str) -> dict[str, float]:
         return dict(hidden_dropout_prob=model.dropout, attention_probs_dropout_prob=model.dropout)
     if kind == "gpt2":
         return dict(resid_pdrop=model.dropout, embd_pdrop=model.dropout, attn_pdrop=model.dropout)
+    if kind == "llama":
+        return dict(attention_dropout=model.dropout)  # Llama has no other dropout
     raise ValueError(f"unknown Hugging Face model kind {kind!r}")
+
+
+def _shape(cfg: Any, kind: str) -> dict[str, Any]:
+    """A transformers config's :data:`pipefisher.runtime.models.bert.PRETRAINED_KEYS`, as the run config names them."""
+    inner = (cfg.n_inner or 4 * cfg.n_embd) if kind == "gpt2" else cfg.intermediate_size
+    eps = {"bert": "layer_norm_eps", "gpt2": "layer_norm_epsilon", "llama": "rms_norm_eps"}[kind]
+    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
+            "num_heads": cfg.num_attention_heads, "intermediate_size": inner,
+            "max_position": cfg.max_position_embeddings, "layer_norm_eps": getattr(cfg, eps)}
 
 
 def pretrained_config(model: ModelConfig, kind: str) -> Any:
@@ -112,17 +162,27 @@ def pretrained_config(model: ModelConfig, kind: str) -> Any:
     if found != kind:
         held = f"a {found} model" if found else f"no transformers model ({CONFIG_FILE} names no model_type)"
         raise InputError(folder, f"{where}: holds {held}, not a {kind} one")
-    cfg = (tf.BertConfig if kind == "bert" else tf.GPT2Config).from_pretrained(folder, local_files_only=True)
-    inner = cfg.intermediate_size if kind == "bert" else (cfg.n_inner or 4 * cfg.n_embd)
-    check_pretrained(folder, {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-                              "num_layers": cfg.num_hidden_layers, "num_heads": cfg.num_attention_heads,
-                              "intermediate_size": inner, "max_position": cfg.max_position_embeddings,
-                              "layer_norm_eps": cfg.layer_norm_eps if kind == "bert" else cfg.layer_norm_epsilon},
-                     model)
+    cfg = getattr(tf, CONFIG_CLASSES[kind]).from_pretrained(folder, local_files_only=True)
+    check_pretrained(folder, _shape(cfg, kind), model)
+    if kind == "llama" and cfg.num_key_value_heads != key_value_heads(model):
+        raise InputError(folder, f"model.pretrained holds a model that the run config's model section does not "
+                                 f"describe: num_key_value_heads {cfg.num_key_value_heads!r} there, "
+                                 f"{key_value_heads(model)!r} in the run config (set model.options.num_key_value_heads)")
     for key, value in _dropout(model, kind).items():
         setattr(cfg, key, value)
     cfg._attn_implementation = "sdpa"
     return cfg
+
+
+def export_config(model: ModelConfig) -> dict[str, Any] | None:
+    """The transformers config an export of this run writes (the pretrained folder's, where the run
+    started from one), as a dict a checkpoint keeps: so the export needs neither the folder nor the
+    working folder the run started in. None for builders other than these."""
+    kind = BUILDER_KINDS.get(model.builder)
+    if kind is None:
+        return None
+    cfg = pretrained_config(model, kind) if model.pretrained else hf_config(model, kind)
+    return cfg.to_dict()
 
 
 @contextmanager
@@ -190,34 +250,56 @@ def full_model(model: ModelConfig, kind: str, seed: int) -> nn.Module:
         return _untie(getattr(tf, KINDS[kind])(hf_config(model, kind)), kind)
 
 
-def export_model(model: ModelConfig, kind: str, state: dict[str, torch.Tensor]) -> nn.Module:
+def export_model(model: ModelConfig, kind: str, state: dict[str, torch.Tensor],
+                 config: dict[str, Any] | None = None) -> nn.Module:
     """The whole transformers model holding ``state`` (every stage's tensors), to ``save_pretrained``:
-    the run's config (the pretrained folder's, where the run started from one), embeddings untied. BERT's
-    decoder bias is left its own tensor here (untied, transformers keeps it apart), so that the saved
-    file holds it: saving drops a tied copy, and ``from_pretrained`` of an untied model would miss it."""
+    ``config`` (the dict :func:`export_config` gave when the run's checkpoint was written), else the
+    run's config (the pretrained folder's, where the run started from one, which must then still be
+    there: checkpoints written before the config was kept), embeddings untied. BERT's decoder bias is
+    left its own tensor here (untied, transformers keeps it apart), so that the saved file holds it:
+    saving drops a tied copy, and ``from_pretrained`` of an untied model would miss it."""
     tf = _transformers()
-    if model.pretrained and not os.path.isdir(model.pretrained):
-        raise InputError(model.pretrained, "model.pretrained of the run: no such folder; the export takes the "
-                                           "model's config from it (run it where the run ran, or restore the folder)")
-    config = pretrained_config(model, kind) if model.pretrained else hf_config(model, kind)
-    config.tie_word_embeddings = False
+    if config is not None:
+        hf_cfg = getattr(tf, CONFIG_CLASSES[kind]).from_dict(config)
+    else:
+        if model.pretrained and not os.path.isdir(model.pretrained):
+            raise InputError(model.pretrained, "model.pretrained of the run: no such folder; this checkpoint keeps no "
+                                               "model config (written before checkpoints kept it), so the export "
+                                               "takes it from that folder: restore it, or run the export where the "
+                                               "run ran")
+        hf_cfg = pretrained_config(model, kind) if model.pretrained else hf_config(model, kind)
+    hf_cfg.tie_word_embeddings = False
     with torch.random.fork_rng(devices=[]):
-        out = getattr(tf, KINDS[kind])(config)
+        out = getattr(tf, KINDS[kind])(hf_cfg)
     out.load_state_dict(state, strict=True)
     return out
 
 
-def export_pretrained(model: ModelConfig, kind: str, state: dict[str, torch.Tensor], folder: str) -> str:
+def export_pretrained(model: ModelConfig, kind: str, state: dict[str, torch.Tensor], folder: str,
+                      config: dict[str, Any] | None = None) -> str:
     """``save_pretrained`` (safetensors) of :func:`export_model` into ``folder``; what it wrote, in words."""
     tf = _transformers()
     with _quiet(tf):
-        export_model(model, kind, state).save_pretrained(folder, safe_serialization=True)
-    auto = "AutoModelForMaskedLM" if kind == "bert" else "AutoModelForCausalLM"
-    return f"a {KINDS[kind]} in safetensors (transformers.{auto}.from_pretrained loads it)"
+        export_model(model, kind, state, config).save_pretrained(folder, safe_serialization=True)
+    return f"a {KINDS[kind]} in safetensors (transformers.{AUTO_CLASSES[kind]}.from_pretrained loads it)"
+
+
+def positions(x: torch.Tensor) -> torch.Tensor:
+    """The position ids of a micro-batch of fixed-length windows: ``0 .. seq_len - 1``, one row."""
+    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+
+
+def causal_mask(config: Any, h: torch.Tensor, pos: torch.Tensor) -> Any:
+    """The causal mask transformers' decoder blocks take, as their models make it without a cache or an
+    attention mask (every window is full length, no padding)."""
+    from transformers.masking_utils import create_causal_mask
+
+    return create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                              position_ids=pos)
 
 
 class _Stage(nn.Module):
-    """What both builders' stages share: the pipeline-stage protocol's attributes."""
+    """What every builder's stages share: the pipeline-stage protocol's attributes."""
 
     def __init__(self, model: ModelConfig, index: int, num_stages: int) -> None:
         super().__init__()
@@ -227,6 +309,19 @@ class _Stage(nn.Module):
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.layer_ids = stage_layers(model.num_layers, num_stages)[index]
         self.hidden_size, self.vocab_size = model.hidden_size, model.vocab_size
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The last stage's head: hidden states to vocabulary logits."""
+        raise NotImplementedError
+
+    def _end(self, h: torch.Tensor, labels: torch.Tensor | None, sample: torch.Generator | None) -> Any:
+        """What the stage returns after its blocks: the hidden states, or on the last stage the logits (no
+        ``labels``) or the mean loss (``(loss, sampled_loss)`` with ``sample``, :func:`lm_loss`)."""
+        if not self.is_last:
+            return h
+        if labels is None:
+            return self._head(h)
+        return lm_loss(self._head, h, labels, sample)
 
 
 class BertStage(_Stage):
@@ -242,6 +337,9 @@ class BertStage(_Stage):
         self.bert.encoder.layer = nn.ModuleDict({str(i): full.bert.encoder.layer[i] for i in self.layer_ids})
         self.cls = full.cls if self.is_last else None
 
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.cls(h)
+
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
                 sample: torch.Generator | None = None) -> Any:
         """Hidden states (not the last stage), logits (last, no labels), the mean MLM loss, or
@@ -253,11 +351,7 @@ class BertStage(_Stage):
         mask = create_bidirectional_mask(config=self.config, inputs_embeds=h, attention_mask=None)
         for layer in self.bert.encoder.layer.values():
             h = layer(h, mask, None, encoder_attention_mask=None, past_key_values=None)
-        if self.cls is None:
-            return h
-        if labels is None:
-            return self.cls(h)
-        return lm_loss(self.cls, h, labels, sample)
+        return self._end(h, labels, sample)
 
 
 class GPT2Stage(_Stage):
@@ -284,24 +378,53 @@ class GPT2Stage(_Stage):
                 sample: torch.Generator | None = None) -> Any:
         """Hidden states, logits, or the mean causal-LM loss; ``labels`` are already the next tokens
         (``data.objective: clm``), so they are not shifted again. ``sample``: as in the built-in model."""
-        from transformers.masking_utils import create_causal_mask
-
         # As GPT2Model.forward (transformers 5.23) does without a cache or an attention mask.
-        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        pos = positions(x)
         if self.is_first:
             t = self.transformer
             h = t.drop(t.wte(x) + t.wpe(pos))
         else:
             h = x
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
-                                  past_key_values=None, position_ids=pos)
+        mask = causal_mask(self.config, h, pos)
         for block in self.transformer.h.values():
             h = block(h, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=pos)
-        if not self.is_last:
-            return h
-        if labels is None:
-            return self._head(h)
-        return lm_loss(self._head, h, labels, sample)
+        return self._end(h, labels, sample)
+
+
+class LlamaStage(_Stage):
+    """A run of ``LlamaForCausalLM``'s decoder layers; ``model.embed_tokens`` on the first stage,
+    ``model.norm`` and the (untied) ``lm_head`` on the last; every stage its own copy of
+    ``model.rotary_emb`` (buffers only, not saved), since each layer takes the rotary angles as input."""
+
+    def __init__(self, model: ModelConfig, index: int, num_stages: int, seed: int) -> None:
+        super().__init__(model, index, num_stages)
+        full = full_model(model, "llama", seed)
+        self.config = full.config
+        m = full.model
+        self.model = nn.Module()
+        if self.is_first:
+            self.model.embed_tokens = m.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): m.layers[i] for i in self.layer_ids})
+        self.model.rotary_emb = m.rotary_emb
+        if self.is_last:
+            self.model.norm = m.norm
+        self.lm_head = full.lm_head if self.is_last else None
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                sample: torch.Generator | None = None) -> Any:
+        """Hidden states, logits, or the mean causal-LM loss of labels that are already the next tokens
+        (as :class:`GPT2Stage`); as ``LlamaModel.forward`` (transformers 5.23) without a cache or mask."""
+        pos = positions(x)
+        h = self.model.embed_tokens(x) if self.is_first else x
+        mask = causal_mask(self.config, h, pos)
+        angles = self.model.rotary_emb(h, position_ids=pos)
+        for layer in self.model.layers.values():
+            h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=None, use_cache=False,
+                      position_embeddings=angles)
+        return self._end(h, labels, sample)
 
 
 def bert_mlm(cfg: RunConfig, index: int, num_stages: int, seed: int) -> nn.Module:
@@ -313,3 +436,11 @@ def gpt2_clm(cfg: RunConfig, index: int, num_stages: int, seed: int) -> nn.Modul
     """Stage builder: stage ``index`` of a transformers ``GPT2LMHeadModel`` (``lm_head`` untied from
     ``wte``) split into ``num_stages``; train it with ``data.objective: clm``."""
     return GPT2Stage(cfg.model, index, num_stages, seed)
+
+
+def llama_clm(cfg: RunConfig, index: int, num_stages: int, seed: int) -> nn.Module:
+    """Stage builder: stage ``index`` of a transformers ``LlamaForCausalLM`` (``lm_head`` untied from
+    ``model.embed_tokens``) split into ``num_stages``; ``model.options``: ``num_key_value_heads``
+    (grouped-query attention; default ``model.num_heads``) and ``rope_theta`` (default 10000); train
+    it with ``data.objective: clm``."""
+    return LlamaStage(cfg.model, index, num_stages, seed)

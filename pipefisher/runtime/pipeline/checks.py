@@ -26,7 +26,7 @@ from pipefisher.rules.waits import group_violations
 from pipefisher.runtime.job.config import RunConfig, current_builder
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, PIPELINE_CALLS, WEIGHT, labelled, parse_label
 from pipefisher.runtime.pipeline.layout import is_chimera, node_kfac_names, sync_copies
-from pipefisher.schedule_file import load_schedule, schedule_packed_for
+from pipefisher.schedule_file import load_schedule, modules_difference, schedule_packed_for
 from pipefisher.timeline import UP_SUFFIX
 
 
@@ -215,9 +215,7 @@ def schedule_mismatch(recorded: Mapping[str, Any], cfg: RunConfig) -> str | None
             n = nodes[0] if nodes else 0
             ours = here[key][n] if n < len(here[key]) else []
             theirs = want[n] if isinstance(want, list) and n < len(want) and isinstance(want[n], list) else []
-            odd = sorted(set(theirs) ^ set(ours))
-            diffs.append(f"node {n}'s K-FAC modules ({len(theirs)} packed for, {len(ours)} here"
-                         + (f"; e.g. '{odd[0]}'" if odd else "") + ")")
+            diffs.append(modules_difference(n, theirs, ours, "in this run"))
         else:
             diffs.append(f"{key} {want!r} (this run: {here[key]!r})")
     return ", ".join(diffs) or None

@@ -4,13 +4,16 @@ Layout of a checkpoint folder::
 
     checkpoint.json                         manifest: steps done, config, mode, schedule digest, layout,
                                             K-FAC cycle k of the job (``cycle``) and of each node, the
-                                            step the learning rate decays to (``lr_horizon``)
+                                            step the learning rate decays to (``lr_horizon``), the
+                                            transformers config an export writes (``export_config``,
+                                            Hugging Face builders), the run's options (``options``)
+    tokenizer.json                          the run's tokenizer (text corpora), for ``pipefisher export``
     step-00000012/stage0-replica0.pt        one torch file per worker (stage, replica)
     step-00000012/stage1-replica0.pt
 
 Every worker writes its file through a temp file and a rename; after a barrier, rank 0 points the
-manifest at the new step folder (also a rename) and removes older ones, so a crash at any moment
-leaves the previous checkpoint whole. A worker file holds the stage's parameters (both stage copies
+manifest at the new step folder (also a rename) and removes older ones beyond the newest
+``checkpoint.keep`` (1: only the newest), so a crash at any moment leaves the previous checkpoint whole. A worker file holds the stage's parameters (both stage copies
 under Chimera, every chunk when interleaved), the optimizer state, the K-FAC state of each copy (factors, inverses, pi scales,
 saving flag and any saved micro-batches still waiting for their covariance pieces, and what the next
 refresh's drift is measured with: the gradient last preconditioned, its preconditioned gradient, the
@@ -30,15 +33,17 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from pipefisher.errors import InputError, first_line
-from pipefisher.runtime.job.config import DEFAULT_BUILDER, current_builder
-from pipefisher.safe_io import atomic_path, dump_json_atomic, load_json
+from pipefisher.runtime.job.config import DEFAULT_BUILDER, OptimConfig, current_builder
+from pipefisher.safe_io import atomic_path, dump_json_atomic, load_json, write_atomic
 
 if TYPE_CHECKING:
     from pipefisher.runtime.train.trainer import Trainer
 
 MANIFEST = "checkpoint.json"
+TOKENIZER = "tokenizer.json"
+"""The run's tokenizer, beside the manifest: what ``pipefisher export`` writes out with the model."""
 FORMAT = 2  # 2: running-average factors, damping schedule, optimizer pair
-_VOLATILE = {("pipeline", "timeout_s"), ("train", "recompute"), ("train", "loss_scale")}  # may change between a run and its resumption
+_VOLATILE = {("pipeline", "timeout_s"), ("train", "recompute"), ("train", "loss_scale"), ("checkpoint", "keep")}  # may change between a run and its resumption
 LR_SCHEDULE_KEYS = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "schedule"), ("optim", "decay_steps"),
                     ("optim", "min_lr_ratio"), ("kfac", "lr"))
 """The learning-rate schedule: a resumed run may change it on purpose (one line says what changed)."""
@@ -48,7 +53,9 @@ def _added_later() -> dict[tuple[str, str], Any]:
     """Config keys newer than some checkpoints, with the value a run had before the key existed."""
     return {("model", "builder"): DEFAULT_BUILDER, ("model", "options"): {}, ("data", "objective"): "mlm",
             ("model", "pretrained"): "", ("data", "builder"): "", ("data", "dataset"): "", ("data", "column"): "text",
-            ("train", "precision"): "fp32", ("train", "loss_scale"): 65536.0}
+            ("train", "precision"): "fp32", ("train", "loss_scale"): 65536.0, ("checkpoint", "keep"): 1,
+            **{("optim", key): _jsonable(getattr(OptimConfig(), key))
+               for key in ("muon_momentum", "muon_include", "muon_exclude")}}
 
 
 def step_folder(steps_done: int) -> str:
@@ -143,6 +150,24 @@ def load_kfac_state(kfac: Any, state: dict[str, Any], path: str) -> None:
 # ----------------------------------------------------------------------------------------------------
 # Writing
 
+RUN_OPTIONS = ("adapt", "adapt_policy", "margin", "eval_every", "checkpoint_every", "log_every", "tensorboard")
+"""The training options a manifest records (``options``): what ``pipefisher run --resume`` runs again."""
+
+
+def _export_config(cfg: Any) -> dict[str, Any] | None:
+    """The transformers config of a Hugging Face builder's model (:func:`pipefisher.runtime.models.hf.export_config`)."""
+    from pipefisher.runtime.models.hf import BUILDER_KINDS, export_config
+
+    return _jsonable(export_config(cfg.model)) if cfg.model.builder in BUILDER_KINDS else None
+
+
+def stale_steps(folder: str, steps_done: int, keep: int) -> list[str]:
+    """The step folders in ``folder`` to remove once the checkpoint of ``steps_done`` is complete: all
+    but the newest ``keep`` of those up to it (a newer one, of a run that went further, is never touched)."""
+    steps = sorted((int(e[5:]), e) for e in os.listdir(folder)
+                   if e.startswith("step-") and e[5:].isdigit() and int(e[5:]) <= steps_done)
+    return [e for _, e in steps[:-keep]]
+
 
 def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
     """Write this worker's part after ``steps_done`` steps; every worker of the job must call it."""
@@ -178,6 +203,9 @@ def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
     if trainer.ctx.distributed:
         dist.barrier()  # every part is on disk before the manifest points at it
     if g.rank == 0:
+        corpus = getattr(trainer.data, "corpus", None)
+        if corpus is not None and corpus.tokenizer_json:  # the vocabulary the ids mean, for pipefisher export
+            write_atomic(os.path.join(folder, TOKENIZER), corpus.tokenizer_json)
         dump_json_atomic(os.path.join(folder, MANIFEST), {
             "format": FORMAT,
             "steps_done": steps_done,
@@ -197,10 +225,13 @@ def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
             "lr_horizon": trainer.updater.schedule.total_steps,
             "fingerprint": trainer.cfg.fingerprint(),
             "config": _jsonable(trainer.cfg.to_dict()),
+            # what an export writes as the transformers config: it needs no pretrained folder then
+            "export_config": _export_config(trainer.cfg),
+            # how the run trains (pipefisher run --resume continues it so)
+            "options": {k: getattr(trainer.opts, k) for k in RUN_OPTIONS},
         })
-        for entry in os.listdir(folder):  # older checkpoints only: a newer one is never touched
-            if entry.startswith("step-") and entry[5:].isdigit() and int(entry[5:]) < steps_done:
-                shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+        for entry in stale_steps(folder, steps_done, trainer.cfg.checkpoint.keep):
+            shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
     if trainer.ctx.distributed:
         # the manifest is written before any worker goes on: one that resumes from this folder right
         # away (a driver's next run) must not find it missing, or an older one being swept
@@ -285,9 +316,11 @@ def lr_horizon(man: dict[str, Any], cfg: Any, steps: int) -> int:
     return int(recorded)
 
 
-def resume_note(folder: str | os.PathLike[str], cfg: Any, steps: int) -> str | None:
+def resume_note(folder: str | os.PathLike[str], cfg: Any, steps: int, past_decay: bool = False) -> str | None:
     """The line a resumed run prints about its learning-rate schedule, or None when there is nothing to say:
-    what the user changed on purpose, or that the steps past the first run's decay keep its final rate."""
+    what the user changed on purpose, or (``past_decay``) that the steps past the first run's decay keep
+    its final rate. Without ``past_decay`` such steps are refused (:class:`InputError`), with the fix:
+    they would train at the decayed rate (0 by default), which is rarely what more steps are for."""
     man = read_manifest(folder)
     changes = lr_schedule_changes(man, cfg)
     horizon = lr_horizon(man, cfg, steps)
@@ -297,9 +330,14 @@ def resume_note(folder: str | os.PathLike[str], cfg: Any, steps: int) -> str | N
     o = cfg.optim
     if man.get("lr_horizon") is None or steps <= horizon or o.schedule == "constant":
         return None
+    final = f"{o.min_lr_ratio * o.lr:g} (optim.min_lr_ratio x optim.lr)"
+    if not past_decay:
+        raise InputError(os.fspath(folder), f"holds a run whose {o.schedule} learning-rate schedule decayed to step "
+                                            f"{horizon}: --steps {steps} would train steps {horizon}-{steps - 1} at "
+                                            f"its final rate {final}; --set optim.decay_steps={steps} decays over all "
+                                            f"{steps} steps instead, --past-decay trains them at the final rate")
     return (f"resuming: the learning rate keeps the schedule of the checkpoint's run, which decayed to step "
-            f"{horizon}; steps {horizon}-{steps - 1} run at its final rate {o.min_lr_ratio * o.lr:g} "
-            f"(optim.min_lr_ratio x optim.lr); --set optim.decay_steps={steps} decays over all {steps} steps instead")
+            f"{horizon}; steps {horizon}-{steps - 1} run at its final rate {final} (--past-decay)")
 
 
 def load_checkpoint(folder: str, trainer: "Trainer") -> int:

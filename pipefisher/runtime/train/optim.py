@@ -1,9 +1,12 @@
-"""First-order optimizers as transformer trainers use them: parameter groups, AdamW, LAMB, warm-up then
-decay, global-norm clipping.
+"""First-order optimizers as transformer trainers use them: parameter groups, AdamW, LAMB, Muon with
+AdamW, warm-up then decay, global-norm clipping.
 
 LAMB is written here: the published PipeFisher BERT runs used it, and no maintained library provides it
 without a heavy dependency stack (timm needs a torchvision matching the torch build; torch-optimizer
 has been unmaintained since 2021; torch itself has none).
+
+Muon is torch's own (``torch.optim.Muon``, torch >= 2.9): this module only decides which parameters it
+takes (:func:`muon_split`) and pairs it with AdamW for the rest (:class:`MuonWithAdamW`).
 
 Everything here is per stage: each pipeline stage owns the optimizer of its own parameters. The only
 collective is :func:`clip_grad_norm`'s all-reduce, so that every stage clips by the same global norm.
@@ -11,12 +14,15 @@ collective is :func:`clip_grad_norm`'s all-reduce, so that every stage clips by 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipefisher.errors import InputError
+from pipefisher.kfac.kfac import is_ignored
 from pipefisher.runtime.job.config import LR_SCHEDULES, OptimConfig
 
 NO_DECAY_MARKERS = ("LayerNorm",)
@@ -55,6 +61,120 @@ def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay:
     groups = [{"params": decay, "weight_decay": float(weight_decay), "group": "decay"},
               {"params": plain, "weight_decay": 0.0, "group": "no_decay"}]
     return [g for g in groups if g["params"]]
+
+
+MUON_SINCE = "2.9"
+"""The first torch release with ``torch.optim.Muon``."""
+
+
+def muon_refusal() -> str | None:
+    """Why this torch cannot run ``optim.name: muon`` (one line), or None when it can: it needs
+    ``torch.optim.Muon`` with the ``adjust_lr_fn`` argument (:func:`make_muon` passes ``match_rms_adamw``)."""
+    import inspect
+
+    muon = getattr(torch.optim, "Muon", None)
+    if muon is not None and "adjust_lr_fn" in inspect.signature(muon).parameters:
+        return None
+    return (f"optim.name muon needs torch >= {MUON_SINCE} (torch.optim.Muon); this torch is {torch.__version__}: "
+            f"pip install 'torch>={MUON_SINCE}', or choose another optim.name")
+
+
+def check_optimizer(cfg: OptimConfig, where: str | os.PathLike[str] | None = None) -> None:
+    """Refuse, before any worker starts, an optimizer this torch lacks (one line naming ``where``)."""
+    if cfg.name == "muon" and (why := muon_refusal()):
+        raise InputError(where, why)
+
+
+def muon_split(named_params: Iterable[tuple[str, nn.Parameter]], cfg: OptimConfig
+               ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """The rule of ``optim.name: muon``: (Muon's parameters, AdamW's), each in model order.
+
+    Muon takes a trainable parameter when it is 2-D (a weight matrix: torch's Muon takes nothing else),
+    ``cfg.muon_include`` is empty or names it, and ``cfg.muon_exclude`` does not. A pattern names a
+    parameter as ``kfac.ignore`` names a module (:func:`pipefisher.kfac.kfac.is_ignored`): it equals one
+    of the dotted parts of its name (``embeddings`` names ``embeddings.word_embeddings.weight``) or is a
+    dotted prefix of it (``encoder.layer.0``). The default exclusions are input embeddings and output
+    heads (:data:`pipefisher.runtime.job.config.DEFAULT_MUON_EXCLUDE`), which Muon is not meant for;
+    biases and norms are 1-D, so they always go to AdamW. Frozen parameters are left out and a
+    parameter met twice (tied weights) is kept once, under its first name.
+    """
+    muon: list[tuple[str, nn.Parameter]] = []
+    rest: list[tuple[str, nn.Parameter]] = []
+    seen: set[int] = set()
+    for name, p in named_params:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        takes = (p.ndim == 2 and (not cfg.muon_include or is_ignored(name, cfg.muon_include))
+                 and not is_ignored(name, cfg.muon_exclude))
+        (muon if takes else rest).append((name, p))
+    return muon, rest
+
+
+class MuonWithAdamW:
+    """torch's Muon on the hidden weight matrices and torch's AdamW on every other parameter, as one
+    optimizer: what the trainer, the learning-rate schedule and checkpoints use of an optimizer.
+
+    ``param_groups`` is one view of both optimizers' groups (Muon's first, labelled ``muon``; then
+    AdamW's ``decay`` and ``no_decay``): setting a group's ``lr`` sets it in the optimizer that owns
+    it. ``step`` and ``zero_grad`` go to both; ``state_dict`` holds both (``muon`` is None on a stage
+    where no parameter is Muon's, e.g. a head-only stage). Muon's learning rate is scaled per matrix to
+    match AdamW's update size (``adjust_lr_fn="match_rms_adamw"``, Liu et al. 2025, "Muon is Scalable
+    for LLM Training"), so one peak ``lr`` serves both groups.
+    """
+
+    def __init__(self, muon: torch.optim.Optimizer | None, adamw: torch.optim.Optimizer) -> None:
+        self.muon, self.adamw = muon, adamw
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.muon, self.adamw) if o is not None]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        """Per-parameter state of both optimizers (parameters are never in both)."""
+        return {p: st for o in self.optimizers for p, st in o.state.items()}
+
+    def step(self, closure: Any = None) -> Any:
+        """Both optimizers' steps (each under no_grad, as torch's are), after ``closure`` if given."""
+        loss = None if closure is None else closure()
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"muon": None if self.muon is None else self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or set(state) != {"muon", "adamw"} \
+                or (state["muon"] is None) != (self.muon is None):
+            raise ValueError("the saved optimizer state is not that of Muon with AdamW over these parameters")
+        if self.muon is not None:
+            self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])
+
+
+def make_muon(cfg: OptimConfig, named_params: Iterable[tuple[str, nn.Parameter]]) -> MuonWithAdamW:
+    """``optim.name: muon``: torch's Muon on :func:`muon_split`'s matrices (momentum ``cfg.muon_momentum``,
+    Nesterov, decoupled weight decay ``cfg.weight_decay``), AdamW on the rest (:func:`param_groups`)."""
+    check_optimizer(cfg)
+    muon_named, rest = muon_split(named_params, cfg)
+    muon = None
+    if muon_named:
+        muon = torch.optim.Muon([{"params": [p for _, p in muon_named], "group": "muon"}], lr=cfg.lr,
+                                weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True,
+                                adjust_lr_fn="match_rms_adamw")
+    groups = param_groups(rest, cfg.weight_decay) or [{"params": [], "weight_decay": 0.0, "group": "no_decay"}]
+    adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=(float(cfg.betas[0]), float(cfg.betas[1])), eps=cfg.eps)
+    return MuonWithAdamW(muon, adamw)
 
 
 class Lamb(torch.optim.Optimizer):
@@ -119,19 +239,23 @@ class Lamb(torch.optim.Optimizer):
         return loss
 
 
-def make_optimizer(cfg: OptimConfig, named_params: Iterable[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+def make_optimizer(cfg: OptimConfig, named_params: Iterable[tuple[str, nn.Parameter]]
+                   ) -> torch.optim.Optimizer | MuonWithAdamW:
     """The configured optimizer over :func:`param_groups` (weight decay never on biases or norms).
 
-    ``adamw`` and ``lamb``: decoupled weight decay (``p -= lr * wd * p`` beside the adaptive step);
+    ``adamw``, ``lamb`` and ``muon``: decoupled weight decay (``p -= lr * wd * p`` beside the step);
     ``adam`` and ``sgd``: coupled L2 decay (``wd * p`` added to the gradient), as torch defines them,
-    on the decay group only. With no trainable parameter (every one handed to K-FAC's own update) the
-    optimizer holds one empty group, so setting learning rates and stepping still work.
+    on the decay group only; ``muon``: :func:`make_muon`. With no trainable parameter (every one handed
+    to K-FAC's own update) the optimizer holds one empty group, so setting learning rates and stepping
+    still work.
     """
+    if len(cfg.betas) != 2:
+        raise ValueError(f"optim.betas must be two numbers, not {cfg.betas!r}")
+    if cfg.name == "muon":
+        return make_muon(cfg, named_params)
     groups = param_groups(named_params, cfg.weight_decay)
     if not groups:
         groups = [{"params": [], "weight_decay": 0.0, "group": "no_decay"}]
-    if len(cfg.betas) != 2:
-        raise ValueError(f"optim.betas must be two numbers, not {cfg.betas!r}")
     betas = (float(cfg.betas[0]), float(cfg.betas[1]))
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
@@ -188,7 +312,7 @@ class LRSchedule:
         return lr_factor(step, warmup_steps=c.warmup_steps, total_steps=self.total_steps, schedule=c.schedule,
                          min_lr_ratio=c.min_lr_ratio)
 
-    def apply(self, optimizer: torch.optim.Optimizer, step: int, peak_lr: float | None = None) -> float:
+    def apply(self, optimizer: torch.optim.Optimizer | MuonWithAdamW, step: int, peak_lr: float | None = None) -> float:
         """Set every group's lr to ``peak_lr * factor(step)`` (``peak_lr`` defaults to ``cfg.lr``; K-FAC's
         momentum update passes its own); returns that lr."""
         lr = (self.cfg.lr if peak_lr is None else float(peak_lr)) * self.factor(step)

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+EVENT_FILES = "events.out.tfevents."
+"""How TensorBoard names its event files: a folder holding one holds a TensorBoard run."""
+
 MISSING = "--tensorboard needs the tensorboard package: pip install 'pipefisher[tensorboard]'"
 
 TAGS = {"loss": "loss/train", "val_loss": "loss/held_out", "lr": "optim/lr", "step_seconds": "time/step_seconds",
@@ -37,6 +40,13 @@ def available() -> bool:
         return importlib.util.find_spec("tensorboard") is not None
     except (ImportError, ValueError):
         return False
+
+
+def holds_run(folder: str) -> bool:
+    """Whether ``folder`` already holds a TensorBoard run (event files), which another run would mix with."""
+    import os
+
+    return os.path.isdir(folder) and any(e.startswith(EVENT_FILES) for e in os.listdir(folder))
 
 
 class TensorBoardLog:

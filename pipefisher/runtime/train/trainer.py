@@ -91,6 +91,9 @@ class TrainOptions:
     margin: float | None = None
     schedule_timelines: tuple[str, ...] | None = None
     measure_prefix: str | None = None
+    # the job's staleness curve for ``adapt`` (None: none, the drift rule sets k), as data: options travel to
+    # the workers as JSON (:meth:`pipefisher.staleness.StalenessCurve.to_data`)
+    staleness: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -103,6 +106,13 @@ class TrainOptions:
             raise ValueError("profiling runs kfac steps, not a schedule")
         if not 0 < self.adapt_aging_low < self.adapt_aging_high:
             raise ValueError("the drift rule's aging thresholds need 0 < adapt_aging_low < adapt_aging_high")
+
+    @property
+    def staleness_curve(self) -> Any:
+        """:attr:`staleness` as a :class:`~pipefisher.staleness.StalenessCurve` (None without one)."""
+        from pipefisher.staleness import StalenessCurve
+
+        return None if self.staleness is None else StalenessCurve.from_data(self.staleness, "--staleness")
 
     @property
     def effective_mode(self) -> str:
@@ -120,7 +130,15 @@ class WorkerResult:
     # held-out loss after a step: (steps done, loss, training seconds so far); last stage only
     val: list[tuple[int, float, float]] = field(default_factory=list)
     peak_memory_bytes: int = 0  # this process, over the training steps
+    base_memory_bytes: int = 0  # what it held as the steps began (the built model), on the peak's counter
     peak_saved_bytes: int = 0  # K-FAC inputs/output gradients waiting for their covariance piece
+
+    @property
+    def peak_above_base_bytes(self) -> int:
+        """The peak above what the process held as the steps began: what the steps themselves took. Never
+        below 0: the kernel's resident-set counters are approximate (per-CPU batches), so on CPU a peak
+        within a fraction of a MiB of the start can read a little below it; that is noise, shown as 0."""
+        return max(0, self.peak_memory_bytes - self.base_memory_bytes)
 
     def median_step_seconds(self, skip: int = 1) -> float:
         times = self.step_seconds[skip:] or self.step_seconds
@@ -141,7 +159,9 @@ class Trainer:
         if ctx.chimera != self.chimera:
             raise ValueError("the process groups were set up for another pipeline schedule than the config's")
         self.reporter = g.stage == loss_device(cfg) and g.replica == 0  # it holds the loss
-        self._phase(f"loading data ({cfg.data.text} text)")
+        from pipefisher.runtime.data.sources import describe_source
+
+        self._phase(f"loading data ({describe_source(cfg.data)})")
         self.data = MLMData(cfg.data, cfg.model.vocab_size)
         self.val_batches = self.data.validation_batches() if opts.eval_every else []
         self.profiler = Profiler(opts.profile, ctx.device)
@@ -180,6 +200,8 @@ class Trainer:
 
             self._phase(f"loading the checkpoint in {opts.resume}")
             self.start_step = load_checkpoint(opts.resume, self)
+        elif cfg.model.pretrained and self.reporter:  # said also without phase lines: what the run trains
+            click.echo(f"model.pretrained: the model starts from the weights in {cfg.model.pretrained}")
 
     def _schedule_loop(self) -> Any:
         """The closed loop (:class:`pipefisher.runtime.train.adapt.ScheduleLoop`) of this worker."""
@@ -215,7 +237,8 @@ class Trainer:
                                        **({"policy": opts.adapt_policy, "margin": margin, "window": opts.adapt_window,
                                            "q": opts.adapt_quantile, "tie": opts.adapt_tie,
                                            "aging_low": opts.adapt_aging_low, "aging_high": opts.adapt_aging_high,
-                                           "max_cycle": opts.adapt_max_cycle or max(1, min(DRIFT_MAX_CYCLE, opts.steps // 4))}
+                                           "max_cycle": opts.adapt_max_cycle or max(1, min(DRIFT_MAX_CYCLE, opts.steps // 4)),
+                                           "staleness": opts.staleness_curve}
                                           if opts.adapt else {}))
         prefix = opts.measure_prefix or (os.path.join(opts.out, self.cfg.name) if opts.out else None)
         collective = None
@@ -348,6 +371,7 @@ class Trainer:
         metrics: list[tuple[int, float | None, float | None, float, float, int | None]] = []
         train_seconds = 0.0
         memory.reset_peak(self.ctx.device)
+        result.base_memory_bytes = memory.peak_bytes(self.ctx.device)  # just reset: what it holds now
         if self.kfac is not None:
             self.kfac.reset_peak_saved()
         if opts.out is not None and self.reporter and self.data.corpus is not None:
