@@ -1,6 +1,8 @@
 #!/usr/bin/env python
-"""The closed loop's drift rule against measured staleness: AdamW, the default policy's static schedule
-and the adaptive run whose cycle k follows the run's own curvature drift, in one run, same seeds.
+"""The closed loop's drift rule, checked against measured staleness curves.
+
+AdamW, the default policy's static schedule and the adaptive run whose cycle k follows the run's own
+curvature drift, in one run, same seeds.
 
 Everything else is the convergence benchmark's (``scripts/bench_convergence.py``): the model, data and
 seeds, two stages on one core each, the AdamW sweep chosen on training loss only, the target (the median
