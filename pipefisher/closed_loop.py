@@ -253,13 +253,14 @@ class AdaptiveScheduler(Scheduler):
         self.overran = self.overran[-1:] + [sorted(map(list, overran(records, self.current)))]
 
     def observe_drift(self, refreshes: Sequence[Refresh]) -> None:
-        """The drift rule's input (each refresh's aging), without a staleness curve. The first two cycles
-        after a switch (and the run's first two) are left out: their refreshes are measured against
-        refreshes the old schedule placed, at distances it set, not this one's k and 2k."""
-        if self.rule is None or self._since_switch <= 2:
+        """The drift rule's input (each refresh's aging), without a staleness curve: only refreshes whose
+        refreshes one and two back were k and 2k steps before them, at the k in force. Right after a
+        switch they are not (the old schedule placed them, at its distances), nor at a run's start."""
+        if self.rule is None:
             return
+        k = max(self.current.cycles)
         for r in refreshes:
-            if r.aging is not None:
+            if r.aging is not None and r.lags == (k, 2 * k):
                 self.rule.observe(r.aging)
 
     def measured_timelines(self) -> Timelines:

@@ -47,8 +47,10 @@ AGING_HIGH = 0.40
 1.33 and 0.31; the curve charges the doubling from 4 to 8 47 % more steps. Between the two thresholds the
 cycle holds (hysteresis): their ratio, 4, exceeds what one doubling of k usually did to the aging in the
 calibration (1.6-3.4x), so a cycle rarely goes back and forth between two lengths."""
-DRIFT_SAMPLES = 2
-"""Refreshes at one cycle length whose median decides (one refresh is noisy)."""
+DRIFT_SAMPLES = 3
+"""Refreshes at one cycle length whose median decides. One refresh's aging is noisy (in the calibration
+its 10th-90th percentiles at one k spanned -0.3 to 2.8): of three, one outlying refresh cannot decide (the
+median of two would be their mean)."""
 DRIFT_MAX_CYCLE = 64
 """The longest cycle the rule grows to (K-FAC practice on large models refreshes every 10-100 steps)."""
 
@@ -63,15 +65,17 @@ class DriftSample:
     change: float  # ||P_n(G) - P_{n-1}(G)||_F^2
     change2: float | None  # ||P_n(G) - P_{n-2}(G)||_F^2 (None: no refresh two back yet)
     norm: float  # ||P_n(G)||_F^2
+    lags: tuple[int, int] | None = None  # steps since refresh n-1 and since n-2 (None: not known)
 
     def state(self) -> list[Any]:
-        return [self.step, self.node, self.layer, self.change, self.change2, self.norm]
+        return [self.step, self.node, self.layer, self.change, self.change2, self.norm,
+                None if self.lags is None else list(self.lags)]
 
     @classmethod
     def from_state(cls, x: Iterable[Any]) -> "DriftSample":
-        step, node, layer, change, change2, norm = x
+        step, node, layer, change, change2, norm, lags = x
         return cls(int(step), int(node), str(layer), float(change), None if change2 is None else float(change2),
-                   float(norm))
+                   float(norm), None if lags is None else (int(lags[0]), int(lags[1])))
 
 
 def relative(change: float, norm: float) -> float:
@@ -96,10 +100,13 @@ class Refresh:
     aging: float | None = None  # None until two refreshes back exist
     layers: dict[str, float] = field(default_factory=dict)  # drift per layer
     layer_aging: dict[str, float | None] = field(default_factory=dict)
+    lags: tuple[int, int] | None = None
+    """Steps from the refreshes one and two back to this one, the same for every layer its aging is taken
+    over (a cycle of k: (k, 2k)); None where they differ or are not known (after a switch)."""
 
     def state(self) -> dict[str, Any]:
         return {"step": self.step, "drift": self.drift, "aging": self.aging, "layers": dict(self.layers),
-                "layer_aging": dict(self.layer_aging)}
+                "layer_aging": dict(self.layer_aging), "lags": None if self.lags is None else list(self.lags)}
 
 
 def refreshes(samples: Iterable[DriftSample], group: Callable[[int], int] = lambda step: step) -> list[Refresh]:
@@ -111,6 +118,7 @@ def refreshes(samples: Iterable[DriftSample], group: Callable[[int], int] = lamb
     seen: set[tuple[int, str, int]] = set()
     groups: dict[int, dict[str, list[float]]] = {}
     last: dict[int, int] = {}
+    lags: dict[int, set[tuple[int, int] | None]] = {}
     for s in samples:
         key = group(s.step)
         if (key, s.layer, s.step) in seen:
@@ -122,15 +130,18 @@ def refreshes(samples: Iterable[DriftSample], group: Callable[[int], int] = lamb
         if s.change2 is not None:
             sums[2] += s.change2
             sums[3] += s.change
+            lags.setdefault(key, set()).add(s.lags)
         last[key] = max(last.get(key, s.step), s.step)
     out = []
     for key, layers in groups.items():
         change, norm = sum(v[0] for v in layers.values()), sum(v[1] for v in layers.values())
         two = [v for v in layers.values() if v[3] > 0]
+        same = lags.get(key, set())
         out.append(Refresh(last[key], relative(change, norm),
                            aging(sum(v[3] for v in two), sum(v[2] for v in two)) if two else None,
                            {name: relative(v[0], v[1]) for name, v in sorted(layers.items())},
-                           {name: aging(v[3], v[2]) for name, v in sorted(layers.items())}))
+                           {name: aging(v[3], v[2]) for name, v in sorted(layers.items())},
+                           next(iter(same)) if len(same) == 1 else None))
     return sorted(out, key=lambda r: r.step)
 
 
@@ -154,8 +165,8 @@ class DriftRule:
         self.window: list[float] = []
 
     def observe(self, aging: float) -> None:
-        """A refresh's aging measured at the cycle in force (not in the first two cycles after a switch,
-        whose refreshes two back ran another schedule: see the scheduler)."""
+        """A refresh's aging measured at the cycle in force: its refreshes one and two back were k and 2k
+        steps before it (not so right after a switch: see the scheduler)."""
         self.window = (self.window + [float(aging)])[-self.samples:]
 
     @property

@@ -54,13 +54,17 @@ class Loop:
 
     def cycle(self, aging: float | None = None) -> tuple[list, Plan]:
         """One observed cycle (whose curvature refresh measured ``aging``, if given): its records, and the
-        plan the scheduler hands out next."""
+        plan the scheduler hands out next. The refresh's distances to the two before it are the cycle's k
+        and 2k where the plan ran the two cycles before as well (as the runtime measures them), else not."""
         plan = self.scheduler.current
-        records = fake_records(plan.data, self.models, self.step, max(plan.cycles))
-        self.step += max(plan.cycles)
+        k = max(plan.cycles)
+        records = fake_records(plan.data, self.models, self.step, k)
+        self.step += k
+        self.ran = (getattr(self, "ran", []) + [plan.digest])[-3:]
         self.scheduler.observe(records)
         if aging is not None:
-            self.scheduler.observe_drift([Refresh(self.step - 1, 0.4, aging)])
+            lags = (k, 2 * k) if self.ran == [plan.digest] * 3 else (k, 2 * k + 1)
+            self.scheduler.observe_drift([Refresh(self.step - 1, 0.4, aging, lags=lags)])
         return records, self.scheduler.next_schedule()
 
 
@@ -232,8 +236,8 @@ def _until_k(loop: Loop, aging: float, k: int, cycles: int = 20) -> list[Plan]:
 
 
 def test_without_a_curve_a_low_aging_lengthens_the_cycle_with_pipeline_only_iterations(job, initial) -> None:
-    """k = 4 on the example. Two refreshes aging below the low threshold (the first two cycles' are left
-    out: they are measured against step 0's refresh) double k: the same packing, four pipeline-only
+    """k = 4 on the example. Three refreshes aging below the low threshold (the first two cycles' are left
+    out: their refreshes before were not 4 and 8 steps back) double k: the same packing, four pipeline-only
     iterations appended, saving turned back on at the new last one. More slack, which packs into more than
     4 iterations, could not be tried at k = 4; at k = 8 it is, lengthened to 8 as well."""
     from pipefisher.rules.format import SAVE_ON
@@ -242,10 +246,10 @@ def test_without_a_curve_a_low_aging_lengthens_the_cycle_with_pipeline_only_iter
     k = max(initial.cycles)
     assert loop.cycle(0.05)[1] is initial and loop.cycle(0.05)[1] is initial
     assert "packs into 5 iterations, the drift allows k = 4" in loop.scheduler.last_decision["blocked"]
-    assert loop.cycle(0.05)[1] is initial  # one refresh in: not yet
+    assert loop.cycle(0.05)[1] is initial and loop.cycle(0.05)[1] is initial  # two refreshes in: not yet
     longer = loop.cycle(0.05)[1]
     assert max(longer.cycles) == 2 * k
-    assert "curvature aging 0.050 (median of 2 refreshes at k = 4) below 0.1" in longer.reason
+    assert "curvature aging 0.050 (median of 3 refreshes at k = 4) below 0.1" in longer.reason
     assert "4 pipeline-only iterations appended" in longer.reason
     assert loop.scheduler.natural(longer) == initial.data and loop.scheduler.kept is longer
     for node, natural in zip(longer.data, initial.data):
@@ -272,16 +276,20 @@ def test_a_high_aging_shortens_the_cycle_back_to_denser_packings_down_to_the_den
     assert loop.scheduler.rule.floor == k and "no packing needs fewer than 4 iterations" in next(filter(None, floors))
 
 
-def test_between_the_thresholds_and_in_the_first_two_cycles_after_a_switch_k_holds(job, initial) -> None:
+def test_between_the_thresholds_k_holds_and_refreshes_at_other_distances_are_left_out(job, initial) -> None:
     loop = Loop(AdaptiveScheduler(initial, 4, aging_low=LOW, aging_high=HIGH, ladder=(1.0,)), job)  # no trials
     k = max(initial.cycles)
     assert all(max(loop.cycle(0.2)[1].cycles) == k for _ in range(10))
     _until_k(loop, 0.05, 2 * k)
-    loop.cycle(0.01)  # the first two cycles of the new schedule: their refreshes two back ran the old one
+    loop.cycle(0.01)  # the first two cycles of the new schedule: the refreshes before ran the old one
     loop.cycle(0.01)
     assert loop.scheduler.rule.window == []
     loop.cycle(0.01)
     assert loop.scheduler.rule.window == [0.01]
+    scheduler = loop.scheduler  # only distances of k = 8 count now: 4 and 8 steps (the old k) do not
+    scheduler.observe_drift([Refresh(loop.step, 0.4, 0.02, lags=(4, 8)), Refresh(loop.step, 0.4, None, lags=(8, 16)),
+                             Refresh(loop.step, 0.4, 0.03, lags=(8, 16))])
+    assert scheduler.rule.window == [0.01, 0.03]
 
 
 def test_a_resumed_drift_driven_scheduler_decides_as_the_uninterrupted_one(job, initial) -> None:
@@ -289,11 +297,11 @@ def test_a_resumed_drift_driven_scheduler_decides_as_the_uninterrupted_one(job, 
     JSON into a fresh scheduler, at each point of a run that lengthens and shortens."""
     loop = _drifting(job, initial)
     ks = []
-    for aging in [0.05] * 16 + [0.5] * 12:
+    for aging in [0.05] * 20 + [0.5] * 16:
         plan = loop.scheduler.current
         loop.scheduler.observe(fake_records(plan.data, loop.models, loop.step, max(plan.cycles)))
         loop.step += max(plan.cycles)
-        loop.scheduler.observe_drift([Refresh(loop.step - 1, 0.4, aging)])
+        loop.scheduler.observe_drift([Refresh(loop.step - 1, 0.4, aging, lags=(max(plan.cycles), 2 * max(plan.cycles)))])
         state = json.loads(json.dumps(loop.scheduler.state_dict()))
         resumed = AdaptiveScheduler(initial, 4, aging_low=LOW, aging_high=HIGH)
         resumed.load_state_dict(state)

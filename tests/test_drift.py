@@ -107,3 +107,12 @@ def test_a_restored_rule_decides_as_the_uninterrupted_one():
 def test_a_rule_without_a_band_is_refused(bad):
     with pytest.raises(ValueError, match="drift rule"):
         DriftRule(4, **{"low": 0.1, "high": 0.3, **bad})
+
+
+def test_a_refresh_carries_its_layers_distances_to_the_refreshes_before_where_they_agree():
+    """The rule trusts an aging only where every layer's refreshes one and two back were k and 2k steps
+    before: after a switch that moved some layers' inverses within the cycle they are not."""
+    same = [DriftSample(8, 0, "0/a", 1.0, 2.0, 4.0, (4, 8)), DriftSample(8, 1, "1/b", 1.0, 2.0, 4.0, (4, 8))]
+    moved = [same[0], DriftSample(8, 1, "1/b", 1.0, 2.0, 4.0, (5, 9))]
+    assert refreshes(same)[0].lags == (4, 8) and refreshes(moved)[0].lags is None
+    assert refreshes([DriftSample(8, 0, "0/a", 1.0, None, 4.0, (4, 8))])[0].lags is None  # no aging to trust

@@ -22,12 +22,20 @@ class DriftLog:
     def __init__(self, kfacs: Mapping[int, Any], stages: Mapping[int, int], node: int) -> None:
         self.kfacs, self.stages, self.node = dict(kfacs), dict(stages), node
         self.pending: list[tuple[Any, ...]] = []  # step, layer, change, change2, norm (tensors, floats or None)
+        self.refreshed: dict[str, list[int]] = {}  # layer -> the steps of its last two refreshes measured
 
     def take(self, step: int) -> None:
         """File what the K-FAC copies measured during training step ``step`` (no host sync)."""
         for p, kfac in self.kfacs.items():
             for name, change, change2, norm in kfac.take_drift():
-                self.pending.append((step, f"{self.stages[p]}/{name}", change, change2, norm))
+                layer = f"{self.stages[p]}/{name}"
+                self.pending.append((step, layer, change, change2, norm, self._lags(layer, step)))
+
+    def _lags(self, layer: str, step: int) -> tuple[int, int] | None:
+        """Steps from the layer's two refreshes before to this one (None until both are known)."""
+        before = self.refreshed.get(layer, [])
+        self.refreshed[layer] = (before + [step])[-2:]
+        return (step - before[-1], step - before[-2]) if len(before) == 2 else None
 
     def drain(self) -> list[DriftSample]:
         """Every sample not gathered yet, as numbers (one device-to-host transfer), and forget them."""
@@ -39,17 +47,20 @@ class DriftLog:
         def num(x: Any) -> float | None:  # in the order the tensors were stacked
             return float(next(values)) if isinstance(x, torch.Tensor) else None if x is None else float(x)
         out = []
-        for step, layer, change, change2, norm in pending:
+        for step, layer, change, change2, norm, lags in pending:
             c, c2, n = num(change), num(change2), num(norm)
             assert c is not None and n is not None
-            out.append(DriftSample(step, self.node, layer, c, c2, n))
+            out.append(DriftSample(step, self.node, layer, c, c2, n, lags))
         return out
 
-    def state_dict(self) -> list[list[Any]]:
-        """The samples not gathered yet (a checkpoint can fall in the middle of a cycle), as numbers."""
+    def state_dict(self) -> dict[str, Any]:
+        """The samples not gathered yet (a checkpoint can fall in the middle of a cycle), as numbers, and
+        when each layer was refreshed last."""
         samples = self.drain()
-        self.pending = [(s.step, s.layer, s.change, s.change2, s.norm) for s in samples]
-        return [s.state() for s in samples]
+        self.pending = [(s.step, s.layer, s.change, s.change2, s.norm, s.lags) for s in samples]
+        return {"pending": [s.state() for s in samples], "refreshed": {k: list(v) for k, v in self.refreshed.items()}}
 
-    def load_state_dict(self, state: list[list[Any]]) -> None:
-        self.pending = [(s.step, s.layer, s.change, s.change2, s.norm) for s in map(DriftSample.from_state, state)]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = [(s.step, s.layer, s.change, s.change2, s.norm, s.lags)
+                        for s in map(DriftSample.from_state, state.get("pending", []))]
+        self.refreshed = {str(k): [int(x) for x in v] for k, v in state.get("refreshed", {}).items()}
