@@ -156,6 +156,7 @@ class ScheduleLoop:
                     if mine:
                         ours = {s.layer for s in samples if s.node == n}
                         drift = [{"step": r.step, "drift": r.drift, "aging": r.aging,
+                                  "lags": None if r.lags is None else list(r.lags),
                                   "layers": {k: v for k, v in r.layers.items() if k in ours},
                                   "layer_aging": {k: v for k, v in r.layer_aging.items() if k in ours}}
                                  for r in self._fresh]
