@@ -61,3 +61,17 @@ def test_the_benchmark_writes_the_jobs_curve_with_where_it_was_measured(tmp_path
     # a run of the same model on another pipeline layout is the same job; another learning rate is not
     assert loaded.config_warning(cfg.replace(pipeline={"stages": 1, "schedule": "gpipe"}).fingerprint(layout=False), "x") is None
     assert loaded.config_warning(cfg.replace(optim={"lr": 0.5}).fingerprint(layout=False), "x") is not None
+
+
+def test_with_two_seeds_the_target_is_one_both_baseline_seeds_can_be_measured_against() -> None:
+    """Two AdamW seeds ending at 6.0496 and 6.0501: the mean of the two (6.04985) is a target the second
+    seed never reaches, which made AdamW's median steps infinite and every ratio 0. The higher middle
+    final is the target, so the baseline's median steps stay finite."""
+    from bench_convergence import baseline_target
+
+    runs = [_run("baseline", [6.2, 6.1, 6.0496]), _run("baseline", [6.2, 6.06, 6.0501]),
+            _run("kfac", [6.1, 6.0, 5.9], 1), _run("kfac", [6.2, 6.0, 5.9], 1)]
+    target = baseline_target(runs)
+    assert target == 6.0501
+    rows = curve(runs, target=target, intervals=[1])
+    assert rows[0]["steps"] == 20 and rows[0]["vs_baseline"] == 20 / 30
