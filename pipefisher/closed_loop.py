@@ -12,8 +12,9 @@ a bubble), and hands their answer to every worker.
 * :class:`StaticScheduler` keeps the schedule it started with: today's behaviour, exactly.
 * :class:`AdaptiveScheduler` re-packs a timeline measured over its last cycles (robust quantiles, not
   one noisy sample) when the current schedule's work overruns its bubbles, and tries more K-FAC slack
-  while the measured step time improves by a margin (going back where it does not: the shorter cycle
-  wins a tie); it grows or shrinks k as the measurements say.
+  while the measured step time improves by a margin (going back where it does not). Its cycle k follows
+  a staleness curve when one is given, else the run's own curvature drift (:mod:`pipefisher.drift`:
+  longer while the curvature barely moves between refreshes, shorter when it moves much).
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
-from pipefisher.measure import StepRecord, expected_step_time, window_timelines
+from pipefisher.drift import AGING_HIGH, AGING_LOW, DRIFT_MAX_CYCLE, DRIFT_SAMPLES, DriftRule, Refresh
+from pipefisher.measure import StepRecord, expected_step_time, unit_seconds, window_timelines
 from pipefisher.problem import DEFAULT_MARGIN, NodeModel, node_model
 from pipefisher.rules.format import ScheduleData
 from pipefisher.schedule_file import schedule_digest
@@ -106,6 +108,10 @@ class Scheduler(ABC):
         if plan.digest == self.current.digest:
             self.current = plan
 
+    def observe_drift(self, refreshes: Sequence[Refresh]) -> None:
+        """The curvature refreshes (:mod:`pipefisher.drift`) completed in the cycle just observed, after
+        :meth:`observe`; ignored unless the scheduler decides by them."""
+
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to decide as the uninterrupted one would (JSON-able)."""
         return {}
@@ -126,16 +132,22 @@ class StaticScheduler(Scheduler):
         return self.current
 
 
-def equal_cycles(data: ScheduleData) -> ScheduleData:
-    """Every node's cycle made as long as the longest (k): a shorter one gets iterations of its pipeline
-    alone at its end, with saving turned back on at the new last one. Then the whole job is at a cycle
-    boundary every k steps, where a new schedule can start on every worker at once (with cycles of 22
-    and 23 iterations that would otherwise take 506 steps). A node that refreshed its curvature every
-    k_n < k steps now does so every k."""
+def equal_cycles(data: ScheduleData, k: int | None = None) -> ScheduleData:
+    """Every node's cycle made ``k`` long (default: as long as the longest): a shorter one gets
+    iterations of its pipeline alone at its end, with saving turned back on at the new last one. Then
+    the whole job is at a cycle boundary every k steps, where a new schedule can start on every worker
+    at once (with cycles of 22 and 23 iterations that would otherwise take 506 steps). A node that
+    refreshed its curvature every k_n < k steps now does so every k: a ``k`` beyond the longest cycle
+    lengthens the job's cycle with pipeline-only iterations (the drift rule's way to refresh less
+    often, :class:`AdaptiveScheduler`)."""
     from pipefisher.measure import is_pipeline
     from pipefisher.rules.format import END, SAVE_ON, START
 
-    k = max(len(node) for node in data)
+    longest = max(len(node) for node in data)
+    if k is None:
+        k = longest
+    if k < longest:
+        raise ValueError(f"a cycle of {k} iterations cannot hold a node's {longest}")
     out = []
     for node in data:
         if len(node) == k:
@@ -169,33 +181,45 @@ class AdaptiveScheduler(Scheduler):
     (:func:`pipefisher.measure.measured_timeline`), so a schedule packed on it fits the work as it runs.
     Packing K-FAC work densely costs more than its own time, though (it slows the forwards and
     backwards around it, a shorter cycle saves micro-batches more often), and no timeline shows that;
-    so every change but a repair is a *trial*, kept only if the measured step time says so:
+    so every change but a repair and a drift resize is a *trial*, kept only if the measured step time
+    says so:
 
     * **repair**: when the schedule's work overran its planned bubbles significantly (beyond the room
       rule's margin) at the same place (node and iteration) two cycles in a row, it is re-packed from
       the measurements at its K-FAC slack; if that re-pack overruns too, at the next slack of ``ladder``
-      (a schedule on trial that overruns has failed its trial instead);
-    * **more slack** (a trial): packed with the next factor of ``ladder``, kept if its step time (the
-      median of ``settle`` cycles) beats the kept schedule's by more than ``tie``, and then the next
-      factor is tried; otherwise the scheduler goes back to the kept schedule and stops climbing;
-    * **shorter cycle** (a trial, once climbing is over): a re-pack at the kept slack that needs fewer
-      iterations, kept if no slower than ``tie`` (fresher curvature wins a tie).
+      (a schedule on trial that overruns has failed its trial instead). Under the drift rule a repair
+      stays within its k: the re-pack at that slack if it fits, else the densest that does, else none;
+    * **more slack** (a trial): packed with the next factor of ``ladder``, kept if its value (the median
+      step time of ``settle`` cycles, see :meth:`value`) beats the kept schedule's by more than ``tie``,
+      and then the next factor is tried; otherwise the scheduler goes back to the kept schedule and stops
+      climbing;
+    * **shorter cycle** (a trial, once climbing is over, with a staleness curve): a re-pack at the kept
+      slack that needs fewer iterations, kept if no slower than ``tie`` (fresher curvature wins a tie).
 
-    "Faster" is the user's objective (:mod:`pipefisher.objective`): with the job's ``staleness`` curve
-    (a :class:`~pipefisher.staleness.StalenessCurve`), the measured step time times the curve at the
-    schedule's cycle k, so more slack that lengthens the cycle must save more step time than its staler
-    curvature costs in steps; without one (None), the measured step time alone. The ladder is the density search the ``target``
-    policy does on a model, done here on measurements: its re-packs use ``tight`` (``target`` would search
-    again inside each rung), and the climb starts at the rung nearest the initial schedule's margin.
+    **Which cycle k.** Given a ``staleness`` curve (:class:`pipefisher.staleness.StalenessCurve`), a
+    schedule's value is its measured step time x the curve at its k, so more slack that lengthens the
+    cycle must save more step time than its staler curvature costs in steps. Without one (``None``), the
+    run's own drift decides (:mod:`pipefisher.drift`, :meth:`observe_drift`): a :class:`DriftRule` sets
+    the cycle k every schedule runs at, doubling it while the curvature's aging over a cycle is small
+    and halving it when it is large; schedules are then judged by step time alone, all at that k. A
+    packing that needs fewer iterations than k is lengthened to k by pipeline-only iterations appended to
+    its cycle (:func:`equal_cycles`); more slack is tried only where its packing fits in k; a shorter k
+    goes back to denser rungs (a re-pack at the kept slack, then at less slack) and stops at the densest
+    packing (the rule's floor). A resize is no trial: the drift says so, and it is logged with its figures.
 
-    Going back restores the kept schedule itself, whose step time was measured, never a re-pack of it.
+    The ladder is the density search the ``target`` policy does on a model, done here on measurements:
+    its re-packs use ``tight`` (``target`` would search again inside each rung), and the climb starts at
+    the rung nearest the initial schedule's margin. Going back restores the kept schedule itself, whose
+    step time was measured, never a re-pack of it.
     """
 
     name = "adaptive"
 
     def __init__(self, initial: Plan, nodes: int, *, policy: str = "tight", margin: float = DEFAULT_MARGIN,
                  window: int = 4, q: float = 0.5, settle: int = 2, tie: float = 0.04,
-                 ladder: Sequence[float] = SLACK_LADDER, staleness: Any = None) -> None:
+                 ladder: Sequence[float] = SLACK_LADDER, staleness: Any = None, aging_low: float = AGING_LOW,
+                 aging_high: float = AGING_HIGH, max_cycle: int = DRIFT_MAX_CYCLE,
+                 drift_samples: int = DRIFT_SAMPLES) -> None:
         super().__init__(initial)
         if window < 1 or settle < 1 or not 0 <= q <= 1 or not 0 <= tie < 1 or not ladder \
                 or any(g < 1 for g in ladder):
@@ -205,7 +229,10 @@ class AdaptiveScheduler(Scheduler):
         self.policy = "tight" if policy == "target" else policy
         self.window, self.q, self.settle, self.tie = window, q, settle, tie
         self.ladder = tuple(ladder)
-        self.staleness = staleness  # None: no curve, step time alone
+        self.staleness = staleness  # None: no curve, the drift rule sets k
+        self.rule = None if staleness is not None else \
+            DriftRule(max(initial.cycles), aging_low, aging_high, max_cycle, drift_samples)
+        self._natural: dict[str, ScheduleData] = {}  # digest of a lengthened plan -> the packing it lengthens
         self._cycles: deque[list[StepRecord]] = deque(maxlen=window)
         self._since_switch = 0
         start = min(range(len(self.ladder)),  # the initial schedule's slack, as a rung
@@ -225,6 +252,17 @@ class AdaptiveScheduler(Scheduler):
         self.costs.setdefault(self.current.digest, []).append(cycle_seconds(records))
         self.overran = self.overran[-1:] + [sorted(map(list, overran(records, self.current)))]
 
+    def observe_drift(self, refreshes: Sequence[Refresh]) -> None:
+        """The drift rule's input (each refresh's aging), without a staleness curve: only refreshes whose
+        refreshes one and two back were k and 2k steps before them, at the k in force. Right after a
+        switch they are not (the old schedule placed them, at its distances), nor at a run's start."""
+        if self.rule is None:
+            return
+        k = max(self.current.cycles)
+        for r in refreshes:
+            if r.aging is not None and r.lags == (k, 2 * k):
+                self.rule.observe(r.aging)
+
     def measured_timelines(self) -> Timelines:
         """Every node's timeline measured over the window (:func:`pipefisher.measure.window_timelines`)."""
         records = [r for cycle in self._cycles for r in cycle]
@@ -241,13 +279,13 @@ class AdaptiveScheduler(Scheduler):
         return statistics.median(c[-self.settle:]) if len(c) >= self.settle else None
 
     def value(self, plan: Plan) -> float | None:
-        """What a schedule costs the user: its step time x the staleness curve at its cycle k (the steps
-        to the target relative to first-order), or its step time alone without a curve; None before it
-        ran ``settle`` cycles."""
+        """What a schedule costs the user: its step time, times the staleness curve at its cycle k when
+        one is given (the steps to the target relative to first-order); None before it ran ``settle``
+        cycles. Without a curve every schedule compared runs at the k the drift rule set."""
         c = self.cost(plan)
-        if c is None:
-            return None
-        return c if self.staleness is None else c * self.staleness.at(max(plan.cycles))
+        if c is None or self.staleness is None:
+            return c
+        return c * self.staleness.at(max(plan.cycles))
 
     def next_schedule(self) -> Plan:
         if not self._cycles:
@@ -257,6 +295,8 @@ class AdaptiveScheduler(Scheduler):
                               "cost": self.cost(self.current), "kept_cost": self.cost(self.kept),
                               "value": self.value(self.current), "kept_value": self.value(self.kept),
                               "overran": self.overran[-1] if self.overran else []}
+        if self.rule is not None:
+            self.last_decision.update(cycle=self.rule.cycle, aging=self.rule.measured)
         if again:
             where = ", ".join(f"node {n} iteration {i}" for n, i in again[:3]) + (", ..." if len(again) > 3 else "")
             over = f"its K-FAC work overran its bubbles two cycles in a row ({where})"
@@ -267,7 +307,22 @@ class AdaptiveScheduler(Scheduler):
                 return self._restore(f"back to the kept schedule (K-FAC slack x{self.ladder[self.kept_rung]:g}): "
                                      f"the one on trial overran ({where})")
             up = self._repaired and self.rung + 1 < len(self.ladder)  # a re-pack as measured was not enough
-            plan = self._pack(self.rung + up, f"{over}" + (": more slack" if up else ": re-packed as measured"))
+            why = f"{over}" + (": more slack" if up else ": re-packed as measured")
+            k = self._k()
+            if k is None:
+                plan, rung = self._pack(self.rung + up, why), self.rung + up
+            else:  # within the cycle the drift allows: at this slack, else the densest that fits
+                fits = next(((p, r) for p, r in self._repacks(self.rung + up, why, k) if len(self.natural(p)[0]) <= k),
+                            None)
+                if fits is None:  # staler curvature is not the price of a repair: the overruns stay
+                    self.overran = []
+                    self.last_decision["repair_blocked"] = f"{over}, and no re-pack fits the k = {k} the drift allows"
+                    return self.current
+                plan, rung = fits
+                if rung != self.rung + up:
+                    plan = Plan(plan.data, f"{plan.reason} (the densest re-pack that fits the k = {k} the drift allows)",
+                                plan.timelines, plan.margin, plan.expected_seconds)
+            plan = self._hand_out(plan, rung)
             self.kept, self.kept_rung, self.trial, self._repaired, self.shorter_tried = plan, self.rung, None, True, False
             return plan
         if self._since_switch < self.settle:
@@ -290,30 +345,95 @@ class AdaptiveScheduler(Scheduler):
                    f"{self._costs_text(self.kept)}; the {'slack' if trial == 'slack' else 'shorter cycle'} "
                    f"tried: {self._costs_text(self.current)})")
             return self._restore(why)
+        if self.rule is not None:
+            resized = self._follow_drift()
+            if resized is not None:
+                return resized
         if self.climbing and self.rung + 1 < len(self.ladder):
             return self._try_slack(self.cost(self.current))
         self.climbing = False
-        if not self.shorter_tried:
+        if not self.shorter_tried and self.rule is None:  # without a curve the drift rule sets k
             self.shorter_tried = True
-            plan = self._pack(self.rung, "a shorter cycle, tried", dry_run=True)
+            plan = self._pack(self.rung, "a shorter cycle, tried")
             if max(plan.cycles) < max(self.current.cycles):
-                self.current, self._since_switch, self.overran, self.trial = plan, 0, [], "cycle"
-                self._repaired = False
+                self._hand_out(plan, self.rung)
+                self.trial = "cycle"
                 return plan
         return self.current
+
+    def _k(self) -> int | None:
+        """The cycle the drift rule has set (None with a staleness curve: every packing at its own k)."""
+        return None if self.rule is None else self.rule.cycle
 
     def _costs_text(self, plan: Plan) -> str:
         c, v = self.cost(plan), self.value(plan)
         if c is None or v is None:
             return "not measured"
-        return f"{c * 1e3:.1f} ms per step, k = {max(plan.cycles)}" + \
-            ("" if self.staleness is None else f", {v * 1e3:.1f} ms x steps-to-target ratio")
+        text = f"{c * 1e3:.1f} ms per step, k = {max(plan.cycles)}"
+        return text if self.staleness is None else f"{text}, {v * 1e3:.1f} ms x steps-to-target ratio"
 
     def _try_slack(self, here: float | None) -> Plan:
         ms = f" ({here * 1e3:.1f} ms per step at x{self.ladder[self.rung]:g})" if here is not None else ""
-        plan = self._pack(self.rung + 1, f"trying K-FAC slack x{self.ladder[self.rung + 1]:g}{ms}")
+        plan = self._pack(self.rung + 1, f"trying K-FAC slack x{self.ladder[self.rung + 1]:g}{ms}", self._k())
+        k = self._k()
+        if k is not None and len(self.natural(plan)[0]) > k:  # it needs a longer cycle than the drift allows
+            self.climbing = False
+            self.last_decision["blocked"] = (f"K-FAC slack x{self.ladder[self.rung + 1]:g} packs into "
+                                             f"{len(self.natural(plan)[0])} iterations, the drift allows k = {k}")
+            return self.current
+        self._hand_out(plan, self.rung + 1)
         self.trial = "slack"
         return plan
+
+    def _follow_drift(self) -> Plan | None:
+        """The schedule at the cycle the drift rule proposes (None: no proposal, or nothing to change):
+        the kept packing lengthened to it, or, for a cycle shorter than that packing, the densest re-pack
+        that fits it (at the kept slack first, then less)."""
+        assert self.rule is not None
+        proposal = self.rule.proposal()
+        if proposal is None:
+            return None
+        want, why = proposal
+        now = max(self.current.cycles)
+        base, rung = self.kept, self.kept_rung
+        if len(self.natural(base)[0]) > want:  # the kept packing needs more iterations: a denser one
+            best: tuple[Plan, int] | None = None
+            for plan, r in self._repacks(self.kept_rung, "a denser packing for a shorter cycle"):
+                if best is None or max(plan.cycles) < max(best[0].cycles):
+                    best = (plan, r)
+                if max(plan.cycles) <= want:
+                    break
+            assert best is not None
+            if max(best[0].cycles) >= now:  # nothing packs shorter: the densest packing is the floor
+                self.rule.at_floor()
+                self.last_decision["drift_floor"] = f"{why}; no packing needs fewer than {now} iterations"
+                return None
+            base, rung = best
+        k = max(want, len(self.natural(base)[0]))
+        natural = self.natural(base)
+        padded = equal_cycles(natural, k)
+        extra = f", {k - len(natural[0])} pipeline-only iterations appended" if k > len(natural[0]) else ""
+        models = base.models
+        expected = None if models is None else expected_step_time(padded, models) * unit_seconds(models[0])
+        plan = Plan(padded, f"{why}: k {now} -> {k} (K-FAC slack x{self.ladder[rung]:g}{extra})", base.timelines,
+                    base.margin, expected)
+        self._natural[plan.digest] = natural
+        self._hand_out(plan, rung)
+        self.kept, self.kept_rung, self.trial = plan, rung, None
+        self.rule.moved(k)
+        if k > now:  # more slack may fit the longer cycle
+            self.climbing = self.rung + 1 < len(self.ladder)
+        return plan
+
+    def _repacks(self, top: int, why: str, cycle: int | None = None) -> Iterator[tuple[Plan, int]]:
+        """Re-packs of the measured timeline at rung ``top``, then at every denser one down to the densest
+        (lengthened to ``cycle`` where they need fewer iterations), with their rungs, packed as asked for."""
+        for r in range(top, -1, -1):
+            yield self._pack(r, why, cycle), r
+
+    def natural(self, plan: Plan) -> ScheduleData:
+        """The packing a plan runs (every node's cycle equal), before pipeline-only iterations lengthened it."""
+        return self._natural.get(plan.digest, plan.data)
 
     def _restore(self, why: str) -> Plan:
         kept = self.kept
@@ -321,21 +441,32 @@ class AdaptiveScheduler(Scheduler):
         self.rung, self._since_switch, self.overran, self._repaired = self.kept_rung, 0, [], False
         return self.current
 
-    def _pack(self, rung: int, why: str, dry_run: bool = False) -> Plan:
-        """The measured timeline packed with ``ladder[rung]``; unless ``dry_run``, handed out from now on."""
+    def _pack(self, rung: int, why: str, cycle: int | None = None) -> Plan:
+        """The measured timeline packed with ``ladder[rung]``, lengthened to ``cycle`` iterations where it
+        needs fewer (not handed out: :meth:`_hand_out`)."""
         from pipefisher.policies import get_policy
         from pipefisher.timeline import inflate_kfac
 
         timelines = self.measured_timelines()
         job, models = job_models(timelines, self.margin)
         packed = get_policy(self.policy).pack(inflate_kfac(job, self.ladder[rung]), self.margin)
-        data = equal_cycles(packed.to_file_data())
+        natural = equal_cycles(packed.to_file_data())
+        k = len(natural[0])
+        data = natural if cycle is None or cycle <= k else equal_cycles(natural, cycle)
         expected = expected_step_time(data, models) / 1e9  # measured timelines are in nanoseconds
-        plan = Plan(data, f"measured re-pack ({self.policy}, K-FAC slack x{self.ladder[rung]:g}): {why}",
+        extra = f", lengthened to k = {len(data[0])}" if len(data[0]) > k else ""
+        plan = Plan(data, f"measured re-pack ({self.policy}, K-FAC slack x{self.ladder[rung]:g}{extra}): {why}",
                     timelines, self.margin, expected)
-        if not dry_run:
-            self.current, self.rung, self._since_switch, self.overran = plan, rung, 0, []
-            self._repaired = False
+        if data is not natural:
+            self._natural[plan.digest] = natural
+        return plan
+
+    def _hand_out(self, plan: Plan, rung: int) -> Plan:
+        """``plan`` (packed at ``ladder[rung]``) runs from now on."""
+        self.current, self.rung, self._since_switch, self.overran = plan, rung, 0, []
+        self._repaired = False
+        keep = {self.current.digest, self.kept.digest}
+        self._natural = {d: n for d, n in self._natural.items() if d in keep}
         return plan
 
     # -- resumption -----------------------------------------------------------------------------------
@@ -345,7 +476,9 @@ class AdaptiveScheduler(Scheduler):
                 "since_switch": self._since_switch, "rung": self.rung, "kept": self.kept.state(),
                 "kept_rung": self.kept_rung, "trial": self.trial, "climbing": self.climbing,
                 "shorter_tried": self.shorter_tried, "costs": {k: list(v) for k, v in self.costs.items()},
-                "overran": self.overran, "repaired": self._repaired, "current": self.current.state()}
+                "overran": self.overran, "repaired": self._repaired, "current": self.current.state(),
+                "rule": self.rule.state_dict() if self.rule is not None else None,
+                "natural": {d: n for d, n in self._natural.items() if d in (self.current.digest, self.kept.digest)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._cycles = deque(([_record_from_state(x) for x in c] for c in state.get("cycles", [])),
@@ -361,6 +494,10 @@ class AdaptiveScheduler(Scheduler):
             self.current = Plan.from_state(state["current"])
         if state.get("kept") is not None:
             self.kept = Plan.from_state(state["kept"])
+        if self.rule is not None and state.get("rule") is not None:
+            self.rule.load_state_dict(state["rule"])
+        self._natural = {str(d): [[list(map(str, it)) for it in node] for node in n]
+                         for d, n in (state.get("natural") or {}).items()}
 
 
 def overran(records: Sequence[StepRecord], plan: Plan) -> set[tuple[int, int]]:

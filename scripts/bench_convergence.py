@@ -92,12 +92,14 @@ def start_worker(config_path: str, overrides: list[str]) -> tuple[Any, int, Any]
 
 
 def trainer_of(ctx: Any, steps: int, eval_every: int) -> Callable[..., tuple[Any, Any]]:
-    """``train(cfg, mode, schedule=None, evals=eval_every) -> (trainer, result)``, quietly, in these workers."""
+    """``train(cfg, mode, schedule=None, evals=eval_every, **options) -> (trainer, result)``, quietly, in these
+    workers (``options``: more :class:`TrainOptions`, such as ``adapt=True``)."""
     from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
-    def train(cfg: Any, mode: str, schedule: str | None = None, evals: int = eval_every) -> tuple[Any, Any]:
+    def train(cfg: Any, mode: str, schedule: str | None = None, evals: int = eval_every,
+              **options: Any) -> tuple[Any, Any]:
         opts = TrainOptions(mode=mode, steps=steps, schedule=schedule, eval_every=evals, progress=False,
-                            log_every=10**9)
+                            log_every=10**9, **options)
         trainer = Trainer(cfg, ctx, opts)
         return trainer, trainer.run()
 
@@ -156,14 +158,50 @@ def run_record(mode: str, seed: int, res: Any, **extra: Any) -> dict[str, Any]:
             "peak_memory": res.peak_memory_bytes, "peak_saved": res.peak_saved_bytes, **extra}
 
 
+def profile_and_pack(base: Any, ctx: Any, rank: int, folder: str, profile_steps: int, steps: int,
+                     staleness: str | None = None) -> tuple[str, dict[str, Any] | None]:
+    """A profile of ``profile_steps`` kfac steps in these workers, whose median step rank 0 packs with the
+    default policy (with the ``staleness`` curve file where given, for a run of ``steps`` steps) into
+    ``folder/schedule.pickle`` (its metadata names the profile, which an ``--adapt`` run plans against).
+    Returns the schedule's path and, on rank 0, the plan: the policy, the planned and first-order step
+    (ms) and the packing report's lines."""
+    import torch.distributed as dist
+
+    from pipefisher.runtime.train.profiler import timeline_filename
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+
+    Trainer(base, ctx, TrainOptions(mode="kfac", profile=True, steps=profile_steps, out=folder, progress=False,
+                                    log_every=10**9)).run()
+    dist.barrier()
+    sched = os.path.join(folder, "schedule.pickle")
+    plan = None
+    if rank == 0:
+        from pipefisher.objective import step_cost
+        from pipefisher.policies import DEFAULT_POLICY, get_policy
+        from pipefisher.report import usage_lines
+        from pipefisher.rules import validate
+        from pipefisher.schedule_file import save_schedule
+        from pipefisher.timeline import load_job
+
+        timelines = [os.path.join(folder, timeline_filename(base.name, i)) for i in range(2)]
+        job = load_job(timelines)
+        from pipefisher.staleness import read_staleness
+
+        packed = get_policy(DEFAULT_POLICY, staleness=read_staleness(staleness), max_cycle=steps).pack(job)
+        assert not validate(packed.to_file_data(), job, margin=packed.margin), "an invalid schedule"
+        save_schedule(sched, packed, timelines)
+        cost = step_cost(packed.to_file_data(), job)  # the profile is in nanoseconds
+        plan = {"policy": packed.policy, "step_ms": cost.step * 1e-6, "first_order_ms": cost.first_order * 1e-6,
+                "report": usage_lines(packed)}
+    dist.barrier()
+    return sched, plan
+
+
 def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval_every: int,
             sweeps: dict[str, list[float] | str], warmups: list[int], profile_steps: int, folder: str,
             staleness: str | None = None) -> dict[str, Any]:
     """Every mode of ``sweeps`` (key: its learning rates, or :data:`SHARE`), swept then run per seed."""
-    import torch.distributed as dist
-
     from pipefisher.runtime.job.dist import shutdown
-    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
     base, rank, ctx = start_worker(config_path, overrides)
     train = trainer_of(ctx, steps, eval_every)
@@ -172,29 +210,7 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
                            "runs": [], "cycles": None, "plan": None}
     try:
         # 1. profile and pack
-        Trainer(base, ctx, TrainOptions(mode="kfac", profile=True, steps=profile_steps, out=folder, progress=False,
-                                        log_every=10**9)).run()
-        dist.barrier()
-        sched = os.path.join(folder, "schedule.pickle")
-        if rank == 0:
-            from pipefisher.objective import step_cost
-            from pipefisher.policies import DEFAULT_POLICY, get_policy
-            from pipefisher.report import usage_lines
-            from pipefisher.rules import validate
-            from pipefisher.runtime.train.profiler import timeline_filename
-            from pipefisher.schedule_file import save_schedule
-            from pipefisher.timeline import load_job
-
-            job = load_job([os.path.join(folder, timeline_filename(base.name, i)) for i in range(2)])
-            from pipefisher.staleness import read_staleness
-
-            packed = get_policy(DEFAULT_POLICY, staleness=read_staleness(staleness), max_cycle=steps).pack(job)
-            assert not validate(packed.to_file_data(), job, margin=packed.margin), "an invalid schedule"
-            save_schedule(sched, packed)
-            plan = step_cost(packed.to_file_data(), job)  # the profile is in nanoseconds
-            out["plan"] = {"policy": packed.policy, "step_ms": plan.step * 1e-6, "first_order_ms": plan.first_order * 1e-6,
-                           "report": usage_lines(packed)}
-        dist.barrier()
+        sched, out["plan"] = profile_and_pack(base, ctx, rank, folder, profile_steps, steps, staleness)
 
         # 2. a sweep of the same size per mode, judged on training loss only
         for key, lrs in sweeps.items():
@@ -261,12 +277,12 @@ def best_first_order(runs: list[dict[str, Any]]) -> str | None:
     return min(keys, key=lambda k: final_loss(runs, k)) if keys else None
 
 
-def race_table(runs: list[dict[str, Any]], target: float) -> dict[str, dict[str, float]]:
-    """Per mode that ran (the race's order): medians over seeds of the steps and training seconds to
-    ``target``, the final held-out loss, the step (after step 0), peak memory and K-FAC's saved tensors
-    (MiB), the seeds reaching the target, and the chosen peak lr and warm-up."""
+def race_table(runs: list[dict[str, Any]], target: float, modes: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
+    """Per mode that ran (``modes``, default the race's, in that order): medians over seeds of the steps
+    and training seconds to ``target``, the final held-out loss, the step (after step 0), peak memory and
+    K-FAC's saved tensors (MiB), the seeds reaching the target, and the chosen peak lr and warm-up."""
     table: dict[str, dict[str, float]] = {}
-    for key in MODES:
+    for key in MODES if modes is None else modes:
         mine = [r for r in runs if r["mode"] == key]
         if not mine:
             continue

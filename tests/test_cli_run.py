@@ -71,12 +71,19 @@ def test_run_adapt_measures_repacks_and_writes_what_it_used(tmp_path):
     with open(out / "a_metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert all(r["cycle"] and r["overrun_seconds"] != "" for r in rows[1:])
+    # the curvature drift of every complete cycle's refresh, in the metrics, the cycles and the report
+    drift = {int(r["step"]): float(r["drift"]) for r in rows if r["drift"]}
+    assert drift and all(d > 0 for d in drift.values()) and report["refreshes"] == len(drift)
     with open(out / "a_measurements.csv", newline="") as f:
         measured = list(csv.DictReader(f))
     assert {int(r["step"]) for r in measured} == set(range(1, 16)) and {r["node"] for r in measured} == {"0", "1"}
     assert all(float(r["measured_end"]) >= float(r["measured_start"]) for r in measured)
     cycles = [json.loads(line) for line in (out / "a_cycles.jsonl").read_text().splitlines()]
     assert {c["node"] for c in cycles} == {0, 1} and all(c["kfac_seconds"] and c["step_seconds"] > 0 for c in cycles)
+    logged = {r["step"]: r for c in cycles for r in c["drift"]}
+    assert {s: r["drift"] for s, r in logged.items()} == pytest.approx(drift, abs=1e-6)
+    for c in cycles:  # each node's line names its own stage's layers
+        assert all(name.startswith(f"{c['node']}/") for r in c["drift"] for name in r["layers"])
     res = CliRunner().invoke(main, ["schedule", *sorted(str(p) for p in (out / "a_measured").iterdir())])
     assert res.exit_code == 0 and "node1:" in res.output, res.output
 

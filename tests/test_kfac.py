@@ -784,3 +784,159 @@ def test_a_layer_its_parent_uses_functionally_is_left_to_the_first_order_optimiz
     kfac.update_curvature()  # every K-FAC layer was seen, so every factor has covariance to invert
     assert kfac.precondition_all() == 1
     assert coverage(model, ()).first_order == {"MultiheadAttention": 1, "NonDynamicallyQuantizableLinear": 1}
+
+
+# 8. drift: how far a refresh moves the preconditioned gradient ------------------------------------
+
+def _inverses(kfac, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return kfac.inverse(name, "A").clone(), kfac.inverse(name, "B").clone()
+
+
+def _hand_drift(g: torch.Tensor, old, new) -> tuple[float, float]:
+    """``||B_n G A_n - B_o G A_o||^2`` and ``||B_n G A_n||^2`` in float64 (old, new: (A^-1, B^-1))."""
+    p_new = new[1].double() @ g @ new[0].double()
+    p_old = old[1].double() @ g @ old[0].double()
+    return float((p_new - p_old).square().sum()), float(p_new.square().sum())
+
+
+def _step_gradients(model, seed: int) -> None:
+    """One step's gradients, nothing saved for K-FAC (saving is off)."""
+    x, y = _micro_batch(seed)
+    model.zero_grad()
+    model(x, y).backward()
+
+
+def _drifts(kfac) -> dict[str, tuple[float, float]]:
+    """Per layer: (||P_new - P_old||^2, ||P_new||^2)."""
+    return {n: (float(c), float(s)) for n, c, _, s in kfac.take_drift()}
+
+
+def _two_back(kfac) -> dict[str, float | None]:
+    """Per layer: ||P_new - P_older||^2 (None without a refresh two back)."""
+    return {n: None if c2 is None else float(c2) for n, _, c2, _ in kfac.take_drift()}
+
+
+class NoBiasMLP(TinyMLP):
+    """TinyMLP without biases: K-FAC's gradient is then a view of ``weight.grad`` (kept as a copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.fc1, self.fc2 = nn.Linear(4, 6, bias=False), nn.Linear(6, 3, bias=False)
+
+
+def _grad_matrix(mod: nn.Linear) -> torch.Tensor:
+    return _flat_grad(mod) if mod.bias is not None else mod.weight.grad.double().clone()
+
+
+@pytest.mark.parametrize("make", [TinyMLP, NoBiasMLP])
+def test_drift_is_zero_when_a_refresh_keeps_the_inverses_and_matches_a_hand_computation_when_it_moves_them(make):
+    model = make()
+    kfac = KFAC(model, damping=1e-2, ignore=())
+    _refresh(model, kfac, seed=0)
+    assert kfac.take_drift() == []  # a first refresh has nothing to compare with
+    first = {n: _inverses(kfac, n) for n in kfac.names}
+    _step_gradients(model, seed=1)
+    assert kfac.precondition_all() == 2
+    _refresh(model, kfac, seed=0)  # the same micro-batch on the same weights: the same inverses
+    assert all(torch.equal(_inverses(kfac, n)[f], first[n][f]) for n in kfac.names for f in (0, 1))
+    same = _drifts(kfac)
+    assert set(same) == {"fc1", "fc2"} and all(c == 0.0 and s > 0 for c, s in same.values())
+    _step_gradients(model, seed=2)
+    g = {n: _grad_matrix(kfac.layers[n].module) for n in kfac.names}  # G: what precondition_all sees
+    kfac.precondition_all()
+    _refresh(model, kfac, seed=3)  # another micro-batch: other factors
+    moved = _drifts(kfac)
+    for n in kfac.names:
+        change, norm = _hand_drift(g[n], first[n], _inverses(kfac, n))
+        assert change > 1e-3 * norm
+        assert moved[n] == pytest.approx((change, norm), rel=1e-4)
+
+
+def test_a_refresh_spread_over_steps_compares_the_inverses_it_started_from_on_the_latest_gradient():
+    """inv A, then a step preconditioned with the new A and the old B, then inv B: the drift compares both
+    new inverses with both old ones on that step's gradient (the mixed preconditioned gradient is not the
+    old one), and a checkpoint between the two labels keeps what it needs."""
+    from pipefisher.runtime.train.checkpoint import kfac_state, load_kfac_state
+
+    model = TinyMLP()
+    kfac = KFAC(model, damping=1e-2, ignore=())
+    _refresh(model, kfac, seed=0)
+    old = _inverses(kfac, "fc1")
+    _step_gradients(model, seed=1)
+    kfac.precondition_all()
+    _accumulate(model, kfac, seed=3)
+    kfac.inv("A", "fc1")
+    _step_gradients(model, seed=2)
+    g = _flat_grad(model.fc1)
+    kfac.precondition_all()  # new A, old B
+    twin = TinyMLP()
+    twin.load_state_dict(model.state_dict())
+    resumed = KFAC(twin, damping=1e-2, ignore=())
+    load_kfac_state(resumed, kfac_state(kfac), "ckpt")
+    for k in (kfac, resumed):
+        k.inv("B", "fc1")
+    change, norm = _hand_drift(g, old, _inverses(kfac, "fc1"))
+    assert _drifts(kfac)["fc1"] == pytest.approx((change, norm), rel=1e-4)
+    assert _drifts(resumed)["fc1"] == pytest.approx((change, norm), rel=1e-4)
+
+
+def test_a_factor_kept_for_a_bad_refresh_counts_as_unchanged_and_a_refresh_that_changed_nothing_is_no_sample():
+    model = TinyMLP()
+    kfac = KFAC(model, damping=1e-2, ignore=(), on_bad_factor="skip", warn=lambda msg: None)
+    _refresh(model, kfac, seed=0)
+    old = _inverses(kfac, "fc2")
+    _step_gradients(model, seed=1)
+    g = _flat_grad(model.fc2)
+    kfac.precondition_all()
+    _accumulate(model, kfac, seed=3)
+    dim = kfac.layers["fc2"].module.out_features
+    _poison(kfac, "fc2", "B", torch.full((dim, dim), float("nan")))
+    kfac.inv("A", "fc2")
+    kfac.inv("B", "fc2")  # kept: the previous B^-1
+    new = _inverses(kfac, "fc2")
+    assert torch.equal(new[1], old[1])
+    assert _drifts(kfac)["fc2"] == pytest.approx(_hand_drift(g, old, new), rel=1e-4)
+    for f in ("A", "B"):  # both factors bad: the inverses did not move, there is nothing to measure
+        _poison(kfac, "fc2", f, torch.full((dim + (f == "A") * 4,) * 2, float("nan")))
+        kfac.inv(f, "fc2")
+    assert kfac.take_drift() == []
+
+
+def test_a_kfac_that_does_not_measure_drift_keeps_no_gradient():
+    model = TinyMLP()
+    kfac = KFAC(model, damping=1e-2, ignore=(), drift=False)
+    for seed in range(3):
+        _refresh(model, kfac, seed)
+        kfac.precondition_all()
+    assert kfac.take_drift() == [] and all(st.last_grad is None for st in kfac.layers.values())
+
+
+def test_every_refresh_also_measures_the_change_since_the_refresh_before_the_last():
+    """Refreshes r0, r1, r2 on other micro-batches: r1 has no refresh two back, r2 compares its inverses
+    with r0's as well as r1's, on the same gradient; a checkpoint after r1 keeps r0's inverses for it."""
+    from pipefisher.runtime.train.checkpoint import kfac_state, load_kfac_state
+
+    model = TinyMLP()
+    kfac = KFAC(model, damping=1e-2, ignore=())
+    inverses = []
+    for seed in (0, 3):
+        _refresh(model, kfac, seed)
+        inverses.append(_inverses(kfac, "fc2"))
+        _step_gradients(model, seed + 1)
+        g = _flat_grad(model.fc2)  # G, before precondition_all puts B^-1 G A^-1 in its place
+        kfac.precondition_all()
+    assert _two_back(kfac) == {"fc1": None, "fc2": None}  # r1: no refresh two back yet
+    twin = TinyMLP()
+    twin.load_state_dict(model.state_dict())
+    resumed = KFAC(twin, damping=1e-2, ignore=())
+    load_kfac_state(resumed, kfac_state(kfac), "ckpt")
+    _refresh(model, kfac, seed=4)
+    _refresh(twin, resumed, seed=4)
+    far, _ = _hand_drift(g, inverses[0], _inverses(kfac, "fc2"))
+    near, _ = _hand_drift(g, inverses[1], _inverses(kfac, "fc2"))
+    for k in (kfac, resumed):
+        [(_, change, change2, _)] = [x for x in k.take_drift() if x[0] == "fc2"]
+        assert float(change) == pytest.approx(near, rel=1e-4) and float(change2) == pytest.approx(far, rel=1e-4)
+    assert far != pytest.approx(near, rel=1e-3)

@@ -80,7 +80,8 @@ def _run(sched: str, paths: list[str], slow: tuple[int, str], steps: int, prefix
         return {"stage": g.stage, "losses": res.losses,
                 "params": {n: p.detach().clone() for n, p in trainer.stage.named_parameters()},
                 "history": [(s.step, s.plan.digest, s.plan.cycles) for s in loop.history],
-                "overruns": dict(loop.overruns), "active": loop.plan.data}
+                "overruns": dict(loop.overruns), "active": loop.plan.data,
+                "refreshes": {s: (r.drift, r.aging) for s, r in trainer.refreshes.items()}}
     finally:
         shutdown(ctx)
 
@@ -123,6 +124,10 @@ def test_a_slower_item_is_repacked_within_two_cycles_on_every_worker_at_once(ada
     # the files a run writes: every schedule used, and when it took over
     saved = json.load(open(prefix + "_schedules/history.json"))["switches"]
     assert [(r["step"], r["digest"]) for r in saved] == [(s, d) for s, d, _ in history]
+    # every complete cycle's curvature refresh: in the cycles file, as every worker learned it
+    lines = [json.loads(x) for x in open(prefix + "_cycles.jsonl")]
+    logged = {r["step"]: (r["drift"], r["aging"]) for line in lines for r in line["drift"]}
+    assert logged and logged == by_stage[0]["refreshes"] == by_stage[1]["refreshes"]
     assert load_schedule(os.path.join(prefix + "_schedules", saved[-1]["file"])) == by_stage[0]["active"]
 
 
@@ -166,6 +171,8 @@ def test_resuming_after_a_switch_reproduces_the_uninterrupted_run_bit_for_bit(ad
         assert res["history"] == whole["history"]
         for name, t in res["params"].items():
             assert torch.equal(t, whole["params"][name]), name
+        # the curvature drift too, including the refresh of the cycle the checkpoint cut in two
+        assert res["refreshes"] and res["refreshes"] == {s: whole["refreshes"][s] for s in res["refreshes"]}
     assert resumed[1]["losses"] == by_stage[1]["losses"][stop:]
 
 
@@ -191,10 +198,11 @@ def test_a_loop_restored_in_the_middle_of_a_cycle_goes_on_as_the_uninterrupted_o
         plan = Plan(equal_cycles(load_schedule(sched)), timelines=raws)
         loop: ScheduleLoop
 
-        def gather(mine):  # node 0's records, and the other nodes' of the same steps
-            steps = {r.step for r in mine}
+        def gather(mine):  # node 0's records, and the other nodes' of the same steps (no drift measured)
+            records, drift = mine
+            steps = {r.step for r in records}
             every = fake_records(loop.plan.data, models, loop.first_step, max(steps) - loop.first_step + 1)
-            return [mine, [r for r in every if r.step in steps and r.node != 0]]
+            return [mine, ([r for r in every if r.step in steps and r.node != 0], [])]
         loop = ScheduleLoop(plan, node=0, rank=0, nodes=2, scheduler=AdaptiveScheduler(plan, 2), adapt=True,
                             collective=(gather, lambda x: x, lambda: None))
         return loop

@@ -61,6 +61,11 @@ def test_resume_in_one_process_continues_exactly(tmp_path, mode):
     assert resumed.start_step == 5
     for name, p in _params(full).items():
         assert torch.equal(p, _params(resumed)[name]), name
+    # the curvature drift too: the refreshes after the resume measure what the uninterrupted run's did
+    # (scheduled: the open cycle's samples and half-done refreshes came through the checkpoint)
+    if mode != "first-order":
+        after = {s: (r.drift, r.aging) for s, r in resumed.refreshes.items()}
+        assert max(after) >= 5 and after == {s: (full.refreshes[s].drift, full.refreshes[s].aging) for s in after}
 
 
 @pytest.mark.parametrize("mode", ["first-order", "kfac"])
@@ -131,7 +136,7 @@ def test_resume_with_two_stages_through_the_cli(tmp_path):
             assert torch.equal(p, fb["model"][name]), (stage, name)
     with open(metrics) as f:
         rows = f.read().splitlines()
-    assert rows[0] == "step,loss,val_loss,lr,step_seconds,mode,cycle,overrun_seconds" and [r.split(",")[0] for r in rows[1:]] == list("01234")
+    assert rows[0] == "step,loss,val_loss,lr,step_seconds,mode,cycle,overrun_seconds,drift,aging" and [r.split(",")[0] for r in rows[1:]] == list("01234")
     assert all(r.split(",")[5] == "scheduled" for r in rows[1:])
     # steps 1-4 ran the schedule, measured (overrun of its planned bubbles, once a job cycle is gathered:
     # here at the end of each run) under its cycle k

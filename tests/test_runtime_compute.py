@@ -98,6 +98,8 @@ def test_fp16_overflow_skips_the_update_and_kfac_drops_the_overflowed_pieces():
         st = next(iter(worker.kfac.layers.values()))
         assert st.overflowed["B"] == 3 * cfg.data.num_micro_batches and st.inverses["B"] is None
         assert len(said) == 1 and "overflowed in fp16" in said[0]
+        # B^-1 was never there and no gradient was preconditioned: no drift is made up from the kept state
+        assert worker.kfac.take_drift() == [] and st.last_grad is None
     finally:
         api.shutdown(ctx)
 

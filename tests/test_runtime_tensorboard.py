@@ -84,10 +84,14 @@ def test_scheduled_runs_log_cycle_and_overruns_and_a_resume_replaces_the_steps_i
     _train(cfg, steps=6, resume=ck, checkpoint_dir=ck, **common)
     logged, rows = _scalars(tb), _csv(metrics)
     assert [int(r["step"]) for r in rows] == list(range(6))
-    for key in ("loss", "lr", "step_seconds", "cycle", "overrun_seconds"):  # step times: run C's, not B's
-        assert _same(logged[TAGS[key]], _column(rows, key)), (key, logged[TAGS[key]], _column(rows, key))
+    for key in ("loss", "lr", "step_seconds", "cycle", "overrun_seconds", "drift", "aging"):  # step times: C's, not B's
+        assert _same(logged.get(TAGS[key], []), _column(rows, key)), (key, logged.get(TAGS[key]), _column(rows, key))
     assert [v for _, v in logged[TAGS["cycle"]]] == [3] * 6
     assert [s for s, _ in logged[TAGS["overrun_seconds"]]] == [1, 2, 3, 4, 5]  # measured from step 1 on
+    # the curvature drift of the one complete cycle, steps 1-3 (refreshed across A's checkpoint), once; no
+    # aging: the refresh before it was step 0's, the first
+    [(step, drift)] = logged[TAGS["drift"]]
+    assert 1 <= step <= 3 and drift > 0 and TAGS["aging"] not in logged
     assert [s for s, _ in logged[TAGS["peak_mib"]]] == [2, 5] == [s for s, _ in logged[TAGS["kfac_saved_peak_mib"]]]
 
 

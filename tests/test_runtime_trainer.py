@@ -166,13 +166,22 @@ def test_train_on_real_text_evaluates_held_out_loss_and_records_the_run(tmp_path
     assert res.exit_code == 0, res.output
     assert "held-out" in res.output and "peak memory" in res.output and "K-FAC saved tensors" in res.output
     rows = [line.split(",") for line in metrics.read_text().splitlines()]
-    assert rows[0] == ["step", "loss", "val_loss", "lr", "step_seconds", "mode", "cycle", "overrun_seconds"]
+    assert rows[0] == ["step", "loss", "val_loss", "lr", "step_seconds", "mode", "cycle", "overrun_seconds", "drift",
+                       "aging"]
     assert [r[2] != "" for r in rows[1:]] == [False, False, True, False, False, True]
     assert all(r[6] == r[7] == "" for r in rows[1:])  # no schedule: no cycle, nothing measured
+    # a curvature refresh every step: its drift from step 1 on (step 0's has nothing to compare with), its
+    # aging from step 2 on (against the refresh two back)
+    assert [r[8] != "" for r in rows[1:]] == [False] + [True] * 5 and all(float(r[8]) > 0 for r in rows[2:])
+    assert [r[9] != "" for r in rows[1:]] == [False] * 2 + [True] * 4
     lrs = [float(r[3]) for r in rows[1:]]
     assert lrs[0] == pytest.approx(1.5e-3) and lrs[1] == pytest.approx(3e-3) and lrs[-1] < lrs[1]  # warm-up, decay
     report = json.loads((out / "tiny_losses.json").read_text())
     assert [v[0] for v in report["val"]] == [3, 6] and report["peak_memory_bytes"] > 0
+    assert [r["step"] for r in report["drift"]] == [1, 2, 3, 4, 5]  # every layer of both stages, per refresh
+    assert {name.split("/")[0] for name in report["drift"][0]["layers"]} == {"0", "1"}
+    assert [f"{r['drift']:.6f}" for r in report["drift"]] == [r[8] for r in rows[2:]]
+    assert "curvature drift over 5 refresh(es)" in res.output
     vocab = json.loads((out / "tiny_tokenizer.json").read_text())["model"]["vocab"]
     assert vocab["[MASK]"] == 4 and len(vocab) <= 100
 

@@ -113,6 +113,18 @@ def precondition(grad: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor) -
     return b_inv @ grad @ a_inv
 
 
+def drift_terms(new: torch.Tensor, old: torch.Tensor,
+                older: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(||new - old||_F^2, ||new - older||_F^2, ||new||_F^2)`` of one layer's preconditioned gradients (the
+    second None without ``older``), as 0-dim tensors.
+
+    Kept as tensors (no host sync where they are computed) and as squares, so that layers, stages and
+    replicas add up before a refresh's figures are formed (:mod:`pipefisher.drift`)."""
+    new = new.float()
+    far = None if older is None else (new - older.float()).square().sum()
+    return (new - old.float()).square().sum(), far, new.square().sum()
+
+
 def kl_clip_scale(grad_dot_step: float, lr: float, kl_clip: float) -> float:
     """The factor nu <= 1 that keeps a preconditioned step's predicted KL change under ``kl_clip``.
 

@@ -15,6 +15,12 @@ The calls map one to one onto schedule labels (see the timeline-and-schedule spe
   inverse, then clear the new factor
 - :meth:`KFAC.precondition` - part of ``-- end --``: ``B^-1 grad A^-1``
 
+At every refresh of a layer (once both of its factors went through ``inv``) K-FAC also measures the
+layer's **drift**: how far the refresh moves its preconditioned gradient, ``||P_new(G) - P_old(G)||``
+against ``||P_new(G)||`` with ``P(G) = B^-1 G A^-1`` and ``G`` the gradient it preconditioned last, and
+the same against the inverses of the refresh before (see :meth:`KFAC.inv`, :meth:`KFAC.take_drift` and
+:mod:`pipefisher.drift`).
+
 Within a refresh a factor is the mean of its micro-batch contributions, so it does not matter how the
 covariance pieces are spread over time; across refreshes factors are running averages
 (``factor_decay``), so curvature survives a refresh and one refresh's few micro-batches do not
@@ -184,6 +190,16 @@ class LayerState:
     synced: dict[str, bool] = field(default_factory=lambda: {"A": False, "B": False})  # since the last piece
     skipped: int = 0  # refreshes of a factor dropped because it could not be inverted honestly
     overflowed: dict[str, int] = field(default_factory=lambda: {"A": 0, "B": 0})  # fp16 pieces dropped
+    # drift (KFAC.inv): the gradient last preconditioned, its preconditioned gradient and the inversion
+    # counts of the inverses that made it; the inverses this refresh replaced (None: there was none yet),
+    # the factors this refresh has been through inv so far (inverted, or kept for fp16 / on_bad_factor),
+    # and the inverses as they were before the last completed refresh (the drift over two refreshes)
+    last_grad: torch.Tensor | None = None
+    last_pre: torch.Tensor | None = None
+    pre_versions: tuple[int, int] | None = None
+    replaced: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    handled: set[str] = field(default_factory=set)
+    previous: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
 
     @property
     def bias(self) -> bool:
@@ -203,6 +219,9 @@ class KFAC:
     multiplied by ``damping_decay`` after every refresh of a layer, never going below ``damping_min``.
     ``on_bad_factor``: ``stop`` raises :class:`BadFactorError` (one line naming the layer), ``skip``
     keeps the layer's previous inverse, drops that refresh and reports it through ``warn``.
+    ``drift``: measure every layer's drift at its refreshes (:meth:`inv`); it keeps two gradient-sized
+    tensors and the inverses of the refresh before per layer. Replicas hold the same gradients and
+    inverses, so one replica measuring suffices.
     """
 
     def __init__(self, model: nn.Module, *, damping: float = 1e-3, ignore: Iterable[str] = DEFAULT_IGNORE,
@@ -210,7 +229,7 @@ class KFAC:
                  damping_min: float | None = None, damping_decay: float = 1.0, factor_decay: float = 0.0,
                  inverse: str = "cholesky", inverse_dtype: str = "float32", on_bad_factor: str = "stop",
                  save_dtype: str = "float32", fisher: str = "empirical",
-                 warn: Callable[[str], None] | None = None, cov_stride: int = 1) -> None:
+                 warn: Callable[[str], None] | None = None, cov_stride: int = 1, drift: bool = True) -> None:
         if not (damping > 0 and math.isfinite(damping)):  # also refuses NaN and infinity
             raise ValueError(f"K-FAC damping must be positive and finite, not {damping!r}: an undamped "
                              "factor is singular")
@@ -252,6 +271,8 @@ class KFAC:
         # gradients are divided by it, and a piece that overflowed is dropped rather than added
         self.grad_scaler: Any = None
         self._told_overflow = False
+        self.measure_drift = bool(drift)
+        self._drift: list[tuple[Any, ...]] = []  # (layer, change^2, change over two refreshes^2, norm^2), not taken
         self._handles = [self._hook(st) for st in self.layers.values()]
 
     # -- saving inputs and output gradients -------------------------------------------------------
@@ -524,6 +545,7 @@ class KFAC:
                     self._told_overflow = True
                     self.warn(f"K-FAC layer {name} factor {factor}: every piece of this refresh overflowed in "
                               "fp16; kept the previous inverse (said once; LayerState.overflowed counts them)")
+                self._refreshed(name, factor)  # kept: it counts as unchanged in the drift
                 return
             raise RuntimeError(f"inv_kron_{factor}:{name}: factor {factor} has no covariance to invert")
         f = self.averaged(name, factor)
@@ -539,11 +561,64 @@ class KFAC:
                 raise
             st.skipped += 1
             self.warn(f"{err}; kept the previous inverse (kfac.on_bad_factor: skip)")
+            self._refreshed(name, factor)
             return
         st.last_pi = pi
+        if factor not in st.replaced:  # the inverse the refresh started from (a second inv keeps the first)
+            st.replaced[factor] = st.inverses[factor]
         st.inverses[factor] = inverse
         st.running[factor] = f
         st.inversions[factor] += 1
+        self._refreshed(name, factor)
+
+    def _refreshed(self, name: str, factor: str) -> None:
+        """``factor`` of layer ``name`` went through ``inv`` (inverted, or kept); once both have, the
+        refresh is complete and its drift is measured (:meth:`_measure_drift`)."""
+        st = self.layers[name]
+        st.handled.add(factor)
+        if st.handled >= set(FACTORS):
+            if st.replaced:  # an inverse changed: a refresh (one that changed none does not count)
+                self._measure_drift(name, st)
+                if self.measure_drift:  # the inverses before this refresh, for the next one's two-refresh drift
+                    st.previous = {f: st.replaced.get(f, st.inverses[f]) for f in FACTORS}
+            st.replaced, st.handled = {}, set()
+
+    def _measure_drift(self, name: str, st: LayerState) -> None:
+        """The refresh's drift of one layer: ``||P_new(G) - P_old(G)||^2``, ``||P_new(G) - P_older(G)||^2``
+        and ``||P_new(G)||^2`` (kept as tensors, no host sync: :meth:`take_drift` hands them on).
+
+        ``G`` is the gradient this layer preconditioned last (the previous step's, clipped and, in fp16,
+        unscaled): a real gradient of this model at nearly the current weights, the very thing the
+        inverses are applied to, and there in a bubble, where the step's own gradient is not yet. The
+        same ``G`` on every side: what moves is the curvature alone. ``P_old`` uses the inverses the
+        refresh replaced (a factor kept for fp16 overflow or ``on_bad_factor: skip`` counts as
+        unchanged): it is the preconditioned gradient of that step itself when that step used exactly
+        those inverses, else it is computed; ``P_older`` uses those of the refresh before (None until
+        there are some). So a refresh costs one to three preconditionings of the layer's gradient, in
+        its inverse's label. Nothing is measured at a layer's first refresh (no old inverse) or before
+        its first preconditioning.
+        """
+        new_a, new_b = st.inverses["A"], st.inverses["B"]
+        if not (self.measure_drift and st.last_grad is not None):
+            return
+        old_a, old_b = st.replaced.get("A", new_a), st.replaced.get("B", new_b)
+        if old_a is None or old_b is None or new_a is None or new_b is None:
+            return
+        g = st.last_grad
+        new = fx.precondition(g, new_a, new_b)
+        before = (st.inversions["A"] - ("A" in st.replaced), st.inversions["B"] - ("B" in st.replaced))
+        old = st.last_pre if st.pre_versions == before and st.last_pre is not None \
+            else fx.precondition(g, old_a, old_b)
+        older_a, older_b = st.previous["A"], st.previous["B"]
+        older = None if older_a is None or older_b is None else fx.precondition(g, older_a, older_b)
+        self._drift.append((name, *fx.drift_terms(new, old, older)))
+
+    def take_drift(self) -> list[tuple[Any, ...]]:
+        """The drift measured since the last call, per completed refresh of a layer: ``(layer,
+        ||P_new(G) - P_old(G)||^2, ||P_new(G) - P_older(G)||^2 or None, ||P_new(G)||^2)`` as 0-dim tensors
+        (read them where the runtime gathers anyway: :class:`pipefisher.runtime.train.drift.DriftLog`)."""
+        out, self._drift = self._drift, []
+        return out
 
     def precondition(self, name: str) -> bool:
         """Replace the layer's gradient by ``B^-1 grad A^-1``; False (gradient untouched) without inverses.
@@ -562,6 +637,9 @@ class KFAC:
             g = torch.cat([g, bg[:, None]], dim=1)
         p = fx.precondition(g, a_inv, b_inv)
         self._grad_dot_step = self._grad_dot_step + (p * g).sum()  # no host sync per layer
+        if self.measure_drift:  # the next refresh's drift is measured on this gradient (g: a view without bias)
+            st.last_grad, st.last_pre = (g if st.bias else g.clone()), p
+            st.pre_versions = (st.inversions["A"], st.inversions["B"])
         st.kind.write_grad(w, p[:, :-1] if st.bias else p)
         if st.bias:
             if st.module.bias.grad is None:

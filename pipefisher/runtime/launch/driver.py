@@ -338,11 +338,13 @@ def training_summary(paths: RunPaths, steps: int, cycles: list[int], adapt: bool
     history = os.path.join(paths.folder, f"{paths.name}_schedules", "history.json")
     switches = load_json(history).get("switches", []) if os.path.exists(history) else []
     overruns = [float(r["overrun_seconds"]) for r in rows if r.get("overrun_seconds")]
+    drifts = [float(r["drift"]) for r in rows if r.get("drift")]
     summary = {
         "steps": steps, "cycle": max(cycles), "cycles": cycles, "adapt": adapt,
         "final_cycle": switches[-1]["cycle"] if switches else max(cycles),
         "switches": [{k: sw[k] for k in ("step", "cycle", "node_cycles", "reason")} for sw in switches[1:]],
         "median_overrun_seconds": statistics.median(overruns) if overruns else None,
+        "refreshes": len(drifts), "median_drift": statistics.median(drifts) if drifts else None,
         "median_step_seconds": statistics.median(times) if times else None,
         "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
         "profile_seconds": None if profile_s is None else round(profile_s, 3), "train_seconds": round(train_s, 3),

@@ -16,7 +16,9 @@ Files (with an output prefix ``P``), written by rank 0:
   placements shifted so that the step's first forward or backward gets its input at the same time;
 * ``P_cycles.jsonl``: per gather (a cycle under ``adapt``) and node, a summary
   (:func:`pipefisher.measure.cycle_summary`): mean step time, each K-FAC label's time, each bubble as
-  it really was, each bubble's largest overrun;
+  it really was, each bubble's largest overrun; and the curvature refreshes completed in it
+  (``drift``: the job's drift and aging, and this node's layers', :mod:`pipefisher.drift`), which the
+  workers gather with their records;
 * ``P_measured/``: the timelines measured over the last cycles, one pickle per node, in the profiled
   format (``pipefisher schedule P_measured/*.pickle`` packs them);
 * ``P_schedules/``: every schedule the run used, ``step-<first step>.pickle`` (with ``.meta.json``),
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipefisher.closed_loop import Plan, Scheduler, _record_from_state, _record_state
+from pipefisher.drift import DriftSample, Refresh, refreshes
 from pipefisher.measure import (StepRecord, append_csv, cycle_summary, instruction_rows, lay_out,
                                 planned_gap_seconds, step_overrun, unit_seconds, window_timelines)
 
@@ -55,7 +58,9 @@ class ScheduleLoop:
     ``collective``: ``(gather, broadcast, barrier)`` over every worker, the first two of picklable
     objects (None: one process);
     ``check(plan)`` refuses a schedule this job cannot run (raises); ``agree(text)`` fails unless every
-    worker passes the same text; ``switch(plan, first_step)`` makes the executor run it.
+    worker passes the same text; ``switch(plan, first_step)`` makes the executor run it. ``drift`` hands
+    over this worker's drift samples not gathered yet (:meth:`pipefisher.runtime.train.drift.DriftLog.drain`):
+    they travel with its records, and every worker learns the job's refreshes (:attr:`refreshes`).
     """
 
     def __init__(self, plan: Plan, *, node: int, rank: int, nodes: int, scheduler: Scheduler | None,
@@ -64,7 +69,8 @@ class ScheduleLoop:
                  check: Callable[[Plan], None] = lambda plan: None,
                  agree: Callable[[str], None] = lambda text: None,
                  switch: Callable[[Plan, int], None] = lambda plan, step: None,
-                 echo: Callable[[str], None] | None = None) -> None:
+                 echo: Callable[[str], None] | None = None,
+                 drift: Callable[[], list[DriftSample]] | None = None) -> None:
         if adapt and len(set(plan.cycles)) > 1:
             raise ValueError("adapting needs one cycle length on every node (pipefisher.closed_loop.equal_cycles)")
         self.plan, self.node, self.rank, self.nodes = plan, node, rank, nodes
@@ -74,6 +80,10 @@ class ScheduleLoop:
         self._gather, self._broadcast, self._barrier = (collective if collective is not None else
                                                         ((lambda x: [x]), (lambda x: x), (lambda: None)))
         self._check, self._agree, self._switch, self._echo = check, agree, switch, echo
+        self._drift = drift or (lambda: [])
+        self.refreshes: dict[int, Refresh] = {}  # the job's curvature refreshes gathered so far, by step
+        self._fresh: list[Refresh] = []  # those of the last gather
+        self.last_step: int | None = None  # the last step this worker ran
         self.pending: list[StepRecord] = []  # this worker's records of the current job cycle
         self.recent: deque[list[StepRecord]] = deque(maxlen=MEASURED_WINDOW)  # every node's, last cycles
         self.overruns: dict[int, float] = {}  # step -> seconds (the slowest node's), once its cycle is in
@@ -99,24 +109,32 @@ class ScheduleLoop:
         """Called by every worker after every scheduled step, with that step's record."""
         if record is not None:
             self.pending.append(record)
+        self.last_step = step
         if (step - self.first_step + 1) % self.gather_every == 0:
             self._cycle_end(step)
 
     def finish(self) -> None:
-        """The end of training: the records of an incomplete last cycle are gathered too (no decision)."""
-        self._collect()
+        """The end of training: the records of an incomplete last cycle are gathered too (no decision;
+        its curvature refresh, incomplete, gives no figure: a run resumed from a checkpoint completes it)."""
+        self._collect(self.last_step)
         self._barrier()  # gloo aborted now and then when a worker left right after an object gather
 
     # -- the cycle's end ----------------------------------------------------------------------------
 
-    def _collect(self) -> list[StepRecord]:
+    def _collect(self, through: int | None) -> list[StepRecord]:
+        """Gather every worker's records and drift samples; refreshes whose job cycle ended by step
+        ``through`` become figures."""
         import time
 
         mine, self.pending = self.pending, []
         t0 = time.perf_counter()
-        parts = self._gather(mine)
+        parts = self._gather((mine, self._drift()))
         self.gather_seconds.append(time.perf_counter() - t0)
-        records = sorted((r for part in parts for r in part), key=lambda r: (r.step, r.node, r.replica))
+        records = sorted((r for part, _ in parts for r in part), key=lambda r: (r.step, r.node, r.replica))
+        samples = [s for _, part in parts for s in part]
+        self._fresh = [r for r in refreshes(samples, group=self._cycle_of)
+                       if through is not None and self._cycle_of(r.step) + self.cycle - 1 <= through]
+        self.refreshes.update((r.step, r) for r in self._fresh)
         if not records:
             return records
         plan = self.plan
@@ -136,8 +154,18 @@ class ScheduleLoop:
                 for n in range(self.nodes):
                     mine = [r for r in records if r.node == n and r.replica == 0]
                     if mine:
-                        f.write(json.dumps(cycle_summary(mine, self._planned(n)[1])) + "\n")
+                        ours = {s.layer for s in samples if s.node == n}
+                        drift = [{"step": r.step, "drift": r.drift, "aging": r.aging,
+                                  "lags": None if r.lags is None else list(r.lags),
+                                  "layers": {k: v for k, v in r.layers.items() if k in ours},
+                                  "layer_aging": {k: v for k, v in r.layer_aging.items() if k in ours}}
+                                 for r in self._fresh]
+                        f.write(json.dumps({**cycle_summary(mine, self._planned(n)[1]), "drift": drift}) + "\n")
         return records
+
+    def _cycle_of(self, step: int) -> int:
+        """The first step of the job cycle ``step`` is in: a refresh's layers are spread over its cycle."""
+        return self.first_step + (step - self.first_step) // self.cycle * self.cycle
 
     def _planned(self, node: int) -> tuple[list[list[Any]], list[float]]:
         key = f"{self.plan.digest}/{node}"
@@ -165,13 +193,14 @@ class ScheduleLoop:
     def _cycle_end(self, step: int) -> None:
         import time
 
-        records = self._collect()
+        records = self._collect(step)
         if not self.adapt:
             return
         t0 = time.perf_counter()
         decision = None
         if self.scheduler is not None:
             self.scheduler.observe(records)
+            self.scheduler.observe_drift(self._fresh)
             nxt = self.scheduler.next_schedule()
             if nxt.digest != self.plan.digest:
                 decision = nxt.state()

@@ -15,7 +15,9 @@ Every worker writes its file through a temp file and a rename; after a barrier, 
 manifest at the new step folder (also a rename) and removes older ones beyond the newest
 ``checkpoint.keep`` (1: only the newest), so a crash at any moment leaves the previous checkpoint whole. A worker file holds the stage's parameters (both stage copies
 under Chimera, every chunk when interleaved), the optimizer state, the K-FAC state of each copy (factors, inverses, pi scales,
-saving flag and any saved micro-batches still waiting for their covariance pieces), the closed loop's
+saving flag and any saved micro-batches still waiting for their covariance pieces, and what the next
+refresh's drift is measured with: the gradient last preconditioned, its preconditioned gradient, the
+inverses a half-done refresh replaced and those of the refresh before), the drift samples not gathered yet, the closed loop's
 state in scheduled mode (the active schedule and the step it began at, the open cycle's measurements,
 and on rank 0 the scheduler's window) and the torch random state (dropout). The data position is the
 step number: every micro-batch is a pure function of (seed, step, replica, index), and the schedule
@@ -109,6 +111,10 @@ def kfac_state(kfac: Any) -> dict[str, Any]:
             "running": dict(st.running), "inversions": dict(st.inversions), "skipped": st.skipped,
             "synced": dict(st.synced),
             "inputs": list(st.inputs), "outgrads": list(st.outgrads),
+            # the drift's (KFAC._measure_drift): a refresh can be half done at a checkpoint
+            "last_grad": st.last_grad, "last_pre": st.last_pre,
+            "pre_versions": list(st.pre_versions) if st.pre_versions is not None else None,
+            "replaced": dict(st.replaced), "handled": sorted(st.handled), "previous": dict(st.previous),
         }
     return {"saving": kfac.saving, "layers": layers}
 
@@ -132,6 +138,12 @@ def load_kfac_state(kfac: Any, state: dict[str, Any], path: str) -> None:
         st.inputs.extend(s["inputs"])
         st.outgrads.clear()
         st.outgrads.extend(s["outgrads"])
+        st.last_grad, st.last_pre = s.get("last_grad"), s.get("last_pre")  # absent: written before drift
+        versions = s.get("pre_versions")
+        st.pre_versions = (int(versions[0]), int(versions[1])) if versions is not None else None
+        st.replaced = {f: t for f, t in (s.get("replaced") or {}).items()}
+        st.handled = set(s.get("handled") or ())
+        st.previous = {f: (s.get("previous") or {}).get(f) for f in "AB"}
     kfac.recount_saved()
 
 
@@ -180,6 +192,8 @@ def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
         "kfac_copies": {p: kfac_state(k) for p, k in trainer.kfacs.items() if p >= 2} or None,
         # the closed loop: the active schedule, its first step, open measurements, the scheduler (rank 0)
         "loop": trainer.loop.state_dict() if getattr(trainer, "loop", None) is not None else None,
+        # drift measured and not gathered yet (the open cycle's, in scheduled mode)
+        "drift": trainer.drift_log.state_dict() if getattr(trainer, "drift_log", None) is not None else None,
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if trainer.ctx.device.type == "cuda" else None,
     }
@@ -352,6 +366,8 @@ def load_checkpoint(folder: str, trainer: "Trainer") -> int:
         load_kfac_state(kfac, saved, path)
     if getattr(trainer, "loop", None) is not None and state.get("loop") is not None:
         trainer.loop.load_state_dict(state["loop"])  # the schedule that was running, from where it began
+    if getattr(trainer, "drift_log", None) is not None and state.get("drift") is not None:
+        trainer.drift_log.load_state_dict(state["drift"])
     torch.set_rng_state(state["rng"])
     if state.get("cuda_rng") is not None and trainer.ctx.device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng"])

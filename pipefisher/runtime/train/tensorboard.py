@@ -4,10 +4,13 @@ The reporting worker (the one holding the loss) writes, per step (the global ste
 as in the CSV): ``loss/train``, ``loss/held_out`` (when evaluated), ``optim/lr``, ``time/step_seconds``,
 and in scheduled mode ``kfac/cycle`` (the K-FAC cycle k of the schedule the step ran) and
 ``kfac/overrun_seconds`` (known only once the step's job cycle is gathered, so written then, under the
-step it belongs to); at the end ``memory/peak_mib`` (and ``memory/kfac_saved_peak_mib`` with K-FAC).
+step it belongs to); with K-FAC, ``kfac/drift`` and ``kfac/aging`` under the step each curvature refresh
+completed in (known once gathered: in scheduled mode with the measurements, every cycle under
+``--adapt``; in kfac mode at checkpoints and the end; :mod:`pipefisher.drift`);
+at the end ``memory/peak_mib`` (and ``memory/kfac_saved_peak_mib`` with K-FAC).
 
 A resumed run appends to the same folder: its writer purges (``purge_step``) whatever an earlier run
-wrote from the first step it runs again, so no step is there twice. Overruns of steps before that
+wrote from the first step it runs again, so no step is there twice. Overruns and drift of steps before that
 (measured by the earlier run, gathered again from the checkpoint) are left to the earlier run, as the
 metrics CSV keeps its rows.
 
@@ -24,8 +27,8 @@ EVENT_FILES = "events.out.tfevents."
 MISSING = "--tensorboard needs the tensorboard package: pip install 'pipefisher[tensorboard]'"
 
 TAGS = {"loss": "loss/train", "val_loss": "loss/held_out", "lr": "optim/lr", "step_seconds": "time/step_seconds",
-        "cycle": "kfac/cycle", "overrun_seconds": "kfac/overrun_seconds", "peak_mib": "memory/peak_mib",
-        "kfac_saved_peak_mib": "memory/kfac_saved_peak_mib"}
+        "cycle": "kfac/cycle", "overrun_seconds": "kfac/overrun_seconds", "drift": "kfac/drift",
+        "aging": "kfac/aging", "peak_mib": "memory/peak_mib", "kfac_saved_peak_mib": "memory/kfac_saved_peak_mib"}
 """Column (as in the metrics CSV, where it has one) -> TensorBoard tag."""
 
 
@@ -55,7 +58,7 @@ class TensorBoardLog:
 
         self.first_step = first_step
         self._writer: Any = SummaryWriter(log_dir=logdir, purge_step=first_step or None)
-        self._overruns_done: set[int] = set()
+        self._late_done: dict[str, set[int]] = {}
 
     def _add(self, key: str, value: float | None, step: int) -> None:
         if value is not None:
@@ -68,11 +71,13 @@ class TensorBoardLog:
                            ("cycle", cycle)):
             self._add(key, value, step)
 
-    def log_overruns(self, overruns: Mapping[int, float]) -> None:
-        """The overruns (step -> seconds) not written yet, each under its own step, in step order."""
-        for step in sorted(s for s in overruns if s >= self.first_step and s not in self._overruns_done):
-            self._add("overrun_seconds", overruns[step], step)
-            self._overruns_done.add(step)
+    def log_late(self, key: str, values: Mapping[int, float]) -> None:
+        """Figures known only after their step (``overrun_seconds``, ``drift``, ``aging``: step -> value) not written
+        yet, each under its own step, in step order."""
+        done = self._late_done.setdefault(key, set())
+        for step in sorted(s for s in values if s >= self.first_step and s not in done):
+            self._add(key, values[step], step)
+            done.add(step)
 
     def log_peak_memory(self, step: int, peak_bytes: int, kfac_saved_bytes: int | None = None) -> None:
         """The run's peak memory (and K-FAC's saved tensors', with K-FAC), in MiB, under its last step."""

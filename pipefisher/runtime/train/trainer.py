@@ -24,6 +24,7 @@ import click
 import torch
 import torch.distributed as dist
 
+from pipefisher.drift import AGING_HIGH, AGING_LOW, DRIFT_MAX_CYCLE
 from pipefisher.errors import first_line
 from pipefisher.kfac.factors import BadFactorError
 from pipefisher.pipeline_orders import UP
@@ -82,10 +83,15 @@ class TrainOptions:
     adapt_window: int = 4
     adapt_quantile: float = 0.5
     adapt_tie: float = 0.04  # step-time improvement that counts (the adaptive scheduler's tie)
+    # without a staleness curve the drift rule sets k (pipefisher.drift): its thresholds on the curvature's
+    # aging, and the longest cycle (None: a quarter of --steps, at most DRIFT_MAX_CYCLE)
+    adapt_aging_low: float = AGING_LOW
+    adapt_aging_high: float = AGING_HIGH
+    adapt_max_cycle: int | None = None
     margin: float | None = None
     schedule_timelines: tuple[str, ...] | None = None
     measure_prefix: str | None = None
-    # the job's staleness curve for ``adapt`` (None: none, step time alone), as data: options travel to
+    # the job's staleness curve for ``adapt`` (None: none, the drift rule sets k), as data: options travel to
     # the workers as JSON (:meth:`pipefisher.staleness.StalenessCurve.to_data`)
     staleness: dict[str, Any] | None = None
 
@@ -98,6 +104,8 @@ class TrainOptions:
             raise ValueError("adapting the schedule needs mode 'scheduled' and a schedule file")
         if self.profile and self.mode == "scheduled":
             raise ValueError("profiling runs kfac steps, not a schedule")
+        if not 0 < self.adapt_aging_low < self.adapt_aging_high:
+            raise ValueError("the drift rule's aging thresholds need 0 < adapt_aging_low < adapt_aging_high")
 
     @property
     def staleness_curve(self) -> Any:
@@ -179,6 +187,12 @@ class Trainer:
         self.stage, self.kfac, self.kfacs, self.engine = w.stage, w.kfac, w.kfacs, w.engine
         self.updater, self.ops, self.executor = w.updater, w.ops, w.executor
         self.schedule_digest = w.schedule_digest
+        self.drift_log = None  # this worker's curvature drift samples (K-FAC modes), see pipefisher.drift
+        if self.kfacs:
+            from pipefisher.runtime.train.drift import DriftLog
+
+            self.drift_log = DriftLog(self.kfacs, node_pipes(cfg, g.stage), g.stage)
+        self._refreshes: dict[int, Any] = {}  # kfac mode: the job's refreshes gathered so far, by step
         self.loop = self._schedule_loop() if self.executor is not None else None
         self.start_step = 0
         if opts.resume:
@@ -222,6 +236,8 @@ class Trainer:
             scheduler = make_scheduler("adaptive" if opts.adapt else "static", plan, g.stages,
                                        **({"policy": opts.adapt_policy, "margin": margin, "window": opts.adapt_window,
                                            "q": opts.adapt_quantile, "tie": opts.adapt_tie,
+                                           "aging_low": opts.adapt_aging_low, "aging_high": opts.adapt_aging_high,
+                                           "max_cycle": opts.adapt_max_cycle or max(1, min(DRIFT_MAX_CYCLE, opts.steps // 4)),
                                            "staleness": opts.staleness_curve}
                                           if opts.adapt else {}))
         prefix = opts.measure_prefix or (os.path.join(opts.out, self.cfg.name) if opts.out else None)
@@ -242,12 +258,39 @@ class Trainer:
                             prefix=prefix, collective=collective,
                             check=lambda new: check_schedule(new.data, cfg, g.replicas),
                             agree=lambda text: check_agreement(ctx, text), switch=switch,
-                            echo=click.echo if self.reporter and opts.progress else None)
+                            echo=click.echo if self.reporter and opts.progress else None,
+                            drift=self.drift_log.drain if self.drift_log is not None else None)
 
     def _phase(self, what: str) -> None:
         """A start-up phase line from the reporting worker (the launcher relays it), unless --no-progress."""
         if self.reporter and self.opts.progress:
             phase(what)
+
+    @property
+    def refreshes(self) -> dict[int, Any]:
+        """The job's curvature refreshes gathered so far (:class:`pipefisher.drift.Refresh`), by the step
+        each completed in: the closed loop's (scheduled mode, every gather), else those gathered at
+        checkpoints and at the end (kfac mode). Every worker holds them."""
+        return self.loop.refreshes if self.loop is not None else self._refreshes
+
+    def _gather_drift(self) -> None:
+        """kfac mode: every worker's drift samples to every worker, grouped by step (a collective: every
+        worker calls it at the same point). Scheduled mode gathers them with its cycles."""
+        if self.drift_log is None or self.loop is not None:
+            return
+        from pipefisher.drift import refreshes
+
+        mine = self.drift_log.drain()
+        parts: list[Any] = [mine]
+        if self.ctx.distributed:
+            parts = [None] * self.ctx.grid.world_size
+            dist.all_gather_object(parts, mine)
+        self._refreshes.update((r.step, r) for r in refreshes(s for part in parts for s in part))
+
+    def _log_drift(self, tb: TensorBoardLog) -> None:
+        """Each refresh's drift and aging not logged yet, under the step it completed in."""
+        tb.log_late("drift", {s: r.drift for s, r in self.refreshes.items()})
+        tb.log_late("aging", {s: r.aging for s, r in self.refreshes.items() if r.aging is not None})
 
     @property
     def cycles(self) -> list[int]:
@@ -344,6 +387,8 @@ class Trainer:
                 cycle = max(self.cycles) if self.cycles else None  # the schedule this step runs
                 try:
                     loss = self.train_step(step)
+                    if self.drift_log is not None:
+                        self.drift_log.take(step)  # tensors: read where the workers gather anyway
                     if self.loop is not None and step >= 1:
                         self.loop.after_step(step, self.executor.last_record)
                 except BadFactorError:
@@ -368,7 +413,8 @@ class Trainer:
                     tb.log_step(step, loss=loss, val_loss=val, lr=self.updater.lr,
                                 step_seconds=result.step_seconds[-1], cycle=cycle)
                     if self.loop is not None:
-                        tb.log_overruns(self.loop.overruns)
+                        tb.log_late("overrun_seconds", self.loop.overruns)
+                    self._log_drift(tb)
                 if loss is not None:
                     result.losses.append(loss)
                 if bar is not None:
@@ -383,6 +429,7 @@ class Trainer:
                     click.echo(msg)
                 every = opts.checkpoint_every
                 if every and (step + 1) % every == 0 and not last:
+                    self._gather_drift()
                     self.checkpoint(step + 1)
                     if self.reporter and opts.metrics:
                         self._write_metrics(opts.metrics, metrics)
@@ -411,16 +458,21 @@ class Trainer:
                 tb.log_peak_memory(opts.steps - 1, result.peak_memory_bytes,
                                    result.peak_saved_bytes if self.kfac is not None else None)
         if todo:
+            self._gather_drift()
             self.checkpoint(opts.steps)
         if self.loop is not None:
             self.loop.finish()  # after the checkpoint: a resumed run gathers the open cycle as this one would
             if tb is not None:
-                tb.log_overruns(self.loop.overruns)
+                tb.log_late("overrun_seconds", self.loop.overruns)
             self.loop.write_schedules()
             self.loop.write_measured()
             if self.reporter and todo:
                 click.echo(f"closed loop ({'adaptive' if opts.adapt else 'static'} scheduler): {self.loop.cost_line()}"
                            + (f", final K-FAC cycle k={max(self.cycles)}" if opts.adapt else ""))
+        if tb is not None:
+            self._log_drift(tb)
+        if self.reporter and todo and self.refreshes:
+            click.echo(drift_line(list(self.refreshes.values())))
         if self.reporter and opts.metrics:
             self._write_metrics(opts.metrics, metrics)
         if opts.out is not None:
@@ -441,7 +493,9 @@ class Trainer:
                                                  "node_cycles": sw.plan.cycles, "reason": sw.plan.reason}
                                                 for sw in self.loop.history] if self.loop else None,
                                   "loop_seconds": {"gathers": self.loop.gather_seconds,
-                                                   "decisions": self.loop.decide_seconds} if self.loop else None})
+                                                   "decisions": self.loop.decide_seconds} if self.loop else None,
+                                  # the curvature refreshes' drift, the job's figure and every layer's
+                                  "drift": [r.state() for _, r in sorted(self.refreshes.items())]})
         return result
 
     def _write_metrics(self, path: str, rows: list[tuple[int, float | None, float | None, float, float, int | None]]) -> None:
@@ -449,10 +503,11 @@ class Trainer:
 
         ``cycle``: the K-FAC cycle k of the schedule the step ran (scheduled mode); ``overrun_seconds``:
         how long K-FAC work delayed the step's calls past their planned bubbles (the slowest node's;
-        known once the step's job cycle is gathered)."""
+        known once the step's job cycle is gathered); ``drift`` and ``aging``: the curvature drift and
+        aging of the refresh that completed in the step (:mod:`pipefisher.drift`; empty on other steps)."""
         from pipefisher.safe_io import write_atomic
 
-        header = "step,loss,val_loss,lr,step_seconds,mode,cycle,overrun_seconds\n"
+        header = "step,loss,val_loss,lr,step_seconds,mode,cycle,overrun_seconds,drift,aging\n"
         kept: list[str] = []
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
@@ -464,9 +519,20 @@ class Trainer:
             return "" if x is None else f"{x:.6f}"
 
         over = self.loop.overruns if self.loop is not None else {}
-        body = [f"{s},{num(l)},{num(v)},{lr:.6g},{t:.6f},{self.mode},{'' if k is None else k},{num(over.get(s))}"
+        fresh = self.refreshes
+        body = [f"{s},{num(l)},{num(v)},{lr:.6g},{t:.6f},{self.mode},{'' if k is None else k},{num(over.get(s))},"
+                f"{num(fresh[s].drift if s in fresh else None)},{num(fresh[s].aging if s in fresh else None)}"
                 for s, l, v, lr, t, k in rows]
         write_atomic(path, header + "".join(line + "\n" for line in kept + body))
+
+
+def drift_line(refreshes: list[Any]) -> str:
+    """The run's curvature drift in one line: how many refreshes, their drift and aging (medians, last)."""
+    rs = sorted(refreshes, key=lambda r: r.step)
+    ages = [r.aging for r in rs if r.aging is not None]
+    aged = f"; aging median {statistics.median(ages):.3f}, last {ages[-1]:.3f}" if ages else ""
+    return (f"curvature drift over {len(rs)} refresh(es): median {statistics.median(r.drift for r in rs):.3f}, "
+            f"last {rs[-1].drift:.3f}{aged} (see pipefisher.drift)")
 
 
 def compute_line(cfg: RunConfig) -> str:

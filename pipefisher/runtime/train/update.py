@@ -125,8 +125,9 @@ class Updater:
 
 
 def make_kfac(cfg: RunConfig, stage: nn.Module, *, dp_group: Any = None, dp_size: int = 1,
-              warn: Any = None) -> Any:
-    """The stage's K-FAC as the config says (one place, so trainer and replay build the same one)."""
+              warn: Any = None, drift: bool = True) -> Any:
+    """The stage's K-FAC as the config says (one place, so trainer and replay build the same one).
+    ``drift``: measure the curvature drift at refreshes (replica 0 does: replicas measure the same)."""
     from pipefisher.kfac import KFAC
 
     k = cfg.kfac
@@ -134,4 +135,4 @@ def make_kfac(cfg: RunConfig, stage: nn.Module, *, dp_group: Any = None, dp_size
                 ignore=k.ignore, loss_scale=cfg.data.num_micro_batches, dp_group=dp_group, dp_size=dp_size,
                 factor_decay=k.factor_decay, inverse=k.inverse, inverse_dtype=k.inverse_dtype,
                 on_bad_factor=k.on_bad_factor, save_dtype=k.save_dtype, fisher=k.fisher, warn=warn,
-                cov_stride=k.cov_stride)
+                cov_stride=k.cov_stride, drift=drift)

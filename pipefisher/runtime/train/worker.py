@@ -159,7 +159,8 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
             what = (f" (chunk {p})" if interleaved else " (up pipe)") if p else ""
             where = f"stage {index[p]}" + what + f" replica {g.replica}"
             say = (lambda msg, where=where: warn(f"{where}: {msg}")) if warn is not None else None
-            kfacs[p] = make_kfac(cfg, copy, dp_group=ctx.stage_group, dp_size=ctx.stage_group_size, warn=say)
+            kfacs[p] = make_kfac(cfg, copy, dp_group=ctx.stage_group, dp_size=ctx.stage_group_size, warn=say,
+                                 drift=g.replica == 0)  # every replica would measure the same drift
     scaler = LossScale(cfg.train.loss_scale) if cfg.train.precision == "fp16" else None
     for k in kfacs.values():
         k.grad_scaler = scaler
