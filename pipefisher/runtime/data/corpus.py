@@ -28,14 +28,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.data.sources import IDS, TEXT, Documents, open_source, source_error
-from pipefisher.runtime.job.config import DataConfig
+from pipefisher.runtime.job.config import SPECIAL_TOKENS, DataConfig
 from pipefisher.safe_io import atomic_path, write_atomic
 
 if TYPE_CHECKING:
     import torch
 
-SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-"""In id order: these are ``data.PAD, UNK, CLS, SEP, MASK``."""
 SEP_ID = SPECIAL_TOKENS.index("[SEP]")
 TOKENIZERS = ("bpe", "wordpiece")
 FORMAT = 2

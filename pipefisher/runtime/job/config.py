@@ -83,6 +83,9 @@ class ModelConfig:
 
 SYNTHETIC = "synthetic"
 STDLIB = "stdlib"
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+"""The run vocabulary's special tokens, in id order (``data.PAD, UNK, CLS, SEP, MASK``): the corpus's
+tokenizer gives them these ids, and exported transformers configs name them (pad, bos, eos)."""
 
 
 @dataclass(frozen=True)

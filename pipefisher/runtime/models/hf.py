@@ -90,7 +90,7 @@ def key_value_heads(model: ModelConfig) -> int:
 def _special_ids() -> dict[str, int]:
     """The run vocabulary's special tokens as transformers configs name them (pad, and for causal
     models bos/eos: ``[CLS]`` and the ``[SEP]`` that ends every document)."""
-    from pipefisher.runtime.data.corpus import SPECIAL_TOKENS
+    from pipefisher.runtime.job.config import SPECIAL_TOKENS
 
     return {"pad_token_id": SPECIAL_TOKENS.index("[PAD]"), "bos_token_id": SPECIAL_TOKENS.index("[CLS]"),
             "eos_token_id": SPECIAL_TOKENS.index("[SEP]")}
