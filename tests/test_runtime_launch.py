@@ -178,3 +178,31 @@ def test_a_run_alone_takes_the_device_a_launched_worker_would(monkeypatch):
     assert dist_mod.init_context(cfg).device == dist_mod.pick_device(0)[0]
     monkeypatch.setattr(dist_mod, "pick_device", lambda local_rank: (torch.device("meta"), "nccl"))
     assert dist_mod.init_context(cfg).device == torch.device("meta")
+
+
+def test_more_workers_than_gpus_is_one_line_before_nccl_sees_it(monkeypatch):
+    """NCCL refuses two ranks on one GPU only at the first collective, in its own words: say it at start."""
+    import torch
+
+    import pipefisher.runtime.job.dist as dist_mod
+
+    assert dist_mod.gpu_of(1, 2, 2) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"2 workers on this machine but 1 GPU\(s\).*CUDA_VISIBLE_DEVICES"):
+        dist_mod.pick_device(0, local_workers=2)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_a_benchmark_worker_pins_to_its_ranks_core_among_those_it_was_given(monkeypatch):
+    """Two benchmarks side by side under taskset keep to their own cores (they used to pin to core 0, 1)."""
+    from pipefisher.runtime.launch.local import pin_to_one_core
+
+    before = os.sched_getaffinity(0)
+    first = min(before)  # rank 1 given only the first core: the old rule took core 1 all the same
+    try:
+        os.sched_setaffinity(0, {first})
+        monkeypatch.setenv("RANK", "1")
+        assert pin_to_one_core() == 1 and os.sched_getaffinity(0) == {first}
+    finally:
+        os.sched_setaffinity(0, before)

@@ -98,10 +98,23 @@ def single_process(device: torch.device | None = None) -> DistContext:
     return DistContext(Grid(0, 1, 1), device or torch.device("cpu"), None)
 
 
-def pick_device(local_rank: int) -> tuple[torch.device, str]:
-    """NCCL on the local GPU when CUDA is there, gloo on CPU otherwise."""
+def gpu_of(local_rank: int, local_workers: int, gpus: int) -> int:
+    """The GPU a worker takes: its own, since NCCL refuses two ranks of a group on one device.
+
+    More workers than GPUs on a machine is refused here, in one line, instead of in NCCL's
+    "duplicate GPU" error at the first collective.
+    """
+    if local_workers > gpus:
+        raise ValueError(f"{local_workers} workers on this machine but {gpus} GPU(s): NCCL gives each worker "
+                         f"its own GPU; start at most {gpus} per machine (--nproc-per-node), or hide the GPUs "
+                         "(CUDA_VISIBLE_DEVICES=) to train on CPU with gloo")
+    return local_rank
+
+
+def pick_device(local_rank: int, local_workers: int = 1) -> tuple[torch.device, str]:
+    """NCCL on the worker's own GPU when CUDA is there, gloo on CPU otherwise."""
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        index = local_rank % torch.cuda.device_count()
+        index = gpu_of(local_rank, local_workers, torch.cuda.device_count())
         torch.cuda.set_device(index)
         return torch.device("cuda", index), "nccl"
     return torch.device("cpu"), "gloo"
@@ -118,7 +131,7 @@ def init_from_env(stages: int, timeout_s: float, chimera: bool = False) -> DistC
         raise ValueError("init_from_env needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun)")
     rank, world, local_rank = job.rank, job.world_size, job.local_rank
     grid = Grid(rank, world, stages)
-    device, backend = pick_device(local_rank)
+    device, backend = pick_device(local_rank, job.local_world_size)
     if device.type == "cpu":  # the user's OMP_NUM_THREADS, else this machine's cores shared out
         torch.set_num_threads(threads_per_worker(job.local_world_size))
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -74,10 +74,14 @@ def decode_spec(text: str) -> tuple[RunConfig, TrainOptions]:
 
 def pin_to_one_core() -> int:
     """Pin this worker (a process ``spawn_local`` or torchrun started) to one CPU core, its rank's, so
-    benchmark workers on one machine never share a core; returns the rank."""
+    benchmark workers on one machine never share a core; returns the rank.
+
+    The core is the rank's among those the process may use, so benchmarks started side by side under
+    ``taskset -c 0,1`` and ``taskset -c 2,3`` keep to their own cores."""
     rank = int(os.environ["RANK"])
-    if hasattr(os, "sched_setaffinity") and os.cpu_count():
-        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    if hasattr(os, "sched_setaffinity"):
+        allowed = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {allowed[rank % len(allowed)]})
     return rank
 
 
