@@ -1,6 +1,7 @@
 """A staleness curve: what an older curvature costs one job in steps, with where it was measured.
 
-K-FAC refreshed every k steps needs ``ratio(k)`` times first-order's steps to reach a target loss. That
+K-FAC refreshed every k steps needs ``ratio(k)`` times first-order's steps to reach a target loss (the
+best first-order optimizer's, where the benchmark races several: :attr:`Provenance.relative_to`). That
 ratio depends on the model, the data, the learning rate and how far training has gone (the convergence
 benchmark's curve at 1000 steps is much flatter than at 300), so a curve is data about one job: it is
 measured (``scripts/bench_staleness.py`` writes it as a file, :data:`STALENESS_FORMAT`, described in
@@ -42,7 +43,8 @@ class Provenance:
     """The held-out loss the steps count to."""
     seeds: int | None = None
     relative_to: str = ""
-    """The first-order optimizer the ratios are relative to (e.g. AdamW, the best of a sweep)."""
+    """The first-order optimizer the ratios are relative to, in words: its ``optim.name``, lr and warm-up
+    (``scripts/bench_staleness.py``: the best first-order optimizer of its race, AdamW or Muon)."""
 
     @property
     def config(self) -> str:

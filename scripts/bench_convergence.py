@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -146,6 +146,33 @@ def choose_setting(train: Callable[..., tuple[Any, Any]], base: Any, steps: int,
     return lr, warm, sweep
 
 
+def sweep_race(train: Callable[..., tuple[Any, Any]], base: Any, steps: int, sweeps: Mapping[str, list[float] | str],
+               warmups: list[int], announce: Callable[[str], None], schedules: Mapping[str, str] | None = None,
+               bases: Mapping[str, Any] | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """Every mode of ``sweeps`` (key: its peak learning rates, or :data:`SHARE`: K-FAC every step's choice),
+    in that order, each with its own :func:`choose_setting` sweep of the warm-ups x its lrs, on ``base``
+    (or ``bases[key]``) and ``schedules[key]`` where given. Returns (per mode its chosen ``lr`` and
+    ``warmup_steps``, per swept mode its sweep's rows), the same on every worker."""
+    choices: dict[str, dict[str, Any]] = {}
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for key, lrs in sweeps.items():
+        if lrs == SHARE:
+            choices[key] = dict(choices[SHARE])
+            announce(f"{ENTRANTS[key].label}: {ENTRANTS[SHARE].label}'s choice, lr {choices[key]['lr']:g}, "
+                     f"warm-up {choices[key]['warmup_steps']} (--{key}-lrs {SHARE})")
+            continue
+        lr, warm, rows[key] = choose_setting(train, (bases or {}).get(key, base), steps, lrs, warmups,  # type: ignore[arg-type]
+                                             announce, ENTRANTS[key], (schedules or {}).get(key))
+        choices[key] = {"lr": lr, "warmup_steps": warm}
+    return choices, rows
+
+
+def race_config(base: Any, key: str, choice: Mapping[str, Any], seed: int) -> Any:
+    """``base`` as mode ``key`` runs it on ``seed``: its optimizer with its chosen peak lr and warm-up."""
+    return base.replace(optim={**ENTRANTS[key].optim, "lr": choice["lr"], "warmup_steps": choice["warmup_steps"]},
+                        data={"seed": seed})
+
+
 def choose_baseline(train: Callable[..., tuple[Any, Any]], base: Any, steps: int, lrs: list[float],
                     warmups: list[int], announce: Callable[[str], None]) -> tuple[float, int, list[dict[str, Any]]]:
     """The AdamW sweep (:func:`choose_setting` of the baseline)."""
@@ -213,24 +240,14 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
         sched, out["plan"] = profile_and_pack(base, ctx, rank, folder, profile_steps, steps, staleness)
 
         # 2. a sweep of the same size per mode, judged on training loss only
-        for key, lrs in sweeps.items():
-            schedule = sched if key == "scheduled" else None
-            if lrs == SHARE:
-                out["choices"][key] = dict(out["choices"][SHARE])
-                announce(f"{ENTRANTS[key].label}: {ENTRANTS[SHARE].label}'s choice, lr {out['choices'][key]['lr']:g}, "
-                         f"warm-up {out['choices'][key]['warmup_steps']} (--scheduled-lrs {SHARE})")
-                continue
-            lr, warm, out["sweeps"][key] = choose_setting(train, base, steps, lrs, warmups, announce,  # type: ignore[arg-type]
-                                                          ENTRANTS[key], schedule)
-            out["choices"][key] = {"lr": lr, "warmup_steps": warm}
+        out["choices"], out["sweeps"] = sweep_race(train, base, steps, sweeps, warmups, announce, {"scheduled": sched})
 
         # 3. every mode per seed, interleaved
         for seed in range(seeds):
             for key in sweeps:
-                entrant, choice = ENTRANTS[key], out["choices"][key]
-                cfg = base.replace(optim={**entrant.optim, "lr": choice["lr"], "warmup_steps": choice["warmup_steps"]},
-                                   data={"seed": seed})
-                trainer, res = train(cfg, entrant.mode, schedule=sched if key == "scheduled" else None)
+                choice = out["choices"][key]
+                trainer, res = train(race_config(base, key, choice, seed), ENTRANTS[key].mode,
+                                     schedule=sched if key == "scheduled" else None)
                 if trainer.cycles:
                     out["cycles"] = trainer.cycles
                 out["runs"].append(run_record(key, seed, res, **choice))
@@ -403,30 +420,28 @@ def common_arguments(description: str, packs: bool = True) -> argparse.ArgumentP
     return ap
 
 
-def lr_list(text: str) -> list[float]:
-    """A comma-separated list of peak learning rates (ValueError on anything else)."""
-    lrs = [float(x) for x in text.split(",")]
-    if not lrs or not all(lr > 0 for lr in lrs):
-        raise ValueError(f"peak learning rates are positive numbers, not {text!r}")
-    return lrs
-
-
-def main() -> None:
-    started = time.monotonic()
-    ap = common_arguments(__doc__.splitlines()[0])
-    for e in RACE[1:]:
+def race_arguments(ap: argparse.ArgumentParser, keys: tuple[str, ...] = MODES, required: tuple[str, ...] = ()) -> None:
+    """The race's options (one definition, so every benchmark that races names them alike): ``--KEY-lrs``
+    per mode of ``keys`` but the baseline (whose sweep is :func:`common_arguments`' ``--lrs``), and
+    ``--modes``, a subset of ``keys`` with every mode of ``required``. :func:`race_sweeps` reads them."""
+    for e in (ENTRANTS[k] for k in MODES if k in keys and k != "baseline"):
         extra = f", or {SHARE!r}: {ENTRANTS[SHARE].label}'s choice, no sweep of its own" if e.key == "scheduled" else ""
         ap.add_argument(f"--{e.key}-lrs", default=e.lrs, help=f"{e.label}'s peak learning rates of its sweep{extra}")
-    ap.add_argument("--modes", default=",".join(MODES),
-                    help="the modes to race, a subset of " + ",".join(MODES) + " (at least one first-order: "
-                         "baseline or muon); the target is the best first-order one's final held-out loss")
-    ap.add_argument("--profile-steps", type=int, default=10,
-                    help="kfac steps profiled before packing (default 10; their median step is packed)")
-    ap.add_argument("--out", default="bench-convergence", help="folder for the chart and the raw results")
-    a = ap.parse_args()
+    need = f", with {','.join(required)}" if required else ""
+    ap.add_argument("--modes", default=",".join(k for k in MODES if k in keys),
+                    help=f"the modes to race, a subset of {','.join(k for k in MODES if k in keys)}{need} (at least "
+                         "one first-order: baseline or muon); the target is the best first-order one's final held-out loss")
+
+
+def race_sweeps(ap: argparse.ArgumentParser, a: argparse.Namespace, keys: tuple[str, ...] = MODES,
+                required: tuple[str, ...] = ()) -> tuple[dict[str, list[float] | str], list[int]]:
+    """(per mode of ``--modes``, in the race's order, its sweep's peak learning rates or :data:`SHARE`; the
+    warm-ups of every sweep) from :func:`race_arguments`' options; a bad one is ``ap.error``'s one line."""
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not modes or set(modes) - set(MODES) or len(set(modes)) != len(modes):
-        ap.error(f"--modes: a subset of {','.join(MODES)}, each once, not {a.modes!r}")
+    allowed = [k for k in MODES if k in keys]
+    if not modes or set(modes) - set(allowed) or len(set(modes)) != len(modes) or set(required) - set(modes):
+        need = f" with {','.join(required)}" if required else ""
+        ap.error(f"--modes: a subset of {','.join(allowed)}{need}, each once, not {a.modes!r}")
     if not any(ENTRANTS[m].first_order for m in modes):
         ap.error("--modes: the target is the best first-order optimizer's final held-out loss; add baseline or muon")
     sweeps: dict[str, list[float] | str] = {}
@@ -439,6 +454,26 @@ def main() -> None:
         ap.error(f"a list of numbers is expected: {err}")
     if sweeps.get("scheduled") == SHARE and SHARE not in sweeps:
         ap.error(f"--scheduled-lrs {SHARE} takes {ENTRANTS[SHARE].label}'s choice: add {SHARE} to --modes")
+    return sweeps, warmups
+
+
+def lr_list(text: str) -> list[float]:
+    """A comma-separated list of peak learning rates (ValueError on anything else)."""
+    lrs = [float(x) for x in text.split(",")]
+    if not lrs or not all(lr > 0 for lr in lrs):
+        raise ValueError(f"peak learning rates are positive numbers, not {text!r}")
+    return lrs
+
+
+def main() -> None:
+    started = time.monotonic()
+    ap = common_arguments(__doc__.splitlines()[0])
+    race_arguments(ap)
+    ap.add_argument("--profile-steps", type=int, default=10,
+                    help="kfac steps profiled before packing (default 10; their median step is packed)")
+    ap.add_argument("--out", default="bench-convergence", help="folder for the chart and the raw results")
+    a = ap.parse_args()
+    sweeps, warmups = race_sweeps(ap, a)
 
     from pipefisher.runtime.data.corpus import load_corpus
     from pipefisher.runtime.launch.local import spawn_local

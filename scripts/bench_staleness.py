@@ -4,39 +4,58 @@
 A K-FAC cycle of k pipeline iterations refreshes the curvature once every k steps. ``kfac`` mode with
 ``kfac.interval`` k does exactly that and nothing else (factors and inverses recomputed every k-th step,
 the preconditioner reused in between), so it isolates what a longer cycle costs in convergence, apart
-from any scheduling. Everything else is the convergence benchmark's (``scripts/bench_convergence.py``):
-the same model, data, seeds, two stages on one core each, the same AdamW sweep chosen on training loss
-only, and the same target (the median over seeds of the chosen AdamW's final held-out loss).
+from any scheduling. Everything else is the convergence benchmark's race (``scripts/bench_convergence.py``,
+whose sweep, target and table code this imports): the same model, data, seeds, two stages on one core
+each, and the same tuning budget for every entrant. AdamW (``baseline``), Muon (``muon``) and K-FAC
+(``kfac``, the preconditioned gradient fed to the config's optimizer) each get their own sweep of the
+same size (peak lr x warm-up, seed 0, judged on training loss only: the held-out text chooses nothing).
 
-Printed: per k, the median over seeds of the steps to target, relative to AdamW and to k = 1, and the
-final held-out loss; the last line ``staleness (kfac steps-to-target / AdamW) at k = 1, 2, ...: ...``.
-``--out`` gets ``staleness.png`` (steps to target against k) and ``staleness.json``: the job's staleness
-curve (``pipefisher-staleness/2``, docs/formats.md) with its provenance (the config's digest, name and
-path, model, data, horizon, target, seeds, the per-k spread of the steps over seeds, the optimizer it
-is relative to) and the raw runs beside it; every command that packs takes it as ``--staleness FILE``.
-A run that never reaches the target counts as ``inf``.
+K-FAC is swept once, at k = 1, and every k runs with that choice: the learning rate and warm-up are a
+property of the optimizer (the preconditioned step and its scale), the interval only of how often its
+curvature is refreshed, so a per-k sweep would mix the cost of staleness with a retuning that no packed
+schedule does (the packer picks k after the lr is set), and would cost one sweep per k. ``--kfac-lrs``
+gives K-FAC's list, as in the convergence benchmark.
+
+The target is the best first-order optimizer's final held-out loss (median over seeds; the best: the
+lower median), and the curve's ratios are K-FAC's steps to it over that optimizer's (medians over
+seeds). Printed: a row per first-order optimizer (its sweep's choice, steps to target, final held-out
+loss, step), ``muon step / adamw step`` (the objective multiplies the ratio by planned step over
+first-order step: that stands for the best first-order optimizer's step only while their steps cost
+alike), K-FAC's choice, then per k the median steps to target over the best first-order optimizer's,
+over every other first-order optimizer's and over k = 1's, and the final held-out loss; the last line
+``staleness (kfac steps-to-target / best first-order, NAME) at k = 1, 2, ...: ...``. ``--out`` gets
+``staleness.png`` (steps to target against k) and ``staleness.json``: the job's staleness curve
+(``pipefisher-staleness/2``, docs/formats.md) with its provenance (the config's digest, name and path,
+model, data, horizon, target, seeds, the per-k spread of the steps over seeds, and ``relative_to``: the
+best first-order optimizer, its lr and warm-up) and the sweeps, choices and raw runs beside it; every
+command that packs takes it as ``--staleness FILE``. A run that never reaches the target counts as ``inf``.
 
     python scripts/bench_staleness.py [--config configs/small.yaml] [--steps 300] [--seeds 3]
-        [--intervals 1,2,4,8,16] [--eval-every 10] [--lrs 5e-4,1e-3,2e-3] [--warmups 0,30]
-        [--out bench-staleness/]
+        [--intervals 1,2,4,8,16] [--eval-every 10] [--lrs 5e-4,1e-3,2e-3] [--muon-lrs 2e-3,4e-3,8e-3]
+        [--kfac-lrs 1e-3,2e-3,4e-3] [--warmups 0,30] [--modes baseline,muon,kfac] [--out bench-staleness/]
 """
 from __future__ import annotations
 
 import math
 import os
 import sys
-from typing import Any
+from typing import Any, Mapping
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, the convergence benchmark
 
-from bench_convergence import (_median, announcer, baseline_target, bench_config, choose_baseline,  # noqa: E402
-                               common_arguments, loss_rank, merged_runs, run_record, save_png, start_worker,
-                               steps_and_time_to, trainer_of)
+from bench_convergence import (COLOURS, ENTRANTS, _median, _ratio, announcer, bench_config,  # noqa: E402
+                               best_first_order, common_arguments, final_loss, loss_rank, merged_runs, race_arguments,
+                               race_config, race_sweeps, race_table, run_record, save_png, start_worker,
+                               steps_and_time_to, sweep_race, trainer_of)
+
+KEYS = ("baseline", "muon", "kfac")
+"""The entrants of this race (the convergence benchmark's, but K-FAC in the bubbles: here k is set, not packed)."""
 
 
-def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval_every: int, lrs: list[float],
-            warmups: list[int], intervals: list[int]) -> dict[str, Any]:
+def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval_every: int,
+            sweeps: dict[str, list[float]], warmups: list[int], intervals: list[int]) -> dict[str, Any]:
+    """Every entrant's sweep (K-FAC's at k = 1), then per seed every first-order optimizer and K-FAC at every k."""
     from pipefisher.runtime.job.dist import shutdown
 
     base, rank, ctx = start_worker(config_path, overrides)
@@ -44,29 +63,32 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
     announce = announcer(rank, base)
     out: dict[str, Any] = {"rank": rank, "holds_loss": rank == loss_rank(base), "runs": []}
     try:
-        lr, warm, out["sweep"] = choose_baseline(train, base, steps, lrs, warmups, announce)
-        out["baseline"] = {"lr": lr, "warmup_steps": warm}
-        for seed in range(seeds):  # per seed: the baseline, then every interval, interleaved
-            cfg = base.replace(optim={"lr": lr, "warmup_steps": warm}, data={"seed": seed})
-            _, res = train(cfg, "first-order")
-            out["runs"].append(run_record("baseline", seed, res))
-            for k in intervals:
-                _, res = train(cfg.replace(kfac={"interval": k}), "kfac")
-                out["runs"].append(run_record("kfac", seed, res, interval=k))
-                if res.val:
-                    announce(f"seed {seed} kfac every {k:2} steps: held-out {res.val[-1][1]:.4f} after {steps} steps")
+        out["choices"], out["sweeps"] = sweep_race(train, base, steps, sweeps, warmups, announce,
+                                                   bases={"kfac": base.replace(kfac={"interval": 1})})
+        for seed in range(seeds):  # per seed: the first-order optimizers, then every interval, interleaved
+            for key in sweeps:
+                choice = out["choices"][key]
+                cfg = race_config(base, key, choice, seed)
+                for k in intervals if key == "kfac" else [None]:
+                    _, res = train(cfg if k is None else cfg.replace(kfac={"interval": k}), ENTRANTS[key].mode)
+                    out["runs"].append(run_record(key, seed, res, **choice, **({} if k is None else {"interval": k})))
+                    if res.val:
+                        what = ENTRANTS[key].label if k is None else f"kfac every {k:2} steps"
+                        announce(f"seed {seed} {what}: held-out {res.val[-1][1]:.4f} after {steps} steps")
     finally:
         shutdown(ctx)
     return out
 
 
-def curve(runs: list[dict[str, Any]], target: float, intervals: list[int]) -> list[dict[str, float]]:
+def curve(runs: list[dict[str, Any]], target: float, intervals: list[int],
+          relative_to: str | None = "baseline") -> list[dict[str, float]]:
     """Per interval k: the median steps to target of the kfac runs (and their least and most over the
-    seeds), that over AdamW's, and over k = 1's."""
+    seeds); ``ratio``, that over ``relative_to``'s (the best first-order optimizer's; ``inf`` where
+    either median seed never reached the target); ``vs_k1``, over k = 1's."""
     def steps(mine: list[dict[str, Any]]) -> list[float]:
         return [steps_and_time_to(r["val"], target)[0] for r in mine]
 
-    baseline = _median(steps([r for r in runs if r["mode"] == "baseline"]))
+    reference = _median(steps([r for r in runs if r["mode"] == relative_to]))
     rows = []
     for k in intervals:
         mine = [r for r in runs if r["mode"] == "kfac" and r.get("interval") == k]
@@ -76,16 +98,35 @@ def curve(runs: list[dict[str, Any]], target: float, intervals: list[int]) -> li
                      "reached": sum(1 for x in each if not math.isinf(x))})
     first = rows[0]["steps"] if rows else math.nan
     for row in rows:
-        row["vs_baseline"] = row["steps"] / baseline if baseline and not math.isinf(row["steps"]) else math.inf
-        row["vs_first"] = row["steps"] / first if first and not math.isinf(row["steps"]) else math.inf
+        row["ratio"] = row["steps"] / reference if math.isfinite(reference) and reference and math.isfinite(row["steps"]) \
+            else math.inf
+        row["vs_k1"] = row["steps"] / first if math.isfinite(first) and first and math.isfinite(row["steps"]) else math.inf
     return rows
 
 
+def staleness_race(runs: list[dict[str, Any]], intervals: list[int]) -> tuple[str | None, float, list[dict[str, float]]]:
+    """(the best first-order optimizer, the target: its median final held-out loss, :func:`curve`'s rows
+    relative to it): the convergence benchmark's target, one definition."""
+    best = best_first_order(runs)
+    target = final_loss(runs, best) if best else math.nan
+    return best, target, curve(runs, target, intervals, best)
+
+
+def relative_to_text(best: str, choice: Mapping[str, Any], finals: Mapping[str, float]) -> str:
+    """The curve's ``relative_to``: the best first-order optimizer (its ``optim.name``), its lr and warm-up,
+    and the median final held-out losses it was chosen by (``finals``: per first-order key)."""
+    names = "; ".join(f"{ENTRANTS[k].optim['name']} {f:.4f}" for k, f in finals.items())
+    return (f"{ENTRANTS[best].optim['name']} lr {choice['lr']:g}, warm-up {choice['warmup_steps']} steps (the best "
+            f"first-order optimizer by median final held-out loss" + (f": {names}" if names else "")
+            + "; each optimizer the best of its own sweep, on training loss)")
+
+
 def measured_curve(rows: list[dict[str, float]], cfg: Any, config_path: str, steps: int, target: float, seeds: int,
-                   baseline: dict[str, Any]) -> Any:
+                   relative_to: str) -> Any:
     """The job's :class:`~pipefisher.staleness.StalenessCurve` from :func:`curve`'s rows, with where it was
     measured: the config's digest (:meth:`RunConfig.fingerprint` without the layout), name and path, model,
-    data, horizon, target, seeds, the per-k spread over seeds, and the optimizer it is relative to."""
+    data, horizon, target, seeds, the per-k spread over seeds, and the optimizer it is relative to
+    (:func:`relative_to_text`)."""
     from pipefisher.staleness import Provenance, StalenessCurve
 
     m, d = cfg.model, cfg.data
@@ -95,10 +136,8 @@ def measured_curve(rows: list[dict[str, float]], cfg: Any, config_path: str, ste
               f"{m.vocab_size}" + (f", from {m.pretrained}" if m.pretrained else ""),
         data=f"{d.text} ({d.tokenizer} tokens, {d.objective}), {d.num_micro_batches} micro-batches of "
              f"{d.micro_batch_size} x {d.seq_len} tokens per step",
-        horizon=steps, target=target, seeds=seeds,
-        relative_to=f"{cfg.optim.name} lr {baseline['lr']:g}, warm-up {baseline['warmup_steps']} steps (the best "
-                    "of the sweep, on training loss)")
-    return StalenessCurve(tuple((float(r["interval"]), r["vs_baseline"]) for r in rows), provenance=provenance,
+        horizon=steps, target=target, seeds=seeds, relative_to=relative_to)
+    return StalenessCurve(tuple((float(r["interval"]), r["ratio"]) for r in rows), provenance=provenance,
                           spread=tuple((r["steps_min"], r["steps"], r["steps_max"]) for r in rows))
 
 
@@ -106,20 +145,24 @@ def _fmt(x: float) -> str:
     return "inf" if math.isinf(x) or math.isnan(x) else f"{x:.3f}"
 
 
-def chart(rows: list[dict[str, float]], path: str, title: str) -> None:
+def chart(rows: list[dict[str, float]], path: str, title: str, best: str, others: Mapping[str, float]) -> None:
+    """Steps to target over the best first-order optimizer's against k; a dashed line per first-order
+    optimizer at its own steps over the best's (``others``: per other first-order key, where finite)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    ks = [r["interval"] for r in rows if not math.isinf(r["vs_baseline"])]
-    ys = [r["vs_baseline"] for r in rows if not math.isinf(r["vs_baseline"])]
-    ax.plot(ks, ys, "o-", color="#dd8452", lw=1.6, label="K-FAC, curvature every k steps")
-    ax.axhline(1.0, color="#4c72b0", ls="--", lw=1, label="AdamW (best of sweep)")
+    ks = [r["interval"] for r in rows if not math.isinf(r["ratio"])]
+    ys = [r["ratio"] for r in rows if not math.isinf(r["ratio"])]
+    ax.plot(ks, ys, "o-", color=COLOURS["kfac"], lw=1.6, label="K-FAC, curvature every k steps")
+    ax.axhline(1.0, color=COLOURS[best], ls="--", lw=1, label=f"{ENTRANTS[best].label} (best first-order)")
+    for key, y in others.items():
+        ax.axhline(y, color=COLOURS[key], ls=":", lw=1, label=ENTRANTS[key].label)
     for k, y in zip(ks, ys):
         ax.annotate(f"{y:.2f}", (k, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
-    missed = [r["interval"] for r in rows if math.isinf(r["vs_baseline"])]
+    missed = [r["interval"] for r in rows if math.isinf(r["ratio"])]
     if missed:
         ax.set_xlabel(f"refresh interval k (never reached the target: k = {', '.join(map(str, missed))})")
     else:
@@ -127,7 +170,7 @@ def chart(rows: list[dict[str, float]], path: str, title: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlim(rows[0]["interval"] / 1.5, rows[-1]["interval"] * 1.5)  # also when no k reached the target
     ax.set_xticks([r["interval"] for r in rows], [str(r["interval"]) for r in rows])
-    ax.set_ylabel("steps to target / AdamW's")
+    ax.set_ylabel(f"steps to target / {ENTRANTS[best].label}'s")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
@@ -137,15 +180,15 @@ def chart(rows: list[dict[str, float]], path: str, title: str) -> None:
 
 def main() -> None:
     ap = common_arguments(__doc__.splitlines()[0], packs=False)
+    race_arguments(ap, KEYS, required=("kfac",))
     ap.add_argument("--intervals", default="1,2,4,8,16", help="curvature refresh intervals k to measure")
     ap.add_argument("--out", default="bench-staleness", help="folder for the chart and the raw results")
     a = ap.parse_args()
+    sweeps, warmups = race_sweeps(ap, a, KEYS, required=("kfac",))
     try:
         intervals = sorted({int(x) for x in a.intervals.split(",")})
-        lrs = [float(x) for x in a.lrs.split(",")]
-        warmups = [int(x) for x in a.warmups.split(",")]
     except ValueError as err:
-        ap.error(f"a list of numbers is expected: {err}")
+        ap.error(f"--intervals: a list of whole numbers is expected: {err}")
     if not intervals or intervals[0] < 1:
         ap.error("--intervals: refresh intervals are whole steps, at least 1")
 
@@ -156,32 +199,58 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     if cfg.data.text != "synthetic":
         load_corpus(cfg.data, cfg.model.vocab_size)  # build the cache once, before the workers
-    results = spawn_local(_worker, 2, a.config, a.overrides, a.steps, a.seeds, a.eval_every, lrs, warmups, intervals,
+    results = spawn_local(_worker, 2, a.config, a.overrides, a.steps, a.seeds, a.eval_every, sweeps, warmups, intervals,
                           timeout_s=6 * 3600)
     runs, _, last = merged_runs(results)
-    target = baseline_target(runs)
-    rows = curve(runs, target, intervals)
-    b = last["baseline"]
+    best, target, rows = staleness_race(runs, intervals)
+    assert best is not None, "race_sweeps keeps a first-order optimizer in the race"
+    first_order = race_table(runs, target, tuple(k for k in sweeps if ENTRANTS[k].first_order))
+    choices = last["choices"]
+    sizes = ", ".join(f"{k} {len(v)} lrs x {len(warmups)} warm-ups" for k, v in sweeps.items())
     print()
     print(f"config {os.path.basename(a.config)}, 2 stages x 1 core, {a.steps} steps, {a.seeds} seeds, held-out "
-          f"evaluation every {a.eval_every} steps; baseline AdamW lr {b['lr']:g}, warm-up {b['warmup_steps']} "
-          f"(chosen on training loss); target held-out loss {target:.4f}")
-    print("| refresh interval k | steps to target | / AdamW | / k = 1 | final held-out loss | seeds reaching |")
+          f"evaluation every {a.eval_every} steps; each optimizer's peak lr and warm-up chosen by its own sweep on "
+          f"training loss ({sizes}; K-FAC's at k = 1, kept for every k); K-FAC's base optimizer {cfg.optim.name}")
+    print(f"target held-out loss: {target:.4f} (median of the best first-order optimizer's final held-out loss: "
+          f"{ENTRANTS[best].label}; " + ", ".join(f"{ENTRANTS[k].label} {t['final']:.4f}" for k, t in first_order.items())
+          + ")")
+    print("| first-order optimizer | peak lr, warm-up | steps to target | final held-out loss | step (ms) | seeds reaching |")
     print("| --- | --- | --- | --- | --- | --- |")
+    for key, t in first_order.items():
+        print(f"| {ENTRANTS[key].label}{' (best)' if key == best else ''} | {t['lr']:g}, {t['warmup_steps']:g} | "
+              f"{t['steps']:g} | {t['final']:.4f} | {t['step_ms']:.1f} | {t['reached']}/{a.seeds} |")
+    steps_of = {key: t["mean_step_ms"] for key, t in first_order.items()}
+    print(f"muon step / adamw step: {_ratio(steps_of.get('muon', math.nan), steps_of.get('baseline', math.nan))} "
+          "(mean step after step 0, median over seeds, measured in this run; the objective's first-order step "
+          "stands for the best first-order optimizer's while this is near 1)")
+    kfac = choices["kfac"]
+    print(f"K-FAC: lr {kfac['lr']:g}, warm-up {kfac['warmup_steps']} (the best training loss of its own sweep, at "
+          "k = 1; every k runs with it)")
+    others = [k for k in first_order if k != best]
+    print(f"| refresh interval k | steps to target | / {ENTRANTS[best].label} (best first-order) | "
+          + "".join(f"/ {ENTRANTS[k].label} | " for k in others) + "/ k = 1 | final held-out loss | seeds reaching |")
+    print("| --- " * (6 + len(others)) + "|")
     for r in rows:
-        print(f"| {r['interval']} | {r['steps']:g} | {_fmt(r['vs_baseline'])} | {_fmt(r['vs_first'])} | "
-              f"{r['final']:.4f} | {r['reached']}/{a.seeds} |")
+        print(f"| {r['interval']} | {r['steps']:g} | {_fmt(r['ratio'])} | "
+              + "".join(f"{_ratio(r['steps'], first_order[k]['steps'])} | " for k in others)
+              + f"{_fmt(r['vs_k1'])} | {r['final']:.4f} | {r['reached']}/{a.seeds} |")
     png = os.path.join(a.out, "staleness.png")
-    chart(rows, png, f"{cfg.name}: steps to AdamW's final held-out loss, {a.steps} steps, {a.seeds} seeds")
+    best_steps = first_order[best]["steps"]
+    lines = {k: first_order[k]["steps"] / best_steps for k in others
+             if math.isfinite(first_order[k]["steps"]) and math.isfinite(best_steps) and best_steps}
+    chart(rows, png, f"{cfg.name}: steps to {ENTRANTS[best].label}'s final held-out loss, {a.steps} steps, "
+                     f"{a.seeds} seeds", best, lines)
     from pipefisher.safe_io import dump_json_atomic
 
+    relative_to = relative_to_text(best, choices[best], {k: t["final"] for k, t in first_order.items()})
     dump_json_atomic(os.path.join(a.out, "staleness.json"),
-                     measured_curve(rows, cfg, a.config, a.steps, target, a.seeds, b).to_data(
-                         baseline=b, sweep=last["sweep"], runs=runs, args=vars(a)))
+                     measured_curve(rows, cfg, a.config, a.steps, target, a.seeds, relative_to).to_data(
+                         best_first_order=best, choices=choices, sweeps=last["sweeps"], first_order=first_order,
+                         runs=runs, args=vars(a)))
     print(f"wrote {png} and {os.path.join(a.out, 'staleness.json')}")
     ks = ", ".join(str(r["interval"]) for r in rows)
-    print(f"staleness (kfac steps-to-target / AdamW) at k = {ks}: "
-          + ", ".join(_fmt(r["vs_baseline"]) for r in rows))
+    print(f"staleness (kfac steps-to-target / best first-order, {ENTRANTS[best].optim['name']}) at k = {ks}: "
+          + ", ".join(_fmt(r["ratio"]) for r in rows))
 
 
 if __name__ == "__main__":

@@ -67,3 +67,35 @@ def test_ratios_say_inf_when_never_reached_and_n_a_when_there_is_nothing_to_divi
     assert _ratio(math.inf, 4.0) == "inf"  # the median seed never reached the target
     assert _ratio(3.0, math.inf) == _ratio(math.inf, math.inf) == "n/a"  # the reference never did
     assert _ratio(math.nan, 4.0) == _ratio(3.0, math.nan) == "n/a"  # a mode not in the race
+
+
+def test_every_benchmark_that_races_names_and_reads_its_sweeps_alike():
+    """The staleness benchmark races AdamW, Muon and K-FAC with the convergence benchmark's options: the
+    same --KEY-lrs, --warmups and --modes, K-FAC required there, K-FAC in the bubbles not offered."""
+    import pytest
+
+    from bench_convergence import common_arguments, race_arguments, race_sweeps
+
+    keys, required = ("baseline", "muon", "kfac"), ("kfac",)
+    ap = common_arguments("staleness", packs=False)
+    race_arguments(ap, keys, required)
+    a = ap.parse_args(["--muon-lrs", "1e-3,2e-3", "--kfac-lrs", "3e-3", "--warmups", "0,10"])
+    assert not hasattr(a, "scheduled_lrs")
+    assert race_sweeps(ap, a, keys, required) == (
+        {"baseline": [5e-4, 1e-3, 2e-3], "muon": [1e-3, 2e-3], "kfac": [3e-3]}, [0, 10])
+    sweeps, _ = race_sweeps(ap, ap.parse_args(["--modes", "kfac,muon"]), keys, required)
+    assert list(sweeps) == ["muon", "kfac"]  # in the race's order
+    for bad in (["--modes", "baseline,muon"], ["--modes", "kfac"], ["--modes", "kfac,baseline,scheduled"],
+                ["--kfac-lrs", "0"], ["--warmups", "a"]):
+        with pytest.raises(SystemExit):
+            race_sweeps(ap, ap.parse_args(bad), keys, required)
+
+
+def test_a_mode_runs_with_its_own_optimizer_and_its_chosen_setting():
+    from bench_convergence import race_config
+
+    base = bench_config(TINY, [])
+    muon = race_config(base, "muon", {"lr": 4e-3, "warmup_steps": 30}, seed=2)
+    assert (muon.optim.name, muon.optim.lr, muon.optim.warmup_steps, muon.data.seed) == ("muon", 4e-3, 30, 2)
+    kfac = race_config(base, "kfac", {"lr": 2e-3, "warmup_steps": 0}, seed=1)
+    assert (kfac.optim.name, kfac.optim.lr, kfac.data.seed) == (base.optim.name, 2e-3, 1)  # the config's optimizer

@@ -1,4 +1,5 @@
-"""The staleness benchmark's curve: medians over seeds of the steps to target, against AdamW and k = 1."""
+"""The staleness benchmark's curve: medians over seeds of the steps to target, against the best first-order
+optimizer of the race (AdamW or Muon) and k = 1."""
 from __future__ import annotations
 
 import math
@@ -10,15 +11,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from bench_staleness import curve  # noqa: E402
 
 
-def _run(mode: str, losses: list[float], interval: int | None = None) -> dict:
-    # held-out evaluations every 10 steps: (step, loss, seconds)
-    run = {"mode": mode, "val": [(10 * (i + 1), loss, float(i)) for i, loss in enumerate(losses)]}
+def _run(mode: str, losses: list[float], interval: int | None = None, lr: float = 1e-3) -> dict:
+    # held-out evaluations every 10 steps: (step, loss, seconds); the mode's chosen lr, no warm-up
+    run = {"mode": mode, "val": [(10 * (i + 1), loss, float(i)) for i, loss in enumerate(losses)], "lr": lr,
+           "warmup_steps": 0, "step_seconds": [1.0, 0.1, 0.1], "peak_memory": 0, "peak_saved": 0}
     if interval is not None:
         run["interval"] = interval
     return run
 
 
-def test_the_curve_is_the_median_steps_to_target_relative_to_adamw_and_to_every_step() -> None:
+def test_the_curve_is_the_median_steps_to_target_relative_to_the_first_order_optimizer_and_to_every_step() -> None:
     runs = [
         _run("baseline", [6.0, 5.5, 5.0]), _run("baseline", [6.0, 5.0, 4.9]), _run("baseline", [6.0, 5.8, 5.2]),
         # k = 1: reaches 5.0 at steps 20, 20, 30 -> median 20
@@ -31,14 +33,14 @@ def test_the_curve_is_the_median_steps_to_target_relative_to_adamw_and_to_every_
     rows = curve(runs, target=5.0, intervals=[1, 4, 16])
     assert [r["steps"] for r in rows] == [20, 30, math.inf]
     # AdamW reaches 5.0 at 30, 20 and never: median 30
-    assert [r["vs_baseline"] for r in rows] == [20 / 30, 1.0, math.inf]
-    assert [r["vs_first"] for r in rows] == [1.0, 1.5, math.inf]
+    assert [r["ratio"] for r in rows] == [20 / 30, 1.0, math.inf]
+    assert [r["vs_k1"] for r in rows] == [1.0, 1.5, math.inf]
     assert [r["reached"] for r in rows] == [3, 2, 1]
     assert rows[1]["final"] == 5.0
 
 
 def test_the_benchmark_writes_the_jobs_curve_with_where_it_was_measured(tmp_path) -> None:
-    from bench_staleness import measured_curve
+    from bench_staleness import measured_curve, relative_to_text
 
     from pipefisher.runtime.job.config import RunConfig
     from pipefisher.safe_io import dump_json_atomic
@@ -50,8 +52,8 @@ def test_the_benchmark_writes_the_jobs_curve_with_where_it_was_measured(tmp_path
     assert [(r["steps_min"], r["steps"], r["steps_max"]) for r in rows] == [(20, 20, 20), (30, math.inf, math.inf)]
     cfg = RunConfig(name="tiny")
     path = str(tmp_path / "staleness.json")
-    dump_json_atomic(path, measured_curve(rows, cfg, "configs/tiny.yaml", 30, 5.0, 2,
-                                          {"lr": 1e-3, "warmup_steps": 0}).to_data(runs=runs))
+    relative_to = relative_to_text("baseline", {"lr": 1e-3, "warmup_steps": 0}, {"baseline": 4.9})
+    dump_json_atomic(path, measured_curve(rows, cfg, "configs/tiny.yaml", 30, 5.0, 2, relative_to).to_data(runs=runs))
     loaded = read_staleness(path)
     assert loaded.points == ((1, 20 / 20), (4, math.inf)) and loaded.spread[0] == (20, 20, 20)
     p = loaded.provenance
@@ -74,4 +76,39 @@ def test_with_two_seeds_the_target_is_one_both_baseline_seeds_can_be_measured_ag
     target = baseline_target(runs)
     assert target == 6.0501
     rows = curve(runs, target=target, intervals=[1])
-    assert rows[0]["steps"] == 20 and rows[0]["vs_baseline"] == 20 / 30
+    assert rows[0]["steps"] == 20 and rows[0]["ratio"] == 20 / 30
+
+
+def test_the_target_and_the_ratios_follow_the_better_first_order_optimizer_and_the_file_names_it(tmp_path) -> None:
+    """Muon ends lower than AdamW (median 5.7 against 6.0): Muon's final is the target, K-FAC's steps are
+    counted over Muon's, and the curve file says it is relative to Muon, with Muon's lr and warm-up."""
+    from bench_convergence import race_table
+    from bench_staleness import measured_curve, relative_to_text, staleness_race
+
+    from pipefisher.runtime.job.config import RunConfig
+    from pipefisher.safe_io import dump_json_atomic
+    from pipefisher.staleness import read_staleness
+
+    runs = [_run("baseline", [6.3, 6.1, f]) for f in (6.0, 5.9, 6.1)]  # median 6.0: never reaches 5.7
+    runs += [_run("muon", [6.0, f, f - 0.1], lr=4e-3) for f in (5.8, 5.7, 5.9)]  # 5.7 at 30, 20, never: median 30
+    runs += [_run("kfac", [5.9, 5.7, 5.5], 1) for _ in range(3)]  # at 20
+    runs += [_run("kfac", [6.0, 5.9, 5.6], 4) for _ in range(3)]  # at 30
+    best, target, rows = staleness_race(runs, [1, 4])
+    assert (best, target) == ("muon", 5.7)
+    assert [r["ratio"] for r in rows] == [20 / 30, 1.0]  # over Muon's 30 steps, not AdamW's (never)
+    # AdamW alone in the race: the target is its final, the ratios over its steps
+    best, target, rows = staleness_race([r for r in runs if r["mode"] != "muon"], [1, 4])
+    assert (best, target) == ("baseline", 6.0) and [r["steps"] for r in rows] == [10, 10]
+    assert [r["ratio"] for r in rows] == [10 / 30, 10 / 30]  # AdamW reaches 6.0 at 30 on the median seed
+
+    best, target, rows = staleness_race(runs, [1, 4])
+    finals = {k: t["final"] for k, t in race_table(runs, target, ("baseline", "muon")).items()}
+    relative_to = relative_to_text(best, {"lr": 4e-3, "warmup_steps": 30}, finals)
+    path = str(tmp_path / "staleness.json")
+    dump_json_atomic(path, measured_curve(rows, RunConfig(name="tiny"), "configs/tiny.yaml", 30, target, 3,
+                                          relative_to).to_data(best_first_order=best, runs=runs))
+    loaded = read_staleness(path)
+    assert loaded.points == ((1, 20 / 30), (4, 1.0)) and loaded.provenance.target == 5.7
+    assert loaded.provenance.relative_to.startswith("muon lr 0.004, warm-up 30 steps (the best first-order")
+    assert "adamw 6.0000; muon 5.7000" in loaded.provenance.relative_to
+    assert "relative to muon lr 0.004" in loaded.describe()
