@@ -17,8 +17,8 @@ user's. A user pays ``steps(k) x step_time(k)``:
   model, the data, the learning rate and the horizon, so a curve from another job would decide with
   someone else's numbers. A measured curve is relative to the best first-order optimizer of the
   benchmark's race (AdamW or Muon, its ``relative_to``); the first-order step below stands for that
-  optimizer's step, which holds while its step costs about the profiled update's (Muon's costs about
-  AdamW's on ``configs/small.yaml``; the benchmarks print ``muon step / adamw step``).
+  optimizer's step, which holds while its step costs about the profiled update's (the benchmarks print
+  ``muon step / adamw step``: 1.135 on ``configs/small.yaml``, docs/formats.md says what follows).
 
 First-order's step is the same pipeline with the update alone (no K-FAC work, no preconditioning). The
 profile is of a ``kfac`` run, whose forwards and backwards also save K-FAC's inputs and output gradients,
