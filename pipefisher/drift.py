@@ -39,18 +39,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 AGING_LOW = 0.10
-"""Below it (in clearly more than :data:`DRIFT_LONGER_SHARE` of the refreshes at one k) the cycle doubles: twice as long a cycle
-would add under 10 % to the preconditioner's squared error (about 5 % to the error). Calibrated on
-``configs/small.yaml`` (2 stages, kfac runs refreshing every k = 1, 2, 4, 8 steps for 200 steps of a
-300-step schedule; docs/adapt.md has the table): after the first 50 steps the aging was -0.12 to -0.07 at
-k = 1, 0.01 to 0.34 at k = 2, 0.10 to 1.17 at k = 4; the staleness curve measured at that horizon charges
-the doubling from k = 1 to 2 6.6 % more steps and the one from 2 to 4 6.4 %: 0.1 lets the first happen
-and holds k = 2 while its aging is above it."""
+"""Below it (in clearly more than :data:`DRIFT_LONGER_SHARE` of the refreshes at one k) the cycle
+doubles: twice as long a cycle would add under 10 % to the preconditioner's squared error (about 5 % to
+the error). Calibrated on ``configs/small.yaml`` (2 stages, kfac runs refreshing every k = 1, 2, 4, 8
+steps for 200 steps of a 300-step schedule; docs/adapt.md has the table): after the first 50 steps the
+aging was -0.12 to -0.07 at k = 1, 0.01 to 0.34 at k = 2, 0.10 to 1.17 at k = 4; the staleness curve
+measured at that horizon charges the doubling from k = 1 to 2 6.6 % more steps and the one from 2 to 4
+6.4 %: 0.1 lets the first happen and holds k = 2 while its aging is above it."""
 AGING_HIGH = 0.40
-"""Above it the cycle halves. The same calibration: after step 100, k = 4 aged by 0.10 and 0.21, k = 8 by
-1.33 and 0.31; the curve charges the doubling from 4 to 8 47 % more steps. Between the two thresholds the
-cycle holds (hysteresis): their ratio, 4, exceeds what one doubling of k usually did to the aging in the
-calibration (1.6-3.4x), so a cycle rarely goes back and forth between two lengths."""
+"""Above it (in clearly more than :data:`DRIFT_SHORTER_SHARE` of the refreshes at one k) the cycle
+halves. The same calibration: after step 100, k = 4 aged by 0.10 and 0.21, k = 8 by 1.33 and 0.31; the
+curve charges the doubling from 4 to 8 47 % more steps. Between the two thresholds the cycle holds
+(hysteresis): their ratio, 4, exceeds what one doubling of k usually did to the aging in the calibration
+(1.6-3.4x), so a cycle rarely goes back and forth between two lengths."""
 DRIFT_MIN_REFRESHES = 8
 """Refreshes at one cycle length before the rule decides anything. One refresh's aging is noisy (in the
 calibration its 10th-90th percentiles at one k spanned -0.3 to 2.8; in the validation runs a median of
