@@ -27,9 +27,15 @@ k steps, nothing else changed) for each k and seed, and prints the drift and the
 per k and per quarter of the run: the figures the rule's thresholds (:data:`pipefisher.drift.AGING_LOW`,
 :data:`~pipefisher.drift.AGING_HIGH`) are read from.
 
+``--replay DRIFT_JSON`` instead replays the rule offline on the refreshes a run of this script recorded
+(its ``drift.json``) and prints the k it chooses at each refresh (:func:`replay`). Copies of the script can
+run side by side under ``taskset -c 0,1`` / ``taskset -c 2,3``: every worker pins itself to its rank's core
+among those its process was given; give each its own ``--out``.
+
     python scripts/bench_drift.py [--config configs/small.yaml] [--steps 300] [--seeds 3] [--eval-every 10]
         [--lrs 5e-4,1e-3,2e-3] [--warmups 0,30] [--staleness FILE|k:r,...] [--out bench-drift/]
     python scripts/bench_drift.py --calibrate 1,2,4,8 --steps 200 --seeds 1 --set optim.decay_steps=300
+    python scripts/bench_drift.py --replay bench-drift/drift.json [--floor K]
 """
 from __future__ import annotations
 
@@ -221,8 +227,9 @@ def replay_report(data: dict[str, Any], floor: int | None) -> list[str]:
         end = rows[-1][0] if rows else 0
         moves = [(s, k) for (s, _, _, k), before in zip(rows, [first] + [x[3] for x in rows]) if k != before]
         chose = ", ".join(f"k = {k} after step {s}" for s, k in moves) if moves else f"held k = {first}"
-        parted = next((f"; at step {s} the run switched to k = {k}, the rule ran k = {rule.cycle}: the rest was "
-                       "measured at another k" for s, k, _ in r["ks"] if s > end and k != rule.cycle), "")
+        parted = next((f"; the run measured on at k = {_k_at(r['ks'], s)} (from step "
+                       f"{max(b for b, _, _ in r['ks'] if b <= s)}), the rule would have run k = {rule.cycle}"
+                       for s, _, _ in r["drift"] if s > end), "")
         lines.append(f"  {r['mode']} seed {r['seed']}: {chose} through step {end} ({rule.evidence}){parted}")
         shown = [(f"{s}:{a:.2f}" if counted else f"({s}:{a:.2f})") + (f"->{k}" if (s, k) in moves else "")
                  for s, a, counted, k in rows if a is not None]
@@ -249,6 +256,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.replay:
         from pipefisher.safe_io import load_json
+
+        if a.floor is not None and a.floor < 1:
+            ap.error("--floor: a cycle of at least 1 step")
 
         if not os.path.isfile(a.replay):
             raise InputError(a.replay, "no such file (--replay: a drift.json of scripts/bench_drift.py)")
