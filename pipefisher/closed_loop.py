@@ -203,9 +203,10 @@ class AdaptiveScheduler(Scheduler):
     the cycle k every schedule runs at, doubling it when the curvature's aging over a cycle is clearly
     small and halving it when it is clearly large; schedules are then judged by step time alone, all at
     that k. A packing that needs fewer iterations than k is lengthened to k by pipeline-only iterations
-    appended to its cycle (:func:`equal_cycles`); more slack is tried only where its packing fits in k; a shorter k
-    goes back to denser rungs (a re-pack at the kept slack, then at less slack) and stops at the densest
-    packing (the rule's floor). A resize is no trial: the drift says so, and it is logged with its figures.
+    appended to its cycle (:func:`equal_cycles`); more slack is tried only where its packing fits in k; a
+    shorter k goes back to denser rungs (a re-pack at the kept slack, then at less slack) and stops at the
+    densest packing (the rule's floor: no voluntary overflow). A resize is no trial: the drift says so, and
+    it is logged with its figures.
 
     The ladder is the density search the ``target`` policy does on a model, done here on measurements:
     its re-packs use ``tight`` (``target`` would search again inside each rung), and the climb starts at
