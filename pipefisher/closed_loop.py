@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar, Iterator, Sequence
 
-from pipefisher.drift import AGING_HIGH, AGING_LOW, DRIFT_MAX_CYCLE, DRIFT_SAMPLES, DriftRule, Refresh
+from pipefisher.drift import AGING_HIGH, AGING_LOW, DRIFT_MAX_CYCLE, DRIFT_MIN_REFRESHES, DriftRule, Refresh
 from pipefisher.measure import StepRecord, expected_step_time, unit_seconds, window_timelines
 from pipefisher.problem import DEFAULT_MARGIN, NodeModel, node_model
 from pipefisher.rules.format import ScheduleData
@@ -200,12 +200,13 @@ class AdaptiveScheduler(Scheduler):
     schedule's value is its measured step time x the curve at its k, so more slack that lengthens the
     cycle must save more step time than its staler curvature costs in steps. Without one (``None``), the
     run's own drift decides (:mod:`pipefisher.drift`, :meth:`observe_drift`): a :class:`DriftRule` sets
-    the cycle k every schedule runs at, doubling it while the curvature's aging over a cycle is small
-    and halving it when it is large; schedules are then judged by step time alone, all at that k. A
-    packing that needs fewer iterations than k is lengthened to k by pipeline-only iterations appended to
-    its cycle (:func:`equal_cycles`); more slack is tried only where its packing fits in k; a shorter k
-    goes back to denser rungs (a re-pack at the kept slack, then at less slack) and stops at the densest
-    packing (the rule's floor). A resize is no trial: the drift says so, and it is logged with its figures.
+    the cycle k every schedule runs at, doubling it when the curvature's aging over a cycle is clearly
+    small and halving it when it is clearly large; schedules are then judged by step time alone, all at
+    that k. A packing that needs fewer iterations than k is lengthened to k by pipeline-only iterations
+    appended to its cycle (:func:`equal_cycles`); more slack is tried only where its packing fits in k; a
+    shorter k goes back to denser rungs (a re-pack at the kept slack, then at less slack) and stops at the
+    densest packing (the rule's floor: no voluntary overflow). A resize is no trial: the drift says so, and
+    it is logged with its figures.
 
     The ladder is the density search the ``target`` policy does on a model, done here on measurements:
     its re-packs use ``tight`` (``target`` would search again inside each rung), and the climb starts at
@@ -219,7 +220,7 @@ class AdaptiveScheduler(Scheduler):
                  window: int = 4, q: float = 0.5, settle: int = 2, tie: float = 0.04,
                  ladder: Sequence[float] = SLACK_LADDER, staleness: Any = None, aging_low: float = AGING_LOW,
                  aging_high: float = AGING_HIGH, max_cycle: int = DRIFT_MAX_CYCLE,
-                 drift_samples: int = DRIFT_SAMPLES) -> None:
+                 drift_min_refreshes: int = DRIFT_MIN_REFRESHES) -> None:
         super().__init__(initial)
         if window < 1 or settle < 1 or not 0 <= q <= 1 or not 0 <= tie < 1 or not ladder \
                 or any(g < 1 for g in ladder):
@@ -231,7 +232,7 @@ class AdaptiveScheduler(Scheduler):
         self.ladder = tuple(ladder)
         self.staleness = staleness  # None: no curve, the drift rule sets k
         self.rule = None if staleness is not None else \
-            DriftRule(max(initial.cycles), aging_low, aging_high, max_cycle, drift_samples)
+            DriftRule(max(initial.cycles), aging_low, aging_high, max_cycle, drift_min_refreshes)
         self._natural: dict[str, ScheduleData] = {}  # digest of a lengthened plan -> the packing it lengthens
         self._cycles: deque[list[StepRecord]] = deque(maxlen=window)
         self._since_switch = 0
@@ -296,7 +297,7 @@ class AdaptiveScheduler(Scheduler):
                               "value": self.value(self.current), "kept_value": self.value(self.kept),
                               "overran": self.overran[-1] if self.overran else []}
         if self.rule is not None:
-            self.last_decision.update(cycle=self.rule.cycle, aging=self.rule.measured)
+            self.last_decision.update(cycle=self.rule.cycle, aging=self.rule.evidence)
         if again:
             where = ", ".join(f"node {n} iteration {i}" for n, i in again[:3]) + (", ..." if len(again) > 3 else "")
             over = f"its K-FAC work overran its bubbles two cycles in a row ({where})"

@@ -23,36 +23,59 @@ is how much the preconditioner's squared error would grow if the cycle were twic
 the cycle is short against the curvature's pace (noise only), 1 and more when its movement dominates.
 
 The closed loop turns it into a cycle length (:class:`DriftRule`, used by
-:class:`pipefisher.closed_loop.AdaptiveScheduler` when no staleness curve is given): double the cycle
-while the aging stays below :data:`AGING_LOW`, halve it when it is above :data:`AGING_HIGH`, hold in
-between. Plain Python, no torch: the scheduler runs it on rank 0 between steps.
+:class:`pipefisher.closed_loop.AdaptiveScheduler` when no staleness curve is given). One refresh's aging
+is noisy (it spans -0.3 to 2.8 at one k) and follows the training phase more than k, so the rule judges
+all the refreshes measured at the cycle in force since it last changed, and moves only on clear evidence:
+it doubles the cycle when significantly more than three quarters of them aged below :data:`AGING_LOW`
+(the upper quartile's one-sided confidence bound is below it), halves it when significantly more than
+half aged above :data:`AGING_HIGH` (the median's bound is above it), and holds otherwise; never below the
+densest packing that fits the bubbles (its floor) nor beyond its longest cycle. Plain Python, no torch:
+the scheduler runs it on rank 0 between steps.
 """
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 AGING_LOW = 0.10
-"""Below it (the median of :data:`DRIFT_SAMPLES` refreshes) the cycle doubles: twice as long a cycle
-would add under 10 % to the preconditioner's squared error (about 5 % to the error). Calibrated on
-``configs/small.yaml`` (2 stages, kfac runs refreshing every k = 1, 2, 4, 8 steps for 200 steps of a
-300-step schedule; docs/adapt.md has the table): after the first 50 steps the aging was -0.12 to -0.07 at
-k = 1, 0.01 to 0.34 at k = 2, 0.10 to 1.17 at k = 4; the staleness curve measured at that horizon charges
-the doubling from k = 1 to 2 6.6 % more steps and the one from 2 to 4 6.4 %: 0.1 lets the first happen
-and holds k = 2 while its aging is above it."""
+"""Below it (in clearly more than :data:`DRIFT_LONGER_SHARE` of the refreshes at one k) the cycle
+doubles: twice as long a cycle would add under 10 % to the preconditioner's squared error (about 5 % to
+the error). Calibrated on ``configs/small.yaml`` (2 stages, kfac runs refreshing every k = 1, 2, 4, 8
+steps for 200 steps of a 300-step schedule; docs/adapt.md has the table): after the first 50 steps the
+aging was -0.12 to -0.07 at k = 1, 0.01 to 0.34 at k = 2, 0.10 to 1.17 at k = 4; the staleness curve
+measured at that horizon charges the doubling from k = 1 to 2 6.6 % more steps and the one from 2 to 4
+6.4 %: 0.1 lets the first happen and holds k = 2 while its aging is above it."""
 AGING_HIGH = 0.40
-"""Above it the cycle halves. The same calibration: after step 100, k = 4 aged by 0.10 and 0.21, k = 8 by
-1.33 and 0.31; the curve charges the doubling from 4 to 8 47 % more steps. Between the two thresholds the
-cycle holds (hysteresis): their ratio, 4, exceeds what one doubling of k usually did to the aging in the
-calibration (1.6-3.4x), so a cycle rarely goes back and forth between two lengths."""
-DRIFT_SAMPLES = 3
-"""Refreshes at one cycle length whose median decides. One refresh's aging is noisy (in the calibration
-its 10th-90th percentiles at one k spanned -0.3 to 2.8): of three, one outlying refresh cannot decide (the
-median of two would be their mean)."""
+"""Above it (in clearly more than :data:`DRIFT_SHORTER_SHARE` of the refreshes at one k) the cycle
+halves. The same calibration: after step 100, k = 4 aged by 0.10 and 0.21, k = 8 by 1.33 and 0.31; the
+curve charges the doubling from 4 to 8 47 % more steps. Between the two thresholds the cycle holds
+(hysteresis): their ratio, 4, exceeds what one doubling of k usually did to the aging in the calibration
+(1.6-3.4x), so a cycle rarely goes back and forth between two lengths."""
+DRIFT_MIN_REFRESHES = 8
+"""Refreshes at one cycle length before the rule decides anything. One refresh's aging is noisy (in the
+calibration its 10th-90th percentiles at one k spanned -0.3 to 2.8; in the validation runs a median of
+three at k = 4 came out at 0.057 where all 21 refreshes there had a median of 2.1)."""
+DRIFT_LONGER_SHARE = 0.75
+"""The cycle doubles only when significantly more than this share of its refreshes aged below
+:data:`AGING_LOW`: the upper quartile, not the median, must be low. Staleness is the expensive mistake
+(the measured curves charge k = 8 and 16 18-67 % more steps, or never reach the target, where k = 4
+costs 7-17 %), and a longer cycle cannot measure what it would have cost to stay."""
+DRIFT_SHORTER_SHARE = 0.5
+"""The cycle halves when significantly more than this share of its refreshes aged above
+:data:`AGING_HIGH`: the median must be high."""
+DRIFT_CONFIDENCE = 0.95
+"""How sure each move must be: the binomial test of the counts (a share above the one named) at this
+level, one-sided. With every refresh below :data:`AGING_LOW` that takes 11 refreshes (0.75^11 < 0.05);
+with 32, 29 of them."""
 DRIFT_MAX_CYCLE = 64
 """The longest cycle the rule grows to (K-FAC practice on large models refreshes every 10-100 steps)."""
+
+
+def longest_cycle(steps: int) -> int:
+    """The longest cycle the rule grows to in a run of ``steps`` steps: a quarter of them (so that the run
+    refreshes at least four times at it), at most :data:`DRIFT_MAX_CYCLE`."""
+    return max(1, min(DRIFT_MAX_CYCLE, steps // 4))
 
 
 @dataclass(frozen=True)
@@ -145,58 +168,103 @@ def refreshes(samples: Iterable[DriftSample], group: Callable[[int], int] = lamb
     return sorted(out, key=lambda r: r.step)
 
 
+def binomial_tail(n: int, count: int, share: float) -> float:
+    """``P(X >= count)`` for ``X ~ Binomial(n, share)``: how likely a stream in which each refresh falls on
+    one side of a threshold with probability ``share`` puts ``count`` or more of ``n`` there."""
+    if count <= 0 or share >= 1:
+        return 1.0
+    if count > n or share <= 0:
+        return 0.0
+    term = math.exp(math.lgamma(n + 1) - math.lgamma(count + 1) - math.lgamma(n - count + 1)
+                    + count * math.log(share) + (n - count) * math.log1p(-share))
+    total, odds = 0.0, share / (1 - share)
+    for i in range(count, n + 1):
+        total += term
+        term *= (n - i) / (i + 1) * odds
+    return min(1.0, total)
+
+
+def clearly_more(count: int, n: int, share: float, confidence: float = DRIFT_CONFIDENCE) -> bool:
+    """Whether ``count`` of ``n`` refreshes on one side of a threshold is clearly more than ``share`` of
+    them: the one-sided binomial test at ``confidence``, the same as the ``share``-quantile's confidence
+    bound lying on that side of the threshold (distribution-free: the aging's spread and skew do not
+    matter, only how many refreshes fall where)."""
+    return n > 0 and count > share * n and binomial_tail(n, count, share) <= 1 - confidence
+
+
 class DriftRule:
     """The cycle k the curvature's aging allows, refresh by refresh.
 
-    It starts at ``cycle``. Once ``samples`` refreshes measured at the cycle in force are in, the median
-    of their aging decides: below ``low`` the cycle doubles (up to ``max_cycle``), above ``high`` it halves
-    (down to :attr:`floor`), in between it holds. Every change starts a new window, so the next decision
-    is made on refreshes measured at the new length; the gap between the thresholds is the hysteresis
-    that keeps it from going back and forth between two lengths whose drifts differ by less than
-    ``high / low``. The caller says what it made of a proposal (:meth:`moved`, :meth:`at_floor`).
+    It starts at ``cycle`` and counts the refreshes measured at the cycle in force since it last changed:
+    how many, how many aged below ``low``, how many above ``high``. Once ``min_refreshes`` are in, it
+    proposes to double the cycle (up to ``max_cycle``) when clearly more than ``longer_share`` of them
+    aged below ``low``, to halve it (down to :attr:`floor`, the densest packing's cycle) when clearly more
+    than ``shorter_share`` aged above ``high`` (:func:`clearly_more` at ``confidence``), and nothing
+    otherwise. All the refreshes since the last change count, not the last few: a few lucky ones cannot
+    move it, and a phase of fast aging at this k keeps weighing after it. Every change starts afresh, so
+    the next decision is made on refreshes measured at the new length. The caller says what it made of a
+    proposal (:meth:`moved`, :meth:`at_floor`).
     """
 
     def __init__(self, cycle: int, low: float = AGING_LOW, high: float = AGING_HIGH,
-                 max_cycle: int = DRIFT_MAX_CYCLE, samples: int = DRIFT_SAMPLES) -> None:
-        if not (0 < low < high and math.isfinite(high)) or max_cycle < 1 or samples < 1 or cycle < 1:
-            raise ValueError("the drift rule needs 0 < low < high, a cycle and max_cycle >= 1 and samples >= 1")
-        self.low, self.high, self.max_cycle, self.samples = float(low), float(high), int(max_cycle), int(samples)
-        self.cycle, self.floor = int(cycle), 1
-        self.window: list[float] = []
+                 max_cycle: int = DRIFT_MAX_CYCLE, min_refreshes: int = DRIFT_MIN_REFRESHES, *, floor: int = 1,
+                 longer_share: float = DRIFT_LONGER_SHARE, shorter_share: float = DRIFT_SHORTER_SHARE,
+                 confidence: float = DRIFT_CONFIDENCE) -> None:
+        if not (0 < low < high and math.isfinite(high)) or max_cycle < 1 or min_refreshes < 1 or cycle < 1 \
+                or floor < 1 or not (0 < longer_share < 1 and 0 < shorter_share < 1 and 0.5 <= confidence < 1):
+            raise ValueError("the drift rule needs 0 < low < high, a cycle, floor and max_cycle >= 1, min_refreshes "
+                             ">= 1, shares in (0, 1) and a confidence in [0.5, 1)")
+        self.low, self.high, self.max_cycle = float(low), float(high), int(max_cycle)
+        self.min_refreshes, self.confidence = int(min_refreshes), float(confidence)
+        self.longer_share, self.shorter_share = float(longer_share), float(shorter_share)
+        self.cycle, self.floor = int(cycle), min(int(floor), int(cycle))
+        self.refreshes = self.below = self.above = 0  # since the cycle in force began
 
     def observe(self, aging: float) -> None:
         """A refresh's aging measured at the cycle in force: its refreshes one and two back were k and 2k
         steps before it (not so right after a switch: see the scheduler)."""
-        self.window = (self.window + [float(aging)])[-self.samples:]
+        self.refreshes += 1
+        self.below += aging < self.low
+        self.above += aging > self.high
 
     @property
-    def measured(self) -> float | None:
-        """The median of the window, once it holds ``samples`` refreshes."""
-        return statistics.median(self.window) if len(self.window) >= self.samples else None
+    def evidence(self) -> str:
+        """What the refreshes at the cycle in force say, in words."""
+        return (f"curvature aging below {self.low:g} in {self.below} and above {self.high:g} in {self.above} of "
+                f"{self.refreshes} refreshes at k = {self.cycle}")
 
     def proposal(self) -> tuple[int, str] | None:
-        """``(cycle, why)`` when the drift asks for another cycle length, else None."""
-        d = self.measured
-        if d is None:
+        """``(cycle, why)`` when the drift clearly asks for another cycle length, else None."""
+        if self.refreshes < self.min_refreshes:
             return None
-        told = f"curvature aging {d:.3f} (median of {len(self.window)} refreshes at k = {self.cycle})"
-        if d < self.low and self.cycle < self.max_cycle:
-            return min(2 * self.cycle, self.max_cycle), f"{told} below {self.low:g}: a longer cycle"
-        if d > self.high and self.cycle > self.floor:
-            return max(self.cycle // 2, self.floor), f"{told} above {self.high:g}: a shorter cycle"
+        told, sure = self.evidence, f"at {self.confidence:.0%} confidence"
+        if self.cycle < self.max_cycle and clearly_more(self.below, self.refreshes, self.longer_share,
+                                                        self.confidence):
+            return (min(2 * self.cycle, self.max_cycle),
+                    f"{told}: below in clearly more than {self.longer_share:.0%} ({sure}): a longer cycle")
+        if self.cycle > self.floor and clearly_more(self.above, self.refreshes, self.shorter_share, self.confidence):
+            return (max(self.cycle // 2, self.floor),
+                    f"{told}: above in clearly more than {self.shorter_share:.0%} ({sure}): a shorter cycle")
         return None
 
     def moved(self, cycle: int) -> None:
-        """The cycle in force is now ``cycle``: a new window begins."""
-        self.cycle, self.window = int(cycle), []
+        """The cycle in force is now ``cycle``: its refreshes are counted afresh."""
+        self.cycle, self.refreshes, self.below, self.above = int(cycle), 0, 0, 0
 
     def at_floor(self) -> None:
-        """Nothing shorter than the cycle in force can be packed: never propose below it again."""
-        self.floor, self.window = self.cycle, []
+        """Nothing shorter than the cycle in force can be packed: never propose below it again. The
+        refreshes counted so far still stand (they say what this cycle does, and may yet lengthen it)."""
+        self.floor = self.cycle
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cycle": self.cycle, "floor": self.floor, "window": list(self.window)}
+        return {"cycle": self.cycle, "floor": self.floor, "refreshes": self.refreshes, "below": self.below,
+                "above": self.above}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.cycle, self.floor = int(state["cycle"]), int(state.get("floor", 1))
-        self.window = [float(x) for x in state.get("window", [])]
+        if "window" in state:  # a checkpoint of the earlier rule, which kept the last few agings
+            window = [float(x) for x in state["window"]]
+            self.refreshes, self.below = len(window), sum(x < self.low for x in window)
+            self.above = sum(x > self.high for x in window)
+        else:
+            self.refreshes, self.below, self.above = (int(state.get(key, 0)) for key in ("refreshes", "below", "above"))

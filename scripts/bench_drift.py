@@ -27,9 +27,15 @@ k steps, nothing else changed) for each k and seed, and prints the drift and the
 per k and per quarter of the run: the figures the rule's thresholds (:data:`pipefisher.drift.AGING_LOW`,
 :data:`~pipefisher.drift.AGING_HIGH`) are read from.
 
+``--replay DRIFT_JSON`` instead replays the rule offline on the refreshes a run of this script recorded
+(its ``drift.json``) and prints the k it chooses at each refresh (:func:`replay`). Copies of the script can
+run side by side under ``taskset -c 0,1`` / ``taskset -c 2,3``: every worker pins itself to its rank's core
+among those its process was given; give each its own ``--out``.
+
     python scripts/bench_drift.py [--config configs/small.yaml] [--steps 300] [--seeds 3] [--eval-every 10]
         [--lrs 5e-4,1e-3,2e-3] [--warmups 0,30] [--staleness FILE|k:r,...] [--out bench-drift/]
     python scripts/bench_drift.py --calibrate 1,2,4,8 --steps 200 --seeds 1 --set optim.decay_steps=300
+    python scripts/bench_drift.py --replay bench-drift/drift.json [--floor K]
 """
 from __future__ import annotations
 
@@ -179,6 +185,58 @@ def _most_steps(ks: list[list[Any]], steps: int) -> int:
     return max(count, key=lambda k: (count[k], -k))
 
 
+def replay(drift: list[list[Any]], ks: list[list[Any]], rule: Any) -> list[tuple[int, float | None, bool, int]]:
+    """The drift rule replayed on a run's recorded refreshes (``drift``: [step, drift, aging]; ``ks``: the
+    k history, [first step, k, why]): per refresh at the rule's k, (step, aging, whether it counted, the k
+    the rule runs after it). A refresh counts as the scheduler counts it: where the run had run its
+    schedule for the two cycles before it (after any switch, a repair at the same k too, the refreshes
+    one and two back were not k and 2k steps before). The replay ends where the run's k and the rule's
+    part: what followed was measured at a k the rule would not have run."""
+    rows: list[tuple[int, float | None, bool, int]] = []
+    for step, _, aging in drift:
+        k = _k_at(ks, step)
+        if k != rule.cycle:
+            break
+        counts = aging is not None and step >= max(s for s, _, _ in ks if s <= step) + 2 * k
+        if counts:
+            rule.observe(aging)
+            proposal = rule.proposal()
+            if proposal is not None:
+                rule.moved(proposal[0])
+        rows.append((step, aging, counts, rule.cycle))
+    return rows
+
+
+def replay_report(data: dict[str, Any], floor: int | None) -> list[str]:
+    """``--replay``: the rule on every scheduled run of a ``drift.json`` this script wrote, from the run's
+    first k, never below ``floor`` (default: the static schedule's k, the densest packing in the runs so
+    far) nor beyond the longest cycle of the run's length."""
+    from pipefisher.drift import DriftRule, longest_cycle
+
+    steps = int(data["args"]["steps"])
+    runs = [r for r in data["runs"] if r.get("ks")]
+    static = [r["k"] for r in runs if r["mode"] == "static"]
+    floor = floor or (min(static) if static else 1)
+    lines = [f"the drift rule replayed on {len(runs)} recorded run(s) of {steps} steps, never below k = {floor} "
+             f"nor beyond k = {longest_cycle(steps)}; per refresh step:aging (in brackets: not counted, its "
+             "refreshes before ran another schedule), -> the k the rule chose where it changed"]
+    for r in runs:
+        first = r["ks"][0][1]
+        rule = DriftRule(first, max_cycle=longest_cycle(steps), floor=floor)
+        rows = replay(r["drift"], r["ks"], rule)
+        end = rows[-1][0] if rows else 0
+        moves = [(s, k) for (s, _, _, k), before in zip(rows, [first] + [x[3] for x in rows]) if k != before]
+        chose = ", ".join(f"k = {k} after step {s}" for s, k in moves) if moves else f"held k = {first}"
+        parted = next((f"; the run measured on at k = {_k_at(r['ks'], s)} (from step "
+                       f"{max(b for b, _, _ in r['ks'] if b <= s)}), the rule would have run k = {rule.cycle}"
+                       for s, _, _ in r["drift"] if s > end), "")
+        lines.append(f"  {r['mode']} seed {r['seed']}: {chose} through step {end} ({rule.evidence}){parted}")
+        shown = [(f"{s}:{a:.2f}" if counted else f"({s}:{a:.2f})") + (f"->{k}" if (s, k) in moves else "")
+                 for s, a, counted, k in rows if a is not None]
+        lines += ["    " + " ".join(shown[i:i + 12]) for i in range(0, len(shown), 12)]
+    return lines
+
+
 def main() -> None:
     ap = common_arguments(__doc__.splitlines()[0], packs=False)  # the static schedule is packed without a curve
     ap.add_argument("--profile-steps", type=int, default=10,
@@ -189,7 +247,27 @@ def main() -> None:
     ap.add_argument("--calibrate", default="", metavar="K,K,...",
                     help="instead: kfac runs with the curvature refreshed every k steps, and their drift per k")
     ap.add_argument("--out", default="bench-drift", help="folder for the raw results (drift.json)")
+    ap.add_argument("--replay", default=None, metavar="DRIFT_JSON",
+                    help="instead: replay the drift rule on the refreshes a run of this script recorded (its "
+                         "drift.json), and print the k it would have chosen at each refresh; no training")
+    ap.add_argument("--floor", type=int, default=None,
+                    help="--replay: the densest packing's cycle, below which the rule never goes (default: "
+                         "the recorded static schedule's k)")
     a = ap.parse_args()
+    if a.replay:
+        from pipefisher.safe_io import load_json
+
+        if a.floor is not None and a.floor < 1:
+            ap.error("--floor: a cycle of at least 1 step")
+
+        if not os.path.isfile(a.replay):
+            raise InputError(a.replay, "no such file (--replay: a drift.json of scripts/bench_drift.py)")
+        try:
+            lines = replay_report(load_json(a.replay), a.floor)
+        except (KeyError, TypeError, ValueError, IndexError, StopIteration):
+            raise InputError(a.replay, "not a drift.json of scripts/bench_drift.py (--replay)") from None
+        print("\n".join(lines))
+        return
     try:
         lrs = [float(x) for x in a.lrs.split(",")]
         warmups = [int(x) for x in a.warmups.split(",")]

@@ -24,7 +24,7 @@ import click
 import torch
 import torch.distributed as dist
 
-from pipefisher.drift import AGING_HIGH, AGING_LOW, DRIFT_MAX_CYCLE
+from pipefisher.drift import AGING_HIGH, AGING_LOW, longest_cycle
 from pipefisher.errors import first_line
 from pipefisher.kfac.factors import BadFactorError
 from pipefisher.pipeline_orders import UP
@@ -84,7 +84,7 @@ class TrainOptions:
     adapt_quantile: float = 0.5
     adapt_tie: float = 0.04  # step-time improvement that counts (the adaptive scheduler's tie)
     # without a staleness curve the drift rule sets k (pipefisher.drift): its thresholds on the curvature's
-    # aging, and the longest cycle (None: a quarter of --steps, at most DRIFT_MAX_CYCLE)
+    # aging, and the longest cycle (None: pipefisher.drift.longest_cycle of --steps)
     adapt_aging_low: float = AGING_LOW
     adapt_aging_high: float = AGING_HIGH
     adapt_max_cycle: int | None = None
@@ -237,7 +237,7 @@ class Trainer:
                                        **({"policy": opts.adapt_policy, "margin": margin, "window": opts.adapt_window,
                                            "q": opts.adapt_quantile, "tie": opts.adapt_tie,
                                            "aging_low": opts.adapt_aging_low, "aging_high": opts.adapt_aging_high,
-                                           "max_cycle": opts.adapt_max_cycle or max(1, min(DRIFT_MAX_CYCLE, opts.steps // 4)),
+                                           "max_cycle": opts.adapt_max_cycle or longest_cycle(opts.steps),
                                            "staleness": opts.staleness_curve}
                                           if opts.adapt else {}))
         prefix = opts.measure_prefix or (os.path.join(opts.out, self.cfg.name) if opts.out else None)
