@@ -17,7 +17,7 @@ from bisect import bisect_left, bisect_right, insort
 
 from pipefisher.policies.align import align_groups
 from pipefisher.policies.base import JobSchedule, Policy, gc_paused
-from pipefisher.policies.bounds import fittable_work, model_bounds, sure_to_reach
+from pipefisher.policies.bounds import fittable_work, model_bounds, placed_time, sure_to_reach
 from pipefisher.policies.cycle import Packed, node_schedule
 from pipefisher.problem import COV, DEFAULT_MARGIN, SYNC, NodeModel, node_model
 from pipefisher.rules.groups import job_groups
@@ -146,7 +146,7 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20, later_first: 
         overflow.append(spill)
         iteration += 1
         if shorter_than is not None and (ready or forced or waiting):
-            fit_left -= sum(e - s for _, _, s, e in here)
+            fit_left -= placed_time(here)
             if sure_to_reach(iteration, fit_left, bubble_time, shorter_than):
                 return None
     if not in_bubbles:

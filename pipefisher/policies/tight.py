@@ -32,7 +32,8 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 from pipefisher.policies.align import align_groups
 from pipefisher.policies.base import JobSchedule, NodeFigures, NodeSchedule, Policy, gc_paused, split_iterations
 from pipefisher.policies.bestfit import pack_best_fit
-from pipefisher.policies.bounds import NodeBounds, fittable_work, model_bounds, sure_to_reach, with_first_iteration
+from pipefisher.policies.bounds import (NodeBounds, fittable_work, model_bounds, placed_time, sure_to_reach,
+                                         with_first_iteration)
 from pipefisher.policies.cycle import Packed, node_schedule
 from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, node_model
 from pipefisher.rules.format import PIPELINE_CATEGORIES, label_category
@@ -295,7 +296,7 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
         overflow.append(spill)
         iteration += 1
         if shorter_than is not None and remaining:
-            fit_left -= sum(e - s for _, _, s, e in here)
+            fit_left -= placed_time(here)
             if sure_to_reach(iteration, fit_left, bubble_time, shorter_than):
                 return None
     if not in_bubbles:
