@@ -572,6 +572,13 @@ def inflate_kfac(job: Job, factor: float) -> Job:
 
     if factor == 1.0:
         return job
+    return dataclasses.replace(job, nodes=tuple(inflate_node_kfac(n, factor) for n in job.nodes))
+
+
+def inflate_node_kfac(node: NodeTimeline, factor: float) -> NodeTimeline:
+    """One node of :func:`inflate_kfac` (the ``target`` policy evaluates nodes one at a time)."""
+    if factor == 1.0:
+        return node
 
     def grow(iv: Interval) -> Interval:
         if iv.start is None or iv.end is None:
@@ -579,6 +586,5 @@ def inflate_kfac(job: Job, factor: float) -> Job:
         d = (iv.end - iv.start) * factor
         return Interval(iv.start, iv.start + (int(round(d)) if isinstance(iv.start, int) else d))
 
-    nodes = tuple(NodeTimeline(n.path, {k: (tuple(grow(iv) for iv in v) if TimelineKey.parse(k).is_kfac else v)
-                                        for k, v in n.entries.items()}) for n in job.nodes)
-    return dataclasses.replace(job, nodes=nodes)
+    return NodeTimeline(node.path, {k: (tuple(grow(iv) for iv in v) if TimelineKey.parse(k).is_kfac else v)
+                                    for k, v in node.entries.items()})

@@ -874,9 +874,11 @@ class TightPolicy(Policy):
     name = "tight"
     summary = "dependency-correct packing near the lower bound (overflow only for work no bubble can hold)"
 
-    def pack(self, job: Job, margin: float = DEFAULT_MARGIN) -> JobSchedule:
+    def pack(self, job: Job, margin: float = DEFAULT_MARGIN,
+             each: Callable[[int, NodeSchedule], None] | None = None) -> JobSchedule:
+        """``each``: see :func:`pack_nodes` (the nodes it is given are before aligning sync groups)."""
         with gc_paused():
-            nodes = pack_nodes(job, margin)
+            nodes = pack_nodes(job, margin, each=each)
             return JobSchedule(self.name, job.span, align_groups(job, nodes, job_groups(job), margin), margin)
 
 
@@ -885,14 +887,17 @@ PARALLEL_PIECES = 50_000
 on the nodes where that walk misses the bound (some 50 ms to start them, against seconds of packing)."""
 
 
-def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = None) -> tuple[NodeSchedule, ...]:
+def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = None,
+               each: Callable[[int, NodeSchedule], None] | None = None) -> tuple[NodeSchedule, ...]:
     """Every node's :func:`pack_node`, in node order.
 
     In a big job, the nodes whose first walk misses the bound run the rest of the portfolio in forked
     worker processes, one per CPU this process may use (``workers`` overrides that; 1: none), while
     this one walks the next nodes; the workers start only once a node needs them. Each node's result
     is a pure function of the node, so it is the same either way, and small to send back: no more
-    than a shorter candidate where one is found.
+    than a shorter candidate where one is found. ``each(i, schedule)``, where given, is called with
+    each node's schedule as soon as it is made, in node order (while workers still pack later nodes:
+    a caller that evaluates the nodes does so then, not after).
     """
     import os
 
@@ -922,8 +927,12 @@ def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = N
                 # forked: the workers inherit the nodes and their models, so a task is only their index
                 pool = multiprocessing.get_context("fork").Pool(workers, _adopt, (job.nodes, job.span, models))
             challenges.append(pool.apply_async(_challenge_for, ((len(firsts) - 1, bounds, first.iterations),)))
-        return tuple(_node_schedule(model, _chosen(first, bounds, c if isinstance(c, tuple) else c.get()))
-                     for model, (bounds, first), c in zip(models, firsts, challenges))
+        out = []
+        for i, (model, (bounds, first), c) in enumerate(zip(models, firsts, challenges)):
+            out.append(_node_schedule(model, _chosen(first, bounds, c if isinstance(c, tuple) else c.get())))
+            if each is not None:
+                each(i, out[-1])
+        return tuple(out)
     finally:
         if pool is not None:  # every task is done here, unless this failed
             pool.terminate()
