@@ -255,6 +255,10 @@ def _plain_number(x: Any) -> Time:
     return int(x) if getattr(x, "dtype", None) is not None and x.dtype.kind in "iu" else float(x)
 
 
+_PLAIN = (int, float)
+"""Time types :func:`_check_raw` takes as they are (exactly these: not bool, nor numpy's scalars)."""
+
+
 def _check_raw(path: str, raw: Any) -> dict[str, list[tuple[Time | None, Time | None]]]:
     """Check the structure of one node's dict and return it with plain Python values."""
     if not isinstance(raw, dict):
@@ -270,6 +274,14 @@ def _check_raw(path: str, raw: Any) -> dict[str, list[tuple[Time | None, Time | 
             raise InputError(path, f"key '{key}' holds a {type(values).__name__}, not a list of intervals")
         pairs = []
         for i, pair in enumerate(values):
+            if type(pair) is tuple and len(pair) == 2:  # the usual case, plain ints or floats: nothing to convert
+                start, end = pair
+                if type(start) in _PLAIN and type(end) in _PLAIN:
+                    if end < start:
+                        raise InputError(path, f"key '{key}' interval {i} ends before it starts: "
+                                               f"({format_time(start)}, {format_time(end)})")
+                    pairs.append(pair)
+                    continue
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                 raise InputError(path, f"key '{key}' interval {i} is not a (start, end) pair: {pair!r}")
             for bound in pair:
