@@ -812,7 +812,6 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
     and busy time within the cycle measured by this policy's iteration length.
     """
     from pipefisher.policies.compat import pack_node_slots, pack_node_slots_below, placements_from_slots
-    from pipefisher.rules import validate_node
 
     if not all(isinstance(x, int) for ivs in node.entries.values() for iv in ivs for x in (iv.start, iv.end)):
         return None
@@ -836,6 +835,8 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
     first = min((ps for _, ps, _ in model.pipeline), default=0)
     if any(p.start < min(first, 0) or p.end > model.base for p in work):
         return None
+    from pipefisher.rules import validate_node  # here: most calls give up before (a worker saves its import)
+
     if validate_node(0, node, labels, span, margin):
         return None
     kfac = sum(p.duration for p in work)
