@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from pipefisher.measure import job_cycle_mean, planned_iterations
-from pipefisher.policies.base import JobSchedule, KfacLayout
+from pipefisher.policies.base import JobSchedule, KfacLayout, NodeSchedule
 from pipefisher.problem import NodeModel, node_model
 from pipefisher.rules.format import END
 from pipefisher.staleness import StalenessCurve
-from pipefisher.timeline import PRECONDITION_KEY, UPDATE_KEY, Job, NodeTimeline, inflate_kfac
+from pipefisher.timeline import PRECONDITION_KEY, UPDATE_KEY, Job, NodeTimeline, inflate_node_kfac
 
 DEFAULT_SLOWDOWN = 0.10
 """How much longer than profiled a K-FAC item takes when it runs in a bubble, as a fraction of its
@@ -130,7 +130,12 @@ def _exposed(model: NodeModel, ready: float, seconds: float) -> float:
 
 def slowed_models(job: Job, slowdown: float = DEFAULT_SLOWDOWN) -> list[NodeModel]:
     """The node models a plan is evaluated on: every K-FAC item ``slowdown`` longer than profiled."""
-    return [node_model(n, job.span) for n in inflate_kfac(job, 1 + slowdown).nodes]
+    return [slowed_model(job, i, slowdown) for i in range(len(job.nodes))]
+
+
+def slowed_model(job: Job, i: int, slowdown: float = DEFAULT_SLOWDOWN) -> NodeModel:
+    """Node ``i``'s of :func:`slowed_models`."""
+    return node_model(inflate_node_kfac(job.nodes[i], 1 + slowdown), job.span)
 
 
 NodeTimes = dict[tuple[int, object], list[float]]
@@ -154,23 +159,30 @@ def step_cost(schedule: Sequence[Sequence[Sequence[str]]], job: Job, slowdown: f
     models = slowed_models(job, slowdown) if models is None else models
     ends = [end_of_step(n) for n in job.nodes]
     layouts = layouts if layouts is not None else [None] * len(schedule)
-    per_node = []
-    for i, (labels, layout, model, (update, precondition)) in enumerate(zip(schedule, layouts, models, ends)):
-        key = (i, layout if layout is not None else tuple(map(tuple, labels)))
-        if known is not None and key in known:
-            per_node.append(known[key])
-            continue
-        times, ready = planned_iterations(labels, model, layout)
-        node = [t + _exposed(model, r, update + precondition) for t, r in zip(times, ready)]
-        if known is not None:
-            known[key] = node
-        per_node.append(node)
+    known = {} if known is None else known
+    per_node = [node_times(known, i, labels, layout, model, node)
+                for i, (labels, layout, model, node) in enumerate(zip(schedule, layouts, models, job.nodes))]
     first_order, floor = 0.0, 0.0
     for m, (u, p) in zip(models, ends):
         _, (ready,) = planned_iterations([_first_order_labels(m)], m, ((),))
         first_order = max(first_order, float(m.base) + _exposed(m, ready, u))
         floor = max(floor, float(m.base) + _exposed(m, ready, u + p))
     return StepCost(max(len(node) for node in schedule), first_order, job_cycle_mean(per_node), floor)
+
+
+def node_times(known: NodeTimes, i: int, labels: Sequence[Sequence[str]], layout: KfacLayout | None,
+               model: NodeModel, node: NodeTimeline) -> list[float]:
+    """Node ``i``'s planned time per iteration of its cycle ``labels`` (``layout``: theirs, where known)
+    on its slowed ``model``, end-of-step work included: looked up in ``known``, else worked out and
+    put there. :func:`step_cost` takes every node's from here; the ``target`` policy's weighing fills
+    it in for each node as soon as it is packed, while the others are (the same figures: one function)."""
+    key = (i, layout if layout is not None else tuple(map(tuple, labels)))
+    times = known.get(key)
+    if times is None:
+        update, precondition = end_of_step(node)
+        planned, ready = planned_iterations(labels, model, layout)
+        times = known[key] = [t + _exposed(model, r, update + precondition) for t, r in zip(planned, ready)]
+    return times
 
 
 def _first_order_labels(model: NodeModel) -> list[str]:
@@ -361,24 +373,38 @@ class _Weighing:
     left out (it would tie, and the denser one wins a tie)."""
 
     job: Job
-    pack: Callable[[Job, float], JobSchedule]
+    pack: Callable[..., JobSchedule]
     staleness: StalenessCurve | None
     slowdown: float
     margins: list[float]
-    models: list[NodeModel] = field(default_factory=list)
+    each_node: bool = False  # ``pack`` takes a third argument, :meth:`evaluate` (see :func:`tradeoff`)
+    models: list[NodeModel | None] = field(default_factory=list)  # slowed, made as nodes need them
     known: NodeTimes = field(default_factory=dict)
     done: dict[float, Candidate | None] = field(default_factory=dict)
 
+    def model(self, i: int) -> NodeModel:
+        """Node ``i``'s slowed model (:func:`slowed_model`), made once."""
+        if not self.models:
+            self.models = [None] * len(self.job.nodes)
+        model = self.models[i]
+        if model is None:
+            model = self.models[i] = slowed_model(self.job, i, self.slowdown)
+        return model
+
+    def evaluate(self, i: int, node: NodeSchedule) -> None:
+        """Work out node ``i``'s planned times for ``node``, its schedule as the packer has it so far (into
+        ``known``, where :func:`step_cost` finds them if the packed job keeps that schedule)."""
+        node_times(self.known, i, node.iterations, node.layout, self.model(i), self.job.nodes[i])
+
     def get(self, m: float) -> Candidate | None:
         if m not in self.done:
-            if not self.models:
-                self.models = slowed_models(self.job, self.slowdown)
-            packed = self.pack(self.job, m)
+            packed = self.pack(self.job, m, self.evaluate) if self.each_node else self.pack(self.job, m)
             same = next((c for c in self.done.values() if c is not None and _same(c.schedule, packed)), None)
             if same is not None:
                 self.done[m] = None
             else:
-                cost = step_cost([n.iterations for n in packed.nodes], self.job, self.slowdown, self.models,
+                models = [self.model(i) for i in range(len(self.job.nodes))]
+                cost = step_cost([n.iterations for n in packed.nodes], self.job, self.slowdown, models,
                                  self.known, [n.layout for n in packed.nodes])
                 steps = None if self.staleness is None else self.staleness.at(cost.cycle)
                 self.done[m] = Candidate(m, packed, cost, steps)
@@ -392,9 +418,10 @@ def _same(a: JobSchedule, b: JobSchedule) -> bool:
     return len(a.nodes) == len(b.nodes) and all(x.iterations == y.iterations for x, y in zip(a.nodes, b.nodes))
 
 
-def tradeoff(job: Job, pack: Callable[[Job, float], JobSchedule], margin: float,
+def tradeoff(job: Job, pack: Callable[..., JobSchedule], margin: float,
              staleness: StalenessCurve | None = None, slowdown: float = DEFAULT_SLOWDOWN,
-             max_cycle: int | None = None, bound: CycleBound | None = None, prune: bool = True) -> Tradeoff:
+             max_cycle: int | None = None, bound: CycleBound | None = None, prune: bool = True,
+             each_node: bool = False) -> Tradeoff:
     """Pack ``job`` at ``margin`` and the sparser :data:`DENSITIES` (``pack(job, m)``), evaluate each
     distinct schedule, and choose (:func:`choose`): every density is weighed, whatever its k.
 
@@ -404,9 +431,15 @@ def tradeoff(job: Job, pack: Callable[[Job, float], JobSchedule], margin: float,
     ``bound`` proves, where the curve (at its least from there on) times the floor's step ratio cannot
     beat the best so far, or never reaches the target (packed after all where no density does and the
     rule without a curve needs them).
+
+    With ``each_node``, ``pack(job, m, each)`` calls ``each(i, node_schedule)`` as soon as it has node
+    ``i``'s schedule (``tight``'s :func:`~pipefisher.policies.tight.pack_nodes`): the node is evaluated
+    then, while the packer works on the others (in worker processes, on a big job), rather than after.
+    A node the packer changes after that (aligning sync groups) is evaluated again: the figures are
+    looked up by the node's schedule, so they are the same either way.
     """
     margins = [margin, *(d for d in DENSITIES if d > margin)]
-    w = _Weighing(job, pack, staleness, slowdown, margins)
+    w = _Weighing(job, pack, staleness, slowdown, margins, each_node)
     unpacked: list[str] = []
     if not prune:
         for m in margins:

@@ -7,7 +7,6 @@ fits, which ``validate``, the trainer and the runtime's checks read back.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Any, Mapping, Sequence
 
@@ -20,6 +19,8 @@ from pipefisher.timeline import Job
 
 def schedule_digest(data: ScheduleData) -> str:
     """A short hash of a schedule's labels (checkpoints and workers compare it)."""
+    import hashlib  # here: saving a schedule needs none (some 3 ms of the packing command's start)
+
     h = hashlib.sha256()
     for n, node in enumerate(data):
         for i, labels in enumerate(node):

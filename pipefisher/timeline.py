@@ -255,6 +255,10 @@ def _plain_number(x: Any) -> Time:
     return int(x) if getattr(x, "dtype", None) is not None and x.dtype.kind in "iu" else float(x)
 
 
+_PLAIN = (int, float)
+"""Time types :func:`_check_raw` takes as they are (exactly these: not bool, nor numpy's scalars)."""
+
+
 def _check_raw(path: str, raw: Any) -> dict[str, list[tuple[Time | None, Time | None]]]:
     """Check the structure of one node's dict and return it with plain Python values."""
     if not isinstance(raw, dict):
@@ -270,6 +274,14 @@ def _check_raw(path: str, raw: Any) -> dict[str, list[tuple[Time | None, Time | 
             raise InputError(path, f"key '{key}' holds a {type(values).__name__}, not a list of intervals")
         pairs = []
         for i, pair in enumerate(values):
+            if type(pair) is tuple and len(pair) == 2:  # the usual case, plain ints or floats: nothing to convert
+                start, end = pair
+                if type(start) in _PLAIN and type(end) in _PLAIN:
+                    if end < start:
+                        raise InputError(path, f"key '{key}' interval {i} ends before it starts: "
+                                               f"({format_time(start)}, {format_time(end)})")
+                    pairs.append(pair)
+                    continue
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                 raise InputError(path, f"key '{key}' interval {i} is not a (start, end) pair: {pair!r}")
             for bound in pair:
@@ -572,6 +584,13 @@ def inflate_kfac(job: Job, factor: float) -> Job:
 
     if factor == 1.0:
         return job
+    return dataclasses.replace(job, nodes=tuple(inflate_node_kfac(n, factor) for n in job.nodes))
+
+
+def inflate_node_kfac(node: NodeTimeline, factor: float) -> NodeTimeline:
+    """One node of :func:`inflate_kfac` (the ``target`` policy evaluates nodes one at a time)."""
+    if factor == 1.0:
+        return node
 
     def grow(iv: Interval) -> Interval:
         if iv.start is None or iv.end is None:
@@ -579,6 +598,5 @@ def inflate_kfac(job: Job, factor: float) -> Job:
         d = (iv.end - iv.start) * factor
         return Interval(iv.start, iv.start + (int(round(d)) if isinstance(iv.start, int) else d))
 
-    nodes = tuple(NodeTimeline(n.path, {k: (tuple(grow(iv) for iv in v) if TimelineKey.parse(k).is_kfac else v)
-                                        for k, v in n.entries.items()}) for n in job.nodes)
-    return dataclasses.replace(job, nodes=nodes)
+    return NodeTimeline(node.path, {k: (tuple(grow(iv) for iv in v) if TimelineKey.parse(k).is_kfac else v)
+                                    for k, v in node.entries.items()})

@@ -40,5 +40,5 @@ def auto_schedule(timelines: tuple[str, ...], save_path: str | None, print_workl
 
 
 if __name__ == "__main__":
-    _common.ENDS_WITH_COMMAND = True  # this process ends with the command (see keep_until_exit)
+    _common.ENDS_WITH_COMMAND = True  # this process ends with the command (see kept_until_exit)
     auto_schedule()

@@ -10,8 +10,10 @@ from pipefisher.policies.bounds import (
     ceil_ratio,
     chain_finish,
     first_iteration_bound,
+    fittable_work,
     node_bounds,
     one_iteration_possible,
+    placed_time,
     size_class_bound,
     volume_bound,
 )
@@ -166,3 +168,38 @@ def test_first_iteration_bound_never_exceeds_the_optimum(pieces: list[tuple[int,
     while not feasible(k):
         k += 1
     assert bound <= k
+
+
+def test_fittable_work_sums_the_pieces_that_fit_a_bubble_in_work_order() -> None:
+    # the fast sum (every piece fits) and the filtered one give the plain walk's figure to the bit,
+    # on integer nanoseconds and on float seconds alike
+    import random
+
+    from pipefisher.problem import node_model
+    from pipefisher.sim.random_jobs import random_raw_job
+    from pipefisher.timeline import job_from_dicts
+
+    cases = set()
+    for seed in range(12):
+        raw = random_raw_job(seed)
+        origin = raw[0]["start_end"][0][0]
+        scale = random.Random(seed).uniform(0.9, 1.1) / 1e9
+        def secs(t):
+            return None if t is None else (t - origin) * scale
+
+        seconds = [{k: [(secs(s), secs(e)) for s, e in v] for k, v in node.items()} for node in raw]
+        for job in (job_from_dicts(raw), job_from_dicts(seconds)):
+            for node in job.nodes:
+                for margin in (0.05, 4.0):
+                    model = node_model(node, job.span, margin)
+                    walked = sum(d for w in model.work for d in w.pieces if d * model.scale < model.largest)
+                    got = fittable_work(model)
+                    assert got == walked and type(got) is type(walked)
+                    cases.add(all(d * model.scale < model.largest for w in model.work for d in w.pieces))
+    assert cases == {True, False}  # both ways are taken
+
+
+def test_placed_time_is_the_placements_lengths_summed_in_order() -> None:
+    placed = [(0, "a", 0.1, 0.30000000000000004), (1, "b", 0.7, 1.1), (1, "c", 1.1, 1.3)]
+    assert placed_time(placed) == sum(e - s for _, _, s, e in placed)
+    assert placed_time([(0, "a", 3, 10), (2, "b", 10, 11)]) == 8 and placed_time([]) == 0

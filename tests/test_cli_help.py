@@ -128,3 +128,25 @@ def test_the_scheduling_path_works_without_torch(tmp_path):
     res = subprocess.run([sys.executable, "-c", _NO_TORCH, "schedule"], capture_output=True, text=True,
                          cwd=tmp_path, timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+def test_the_published_script_loads_no_other_command():
+    # scripts/auto_schedule.py needs the schedule command's code only: the other commands' imports
+    # (train's run configuration, the simulator's) are no part of its run
+    script = os.path.join(ROOT, "scripts", "auto_schedule.py")
+    code = ("import runpy, sys; sys.argv = [sys.argv[1], '-h']\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit:\n    pass\nprint(' '.join(m for m in sys.modules if m.startswith('pipefisher.cli.')))")
+    res = subprocess.run([sys.executable, "-c", code, script], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    loaded = set(res.stdout.splitlines()[-1].split())
+    assert "pipefisher.cli.schedule" in loaded
+    assert not loaded & {"pipefisher.cli.train", "pipefisher.cli.sim", "pipefisher.cli.run",
+                         "pipefisher.cli.export", "pipefisher.cli.validate"}
+
+
+def test_the_group_has_every_command_module_registered():
+    code = "from pipefisher.cli import main; print(' '.join(main.commands))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["schedule", "validate", "train", "simulate", "compare", "plot", "trace", "demo",
+                                  "run", "export"]

@@ -280,12 +280,18 @@ def test_only_a_process_that_ends_with_its_command_freezes_the_packed_job(tmp_pa
 
     before = gc.get_freeze_count()
     run_schedule([], None, None, False, echo=lambda _: None)
-    assert gc.get_freeze_count() == before
+    assert gc.get_freeze_count() == before and gc.isenabled()
+    # there, the collector stays off from loading to the freeze (turned on in between, its first pass
+    # would walk everything the packer made), and is on again after it
     code = ("import gc; from pipefisher.cli import _common; _common.ENDS_WITH_COMMAND = True; "
-            "from pipefisher.cli.schedule import run_schedule; run_schedule([], None, None, False, echo=print); "
-            "print('frozen', gc.get_freeze_count())")
+            "from pipefisher.policies.tight import TightPolicy; pack = TightPolicy.pack; "
+            "TightPolicy.pack = lambda *a, **k: (pack(*a, **k), print('collector on after packing', gc.isenabled()))[0]; "
+            "from pipefisher.cli.schedule import run_schedule; run_schedule([], None, 'tight', False, echo=print); "
+            "print('frozen', gc.get_freeze_count(), gc.isenabled())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert int(out.split("frozen")[1]) > 0
+    assert "collector on after packing False" in out
+    frozen, enabled = out.split("frozen")[1].split()
+    assert int(frozen) > 0 and enabled == "True"
 
 
 def test_the_default_policy_prints_why_its_k_and_predicts_nothing_without_a_curve() -> None:

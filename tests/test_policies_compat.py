@@ -82,3 +82,26 @@ def test_giving_up_early_never_drops_a_shorter_cycle():
                     assert any(s[0].startswith(("cov", "sync", "inv")) for s in full[last_end:])
                 early += limit <= k
     assert early > 50  # and it does give up on cycles that reach the limit
+
+
+def test_the_room_argument_on_integer_gaps_answers_as_the_walk_over_them():
+    """``_cannot_finish_integral`` (a bisect and running sums per need) gives the walk's answer on
+    integer gap lengths, at every need, with and without an added iteration's gaps."""
+    import random
+
+    from pipefisher.policies.compat import _cannot_finish, _cannot_finish_integral, _Lengths
+
+    rng = random.Random(7)
+    answers = set()
+    for _ in range(3000):
+        live = sorted((rng.randrange(0, 400) for _ in range(rng.randrange(0, 30))), reverse=True)
+        fresh = sorted((rng.randrange(0, 400) for _ in range(rng.randrange(0, 8))), reverse=True)
+        needs = sorted({rng.randrange(1, 300) * 1.05 for _ in range(rng.randrange(1, 8))}, reverse=True)
+        work = [(need, rng.randrange(1, 900)) for need in needs]
+        left = rng.randrange(0, 4)
+        tolerance = rng.choice([0.0, 1e-9 * (sum(live) + sum(a for _, a in work))])
+        for margin in (0.05, 0.5):
+            walked = _cannot_finish(work, live, fresh, left, margin, tolerance)
+            assert _cannot_finish_integral(work, _Lengths(live), _Lengths(fresh), left, margin, tolerance) == walked
+            answers.add(walked)
+    assert answers == {True, False}

@@ -94,3 +94,13 @@ def test_packing_only_what_can_be_chosen_gives_the_schedule_weighing_every_densi
         pruned += bool(fast.unpacked)
     if max_cycle is None:  # (in a run of 5 steps most densest packings are too long: every density is packed)
         assert pruned > 0  # the proofs did spare some packing
+
+
+def test_weighing_each_node_as_soon_as_it_is_packed_gives_the_same_figures(weighed_fully) -> None:
+    # the policy's way (each_node: a node is evaluated while the packer works on the others, and again
+    # where aligning sync groups changes it) and the plain one (every node after the whole job)
+    for name, job, every in weighed_fully:
+        early = tradeoff(job, TightPolicy().pack, DEFAULT_MARGIN, prune=False, each_node=True).candidates
+        assert [c.margin for c in early] == [c.margin for c in every], name
+        assert [c.cost for c in early] == [c.cost for c in every], name
+        assert [c.schedule.to_file_data() for c in early] == [c.schedule.to_file_data() for c in every], name

@@ -387,3 +387,17 @@ def test_heavy_regression_job_keeps_its_cycles() -> None:
     by_node = {Path(n.path).name.split("_")[1]: s.figures.iterations for n, s in zip(job.nodes, packed.nodes)}
     assert by_node == {f"node{i}": k for i, k in enumerate(
         (41, 41, 44, 43, 44, 43, 43, 43, 42, 44, 42, 40, 41, 42, 45, 44))}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pack_nodes_hands_each_node_over_in_order_as_it_is_made(workers) -> None:
+    from pipefisher.policies.tight import pack_nodes
+
+    from pipefisher.timeline import load_job
+
+    # node 2's first walk misses its bound: with workers, the rest of its portfolio runs in the pool
+    job = load_job([os.path.join(os.path.dirname(__file__), "data", "regressions", "bert-large-8stages-m12-bs8")])
+    seen: list = []
+    nodes = pack_nodes(job, workers=workers, each=lambda i, node: seen.append((i, node)))
+    assert [i for i, _ in seen] == list(range(len(job.nodes)))
+    assert tuple(node for _, node in seen) == nodes == pack_nodes(job, workers=workers)

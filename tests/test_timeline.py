@@ -254,6 +254,21 @@ def test_an_interval_that_ends_before_it_starts_is_refused(write_pickle) -> None
         load_job([path])
 
 
+def test_plain_number_pairs_are_taken_as_they_are_and_anything_else_is_still_checked(write_pickle) -> None:
+    # (start, end) tuples of plain ints or floats (the usual pickle) skip the conversion; a bool is no
+    # time though it is an int, and an end before its start is refused on that path too
+    d = small_node()
+    d["sync_kron_B:layer.0"] = [(40, 50.5)]
+    job = load_job([write_pickle("node0.pickle", d)])
+    assert [(iv.start, iv.end) for iv in job.nodes[0].intervals("sync_kron_B:layer.0")] == [(40, 50.5)]
+    d["sync_kron_B:layer.0"] = [(True, 50)]
+    with pytest.raises(InputError, match="interval 0 has a bool time, not a number or None"):
+        load_job([write_pickle("node0.pickle", d)])
+    d["sync_kron_B:layer.0"] = [(50.5, 40)]
+    with pytest.raises(InputError, match=r"interval 0 ends before it starts"):
+        load_job([write_pickle("node0.pickle", d)])
+
+
 # ----------------------------------------------------------------------------------------------------
 # The median step of a multi-step profile
 

@@ -5,7 +5,7 @@ from typing import Callable, Sequence
 
 import click
 
-from pipefisher.cli._common import keep_until_exit, margin_option, staleness_for, staleness_option
+from pipefisher.cli._common import kept_until_exit, margin_option, staleness_for, staleness_option
 from pipefisher.cli.group import main
 from pipefisher.problem import DEFAULT_MARGIN
 
@@ -49,9 +49,9 @@ def run_schedule(
     if not paths:
         paths = example_timelines()
         echo(f"(no timelines given: packing the bundled example, {len(paths)} nodes)")
-    job = load_job(paths, allow_mixed=allow_mixed)
-    schedule = chosen.pack(job, margin)
-    keep_until_exit()
+    with kept_until_exit():
+        job = load_job(paths, allow_mixed=allow_mixed)
+        schedule = chosen.pack(job, margin)
     if margin != DEFAULT_MARGIN:
         echo(f"(margin {margin:g}: an item fits where start + {1 + margin:g} x length < the bubble's end)")
     if print_workloads:

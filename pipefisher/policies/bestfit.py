@@ -17,7 +17,7 @@ from bisect import bisect_left, bisect_right, insort
 
 from pipefisher.policies.align import align_groups
 from pipefisher.policies.base import JobSchedule, Policy, gc_paused
-from pipefisher.policies.bounds import fittable_work, model_bounds, sure_to_reach
+from pipefisher.policies.bounds import fittable_work, model_bounds, placed_time, sure_to_reach
 from pipefisher.policies.cycle import Packed, node_schedule
 from pipefisher.problem import COV, DEFAULT_MARGIN, SYNC, NodeModel, node_model
 from pipefisher.rules.groups import job_groups
@@ -129,9 +129,20 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20, later_first: 
                     if not (h < n and pieces[h] == d and need < end - t
                             and (iteration or bisect_right(positions, release[h]) <= bubble)):
                         break
-                head[wi] = h - 1
-                pieces_left[w.group] -= h - 1 - first
-                done(wi)
+                # book the run as ``done`` books one piece, inlined (once per run: the hot path)
+                head[wi] = h
+                g = w.group
+                pieces_left[g] -= h - first
+                if h < n:  # the queue's next piece: ready, waiting for its release, or forced (make_ready)
+                    d = pieces[h]
+                    if not d * scale < largest:
+                        forced.append(wi)
+                    elif iteration == 0 and bisect_right(positions, release[h]) > bubble:
+                        waiting.setdefault(bisect_right(positions, release[h]), []).append(wi)
+                    else:
+                        insort(ready, (d * scale, tie * wi, wi))
+                elif pieces_left[g] == 0:
+                    factor_pieces_done(g)
         if iteration == 0:  # past the last bubble: every release of the first iteration is met
             bubble = len(bubbles)
             for wi in [v for key in sorted(waiting) for v in waiting[key]]:
@@ -146,7 +157,7 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20, later_first: 
         overflow.append(spill)
         iteration += 1
         if shorter_than is not None and (ready or forced or waiting):
-            fit_left -= sum(e - s for _, _, s, e in here)
+            fit_left -= placed_time(here)
             if sure_to_reach(iteration, fit_left, bubble_time, shorter_than):
                 return None
     if not in_bubbles:

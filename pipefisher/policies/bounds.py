@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from itertools import chain
+from operator import itemgetter, sub
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -61,7 +63,15 @@ def fittable_work(model: NodeModel) -> Time:
     """The node's work that fits some bubble (with the margin; covariance per piece): only bubbles
     ever take it."""
     scale, largest = model.scale, model.largest
+    if all(max(w.pieces, default=0) * scale < largest for w in model.work):  # the usual case: all of it,
+        return sum(chain.from_iterable(w.pieces for w in model.work))  # summed in the same order, in C
     return sum(d for w in model.work for d in w.pieces if d * scale < largest)
+
+
+def placed_time(placed: Sequence[tuple[int, str, Time, Time]]) -> Time:
+    """The time a walk's iteration put into bubbles: its (bubble, label, start, end) placements' lengths,
+    summed in order (what the walks subtract from :func:`fittable_work` as they go)."""
+    return sum(map(sub, map(itemgetter(3), placed), map(itemgetter(2), placed)))
 
 
 def sure_to_reach(done: int, fit_left: Time, bubble_time: Time, iterations: int) -> bool:

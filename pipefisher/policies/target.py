@@ -61,5 +61,5 @@ class TargetPolicy(Policy):
 
         with gc_paused():  # what it allocates never forms cycles; the packed candidates are millions of tuples
             weighed = tradeoff(job, TightPolicy().pack, margin, self.staleness, self.slowdown, self.max_cycle,
-                               bound=cycle_bound)
+                               bound=cycle_bound, each_node=True)
         return dataclasses.replace(weighed.chosen.schedule, policy=self.name, tradeoff=weighed)

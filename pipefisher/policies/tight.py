@@ -25,14 +25,15 @@ candidate is dependency-correct by construction.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from itertools import accumulate
+from itertools import accumulate, repeat
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from pipefisher.policies.align import align_groups
 from pipefisher.policies.base import JobSchedule, NodeFigures, NodeSchedule, Policy, gc_paused, split_iterations
 from pipefisher.policies.bestfit import pack_best_fit
-from pipefisher.policies.bounds import NodeBounds, fittable_work, model_bounds, sure_to_reach, with_first_iteration
+from pipefisher.policies.bounds import (NodeBounds, fittable_work, model_bounds, placed_time, sure_to_reach,
+                                         with_first_iteration)
 from pipefisher.policies.cycle import Packed, node_schedule
 from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, node_model
 from pipefisher.rules.format import PIPELINE_CATEGORIES, label_category
@@ -295,7 +296,7 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
         overflow.append(spill)
         iteration += 1
         if shorter_than is not None and remaining:
-            fit_left -= sum(e - s for _, _, s, e in here)
+            fit_left -= placed_time(here)
             if sure_to_reach(iteration, fit_left, bubble_time, shorter_than):
                 return None
     if not in_bubbles:
@@ -341,28 +342,74 @@ class _Prefix:
     content: list[list[tuple[int, int]]]  # the pieces put in each slot before ``slot``
 
 
-def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None) -> tuple[Packed | None, _Prefix | None]:
+@dataclass(frozen=True)
+class _FixedSetup:
+    """What :func:`pack_fixed` derives from the node alone, the same for every k it is tried at: worked
+    out once per node (:func:`_fixed_below` tries several k), read only."""
+
+    gap: list[Time]  # the bubbles' lengths
+    pos: list[int]  # the bubbles' places in the pipeline
+    plain: list[int]  # the syncs and inverses (work indices)
+    order: list[int]  # those by duration (then later index first): their ranks
+    rank: dict[int, int]
+    need: list[float]  # per rank, the room the item needs
+    allowed: list[int]  # per bubble of iteration 0, the ranks (bits) that may go there
+    group_of: list[int]  # per work index, its factor, pieces and releases
+    pieces_of: list[tuple[Time, ...]]
+    release_of: list[tuple[int, ...]]
+    smallest: Time  # the smallest covariance piece, and the pieces' work that fits some bubble
+    fit: Time
+
+
+def _fixed_setup(model: NodeModel) -> _FixedSetup:
+    work = model.work
+    bubbles = model.bubbles
+    plain = [wi for wi, w in enumerate(work) if w.kind != COV]
+    order = sorted(plain, key=lambda wi: (work[wi].pieces[0], -wi))
+    rank = {wi: r for r, wi in enumerate(order)}
+    # In iteration 0 a sync or inverse can only follow its factor's last piece: not before the bubble
+    # where that piece is first ready (in it, it is laid out after the pieces).
+    pos = [bb.pos for bb in bubbles]
+    earliest = [-1] * model.groups
+    for w in work:
+        if w.kind == COV:
+            earliest[w.group] = bisect_right(pos, w.release[-1])
+    nb = len(bubbles)
+    allowed = [0] * nb
+    for wi in plain:
+        e = earliest[work[wi].group]
+        for bb in range(e, nb):
+            allowed[bb] |= 1 << rank[wi]
+    smallest, fit = _pieces_to_fit(model)
+    return _FixedSetup([b.length for b in bubbles], pos, plain, order, rank,
+                       [work[wi].pieces[0] * model.scale for wi in order], allowed, [w.group for w in work],
+                       [w.pieces for w in work], [w.release for w in work], smallest, fit)
+
+
+def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None,
+                setup: _FixedSetup | None = None) -> tuple[Packed | None, _Prefix | None]:
     """:func:`pack_fixed`, resuming step 2 from ``prefix`` where that holds for ``k``; also the prefix
-    for the next k (``prefix`` itself where this k gives up before walking)."""
+    for the next k (``prefix`` itself where this k gives up before walking). ``setup``: the node's
+    :func:`_fixed_setup`, where the caller tries several k."""
+    if setup is None:
+        setup = _fixed_setup(model)
     work = model.work
     bubbles = model.bubbles
     nb = len(bubbles)
     per = nb + 1  # slots per iteration: its bubbles, then its overflow slot
     nslots = k * per
-    gap = [b.length for b in bubbles]
+    gap = setup.gap
     largest = model.largest
     scale, margin = model.scale, model.margin
     used: list[Time] = [0] * nslots
     maxd: list[Time] = [0] * nslots
-    content: list[list[tuple[int, int]]] = [[] for _ in range(nslots)]  # (work index, piece) per slot
+    # (work index, piece) per slot; None for none yet (most slots of a trial that gives up stay so)
+    content: list[list[tuple[int, int]] | None] = [None] * nslots
 
     syncs_of, invs_of = model.factors.syncs, model.factors.invs
 
     # -- 1. syncs and inverses, as late as possible --------------------------------------------------
-    plain = [wi for wi, w in enumerate(work) if w.kind != COV]
-    order = sorted(plain, key=lambda wi: (work[wi].pieces[0], -wi))
-    rank = {wi: r for r, wi in enumerate(order)}
-    need = [work[wi].pieces[0] * scale for wi in order]
+    plain, order, rank, need = setup.plain, setup.order, setup.rank, setup.need
     fit_mask = 0  # ready fittable items, by rank
     forced_ready: list[int] = []
     slot_of: dict[int, int] = {}
@@ -379,18 +426,8 @@ def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None) -> tupl
         w = work[wi]
         if w.kind == INV or invs_left[w.group] == 0:
             ready(wi)
-    # In iteration 0 a sync or inverse can only follow its factor's last piece: not before the bubble
-    # where that piece is first ready (in it, it is laid out after the pieces).
-    pos_list = [bb.pos for bb in bubbles]
-    earliest = [-1] * model.groups
-    for w in work:
-        if w.kind == COV:
-            earliest[w.group] = bisect_right(pos_list, w.release[-1])
-    allowed = [0] * nb
-    for wi in plain:
-        e = earliest[work[wi].group]
-        for bb in range(e, nb):
-            allowed[bb] |= 1 << rank[wi]
+    allowed = setup.allowed
+
     def largest_fitting(candidates: int, slot: int, g_len: Time) -> int:
         """The rank of the largest candidate that still fits the slot (with the margin), or -1."""
         p = bisect_left(need, g_len - used[slot])
@@ -417,7 +454,10 @@ def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None) -> tupl
         used[slot] += d
         if d > maxd[slot]:
             maxd[slot] = d
-        content[slot].append((wi, 0))
+        here = content[slot]
+        if here is None:
+            here = content[slot] = []
+        here.append((wi, 0))
         slot_of[wi] = slot
         placed_plain += 1
         w = work[wi]
@@ -465,28 +505,31 @@ def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None) -> tupl
         after = syncs_of[g] if model.synced[g] else invs_of[g]
         if after:
             deadline[g] = min(slot_of[wi] for wi in after)
-    pos = [b.pos for b in bubbles]
+    pos = setup.pos
     # per slot: the largest sync/inverse of each factor in it, and the largest of those that must come
     # after the slot's pieces (their factor has pieces there): the item that ends the bubble
     nothing: dict[int, Time] = {}  # shared by the slots without syncs or inverses (never written)
     big_of: list[dict[int, Time]] = [nothing] * nslots
-    for slot in range(first_busy, nslots):
-        if content[slot]:
-            big = big_of[slot] = {}
-            for wi, _ in content[slot]:
-                g, d = work[wi].group, work[wi].pieces[0]
-                if d > big.get(g, 0):
-                    big[g] = d
+    busy = sorted(set(slot_of.values()))  # the slots step 1 put syncs or inverses into (the others are empty)
+    for slot in busy:
+        big = big_of[slot] = {}
+        for wi, _ in content[slot] or ():
+            g, d = work[wi].group, work[wi].pieces[0]
+            if d > big.get(g, 0):
+                big[g] = d
     tail = [0] * nslots
     queues = [wi for wi, w in enumerate(work) if w.kind == COV]
-    queues.sort(key=lambda wi: (deadline[work[wi].group], wi))
-    smallest, left = _pieces_to_fit(model)  # left: what of the pieces fits some bubble
+    # per work index, what the walk reads of it (attribute lookups are most of its cost otherwise)
+    group_of, pieces_of, release_of = setup.group_of, setup.pieces_of, setup.release_of
+    queues.sort(key=lambda wi: (deadline[group_of[wi]], wi))
+    smallest, left = setup.smallest, setup.fit  # left: what of the pieces fits some bubble
+    smallest_need = smallest * scale
     # Give up as soon as the pieces left that fit a bubble are more than the room left in the bubbles
     # to come (a bubble that takes pieces ends with at least the margin of the smallest one free): the
     # construction would fail anyway, only later. The tolerance keeps float rounding on the safe side.
     free = [g - margin * smallest for g in gap]
     frees = ([f if f > 0 else 0 for f in free] + [0]) * k  # per slot (an overflow slot has none)
-    for slot in range(first_busy, nslots):
+    for slot in busy:
         b = slot % per
         if used[slot] and b < nb:
             f = gap[b] - used[slot] - margin * smallest
@@ -526,7 +569,10 @@ def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None) -> tupl
                 h = head[wi]
                 pieces = w.pieces
                 while h < len(pieces) and not pieces[h] * scale < largest:
-                    content[slot].append((wi, h))
+                    here = content[slot]
+                    if here is None:
+                        here = content[slot] = []
+                    here.append((wi, h))
                     h += 1
                 head[wi] = h
                 if h < len(pieces):
@@ -536,40 +582,55 @@ def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None) -> tupl
             active = still
             continue
         g_len = gap[b]
-        if not used[slot] + smallest * scale < g_len:  # full (or too small) already: all wait
-            if deadline[work[active[0]].group] <= slot:
+        u = used[slot]  # the slot's used room and tail, kept here while its queues are visited
+        if not u + smallest_need < g_len:  # full (or too small) already: all wait
+            if deadline[group_of[active[0]]] <= slot:
                 return None, shared
             continue
         lim = pos[b]
+        after_slot = tail[slot]
+        big = big_of[slot]
         for q, wi in enumerate(active):
-            if not used[slot] + smallest * scale < g_len:  # full: the rest only wait (by deadline)
-                if deadline[work[wi].group] <= slot:
+            if not u + smallest_need < g_len:  # full: the rest only wait (by deadline)
+                if deadline[group_of[wi]] <= slot:
                     return None, shared
                 still.extend(active[q:])
                 break
-            w = work[wi]
-            pieces, release = w.pieces, w.release
-            h = head[wi]
+            g = group_of[wi]
+            pieces = pieces_of[wi]
+            h = first = head[wi]
             n = len(pieces)
-            u = used[slot]
-            after = tail[slot]
-            own = big_of[slot].get(w.group, 0)  # this factor's sync/inverse here goes after its pieces
+            after = after_slot
+            own = big.get(g, 0)  # this factor's sync/inverse here goes after its pieces
             if own > after:
                 after = own
-            while h < n and (i or release[h] < lim):
-                d = pieces[h]
-                last = d if d > after else after
-                if not u + d + margin * last < g_len:
-                    break
-                u += d
-                content[slot].append((wi, h))
-                h += 1
-            if h > head[wi]:
-                used[slot], tail[slot] = u, after
-                left -= sum(pieces[head[wi]:h])
-            head[wi] = h
+            v = u
+            if i:  # the hot loop, one piece at a time: past iteration 0 every piece is released
+                while h < n:
+                    d = pieces[h]
+                    if not v + d + margin * (d if d > after else after) < g_len:
+                        break
+                    v += d
+                    h += 1
+            else:
+                release = release_of[wi]
+                while h < n and release[h] < lim:
+                    d = pieces[h]
+                    if not v + d + margin * (d if d > after else after) < g_len:
+                        break
+                    v += d
+                    h += 1
+            if h > first:  # pieces first .. h - 1 go here
+                u = used[slot] = v
+                after_slot = tail[slot] = after
+                left -= sum(pieces[first:h])
+                head[wi] = h
+                here = content[slot]
+                if here is None:
+                    here = content[slot] = []
+                here.extend(zip(repeat(wi), range(first, h)))
             if h < n:
-                if deadline[w.group] <= slot:
+                if deadline[g] <= slot:
                     return None, shared
                 still.append(wi)
         active = still
@@ -645,10 +706,12 @@ def _fixed_below(model: NodeModel, low: int, high: int, prune: bool = True) -> P
     """The fixed-length construction's shortest cycle in [low, high), or None (with ``prune``, a k
     where it is sure to fail at once is not built)."""
     prefix: _Prefix | None = None
+    setup: _FixedSetup | None = None
     for k in range(low, high):
         if prune and fixed_fails_at_once(model, k):
             continue
-        trial, prefix = _pack_fixed(model, k, prefix)
+        setup = setup or _fixed_setup(model)
+        trial, prefix = _pack_fixed(model, k, prefix, setup)
         if trial is not None:
             return trial
     return None
@@ -749,7 +812,6 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
     and busy time within the cycle measured by this policy's iteration length.
     """
     from pipefisher.policies.compat import pack_node_slots, pack_node_slots_below, placements_from_slots
-    from pipefisher.rules import validate_node
 
     if not all(isinstance(x, int) for ivs in node.entries.values() for iv in ivs for x in (iv.start, iv.end)):
         return None
@@ -773,6 +835,8 @@ def honest_compat(node: NodeTimeline, span: Time, model: NodeModel | None = None
     first = min((ps for _, ps, _ in model.pipeline), default=0)
     if any(p.start < min(first, 0) or p.end > model.base for p in work):
         return None
+    from pipefisher.rules import validate_node  # here: most calls give up before (a worker saves its import)
+
     if validate_node(0, node, labels, span, margin):
         return None
     kfac = sum(p.duration for p in work)
@@ -811,9 +875,11 @@ class TightPolicy(Policy):
     name = "tight"
     summary = "dependency-correct packing near the lower bound (overflow only for work no bubble can hold)"
 
-    def pack(self, job: Job, margin: float = DEFAULT_MARGIN) -> JobSchedule:
+    def pack(self, job: Job, margin: float = DEFAULT_MARGIN,
+             each: Callable[[int, NodeSchedule], None] | None = None) -> JobSchedule:
+        """``each``: see :func:`pack_nodes` (the nodes it is given are before aligning sync groups)."""
         with gc_paused():
-            nodes = pack_nodes(job, margin)
+            nodes = pack_nodes(job, margin, each=each)
             return JobSchedule(self.name, job.span, align_groups(job, nodes, job_groups(job), margin), margin)
 
 
@@ -822,14 +888,17 @@ PARALLEL_PIECES = 50_000
 on the nodes where that walk misses the bound (some 50 ms to start them, against seconds of packing)."""
 
 
-def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = None) -> tuple[NodeSchedule, ...]:
+def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = None,
+               each: Callable[[int, NodeSchedule], None] | None = None) -> tuple[NodeSchedule, ...]:
     """Every node's :func:`pack_node`, in node order.
 
     In a big job, the nodes whose first walk misses the bound run the rest of the portfolio in forked
     worker processes, one per CPU this process may use (``workers`` overrides that; 1: none), while
     this one walks the next nodes; the workers start only once a node needs them. Each node's result
     is a pure function of the node, so it is the same either way, and small to send back: no more
-    than a shorter candidate where one is found.
+    than a shorter candidate where one is found. ``each(i, schedule)``, where given, is called with
+    each node's schedule as soon as it is made, in node order (while workers still pack later nodes:
+    a caller that evaluates the nodes does so then, not after).
     """
     import os
 
@@ -859,8 +928,12 @@ def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = N
                 # forked: the workers inherit the nodes and their models, so a task is only their index
                 pool = multiprocessing.get_context("fork").Pool(workers, _adopt, (job.nodes, job.span, models))
             challenges.append(pool.apply_async(_challenge_for, ((len(firsts) - 1, bounds, first.iterations),)))
-        return tuple(_node_schedule(model, _chosen(first, bounds, c if isinstance(c, tuple) else c.get()))
-                     for model, (bounds, first), c in zip(models, firsts, challenges))
+        out = []
+        for i, (model, (bounds, first), c) in enumerate(zip(models, firsts, challenges)):
+            out.append(_node_schedule(model, _chosen(first, bounds, c if isinstance(c, tuple) else c.get())))
+            if each is not None:
+                each(i, out[-1])
+        return tuple(out)
     finally:
         if pool is not None:  # every task is done here, unless this failed
             pool.terminate()
