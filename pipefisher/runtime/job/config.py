@@ -194,7 +194,7 @@ class KfacConfig:
     ignore: tuple[str, ...] = DEFAULT_KFAC_IGNORE
     factor_decay: float = 0.0
     kl_clip: float = 0.0
-    update: str = "momentum"
+    update: str = "base"
     lr: float = 0.1
     momentum: float = 0.9
     fisher: str = "empirical"
