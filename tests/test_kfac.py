@@ -659,7 +659,6 @@ def test_the_kfac_package_does_not_import_transformers():
 
 
 def test_conv1d_kfac_state_survives_a_checkpoint_round_trip():
-
     def fresh():
         torch.manual_seed(0)
         return _HandConv1D(4, 5)
@@ -857,7 +856,6 @@ def test_a_refresh_spread_over_steps_compares_the_inverses_it_started_from_on_th
     """inv A, then a step preconditioned with the new A and the old B, then inv B: the drift compares both
     new inverses with both old ones on that step's gradient (the mixed preconditioned gradient is not the
     old one), and a checkpoint between the two labels keeps what it needs."""
-
     model = TinyMLP()
     kfac = KFAC(model, damping=1e-2, ignore=())
     _refresh(model, kfac, seed=0)
@@ -914,7 +912,6 @@ def test_a_kfac_that_does_not_measure_drift_keeps_no_gradient():
 def test_every_refresh_also_measures_the_change_since_the_refresh_before_the_last():
     """Refreshes r0, r1, r2 on other micro-batches: r1 has no refresh two back, r2 compares its inverses
     with r0's as well as r1's, on the same gradient; a checkpoint after r1 keeps r0's inverses for it."""
-
     model = TinyMLP()
     kfac = KFAC(model, damping=1e-2, ignore=())
     inverses = []

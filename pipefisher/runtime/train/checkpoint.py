@@ -312,17 +312,19 @@ class Checkpointer:
 
     ``ctx`` is the worker's :class:`~pipefisher.runtime.job.dist.DistContext`, ``schedule`` the digest of
     the schedule file (scheduled mode, else None). Every worker of the job calls :meth:`save` and
-    :meth:`load` with the same component names, at the same point."""
+    :meth:`load` with the same component names, at the same point. ``tokenizer``: the run's tokenizer
+    (JSON; text corpora), written beside the manifest for ``pipefisher export``."""
 
     ctx: "DistContext"
     cfg: Any  # RunConfig
     mode: str
     schedule: str | None = None
+    tokenizer: str | None = None
 
     def save(self, folder: str, steps_done: int, components: Mapping[str, Any], *,
-             manifest: Mapping[str, Any] | None = None, tokenizer: str | None = None) -> str:
+             manifest: Mapping[str, Any] | None = None) -> str:
         """Write this worker's file after ``steps_done`` steps (collective); returns its path. ``manifest``:
-        more keys for the manifest (rank 0's); ``tokenizer``: the run's tokenizer JSON, written beside it."""
+        the loop's own keys for the manifest (rank 0's)."""
         import torch
         import torch.distributed as dist
 
@@ -340,8 +342,8 @@ class Checkpointer:
         if self.ctx.distributed:
             dist.barrier()  # every part is on disk before the manifest points at it
         if g.rank == 0:
-            if tokenizer:  # the vocabulary the ids mean, for pipefisher export
-                write_atomic(os.path.join(folder, TOKENIZER), tokenizer)
+            if self.tokenizer:  # the vocabulary the ids mean, for pipefisher export
+                write_atomic(os.path.join(folder, TOKENIZER), self.tokenizer)
             dump_json_atomic(os.path.join(folder, MANIFEST), {
                 **(manifest or {}),  # the loop's own keys first: the job's below are the checkpointer's
                 "format": FORMAT, "steps_done": steps_done, "folder": step_folder(steps_done),

@@ -350,9 +350,7 @@ class Trainer:
             "lr_horizon": self.updater.schedule.total_steps,
             # how the run trains (pipefisher run --resume continues it so)
             "options": {k: getattr(self.opts, k) for k in RUN_OPTIONS}}
-        corpus = self.data.corpus
-        return self.checkpointer.save(self.opts.checkpoint_dir, steps_done, self.components(), manifest=manifest,
-                                      tokenizer=corpus.tokenizer_json if corpus is not None else None)
+        return self.checkpointer.save(self.opts.checkpoint_dir, steps_done, self.components(), manifest=manifest)
 
     def run(self) -> WorkerResult:
         """Train; the reporting worker keeps the ``tensorboard`` option's log open meanwhile (closed also

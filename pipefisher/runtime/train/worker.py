@@ -126,7 +126,9 @@ class Worker:
 
     def checkpointer(self) -> Checkpointer:
         """Saves and restores :meth:`components` (and any of the loop's own) for this worker's job."""
-        return Checkpointer(self.ctx, self.cfg, self.mode, self.schedule_digest)
+        corpus = self.data.corpus
+        return Checkpointer(self.ctx, self.cfg, self.mode, self.schedule_digest,
+                            tokenizer=corpus.tokenizer_json if corpus is not None else None)
 
     def mean_loss(self, loss: float | None) -> float | None:
         """The step's loss over every replica of the last stage (and both pipes under Chimera, whose
