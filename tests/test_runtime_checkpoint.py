@@ -475,3 +475,18 @@ def test_a_loop_on_the_library_api_resumes_exactly_on_two_processes(tmp_path):
         for name, p in p_straight.items():
             assert torch.equal(p, p_resumed[name]), name
     assert results[1]["resumed"][1][0] is not None  # the last stage reported its losses
+
+
+def test_the_fp16_loss_scale_is_a_component_of_its_own_and_comes_back(tmp_path):
+    from pipefisher.runtime import api
+
+    cfg = tiny(pipeline={"stages": 1}, train={"precision": "fp16", "loss_scale": 1e30})  # every step overflows
+    worker = api.build_worker(cfg, single_process(), mode="kfac", total_steps=3)
+    parts = worker.components()
+    assert list(parts) == ["model", "optimizer", "kfac", "loss_scale", "data", "rng"]
+    _one_thread(lambda: [worker.step(s) for s in range(2)])
+    worker.checkpointer().save(str(tmp_path / "ck"), 2, parts)
+    fresh = api.build_worker(cfg, single_process(), mode="kfac", total_steps=3)
+    assert fresh.checkpointer().load(str(tmp_path / "ck"), fresh.components()) == 2
+    assert fresh.updater.scaler.state_dict() == {"scale": 1e30 / 4, "good_steps": 0, "skipped": 2}
+    assert fresh.position.step == 2
