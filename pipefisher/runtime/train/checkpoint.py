@@ -134,9 +134,13 @@ def check_components(components: Mapping[str, Any]) -> None:
     for name, part in components.items():
         if not isinstance(name, str) or name in HEADER:
             raise TypeError(f"checkpoint component name {name!r}: use a string other than {', '.join(HEADER)}")
-        if not isinstance(part, Stateful):
-            raise TypeError(f"checkpoint component '{name}' ({type(part).__name__}) has no state_dict() and "
-                            "load_state_dict(): give it both, or leave it out of the checkpoint")
+        _check_stateful(name, part)
+
+
+def _check_stateful(name: Any, part: Any) -> None:
+    if not isinstance(part, Stateful):
+        raise TypeError(f"checkpoint component '{name}' ({type(part).__name__}) has no state_dict() and "
+                        "load_state_dict(): give it both, or leave it out of the checkpoint")
 
 
 class StateGroup:
@@ -144,7 +148,8 @@ class StateGroup:
 
     def __init__(self, parts: Mapping[Any, Any]) -> None:
         self.parts = dict(parts)
-        check_components({f"{key}": part for key, part in self.parts.items()})
+        for key, part in self.parts.items():
+            _check_stateful(key, part)
 
     def state_dict(self) -> dict[Any, Any]:
         return {key: part.state_dict() for key, part in self.parts.items()}
