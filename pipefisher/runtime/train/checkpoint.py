@@ -387,8 +387,9 @@ class Checkpointer:
             raise InputError(path, "does not match the manifest (another step, stage or replica)")
         missing = [name for name in components if name not in state]
         if missing:
+            saved = ", ".join(sorted(set(state) - set(HEADER)))
             raise InputError(path, f"holds no state of {', '.join(missing)} (its run did not save "
-                                   f"{'it' if len(missing) == 1 else 'them'}; it saved {', '.join(sorted(set(state) - set(HEADER)))})")
+                                   f"{'it' if len(missing) == 1 else 'them'}; it saved {saved})")
         for name, part in components.items():
             try:
                 part.load_state_dict(state[name])
