@@ -5,8 +5,9 @@ Run from the repository root (2 processes, gloo on the CPU, a few seconds)::
     python examples/own_model.py --steps 20
 
 It builds the model stage by stage with :func:`build` (a *stage builder*) and trains it with the
-library API (:mod:`pipefisher.runtime.api`) in its own step-at-a-time loop. The same builder works
-with ``pipefisher train``, from the repository root::
+library API (:mod:`pipefisher.runtime.api`) in its own step-at-a-time loop, which checkpoints and
+resumes exactly (``--checkpoint-dir DIR``, then ``--resume DIR`` with more ``--steps``). The same builder
+works with ``pipefisher train``, from the repository root::
 
     pipefisher train --config configs/tiny.yaml --nproc-per-node 2 --mode kfac --steps 20 \\
         --set model.builder=examples.own_model:build --set data.objective=clm --set model.options='{mlp_ratio: 2}'
@@ -112,8 +113,10 @@ def config(steps: int) -> Any:
         pipeline={"stages": 2, "schedule": "1f1b"})
 
 
-def worker(rank: int, world: int, port: int, steps: int, out: str | None) -> None:
-    """One process of the job: the user's own loop around pipefisher's step."""
+def worker(rank: int, world: int, port: int, steps: int, out: str | None, checkpoint_dir: str | None = None,
+           every: int = 0, resume: str | None = None) -> None:
+    """One process of the job: the user's own loop around pipefisher's step, checkpointed every ``every``
+    steps and at the end into ``checkpoint_dir``, continued from ``resume``'s checkpoint."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -123,12 +126,18 @@ def worker(rank: int, world: int, port: int, steps: int, out: str | None) -> Non
     ctx = api.init_context(cfg)
     try:
         w = api.build_worker(cfg, ctx, mode="kfac", total_steps=steps)
+        # the worker's state by name (model, optimizer, each K-FAC copy, data position, RNG), plus our own
+        parts = w.components()
+        ckpt = w.checkpointer()  # knows the job (config, mode, grid), not this loop
+        first = ckpt.load(resume, parts) if resume else 0  # the steps done: the next step to run
         losses = []
-        for step in range(steps):
+        for step in range(first, steps):
             loss = w.step(step)
             if loss is not None:  # the last stage
                 losses.append(loss)
                 print(f"step {step:>3}  loss {loss:.4f}", flush=True)
+            if checkpoint_dir and ((every and (step + 1) % every == 0) or step == steps - 1):
+                ckpt.save(checkpoint_dir, step + 1, parts)  # collective: every worker calls it
         if out is not None and losses:
             with open(out, "w", encoding="utf-8") as f:
                 json.dump({"losses": losses}, f)
@@ -138,14 +147,20 @@ def worker(rank: int, world: int, port: int, steps: int, out: str | None) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train a tiny model of your own with pipefisher (2 CPU processes).")
-    parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps, those of a resumed run included "
+                                                               "(default 20)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the losses here")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints here (after the "
+                                                                              "last step, and see --checkpoint-every)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also every N steps")
+    parser.add_argument("--resume", default=None, metavar="DIR", help="continue from the checkpoint in DIR")
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
 
     from pipefisher.runtime.job.dist import free_port
 
-    mp.spawn(worker, args=(2, free_port(), args.steps, args.json), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, free_port(), args.steps, args.json, args.checkpoint_dir, args.checkpoint_every,
+                           args.resume), nprocs=2, join=True)
     return 0
 
 

@@ -659,8 +659,6 @@ def test_the_kfac_package_does_not_import_transformers():
 
 
 def test_conv1d_kfac_state_survives_a_checkpoint_round_trip():
-    from pipefisher.runtime.train.checkpoint import kfac_state, load_kfac_state
-
     def fresh():
         torch.manual_seed(0)
         return _HandConv1D(4, 5)
@@ -671,7 +669,7 @@ def test_conv1d_kfac_state_survives_a_checkpoint_round_trip():
     k_a, _, _ = _one_layer_kfac(a, x, r)
     b = fresh()
     k_b = KFAC(nn.Sequential(b), damping=DAMPING, loss_scale=2, ignore=())
-    load_kfac_state(k_b, kfac_state(k_a), "ckpt")
+    k_b.load_state_dict(k_a.state_dict())
     ((b(x[0]) * r[0]).sum() / 2 + (b(x[1]) * r[1]).sum() / 2).backward()
     assert k_b.precondition_all() == 1
     assert _close(b.weight.grad, a.weight.grad, 1e-5) and _close(b.bias.grad, a.bias.grad, 1e-5)
@@ -858,8 +856,6 @@ def test_a_refresh_spread_over_steps_compares_the_inverses_it_started_from_on_th
     """inv A, then a step preconditioned with the new A and the old B, then inv B: the drift compares both
     new inverses with both old ones on that step's gradient (the mixed preconditioned gradient is not the
     old one), and a checkpoint between the two labels keeps what it needs."""
-    from pipefisher.runtime.train.checkpoint import kfac_state, load_kfac_state
-
     model = TinyMLP()
     kfac = KFAC(model, damping=1e-2, ignore=())
     _refresh(model, kfac, seed=0)
@@ -874,7 +870,7 @@ def test_a_refresh_spread_over_steps_compares_the_inverses_it_started_from_on_th
     twin = TinyMLP()
     twin.load_state_dict(model.state_dict())
     resumed = KFAC(twin, damping=1e-2, ignore=())
-    load_kfac_state(resumed, kfac_state(kfac), "ckpt")
+    resumed.load_state_dict(kfac.state_dict())
     for k in (kfac, resumed):
         k.inv("B", "fc1")
     change, norm = _hand_drift(g, old, _inverses(kfac, "fc1"))
@@ -916,8 +912,6 @@ def test_a_kfac_that_does_not_measure_drift_keeps_no_gradient():
 def test_every_refresh_also_measures_the_change_since_the_refresh_before_the_last():
     """Refreshes r0, r1, r2 on other micro-batches: r1 has no refresh two back, r2 compares its inverses
     with r0's as well as r1's, on the same gradient; a checkpoint after r1 keeps r0's inverses for it."""
-    from pipefisher.runtime.train.checkpoint import kfac_state, load_kfac_state
-
     model = TinyMLP()
     kfac = KFAC(model, damping=1e-2, ignore=())
     inverses = []
@@ -931,7 +925,7 @@ def test_every_refresh_also_measures_the_change_since_the_refresh_before_the_las
     twin = TinyMLP()
     twin.load_state_dict(model.state_dict())
     resumed = KFAC(twin, damping=1e-2, ignore=())
-    load_kfac_state(resumed, kfac_state(kfac), "ckpt")
+    resumed.load_state_dict(kfac.state_dict())
     _refresh(model, kfac, seed=4)
     _refresh(twin, resumed, seed=4)
     far, _ = _hand_drift(g, inverses[0], _inverses(kfac, "fc2"))

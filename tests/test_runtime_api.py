@@ -112,12 +112,23 @@ def test_build_worker_refuses_a_schedule_without_scheduled_mode():
                          schedule="x.pickle", total_steps=1)
 
 
-def test_the_own_model_example_trains_on_two_processes(tmp_path):
-    out = tmp_path / "losses.json"
+def _run_example(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "own_model.py"), "--steps", "4",
-                          "--json", str(out)], capture_output=True, text=True, timeout=240, env=env)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "own_model.py"), *args],
+                         capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
+    return res
+
+
+def test_the_own_model_example_trains_on_two_processes_and_resumes_exactly(tmp_path):
+    """4 steps straight; and 2 steps with a checkpoint, resumed to 4: the same losses, bit for bit."""
+    out, ck, resumed = tmp_path / "losses.json", str(tmp_path / "ck"), tmp_path / "resumed.json"
+    res = _run_example("--steps", "4", "--json", str(out))
     losses = json.loads(out.read_text())["losses"]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses
     assert "step   3  loss" in res.stdout
+    _run_example("--steps", "2", "--checkpoint-dir", ck)
+    assert json.loads((tmp_path / "ck" / "checkpoint.json").read_text())["steps_done"] == 2
+    res = _run_example("--steps", "4", "--resume", ck, "--json", str(resumed))
+    assert "step   1  loss" not in res.stdout and "step   2  loss" in res.stdout
+    assert json.loads(resumed.read_text())["losses"] == losses[2:]

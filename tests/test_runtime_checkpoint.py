@@ -13,7 +13,9 @@ from pipefisher.errors import InputError
 from pipefisher.runtime.job.config import load_config
 from pipefisher.runtime.job.dist import single_process
 from pipefisher.runtime.pipeline.checks import single_iteration_schedule
-from pipefisher.runtime.train.checkpoint import MANIFEST, check_resumable
+from pipefisher.runtime.data.batches import DataPosition
+from pipefisher.runtime.launch.local import spawn_local
+from pipefisher.runtime.train.checkpoint import FORMAT, MANIFEST, Checkpointer, StateGroup, TorchRNG, check_resumable
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from pipefisher.schedule_file import save_schedule
 
@@ -56,7 +58,7 @@ def test_resume_in_one_process_continues_exactly(tmp_path, mode):
     assert sorted(e for e in os.listdir(ck) if e.startswith("step-")) == ["step-00000005"]
     if mode == "scheduled":
         state = torch.load(os.path.join(ck, "step-00000005", "stage0-replica0.pt"), weights_only=True)
-        assert any(layer["inputs"] for layer in state["kfac"]["layers"].values())
+        assert any(layer["inputs"] for layer in state["kfac"][0]["layers"].values())
     resumed = _train(cfg, mode=mode, schedule=sched, steps=8, resume=ck, checkpoint_dir=ck)
     assert resumed.start_step == 5
     for name, p in _params(full).items():
@@ -303,8 +305,6 @@ def _late_manifest_worker(cfg, folder: str) -> int:
 
 def test_a_checkpoint_is_complete_on_every_worker_when_its_save_returns(tmp_path):
     """A worker that resumes from the folder right away (a driver's next run) finds the manifest."""
-    from pipefisher.runtime.launch.local import spawn_local
-
     results = spawn_local(_late_manifest_worker, 2, tiny(pipeline=dict(stages=2)), str(tmp_path / "ck"),
                           timeout_s=120)
     assert results == [1, 1]
@@ -326,3 +326,167 @@ def test_checkpoint_keep_keeps_the_newest_checkpoints_and_export_takes_any_of_th
     got = from_transformers(load_file(str(tmp_path / "out" / "model.safetensors")), "out")
     for name, p in _params(_train(cfg, mode="first-order", steps=3)).items():
         assert torch.equal(got[name], p), name
+
+
+# ----------------------------------------------------------------------------------------------------
+# The checkpointer on its own: a dict of stateful components, no Trainer
+
+
+class _Counter:
+    """A component of a loop of one's own: anything with state_dict / load_state_dict."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = int(state["seen"])
+
+
+def _toy(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    return {"model": model, "optimizer": opt, "counter": _Counter(), "position": DataPosition(),
+            "heads": StateGroup({0: torch.nn.Linear(2, 2), 1: torch.nn.Linear(2, 1)}), "rng": TorchRNG("cpu")}
+
+
+def _toy_steps(parts: dict, first: int, last: int) -> None:
+    for step in range(first, last):
+        parts["optimizer"].zero_grad()
+        x = torch.nn.functional.dropout(torch.randn(4, 3), 0.5)  # draws from the global generator
+        parts["model"](x).square().sum().backward()
+        parts["optimizer"].step()
+        parts["counter"].seen += 1
+        parts["position"].step = step + 1
+
+
+def test_the_checkpointer_round_trips_components_without_a_trainer(tmp_path):
+    """Three steps straight, or one step, a checkpoint, and two more in other objects that loaded it:
+    the same weights, optimizer moments, counter, data position and random stream."""
+    cfg = tiny(pipeline={"stages": 1})
+    ckpt = Checkpointer(single_process(), cfg, "first-order")
+    straight = _toy(0)
+    _toy_steps(straight, 0, 3)
+    first = _toy(0)
+    _toy_steps(first, 0, 1)
+    folder = str(tmp_path / "ck")
+    ckpt.save(folder, 1, first, manifest={"note": "mine"})
+    with open(os.path.join(folder, MANIFEST)) as f:
+        manifest = json.load(f)
+    assert manifest["note"] == "mine" and manifest["components"] == sorted(first) and manifest["format"] == FORMAT
+    torch.manual_seed(123)  # the restored generator, not this one, draws the next dropout masks
+    resumed = _toy(1)  # other initial weights: all come from the checkpoint
+    assert ckpt.load(folder, resumed) == 1
+    assert resumed["position"].step == 1 and resumed["counter"].seen == 1
+    _toy_steps(resumed, 1, 3)
+    for name in ("model", "heads"):
+        a, b = straight[name].state_dict(), resumed[name].state_dict()
+        assert repr(a) == repr(b), name
+    assert resumed["counter"].seen == 3 and resumed["position"].step == 3
+    assert torch.equal(straight["optimizer"].state_dict()["state"][0]["exp_avg"],
+                       resumed["optimizer"].state_dict()["state"][0]["exp_avg"])
+    # a loop that asks for a component the file lacks, or whose state does not fit, is told in one line
+    with pytest.raises(InputError, match=r"holds no state of extra \(its run did not save it; it saved counter, "):
+        ckpt.load(folder, {**_toy(0), "extra": _Counter()})
+    with pytest.raises(InputError, match=r"holds heads state that does not fit this run \(state of \[0, 1\], "
+                                         r"this run has \[0\]\)"):
+        ckpt.load(folder, {"heads": StateGroup({0: torch.nn.Linear(2, 2)})})
+
+
+@pytest.mark.parametrize("part,what", [(object(), "object"), ([1, 2], "list"), (torch.zeros(2), "Tensor")])
+def test_a_component_without_state_dict_is_refused_in_one_line(tmp_path, part, what):
+    ckpt = Checkpointer(single_process(), tiny(pipeline={"stages": 1}), "first-order")
+    line = (f"checkpoint component 'mine' ({what}) has no state_dict() and load_state_dict(): give it both, "
+            "or leave it out of the checkpoint")
+    for call in (lambda: ckpt.save(str(tmp_path / "ck"), 1, {"mine": part}),
+                 lambda: ckpt.load(str(tmp_path / "ck"), {"mine": part}),
+                 lambda: StateGroup({"mine": part})):
+        with pytest.raises(TypeError) as err:
+            call()
+        assert str(err.value) == line
+    assert not (tmp_path / "ck").exists()  # refused before anything is written
+    with pytest.raises(TypeError, match="checkpoint component name 'steps_done': use a string other than format"):
+        ckpt.save(str(tmp_path / "ck"), 1, {"steps_done": _Counter()})
+
+
+def test_a_checkpoint_of_the_previous_format_is_refused_naming_the_file_and_what_to_do(tmp_path):
+    """Format 3 keeps each component's state under its own name (K-FAC: one ``{copy: state}`` entry, the
+    loss scale beside the optimizers): a format 2 checkpoint does not resume, and says so; export reads it."""
+    cfg = tiny(pipeline={"stages": 1})
+    ck = str(tmp_path / "ck")
+    _train(cfg, mode="first-order", steps=1, checkpoint_dir=ck)
+    with open(os.path.join(ck, MANIFEST)) as f:
+        manifest = json.load(f)
+    manifest["format"] = 2
+    with open(os.path.join(ck, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    line = (f"{os.path.join(ck, MANIFEST)}: was written in checkpoint format 2 by an earlier pipefisher, this one "
+            "resumes format 3 only: finish that run with the pipefisher that wrote it, or pipefisher export it and "
+            "start a new run from the export (model.pretrained)")
+    with pytest.raises(InputError) as err:
+        check_resumable(ck, cfg, "first-order", None, 1, 1)
+    assert str(err.value) == line
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--stages", "1", "--no-progress", "--steps", "2",
+                                    "--resume", ck])
+    assert (res.exit_code, res.output) == (2, f"error: {line}\n")
+    from pipefisher.runtime.train.export import export
+
+    assert "after 1 step," in export(ck, str(tmp_path / "out"))
+
+
+def _api_loop_worker(cfg, folder: str) -> dict:
+    """A loop of one's own on the library API, 4 steps straight; and 2 steps, a checkpoint, a fresh
+    worker resumed from it for 2 more: this worker's parameters and losses of both."""
+    from pipefisher.runtime import api
+    from pipefisher.runtime.job.dist import init_from_env, shutdown
+
+    torch.set_num_threads(1)
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    try:
+        def run(first: int, last: int, resume: str | None, save: str | None) -> tuple:
+            worker = api.build_worker(cfg, ctx, mode="kfac", total_steps=4)
+            ckpt = worker.checkpointer()
+            start = ckpt.load(resume, worker.components()) if resume else 0
+            assert start == first == worker.position.step
+            losses = [worker.step(step) for step in range(start, last)]
+            if save:
+                ckpt.save(save, last, worker.components())
+            return {n: p.detach().clone() for n, p in worker.stage.named_parameters()}, losses
+
+        straight = run(0, 4, None, None)
+        run(0, 2, None, folder)
+        resumed = run(2, 4, folder, None)
+        return {"straight": straight, "resumed": resumed}
+    finally:
+        shutdown(ctx)
+
+
+def test_a_loop_on_the_library_api_resumes_exactly_on_two_processes(tmp_path):
+    cfg = tiny(pipeline={"stages": 2}, model={"dropout": 0.1}, optim={"name": "adam", "lr": 0.01, "decay_steps": 4},
+               kfac={"interval": 3})  # step 3 refreshes from the factors the checkpoint carried over
+    results = spawn_local(_api_loop_worker, 2, cfg, str(tmp_path / "ck"), timeout_s=120)
+    for r in results:
+        (p_straight, l_straight), (p_resumed, l_resumed) = r["straight"], r["resumed"]
+        assert l_resumed == l_straight[2:]
+        assert p_straight.keys() == p_resumed.keys()
+        for name, p in p_straight.items():
+            assert torch.equal(p, p_resumed[name]), name
+    assert results[1]["resumed"][1][0] is not None  # the last stage reported its losses
+
+
+def test_the_fp16_loss_scale_is_a_component_of_its_own_and_comes_back(tmp_path):
+    from pipefisher.runtime import api
+
+    cfg = tiny(pipeline={"stages": 1}, train={"precision": "fp16", "loss_scale": 1e30})  # every step overflows
+    worker = api.build_worker(cfg, single_process(), mode="kfac", total_steps=3)
+    parts = worker.components()
+    assert list(parts) == ["model", "optimizer", "kfac", "loss_scale", "data", "rng"]
+    _one_thread(lambda: [worker.step(s) for s in range(2)])
+    worker.checkpointer().save(str(tmp_path / "ck"), 2, parts)
+    fresh = api.build_worker(cfg, single_process(), mode="kfac", total_steps=3)
+    assert fresh.checkpointer().load(str(tmp_path / "ck"), fresh.components()) == 2
+    assert fresh.updater.scaler.state_dict() == {"scale": 1e30 / 4, "good_steps": 0, "skipped": 2}
+    assert fresh.position.step == 2

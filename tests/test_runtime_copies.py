@@ -295,7 +295,7 @@ def test_chimera_resume_through_the_cli_is_bit_exact(tmp_path):
     res = runner.invoke(main, base + ["--steps", "2", "--checkpoint-dir", b])
     assert res.exit_code == 0, res.output
     mid = torch.load(os.path.join(b, "step-00000002", "stage0-replica0.pt"), weights_only=True)
-    assert any(layer["inputs"] for layer in mid["kfac_up"]["layers"].values())  # pieces still to come
+    assert any(layer["inputs"] for layer in mid["kfac"][1]["layers"].values())  # pieces still to come
     res = runner.invoke(main, base + ["--steps", "5", "--resume", b])
     assert res.exit_code == 0, res.output
     for device in range(2):
@@ -304,10 +304,11 @@ def test_chimera_resume_through_the_cli_is_bit_exact(tmp_path):
         assert {n.split(".")[0] for n in fa["model"]} == {"down", "up"}
         for name, p in fa["model"].items():
             assert torch.equal(p, fb["model"][name]), (device, name)
-        for key in ("kfac", "kfac_up"):
-            for layer, st in fa[key]["layers"].items():
+        assert sorted(fa["kfac"]) == [0, 1]  # each copy of the device (down, up) as one entry
+        for copy, state in fa["kfac"].items():
+            for layer, st in state["layers"].items():
                 for f in "AB":
-                    assert torch.equal(st["inverses"][f], fb[key]["layers"][layer]["inverses"][f])
+                    assert torch.equal(st["inverses"][f], fb["kfac"][copy]["layers"][layer]["inverses"][f])
 
 
 def test_a_schedule_that_would_deadlock_is_refused_before_training(tmp_path):

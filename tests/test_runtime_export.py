@@ -171,7 +171,7 @@ def test_the_built_in_model_exported_through_the_cli_from_a_run_folder(tmp_path)
 
 
 def fake_checkpoint(cfg: RunConfig, folder: str, steps: int = 3) -> dict[str, torch.Tensor]:
-    """Worker files as ``save_checkpoint`` lays them out (each device's stage copies in the container
+    """Worker files as ``Checkpointer.save`` lays them out (each device's stage copies in the container
     the worker trains: :class:`StagePair` under Chimera, :class:`StageChunks` with model chunks), the
     stage copies built as every worker builds them; returns the unsplit model's tensors."""
     v = cfg.pipeline.virtual_stages

@@ -675,6 +675,55 @@ class KFAC:
                 out.append(st.module.bias)
         return out
 
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue exactly: the saving flag and, per layer, factor sums
+        and counts, inverses, pi scale, running averages, refresh counts, the saved inputs and output
+        gradients still waiting for their covariance piece, and what the next refresh's drift is measured
+        with (a refresh can be half done). Waits for in-flight all-reduces first."""
+        self.settle_all()
+        layers = {}
+        for name, st in self.layers.items():
+            layers[name] = {
+                "sums": dict(st.sums), "counts": dict(st.counts), "inverses": dict(st.inverses),
+                "last_pi": st.last_pi, "running": dict(st.running), "inversions": dict(st.inversions),
+                "skipped": st.skipped, "synced": dict(st.synced),
+                "inputs": list(st.inputs), "outgrads": list(st.outgrads),
+                "last_grad": st.last_grad, "last_pre": st.last_pre,
+                "pre_versions": list(st.pre_versions) if st.pre_versions is not None else None,
+                "replaced": dict(st.replaced), "handled": sorted(st.handled), "previous": dict(st.previous),
+            }
+        return {"saving": self.saving, "layers": layers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s content; ``ValueError`` when it covers other layers than these."""
+        layers = state["layers"]
+        if set(layers) != set(self.layers):
+            raise ValueError("K-FAC state of other modules than this stage's")
+        self.set_saving(bool(state["saving"]))
+        for name, st in self.layers.items():
+            s = layers[name]
+            st.sums = {f: s["sums"][f] for f in "AB"}
+            st.counts = {f: int(s["counts"][f]) for f in "AB"}
+            st.inverses = {f: s["inverses"][f] for f in "AB"}
+            st.last_pi = s["last_pi"]
+            st.running = {f: s["running"][f] for f in "AB"}
+            st.inversions = {f: int(s["inversions"][f]) for f in "AB"}
+            st.skipped = int(s["skipped"])
+            st.synced = {f: bool(s["synced"][f]) for f in "AB"}
+            st.inputs.clear()
+            st.inputs.extend(s["inputs"])
+            st.outgrads.clear()
+            st.outgrads.extend(s["outgrads"])
+            st.last_grad, st.last_pre = s["last_grad"], s["last_pre"]
+            versions = s["pre_versions"]
+            st.pre_versions = (int(versions[0]), int(versions[1])) if versions is not None else None
+            st.replaced = dict(s["replaced"])
+            st.handled = set(s["handled"])
+            st.previous = {f: s["previous"].get(f) for f in "AB"}
+        self.recount_saved()
+
     # -- conveniences ----------------------------------------------------------------------------
 
     def factor(self, name: str, factor: str) -> torch.Tensor | None:

@@ -8,8 +8,11 @@ a loop of your own uses the same ones, so it trains exactly as ``pipefisher trai
     cfg = api.RunConfig(...)                      # or api.load_config("my.yaml")
     ctx = api.init_context(cfg)                   # torchrun / env:// job, or one process
     worker = api.build_worker(cfg, ctx, mode="kfac", total_steps=100)
-    for step in range(100):
+    ckpt, parts = worker.checkpointer(), worker.components()  # add your own: anything with state_dict()
+    first = ckpt.load("ck", parts) if resuming else 0           # the steps done
+    for step in range(first, 100):
         loss = worker.step(step)                  # the mean loss on the last stage, else None
+    ckpt.save("ck", 100, parts)                   # every worker calls it
     api.shutdown(ctx)
 
 The model comes from ``cfg.model.builder`` (``"package.module:function"``, a :data:`StageBuilder`);
@@ -25,7 +28,8 @@ from __future__ import annotations
 from pipefisher.runtime.job.config import RunConfig, load_config
 from pipefisher.runtime.job.dist import init_context, shutdown
 from pipefisher.runtime.models.builders import StageBuilder, load_builder, make_stage
+from pipefisher.runtime.train.checkpoint import Checkpointer, Stateful, StateGroup
 from pipefisher.runtime.train.worker import MODES, Worker, build_stages, build_worker
 
 __all__ = ["RunConfig", "load_config", "StageBuilder", "load_builder", "make_stage", "init_context",
-           "build_stages", "build_worker", "Worker", "shutdown"]
+           "build_stages", "build_worker", "Worker", "Checkpointer", "Stateful", "StateGroup", "shutdown"]

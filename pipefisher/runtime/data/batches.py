@@ -43,6 +43,21 @@ class MicroBatch:
     labels: torch.Tensor  # (batch, seq) int64, IGNORE_INDEX where nothing is predicted
 
 
+@dataclass
+class DataPosition:
+    """Where a run is in its data: the step whose micro-batches come next. Nothing else is needed to
+    continue the very same stream, since every micro-batch is a pure function of (seed, step, replica,
+    index); a checkpoint saves it as a component of its own."""
+
+    step: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+
+
 class MLMData:
     """Makes the micro-batches of a run: from ``corpus`` if given, else ``load_corpus(cfg, vocab_size)``.
 

@@ -1,48 +1,61 @@
 """Checkpoints: one file per worker plus a small manifest, written atomically; resume exactly.
 
+Every part of a run that has state says so itself (:class:`Stateful`: ``state_dict`` /
+``load_state_dict``), and a :class:`Checkpointer` saves and restores a dict of such components by name,
+plus the manifest; it knows the job (config, mode, schedule digest, grid) and nothing of the loop around
+it, so ``pipefisher train`` (:class:`~pipefisher.runtime.train.trainer.Trainer`) and a loop of your own
+on the library API (:meth:`~pipefisher.runtime.train.worker.Worker.components`,
+:meth:`~pipefisher.runtime.train.worker.Worker.checkpointer`) checkpoint the same way.
+
 Layout of a checkpoint folder::
 
-    checkpoint.json                         manifest: steps done, config, mode, schedule digest, layout,
-                                            K-FAC cycle k of the job (``cycle``) and of each node, the
-                                            step the learning rate decays to (``lr_horizon``), the
-                                            transformers config an export writes (``export_config``,
-                                            Hugging Face builders), the run's options (``options``)
+    checkpoint.json                         manifest: format, steps done, the step folder, mode, schedule
+                                            digest, stages x replicas, the component names, config and
+                                            fingerprint, the transformers config an export writes
+                                            (``export_config``, Hugging Face builders), and the loop's own
+                                            keys (the trainer's: K-FAC cycle k of the job and of each node,
+                                            the active schedule, ``lr_horizon``, the run's ``options``)
     tokenizer.json                          the run's tokenizer (text corpora), for ``pipefisher export``
     step-00000012/stage0-replica0.pt        one torch file per worker (stage, replica)
     step-00000012/stage1-replica0.pt
 
+A worker file holds :data:`HEADER` (format, step, stage, replica, ...) and one entry per component. The
+trainer's: ``model`` (the stage's parameters: both copies under Chimera, every chunk when interleaved;
+what ``pipefisher export`` reads), ``optimizer`` (the optimizers), ``kfac`` (``{copy: state}``, each
+K-FAC copy of the device: factors, inverses, pi scales, saving flag, saved micro-batches still waiting for
+their covariance pieces, and what the next refresh's drift is measured with), ``loss_scale`` (fp16),
+``data`` (the data position: the next step; every micro-batch is a pure function of (seed, step,
+replica, index)), ``rng`` (torch's generators: dropout), ``loop`` (scheduled mode: the active schedule
+and the step it began at, the open cycle's measurements, rank 0's scheduler) and ``drift`` (samples not
+gathered yet).
+
 Every worker writes its file through a temp file and a rename; after a barrier, rank 0 points the
 manifest at the new step folder (also a rename) and removes older ones beyond the newest
-``checkpoint.keep`` (1: only the newest), so a crash at any moment leaves the previous checkpoint whole. A worker file holds the stage's parameters (both stage copies
-under Chimera, every chunk when interleaved), the optimizer state, the K-FAC state of each copy (factors, inverses, pi scales,
-saving flag and any saved micro-batches still waiting for their covariance pieces, and what the next
-refresh's drift is measured with: the gradient last preconditioned, its preconditioned gradient, the
-inverses a half-done refresh replaced and those of the refresh before), the drift samples not gathered yet, the closed loop's
-state in scheduled mode (the active schedule and the step it began at, the open cycle's measurements,
-and on rank 0 the scheduler's window) and the torch random state (dropout). The data position is the
-step number: every micro-batch is a pure function of (seed, step, replica, index), and the schedule
-position is ``(step - first step) % k`` of the active schedule.
-
+``checkpoint.keep`` (1: only the newest), so a crash at any moment leaves the previous checkpoint whole.
 Files are read with ``torch.load(weights_only=True)``: tensors and plain containers only, no code.
+Format 3 (one entry per component) resumes format 3 only; ``pipefisher export`` reads formats 2 and 3.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 from pipefisher.errors import InputError, first_line
 from pipefisher.runtime.job.config import DEFAULT_BUILDER, OptimConfig, current_builder
 from pipefisher.safe_io import atomic_path, dump_json_atomic, load_json, write_atomic
 
 if TYPE_CHECKING:
-    from pipefisher.runtime.train.trainer import Trainer
+    from pipefisher.runtime.job.dist import DistContext
 
 MANIFEST = "checkpoint.json"
 TOKENIZER = "tokenizer.json"
 """The run's tokenizer, beside the manifest: what ``pipefisher export`` writes out with the model."""
-FORMAT = 2  # 2: running-average factors, damping schedule, optimizer pair
+FORMAT = 3  # 2: running-average factors, damping schedule, optimizer pair; 3: one entry per component
+EXPORTABLE = (2, FORMAT)
+"""The formats ``pipefisher export`` reads: the model's tensors sit in every one of them alike."""
 _VOLATILE = {("pipeline", "timeout_s"), ("train", "recompute"), ("train", "loss_scale"), ("checkpoint", "keep")}  # may change between a run and its resumption
 LR_SCHEDULE_KEYS = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "schedule"), ("optim", "decay_steps"),
                     ("optim", "min_lr_ratio"), ("kfac", "lr"))
@@ -98,53 +111,73 @@ def _jsonable(x: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------------
-# K-FAC state
+# Stateful components
 
 
-def kfac_state(kfac: Any) -> dict[str, Any]:
-    kfac.settle_all()
-    layers = {}
-    for name, st in kfac.layers.items():
-        layers[name] = {
-            "sums": dict(st.sums), "counts": dict(st.counts), "inverses": dict(st.inverses),
-            "last_pi": st.last_pi,
-            "running": dict(st.running), "inversions": dict(st.inversions), "skipped": st.skipped,
-            "synced": dict(st.synced),
-            "inputs": list(st.inputs), "outgrads": list(st.outgrads),
-            # the drift's (KFAC._measure_drift): a refresh can be half done at a checkpoint
-            "last_grad": st.last_grad, "last_pre": st.last_pre,
-            "pre_versions": list(st.pre_versions) if st.pre_versions is not None else None,
-            "replaced": dict(st.replaced), "handled": sorted(st.handled), "previous": dict(st.previous),
-        }
-    return {"saving": kfac.saving, "layers": layers}
+@runtime_checkable
+class Stateful(Protocol):
+    """A part of a run with state of its own: ``state_dict()`` says what it is (tensors and plain
+    containers, so that ``torch.load(weights_only=True)`` reads it back), ``load_state_dict`` restores it."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def load_kfac_state(kfac: Any, state: dict[str, Any], path: str) -> None:
-    layers = state["layers"]
-    if set(layers) != set(kfac.layers):
-        raise InputError(path, "holds K-FAC state of other modules than this stage's")
-    kfac.set_saving(bool(state["saving"]))
-    for name, st in kfac.layers.items():
-        s = layers[name]
-        st.sums = {f: s["sums"][f] for f in "AB"}
-        st.counts = {f: int(s["counts"][f]) for f in "AB"}
-        st.inverses = {f: s["inverses"][f] for f in "AB"}
-        st.last_pi = s["last_pi"]
-        st.running = {f: s["running"][f] for f in "AB"}
-        st.inversions = {f: int(s["inversions"][f]) for f in "AB"}
-        st.skipped = int(s["skipped"])
-        st.synced = {f: bool(s.get("synced", {}).get(f, False)) for f in "AB"}
-        st.inputs.clear()
-        st.inputs.extend(s["inputs"])
-        st.outgrads.clear()
-        st.outgrads.extend(s["outgrads"])
-        st.last_grad, st.last_pre = s.get("last_grad"), s.get("last_pre")  # absent: written before drift
-        versions = s.get("pre_versions")
-        st.pre_versions = (int(versions[0]), int(versions[1])) if versions is not None else None
-        st.replaced = {f: t for f, t in (s.get("replaced") or {}).items()}
-        st.handled = set(s.get("handled") or ())
-        st.previous = {f: (s.get("previous") or {}).get(f) for f in "AB"}
-    kfac.recount_saved()
+HEADER = ("format", "steps_done", "stage", "replica", "stages", "replicas", "fingerprint", "mode", "schedule")
+"""The keys of a worker file that say where it belongs; every other key is a component's state."""
+
+
+def check_components(components: Mapping[str, Any]) -> None:
+    """Refuse (``TypeError``, one line) a component that cannot save and restore itself, or whose name
+    is not a string or is one of the file's own keys (:data:`HEADER`)."""
+    for name, part in components.items():
+        if not isinstance(name, str) or name in HEADER:
+            raise TypeError(f"checkpoint component name {name!r}: use a string other than {', '.join(HEADER)}")
+        _check_stateful(name, part)
+
+
+def _check_stateful(name: Any, part: Any) -> None:
+    if not isinstance(part, Stateful):
+        raise TypeError(f"checkpoint component '{name}' ({type(part).__name__}) has no state_dict() and "
+                        "load_state_dict(): give it both, or leave it out of the checkpoint")
+
+
+class StateGroup:
+    """Several components saved as one ``{key: state}`` entry (each K-FAC copy of a device by copy id)."""
+
+    def __init__(self, parts: Mapping[Any, Any]) -> None:
+        self.parts = dict(parts)
+        for key, part in self.parts.items():
+            _check_stateful(key, part)
+
+    def state_dict(self) -> dict[Any, Any]:
+        return {key: part.state_dict() for key, part in self.parts.items()}
+
+    def load_state_dict(self, state: dict[Any, Any]) -> None:
+        if set(state) != set(self.parts):
+            raise ValueError(f"state of {sorted(state)}, this run has {sorted(self.parts)}")
+        for key, part in self.parts.items():
+            part.load_state_dict(state[key])
+
+
+class TorchRNG:
+    """torch's global random generators (dropout draws from them): the CPU one, and the device's on CUDA."""
+
+    def __init__(self, device: Any) -> None:
+        self.cuda = getattr(device, "type", device) == "cuda"
+
+    def state_dict(self) -> dict[str, Any]:
+        import torch
+
+        return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if self.cuda else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import torch
+
+        torch.set_rng_state(state["cpu"])
+        if self.cuda and state["cuda"] is not None:
+            torch.cuda.set_rng_state(state["cuda"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -169,81 +202,13 @@ def stale_steps(folder: str, steps_done: int, keep: int) -> list[str]:
     return [e for _, e in steps[:-keep]]
 
 
-def save_checkpoint(folder: str, trainer: "Trainer", steps_done: int) -> str:
-    """Write this worker's part after ``steps_done`` steps; every worker of the job must call it."""
-    import torch
-    import torch.distributed as dist
-
-    g = trainer.ctx.grid
-    sub = os.path.join(folder, step_folder(steps_done))
-    os.makedirs(sub, exist_ok=True)
-    state = {
-        "format": FORMAT,
-        "steps_done": steps_done,
-        "fingerprint": trainer.cfg.fingerprint(),
-        "mode": trainer.mode,
-        "schedule": trainer.schedule_digest,
-        "stage": g.stage, "replica": g.replica, "stages": g.stages, "replicas": g.replicas,
-        "model": trainer.stage.state_dict(),
-        "optimizer": trainer.updater.state_dict(),
-        "kfac": kfac_state(trainer.kfacs[0]) if trainer.kfacs else None,
-        "kfac_up": kfac_state(trainer.kfacs[1]) if 1 in trainer.kfacs else None,  # Chimera's up copy
-        # every copy by id (interleaving's chunks 2, 3, ... have no slot above)
-        "kfac_copies": {p: kfac_state(k) for p, k in trainer.kfacs.items() if p >= 2} or None,
-        # the closed loop: the active schedule, its first step, open measurements, the scheduler (rank 0)
-        "loop": trainer.loop.state_dict() if getattr(trainer, "loop", None) is not None else None,
-        # drift measured and not gathered yet (the open cycle's, in scheduled mode)
-        "drift": trainer.drift_log.state_dict() if getattr(trainer, "drift_log", None) is not None else None,
-        "rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state() if trainer.ctx.device.type == "cuda" else None,
-    }
-    path = os.path.join(sub, rank_filename(g.stage, g.replica))
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
-    if trainer.ctx.distributed:
-        dist.barrier()  # every part is on disk before the manifest points at it
-    if g.rank == 0:
-        corpus = getattr(trainer.data, "corpus", None)
-        if corpus is not None and corpus.tokenizer_json:  # the vocabulary the ids mean, for pipefisher export
-            write_atomic(os.path.join(folder, TOKENIZER), corpus.tokenizer_json)
-        dump_json_atomic(os.path.join(folder, MANIFEST), {
-            "format": FORMAT,
-            "steps_done": steps_done,
-            "folder": step_folder(steps_done),
-            "mode": trainer.mode,
-            "schedule": trainer.schedule_digest,
-            "schedule_path": trainer.opts.schedule,
-            # the job's K-FAC cycle k (its longest node's, as the training header says), and each node's
-            "cycle": max(trainer.cycles) if trainer.cycles else None,
-            "node_cycles": list(trainer.cycles) or None,
-            # the schedule running when it was written (another than the file's after an --adapt switch)
-            "active_schedule": trainer.loop.plan.digest if getattr(trainer, "loop", None) is not None else None,
-            "active_from_step": trainer.loop.first_step if getattr(trainer, "loop", None) is not None else None,
-            "stages": g.stages,
-            "replicas": g.replicas,
-            # the step where the learning-rate decay ends: a resumed run keeps it (see lr_horizon)
-            "lr_horizon": trainer.updater.schedule.total_steps,
-            "fingerprint": trainer.cfg.fingerprint(),
-            "config": _jsonable(trainer.cfg.to_dict()),
-            # what an export writes as the transformers config: it needs no pretrained folder then
-            "export_config": _export_config(trainer.cfg),
-            # how the run trains (pipefisher run --resume continues it so)
-            "options": {k: getattr(trainer.opts, k) for k in RUN_OPTIONS},
-        })
-        for entry in stale_steps(folder, steps_done, trainer.cfg.checkpoint.keep):
-            shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
-    if trainer.ctx.distributed:
-        # the manifest is written before any worker goes on: one that resumes from this folder right
-        # away (a driver's next run) must not find it missing, or an older one being swept
-        dist.barrier()
-    return path
-
-
 # ----------------------------------------------------------------------------------------------------
 # Reading
 
 
-def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any]:
+def read_manifest(folder: str | os.PathLike[str], formats: tuple[int, ...] = (FORMAT,)) -> dict[str, Any]:
+    """The manifest in ``folder``, refused in one line unless written in one of ``formats`` (resuming
+    needs the current one; an older one is named with what to do)."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise InputError(folder, "is not a checkpoint folder (no such folder)")
@@ -251,9 +216,14 @@ def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any]:
     if not os.path.exists(path):
         raise InputError(folder, f"holds no checkpoint ({MANIFEST} is missing)")
     data = load_json(path)
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise InputError(path, f"is not a pipefisher checkpoint manifest of format {FORMAT}")
-    return data
+    written = data.get("format") if isinstance(data, dict) else None
+    if written in formats:
+        return data
+    if isinstance(written, int) and 0 < written < FORMAT:
+        raise InputError(path, f"was written in checkpoint format {written} by an earlier pipefisher, this one "
+                               f"resumes format {FORMAT} only: finish that run with the pipefisher that wrote it, or "
+                               "pipefisher export it and start a new run from the export (model.pretrained)")
+    raise InputError(path, f"is not a pipefisher checkpoint manifest of format {FORMAT}")
 
 
 def check_resumable(folder: str | os.PathLike[str], cfg: Any, mode: str, schedule: str | None,
@@ -340,35 +310,89 @@ def resume_note(folder: str | os.PathLike[str], cfg: Any, steps: int, past_decay
             f"{horizon}; steps {horizon}-{steps - 1} run at its final rate {final} (--past-decay)")
 
 
-def load_checkpoint(folder: str, trainer: "Trainer") -> int:
-    """Restore this worker from ``folder``; returns the number of steps done (the next step to run)."""
-    import torch
+@dataclass
+class Checkpointer:
+    """Saves and restores a dict of stateful components (:class:`Stateful`) of one worker of a job, plus
+    the job's manifest; knows the job (its config, mode, schedule and grid) and nothing of the loop around it.
 
-    g = trainer.ctx.grid
-    man = check_resumable(folder, trainer.cfg, trainer.mode, trainer.schedule_digest, g.stages, g.replicas)
-    path = os.path.join(folder, str(man["folder"]), rank_filename(g.stage, g.replica))
-    try:
-        with open(path, "rb") as f:
-            state = torch.load(f, map_location=trainer.ctx.device, weights_only=True)
-    except OSError as err:
-        raise InputError(path, f"cannot be read ({err.strerror or err})") from None
-    except Exception as err:  # unpickling refused or a damaged file
-        raise InputError(path, f"is not a readable checkpoint ({first_line(err)})") from None
-    if not isinstance(state, dict) or state.get("steps_done") != man["steps_done"] \
-            or (state.get("stage"), state.get("replica")) != (g.stage, g.replica):
-        raise InputError(path, "does not match the manifest (another step, stage or replica)")
-    trainer.stage.load_state_dict(state["model"])
-    trainer.updater.load_state_dict(state["optimizer"])
-    for pipe, kfac in trainer.kfacs.items():
-        saved = (state.get("kfac_copies") or {}).get(pipe) if pipe >= 2 else state.get("kfac_up" if pipe else "kfac")
-        if saved is None:
-            raise InputError(path, "holds no K-FAC state" + (f" of stage copy {pipe}" if pipe else ""))
-        load_kfac_state(kfac, saved, path)
-    if getattr(trainer, "loop", None) is not None and state.get("loop") is not None:
-        trainer.loop.load_state_dict(state["loop"])  # the schedule that was running, from where it began
-    if getattr(trainer, "drift_log", None) is not None and state.get("drift") is not None:
-        trainer.drift_log.load_state_dict(state["drift"])
-    torch.set_rng_state(state["rng"])
-    if state.get("cuda_rng") is not None and trainer.ctx.device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda_rng"])
-    return int(man["steps_done"])
+    ``ctx`` is the worker's :class:`~pipefisher.runtime.job.dist.DistContext`, ``schedule`` the digest of
+    the schedule file (scheduled mode, else None). Every worker of the job calls :meth:`save` and
+    :meth:`load` with the same component names, at the same point. ``tokenizer``: the run's tokenizer
+    (JSON; text corpora), written beside the manifest for ``pipefisher export``."""
+
+    ctx: "DistContext"
+    cfg: Any  # RunConfig
+    mode: str
+    schedule: str | None = None
+    tokenizer: str | None = None
+
+    def save(self, folder: str, steps_done: int, components: Mapping[str, Any], *,
+             manifest: Mapping[str, Any] | None = None) -> str:
+        """Write this worker's file after ``steps_done`` steps (collective); returns its path. ``manifest``:
+        the loop's own keys for the manifest (rank 0's)."""
+        import torch
+        import torch.distributed as dist
+
+        check_components(components)
+        g = self.ctx.grid
+        sub = os.path.join(folder, step_folder(steps_done))
+        os.makedirs(sub, exist_ok=True)
+        state = {"format": FORMAT, "steps_done": steps_done, "stage": g.stage, "replica": g.replica,
+                 "stages": g.stages, "replicas": g.replicas, "fingerprint": self.cfg.fingerprint(),
+                 "mode": self.mode, "schedule": self.schedule,
+                 **{name: part.state_dict() for name, part in components.items()}}
+        path = os.path.join(sub, rank_filename(g.stage, g.replica))
+        with atomic_path(path) as tmp:
+            torch.save(state, tmp)
+        if self.ctx.distributed:
+            dist.barrier()  # every part is on disk before the manifest points at it
+        if g.rank == 0:
+            if self.tokenizer:  # the vocabulary the ids mean, for pipefisher export
+                write_atomic(os.path.join(folder, TOKENIZER), self.tokenizer)
+            dump_json_atomic(os.path.join(folder, MANIFEST), {
+                **(manifest or {}),  # the loop's own keys first: the job's below are the checkpointer's
+                "format": FORMAT, "steps_done": steps_done, "folder": step_folder(steps_done),
+                "mode": self.mode, "schedule": self.schedule, "stages": g.stages, "replicas": g.replicas,
+                "components": sorted(components),
+                "fingerprint": self.cfg.fingerprint(), "config": _jsonable(self.cfg.to_dict()),
+                # what an export writes as the transformers config: it needs no pretrained folder then
+                "export_config": _export_config(self.cfg)})
+            for entry in stale_steps(folder, steps_done, self.cfg.checkpoint.keep):
+                shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+        if self.ctx.distributed:
+            # the manifest is written before any worker goes on: one that resumes from this folder right
+            # away (a driver's next run) must not find it missing, or an older one being swept
+            dist.barrier()
+        return path
+
+    def load(self, folder: str, components: Mapping[str, Any]) -> int:
+        """Restore every component from ``folder`` (refused in one line, :class:`InputError`, when another
+        job wrote it or it lacks one of them; state it holds for other components is left unread);
+        returns the steps done, the next step to run."""
+        import torch
+
+        check_components(components)
+        g = self.ctx.grid
+        man = check_resumable(folder, self.cfg, self.mode, self.schedule, g.stages, g.replicas)
+        path = os.path.join(folder, str(man["folder"]), rank_filename(g.stage, g.replica))
+        try:
+            with open(path, "rb") as f:
+                state = torch.load(f, map_location=self.ctx.device, weights_only=True)
+        except OSError as err:
+            raise InputError(path, f"cannot be read ({err.strerror or err})") from None
+        except Exception as err:  # unpickling refused or a damaged file
+            raise InputError(path, f"is not a readable checkpoint ({first_line(err)})") from None
+        if not isinstance(state, dict) or state.get("steps_done") != man["steps_done"] \
+                or (state.get("stage"), state.get("replica")) != (g.stage, g.replica):
+            raise InputError(path, "does not match the manifest (another step, stage or replica)")
+        missing = [name for name in components if name not in state]
+        if missing:
+            saved = ", ".join(sorted(set(state) - set(HEADER)))
+            raise InputError(path, f"holds no state of {', '.join(missing)} (its run did not save "
+                                   f"{'it' if len(missing) == 1 else 'them'}; it saved {saved})")
+        for name, part in components.items():
+            try:
+                part.load_state_dict(state[name])
+            except (ValueError, KeyError, TypeError, RuntimeError) as err:
+                raise InputError(path, f"holds {name} state that does not fit this run ({first_line(err)})") from None
+        return int(man["steps_done"])

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from pipefisher.errors import InputError, first_line
 from pipefisher.runtime.job.config import DEFAULT_BUILDER, RunConfig, config_from_dict, current_builder
-from pipefisher.runtime.train.checkpoint import MANIFEST, TOKENIZER, rank_filename, read_manifest, step_folder
+from pipefisher.runtime.train.checkpoint import (EXPORTABLE, MANIFEST, TOKENIZER, rank_filename, read_manifest,
+                                                 step_folder)
 from pipefisher.safe_io import dump_json_atomic
 
 if TYPE_CHECKING:
@@ -91,9 +92,9 @@ def checkpoint_step(folder: str) -> tuple[str, dict[str, Any]]:
     """The checkpoint folder and its manifest for what :func:`find_checkpoint` found: a step folder
     stands for its parent's manifest pointed at that step."""
     if os.path.isfile(os.path.join(folder, MANIFEST)):
-        return folder, read_manifest(folder)
+        return folder, read_manifest(folder, EXPORTABLE)
     parent = os.path.dirname(os.path.abspath(folder))
-    man = dict(read_manifest(parent))
+    man = dict(read_manifest(parent, EXPORTABLE))
     steps = int(os.path.basename(os.path.abspath(folder))[5:])
     man.update(folder=step_folder(steps), steps_done=steps)
     return parent, man

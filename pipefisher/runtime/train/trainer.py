@@ -194,12 +194,11 @@ class Trainer:
             self.drift_log = DriftLog(self.kfacs, node_pipes(cfg, g.stage), g.stage)
         self._refreshes: dict[int, Any] = {}  # kfac mode: the job's refreshes gathered so far, by step
         self.loop = self._schedule_loop() if self.executor is not None else None
+        self.checkpointer = w.checkpointer()
         self.start_step = 0
         if opts.resume:
-            from pipefisher.runtime.train.checkpoint import load_checkpoint
-
             self._phase(f"loading the checkpoint in {opts.resume}")
-            self.start_step = load_checkpoint(opts.resume, self)
+            self.start_step = self.checkpointer.load(opts.resume, self.components())
         elif cfg.model.pretrained and self.reporter:  # said also without phase lines: what the run trains
             click.echo(f"model.pretrained: the model starts from the weights in {cfg.model.pretrained}")
 
@@ -322,13 +321,36 @@ class Trainer:
                 f"A peer died, stalled beyond the {self.cfg.pipeline.timeout_s:g} s timeout, or runs a "
                 f"different pipeline")
 
+    def components(self) -> dict[str, Any]:
+        """What a checkpoint holds: the worker's components, the closed loop's (scheduled mode: the active
+        schedule, its first step, the open cycle's measurements, rank 0's scheduler) and the drift samples
+        not gathered yet (K-FAC modes)."""
+        parts = self.worker.components()
+        if self.loop is not None:
+            parts["loop"] = self.loop
+        if self.drift_log is not None:
+            parts["drift"] = self.drift_log
+        return parts
+
     def checkpoint(self, steps_done: int) -> str | None:
         """Write this worker's checkpoint after ``steps_done`` steps (collective: every worker calls it)."""
         if not self.opts.checkpoint_dir:
             return None
-        from pipefisher.runtime.train.checkpoint import save_checkpoint
+        from pipefisher.runtime.train.checkpoint import RUN_OPTIONS
 
-        return save_checkpoint(self.opts.checkpoint_dir, self, steps_done)
+        loop, cycles = self.loop, self.cycles
+        manifest = {
+            "schedule_path": self.opts.schedule,
+            # the job's K-FAC cycle k (its longest node's, as the training header says), and each node's
+            "cycle": max(cycles) if cycles else None, "node_cycles": list(cycles) or None,
+            # the schedule running when it was written (another than the file's after an --adapt switch)
+            "active_schedule": loop.plan.digest if loop is not None else None,
+            "active_from_step": loop.first_step if loop is not None else None,
+            # the step where the learning-rate decay ends: a resumed run keeps it (see checkpoint.lr_horizon)
+            "lr_horizon": self.updater.schedule.total_steps,
+            # how the run trains (pipefisher run --resume continues it so)
+            "options": {k: getattr(self.opts, k) for k in RUN_OPTIONS}}
+        return self.checkpointer.save(self.opts.checkpoint_dir, steps_done, self.components(), manifest=manifest)
 
     def run(self) -> WorkerResult:
         """Train; the reporting worker keeps the ``tensorboard`` option's log open meanwhile (closed also

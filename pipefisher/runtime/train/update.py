@@ -112,16 +112,15 @@ class Updater:
             self.kfac_optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
+        """The optimizers' state (K-FAC's own SGD too, with ``kfac.update: momentum``); the learning rate
+        is a function of the step, and fp16's loss scale is a component of its own."""
         return {"optimizer": self.optimizer.state_dict(),
-                "kfac_optimizer": None if self.kfac_optimizer is None else self.kfac_optimizer.state_dict(),
-                "loss_scale": None if self.scaler is None else self.scaler.state_dict()}
+                "kfac_optimizer": None if self.kfac_optimizer is None else self.kfac_optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.kfac_optimizer is not None:
             self.kfac_optimizer.load_state_dict(state["kfac_optimizer"])
-        if self.scaler is not None and state.get("loss_scale") is not None:
-            self.scaler.load_state_dict(state["loss_scale"])
 
 
 def make_kfac(cfg: RunConfig, stage: nn.Module, *, dp_group: Any = None, dp_size: int = 1,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefisher.pipeline_orders import DOWN, UP, layout_of
-from pipefisher.runtime.data.batches import MLMData
+from pipefisher.runtime.data.batches import DataPosition, MLMData
 from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext, check_agreement
 from pipefisher.runtime.models.builders import make_stage
@@ -28,6 +28,7 @@ from pipefisher.runtime.pipeline.engine import (LocalLink, PipelineEngine, pipe_
 from pipefisher.runtime.pipeline.executor import ScheduleExecutor
 from pipefisher.runtime.pipeline.labels import chunk_suffix
 from pipefisher.runtime.pipeline.layout import node_pipes
+from pipefisher.runtime.train.checkpoint import Checkpointer, StateGroup, TorchRNG
 from pipefisher.runtime.train.update import Updater, make_kfac
 from pipefisher.schedule_file import schedule_digest
 from pipefisher.timeline import STEP_KEY, UPDATE_KEY
@@ -75,6 +76,7 @@ class Worker:
     schedule_digest: str | None = None
     cycles: list[int] = field(default_factory=list)  # every node's K-FAC cycle (scheduled mode)
     schedule: list[list[list[str]]] | None = None  # the schedule file's labels (scheduled mode)
+    position: DataPosition = field(default_factory=DataPosition)  # the next step's micro-batches
 
     def step(self, step: int) -> float | None:
         """Training step ``step`` (0, 1, ...): forward and backward over the step's micro-batches in the
@@ -83,6 +85,7 @@ class Worker:
         (None elsewhere). Every worker of the job calls it with the same ``step``.
         """
         self.updater.set_step(step)
+        self.position.step = step + 1  # where a checkpoint after this step resumes
         if self.executor is not None and step >= 1:
             return self.mean_loss(self.executor.run_step(step))
         refresh = self.kfac is not None and (self.executor is not None or step % self.interval == 0)
@@ -107,6 +110,25 @@ class Worker:
         with self.span(UPDATE_KEY):
             self.engine.allreduce_gradients()
             self.updater.step(self.stage)
+
+    def components(self) -> dict[str, Any]:
+        """This worker's state by name, for :meth:`checkpointer`: the stage copies' parameters (``model``,
+        what ``pipefisher export`` reads), the optimizers, each K-FAC copy (``{copy: state}``), fp16's loss
+        scale, the data position and torch's random generators (dropout)."""
+        parts: dict[str, Any] = {"model": self.stage, "optimizer": self.updater}
+        if self.kfacs:
+            parts["kfac"] = StateGroup(self.kfacs)
+        if self.updater.scaler is not None:
+            parts["loss_scale"] = self.updater.scaler
+        parts["data"] = self.position
+        parts["rng"] = TorchRNG(self.ctx.device)
+        return parts
+
+    def checkpointer(self) -> Checkpointer:
+        """Saves and restores :meth:`components` (and any of the loop's own) for this worker's job."""
+        corpus = self.data.corpus
+        return Checkpointer(self.ctx, self.cfg, self.mode, self.schedule_digest,
+                            tokenizer=corpus.tokenizer_json if corpus is not None else None)
 
     def mean_loss(self, loss: float | None) -> float | None:
         """The step's loss over every replica of the last stage (and both pipes under Chimera, whose
