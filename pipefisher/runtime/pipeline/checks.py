@@ -24,7 +24,7 @@ from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START, ScheduleData,
 from pipefisher.rules.groups import chimera_groups
 from pipefisher.rules.waits import group_violations
 from pipefisher.runtime.job.config import RunConfig, current_builder
-from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, PIPELINE_CALLS, WEIGHT, labelled, parse_label
+from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, PIPELINE_CALLS, UNKNOWN, WEIGHT, labelled, parse_label
 from pipefisher.runtime.pipeline.layout import is_chimera, node_kfac_names, sync_copies
 from pipefisher.schedule_file import load_schedule, modules_difference, schedule_packed_for
 from pipefisher.timeline import UP_SUFFIX
@@ -59,7 +59,7 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
             if pipe not in by_pipe or (pipe > 0 and interleaved and not chunked):
                 refuse(f"iteration {i}", f"'{label}': work of a second (up) pipeline, but this run's "
                                          "pipeline has one pipe (pipeline.schedule: chimera has two)")
-            if kind == "unknown":
+            if kind == UNKNOWN:
                 refuse(f"iteration {i}", f"'{label}': unknown label")
             if factor is not None and module is None:
                 refuse(f"iteration {i}", f"'{label}': no module name; this runtime needs "

@@ -26,7 +26,7 @@ from pipefisher.runtime.pipeline.copies import ChimeraEngine, KFACPair, StageChu
 from pipefisher.runtime.pipeline.engine import (LocalLink, PipelineEngine, pipe_micro_batches, pipeline_ops,
                                                 splits_backward)
 from pipefisher.runtime.pipeline.executor import ScheduleExecutor
-from pipefisher.runtime.pipeline.labels import chunk_suffix
+from pipefisher.timeline import chunk_suffix
 from pipefisher.runtime.pipeline.layout import node_pipes
 from pipefisher.runtime.train.update import Updater, make_kfac
 from pipefisher.schedule_file import schedule_digest
