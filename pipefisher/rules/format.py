@@ -11,7 +11,7 @@ from itertools import repeat
 from typing import Any, NamedTuple
 
 from pipefisher.errors import InputError
-from pipefisher.timeline import BACKWARD, FORWARD, KFAC_WORK, WEIGHT_KEY, TimelineKey
+from pipefisher.timeline import BACKWARD, FORWARD, WEIGHT_KEY, TimelineKey
 
 ScheduleData = list[list[list[str]]]
 

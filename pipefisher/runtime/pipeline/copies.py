@@ -31,11 +31,6 @@ from pipefisher.timeline import UP_SUFFIX
 Span = Callable[[str], ContextManager[Any]]
 
 
-def up_span(span: Span | None) -> Span:
-    """The profiler's span for the up copy: every key gets the ``:up_pipe`` suffix of the format."""
-    return suffix_span(span, UP_SUFFIX)
-
-
 def suffix_span(span: Span | None, suffix: str) -> Span:
     """The profiler's span for one copy: every key gets the copy's suffix (``:up_pipe``, ``:chunk<j>``)."""
     if span is None:

@@ -26,7 +26,6 @@ would hold the neighbour for the whole bubble (:func:`prepost_points`).
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
@@ -173,7 +172,3 @@ class ScheduleExecutor:
         if self.recorder is not None:
             self.last_record = self.recorder.end_step()
         return self._loss
-
-
-def null_span(label: str) -> ContextManager[Any]:
-    return nullcontext()

@@ -37,6 +37,24 @@ MODES = ("first-order", "kfac", "scheduled")
 Span = Callable[[str], ContextManager[Any]]
 
 
+def check_options(mode: str, schedule: str | None, cfg: RunConfig | None = None,
+                  ctx: DistContext | None = None) -> None:
+    """The one check of how a worker is asked to train (:class:`ValueError`: a caller's mistake, not the
+    user's, whom the CLI answers first): ``mode`` one of :data:`MODES`, a ``schedule`` file exactly with
+    mode ``scheduled``, and, given both ``cfg`` and ``ctx``, process groups set up for ``cfg``'s stages and
+    pipeline order. ``TrainOptions`` checks its options with it, :func:`build_worker` its arguments."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if (mode == "scheduled") != (schedule is not None):
+        raise ValueError("mode 'scheduled' and a schedule file go together")
+    if cfg is None or ctx is None:
+        return
+    if ctx.grid.stages != cfg.pipeline.stages:
+        raise ValueError(f"the grid has {ctx.grid.stages} stages but the config asks for {cfg.pipeline.stages}")
+    if ctx.chimera != (cfg.pipeline.schedule == "chimera"):
+        raise ValueError("the process groups were set up for another pipeline schedule than the config's")
+
+
 def build_stages(cfg: RunConfig, ctx: DistContext) -> dict[int, nn.Module]:
     """This device's stage copies by pipe (down: 0; Chimera's up pipe: 1) or by chunk (interleaved:
     chunk j is virtual stage ``d + j*D`` of ``D*v``; ZB-V: stages ``d`` and ``2D - 1 - d``), in
@@ -137,16 +155,9 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     ``allow_schedule_mismatch`` trains a schedule whose metadata says it was packed for another job
     (:func:`pipefisher.runtime.pipeline.checks.check_packed_for`). Seeds torch's global generator per worker (dropout), so runs repeat.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-    if (mode == "scheduled") != (schedule is not None):
-        raise ValueError("mode 'scheduled' and a schedule file go together")
+    check_options(mode, schedule, cfg, ctx)
     g, m = ctx.grid, cfg.data.num_micro_batches
-    if g.stages != cfg.pipeline.stages:
-        raise ValueError(f"the grid has {g.stages} stages but the config asks for {cfg.pipeline.stages}")
     chimera = cfg.pipeline.schedule == "chimera"
-    if ctx.chimera != chimera:
-        raise ValueError("the process groups were set up for another pipeline schedule than the config's")
     data = data if data is not None else MLMData(cfg.data, cfg.model.vocab_size)
     span = span or (lambda key: _nothing())
     interleaved = cfg.pipeline.chunked  # the copies are model chunks (interleaved, ZB-V)
