@@ -22,11 +22,10 @@ from pipefisher.runtime.job.dist import DistContext, check_agreement
 from pipefisher.runtime.models.builders import make_stage
 from pipefisher.runtime.pipeline.checks import load_checked_schedule
 from pipefisher.runtime.pipeline.compute import LossScale, recompute_blocks
-from pipefisher.runtime.pipeline.copies import ChimeraEngine, KFACPair, StageChunks, StagePair
+from pipefisher.runtime.pipeline.copies import StageChunks, StageCopiesEngine, StageCopiesKFAC, StagePair
 from pipefisher.runtime.pipeline.engine import (LocalLink, PipelineEngine, pipe_micro_batches, pipeline_ops,
                                                 splits_backward)
 from pipefisher.runtime.pipeline.executor import ScheduleExecutor
-from pipefisher.timeline import chunk_suffix
 from pipefisher.runtime.pipeline.layout import node_pipes
 from pipefisher.runtime.train.update import Updater, make_kfac
 from pipefisher.schedule_file import schedule_digest
@@ -192,12 +191,12 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
                                      scaler=scaler) for p in plan}
     if interleaved:
         stage: nn.Module = StageChunks([copies[j] for j in range(v)])
-        kfac: Any = KFACPair(kfacs, list(index), {j: chunk_suffix(j) for j in index}) if kfacs else None
-        engine: Any = ChimeraEngine(stage, ctx, engines)
+        kfac: Any = StageCopiesKFAC(kfacs, list(index), interleaved=True) if kfacs else None
+        engine: Any = StageCopiesEngine(stage, ctx, engines)
     elif chimera:
         stage = StagePair(copies[DOWN], copies[UP], list(index))
-        kfac = KFACPair(kfacs, list(index)) if kfacs else None
-        engine = ChimeraEngine(stage, ctx, engines)
+        kfac = StageCopiesKFAC(kfacs, list(index)) if kfacs else None
+        engine = StageCopiesEngine(stage, ctx, engines)
     else:
         stage, kfac, engine = copies[DOWN], kfacs.get(DOWN), engines[DOWN]
     updater = Updater(cfg, stage, kfac, cfg.optim.decay_steps or total_steps,
