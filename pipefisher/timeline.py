@@ -42,7 +42,11 @@ step pays it less :data:`PRECONDITION_KEY`."""
 PRECONDITION_KEY = "precondition"
 """The part of :data:`UPDATE_KEY`'s interval that K-FAC adds: preconditioning every layer's gradient.
 The time-to-target objective (:mod:`pipefisher.objective`) adds both to a step's pipeline and K-FAC time."""
-KFAC_KINDS = ("cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B", "inv_kron_A", "inv_kron_B")
+KFAC_WORK = ("cov_kron", "sync_kron", "inv_kron")
+"""The kinds of K-FAC work, without the factor: covariance pieces, the all-reduce, the damped inverse."""
+KFAC_KINDS = tuple(f"{work}_{factor}" for work in KFAC_WORK for factor in "AB")
+"""Every K-FAC key's kind, work by work (``cov_kron_A``, ``cov_kron_B``, ``sync_kron_A``, ...): the
+order the ``compat`` policy gives them priority in."""
 COV_KINDS = ("cov_kron_A", "cov_kron_B")
 
 
@@ -126,8 +130,9 @@ class TimelineKey:
 
     @property
     def is_pipeline(self) -> bool:
-        """Pipeline work K-FAC must stay out of: a forward, a backward, or a weight-gradient pass."""
-        return self.kind in (FORWARD, BACKWARD) and self.module in (None, WEIGHT)
+        """Pipeline work K-FAC must stay out of: a forward, a backward, or a weight-gradient pass (only
+        a backward has one: ``call_forward:weight`` is no key of the format)."""
+        return (self.kind in (FORWARD, BACKWARD) and self.module is None) or self.is_weight
 
     @property
     def factor(self) -> str | None:

@@ -198,10 +198,10 @@ def test_allow_invalid_trains_what_the_runtime_can_run_and_leaves_a_refused_sche
     # compat breaks the dependency rules in a way no runtime can execute: refused even with the flag,
     # and the refused schedule stays beside its report for inspection
     paths = RunPaths(str(tmp_path), "c")
-    with pytest.raises(InputError, match="the runtime cannot run .*no saved micro-batch.*not even with --allow-invalid"):
+    with pytest.raises(InputError, match="the runtime cannot run .*cov-before-.*not even with --allow-invalid"):
         pack_and_check(job, get_policy("compat"), cfg, paths, 1, allow_invalid=True, **quiet)
     report = json.loads(open(paths.report).read())
-    assert not report["valid"] and not report["runnable"] and "no saved micro-batch" in report["runtime_refusal"]
+    assert not report["valid"] and not report["runnable"] and "cov-before-" in report["runtime_refusal"]
     assert os.path.exists(paths.schedule) and os.path.exists(paths.chart)
     # a schedule validate rejects (a room rule, say) that the runtime can run: refused without the flag,
     # trained with it

@@ -112,6 +112,19 @@ def test_build_worker_refuses_a_schedule_without_scheduled_mode():
                          schedule="x.pickle", total_steps=1)
 
 
+def test_one_check_of_the_options_serves_the_trainer_and_build_worker():
+    from pipefisher.runtime.train.worker import check_options
+
+    for mode, schedule, problem in (("nope", None, "mode must be one of first-order, kfac, scheduled, not 'nope'"),
+                                    ("scheduled", None, "mode 'scheduled' and a schedule file go together")):
+        with pytest.raises(ValueError, match=problem):
+            check_options(mode, schedule)
+        with pytest.raises(ValueError, match=problem):
+            TrainOptions(mode=mode, schedule=schedule)
+    with pytest.raises(ValueError, match="the grid has 1 stages but the config asks for 2"):
+        api.build_worker(_tiny().replace(pipeline={"stages": 2}), single_process(), total_steps=1)
+
+
 def _run_example(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
     res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "own_model.py"), *args],

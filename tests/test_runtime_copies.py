@@ -57,6 +57,16 @@ def chimera_step(request):
     return cfg, replicas, results, _reference(cfg, replicas)
 
 
+def test_the_stage_copies_k_fac_profiles_each_copy_under_its_label_suffix():
+    """One class for every copy layout: Chimera's pipes (``:up_pipe``) and the chunks of interleaved
+    1F1B and ZB-V (``:chunk<j>``)."""
+    from pipefisher.runtime.pipeline.copies import StageCopiesKFAC
+
+    assert StageCopiesKFAC({0: None, 1: None}, [1, 0]).suffixes == {0: "", 1: ":up_pipe"}
+    chunks = StageCopiesKFAC({0: None, 1: None, 2: None}, [0, 1, 2], interleaved=True)
+    assert chunks.suffixes == {0: "", 1: ":chunk1", 2: ":chunk2"}
+
+
 def test_the_engine_runs_the_simulators_chimera_order():
     for d in range(4):
         plan = device_plan("chimera", d, 4, 8)

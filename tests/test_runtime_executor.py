@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
-from pipefisher.rules.format import END, SAVE_ON, START
+from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.runtime.job.config import load_config
 from pipefisher.runtime.launch.local import WorkerFailed, spawn_local
 from pipefisher.runtime.models.bert import PipelineStage
@@ -90,20 +90,68 @@ def test_k_fac_work_that_cannot_run_is_refused():
     data = single_iteration_schedule(cfg)
     it = data[0][0]
     it.insert(1, it.pop(it.index("cov_kron_A:encoder.layer.0.attention.self.query")))  # before forward 0
-    assert "no saved micro-batch is left for this piece" in _refused(data)
+    assert ("node 0 iteration 0: 'cov_kron_A:encoder.layer.0.attention.self.query': piece 0 needs forward 0 "
+            "of the first iteration, which has not run yet (cov-before-forward)") in _refused(data)
     data = single_iteration_schedule(cfg)
     data[1][0].remove(SAVE_ON)
-    assert "must end with saving on" in _refused(data)
+    assert "the last iteration must end by turning saving back on (save-on)" in _refused(data)
     data = single_iteration_schedule(cfg)
     data[1][0].remove("cov_kron_B:encoder.layer.3.output.dense")
-    assert "never used by a cov_kron_B piece" in _refused(data)
+    assert "'inv_kron_B:encoder.layer.3.output.dense': only 3 of 4 covariance pieces done (inv-before-cov)" \
+        in _refused(data)
     data = single_iteration_schedule(cfg)
     data[0][0].remove("inv_kron_A:encoder.layer.1.output.dense")
-    assert "built but not inverted" in _refused(data)
-    assert "without a sync_kron all-reduce first, but this run has 2" in _refused(single_iteration_schedule(cfg), cfg, 2)
+    assert ("node 0 cycle: 'inv_kron_A:encoder.layer.1.output.dense': appears 0 times in the cycle, this run's "
+            "step needs 1 (work-count)") in _refused(data)
+    assert "not been all-reduced yet (inv-before-sync); this run has 2 replicas of the stage" \
+        in _refused(single_iteration_schedule(cfg), cfg, 2)
     data = single_iteration_schedule(cfg)
     data[0][0].append(FORWARD)
     assert "5 call_forward" in _refused(data)
+
+
+def test_the_runtime_checks_a_cycle_with_the_rules_own_dependency_rules():
+    """One implementation: the runtime hands its step, as a timeline, to the rules' dependency check, and
+    refuses with the rules' first violation (every rule of the spec, on every node)."""
+    from pipefisher.rules.dependencies import dependency_violations
+    from pipefisher.runtime.pipeline import checks
+    from pipefisher.runtime.pipeline.engine import pipeline_ops
+    from pipefisher.runtime.pipeline.layout import node_kfac_names
+
+    assert checks.dependency_violations is dependency_violations
+    cfg = tiny()
+    good = spread_schedule(cfg)
+    for node, names in enumerate(node_kfac_names(cfg)):
+        ops = pipeline_ops(cfg.pipeline.schedule, node, cfg.pipeline.stages, cfg.data.num_micro_batches)
+        step = checks.step_timeline(ops, names, interleaved=False)
+        assert dependency_violations(node, step, good[node]) == []
+        bad = copy.deepcopy(good[node])
+        first_inverse = next(lb for lb in bad[0] if lb.startswith("inv_kron_"))
+        bad[0].remove(first_inverse)
+        bad[2].insert(1, first_inverse)  # still in the cycle, so every count holds
+        bad[0].insert(1, first_inverse.replace("inv_kron_", "cov_kron_"))  # a piece before any forward
+        (violation, *_) = dependency_violations(node, step, bad)
+        data = copy.deepcopy(good)
+        data[node] = bad
+        assert f"node {node} iteration 0: '{violation.label}': {violation.detail} ({violation.rule})" in _refused(data)
+
+
+def test_what_only_the_runtime_needs_of_a_cycle_is_refused():
+    """Beyond the rules: no third saving marker (the workers would save micro-batches no covariance
+    piece of the cycle uses), and no pipeline call after '-- end --' (the optimizer has stepped)."""
+    cfg = tiny()
+    data = spread_schedule(cfg)
+    data[0][1].insert(1, SAVE_ON)
+    assert "node 0 iteration 1: 'turn_on_save_inputs_outgrads' here: a cycle has it once, in iteration 2" \
+        in _refused(data)
+    data = single_iteration_schedule(cfg)
+    data[1][0].append(SAVE_OFF)
+    assert "node 1 iteration 0: 'turn_off_save_inputs_outgrads' again" in _refused(data)
+    data = single_iteration_schedule(cfg)
+    it = data[0][0]
+    it.remove(END)
+    it.insert(max(i for i, lb in enumerate(it) if lb.startswith("call_")), END)  # before the last backward
+    assert "node 0 iteration 0: 'call_backward' after '-- end --'" in _refused(data)
 
 
 def test_cli_refuses_a_wrong_schedule_before_training(tmp_path):

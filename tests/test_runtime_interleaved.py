@@ -120,7 +120,7 @@ def test_trainer_refuses_a_covariance_piece_before_its_own_chunks_forward(tmp_pa
     labels.insert(labels.index("call_forward") + 1, piece)
     path = tmp_path / "early.pickle"
     save_schedule(str(path), data)
-    with pytest.raises(InputError, match="no saved micro-batch is left for this piece"):
+    with pytest.raises(InputError, match=r"needs forward 0 of the first iteration of chunk 1 \('call_forward:chunk1'\).*cov-before-forward"):
         load_checked_schedule(path, cfg)
     ok = single_iteration_schedule(cfg)  # the same piece after chunk 1's first forward is fine
     labels = ok[0][0]

@@ -121,7 +121,7 @@ def test_a_covariance_piece_of_factor_b_needs_the_b_pass_not_the_w_pass(tmp_path
     piece = next(lb for lb in labels if lb.startswith("cov_kron_B:"))
     labels.remove(piece)
     labels.insert(labels.index("call_forward") + 1, piece)
-    with pytest.raises(InputError, match="no saved micro-batch is left for this piece"):
+    with pytest.raises(InputError, match="needs backward 0 of the first iteration, which has not run yet .cov-before-backward."):
         check_schedule(data, cfg)
     ok = single_iteration_schedule(cfg)
     labels = ok[0][0]

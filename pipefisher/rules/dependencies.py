@@ -20,9 +20,11 @@ def _layer_key(key: TimelineKey) -> tuple[str | None, bool, int]:
     return key.layer
 
 
-def dependency_violations(node_index: int, node: NodeTimeline, iterations: Sequence[Sequence[str]]) -> list[Violation]:
+def dependency_violations(node_index: int, node: NodeTimeline, iterations: Sequence[Sequence[str]],
+                          needs: str = "the timeline asks for") -> list[Violation]:
     """Every violation of the problem's rules (:mod:`pipefisher.problem`) in one node's cycle: markers,
-    counts, and every K-FAC piece after the work it depends on."""
+    counts, and every K-FAC piece after the work it depends on. ``needs`` says where the counts come
+    from in a work-count message (the runtime checks its own step as ``node``)."""
     out: list[Violation] = []
 
     def bad(iteration: int | None, label: str, rule: str, detail: str) -> None:
@@ -120,5 +122,5 @@ def dependency_violations(node_index: int, node: NodeTimeline, iterations: Seque
         got = count.get(label, 0)
         if got != want:
             what = "pieces" if TimelineKey.parse(label).kind in COV_KINDS else "times"
-            bad(None, label, "work-count", f"appears {got} {what} in the cycle, the timeline asks for {want}")
+            bad(None, label, "work-count", f"appears {got} {what} in the cycle, {needs} {want}")
     return out

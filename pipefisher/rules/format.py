@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipefisher.errors import InputError
-from pipefisher.timeline import BACKWARD, FORWARD, TimelineKey
+from pipefisher.timeline import BACKWARD, FORWARD, WEIGHT_KEY, TimelineKey
 
 ScheduleData = list[list[list[str]]]
 
@@ -38,6 +38,39 @@ def label_category(label: str) -> str:
     if key.kind == BACKWARD:
         return "backward"
     return key.kind if key.is_kfac else "other"
+
+
+UNKNOWN = "unknown"
+"""The kind :func:`parse_label` gives a label that is neither a marker, pipeline work nor K-FAC work."""
+
+
+class Label(NamedTuple):
+    """A label as a node runs it (:func:`parse_label`)."""
+
+    kind: str
+    """A marker, ``call_forward``/``call_backward``, ``call_backward:weight`` (a zero-bubble W pass),
+    a K-FAC work kind without its factor (:data:`pipefisher.timeline.KFAC_WORK`), or :data:`UNKNOWN`."""
+    factor: str | None
+    """``'A'`` or ``'B'`` for K-FAC work, else None."""
+    module: str | None
+    """The K-FAC work's module (None where the label has none), else None."""
+    copy: int
+    """The stage copy: 1 for ``:up_pipe`` (Chimera), j for ``:chunk<j>`` (interleaved, ZB-V), else 0."""
+
+
+@lru_cache(maxsize=65536)
+def parse_label(label: str) -> Label:
+    """What a label asks a node to do, read with the one key grammar (:meth:`TimelineKey.parse`); a
+    marker with a pipe or chunk suffix, or pipeline work with a module, is :data:`UNKNOWN`."""
+    if label in MARKERS:
+        return Label(label, None, None, 0)
+    key = TimelineKey.parse(label)
+    copy = 1 if key.up_pipe else key.chunk
+    if key.is_pipeline and str(key) == label:  # exactly its key: ``call_forward:`` is none
+        return Label(WEIGHT_KEY if key.is_weight else key.kind, None, None, copy)
+    if key.is_kfac:
+        return Label(key.kind[: -len("_A")], key.factor, key.module, copy)
+    return Label(UNKNOWN, None, None, copy)
 
 
 def check_schedule_data(data: Any, path: str | None = None) -> ScheduleData:

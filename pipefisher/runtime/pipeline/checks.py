@@ -6,9 +6,11 @@ and the job the schedule's metadata says it was packed for.
 
 :func:`check_schedule` refuses, before any step runs, a schedule that would go wrong: another node
 count, unknown labels or modules, ``:up_pipe`` work in a one-pipe job, a forward and backward order
-other than the engine's (the point-to-point traffic would deadlock), K-FAC work that cannot run (a
-covariance piece with no saved micro-batch, an inverse of an empty factor, saved micro-batches or
-factors left over at the end of the cycle, no all-reduce with several replicas of a stage), or, under
+other than the engine's (the point-to-point traffic would deadlock), a cycle that breaks the
+dependency rules (:func:`pipefisher.rules.dependencies.dependency_violations`, called on this run's
+step as a timeline, :func:`step_timeline`: markers, counts, covariance after its micro-batch, sync
+after covariance, inverse after sync, every factor refreshed; with several replicas of a stage, every
+factor all-reduced), saving markers beyond the cycle's two, or, under
 Chimera, two devices sharing a group that would all-reduce (or refresh) their factors in different
 orders (they would deadlock, mix factors up, or let the two copies of a stage drift apart).
 Every worker checks every node, so all of them refuse together instead of some waiting on the others.
@@ -16,18 +18,18 @@ Every worker checks every node, so all of them refuse together instead of some w
 from __future__ import annotations
 
 import os
-from collections import defaultdict, deque
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from pipefisher.errors import InputError
+from pipefisher.rules.dependencies import dependency_violations
 from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START, ScheduleData, check_schedule_data
 from pipefisher.rules.groups import chimera_groups
 from pipefisher.rules.waits import group_violations
 from pipefisher.runtime.job.config import RunConfig, current_builder
-from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, PIPELINE_CALLS, WEIGHT, labelled, parse_label
+from pipefisher.runtime.pipeline.labels import PIPELINE_CALLS, UNKNOWN, labelled, parse_label
 from pipefisher.runtime.pipeline.layout import is_chimera, node_kfac_names, sync_copies
 from pipefisher.schedule_file import load_schedule, modules_difference, schedule_packed_for
-from pipefisher.timeline import UP_SUFFIX
+from pipefisher.timeline import UP_SUFFIX, Interval, NodeTimeline
 
 
 def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
@@ -59,7 +61,7 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
             if pipe not in by_pipe or (pipe > 0 and interleaved and not chunked):
                 refuse(f"iteration {i}", f"'{label}': work of a second (up) pipeline, but this run's "
                                          "pipeline has one pipe (pipeline.schedule: chimera has two)")
-            if kind == "unknown":
+            if kind == UNKNOWN:
                 refuse(f"iteration {i}", f"'{label}': unknown label")
             if factor is not None and module is None:
                 refuse(f"iteration {i}", f"'{label}': no module name; this runtime needs "
@@ -68,22 +70,9 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
                 refuse(f"iteration {i}", f"'{label}': this stage has no K-FAC module named '{module}'"
                                          + (" on its up pipe" if pipe else "")
                                          + " (the schedule is for another model, stage split or kfac.ignore)")
-    k = len(iterations)
-    # Symbolic K-FAC state through one cycle. At the start of every cycle (after step 0's naive
-    # K-FAC, or the previous cycle) saving is on, nothing is saved, every factor is empty.
-    saving = True
-    Key = tuple  # (factor, module, pipe)
-    saved: dict[Key, int] = defaultdict(int)  # saved micro-batches
-    built: dict[Key, int] = defaultdict(int)  # pieces in the factor
-    synced: dict[Key, bool] = defaultdict(bool)
-    inverted: set[Key] = set()
-    for i, labels in enumerate(iterations):
+    for i, labels in enumerate(iterations):  # what only this runtime needs of each iteration
         where = f"iteration {i}"
-        if not labels or labels[0] != START:
-            refuse(where, f"does not begin with '{START}'")
-        if labels.count(END) != 1:
-            refuse(where, f"has {labels.count(END)} '{END}' labels, not 1")
-        pipe_calls = [lb for lb in labels if parse_label(lb)[0] in PIPELINE_CALLS]
+        pipe_calls = [lb for lb in labels if parse_label(lb).kind in PIPELINE_CALLS]
         if pipe_calls != list(ops):
             if sorted(pipe_calls) != sorted(ops):
                 def count(seq: Sequence[str]) -> str:
@@ -92,65 +81,47 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
                               "(data.num_micro_batches, pipeline.schedule)")
             refuse(where, "runs its forwards and backwards in another order than this run's pipeline "
                           "(pipeline.schedule, stages); it would deadlock the point-to-point transfers")
-        stash: dict[int, deque] = {p: deque() for p in by_pipe}  # saving flag per forward awaiting backward
-        ended = False
-        for j, label in enumerate(labels):
-            kind, factor, module, pipe = parse_label(label)
-            if ended and kind in (START, END, *PIPELINE_CALLS):
-                refuse(where, f"'{label}' after '{END}'")
-            if kind == END:
-                ended = True
-            elif kind == SAVE_ON or kind == SAVE_OFF:
-                saving = kind == SAVE_ON
-            elif kind == FORWARD:
-                stash[pipe].append(saving)
-                if saving:
-                    for m in by_pipe[pipe]:
-                        saved["A", m, pipe] += 1
-            elif kind == BACKWARD:  # the B pass when split: factor B's output gradients come from it
-                if stash[pipe].popleft():
-                    for m in by_pipe[pipe]:
-                        saved["B", m, pipe] += 1
-            elif kind == WEIGHT:  # a W pass: weight gradients only, nothing K-FAC saves
-                pass
-            elif kind == START:
-                if j != 0:
-                    refuse(where, f"has a second '{START}'")
-            else:
-                assert factor is not None and module is not None
-                key = (factor, module, pipe)
-                if kind == "cov_kron":
-                    if saved[key] <= 0:
-                        refuse(where, f"'{label}': no saved micro-batch is left for this piece")
-                    saved[key] -= 1
-                    built[key] += 1
-                    synced[key] = False
-                elif kind == "sync_kron":
-                    if built[key] == 0:
-                        refuse(where, f"'{label}': the factor has no covariance to all-reduce")
-                    synced[key] = True
-                else:
-                    if built[key] == 0:
-                        refuse(where, f"'{label}': the factor has no covariance to invert")
-                    if replicas > 1 and not synced[key]:
-                        refuse(where, f"'{label}': the factor is inverted without a sync_kron all-reduce "
-                                      f"first, but this run has {replicas} replicas of the stage")
-                    built[key], synced[key] = 0, False
-                    inverted.add(key)
-    if not saving:
-        refuse(f"iteration {k - 1}", f"the cycle must end with saving on ('{SAVE_ON}')")
-    for pipe, ms in by_pipe.items():
-        for m in ms:
-            shown = labelled(m, pipe, interleaved)
+        if START in labels[1:]:
+            refuse(where, f"has a second '{START}'")
+        if END in labels:  # '-- end --' steps the optimizer: the step's calls come before it
+            late = [lb for lb in labels[labels.index(END) + 1:] if lb in (START, END) or lb in pipe_calls]
+            if late:
+                refuse(where, f"'{late[0]}' after '{END}'")
+        for marker, at in ((SAVE_OFF, 0), (SAVE_ON, len(iterations) - 1)):
+            if labels.count(marker) > int(i == at):  # the rules check the one's place
+                refuse(where, f"'{marker}' {'again' if i == at else 'here'}: a cycle has it once, in iteration "
+                              f"{at}; another would change which micro-batches the workers save for covariance")
+    syncs = {lb for labels in iterations for lb in labels if parse_label(lb).kind == "sync_kron"}
+    model = step_timeline(ops, by_pipe, interleaved, syncs, every_sync=replicas > 1)
+    bad = dependency_violations(node, model, iterations, needs="this run's step needs")
+    if bad:  # the first, in the runtime's words; the rule's name says which
+        v = bad[0]
+        no_sync = v.rule == "inv-before-sync" or parse_label(v.label).kind == "sync_kron"
+        hint = (f"; this run has {replicas} replicas of the stage, which all-reduce each factor with "
+                f"sync_kron before its inverse" if replicas > 1 and no_sync else "")
+        where = "cycle" if v.iteration is None else f"iteration {v.iteration}"
+        refuse(where, f"'{v.label}': {v.detail} ({v.rule}){hint}")
+
+
+def step_timeline(ops: Sequence[str], by_copy: Mapping[int, Sequence[str]], interleaved: bool,
+                  syncs: Iterable[str] = (), every_sync: bool = False) -> NodeTimeline:
+    """One node's step in this run as the dependency rules (:mod:`pipefisher.rules.dependencies`) read a
+    profiled timeline: every pipeline call of ``ops`` as often as the engine makes it, and per factor of
+    each stage copy's K-FAC modules one covariance key (a piece per micro-batch of the copy), one
+    inverse, and one all-reduce where ``every_sync`` (several replicas) or ``syncs`` names it. The
+    intervals hold no times: the rules only count them."""
+    none = Interval(None, None)
+    entries: dict[str, tuple[Interval, ...]] = {op: (none,) * ops.count(op) for op in dict.fromkeys(ops)}
+    syncs = set(syncs)
+    for copy, names in by_copy.items():
+        for name in names:
+            shown = labelled(name, copy, interleaved)
             for f in "AB":
-                key = (f, m, pipe)
-                if saved[key]:
-                    refuse("cycle", f"{saved[key]} saved micro-batch(es) of factor {f} of '{shown}' are never "
-                                    f"used by a cov_kron_{f} piece")
-                if built[key]:
-                    refuse("cycle", f"factor {f} of '{shown}' is built but not inverted within the cycle")
-                if key not in inverted:
-                    refuse("cycle", f"factor {f} of '{shown}' is never refreshed (no inv_kron_{f}:{shown})")
+                entries[f"cov_kron_{f}:{shown}"] = (none,)
+                if every_sync or f"sync_kron_{f}:{shown}" in syncs:
+                    entries[f"sync_kron_{f}:{shown}"] = (none,)
+                entries[f"inv_kron_{f}:{shown}"] = (none,)
+    return NodeTimeline("<this run>", entries)
 
 
 def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.PathLike[str] | None = None) -> ScheduleData:

@@ -1,4 +1,5 @@
-"""Copies of a device: Chimera's two stage copies (two pipes), or interleaving's chunks, one K-FAC state each.
+"""A device's stage copies: Chimera's two (one per pipe), or the chunks of interleaved 1F1B and ZB-V,
+one K-FAC state each; :class:`StageCopiesKFAC` and :class:`StageCopiesEngine` serve every layout.
 
 Device ``d`` of a ``D``-stage Chimera job holds stage ``d`` of the down pipe and stage ``D - 1 - d``
 of the up pipe (Li & Hoefler, SC'21). Each copy has its own parameters, K-FAC state and saved
@@ -10,10 +11,11 @@ their gradients are summed over the pair (and averaged over data-parallel replic
 K-FAC factors are averaged over the same group by ``sync_kron`` before they are inverted. Everything
 that talks to that group runs in one canonical order on both devices: the copies by stage index.
 
-Interleaved 1F1B holds ``v`` copies keyed by chunk instead: chunk ``j`` of device ``d`` is virtual
-stage ``d + j*D`` (:class:`StageChunks`), with its own engine, K-FAC state, saved micro-batches and
-``:chunk<j>`` profiler keys; the same :class:`KFACPair` and :class:`ChimeraEngine` route the work by
-copy id. Each chunk is a distinct stage, so gradients and factors average over the replicas only.
+Interleaved 1F1B (and ZB-V) holds ``v`` copies keyed by chunk instead: chunk ``j`` of device ``d`` is
+virtual stage ``d + j*D`` (:class:`StageChunks`; ZB-V's chunk 1 is stage ``2D - 1 - d``), with its own
+engine, K-FAC state, saved micro-batches and ``:chunk<j>`` profiler keys; the same
+:class:`StageCopiesKFAC` and :class:`StageCopiesEngine` route the work by copy id. Each chunk is a
+distinct stage, so gradients and factors average over the replicas only.
 """
 from __future__ import annotations
 
@@ -25,15 +27,9 @@ from torch import nn
 from pipefisher.pipeline_orders import DOWN, UP
 from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.pipeline.engine import PipelineEngine, average_gradients
-from pipefisher.runtime.pipeline.labels import parse_label
-from pipefisher.timeline import UP_SUFFIX
+from pipefisher.runtime.pipeline.labels import copy_suffix, parse_label
 
 Span = Callable[[str], ContextManager[Any]]
-
-
-def up_span(span: Span | None) -> Span:
-    """The profiler's span for the up copy: every key gets the ``:up_pipe`` suffix of the format."""
-    return suffix_span(span, UP_SUFFIX)
 
 
 def suffix_span(span: Span | None, suffix: str) -> Span:
@@ -47,7 +43,7 @@ def suffix_span(span: Span | None, suffix: str) -> Span:
 
 def label_copy(label: str) -> int:
     """The copy a pipeline label runs on: 1 for ``:up_pipe``, j for ``:chunk<j>``, else 0."""
-    return parse_label(label)[3]
+    return parse_label(label).copy
 
 
 def copy_prefix(chunked: bool, chimera: bool, copy: int) -> str:
@@ -88,17 +84,17 @@ class StageChunks(nn.Module):
         return self.chunks[chunk]
 
 
-class KFACPair:
-    """The K-FAC states of a device's stage copies (Chimera's two pipes, or interleaving's chunks),
-    seen as one by the trainer and the updater. ``suffixes``: each copy's profiler key suffix
-    (default: Chimera's, ``:up_pipe`` for the up copy)."""
+class StageCopiesKFAC:
+    """The K-FAC states of a device's stage copies (Chimera's two pipes, or the chunks of interleaved
+    1F1B and ZB-V: ``interleaved``), seen as one by the trainer and the updater; each copy's profiler
+    keys carry its label suffix (:func:`pipefisher.runtime.pipeline.labels.copy_suffix`)."""
 
-    def __init__(self, kfacs: dict[int, Any], order: list[int], suffixes: dict[int, str] | None = None) -> None:
+    def __init__(self, kfacs: dict[int, Any], order: list[int], interleaved: bool = False) -> None:
         self.kfacs, self.order = kfacs, order
-        self.suffixes = suffixes if suffixes is not None else {p: UP_SUFFIX if p == UP else "" for p in kfacs}
+        self.suffixes = {p: copy_suffix(p, interleaved) for p in kfacs}
 
-    def __getitem__(self, pipe: int) -> Any:
-        return self.kfacs[pipe]
+    def __getitem__(self, copy: int) -> Any:
+        return self.kfacs[copy]
 
     def _all(self) -> Iterator[Any]:
         return (self.kfacs[p] for p in self.order)
@@ -108,7 +104,7 @@ class KFACPair:
             k.set_saving(on)
 
     def update_curvature(self, span: Span | None = None) -> None:
-        """Naive K-FAC of both copies, in canonical order (their syncs share one group)."""
+        """Naive K-FAC of every copy, in canonical order (a Chimera pair's syncs share one group)."""
         for p in self.order:
             suffix = self.suffixes.get(p, "")
             self.kfacs[p].update_curvature(span=suffix_span(span, suffix) if suffix else span)
@@ -127,7 +123,7 @@ class KFACPair:
 
     @property
     def peak_saved_bytes(self) -> int:
-        """An upper bound: the two copies' high-water marks added."""
+        """An upper bound: the copies' high-water marks added."""
         return sum(k.peak_saved_bytes for k in self._all())
 
     def precondition_all(self) -> int:
@@ -145,12 +141,12 @@ class KFACPair:
         return [p for k in self._all() for p in k.parameters()]
 
 
-class ChimeraEngine:
-    """The pipeline calls of a device with several stage copies (Chimera's pipes, interleaving's
-    chunks): each label to its copy's engine, and the step's ends."""
+class StageCopiesEngine:
+    """The pipeline calls of a device with several stage copies (Chimera's pipes, the chunks of
+    interleaved 1F1B and ZB-V): each label to its copy's engine, and the step's ends."""
 
-    def __init__(self, pair: StagePair | StageChunks, ctx: DistContext, engines: dict[int, PipelineEngine]) -> None:
-        self.pair, self.ctx, self.engines = pair, ctx, engines
+    def __init__(self, copies: StagePair | StageChunks, ctx: DistContext, engines: dict[int, PipelineEngine]) -> None:
+        self.copies, self.ctx, self.engines = copies, ctx, engines
         self.down = engines[DOWN]
 
     def op(self, label: str) -> Callable[[], None]:
@@ -186,20 +182,20 @@ class ChimeraEngine:
             e.set_wait_log(log)
 
     def finish_step(self) -> float | None:
-        """Both pipes' sends waited for; the loss of the micro-batches whose last stage is here."""
+        """Every copy's sends waited for; the loss of the micro-batches whose last stage is here."""
         losses = [e.finish_step() for e in self.engines.values()]
         mine = [x for x in losses if x is not None]
         return sum(mine) if mine else None
 
     def allreduce_gradients(self) -> None:
-        average_gradients([self.pair.copy(p) for p in self.pair.order], self.ctx)
+        average_gradients([self.copies.copy(p) for p in self.copies.order], self.ctx)
 
     def evaluate(self, batches: list[Any]) -> float | None:
         """Held-out loss through the down pipe (the copies are identical, one pipe is enough); when
         interleaved, each batch through every chunk in turn (the whole model)."""
-        if not isinstance(self.pair, StageChunks):
+        if not isinstance(self.copies, StageChunks):
             return self.down.evaluate(batches)
-        engines = [self.engines[j] for j in self.pair.order]
+        engines = [self.engines[j] for j in self.copies.order]
         total = sum(e.evaluate_batch(mb) for mb in batches for e in engines)
         last = engines[-1]
         return last.replica_mean(total / len(batches)) if last.is_last and batches else None

@@ -25,15 +25,14 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from pipefisher.pipeline_orders import DOWN, LOOP, UP, default_chunks, device_of_stage, generate, stage_on
+from pipefisher.pipeline_orders import DOWN, LOOP, default_chunks, device_of_stage, generate, stage_on
 from pipefisher.pipeline_orders import BACKWARD as _B
 from pipefisher.pipeline_orders import FORWARD as _F
 from pipefisher.runtime.data.batches import MLMData, batch_seed
 from pipefisher.runtime.job.config import PIPELINE_ORDERS
 from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.pipeline.compute import autocast, wire_dtype
-from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, WEIGHT, chunk_suffix
-from pipefisher.timeline import UP_SUFFIX
+from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, WEIGHT, chunk_suffix, copy_suffix
 
 _TAG_ACT, _TAG_GRAD, _TAG_SAMPLED_GRAD, _TAG_EVAL = 1, 2, 3, 4
 _TAG_PIPE_STRIDE = 8  # the up pipe's tags: the same kinds, shifted, so the two pipes never mix
@@ -41,17 +40,11 @@ _TAG_CHUNK_STRIDE = 16  # interleaving: a boundary's tags shifted by its receivi
 Span = Callable[[str], ContextManager[Any]]
 
 
-def pipe_label(kind: str, pipe: int) -> str:
-    """``call_forward`` / ``call_backward`` / ``call_backward:weight`` of ``pipe`` (``:up_pipe`` for
-    Chimera's second pipe)."""
-    return kind + (UP_SUFFIX if pipe == UP else "")
-
-
 def copy_label(kind: str, copy: int, interleaved: bool) -> str:
     """``call_forward`` / ``call_backward`` / ``call_backward:weight`` of a device's stage copy: its
     chunk's (``:chunk<j>``, interleaved and ZB-V) or its pipe's (``:up_pipe``, Chimera); copy 0 keeps
     the plain key."""
-    return kind + chunk_suffix(copy) if interleaved else pipe_label(kind, copy)
+    return kind + copy_suffix(copy, interleaved)
 
 
 def device_plan(kind: str, device: int, devices: int, num_micro_batches: int,
@@ -171,8 +164,8 @@ class PipelineEngine:
         self.span: Span = span or (lambda key: nullcontext())
         g = ctx.grid
         if chunk is None:
-            self.forward_key, self.backward_key = pipe_label(FORWARD, pipe), pipe_label(BACKWARD, pipe)
-            self.weight_key = pipe_label(WEIGHT, pipe)
+            self.forward_key, self.backward_key = copy_label(FORWARD, pipe, False), copy_label(BACKWARD, pipe, False)
+            self.weight_key = copy_label(WEIGHT, pipe, False)
             step = 1 if pipe == DOWN else -1  # the up pipe's next stage is the previous device
             self.prev_rank = None if stage.is_first else g.rank - step
             self.next_rank = None if stage.is_last else g.rank + step

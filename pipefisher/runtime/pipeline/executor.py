@@ -26,11 +26,10 @@ would hold the neighbour for the whole bubble (:func:`prepost_points`).
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
-from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, KFAC_KINDS, PIPELINE_CALLS, WEIGHT, parse_label
+from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, KFAC_WORK, PIPELINE_CALLS, WEIGHT, parse_label
 
 
 def prepost_points(labels: Sequence[str]) -> dict[int, str]:
@@ -46,7 +45,7 @@ def prepost_points(labels: Sequence[str]) -> dict[int, str]:
     out: dict[int, str] = {}
     claimed: set[int] = set()
     for i, kind in enumerate(kinds):
-        if kind not in KFAC_KINDS or (i > 0 and kinds[i - 1] in KFAC_KINDS):
+        if kind not in KFAC_WORK or (i > 0 and kinds[i - 1] in KFAC_WORK):
             continue
         for j in range(i + 1, len(kinds)):
             if kinds[j] == WEIGHT:
@@ -135,7 +134,7 @@ class ScheduleExecutor:
             return functools.partial(self._set_saving, True)
         if kind == SAVE_OFF:
             return functools.partial(self._set_saving, False)
-        if kind in KFAC_KINDS and module is not None:
+        if kind in KFAC_WORK and module is not None:
             kfac = self.kfacs[pipe]
             work = {"cov_kron": kfac.cov, "sync_kron": kfac.sync, "inv_kron": kfac.inv}[kind]
             call = functools.partial(work, factor, module)
@@ -173,7 +172,3 @@ class ScheduleExecutor:
         if self.recorder is not None:
             self.last_record = self.recorder.end_step()
         return self._loss
-
-
-def null_span(label: str) -> ContextManager[Any]:
-    return nullcontext()

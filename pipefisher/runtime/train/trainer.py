@@ -38,7 +38,7 @@ from pipefisher.runtime.job.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar
 from pipefisher.runtime.pipeline.layout import loss_device, node_pipes
 from pipefisher.runtime.train.profiler import Profiler
 from pipefisher.runtime.train.tensorboard import TensorBoardLog  # imports its writer when made
-from pipefisher.runtime.train.worker import MODES, build_worker
+from pipefisher.runtime.train.worker import build_worker, check_options
 from pipefisher.safe_io import dump_json_atomic
 
 
@@ -96,10 +96,7 @@ class TrainOptions:
     staleness: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
-        if (self.mode == "scheduled") != (self.schedule is not None):
-            raise ValueError("mode 'scheduled' and a schedule file go together")
+        check_options(self.mode, self.schedule)
         if self.adapt and self.mode != "scheduled":
             raise ValueError("adapting the schedule needs mode 'scheduled' and a schedule file")
         if self.profile and self.mode == "scheduled":
@@ -151,13 +148,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, opts: TrainOptions, recorder: Any = None) -> None:
         self.cfg, self.ctx, self.opts = cfg, ctx, opts
         g = ctx.grid
-        if g.stages != cfg.pipeline.stages:
-            raise ValueError(f"the grid has {g.stages} stages but the config asks for {cfg.pipeline.stages}")
-        self.mode = opts.effective_mode
+        self.mode = opts.effective_mode  # its options checked by TrainOptions, the grid by build_worker
         self.interval = 1 if opts.profile else cfg.kfac.interval
-        self.chimera = cfg.pipeline.schedule == "chimera"
-        if ctx.chimera != self.chimera:
-            raise ValueError("the process groups were set up for another pipeline schedule than the config's")
         self.reporter = g.stage == loss_device(cfg) and g.replica == 0  # it holds the loss
         from pipefisher.runtime.data.sources import describe_source
 
@@ -307,10 +299,6 @@ class Trainer:
         common reference of the median step (:func:`pipefisher.timeline.median_step`)."""
         self.profiler.barrier(distributed=self.ctx.distributed)
         return self.worker.step(step)
-
-    def end_of_step(self) -> None:
-        """The ``-- end --`` label: gradient all-reduce, then the update (:class:`Updater`)."""
-        self.worker.end_of_step()
 
     def _lost_message(self, step: int, err: BaseException) -> str:
         g = self.ctx.grid

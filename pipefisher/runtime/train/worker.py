@@ -22,11 +22,10 @@ from pipefisher.runtime.job.dist import DistContext, check_agreement
 from pipefisher.runtime.models.builders import make_stage
 from pipefisher.runtime.pipeline.checks import load_checked_schedule
 from pipefisher.runtime.pipeline.compute import LossScale, recompute_blocks
-from pipefisher.runtime.pipeline.copies import ChimeraEngine, KFACPair, StageChunks, StagePair
+from pipefisher.runtime.pipeline.copies import StageChunks, StageCopiesEngine, StageCopiesKFAC, StagePair
 from pipefisher.runtime.pipeline.engine import (LocalLink, PipelineEngine, pipe_micro_batches, pipeline_ops,
                                                 splits_backward)
 from pipefisher.runtime.pipeline.executor import ScheduleExecutor
-from pipefisher.runtime.pipeline.labels import chunk_suffix
 from pipefisher.runtime.pipeline.layout import node_pipes
 from pipefisher.runtime.train.checkpoint import Checkpointer, StateGroup, TorchRNG
 from pipefisher.runtime.train.update import Updater, make_kfac
@@ -36,6 +35,24 @@ from pipefisher.timeline import STEP_KEY, UPDATE_KEY
 MODES = ("first-order", "kfac", "scheduled")
 """How a worker trains: the pipeline alone, with K-FAC after it, or with K-FAC in its bubbles (a schedule)."""
 Span = Callable[[str], ContextManager[Any]]
+
+
+def check_options(mode: str, schedule: str | None, cfg: RunConfig | None = None,
+                  ctx: DistContext | None = None) -> None:
+    """The one check of how a worker is asked to train (:class:`ValueError`: a caller's mistake, not the
+    user's, whom the CLI answers first): ``mode`` one of :data:`MODES`, a ``schedule`` file exactly with
+    mode ``scheduled``, and, given both ``cfg`` and ``ctx``, process groups set up for ``cfg``'s stages and
+    pipeline order. ``TrainOptions`` checks its options with it, :func:`build_worker` its arguments."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if (mode == "scheduled") != (schedule is not None):
+        raise ValueError("mode 'scheduled' and a schedule file go together")
+    if cfg is None or ctx is None:
+        return
+    if ctx.grid.stages != cfg.pipeline.stages:
+        raise ValueError(f"the grid has {ctx.grid.stages} stages but the config asks for {cfg.pipeline.stages}")
+    if ctx.chimera != (cfg.pipeline.schedule == "chimera"):
+        raise ValueError("the process groups were set up for another pipeline schedule than the config's")
 
 
 def build_stages(cfg: RunConfig, ctx: DistContext) -> dict[int, nn.Module]:
@@ -159,16 +176,9 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     ``allow_schedule_mismatch`` trains a schedule whose metadata says it was packed for another job
     (:func:`pipefisher.runtime.pipeline.checks.check_packed_for`). Seeds torch's global generator per worker (dropout), so runs repeat.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-    if (mode == "scheduled") != (schedule is not None):
-        raise ValueError("mode 'scheduled' and a schedule file go together")
+    check_options(mode, schedule, cfg, ctx)
     g, m = ctx.grid, cfg.data.num_micro_batches
-    if g.stages != cfg.pipeline.stages:
-        raise ValueError(f"the grid has {g.stages} stages but the config asks for {cfg.pipeline.stages}")
     chimera = cfg.pipeline.schedule == "chimera"
-    if ctx.chimera != chimera:
-        raise ValueError("the process groups were set up for another pipeline schedule than the config's")
     data = data if data is not None else MLMData(cfg.data, cfg.model.vocab_size)
     span = span or (lambda key: _nothing())
     interleaved = cfg.pipeline.chunked  # the copies are model chunks (interleaved, ZB-V)
@@ -203,12 +213,12 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
                                      scaler=scaler) for p in plan}
     if interleaved:
         stage: nn.Module = StageChunks([copies[j] for j in range(v)])
-        kfac: Any = KFACPair(kfacs, list(index), {j: chunk_suffix(j) for j in index}) if kfacs else None
-        engine: Any = ChimeraEngine(stage, ctx, engines)
+        kfac: Any = StageCopiesKFAC(kfacs, list(index), interleaved=True) if kfacs else None
+        engine: Any = StageCopiesEngine(stage, ctx, engines)
     elif chimera:
         stage = StagePair(copies[DOWN], copies[UP], list(index))
-        kfac = KFACPair(kfacs, list(index)) if kfacs else None
-        engine = ChimeraEngine(stage, ctx, engines)
+        kfac = StageCopiesKFAC(kfacs, list(index)) if kfacs else None
+        engine = StageCopiesEngine(stage, ctx, engines)
     else:
         stage, kfac, engine = copies[DOWN], kfacs.get(DOWN), engines[DOWN]
     updater = Updater(cfg, stage, kfac, cfg.optim.decay_steps or total_steps,
