@@ -6,6 +6,8 @@ the two copies of every stage hold bit-identical gradients and parameters.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -46,7 +48,9 @@ def _step_worker(cfg) -> dict:
         shutdown(ctx)
 
 
-LAYOUTS = {"D=2": (2, 1), "D=2 x 2 replicas": (2, 2), "D=4": (4, 1), "D=4 x 2 replicas": (4, 2)}
+LAYOUTS = {"D=2": (2, 1), "D=2 x 2 replicas": (2, 2), "D=4": (4, 1)}
+if os.environ.get("PIPEFISHER_SLOW") == "1":  # 8 processes on CI's 2 cores: depth and replicas are each covered above
+    LAYOUTS["D=4 x 2 replicas"] = (4, 2)
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
