@@ -354,3 +354,30 @@ def test_run_resume_continues_a_run_where_its_checkpoint_stopped_with_its_schedu
     res = CliRunner().invoke(main, ["run", "--resume", str(tmp_path), "--steps", "6"])
     assert (res.exit_code, res.output) == (2, f"error: {tmp_path}: holds no run's checkpoints (<run>_checkpoints); "
                                               "--resume takes the --out folder of a pipefisher run\n")
+
+
+@pytest.mark.parametrize("others", [0, 1])
+def test_ctrl_c_in_run_says_how_far_it_got_and_the_resume_command(tmp_path, monkeypatch, others):
+    """Ctrl-C during training: one line with the steps done and ``run --resume`` (with ``--name`` where
+    the folder holds another run's checkpoints too), not click's bare "Aborted!"."""
+    from pipefisher.runtime.job.process import Interrupted
+    from pipefisher.runtime.launch import driver
+    from pipefisher.runtime.train.checkpoint import FORMAT, MANIFEST
+
+    out = tmp_path / "runs"
+
+    def interrupted_run(cfg, folder, **kw):  # the run started, checkpointed 4 steps, then Ctrl-C
+        for i in range(others):
+            (out / f"older{i}_checkpoints").mkdir(parents=True)
+            os.utime(out / f"older{i}_checkpoints", (0, 0))
+        ck = out / "mine_checkpoints"
+        ck.mkdir(parents=True)
+        (ck / MANIFEST).write_text(json.dumps({"format": FORMAT, "steps_done": 4}))
+        raise Interrupted(5)
+
+    monkeypatch.setattr(driver, "run_job", interrupted_run)
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--steps", "10", "--no-progress"])
+    assert res.exit_code == 130 and res.output.count("\n") == 1 and "Aborted" not in res.output, res.output
+    name = " --name mine" if others else ""
+    assert res.output == (f"interrupted after 5 of 10 steps; the checkpoint in {out}/mine_checkpoints has 4 steps "
+                          f"done; resume with: pipefisher run --resume {out}{name}\n"), res.output

@@ -7,6 +7,7 @@ are checked.
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -121,7 +122,7 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
 
     check_builder(cfg, config_path)  # model.builder imports and its stages fit, before any work
     check_optimizer(cfg.optim, config_path)  # this torch has optim.name's optimizer
-    with _one_line_failures():
+    with _one_line_failures(out_dir, steps):
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every or 0, log_every=log_every or 5,
                 progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every or 0, echo=click.echo,
@@ -136,16 +137,45 @@ def _phase_torch(no_progress: bool) -> None:
 
 
 @contextmanager
-def _one_line_failures() -> Iterator[None]:
-    """A worker's failure, a lost peer or a bad factor as one ``Error:`` line (their messages say it all)."""
+def _one_line_failures(run_dir: str, steps: int, paths: Any = None) -> Iterator[None]:
+    """A worker's failure, a lost peer or a bad factor as one ``Error:`` line (their messages say it all);
+    Ctrl-C as one line saying how far the run got and how to go on (:func:`_interrupted`)."""
     from pipefisher.kfac.factors import BadFactorError
-    from pipefisher.runtime.launch.local import WorkerFailed
+    from pipefisher.runtime.launch.local import INTERRUPTED_EXIT, WorkerFailed
     from pipefisher.runtime.train.trainer import PeerLost
 
     try:
         yield
     except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None
+    except KeyboardInterrupt as err:  # during profiling, packing or training: not click's bare "Aborted!"
+        click.echo(_interrupted(err, run_dir, steps, paths), err=True)
+        sys.exit(INTERRUPTED_EXIT)
+
+
+def _interrupted(err: KeyboardInterrupt, run_dir: str, steps: int, paths: Any = None) -> str:
+    """The line after Ctrl-C in ``pipefisher run``: as ``train``'s, with ``run --resume RUN_DIR`` (and
+    ``--name`` where the folder holds several runs' checkpoints). ``paths``: the run being resumed;
+    a new run is the one whose checkpoints changed last (its name was made when it started)."""
+    import shlex
+
+    from pipefisher.cli.train import interrupted_message
+    from pipefisher.runtime.job.process import Interrupted
+    from pipefisher.runtime.train.export import RUN_CHECKPOINTS, run_checkpoint_folders
+
+    stop = err if isinstance(err, Interrupted) else Interrupted(None)
+    held = run_checkpoint_folders(run_dir) if os.path.isdir(run_dir) else []
+    if paths is not None:
+        checkpoints, name = paths.checkpoints, paths.name
+    elif held:
+        newest = max(held, key=lambda e: os.path.getmtime(os.path.join(run_dir, e)))
+        checkpoints, name = os.path.join(run_dir, newest), newest[: -len(RUN_CHECKPOINTS)]
+    else:
+        checkpoints, name = run_dir, None
+    resume = f"pipefisher run --resume {shlex.quote(run_dir)}"
+    if name is not None and len(held) > 1:
+        resume += f" --name {shlex.quote(name)}"
+    return interrupted_message(stop, steps, checkpoints, sys.argv, resume=resume)
 
 
 def _resume(run_dir: str, name: str | None, steps: int, overrides: tuple[str, ...], past_decay: bool,
@@ -180,6 +210,6 @@ def _resume(run_dir: str, name: str | None, steps: int, overrides: tuple[str, ..
         return
     if note := resume_note(paths.checkpoints, cfg, steps, past_decay):
         click.echo(note)
-    with _one_line_failures():
+    with _one_line_failures(run_dir, steps, paths):
         resume_job(cfg, paths, steps=steps, nproc=nproc, options={**options, "progress": not no_progress},
                    echo=click.echo)

@@ -313,9 +313,11 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
             click.echo(f"wrote {os.path.normpath(os.path.join(out_dir or '.', timeline_filename(cfg.name, node)))}")
 
 
-def interrupted_message(stop: Any, steps: int, checkpoint_dir: str | None, argv: list[str]) -> str:
+def interrupted_message(stop: Any, steps: int, checkpoint_dir: str | None, argv: list[str],
+                        resume: str | None = None) -> str:
     """The line after Ctrl-C: the steps done, the command that resumes from the last checkpoint (or that
-    there is none), and where the worker log is when one was kept. ``stop``: the run's ``Interrupted``."""
+    there is none), and where the worker log is when one was kept. ``stop``: the run's ``Interrupted``;
+    ``resume``: the command that resumes (default: ``argv`` with ``--resume checkpoint_dir``)."""
     from pipefisher.runtime.train.checkpoint import MANIFEST, read_manifest
 
     done = "before its first step ended" if stop.steps_done is None else f"after {stop.steps_done} of {steps} steps"
@@ -326,7 +328,7 @@ def interrupted_message(stop: Any, steps: int, checkpoint_dir: str | None, argv:
     else:
         held = int(read_manifest(checkpoint_dir).get("steps_done") or 0)
         then = (f"the checkpoint in {os.path.normpath(checkpoint_dir)} has {held} steps done; resume with: "
-                f"{resume_command(argv, checkpoint_dir)}")
+                f"{resume or resume_command(argv, checkpoint_dir)}")
     log = f"; worker output in {stop.log}" if stop.log else ""
     return f"interrupted {done}; {then}{log}"
 
