@@ -243,3 +243,14 @@ def test_a_relative_pretrained_path_is_made_absolute_where_the_run_starts(tmp_pa
     monkeypatch.chdir(tmp_path)
     cfg = read_run_config(TINY, ("model.pretrained=gpt2-out",), "train", {})
     assert cfg.model.pretrained == str(tmp_path / "gpt2-out")
+
+
+def test_ctrl_c_beside_an_older_formats_checkpoint_is_still_one_line(tmp_path):
+    from pipefisher.cli.train import interrupted_message
+    from pipefisher.runtime.job.process import Interrupted
+    from pipefisher.runtime.train.checkpoint import MANIFEST
+
+    (tmp_path / MANIFEST).write_text('{"format": 2, "steps_done": 3}')
+    line = interrupted_message(Interrupted(7), 20, str(tmp_path), ["pipefisher", "train"])
+    assert line.startswith("interrupted after 7 of 20 steps; the checkpoint there cannot be resumed: ") and \
+        "format 2" in line and "\n" not in line, line

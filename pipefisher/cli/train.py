@@ -326,9 +326,13 @@ def interrupted_message(stop: Any, steps: int, checkpoint_dir: str | None, argv:
     elif not os.path.exists(os.path.join(checkpoint_dir, MANIFEST)):
         then = f"no checkpoint to resume from: none was written in {os.path.normpath(checkpoint_dir)} yet"
     else:
-        held = int(read_manifest(checkpoint_dir).get("steps_done") or 0)
-        then = (f"the checkpoint in {os.path.normpath(checkpoint_dir)} has {held} steps done; resume with: "
-                f"{resume or resume_command(argv, checkpoint_dir)}")
+        try:
+            held = int(read_manifest(checkpoint_dir).get("steps_done") or 0)
+        except InputError as err:  # another pipefisher's checkpoint there: still one line, saying so
+            then = f"the checkpoint there cannot be resumed: {err}"
+        else:
+            then = (f"the checkpoint in {os.path.normpath(checkpoint_dir)} has {held} steps done; resume with: "
+                    f"{resume or resume_command(argv, checkpoint_dir)}")
     log = f"; worker output in {stop.log}" if stop.log else ""
     return f"interrupted {done}; {then}{log}"
 
