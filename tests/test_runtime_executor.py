@@ -244,7 +244,7 @@ def test_every_worker_refuses_a_wrong_schedule_on_its_own(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(WorkerFailed) as err:
         spawn_local(_train_bad, 2, TINY, bad, timeout_s=60)
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 30  # not by waiting out a peer: tiny's collective timeout is 60 s (16 s seen under load)
     text = str(err.value)
     assert "rank 0:" in text and "rank 1:" in text
     assert text.count("node 1 iteration 0") >= 2 and "no K-FAC module named" in text
