@@ -21,7 +21,6 @@ runs sit side by side::
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -122,11 +121,6 @@ def config_yaml(cfg: RunConfig) -> str:
     import yaml
 
     return yaml.safe_dump(json.loads(json.dumps(cfg.to_dict(), default=list)), sort_keys=False)
-
-
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
 
 
 def keep_only_timelines(paths: RunPaths, name: str) -> None:
@@ -288,10 +282,11 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     # 3. train
     echo(f"[3/3] training {steps} step(s) with the schedule (K-FAC cycle k={max(cycles)})")
     t0 = time.perf_counter()
-    launch(scheduled_options(paths, steps, checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
+    figures = launch(scheduled_options(paths, steps, checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
                              eval_every=eval_every, adapt=adapt, adapt_policy=packer.name, margin=margin,
                              tensorboard=tensorboard, staleness=staleness_data(staleness) if adapt else None))
-    report["training"] = training_summary(paths, steps, cycles, adapt, profile_s, time.perf_counter() - t0, echo)
+    report["training"] = training_summary(paths, figures, steps, cycles, adapt, profile_s, time.perf_counter() - t0,
+                                          echo)
     dump_json_atomic(paths.report, report)
     measured = [os.path.join(paths.folder, f"{paths.name}_{s}")
                 for s in ("measurements.csv", "cycles.jsonl", "measured", "schedules")]
@@ -304,16 +299,17 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     return paths
 
 
-def launcher(cfg: RunConfig, n: int, paths: RunPaths, echo: Callable[[str], None]) -> Callable[[Any], None]:
+def launcher(cfg: RunConfig, n: int, paths: RunPaths,
+             echo: Callable[[str], None]) -> Callable[[Any], dict[str, list[float]] | None]:
     """How a run launches its ``n`` workers for one phase (here, for one; else local processes, their
-    output in ``<run>_workers.log`` after a failure)."""
+    output in ``<run>_workers.log`` after a failure); a launch returns the trainer's run figures
+    (:meth:`pipefisher.runtime.train.metrics.Metrics.figures`)."""
     from pipefisher.runtime.launch.local import launch_local, run_worker
 
-    def launch(opts: Any) -> None:
+    def launch(opts: Any) -> dict[str, list[float]] | None:
         if n == 1:
-            run_worker(cfg, opts)
-        else:
-            launch_local(cfg, opts, n, echo=echo, log_path=os.path.abspath(paths.workers_log))
+            return run_worker(cfg, opts).figures
+        return launch_local(cfg, opts, n, echo=echo, log_path=os.path.abspath(paths.workers_log))
 
     return launch
 
@@ -328,17 +324,17 @@ def scheduled_options(paths: RunPaths, steps: int, **options: Any) -> Any:
                         measure_prefix=os.path.abspath(os.path.join(paths.folder, paths.name)), **options)
 
 
-def training_summary(paths: RunPaths, steps: int, cycles: list[int], adapt: bool, profile_s: float | None,
-                     train_s: float, echo: Callable[[str], None]) -> dict[str, Any]:
-    """The report's ``training`` section, from the run's metrics (every step, a resumed run's earlier ones
-    included) and schedule history; says the line ``done: ...``."""
-    rows = read_metrics(paths.metrics) if os.path.exists(paths.metrics) else []
-    times = [float(r["step_seconds"]) for r in rows[1:]] or [float(r["step_seconds"]) for r in rows]
-    losses = [float(r["loss"]) for r in rows if r["loss"]]
+def training_summary(paths: RunPaths, figures: dict[str, list[float]] | None, steps: int, cycles: list[int],
+                     adapt: bool, profile_s: float | None, train_s: float, echo: Callable[[str], None]) -> dict[str, Any]:
+    """The report's ``training`` section, from the trainer's run figures (every step, a resumed run's earlier
+    ones included: :meth:`pipefisher.runtime.train.metrics.Metrics.figures`) and the schedule history;
+    says the line ``done: ...``."""
+    fig = figures or {}
+    seconds = fig.get("step_seconds", [])
+    times = seconds[1:] or seconds
+    losses, overruns, drifts = fig.get("losses", []), fig.get("overruns", []), fig.get("drifts", [])
     history = os.path.join(paths.folder, f"{paths.name}_schedules", "history.json")
     switches = load_json(history).get("switches", []) if os.path.exists(history) else []
-    overruns = [float(r["overrun_seconds"]) for r in rows if r.get("overrun_seconds")]
-    drifts = [float(r["drift"]) for r in rows if r.get("drift")]
     summary = {
         "steps": steps, "cycle": max(cycles), "cycles": cycles, "adapt": adapt,
         "final_cycle": switches[-1]["cycle"] if switches else max(cycles),
@@ -392,10 +388,10 @@ def resume_job(cfg: RunConfig, paths: RunPaths, *, steps: int, nproc: int, optio
     echo(f"run {paths.name}: resuming from {paths.checkpoints}, training up to {steps} step(s) with its schedule "
          f"(K-FAC cycle k={max(cycles)})")
     t0 = time.perf_counter()
-    launcher(cfg, nproc, paths, echo)(scheduled_options(paths, steps, resume=os.path.abspath(paths.checkpoints),
-                                                        **options))
+    figures = launcher(cfg, nproc, paths, echo)(scheduled_options(paths, steps,
+                                                                  resume=os.path.abspath(paths.checkpoints), **options))
     previous = report.get("training") or {}
-    report["training"] = training_summary(paths, steps, cycles, bool(options.get("adapt")),
+    report["training"] = training_summary(paths, figures, steps, cycles, bool(options.get("adapt")),
                                           previous.get("profile_seconds"), time.perf_counter() - t0, echo)
     dump_json_atomic(paths.report, report)
     for p in (paths.report, paths.metrics, paths.checkpoints):

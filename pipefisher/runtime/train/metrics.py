@@ -124,24 +124,19 @@ class Metrics:
         if self.tensorboard is not None:
             self.tensorboard.log_peak_memory(self.steps - 1, peak_bytes, saved_bytes)
 
-    def write_csv(self) -> None:
-        """The metrics CSV (reporting worker, with a path): rows of earlier runs of this file (steps before
-        a resume) are kept.
+    def csv_lines(self) -> list[str]:
+        """The metrics CSV's rows (no header): those of earlier runs of the file (steps before a resume), then
+        this run's.
 
         ``cycle``: the K-FAC cycle k of the schedule the step ran (scheduled mode); ``overrun_seconds``:
         how long K-FAC work delayed the step's calls past their planned bubbles (the slowest node's;
         known once the step's job cycle is gathered); ``drift`` and ``aging``: the curvature drift and
         aging of the refresh that completed in the step (:mod:`pipefisher.drift`; empty on other steps)."""
-        if self.csv is None:
-            return
-        from pipefisher.safe_io import write_atomic
-
-        path, rows = self.csv, self.rows
         kept: list[str] = []
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
+        if self.csv is not None and os.path.exists(self.csv):
+            with open(self.csv, encoding="utf-8") as f:
                 lines = f.read().splitlines()
-            first = rows[0][0] if rows else 0
+            first = self.rows[0][0] if self.rows else 0
             kept = [ln for ln in lines[1:] if ln and ln.split(",", 1)[0].isdigit()
                     and int(ln.split(",", 1)[0]) < first]
 
@@ -149,10 +144,31 @@ class Metrics:
             return "" if x is None else f"{x:.6f}"
 
         over, fresh = self.overruns(), self.refreshes()
-        body = [f"{s},{num(l)},{num(v)},{lr:.6g},{t:.6f},{self.mode},{'' if k is None else k},{num(over.get(s))},"
-                f"{num(fresh[s].drift if s in fresh else None)},{num(fresh[s].aging if s in fresh else None)}"
-                for s, l, v, lr, t, k in rows]
-        write_atomic(path, CSV_HEADER + "".join(line + "\n" for line in kept + body))
+        return kept + [
+            f"{s},{num(l)},{num(v)},{lr:.6g},{t:.6f},{self.mode},{'' if k is None else k},{num(over.get(s))},"
+            f"{num(fresh[s].drift if s in fresh else None)},{num(fresh[s].aging if s in fresh else None)}"
+            for s, l, v, lr, t, k in self.rows]
+
+    def write_csv(self) -> None:
+        """The metrics CSV (reporting worker, with a path): :meth:`csv_lines` under :data:`CSV_HEADER`."""
+        if self.csv is None:
+            return
+        from pipefisher.safe_io import write_atomic
+
+        write_atomic(self.csv, CSV_HEADER + "".join(line + "\n" for line in self.csv_lines()))
+
+    def figures(self) -> dict[str, list[float]]:
+        """What a run's summary needs, over every step of the run (a resumed run's earlier ones included,
+        with a CSV) as the CSV writes them: ``step_seconds``, ``losses`` (steps with a loss), ``overruns``
+        and ``drifts`` (steps with one). The reporting worker hands them to the launcher
+        (:data:`pipefisher.runtime.job.progress.SUMMARY_MARK`), so that the driver's summary needs no CSV."""
+        import csv
+
+        rows = list(csv.DictReader([CSV_HEADER, *self.csv_lines()]))
+        return {"step_seconds": [float(r["step_seconds"]) for r in rows],
+                "losses": [float(r["loss"]) for r in rows if r["loss"]],
+                "overruns": [float(r["overrun_seconds"]) for r in rows if r["overrun_seconds"]],
+                "drifts": [float(r["drift"]) for r in rows if r["drift"]]}
 
     def close(self) -> None:
         if self.tensorboard is not None:

@@ -131,6 +131,8 @@ class WorkerResult:
     peak_memory_bytes: int = 0  # this process, over the training steps
     base_memory_bytes: int = 0  # what it held as the steps began (the built model), on the peak's counter
     peak_saved_bytes: int = 0  # K-FAC inputs/output gradients waiting for their covariance piece
+    # the reporting worker's run figures for a summary (Metrics.figures: every step, a resumed run's earlier too)
+    figures: dict[str, list[float]] | None = None
 
     @property
     def peak_above_base_bytes(self) -> int:
@@ -400,6 +402,7 @@ class Trainer:
         if self.reporter and metrics.todo and self.refreshes:
             click.echo(drift_line(list(self.refreshes.values())))
         metrics.write_csv()
+        result.figures = metrics.figures() if self.reporter else None
         self._write_outputs(result)
         return result
 
