@@ -1,23 +1,7 @@
 """The whole loop in one call, like a job driver: profile, pack, report, check, train with the schedule.
 
 Everything a run makes goes into one folder, every name prefixed by the run's name so that several
-runs sit side by side::
-
-    <run>_config.yaml       the config used (after command-line overrides)
-    <run>_tokenizer.json    the subword tokenizer trained on the corpus (the run's vocabulary)
-    <run>_timelines/        one profiled timeline per pipeline node, nothing else (``pipefisher schedule`` reads it)
-    <run>_profile_losses.json  the profiling steps' losses and options (what ``train --out`` calls <name>_losses.json)
-    <run>_profile_steps/    every profiled step per node (<name>_node<i>_steps.pickle), whose median step the timelines hold
-    <run>_schedule.pickle   the packed schedule (the trainer's input)
-    <run>_report.json       usage report per node, policy, validation result, training summary
-    <run>_chart.png         the packed cycle per node
-    <run>_metrics.csv       step, loss, step time, mode, cycle k and measured overrun of every step
-    <run>_measurements.csv  every label of every scheduled step: planned and measured start/end, wait
-    <run>_cycles.jsonl      per cycle and node: step time, K-FAC label times, bubbles as they were, overruns
-    <run>_measured/         the timelines measured over the last cycles (``pipefisher schedule`` reads them)
-    <run>_schedules/        every schedule the training used and when it took over (``--adapt`` re-packs)
-    <run>_checkpoints/      the last checkpoint(s) and the tokenizer (``pipefisher run --resume`` continues the run)
-    <run>_workers.log       only after a failure: every worker's output and tracebacks
+runs sit side by side; :mod:`pipefisher.runtime.job.files` decides every name (:class:`RunPaths`).
 """
 from __future__ import annotations
 
@@ -26,75 +10,14 @@ import os
 import re
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.job.config import RunConfig
+from pipefisher.runtime.job.files import RUN_CHECKPOINTS, RunPaths
 from pipefisher.safe_io import load_json
 
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-@dataclass(frozen=True)
-class RunPaths:
-    folder: str
-    name: str
-
-    def _p(self, suffix: str) -> str:
-        return os.path.join(self.folder, f"{self.name}_{suffix}")
-
-    @property
-    def config(self) -> str:
-        return self._p("config.yaml")
-
-    @property
-    def tokenizer(self) -> str:
-        return self._p("tokenizer.json")
-
-    @property
-    def timelines(self) -> str:
-        return self._p("timelines")
-
-    @property
-    def profile_losses(self) -> str:
-        """The profiling steps' ``<name>_losses.json``, kept beside the timelines, not among them."""
-        return self._p("profile_losses.json")
-
-    @property
-    def profile_steps_dir(self) -> str:
-        """The raw multi-step profiles (:func:`pipefisher.runtime.train.profiler.steps_filename`), kept beside
-        the timelines, not among them."""
-        return self._p("profile_steps")
-
-    @property
-    def schedule(self) -> str:
-        return self._p("schedule.pickle")
-
-    @property
-    def report(self) -> str:
-        return self._p("report.json")
-
-    @property
-    def chart(self) -> str:
-        return self._p("chart.png")
-
-    @property
-    def metrics(self) -> str:
-        return self._p("metrics.csv")
-
-    @property
-    def checkpoints(self) -> str:
-        return self._p("checkpoints")
-
-    @property
-    def workers_log(self) -> str:
-        """Worker output and tracebacks of a run that failed (none after a run that succeeded)."""
-        return self._p("workers.log")
-
-    def taken(self) -> bool:
-        prefix = f"{self.name}_"
-        return os.path.isdir(self.folder) and any(e.startswith(prefix) for e in os.listdir(self.folder))
 
 
 def run_paths(folder: str, cfg: RunConfig, policy: str, name: str | None = None,
@@ -128,18 +51,17 @@ def keep_only_timelines(paths: RunPaths, name: str) -> None:
     ``<name>_node<i>_steps.pickle``) into its output folder, the timelines': move them out, so that the
     folder holds node files only and ``pipefisher schedule <run>_timelines/*`` reads one job. The
     tokenizer is the run's own already; the raw steps go to ``<run>_profile_steps/``."""
-    from pipefisher.runtime.train.trainer import losses_path, tokenizer_path
-
+    profiled = RunPaths(paths.timelines, name)  # the profiling trainer's --out
     steps = re.compile(re.escape(name) + r"_node\d+_steps\.pickle")
     for entry in sorted(os.listdir(paths.timelines)) if os.path.isdir(paths.timelines) else []:
         if steps.fullmatch(entry):
             os.makedirs(paths.profile_steps_dir, exist_ok=True)
             os.replace(os.path.join(paths.timelines, entry), os.path.join(paths.profile_steps_dir, entry))
 
-    losses = losses_path(paths.timelines, name)
+    losses = profiled.losses
     if os.path.exists(losses):
         os.replace(losses, paths.profile_losses)
-    tokenizer = tokenizer_path(paths.timelines, name)
+    tokenizer = profiled.tokenizer
     if os.path.exists(tokenizer):
         os.replace(tokenizer, paths.tokenizer)  # the same corpus's tokenizer: one copy, where the run keeps it
 
@@ -288,8 +210,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     report["training"] = training_summary(paths, figures, steps, cycles, adapt, profile_s, time.perf_counter() - t0,
                                           echo)
     dump_json_atomic(paths.report, report)
-    measured = [os.path.join(paths.folder, f"{paths.name}_{s}")
-                for s in ("measurements.csv", "cycles.jsonl", "measured", "schedules")]
+    measured = paths.measured_files()
     for p in (paths.config, *([paths.tokenizer] if os.path.exists(paths.tokenizer) else []), paths.timelines,
               *([paths.profile_losses] if os.path.exists(paths.profile_losses) else []),
               *([paths.profile_steps_dir] if os.path.exists(paths.profile_steps_dir) else []),
@@ -321,7 +242,7 @@ def scheduled_options(paths: RunPaths, steps: int, **options: Any) -> Any:
 
     return TrainOptions(mode="scheduled", steps=steps, schedule=os.path.abspath(paths.schedule),
                         metrics=os.path.abspath(paths.metrics), checkpoint_dir=os.path.abspath(paths.checkpoints),
-                        measure_prefix=os.path.abspath(os.path.join(paths.folder, paths.name)), **options)
+                        measure_prefix=os.path.abspath(paths.prefix), **options)
 
 
 def training_summary(paths: RunPaths, figures: dict[str, list[float]] | None, steps: int, cycles: list[int],
@@ -333,7 +254,7 @@ def training_summary(paths: RunPaths, figures: dict[str, list[float]] | None, st
     seconds = fig.get("step_seconds", [])
     times = seconds[1:] or seconds
     losses, overruns, drifts = fig.get("losses", []), fig.get("overruns", []), fig.get("drifts", [])
-    history = os.path.join(paths.folder, f"{paths.name}_schedules", "history.json")
+    history = paths.history
     switches = load_json(history).get("switches", []) if os.path.exists(history) else []
     summary = {
         "steps": steps, "cycle": max(cycles), "cycles": cycles, "adapt": adapt,
@@ -356,7 +277,7 @@ def training_summary(paths: RunPaths, figures: dict[str, list[float]] | None, st
 def find_run(folder: str, name: str | None = None) -> RunPaths:
     """The run in the run folder ``folder`` (``pipefisher run --out``) that ``--resume`` continues: the
     one named ``name``, else the only one there with checkpoints; one line says what is missing."""
-    from pipefisher.runtime.train.export import RUN_CHECKPOINTS, run_checkpoint_folders
+    from pipefisher.runtime.train.export import run_checkpoint_folders
 
     if not os.path.isdir(folder):
         raise InputError(folder, "is not a run folder (no such folder); --resume takes the --out folder of a run")

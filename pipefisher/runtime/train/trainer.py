@@ -34,6 +34,7 @@ from pipefisher.runtime.data.batches import MLMData
 from pipefisher.runtime.job import memory
 from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext
+from pipefisher.runtime.job.files import RunPaths
 from pipefisher.runtime.job.process import Interrupted
 from pipefisher.runtime.job.progress import phase
 from pipefisher.runtime.pipeline.layout import loss_device, node_pipes
@@ -42,16 +43,6 @@ from pipefisher.runtime.train.evaluator import Evaluator
 from pipefisher.runtime.train.metrics import Metrics
 from pipefisher.runtime.train.worker import build_worker, check_options
 from pipefisher.safe_io import dump_json_atomic
-
-
-def losses_path(out: str, name: str) -> str:
-    """Where a run with ``--out`` writes its losses, options and memory figures."""
-    return os.path.join(out, f"{name}_losses.json")
-
-
-def tokenizer_path(out: str, name: str) -> str:
-    """Where a run with ``--out`` writes the tokenizer trained on its corpus (its vocabulary)."""
-    return os.path.join(out, f"{name}_tokenizer.json")
 
 
 class PeerLost(RuntimeError):
@@ -236,7 +227,7 @@ class Trainer:
                                            "max_cycle": opts.adapt_max_cycle or longest_cycle(opts.steps),
                                            "staleness": opts.staleness_curve}
                                           if opts.adapt else {}))
-        prefix = opts.measure_prefix or (os.path.join(opts.out, self.cfg.name) if opts.out else None)
+        prefix = opts.measure_prefix or (RunPaths(opts.out, self.cfg.name).prefix if opts.out else None)
         collective = None
         if ctx.distributed:
             def gather(obj: Any) -> list[Any]:
@@ -430,7 +421,7 @@ class Trainer:
         if opts.out is not None and self.reporter and self.data.corpus is not None:
             from pipefisher.runtime.data.corpus import save_tokenizer  # the run's vocabulary, from the start
 
-            save_tokenizer(self.data.corpus, tokenizer_path(opts.out, self.cfg.name))
+            save_tokenizer(self.data.corpus, RunPaths(opts.out, self.cfg.name).tokenizer)
         if self.metrics.todo:
             self._phase("first step (compiles / warms up; later steps are faster, the bar's ETA follows)")
 
@@ -477,7 +468,7 @@ class Trainer:
         if opts.profile and g.replica == 0:
             result.timeline_path = self.profiler.write(opts.out, self.cfg.name, g.stage)
         if self.reporter:
-            dump_json_atomic(losses_path(opts.out, self.cfg.name),
+            dump_json_atomic(RunPaths(opts.out, self.cfg.name).losses,
                              {"mode": self.mode, "losses": result.losses, "val": result.val,
                               "step_seconds": result.step_seconds, "options": asdict(opts),
                               "peak_memory_bytes": result.peak_memory_bytes,
