@@ -18,6 +18,15 @@ from pipefisher.runtime.launch.driver import config_yaml, run_paths
 from _schedules import TINY, tiny
 
 
+def _summary_of(rows: list[dict[str, str]], training: dict) -> bool:
+    """Whether a report's training summary holds the figures of these metrics rows (every step of the run)."""
+    import statistics
+
+    losses = [float(r["loss"]) for r in rows if r["loss"]]
+    return (training["first_loss"] == losses[0] and training["last_loss"] == losses[-1]
+            and training["median_step_seconds"] == statistics.median(float(r["step_seconds"]) for r in rows[1:]))
+
+
 def test_run_end_to_end_with_two_processes(tmp_path):
     out = tmp_path / "runs"
     res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--steps", "6", "--profile-steps", "2",
@@ -47,6 +56,8 @@ def test_run_end_to_end_with_two_processes(tmp_path):
     assert report["valid"] and report["policy"] == "target" and len(report["nodes"]) == 2
     assert report["tradeoff"]["candidates"]  # why its k: the run's report says it too
     assert report["training"]["cycle"] == max(n["iterations"] for n in report["nodes"])
+    # the summary comes from the reporting worker (through the launcher), and says what the metrics say
+    assert _summary_of(rows, report["training"])
     assert load_config(out / "first_config.yaml") == load_config(TINY)
     assert (out / "first_chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the run name is taken now; the schedule it wrote runs with pipefisher train as well
@@ -336,7 +347,8 @@ def test_run_resume_continues_a_run_where_its_checkpoint_stopped_with_its_schedu
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == list(range(5))
     assert [bool(r["val_loss"]) for r in rows] == [False, True, True, True, True]  # --eval-every 2 went on
-    assert json.loads((out / "r_report.json").read_text())["training"]["steps"] == 5
+    training = json.loads((out / "r_report.json").read_text())["training"]
+    assert training["steps"] == 5 and _summary_of(rows, training)  # the first run's steps included
     assert (out / "r_schedule.pickle").read_bytes() == schedule
     ck = str(tmp_path / "ck")
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--stages", "1", "--schedule", str(out / "r_schedule.pickle"),

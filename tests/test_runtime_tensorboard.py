@@ -123,7 +123,8 @@ def test_the_log_is_closed_when_training_stops(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer, "train_step", interrupted_at_2)
     with pytest.raises(Interrupted):
         trainer.run()
-    assert trainer.tensorboard is not None and trainer.tensorboard._writer.file_writer is None  # closed
+    tensorboard = trainer.metrics.tensorboard  # the metrics component holds the log
+    assert tensorboard is not None and tensorboard._writer.file_writer is None  # closed
     assert [s for s, _ in _scalars(tb)[TAGS["loss"]]] == [0, 1]
 
 

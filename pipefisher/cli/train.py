@@ -62,8 +62,10 @@ def check_tensorboard(folder: str | None) -> str | None:
 
 def workers_log(out_dir: str | None, metrics_path: str | None, name: str) -> str | None:
     """Where a failed local run's worker output and tracebacks go: beside --out or --metrics."""
+    from pipefisher.runtime.job.files import RunPaths
+
     folder = out_dir or (os.path.dirname(os.path.abspath(metrics_path)) if metrics_path else None)
-    return None if folder is None else os.path.abspath(os.path.join(folder, f"{name}_workers.log"))
+    return None if folder is None else os.path.abspath(RunPaths(folder, name).workers_log)
 
 
 
@@ -279,10 +281,11 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         if (note := resume_note(resume_dir, cfg, steps, past_decay)) and (job is None or job.rank == 0):
             click.echo(note)  # the learning-rate schedule: changed on purpose, or kept past its end
     if out_dir and (job is None or job.rank == 0):  # the config this run used, --set included
+        from pipefisher.runtime.job.files import RunPaths
         from pipefisher.runtime.launch.driver import config_yaml
         from pipefisher.safe_io import write_atomic
 
-        write_atomic(os.path.join(out_dir, f"{cfg.name}_config.yaml"), config_yaml(cfg))
+        write_atomic(RunPaths(out_dir, cfg.name).config, config_yaml(cfg))
     opts = TrainOptions(mode=mode, steps=steps, profile=profile, out=out_dir, log_every=log_every,
                         progress=not no_progress, schedule=_abs(schedule_path), metrics=_abs(metrics_path),
                         tensorboard=tensorboard_dir,
@@ -302,10 +305,11 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
             click.echo(interrupted_message(stop, steps, checkpoint_dir, sys.argv), err=True)
         sys.exit(INTERRUPTED_EXIT)
     if schedule_path and out_dir and (job is None or job.rank == 0):
-        prefix = os.path.join(out_dir, cfg.name)
-        for suffix in ("_measurements.csv", "_cycles.jsonl", "_measured", "_schedules"):
-            if os.path.exists(prefix + suffix):
-                click.echo(f"wrote {os.path.normpath(prefix + suffix)}")
+        from pipefisher.runtime.job.files import RunPaths
+
+        for path in RunPaths(out_dir, cfg.name).measured_files():
+            if os.path.exists(path):
+                click.echo(f"wrote {os.path.normpath(path)}")
     if profile:
         from pipefisher.runtime.train.profiler import timeline_filename
 

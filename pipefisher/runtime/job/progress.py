@@ -16,6 +16,9 @@ PROGRESS_ENV = "PIPEFISHER_RELAY_PROGRESS"
 """Set by the local launcher: the reporting worker prints :data:`PROGRESS_MARK` lines instead of a bar."""
 PROGRESS_MARK = "@@pipefisher-progress"
 """``@@pipefisher-progress DONE TOTAL``: steps done of this run's steps, for the launcher's bar."""
+SUMMARY_MARK = "@@pipefisher-summary"
+"""``@@pipefisher-summary JSON``: the reporting worker's run figures (:meth:`Metrics.figures
+<pipefisher.runtime.train.metrics.Metrics.figures>`), its last line, for the launcher's caller."""
 
 
 def phase(what: str, echo: Callable[[str], None] = click.echo) -> None:

@@ -11,6 +11,7 @@ A failure ends in one line (marked for the launcher); its traceback goes to the 
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -49,13 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr, flush=True)
         return 2
     from pipefisher.kfac.factors import BadFactorError
+    from pipefisher.runtime.job.progress import PROGRESS_ENV, SUMMARY_MARK
     from pipefisher.runtime.launch.local import INTERRUPTED_EXIT, PEER_LOST_EXIT, decode_spec, run_worker
     from pipefisher.runtime.train.trainer import PeerLost
 
     rank = os.environ.get("RANK", "0")
     try:
         cfg, opts = decode_spec(args[1])
-        run_worker(cfg, opts)
+        result = run_worker(cfg, opts)
+        if result.figures is not None and os.environ.get(PROGRESS_ENV) == "1":  # for the local launcher's caller
+            print(f"{SUMMARY_MARK} {json.dumps(result.figures)}", flush=True)
     except InputError as err:
         _say(f"error: {err}")
         return 2

@@ -1,101 +1,23 @@
 """The whole loop in one call, like a job driver: profile, pack, report, check, train with the schedule.
 
 Everything a run makes goes into one folder, every name prefixed by the run's name so that several
-runs sit side by side::
-
-    <run>_config.yaml       the config used (after command-line overrides)
-    <run>_tokenizer.json    the subword tokenizer trained on the corpus (the run's vocabulary)
-    <run>_timelines/        one profiled timeline per pipeline node, nothing else (``pipefisher schedule`` reads it)
-    <run>_profile_losses.json  the profiling steps' losses and options (what ``train --out`` calls <name>_losses.json)
-    <run>_profile_steps/    every profiled step per node (<name>_node<i>_steps.pickle), whose median step the timelines hold
-    <run>_schedule.pickle   the packed schedule (the trainer's input)
-    <run>_report.json       usage report per node, policy, validation result, training summary
-    <run>_chart.png         the packed cycle per node
-    <run>_metrics.csv       step, loss, step time, mode, cycle k and measured overrun of every step
-    <run>_measurements.csv  every label of every scheduled step: planned and measured start/end, wait
-    <run>_cycles.jsonl      per cycle and node: step time, K-FAC label times, bubbles as they were, overruns
-    <run>_measured/         the timelines measured over the last cycles (``pipefisher schedule`` reads them)
-    <run>_schedules/        every schedule the training used and when it took over (``--adapt`` re-packs)
-    <run>_checkpoints/      the last checkpoint(s) and the tokenizer (``pipefisher run --resume`` continues the run)
-    <run>_workers.log       only after a failure: every worker's output and tracebacks
+runs sit side by side; :mod:`pipefisher.runtime.job.files` decides every name (:class:`RunPaths`).
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.job.config import RunConfig
+from pipefisher.runtime.job.files import RUN_CHECKPOINTS, RunPaths
 from pipefisher.safe_io import load_json
 
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-@dataclass(frozen=True)
-class RunPaths:
-    folder: str
-    name: str
-
-    def _p(self, suffix: str) -> str:
-        return os.path.join(self.folder, f"{self.name}_{suffix}")
-
-    @property
-    def config(self) -> str:
-        return self._p("config.yaml")
-
-    @property
-    def tokenizer(self) -> str:
-        return self._p("tokenizer.json")
-
-    @property
-    def timelines(self) -> str:
-        return self._p("timelines")
-
-    @property
-    def profile_losses(self) -> str:
-        """The profiling steps' ``<name>_losses.json``, kept beside the timelines, not among them."""
-        return self._p("profile_losses.json")
-
-    @property
-    def profile_steps_dir(self) -> str:
-        """The raw multi-step profiles (:func:`pipefisher.runtime.train.profiler.steps_filename`), kept beside
-        the timelines, not among them."""
-        return self._p("profile_steps")
-
-    @property
-    def schedule(self) -> str:
-        return self._p("schedule.pickle")
-
-    @property
-    def report(self) -> str:
-        return self._p("report.json")
-
-    @property
-    def chart(self) -> str:
-        return self._p("chart.png")
-
-    @property
-    def metrics(self) -> str:
-        return self._p("metrics.csv")
-
-    @property
-    def checkpoints(self) -> str:
-        return self._p("checkpoints")
-
-    @property
-    def workers_log(self) -> str:
-        """Worker output and tracebacks of a run that failed (none after a run that succeeded)."""
-        return self._p("workers.log")
-
-    def taken(self) -> bool:
-        prefix = f"{self.name}_"
-        return os.path.isdir(self.folder) and any(e.startswith(prefix) for e in os.listdir(self.folder))
 
 
 def run_paths(folder: str, cfg: RunConfig, policy: str, name: str | None = None,
@@ -124,28 +46,22 @@ def config_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(json.loads(json.dumps(cfg.to_dict(), default=list)), sort_keys=False)
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
-
-
 def keep_only_timelines(paths: RunPaths, name: str) -> None:
     """The profiling trainer writes its ``<name>_losses.json`` (and tokenizer, and every node's raw
     ``<name>_node<i>_steps.pickle``) into its output folder, the timelines': move them out, so that the
     folder holds node files only and ``pipefisher schedule <run>_timelines/*`` reads one job. The
     tokenizer is the run's own already; the raw steps go to ``<run>_profile_steps/``."""
-    from pipefisher.runtime.train.trainer import losses_path, tokenizer_path
-
+    profiled = RunPaths(paths.timelines, name)  # the profiling trainer's --out
     steps = re.compile(re.escape(name) + r"_node\d+_steps\.pickle")
     for entry in sorted(os.listdir(paths.timelines)) if os.path.isdir(paths.timelines) else []:
         if steps.fullmatch(entry):
             os.makedirs(paths.profile_steps_dir, exist_ok=True)
             os.replace(os.path.join(paths.timelines, entry), os.path.join(paths.profile_steps_dir, entry))
 
-    losses = losses_path(paths.timelines, name)
+    losses = profiled.losses
     if os.path.exists(losses):
         os.replace(losses, paths.profile_losses)
-    tokenizer = tokenizer_path(paths.timelines, name)
+    tokenizer = profiled.tokenizer
     if os.path.exists(tokenizer):
         os.replace(tokenizer, paths.tokenizer)  # the same corpus's tokenizer: one copy, where the run keeps it
 
@@ -288,13 +204,13 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     # 3. train
     echo(f"[3/3] training {steps} step(s) with the schedule (K-FAC cycle k={max(cycles)})")
     t0 = time.perf_counter()
-    launch(scheduled_options(paths, steps, checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
+    figures = launch(scheduled_options(paths, steps, checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
                              eval_every=eval_every, adapt=adapt, adapt_policy=packer.name, margin=margin,
                              tensorboard=tensorboard, staleness=staleness_data(staleness) if adapt else None))
-    report["training"] = training_summary(paths, steps, cycles, adapt, profile_s, time.perf_counter() - t0, echo)
+    report["training"] = training_summary(paths, figures, steps, cycles, adapt, profile_s, time.perf_counter() - t0,
+                                          echo)
     dump_json_atomic(paths.report, report)
-    measured = [os.path.join(paths.folder, f"{paths.name}_{s}")
-                for s in ("measurements.csv", "cycles.jsonl", "measured", "schedules")]
+    measured = paths.measured_files()
     for p in (paths.config, *([paths.tokenizer] if os.path.exists(paths.tokenizer) else []), paths.timelines,
               *([paths.profile_losses] if os.path.exists(paths.profile_losses) else []),
               *([paths.profile_steps_dir] if os.path.exists(paths.profile_steps_dir) else []),
@@ -304,16 +220,17 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     return paths
 
 
-def launcher(cfg: RunConfig, n: int, paths: RunPaths, echo: Callable[[str], None]) -> Callable[[Any], None]:
+def launcher(cfg: RunConfig, n: int, paths: RunPaths,
+             echo: Callable[[str], None]) -> Callable[[Any], dict[str, list[float]] | None]:
     """How a run launches its ``n`` workers for one phase (here, for one; else local processes, their
-    output in ``<run>_workers.log`` after a failure)."""
+    output in ``<run>_workers.log`` after a failure); a launch returns the trainer's run figures
+    (:meth:`pipefisher.runtime.train.metrics.Metrics.figures`)."""
     from pipefisher.runtime.launch.local import launch_local, run_worker
 
-    def launch(opts: Any) -> None:
+    def launch(opts: Any) -> dict[str, list[float]] | None:
         if n == 1:
-            run_worker(cfg, opts)
-        else:
-            launch_local(cfg, opts, n, echo=echo, log_path=os.path.abspath(paths.workers_log))
+            return run_worker(cfg, opts).figures
+        return launch_local(cfg, opts, n, echo=echo, log_path=os.path.abspath(paths.workers_log))
 
     return launch
 
@@ -325,20 +242,20 @@ def scheduled_options(paths: RunPaths, steps: int, **options: Any) -> Any:
 
     return TrainOptions(mode="scheduled", steps=steps, schedule=os.path.abspath(paths.schedule),
                         metrics=os.path.abspath(paths.metrics), checkpoint_dir=os.path.abspath(paths.checkpoints),
-                        measure_prefix=os.path.abspath(os.path.join(paths.folder, paths.name)), **options)
+                        measure_prefix=os.path.abspath(paths.prefix), **options)
 
 
-def training_summary(paths: RunPaths, steps: int, cycles: list[int], adapt: bool, profile_s: float | None,
-                     train_s: float, echo: Callable[[str], None]) -> dict[str, Any]:
-    """The report's ``training`` section, from the run's metrics (every step, a resumed run's earlier ones
-    included) and schedule history; says the line ``done: ...``."""
-    rows = read_metrics(paths.metrics) if os.path.exists(paths.metrics) else []
-    times = [float(r["step_seconds"]) for r in rows[1:]] or [float(r["step_seconds"]) for r in rows]
-    losses = [float(r["loss"]) for r in rows if r["loss"]]
-    history = os.path.join(paths.folder, f"{paths.name}_schedules", "history.json")
+def training_summary(paths: RunPaths, figures: dict[str, list[float]] | None, steps: int, cycles: list[int],
+                     adapt: bool, profile_s: float | None, train_s: float, echo: Callable[[str], None]) -> dict[str, Any]:
+    """The report's ``training`` section, from the trainer's run figures (every step, a resumed run's earlier
+    ones included: :meth:`pipefisher.runtime.train.metrics.Metrics.figures`) and the schedule history;
+    says the line ``done: ...``."""
+    fig = figures or {}
+    seconds = fig.get("step_seconds", [])
+    times = seconds[1:] or seconds
+    losses, overruns, drifts = fig.get("losses", []), fig.get("overruns", []), fig.get("drifts", [])
+    history = paths.history
     switches = load_json(history).get("switches", []) if os.path.exists(history) else []
-    overruns = [float(r["overrun_seconds"]) for r in rows if r.get("overrun_seconds")]
-    drifts = [float(r["drift"]) for r in rows if r.get("drift")]
     summary = {
         "steps": steps, "cycle": max(cycles), "cycles": cycles, "adapt": adapt,
         "final_cycle": switches[-1]["cycle"] if switches else max(cycles),
@@ -360,7 +277,7 @@ def training_summary(paths: RunPaths, steps: int, cycles: list[int], adapt: bool
 def find_run(folder: str, name: str | None = None) -> RunPaths:
     """The run in the run folder ``folder`` (``pipefisher run --out``) that ``--resume`` continues: the
     one named ``name``, else the only one there with checkpoints; one line says what is missing."""
-    from pipefisher.runtime.train.export import RUN_CHECKPOINTS, run_checkpoint_folders
+    from pipefisher.runtime.train.export import run_checkpoint_folders
 
     if not os.path.isdir(folder):
         raise InputError(folder, "is not a run folder (no such folder); --resume takes the --out folder of a run")
@@ -392,10 +309,10 @@ def resume_job(cfg: RunConfig, paths: RunPaths, *, steps: int, nproc: int, optio
     echo(f"run {paths.name}: resuming from {paths.checkpoints}, training up to {steps} step(s) with its schedule "
          f"(K-FAC cycle k={max(cycles)})")
     t0 = time.perf_counter()
-    launcher(cfg, nproc, paths, echo)(scheduled_options(paths, steps, resume=os.path.abspath(paths.checkpoints),
-                                                        **options))
+    figures = launcher(cfg, nproc, paths, echo)(scheduled_options(paths, steps,
+                                                                  resume=os.path.abspath(paths.checkpoints), **options))
     previous = report.get("training") or {}
-    report["training"] = training_summary(paths, steps, cycles, bool(options.get("adapt")),
+    report["training"] = training_summary(paths, figures, steps, cycles, bool(options.get("adapt")),
                                           previous.get("profile_seconds"), time.perf_counter() - t0, echo)
     dump_json_atomic(paths.report, report)
     for p in (paths.report, paths.metrics, paths.checkpoints):

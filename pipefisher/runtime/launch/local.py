@@ -134,15 +134,17 @@ def run_worker(cfg: RunConfig, opts: TrainOptions) -> WorkerResult:
 
 
 def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[[str], None] = print,
-                 grace_s: float = 3.0, log_path: str | None = None) -> None:
-    """Run ``nproc`` workers as child processes; raise :class:`WorkerFailed` if any of them fails.
+                 grace_s: float = 3.0, log_path: str | None = None) -> dict[str, list[float]] | None:
+    """Run ``nproc`` workers as child processes; raise :class:`WorkerFailed` if any of them fails. Returns
+    the reporting worker's run figures (:attr:`WorkerResult.figures`, passed on as a
+    :data:`~pipefisher.runtime.job.progress.SUMMARY_MARK` line).
 
     Worker output is relayed to ``echo`` and kept in a log; tracebacks go to the log only. On failure
     the log is appended to ``log_path`` (or kept as a temp file) and the error names it; a run that
     succeeds leaves no log behind.
     """
     from pipefisher.runtime.job.dist import free_port
-    from pipefisher.runtime.job.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar, parse_mark, phase
+    from pipefisher.runtime.job.progress import PROGRESS_ENV, PROGRESS_MARK, SUMMARY_MARK, StepBar, parse_mark, phase
 
     if opts.progress:  # the seconds until a worker speaks (python, torch, the process group) are not silent
         phase(f"spawning {nproc} workers (each starts python, imports torch and joins the process group)", echo)
@@ -163,6 +165,7 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
     tails: list[list[str]] = [[] for _ in procs]
     errors = [""] * nproc
     done: list[int] = []  # steps done, from the reporting worker's marks (for the line after Ctrl-C)
+    figures: list[dict[str, list[float]]] = []  # the reporting worker's, from its summary line
     quiet = threading.Event()  # set once a worker failed: what follows is aftermath, for the log only
 
     def relay(r: int, p: subprocess.Popen) -> None:
@@ -176,6 +179,9 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
                         done[:] = [opts.steps - mark[1] + mark[0]]  # the marks count this run's steps
                     if bar is not None and mark is not None and not quiet.is_set():
                         bar.update(*mark)
+                    continue
+                if line.startswith(SUMMARY_MARK):
+                    figures[:] = [json.loads(line[len(SUMMARY_MARK):])]
                     continue
                 if not log.closed:  # a straggler after the launcher gave up on this worker
                     log.write(f"[rank {r}] {line[len(ERROR_MARK):] if line.startswith(ERROR_MARK) else line}\n")
@@ -249,6 +255,7 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
         code = procs[rank].returncode
         line = errors[rank] or (next((ln for ln in reversed(tails[rank]) if ln.strip()), "") if code > 0 else "")
         raise WorkerFailed(failure_message(rank, nproc, code, line, kept))
+    return figures[0] if figures else None
 
 
 def _keep_log(tmp_log: str, log_path: str | None) -> str:

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from pipefisher.closed_loop import Plan, Scheduler, _record_from_state, _record_state
 from pipefisher.drift import DriftSample, Refresh, refreshes
+from pipefisher.runtime.job.files import RunPaths
 from pipefisher.measure import (StepRecord, append_csv, cycle_summary, instruction_rows, lay_out,
                                 planned_gap_seconds, step_overrun, unit_seconds, window_timelines)
 
@@ -149,8 +150,9 @@ class ScheduleLoop:
         for r in records:
             self.overruns[r.step] = max(self.overruns.get(r.step, 0.0), self._overrun(r))
         if self.prefix is not None:
-            append_csv(self.prefix + "_measurements.csv", [row for r in records for row in self._rows(r)])
-            with open(self.prefix + "_cycles.jsonl", "a", encoding="utf-8") as f:
+            files = RunPaths.at(self.prefix)
+            append_csv(files.measurements, [row for r in records for row in self._rows(r)])
+            with open(files.cycles, "a", encoding="utf-8") as f:
                 for n in range(self.nodes):
                     mine = [r for r in records if r.node == n and r.replica == 0]
                     if mine:
@@ -239,7 +241,8 @@ class ScheduleLoop:
         from pipefisher.safe_io import dump_json_atomic
         from pipefisher.schedule_file import save_schedule
 
-        folder = self.prefix + "_schedules"
+        files = RunPaths.at(self.prefix)
+        folder = files.schedules
         os.makedirs(folder, exist_ok=True)
         rows = []
         for sw in self.history:
@@ -250,7 +253,7 @@ class ScheduleLoop:
                          "cycle": max(sw.plan.cycles), "node_cycles": sw.plan.cycles, "reason": sw.plan.reason,
                          "expected_step_seconds": sw.plan.expected_seconds,
                          "decide_seconds": round(sw.decide_seconds, 6)})
-        dump_json_atomic(os.path.join(folder, "history.json"), {"switches": rows})
+        dump_json_atomic(files.history, {"switches": rows})
 
     def write_measured(self) -> list[str]:
         """The timelines measured over the last cycles, one pickle per node (rank 0, with a prefix)."""
@@ -259,9 +262,9 @@ class ScheduleLoop:
         from pipefisher.runtime.train.profiler import timeline_filename
         from pipefisher.safe_io import dump_pickle_atomic
 
-        folder = self.prefix + "_measured"
+        files = RunPaths.at(self.prefix)
+        folder, name = files.measured, files.name
         os.makedirs(folder, exist_ok=True)
-        name = os.path.basename(self.prefix)
         dicts = window_timelines([r for c in self.recent for r in c], self.nodes, self.plan.models)
         paths = []
         for n, d in enumerate(dicts):

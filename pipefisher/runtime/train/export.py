@@ -31,15 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 from pipefisher.errors import InputError, first_line
 from pipefisher.runtime.job.config import DEFAULT_BUILDER, RunConfig, config_from_dict, current_builder
+from pipefisher.runtime.job.files import RUN_CHECKPOINTS, RunPaths
 from pipefisher.runtime.train.checkpoint import (EXPORTABLE, MANIFEST, TOKENIZER, rank_filename, read_manifest,
                                                  step_folder)
 from pipefisher.safe_io import dump_json_atomic
 
 if TYPE_CHECKING:
     import torch
-
-RUN_CHECKPOINTS = "_checkpoints"
-"""The suffix of the checkpoint folder ``pipefisher run --out DIR`` writes for each run (``<run>_checkpoints``)."""
 
 FORMAT_NOTE = ("pipefisher export of a {builder} model: model.{ext} is the state dict of the whole model "
                "(every stage's tensors under their module names), 'model' the run config's model section. "
@@ -187,12 +185,10 @@ def _write_state(tmp: str, sub: str, cfg: RunConfig, state: dict[str, "torch.Ten
 def _tokenizer(folder: str) -> str | None:
     """The run's tokenizer JSON: kept in the checkpoint folder, else (checkpoints written before it was
     kept there) the ``<run>_tokenizer.json`` of the ``pipefisher run`` folder around it; None if none."""
-    from pipefisher.runtime.train.trainer import tokenizer_path
-
     candidates = [os.path.join(folder, TOKENIZER)]
     base = os.path.basename(os.path.normpath(folder))
     if base.endswith(RUN_CHECKPOINTS):
-        candidates.append(tokenizer_path(os.path.dirname(os.path.abspath(folder)), base[: -len(RUN_CHECKPOINTS)]))
+        candidates.append(RunPaths(os.path.dirname(os.path.abspath(folder)), base[: -len(RUN_CHECKPOINTS)]).tokenizer)
     for path in candidates:
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:

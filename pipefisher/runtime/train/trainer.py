@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import click
 import torch
@@ -33,23 +34,15 @@ from pipefisher.runtime.data.batches import MLMData
 from pipefisher.runtime.job import memory
 from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext
+from pipefisher.runtime.job.files import RunPaths
 from pipefisher.runtime.job.process import Interrupted
-from pipefisher.runtime.job.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar, phase  # noqa: F401 (re-exported)
+from pipefisher.runtime.job.progress import phase
 from pipefisher.runtime.pipeline.layout import loss_device, node_pipes
 from pipefisher.runtime.train.profiler import Profiler
-from pipefisher.runtime.train.tensorboard import TensorBoardLog  # imports its writer when made
+from pipefisher.runtime.train.evaluator import Evaluator
+from pipefisher.runtime.train.metrics import Metrics
 from pipefisher.runtime.train.worker import build_worker, check_options
 from pipefisher.safe_io import dump_json_atomic
-
-
-def losses_path(out: str, name: str) -> str:
-    """Where a run with ``--out`` writes its losses, options and memory figures."""
-    return os.path.join(out, f"{name}_losses.json")
-
-
-def tokenizer_path(out: str, name: str) -> str:
-    """Where a run with ``--out`` writes the tokenizer trained on its corpus (its vocabulary)."""
-    return os.path.join(out, f"{name}_tokenizer.json")
 
 
 class PeerLost(RuntimeError):
@@ -129,6 +122,8 @@ class WorkerResult:
     peak_memory_bytes: int = 0  # this process, over the training steps
     base_memory_bytes: int = 0  # what it held as the steps began (the built model), on the peak's counter
     peak_saved_bytes: int = 0  # K-FAC inputs/output gradients waiting for their covariance piece
+    # the reporting worker's run figures for a summary (Metrics.figures: every step, a resumed run's earlier too)
+    figures: dict[str, list[float]] | None = None
 
     @property
     def peak_above_base_bytes(self) -> int:
@@ -187,6 +182,7 @@ class Trainer:
         self._refreshes: dict[int, Any] = {}  # kfac mode: the job's refreshes gathered so far, by step
         self.loop = self._schedule_loop() if self.executor is not None else None
         self.checkpointer = w.checkpointer()
+        self.evaluator = Evaluator(self.engine, self.val_batches, opts.eval_every, opts.steps)
         self.start_step = 0
         if opts.resume:
             self._phase(f"loading the checkpoint in {opts.resume}")
@@ -231,7 +227,7 @@ class Trainer:
                                            "max_cycle": opts.adapt_max_cycle or longest_cycle(opts.steps),
                                            "staleness": opts.staleness_curve}
                                           if opts.adapt else {}))
-        prefix = opts.measure_prefix or (os.path.join(opts.out, self.cfg.name) if opts.out else None)
+        prefix = opts.measure_prefix or (RunPaths(opts.out, self.cfg.name).prefix if opts.out else None)
         collective = None
         if ctx.distributed:
             def gather(obj: Any) -> list[Any]:
@@ -277,11 +273,6 @@ class Trainer:
             parts = [None] * self.ctx.grid.world_size
             dist.all_gather_object(parts, mine)
         self._refreshes.update((r.step, r) for r in refreshes(s for part in parts for s in part))
-
-    def _log_drift(self, tb: TensorBoardLog) -> None:
-        """Each refresh's drift and aging not logged yet, under the step it completed in."""
-        tb.log_late("drift", {s: r.drift for s, r in self.refreshes.items()})
-        tb.log_late("aging", {s: r.aging for s, r in self.refreshes.items() if r.aging is not None})
 
     @property
     def cycles(self) -> list[int]:
@@ -343,14 +334,16 @@ class Trainer:
     def run(self) -> WorkerResult:
         """Train; the reporting worker keeps the ``tensorboard`` option's log open meanwhile (closed also
         on a failure or Ctrl-C). Returns once every worker of the job is done."""
-        self.tensorboard: TensorBoardLog | None = None
-        if self.reporter and self.opts.tensorboard:
-            self.tensorboard = TensorBoardLog(self.opts.tensorboard, self.start_step)
+        opts = self.opts
+        self.metrics = Metrics(reporter=self.reporter, mode=self.mode, steps=opts.steps, first=self.start_step,
+                               log_every=opts.log_every, progress=opts.progress, csv=opts.metrics,
+                               tensorboard=opts.tensorboard, evaluates=self.evaluator.due,
+                               overruns=lambda: self.loop.overruns if self.loop is not None else {},
+                               refreshes=lambda: self.refreshes)
         try:
             result = self._run()
         finally:
-            if self.tensorboard is not None:
-                self.tensorboard.close()
+            self.metrics.close()
         if self.ctx.distributed:
             # Every worker leaves together: one that ended its process group while a peer was still at
             # work (rank 0 writing the closed loop's files) aborted in gloo now and then at exit.
@@ -358,14 +351,57 @@ class Trainer:
         return result
 
     def _run(self) -> WorkerResult:
-        g, opts, tb = self.ctx.grid, self.opts, self.tensorboard
+        """The training loop, top-down: each step, its held-out evaluation, its metrics and a checkpoint
+        when one is due; then the run's end. The components beside it: :class:`Metrics` (CSV, TensorBoard,
+        progress, loss lines), :class:`Evaluator`, the checkpointer (:meth:`checkpoint`) and the closed
+        loop (``self.loop``, scheduled mode)."""
+        g, opts, metrics, evaluator = self.ctx.grid, self.opts, self.metrics, self.evaluator
         result = WorkerResult(g.rank, g.stage, g.replica)
+        self._start(result)
+        every, last = opts.checkpoint_every, opts.steps - 1
+        try:
+            with metrics.progress():
+                for step in range(self.start_step, opts.steps):
+                    cycle = max(self.cycles) if self.cycles else None  # the schedule this step runs
+                    loss, seconds = self._timed_step(step)
+                    result.step_seconds.append(seconds)
+                    with self._failures(step):
+                        val = evaluator.after_step(step, seconds)
+                    metrics.record(step, loss=loss, val=val, lr=self.updater.lr, seconds=seconds, cycle=cycle)
+                    if loss is not None:
+                        result.losses.append(loss)
+                    if every and (step + 1) % every == 0 and step != last:
+                        self._gather_drift()
+                        self.checkpoint(step + 1)
+                        metrics.flush()
+        except KeyboardInterrupt:  # Ctrl-C: say how far it got (the CLI turns it into one line)
+            raise Interrupted(len(result.step_seconds) + self.start_step) from None
+        result.val = evaluator.curve
+        if self.kfac is not None:
+            self.kfac.settle_all()  # no all-reduce left in flight when the process group goes
+        result.peak_memory_bytes = memory.peak_bytes(self.ctx.device)
+        result.peak_saved_bytes = self.kfac.peak_saved_bytes if self.kfac is not None else 0
+        metrics.report_end(result.step_seconds, f"rank {g.rank}: stage {g.stage}, replica {g.replica}",
+                           result.peak_memory_bytes, result.peak_saved_bytes if self.kfac is not None else None,
+                           self.updater.scaler)
+        if metrics.todo:
+            self._gather_drift()
+            self.checkpoint(opts.steps)
+        if self.loop is not None:
+            self._finish_loop()  # after the checkpoint: a resumed run gathers the open cycle as this one would
+        metrics.log_late()
+        if self.reporter and metrics.todo and self.refreshes:
+            click.echo(drift_line(list(self.refreshes.values())))
+        metrics.write_csv()
+        result.figures = metrics.figures() if self.reporter else None
+        self._write_outputs(result)
+        return result
+
+    def _start(self, result: WorkerResult) -> None:
+        """Before the first step: the start lines, the memory baseline, the run's tokenizer."""
+        g, opts, first = self.ctx.grid, self.opts, self.start_step
         self.stage.train()
         self.profiler.align(distributed=self.ctx.distributed)
-        relay = os.environ.get(PROGRESS_ENV) == "1"  # the local launcher draws the bar for us
-        show = self.reporter and opts.progress and not relay  # StepBar draws on a terminal only
-        first = self.start_step
-        todo = max(0, opts.steps - first)
         if self.reporter:
             extra = (f", K-FAC cycle k={max(self.cycles)} (per node: {', '.join(map(str, self.cycles))})"
                      if self.cycles else "")
@@ -378,8 +414,6 @@ class Trainer:
                 up = ("" if not p else f" (chunk {p})" if self.cfg.pipeline.chunked
                       else " (up pipe)" if p == UP else "")
                 click.echo(k.coverage.line(f"stage {node_pipes(self.cfg, g.stage)[p]}{up}"))
-        metrics: list[tuple[int, float | None, float | None, float, float, int | None]] = []
-        train_seconds = 0.0
         memory.reset_peak(self.ctx.device)
         result.base_memory_bytes = memory.peak_bytes(self.ctx.device)  # just reset: what it holds now
         if self.kfac is not None:
@@ -387,153 +421,70 @@ class Trainer:
         if opts.out is not None and self.reporter and self.data.corpus is not None:
             from pipefisher.runtime.data.corpus import save_tokenizer  # the run's vocabulary, from the start
 
-            save_tokenizer(self.data.corpus, tokenizer_path(opts.out, self.cfg.name))
-        bar = StepBar() if show else None
-        if todo:
+            save_tokenizer(self.data.corpus, RunPaths(opts.out, self.cfg.name).tokenizer)
+        if self.metrics.todo:
             self._phase("first step (compiles / warms up; later steps are faster, the bar's ETA follows)")
+
+    @contextmanager
+    def _failures(self, step: int) -> Iterator[None]:
+        """A failure in a step's communication (or compute) as :class:`PeerLost`, naming the step; a bad
+        factor keeps its own line, naming the layer."""
         try:
-            for step in range(first, opts.steps):
-                t0 = time.perf_counter()
-                cycle = max(self.cycles) if self.cycles else None  # the schedule this step runs
-                try:
-                    loss = self.train_step(step)
-                    if self.drift_log is not None:
-                        self.drift_log.take(step)  # tensors: read where the workers gather anyway
-                    if self.loop is not None and step >= 1:
-                        self.loop.after_step(step, self.executor.last_record)
-                except BadFactorError:
-                    raise  # its own one line, naming the layer
-                except RuntimeError as err:
-                    raise PeerLost(self._lost_message(step, err)) from err
-                if self.ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
-                result.step_seconds.append(time.perf_counter() - t0)
-                train_seconds += result.step_seconds[-1]
-                last = step == opts.steps - 1
-                val = None
-                if opts.eval_every and ((step + 1) % opts.eval_every == 0 or last):
-                    try:
-                        val = self.engine.evaluate(self.val_batches)
-                    except RuntimeError as err:
-                        raise PeerLost(self._lost_message(step, err)) from err
-                    if val is not None:
-                        result.val.append((step + 1, val, train_seconds))
-                metrics.append((step, loss, val, self.updater.lr, result.step_seconds[-1], cycle))
-                if tb is not None:
-                    tb.log_step(step, loss=loss, val_loss=val, lr=self.updater.lr,
-                                step_seconds=result.step_seconds[-1], cycle=cycle)
-                    if self.loop is not None:
-                        tb.log_late("overrun_seconds", self.loop.overruns)
-                    self._log_drift(tb)
-                if loss is not None:
-                    result.losses.append(loss)
-                if bar is not None:
-                    bar.update(step + 1 - first, todo)
-                elif relay and self.reporter:  # the launcher's bar, and its line after Ctrl-C
-                    click.echo(f"{PROGRESS_MARK} {step + 1 - first} {todo}")
-                if self.reporter and loss is not None and (step % opts.log_every == 0 or last or val is not None):
-                    held = f"  held-out {val:.4f}" if val is not None else ""
-                    msg = f"step {step:>5}  loss {loss:.4f}{held}  {result.step_seconds[-1] * 1e3:.1f} ms"
-                    if bar is not None:
-                        bar.clear()  # the loss line takes the bar's line; the next step redraws the bar
-                    click.echo(msg)
-                every = opts.checkpoint_every
-                if every and (step + 1) % every == 0 and not last:
-                    self._gather_drift()
-                    self.checkpoint(step + 1)
-                    if self.reporter and opts.metrics:
-                        self._write_metrics(opts.metrics, metrics)
-                    if tb is not None:
-                        tb.flush()
-        except KeyboardInterrupt:  # Ctrl-C: say how far it got (the CLI turns it into one line)
-            raise Interrupted(len(result.step_seconds) + first) from None
-        finally:
-            if bar is not None:
-                bar.clear()
-        if self.kfac is not None:
-            self.kfac.settle_all()  # no all-reduce left in flight when the process group goes
-        result.peak_memory_bytes = memory.peak_bytes(self.ctx.device)
-        result.peak_saved_bytes = self.kfac.peak_saved_bytes if self.kfac is not None else 0
-        if self.reporter and todo:
-            times = result.step_seconds[1:] or result.step_seconds
-            click.echo(f"median step {statistics.median(times) * 1e3:.1f} ms, peak memory "
-                       f"{memory.mib(result.peak_memory_bytes)} (rank {g.rank}: stage {g.stage}, replica {g.replica})"
-                       + (f", K-FAC saved tensors {memory.mib(result.peak_saved_bytes)} at most"
-                          if self.kfac is not None else ""))
-            scaler = self.updater.scaler
-            if scaler is not None:
-                click.echo(f"fp16: {scaler.skipped} update(s) skipped for overflow over the run, loss scale now "
-                           f"{scaler.scale:g}")
-            if tb is not None:
-                tb.log_peak_memory(opts.steps - 1, result.peak_memory_bytes,
-                                   result.peak_saved_bytes if self.kfac is not None else None)
-        if todo:
-            self._gather_drift()
-            self.checkpoint(opts.steps)
-        if self.loop is not None:
-            self.loop.finish()  # after the checkpoint: a resumed run gathers the open cycle as this one would
-            if tb is not None:
-                tb.log_late("overrun_seconds", self.loop.overruns)
-            self.loop.write_schedules()
-            self.loop.write_measured()
-            if self.reporter and todo:
-                click.echo(f"closed loop ({'adaptive' if opts.adapt else 'static'} scheduler): {self.loop.cost_line()}"
-                           + (f", final K-FAC cycle k={max(self.cycles)}" if opts.adapt else ""))
-        if tb is not None:
-            self._log_drift(tb)
-        if self.reporter and todo and self.refreshes:
-            click.echo(drift_line(list(self.refreshes.values())))
-        if self.reporter and opts.metrics:
-            self._write_metrics(opts.metrics, metrics)
-        if opts.out is not None:
-            if opts.profile and g.replica == 0:
-                result.timeline_path = self.profiler.write(opts.out, self.cfg.name, g.stage)
-            if self.reporter:
-                dump_json_atomic(losses_path(opts.out, self.cfg.name),
-                                 {"mode": self.mode, "losses": result.losses, "val": result.val,
-                                  "step_seconds": result.step_seconds, "options": asdict(opts),
-                                  "peak_memory_bytes": result.peak_memory_bytes,
-                                  "peak_saved_bytes": result.peak_saved_bytes,
-                                  "config": self.cfg.to_dict(), "first_step": first,
-                                  # the job's K-FAC cycle k (its longest node's), and each node's
-                                  "cycle": max(self.cycles) if self.cycles else None,
-                                  "node_cycles": self.cycles or None,
-                                  # scheduled mode: each schedule used from which step, and the loop's cost
-                                  "schedules": [{"step": sw.step, "digest": sw.plan.digest,
-                                                 "node_cycles": sw.plan.cycles, "reason": sw.plan.reason}
-                                                for sw in self.loop.history] if self.loop else None,
-                                  "loop_seconds": {"gathers": self.loop.gather_seconds,
-                                                   "decisions": self.loop.decide_seconds} if self.loop else None,
-                                  # the curvature refreshes' drift, the job's figure and every layer's
-                                  "drift": [r.state() for _, r in sorted(self.refreshes.items())]})
-        return result
+            yield
+        except BadFactorError:
+            raise
+        except RuntimeError as err:
+            raise PeerLost(self._lost_message(step, err)) from err
 
-    def _write_metrics(self, path: str, rows: list[tuple[int, float | None, float | None, float, float, int | None]]) -> None:
-        """The metrics CSV: rows of earlier runs of this file (steps before a resume) are kept.
+    def _timed_step(self, step: int) -> tuple[float | None, float]:
+        """One training step with what follows it on the step path (drift samples, the closed loop's
+        measurements): its loss (last stage, else None) and its seconds (the device synchronized)."""
+        t0 = time.perf_counter()
+        with self._failures(step):
+            loss = self.train_step(step)
+            if self.drift_log is not None:
+                self.drift_log.take(step)  # tensors: read where the workers gather anyway
+            if self.loop is not None and step >= 1:
+                self.loop.after_step(step, self.executor.last_record)
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        return loss, time.perf_counter() - t0
 
-        ``cycle``: the K-FAC cycle k of the schedule the step ran (scheduled mode); ``overrun_seconds``:
-        how long K-FAC work delayed the step's calls past their planned bubbles (the slowest node's;
-        known once the step's job cycle is gathered); ``drift`` and ``aging``: the curvature drift and
-        aging of the refresh that completed in the step (:mod:`pipefisher.drift`; empty on other steps)."""
-        from pipefisher.safe_io import write_atomic
+    def _finish_loop(self) -> None:
+        """The closed loop's end: its open cycle gathered, its files written, its cost line."""
+        assert self.loop is not None
+        self.loop.finish()
+        self.loop.write_schedules()
+        self.loop.write_measured()
+        if self.reporter and self.metrics.todo:
+            click.echo(f"closed loop ({'adaptive' if self.opts.adapt else 'static'} scheduler): "
+                       f"{self.loop.cost_line()}" + (f", final K-FAC cycle k={max(self.cycles)}" if self.opts.adapt else ""))
 
-        header = "step,loss,val_loss,lr,step_seconds,mode,cycle,overrun_seconds,drift,aging\n"
-        kept: list[str] = []
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-            first = rows[0][0] if rows else 0
-            kept = [ln for ln in lines[1:] if ln and ln.split(",", 1)[0].isdigit()
-                    and int(ln.split(",", 1)[0]) < first]
-        def num(x: float | None) -> str:
-            return "" if x is None else f"{x:.6f}"
-
-        over = self.loop.overruns if self.loop is not None else {}
-        fresh = self.refreshes
-        body = [f"{s},{num(l)},{num(v)},{lr:.6g},{t:.6f},{self.mode},{'' if k is None else k},{num(over.get(s))},"
-                f"{num(fresh[s].drift if s in fresh else None)},{num(fresh[s].aging if s in fresh else None)}"
-                for s, l, v, lr, t, k in rows]
-        write_atomic(path, header + "".join(line + "\n" for line in kept + body))
+    def _write_outputs(self, result: WorkerResult) -> None:
+        """With ``out``: the profiled timeline (replica 0 of each stage) and the losses JSON (reporting worker)."""
+        opts, g, first = self.opts, self.ctx.grid, self.start_step
+        if opts.out is None:
+            return
+        if opts.profile and g.replica == 0:
+            result.timeline_path = self.profiler.write(opts.out, self.cfg.name, g.stage)
+        if self.reporter:
+            dump_json_atomic(RunPaths(opts.out, self.cfg.name).losses,
+                             {"mode": self.mode, "losses": result.losses, "val": result.val,
+                              "step_seconds": result.step_seconds, "options": asdict(opts),
+                              "peak_memory_bytes": result.peak_memory_bytes,
+                              "peak_saved_bytes": result.peak_saved_bytes,
+                              "config": self.cfg.to_dict(), "first_step": first,
+                              # the job's K-FAC cycle k (its longest node's), and each node's
+                              "cycle": max(self.cycles) if self.cycles else None,
+                              "node_cycles": self.cycles or None,
+                              # scheduled mode: each schedule used from which step, and the loop's cost
+                              "schedules": [{"step": sw.step, "digest": sw.plan.digest,
+                                             "node_cycles": sw.plan.cycles, "reason": sw.plan.reason}
+                                            for sw in self.loop.history] if self.loop else None,
+                              "loop_seconds": {"gathers": self.loop.gather_seconds,
+                                               "decisions": self.loop.decide_seconds} if self.loop else None,
+                              # the curvature refreshes' drift, the job's figure and every layer's
+                              "drift": [r.state() for _, r in sorted(self.refreshes.items())]})
 
 
 def drift_line(refreshes: list[Any]) -> str:
