@@ -161,7 +161,8 @@ def _interrupted(err: KeyboardInterrupt, run_dir: str, steps: int, paths: Any = 
 
     from pipefisher.cli.train import interrupted_message
     from pipefisher.runtime.job.process import Interrupted
-    from pipefisher.runtime.train.export import RUN_CHECKPOINTS, run_checkpoint_folders
+    from pipefisher.runtime.job.files import RUN_CHECKPOINTS
+    from pipefisher.runtime.train.export import run_checkpoint_folders
 
     stop = err if isinstance(err, Interrupted) else Interrupted(None)
     held = run_checkpoint_folders(run_dir) if os.path.isdir(run_dir) else []
