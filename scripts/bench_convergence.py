@@ -296,8 +296,8 @@ def best_first_order(runs: list[dict[str, Any]]) -> str | None:
 
 def race_table(runs: list[dict[str, Any]], target: float, modes: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
     """Per mode that ran (``modes``, default the race's, in that order): medians over seeds of the steps
-    and training seconds to ``target``, the final held-out loss, the step (after step 0), peak memory and
-    K-FAC's saved tensors (MiB), the seeds reaching the target, and the chosen peak lr and warm-up."""
+    and training seconds to ``target``, the final held-out loss, the step (after step 0), K-FAC's saved
+    tensors (MiB; no process peak: see the table in :func:`main`), the seeds reaching the target, and the chosen peak lr and warm-up."""
     table: dict[str, dict[str, float]] = {}
     for key in MODES if modes is None else modes:
         mine = [r for r in runs if r["mode"] == key]
@@ -309,7 +309,6 @@ def race_table(runs: list[dict[str, Any]], target: float, modes: tuple[str, ...]
             "final": _median([r["val"][-1][1] for r in mine]),
             "step_ms": _median([statistics.median(r["step_seconds"][1:] or r["step_seconds"]) * 1e3 for r in mine]),
             "mean_step_ms": _median([statistics.fmean(r["step_seconds"][1:] or r["step_seconds"]) * 1e3 for r in mine]),
-            "memory": _median([r["peak_memory"] / 2**20 for r in mine]),
             "saved": _median([r["peak_saved"] / 2**20 for r in mine]),
             "reached": sum(1 for s, _ in reach if not math.isinf(s)),
             "lr": mine[0].get("lr", math.nan), "warmup_steps": mine[0].get("warmup_steps", math.nan),
