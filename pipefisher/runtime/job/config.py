@@ -217,6 +217,7 @@ class PipelineConfig:
     schedule: str = "1f1b"  # one of PIPELINE_ORDERS
     timeout_s: float = 60.0
     chunks: int = 2  # interleaved: model chunks per device (virtual stage s on device s % stages); zb-v: 2
+    grad_bucket_mb: float = 25.0  # the most MiB of gradients one bucket's all-reduce carries
 
     @property
     def chunked(self) -> bool:
@@ -446,6 +447,8 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("pipeline.stages must be between 1 and model.num_layers")
     if p.timeout_s <= 0:
         problems.append("pipeline.timeout_s must be positive")
+    if not 0 < p.grad_bucket_mb < float("inf"):
+        problems.append("pipeline.grad_bucket_mb must be positive and finite")
     if d.text.strip() == "":
         problems.append("data.text must name a corpus ('stdlib', a file, a folder or a glob) or 'synthetic'")
     if d.objective not in OBJECTIVES:

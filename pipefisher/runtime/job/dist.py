@@ -87,10 +87,18 @@ class DistContext:
     stage_group: Any = None  # every replica of this device's stage(s): gradients and K-FAC factors
     stage_group_size: int = 1
     chimera: bool = False  # two pipes: this device also holds the up pipe's copy of stage ``mirror``
+    pair_grad_group: Any = None  # Chimera: the stage group's ranks again, for the gradient buckets alone
 
     @property
     def distributed(self) -> bool:
         return self.backend is not None
+
+    @property
+    def grad_group(self) -> Any:
+        """The group the gradient buckets all-reduce over: the stage group's ranks. Under Chimera a group
+        of its own, since the pair's two devices start their buckets at different points of their
+        schedules than their K-FAC factor all-reduces (:mod:`pipefisher.runtime.pipeline.buckets`)."""
+        return self.pair_grad_group if self.pair_grad_group is not None else self.stage_group
 
 
 def single_process(device: torch.device | None = None) -> DistContext:
@@ -151,16 +159,17 @@ def init_from_env(stages: int, timeout_s: float, chimera: bool = False) -> DistC
         group = dist.new_group(ranks, timeout=timeout) if stages > 1 else None
         if r == grid.replica:
             pipe_group = group
-    stage_group, size = dp_group, grid.replicas
+    stage_group, size, grad_group = dp_group, grid.replicas, None
     if chimera:
         if stages % 2:
             raise ValueError(f"Chimera needs an even number of pipeline stages, not {stages}")
         size = 2 * grid.replicas
         for s in range(stages // 2):
             group = dist.new_group(grid.pair_ranks(s), timeout=timeout)
+            grads = dist.new_group(grid.pair_ranks(s), timeout=timeout)
             if s in (grid.stage, grid.mirror):
-                stage_group = group
-    return DistContext(grid, device, backend, dp_group, pipe_group, stage_group, size, chimera)
+                stage_group, grad_group = group, grads
+    return DistContext(grid, device, backend, dp_group, pipe_group, stage_group, size, chimera, grad_group)
 
 
 def check_agreement(ctx: DistContext, fingerprint: str) -> None:

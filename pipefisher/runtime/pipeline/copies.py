@@ -6,8 +6,9 @@ of the up pipe (Li & Hoefler, SC'21). Each copy has its own parameters, K-FAC st
 micro-batches, and runs its own micro-batches through its own :class:`PipelineEngine`; the order of
 their calls on the device is the simulator's Chimera order (:func:`pipefisher.runtime.pipeline.engine.device_plan`).
 
-The two copies of a stage (on devices ``s`` and ``D - 1 - s``) stay bit-identical: at ``-- end --``
-their gradients are summed over the pair (and averaged over data-parallel replicas), and their
+The two copies of a stage (on devices ``s`` and ``D - 1 - s``) stay bit-identical: their gradients
+are summed over the pair (buckets started in canonical order as each copy's last backward ends, waited
+for at ``-- end --``: :mod:`pipefisher.runtime.pipeline.buckets`) (and averaged over data-parallel replicas), and their
 K-FAC factors are averaged over the same group by ``sync_kron`` before they are inverted. Everything
 that talks to that group runs in one canonical order on both devices: the copies by stage index.
 
@@ -26,7 +27,8 @@ from torch import nn
 
 from pipefisher.pipeline_orders import DOWN, UP
 from pipefisher.runtime.job.dist import DistContext
-from pipefisher.runtime.pipeline.engine import PipelineEngine, average_gradients
+from pipefisher.runtime.pipeline.buckets import GradientBuckets
+from pipefisher.runtime.pipeline.engine import PipelineEngine
 from pipefisher.runtime.pipeline.labels import copy_suffix, parse_label
 
 Span = Callable[[str], ContextManager[Any]]
@@ -143,11 +145,18 @@ class StageCopiesKFAC:
 
 class StageCopiesEngine:
     """The pipeline calls of a device with several stage copies (Chimera's pipes, the chunks of
-    interleaved 1F1B and ZB-V): each label to its copy's engine, and the step's ends."""
+    interleaved 1F1B and ZB-V): each label to its copy's engine, and the step's ends. The copies' gradients
+    share one set of buckets, in canonical order; under Chimera (whose pair runs different labels) they are
+    started in that order too."""
 
     def __init__(self, copies: StagePair | StageChunks, ctx: DistContext, engines: dict[int, PipelineEngine]) -> None:
         self.copies, self.ctx, self.engines = copies, ctx, engines
         self.down = engines[DOWN]
+        params = {p: [t for t in copies.copy(p).parameters() if t.requires_grad] for p in copies.order}
+        self.grads = GradientBuckets(params, ctx.grad_group, ctx.stage_group_size, divisor=ctx.grid.replicas,
+                                     bucket_bytes=int(self.down.grad_bucket_mb * 2**20), ordered=ctx.chimera)
+        for p, e in engines.items():
+            e.share_buckets(self.grads, p)
 
     def op(self, label: str) -> Callable[[], None]:
         copy = label_copy(label)
@@ -188,7 +197,8 @@ class StageCopiesEngine:
         return sum(mine) if mine else None
 
     def allreduce_gradients(self) -> None:
-        average_gradients([self.copies.copy(p) for p in self.copies.order], self.ctx)
+        """Every copy's gradients averaged over its replicas (:meth:`PipelineEngine.allreduce_gradients`)."""
+        self.grads.finish()
 
     def evaluate(self, batches: list[Any]) -> float | None:
         """Held-out loss through the down pipe (the copies are identical, one pipe is enough); when

@@ -5,6 +5,9 @@
 Zero-bubble orders (ZB-H1, ZB-V) split the backward: ``call_backward`` is then the B pass (the input
 gradient, sent at once; :mod:`pipefisher.runtime.pipeline.split_backward`) and ``call_backward:weight``
 the W pass of the oldest micro-batch whose B ran, from the graph kept in between.
+The gradients live in persistent flat buckets (:mod:`pipefisher.runtime.pipeline.buckets`): a stage
+copy's all-reduce over its replicas starts as its last backward (or W pass) of the step ends, inside its
+tail bubble, and :meth:`PipelineEngine.allreduce_gradients` waits for it at the end of the step.
 Sends are asynchronous (waited for at the end of the step); receives block, under the process
 group's timeout. ``prepost(label)`` posts a call's receives ahead of the call (the executor does it
 before K-FAC work in a bubble): with gloo a send completes only once its receive is posted, so a
@@ -31,6 +34,7 @@ from pipefisher.pipeline_orders import FORWARD as _F
 from pipefisher.runtime.data.batches import MLMData, batch_seed
 from pipefisher.runtime.job.config import PIPELINE_ORDERS
 from pipefisher.runtime.job.dist import DistContext
+from pipefisher.runtime.pipeline.buckets import DEFAULT_BUCKET_MB, GradientBuckets
 from pipefisher.runtime.pipeline.compute import autocast, wire_dtype
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, WEIGHT, chunk_suffix, copy_suffix
 
@@ -135,7 +139,9 @@ class PipelineEngine:
     into its B pass and a later W pass (:meth:`weight`). ``precision`` (``train.precision``) is the
     compute dtype of the stage's forwards (autocast) and of what crosses its boundaries
     (:mod:`pipefisher.runtime.pipeline.compute`); ``scaler`` (fp16, a ``LossScale``) is what the last
-    stage's backwards start from instead of 1.
+    stage's backwards start from instead of 1. ``grad_bucket_mb`` bounds each gradient bucket
+    (``pipeline.grad_bucket_mb``); a device with several copies shares one set of buckets
+    (:meth:`share_buckets`).
 
     With a true-Fisher ``kfac`` that saves the micro-batch, the last stage also computes the loss
     against labels sampled from its predictions, and every stage runs a second backward of that loss
@@ -147,7 +153,7 @@ class PipelineEngine:
                  span: Span | None = None, kfac: Any = None, *, pipe: int = DOWN,
                  micro_batches: Sequence[int] | None = None, chunk: int | None = None,
                  layout: str = LOOP, split: bool = False, local: "LocalLink | None" = None,
-                 precision: str = "fp32", scaler: Any = None) -> None:
+                 precision: str = "fp32", scaler: Any = None, grad_bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
         self.stage, self.ctx, self.data = stage, ctx, data
         self.precision, self.scaler = precision, scaler
         self.wire = wire_dtype(precision)  # activations and gradients between stages
@@ -157,6 +163,10 @@ class PipelineEngine:
             self._backward_input = backward_input
         self.local = local if local is not None else LocalLink()
         self._params = [p for p in stage.parameters() if p.requires_grad]
+        self.grad_bucket_mb = grad_bucket_mb
+        self.grads = GradientBuckets({0: self._params}, ctx.grad_group, ctx.stage_group_size,
+                                     divisor=ctx.grid.replicas, bucket_bytes=int(grad_bucket_mb * 2**20))
+        self.grad_copy = 0  # this engine's copy among self.grads'
         self.kfac = kfac
         self.num_micro_batches = num_micro_batches
         self.micro_batches = list(range(num_micro_batches) if micro_batches is None else micro_batches)
@@ -185,7 +195,7 @@ class PipelineEngine:
         c, h = data.cfg, stage.hidden_size
         self.act_shape = (c.micro_batch_size, c.seq_len, h)
         self.step = 0
-        self._next_fwd = self._next_bwd = 0
+        self._next_fwd = self._next_bwd = self._next_w = 0
         self._stash: collections.deque = collections.deque()
         self._weights: collections.deque[Any] = collections.deque()  # DeferredWeights: B ran, W not yet (split)
         self._sends: list[tuple[Any, torch.Tensor]] = []
@@ -208,8 +218,18 @@ class PipelineEngine:
         if self._stash or self._sends or self._posted or self._weights:
             raise RuntimeError("begin_step while the previous step still has micro-batches in flight")
         self.step = step
-        self._next_fwd = self._next_bwd = 0
+        self._next_fwd = self._next_bwd = self._next_w = 0
         self.losses = []
+        self.grads.attach(self.grad_copy)
+
+    def share_buckets(self, grads: GradientBuckets, copy: int) -> None:
+        """Keep this engine's gradients in ``grads`` (a device's stage copies together), as copy ``copy``."""
+        self.grads, self.grad_copy = grads, copy
+
+    def _last_backward_done(self) -> bool:
+        """Whether this step's last backward of this copy (zero-bubble: its last W pass) has run."""
+        done = self._next_w if self.split else self._next_bwd
+        return done == len(self.micro_batches)
 
     # -- one label each ------------------------------------------------------------------------------
 
@@ -282,6 +302,8 @@ class PipelineEngine:
                 gx = None if self.is_first else x.grad
             if not self.is_first:
                 self._send(gx if gx is not None else torch.zeros_like(x), self.prev_rank, _TAG_GRAD + self._in)
+        if self._last_backward_done():  # the copy's gradients are final: all-reduce them in its tail bubble
+            self.grads.ready(self.grad_copy)
 
     def weight(self) -> None:
         """The next W pass (oldest B pass first): that micro-batch's weight gradients, added into
@@ -289,8 +311,11 @@ class PipelineEngine:
         if not self._weights:
             raise RuntimeError(f"{self.weight_key}: no B pass is waiting for its weight pass")
         deferred = self._weights.popleft()
+        self._next_w += 1
         with self.span(self.weight_key):
             deferred.run()
+        if self._last_backward_done():
+            self.grads.ready(self.grad_copy)
 
     def _sampled_backward(self, x: torch.Tensor, out: torch.Tensor, sampled: torch.Tensor | None,
                           outputs: list[tuple[Any, torch.Tensor]], seed_grad: torch.Tensor | None) -> None:
@@ -439,8 +464,9 @@ class PipelineEngine:
         return float(loss / grid.replicas)
 
     def allreduce_gradients(self) -> None:
-        """Average gradients over the stage's data-parallel group (one flat buffer)."""
-        average_gradients([self.stage], self.ctx)
+        """Gradients averaged over the stage's data-parallel group: waits for the buckets' all-reduces
+        started at the copy's last backward (starts any not started yet)."""
+        self.grads.finish()
 
     # -- point to point ------------------------------------------------------------------------------
 
@@ -505,32 +531,3 @@ class LocalLink:
             raise RuntimeError(f"a stage copy of this device waits for a hand-off (tag {tag}) its other copy "
                                "has not made: the pipeline order runs them out of turn")
         return queue.popleft()
-
-
-def average_gradients(stages: Sequence[torch.nn.Module], ctx: DistContext) -> None:
-    """Average the gradients of this device's stage copies over every replica of them, in one buffer.
-
-    The group is ``ctx.stage_group``: the data-parallel replicas of the device's stage, or under
-    Chimera every device holding a copy of the same two stages. The gradients are summed over the
-    group and divided by the data-parallel replica count: the two pipes of a Chimera replica each
-    hold the gradient of their own micro-batches (already divided by the step's micro-batch count),
-    which add up to the replica's gradient. ``stages`` must come in the same (stage index) order on
-    every member, so the flat buffers line up.
-    """
-    if ctx.stage_group_size == 1:
-        return
-    params = [p for stage in stages for p in stage.parameters() if p.requires_grad]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=ctx.stage_group)
-    if ctx.grid.replicas > 1:
-        flat /= ctx.grid.replicas
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        chunk = flat[offset:offset + n].view_as(g)
-        if p.grad is None:
-            p.grad = chunk.clone()
-        else:
-            p.grad.copy_(chunk)
-        offset += n

@@ -205,12 +205,13 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
         local = LocalLink()  # ZB-V's turn: device D-1's chunk 0 feeds its own chunk 1
         engines = {j: PipelineEngine(copies[j], ctx, data, m, span=span, kfac=kfacs.get(j), micro_batches=plan[j],
                                      chunk=j, layout=layout_of(cfg.pipeline.schedule), split=split, local=local,
-                                     precision=cfg.train.precision, scaler=scaler)
+                                     precision=cfg.train.precision, scaler=scaler,
+                                     grad_bucket_mb=cfg.pipeline.grad_bucket_mb)
                    for j in plan}
     else:
         engines = {p: PipelineEngine(copies[p], ctx, data, m, span=span, kfac=kfacs.get(p), pipe=p,
                                      micro_batches=plan[p], split=split, precision=cfg.train.precision,
-                                     scaler=scaler) for p in plan}
+                                     scaler=scaler, grad_bucket_mb=cfg.pipeline.grad_bucket_mb) for p in plan}
     if interleaved:
         stage: nn.Module = StageChunks([copies[j] for j in range(v)])
         kfac: Any = StageCopiesKFAC(kfacs, list(index), interleaved=True) if kfacs else None
