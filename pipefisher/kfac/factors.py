@@ -16,29 +16,50 @@ class BadFactorError(RuntimeError):
     """
 
 
-def with_bias_column(x: torch.Tensor) -> torch.Tensor:
-    """``[x, 1]``: a linear layer with bias is a bias-free layer on inputs with a constant 1 appended."""
-    return torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+def add_cov_a(acc: torch.Tensor | None, x: torch.Tensor, bias: bool) -> torch.Tensor:
+    """Add factor A of one micro-batch, ``[x, 1]^T [x, 1] / n`` over its ``n`` input rows, into ``acc``
+    in place (a new sum when ``acc`` is None); returns the sum.
+
+    A linear layer with bias is a bias-free layer on inputs with a constant 1 appended; that column is
+    never built: the ``x^T x`` block goes in with one ``addmm_``, the bias row and column are the mean
+    row ``x.sum(0) / n``, and the corner is 1.
+    """
+    x = x.reshape(-1, x.shape[-1]).float()
+    n, d = x.shape
+    if acc is None:
+        acc = x.new_zeros(d + bias, d + bias)
+    acc[:d, :d].addmm_(x.t(), x, alpha=1.0 / n)
+    if bias:
+        mean = x.sum(0) / n
+        acc[:d, d] += mean
+        acc[d, :d] += mean
+        acc[d, d] += 1.0
+    return acc
+
+
+def add_cov_b(acc: torch.Tensor | None, g: torch.Tensor, loss_scale: float) -> torch.Tensor:
+    """Add factor B of one micro-batch, ``(s g)^T (s g) / n`` with ``s = loss_scale * n``, into ``acc``
+    in place (a new sum when ``acc`` is None); returns the sum.
+
+    The saved output gradients are those of ``mean-over-rows loss / loss_scale``; multiplying by
+    ``s`` turns them back into per-row gradients, the quantity whose covariance K-FAC wants. The
+    scale goes into the ``addmm_``'s alpha (``s^2 / n``), so no scaled copy of ``g`` is made.
+    """
+    g = g.reshape(-1, g.shape[-1]).float()
+    n, d = g.shape
+    if acc is None:
+        acc = g.new_zeros(d, d)
+    return acc.addmm_(g.t(), g, alpha=(loss_scale * n) ** 2 / n)
 
 
 def cov_a(x: torch.Tensor, bias: bool) -> torch.Tensor:
-    """Factor A of one micro-batch: ``x^T x / n`` over its ``n`` input rows (with the bias column)."""
-    x = x.reshape(-1, x.shape[-1]).float()
-    if bias:
-        x = with_bias_column(x)
-    return x.t() @ x / x.shape[0]
+    """Factor A of one micro-batch on its own (:func:`add_cov_a` into nothing)."""
+    return add_cov_a(None, x, bias)
 
 
 def cov_b(g: torch.Tensor, loss_scale: float) -> torch.Tensor:
-    """Factor B of one micro-batch: ``(s g)^T (s g) / n`` with ``s = loss_scale * n``.
-
-    The saved output gradients are those of ``mean-over-rows loss / loss_scale``; multiplying by
-    ``s`` turns them back into per-row gradients, the quantity whose covariance K-FAC wants.
-    """
-    g = g.reshape(-1, g.shape[-1]).float()
-    n = g.shape[0]
-    gs = g * (loss_scale * n)
-    return gs.t() @ gs / n
+    """Factor B of one micro-batch on its own (:func:`add_cov_b` into nothing)."""
+    return add_cov_b(None, g, loss_scale)
 
 
 def running_average(old: torch.Tensor | None, new: torch.Tensor, decay: float) -> torch.Tensor:

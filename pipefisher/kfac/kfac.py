@@ -175,12 +175,19 @@ def coverage(model: nn.Module, ignore: Iterable[str] = DEFAULT_IGNORE) -> Covera
     return Coverage(covered, first_order, tuple(ignored), tuple(tied))
 
 
+def _owned(sums: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    """Copies of a layer's factor sums: :meth:`KFAC.cov` adds into a sum in place, so a state dict
+    never shares one with a live K-FAC state."""
+    return {f: None if t is None else t.clone() for f, t in sums.items()}
+
+
 @dataclass
 class LayerState:
     module: nn.Module
     kind: LayerKind = field(default=LAYER_KINDS[0])
     inputs: collections.deque = field(default_factory=collections.deque)
     outgrads: collections.deque = field(default_factory=collections.deque)
+    # per factor, the sum of this refresh's covariance pieces: owned (KFAC.cov adds into it in place)
     sums: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
     counts: dict[str, int] = field(default_factory=lambda: {"A": 0, "B": 0})
     inverses: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
@@ -438,8 +445,9 @@ class KFAC:
             st.overflowed[factor] += 1  # fp16: this micro-batch overflowed; its step's update is skipped too
             return True
         # B: the saved rows are gradients of a mean over cov_stride times as many rows (see fx.cov_b)
-        contrib = fx.cov_a(x, st.bias) if factor == "A" else fx.cov_b(x, self.loss_scale * self.cov_stride)
-        st.sums[factor] = contrib if st.sums[factor] is None else st.sums[factor] + contrib
+        acc = st.sums[factor]  # added into in place: nothing else holds it (see LayerState.sums)
+        st.sums[factor] = (fx.add_cov_a(acc, x, st.bias) if factor == "A"
+                           else fx.add_cov_b(acc, x, self.loss_scale * self.cov_stride))
         st.counts[factor] += 1
         st.synced[factor] = False
         return True
@@ -686,7 +694,7 @@ class KFAC:
         layers = {}
         for name, st in self.layers.items():
             layers[name] = {
-                "sums": dict(st.sums), "counts": dict(st.counts), "inverses": dict(st.inverses),
+                "sums": _owned(st.sums), "counts": dict(st.counts), "inverses": dict(st.inverses),
                 "last_pi": st.last_pi, "running": dict(st.running), "inversions": dict(st.inversions),
                 "skipped": st.skipped, "synced": dict(st.synced),
                 "inputs": list(st.inputs), "outgrads": list(st.outgrads),
@@ -704,7 +712,7 @@ class KFAC:
         self.set_saving(bool(state["saving"]))
         for name, st in self.layers.items():
             s = layers[name]
-            st.sums = {f: s["sums"][f] for f in "AB"}
+            st.sums = _owned(s["sums"])
             st.counts = {f: int(s["counts"][f]) for f in "AB"}
             st.inverses = {f: s["inverses"][f] for f in "AB"}
             st.last_pi = s["last_pi"]
