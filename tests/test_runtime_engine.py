@@ -1,12 +1,14 @@
 """Pipelined gradients and K-FAC state equal those of the same model in one process.
 
 Each layout runs once in real worker processes (gloo, one thread each): one step in GPipe order and
-one in 1F1B order on the same batch, then naive K-FAC on the 1F1B step's micro-batches.
+one in 1F1B order on the same batch, then naive K-FAC on the 1F1B step's micro-batches. The gradients
+travel in several small buckets (:mod:`pipefisher.runtime.pipeline.buckets`).
 """
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from pipefisher.kfac import KFAC
 from pipefisher.runtime.data.batches import MLMData
@@ -30,9 +32,9 @@ def _worker(cfg: RunConfig) -> dict:
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
     g, m = ctx.grid, cfg.data.num_micro_batches
     stage = PipelineStage(cfg.model, g.stage, g.stages, seed=cfg.data.seed)
-    engine = PipelineEngine(stage, ctx, MLMData(cfg.data, cfg.model.vocab_size), m)
+    engine = PipelineEngine(stage, ctx, MLMData(cfg.data, cfg.model.vocab_size), m, grad_bucket_mb=0.01)
     kfac = KFAC(stage, damping=cfg.kfac.damping, loss_scale=m, dp_group=ctx.dp_group, dp_size=g.replicas)
-    out: dict = {"stage": g.stage, "replica": g.replica}
+    out: dict = {"stage": g.stage, "replica": g.replica, "storage": []}
     for kind in (PREPOSTED, "gpipe", "1f1b"):
         stage.zero_grad(set_to_none=True)
         kfac.set_saving(kind == "1f1b")
@@ -51,6 +53,7 @@ def _worker(cfg: RunConfig) -> dict:
         engine.finish_step()
         engine.allreduce_gradients()
         out[kind] = {n: p.grad.clone() for n, p in stage.named_parameters()}
+        out["storage"].append(engine.grads.storage())
     factors, inverses = {}, {}
     for n in kfac.names:
         for f in "AB":
@@ -63,6 +66,19 @@ def _worker(cfg: RunConfig) -> dict:
     kfac.precondition_all()
     out.update(factors=factors, inverses=inverses,
                precond={n: p.grad.clone() for n, p in stage.named_parameters()})
+    if ctx.stage_group_size > 1:  # the buckets' average against one flat all-reduce of the same gradients
+        params = [p for p in stage.parameters() if p.requires_grad]
+        gen = torch.Generator().manual_seed(g.rank)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=ctx.stage_group)
+        flat /= g.replicas
+        engine.grads.attach(0)
+        engine.grads.ready(0)
+        engine.grads.finish()
+        out["buckets"] = len(engine.grads.buckets(0))
+        out["one_flat"] = torch.equal(torch.cat([p.grad.reshape(-1) for p in params]), flat)
     shutdown(ctx)
     return out
 
@@ -185,6 +201,18 @@ def test_pipelined_gradients_equal_single_process(layout_run, kind):
             _assert_close(grad, ref["grads"][name], f"{kind} stage {res['stage']} {name}")
             seen.add(name)
     assert seen == set(ref["grads"])  # every parameter lives on exactly the stages that computed it
+
+
+def test_gradient_buckets_stay_put_and_average_as_one_flat_all_reduce_bit_for_bit(layout_run):
+    """Over two replicas the buckets' sum is a + b element by element, as one flat all-reduce's; the
+    buckets are allocated at the first step and reused by every later one."""
+    cfg, replicas, results, ref = layout_run
+    for res in results:
+        if replicas == 1:
+            assert "one_flat" not in res and res["storage"] == [[]] * 3  # nothing to average, nothing kept
+            continue
+        assert res["buckets"] >= 2 and res["one_flat"], res["stage"]
+        assert res["storage"][0] and res["storage"] == [res["storage"][0]] * 3
 
 
 def test_receives_posted_ahead_are_the_calls_own(layout_run):
