@@ -98,7 +98,7 @@ class DistContext:
         """The group the gradient buckets all-reduce over: the stage group's ranks. Under Chimera a group
         of its own, since the pair's two devices start their buckets at different points of their
         schedules than their K-FAC factor all-reduces (:mod:`pipefisher.runtime.pipeline.buckets`)."""
-        return self.pair_grad_group if self.pair_grad_group is not None else self.stage_group
+        return self.pair_grad_group if self.chimera and self.pair_grad_group is not None else self.stage_group
 
 
 def single_process(device: torch.device | None = None) -> DistContext:

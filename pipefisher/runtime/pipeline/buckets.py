@@ -98,7 +98,9 @@ class Bucket:
 class GradientBuckets:
     """The buckets of a device's stage copies (``copies``: copy id -> its trainable parameters, in
     canonical order), all-reduced over ``group`` (``members`` ranks, nothing to do with one) and divided
-    by ``divisor`` (the data-parallel replica count). ``ordered``: start the copies in canonical order
+    by ``divisor`` (the data-parallel replica count: under Chimera the group also holds the stage's
+    copy on the mirror device, and the two pipes' gradients, each of its own micro-batches already divided
+    by the step's micro-batch count, add up to the replica's). ``ordered``: start the copies in canonical order
     (Chimera's pair); otherwise each as it is ready. ``reduce`` is :func:`torch.distributed.all_reduce`
     (a test may record its calls instead)."""
 
