@@ -23,7 +23,7 @@ BASE = RunConfig().replace(
     model=dict(vocab_size=64, hidden_size=16, num_layers=4, num_heads=2, intermediate_size=32, max_position=8),
     data=dict(seq_len=8, micro_batch_size=2, num_micro_batches=3, text="stdlib"),  # real text, BPE
     kfac=dict(damping=1e-2),
-    pipeline=dict(timeout_s=30.0),
+    pipeline=dict(timeout_s=30.0, grad_bucket_mb=0.01),  # gradients in several buckets (10 KiB each)
 )
 
 
@@ -32,7 +32,8 @@ def _worker(cfg: RunConfig) -> dict:
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
     g, m = ctx.grid, cfg.data.num_micro_batches
     stage = PipelineStage(cfg.model, g.stage, g.stages, seed=cfg.data.seed)
-    engine = PipelineEngine(stage, ctx, MLMData(cfg.data, cfg.model.vocab_size), m, grad_bucket_mb=0.01)
+    engine = PipelineEngine(stage, ctx, MLMData(cfg.data, cfg.model.vocab_size), m,
+                            grad_bucket_mb=cfg.pipeline.grad_bucket_mb)
     kfac = KFAC(stage, damping=cfg.kfac.damping, loss_scale=m, dp_group=ctx.dp_group, dp_size=g.replicas)
     out: dict = {"stage": g.stage, "replica": g.replica, "storage": []}
     for kind in (PREPOSTED, "gpipe", "1f1b"):
