@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import torch
 
 from pipefisher.drift import DriftSample
+from pipefisher.runtime.job.host import HOST
 
 
 class DriftLog:
@@ -41,7 +42,7 @@ class DriftLog:
         """Every sample not gathered yet, as numbers (one device-to-host transfer), and forget them."""
         pending, self.pending = self.pending, []
         tensors = [t for entry in pending for t in entry[2:] if isinstance(t, torch.Tensor)]
-        values = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()) if tensors \
+        values = iter(HOST.values(torch.stack([t.detach().float().reshape(()) for t in tensors]))) if tensors \
             else iter(())
 
         def num(x: Any) -> float | None:  # in the order the tensors were stacked

@@ -1,0 +1,88 @@
+"""Device-to-host reads on the step path, counted in one place.
+
+On a GPU, turning a tensor into a Python number (``float(t)``, ``bool(t)``, ``.item()``, ``.tolist()``)
+makes the host wait until the device has computed it: the host stops queueing work, and the device
+idles once the queue runs dry. A training step should therefore read nothing, apart from what decides
+the host's next move (fp16's overflow decides whether the optimizer steps) and what the run reports
+(losses at logging steps). Every read of the runtime goes through :data:`HOST`, which counts them
+(:meth:`HostReads.take`: the reads since the last take, so a loop counts them per step) and batches
+those that can wait: :meth:`HostReads.later` files a tensor and what to do with its values, and the next
+read of any kind (:meth:`HostReads.settle`) brings them over with it, in one transfer.
+
+A read syncs no more than itself: ``.tolist()`` of one flat tensor (never ``torch.cuda.synchronize``).
+Nothing here imports torch at module level, so the module costs nothing to import.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+Later = Callable[[list[float]], None]
+
+
+class HostReads:
+    """Counts this process's device-to-host reads and holds the reads that can wait for the next one.
+
+    ``count``: reads since the last :meth:`take`; ``total``: over the process's life."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0
+        self._later: list[tuple[Any, Later]] = []
+
+    def _transfer(self, tensors: list[Any]) -> list[float]:
+        """One read: ``tensors`` flattened into one float64 tensor, brought over as numbers."""
+        import torch
+
+        self.count += 1
+        self.total += 1
+        flat = [t.detach().reshape(-1).to(torch.float64) for t in tensors]
+        return (flat[0] if len(flat) == 1 else torch.cat(flat)).tolist()
+
+    def values(self, *tensors: Any) -> list[float]:
+        """Every element of ``tensors`` (flattened, in order) as numbers, in one read; what waited for
+        the next read (:meth:`later`) comes over with it and is handed on first."""
+        waiting, self._later = self._later, []
+        got = self._transfer([t for t, _ in waiting] + list(tensors)) if waiting or tensors else []
+        at = 0
+        for t, then in waiting:
+            n = t.numel()
+            then(got[at:at + n])
+            at += n
+        return got[at:]
+
+    def value(self, t: Any) -> float:
+        """A one-element tensor as a number (one read)."""
+        return self.values(t)[0]
+
+    def flag(self, t: Any) -> bool:
+        """A one-element tensor as a truth value (one read)."""
+        return self.values(t)[0] != 0
+
+    def wait(self, event: Any) -> None:
+        """Wait for a CUDA event (counted as a read: the host waits on the device as a read does)."""
+        self.count += 1
+        self.total += 1
+        event.synchronize()
+
+    def later(self, t: Any, then: Later) -> None:
+        """Read ``t`` with the next read, whatever it is, and call ``then(values)`` there."""
+        self._later.append((t, then))
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a read filed with :meth:`later` still waits."""
+        return bool(self._later)
+
+    def settle(self) -> None:
+        """Read now what waits (:meth:`later`), if anything does: one read, or none."""
+        if self._later:
+            self.values()
+
+    def take(self) -> int:
+        """The reads since the last take (a loop takes them once per step), and start counting anew."""
+        n, self.count = self.count, 0
+        return n
+
+
+HOST = HostReads()
+"""The process's one counter: every read of the runtime's step path goes through it."""
