@@ -281,6 +281,7 @@ class KFAC:
         # (at the next read of the host's); one without is checked at once.
         self.host: Any = None
         self._unchecked: list[tuple[str, str, torch.Tensor]] = []  # (layer, factor, findings) not read yet
+        self._honest: dict[tuple[str, str], torch.Tensor] = {}  # (layer, factor) -> used or not, not read yet
         self._inverted: set[tuple[str, str]] = set()  # (layer, factor) inverted since the last check
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
@@ -596,6 +597,7 @@ class KFAC:
             if st.last_pi is not None:
                 pi = torch.where(ok, torch.as_tensor(pi, dtype=torch.float64, device=ok.device), st.last_pi)
             self._unchecked.append((name, factor, findings))
+            self._honest[name, factor] = ok
         st.last_pi = pi
         if factor not in st.replaced:  # the inverse the refresh started from (a second inv keeps the first)
             st.replaced[factor] = st.inverses[factor]
@@ -620,6 +622,7 @@ class KFAC:
         """Hand the findings of the inverses not checked yet to be read (one read for all of them): with
         the runtime's next read (``host``), else now. A checkpoint and the run's end call it too."""
         batch, self._unchecked, self._inverted = self._unchecked, [], set()
+        self._honest = {}
         if not batch:
             return
         flat = torch.stack([findings for _, _, findings in batch])
@@ -699,12 +702,19 @@ class KFAC:
             else fx.precondition(g, old_a, old_b)
         older_a, older_b = st.previous["A"], st.previous["B"]
         older = None if older_a is None or older_b is None else fx.precondition(g, older_a, older_b)
-        self._drift.append((name, *fx.drift_terms(new, old, older)))
+        change, change2, norm = fx.drift_terms(new, old, older)
+        honest = [self._honest.get((name, f)) for f in st.replaced]
+        if all(h is not None for h in honest):  # every inverse it made may have been passed over: then the
+            moved = torch.stack(honest).any()  # refresh changed nothing, and is no sample (NaN figures)
+            norm = torch.where(moved, norm, torch.full_like(norm, math.nan))
+        self._drift.append((name, change, change2, norm))
 
     def take_drift(self) -> list[tuple[Any, ...]]:
         """The drift measured since the last call, per completed refresh of a layer: ``(layer,
         ||P_new(G) - P_old(G)||^2, ||P_new(G) - P_older(G)||^2 or None, ||P_new(G)||^2)`` as 0-dim tensors
-        (read them where the runtime gathers anyway: :class:`pipefisher.runtime.train.drift.DriftLog`)."""
+        (read them where the runtime gathers anyway: :class:`pipefisher.runtime.train.drift.DriftLog`). A
+        refresh whose every new inverse turned out dishonest (passed over on the device, its findings not
+        read yet) changed nothing and is no sample: its ``||P_new(G)||^2`` is NaN, and the reader drops it."""
         out, self._drift = self._drift, []
         return out
 

@@ -14,9 +14,17 @@ Nothing here imports torch at module level, so the module costs nothing to impor
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import os
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 Later = Callable[[list[float]], None]
+
+CONVERSIONS = ("__float__", "__int__", "__bool__", "__index__", "item", "tolist", "numpy", "__array__")
+"""The ``torch.Tensor`` methods that turn a tensor into Python numbers (``f"{t:.3f}"`` goes through ``item``)."""
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # pipefisher/
+_HOST_SIDE = (os.path.abspath(__file__), os.path.join(_PACKAGE, "runtime", "data") + os.sep)
 
 
 class HostReads:
@@ -86,3 +94,50 @@ class HostReads:
 
 HOST = HostReads()
 """The process's one counter: every read of the runtime's step path goes through it."""
+
+
+@contextmanager
+def unrouted_reads() -> Iterator[list[str]]:
+    """While open, every conversion of a tensor into Python numbers (:data:`CONVERSIONS`) made by pipefisher
+    code outside :data:`HOST` counts in HOST's count too, and its place (``file:line``) is listed: so a
+    ``float(loss)`` put back on the step path shows in the reads per step. Not counted: HOST's own reads,
+    the data pipeline's (host tensors, before they go to the device) and torch's optimizers' (their step
+    counts live on the host). A diagnostic for tests and benchmarks: every conversion walks the stack."""
+    import torch
+
+    places: list[str] = []
+    originals = {name: getattr(torch.Tensor, name) for name in CONVERSIONS}
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    optim_dir = os.path.join(torch_dir, "optim") + os.sep
+
+    def caller() -> str | None:
+        """``file:line`` of the pipefisher code making the conversion, or None where it does not count."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            path = os.path.abspath(frame.f_code.co_filename)
+            if path.startswith(optim_dir):
+                return None
+            if not path.startswith(torch_dir):
+                if path.startswith(_PACKAGE + os.sep) and not path.startswith(_HOST_SIDE):
+                    return f"{os.path.relpath(path, os.path.dirname(_PACKAGE))}:{frame.f_lineno}"
+                return None
+            frame = frame.f_back
+        return None
+
+    def counted(original: Callable[..., Any]) -> Callable[..., Any]:
+        def conversion(self: Any, *args: Any, **kwargs: Any) -> Any:
+            where = caller()
+            if where is not None:
+                HOST.count += 1
+                HOST.total += 1
+                places.append(where)
+            return original(self, *args, **kwargs)
+        return conversion
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(original))
+    try:
+        yield places
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)

@@ -106,9 +106,10 @@ class Worker:
 
         The step reads nothing back from the device but fp16's overflow flag (whether the optimizer
         steps). The checks of K-FAC's inverses wait, on the device, for the next read
-        (:data:`pipefisher.runtime.job.host.HOST`), at the latest the start of the next step.
+        (:data:`pipefisher.runtime.job.host.HOST`): fp16's flag, else at the latest the start of the next step.
         """
-        HOST.settle()  # what the last step left to check (bad K-FAC factors), if nothing read it since
+        if self.updater.scaler is None:  # fp16 reads its flag in this step anyway, and what waits with it
+            HOST.settle()  # what the last step left to check (bad K-FAC factors), if nothing read it since
         self.updater.set_step(step)
         self.position.step = step + 1  # where a checkpoint after this step resumes
         if self.executor is not None and step >= 1:
