@@ -6,6 +6,7 @@ import os
 import pickle
 from typing import Any
 
+import pytest
 import torch
 
 from _schedules import TINY, spread_schedule
@@ -100,3 +101,50 @@ def test_two_gloo_ranks_read_at_most_once_per_step_that_logs_nothing(tmp_path):
         print({k: v[0] for k, v in out.items() if k != "reporter"})
         _assert_at_most_one_read_per_quiet_step(out)
     assert [out["reporter"] for out in results] == [False, True]
+
+
+class FakeEvent:
+    """A CUDA event stand-in: recorded at ``at`` seconds, done or not (``synchronize`` makes it done)."""
+
+    def __init__(self, at: float, done: bool = True) -> None:
+        self.at, self.done = at, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        assert self.done and end.done, "elapsed_time of an event not done raises in CUDA"
+        return (end.at - self.at) * 1e3  # milliseconds, as CUDA's
+
+
+def test_a_gpu_step_time_comes_from_its_events_waiting_only_for_an_end_not_done():
+    from pipefisher.runtime.train.trainer import StepOutcome
+
+    HOST.take()
+    done = StepOutcome(3, None, (FakeEvent(1.0), FakeEvent(1.25)), 0.1, None)
+    assert done.seconds() == 0.25 and HOST.take() == 0  # the loss read before waited for it: no wait
+    late = StepOutcome(4, None, (FakeEvent(2.0), FakeEvent(2.5, done=False)), 0.1, None)
+    assert late.seconds() == 0.5 and HOST.take() == 1  # one wait, counted as a read
+
+
+def test_a_gpu_step_record_keeps_its_events_until_the_records_are_gathered():
+    from pipefisher.runtime.train.recorder import ClockRecorder, EventRecord, resolved
+
+    rec = ClockRecorder(1, 0, cuda=True)
+    clock = iter([0.0, 0.5, 1.5, 2.0, 2.0])  # the step's start, then each label's start and end
+    rec._now = lambda: FakeEvent(next(clock), done=False)  # type: ignore[method-assign]
+    rec.begin_step(7, 2)
+    rec.wrap("call_forward", lambda: rec._waits.append((FakeEvent(0.6), FakeEvent(0.9))))()
+    rec.wrap("-- end --", lambda: None)()
+    record = rec.end_step()
+    assert isinstance(record, EventRecord)  # nothing read at the step's end
+    events = [rec._base] + [ev for _, start, end, _, _ in record._labels for ev in (start, end)]
+    for ev in events:
+        ev.done = True  # what the gather's read just before has waited for
+    got = resolved(record)
+    assert (got.node, got.step, got.iteration) == (1, 7, 2)
+    assert [(t.label, t.start, t.end) for t in got.labels] == [("call_forward", 0.5, 1.5), ("-- end --", 2.0, 2.0)]
+    assert got.labels[0].wait == pytest.approx(0.3)
