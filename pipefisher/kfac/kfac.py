@@ -483,7 +483,8 @@ class KFAC:
             counted = self.grad_scaler is not None  # fp16: a replica whose every piece overflowed brings none
             if counted:  # the mean (or zeros), then whether this replica had one: averaged over those that had
                 size = _factor_size(st, factor)
-                had = torch.zeros((), device=st.module.weight.device) if f is None else st.counts[factor] > 0
+                dev = st.module.weight.device
+                had = torch.zeros((), device=dev) if f is None else torch.as_tensor(st.counts[factor], device=dev) > 0
                 mean = torch.zeros((size, size), device=had.device) if f is None \
                     else torch.where(had, f, torch.zeros_like(f))
                 f = torch.cat([mean.reshape(-1), had.to(mean.dtype).reshape(1)])
@@ -491,7 +492,7 @@ class KFAC:
                 f = f.contiguous()
             self._in_flight[name, factor] = (dist.all_reduce(f, group=self.dp_group, async_op=True), counted)
         elif f is not None and self.grad_scaler is not None:  # fp16: none if every piece overflowed
-            counts = (st.counts[factor] > 0).float()
+            counts = (torch.as_tensor(st.counts[factor], device=f.device) > 0).float()
             f = torch.where(counts > 0, f, torch.zeros_like(f))
         st.sums[factor], st.counts[factor] = f, counts
         st.synced[factor] = True
@@ -532,7 +533,8 @@ class KFAC:
         new = fx.running_average(st.running[factor], cur, self.factor_decay)
         if self.grad_scaler is None or st.running[factor] is None:
             return new
-        return torch.where(st.counts[factor] > 0, new, st.running[factor])  # fp16: no piece, no change
+        some = torch.as_tensor(st.counts[factor], device=new.device) > 0  # a number after a checkpoint's load
+        return torch.where(some, new, st.running[factor])  # fp16: no piece, no change
 
     def pi(self, name: str) -> torch.Tensor | float:
         """The pi damping split of layer ``name`` from the scales of BOTH factors.
