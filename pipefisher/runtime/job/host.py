@@ -43,7 +43,8 @@ class HostReads:
 
         self.count += 1
         self.total += 1
-        flat = [t.detach().reshape(-1).to(torch.float64) for t in tensors]
+        device = tensors[0].device  # a host tensor among device ones joins them (a copy the other way)
+        flat = [t.detach().reshape(-1).to(device=device, dtype=torch.float64) for t in tensors]
         return (flat[0] if len(flat) == 1 else torch.cat(flat)).tolist()
 
     def values(self, *tensors: Any) -> list[float]:
