@@ -283,7 +283,6 @@ class KFAC:
         self._unchecked: list[tuple[str, str, torch.Tensor]] = []  # (layer, factor, findings) not read yet
         self._honest: dict[tuple[str, str], torch.Tensor] = {}  # (layer, factor) -> used or not, not read yet
         self._inverted: set[tuple[str, str]] = set()  # (layer, factor) inverted since the last check
-        self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
     # -- saving inputs and output gradients -------------------------------------------------------
 
@@ -757,7 +756,10 @@ class KFAC:
     def grad_dot_step(self) -> torch.Tensor:
         """``sum <g, F^-1 g>`` over the layers of the last :meth:`precondition_all` (the KL-clip's), a 0-dim
         float64 tensor on the device (no host sync)."""
-        return torch.as_tensor(self._grad_dot_step, device=self._device).to(torch.float64)
+        g = self._grad_dot_step
+        if isinstance(g, torch.Tensor):
+            return g.to(torch.float64)
+        return torch.tensor(g, dtype=torch.float64, device=next(iter(self.parameters()), torch.empty(0)).device)
 
     def scale_step(self, nu: torch.Tensor | float) -> None:
         """Multiply the preconditioned gradients by ``nu`` (the KL-clip factor; a tensor stays on the device)."""

@@ -289,9 +289,8 @@ class Trainer:
 
     def train_step(self, step: int) -> Any:
         """One step; returns the loss (mean over replicas, a 0-dim tensor) on the last stage, else None.
-        Profiling, a
-        barrier over the whole job first: every node starts the step's ``start_end`` together, the
-        common reference of the median step (:func:`pipefisher.timeline.median_step`)."""
+        Profiling, a barrier over the whole job first: every node starts the step's ``start_end`` together,
+        the common reference of the median step (:func:`pipefisher.timeline.median_step`)."""
         self.profiler.barrier(distributed=self.ctx.distributed)
         return self.worker.step(step)
 
