@@ -65,8 +65,8 @@ def pi_split(trace_a: torch.Tensor | float | None, trace_b: torch.Tensor | float
     ta = torch.as_tensor(trace_a, dtype=torch.float64)
     tb = torch.as_tensor(trace_b, dtype=torch.float64, device=ta.device)
     pi = (ta / tb).sqrt()
-    ok = (ta > 0) & (tb > 0) & torch.isfinite(pi) & (pi > 0)
-    return torch.where(ok, pi, torch.ones_like(pi))
+    ok = (ta > 0) & (tb > 0) & (pi > 0) & (pi < math.inf)  # NaN compares False: not ok
+    return torch.where(ok, pi, 1.0)
 
 
 def damping_terms(damping: float, pi: torch.Tensor | float) -> tuple[torch.Tensor | float, torch.Tensor | float]:
@@ -84,46 +84,42 @@ holds (fp16 drops those that overflowed; 1 where nothing is dropped)."""
 
 def inverse_findings(f: torch.Tensor, damping: torch.Tensor | float, *, method: str = "cholesky",
                      dtype: torch.dtype = torch.float32,
-                     pieces: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(F + damping I)^-1`` of a symmetric PSD factor (computed in ``dtype``, returned in F's dtype) and
-    its :data:`FINDINGS`, a float64 tensor on F's device, without reading anything back: whether the
-    inverse is honest is decided where the findings are read (:func:`bad_factor`), once for many.
+                     pieces: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(F + damping I)^-1`` of a symmetric PSD factor (computed in ``dtype``, returned in F's dtype), its
+    :data:`FINDINGS` (a float64 tensor on F's device) and whether it is honest (a 0-dim bool tensor: the
+    device-side twin of :func:`bad_factor` finding nothing), without reading anything back: the
+    findings are read where it is decided, once for many inverses.
 
     ``cholesky`` is the fast path; ``eigen`` clips the small negative eigenvalues that rounding leaves
     in a PSD factor to zero before damping, so it survives nearly singular factors. A factor holding
     NaN or infinity is inverted as if those were 0 (its findings say so; the inverse is not to be used).
+    ``damping`` comes from :func:`damping_terms` (positive and finite); :func:`bad_factor` checks it.
     """
     if method not in ("cholesky", "eigen"):
         raise ValueError(f"inverse method must be 'cholesky' or 'eigen', not {method!r}")
     finite = torch.isfinite(f).all()
     m = f.to(dtype)
     m = (m + m.t()) / 2
-    zero = torch.zeros((), dtype=torch.float64, device=m.device)
     if method == "eigen":
         vals, vecs = torch.linalg.eigh(torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0))
-        first = vals.min().double() if vals.numel() else zero
-        second = vals.abs().max().double() if vals.numel() else zero
         inv = (vecs / (vals.clamp_min(0.0) + damping)) @ vecs.t()
+        zero = vals.new_zeros((), dtype=torch.float64)
+        first, second = (vals.min().double(), vals.abs().max().double()) if vals.numel() else (zero, zero)
+        ok = ~(first < -1e-4 * second.clamp_min(1e-30) - damping)
     else:
         eye = torch.eye(m.shape[0], dtype=dtype, device=m.device)
         chol, info = torch.linalg.cholesky_ex(m + damping * eye)
-        first, second = info.double(), zero
         inv = torch.cholesky_inverse(chol)
-    findings = torch.stack([finite.double(), torch.as_tensor(damping, dtype=torch.float64, device=m.device),
-                            first, second, torch.isfinite(inv).all().double(),
-                            zero + 1 if pieces is None else pieces.double().to(m.device)])
-    return inv.to(f.dtype), findings
-
-
-def findings_ok(findings: torch.Tensor, method: str) -> torch.Tensor:
-    """Whether the inverse of these :data:`FINDINGS` is honest, as a 0-dim bool tensor (no host sync):
-    the device-side twin of :func:`bad_factor` returning None, so the inverse can be used or passed over
-    on the device before anyone reads the findings."""
-    finite, damping, first, second, inv_finite, pieces = findings.unbind()
-    ok = (finite > 0) & (damping > 0) & torch.isfinite(damping) & (inv_finite > 0) & (pieces > 0)
-    if method == "eigen":
-        return ok & ~(first < -1e-4 * torch.clamp_min(second, 1e-30) - damping)
-    return ok & (first == 0)
+        first, second = info, info.new_zeros(())
+        ok = info == 0
+    inv_finite = torch.isfinite(inv).all()
+    ok = ok & finite & inv_finite
+    kept = torch.ones((), device=m.device) if pieces is None else pieces.to(m.device)
+    if pieces is not None:
+        ok = ok & (kept > 0)
+    findings = torch.stack([t.to(torch.float64) for t in (finite, torch.as_tensor(damping, device=m.device),
+                                                          first, second, inv_finite, kept)])
+    return inv.to(f.dtype), findings, ok
 
 
 def bad_factor(findings: list[float], method: str, what: str = "factor") -> str | None:
@@ -153,7 +149,7 @@ def damped_inverse(f: torch.Tensor, damping: torch.Tensor | float, *, method: st
     matrix is not positive definite, or an inverse that is not finite."""
     if isinstance(damping, float) and not (damping > 0 and math.isfinite(damping)):
         raise BadFactorError(f"{what}: damping must be positive and finite, not {damping!r}")
-    inv, findings = inverse_findings(f, damping, method=method, dtype=dtype)
+    inv, findings, _ = inverse_findings(f, damping, method=method, dtype=dtype)
     reason = bad_factor(findings.tolist(), method, what)
     if reason is not None:
         raise BadFactorError(reason)

@@ -582,9 +582,9 @@ class KFAC:
         damp_a, damp_b = fx.damping_terms(self.damping_of(name), pi)
         pieces = st.counts[factor] if self.grad_scaler is not None else None
         st.sums[factor], st.counts[factor], st.synced[factor] = None, 0, False
-        inverse, findings = fx.inverse_findings(f, damp_a if factor == "A" else damp_b,
-                                                method=self.inverse_method, dtype=self.inverse_dtype,
-                                                pieces=None if pieces is None else torch.as_tensor(pieces))
+        inverse, findings, ok = fx.inverse_findings(f, damp_a if factor == "A" else damp_b,
+                                                    method=self.inverse_method, dtype=self.inverse_dtype,
+                                                    pieces=None if pieces is None else torch.as_tensor(pieces))
         old_inverse, old_running = st.inverses[factor], st.running[factor]
         if old_inverse is None or old_running is None:  # nothing to fall back on: read the findings now
             if not self._judge(name, factor, self._read(findings)):
@@ -592,7 +592,6 @@ class KFAC:
                 self._inverted_one(name, factor)
                 return
         else:
-            ok = fx.findings_ok(findings, self.inverse_method)
             inverse = torch.where(ok, inverse, old_inverse)
             f = torch.where(ok, f, old_running)
             if st.last_pi is not None:
