@@ -132,8 +132,9 @@ def worker(rank: int, world: int, port: int, steps: int, out: str | None, checkp
         first = ckpt.load(resume, parts) if resume else 0  # the steps done: the next step to run
         losses = []
         for step in range(first, steps):
-            loss = w.step(step)
-            if loss is not None:  # the last stage
+            loss = w.step(step)  # a 0-dim tensor on the device (None off the last stage)
+            if loss is not None:  # the last stage: read it (the host waits for the device here)
+                loss = float(loss)
                 losses.append(loss)
                 print(f"step {step:>3}  loss {loss:.4f}", flush=True)
             if checkpoint_dir and ((every and (step + 1) % every == 0) or step == steps - 1):

@@ -13,8 +13,10 @@ A ``precondition`` run (kfac mode, no refresh after step 0) measures the floor n
 below: K-FAC's per-step preconditioning and bookkeeping. Per run it prints the mean step time after
 the warm-up steps (the median over the rounds), the ratio
 to the same pipeline's first-order step (the median over the rounds of each round's ratio, and their
-spread), the bubble fraction of the profiled pipeline, and the K-FAC cycle k per node (for the
-adaptive run: where it ended). Then per pipeline: ``target``, static at margin 1, the best static
+spread), the bubble fraction of the profiled pipeline, the device-to-host reads per step that logs
+nothing (most, and mean in brackets, over both workers and the rounds: :mod:`pipefisher.runtime.job.host`;
+every run logs only its first and last step), and the K-FAC cycle k per node (for the adaptive run: where
+it ended). Then per pipeline: ``target``, static at margin 1, the best static
 margin of the sweep, and adaptive; the last line, ``adaptive/first-order: X (k = K)``, is the worst pipeline's median.
 With several pipelines it then compares them against the fastest first-order step of all (the baseline
 a user would otherwise train with): per pipeline its first-order, kfac and ``target`` steps over that
@@ -78,7 +80,8 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
     runs = [(p, m) for p in pipelines for m in ["first-order", "kfac", PRECONDITION, TARGET,
                                                 *[f"scheduled x{g:g}" for g in margins],
                                                 *(["adaptive"] if adapt else [])]]
-    out: dict = {"rank": rank, "times": {r: [] for r in runs}, "usage": {}, "cycles": {r: [] for r in runs},
+    out: dict = {"rank": rank, "times": {r: [] for r in runs}, "reads": {r: [] for r in runs}, "usage": {},
+                 "cycles": {r: [] for r in runs},
                  "violations": {}, "bubbles": {}, "switches": {r: [] for r in runs}}
     timelines: dict = {}
     files: dict = {}
@@ -141,6 +144,7 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
                 res = trainer.run()
                 # the mean, not the median: a cycle's steps carry different K-FAC loads, the cost is their sum
                 out["times"][pipe, mode].append(statistics.mean(res.step_seconds[warmup:]))
+                out["reads"][pipe, mode].extend(res.host_reads[1:-1])  # steps that log nothing (not 0, not the last)
                 if sched:
                     out["cycles"][pipe, mode].append(list(trainer.cycles))
                     out["switches"][pipe, mode].append(len(trainer.loop.history) - 1)
@@ -196,6 +200,10 @@ def main() -> None:
               for pipe, mode in runs}
     ratio = {r: statistics.median(v) for r, v in ratios.items()}
 
+    def reads_of(run: tuple) -> str:  # device-to-host reads per step that logs nothing: most, and mean
+        reads = [n for res in results for n in res["reads"][run]]
+        return f"{max(reads)} ({statistics.mean(reads):.2f})" if reads else "-"
+
     def k_of(run: tuple) -> int | None:  # the median over rounds of the job's k (the longest node's)
         cyc = r0["cycles"].get(run)
         return int(statistics.median(max(c) for c in cyc)) if cyc else None
@@ -203,7 +211,8 @@ def main() -> None:
     print(f"config {os.path.basename(a.config)}, 2 stages x 1 core, {r0['micro_batches']} micro-batches, "
           f"{a.steps} steps (mean after {a.warmup} warm-up), {a.rounds} interleaved round(s) (median; ratios: the "
           f"median of each round's ratio, min-max in brackets); schedules by policy {r0['policy']}")
-    print(f"{'pipeline':9} {'run':14} {'step':>9} {'/ first-order':>22} {'bubbles':>8}  K-FAC cycle k (per node)")
+    print(f"{'pipeline':9} {'run':14} {'step':>9} {'/ first-order':>22} {'bubbles':>8} {'reads':>11}  "
+          "K-FAC cycle k (per node)")
     for pipe, mode in runs:
         run = (pipe, mode)
         cyc = r0["cycles"].get(run)
@@ -214,7 +223,7 @@ def main() -> None:
             extra += f"  {r0['violations'][run]} VIOLATIONS"
         spread = f"[{min(ratios[run]):.3f}-{max(ratios[run]):.3f}]"
         print(f"{pipe:9} {mode:14} {med[run] * 1e3:7.1f} ms {ratio[run]:8.3f} {spread:>13} "
-              f"{r0['bubbles'][pipe] * 100:7.1f}%{extra}")
+              f"{r0['bubbles'][pipe] * 100:7.1f}% {reads_of(run):>11}{extra}")
     for (pipe, mode), lines in r0["usage"].items():
         print(f"{pipe} {mode}:")
         for line in lines:

@@ -391,14 +391,18 @@ def test_a_bad_factor_stops_with_one_line_naming_the_layer_and_factor():
     kfac = KFAC(model, damping=1e-2, ignore=())
     _refresh(model, kfac, seed=0)
     dim = kfac.layers["fc1"].module.in_features + 1
+    kept = kfac.inverse("fc1", "A").clone()
     _poison(kfac, "fc1", "A", torch.full((dim, dim), float("nan")))
+    kfac.inv("A", "fc1")  # reads nothing: the inverse before stays in use, on the device
+    assert torch.equal(kfac.inverse("fc1", "A"), kept)
     with pytest.raises(BadFactorError) as err:
-        kfac.inv("A", "fc1")
+        kfac.check_inverses()  # what the refresh's last inverse does: its findings read, once
     msg = str(err.value)
     assert msg.startswith("K-FAC layer fc1 factor A: ") and "\n" not in msg and "NaN" in msg
     _poison(kfac, "fc1", "A", -1e3 * torch.eye(dim))  # finite but not positive definite
     with pytest.raises(BadFactorError) as err:
         kfac.inv("A", "fc1")
+        kfac.check_inverses()
     msg = str(err.value)
     assert msg.startswith("K-FAC layer fc1 factor A: ") and "\n" not in msg
     assert "not positive definite" in msg
@@ -415,6 +419,12 @@ def test_skip_keeps_the_previous_inverse_counts_it_and_warns_once():
     _poison(kfac, "fc2", "B", torch.full((dim, dim), float("nan")))
     kfac.inv("B", "fc2")  # does not raise
     st = kfac.layers["fc2"]
+    assert not warnings and st.skipped == 0  # not read yet: the refresh's findings are read at its end
+    for name in ("fc1", "fc2"):  # the refresh's other inverses: the last one reads every finding at once
+        for f in ("A", "B"):
+            if (name, f) != ("fc2", "B"):
+                _poison(kfac, name, f, kfac.layers[name].running[f].clone())
+                kfac.inv(f, name)
     assert torch.equal(kfac.inverse("fc2", "B"), kept) and torch.equal(st.running["B"], running)
     assert st.skipped == 1 and kfac.layers["fc1"].skipped == 0
     assert kfac.factor("fc2", "B") is None  # the bad refresh is dropped, the next one starts clean
@@ -422,6 +432,7 @@ def test_skip_keeps_the_previous_inverse_counts_it_and_warns_once():
     assert warnings[0].startswith("K-FAC layer fc2 factor B: ") and "skip" in warnings[0]
     _poison(kfac, "fc2", "B", -1e3 * torch.eye(dim))
     kfac.inv("B", "fc2")
+    kfac.check_inverses()
     assert st.skipped == 2 and len(warnings) == 2 and torch.equal(kfac.inverse("fc2", "B"), kept)
 
 
@@ -897,7 +908,8 @@ def test_a_factor_kept_for_a_bad_refresh_counts_as_unchanged_and_a_refresh_that_
     for f in ("A", "B"):  # both factors bad: the inverses did not move, there is nothing to measure
         _poison(kfac, "fc2", f, torch.full((dim + (f == "A") * 4,) * 2, float("nan")))
         kfac.inv(f, "fc2")
-    assert kfac.take_drift() == []
+    [(_, _, _, norm)] = [x for x in kfac.take_drift() if x[0] == "fc2"]
+    assert math.isnan(norm)  # decided on the device, before the findings are read: the reader drops it
 
 
 def test_a_kfac_that_does_not_measure_drift_keeps_no_gradient():

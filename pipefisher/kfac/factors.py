@@ -69,64 +69,112 @@ def running_average(old: torch.Tensor | None, new: torch.Tensor, decay: float) -
     return old * decay + new * (1.0 - decay)
 
 
-def mean_trace(f: torch.Tensor) -> float:
-    """``tr(F) / dim F``, the scale the pi rule balances."""
-    return float(torch.diagonal(f).sum()) / f.shape[0]
+def mean_trace(f: torch.Tensor) -> torch.Tensor:
+    """``tr(F) / dim F``, the scale the pi rule balances, as a 0-dim float64 tensor (no host sync)."""
+    return torch.diagonal(f).sum().double() / f.shape[0]
 
 
-def pi_split(trace_a: float | None, trace_b: float | None) -> float:
+def pi_split(trace_a: torch.Tensor | float | None, trace_b: torch.Tensor | float | None) -> torch.Tensor | float:
     """pi = sqrt((tr A / dim A) / (tr B / dim B)); 1 where either scale is unknown or not positive.
 
     Both scales must be taken before either factor is cleared: a cleared factor has scale 0, which
-    gives pi = 0 or infinity and so infinite damping on one side.
+    gives pi = 0 or infinity and so infinite damping on one side. Computed on the device (a 0-dim
+    float64 tensor), so the host need not wait for the factors to know it.
     """
-    if trace_a is None or trace_b is None or not (trace_a > 0 and trace_b > 0):
+    if trace_a is None or trace_b is None:
         return 1.0
-    pi = math.sqrt(trace_a / trace_b)
-    return pi if math.isfinite(pi) and pi > 0 else 1.0
+    ta = torch.as_tensor(trace_a, dtype=torch.float64)
+    tb = torch.as_tensor(trace_b, dtype=torch.float64, device=ta.device)
+    pi = (ta / tb).sqrt()
+    ok = (ta > 0) & (tb > 0) & (pi > 0) & (pi < math.inf)  # NaN compares False: not ok
+    return torch.where(ok, pi, 1.0)
 
 
-def damping_terms(damping: float, pi: float) -> tuple[float, float]:
+def damping_terms(damping: float, pi: torch.Tensor | float) -> tuple[torch.Tensor | float, torch.Tensor | float]:
     """Damping added to A and to B: ``pi * sqrt(lambda)`` and ``sqrt(lambda) / pi``."""
     root = math.sqrt(damping)
     return pi * root, root / pi
 
 
-def damped_inverse(f: torch.Tensor, damping: float, *, method: str = "cholesky",
-                   dtype: torch.dtype = torch.float32, what: str = "factor") -> torch.Tensor:
-    """``(F + damping I)^-1`` of a symmetric PSD factor, computed in ``dtype``, returned in F's dtype.
+FINDINGS = 6
+"""What :func:`inverse_findings` knows of one damped inverse, as numbers: the factor finite (1/0), the
+damping, the Cholesky failure column (``cholesky``) or the smallest eigenvalue (``eigen``), the largest
+eigenvalue's size (``eigen``, else 0), the inverse finite (1/0), and the micro-batch pieces the factor
+holds (fp16 drops those that overflowed; 1 where nothing is dropped)."""
+
+
+def inverse_findings(f: torch.Tensor, damping: torch.Tensor | float, *, method: str = "cholesky",
+                     dtype: torch.dtype = torch.float32,
+                     pieces: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(F + damping I)^-1`` of a symmetric PSD factor (computed in ``dtype``, returned in F's dtype), its
+    :data:`FINDINGS` (a float64 tensor on F's device) and whether it is honest (a 0-dim bool tensor: the
+    device-side twin of :func:`bad_factor` finding nothing), without reading anything back: the
+    findings are read where it is decided, once for many inverses.
 
     ``cholesky`` is the fast path; ``eigen`` clips the small negative eigenvalues that rounding leaves
-    in a PSD factor to zero before damping, so it survives nearly singular factors. Anything else is
-    a :class:`BadFactorError` naming ``what``, never a silently wrong inverse: a factor with NaN or
-    infinity, one whose damped matrix is not positive definite, or an inverse that is not finite.
+    in a PSD factor to zero before damping, so it survives nearly singular factors. A factor holding
+    NaN or infinity is inverted as if those were 0 (its findings say so; the inverse is not to be used).
+    ``damping`` comes from :func:`damping_terms` (positive and finite); :func:`bad_factor` checks it.
     """
-    if damping <= 0 or not math.isfinite(damping):
-        raise BadFactorError(f"{what}: damping must be positive and finite, not {damping!r}")
-    if not bool(torch.isfinite(f).all()):
-        raise BadFactorError(f"{what}: the factor holds NaN or infinite values")
+    if method not in ("cholesky", "eigen"):
+        raise ValueError(f"inverse method must be 'cholesky' or 'eigen', not {method!r}")
+    finite = torch.isfinite(f).all()
     m = f.to(dtype)
     m = (m + m.t()) / 2
-    eye = torch.eye(m.shape[0], dtype=dtype, device=m.device)
     if method == "eigen":
-        vals, vecs = torch.linalg.eigh(m)
-        scale = float(vals.abs().max()) if vals.numel() else 0.0
-        if float(vals.min()) < -1e-4 * max(scale, 1e-30) - damping:
-            raise BadFactorError(f"{what}: not positive semi-definite (smallest eigenvalue "
-                                 f"{float(vals.min()):.3g}, largest {scale:.3g})")
+        vals, vecs = torch.linalg.eigh(torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0))
         inv = (vecs / (vals.clamp_min(0.0) + damping)) @ vecs.t()
-    elif method == "cholesky":
-        chol, info = torch.linalg.cholesky_ex(m + damping * eye)
-        if int(info) != 0:
-            raise BadFactorError(f"{what}: not positive definite after damping {damping:.3g} "
-                                 f"(Cholesky failed at column {int(info)}; try kfac.inverse: eigen, "
-                                 "kfac.inverse_dtype: float64 or more damping)")
-        inv = torch.cholesky_inverse(chol)
+        zero = vals.new_zeros((), dtype=torch.float64)
+        first, second = (vals.min().double(), vals.abs().max().double()) if vals.numel() else (zero, zero)
+        ok = ~(first < -1e-4 * second.clamp_min(1e-30) - damping)
     else:
-        raise ValueError(f"inverse method must be 'cholesky' or 'eigen', not {method!r}")
-    if not bool(torch.isfinite(inv).all()):
-        raise BadFactorError(f"{what}: the damped inverse is not finite")
-    return inv.to(f.dtype)
+        eye = torch.eye(m.shape[0], dtype=dtype, device=m.device)
+        chol, info = torch.linalg.cholesky_ex(m + damping * eye)
+        inv = torch.cholesky_inverse(chol)
+        first, second = info, info.new_zeros(())
+        ok = info == 0
+    inv_finite = torch.isfinite(inv).all()
+    ok = ok & finite & inv_finite
+    kept = torch.ones((), device=m.device) if pieces is None else pieces.to(m.device)
+    if pieces is not None:
+        ok = ok & (kept > 0)
+    findings = torch.stack([t.to(torch.float64) for t in (finite, torch.as_tensor(damping, device=m.device),
+                                                          first, second, inv_finite, kept)])
+    return inv.to(f.dtype), findings, ok
+
+
+def bad_factor(findings: list[float], method: str, what: str = "factor") -> str | None:
+    """The one-line reason an inverse with these :data:`FINDINGS` (read back as numbers) is not honest,
+    naming ``what``; None when it is. A factor with no piece (every one dropped for fp16 overflow) is
+    not judged here: its caller keeps the previous inverse without a word per layer."""
+    finite, damping, first, second, inv_finite, _ = findings
+    if not (damping > 0 and math.isfinite(damping)):
+        return f"{what}: damping must be positive and finite, not {damping!r}"
+    if not finite:
+        return f"{what}: the factor holds NaN or infinite values"
+    if method == "eigen" and first < -1e-4 * max(second, 1e-30) - damping:
+        return f"{what}: not positive semi-definite (smallest eigenvalue {first:.3g}, largest {second:.3g})"
+    if method == "cholesky" and int(first) != 0:
+        return (f"{what}: not positive definite after damping {damping:.3g} (Cholesky failed at column "
+                f"{int(first)}; try kfac.inverse: eigen, kfac.inverse_dtype: float64 or more damping)")
+    if not inv_finite:
+        return f"{what}: the damped inverse is not finite"
+    return None
+
+
+def damped_inverse(f: torch.Tensor, damping: torch.Tensor | float, *, method: str = "cholesky",
+                   dtype: torch.dtype = torch.float32, what: str = "factor") -> torch.Tensor:
+    """``(F + damping I)^-1`` of a symmetric PSD factor, checked at once (one read of its findings):
+    :func:`inverse_findings`, then a :class:`BadFactorError` naming ``what`` where :func:`bad_factor`
+    finds it dishonest, never a silently wrong inverse: a factor with NaN or infinity, one whose damped
+    matrix is not positive definite, or an inverse that is not finite."""
+    if isinstance(damping, float) and not (damping > 0 and math.isfinite(damping)):
+        raise BadFactorError(f"{what}: damping must be positive and finite, not {damping!r}")
+    inv, findings, _ = inverse_findings(f, damping, method=method, dtype=dtype)
+    reason = bad_factor(findings.tolist(), method, what)
+    if reason is not None:
+        raise BadFactorError(reason)
+    return inv
 
 
 def precondition(grad: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor) -> torch.Tensor:
@@ -146,18 +194,17 @@ def drift_terms(new: torch.Tensor, old: torch.Tensor,
     return (new - old.float()).square().sum(), far, new.square().sum()
 
 
-def kl_clip_scale(grad_dot_step: float, lr: float, kl_clip: float) -> float:
+def kl_clip_scale(grad_dot_step: torch.Tensor | float, lr: float, kl_clip: float) -> torch.Tensor | float:
     """The factor nu <= 1 that keeps a preconditioned step's predicted KL change under ``kl_clip``.
 
     Ba et al. (2017): with ``v = F^-1 g`` the step ``-lr v`` changes the model's output distribution
     by about ``lr^2 v^T F v / 2 = lr^2 g^T v / 2``; nu = min(1, sqrt(kl_clip / (lr^2 |g^T v|))).
-    ``kl_clip <= 0`` turns it off (nu = 1).
+    ``kl_clip <= 0`` turns it off (nu = 1). A non-finite ``lr^2 |g^T v|`` gives 0, a zero one 1.
+    Computed on the device (a float64 tensor) from a tensor ``grad_dot_step``: no host sync.
     """
     if kl_clip <= 0 or lr <= 0:
         return 1.0
-    quad = lr * lr * abs(grad_dot_step)
-    if not math.isfinite(quad):
-        return 0.0
-    if quad <= 0:
-        return 1.0
-    return min(1.0, math.sqrt(kl_clip / quad))
+    quad = torch.as_tensor(grad_dot_step, dtype=torch.float64).abs() * (lr * lr)
+    nu = torch.clamp(torch.sqrt(kl_clip / quad), max=1.0)
+    nu = torch.where(quad <= 0, torch.ones_like(quad), nu)
+    return torch.where(torch.isfinite(quad), nu, torch.zeros_like(quad))

@@ -189,14 +189,15 @@ class LayerState:
     outgrads: collections.deque = field(default_factory=collections.deque)
     # per factor, the sum of this refresh's covariance pieces: owned (KFAC.cov adds into it in place)
     sums: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
-    counts: dict[str, int] = field(default_factory=lambda: {"A": 0, "B": 0})
+    # pieces added into each factor: a number, or under fp16 a device tensor (pieces that overflowed count 0)
+    counts: dict[str, Any] = field(default_factory=lambda: {"A": 0, "B": 0})
     inverses: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
-    last_pi: float | None = None
+    last_pi: Any = None  # the pi of the last inversion (a 0-dim tensor)
     running: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
     inversions: dict[str, int] = field(default_factory=lambda: {"A": 0, "B": 0})
     synced: dict[str, bool] = field(default_factory=lambda: {"A": False, "B": False})  # since the last piece
     skipped: int = 0  # refreshes of a factor dropped because it could not be inverted honestly
-    overflowed: dict[str, int] = field(default_factory=lambda: {"A": 0, "B": 0})  # fp16 pieces dropped
+    overflowed: dict[str, Any] = field(default_factory=lambda: {"A": 0, "B": 0})  # fp16 pieces dropped (a tensor)
     # drift (KFAC.inv): the gradient last preconditioned, its preconditioned gradient and the inversion
     # counts of the inverses that made it; the inverses this refresh replaced (None: there was none yet),
     # the factors this refresh has been through inv so far (inverted, or kept for fp16 / on_bad_factor),
@@ -281,6 +282,14 @@ class KFAC:
         self.measure_drift = bool(drift)
         self._drift: list[tuple[Any, ...]] = []  # (layer, change^2, change over two refreshes^2, norm^2), not taken
         self._handles = [self._hook(st) for st in self.layers.values()]
+        # Checking inverses: the runtime's reader (pipefisher.runtime.job.host.HOST; None: read at once). An
+        # inverse with one to fall back on is used on the device as it is, or passed over for that one where
+        # its findings say it is dishonest, and its findings are read once, with the refresh's last inverse
+        # (at the next read of the host's); one without is checked at once.
+        self.host: Any = None
+        self._unchecked: list[tuple[str, str, torch.Tensor]] = []  # (layer, factor, findings) not read yet
+        self._honest: dict[tuple[str, str], torch.Tensor] = {}  # (layer, factor) -> used or not, not read yet
+        self._inverted: set[tuple[str, str]] = set()  # (layer, factor) inverted since the last check
 
     # -- saving inputs and output gradients -------------------------------------------------------
 
@@ -441,14 +450,19 @@ class KFAC:
         self._settle(name, factor)
         x = queue.popleft()
         self._release(x)
-        if self.grad_scaler is not None and not bool(torch.isfinite(x).all()):
-            st.overflowed[factor] += 1  # fp16: this micro-batch overflowed; its step's update is skipped too
-            return True
         # B: the saved rows are gradients of a mean over cov_stride times as many rows (see fx.cov_b)
-        acc = st.sums[factor]  # added into in place: nothing else holds it (see LayerState.sums)
-        st.sums[factor] = (fx.add_cov_a(acc, x, st.bias) if factor == "A"
-                           else fx.add_cov_b(acc, x, self.loss_scale * self.cov_stride))
-        st.counts[factor] += 1
+        scale = self.loss_scale * self.cov_stride
+        if self.grad_scaler is not None:  # fp16: a piece that overflowed adds nothing and counts 0 (its
+            finite = torch.isfinite(x).all()  # step's update is skipped too); decided on the device
+            contrib = fx.cov_a(x, st.bias) if factor == "A" else fx.cov_b(x, scale)
+            contrib = torch.where(finite, contrib, torch.zeros_like(contrib))
+            st.overflowed[factor] = st.overflowed[factor] + (~finite).long()
+            st.counts[factor] = st.counts[factor] + finite.float()
+            st.sums[factor] = contrib if st.sums[factor] is None else st.sums[factor].add_(contrib)
+        else:
+            acc = st.sums[factor]  # added into in place: nothing else holds it (see LayerState.sums)
+            st.sums[factor] = fx.add_cov_a(acc, x, st.bias) if factor == "A" else fx.add_cov_b(acc, x, scale)
+            st.counts[factor] += 1
         st.synced[factor] = False
         return True
 
@@ -473,16 +487,23 @@ class KFAC:
         f = st.factor(factor)
         if f is None and self.grad_scaler is None:
             raise RuntimeError(f"sync_kron_{factor}:{name}: factor {factor} has no covariance yet")
+        counts: Any = int(f is not None)
         if self.dp_size > 1:
             counted = self.grad_scaler is not None  # fp16: a replica whose every piece overflowed brings none
             if counted:  # the mean (or zeros), then whether this replica had one: averaged over those that had
                 size = _factor_size(st, factor)
-                mean = torch.zeros((size, size), device=st.module.weight.device) if f is None else f
-                f = torch.cat([mean.reshape(-1), mean.new_ones(1) * (f is not None)])
+                dev = st.module.weight.device
+                had = torch.zeros((), device=dev) if f is None else torch.as_tensor(st.counts[factor], device=dev) > 0
+                mean = torch.zeros((size, size), device=had.device) if f is None \
+                    else torch.where(had, f, torch.zeros_like(f))
+                f = torch.cat([mean.reshape(-1), had.to(mean.dtype).reshape(1)])
             else:
                 f = f.contiguous()
             self._in_flight[name, factor] = (dist.all_reduce(f, group=self.dp_group, async_op=True), counted)
-        st.sums[factor], st.counts[factor] = f, int(f is not None)
+        elif f is not None and self.grad_scaler is not None:  # fp16: none if every piece overflowed
+            counts = (torch.as_tensor(st.counts[factor], device=f.device) > 0).float()
+            f = torch.where(counts > 0, f, torch.zeros_like(f))
+        st.sums[factor], st.counts[factor] = f, counts
         st.synced[factor] = True
 
     def _settle(self, name: str, factor: str) -> None:
@@ -498,14 +519,18 @@ class KFAC:
             return
         flat = st.sums[factor]
         assert flat is not None
-        replicas, size = float(flat[-1]), _factor_size(st, factor)
-        st.sums[factor] = flat[:-1].reshape(size, size) / replicas if replicas > 0 else None
-        st.counts[factor] = int(replicas > 0)
+        replicas, size = flat[-1], _factor_size(st, factor)  # how many replicas had one (on the device)
+        st.sums[factor] = flat[:-1].reshape(size, size) / replicas
+        st.counts[factor] = (replicas > 0).float()
 
     def settle_all(self) -> None:
-        """Wait for every all-reduce in flight (before a checkpoint, at the end of a run)."""
+        """Wait for every all-reduce in flight and check every inverse not checked yet (before a checkpoint,
+        at the end of a run): nothing of this K-FAC is left for later."""
         for name, factor in list(self._in_flight):
             self._settle(name, factor)
+        self.check_inverses()
+        if self.host is not None:
+            self.host.settle()
 
     def averaged(self, name: str, factor: str) -> torch.Tensor | None:
         """The factor as it will be inverted: the running average folded with the new covariance (if any)."""
@@ -514,9 +539,13 @@ class KFAC:
         cur = st.factor(factor)
         if cur is None:
             return st.running[factor]
-        return fx.running_average(st.running[factor], cur, self.factor_decay)
+        new = fx.running_average(st.running[factor], cur, self.factor_decay)
+        if self.grad_scaler is None or st.running[factor] is None:
+            return new
+        some = torch.as_tensor(st.counts[factor], device=new.device) > 0  # a number after a checkpoint's load
+        return torch.where(some, new, st.running[factor])  # fp16: no piece, no change
 
-    def pi(self, name: str) -> float:
+    def pi(self, name: str) -> torch.Tensor | float:
         """The pi damping split of layer ``name`` from the scales of BOTH factors.
 
         A factor that still holds covariance gives the scale it will be inverted with; one already
@@ -530,7 +559,7 @@ class KFAC:
             local = self.dp_size > 1 and st.sums[f] is not None and not st.synced[f]
             cur = st.running[f] if local else self.averaged(name, f)
             scales.append(None if cur is None else fx.mean_trace(cur))
-        return fx.pi_split(*scales)
+        return fx.pi_split(*scales)  # a 0-dim tensor: no host sync
 
     def damping_of(self, name: str) -> float:
         """The damping of layer ``name``'s next refresh: decayed once per completed refresh, floored."""
@@ -541,36 +570,44 @@ class KFAC:
         """Fold the new ``factor`` of layer ``name`` into its running average, invert it damped, clear it.
 
         A factor that cannot be inverted honestly raises :class:`BadFactorError` (``on_bad_factor:
-        stop``) or keeps the previous inverse and drops this refresh of the factor (``skip``).
+        stop``) or keeps the previous inverse and drops this refresh of the factor (``skip``). Nothing is
+        read back here when there is a previous inverse: the new one is used on the device, or the previous
+        one where the new one's findings say it is dishonest, and the findings are read once, for the whole
+        refresh, with its last inverse (:meth:`_checked`). A first inverse is checked at once.
         """
         st = self.layers[name]
         for f in FACTORS:  # this factor, and the other one that pi reads
             self._settle(name, f)
         if st.factor(_check(factor)) is None:
-            if self.grad_scaler is not None:  # fp16: every piece of this refresh overflowed, on every replica
+            if self.grad_scaler is not None:  # fp16: no piece of this refresh reached the factor
                 st.synced[factor] = False
-                if not self._told_overflow:  # once: an overflow usually hits every layer together
-                    self._told_overflow = True
-                    self.warn(f"K-FAC layer {name} factor {factor}: every piece of this refresh overflowed in "
-                              "fp16; kept the previous inverse (said once; LayerState.overflowed counts them)")
+                self._overflowed(name, factor)
                 self._refreshed(name, factor)  # kept: it counts as unchanged in the drift
+                self._inverted_one(name, factor)
                 return
             raise RuntimeError(f"inv_kron_{factor}:{name}: factor {factor} has no covariance to invert")
         f = self.averaged(name, factor)
         assert f is not None
         pi = self.pi(name)  # before clearing: uses this factor's scale and the other's
         damp_a, damp_b = fx.damping_terms(self.damping_of(name), pi)
+        pieces = st.counts[factor] if self.grad_scaler is not None else None
         st.sums[factor], st.counts[factor], st.synced[factor] = None, 0, False
-        try:
-            inverse = fx.damped_inverse(f, damp_a if factor == "A" else damp_b, method=self.inverse_method,
-                                        dtype=self.inverse_dtype, what=f"K-FAC layer {name} factor {factor}")
-        except BadFactorError as err:
-            if self.on_bad_factor == "stop":
-                raise
-            st.skipped += 1
-            self.warn(f"{err}; kept the previous inverse (kfac.on_bad_factor: skip)")
-            self._refreshed(name, factor)
-            return
+        inverse, findings, ok = fx.inverse_findings(f, damp_a if factor == "A" else damp_b,
+                                                    method=self.inverse_method, dtype=self.inverse_dtype,
+                                                    pieces=None if pieces is None else torch.as_tensor(pieces))
+        old_inverse, old_running = st.inverses[factor], st.running[factor]
+        if old_inverse is None or old_running is None:  # nothing to fall back on: read the findings now
+            if not self._judge(name, factor, self._read(findings)):
+                self._refreshed(name, factor)
+                self._inverted_one(name, factor)
+                return
+        else:
+            inverse = torch.where(ok, inverse, old_inverse)
+            f = torch.where(ok, f, old_running)
+            if st.last_pi is not None:
+                pi = torch.where(ok, torch.as_tensor(pi, dtype=torch.float64, device=ok.device), st.last_pi)
+            self._unchecked.append((name, factor, findings))
+            self._honest[name, factor] = ok
         st.last_pi = pi
         if factor not in st.replaced:  # the inverse the refresh started from (a second inv keeps the first)
             st.replaced[factor] = st.inverses[factor]
@@ -578,6 +615,62 @@ class KFAC:
         st.running[factor] = f
         st.inversions[factor] += 1
         self._refreshed(name, factor)
+        self._inverted_one(name, factor)
+
+    def _read(self, t: torch.Tensor) -> list[float]:
+        """``t``'s elements as numbers: through the runtime's reader (counted), else at once."""
+        return self.host.values(t) if self.host is not None else t.reshape(-1).tolist()
+
+    def _inverted_one(self, name: str, factor: str) -> None:
+        """Once every factor of every layer went through ``inv`` since the last check (the refresh's last
+        inverse), its findings go to be read: with the runtime's next read, else at once."""
+        self._inverted.add((name, factor))
+        if len(self._inverted) == len(FACTORS) * len(self.layers):
+            self.check_inverses()
+
+    def check_inverses(self) -> None:
+        """Hand the findings of the inverses not checked yet to be read (one read for all of them): with
+        the runtime's next read (``host``), else now. A checkpoint and the run's end call it too."""
+        batch, self._unchecked, self._inverted = self._unchecked, [], set()
+        self._honest = {}
+        if not batch:
+            return
+        flat = torch.stack([findings for _, _, findings in batch])
+        if self.host is None:
+            self._checked(batch, flat.reshape(-1).tolist())
+        else:
+            self.host.later(flat, lambda values: self._checked(batch, values))
+
+    def _checked(self, batch: list[tuple[str, str, torch.Tensor]], values: list[float]) -> None:
+        """The read findings of inverses already in place (each used on the device only where honest):
+        a dishonest one stops the run, or counts as the skipped refresh it was (its inversion undone)."""
+        n = fx.FINDINGS
+        for i, (name, factor, _) in enumerate(batch):
+            if not self._judge(name, factor, values[i * n:(i + 1) * n]):
+                self.layers[name].inversions[factor] -= 1
+
+    def _judge(self, name: str, factor: str, findings: list[float]) -> bool:
+        """Whether an inverse with these findings (read) is kept; if not, say why: fp16's overflow once per
+        run, ``on_bad_factor: stop`` as :class:`BadFactorError`, ``skip`` as a warning and a skip counted."""
+        if findings[-1] <= 0:  # fp16: every piece of this refresh overflowed, on every replica
+            self._overflowed(name, factor)
+            return False
+        reason = fx.bad_factor(findings, self.inverse_method, what=f"K-FAC layer {name} factor {factor}")
+        if reason is None:
+            return True
+        if self.on_bad_factor == "stop":
+            raise BadFactorError(reason)
+        self.layers[name].skipped += 1
+        self.warn(f"{reason}; kept the previous inverse (kfac.on_bad_factor: skip)")
+        return False
+
+    def _overflowed(self, name: str, factor: str) -> None:
+        """fp16 left the factor no piece this refresh: the previous inverse stays, said once per run (an
+        overflow usually hits every layer together)."""
+        if not self._told_overflow:
+            self._told_overflow = True
+            self.warn(f"K-FAC layer {name} factor {factor}: every piece of this refresh overflowed in "
+                      "fp16; kept the previous inverse (said once; LayerState.overflowed counts them)")
 
     def _refreshed(self, name: str, factor: str) -> None:
         """``factor`` of layer ``name`` went through ``inv`` (inverted, or kept); once both have, the
@@ -619,12 +712,19 @@ class KFAC:
             else fx.precondition(g, old_a, old_b)
         older_a, older_b = st.previous["A"], st.previous["B"]
         older = None if older_a is None or older_b is None else fx.precondition(g, older_a, older_b)
-        self._drift.append((name, *fx.drift_terms(new, old, older)))
+        change, change2, norm = fx.drift_terms(new, old, older)
+        honest = [self._honest.get((name, f)) for f in st.replaced]
+        if all(h is not None for h in honest):  # every inverse it made may have been passed over: then the
+            moved = torch.stack(honest).any()  # refresh changed nothing, and is no sample (NaN figures)
+            norm = torch.where(moved, norm, torch.full_like(norm, math.nan))
+        self._drift.append((name, change, change2, norm))
 
     def take_drift(self) -> list[tuple[Any, ...]]:
         """The drift measured since the last call, per completed refresh of a layer: ``(layer,
         ||P_new(G) - P_old(G)||^2, ||P_new(G) - P_older(G)||^2 or None, ||P_new(G)||^2)`` as 0-dim tensors
-        (read them where the runtime gathers anyway: :class:`pipefisher.runtime.train.drift.DriftLog`)."""
+        (read them where the runtime gathers anyway: :class:`pipefisher.runtime.train.drift.DriftLog`). A
+        refresh whose every new inverse turned out dishonest (passed over on the device, its findings not
+        read yet) changed nothing and is no sample: its ``||P_new(G)||^2`` is NaN, and the reader drops it."""
         out, self._drift = self._drift, []
         return out
 
@@ -662,17 +762,21 @@ class KFAC:
         return sum(self.precondition(n) for n in self.layers)
 
     @property
-    def grad_dot_step(self) -> float:
-        """``sum <g, F^-1 g>`` over the layers of the last :meth:`precondition_all` (read by the KL-clip)."""
-        return float(self._grad_dot_step)
+    def grad_dot_step(self) -> torch.Tensor:
+        """``sum <g, F^-1 g>`` over the layers of the last :meth:`precondition_all` (the KL-clip's), a 0-dim
+        float64 tensor on the device (no host sync)."""
+        g = self._grad_dot_step
+        if isinstance(g, torch.Tensor):
+            return g.to(torch.float64)
+        return torch.tensor(g, dtype=torch.float64, device=next(iter(self.parameters()), torch.empty(0)).device)
 
-    def scale_step(self, nu: float) -> None:
-        """Multiply the preconditioned gradients by ``nu`` (the KL-clip factor)."""
-        if nu == 1.0:
+    def scale_step(self, nu: torch.Tensor | float) -> None:
+        """Multiply the preconditioned gradients by ``nu`` (the KL-clip factor; a tensor stays on the device)."""
+        if not isinstance(nu, torch.Tensor) and nu == 1.0:
             return
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.mul_(nu)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, torch.as_tensor(nu, device=grads[0].device))
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters K-FAC preconditions (weights and biases of its layers), in layer order."""

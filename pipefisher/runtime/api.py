@@ -11,7 +11,7 @@ a loop of your own uses the same ones, so it trains exactly as ``pipefisher trai
     ckpt, parts = worker.checkpointer(), worker.components()  # add your own: anything with state_dict()
     first = ckpt.load("ck", parts) if resuming else 0           # the steps done
     for step in range(first, 100):
-        loss = worker.step(step)                  # the mean loss on the last stage, else None
+        loss = worker.step(step)                  # the mean loss on the last stage (a 0-dim tensor), else None
     ckpt.save("ck", 100, parts)                   # every worker calls it
     api.shutdown(ctx)
 

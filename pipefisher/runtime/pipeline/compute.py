@@ -66,13 +66,14 @@ class LossScale:
         """The gradient a last stage's backward starts from: the scale, in ``out``'s shape."""
         return torch.full_like(out, self.scale)
 
-    def unscale(self, params: list[nn.Parameter]) -> bool:
-        """Divide the gradients by the scale; whether all of them are finite (on this worker)."""
+    def unscale(self, params: list[nn.Parameter]) -> torch.Tensor | bool:
+        """Divide the gradients by the scale; whether all of them are finite (on this worker), as a 0-dim
+        bool tensor on their device (True without gradients): the caller reads it once, with its peers'."""
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return True
         torch._foreach_mul_(grads, 1.0 / self.scale)
-        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        return torch.stack([torch.isfinite(g).all() for g in grads]).all()
 
     def update(self, finite: bool) -> None:
         """After the step's update: halve the scale on an overflow, double it after a long finite run."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Iterator
 
+import torch
 from torch import nn
 
 from pipefisher.pipeline_orders import DOWN, UP
@@ -132,8 +133,8 @@ class StageCopiesKFAC:
         return sum(k.precondition_all() for k in self._all())
 
     @property
-    def grad_dot_step(self) -> float:
-        return sum(k.grad_dot_step for k in self._all())
+    def grad_dot_step(self) -> torch.Tensor:
+        return sum(k.grad_dot_step for k in self._all())  # type: ignore[return-value]
 
     def scale_step(self, nu: float) -> None:
         for k in self._all():
@@ -190,11 +191,12 @@ class StageCopiesEngine:
         for e in self.engines.values():
             e.set_wait_log(log)
 
-    def finish_step(self) -> float | None:
-        """Every copy's sends waited for; the loss of the micro-batches whose last stage is here."""
+    def finish_step(self) -> torch.Tensor | None:
+        """Every copy's sends waited for; the loss of the micro-batches whose last stage is here (a 0-dim
+        tensor on the device)."""
         losses = [e.finish_step() for e in self.engines.values()]
-        mine = [x for x in losses if x is not None]
-        return sum(mine) if mine else None
+        mine = [x.double() for x in losses if x is not None]  # added as the numbers they are
+        return sum(mine) if mine else None  # type: ignore[return-value]
 
     def allreduce_gradients(self) -> None:
         """Every copy's gradients averaged over its replicas (:meth:`PipelineEngine.allreduce_gradients`)."""

@@ -34,6 +34,7 @@ from pipefisher.pipeline_orders import FORWARD as _F
 from pipefisher.runtime.data.batches import MLMData, batch_seed
 from pipefisher.runtime.job.config import PIPELINE_ORDERS
 from pipefisher.runtime.job.dist import DistContext
+from pipefisher.runtime.job.host import HOST
 from pipefisher.runtime.pipeline.buckets import DEFAULT_BUCKET_MB, GradientBuckets
 from pipefisher.runtime.pipeline.compute import autocast, wire_dtype
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, WEIGHT, chunk_suffix, copy_suffix
@@ -403,8 +404,9 @@ class PipelineEngine:
         for label in ops:
             self.op(label)()
 
-    def finish_step(self) -> float | None:
-        """Wait for outstanding sends; the step's loss (sum of micro-batch losses) on the last stage."""
+    def finish_step(self) -> torch.Tensor | None:
+        """Wait for outstanding sends; the step's loss (sum of micro-batch losses) on the last stage, as a
+        0-dim tensor on the device (reading it would make the host wait: :mod:`pipefisher.runtime.job.host`)."""
         for work, _ in self._sends:
             work.wait()
         self._sends = []
@@ -418,7 +420,7 @@ class PipelineEngine:
             n = len(self._weights)
             self._weights.clear()
             raise RuntimeError(f"{n} micro-batches ran their B pass but not their weight pass")
-        return float(sum(self.losses)) if self.is_last else None
+        return sum(self.losses) if self.is_last else None  # type: ignore[return-value]
 
     @torch.no_grad()
     def evaluate(self, batches: list[Any]) -> float | None:
@@ -444,7 +446,7 @@ class PipelineEngine:
             with autocast(self.precision, dev):
                 out = self.stage(x, mb.labels.to(dev) if self.is_last else None)
             if self.is_last:
-                return float(out)
+                return HOST.value(out)
             out = out.to(self.wire)
             if self.next_rank == self.ctx.grid.rank:
                 self.local.put(_TAG_EVAL + self._out, out)
@@ -461,7 +463,7 @@ class PipelineEngine:
             return value
         loss = torch.tensor([value], device=self.ctx.device)
         dist.all_reduce(loss, group=self.ctx.dp_group)
-        return float(loss / grid.replicas)
+        return HOST.value(loss / grid.replicas)
 
     def allreduce_gradients(self) -> None:
         """Gradients averaged over the stage's data-parallel group: waits for the buckets' all-reduces

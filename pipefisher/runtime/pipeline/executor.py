@@ -84,7 +84,7 @@ class ScheduleExecutor:
             recorder.attach(engine)
         self.last_record: Any = None
         self._step = 0
-        self._loss: float | None = None
+        self._loss: Any = None  # the step's loss, a 0-dim tensor on the last stage
         self.switch(iterations, first_step)
 
     def switch(self, iterations: Sequence[Sequence[str]], first_step: int) -> None:
@@ -152,8 +152,9 @@ class ScheduleExecutor:
         self._loss = self.engine.finish_step()
         self.end_of_step()
 
-    def run_step(self, step: int) -> float | None:
-        """Run the iteration of training step ``step >= first_step``; the step's loss on the last stage."""
+    def run_step(self, step: int) -> Any:
+        """Run the iteration of training step ``step >= first_step``; the step's loss on the last stage
+        (the engine's :meth:`~pipefisher.runtime.pipeline.engine.PipelineEngine.finish_step`)."""
         if step < self.first_step:
             raise ValueError(f"step {step} comes before this cycle's first step {self.first_step} "
                              "(step 0 is a plain pipeline step with naive K-FAC, not a schedule iteration)")

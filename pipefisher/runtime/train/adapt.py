@@ -35,6 +35,7 @@ from typing import Any, Callable
 from pipefisher.closed_loop import Plan, Scheduler, _record_from_state, _record_state
 from pipefisher.drift import DriftSample, Refresh, refreshes
 from pipefisher.runtime.job.files import RunPaths
+from pipefisher.runtime.train.recorder import resolved
 from pipefisher.measure import (StepRecord, append_csv, cycle_summary, instruction_rows, lay_out,
                                 planned_gap_seconds, step_overrun, unit_seconds, window_timelines)
 
@@ -129,7 +130,8 @@ class ScheduleLoop:
 
         mine, self.pending = self.pending, []
         t0 = time.perf_counter()
-        parts = self._gather((mine, self._drift()))
+        drift = self._drift()  # first: its read comes after the records' CUDA events, which are then done
+        parts = self._gather(([resolved(r) for r in mine], drift))
         self.gather_seconds.append(time.perf_counter() - t0)
         records = sorted((r for part, _ in parts for r in part), key=lambda r: (r.step, r.node, r.replica))
         samples = [s for _, part in parts for s in part]
@@ -276,7 +278,7 @@ class ScheduleLoop:
 
     def state_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.state(), "first_step": self.first_step,
-                "pending": [_record_state(r) for r in self.pending],
+                "pending": [_record_state(resolved(r)) for r in self.pending],
                 "recent": [[_record_state(r) for r in c] for c in self.recent],
                 "history": [{"step": s.step, "plan": s.plan.state(), "decide_seconds": s.decide_seconds}
                             for s in self.history],

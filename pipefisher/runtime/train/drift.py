@@ -8,11 +8,16 @@ in one transfer.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import torch
 
 from pipefisher.drift import DriftSample
+from pipefisher.runtime.job.host import HOST
+
+
+_LATER = object()  # a sample's lags, known when its figures are read
 
 
 class DriftLog:
@@ -25,11 +30,11 @@ class DriftLog:
         self.refreshed: dict[str, list[int]] = {}  # layer -> the steps of its last two refreshes measured
 
     def take(self, step: int) -> None:
-        """File what the K-FAC copies measured during training step ``step`` (no host sync)."""
+        """File what the K-FAC copies measured during training step ``step`` (no host sync; the lags are
+        known once the figures are read: a sample whose figures say it is none takes no place in them)."""
         for p, kfac in self.kfacs.items():
             for name, change, change2, norm in kfac.take_drift():
-                layer = f"{self.stages[p]}/{name}"
-                self.pending.append((step, layer, change, change2, norm, self._lags(layer, step)))
+                self.pending.append((step, f"{self.stages[p]}/{name}", change, change2, norm, _LATER))
 
     def _lags(self, layer: str, step: int) -> tuple[int, int] | None:
         """Steps from the layer's two refreshes before to this one (None until both are known)."""
@@ -41,7 +46,7 @@ class DriftLog:
         """Every sample not gathered yet, as numbers (one device-to-host transfer), and forget them."""
         pending, self.pending = self.pending, []
         tensors = [t for entry in pending for t in entry[2:] if isinstance(t, torch.Tensor)]
-        values = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()) if tensors \
+        values = iter(HOST.values(torch.stack([t.detach().float().reshape(()) for t in tensors]))) if tensors \
             else iter(())
 
         def num(x: Any) -> float | None:  # in the order the tensors were stacked
@@ -50,7 +55,10 @@ class DriftLog:
         for step, layer, change, change2, norm, lags in pending:
             c, c2, n = num(change), num(change2), num(norm)
             assert c is not None and n is not None
-            out.append(DriftSample(step, self.node, layer, c, c2, n, lags))
+            if math.isnan(n):  # K-FAC's mark of a refresh that changed nothing after all: no sample
+                continue
+            out.append(DriftSample(step, self.node, layer, c, c2, n,
+                                   self._lags(layer, step) if lags is _LATER else lags))
         return out
 
     def state_dict(self) -> dict[str, Any]:

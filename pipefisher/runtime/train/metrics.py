@@ -72,19 +72,24 @@ class Metrics:
             if self.bar is not None:
                 self.bar.clear()
 
-    def record(self, step: int, *, loss: float | None, val: float | None, lr: float, seconds: float,
-               cycle: int | None) -> None:
-        """One step's figures: a CSV row, TensorBoard scalars, the bar and, when :meth:`should_log`, its line."""
-        self.rows.append((step, loss, val, lr, seconds, cycle))
-        tb = self.tensorboard
-        if tb is not None:
-            tb.log_step(step, loss=loss, val_loss=val, lr=lr, step_seconds=seconds, cycle=cycle)
-            self.log_late()
+    def stepped(self, step: int) -> None:
+        """Step ``step`` is done: the bar moves (or the launcher's bar, through its marks). Needs no figure
+        of the step, so it moves every step while the figures wait for a logging step (:meth:`record`)."""
         done = step + 1 - self.first
         if self.bar is not None:
             self.bar.update(done, self.todo)
         elif self.relay and self.reporter:  # the launcher's bar, and its line after Ctrl-C
             click.echo(f"{PROGRESS_MARK} {done} {self.todo}")
+
+    def record(self, step: int, *, loss: float | None, val: float | None, lr: float, seconds: float,
+               cycle: int | None) -> None:
+        """One step's figures: a CSV row, TensorBoard scalars and, when :meth:`should_log`, its line. A loop
+        that keeps its losses on the device records the steps since the last logging step at the next one."""
+        self.rows.append((step, loss, val, lr, seconds, cycle))
+        tb = self.tensorboard
+        if tb is not None:
+            tb.log_step(step, loss=loss, val_loss=val, lr=lr, step_seconds=seconds, cycle=cycle)
+            self.log_late()
         if self.reporter and loss is not None and self.should_log(step):
             held = f"  held-out {val:.4f}" if val is not None else ""
             if self.bar is not None:

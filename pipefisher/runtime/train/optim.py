@@ -321,9 +321,10 @@ class LRSchedule:
         return lr
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, group: Any = None, share: float = 1.0) -> float:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, group: Any = None,
+                   share: float = 1.0) -> torch.Tensor:
     """Scale gradients by ``min(1, max_norm / (norm + 1e-6))`` where ``norm`` is their global L2 norm;
-    returns the norm before clipping.
+    returns the norm before clipping, a 0-dim float64 tensor on the device.
 
     With ``group`` (a process group: the stages of ONE pipeline) the sum of squares is all-reduced over
     it, so every stage clips by the norm of the whole model's gradient and the result equals clipping
@@ -332,6 +333,8 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, group: Any =
     summed in float64 so the norm does not depend on how the model is split. A non-finite norm scales
     nothing and is returned: the caller decides (skip the step, stop). ``share`` weighs this rank's
     sum of squares before the all-reduce (1/2 where two devices hold a copy of every stage: Chimera).
+    The factor is computed and applied on the device (a factor of 1 where nothing is clipped): the host
+    never waits for the norm.
     """
     if not max_norm > 0:
         raise ValueError(f"clip_grad_norm needs max_norm > 0, not {max_norm}")
@@ -349,11 +352,8 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, group: Any =
         if share != 1.0:
             sq *= share
         dist.all_reduce(sq, group=group)
-    norm = math.sqrt(float(sq))
-    if not math.isfinite(norm):
-        return norm
-    scale = min(1.0, max_norm / (norm + 1e-6))
-    if scale < 1.0:
-        for g in grads:
-            g.detach().mul_(scale)
+    norm = sq.sqrt()
+    scale = torch.where(torch.isfinite(norm), torch.clamp(max_norm / (norm + 1e-6), max=1.0), torch.ones_like(norm))
+    if grads:
+        torch._foreach_mul_([g.detach() for g in grads], scale)
     return norm

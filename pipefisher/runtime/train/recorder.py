@@ -2,8 +2,9 @@
 
 The executor runs each label through :meth:`StepRecorder.wrap` (bound once, when an iteration is
 compiled), so recording costs two clock reads and an append per label. On CPU the clock is
-``perf_counter``; on GPU every label gets a pair of CUDA events, read once at the end of the step,
-never a synchronize per label. A receive's wait is timed the same way inside the pipeline engine
+``perf_counter``; on GPU every label gets a pair of CUDA events, and the step's record keeps them unread
+(:class:`EventRecord`) until the closed loop gathers its records, once per cycle: never a synchronize
+per label, nor per step. A receive's wait is timed the same way inside the pipeline engine
 (:meth:`pipefisher.runtime.pipeline.engine.PipelineEngine.set_wait_log`). Tests and simulations inject another
 :class:`StepRecorder` (a fake clock with deterministic durations).
 """
@@ -77,25 +78,37 @@ class ClockRecorder(StepRecorder):
             labels.append((label, t0, now(), w0, len(waits)))
         return recorded
 
-    def end_step(self) -> StepRecord:
-        if self.cuda:
-            base = self._base
-            if self._labels:
-                self._labels[-1][2].synchronize()
-
-            def rel(ev: Any) -> float:
-                return base.elapsed_time(ev) / 1e3
-
-            def wait(pair: Any) -> float:
-                return pair[0].elapsed_time(pair[1]) / 1e3
-        else:
-            b = self._base
-
-            def rel(t: Any) -> float:
-                return t - b
-
-            def wait(x: Any) -> float:
-                return x
-        out = tuple(LabelTime(label, rel(s), rel(e), sum(wait(x) for x in self._waits[a:z]))
-                    for label, s, e, a, z in self._labels)
+    def end_step(self) -> StepRecord | EventRecord:
+        if self.cuda:  # the events are read where the records are gathered
+            return EventRecord(self.node, self.replica, self._step, self._iteration, self._base,
+                               list(self._labels), list(self._waits))
+        b = self._base
+        out = tuple(LabelTime(label, s - b, e - b, sum(self._waits[a:z])) for label, s, e, a, z in self._labels)
         return StepRecord(self.node, self.replica, self._step, self._iteration, out)
+
+
+class EventRecord:
+    """A scheduled step's record on GPU with its CUDA events not read yet (reading them waits for the
+    device): :meth:`resolve` makes it a :class:`StepRecord` where the records are gathered."""
+
+    def __init__(self, node: int, replica: int, step: int, iteration: int, base: Any,
+                 labels: list[tuple[str, Any, Any, int, int]], waits: list[Any]) -> None:
+        self.node, self.replica, self.step, self.iteration = node, replica, step, iteration
+        self._base, self._labels, self._waits = base, labels, waits
+
+    def resolve(self) -> StepRecord:
+        """The record, its times read from the events (waiting, counted, only if the last is not done)."""
+        from pipefisher.runtime.job.host import HOST
+
+        if self._labels and not self._labels[-1][2].query():
+            HOST.wait(self._labels[-1][2])
+        base = self._base
+        out = tuple(LabelTime(label, base.elapsed_time(s) / 1e3, base.elapsed_time(e) / 1e3,
+                              sum(p[0].elapsed_time(p[1]) / 1e3 for p in self._waits[a:z]))
+                    for label, s, e, a, z in self._labels)
+        return StepRecord(self.node, self.replica, self.step, self.iteration, out)
+
+
+def resolved(record: StepRecord | EventRecord) -> StepRecord:
+    """A step's record with its times as numbers (an :class:`EventRecord` read now)."""
+    return record.resolve() if isinstance(record, EventRecord) else record

@@ -35,6 +35,7 @@ from pipefisher.runtime.job import memory
 from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.job.files import RunPaths
+from pipefisher.runtime.job.host import HOST
 from pipefisher.runtime.job.process import Interrupted
 from pipefisher.runtime.job.progress import phase
 from pipefisher.runtime.pipeline.layout import loss_device, node_pipes
@@ -122,6 +123,8 @@ class WorkerResult:
     peak_memory_bytes: int = 0  # this process, over the training steps
     base_memory_bytes: int = 0  # what it held as the steps began (the built model), on the peak's counter
     peak_saved_bytes: int = 0  # K-FAC inputs/output gradients waiting for their covariance piece
+    # device-to-host reads per step (pipefisher.runtime.job.host): at most 1 on a step that logs nothing
+    host_reads: list[int] = field(default_factory=list)
     # the reporting worker's run figures for a summary (Metrics.figures: every step, a resumed run's earlier too)
     figures: dict[str, list[float]] | None = None
 
@@ -284,10 +287,10 @@ class Trainer:
         """K-FAC cycle length k of this node's schedule (``scheduled`` mode), else None."""
         return None if self.executor is None else self.executor.cycle
 
-    def train_step(self, step: int) -> float | None:
-        """One step; returns the loss (mean over replicas) on the last stage, else None. Profiling, a
-        barrier over the whole job first: every node starts the step's ``start_end`` together, the
-        common reference of the median step (:func:`pipefisher.timeline.median_step`)."""
+    def train_step(self, step: int) -> Any:
+        """One step; returns the loss (mean over replicas, a 0-dim tensor) on the last stage, else None.
+        Profiling, a barrier over the whole job first: every node starts the step's ``start_end`` together,
+        the common reference of the median step (:func:`pipefisher.timeline.median_step`)."""
         self.profiler.barrier(distributed=self.ctx.distributed)
         return self.worker.step(step)
 
@@ -351,32 +354,36 @@ class Trainer:
         return result
 
     def _run(self) -> WorkerResult:
-        """The training loop, top-down: each step, its held-out evaluation, its metrics and a checkpoint
-        when one is due; then the run's end. The components beside it: :class:`Metrics` (CSV, TensorBoard,
-        progress, loss lines), :class:`Evaluator`, the checkpointer (:meth:`checkpoint`) and the closed
-        loop (``self.loop``, scheduled mode)."""
-        g, opts, metrics, evaluator = self.ctx.grid, self.opts, self.metrics, self.evaluator
+        """The training loop, top-down: each step, and at its logging steps (:meth:`Metrics.should_log`)
+        the figures of the steps since the last one, read back from the device in one go, with the
+        held-out evaluation when one is due; a checkpoint when one is due; then the run's end. The
+        components beside it: :class:`Metrics` (CSV, TensorBoard, progress, loss lines),
+        :class:`Evaluator`, the checkpointer (:meth:`checkpoint`) and the closed loop (``self.loop``)."""
+        g, opts, metrics = self.ctx.grid, self.opts, self.metrics
         result = WorkerResult(g.rank, g.stage, g.replica)
         self._start(result)
         every, last = opts.checkpoint_every, opts.steps - 1
+        unread: list[StepOutcome] = []  # steps whose loss and time are still on the device
+        HOST.take()  # the reads before the first step are none of a step's
         try:
             with metrics.progress():
                 for step in range(self.start_step, opts.steps):
                     cycle = max(self.cycles) if self.cycles else None  # the schedule this step runs
-                    loss, seconds = self._timed_step(step)
-                    result.step_seconds.append(seconds)
-                    with self._failures(step):
-                        val = evaluator.after_step(step, seconds)
-                    metrics.record(step, loss=loss, val=val, lr=self.updater.lr, seconds=seconds, cycle=cycle)
-                    if loss is not None:
-                        result.losses.append(loss)
-                    if every and (step + 1) % every == 0 and step != last:
+                    loss, clock = self._timed_step(step)
+                    unread.append(StepOutcome(step, loss, clock, self.updater.lr, cycle))
+                    metrics.stepped(step)
+                    save = every and (step + 1) % every == 0 and step != last
+                    if metrics.should_log(step) or save:
+                        self._report(unread, result)
+                    if save:
                         self._gather_drift()
                         self.checkpoint(step + 1)
                         metrics.flush()
+                    result.host_reads.append(HOST.take())
         except KeyboardInterrupt:  # Ctrl-C: say how far it got (the CLI turns it into one line)
+            self._report(unread, result)  # the steps done are logged as they would have been
             raise Interrupted(len(result.step_seconds) + self.start_step) from None
-        result.val = evaluator.curve
+        result.val = self.evaluator.curve
         if self.kfac is not None:
             self.kfac.settle_all()  # no all-reduce left in flight when the process group goes
         result.peak_memory_bytes = memory.peak_bytes(self.ctx.device)
@@ -436,19 +443,37 @@ class Trainer:
         except RuntimeError as err:
             raise PeerLost(self._lost_message(step, err)) from err
 
-    def _timed_step(self, step: int) -> tuple[float | None, float]:
+    def _timed_step(self, step: int) -> tuple[Any, Any]:
         """One training step with what follows it on the step path (drift samples, the closed loop's
-        measurements): its loss (last stage, else None) and its seconds (the device synchronized)."""
-        t0 = time.perf_counter()
+        measurements): its loss (a 0-dim tensor on the last stage, else None) and its clock (seconds on
+        CPU; on GPU a pair of CUDA events around it, read with the loss: no synchronize per step)."""
+        cuda = self.ctx.device.type == "cuda"
+        t0 = _cuda_event() if cuda else time.perf_counter()
         with self._failures(step):
             loss = self.train_step(step)
             if self.drift_log is not None:
                 self.drift_log.take(step)  # tensors: read where the workers gather anyway
             if self.loop is not None and step >= 1:
                 self.loop.after_step(step, self.executor.last_record)
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize()
-        return loss, time.perf_counter() - t0
+        return loss, ((t0, _cuda_event()) if cuda else time.perf_counter() - t0)
+
+    def _report(self, unread: list["StepOutcome"], result: WorkerResult) -> None:
+        """The steps in ``unread`` as numbers (their losses in one read, their CUDA clocks after it), each
+        through the evaluator and the metrics in order, into ``result``; ``unread`` empties."""
+        if not unread:
+            return
+        losses = [u.loss for u in unread if u.loss is not None]
+        values = iter(HOST.values(torch.stack([x.reshape(()).double() for x in losses])) if losses else [])
+        for u in unread:
+            loss = next(values) if u.loss is not None else None
+            seconds = u.seconds()
+            with self._failures(u.step):
+                val = self.evaluator.after_step(u.step, seconds)
+            self.metrics.record(u.step, loss=loss, val=val, lr=u.lr, seconds=seconds, cycle=u.cycle)
+            result.step_seconds.append(seconds)
+            if loss is not None:
+                result.losses.append(loss)
+        unread.clear()
 
     def _finish_loop(self) -> None:
         """The closed loop's end: its open cycle gathered, its files written, its cost line."""
@@ -485,6 +510,35 @@ class Trainer:
                                                "decisions": self.loop.decide_seconds} if self.loop else None,
                               # the curvature refreshes' drift, the job's figure and every layer's
                               "drift": [r.state() for _, r in sorted(self.refreshes.items())]})
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """A step trained, its figures not read back yet: its loss (a 0-dim tensor on the stage holding it,
+    else None) and its clock (seconds, or a pair of CUDA events), with the learning rate and K-FAC cycle
+    it ran with."""
+
+    step: int
+    loss: Any
+    clock: Any
+    lr: float
+    cycle: int | None
+
+    def seconds(self) -> float:
+        """The step's seconds: on GPU from its events, which the loss read before has waited for (the
+        end event of the last step read: synchronized here, once)."""
+        if not isinstance(self.clock, tuple):
+            return self.clock
+        start, end = self.clock
+        if not end.query():
+            HOST.wait(end)
+        return start.elapsed_time(end) / 1e3
+
+
+def _cuda_event() -> Any:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
 
 
 def drift_line(refreshes: list[Any]) -> str:

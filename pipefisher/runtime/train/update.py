@@ -33,6 +33,7 @@ from torch import nn
 
 from pipefisher.kfac.factors import kl_clip_scale
 from pipefisher.runtime.job.config import RunConfig
+from pipefisher.runtime.job.host import HOST
 from pipefisher.runtime.train.optim import LRSchedule, clip_grad_norm, make_optimizer
 from pipefisher.timeline import PRECONDITION_KEY
 
@@ -74,23 +75,27 @@ class Updater:
         if self.kfac_optimizer is not None:
             self.schedule.apply(self.kfac_optimizer, step, peak_lr=self.cfg.kfac.lr)
 
-    def _pipe_sum(self, value: float) -> float:
+    def _pipe_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """A 0-dim float64 tensor summed over the pipeline (it stays on the device)."""
         if self.pipe_group is None:
             return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        t = value.reshape(1).clone()
         dist.all_reduce(t, group=self.pipe_group)
-        return float(t)
+        return t[0]
 
     def step(self, stage: nn.Module) -> None:
-        """Steps 0 and 2-5 above on ``stage``'s gradients, then clear them."""
+        """Steps 0 and 2-5 above on ``stage``'s gradients, then clear them. Reads nothing back from the
+        device but fp16's overflow flag, which decides whether the optimizer steps (the step's one read,
+        through :data:`~pipefisher.runtime.job.host.HOST`, which brings whatever waits for a read along)."""
         o, k = self.cfg.optim, self.cfg.kfac
         if self.scaler is not None:
-            finite = self.scaler.unscale(list(stage.parameters()))
-            overflow = torch.tensor([0.0 if finite else 1.0], device=self.device)
+            finite = torch.as_tensor(self.scaler.unscale(list(stage.parameters())), device=self.device)
+            overflow = (~finite).to(torch.float32).reshape(1)
             if self.pipe_group is not None:  # every stage skips, or none (replicas hold the same gradients)
                 dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.pipe_group)
-            self.scaler.update(not bool(overflow))
-            if bool(overflow):
+            skip = HOST.flag(overflow)
+            self.scaler.update(not skip)
+            if skip:
                 self._clear()
                 return
         if o.clip_norm > 0:
@@ -130,8 +135,10 @@ def make_kfac(cfg: RunConfig, stage: nn.Module, *, dp_group: Any = None, dp_size
     from pipefisher.kfac import KFAC
 
     k = cfg.kfac
-    return KFAC(stage, damping=k.damping, damping_min=k.damping_min or None, damping_decay=k.damping_decay,
+    kfac = KFAC(stage, damping=k.damping, damping_min=k.damping_min or None, damping_decay=k.damping_decay,
                 ignore=k.ignore, loss_scale=cfg.data.num_micro_batches, dp_group=dp_group, dp_size=dp_size,
                 factor_decay=k.factor_decay, inverse=k.inverse, inverse_dtype=k.inverse_dtype,
                 on_bad_factor=k.on_bad_factor, save_dtype=k.save_dtype, fisher=k.fisher, warn=warn,
                 cov_stride=k.cov_stride, drift=drift)
+    kfac.host = HOST  # its inverses' checks are read with the runtime's next read, counted
+    return kfac

@@ -19,6 +19,7 @@ from pipefisher.pipeline_orders import DOWN, UP, layout_of
 from pipefisher.runtime.data.batches import DataPosition, MLMData
 from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext, check_agreement
+from pipefisher.runtime.job.host import HOST
 from pipefisher.runtime.models.builders import make_stage
 from pipefisher.runtime.pipeline.checks import load_checked_schedule
 from pipefisher.runtime.pipeline.compute import LossScale, recompute_blocks
@@ -95,12 +96,20 @@ class Worker:
     schedule: list[list[list[str]]] | None = None  # the schedule file's labels (scheduled mode)
     position: DataPosition = field(default_factory=DataPosition)  # the next step's micro-batches
 
-    def step(self, step: int) -> float | None:
+    def step(self, step: int) -> torch.Tensor | None:
         """Training step ``step`` (0, 1, ...): forward and backward over the step's micro-batches in the
         pipeline order, K-FAC work (every ``interval`` steps, or where the schedule puts it), gradient
         all-reduce and the update. Returns the step's loss, averaged over replicas, on the last stage
-        (None elsewhere). Every worker of the job calls it with the same ``step``.
+        (None elsewhere), as a 0-dim tensor on the device: ``float(loss)`` makes the host wait for the
+        device, so a loop reads it where it reports (``pipefisher train`` at its logging steps). Every
+        worker of the job calls it with the same ``step``.
+
+        The step reads nothing back from the device but fp16's overflow flag (whether the optimizer
+        steps). The checks of K-FAC's inverses wait, on the device, for the next read
+        (:data:`pipefisher.runtime.job.host.HOST`): fp16's flag, else at the latest the start of the next step.
         """
+        if self.updater.scaler is None:  # fp16 reads its flag in this step anyway, and what waits with it
+            HOST.settle()  # what the last step left to check (bad K-FAC factors), if nothing read it since
         self.updater.set_step(step)
         self.position.step = step + 1  # where a checkpoint after this step resumes
         if self.executor is not None and step >= 1:
@@ -147,14 +156,15 @@ class Worker:
         return Checkpointer(self.ctx, self.cfg, self.mode, self.schedule_digest,
                             tokenizer=corpus.tokenizer_json if corpus is not None else None)
 
-    def mean_loss(self, loss: float | None) -> float | None:
+    def mean_loss(self, loss: torch.Tensor | None) -> torch.Tensor | None:
         """The step's loss over every replica of the last stage (and both pipes under Chimera, whose
-        last stages sit on devices D - 1 and 0: one group)."""
+        last stages sit on devices D - 1 and 0: one group), still on the device. The sum travels in
+        float32 and is divided in float64, the numbers a read of each would give."""
         if loss is None or self.ctx.stage_group_size == 1:
             return loss
-        t = torch.tensor([loss], device=self.ctx.device)
+        t = loss.detach().to(torch.float32, copy=True).reshape(1)  # the engine's stays as it is
         dist.all_reduce(t, group=self.ctx.stage_group)
-        return float(t) / self.ctx.grid.replicas
+        return t.double()[0] / self.ctx.grid.replicas
 
     def evaluate(self, batches: list[Any] | None = None) -> float | None:
         """Mean held-out loss (default: the data's validation batches) on the last stage, else None.

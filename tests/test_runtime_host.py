@@ -1,0 +1,150 @@
+"""Device-to-host reads on the step path: one counter (``HOST``), and at most one read per step that logs
+nothing, in kfac and scheduled mode, fp32 and fp16, on one process and on two gloo ranks."""
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import pytest
+import torch
+
+from _schedules import TINY, spread_schedule
+from pipefisher.runtime.job.config import load_config
+from pipefisher.runtime.job.dist import init_from_env, shutdown, single_process
+from pipefisher.runtime.job.host import HOST, HostReads, unrouted_reads
+from pipefisher.runtime.launch.local import spawn_local
+from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+
+STEPS = 7  # logging steps: 0 and the last (log_every is larger); steps 1-5 log nothing
+RUNS = [(mode, precision) for mode in ("kfac", "scheduled") for precision in ("fp32", "fp16")]
+
+
+def test_a_read_counts_once_and_brings_what_waits_along():
+    host = HostReads()
+    seen: list[list[float]] = []
+    host.later(torch.tensor([1.0, 0.0]), seen.append)
+    host.settle()  # what waits: one read
+    assert seen == [[1.0, 0.0]] and host.take() == 1 and host.take() == 0
+    host.settle()  # nothing waits: no read
+    host.later(torch.tensor([3.0]), seen.append)
+    assert host.value(torch.tensor(2.5)) == 2.5  # the waiting read comes along: still one read
+    assert seen[-1] == [3.0] and host.take() == 1 and not host.waiting
+    assert host.flag(torch.tensor([0.0])) is False and host.values(torch.ones(2), torch.zeros(1)) == [1.0, 1.0, 0.0]
+    assert host.take() == 2 and host.total == 4
+
+
+def test_a_float_put_back_on_the_step_path_counts_as_a_read():
+    loss = torch.tensor(1.5)
+    with unrouted_reads() as places:
+        before = HOST.count
+        float(loss)  # this test's own read: not pipefisher's
+        from pipefisher.kfac.factors import bad_factor  # any pipefisher code that converts counts
+        assert bad_factor([1.0, loss, 0.0, 0.0, 1.0, 1.0], "cholesky") is None  # type: ignore[list-item]
+        counted = HOST.count - before
+        assert counted >= 1 and len(places) == counted
+        assert all(p.startswith("pipefisher/kfac/factors.py:") for p in places), places
+    assert float(loss) == 1.5 and HOST.count == before + counted  # closed: conversions are plain again
+
+
+def _train(cfg: Any, ctx: Any, folder: str) -> dict[str, Any]:
+    """Each of :data:`RUNS` for :data:`STEPS` steps: the reads of each step (this worker's), and where any
+    unrouted ones were made."""
+    out: dict[str, Any] = {"reporter": None}
+    for mode, precision in RUNS:
+        run_cfg = cfg.replace(train={"precision": precision, "loss_scale": 1024.0})
+        schedule = None
+        if mode == "scheduled":
+            schedule = os.path.join(folder, f"spread_{cfg.pipeline.stages}.pickle")
+            with open(schedule, "wb") as f:
+                pickle.dump(spread_schedule(run_cfg), f)
+        torch.manual_seed(0)
+        trainer = Trainer(run_cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=STEPS, progress=False,
+                                                     log_every=100))
+        with unrouted_reads() as places:
+            result = trainer.run()
+        out[mode, precision] = (result.host_reads, places)
+        out["reporter"] = trainer.reporter
+    return out
+
+
+def _worker(folder: str) -> dict[str, Any]:
+    cfg = load_config(TINY).replace(pipeline={"timeout_s": 30.0})
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    try:
+        return _train(cfg, ctx, folder)
+    finally:
+        shutdown(ctx)
+
+
+def _assert_at_most_one_read_per_quiet_step(out: dict[str, Any]) -> None:
+    for mode, precision in RUNS:
+        reads, places = out[mode, precision]
+        assert len(reads) == STEPS
+        quiet = reads[1:-1]  # no loss printed, no checkpoint, no evaluation
+        assert max(quiet) <= 1, (mode, precision, reads, places)
+        if out["reporter"]:  # a logging step reads its loss
+            assert reads[0] >= 1 and reads[-1] >= 1, (mode, precision, reads)
+
+
+def test_one_process_reads_at_most_once_per_step_that_logs_nothing(tmp_path):
+    torch.set_num_threads(1)
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})
+    out = _train(cfg, single_process(), str(tmp_path))
+    print({k: v[0] for k, v in out.items() if k != "reporter"})
+    _assert_at_most_one_read_per_quiet_step(out)
+
+
+def test_two_gloo_ranks_read_at_most_once_per_step_that_logs_nothing(tmp_path):
+    results = spawn_local(_worker, 2, str(tmp_path), timeout_s=300)
+    for out in results:
+        print({k: v[0] for k, v in out.items() if k != "reporter"})
+        _assert_at_most_one_read_per_quiet_step(out)
+    assert [out["reporter"] for out in results] == [False, True]
+
+
+class FakeEvent:
+    """A CUDA event stand-in: recorded at ``at`` seconds, done or not (``synchronize`` makes it done)."""
+
+    def __init__(self, at: float, done: bool = True) -> None:
+        self.at, self.done = at, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        assert self.done and end.done, "elapsed_time of an event not done raises in CUDA"
+        return (end.at - self.at) * 1e3  # milliseconds, as CUDA's
+
+
+def test_a_gpu_step_time_comes_from_its_events_waiting_only_for_an_end_not_done():
+    from pipefisher.runtime.train.trainer import StepOutcome
+
+    HOST.take()
+    done = StepOutcome(3, None, (FakeEvent(1.0), FakeEvent(1.25)), 0.1, None)
+    assert done.seconds() == 0.25 and HOST.take() == 0  # the loss read before waited for it: no wait
+    late = StepOutcome(4, None, (FakeEvent(2.0), FakeEvent(2.5, done=False)), 0.1, None)
+    assert late.seconds() == 0.5 and HOST.take() == 1  # one wait, counted as a read
+
+
+def test_a_gpu_step_record_keeps_its_events_until_the_records_are_gathered():
+    from pipefisher.runtime.train.recorder import ClockRecorder, EventRecord, resolved
+
+    rec = ClockRecorder(1, 0, cuda=True)
+    clock = iter([0.0, 0.5, 1.5, 2.0, 2.0])  # the step's start, then each label's start and end
+    rec._now = lambda: FakeEvent(next(clock), done=False)  # type: ignore[method-assign]
+    rec.begin_step(7, 2)
+    rec.wrap("call_forward", lambda: rec._waits.append((FakeEvent(0.6), FakeEvent(0.9))))()
+    rec.wrap("-- end --", lambda: None)()
+    record = rec.end_step()
+    assert isinstance(record, EventRecord)  # nothing read at the step's end
+    events = [rec._base] + [ev for _, start, end, _, _ in record._labels for ev in (start, end)]
+    for ev in events:
+        ev.done = True  # what the gather's read just before has waited for
+    got = resolved(record)
+    assert (got.node, got.step, got.iteration) == (1, 7, 2)
+    assert [(t.label, t.start, t.end) for t in got.labels] == [("call_forward", 0.5, 1.5), ("-- end --", 2.0, 2.0)]
+    assert got.labels[0].wait == pytest.approx(0.3)
