@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefisher.kfac import factors as fx
+from pipefisher.kfac.eigenbasis import eigenbasis
 from pipefisher.kfac.factors import BadFactorError
 
 FACTORS = ("A", "B")
@@ -239,7 +240,7 @@ class KFAC:
             raise ValueError(f"K-FAC damping_min must be in (0, damping], not {damping_min!r}")
         if not 0 < damping_decay <= 1 or not 0 <= factor_decay < 1:
             raise ValueError("K-FAC damping_decay must be in (0, 1] and factor_decay in [0, 1)")
-        if inverse not in ("cholesky", "eigen") or inverse_dtype not in ("float32", "float64"):
+        if inverse not in ("cholesky", "eigen", "eigenbasis") or inverse_dtype not in ("float32", "float64"):
             raise ValueError(f"unknown inverse {inverse!r} in {inverse_dtype!r}")
         if on_bad_factor not in ("stop", "skip") or fisher not in ("empirical", "true"):
             raise ValueError(f"on_bad_factor {on_bad_factor!r} / fisher {fisher!r} not understood")
@@ -554,8 +555,13 @@ class KFAC:
         damp_a, damp_b = fx.damping_terms(self.damping_of(name), pi)
         st.sums[factor], st.counts[factor], st.synced[factor] = None, 0, False
         try:
-            inverse = fx.damped_inverse(f, damp_a if factor == "A" else damp_b, method=self.inverse_method,
-                                        dtype=self.inverse_dtype, what=f"K-FAC layer {name} factor {factor}")
+            if self.inverse_method == "eigenbasis":  # SOAP's basis (pipefisher.kfac.eigenbasis), no damping
+                if not bool(torch.isfinite(f).all()):
+                    raise BadFactorError(f"K-FAC layer {name} factor {factor}: the factor holds NaN or infinite values")
+                inverse = eigenbasis(f, self.inverse_dtype)
+            else:
+                inverse = fx.damped_inverse(f, damp_a if factor == "A" else damp_b, method=self.inverse_method,
+                                            dtype=self.inverse_dtype, what=f"K-FAC layer {name} factor {factor}")
         except BadFactorError as err:
             if self.on_bad_factor == "stop":
                 raise
@@ -628,6 +634,8 @@ class KFAC:
         st = self.layers[name]
         a_inv, b_inv = st.inverses["A"], st.inverses["B"]
         w = st.module.weight
+        if self.inverse_method == "eigenbasis":  # bases, not inverses: EigenbasisAdam takes the gradient
+            return False
         if a_inv is None or b_inv is None or w.grad is None:
             return False
         g = st.kind.grad_matrix(w.grad)  # (out, in), whatever the layer's own layout
