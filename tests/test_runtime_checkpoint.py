@@ -87,6 +87,27 @@ def test_resume_with_muon_continues_exactly(tmp_path, mode):
         assert torch.equal(p, _params(resumed)[name]), name
 
 
+@pytest.mark.parametrize("mode", ["scheduled", "kfac"])
+def test_resume_with_adam_in_the_eigenbasis_continues_exactly(tmp_path, mode):
+    """``kfac.update: soap``: the moments in the rotated coordinates and the bases they were taken in go
+    into the checkpoint; a resumed run rotates nothing the whole one did not and ends bit for bit."""
+    # kfac mode refreshes every 4 steps: steps 5-7 after the resume run on bases refreshed before it
+    cfg = tiny(pipeline={"stages": 1}, model={"dropout": 0.1},
+               kfac={"update": "soap", "factor_decay": 0.9, "interval": 4},
+               optim={"name": "adamw", "lr": 0.01, "decay_steps": 8})
+    sched = None
+    if mode == "scheduled":
+        sched = str(tmp_path / "s.pickle")
+        save_schedule(sched, spread_schedule(cfg))  # k = 3: stops inside a cycle, bases refreshed since
+    full = _train(cfg, mode=mode, schedule=sched, steps=8)
+    ck = str(tmp_path / "ck")
+    _train(cfg, mode=mode, schedule=sched, steps=5, checkpoint_dir=ck)
+    resumed = _train(cfg, mode=mode, schedule=sched, steps=8, resume=ck, checkpoint_dir=ck)
+    assert resumed.start_step == 5
+    for name, p in _params(full).items():
+        assert torch.equal(p, _params(resumed)[name]), name
+
+
 def test_muon_resume_on_two_stages_one_without_muon_parameters(tmp_path):
     """Muon only on layer 0 (stage 0): stage 1 steps with AdamW alone, and a run stopped after step 2
     and resumed to step 4 ends with the weights of the run that never stopped, on both stages."""

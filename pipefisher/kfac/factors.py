@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from pipefisher.kfac.eigenbasis import eigenbasis
+
 
 class BadFactorError(RuntimeError):
     """A factor that cannot be inverted honestly (not finite, or not positive definite after damping).
@@ -103,6 +105,11 @@ eigenvalue's size (``eigen``, else 0), the inverse finite (1/0), and the micro-b
 holds (fp16 drops those that overflowed; 1 where nothing is dropped)."""
 
 
+INVERSE_METHODS = ("cholesky", "eigen", "eigenbasis")
+"""How a refresh turns a factor into what the update uses: a damped inverse (``cholesky``, ``eigen``) or,
+for ``kfac.update: soap``, its eigenvectors (``eigenbasis``, :mod:`pipefisher.kfac.eigenbasis`)."""
+
+
 def inverse_findings(f: torch.Tensor, damping: torch.Tensor | float, *, method: str = "cholesky",
                      dtype: torch.dtype = torch.float32,
                      pieces: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,12 +123,16 @@ def inverse_findings(f: torch.Tensor, damping: torch.Tensor | float, *, method: 
     NaN or infinity is inverted as if those were 0 (its findings say so; the inverse is not to be used).
     ``damping`` comes from :func:`damping_terms` (positive and finite); :func:`bad_factor` checks it.
     """
-    if method not in ("cholesky", "eigen"):
-        raise ValueError(f"inverse method must be 'cholesky' or 'eigen', not {method!r}")
+    if method not in INVERSE_METHODS:
+        raise ValueError(f"inverse method must be one of {', '.join(INVERSE_METHODS)}, not {method!r}")
     finite = torch.isfinite(f).all()
     m = f.to(dtype)
     m = (m + m.t()) / 2
-    if method == "eigen":
+    if method == "eigenbasis":  # SOAP's basis for kfac.update: soap: the eigenvectors, no damping
+        inv = eigenbasis(torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0), dtype)
+        first = second = m.new_zeros((), dtype=torch.float64)
+        ok = torch.ones((), dtype=torch.bool, device=m.device)
+    elif method == "eigen":
         vals, vecs = torch.linalg.eigh(torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0))
         inv = (vecs / (vals.clamp_min(0.0) + damping)) @ vecs.t()
         zero = vals.new_zeros((), dtype=torch.float64)
@@ -158,7 +169,7 @@ def bad_factor(findings: list[float], method: str, what: str = "factor") -> str 
         return (f"{what}: not positive definite after damping {damping:.3g} (Cholesky failed at column "
                 f"{int(first)}; try kfac.inverse: eigen, kfac.inverse_dtype: float64 or more damping)")
     if not inv_finite:
-        return f"{what}: the damped inverse is not finite"
+        return f"{what}: the {'eigenbasis' if method == 'eigenbasis' else 'damped inverse'} is not finite"
     return None
 
 

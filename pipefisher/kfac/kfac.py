@@ -247,7 +247,7 @@ class KFAC:
             raise ValueError(f"K-FAC damping_min must be in (0, damping], not {damping_min!r}")
         if not 0 < damping_decay <= 1 or not 0 <= factor_decay < 1:
             raise ValueError("K-FAC damping_decay must be in (0, 1] and factor_decay in [0, 1)")
-        if inverse not in ("cholesky", "eigen") or inverse_dtype not in ("float32", "float64"):
+        if inverse not in fx.INVERSE_METHODS or inverse_dtype not in ("float32", "float64"):
             raise ValueError(f"unknown inverse {inverse!r} in {inverse_dtype!r}")
         if on_bad_factor not in ("stop", "skip") or fisher not in ("empirical", "true"):
             raise ValueError(f"on_bad_factor {on_bad_factor!r} / fisher {fisher!r} not understood")
@@ -736,6 +736,8 @@ class KFAC:
         st = self.layers[name]
         a_inv, b_inv = st.inverses["A"], st.inverses["B"]
         w = st.module.weight
+        if self.inverse_method == "eigenbasis":  # bases, not inverses: EigenbasisAdam takes the gradient
+            return False
         if a_inv is None or b_inv is None or w.grad is None:
             return False
         g = st.kind.grad_matrix(w.grad)  # (out, in), whatever the layer's own layout

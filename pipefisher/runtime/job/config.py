@@ -162,6 +162,7 @@ class OptimConfig:
 
 
 FISHERS = ("empirical", "true")
+UPDATES = ("base", "momentum", "soap")
 INVERSES = ("cholesky", "eigen")
 ON_BAD_FACTOR = ("stop", "skip")
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
@@ -178,7 +179,10 @@ class KfacConfig:
     Update: the preconditioned gradient is scaled so the step's predicted KL change stays under
     ``kl_clip`` (0: off), then ``update`` decides who takes it: ``momentum`` (heavy-ball momentum
     ``momentum`` with its own peak learning rate ``lr``, on the same warm-up and schedule as the
-    optimizer) or ``base`` (the first-order optimizer, like every other parameter).
+    optimizer) or ``base`` (the first-order optimizer, like every other parameter). ``soap`` keeps
+    only the factors' eigenbases from a refresh (no damping, no inverse) and the K-FAC layers take
+    Adam's step in them (:mod:`pipefisher.kfac.eigenbasis`) with the optimizer's learning rate,
+    betas, eps and weight decay.
     ``fisher``: ``empirical`` (the training labels' gradients) or ``true`` (labels sampled from the
     model's own output distribution, one extra backward). ``on_bad_factor``: a factor that is not
     finite, or not positive definite after damping, ``stop``s the run or ``skip``s that refresh.
@@ -516,7 +520,10 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("kfac.kl_clip must be >= 0, kfac.lr > 0 and kfac.momentum in [0, 1)")
     if not isinstance(k.cov_stride, int) or k.cov_stride < 1:
         problems.append("kfac.cov_stride must be an integer >= 1")
-    for key, allowed in (("update", ("momentum", "base")), ("fisher", FISHERS), ("inverse", INVERSES),
+    if k.update == "soap" and k.kl_clip > 0:
+        problems.append("kfac.kl_clip bounds a preconditioned step; kfac.update: soap takes Adam's step in "
+                        "the factors' eigenbasis, which it does not apply to: set kl_clip 0")
+    for key, allowed in (("update", UPDATES), ("fisher", FISHERS), ("inverse", INVERSES),
                          ("inverse_dtype", ("float32", "float64")), ("on_bad_factor", ON_BAD_FACTOR),
                          ("save_dtype", SAVE_DTYPES)):
         if getattr(k, key) not in allowed:

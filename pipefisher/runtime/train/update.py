@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipefisher.kfac.eigenbasis import EigenbasisAdam
 from pipefisher.kfac.factors import kl_clip_scale
 from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.host import HOST
@@ -56,12 +57,17 @@ class Updater:
         self.span = span or (lambda key: nullcontext())
         self.share = 1.0 / copies
         self.schedule = LRSchedule(cfg.optim, total_steps)
-        own = kfac is not None and cfg.kfac.update == "momentum"
+        own = kfac is not None and cfg.kfac.update in ("momentum", "soap")
         kfac_ids = {id(p) for p in kfac.parameters()} if own else set()
         named = [(n, p) for n, p in stage.named_parameters() if id(p) not in kfac_ids]
         self.optimizer = make_optimizer(cfg.optim, named)
-        self.kfac_optimizer = (torch.optim.SGD(kfac.parameters(), lr=cfg.kfac.lr, momentum=cfg.kfac.momentum)
-                               if own else None)
+        self.kfac_optimizer: torch.optim.Optimizer | None = None
+        if own and cfg.kfac.update == "soap":
+            o = cfg.optim
+            self.kfac_optimizer = EigenbasisAdam(kfac, lr=o.lr, betas=(float(o.betas[0]), float(o.betas[1])),
+                                                 eps=o.eps, weight_decay=o.weight_decay)
+        elif own:
+            self.kfac_optimizer = torch.optim.SGD(kfac.parameters(), lr=cfg.kfac.lr, momentum=cfg.kfac.momentum)
         self.device = next(stage.parameters()).device
 
     @property
@@ -73,7 +79,8 @@ class Updater:
         """Learning rates of training step ``step`` (0-based); a resumed run just calls it again."""
         self.schedule.apply(self.optimizer, step)
         if self.kfac_optimizer is not None:
-            self.schedule.apply(self.kfac_optimizer, step, peak_lr=self.cfg.kfac.lr)
+            peak = self.cfg.optim.lr if self.cfg.kfac.update == "soap" else self.cfg.kfac.lr
+            self.schedule.apply(self.kfac_optimizer, step, peak_lr=peak)
 
     def _pipe_sum(self, value: torch.Tensor) -> torch.Tensor:
         """A 0-dim float64 tensor summed over the pipeline (it stays on the device)."""
@@ -135,10 +142,11 @@ def make_kfac(cfg: RunConfig, stage: nn.Module, *, dp_group: Any = None, dp_size
     from pipefisher.kfac import KFAC
 
     k = cfg.kfac
+    soap = k.update == "soap"
     kfac = KFAC(stage, damping=k.damping, damping_min=k.damping_min or None, damping_decay=k.damping_decay,
                 ignore=k.ignore, loss_scale=cfg.data.num_micro_batches, dp_group=dp_group, dp_size=dp_size,
-                factor_decay=k.factor_decay, inverse=k.inverse, inverse_dtype=k.inverse_dtype,
+                factor_decay=k.factor_decay, inverse="eigenbasis" if soap else k.inverse, inverse_dtype=k.inverse_dtype,
                 on_bad_factor=k.on_bad_factor, save_dtype=k.save_dtype, fisher=k.fisher, warn=warn,
-                cov_stride=k.cov_stride, drift=drift)
+                cov_stride=k.cov_stride, drift=drift and not soap)
     kfac.host = HOST  # its inverses' checks are read with the runtime's next read, counted
     return kfac

@@ -1,0 +1,93 @@
+"""Adam in the eigenbasis of K-FAC's Kronecker factors: the SOAP update with K-FAC's curvature.
+
+K-FAC preconditions a layer's gradient ``G`` by ``B^-1 G A^-1``: exact for the curvature of the refresh,
+and increasingly wrong as the weights move on until the next one, so its steps suffer from stale
+curvature (docs/benchmarks.md measures it). SOAP (Vyas et al., 2024, "SOAP: Improving and Stabilizing
+Shampoo using Adam") keeps only the *eigenbases* of the two Kronecker factors from the periodic work and
+runs Adam in the rotated coordinates, ``G' = Q_B^T G Q_A``: Adam's second moments follow the gradient's
+scale at every step, so a basis a few steps old costs little. Here the bases are those of K-FAC's own
+factors (activations ``A`` and output gradients ``B``), computed in the factor's refresh label
+(``inv_kron_X``, in a bubble: :func:`eigenbasis`), so the packer places them like any inverse.
+
+Per step and layer (``[W | b]`` as one ``(out, in + 1)`` matrix, as K-FAC sees it), with ``R(X) =
+Q_B^T X Q_A`` the rotation into the bases: ``m <- b1 m + (1 - b1) R(G)``, ``v <- b2 v + (1 - b2) R(G)^2``,
+``W <- W (1 - lr wd) - lr Q_B [(m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)] Q_A^T``: four matrix products
+per layer. Both moments live in the rotated coordinates; when a refresh brings a new basis, the first
+moment is carried into it exactly (``Q_new^T Q_old`` on the side that changed, once per refresh), the
+second is kept as it is, as SOAP does (a rotation does not carry squares). Until a layer has both
+bases, the identity stands for them: plain AdamW.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def eigenbasis(f: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The eigenvectors of a symmetric PSD factor (columns), in ``f``'s dtype; no damping is needed."""
+    m = f.to(dtype)
+    _, vecs = torch.linalg.eigh((m + m.t()) / 2)
+    return vecs.to(f.dtype)
+
+
+class EigenbasisAdam(torch.optim.Optimizer):
+    """The SOAP step above for the layers of one :class:`pipefisher.kfac.KFAC`, whose refreshes hold
+    the bases (``LayerState.inverses`` holds eigenvectors when K-FAC runs with ``inverse="eigenbasis"``)."""
+
+    def __init__(self, kfac: Any, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        self.kfac = kfac
+        super().__init__(kfac.parameters(), dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        group = self.param_groups[0]
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        for st in self.kfac.layers.values():
+            w = st.module.weight
+            if w.grad is None:
+                continue
+            g = st.kind.grad_matrix(w.grad)
+            if st.bias:
+                b = st.module.bias
+                bg = b.grad if b.grad is not None else torch.zeros_like(b)
+                g = torch.cat([g, bg[:, None]], dim=1)
+            qa, qb = st.inverses["A"], st.inverses["B"]
+            if qa is None or qb is None:
+                qa = qb = None
+            state = self.state[w]
+            if not state:
+                state.update(step=0, exp_avg=torch.zeros_like(g), exp_avg_sq=torch.zeros_like(g),
+                             basis_a=None, basis_b=None, versions=(0, 0))
+            self._follow_basis(state, qa, qb, (0, 0) if qa is None else (st.inversions["A"], st.inversions["B"]))
+            state["step"] += 1
+            t = state["step"]
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            g_rot = g if qa is None else qb.t() @ g @ qa
+            m.mul_(b1).add_(g_rot, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g_rot, g_rot, value=1 - b2)
+            u = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt_().add_(eps))
+            if qa is not None:
+                u = qb @ u @ qa.t()
+            if wd:
+                w.mul_(1 - lr * wd)
+            u_w = u[:, :-1] if st.bias else u  # (out, in); a transposed weight is stored (in, out)
+            w.add_(u_w.t() if st.kind.transposed else u_w.reshape(w.shape), alpha=-lr)
+            if st.bias:
+                st.module.bias.add_(u[:, -1], alpha=-lr)
+
+    @staticmethod
+    def _follow_basis(state: dict[str, Any], qa: torch.Tensor | None, qb: torch.Tensor | None,
+                      versions: tuple[int, int]) -> None:
+        """Carry the first moment into the layer's current bases, where a refresh changed them.
+
+        A refresh is told by the layer's inversion counts (plain ints: no comparison of tensors on the
+        device, and a resumed run, whose bases are fresh copies, rotates nothing it should not)."""
+        if tuple(state["versions"]) == versions:
+            return
+        old_a, old_b = state["basis_a"], state["basis_b"]
+        assert qa is not None and qb is not None  # bases, once there, are only ever replaced
+        m = state["exp_avg"] @ (qa if old_a is None else old_a.t() @ qa)
+        state["exp_avg"] = (qb.t() if old_b is None else qb.t() @ old_b) @ m
+        state["basis_a"], state["basis_b"], state["versions"] = qa, qb, versions

@@ -1,0 +1,116 @@
+"""Adam in K-FAC's eigenbasis (SOAP with K-FAC's factors): what the step is, checked against AdamW."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipefisher.kfac import KFAC
+from pipefisher.kfac.eigenbasis import EigenbasisAdam, eigenbasis
+
+
+def _layer(bias: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 3, bias=bias))
+
+
+def _grads(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def test_eigenbasis_diagonalises_the_factor():
+    x = torch.randn(40, 6)
+    f = x.t() @ x / 40
+    q = eigenbasis(f)
+    rotated = q.t() @ f @ q
+    assert torch.allclose(q.t() @ q, torch.eye(6), atol=1e-5)
+    assert torch.allclose(rotated, torch.diag(torch.diagonal(rotated)), atol=1e-4)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_without_bases_it_is_adamw(bias):
+    """Before a layer's first refresh the identity stands for its bases: the step is AdamW's, weight
+    decay on the weight only."""
+    ours, ref = _layer(bias), _layer(bias)
+    kfac = KFAC(ours, inverse="eigenbasis", ignore=())
+    opt = EigenbasisAdam(kfac, lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1)
+    groups = [{"params": [ref[0].weight], "weight_decay": 0.1}]
+    if bias:
+        groups.append({"params": [ref[0].bias], "weight_decay": 0.0})
+    adamw = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.98), eps=1e-8)
+    for step in range(3):
+        _grads(ours, step)
+        _grads(ref, step)
+        opt.step()
+        adamw.step()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_with_bases_it_is_adam_in_the_rotated_coordinates():
+    """With fixed bases ``Q_A``, ``Q_B`` the step equals AdamW on ``Q_B^T [W|b] Q_A`` fed the rotated
+    gradients, rotated back: Adam's per-coordinate scaling happens in the factors' eigenbasis."""
+    model = _layer(True)
+    kfac = KFAC(model, inverse="eigenbasis", ignore=())
+    st = kfac.layers["0"]
+    qa = torch.linalg.qr(torch.randn(6, 6))[0]
+    qb = torch.linalg.qr(torch.randn(3, 3))[0]
+    st.inverses["A"], st.inverses["B"] = qa, qb
+    opt = EigenbasisAdam(kfac, lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
+    full = torch.cat([model[0].weight.detach(), model[0].bias.detach()[:, None]], dim=1)
+    rotated = nn.Parameter(qb.t() @ full @ qa)
+    adam = torch.optim.Adam([rotated], lr=1e-2, betas=(0.9, 0.98), eps=1e-8)
+    for step in range(4):
+        _grads(model, step)
+        g = torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], dim=1)
+        rotated.grad = qb.t() @ g @ qa
+        opt.step()
+        adam.step()
+    after = torch.cat([model[0].weight.detach(), model[0].bias.detach()[:, None]], dim=1)
+    assert torch.allclose(after, qb @ rotated.detach() @ qa.t(), atol=1e-5)
+
+
+def test_a_refresh_stores_the_factor_eigenbasis_not_an_inverse():
+    model = _layer(True)
+    kfac = KFAC(copy.deepcopy(model), inverse="eigenbasis", ignore=())
+    kfac.set_saving(True)
+    layer = kfac.layers["0"].module
+    out = layer(torch.randn(8, 5))
+    out.sum().backward()
+    kfac.update_curvature()
+    q = kfac.inverse("0", "A")
+    a = kfac.layers["0"].running["A"]  # the factor as it was decomposed
+    assert q is not None and a is not None
+    assert torch.allclose(q.t() @ q, torch.eye(6), atol=1e-5)
+    rotated = q.t() @ a @ q
+    assert torch.allclose(rotated, torch.diag(torch.diagonal(rotated)), atol=1e-4)
+    assert not kfac.precondition("0")  # the gradient is left to EigenbasisAdam
+
+
+def test_a_new_basis_carries_the_first_moment_over():
+    """After a refresh the first moment is the same vector in the new coordinates: a step with a zero
+    gradient moves the weights as if the basis had never changed (up to Adam's second moment, which a
+    rotation cannot carry: here every coordinate's is equal, so it is exact)."""
+    model = _layer(True)
+    kfac = KFAC(model, inverse="eigenbasis", ignore=())
+    st = kfac.layers["0"]
+    opt = EigenbasisAdam(kfac, lr=1e-2, betas=(0.9, 0.9), eps=0.0)
+    st.inverses["A"], st.inverses["B"] = torch.eye(6), torch.eye(3)
+    st.inversions = {"A": 1, "B": 1}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = opt.state[model[0].weight]
+    before = state["basis_b"] @ state["exp_avg"] @ state["basis_a"].t()
+    st.inverses["A"] = torch.linalg.qr(torch.randn(6, 6))[0]
+    st.inversions = {"A": 2, "B": 1}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    after = state["basis_b"] @ state["exp_avg"] @ state["basis_a"].t()
+    assert state["versions"] == (2, 1)
+    assert torch.allclose(after, 0.9 * before, atol=1e-6)
