@@ -433,7 +433,8 @@ def train_copies_every_step(cfg: RunConfig, runs: list[tuple[str, str | None]], 
             index = {c: copy(c).index for c in copies}
             history, losses = [], []
             for step in range(steps):
-                losses.append(trainer.train_step(step))
+                loss = trainer.train_step(step)  # a 0-dim tensor on the last stage (read here, not on the step path)
+                losses.append(None if loss is None else float(loss))
                 history.append({c: {n: t.detach().clone() for n, t in copy(c).named_parameters()} for c in copies})
             out[mode if schedule is None else os.path.basename(schedule)] = (index, history, losses)
     finally:

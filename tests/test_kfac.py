@@ -262,9 +262,9 @@ def test_kl_clip_end_to_end_scales_the_preconditioned_step_into_the_bound():
     raw = {n: _flat_grad(m) for n, m in mods.items()}  # before preconditioning overwrites them
     assert kfac.precondition_all() == 2
     pre = {n: _flat_grad(m) for n, m in mods.items()}
-    assert kfac.grad_dot_step == pytest.approx(sum(float((pre[n] * raw[n]).sum()) for n in mods), rel=1e-5)
+    assert float(kfac.grad_dot_step) == pytest.approx(sum(float((pre[n] * raw[n]).sum()) for n in mods), rel=1e-5)
     lr = 0.5
-    kl_clip = 0.01 * lr ** 2 * kfac.grad_dot_step  # small enough that the clip is active
+    kl_clip = 0.01 * lr ** 2 * float(kfac.grad_dot_step)  # small enough that the clip is active
     nu = fx.kl_clip_scale(kfac.grad_dot_step, lr, kl_clip)
     assert 0 < nu < 1
     kfac.scale_step(nu)
@@ -278,7 +278,7 @@ def test_kl_clip_end_to_end_scales_the_preconditioned_step_into_the_bound():
         a = torch.linalg.inv(kfac.inverse(n, "A").double())
         b = torch.linalg.inv(kfac.inverse(n, "B").double())
         kl += lr ** 2 * float((step[n] * (b @ step[n] @ a)).sum())
-    assert kl == pytest.approx(lr ** 2 * nu * sum(float((step[n] * raw[n]).sum()) for n in mods), rel=1e-3)
+    assert kl == pytest.approx(lr ** 2 * float(nu) * sum(float((step[n] * raw[n]).sum()) for n in mods), rel=1e-3)
     assert kl <= kl_clip * (1 + 1e-3)
     assert kl == pytest.approx(kl_clip, rel=1e-3)  # the clip is tight, not just a bound
 
@@ -303,7 +303,7 @@ def test_running_average_factors_match_their_closed_form_and_are_what_is_inverte
         assert _close(kfac.layers[n].running["A"], ra, 1e-5)
         assert _close(kfac.layers[n].running["B"], rb, 1e-5)
         pi = fx.pi_split(fx.mean_trace(ra), fx.mean_trace(rb))
-        assert kfac.layers[n].last_pi == pytest.approx(pi, rel=1e-5)
+        assert float(kfac.layers[n].last_pi) == pytest.approx(float(pi), rel=1e-5)
         da, db = fx.damping_terms(damping, pi)
         want_a = torch.linalg.inv(ra.double() + da * torch.eye(ra.shape[0], dtype=torch.float64))
         want_b = torch.linalg.inv(rb.double() + db * torch.eye(rb.shape[0], dtype=torch.float64))
@@ -640,7 +640,7 @@ def test_conv1d_gives_the_same_factors_and_preconditioned_gradient_as_its_linear
     assert c.weight.grad.shape == (5, 4)  # written back in Conv1D's own layout
     assert _close(c.weight.grad.t(), lin.weight.grad, 1e-6)
     assert _close(c.bias.grad, lin.bias.grad, 1e-6)
-    assert k_conv.grad_dot_step == pytest.approx(k_lin.grad_dot_step, rel=1e-6)  # the KL-clip's sum
+    assert float(k_conv.grad_dot_step) == pytest.approx(float(k_lin.grad_dot_step), rel=1e-6)  # the KL-clip's sum
     k_conv.scale_step(0.5)
     k_lin.scale_step(0.5)
     assert _close(c.weight.grad.t(), lin.weight.grad, 1e-6)
