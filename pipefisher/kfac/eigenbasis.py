@@ -25,9 +25,9 @@ import torch
 
 
 def eigenbasis(f: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The eigenvectors of a symmetric PSD factor (columns), in ``f``'s dtype; no damping is needed."""
-    m = f.to(dtype)
-    _, vecs = torch.linalg.eigh((m + m.t()) / 2)
+    """The eigenvectors of a symmetric PSD factor (columns), in ``f``'s dtype; no damping is needed. ``f``
+    is symmetric already (:func:`pipefisher.kfac.factors.inverse_findings` symmetrises it first)."""
+    _, vecs = torch.linalg.eigh(f.to(dtype))
     return vecs.to(f.dtype)
 
 
@@ -48,11 +48,7 @@ class EigenbasisAdam(torch.optim.Optimizer):
             w = st.module.weight
             if w.grad is None:
                 continue
-            g = st.kind.grad_matrix(w.grad)
-            if st.bias:
-                b = st.module.bias
-                bg = b.grad if b.grad is not None else torch.zeros_like(b)
-                g = torch.cat([g, bg[:, None]], dim=1)
+            g = st.grad_matrix()
             qa, qb = st.inverses["A"], st.inverses["B"]
             if qa is None or qb is None:
                 qa = qb = None

@@ -213,6 +213,18 @@ class LayerState:
     def bias(self) -> bool:
         return getattr(self.module, "bias", None) is not None
 
+    def grad_matrix(self) -> torch.Tensor:
+        """The layer's gradient as K-FAC sees it: ``(out, in)`` whatever the layer's own layout, with the
+        bias gradient as one more column (zeros where it has none yet). The weight must have a gradient."""
+        w = self.module.weight
+        assert w.grad is not None
+        g = self.kind.grad_matrix(w.grad)
+        if self.bias:
+            b = self.module.bias
+            bg = b.grad if b.grad is not None else torch.zeros_like(b)
+            g = torch.cat([g, bg[:, None]], dim=1)
+        return g
+
     def factor(self, f: str) -> torch.Tensor | None:
         s = self.sums[f]
         return None if s is None else s / self.counts[f]
@@ -740,11 +752,7 @@ class KFAC:
             return False
         if a_inv is None or b_inv is None or w.grad is None:
             return False
-        g = st.kind.grad_matrix(w.grad)  # (out, in), whatever the layer's own layout
-        if st.bias:
-            b = st.module.bias
-            bg = b.grad if b.grad is not None else torch.zeros_like(b)
-            g = torch.cat([g, bg[:, None]], dim=1)
+        g = st.grad_matrix()
         p = fx.precondition(g, a_inv, b_inv)
         self._grad_dot_step = self._grad_dot_step + (p * g).sum()  # no host sync per layer
         if self.measure_drift:  # the next refresh's drift is measured on this gradient (g: a view without bias)
