@@ -213,6 +213,13 @@ PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v")
 """Pipeline orders the trainer runs (their generators live in :mod:`pipefisher.pipeline_orders`)."""
 
 
+ENGINES = ("pipefisher", "torch")
+"""``pipeline.engine``: pipefisher's own pipeline engine, or torch's ``torch.distributed.pipelining``
+(:mod:`pipefisher.runtime.pipeline.torch_engine`)."""
+TORCH_ENGINE_ORDERS = ("1f1b", "interleaved", "zb-v", "zb-h1")
+"""The pipeline orders the torch engine runs: those torch has a schedule class for, with pipefisher's order."""
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """Pipeline layout. ``stages`` x data-parallel replicas = world size; replicas are inferred."""
@@ -222,6 +229,7 @@ class PipelineConfig:
     timeout_s: float = 60.0
     chunks: int = 2  # interleaved: model chunks per device (virtual stage s on device s % stages); zb-v: 2
     grad_bucket_mb: float = 25.0  # the most MiB of gradients one bucket's all-reduce carries
+    engine: str = "pipefisher"  # one of ENGINES: who runs the pipeline (torch: torch.distributed.pipelining)
 
     @property
     def chunked(self) -> bool:
@@ -453,6 +461,7 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("pipeline.timeout_s must be positive")
     if not 0 < p.grad_bucket_mb < float("inf"):
         problems.append("pipeline.grad_bucket_mb must be positive and finite")
+    problems += _torch_engine_refusals(cfg)
     if d.text.strip() == "":
         problems.append("data.text must name a corpus ('stdlib', a file, a folder or a glob) or 'synthetic'")
     if d.objective not in OBJECTIVES:
@@ -544,6 +553,33 @@ def load_config(path: str | os.PathLike[str]) -> RunConfig:
     except yaml.YAMLError as err:
         raise InputError(path, f"is not valid YAML ({err})") from None
     return config_from_dict(raw, path)
+
+
+def _torch_engine_refusals(cfg: RunConfig) -> list[str]:
+    """What ``pipeline.engine`` refuses: an unknown engine, or what the torch engine cannot run (orders
+    torch has no schedule class for, the true Fisher's extra backward, fp16/bf16, one stage, and
+    micro-batch counts torch's zero-bubble H1 does not split into rounds)."""
+    p = cfg.pipeline
+    if p.engine not in ENGINES:
+        return [f"pipeline.engine must be one of {', '.join(ENGINES)}"]
+    if p.engine != "torch":
+        return []
+    out = []
+    if p.schedule not in TORCH_ENGINE_ORDERS:
+        out.append(f"pipeline.engine torch runs pipeline.schedule {', '.join(TORCH_ENGINE_ORDERS)}, not {p.schedule}")
+    elif p.schedule == "zb-h1":
+        m, rounds = cfg.data.num_micro_batches, max(1, cfg.data.num_micro_batches // p.stages)
+        if m % rounds:
+            out.append(f"pipeline.engine torch with zb-h1 needs data.num_micro_batches a multiple of "
+                       f"max(1, num_micro_batches // pipeline.stages) = {rounds} (torch's rounds), not {m}")
+    if cfg.kfac.fisher != "empirical":
+        out.append("pipeline.engine torch needs kfac.fisher empirical (the true Fisher's sampled backward "
+                   "runs in pipefisher's engine only)")
+    if cfg.train.precision != "fp32":
+        out.append("pipeline.engine torch needs train.precision fp32")
+    if p.stages < 2:
+        out.append("pipeline.engine torch needs pipeline.stages >= 2 (torch pipelines across processes)")
+    return out
 
 
 def _interleaved_refusal(stages: int, micro_batches: int, chunks: int) -> str | None:

@@ -495,25 +495,30 @@ class PipelineEngine:
         else:
             buf, work = posted
             wait = work.wait  # no timeout argument: the process group's timeout, as dist.recv's
-        log = self._wait_log
-        if log is None:
-            wait()
-        elif self.ctx.device.type == "cuda":  # events around it, read at the end of the step
-            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            before.record()
-            wait()
-            after.record()
-            log.append((before, after))
-        else:
-            t0 = time.perf_counter()
-            wait()
-            log.append(time.perf_counter() - t0)
+        logged_wait(wait, self._wait_log, self.ctx.device.type == "cuda")
         return buf
 
     def set_wait_log(self, log: list[Any] | None) -> None:
         """Append every receive's wait (seconds on CPU, a CUDA event pair on GPU) to ``log`` (None: off)."""
         self._wait_log = log
 
+
+
+def logged_wait(wait: Callable[[], Any], log: list[Any] | None, cuda: bool) -> None:
+    """Run a receive's ``wait``, its time appended to ``log`` (None: untimed): seconds on CPU, a
+    CUDA event pair on GPU (read at the end of the step, so the host does not wait here)."""
+    if log is None:
+        wait()
+    elif cuda:
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        wait()
+        after.record()
+        log.append((before, after))
+    else:
+        t0 = time.perf_counter()
+        wait()
+        log.append(time.perf_counter() - t0)
 
 
 class LocalLink:

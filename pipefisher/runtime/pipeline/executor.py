@@ -116,7 +116,8 @@ class ScheduleExecutor:
             if i in points:
                 calls.append(functools.partial(post, points[i]))
             calls.append(self._compile(label))
-        return calls
+        fold = getattr(self.engine, "fold_iteration", None)  # an engine that walks its own order (torch's)
+        return calls if fold is None else fold(labels, calls)
 
     def _compile(self, label: str) -> Callable[[], None]:
         call = self._bind(label)

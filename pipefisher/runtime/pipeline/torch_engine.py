@@ -1,0 +1,235 @@
+"""The torch engine (``pipeline.engine: torch``): the same stage modules, K-FAC and packed schedules,
+run as torch ``PipelineStage``\\ s by torch's pipeline runtime.
+
+Torch walks its lowered action list (:mod:`pipefisher.runtime.pipeline.torch_api`: the order of its
+schedule class, with the sends and receives its lowering adds); every compute action comes to
+:meth:`TorchEngine._run`, which first runs the K-FAC labels the packer placed before that call (in the
+bubble: after the previous call's send was posted, before this call waits for its input), then the
+call itself, through the label's bound call as the executor compiled it (so the recorder times it),
+the compute inside the profiler's span under the same key as the own engine's. The labels after the
+last call run after torch's step returns (the tail bubble). ``REDUCE_GRAD`` starts the stage copy's
+gradient buckets' all-reduce (:mod:`pipefisher.runtime.pipeline.buckets`), as the own engine does at
+its last backward; torch's DDP/FSDP path is never used.
+
+The engine keeps the own engine's interface (``op``, ``run``, ``begin_step``, ``finish_step``,
+``allreduce_gradients``, ``evaluate``, ``set_wait_log``), plus :meth:`TorchEngine.fold_iteration`, which
+the executor calls to hand over a schedule iteration: the rest of the runtime does not know which
+engine runs. Held-out evaluation goes through the own engine given as ``evaluator`` (forward only, no
+schedule to share).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from pipefisher.pipeline_orders import BACKWARD as _B
+from pipefisher.pipeline_orders import FORWARD as _F
+from pipefisher.pipeline_orders import WEIGHT as _W
+from pipefisher.pipeline_orders import stage_on
+from pipefisher.rules.format import START
+from pipefisher.runtime.data.batches import MLMData
+from pipefisher.runtime.job.dist import DistContext
+from pipefisher.runtime.pipeline.buckets import DEFAULT_BUCKET_MB, GradientBuckets
+from pipefisher.runtime.pipeline.engine import logged_wait
+from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, PIPELINE_CALLS, WEIGHT, copy_suffix, parse_label
+from pipefisher.runtime.pipeline import torch_api
+
+Span = Callable[[str], ContextManager[Any]]
+_LABEL = {_F: FORWARD, _B: BACKWARD, torch_api.INPUT: BACKWARD, _W: WEIGHT}
+
+
+class LossStage(nn.Module):
+    """A stage module as torch's ``PipelineStage`` calls it: ``forward(x, labels)``, where only the
+    last stage uses the labels (and returns the micro-batch's loss, pipefisher's stage protocol)."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.stage(x, labels if self.stage.is_last else None)
+
+
+class TorchEngine:
+    """One device's stage copies (``copies``: copy id -> stage module, one per chunk or just copy 0)
+    as torch ``PipelineStage``\\ s, run in torch's order of pipeline order ``kind``.
+
+    ``kfacs`` (copy -> K-FAC state) close each forward (``end_forward``) as the own engine does;
+    ``span`` is the profiler's; ``evaluator`` the own engine on the same copies, for held-out loss.
+    """
+
+    def __init__(self, copies: Mapping[int, nn.Module], ctx: DistContext, data: MLMData, num_micro_batches: int,
+                 *, kind: str, chunks: int, layout: str, span: Span | None = None,
+                 kfacs: Mapping[int, Any] | None = None, evaluator: Any = None,
+                 grad_bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+        torch_api.check_torch()
+        g = ctx.grid
+        self.ctx, self.data, self.m = ctx, data, num_micro_batches
+        self.kfacs = dict(kfacs or {})
+        self.span: Span = span or (lambda key: contextlib.nullcontext())
+        self.evaluator = evaluator
+        chunked = len(copies) > 1
+        D = g.stages
+        self.stage_of = {j: stage_on(g.stage, j, D, layout) if chunked else g.stage for j in copies}
+        self.copy_of = {s: j for j, s in self.stage_of.items()}
+        self.suffix = {j: copy_suffix(j, chunked) for j in copies}
+        virtual = D * len(copies)
+        c = data.cfg
+        stages = []
+        self.modules = copies
+        for j in sorted(copies):
+            s, module = self.stage_of[j], copies[j]
+            # example tensors for torch's static shapes; requires_grad marks what carries a gradient
+            hidden = torch.empty(c.micro_batch_size, c.seq_len, module.hidden_size, device=ctx.device,
+                                 requires_grad=True)
+            tokens = torch.zeros(c.micro_batch_size, c.seq_len, dtype=torch.long, device=ctx.device)
+            out = torch.empty((), device=ctx.device, requires_grad=True) if module.is_last else hidden
+            stages.append(torch_api.make_stage(LossStage(module), s, virtual, ctx.device, ctx.pipe_group,
+                                               tokens if module.is_first else hidden, out))
+        self.holds_first = any(m.is_first for m in copies.values())
+        self.holds_last = any(m.is_last for m in copies.values())
+        self.order = torch_api.compute_orders(kind, D, num_micro_batches, chunks)
+        self.labels = [self.label_of(cmp) for cmp in self.order[g.stage]]
+        m = num_micro_batches
+        self.runtime = torch_api.Runtime(stages, m, lambda out, target: out / m,
+                                         torch_api.torch_actions(kind, D, m, chunks),
+                                         torch_api.Calls(run=self._run, reduce=self._reduce))
+        params = {j: [t for t in copies[j].parameters() if t.requires_grad] for j in sorted(copies)}
+        self.grads = GradientBuckets(params, ctx.grad_group, ctx.stage_group_size, divisor=g.replicas,
+                                     bucket_bytes=int(grad_bucket_mb * 2**20))
+        self.step = 0
+        self._wait_log: list[Any] | None = None
+        self._segments: list[list[Callable[[], None]]] = []  # per compute: the calls that run before it
+        self._calls: list[Callable[[], None]] = []  # per compute: its label's bound call
+        self._pos = 0
+        self._current: Any = None
+        self._losses: list[torch.Tensor] = []
+
+    def label_of(self, c: torch_api.Compute) -> str:
+        """The schedule label of torch's compute action ``c`` on this device."""
+        return _LABEL[c.kind] + self.suffix[self.copy_of[c.stage]]
+
+    def check_plan(self, ops: Sequence[str], where: str = "the pipeline order") -> None:
+        """Refuse pipeline calls that are not torch's compute actions of this rank, 1:1 in order."""
+        if list(ops) != self.labels:
+            at = next((i for i, (a, b) in enumerate(zip(ops, self.labels)) if a != b), min(len(ops), len(self.labels)))
+            raise ValueError(f"torch engine: {where} on device {self.ctx.grid.stage} differs from torch's "
+                             f"order at call {at}: {list(ops)[at:at + 3]} where torch runs {self.labels[at:at + 3]} "
+                             f"({len(ops)} calls against torch's {len(self.labels)})")
+
+    # -- the engine interface --------------------------------------------------------------------------
+
+    def op(self, label: str) -> Callable[[], None]:
+        if label not in self.labels:
+            raise ValueError(f"label {label!r} is not a pipeline call of this device under the torch engine")
+        return functools.partial(self._call, label)
+
+    def run(self, ops: Sequence[str]) -> None:
+        """One step's pipeline calls ``ops`` (this device's order), nothing between them."""
+        self.check_plan(ops)
+        self._run_step([[] for _ in ops], [self.op(label) for label in ops])
+
+    def fold_iteration(self, labels: Sequence[str], calls: Sequence[Callable[[], None]]) -> list[Callable[[], None]]:
+        """A schedule iteration's bound calls (one per label) as the executor runs them with this
+        engine: the calls up to ``-- start --``, one call that runs torch's step with every other call
+        before the pipeline call it precedes, then the calls after the last pipeline call."""
+        kinds = [parse_label(label)[0] for label in labels]
+        at = [i for i, k in enumerate(kinds) if k in PIPELINE_CALLS]
+        if not at:
+            return list(calls)
+        self.check_plan([labels[i] for i in at], "the schedule iteration")
+        start = kinds.index(START) + 1 if START in kinds[:at[0]] else 0
+        bounds = [start - 1] + at
+        segments = [list(calls[bounds[k] + 1:bounds[k + 1]]) for k in range(len(at))]
+        pipeline = [calls[i] for i in at]
+        return list(calls[:start]) + [functools.partial(self._run_step, segments, pipeline)] + list(calls[at[-1] + 1:])
+
+    def begin_step(self, step: int) -> None:
+        if self._current is not None:
+            raise RuntimeError("begin_step while the previous step still runs")
+        self.step = step
+        self._pos = 0
+        self._losses = []
+        for j in self.grads.copies:
+            self.grads.attach(j)
+
+    def finish_step(self) -> torch.Tensor | None:
+        """The step's loss (sum of the micro-batch losses) on the device holding the last stage."""
+        if self._pos != len(self.labels):
+            raise RuntimeError(f"torch engine: the step ran {self._pos} of {len(self.labels)} pipeline calls")
+        return sum(self._losses) if self.holds_last else None  # type: ignore[return-value]
+
+    def allreduce_gradients(self) -> None:
+        self.grads.finish()
+
+    def evaluate(self, batches: list[Any]) -> float | None:
+        if self.evaluator is None:
+            raise RuntimeError("the torch engine was built without an evaluator")
+        return self.evaluator.evaluate(batches)
+
+    def set_wait_log(self, log: list[Any] | None) -> None:
+        self._wait_log = log
+
+    # -- inside torch's step -----------------------------------------------------------------------
+
+    def _run_step(self, segments: list[list[Callable[[], None]]], calls: list[Callable[[], None]]) -> None:
+        self._segments, self._calls, self._pos = segments, calls, 0
+        args, kwargs, target = self._inputs()
+        losses: list[torch.Tensor] = []
+        try:
+            self.runtime.step(args, kwargs, target, losses)
+        finally:
+            self._current = None
+        if self._pos != len(calls):
+            raise RuntimeError(f"torch engine: torch's step ran {self._pos} of this device's {len(calls)} pipeline calls")
+        self._losses = [x.detach() for x in losses]
+
+    def _inputs(self) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """This step's micro-batches, whole (torch splits them back into the same micro-batches)."""
+        if not (self.holds_first or self.holds_last):
+            return (), {}, None
+        mbs = [self.data.micro_batch(self.step, self.ctx.grid.replica, i) for i in range(self.m)]
+        dev = self.ctx.device
+        args = (torch.cat([mb.input_ids for mb in mbs]).to(dev),) if self.holds_first else ()
+        labels = torch.cat([mb.labels for mb in mbs]).to(dev) if self.holds_last else None
+        return args, ({"labels": labels} if labels is not None else {}), labels
+
+    def _run(self, c: torch_api.Compute, do: Callable[..., None]) -> None:
+        """Torch's next compute action: the calls packed before it, then its own bound call."""
+        k = self._pos
+        if k >= len(self._calls):
+            raise RuntimeError(f"torch engine: torch runs more compute actions than the {len(self._calls)} pipeline "
+                               "calls of this device's step")
+        for call in self._segments[k]:
+            call()
+        self._current = (c, do)
+        self._calls[k]()
+        if self._current is not None:
+            raise RuntimeError(f"torch engine: the call bound to {self.labels[k]!r} did not run it")
+        self._pos = k + 1
+
+    def _call(self, label: str) -> None:
+        """A pipeline label's call: the compute torch is at, which must be this label's."""
+        if self._current is None:
+            raise RuntimeError(f"torch engine: {label!r} runs outside torch's step")
+        c, do = self._current
+        if self.label_of(c) != label:
+            raise RuntimeError(f"torch engine: {label!r} where torch runs {self.label_of(c)!r}")
+        self._current = None
+        do(functools.partial(logged_wait, log=self._wait_log, cuda=self.ctx.device.type == "cuda"),
+           self._around(label, c))
+
+    @contextlib.contextmanager
+    def _around(self, label: str, c: torch_api.Compute) -> Iterator[None]:
+        with self.span(label):
+            yield
+            kfac = self.kfacs.get(self.copy_of[c.stage])
+            if c.kind == _F and kfac is not None:
+                kfac.end_forward()
+
+    def _reduce(self, stage: int) -> None:
+        self.grads.ready(self.copy_of[stage])

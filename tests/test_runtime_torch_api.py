@@ -1,0 +1,104 @@
+"""The one module that names torch's private pipelining API: the supported range, a loud refusal when a
+name moves, and torch's per-rank orders, which must be pipefisher's (:mod:`pipefisher.pipeline_orders`)."""
+from __future__ import annotations
+
+import pytest
+
+from pipefisher.errors import InputError
+from pipefisher.pipeline_orders import BACKWARD, FORWARD, WEIGHT, generate
+from pipefisher.runtime.job.config import TORCH_ENGINE_ORDERS
+from pipefisher.runtime.pipeline import torch_api
+from pipefisher.runtime.pipeline.engine import device_chunks
+
+
+def test_every_private_name_the_engine_uses_is_in_the_installed_torch():
+    assert torch_api.missing_names() == []
+    torch_api.check_torch()  # the installed torch is the supported one
+
+
+def test_a_name_that_moved_is_named_in_one_line(monkeypatch):
+    import torch.distributed.pipelining.schedules as schedules
+
+    monkeypatch.delattr(schedules, "_wait_batch_p2p")
+    with pytest.raises(InputError) as err:
+        torch_api.check_torch()
+    line = str(err.value)
+    assert "\n" not in line
+    assert "torch.distributed.pipelining.schedules._wait_batch_p2p" in line and torch_api.SUPPORTED_TEXT in line
+
+
+def test_a_changed_signature_names_the_parameter_that_went(monkeypatch):
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    def forward_one_chunk(self, chunk, args, kwargs=None):  # save_forward_output gone, fwd_chunk_id renamed
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(PipelineStage, "forward_one_chunk", forward_one_chunk)
+    assert torch_api.missing_names() == [
+        "torch.distributed.pipelining.stage.PipelineStage.forward_one_chunk(fwd_chunk_id, save_forward_output)"]
+
+
+def test_a_torch_outside_the_supported_range_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    with pytest.raises(InputError, match=r"supports torch >=2\.13,<2\.14 .* not torch 2\.14\.0"):
+        torch_api.check_torch()
+    assert torch_api.torch_version("2.13.0+cpu") == (2, 13)
+
+
+def test_setup_cfg_states_the_same_range():
+    import configparser
+    import pathlib
+
+    cfg = configparser.ConfigParser()
+    cfg.read(pathlib.Path(__file__).parents[1] / "setup.cfg")
+    assert f"torch{torch_api.SUPPORTED_TEXT}" in cfg["options.extras_require"]["torch-pipelining"].split()
+
+
+def test_the_config_offers_the_orders_torch_has_a_schedule_class_for():
+    assert set(TORCH_ENGINE_ORDERS) == set(torch_api.SCHEDULE_CLASSES)
+
+
+def _ours(kind: str, p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
+    """Our order per device as (kind, stage, micro-batch); a B of a split order is torch's INPUT."""
+    s = generate(kind, p, m, v)
+    return [[(torch_api.INPUT if s.split_backward and op.kind == BACKWARD else op.kind, op.stage, op.micro_batch)
+             for op in ops] for ops in s.devices]
+
+
+@pytest.mark.parametrize("kind", TORCH_ENGINE_ORDERS)
+def test_torchs_order_of_every_supported_schedule_is_ours_on_every_rank(kind):
+    checked = 0
+    for p in range(1, 6):
+        for m in range(1, 13):
+            for v in ((2, 3) if kind == "interleaved" else (device_chunks(kind),)):
+                try:
+                    theirs = torch_api.compute_orders(kind, p, m, v)
+                except ValueError:  # a micro-batch count torch's rounds refuse
+                    continue
+                assert [[(c.kind, c.stage, c.micro_batch) for c in theirs[r]] for r in range(p)] == \
+                    _ours(kind, p, m, v), (p, m, v)
+                checked += 1
+    assert checked >= 40
+
+
+def test_full_and_input_only_backwards_are_told_apart():
+    kinds = {c.kind for c in torch_api.compute_orders("1f1b", 2, 3)[0]}
+    assert kinds == {FORWARD, BACKWARD}
+    kinds = {c.kind for c in torch_api.compute_orders("zb-v", 2, 3)[0]}
+    assert kinds == {FORWARD, torch_api.INPUT, WEIGHT}
+
+
+def test_schedule1f1b_order_is_the_one_its_loop_runs():
+    """Its loop's order, recorded: the last rank starts with micro-batch 0 (torch 2.13's
+    ``_get_pipeline_order``, drawn from another code path, starts it at 1)."""
+    last = torch_api.compute_orders("1f1b", 3, 4)[2]
+    assert [(c.kind, c.micro_batch) for c in last[:3]] == [(FORWARD, 0), (BACKWARD, 0), (FORWARD, 1)]
+
+
+def test_an_unknown_order_or_a_refused_micro_batch_count_says_why():
+    with pytest.raises(ValueError, match="no schedule class for the pipeline order 'chimera'"):
+        torch_api.torch_actions("chimera", 2, 4)
+    with pytest.raises(ValueError, match="multiple of its 2 rounds"):
+        torch_api.torch_actions("zb-h1", 2, 5)

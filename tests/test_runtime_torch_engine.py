@@ -1,0 +1,200 @@
+"""The torch engine (``pipeline.engine: torch``) computes what pipefisher's own engine computes.
+
+In real worker processes (gloo, one thread each) one kfac-mode step of each supported order runs on
+both engines in the same processes: gradients, K-FAC inverses and preconditioned gradients equal the
+own engine's and the whole model's in one process. Schedules with K-FAC work between the pipeline
+calls run at their places among torch's actions and train as their one-process replay; a resumed run
+continues bit for bit; ``pipefisher run`` profiles, packs and trains on it.
+"""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipefisher.cli import main
+from pipefisher.errors import InputError
+from pipefisher.runtime.job.dist import init_from_env, shutdown
+from pipefisher.runtime.launch.local import spawn_local
+
+from _schedules import (TINY, assert_one_iteration_schedule_trains_as_kfac_mode, assert_schedule_trains_as_its_replay,
+                        tiny, train_one_and_spread_schedules)
+from test_runtime_engine import (BASE, _assert_close, _reference, assert_copies_kfac_equals_reference,
+                                 assert_copies_step_equals_reference)
+from test_runtime_zero_bubble import _resume_worker
+
+ENGINES = ("pipefisher", "torch")
+
+
+def both_engines_step_worker(cfg) -> dict:
+    """One kfac-mode step on each engine, in the same processes, from the same weights: per engine,
+    every copy's gradients (after the replicas' all-reduce), K-FAC inverses, preconditioned gradients,
+    the loss and a held-out loss."""
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    out = {}
+    try:
+        for engine in ENGINES:
+            trainer = Trainer(cfg.replace(pipeline={"engine": engine}), ctx,
+                              TrainOptions(mode="kfac", steps=1, progress=False))
+            eng, kfac = trainer.engine, trainer.kfac
+            copies, kfacs = dict(trainer.worker.copies), dict(trainer.kfacs)
+            kfac.set_saving(True)
+            eng.begin_step(0)
+            eng.run(trainer.ops)
+            loss = eng.finish_step()
+            eng.allreduce_gradients()
+            grads = {j: {n: t.grad.clone() for n, t in c.named_parameters()} for j, c in copies.items()}
+            kfac.update_curvature()
+            inverses = {j: {(n, f): k.inverse(n, f).clone() for n in k.names for f in "AB"} for j, k in kfacs.items()}
+            kfac.precondition_all()
+            precond = {j: {n: t.grad.clone() for n, t in c.named_parameters()} for j, c in copies.items()}
+            val = trainer.worker.evaluate(trainer.data.validation_batches()[:2])
+            out[engine] = {"device": ctx.grid.stage, "replica": ctx.grid.replica, "engine": type(eng).__name__,
+                           "index": {j: c.index for j, c in copies.items()}, "grads": grads,
+                           "inverses": inverses, "precond": precond, "loss": loss, "val": val}
+    finally:
+        shutdown(ctx)
+    return out
+
+
+LAYOUTS = {"1f1b, 2 stages x 2 replicas": ("1f1b", 2, 2, 3), "interleaved": ("interleaved", 2, 1, 4),
+           "zb-v": ("zb-v", 2, 1, 3), "zb-h1": ("zb-h1", 2, 1, 4)}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def both_engines(request):
+    kind, stages, replicas, m = LAYOUTS[request.param]
+    cfg = BASE.replace(pipeline=dict(schedule=kind, stages=stages, engine="torch"), data=dict(num_micro_batches=m))
+    results = spawn_local(both_engines_step_worker, stages * replicas, cfg, timeout_s=180)
+    return cfg, replicas, results, _reference(cfg, replicas)
+
+
+def test_the_torch_engine_runs_torchs_stages(both_engines):
+    _, _, results, _ = both_engines
+    assert {res["torch"]["engine"] for res in results} == {"TorchEngine"}
+    assert {res["pipefisher"]["engine"] for res in results} <= {"PipelineEngine", "StageCopiesEngine"}
+
+
+def test_torch_engine_gradients_equal_the_own_engines_and_one_process(both_engines):
+    cfg, replicas, results, ref = both_engines
+    assert_copies_step_equals_reference(cfg, replicas, [res["torch"] for res in results], ref)
+    for res in results:
+        mine, own = res["torch"], res["pipefisher"]
+        for j in own["grads"]:
+            for name, grad in own["grads"][j].items():
+                _assert_close(mine["grads"][j][name], grad, f"copy {j} {name}", 1e-6)
+        if own["loss"] is not None:
+            assert float(mine["loss"]) == pytest.approx(float(own["loss"]), rel=1e-6)
+            assert mine["val"] == pytest.approx(own["val"], rel=1e-6)
+
+
+def test_torch_engine_kfac_inverses_and_update_equal_the_own_engines_and_one_process(both_engines):
+    _, _, results, ref = both_engines
+    assert_copies_kfac_equals_reference([res["torch"] for res in results], ref)
+    for res in results:
+        mine, own = res["torch"], res["pipefisher"]
+        for j in own["inverses"]:
+            for key, inv in own["inverses"][j].items():
+                _assert_close(mine["inverses"][j][key], inv, f"inverse {key}", 1e-4)
+            for name, grad in own["precond"][j].items():
+                _assert_close(mine["precond"][j][name], grad, f"preconditioned {name}", 1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Schedules: K-FAC labels in the bubbles among torch's actions
+
+
+STEPS = 4  # step 0, a full 2-iteration cycle of the spread schedule, and the next one begun
+
+
+@pytest.fixture(scope="module", params=["1f1b", "zb-v"])
+def scheduled_runs(request, tmp_path_factory):
+    cfg = tiny(pipeline={"schedule": request.param, "timeout_s": 30.0, "engine": "torch"})
+    folder = tmp_path_factory.mktemp(request.param)
+    results, files = train_one_and_spread_schedules(cfg, folder, STEPS)
+    return cfg, results, files
+
+
+def test_a_one_iteration_schedule_on_torch_trains_as_kfac_mode(scheduled_runs):
+    _, results, _ = scheduled_runs
+    assert_one_iteration_schedule_trains_as_kfac_mode(results, STEPS)
+
+
+def test_kfac_work_between_torchs_actions_trains_as_the_single_process_replay(scheduled_runs):
+    cfg, results, files = scheduled_runs
+    assert_schedule_trains_as_its_replay(cfg, results, files["spread"], STEPS)
+
+
+def test_a_resumed_torch_engine_run_continues_bit_for_bit(tmp_path):
+    cfg = BASE.replace(pipeline=dict(schedule="zb-v", engine="torch"), data=dict(num_micro_batches=4))
+    results = spawn_local(_resume_worker, 2, cfg, str(tmp_path / "ck"), timeout_s=120)
+    for straight, resumed in results:
+        assert set(resumed[1]) == set(straight[1])
+        for name, t in straight[1].items():
+            assert torch.equal(resumed[1][name], t), name
+    (straight, resumed), = [r for r in results if r[0][0]]
+    assert resumed[0] == straight[0][2:]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Refusals, and the order check
+
+
+@pytest.mark.parametrize("sections,message", [
+    ({"pipeline": {"schedule": "chimera"}}, "pipeline.engine torch runs pipeline.schedule 1f1b, interleaved, zb-v, zb-h1, not chimera"),
+    ({"pipeline": {"schedule": "gpipe"}}, "not gpipe"),
+    ({"kfac": {"fisher": "true"}}, "needs kfac.fisher empirical"),
+    ({"train": {"precision": "bf16"}}, "needs train.precision fp32"),
+    ({"pipeline": {"stages": 1}}, "needs pipeline.stages >= 2"),
+    ({"pipeline": {"schedule": "zb-h1"}, "data": {"num_micro_batches": 5}}, "multiple of max"),
+])
+def test_what_the_torch_engine_cannot_run_is_refused_in_one_line(sections, message):
+    pipeline = {"engine": "torch", **sections.get("pipeline", {})}
+    with pytest.raises(InputError, match=message) as err:
+        BASE.replace(**{**sections, "pipeline": pipeline})
+    assert "\n" not in str(err.value)
+    with pytest.raises(InputError, match="pipeline.engine must be one of pipefisher, torch"):
+        BASE.replace(pipeline={"engine": "deepspeed"})
+
+
+def test_pipeline_calls_out_of_torchs_order_are_refused_before_the_step():
+    from types import SimpleNamespace
+
+    from pipefisher.runtime.pipeline.torch_engine import TorchEngine
+
+    engine = object.__new__(TorchEngine)
+    engine.labels = ["call_forward", "call_forward", "call_backward", "call_backward"]
+    engine.ctx = SimpleNamespace(grid=SimpleNamespace(stage=0))
+    engine.check_plan(["call_forward", "call_forward", "call_backward", "call_backward"])
+    with pytest.raises(ValueError, match=r"differs from torch's order at call 1: \['call_backward'"):
+        engine.check_plan(["call_forward", "call_backward", "call_forward", "call_backward"])
+    with pytest.raises(ValueError, match=r"at call 3: \[\] where torch runs \['call_backward'\] \(3 calls against torch's 4\)"):
+        engine.fold_iteration(["-- start --", "call_forward", "call_forward", "cov_kron_A:x", "call_backward",
+                               "-- end --"], [lambda: None] * 6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The CLI: profile, pack, validate and train in one command
+
+
+def test_pipefisher_run_on_the_torch_engine_profiles_packs_and_trains(tmp_path):
+    from pipefisher.timeline import load_job
+
+    out = tmp_path / "runs"
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--set", "pipeline.engine=torch", "--pipeline", "zb-v",
+                                    "--out", str(out), "--steps", "12", "--profile-steps", "2", "--nproc-per-node", "2",
+                                    "--name", "t", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    timelines = sorted(str(p) for p in (out / "t_timelines").iterdir())
+    job = load_job(timelines)
+    assert all(node.weights() and node.weights(chunk=1) and node.forwards(chunk=1) for node in job.nodes)
+    report = json.loads((out / "t_report.json").read_text())
+    assert report["valid"] and report["training"]["steps"] == 12
+    with open(out / "t_metrics.csv", newline="") as f:
+        losses = [float(r["loss"]) for r in csv.DictReader(f)]
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
