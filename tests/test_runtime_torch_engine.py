@@ -163,13 +163,11 @@ def test_what_the_torch_engine_cannot_run_is_refused_in_one_line(sections, messa
 
 
 def test_pipeline_calls_out_of_torchs_order_are_refused_before_the_step():
-    from types import SimpleNamespace
-
     from pipefisher.runtime.pipeline.torch_engine import TorchEngine
 
     engine = object.__new__(TorchEngine)
     engine.labels = ["call_forward", "call_forward", "call_backward", "call_backward"]
-    engine.ctx = SimpleNamespace(grid=SimpleNamespace(stage=0))
+    engine.rank = 0
     engine.check_plan(["call_forward", "call_forward", "call_backward", "call_backward"])
     with pytest.raises(ValueError, match=r"differs from torch's order at call 1: \['call_backward'"):
         engine.check_plan(["call_forward", "call_backward", "call_forward", "call_backward"])

@@ -52,7 +52,7 @@ _NAMES = [
     (_MODULE, "_PipelineScheduleRuntime.register_custom_function"),
     (_MODULE, "_PipelineScheduleRuntime._prepare_schedule_with_comms"),
     (_MODULE, "_PipelineScheduleRuntime._maybe_compute_loss"),
-    (_MODULE, "_PipelineScheduleRuntime._maybe_get_loss"),
+    (_MODULE, "_PipelineScheduleRuntime._maybe_get_loss"), (_MODULE, "Schedule1F1B"),
     (_MODULE, "Schedule1F1B._step_microbatches"), (_MODULE, "_batch_p2p"),
     (_MODULE, "ScheduleInterleaved1F1B._calculate_single_rank_operations"),
     (_MODULE, "ScheduleZBVZeroBubble._calculate_single_rank_operations"),
@@ -77,7 +77,8 @@ _SIGNATURES = {
     "_PipelineScheduleRuntime._prepare_schedule_with_comms": ("actions",),
 }
 # attributes of a runtime instance the handlers read (set in its __init__, checked on the instance)
-_RUNTIME_ATTRIBUTES = ("fwd_recv_ops", "bwd_recv_ops", "backward_counter", "_n_microbatches", "rank")
+_RUNTIME_ATTRIBUTES = ("fwd_recv_ops", "bwd_recv_ops", "backward_counter", "_n_microbatches", "rank", "_loss_fn",
+                       "scale_grads")
 
 
 def torch_version(version: str | None = None) -> tuple[int, int]:
@@ -221,24 +222,46 @@ def _recorded_1f1b(cls: Any, rank: int, stages: int, micro_batches: int) -> list
 
 def compute_orders(kind: str, stages: int, micro_batches: int, chunks: int = 2) -> dict[int, list[Compute]]:
     """Per rank, torch's compute order of pipeline order ``kind`` as :class:`Compute` tuples."""
-    return {r: _flatten(acts) for r, acts in torch_actions(kind, stages, micro_batches, chunks).items()}
+    return actions_order(torch_actions(kind, stages, micro_batches, chunks))
 
 
-def schedule_orders(schedule: Any) -> dict[int, list[Compute]]:
-    """Per rank, the compute order of a torch schedule object a user built (any class with a
-    ``pipeline_order``, or one with ``_get_pipeline_order``, such as ``Schedule1F1B``)."""
-    return {r: _flatten(acts) for r, acts in _compute_only(schedule).items()}
+def micro_batches(schedule: Any) -> int:
+    """The micro-batch count a torch schedule object was built with."""
+    return int(schedule._n_microbatches)
 
 
-def _compute_only(schedule: Any) -> dict[int, list[Any]]:
+def loss_function(schedule: Any) -> Any:
+    """The loss function a torch schedule object was built with (``loss_fn(output, target)``)."""
+    if schedule._loss_fn is None:
+        raise InputError(None, f"the torch schedule {type(schedule).__name__} has no loss_fn: it runs no backward")
+    return schedule._loss_fn
+
+
+def scales_grads(schedule: Any) -> bool:
+    """Whether a torch schedule divides the gradients by its micro-batch count (``scale_grads``)."""
+    return bool(schedule.scale_grads)
+
+
+def actions_order(actions: dict[int, list[Any]]) -> dict[int, list[Compute]]:
+    """Per rank, the :class:`Compute` order of compute-only ``_Action`` lists."""
+    return {r: _flatten(acts) for r, acts in actions.items()}
+
+
+def schedule_actions(schedule: Any) -> dict[int, list[Any]]:
+    """Every rank's compute-only ``_Action`` lists of a torch schedule object a user built: its
+    ``pipeline_order`` (the runtime schedules: interleaved, zero-bubble, DualPipeV, one loaded from
+    CSV), or for ``Schedule1F1B``, whose loop is its order, the order that loop runs."""
+    s = _schedules()
+    if isinstance(schedule, s.Schedule1F1B):
+        p, m = schedule._num_stages, schedule._n_microbatches
+        return {r: _recorded_1f1b(s.Schedule1F1B, r, p, m) for r in range(p)}
     order = getattr(schedule, "pipeline_order", None)
-    if not order:
-        getter = getattr(schedule, "_get_pipeline_order", None)
-        order = getter() if getter is not None else None
-    if not order:
-        raise InputError(None, f"the torch schedule {type(schedule).__name__} gives no per-rank order "
-                               "(pipeline_order): pipefisher cannot place K-FAC work among its actions")
-    reduce = _schedules()._ComputationType.REDUCE_GRAD
+    if not isinstance(schedule, s._PipelineScheduleRuntime) or not order:
+        raise InputError(None, f"the torch schedule {type(schedule).__name__} has no per-rank action list "
+                               "pipefisher can place K-FAC work in (Schedule1F1B, ScheduleInterleaved1F1B, "
+                               "ScheduleZBVZeroBubble, ScheduleDualPipeV, ScheduleInterleavedZeroBubble, or "
+                               "one loaded with _load_csv)")
+    reduce = s._ComputationType.REDUCE_GRAD
     return {r: [a for a in acts if a is None or a.computation_type != reduce] for r, acts in order.items()}
 
 

@@ -55,52 +55,38 @@ class LossStage(nn.Module):
 
 
 class TorchEngine:
-    """One device's stage copies (``copies``: copy id -> stage module, one per chunk or just copy 0)
-    as torch ``PipelineStage``\\ s, run in torch's order of pipeline order ``kind``.
+    """One rank's torch ``PipelineStage``\\ s (``stages``: copy id -> stage; copy j is chunk j, labels
+    ``:chunk<j>``, when there are several) run in torch's order by torch's runtime.
 
-    ``kfacs`` (copy -> K-FAC state) close each forward (``end_forward``) as the own engine does;
-    ``span`` is the profiler's; ``evaluator`` the own engine on the same copies, for held-out loss.
+    ``actions`` are every rank's compute-only ``_Action`` lists (:func:`torch_api.torch_actions`, or a
+    user's schedule's), lowered by torch; ``loss_fn(output, target)`` is the loss of one micro-batch;
+    ``scale_grads`` divides the gradients by the micro-batch count at each stage's ``REDUCE_GRAD`` (a
+    loss that is not already divided), before its buckets' all-reduce starts. ``inputs(step)`` gives a
+    step's whole-batch ``(args, kwargs, target)``; ``kfacs`` (copy -> K-FAC state) close each forward
+    (``end_forward``) as the own engine does; ``span`` is the profiler's; ``grads`` hold the copies'
+    gradients; ``evaluator`` gives held-out losses (the own engine on the same modules).
     """
 
-    def __init__(self, copies: Mapping[int, nn.Module], ctx: DistContext, data: MLMData, num_micro_batches: int,
-                 *, kind: str, chunks: int, layout: str, span: Span | None = None,
-                 kfacs: Mapping[int, Any] | None = None, evaluator: Any = None,
-                 grad_bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+    def __init__(self, stages: Mapping[int, Any], *, actions: dict[int, list[Any]], micro_batches: int,
+                 loss_fn: Callable[..., Any], inputs: Callable[[int], tuple[tuple[Any, ...], dict[str, Any], Any]],
+                 grads: GradientBuckets, scale_grads: bool = False, span: Span | None = None,
+                 kfacs: Mapping[int, Any] | None = None, evaluator: Any = None) -> None:
         torch_api.check_torch()
-        g = ctx.grid
-        self.ctx, self.data, self.m = ctx, data, num_micro_batches
+        self.m, self.inputs, self.grads = micro_batches, inputs, grads
         self.kfacs = dict(kfacs or {})
         self.span: Span = span or (lambda key: contextlib.nullcontext())
         self.evaluator = evaluator
-        chunked = len(copies) > 1
-        D = g.stages
-        self.stage_of = {j: stage_on(g.stage, j, D, layout) if chunked else g.stage for j in copies}
-        self.copy_of = {s: j for j, s in self.stage_of.items()}
-        self.suffix = {j: copy_suffix(j, chunked) for j in copies}
-        virtual = D * len(copies)
-        c = data.cfg
-        stages = []
-        self.modules = copies
-        for j in sorted(copies):
-            s, module = self.stage_of[j], copies[j]
-            # example tensors for torch's static shapes; requires_grad marks what carries a gradient
-            hidden = torch.empty(c.micro_batch_size, c.seq_len, module.hidden_size, device=ctx.device,
-                                 requires_grad=True)
-            tokens = torch.zeros(c.micro_batch_size, c.seq_len, dtype=torch.long, device=ctx.device)
-            out = torch.empty((), device=ctx.device, requires_grad=True) if module.is_last else hidden
-            stages.append(torch_api.make_stage(LossStage(module), s, virtual, ctx.device, ctx.pipe_group,
-                                               tokens if module.is_first else hidden, out))
-        self.holds_first = any(m.is_first for m in copies.values())
-        self.holds_last = any(m.is_last for m in copies.values())
-        self.order = torch_api.compute_orders(kind, D, num_micro_batches, chunks)
-        self.labels = [self.label_of(cmp) for cmp in self.order[g.stage]]
-        m = num_micro_batches
-        self.runtime = torch_api.Runtime(stages, m, lambda out, target: out / m,
-                                         torch_api.torch_actions(kind, D, m, chunks),
-                                         torch_api.Calls(run=self._run, reduce=self._reduce))
-        params = {j: [t for t in copies[j].parameters() if t.requires_grad] for j in sorted(copies)}
-        self.grads = GradientBuckets(params, ctx.grad_group, ctx.stage_group_size, divisor=g.replicas,
-                                     bucket_bytes=int(grad_bucket_mb * 2**20))
+        self.stages = dict(stages)
+        self.copy_of = {st.stage_index: j for j, st in self.stages.items()}
+        self.suffix = {j: copy_suffix(j, len(stages) > 1) for j in stages}
+        self.holds_last = any(st.is_last for st in self.stages.values())
+        self.scale_grads = scale_grads
+        self.runtime = torch_api.Runtime([self.stages[j] for j in sorted(self.stages)], micro_batches, loss_fn,
+                                         actions, torch_api.Calls(run=self._run, reduce=self._reduce))
+        self.rank = self.runtime.rank
+        self.order = torch_api.actions_order(actions)[self.rank]
+        self.labels = [self.label_of(cmp) for cmp in self.order]
+        self.cuda = next(iter(self.stages.values())).device.type == "cuda"
         self.step = 0
         self._wait_log: list[Any] | None = None
         self._segments: list[list[Callable[[], None]]] = []  # per compute: the calls that run before it
@@ -117,7 +103,7 @@ class TorchEngine:
         """Refuse pipeline calls that are not torch's compute actions of this rank, 1:1 in order."""
         if list(ops) != self.labels:
             at = next((i for i, (a, b) in enumerate(zip(ops, self.labels)) if a != b), min(len(ops), len(self.labels)))
-            raise ValueError(f"torch engine: {where} on device {self.ctx.grid.stage} differs from torch's "
+            raise ValueError(f"torch engine: {where} on rank {self.rank} differs from torch's "
                              f"order at call {at}: {list(ops)[at:at + 3]} where torch runs {self.labels[at:at + 3]} "
                              f"({len(ops)} calls against torch's {len(self.labels)})")
 
@@ -163,6 +149,11 @@ class TorchEngine:
             raise RuntimeError(f"torch engine: the step ran {self._pos} of {len(self.labels)} pipeline calls")
         return sum(self._losses) if self.holds_last else None  # type: ignore[return-value]
 
+    @property
+    def step_losses(self) -> list[torch.Tensor]:
+        """The last step's loss of every micro-batch (rank holding the last stage; else empty)."""
+        return list(self._losses)
+
     def allreduce_gradients(self) -> None:
         self.grads.finish()
 
@@ -178,7 +169,7 @@ class TorchEngine:
 
     def _run_step(self, segments: list[list[Callable[[], None]]], calls: list[Callable[[], None]]) -> None:
         self._segments, self._calls, self._pos = segments, calls, 0
-        args, kwargs, target = self._inputs()
+        args, kwargs, target = self.inputs(self.step)
         losses: list[torch.Tensor] = []
         try:
             self.runtime.step(args, kwargs, target, losses)
@@ -187,16 +178,6 @@ class TorchEngine:
         if self._pos != len(calls):
             raise RuntimeError(f"torch engine: torch's step ran {self._pos} of this device's {len(calls)} pipeline calls")
         self._losses = [x.detach() for x in losses]
-
-    def _inputs(self) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
-        """This step's micro-batches, whole (torch splits them back into the same micro-batches)."""
-        if not (self.holds_first or self.holds_last):
-            return (), {}, None
-        mbs = [self.data.micro_batch(self.step, self.ctx.grid.replica, i) for i in range(self.m)]
-        dev = self.ctx.device
-        args = (torch.cat([mb.input_ids for mb in mbs]).to(dev),) if self.holds_first else ()
-        labels = torch.cat([mb.labels for mb in mbs]).to(dev) if self.holds_last else None
-        return args, ({"labels": labels} if labels is not None else {}), labels
 
     def _run(self, c: torch_api.Compute, do: Callable[..., None]) -> None:
         """Torch's next compute action: the calls packed before it, then its own bound call."""
@@ -220,7 +201,7 @@ class TorchEngine:
         if self.label_of(c) != label:
             raise RuntimeError(f"torch engine: {label!r} where torch runs {self.label_of(c)!r}")
         self._current = None
-        do(functools.partial(logged_wait, log=self._wait_log, cuda=self.ctx.device.type == "cuda"),
+        do(functools.partial(logged_wait, log=self._wait_log, cuda=self.cuda),
            self._around(label, c))
 
     @contextlib.contextmanager
@@ -232,4 +213,52 @@ class TorchEngine:
                 kfac.end_forward()
 
     def _reduce(self, stage: int) -> None:
+        if self.scale_grads:
+            self.stages[self.copy_of[stage]].scale_grads(self.m)
         self.grads.ready(self.copy_of[stage])
+
+
+def build_torch_engine(copies: Mapping[int, nn.Module], ctx: DistContext, data: MLMData, num_micro_batches: int, *,
+                       kind: str, chunks: int, layout: str, span: Span | None = None,
+                       kfacs: Mapping[int, Any] | None = None, evaluator: Any = None,
+                       grad_bucket_mb: float = DEFAULT_BUCKET_MB) -> TorchEngine:
+    """The torch engine of a worker: its stage copies (built as for the own engine) as torch
+    ``PipelineStage``\\ s with static shapes, in torch's order of pipeline order ``kind``, fed the
+    step's micro-batches of ``data`` (torch splits the whole batch back into the same micro-batches);
+    each micro-batch's loss divided by the micro-batch count, as the own engine does."""
+    torch_api.check_torch()
+    g, c, m = ctx.grid, data.cfg, num_micro_batches
+    chunked = len(copies) > 1
+    virtual = g.stages * len(copies)
+    stages = {}
+    for j in sorted(copies):
+        module = copies[j]
+        s = stage_on(g.stage, j, g.stages, layout) if chunked else g.stage
+        # example tensors for torch's static shapes; requires_grad marks what carries a gradient
+        hidden = torch.empty(c.micro_batch_size, c.seq_len, module.hidden_size, device=ctx.device,
+                             requires_grad=True)
+        tokens = torch.zeros(c.micro_batch_size, c.seq_len, dtype=torch.long, device=ctx.device)
+        out = torch.empty((), device=ctx.device, requires_grad=True) if module.is_last else hidden
+        stages[j] = torch_api.make_stage(LossStage(module), s, virtual, ctx.device, ctx.pipe_group,
+                                         tokens if module.is_first else hidden, out)
+    first = any(mod.is_first for mod in copies.values())
+    last = any(mod.is_last for mod in copies.values())
+
+    def inputs(step: int) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """A step's micro-batches, whole, where the first or the last stage needs them."""
+        if not (first or last):
+            return (), {}, None
+        mbs = [data.micro_batch(step, g.replica, i) for i in range(m)]
+        args = (torch.cat([mb.input_ids for mb in mbs]).to(ctx.device),) if first else ()
+        labels = torch.cat([mb.labels for mb in mbs]).to(ctx.device) if last else None
+        return args, ({"labels": labels} if labels is not None else {}), labels
+
+    params = {j: [t for t in copies[j].parameters() if t.requires_grad] for j in sorted(copies)}
+    grads = GradientBuckets(params, ctx.grad_group, ctx.stage_group_size, divisor=g.replicas,
+                            bucket_bytes=int(grad_bucket_mb * 2**20))
+    engine = TorchEngine(stages, actions=torch_api.torch_actions(kind, g.stages, m, chunks), micro_batches=m,
+                         loss_fn=lambda out, target: out / m, inputs=inputs, grads=grads, span=span, kfacs=kfacs,
+                         evaluator=evaluator)
+    if engine.rank != g.stage:
+        raise RuntimeError(f"torch engine: this worker is stage {g.stage} but rank {engine.rank} of its pipeline group")
+    return engine

@@ -233,9 +233,9 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     else:
         stage, kfac, engine = copies[DOWN], kfacs.get(DOWN), engines[DOWN]
     if cfg.pipeline.engine == "torch":  # the same copies and K-FAC, run by torch.distributed.pipelining
-        from pipefisher.runtime.pipeline.torch_engine import TorchEngine
+        from pipefisher.runtime.pipeline.torch_engine import build_torch_engine
 
-        engine = TorchEngine(copies, ctx, data, m, kind=cfg.pipeline.schedule, chunks=v,
+        engine = build_torch_engine(copies, ctx, data, m, kind=cfg.pipeline.schedule, chunks=v,
                              layout=layout_of(cfg.pipeline.schedule), span=span, kfacs=kfacs, evaluator=engine,
                              grad_bucket_mb=cfg.pipeline.grad_bucket_mb)
     updater = Updater(cfg, stage, kfac, cfg.optim.decay_steps or total_steps,

@@ -1,0 +1,181 @@
+"""K-FAC in the bubbles of a ``torch.distributed.pipelining`` loop you already have (torchtitan style).
+
+Your loop keeps its ``PipelineStage``\\ s, its torch schedule, its optimizer and its data; :func:`wrap`
+attaches K-FAC to the stage modules and takes the schedule's place in the loop:
+
+    from pipefisher.runtime import torch_pp
+
+    stages = [PipelineStage(chunk, index, num_stages, device, group=pp_group) for ...]   # as before
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=loss_fn)          # as before
+    pf = torch_pp.wrap(stages, schedule, folder="pf", damping=1e-3)
+    for step in range(steps):
+        losses = []
+        pf.step(x, target=y, losses=losses)   # instead of schedule.step(...): gradients averaged and preconditioned
+        optimizer.step()
+        optimizer.zero_grad()
+
+Every rank of the pipeline calls :meth:`KfacPipeline.step` with the same arguments it would give the
+schedule's ``step``. Step 0 is a plain pipeline step (torch sets its stages up in it); the next
+``profile_steps`` steps run all K-FAC work after the pipeline, every step, and are profiled (the
+same timeline keys as ``pipefisher train --profile``); rank 0 then packs their median step with a
+policy of :mod:`pipefisher.policies` (``target`` by default), checks it with ``pipefisher validate``'s
+rules, writes it to ``folder`` (with the timelines: ``pipefisher plot`` and ``validate`` read them) and
+every rank trains with it from the next step on: each K-FAC piece in its bubble, among torch's actions
+(:mod:`pipefisher.runtime.pipeline.torch_engine`). After each step the gradients are those of the
+schedule's ``step`` (averaged over micro-batches when the schedule's ``scale_grads``), preconditioned
+with the latest K-FAC inverses.
+
+The schedule's order comes from the schedule object (its per-rank actions, or ``Schedule1F1B``'s
+loop); its loss function and micro-batch count are kept. Data parallelism around the pipeline
+(DDP/FSDP on the stage modules) is not supported: one pipeline, one replica.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Sequence
+
+import torch.distributed as dist
+
+from pipefisher.errors import InputError
+from pipefisher.kfac import KFAC
+from pipefisher.kfac.kfac import DEFAULT_IGNORE
+from pipefisher.policies import DEFAULT_POLICY
+from pipefisher.problem import DEFAULT_MARGIN
+from pipefisher.runtime.pipeline import torch_api
+from pipefisher.runtime.pipeline.buckets import GradientBuckets
+from pipefisher.runtime.pipeline.copies import StageCopiesKFAC
+from pipefisher.runtime.pipeline.executor import ScheduleExecutor
+from pipefisher.runtime.pipeline.torch_engine import TorchEngine
+from pipefisher.runtime.train.profiler import Profiler, timeline_filename
+from pipefisher.timeline import STEP_KEY, UPDATE_KEY
+
+__all__ = ["KfacPipeline", "wrap"]
+
+
+def wrap(stages: Sequence[Any], schedule: Any, *, folder: str, damping: float = 1e-3,
+         ignore: Iterable[str] = DEFAULT_IGNORE, profile_steps: int = 3, policy: str = DEFAULT_POLICY,
+         margin: float = DEFAULT_MARGIN, name: str = "torch_pp") -> "KfacPipeline":
+    """K-FAC for this rank's ``stages`` (torch ``PipelineStage``\\ s) run in ``schedule``'s order (see
+    the module's docstring). ``folder`` gets the profiled timelines and the packed schedule (``name``
+    prefixes their files); ``damping`` and ``ignore`` are K-FAC's (``kfac.damping``, ``kfac.ignore``)."""
+    return KfacPipeline(stages, schedule, folder=folder, damping=damping, ignore=ignore,
+                        profile_steps=profile_steps, policy=policy, margin=margin, name=name)
+
+
+class KfacPipeline:
+    """This rank's stages, their K-FAC states and the torch engine that runs them (:func:`wrap`)."""
+
+    def __init__(self, stages: Sequence[Any], schedule: Any, *, folder: str, damping: float,
+                 ignore: Iterable[str], profile_steps: int, policy: str, margin: float, name: str) -> None:
+        torch_api.check_torch("pipefisher.runtime.torch_pp")
+        if profile_steps < 2:
+            raise InputError(None, "torch_pp.wrap: profile_steps must be at least 2 (the median step skips the first)")
+        if not stages:
+            raise InputError(None, "torch_pp.wrap: no stages")
+        from pipefisher.policies import get_policy
+
+        self.packer = get_policy(policy)  # refuses an unknown policy now, not after profiling
+        self.folder, self.name, self.margin = folder, name, margin
+        self.profile_steps = profile_steps
+        ordered = sorted(stages, key=lambda st: st.stage_index)
+        self.copies = dict(enumerate(ordered))  # copy j: this rank's j-th stage (chunk j)
+        self.kfacs = {j: KFAC(st.submod, damping=damping, ignore=ignore) for j, st in self.copies.items()}
+        self.kfac = StageCopiesKFAC(self.kfacs, list(self.copies), interleaved=len(self.copies) > 1)
+        device = ordered[0].device
+        self.profiler = Profiler(False, device)  # on for the profiled steps only
+        self.group = ordered[0].group
+        params = {j: [p for p in st.submod.parameters() if p.requires_grad] for j, st in self.copies.items()}
+        m = torch_api.micro_batches(schedule)
+        self._inputs: tuple[tuple[Any, ...], dict[str, Any], Any] = ((), {}, None)
+        self.engine = TorchEngine(self.copies, actions=torch_api.schedule_actions(schedule), micro_batches=m,
+                                  loss_fn=torch_api.loss_function(schedule), inputs=lambda step: self._inputs,
+                                  grads=GradientBuckets(params, None, 1), scale_grads=torch_api.scales_grads(schedule),
+                                  span=self.profiler.span, kfacs=self.kfacs)
+        self.rank = self.engine.rank
+        self.executor: ScheduleExecutor | None = None
+        self.schedule_path = os.path.join(folder, f"{name}_schedule.pickle")
+        self.steps_done = 0
+
+    def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> None:
+        """One training step: the pipeline over the whole batch (split into the schedule's micro-batches),
+        K-FAC where this step puts it, gradients averaged and preconditioned; ``losses`` gets each
+        micro-batch's loss on the rank holding the last stage."""
+        k = self.steps_done
+        self._inputs = (args, kwargs, target)
+        if k == 0:  # torch sets its stages up (metadata, p2p) in its first step: nothing saved for K-FAC
+            self.kfac.set_saving(False)
+            self._plain_step(k, refresh=False)
+        elif k <= self.profile_steps:
+            if k == 1:
+                self.profiler.enabled = True
+                self.profiler.align(self.group)
+            self.profiler.barrier(self.group)
+            self.kfac.set_saving(True)
+            self._plain_step(k, refresh=True)
+            if k == self.profile_steps:
+                self._pack()
+        else:
+            assert self.executor is not None
+            self.executor.run_step(k - self.profile_steps)
+        if losses is not None and self.engine.holds_last:
+            losses.clear()
+            losses.extend(self.engine.step_losses)
+        self.steps_done = k + 1
+
+    @property
+    def cycle(self) -> int | None:
+        """The packed schedule's K-FAC cycle k (None before it is packed)."""
+        return None if self.executor is None else self.executor.cycle
+
+    def _plain_step(self, step: int, refresh: bool) -> None:
+        span = self.profiler.span if refresh else None
+        self.engine.begin_step(step)
+        with (span or _no_span)(STEP_KEY):
+            self.engine.run(self.engine.labels)
+            self.engine.finish_step()
+            if refresh:
+                self.kfac.update_curvature(span=span)
+            self.kfac.clear_saved()
+            with (span or _no_span)(UPDATE_KEY):
+                self._end_of_step()
+
+    def _end_of_step(self) -> None:
+        self.engine.allreduce_gradients()
+        self.kfac.precondition_all()
+
+    def _pack(self) -> None:
+        """Timelines of every rank into ``folder``; rank 0 packs and validates; every rank gets the schedule."""
+        os.makedirs(self.folder, exist_ok=True)
+        self.profiler.write(self.folder, self.name, self.rank)
+        self.profiler.enabled = False
+        dist.barrier(group=self.group)
+        nodes: list[Any] = [None]
+        if self.rank == 0:
+            nodes[0] = self._packed(dist.get_world_size(self.group))
+        dist.broadcast_object_list(nodes, group_src=0, group=self.group)
+        if isinstance(nodes[0], str):
+            raise InputError(self.schedule_path, nodes[0])
+        self.kfac.set_saving(True)
+        self.executor = ScheduleExecutor(nodes[0][self.rank], self.engine, self.kfacs, self._end_of_step)
+
+    def _packed(self, ranks: int) -> Any:
+        """Rank 0: the schedule packed from every rank's profile, checked; or why not (one line)."""
+        from pipefisher.rules import validate
+        from pipefisher.schedule_file import save_schedule
+        from pipefisher.timeline import load_job
+
+        timelines = [os.path.join(self.folder, timeline_filename(self.name, r)) for r in range(ranks)]
+        job = load_job(timelines)
+        packed = self.packer.pack(job, self.margin)
+        violations = validate(packed.to_file_data(), job, margin=packed.margin)
+        save_schedule(self.schedule_path, packed, timelines=timelines)
+        if violations:
+            return f"the packed schedule breaks {len(violations)} rule(s) of pipefisher validate; first: {violations[0]}"
+        return packed.to_file_data()
+
+
+def _no_span(key: str) -> Any:
+    from contextlib import nullcontext
+
+    return nullcontext()
+
