@@ -162,6 +162,17 @@ def test_what_the_torch_engine_cannot_run_is_refused_in_one_line(sections, messa
         BASE.replace(pipeline={"engine": "deepspeed"})
 
 
+def test_the_cli_refuses_a_torch_whose_pipelining_api_moved_in_one_line(tmp_path, monkeypatch):
+    import torch.distributed.pipelining.schedules as schedules
+
+    monkeypatch.delattr(schedules._PipelineScheduleRuntime, "register_custom_function")
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--set", "pipeline.engine=torch", "--steps", "1",
+                                    "--nproc-per-node", "2", "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert "_PipelineScheduleRuntime.register_custom_function" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+
+
 def test_pipeline_calls_out_of_torchs_order_are_refused_before_the_step():
     from pipefisher.runtime.pipeline.torch_engine import TorchEngine
 

@@ -118,10 +118,12 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
     _phase_torch(no_progress)
     from pipefisher.runtime.launch.driver import run_job
     from pipefisher.runtime.models.builders import check_builder
+    from pipefisher.runtime.pipeline.torch_api import check_engine
     from pipefisher.runtime.train.optim import check_optimizer
 
     check_builder(cfg, config_path)  # model.builder imports and its stages fit, before any work
     check_optimizer(cfg.optim, config_path)  # this torch has optim.name's optimizer
+    check_engine(cfg)  # pipeline.engine torch: this torch's pipelining API is the one it uses
     with _one_line_failures(out_dir, steps):
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every or 0, log_every=log_every or 5,

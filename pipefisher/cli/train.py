@@ -81,6 +81,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
     from pipefisher.runtime.data.sources import describe_source
     from pipefisher.runtime.job.progress import phase
     from pipefisher.runtime.models.builders import check_builder
+    from pipefisher.runtime.pipeline.torch_api import check_engine
     from pipefisher.runtime.pipeline.checks import MISMATCH_FLAG, check_packed_for, load_checked_schedule
     from pipefisher.runtime.train.checkpoint import check_resumable
     from pipefisher.runtime.train.optim import check_optimizer
@@ -88,6 +89,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 
     check_builder(cfg, config_path)  # type: ignore[arg-type]  # model.builder imports, its stages fit
     check_optimizer(cfg.optim, config_path)  # type: ignore[attr-defined]  # this torch has optim.name's optimizer
+    check_engine(cfg)  # pipeline.engine torch: this torch's pipelining API is the one it uses
     stages = cfg.pipeline.stages  # type: ignore[attr-defined]
     replicas = max(1, nproc // stages)
     if cfg.data.text != "synthetic":  # type: ignore[attr-defined]

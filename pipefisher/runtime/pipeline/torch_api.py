@@ -130,6 +130,13 @@ def check_torch(where: str = "pipeline.engine torch") -> None:
                                f"torch.distributed.pipelining: {', '.join(lost)} (supported: torch {SUPPORTED_TEXT})")
 
 
+def check_engine(cfg: Any) -> None:
+    """:func:`check_torch` for a run config whose ``pipeline.engine`` is ``torch`` (the CLI calls it
+    before any worker starts); nothing for the own engine."""
+    if cfg.pipeline.engine == "torch":
+        check_torch()
+
+
 # ----------------------------------------------------------------------------------------------------
 # Orders: torch's generators, run without process groups, as plain data
 
