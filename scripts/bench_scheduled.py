@@ -28,6 +28,11 @@ step, and, given the job's staleness curve (``--staleness``, from ``scripts/benc
         [--kfac-margin 1,1.25,1.5,2] [--micro-batches M] [--pipelines 1f1b,chimera] [--no-adapt] \
         [--staleness bench-staleness/staleness.json]
     python scripts/bench_scheduled.py --pipelines 1f1b,zb-h1,zb-v --kfac-margin 1 --no-adapt   # zero bubble
+    python scripts/bench_scheduled.py --pipelines 1f1b,zb-v --engine pipefisher,torch --kfac-margin 1 --no-adapt
+
+``--engine pipefisher,torch`` runs every pipeline on both engines (``pipeline.engine``) in the same
+workers, each profiled and packed on its own (rows ``<pipeline>@<engine>``), and ends with each
+pipeline's torch/pipefisher step ratios (first-order, ``target`` schedule) and both engines' k.
 """
 from __future__ import annotations
 
@@ -45,6 +50,17 @@ TARGET = "target"
 PRECONDITION = "precondition"
 """The floor of any schedule: kfac mode whose curvature refresh never comes after step 0, so every step
 pays K-FAC's preconditioning and bookkeeping but no K-FAC work."""
+
+
+def _variant(name: str) -> tuple[str, str]:
+    """``(pipeline order, engine)`` of a bench row's pipeline: ``1f1b``, or ``1f1b@torch`` with ``--engine``."""
+    pipe, _, engine = name.partition("@")
+    return pipe, engine or "pipefisher"
+
+
+def _config(base, name: str):  # noqa: ANN001, ANN202
+    pipe, engine = _variant(name)
+    return base.replace(pipeline={"schedule": pipe, "engine": engine})
 
 
 def _bubble_fraction(job) -> float:
@@ -87,7 +103,7 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
     files: dict = {}
     try:
         for pipe in pipelines:
-            cfg = base.replace(pipeline={"schedule": pipe})
+            cfg = _config(base, pipe)
             ctx = chimera_ctx if pipe == "chimera" else one_pipe_ctx
             sub = os.path.join(folder, pipe)
             os.makedirs(sub, exist_ok=True)
@@ -131,7 +147,7 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
             dist.barrier()
         for _ in range(rounds):
             for pipe, mode in runs:
-                cfg = base.replace(pipeline={"schedule": pipe})
+                cfg = _config(base, pipe)
                 if mode == PRECONDITION:  # K-FAC's update with a refresh never due: no K-FAC work after step 0
                     cfg = cfg.replace(kfac={"interval": 10**9})
                 ctx = chimera_ctx if pipe == "chimera" else one_pipe_ctx
@@ -168,6 +184,8 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=None, help="override data.num_micro_batches")
     ap.add_argument("--pipelines", default="1f1b,chimera",
                     help="comma-separated pipeline orders to compare (gpipe, 1f1b, chimera, interleaved, zb-h1, zb-v)")
+    ap.add_argument("--engine", default="pipefisher",
+                    help="comma-separated pipeline engines to run every pipeline on (pipefisher, torch)")
     ap.add_argument("--kfac-margin", default="1,1.25,1.5,2",
                     help="comma-separated K-FAC time factors to pack with, one static scheduled run each")
     ap.add_argument("--no-adapt", dest="adapt", action="store_false",
@@ -180,11 +198,16 @@ def main() -> None:
     from pipefisher.staleness import curve_for_job
 
     margins = [float(x) for x in a.kfac_margin.split(",")]
+    engines = [e.strip() for e in a.engine.split(",") if e.strip()]
     pipelines = [p.strip() for p in a.pipelines.split(",") if p.strip()]
+    if engines != ["pipefisher"]:
+        pipelines = [f"{p}@{e}" for p in pipelines for e in engines]
     overrides: dict = {"pipeline": {"stages": 2}}
     if a.micro_batches:
         overrides["data"] = {"num_micro_batches": a.micro_batches}
     cfg = load_config(a.config).replace(**overrides)
+    for name in pipelines:  # an engine that cannot run a pipeline: one line, before any worker starts
+        _config(cfg, name)
     curve = curve_for_job(a.staleness, cfg.fingerprint(layout=False), a.config)  # a bad file: one line, now
     from pipefisher.runtime.launch.local import spawn_local  # torch: only once the arguments are good
 
@@ -211,7 +234,8 @@ def main() -> None:
     print(f"config {os.path.basename(a.config)}, 2 stages x 1 core, {r0['micro_batches']} micro-batches, "
           f"{a.steps} steps (mean after {a.warmup} warm-up), {a.rounds} interleaved round(s) (median; ratios: the "
           f"median of each round's ratio, min-max in brackets); schedules by policy {r0['policy']}")
-    print(f"{'pipeline':9} {'run':14} {'step':>9} {'/ first-order':>22} {'bubbles':>8} {'reads':>11}  "
+    width = max(9, *(len(p) for p, _ in runs))
+    print(f"{'pipeline':{width}} {'run':14} {'step':>9} {'/ first-order':>22} {'bubbles':>8} {'reads':>11}  "
           "K-FAC cycle k (per node)")
     for pipe, mode in runs:
         run = (pipe, mode)
@@ -222,7 +246,7 @@ def main() -> None:
         if r0["violations"].get(run):
             extra += f"  {r0['violations'][run]} VIOLATIONS"
         spread = f"[{min(ratios[run]):.3f}-{max(ratios[run]):.3f}]"
-        print(f"{pipe:9} {mode:14} {med[run] * 1e3:7.1f} ms {ratio[run]:8.3f} {spread:>13} "
+        print(f"{pipe:{width}} {mode:14} {med[run] * 1e3:7.1f} ms {ratio[run]:8.3f} {spread:>13} "
               f"{r0['bubbles'][pipe] * 100:7.1f}% {reads_of(run):>11}{extra}")
     for (pipe, mode), lines in r0["usage"].items():
         print(f"{pipe} {mode}:")
@@ -247,9 +271,30 @@ def main() -> None:
     if worst is not None:
         print(f"adaptive/first-order: {worst[0]:.3f} (k = {worst[1]})")
     pipes = list(dict.fromkeys(p for p, _ in runs))
+    if len(engines) > 1:
+        for line in across_engines(pipes, per_round, a.rounds, k_of, r0["bubbles"]):
+            print(line)
     if len(pipes) > 1:
         for line in across_pipelines(pipes, per_round, a.rounds, k_of, curve):
             print(line)
+
+
+def across_engines(pipes: list[str], per_round: dict, rounds: int, k_of, bubbles: dict) -> list[str]:  # noqa: ANN001
+    """Per pipeline order, every other engine's steps over pipefisher's own (medians of each round's ratio)."""
+    out = []
+    for pipe in pipes:
+        order, engine = _variant(pipe)
+        own = f"{order}@pipefisher"
+        if engine == "pipefisher" or own not in {p for p in pipes}:
+            continue
+
+        def over(mode: str) -> float:
+            return statistics.median(per_round[pipe, mode][i] / per_round[own, mode][i] for i in range(rounds))
+
+        out.append(f"{order}: {engine}/pipefisher step: first-order {over('first-order'):.3f}, target schedule "
+                   f"{over(TARGET):.3f}; bubbles {bubbles[own] * 100:.1f}% / {bubbles[pipe] * 100:.1f}%; "
+                   f"k {k_of((own, TARGET))} / {k_of((pipe, TARGET))}")
+    return out
 
 
 def across_pipelines(pipes: list[str], per_round: dict, rounds: int, k_of, curve=None) -> list[str]:  # noqa: ANN001
