@@ -118,28 +118,33 @@ def copies_step_worker(cfg: RunConfig) -> dict:
     """One kfac-mode step of a worker whose device holds stage copies (chunks, or one stage): every
     copy's gradients after the replicas' all-reduce, then naive K-FAC's inverses and the
     preconditioned gradients, the loss and a held-out loss."""
-    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
-
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
     try:
-        trainer = Trainer(cfg, ctx, TrainOptions(mode="kfac", steps=1, progress=False))
-        eng, kfac = trainer.engine, trainer.kfac
-        copies, kfacs = dict(trainer.worker.copies), dict(trainer.kfacs)
-        kfac.set_saving(True)
-        eng.begin_step(0)
-        eng.run(trainer.ops)
-        loss = eng.finish_step()
-        eng.allreduce_gradients()
-        grads = {j: {n: t.grad.clone() for n, t in c.named_parameters()} for j, c in copies.items()}
-        kfac.update_curvature()
-        inverses = {j: {(n, f): k.inverse(n, f).clone() for n in k.names for f in "AB"} for j, k in kfacs.items()}
-        kfac.precondition_all()
-        precond = {j: {n: t.grad.clone() for n, t in c.named_parameters()} for j, c in copies.items()}
-        val = trainer.worker.evaluate(trainer.data.validation_batches()[:2])
-        return {"device": ctx.grid.stage, "replica": ctx.grid.replica, "index": {j: c.index for j, c in copies.items()},
-                "grads": grads, "inverses": inverses, "precond": precond, "loss": loss, "val": val}
+        return copies_step(cfg, ctx)
     finally:
         shutdown(ctx)
+
+
+def copies_step(cfg: RunConfig, ctx) -> dict:  # noqa: ANN001
+    """:func:`copies_step_worker`'s step, in process groups already set up."""
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+
+    trainer = Trainer(cfg, ctx, TrainOptions(mode="kfac", steps=1, progress=False))
+    eng, kfac = trainer.engine, trainer.kfac
+    copies, kfacs = dict(trainer.worker.copies), dict(trainer.kfacs)
+    kfac.set_saving(True)
+    eng.begin_step(0)
+    eng.run(trainer.ops)
+    loss = eng.finish_step()
+    eng.allreduce_gradients()
+    grads = {j: {n: t.grad.clone() for n, t in c.named_parameters()} for j, c in copies.items()}
+    kfac.update_curvature()
+    inverses = {j: {(n, f): k.inverse(n, f).clone() for n in k.names for f in "AB"} for j, k in kfacs.items()}
+    kfac.precondition_all()
+    precond = {j: {n: t.grad.clone() for n, t in c.named_parameters()} for j, c in copies.items()}
+    val = trainer.worker.evaluate(trainer.data.validation_batches()[:2])
+    return {"device": ctx.grid.stage, "replica": ctx.grid.replica, "index": {j: c.index for j, c in copies.items()},
+            "grads": grads, "inverses": inverses, "precond": precond, "loss": loss, "val": val}
 
 
 def assert_copies_step_equals_reference(cfg: RunConfig, replicas: int, results: list[dict], ref: dict) -> None:

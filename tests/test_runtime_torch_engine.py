@@ -12,7 +12,6 @@ import csv
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from pipefisher.cli import main
@@ -23,40 +22,34 @@ from pipefisher.runtime.launch.local import spawn_local
 from _schedules import (TINY, assert_one_iteration_schedule_trains_as_kfac_mode, assert_schedule_trains_as_its_replay,
                         tiny, train_one_and_spread_schedules)
 from test_runtime_engine import (BASE, _assert_close, _reference, assert_copies_kfac_equals_reference,
-                                 assert_copies_step_equals_reference)
-from test_runtime_zero_bubble import _resume_worker
+                                 assert_copies_step_equals_reference, copies_step)
+from test_runtime_zero_bubble import test_a_resumed_zero_bubble_run_continues_bit_for_bit as _resumes_bit_for_bit
 
 ENGINES = ("pipefisher", "torch")
 
 
 def both_engines_step_worker(cfg) -> dict:
-    """One kfac-mode step on each engine, in the same processes, from the same weights: per engine,
-    every copy's gradients (after the replicas' all-reduce), K-FAC inverses, preconditioned gradients,
-    the loss and a held-out loss."""
-    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+    """One kfac-mode step on each engine, in the same worker processes, from the same weights (each
+    :func:`copies_step`, the own engine's test's step): per engine, every copy's gradients, K-FAC
+    inverses, preconditioned gradients, the loss and a held-out loss; and how many steps of
+    torch's runtime it ran."""
+    from pipefisher.runtime.pipeline import torch_api
 
-    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    steps: list[int] = []
+    step = torch_api.Runtime.step
+
+    def counted(self, *args):  # noqa: ANN001, ANN202
+        steps.append(1)
+        return step(self, *args)
+
+    torch_api.Runtime.step = counted  # this worker process only
     out = {}
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
     try:
         for engine in ENGINES:
-            trainer = Trainer(cfg.replace(pipeline={"engine": engine}), ctx,
-                              TrainOptions(mode="kfac", steps=1, progress=False))
-            eng, kfac = trainer.engine, trainer.kfac
-            copies, kfacs = dict(trainer.worker.copies), dict(trainer.kfacs)
-            kfac.set_saving(True)
-            eng.begin_step(0)
-            eng.run(trainer.ops)
-            loss = eng.finish_step()
-            eng.allreduce_gradients()
-            grads = {j: {n: t.grad.clone() for n, t in c.named_parameters()} for j, c in copies.items()}
-            kfac.update_curvature()
-            inverses = {j: {(n, f): k.inverse(n, f).clone() for n in k.names for f in "AB"} for j, k in kfacs.items()}
-            kfac.precondition_all()
-            precond = {j: {n: t.grad.clone() for n, t in c.named_parameters()} for j, c in copies.items()}
-            val = trainer.worker.evaluate(trainer.data.validation_batches()[:2])
-            out[engine] = {"device": ctx.grid.stage, "replica": ctx.grid.replica, "engine": type(eng).__name__,
-                           "index": {j: c.index for j, c in copies.items()}, "grads": grads,
-                           "inverses": inverses, "precond": precond, "loss": loss, "val": val}
+            before = len(steps)
+            out[engine] = copies_step(cfg.replace(pipeline={"engine": engine}), ctx)
+            out[engine]["torch_steps"] = len(steps) - before
     finally:
         shutdown(ctx)
     return out
@@ -74,10 +67,10 @@ def both_engines(request):
     return cfg, replicas, results, _reference(cfg, replicas)
 
 
-def test_the_torch_engine_runs_torchs_stages(both_engines):
+def test_the_torch_engine_runs_torchs_runtime_and_the_own_engine_does_not(both_engines):
     _, _, results, _ = both_engines
-    assert {res["torch"]["engine"] for res in results} == {"TorchEngine"}
-    assert {res["pipefisher"]["engine"] for res in results} <= {"PipelineEngine", "StageCopiesEngine"}
+    assert [res["torch"]["torch_steps"] for res in results] == [1] * len(results)
+    assert [res["pipefisher"]["torch_steps"] for res in results] == [0] * len(results)
 
 
 def test_torch_engine_gradients_equal_the_own_engines_and_one_process(both_engines):
@@ -131,14 +124,8 @@ def test_kfac_work_between_torchs_actions_trains_as_the_single_process_replay(sc
 
 
 def test_a_resumed_torch_engine_run_continues_bit_for_bit(tmp_path):
-    cfg = BASE.replace(pipeline=dict(schedule="zb-v", engine="torch"), data=dict(num_micro_batches=4))
-    results = spawn_local(_resume_worker, 2, cfg, str(tmp_path / "ck"), timeout_s=120)
-    for straight, resumed in results:
-        assert set(resumed[1]) == set(straight[1])
-        for name, t in straight[1].items():
-            assert torch.equal(resumed[1][name], t), name
-    (straight, resumed), = [r for r in results if r[0][0]]
-    assert resumed[0] == straight[0][2:]
+    _resumes_bit_for_bit(tmp_path, BASE.replace(pipeline=dict(schedule="zb-v", engine="torch"),
+                                                data=dict(num_micro_batches=4)))
 
 
 # ----------------------------------------------------------------------------------------------------
