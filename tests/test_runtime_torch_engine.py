@@ -128,6 +128,33 @@ def test_a_resumed_torch_engine_run_continues_bit_for_bit(tmp_path):
                                                 data=dict(num_micro_batches=4)))
 
 
+def _silent_peer(cfg) -> tuple[float, str] | None:  # noqa: ANN001
+    """Stage 0 stays alive and sends nothing, past the process group's timeout; stage 1 runs a step on
+    the torch engine: its wait (torch's first exchange with its neighbour) must end there."""
+    import time
+
+    from pipefisher.runtime.train.worker import build_worker
+
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    if ctx.grid.stage == 0:
+        time.sleep(cfg.pipeline.timeout_s + 3)
+        return None
+    worker = build_worker(cfg, ctx, total_steps=1)
+    t0 = time.monotonic()
+    try:
+        worker.step(0)
+    except RuntimeError as err:
+        return time.monotonic() - t0, str(err)
+    return time.monotonic() - t0, "no error"
+
+
+def test_a_silent_peer_ends_a_torch_engine_step_within_the_timeout():
+    cfg = BASE.replace(pipeline=dict(timeout_s=2.0, engine="torch"), data=dict(text="synthetic"))
+    _, (waited, err) = spawn_local(_silent_peer, 2, cfg, timeout_s=60)
+    assert 1.5 < waited < 10, waited
+    assert "timed out" in err.lower() or "timeout" in err.lower(), err
+
+
 # ----------------------------------------------------------------------------------------------------
 # Refusals, and the order check
 
