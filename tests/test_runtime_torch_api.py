@@ -102,3 +102,24 @@ def test_an_unknown_order_or_a_refused_micro_batch_count_says_why():
         torch_api.torch_actions("chimera", 2, 4)
     with pytest.raises(ValueError, match="multiple of its 2 rounds"):
         torch_api.torch_actions("zb-h1", 2, 5)
+
+
+@pytest.mark.parametrize("kind,p,m", [("1f1b", 3, 4), ("interleaved", 2, 4), ("zb-v", 3, 5), ("zb-h1", 3, 3)])
+def test_torchs_lowering_posts_each_send_right_after_its_compute(kind, p, m):
+    """What the engine relies on to run K-FAC work in a bubble: the calls packed between X and Y run in
+    Y's handler, which torch reaches after X's send is posted (every send follows its compute at once)."""
+    import re
+
+    lists = torch_api.lowered(kind, p, m)
+    virtual = 1 + max(int(re.match(r"(\d+)", a).group(1)) for acts in lists.values() for a in acts)
+    sends = 0
+    for acts in lists.values():
+        for i, action in enumerate(acts):
+            stage, what, mb = re.fullmatch(r"(\d+)([A-Z_]+?)(\d*)", action).groups()
+            stage = int(stage)
+            sends_forward = what == "F" and stage < virtual - 1 and f"{stage + 1}F{mb}" not in acts
+            sends_back = what in ("B", "I") and stage > 0 and f"{stage - 1}F{mb}" not in acts
+            if sends_forward or sends_back:
+                assert acts[i + 1] == f"{stage}SEND_{'F' if what == 'F' else 'B'}{mb}", (action, acts[i + 1])
+                sends += 1
+    assert sends > 0

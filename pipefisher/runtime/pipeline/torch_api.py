@@ -232,6 +232,19 @@ def compute_orders(kind: str, stages: int, micro_batches: int, chunks: int = 2) 
     return actions_order(torch_actions(kind, stages, micro_batches, chunks))
 
 
+def lowered(kind: str, stages: int, micro_batches: int, chunks: int = 2) -> dict[int, list[str]]:
+    """Every rank's action list as torch's runtime walks it (compute, ``SEND_F``/``RECV_B``...,
+    ``REDUCE_GRAD``; as torch prints them: ``0F1``, ``0SEND_F1``), from torch's own lowering
+    (``_prepare_schedule_with_comms``) run without process groups."""
+    actions = torch_actions(kind, stages, micro_batches, chunks)
+    runtime = object.__new__(_schedules()._PipelineScheduleRuntime)
+    virtual = 1 + max(c.stage for order in actions_order(actions).values() for c in order)
+    runtime.__dict__.update(_n_microbatches=micro_batches, _num_stages=virtual, pp_group_size=stages,
+                            _defer_pp_recv=False, _stages=[])
+    runtime._prepare_schedule_with_comms(actions)
+    return {r: [str(a) for a in acts] for r, acts in runtime.pipeline_order_with_comms.items()}
+
+
 def micro_batches(schedule: Any) -> int:
     """The micro-batch count a torch schedule object was built with."""
     return int(schedule._n_microbatches)
