@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -126,6 +127,35 @@ def test_kfac_work_between_torchs_actions_trains_as_the_single_process_replay(sc
 def test_a_resumed_torch_engine_run_continues_bit_for_bit(tmp_path):
     _resumes_bit_for_bit(tmp_path, BASE.replace(pipeline=dict(schedule="zb-v", engine="torch"),
                                                 data=dict(num_micro_batches=4)))
+
+
+def _profile_both_engines(cfg, folder: str) -> None:  # noqa: ANN001
+    """A profiled kfac step on each engine, in the same workers: timelines in ``folder/<engine>``."""
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    try:
+        for engine in ENGINES:
+            Trainer(cfg.replace(pipeline={"engine": engine}), ctx,
+                    TrainOptions(mode="kfac", profile=True, out=os.path.join(folder, engine), steps=2,
+                                 progress=False)).run()
+    finally:
+        shutdown(ctx)
+
+
+def test_the_profiler_records_the_same_keys_per_action_on_both_engines(tmp_path):
+    """The packer reads either engine's profile alike: the same keys, each as many times (interleaved:
+    both chunks' keys)."""
+    from pipefisher.safe_io import load_pickle
+
+    cfg = BASE.replace(pipeline=dict(schedule="interleaved"), data=dict(num_micro_batches=4))
+    for engine in ENGINES:
+        (tmp_path / engine).mkdir()
+    spawn_local(_profile_both_engines, 2, cfg, str(tmp_path), timeout_s=120)
+    for node in range(2):
+        own, mine = (load_pickle(str(tmp_path / e / f"{cfg.name}_node{node}_timeline.pickle")) for e in ENGINES)
+        assert {k: len(v) for k, v in mine.items()} == {k: len(v) for k, v in own.items()}
+        assert len(mine["call_forward:chunk1"]) == 4 and any(k.endswith(":chunk1") and "kron" in k for k in mine)
 
 
 def _silent_peer(cfg) -> tuple[float, str] | None:  # noqa: ANN001
