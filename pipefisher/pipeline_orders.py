@@ -197,7 +197,8 @@ class PipelineSchedule:
                 raise AssertionError(f"{self.name}: fused call {run} holds operations the schedule does not run")
             d, i = at[run[0]]
             if [at[op] for op in run] != [(d, i + k) for k in range(len(run))]:
-                raise AssertionError(f"{self.name}: fused call {run} is not a run of consecutive operations of one device")
+                raise AssertionError(f"{self.name}: fused call {run} is not a run of consecutive operations "
+                                     "of one device")
             if seen & set(run):
                 raise AssertionError(f"{self.name}: {sorted(seen & set(run))[0]} is in two fused calls")
             seen |= set(run)

@@ -514,7 +514,8 @@ def test_dualpipev_fuses_full_backwards_and_overlapped_pairs():
     assert calls[9] == (("B", 2, 3), ("W", 2, 3))  # a full backward
     assert calls[-4:] == [(("B", 2, 0),), (("W", 2, 0),), (("B", 3, 0),), (("W", 3, 0),)]  # deferred W passes
     # last device, first steady round: the forward feeding its own chunk 1 does not wait for a backward
-    assert _our_calls(s, 1)[4:7] == [(("F", 2, 1),), (("B", 0, 2), ("W", 0, 2)), (("F", 2, 2), ("B", 0, 1), ("W", 0, 1))]
+    assert _our_calls(s, 1)[4:7] == [(("F", 2, 1),), (("B", 0, 2), ("W", 0, 2)),
+                                     (("F", 2, 2), ("B", 0, 1), ("W", 0, 1))]
 
 
 def test_a_fused_calls_outputs_leave_when_the_call_ends():
