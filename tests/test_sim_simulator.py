@@ -359,16 +359,20 @@ def test_tight_packs_a_simulated_interleaved_job_in_the_chunk_format(tmp_path):
         assert n.figures.lower_bound is not None and n.figures.lower_bound <= n.figures.iterations
 
 
-@pytest.mark.parametrize("policy", ["target", "tight"])
-def test_a_simulated_zb_v_job_packs_and_validates_end_to_end(tmp_path, policy):
-    """``simulate --schedule zb-v``, then ``schedule`` and ``validate`` on its files: the packed schedule
-    keeps K-FAC off every W pass and validates; the default prefix says v2."""
+@pytest.mark.parametrize("schedule,policy", [("zb-v", "target"), ("zb-v", "tight"), ("dualpipev", "target"),
+                                             ("dualpipev", "tight"), ("dualpipev", "best-fit"), ("dualpipev", "exact")])
+def test_a_simulated_v_job_packs_validates_and_plots_end_to_end(tmp_path, schedule, policy):
+    """``simulate --schedule zb-v`` (or ``dualpipev``, with every policy that packs ZB-V without violations:
+    compat's own flaws show on ZB-V too), then ``schedule``, ``validate`` and ``plot`` on its files: the
+    packed schedule keeps K-FAC off every W pass and validates; the default prefix says v2."""
+    if policy == "exact":
+        pytest.importorskip("ortools")
     runner = CliRunner()
-    res = runner.invoke(main, ["simulate", "--config", BASE, "--schedule", "zb-v", "-m", "8", "--out", str(tmp_path)])
+    res = runner.invoke(main, ["simulate", "--config", BASE, "--schedule", schedule, "-m", "8", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
-    assert "zb-v, 4 stages, 8 micro-batches, 2 chunks" in res.output
+    assert f"{schedule}, 4 stages, 8 micro-batches, 2 chunks" in res.output
     paths = sorted(str(p) for p in tmp_path.glob("*.pickle"))
-    assert [os.path.basename(p) for p in paths] == [f"bert-base-4stages_zb-v_p4_v2_m8_node{i}_timeline.pickle"
+    assert [os.path.basename(p) for p in paths] == [f"bert-base-4stages_{schedule}_p4_v2_m8_node{i}_timeline.pickle"
                                                     for i in range(4)]
     saved = str(tmp_path / "s.pickle")
     res = runner.invoke(main, ["schedule", *paths, "--policy", policy, "--save-path", saved])
@@ -378,6 +382,9 @@ def test_a_simulated_zb_v_job_packs_and_validates_end_to_end(tmp_path, policy):
     job = load_job(paths)
     assert {c for node in job.nodes for c in node.chunks} == {0, 1}
     assert any(node.weights(chunk=1) for node in job.nodes)
+    res = runner.invoke(main, ["plot", *paths, "--packed", "--policy", policy, "--iterations", "1",
+                               "--out", str(tmp_path / "c.png")])
+    assert res.exit_code == 0 and (tmp_path / "c.png").stat().st_size > 0, res.output
 
 
 def test_dualpipev_nodes_hold_full_backwards_as_one_interval_and_deferred_w_passes_apart():
@@ -420,27 +427,3 @@ def test_dualpipev_pair_sends_its_forward_after_its_backward():
     f, b, w = next(run for run in s.fused if run[0].kind == "F" and run[0].stage < 2)
     nxt = next(op for op in timed if op.kind == "F" and op.micro_batch == f.micro_batch and op.stage == f.stage + 1)
     assert timed[nxt].start >= timed[w].end + latency > timed[f].end + latency
-
-
-@pytest.mark.parametrize("policy", ["target", "tight", "best-fit", "exact"])
-def test_a_simulated_dualpipev_job_packs_and_validates_end_to_end(tmp_path, policy):
-    """``simulate --schedule dualpipev``, then ``schedule`` and ``validate`` on its files, with every
-    policy that packs ZB-V without violations (compat's own flaws show on ZB-V too)."""
-    if policy == "exact":
-        pytest.importorskip("ortools")
-    runner = CliRunner()
-    res = runner.invoke(main, ["simulate", "--config", BASE, "--schedule", "dualpipev", "-m", "8",
-                               "--out", str(tmp_path)])
-    assert res.exit_code == 0, res.output
-    assert "dualpipev, 4 stages, 8 micro-batches, 2 chunks" in res.output
-    paths = sorted(str(p) for p in tmp_path.glob("*.pickle"))
-    assert [os.path.basename(p) for p in paths] == [f"bert-base-4stages_dualpipev_p4_v2_m8_node{i}_timeline.pickle"
-                                                    for i in range(4)]
-    saved = str(tmp_path / "s.pickle")
-    res = runner.invoke(main, ["schedule", *paths, "--policy", policy, "--save-path", saved])
-    assert res.exit_code == 0, res.output
-    res = runner.invoke(main, ["validate", "--schedule", saved, *paths])
-    assert res.exit_code == 0 and "no violations" in res.output, res.output
-    res = runner.invoke(main, ["plot", *paths, "--packed", "--policy", policy, "--iterations", "1",
-                               "--out", str(tmp_path / "c.png")])
-    assert res.exit_code == 0 and (tmp_path / "c.png").stat().st_size > 0, res.output
