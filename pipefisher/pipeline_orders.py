@@ -156,7 +156,8 @@ class PipelineSchedule:
 
         Expected: for each micro-batch, one pipe (Chimera splits micro-batches between two), and on it
         every virtual stage with each kind (F and B, plus W when the backward is split), with the chunk
-        that :meth:`dependencies` names. Raises AssertionError naming the first problem.
+        that :meth:`dependencies` names; each fused call a run of consecutive operations of one device.
+        Raises AssertionError naming the first problem.
         """
         if len(self.devices) != self.stages:
             raise AssertionError(f"{self.name}: {len(self.devices)} device orders for {self.stages} stages")
@@ -418,7 +419,7 @@ def dualpipev(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSched
     :func:`zb_v`. DualPipe's idea is to run a forward of one micro-batch and a whole backward of another
     as one overlapped call (the computation of each hides the communication of the other), and to split
     backwards into B and W only where a deferred W fills a bubble. Each (kind, chunk) stream runs its
-    micro-batches in order; with ``r = d`` and ``m`` micro-batches, the device runs eight phases:
+    micro-batches in order; with ``m`` micro-batches, device ``d`` runs eight phases:
 
     1. ``2 (p - 1 - d)`` chunk-0 forwards, then 2. ``d + 1`` pairs of chunk-0 and chunk-1 forwards: the
        V fills;
@@ -431,8 +432,8 @@ def dualpipev(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSched
     5. ``p - 1 - d`` rounds of a chunk-1 full backward and an overlapped (chunk-1 forward, chunk-0 full
        backward): chunk 0 has no forwards left;
     6. ``d + 1`` rounds of a chunk-1 and a chunk-0 backward, full ones in the first half and split ones
-       from the middle on (from the round's chunk-1 backward on odd devices, from its chunk-0 one on
-       even ones);
+       from round ``(d + 1) // 2`` on (from that round's chunk-1 backward on odd devices, from its
+       chunk-0 one on even ones);
     7. ``p - 1 - d`` rounds of one deferred W and a split chunk-0 B; 8. the ``d + 1`` W passes still owed.
 
     A deferred W is always the oldest split B's of the device (either chunk), so each chunk's W passes
