@@ -1,5 +1,5 @@
-"""Pipeline orders (GPipe, 1F1B, Chimera, interleaved, zero-bubble H1 and V): for each device, the ordered
-forward/backward operations.
+"""Pipeline orders (GPipe, 1F1B, Chimera, interleaved, zero-bubble H1 and V, DualPipeV): for each device, the
+ordered forward/backward operations.
 
 The simulator times them (:mod:`pipefisher.sim`) and the runtime's engine runs them
 (:mod:`pipefisher.runtime.pipeline.engine`): one definition of each order, below both.
@@ -18,7 +18,11 @@ A schedule only fixes the ORDER of operations on each device; when they run foll
 - ``pipe`` is 0 for the usual (down) pipe and 1 for Chimera's second pipe, whose stage ``s`` runs on
   device ``p - 1 - s`` (the ``:up_pipe`` operations of the timeline format).
 - ``kind`` is ``F`` (forward), ``B`` (backward; only the input gradient when the schedule splits the
-  backward) or ``W`` (weight gradient, zero-bubble schedules only).
+  backward) or ``W`` (weight gradient, zero-bubble schedules and DualPipeV only).
+
+A few consecutive operations of a device may run as one call (:attr:`PipelineSchedule.fused`): DualPipeV's
+full backwards (a B and its own W) and its overlapped forward-backward pairs. Their outputs leave the
+device only when the whole call ends, which :meth:`PipelineSchedule.dependencies` says.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import heapq
 import numbers
 import operator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Iterator
 
 from pipefisher.errors import InputError
@@ -97,6 +102,12 @@ class PipelineSchedule:
     """True when backwards are split into B (input gradient) and W (weight gradient)."""
     layout: str = LOOP
     """Where the model chunks sit (:data:`LOOP` or :data:`V`, see :func:`stage_on`)."""
+    fused: tuple[tuple[Op, ...], ...] = ()
+    """Runs of consecutive operations of one device that run as one call and hand their outputs on only
+    when the call ends (DualPipeV): a full backward ``(B, W)`` of one micro-batch, which computes the
+    weight gradient before it sends the input gradient, and an overlapped pair ``(F, B, W)``, a forward
+    and another micro-batch's full backward, whose sends follow both (torch's ``FULL_BACKWARD`` and
+    ``OVERLAP_F_B``). Every other operation sends its output as it ends."""
 
     @property
     def virtual_stages(self) -> int:
@@ -110,19 +121,34 @@ class PipelineSchedule:
         """The device that runs virtual stage ``stage`` of ``pipe``."""
         return self.stages - 1 - stage if pipe == UP else device_of_stage(stage, self.stages, self.layout)
 
+    @cached_property
+    def _call_end(self) -> dict[Op, Op]:
+        return {op: run[-1] for run in self.fused for op in run}
+
+    def sent_after(self, op: Op) -> Op:
+        """The operation at whose end ``op``'s output leaves its device: the last one of ``op``'s fused
+        call (:attr:`fused`), else ``op`` itself."""
+        return self._call_end.get(op, op)
+
     def dependencies(self, op: Op) -> list[Op]:
-        """The operations whose outputs ``op`` needs (on any device)."""
+        """The operations that must end before ``op`` can start (on any device): the ones whose outputs
+        it needs, each replaced by the end of its fused call where it runs in one (:meth:`sent_after`).
+
+        A forward needs the previous stage's forward; a backward its own forward and the next stage's
+        backward (its output gradient; the last stage starts from the loss); a W its own B.
+        """
         last = self.virtual_stages - 1
         chunk_of = (lambda s: 0) if op.pipe == UP else (lambda s: s // self.stages)
         if op.kind == FORWARD:
             if op.stage == 0:
                 return []
-            return [Op(FORWARD, op.micro_batch, op.stage - 1, chunk_of(op.stage - 1), op.pipe)]
+            return [self.sent_after(Op(FORWARD, op.micro_batch, op.stage - 1, chunk_of(op.stage - 1), op.pipe))]
         if op.kind == BACKWARD:
             own_forward = Op(FORWARD, op.micro_batch, op.stage, op.chunk, op.pipe)
             if op.stage == last:
                 return [own_forward]
-            return [Op(BACKWARD, op.micro_batch, op.stage + 1, chunk_of(op.stage + 1), op.pipe), own_forward]
+            grad = Op(BACKWARD, op.micro_batch, op.stage + 1, chunk_of(op.stage + 1), op.pipe)
+            return [self.sent_after(grad), own_forward]
         return [Op(BACKWARD, op.micro_batch, op.stage, op.chunk, op.pipe)]
 
     def check(self) -> None:
@@ -130,7 +156,8 @@ class PipelineSchedule:
 
         Expected: for each micro-batch, one pipe (Chimera splits micro-batches between two), and on it
         every virtual stage with each kind (F and B, plus W when the backward is split), with the chunk
-        that :meth:`dependencies` names. Raises AssertionError naming the first problem.
+        that :meth:`dependencies` names; each fused call a run of consecutive operations of one device.
+        Raises AssertionError naming the first problem.
         """
         if len(self.devices) != self.stages:
             raise AssertionError(f"{self.name}: {len(self.devices)} device orders for {self.stages} stages")
@@ -151,6 +178,7 @@ class PipelineSchedule:
                 if pipe_of.setdefault(op.micro_batch, op.pipe) != op.pipe:
                     raise AssertionError(f"{self.name}: micro-batch {op.micro_batch} runs on both pipes")
                 listed[op] = d
+        self._check_fused(listed)
         for j in range(self.micro_batches):
             if j not in pipe_of:
                 raise AssertionError(f"{self.name}: micro-batch {j} never runs")
@@ -160,6 +188,21 @@ class PipelineSchedule:
                 shown = ", ".join(map(str, missing[:3])) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
                 raise AssertionError(f"{self.name}: never runs {shown}")
         self._check_no_deadlock()
+
+    def _check_fused(self, listed: dict[Op, int]) -> None:
+        """Every fused call is a run of consecutive operations of one device, each in one call only."""
+        at = {op: (d, i) for d, ops in enumerate(self.devices) for i, op in enumerate(ops)}
+        seen: set[Op] = set()
+        for run in self.fused:
+            if not run or any(op not in listed for op in run):
+                raise AssertionError(f"{self.name}: fused call {run} holds operations the schedule does not run")
+            d, i = at[run[0]]
+            if [at[op] for op in run] != [(d, i + k) for k in range(len(run))]:
+                raise AssertionError(f"{self.name}: fused call {run} is not a run of consecutive operations "
+                                     "of one device")
+            if seen & set(run):
+                raise AssertionError(f"{self.name}: {sorted(seen & set(run))[0]} is in two fused calls")
+            seen |= set(run)
 
     def _check_no_deadlock(self) -> None:
         """Run the per-device orders as dataflow: a device's next op may run once its dependencies have."""
@@ -368,6 +411,108 @@ def zb_v(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSchedule:
     return PipelineSchedule("zb-v", p, m, 2, tuple(devices), split_backward=True, layout=V)
 
 
+def dualpipev(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSchedule:
+    """DualPipeV (DeepSeek-V3 report's DualPipe, folded into a V as torch's ``ScheduleDualPipeV`` runs it):
+    ZB-V's two chunks per device in a V, with the steady state made of overlapped pairs.
+
+    Device ``d`` holds virtual stage ``d`` (chunk 0, down) and ``2p - 1 - d`` (chunk 1, back up), as in
+    :func:`zb_v`. DualPipe's idea is to run a forward of one micro-batch and a whole backward of another
+    as one overlapped call (the computation of each hides the communication of the other), and to split
+    backwards into B and W only where a deferred W fills a bubble. Each (kind, chunk) stream runs its
+    micro-batches in order; with ``m`` micro-batches, device ``d`` runs eight phases:
+
+    1. ``2 (p - 1 - d)`` chunk-0 forwards, then 2. ``d + 1`` pairs of chunk-0 and chunk-1 forwards: the
+       V fills;
+    3. ``p - 1 - d`` rounds of a chunk-1 B, its W at once, a chunk-1 forward: the first backwards, split
+       so that the input gradient leaves before the W (zero bubble);
+    4. the steady state, ``m - 2p + d + 1`` rounds of two overlapped pairs: (chunk-0 forward, chunk-1 full
+       backward), then (chunk-1 forward, chunk-0 full backward). On the last device the first round's
+       first pair runs as two calls: its forward feeds the device's own chunk 1, which must not wait
+       for the backward;
+    5. ``p - 1 - d`` rounds of a chunk-1 full backward and an overlapped (chunk-1 forward, chunk-0 full
+       backward): chunk 0 has no forwards left;
+    6. ``d + 1`` rounds of a chunk-1 and a chunk-0 backward, full ones in the first half and split ones
+       from round ``(d + 1) // 2`` on (from that round's chunk-1 backward on odd devices, from its
+       chunk-0 one on even ones);
+    7. ``p - 1 - d`` rounds of one deferred W and a split chunk-0 B; 8. the ``d + 1`` W passes still owed.
+
+    A deferred W is always the oldest split B's of the device (either chunk), so each chunk's W passes
+    run in micro-batch order too. A full backward is a B directly followed by its own W, fused into one
+    call with it (:attr:`PipelineSchedule.fused`), and so is an overlapped pair (its forward, then the
+    backward's B and W): the outputs of a fused call leave when it ends, as torch sends them.
+
+    torch needs ``m >= 2p`` micro-batches (the steady state of the first device is ``m - 2p + 1``
+    rounds); fewer are refused.
+    """
+    stages, micro_batches = _check_common("dualpipev", stages, micro_batches)
+    _need(_count("dualpipev", "chunks", chunks) == 2, "dualpipev: has exactly 2 model chunks per device (a V)")
+    p, m = stages, micro_batches
+    _need(m >= 2 * p, f"dualpipev: needs micro-batches >= 2 x stages = {2 * p} (one per virtual stage), got {m} "
+                      f"(torch's ScheduleDualPipeV refuses it too)")
+    devices: list[tuple[Op, ...]] = []
+    fused: list[tuple[Op, ...]] = []
+    for d in range(p):
+        ops: list[Op] = []
+        taken: dict[tuple[str, int], int] = {}  # (kind, chunk) -> micro-batches taken so far
+        pending: list[Op] = []  # the W passes of split B passes, oldest first
+
+        def take(kind: str, c: int) -> Op:
+            j = taken[kind, c] = taken.get((kind, c), -1) + 1
+            return _op(kind, j, stage_on(d, c, p, V), p)
+
+        def forward(c: int) -> list[Op]:
+            return [take(FORWARD, c)]
+
+        def split(c: int) -> list[Op]:
+            b = take(BACKWARD, c)
+            pending.append(_op(WEIGHT, b.micro_batch, b.stage, p))
+            return [b]
+
+        def full(c: int) -> list[Op]:
+            b = take(BACKWARD, c)
+            return [b, _op(WEIGHT, b.micro_batch, b.stage, p)]
+
+        def deferred_w() -> list[Op]:
+            return [pending.pop(0)]
+
+        def call(run: list[Op], one: bool = True) -> None:
+            ops.extend(run)
+            if one and len(run) > 1:
+                fused.append(tuple(run))
+
+        tail = p - 1 - d
+        for _ in range(2 * tail):
+            call(forward(0))
+        for _ in range(d + 1):
+            call(forward(0))
+            call(forward(1))
+        for _ in range(tail):
+            call(split(1))
+            call(deferred_w())
+            call(forward(1))
+        for i in range(m - 2 * p + d + 1):
+            if i == 0 and d == p - 1:
+                call(forward(0))
+                call(full(1))
+            else:
+                call(forward(0) + full(1))
+            call(forward(1) + full(0))
+        for _ in range(tail):
+            call(full(1))
+            call(forward(1) + full(0))
+        middle = (d + 1) // 2
+        for i in range(d + 1):  # odd devices split from the middle round's chunk-1 B, even ones from its chunk-0 B
+            call(split(1) if i > middle or (i == middle and d % 2) else full(1))
+            call(split(0) if i >= middle else full(0))
+        for _ in range(tail):
+            call(deferred_w())
+            call(split(0))
+        for _ in range(d + 1):
+            call(deferred_w())
+        devices.append(tuple(ops))
+    return PipelineSchedule("dualpipev", p, m, 2, tuple(devices), split_backward=True, layout=V, fused=tuple(fused))
+
+
 Durations = Callable[[Op], int]
 """Time of one operation (any unit); the generators that depend on costs take one."""
 
@@ -493,13 +638,15 @@ GENERATORS: dict[str, Callable[..., PipelineSchedule]] = {
     "interleaved": interleaved,
     "zb-h1": zb_h1,
     "zb-v": zb_v,
+    "dualpipev": dualpipev,
     "chimera": chimera,
 }
 ALIASES = {"interleaved-1f1b": "interleaved", "zbh1": "zb-h1", "zb_h1": "zb-h1", "zbv": "zb-v", "zb_v": "zb-v",
-           "dapple": "1f1b", "pipedream-flush": "1f1b"}
-DEFAULT_CHUNKS = {"interleaved": 2, "zb-v": 2}
+           "dapple": "1f1b", "pipedream-flush": "1f1b", "dual-pipe-v": "dualpipev", "dualpipe-v": "dualpipev",
+           "dualpipe_v": "dualpipev"}
+DEFAULT_CHUNKS = {"interleaved": 2, "zb-v": 2, "dualpipev": 2}
 """Model chunks per device of the schedules that have more than one by default."""
-V_SCHEDULES = ("zb-v",)
+V_SCHEDULES = ("zb-v", "dualpipev")
 """The schedules whose two chunks sit in a V (:data:`V`); the rest use the loop (:data:`LOOP`)."""
 
 
@@ -516,21 +663,22 @@ def canonical_name(name: str) -> str:
 
 
 def default_chunks(name: str) -> int:
-    """Model chunks per device the named schedule has unless told otherwise: 2 for interleaved and
-    zb-v, 1 for the rest."""
+    """Model chunks per device the named schedule has unless told otherwise: 2 for interleaved, zb-v and
+    dualpipev, 1 for the rest."""
     return DEFAULT_CHUNKS.get(canonical_name(name), 1)
 
 
 def layout_of(name: str) -> str:
-    """Where the named schedule puts its model chunks: :data:`V` for zb-v, :data:`LOOP` for the rest."""
+    """Where the named schedule puts its model chunks: :data:`V` for zb-v and dualpipev, :data:`LOOP` for the
+    rest."""
     return V if canonical_name(name) in V_SCHEDULES else LOOP
 
 
 def generate(
     name: str, stages: int, micro_batches: int, chunks: int | None = None, durations: Durations | None = None,
 ) -> PipelineSchedule:
-    """Build the named schedule; ``chunks`` defaults to :func:`default_chunks` (2 for interleaved and
-    zb-v, 1 otherwise).
+    """Build the named schedule; ``chunks`` defaults to :func:`default_chunks` (2 for interleaved, zb-v and
+    dualpipev, 1 otherwise).
 
     ``durations`` (operation -> time) is used by the generators whose order depends on costs (Chimera);
     the others ignore it.

@@ -183,7 +183,8 @@ def main() -> None:
     ap.add_argument("--policy", default=None, help="packing policy of the margin sweep (default: tight)")
     ap.add_argument("--micro-batches", type=int, default=None, help="override data.num_micro_batches")
     ap.add_argument("--pipelines", default="1f1b,chimera",
-                    help="comma-separated pipeline orders to compare (gpipe, 1f1b, chimera, interleaved, zb-h1, zb-v)")
+                    help="comma-separated pipeline orders to compare (gpipe, 1f1b, chimera, interleaved, zb-h1, zb-v, "
+                         "dualpipev)")
     ap.add_argument("--engine", default="pipefisher",
                     help="comma-separated pipeline engines to run every pipeline on (pipefisher, torch)")
     ap.add_argument("--kfac-margin", default="1,1.25,1.5,2",

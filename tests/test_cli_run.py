@@ -285,7 +285,7 @@ def test_the_profile_losses_leave_the_timelines_folder(tmp_path):
     assert sorted(os.listdir(paths.profile_steps_dir)) == ["tiny_node0_steps.pickle", "tiny_node1_steps.pickle"]
 
 
-@pytest.mark.parametrize("pipeline", ["zb-h1", "zb-v"])
+@pytest.mark.parametrize("pipeline", ["zb-h1", "zb-v", "dualpipev"])
 def test_run_a_zero_bubble_pipeline_end_to_end(tmp_path, pipeline):
     """Profile (W passes under their own keys), pack, validate and train with the schedule: the loss falls."""
     from pipefisher.timeline import load_job
@@ -298,7 +298,7 @@ def test_run_a_zero_bubble_pipeline_end_to_end(tmp_path, pipeline):
     timelines = sorted(str(p) for p in (out / "zb_timelines").iterdir())
     job = load_job(timelines)
     assert all(node.weights() for node in job.nodes)  # every node profiled its W passes
-    if pipeline == "zb-v":
+    if pipeline in ("zb-v", "dualpipev"):
         assert all(node.weights(chunk=1) and node.forwards(chunk=1) for node in job.nodes)
     assert json.loads((out / "zb_report.json").read_text())["valid"]
     check = CliRunner().invoke(main, ["validate", "--schedule", str(out / "zb_schedule.pickle"), *timelines])

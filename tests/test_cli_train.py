@@ -236,6 +236,17 @@ def test_a_pipeline_option_the_config_cannot_take_is_blamed_on_the_option(comman
                                               "2 model chunks per device (its V): pipeline.chunks must be 2\n")
 
 
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_dualpipev_with_fewer_than_two_micro_batches_per_stage_is_refused_in_one_line(command, tmp_path):
+    res = CliRunner().invoke(main, [command, "--config", TINY, "--pipeline", "dualpipev", "--set",
+                                    "data.num_micro_batches=3", "--no-progress",
+                                    *(["--out", str(tmp_path)] if command == "run" else [])])
+    assert (res.exit_code, res.output) == (
+        2, "error: --pipeline dualpipev: pipeline.schedule dualpipev with data.num_micro_batches 3: dualpipev: "
+           "needs micro-batches >= 2 x stages = 4 (one per virtual stage), got 3 (torch's ScheduleDualPipeV "
+           "refuses it too)\n")
+
+
 def test_a_relative_pretrained_path_is_made_absolute_where_the_run_starts(tmp_path, monkeypatch):
     from pipefisher.cli._runconfig import read_run_config
 

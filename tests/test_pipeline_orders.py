@@ -122,7 +122,7 @@ def _check_times(result, latency):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    name=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "chimera"]),
+    name=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "chimera"]),
     p=st.integers(1, 6),
     mult=st.integers(1, 4),
     extra=st.integers(0, 3),
@@ -137,6 +137,8 @@ def test_every_generated_schedule_respects_its_dependencies(name, p, mult, extra
         m = 2 * (mult + extra)
     elif name == "interleaved":
         m = p * mult
+    elif name == "dualpipev":
+        m = 2 * p + mult + extra - 1
     else:
         m = mult + extra
     s = generate(name, p, m, v if name == "interleaved" else None)
@@ -167,23 +169,31 @@ def test_latency_is_added_between_devices_only():
     (lambda: generate("gpipe", 4, 4, chunks=2), "one model chunk"),
     (lambda: generate("zb-v", 4, 8, chunks=3), "^zb-v: has exactly 2 model chunks per device \\(a V\\)$"),
     (lambda: generate("zb-v", 4, 8, chunks=1), "^zb-v: has exactly 2 model chunks"),
+    (lambda: generate("dualpipev", 4, 8, chunks=3), "^dualpipev: has exactly 2 model chunks per device \\(a V\\)$"),
+    (lambda: generate("dualpipev", 4, 7),
+     "^dualpipev: needs micro-batches >= 2 x stages = 8 \\(one per virtual stage\\), got 7 \\(torch's"),
+    (lambda: generate("dualpipe-v", 1, 1), "^dualpipev: needs micro-batches >= 2 x stages = 2"),
     (lambda: generate("pipedream-2bw", 4, 4), "unknown schedule"),
 ])
 def test_generators_refuse_what_they_cannot_do_with_a_clear_message(call, message):
-    with pytest.raises(InputError, match=message):
+    with pytest.raises(InputError, match=message) as err:
         call()
+    assert "\n" not in str(err.value)
 
 
 def test_schedule_names_and_aliases():
-    assert schedule_names() == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "chimera"]
+    assert schedule_names() == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "chimera"]
     assert generate("DAPPLE", 2, 2).name == "1f1b"
     assert generate("interleaved-1f1b", 2, 2).chunks == 2
     for alias in ("zbv", "ZB_V", "zb-v"):
         s = generate(alias, 2, 4)
         assert (s.name, s.chunks, s.layout, s.split_backward) == ("zb-v", 2, V, True)
-    assert [default_chunks(n) for n in schedule_names()] == [1, 1, 2, 1, 2, 1]
-    assert [layout_of(n) for n in schedule_names()] == [LOOP, LOOP, LOOP, LOOP, V, LOOP]
-    assert layout_of("zbv") == V
+    for alias in ("dualpipev", "DualPipeV", "dual-pipe-v", "dualpipe-v", "dualpipe_v"):
+        s = generate(alias, 2, 4)
+        assert (s.name, s.chunks, s.layout, s.split_backward) == ("dualpipev", 2, V, True)
+    assert [default_chunks(n) for n in schedule_names()] == [1, 1, 2, 1, 2, 2, 1]
+    assert [layout_of(n) for n in schedule_names()] == [LOOP, LOOP, LOOP, LOOP, V, V, LOOP]
+    assert layout_of("zbv") == V and layout_of("dual-pipe-v") == V
     for n in schedule_names():  # the layout a generator builds is the one layout_of names
         assert generate(n, 2, 4).layout == layout_of(n), n
 
@@ -192,9 +202,10 @@ def test_schedule_names_and_aliases():
 # Chunk numbering, check() and size arguments (defects found against peer implementations)
 
 
-ALL_SHAPES = [(name, p, m, v) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "chimera")
+ALL_SHAPES = [(name, p, m, v) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "chimera")
               for p in range(1, 5) for m in range(1, 9) for v in ((2, 3) if name == "interleaved" else (None,))
-              if not (name == "interleaved" and m % max(1, m // p)) and not (name == "chimera" and (p % 2 or m % 2))]
+              if not (name == "interleaved" and m % max(1, m // p)) and not (name == "chimera" and (p % 2 or m % 2))
+              and not (name == "dualpipev" and m < 2 * p)]
 
 
 @pytest.mark.parametrize("name,p,m,v", ALL_SHAPES)
@@ -248,7 +259,7 @@ def test_check_refuses_a_duplicate_and_an_op_on_the_wrong_device():
         swapped.check()
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-v", "chimera", "interleaved"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-v", "dualpipev", "chimera", "interleaved"])
 def test_numpy_integers_are_accepted_as_sizes(name):
     v = np.int64(default_chunks(name))
     s = generate(name, np.int64(2), np.int32(4), v)
@@ -265,7 +276,7 @@ def test_numpy_integers_are_accepted_as_sizes(name):
     ((np.int64(0), 2), "stages must be a whole number >= 1"),
     ((2, 2, True), "chunks must be a whole number >= 1, got True"),
 ])
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-v", "chimera"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-v", "dualpipev", "chimera"])
 def test_bool_and_non_integer_sizes_are_refused_in_one_line(name, args, message):
     with pytest.raises(InputError, match=f"^{name}: {message}") as err:
         generate(name, *args)
@@ -447,3 +458,115 @@ def test_zb_v_holds_at_most_1f1bs_peak_activations(p):
     for m in range(1, 4 * p + 2):
         for d, ops in enumerate(generate("zb-v", p, m).devices):
             assert peak_activations(ops) == min(2 * p, 2 * m, m + 1 + d), (m, d)
+
+
+# ----------------------------------------------------------------------------------------------------
+# DualPipeV: torch's calls, its fused calls and its bubbles
+
+
+def _torch_calls(schedules, actions) -> list[tuple[tuple[str, int, int], ...]]:
+    """torch's per-rank actions as calls of (kind, micro-batch, stage): a FULL_BACKWARD is a B and its W,
+    an OVERLAP_F_B its sub-actions in the order torch runs them."""
+    ct = schedules._ComputationType
+    kinds = {ct.FORWARD: (FORWARD,), ct.BACKWARD_INPUT: (BACKWARD,), ct.BACKWARD_WEIGHT: (WEIGHT,),
+             ct.FULL_BACKWARD: (BACKWARD, WEIGHT)}
+
+    def flat(a) -> tuple[tuple[str, int, int], ...]:
+        if a.computation_type == ct.OVERLAP_F_B:
+            return tuple(op for sub in a.sub_actions for op in flat(sub))
+        return tuple((k, a.microbatch_index, a.stage_index) for k in kinds[a.computation_type])
+
+    return [flat(a) for a in actions if a is not None]
+
+
+def _our_calls(schedule, d: int) -> list[tuple[tuple[str, int, int], ...]]:
+    """Device d's operations grouped into calls: each fused run one call, every other operation its own."""
+    fused = {run[0]: run for run in schedule.fused}
+    ops, calls, i = schedule.devices[d], [], 0
+    while i < len(ops):
+        run = fused.get(ops[i], (ops[i],))
+        calls.append(tuple((op.kind, op.micro_batch, op.stage) for op in run))
+        i += len(run)
+    return calls
+
+
+@pytest.mark.parametrize("p", range(1, 7))
+def test_dualpipev_runs_torchs_schedule_dualpipev_call_for_call(p):
+    """torch's ``ScheduleDualPipeV`` computes every rank's actions without process groups (it needs
+    m >= 2p): ours are the same calls in the same order, fused where torch runs one action."""
+    from types import SimpleNamespace
+
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    for m in range(2 * p, 4 * p + 3):
+        fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+        s = generate("dualpipev", p, m)
+        for d in range(p):
+            actions = schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, d)
+            assert _our_calls(s, d) == _torch_calls(schedules, actions), (m, d)
+
+
+def test_dualpipev_fuses_full_backwards_and_overlapped_pairs():
+    s = generate("dualpipev", 2, 4)
+    calls = _our_calls(s, 0)
+    assert calls[:4] == [(("F", 0, 0),), (("F", 1, 0),), (("F", 2, 0),), (("F", 0, 3),)]
+    assert calls[4:6] == [(("B", 0, 3),), (("W", 0, 3),)]  # split: its input gradient leaves before the W
+    assert calls[7] == (("F", 3, 0), ("B", 1, 3), ("W", 1, 3))  # an overlapped pair
+    assert calls[9] == (("B", 2, 3), ("W", 2, 3))  # a full backward
+    assert calls[-4:] == [(("B", 2, 0),), (("W", 2, 0),), (("B", 3, 0),), (("W", 3, 0),)]  # deferred W passes
+    # last device, first steady round: the forward feeding its own chunk 1 does not wait for a backward
+    assert _our_calls(s, 1)[4:7] == [(("F", 2, 1),), (("B", 0, 2), ("W", 0, 2)),
+                                     (("F", 2, 2), ("B", 0, 1), ("W", 0, 1))]
+
+
+def test_a_fused_calls_outputs_leave_when_the_call_ends():
+    """The previous stage's backward needs the W of a full backward, a forward the end of its pair."""
+    s = generate("dualpipev", 2, 4)
+    pair = next(run for run in s.fused if run[0].kind == FORWARD)
+    f, b, w = pair
+    assert s.sent_after(f) == w and s.sent_after(b) == w and s.sent_after(w) == w
+    assert Op(FORWARD, f.micro_batch, f.stage + 1, (f.stage + 1) // 2) in [op for ops in s.devices for op in ops]
+    assert s.dependencies(Op(FORWARD, f.micro_batch, f.stage + 1, (f.stage + 1) // 2)) == [w]
+    assert s.dependencies(Op(BACKWARD, b.micro_batch, b.stage - 1, (b.stage - 1) // 2))[0] == w
+    assert s.dependencies(w) == [b]  # the W itself needs its own B only
+    split = Op(BACKWARD, 0, 3, 1)  # device 0's first B is split: its gradient leaves as it ends
+    assert s.sent_after(split) == split and s.dependencies(Op(BACKWARD, 0, 2, 1))[0] == split
+    r = simulate(s, uniform(s))
+    when = {t.op: t for timed in r.devices for t in timed}
+    assert when[b].start == when[f].end and when[w].start == when[b].end
+
+
+def test_check_refuses_a_fused_call_that_is_not_one_run_of_a_device():
+    s = generate("dualpipev", 2, 4)
+    f, b, w = next(run for run in s.fused if len(run) == 3)
+    first = s.devices[0][0]
+    for bad, message in [(((f, w),), "not a run of consecutive operations"), (((first, f),), "not a run"),
+                         ((s.fused[0], s.fused[0][-1:]), "is in two fused calls"),
+                         (((Op(FORWARD, 9, 0),),), "holds operations the schedule does not run")]:
+        broken = PipelineSchedule(s.name, s.stages, s.micro_batches, s.chunks, s.devices, True, V, bad)
+        with pytest.raises(AssertionError, match=message):
+            broken.check()
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_dualpipev_leaves_twice_zb_vs_fill_idle_as_torch_sends_after_its_calls(p):
+    """Equal work per chunk (forward = B = W = 1 unit): ZB-V leaves p - 1 units idle on every device (the
+    least any order can). DualPipeV leaves 2(p - 1) for every m >= 2p: a pair's forward output leaves
+    only after the pair's backward, as torch's runtime sends it; with every output sent as its
+    operation ends (no fused calls, as the own engine runs it), the same order leaves ZB-V's p - 1."""
+    import dataclasses
+
+    for m in range(2 * p, 4 * p + 2):
+        s = generate("dualpipev", p, m)
+        costs = PipeCosts.uniform(2 * p, UNIT, 2 * UNIT, 0, 0.5)
+        assert [simulate(s, costs).idle(d) for d in range(p)] == [2 * (p - 1) * UNIT] * p, m
+        unfused = simulate(dataclasses.replace(s, fused=()), costs)
+        assert [unfused.idle(d) for d in range(p)] == [(p - 1) * UNIT] * p, m
+        zbv = simulate(generate("zb-v", p, m), costs)
+        assert [zbv.idle(d) for d in range(p)] == [(p - 1) * UNIT] * p, m
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_dualpipev_holds_2p_plus_1_chunks_of_activations(p):
+    """The DualPipe paper's PP + 1 activations (PP = 2p stages of a chunk each): one more than ZB-V's 2p."""
+    for m in range(2 * p, 4 * p + 2):
+        assert [peak_activations(ops) for ops in generate("dualpipev", p, m).devices] == [2 * p + 1] * p, m

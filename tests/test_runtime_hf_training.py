@@ -74,7 +74,7 @@ def test_a_profile_packs_into_a_schedule_validate_accepts(tmp_path, kind):
 
 LLAMA_TINY = dict(TINY, model=dict(TINY["model"], num_layers=4, num_heads=4, layer_norm_eps=1e-6,
                                    options={"num_key_value_heads": 2}))
-"""configs/hf-llama-small.yaml at test size: 4 layers (2 chunks per device under interleaved and ZB-V),
+"""configs/hf-llama-small.yaml at test size: 4 layers (2 chunks per device under interleaved, ZB-V and DualPipeV),
 grouped-query attention kept (2 key/value heads for 4 query heads)."""
 
 
@@ -110,8 +110,8 @@ def _kfac_in_every_order(cfg_path: str, overrides: dict, steps: int, folder: str
 
 def test_a_llama_trains_with_k_fac_on_two_stages_in_every_pipeline_order_profiles_packs_and_exports(tmp_path):
     """configs/hf-llama-small.yaml at test size, all in one launch of two workers: K-FAC in each of the
-    six orders; its 1F1B profile packs into a schedule validate accepts; its checkpoint exports to a
-    folder transformers' AutoModelForCausalLM loads."""
+    pipeline orders (PIPELINE_ORDERS); its 1F1B profile packs into a schedule validate accepts; its checkpoint
+    exports to a folder transformers' AutoModelForCausalLM loads."""
     from pipefisher.runtime.job.config import PIPELINE_ORDERS
 
     (tmp_path / "prof").mkdir()

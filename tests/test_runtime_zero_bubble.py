@@ -1,4 +1,5 @@
-"""Zero-bubble pipelines in the trainer: ZB-H1 and ZB-V, each backward split into a B and a W pass.
+"""Zero-bubble pipelines in the trainer: ZB-H1, ZB-V and DualPipeV, each backward split into a B and a W pass
+(DualPipeV's full backwards: a B with its W right after it).
 
 The engine runs the simulator's orders (:mod:`pipefisher.pipeline_orders`); in real worker processes
 (gloo, one thread each) a step's gradients, K-FAC inverses and preconditioned gradients equal the
@@ -28,10 +29,12 @@ from test_runtime_engine import (BASE, _reference, assert_copies_kfac_equals_ref
 
 ZB_H1 = BASE.replace(pipeline=dict(schedule="zb-h1"), data=dict(num_micro_batches=4))
 ZB_V = BASE.replace(pipeline=dict(schedule="zb-v"), data=dict(num_micro_batches=4))
+DUALPIPEV = BASE.replace(pipeline=dict(schedule="dualpipev"), data=dict(num_micro_batches=4))
 KIND = {"F": "call_forward", "B": "call_backward", "W": "call_backward:weight"}
 
 
-@pytest.mark.parametrize("name,p,m", [("zb-h1", 2, 4), ("zb-h1", 4, 6), ("zb-v", 2, 4), ("zb-v", 4, 8), ("zb-v", 3, 2)])
+@pytest.mark.parametrize("name,p,m", [("zb-h1", 2, 4), ("zb-h1", 4, 6), ("zb-v", 2, 4), ("zb-v", 4, 8), ("zb-v", 3, 2),
+                                      ("dualpipev", 2, 4), ("dualpipev", 4, 8), ("dualpipev", 3, 11)])
 def test_the_engine_runs_the_simulators_zero_bubble_orders(name, p, m):
     sim = generate(name, p, m)
     for d in range(p):
@@ -43,6 +46,20 @@ def test_the_engine_runs_the_simulators_zero_bubble_orders(name, p, m):
     assert splits_backward(name) and not splits_backward("1f1b") and not splits_backward("interleaved")
 
 
+def test_the_engines_oldest_pending_w_is_dualpipevs_w_on_every_chunk():
+    """The engine's W runs the oldest B pass of its chunk still without a W; DualPipeV's W is the oldest
+    split B of the device, of either chunk: the same micro-batch on every W, for many shapes."""
+    for p in range(1, 6):
+        for m in range(2 * p, 4 * p + 2):
+            for d, ops in enumerate(generate("dualpipev", p, m).devices):
+                waiting: dict[int, list[int]] = {0: [], 1: []}
+                for op in ops:
+                    if op.kind == "B":
+                        waiting[op.chunk].append(op.micro_batch)
+                    elif op.kind == "W":
+                        assert waiting[op.chunk].pop(0) == op.micro_batch, (p, m, d, op)
+
+
 def test_config_checks_the_zero_bubble_layouts():
     with pytest.raises(InputError, match="zb-v needs model.num_layers >= 2 x pipeline.stages"):
         ZB_V.replace(pipeline=dict(stages=4))  # 4 layers, 8 chunks
@@ -50,6 +67,15 @@ def test_config_checks_the_zero_bubble_layouts():
         ZB_V.replace(pipeline=dict(chunks=3), model=dict(num_layers=6))
     assert ZB_V.pipeline.virtual_stages == 4 and ZB_V.pipeline.chunked
     assert ZB_H1.pipeline.virtual_stages == 2 and not ZB_H1.pipeline.chunked
+    assert DUALPIPEV.pipeline.virtual_stages == 4 and DUALPIPEV.pipeline.chunked
+    with pytest.raises(InputError, match="dualpipev needs model.num_layers >= 2 x pipeline.stages"):
+        DUALPIPEV.replace(pipeline=dict(stages=4), data=dict(num_micro_batches=8))
+    with pytest.raises(InputError, match="dualpipev has exactly 2 model chunks per device"):
+        DUALPIPEV.replace(pipeline=dict(chunks=3), model=dict(num_layers=6))
+    with pytest.raises(InputError, match="pipeline.schedule dualpipev with data.num_micro_batches 3: dualpipev: "
+                                         "needs micro-batches >= 2 x stages = 4") as err:
+        DUALPIPEV.replace(data=dict(num_micro_batches=3))
+    assert "\n" not in str(err.value)
 
 
 def test_a_bubbles_receives_are_posted_for_the_call_after_the_weight_passes():
@@ -59,7 +85,8 @@ def test_a_bubbles_receives_are_posted_for_the_call_after_the_weight_passes():
 
 LAYOUTS = {"zb-h1 D=2 x 2 replicas": ("zb-h1", 2, 2, 4, 4), "zb-h1 D=3, m=5": ("zb-h1", 3, 1, 3, 5),
            "zb-v D=2 x 2 replicas": ("zb-v", 2, 2, 4, 3),
-           "zb-v D=4, m=2 (fewer than the V's 2D-1)": ("zb-v", 4, 1, 8, 2)}
+           "zb-v D=4, m=2 (fewer than the V's 2D-1)": ("zb-v", 4, 1, 8, 2),
+           "dualpipev D=2 x 2 replicas": ("dualpipev", 2, 2, 4, 5), "dualpipev D=3, m=6": ("dualpipev", 3, 1, 6, 6)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -87,7 +114,7 @@ def test_zero_bubble_kfac_inverses_and_preconditioned_gradients_equal_single_pro
 STEPS = 4  # step 0, a full 2-iteration cycle of the spread schedule, and the next one begun
 
 
-@pytest.fixture(scope="module", params=["zb-h1", "zb-v"])
+@pytest.fixture(scope="module", params=["zb-h1", "zb-v", "dualpipev"])
 def zero_bubble_runs(request, tmp_path_factory):
     from _schedules import tiny
 
@@ -194,7 +221,7 @@ def _resume_worker(cfg, folder: str) -> list:
         shutdown(ctx)
 
 
-@pytest.mark.parametrize("cfg", [ZB_H1, ZB_V], ids=["zb-h1", "zb-v"])
+@pytest.mark.parametrize("cfg", [ZB_H1, ZB_V, DUALPIPEV], ids=["zb-h1", "zb-v", "dualpipev"])
 def test_a_resumed_zero_bubble_run_continues_bit_for_bit(tmp_path, cfg):
     results = spawn_local(_resume_worker, 2, cfg, str(tmp_path / "ck"), timeout_s=120)
     for straight, resumed in results:

@@ -90,7 +90,8 @@ def pipeline_option() -> Any:
         help="override pipeline.schedule: the forward/backward order (gpipe; 1f1b; chimera: two pipes in "
              "opposite directions, every device holding two stage copies; interleaved: 1F1B over --chunks model "
              "chunks per device; zb-h1 and zb-v: zero bubble, every backward split into an input-gradient and "
-             "a weight-gradient pass, zb-v with 2 chunks per device in a V)")
+             "a weight-gradient pass, zb-v with 2 chunks per device in a V; dualpipev: DualPipe's overlapped "
+             "forward-backward pairs in zb-v's V, needs micro-batches >= 2 x stages)")
 
 
 def chunks_option() -> Any:
@@ -98,7 +99,7 @@ def chunks_option() -> Any:
     return click.option(
         "--chunks", type=click.IntRange(min=2), default=None,
         help="override pipeline.chunks: model chunks per device with --pipeline interleaved "
-             "(virtual stage s on device s % stages; zb-v has 2) [config default: 2]")
+             "(virtual stage s on device s % stages; zb-v and dualpipev have 2) [config default: 2]")
 
 
 ENDS_WITH_COMMAND = False

@@ -92,7 +92,8 @@ def _model_options(f: Callable) -> Callable:
         click.option("--schedule", default=None, help=_schedule_help()),
         click.option("--stages", type=int, default=None, help="pipeline stages (default: the file's)"),
         click.option("--chunks", type=int, default=None,
-                     help="model chunks per device (interleaved: default the file's, else 2; zb-v has 2)"),
+                     help="model chunks per device (interleaved: default the file's, else 2; zb-v and "
+                          "dualpipev have 2)"),
         click.option("--latency-ms", type=float, default=None, help="point-to-point latency (default: the file's)"),
         click.option("--kfac-scale", type=float, default=None, help="multiply every K-FAC cost by this"),
     ]):

@@ -2,7 +2,8 @@
 
 The simulation is event-free list execution: each device runs its operations in the schedule's order;
 an operation starts when its device is free and all its inputs have arrived (a dependency on another
-device arrives ``latency`` after it ends). Times are integer nanoseconds, starting at 0.
+device arrives ``latency`` after it ends; :meth:`~pipefisher.pipeline_orders.PipelineSchedule.dependencies`
+names them, with a fused call's end in place of an operation inside it). Times are integer nanoseconds, starting at 0.
 
 After the pipeline, each node runs the naive K-FAC phase a real profiled step has: covariance A and B
 of every module (over all micro-batches), then the all-reduce of every factor, then every inverse.
@@ -25,6 +26,11 @@ Mapping choices (see also the format spec):
   suffix): pipeline work, which every policy and ``validate`` keep K-FAC out of (the problem's one
   list of pipeline keys), but not a micro-batch (m counts forwards) and not the backward that factor
   B's covariance pieces follow (that is B).
+- DualPipeV: ZB-V's layout and keys. Its full backwards (a B and its own W, one fused call) come out
+  as one ``call_backward`` interval like any W right after its B; an overlapped pair is its forward's
+  interval, then its backward's. A fused call's outputs leave when it ends
+  (:meth:`~pipefisher.pipeline_orders.PipelineSchedule.dependencies`), so a pair's forward feeds the
+  next stage only after the pair's backward, as torch's ``ScheduleDualPipeV`` sends it.
 - Chimera: up-pipe operations are ``call_forward:up_pipe``/``call_backward:up_pipe``; the up-pipe copy
   of a layer has its K-FAC keys suffixed ``:up_pipe`` and covers that pipe's micro-batches.
 """
@@ -254,7 +260,8 @@ def simulate_timelines(
 
     The model's own ``chunks`` applies to the interleaved schedule only; an explicit ``chunks`` argument
     applies to any schedule (and is refused by those that cannot have that many). Without either, each
-    schedule has its :func:`~pipefisher.pipeline_orders.default_chunks` (2 for interleaved and zb-v).
+    schedule has its :func:`~pipefisher.pipeline_orders.default_chunks` (2 for interleaved, zb-v and
+    dualpipev).
     """
     model = model.replace(schedule=schedule, stages=stages, micro_batches=micro_batches, chunks=chunks)
     name = canonical_name(model.schedule)

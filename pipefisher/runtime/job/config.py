@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pipefisher.errors import InputError, first_line
-from pipefisher.pipeline_orders import default_chunks
+from pipefisher.pipeline_orders import V_SCHEDULES, default_chunks
 
 DEFAULT_KFAC_IGNORE = ("embeddings", "LayerNorm", "cls")
 """Substrings of module names K-FAC leaves alone: embeddings, norms and the prediction head."""
@@ -209,7 +209,7 @@ class KfacConfig:
     cov_stride: int = 1
 
 
-PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v")
+PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v", "dualpipev")
 """Pipeline orders the trainer runs (their generators live in :mod:`pipefisher.pipeline_orders`)."""
 
 
@@ -227,7 +227,7 @@ class PipelineConfig:
     stages: int = 2
     schedule: str = "1f1b"  # one of PIPELINE_ORDERS
     timeout_s: float = 60.0
-    chunks: int = 2  # interleaved: model chunks per device (virtual stage s on device s % stages); zb-v: 2
+    chunks: int = 2  # interleaved: model chunks per device (virtual stage s on device s % stages); zb-v, dualpipev: 2
     grad_bucket_mb: float = 25.0  # the most MiB of gradients one bucket's all-reduce carries
     engine: str = "pipefisher"  # one of ENGINES: who runs the pipeline (torch: torch.distributed.pipelining)
 
@@ -443,18 +443,20 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
                             "pipeline.schedule interleaved")
         elif p.stages < 2:
             problems.append("pipeline.schedule interleaved needs pipeline.stages >= 2")
-        elif _interleaved_refusal(p.stages, d.num_micro_batches, p.chunks):
-            problems.append(_interleaved_refusal(p.stages, d.num_micro_batches, p.chunks) or "")
+        elif _order_refusal(p.schedule, p.stages, d.num_micro_batches, p.chunks):
+            problems.append(_order_refusal(p.schedule, p.stages, d.num_micro_batches, p.chunks) or "")
         elif m.num_layers < p.stages * p.chunks:
             problems.append(f"pipeline.schedule interleaved needs model.num_layers >= pipeline.stages x "
                             f"pipeline.chunks ({p.stages} x {p.chunks} = {p.stages * p.chunks} model chunks)")
-    if p.schedule == "zb-v":
+    if p.schedule in V_SCHEDULES:
         if p.chunks != 2 or isinstance(p.chunks, bool):
-            problems.append("pipeline.schedule zb-v has exactly 2 model chunks per device (its V): "
+            problems.append(f"pipeline.schedule {p.schedule} has exactly 2 model chunks per device (its V): "
                             "pipeline.chunks must be 2")
         elif m.num_layers < 2 * p.stages:
-            problems.append(f"pipeline.schedule zb-v needs model.num_layers >= 2 x pipeline.stages "
+            problems.append(f"pipeline.schedule {p.schedule} needs model.num_layers >= 2 x pipeline.stages "
                             f"({2 * p.stages} model chunks)")
+        elif _order_refusal(p.schedule, p.stages, d.num_micro_batches, 2):
+            problems.append(_order_refusal(p.schedule, p.stages, d.num_micro_batches, 2) or "")
     if not 1 <= p.stages <= m.num_layers:
         problems.append("pipeline.stages must be between 1 and model.num_layers")
     if p.timeout_s <= 0:
@@ -582,14 +584,14 @@ def _torch_engine_refusals(cfg: RunConfig) -> list[str]:
     return out
 
 
-def _interleaved_refusal(stages: int, micro_batches: int, chunks: int) -> str | None:
-    """Why the interleaved generator (the one source of the order) refuses this shape, or None: it
-    takes the micro-batch counts torch's ScheduleInterleaved1F1B takes, multiples of the stages or not."""
-    from pipefisher.errors import InputError
-    from pipefisher.pipeline_orders import interleaved
+def _order_refusal(schedule: str, stages: int, micro_batches: int, chunks: int) -> str | None:
+    """Why the order's generator (the one source of the order) refuses this shape, or None: interleaved
+    takes the micro-batch counts torch's ScheduleInterleaved1F1B takes, multiples of the stages or not;
+    dualpipev needs at least 2 per stage, as torch's ScheduleDualPipeV."""
+    from pipefisher.pipeline_orders import generate
 
     try:
-        interleaved(stages, micro_batches, chunks)
+        generate(schedule, stages, micro_batches, chunks)
     except InputError as err:
-        return f"pipeline.schedule interleaved with data.num_micro_batches {micro_batches}: {err.problem}"
+        return f"pipeline.schedule {schedule} with data.num_micro_batches {micro_batches}: {err.problem}"
     return None

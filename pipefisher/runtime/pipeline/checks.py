@@ -57,7 +57,8 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
             if chunked and (not interleaved or pipe not in by_pipe):
                 refuse(f"iteration {i}", f"'{label}': work of model chunk {pipe}, but this run has "
                        + (f"{len(by_pipe)} chunk(s) per device" if interleaved else
-                          "one model chunk per device (pipeline.schedule: interleaved and zb-v have several)"))
+                          "one model chunk per device (pipeline.schedule: interleaved, zb-v and dualpipev "
+                          "have several)"))
             if pipe not in by_pipe or (pipe > 0 and interleaved and not chunked):
                 refuse(f"iteration {i}", f"'{label}': work of a second (up) pipeline, but this run's "
                                          "pipeline has one pipe (pipeline.schedule: chimera has two)")

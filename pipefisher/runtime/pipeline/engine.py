@@ -2,9 +2,13 @@
 
 ``forward()`` and ``backward()`` are exactly the runtime meaning of the ``call_forward`` and
 ``call_backward`` schedule labels: the next micro-batch, with its point-to-point receive and send.
-Zero-bubble orders (ZB-H1, ZB-V) split the backward: ``call_backward`` is then the B pass (the input
-gradient, sent at once; :mod:`pipefisher.runtime.pipeline.split_backward`) and ``call_backward:weight``
-the W pass of the oldest micro-batch whose B ran, from the graph kept in between.
+Zero-bubble orders (ZB-H1, ZB-V) and DualPipeV split the backward: ``call_backward`` is then the B pass
+(the input gradient, sent at once; :mod:`pipefisher.runtime.pipeline.split_backward`) and
+``call_backward:weight`` the W pass of the oldest micro-batch whose B ran, from the graph kept in between.
+DualPipeV's full backwards (a B and its own W, one fused call in torch) run here as that B pass with its
+W pass right after it; its overlapped pairs as their forward, then that backward. Each chunk runs its
+W passes in micro-batch order in every one of these orders, so "the oldest" is always the right one
+(:func:`pipe_micro_batches` refuses an order where it would not be); outputs are sent as each call ends.
 The gradients live in persistent flat buckets (:mod:`pipefisher.runtime.pipeline.buckets`): a stage
 copy's all-reduce over its replicas starts as its last backward (or W pass) of the step ends, inside its
 tail bubble, and :meth:`PipelineEngine.allreduce_gradients` waits for it at the end of the step.
@@ -67,14 +71,15 @@ def device_plan(kind: str, device: int, devices: int, num_micro_batches: int,
 
 
 def device_chunks(kind: str, chunks: int = 2) -> int:
-    """Model chunks per device of pipeline order ``kind``: ``chunks`` when interleaved, 2 for ZB-V
-    (its V), else 1."""
+    """Model chunks per device of pipeline order ``kind``: ``chunks`` when interleaved, 2 for ZB-V and
+    DualPipeV (their V), else 1."""
     return chunks if kind == "interleaved" else default_chunks(kind)
 
 
 def splits_backward(kind: str) -> bool:
-    """Whether pipeline order ``kind`` splits each backward into a B and a W pass (zero-bubble orders)."""
-    return generate(kind, 2, 2, device_chunks(kind)).split_backward
+    """Whether pipeline order ``kind`` splits each backward into a B and a W pass (zero-bubble orders and
+    DualPipeV), as its generator says (on 2 devices and 4 micro-batches, a shape every order takes)."""
+    return generate(kind, 2, 4, device_chunks(kind)).split_backward
 
 
 @functools.lru_cache(maxsize=64)
