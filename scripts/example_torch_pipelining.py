@@ -8,7 +8,7 @@ step 0 is a plain step, the next ``--profile-steps`` run and profile K-FAC after
 the K-FAC work runs in the bubbles of the packed schedule (written to ``--out``).
 
     torchrun --nproc-per-node 2 scripts/example_torch_pipelining.py --schedule interleaved --steps 30 --out pf
-    torchrun --nproc-per-node 2 scripts/example_torch_pipelining.py --schedule zb-v   # or 1f1b
+    torchrun --nproc-per-node 2 scripts/example_torch_pipelining.py --schedule zb-v   # or 1f1b, dualpipev
 
 (``python -m torch.distributed.run`` is the same as ``torchrun``.) On CPU the ranks talk over gloo.
 """
@@ -23,12 +23,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,  # noqa: E402
-                                          ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV,  # noqa: E402
+                                          ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
 from pipefisher.runtime import torch_pp  # noqa: E402
 
-SCHEDULES = {"1f1b": (Schedule1F1B, 1), "interleaved": (ScheduleInterleaved1F1B, 2), "zb-v": (ScheduleZBVZeroBubble, 2)}
+SCHEDULES = {"1f1b": (Schedule1F1B, 1), "interleaved": (ScheduleInterleaved1F1B, 2), "zb-v": (ScheduleZBVZeroBubble, 2),
+             "dualpipev": (ScheduleDualPipeV, 2)}
 """A torch schedule class and the model chunks each rank holds."""
 
 
@@ -62,7 +63,7 @@ def main() -> None:
     schedule_cls, per_rank = SCHEDULES[args.schedule]
     width, classes, n = 32, 8, world * per_rank
     model = make_model(n, width, classes)
-    # this rank's stage indices: one per rank, a loop (interleaved) or a V (zb-v)
+    # this rank's stage indices: one per rank, a loop (interleaved) or a V (zb-v, dualpipev)
     mine = [rank] if per_rank == 1 else [rank, rank + world] if args.schedule == "interleaved" else [rank, 2 * world - 1 - rank]
     device = torch.device("cpu")
     stages = [PipelineStage(model[i], i, n, device) for i in mine]

@@ -57,7 +57,7 @@ def both_engines_step_worker(cfg) -> dict:
 
 
 LAYOUTS = {"1f1b, 2 stages x 2 replicas": ("1f1b", 2, 2, 3), "interleaved": ("interleaved", 2, 1, 4),
-           "zb-v": ("zb-v", 2, 1, 3)}
+           "zb-v": ("zb-v", 2, 1, 3), "dualpipev": ("dualpipev", 2, 1, 4)}
 """zb-h1 runs the same handlers as zb-v (B and W passes, the first stage's whole backward in its B slot)
 with one stage per rank; its order is checked against ours in tests/test_runtime_torch_api.py."""
 
@@ -108,7 +108,7 @@ def test_torch_engine_kfac_inverses_and_update_equal_the_own_engines_and_one_pro
 STEPS = 4  # step 0, a full 2-iteration cycle of the spread schedule, and the next one begun
 
 
-@pytest.fixture(scope="module", params=["zb-v"])  # 1f1b's packed schedule: the CLI test
+@pytest.fixture(scope="module", params=["zb-v", "dualpipev"])  # 1f1b's packed schedule: the CLI test
 def scheduled_runs(request, tmp_path_factory):
     cfg = tiny(pipeline={"schedule": request.param, "timeout_s": 30.0, "engine": "torch"})
     folder = tmp_path_factory.mktemp(request.param)
@@ -192,7 +192,8 @@ def test_a_silent_peer_ends_a_torch_engine_step_within_the_timeout():
 
 
 @pytest.mark.parametrize("sections,message", [
-    ({"pipeline": {"schedule": "chimera"}}, "pipeline.engine torch runs pipeline.schedule 1f1b, interleaved, zb-v, zb-h1, not chimera"),
+    ({"pipeline": {"schedule": "chimera"}}, "pipeline.engine torch runs pipeline.schedule 1f1b, interleaved, zb-v, zb-h1, "
+                                            "dualpipev, not chimera"),
     ({"pipeline": {"schedule": "gpipe"}}, "not gpipe"),
     ({"kfac": {"fisher": "true"}}, "needs kfac.fisher empirical"),
     ({"train": {"precision": "bf16"}}, "needs train.precision fp32"),

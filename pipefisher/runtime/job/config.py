@@ -216,7 +216,7 @@ PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v", "
 ENGINES = ("pipefisher", "torch")
 """``pipeline.engine``: pipefisher's own pipeline engine, or torch's ``torch.distributed.pipelining``
 (:mod:`pipefisher.runtime.pipeline.torch_engine`)."""
-TORCH_ENGINE_ORDERS = ("1f1b", "interleaved", "zb-v", "zb-h1")
+TORCH_ENGINE_ORDERS = ("1f1b", "interleaved", "zb-v", "zb-h1", "dualpipev")
 """The pipeline orders the torch engine runs: those torch has a schedule class for, with pipefisher's order."""
 
 

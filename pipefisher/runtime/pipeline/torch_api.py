@@ -37,7 +37,8 @@ INPUT = "I"
 a full backward (torch's ``FULL_BACKWARD``), :data:`FORWARD` and :data:`WEIGHT` as in our orders."""
 
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                    "zb-v": "ScheduleZBVZeroBubble", "zb-h1": "ScheduleInterleavedZeroBubble"}
+                    "zb-v": "ScheduleZBVZeroBubble", "zb-h1": "ScheduleInterleavedZeroBubble",
+                    "dualpipev": "ScheduleDualPipeV"}
 """Our pipeline orders and the torch schedule class whose per-rank order each one is (zb-h1: torch's
 interleaved zero-bubble schedule with one stage per rank, whose order is ZB-H1's)."""
 
@@ -57,6 +58,7 @@ _NAMES = [
     (_MODULE, "ScheduleInterleaved1F1B._calculate_single_rank_operations"),
     (_MODULE, "ScheduleZBVZeroBubble._calculate_single_rank_operations"),
     (_MODULE, "ScheduleInterleavedZeroBubble._calculate_single_rank_operations"),
+    (_MODULE, "ScheduleDualPipeV._calculate_single_rank_operations"),
     ("torch.distributed.pipelining.stage", "PipelineStage"),
     ("torch.distributed.pipelining.stage", "PipelineStage.forward_one_chunk"),
     ("torch.distributed.pipelining.stage", "PipelineStage.backward_one_chunk"),
@@ -188,7 +190,7 @@ def torch_actions(kind: str, stages: int, micro_batches: int, chunks: int = 2) -
     m, p = micro_batches, stages
     if kind == "1f1b":
         return {r: _recorded_1f1b(cls, r, p, m) for r in range(p)}
-    if kind == "zb-v":
+    if kind in ("zb-v", "dualpipev"):
         fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
     else:
         local = chunks if kind == "interleaved" else 1
@@ -260,6 +262,20 @@ def loss_function(schedule: Any) -> Any:
 def scales_grads(schedule: Any) -> bool:
     """Whether a torch schedule divides the gradients by its micro-batch count (``scale_grads``)."""
     return bool(schedule.scale_grads)
+
+
+def label_kinds(c: Compute, split: bool) -> list[str]:
+    """The pipeline calls of pipefisher's order (:data:`FORWARD`, :data:`BACKWARD`, :data:`WEIGHT`) that
+    torch's compute action ``c`` stands for: one each, but a full backward in an order that splits its
+    backwards (``split``: DualPipeV's, in full or in an ``OVERLAP_F_B``) is a B pass and its W pass."""
+    if c.kind == BACKWARD and split:
+        return [BACKWARD, WEIGHT]
+    return [BACKWARD if c.kind == INPUT else c.kind]
+
+
+def splits(orders: dict[int, list[Compute]]) -> bool:
+    """Whether an order splits backwards into B and W passes anywhere (then every full backward is both)."""
+    return any(c.kind in (INPUT, WEIGHT) for order in orders.values() for c in order)
 
 
 def actions_order(actions: dict[int, list[Any]]) -> dict[int, list[Compute]]:

@@ -39,7 +39,7 @@ from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, PIPELINE_CALLS
 from pipefisher.runtime.pipeline import torch_api
 
 Span = Callable[[str], ContextManager[Any]]
-_LABEL = {_F: FORWARD, _B: BACKWARD, torch_api.INPUT: BACKWARD, _W: WEIGHT}
+_LABEL = {_F: FORWARD, _B: BACKWARD, _W: WEIGHT}
 
 
 class LossStage(nn.Module):
@@ -84,8 +84,10 @@ class TorchEngine:
         self.runtime = torch_api.Runtime([self.stages[j] for j in sorted(self.stages)], micro_batches, loss_fn,
                                          actions, torch_api.Calls(run=self._run, reduce=self._reduce))
         self.rank = self.runtime.rank
-        self.order = torch_api.actions_order(actions)[self.rank]
-        self.labels = [self.label_of(cmp) for cmp in self.order]
+        orders = torch_api.actions_order(actions)
+        self.split = torch_api.splits(orders)
+        self.order = orders[self.rank]
+        self.labels = [label for cmp in self.order for label in self.labels_of(cmp)]
         self.cuda = next(iter(self.stages.values())).device.type == "cuda"
         self.step = 0
         self._wait_log: list[Any] | None = None
@@ -95,9 +97,10 @@ class TorchEngine:
         self._current: Any = None
         self._losses: list[torch.Tensor] = []
 
-    def label_of(self, c: torch_api.Compute) -> str:
-        """The schedule label of torch's compute action ``c`` on this device."""
-        return _LABEL[c.kind] + self.suffix[self.copy_of[c.stage]]
+    def labels_of(self, c: torch_api.Compute) -> list[str]:
+        """The schedule labels of torch's compute action ``c`` on this device: one, or a B and its W
+        pass for a full backward in an order that splits backwards (:func:`torch_api.label_kinds`)."""
+        return [_LABEL[k] + self.suffix[self.copy_of[c.stage]] for k in torch_api.label_kinds(c, self.split)]
 
     def check_plan(self, ops: Sequence[str], where: str = "the pipeline order") -> None:
         """Refuse pipeline calls that are not torch's compute actions of this rank, 1:1 in order."""
@@ -180,29 +183,34 @@ class TorchEngine:
         self._losses = [x.detach() for x in losses]
 
     def _run(self, c: torch_api.Compute, do: Callable[..., None]) -> None:
-        """Torch's next compute action: the calls packed before it, then its own bound call."""
-        k = self._pos
-        if k >= len(self._calls):
-            raise RuntimeError(f"torch engine: torch runs more compute actions than the {len(self._calls)} pipeline "
-                               "calls of this device's step")
-        for call in self._segments[k]:
-            call()
-        self._current = (c, do)
-        self._calls[k]()
-        if self._current is not None:
-            raise RuntimeError(f"torch engine: the call bound to {self.labels[k]!r} did not run it")
-        self._pos = k + 1
+        """Torch's next compute action: per label it stands for, the calls packed before that label,
+        then the label's own bound call; the first label's call computes (a full backward's W label,
+        when it has one, is done with it)."""
+        for i, label in enumerate(self.labels_of(c)):
+            k = self._pos
+            if k >= len(self._calls):
+                raise RuntimeError(f"torch engine: torch runs more compute actions than the {len(self._calls)} "
+                                   "pipeline calls of this device's step")
+            for call in self._segments[k]:
+                call()
+            self._current = (label, c, do if i == 0 else None)
+            self._calls[k]()
+            if self._current is not None:
+                raise RuntimeError(f"torch engine: the call bound to {self.labels[k]!r} did not run it")
+            self._pos = k + 1
 
     def _call(self, label: str) -> None:
         """A pipeline label's call: the compute torch is at, which must be this label's."""
         if self._current is None:
             raise RuntimeError(f"torch engine: {label!r} runs outside torch's step")
-        c, do = self._current
-        if self.label_of(c) != label:
-            raise RuntimeError(f"torch engine: {label!r} where torch runs {self.label_of(c)!r}")
+        expected, c, do = self._current
+        if expected != label:
+            raise RuntimeError(f"torch engine: {label!r} where torch runs {expected!r}")
         self._current = None
-        do(functools.partial(logged_wait, log=self._wait_log, cuda=self.cuda),
-           self._around(label, c))
+        if do is None:  # the W pass of a full backward, which computed it: profiled as an empty pass
+            with self._around(label, c):
+                return
+        do(functools.partial(logged_wait, log=self._wait_log, cuda=self.cuda), self._around(label, c))
 
     @contextlib.contextmanager
     def _around(self, label: str, c: torch_api.Compute) -> Iterator[None]:
