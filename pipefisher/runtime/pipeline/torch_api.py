@@ -313,7 +313,7 @@ class Calls:
     ``around`` is a context manager around the compute alone (the profiler's span).
     ``reduce(stage)`` runs where torch puts ``REDUCE_GRAD``: after a stage's last backward."""
 
-    run: Callable[[Compute, Callable[[Callable[[Callable[[], None]], None], ContextManager[Any]], None]], None]
+    run: Callable[[Compute, Callable[..., None]], None]
     reduce: Callable[[int], None]
 
 
@@ -342,10 +342,6 @@ class Runtime:
             self.schedule.register_custom_function(t, self._compute)
         self.schedule.register_custom_function(ct.OVERLAP_F_B, self._overlap)
         self.schedule.register_custom_function(ct.REDUCE_GRAD, self._reduce)
-
-    def lowered(self) -> list[str]:
-        """This rank's lowered action list (compute, sends, receives, REDUCE_GRAD), as torch prints it."""
-        return [str(a) for a in self.schedule.pipeline_order_with_comms[self.rank]]
 
     def step(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, losses: list[Any]) -> None:
         """One step: torch splits ``args``/``kwargs``/``target`` into micro-batches and walks its list."""

@@ -9,7 +9,11 @@ call itself, through the label's bound call as the executor compiled it (so the 
 the compute inside the profiler's span under the same key as the own engine's. The labels after the
 last call run after torch's step returns (the tail bubble). ``REDUCE_GRAD`` starts the stage copy's
 gradient buckets' all-reduce (:mod:`pipefisher.runtime.pipeline.buckets`), as the own engine does at
-its last backward; torch's DDP/FSDP path is never used.
+its last backward; torch's DDP/FSDP path is never used. A full backward in an order that splits
+backwards (DualPipeV's) is the B and W calls of pipefisher's order: the B call computes it, the W call
+is done with it. In DualPipeV's overlapped pair torch posts the forward's send when the whole pair has
+run, so work packed between the pair's calls would run before that send (the profile shows the pair's
+calls back to back, leaving no bubble there).
 
 The engine keeps the own engine's interface (``op``, ``run``, ``begin_step``, ``finish_step``,
 ``allreduce_gradients``, ``evaluate``, ``set_wait_log``), plus :meth:`TorchEngine.fold_iteration`, which
