@@ -52,3 +52,65 @@ def test_schedule1f1b_gives_the_order_its_loop_runs():
     fake.__dict__.update(SimpleNamespace(_num_stages=2, _n_microbatches=3).__dict__)
     got = torch_api.actions_order(torch_api.schedule_actions(fake))
     assert got == torch_api.compute_orders("1f1b", 2, 3)
+
+
+def _example() -> object:
+    """The example script as a module (its model, batches and schedule classes)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_torch_pipelining",
+                                                  os.path.join(ROOT, "scripts", "example_torch_pipelining.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _first_step_both_ways(schedule_name: str) -> dict:
+    """On 2 ranks, the example's model twice from the same weights: one step of torch's own
+    ``schedule.step``, one of ``torch_pp.wrap``'s (step 0: a plain pipeline step); the gradients and losses."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from pipefisher.runtime import torch_pp
+
+    ex = _example()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cls, per_rank = ex.SCHEDULES[schedule_name]
+    model = ex.make_model(world * per_rank, 16, 4)
+    mine = [rank] if per_rank == 1 else [rank, 2 * world - 1 - rank]
+    x, y = ex.batch(0, 16, 16, 4)
+    out = {}
+    try:
+        for way in ("torch", "wrap"):
+            stages = [PipelineStage(copy.deepcopy(model[i]), i, world * per_rank, torch.device("cpu")) for i in mine]
+            schedule = cls(stages if per_rank > 1 else stages[0], n_microbatches=4, loss_fn=torch.nn.CrossEntropyLoss())
+            losses: list = []
+            if way == "torch":
+                schedule.step(x, target=y, losses=losses)
+            else:
+                torch_pp.wrap(stages, schedule, folder="unused").step(x, target=y, losses=losses)
+            out[way] = ({f"{st.stage_index}.{n}": p.grad.clone() for st in stages for n, p in st.submod.named_parameters()},
+                        [float(v) for v in losses])
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_a_wrapped_step_computes_what_the_torch_schedules_own_step_does(schedule):
+    """Same gradients (torch's scale_grads division included) and losses: the handlers pipefisher
+    registers do what torch's own do."""
+    import torch
+
+    from pipefisher.runtime.launch.local import spawn_local
+
+    for res in spawn_local(_first_step_both_ways, 2, schedule, timeout_s=120):
+        grads, losses = res["torch"]
+        assert set(res["wrap"][0]) == set(grads)
+        for name, g in grads.items():
+            assert torch.allclose(res["wrap"][0][name], g, rtol=1e-5, atol=1e-7), name
+        assert res["wrap"][1] == pytest.approx(losses, rel=1e-6)
