@@ -17,32 +17,38 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV,  # noqa: E402
-                                          ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
-
-from pipefisher.runtime import torch_pp  # noqa: E402
-
-SCHEDULES = {"1f1b": (Schedule1F1B, 1), "interleaved": (ScheduleInterleaved1F1B, 2), "zb-v": (ScheduleZBVZeroBubble, 2),
-             "dualpipev": (ScheduleDualPipeV, 2)}
-"""A torch schedule class and the model chunks each rank holds."""
+SCHEDULES = {"1f1b": ("Schedule1F1B", 1), "interleaved": ("ScheduleInterleaved1F1B", 2),
+             "zb-v": ("ScheduleZBVZeroBubble", 2), "dualpipev": ("ScheduleDualPipeV", 2)}
+"""A torch schedule class (of ``torch.distributed.pipelining``) and the model chunks each rank holds."""
 
 
-def make_model(chunks: int, width: int, classes: int) -> list[nn.Module]:
+def schedule_class(name: str) -> tuple[Any, int]:
+    """The torch schedule class of ``--schedule name`` and the chunks per rank."""
+    import torch.distributed.pipelining as pipelining
+
+    cls, per_rank = SCHEDULES[name]
+    return getattr(pipelining, cls), per_rank
+
+
+def make_model(chunks: int, width: int, classes: int) -> list[Any]:
     """The whole model, in ``chunks`` pieces, the same on every rank (one seed)."""
+    import torch
+    from torch import nn
+
     torch.manual_seed(0)
     return [nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width),
                           *([nn.Tanh(), nn.Linear(width, classes)] if i == chunks - 1 else []))
             for i in range(chunks)]
 
 
-def batch(step: int, size: int, width: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, size: int, width: int, classes: int) -> tuple[Any, Any]:
     """A seeded batch of a learnable task: the class is which of ``classes`` fixed directions x is nearest."""
+    import torch
+
     g = torch.Generator().manual_seed(1000 + step)
     centres = torch.randn(classes, width, generator=torch.Generator().manual_seed(7))
     y = torch.randint(0, classes, (size,), generator=g)
@@ -50,32 +56,39 @@ def batch(step: int, size: int, width: int, classes: int) -> tuple[torch.Tensor,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--schedule", choices=sorted(SCHEDULES), default="interleaved")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--damping", type=float, default=0.03, help="K-FAC's damping")
+    ap.add_argument("--lr", type=float, default=0.1, help="SGD's learning rate")
     ap.add_argument("--out", default="torch_pp_run", help="folder for the profiled timelines and the schedule")
     args = ap.parse_args()
 
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+
+    from pipefisher.runtime import torch_pp
+
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    schedule_cls, per_rank = SCHEDULES[args.schedule]
+    schedule_cls, per_rank = schedule_class(args.schedule)
     width, classes, n = 32, 8, world * per_rank
     model = make_model(n, width, classes)
     # this rank's stage indices: one per rank, a loop (interleaved) or a V (zb-v, dualpipev)
     mine = [rank] if per_rank == 1 else [rank, rank + world] if args.schedule == "interleaved" else [rank, 2 * world - 1 - rank]
-    device = torch.device("cpu")
-    stages = [PipelineStage(model[i], i, n, device) for i in mine]
-    loss_fn = nn.CrossEntropyLoss()
-    schedule = schedule_cls(stages if per_rank > 1 else stages[0], n_microbatches=args.micro_batches, loss_fn=loss_fn)
-    params = [p for st in stages for p in st.submod.parameters()]
-    optimizer = torch.optim.SGD(params, lr=0.05)
+    stages = [PipelineStage(model[i], i, n, torch.device("cpu")) for i in mine]
+    schedule = schedule_cls(stages if per_rank > 1 else stages[0], n_microbatches=args.micro_batches,
+                            loss_fn=nn.CrossEntropyLoss())
+    optimizer = torch.optim.SGD([p for st in stages for p in st.submod.parameters()], lr=args.lr)
 
-    pf = torch_pp.wrap(stages, schedule, folder=args.out, damping=1e-2, profile_steps=args.profile_steps)
+    pf = torch_pp.wrap(stages, schedule, folder=args.out, damping=args.damping, profile_steps=args.profile_steps)
     for step in range(args.steps):
         x, y = batch(step, 8 * args.micro_batches, width, classes)
-        losses: list[torch.Tensor] = []
+        losses: list[Any] = []
         pf.step(x, target=y, losses=losses)  # was: schedule.step(x, target=y, losses=losses)
         optimizer.step()
         optimizer.zero_grad()

@@ -79,7 +79,7 @@ def _first_step_both_ways(schedule_name: str) -> dict:
     ex = _example()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cls, per_rank = ex.SCHEDULES[schedule_name]
+    cls, per_rank = ex.schedule_class(schedule_name)
     model = ex.make_model(world * per_rank, 16, 4)
     mine = [rank] if per_rank == 1 else [rank, 2 * world - 1 - rank]
     x, y = ex.batch(0, 16, 16, 4)

@@ -7,7 +7,7 @@ attaches K-FAC to the stage modules and takes the schedule's place in the loop:
 
     stages = [PipelineStage(chunk, index, num_stages, device, group=pp_group) for ...]   # as before
     schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=loss_fn)          # as before
-    pf = torch_pp.wrap(stages, schedule, folder="pf", damping=1e-3)
+    pf = torch_pp.wrap(stages, schedule, folder="pf", damping=0.03)
     for step in range(steps):
         losses = []
         pf.step(x, target=y, losses=losses)   # instead of schedule.step(...): gradients averaged and preconditioned
