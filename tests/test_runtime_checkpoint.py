@@ -19,7 +19,7 @@ from pipefisher.runtime.train.checkpoint import FORMAT, MANIFEST, Checkpointer, 
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from pipefisher.schedule_file import save_schedule
 
-from _schedules import TINY, packed_schedule, spread_schedule, tiny
+from _schedules import TINY, packed_schedule, spread_schedule, tiny, train_whole_and_resumed
 
 
 def _one_thread(fn):
@@ -108,27 +108,13 @@ def test_resume_with_adam_in_the_eigenbasis_continues_exactly(tmp_path, mode):
         assert torch.equal(p, _params(resumed)[name]), name
 
 
-def _stop_and_resume_worker(cfg, whole: str, stopped: str, steps: int, stop: int) -> None:
-    """In one launch: ``steps`` steps checkpointed to ``whole``; ``stop`` steps checkpointed to ``stopped``,
-    then resumed from there to ``steps`` (as ``pipefisher train --resume``: into the same folder)."""
-    from pipefisher.runtime.job.dist import init_from_env, shutdown
-
-    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
-    try:
-        for last, folder, resume in ((steps, whole, None), (stop, stopped, None), (steps, stopped, stopped)):
-            Trainer(cfg, ctx, TrainOptions(steps=last, checkpoint_dir=folder, resume=resume, progress=False,
-                                           log_every=10**9)).run()
-    finally:
-        shutdown(ctx)
-
-
 def test_muon_resume_on_two_stages_one_without_muon_parameters(tmp_path):
     """Muon only on layer 0 (stage 0): stage 1 steps with AdamW alone, and a run stopped after step 2
     and resumed to step 4 ends with the weights of the run that never stopped, on both stages."""
     cfg = load_config(TINY).replace(data={"text": "stdlib"},
                                     optim={"name": "muon", "lr": 0.01, "muon_include": ["encoder.layer.0"]})
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    spawn_local(_stop_and_resume_worker, 2, cfg, a, b, 4, 2, timeout_s=120)
+    spawn_local(train_whole_and_resumed, 2, cfg, a, b, 4, 2, {}, timeout_s=120)
     for stage in range(2):
         fa = torch.load(os.path.join(a, "step-00000004", f"stage{stage}-replica0.pt"), weights_only=True)
         fb = torch.load(os.path.join(b, "step-00000004", f"stage{stage}-replica0.pt"), weights_only=True)
