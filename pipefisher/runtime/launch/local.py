@@ -272,9 +272,10 @@ def _keep_log(tmp_log: str, log_path: str | None) -> str:
     return log_path
 
 
-WORKER_PRELOAD = ("torch", "torch.distributed", "pipefisher.runtime.train.trainer")
+WORKER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "pipefisher.runtime.train.trainer")
 """What :func:`spawn_local`'s fork server imports once, so that no worker pays for it (seconds of torch
-import per worker otherwise, which dominated short multi-process tests on 2 cores)."""
+import per worker otherwise, which dominated short multi-process tests on 2 cores). ``torch._dynamo``:
+torch imports it lazily at the first optimizer a process builds, 2 s more per worker."""
 
 
 def _worker_context() -> mp.context.BaseContext:
