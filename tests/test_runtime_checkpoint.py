@@ -10,11 +10,11 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
-from pipefisher.runtime.job.config import load_config
+from pipefisher.runtime.job.config import apply_overrides, load_config
 from pipefisher.runtime.job.dist import single_process
 from pipefisher.runtime.pipeline.checks import single_iteration_schedule
 from pipefisher.runtime.data.batches import DataPosition
-from pipefisher.runtime.launch.local import spawn_local
+from pipefisher.runtime.launch.local import decode_spec, encode_spec, spawn_local
 from pipefisher.runtime.train.checkpoint import FORMAT, MANIFEST, Checkpointer, StateGroup, TorchRNG, check_resumable
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from pipefisher.schedule_file import save_schedule
@@ -111,8 +111,10 @@ def test_resume_with_adam_in_the_eigenbasis_continues_exactly(tmp_path, mode):
 def test_muon_resume_on_two_stages_one_without_muon_parameters(tmp_path):
     """Muon only on layer 0 (stage 0): stage 1 steps with AdamW alone, and a run stopped after step 2
     and resumed to step 4 ends with the weights of the run that never stopped, on both stages."""
-    cfg = load_config(TINY).replace(data={"text": "stdlib"},
-                                    optim={"name": "muon", "lr": 0.01, "muon_include": ["encoder.layer.0"]})
+    sets = ["data.text=stdlib", "optim.name=muon", "optim.lr=0.01", "optim.muon_include=[encoder.layer.0]"]
+    # the config as pipefisher train --set ... hands it to its workers (through the launcher's JSON spec)
+    cfg, _ = decode_spec(encode_spec(apply_overrides(load_config(TINY), sets), TrainOptions()))
+    assert cfg.optim.muon_include == ("encoder.layer.0",)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     spawn_local(train_whole_and_resumed, 2, cfg, a, b, 4, 2, {}, timeout_s=120)
     for stage in range(2):
