@@ -14,7 +14,7 @@ from pipefisher.runtime.job.config import apply_overrides, load_config
 from pipefisher.runtime.job.dist import single_process
 from pipefisher.runtime.pipeline.checks import single_iteration_schedule
 from pipefisher.runtime.data.batches import DataPosition
-from pipefisher.runtime.launch.local import decode_spec, encode_spec, spawn_local
+from pipefisher.runtime.launch.local import decode_spec, encode_spec, run_worker, spawn_local
 from pipefisher.runtime.train.checkpoint import FORMAT, MANIFEST, Checkpointer, StateGroup, TorchRNG, check_resumable
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from pipefisher.schedule_file import save_schedule
@@ -132,9 +132,10 @@ def test_resume_with_two_stages_through_the_cli(tmp_path):
     save_schedule(sched, packed_schedule(tiny()))
     base = ["train", "--config", TINY, "--schedule", sched, "--nproc-per-node", "2", "--no-progress"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    # the uninterrupted run: what `base --steps 5 --checkpoint-dir a` has each worker run, in forked workers
+    spawn_local(run_worker, 2, load_config(TINY),
+                TrainOptions(mode="scheduled", schedule=sched, steps=5, checkpoint_dir=a, progress=False), timeout_s=120)
     runner = CliRunner()
-    res = runner.invoke(main, base + ["--steps", "5", "--checkpoint-dir", a])
-    assert res.exit_code == 0, res.output
     metrics = str(tmp_path / "b.csv")
     res = runner.invoke(main, base + ["--steps", "2", "--checkpoint-dir", b, "--metrics", metrics])
     assert res.exit_code == 0, res.output
