@@ -468,6 +468,22 @@ def train_runs(cfg_path: str, runs: list[tuple[str, str | None]], steps: int, ov
     return out
 
 
+def train_whole_and_resumed(cfg: RunConfig, whole: str, stopped: str, steps: int, stop: int, options: dict) -> None:
+    """In each worker (spawn_local), one launch for a resume check: ``steps`` steps checkpointed to
+    ``whole``; ``stop`` steps checkpointed to ``stopped``, then resumed from there to ``steps`` into the
+    same folder (as ``pipefisher train --resume``). ``options``: more :class:`TrainOptions` (mode, schedule)."""
+    from pipefisher.runtime.job.dist import init_from_env, shutdown
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s, chimera=cfg.pipeline.schedule == "chimera")
+    try:
+        for last, folder, resume in ((steps, whole, None), (stop, stopped, None), (steps, stopped, stopped)):
+            Trainer(cfg, ctx, TrainOptions(steps=last, checkpoint_dir=folder, resume=resume, progress=False,
+                                           log_every=10**9, **options)).run()
+    finally:
+        shutdown(ctx)
+
+
 # ----------------------------------------------------------------------------------------------------
 # What every one-pipe layout of copies (interleaved chunks, zero-bubble orders) must show
 

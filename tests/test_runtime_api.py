@@ -133,15 +133,30 @@ def _run_example(*args: str) -> subprocess.CompletedProcess:
     return res
 
 
-def test_the_own_model_example_trains_on_two_processes_and_resumes_exactly(tmp_path):
-    """4 steps straight; and 2 steps with a checkpoint, resumed to 4: the same losses, bit for bit."""
+def _own_model_worker(*args: object) -> None:
+    """examples/own_model.py's worker (the user's loop) as spawn_local starts it: rank, world size and port
+    from the environment spawn_local set up, the rest as the script's main() passes them."""
+    from examples import own_model
+
+    own_model.worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), *args)
+
+
+def test_the_own_model_example_trains_on_two_processes_and_resumes_exactly(tmp_path, monkeypatch, capfd):
+    """4 steps straight, the script run as the docs run it; and 2 steps with a checkpoint, resumed to 4, by
+    the script's worker in forked workers (no python, torch import and spawn of two workers per run): the
+    same losses, bit for bit."""
+    from pipefisher.runtime.launch.local import spawn_local
+
     out, ck, resumed = tmp_path / "losses.json", str(tmp_path / "ck"), tmp_path / "resumed.json"
     res = _run_example("--steps", "4", "--json", str(out))
     losses = json.loads(out.read_text())["losses"]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses
     assert "step   3  loss" in res.stdout
-    _run_example("--steps", "2", "--checkpoint-dir", ck)
+    monkeypatch.syspath_prepend(ROOT)  # the workers import the example by name, as its builder's path says
+    spawn_local(_own_model_worker, 2, 2, None, ck, timeout_s=120)  # --steps 2 --checkpoint-dir ck
     assert json.loads((tmp_path / "ck" / "checkpoint.json").read_text())["steps_done"] == 2
-    res = _run_example("--steps", "4", "--resume", ck, "--json", str(resumed))
-    assert "step   1  loss" not in res.stdout and "step   2  loss" in res.stdout
+    capfd.readouterr()
+    spawn_local(_own_model_worker, 2, 4, str(resumed), None, 0, ck, timeout_s=120)  # --steps 4 --resume ck --json
+    printed = capfd.readouterr().out
+    assert "step   1  loss" not in printed and "step   2  loss" in printed
     assert json.loads(resumed.read_text())["losses"] == losses[2:]

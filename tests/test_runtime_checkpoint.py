@@ -10,16 +10,16 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
-from pipefisher.runtime.job.config import load_config
+from pipefisher.runtime.job.config import apply_overrides, load_config
 from pipefisher.runtime.job.dist import single_process
 from pipefisher.runtime.pipeline.checks import single_iteration_schedule
 from pipefisher.runtime.data.batches import DataPosition
-from pipefisher.runtime.launch.local import spawn_local
+from pipefisher.runtime.launch.local import decode_spec, encode_spec, run_worker, spawn_local
 from pipefisher.runtime.train.checkpoint import FORMAT, MANIFEST, Checkpointer, StateGroup, TorchRNG, check_resumable
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from pipefisher.schedule_file import save_schedule
 
-from _schedules import TINY, packed_schedule, spread_schedule, tiny
+from _schedules import TINY, packed_schedule, spread_schedule, tiny, train_whole_and_resumed
 
 
 def _one_thread(fn):
@@ -111,14 +111,12 @@ def test_resume_with_adam_in_the_eigenbasis_continues_exactly(tmp_path, mode):
 def test_muon_resume_on_two_stages_one_without_muon_parameters(tmp_path):
     """Muon only on layer 0 (stage 0): stage 1 steps with AdamW alone, and a run stopped after step 2
     and resumed to step 4 ends with the weights of the run that never stopped, on both stages."""
-    base = ["train", "--config", TINY, "--nproc-per-node", "2", "--no-progress", "--set", "data.text=stdlib",
-            "--set", "optim.name=muon", "--set", "optim.lr=0.01", "--set", "optim.muon_include=[encoder.layer.0]"]
+    sets = ["data.text=stdlib", "optim.name=muon", "optim.lr=0.01", "optim.muon_include=[encoder.layer.0]"]
+    # the config as pipefisher train --set ... hands it to its workers (through the launcher's JSON spec)
+    cfg, _ = decode_spec(encode_spec(apply_overrides(load_config(TINY), sets), TrainOptions()))
+    assert cfg.optim.muon_include == ("encoder.layer.0",)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    runner = CliRunner()
-    for args in (["--steps", "4", "--checkpoint-dir", a], ["--steps", "2", "--checkpoint-dir", b],
-                 ["--steps", "4", "--resume", b]):
-        res = runner.invoke(main, base + args)
-        assert res.exit_code == 0, res.output
+    spawn_local(train_whole_and_resumed, 2, cfg, a, b, 4, 2, {}, timeout_s=120)
     for stage in range(2):
         fa = torch.load(os.path.join(a, "step-00000004", f"stage{stage}-replica0.pt"), weights_only=True)
         fb = torch.load(os.path.join(b, "step-00000004", f"stage{stage}-replica0.pt"), weights_only=True)
@@ -134,9 +132,10 @@ def test_resume_with_two_stages_through_the_cli(tmp_path):
     save_schedule(sched, packed_schedule(tiny()))
     base = ["train", "--config", TINY, "--schedule", sched, "--nproc-per-node", "2", "--no-progress"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    # the uninterrupted run: what `base --steps 5 --checkpoint-dir a` has each worker run, in forked workers
+    spawn_local(run_worker, 2, load_config(TINY),
+                TrainOptions(mode="scheduled", schedule=sched, steps=5, checkpoint_dir=a, progress=False), timeout_s=120)
     runner = CliRunner()
-    res = runner.invoke(main, base + ["--steps", "5", "--checkpoint-dir", a])
-    assert res.exit_code == 0, res.output
     metrics = str(tmp_path / "b.csv")
     res = runner.invoke(main, base + ["--steps", "2", "--checkpoint-dir", b, "--metrics", metrics])
     assert res.exit_code == 0, res.output

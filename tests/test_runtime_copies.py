@@ -279,39 +279,22 @@ def test_every_chimera_worker_refuses_the_mismatched_order_on_its_own(tmp_path):
     assert str(err.value).count("group-order") >= 2
 
 
-def test_chimera_resume_through_the_cli_is_bit_exact(tmp_path):
+def test_a_resumed_chimera_run_is_bit_exact(tmp_path):
     """Stop after step 2 (saved micro-batches still waiting for their pieces), resume to step 5: both
     copies of every stage, their K-FAC state and the optimizer equal the uninterrupted run's."""
-    import os
-
-    from click.testing import CliRunner
-
-    from pipefisher.cli import main
     from pipefisher.runtime.job.config import load_config
     from pipefisher.schedule_file import save_schedule
 
-    from _schedules import TINY, chimera_spread_schedule
+    from _schedules import TINY, chimera_spread_schedule, train_whole_and_resumed
 
-    cfg = load_config(TINY).replace(pipeline={"schedule": "chimera"}, model={"dropout": 0.1})
+    # keep 2: the stopped run's step 2 stays beside the resumed run's step 5
+    cfg = load_config(TINY).replace(pipeline={"schedule": "chimera"}, model={"dropout": 0.1}, checkpoint={"keep": 2})
     sched = str(tmp_path / "s.pickle")
     save_schedule(sched, chimera_spread_schedule(cfg))
-    cfg_path = str(tmp_path / "c.yaml")
-    from pipefisher.runtime.launch.driver import config_yaml
-
-    with open(cfg_path, "w") as f:
-        f.write(config_yaml(cfg))
-    base = ["train", "--config", cfg_path, "--schedule", sched, "--nproc-per-node", "2", "--no-progress"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    runner = CliRunner()
-    res = runner.invoke(main, base + ["--steps", "5", "--checkpoint-dir", a])
-    assert res.exit_code == 0, res.output
-    assert "chimera" in res.output
-    res = runner.invoke(main, base + ["--steps", "2", "--checkpoint-dir", b])
-    assert res.exit_code == 0, res.output
+    spawn_local(train_whole_and_resumed, 2, cfg, a, b, 5, 2, {"mode": "scheduled", "schedule": sched}, timeout_s=180)
     mid = torch.load(os.path.join(b, "step-00000002", "stage0-replica0.pt"), weights_only=True)
     assert any(layer["inputs"] for layer in mid["kfac"][1]["layers"].values())  # pieces still to come
-    res = runner.invoke(main, base + ["--steps", "5", "--resume", b])
-    assert res.exit_code == 0, res.output
     for device in range(2):
         fa = torch.load(os.path.join(a, "step-00000005", f"stage{device}-replica0.pt"), weights_only=True)
         fb = torch.load(os.path.join(b, "step-00000005", f"stage{device}-replica0.pt"), weights_only=True)

@@ -44,11 +44,12 @@ def test_cli_train_two_stages_loss_goes_down(tmp_path, mode, schedule):
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
+    """A profile of 3 kfac steps on 2 workers, with the progress lines (start-up phases) shown."""
     out = tmp_path_factory.mktemp("profile")
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--profile", "--steps", "3", "--out", str(out),
-                                    "--nproc-per-node", "2", "--no-progress"])
+                                    "--nproc-per-node", "2"])
     assert res.exit_code == 0, res.output
-    return out, [str(out / f"tiny_node{i}_timeline.pickle") for i in range(2)]
+    return out, [str(out / f"tiny_node{i}_timeline.pickle") for i in range(2)], res.output.splitlines()
 
 
 def test_profile_writes_one_timeline_per_node_in_the_profiled_format(profiled):
@@ -56,7 +57,7 @@ def test_profile_writes_one_timeline_per_node_in_the_profiled_format(profiled):
     from pipefisher.safe_io import load_pickle
     from pipefisher.timeline import median_step
 
-    _, paths = profiled
+    _, paths, _ = profiled
     for node, path in enumerate(paths):
         raw = load_pickle(path.replace("_timeline.pickle", "_steps.pickle"))
         tl = load_pickle(path)
@@ -82,7 +83,7 @@ def test_profile_writes_one_timeline_per_node_in_the_profiled_format(profiled):
 def test_profile_loads_and_packs_in_the_scheduler(profiled):
     from pipefisher.timeline import load_job
 
-    out, paths = profiled
+    out, paths, _ = profiled
     assert len(load_job(paths).nodes) == 2
     assert [n.path for n in load_job([str(out)]).nodes] == paths  # the folder: the raw steps left out
     res = CliRunner().invoke(main, ["schedule", *paths, "--save-path", str(out / "sched.pickle")])
@@ -92,7 +93,7 @@ def test_profile_loads_and_packs_in_the_scheduler(profiled):
 
 @pytest.mark.parametrize("policy", ["tight", "best-fit"])
 def test_profile_schedule_validates_with_a_dependency_correct_policy(profiled, policy):
-    out, paths = profiled
+    out, paths, _ = profiled
     sched = str(out / f"sched-{policy}.pickle")
     res = CliRunner().invoke(main, ["schedule", *paths, "--policy", policy, "--save-path", sched])
     assert res.exit_code == 0, res.output
@@ -235,12 +236,14 @@ def test_no_progress_keeps_start_up_quiet(capsys):
     assert not [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("...")]
 
 
-def test_local_launcher_says_it_spawns_and_relays_the_workers_phases():
-    lines: list[str] = []
-    launch_local(load_config(TINY), TrainOptions(steps=1), 2, echo=lines.append)
+def test_local_launcher_says_it_spawns_and_relays_the_workers_phases(profiled):
+    """The profile's run through the command line, progress on: the launcher's first line comes right
+    after the command's own, then each worker phase it relays."""
+    *_, lines = profiled
     assert _phase_order(lines) == ["... spawning", "... loading data", "... building the model",
                                    "pipefisher train:", "... first step", "step     0"], lines
-    assert lines[0] == "... spawning 2 workers (each starts python, imports torch and joins the process group)"
+    assert lines[:2] == ["... loading torch",
+                         "... spawning 2 workers (each starts python, imports torch and joins the process group)"]
     assert not [ln for ln in lines if ln.startswith("@@")]  # progress marks feed the bar, never the output
 
 

@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import traceback
+from multiprocessing.reduction import DupFd
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pipefisher.runtime.job.config import RunConfig, config_from_dict
@@ -271,8 +272,48 @@ def _keep_log(tmp_log: str, log_path: str | None) -> str:
     return log_path
 
 
+WORKER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "pipefisher.runtime.train.trainer")
+"""What :func:`spawn_local`'s fork server imports once, so that no worker pays for it (seconds of torch
+import per worker otherwise, which dominated short multi-process tests on 2 cores). ``torch._dynamo``:
+torch imports it lazily at the first optimizer a process builds, 2 s more per worker."""
+
+
+def _worker_context() -> mp.context.BaseContext:
+    """A fork server that has imported :data:`WORKER_PRELOAD` where the platform has one, else spawn.
+
+    Each worker is a fork of that server, a fresh single-threaded process that never ran the caller's
+    code (as a spawned one), started in a fraction of a second. The server starts with the first call
+    and serves every later one of this process."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(WORKER_PRELOAD))  # no effect once the server runs: it keeps its own
+    return ctx
+
+
+class _CallersFd:
+    """A file descriptor of the caller that a worker receives as it starts (``Process.start`` pickles it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _detach, (DupFd(self.fd),)
+
+
+def _detach(dup: Any) -> int:
+    return dup.detach()
+
+
 def _spawn_entry(fn: Callable[..., Any], rank: int, world: int, port: int, folder: str,
-                 args: Sequence[Any]) -> None:
+                 args: Sequence[Any], env: dict[str, str], stdio: Sequence[int]) -> None:
+    # A fork server's child has the server's environment and output: take the caller's, as a spawned
+    # worker would have inherited them.
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, theirs in zip((1, 2), stdio):
+        os.dup2(theirs, fd)
+        os.close(theirs)
     os.environ.update(worker_env(rank, world, port), OMP_NUM_THREADS="1")  # tests: one thread each
     try:
         import torch
@@ -290,6 +331,9 @@ def _spawn_entry(fn: Callable[..., Any], rank: int, world: int, port: int, folde
 def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` fresh processes set up like torchrun workers; their return values.
 
+    The workers are forks of a server that imported torch once (:func:`_worker_context`), with this
+    process's environment and standard output and error, as spawned processes would have.
+
     ``fn`` must be importable by name (a module-level function). The first failure is raised with the
     worker's traceback; the remaining workers are stopped.
     """
@@ -297,10 +341,14 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: floa
 
     from pipefisher.runtime.job.dist import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = _worker_context()
     port = free_port()
+    env = dict(os.environ)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    stdio = [_CallersFd(fd) for fd in (1, 2)]
     with tempfile.TemporaryDirectory(prefix="pipefisher-spawn-") as folder:
-        procs = [ctx.Process(target=_spawn_entry, args=(fn, r, nprocs, port, folder, args), daemon=True)
+        procs = [ctx.Process(target=_spawn_entry, args=(fn, r, nprocs, port, folder, args, env, stdio), daemon=True)
                  for r in range(nprocs)]
         for p in procs:
             p.start()
