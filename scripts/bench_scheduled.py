@@ -306,13 +306,14 @@ def across_pipelines(pipes: list[str], per_round: dict, rounds: int, k_of, curve
                                  for i in range(rounds))
 
     best = min(pipes, key=lambda q: statistics.median(per_round[q, "first-order"]))
+    w = max(9, *(len(q) for q in pipes))
     out = [f"against the fastest first-order step ({best}, "
            f"{statistics.median(per_round[best, 'first-order']) * 1e3:.1f} ms; medians of each round's ratio):",
-           f"{'pipeline':9} {'first-order':>12} {'kfac':>8} {'target':>8} {'k':>4}"
+           f"{'pipeline':{w}} {'first-order':>12} {'kfac':>8} {'target':>8} {'k':>4}"
            + (f" {'time to target (expected)':>27}" if curve is not None else "")]
     for pipe in pipes:
         k = k_of((pipe, TARGET))
-        line = (f"{pipe:9} {over_best('first-order', pipe):12.3f} {over_best('kfac', pipe):8.3f} "
+        line = (f"{pipe:{w}} {over_best('first-order', pipe):12.3f} {over_best('kfac', pipe):8.3f} "
                 f"{over_best(TARGET, pipe):8.3f} {k:>4}")
         if curve is not None:
             steps = curve.at(k) if k else float("nan")
