@@ -246,8 +246,6 @@ class PipelineConfig:
 PRECISIONS = ("fp32", "bf16", "fp16")
 """``train.precision``: the compute dtype of forwards and backwards (autocast); weights, optimizer
 state and K-FAC factors stay float32. ``fp16`` also scales the loss (``train.loss_scale`` to start)."""
-TORCH_ENGINE_PRECISIONS = ("fp32", "bf16")
-"""The ``train.precision`` values the torch engine runs (``pipeline.engine: torch``)."""
 RECOMPUTE = ("none", "layer")
 """``train.recompute``: keep every activation, or recompute each transformer block's in its backward."""
 
@@ -561,7 +559,7 @@ def load_config(path: str | os.PathLike[str]) -> RunConfig:
 
 def _torch_engine_refusals(cfg: RunConfig) -> list[str]:
     """What ``pipeline.engine`` refuses: an unknown engine, or what the torch engine cannot run (orders
-    torch has no schedule class for, the true Fisher's extra backward, fp16, one stage, and
+    torch has no schedule class for, the true Fisher's extra backward, one stage, and
     micro-batch counts torch's zero-bubble H1 does not split into rounds)."""
     p = cfg.pipeline
     if p.engine not in ENGINES:
@@ -579,9 +577,6 @@ def _torch_engine_refusals(cfg: RunConfig) -> list[str]:
     if cfg.kfac.fisher != "empirical":
         out.append("pipeline.engine torch needs kfac.fisher empirical (the true Fisher's sampled backward "
                    "runs in pipefisher's engine only)")
-    if cfg.train.precision not in TORCH_ENGINE_PRECISIONS:
-        out.append(f"pipeline.engine torch runs train.precision {', '.join(TORCH_ENGINE_PRECISIONS)}, "
-                   f"not {cfg.train.precision}")
     if p.stages < 2:
         out.append("pipeline.engine torch needs pipeline.stages >= 2 (torch pipelines across processes)")
     return out

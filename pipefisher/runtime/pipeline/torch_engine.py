@@ -15,9 +15,9 @@ is done with it. In DualPipeV's overlapped pair torch posts the forward's send w
 run, so work packed between the pair's calls would run before that send (the profile shows the pair's
 calls back to back, leaving no bubble there).
 
-``train.precision: bf16`` computes as the own engine does: each stage under autocast, activations and
-their gradients crossing stages in the wire dtype (:class:`LossStage`; the static shapes torch is
-given say that dtype).
+``train.precision`` bf16 and fp16 compute as the own engine does: each stage under autocast,
+activations and their gradients crossing stages in the wire dtype (:class:`LossStage`; the static
+shapes torch is given say that dtype); fp16's last stage starts each backward from the loss scale.
 
 The engine keeps the own engine's interface (``op``, ``run``, ``begin_step``, ``finish_step``,
 ``allreduce_gradients``, ``evaluate``, ``set_wait_log``), plus :meth:`TorchEngine.fold_iteration`, which
@@ -82,13 +82,14 @@ class TorchEngine:
     loss that is not already divided), before its buckets' all-reduce starts. ``inputs(step)`` gives a
     step's whole-batch ``(args, kwargs, target)``; ``kfacs`` (copy -> K-FAC state) close each forward
     (``end_forward``) as the own engine does; ``span`` is the profiler's; ``grads`` hold the copies'
-    gradients; ``evaluator`` gives held-out losses (the own engine on the same modules).
+    gradients; ``evaluator`` gives held-out losses (the own engine on the same modules); ``scaler``
+    (fp16's ``LossScale``) scales the loss each last-stage backward starts from, as the own engine does.
     """
 
     def __init__(self, stages: Mapping[int, Any], *, actions: dict[int, list[Any]], micro_batches: int,
                  loss_fn: Callable[..., Any], inputs: Callable[[int], tuple[tuple[Any, ...], dict[str, Any], Any]],
                  grads: GradientBuckets, scale_grads: bool = False, span: Span | None = None,
-                 kfacs: Mapping[int, Any] | None = None, evaluator: Any = None) -> None:
+                 kfacs: Mapping[int, Any] | None = None, evaluator: Any = None, scaler: Any = None) -> None:
         torch_api.check_torch()
         self.m, self.inputs, self.grads = micro_batches, inputs, grads
         self.kfacs = dict(kfacs or {})
@@ -100,7 +101,8 @@ class TorchEngine:
         self.holds_last = any(st.is_last for st in self.stages.values())
         self.scale_grads = scale_grads
         self.runtime = torch_api.Runtime([self.stages[j] for j in sorted(self.stages)], micro_batches, loss_fn,
-                                         actions, torch_api.Calls(run=self._run, reduce=self._reduce))
+                                         actions, torch_api.Calls(run=self._run, reduce=self._reduce),
+                                         scale_loss=None if scaler is None else scaler.scaled)
         self.rank = self.runtime.rank
         orders = torch_api.actions_order(actions)
         self.split = torch_api.splits(orders)
@@ -247,13 +249,14 @@ class TorchEngine:
 def build_torch_engine(copies: Mapping[int, nn.Module], ctx: DistContext, data: MLMData, num_micro_batches: int, *,
                        kind: str, chunks: int, layout: str, span: Span | None = None,
                        kfacs: Mapping[int, Any] | None = None, evaluator: Any = None,
-                       grad_bucket_mb: float = DEFAULT_BUCKET_MB, precision: str = "fp32") -> TorchEngine:
+                       grad_bucket_mb: float = DEFAULT_BUCKET_MB, precision: str = "fp32",
+                       scaler: Any = None) -> TorchEngine:
     """The torch engine of a worker: its stage copies (built as for the own engine) as torch
     ``PipelineStage``\\ s with static shapes, in torch's order of pipeline order ``kind``, fed the
     step's micro-batches of ``data`` (torch splits the whole batch back into the same micro-batches);
     each micro-batch's loss divided by the micro-batch count, as the own engine does. ``precision``
-    (``train.precision``) as the own engine's: the stages compute under autocast and exchange
-    activations and gradients in the wire dtype (:class:`LossStage`)."""
+    and ``scaler`` (``train.precision``, fp16's loss scale) as the own engine's: the stages compute
+    under autocast and exchange activations and gradients in the wire dtype (:class:`LossStage`)."""
     torch_api.check_torch()
     g, c, m = ctx.grid, data.cfg, num_micro_batches
     chunked = len(copies) > 1
@@ -286,7 +289,7 @@ def build_torch_engine(copies: Mapping[int, nn.Module], ctx: DistContext, data: 
                             bucket_bytes=int(grad_bucket_mb * 2**20))
     engine = TorchEngine(stages, actions=torch_api.torch_actions(kind, g.stages, m, chunks), micro_batches=m,
                          loss_fn=lambda out, target: out / m, inputs=inputs, grads=grads, span=span, kfacs=kfacs,
-                         evaluator=evaluator)
+                         evaluator=evaluator, scaler=scaler)
     if engine.rank != g.stage:
         raise RuntimeError(f"torch engine: this worker is stage {g.stage} but rank {engine.rank} of its pipeline group")
     return engine
