@@ -228,6 +228,35 @@ def test_a_silent_peer_ends_a_torch_engine_step_within_the_timeout():
     assert "timed out" in err.lower() or "timeout" in err.lower(), err
 
 
+def _fp16_overflow_worker(cfg) -> dict:  # noqa: ANN001
+    """Two kfac steps on the torch engine whose fp16 gradients all overflow: the weights after, and
+    the loss scale's state."""
+    import torch
+
+    from pipefisher.runtime.train.worker import build_worker
+
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    try:
+        worker = build_worker(cfg, ctx, mode="kfac", total_steps=2)
+        before = {n: p.detach().clone() for n, p in worker.stage.named_parameters()}
+        for s in range(2):
+            worker.step(s)
+        return {"engine": type(worker.engine).__name__, "scaler": worker.updater.scaler.state_dict(),
+                "unchanged": all(torch.equal(p, before[n]) for n, p in worker.stage.named_parameters())}
+    finally:
+        shutdown(ctx)
+
+
+def test_fp16_overflow_on_the_torch_engine_skips_every_stages_update():
+    """The loss scale reaches torch's backwards (a scale of 1e30 overflows float16 gradients), and
+    the trainer's one overflow flag per step skips the update on every stage and halves the scale."""
+    cfg = BASE.replace(pipeline=dict(engine="torch"), train=dict(precision="fp16", loss_scale=1e30))
+    results = spawn_local(_fp16_overflow_worker, 2, cfg, timeout_s=120)
+    for res in results:
+        assert res["engine"] == "TorchEngine" and res["unchanged"]
+        assert res["scaler"] == {"scale": 1e30 / 4, "good_steps": 0, "skipped": 2}
+
+
 # ----------------------------------------------------------------------------------------------------
 # Refusals, and the order check
 
