@@ -2,9 +2,10 @@
 
 In real worker processes (gloo, one thread each) one kfac-mode step of each supported order runs on
 both engines in the same processes: gradients, K-FAC inverses and preconditioned gradients equal the
-own engine's and the whole model's in one process. Schedules with K-FAC work between the pipeline
-calls run at their places among torch's actions and train as their one-process replay; a resumed run
-continues bit for bit; ``pipefisher run`` profiles, packs and trains on it.
+own engine's and the whole model's in one process, and in bf16 and fp16 the own engine's step in
+them. Schedules with K-FAC work between the pipeline calls run at their places among torch's actions
+and train as their one-process replay; a resumed run continues bit for bit; ``pipefisher run``
+profiles, packs and trains on it, in bf16.
 """
 from __future__ import annotations
 
@@ -27,13 +28,21 @@ from test_runtime_engine import (BASE, _assert_close, _reference, assert_copies_
 from test_runtime_zero_bubble import test_a_resumed_zero_bubble_run_continues_bit_for_bit as _resumes_bit_for_bit
 
 ENGINES = ("pipefisher", "torch")
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""``train.precision`` values every equality launch runs on both engines (fp32 first)."""
+HALF_TOLERANCE = {"bf16": 1e-5, "fp16": 1e-5}
+"""How far (relative, in norm) a half-precision torch-engine run's gradients, inverses and preconditioned
+gradients may be from the own engine's run in the same precision. Both run the same ops in the same
+dtypes (on CPU they agree bit for bit), so far below bf16's and fp16's rounding (2**-8, 2**-11) and at
+least 10 times below the largest gap between that run and fp32, checked too, so the tolerance cannot
+hide a run in fp32 (measured, per device: bf16 2.7e-4 to 1e-2, fp16 3.8e-5 to 1e-3)."""
 
 
 def both_engines_step_worker(cfg) -> dict:
-    """One kfac-mode step on each engine, in the same worker processes, from the same weights (each
-    :func:`copies_step`, the own engine's test's step): per engine, every copy's gradients, K-FAC
-    inverses, preconditioned gradients, the loss and a held-out loss; and how many steps of
-    torch's runtime it ran."""
+    """One kfac-mode step on each engine in every precision of :data:`PRECISIONS`, in the same worker
+    processes, from the same weights (each :func:`copies_step`, the own engine's test's step): per
+    precision and engine, every copy's gradients, K-FAC inverses, preconditioned gradients, the loss
+    and a held-out loss; and how many steps of torch's runtime it ran."""
     from pipefisher.runtime.pipeline import torch_api
 
     steps: list[int] = []
@@ -44,13 +53,14 @@ def both_engines_step_worker(cfg) -> dict:
         return step(self, *args)
 
     torch_api.Runtime.step = counted  # this worker process only
-    out = {}
+    out: dict = {}
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
     try:
-        for engine in ENGINES:
-            before = len(steps)
-            out[engine] = copies_step(cfg.replace(pipeline={"engine": engine}), ctx)
-            out[engine]["torch_steps"] = len(steps) - before
+        for precision in PRECISIONS:
+            for engine in ENGINES:
+                before = len(steps)
+                run = copies_step(cfg.replace(pipeline={"engine": engine}, train={"precision": precision}), ctx)
+                out.setdefault(precision, {})[engine] = {**run, "torch_steps": len(steps) - before}
     finally:
         shutdown(ctx)
     return out
@@ -72,15 +82,16 @@ def both_engines(request):
 
 def test_the_torch_engine_runs_torchs_runtime_and_the_own_engine_does_not(both_engines):
     _, _, results, _ = both_engines
-    assert [res["torch"]["torch_steps"] for res in results] == [1] * len(results)
-    assert [res["pipefisher"]["torch_steps"] for res in results] == [0] * len(results)
+    for precision in PRECISIONS:
+        assert [res[precision]["torch"]["torch_steps"] for res in results] == [1] * len(results)
+        assert [res[precision]["pipefisher"]["torch_steps"] for res in results] == [0] * len(results)
 
 
 def test_torch_engine_gradients_equal_the_own_engines_and_one_process(both_engines):
     cfg, replicas, results, ref = both_engines
-    assert_copies_step_equals_reference(cfg, replicas, [res["torch"] for res in results], ref)
+    assert_copies_step_equals_reference(cfg, replicas, [res["fp32"]["torch"] for res in results], ref)
     for res in results:
-        mine, own = res["torch"], res["pipefisher"]
+        mine, own = res["fp32"]["torch"], res["fp32"]["pipefisher"]
         for j in own["grads"]:
             for name, grad in own["grads"][j].items():
                 _assert_close(mine["grads"][j][name], grad, f"copy {j} {name}", 1e-6)
@@ -91,14 +102,44 @@ def test_torch_engine_gradients_equal_the_own_engines_and_one_process(both_engin
 
 def test_torch_engine_kfac_inverses_and_update_equal_the_own_engines_and_one_process(both_engines):
     _, _, results, ref = both_engines
-    assert_copies_kfac_equals_reference([res["torch"] for res in results], ref)
+    assert_copies_kfac_equals_reference([res["fp32"]["torch"] for res in results], ref)
     for res in results:
-        mine, own = res["torch"], res["pipefisher"]
-        for j in own["inverses"]:
-            for key, inv in own["inverses"][j].items():
-                _assert_close(mine["inverses"][j][key], inv, f"inverse {key}", 1e-4)
-            for name, grad in own["precond"][j].items():
-                _assert_close(mine["precond"][j][name], grad, f"preconditioned {name}", 1e-4)
+        _assert_kfac_close(res["fp32"]["torch"], res["fp32"]["pipefisher"], 1e-4)
+
+
+def _assert_kfac_close(mine: dict, own: dict, tol: float) -> None:
+    for j in own["inverses"]:
+        for key, inv in own["inverses"][j].items():
+            _assert_close(mine["inverses"][j][key], inv, f"inverse {key}", tol)
+        for name, grad in own["precond"][j].items():
+            _assert_close(mine["precond"][j][name], grad, f"preconditioned {name}", tol)
+
+
+@pytest.mark.parametrize("precision", list(HALF_TOLERANCE))
+def test_half_precision_on_the_torch_engine_equals_the_own_engines(both_engines, precision):
+    """``train.precision`` bf16 or fp16 on torch's stages computes what the own engine computes in it:
+    the same autocast, activations and gradients crossing stages in the same wire dtype, and in fp16
+    the backward starting from the same loss scale (the gradients are that many times too large until
+    the update divides them back; K-FAC divides its saved output gradients by it)."""
+    cfg, _, results, _ = both_engines
+    tol = HALF_TOLERANCE[precision]
+    scale = cfg.train.loss_scale if precision == "fp16" else 1.0
+    gap = max(_relative_gap(res[precision]["pipefisher"]["grads"][j][n] / scale, grad)
+              for res in results for j, grads in res["fp32"]["pipefisher"]["grads"].items() for n, grad in grads.items())
+    assert gap > 10 * tol, f"{precision} gradients are within {gap:.2g} of fp32's: did it compute in {precision}?"
+    for res in results:
+        mine, own = res[precision]["torch"], res[precision]["pipefisher"]
+        for j in own["grads"]:
+            for name, grad in own["grads"][j].items():
+                _assert_close(mine["grads"][j][name], grad, f"{precision} copy {j} {name}", tol)
+        _assert_kfac_close(mine, own, tol)
+        if own["loss"] is not None:
+            assert float(mine["loss"]) == pytest.approx(float(own["loss"]), rel=tol)
+            assert mine["val"] == pytest.approx(own["val"], rel=tol)
+
+
+def _relative_gap(got, want) -> float:  # noqa: ANN001
+    return float((got.double() - want.double()).norm()) / max(1.0, float(want.double().norm()))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -187,6 +228,35 @@ def test_a_silent_peer_ends_a_torch_engine_step_within_the_timeout():
     assert "timed out" in err.lower() or "timeout" in err.lower(), err
 
 
+def _fp16_overflow_worker(cfg) -> dict:  # noqa: ANN001
+    """Two kfac steps on the torch engine whose fp16 gradients all overflow: the weights after, and
+    the loss scale's state."""
+    import torch
+
+    from pipefisher.runtime.train.worker import build_worker
+
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
+    try:
+        worker = build_worker(cfg, ctx, mode="kfac", total_steps=2)
+        before = {n: p.detach().clone() for n, p in worker.stage.named_parameters()}
+        for s in range(2):
+            worker.step(s)
+        return {"engine": type(worker.engine).__name__, "scaler": worker.updater.scaler.state_dict(),
+                "unchanged": all(torch.equal(p, before[n]) for n, p in worker.stage.named_parameters())}
+    finally:
+        shutdown(ctx)
+
+
+def test_fp16_overflow_on_the_torch_engine_skips_every_stages_update():
+    """The loss scale reaches torch's backwards (a scale of 1e30 overflows float16 gradients), and
+    the trainer's one overflow flag per step skips the update on every stage and halves the scale."""
+    cfg = BASE.replace(pipeline=dict(engine="torch"), train=dict(precision="fp16", loss_scale=1e30))
+    results = spawn_local(_fp16_overflow_worker, 2, cfg, timeout_s=120)
+    for res in results:
+        assert res["engine"] == "TorchEngine" and res["unchanged"]
+        assert res["scaler"] == {"scale": 1e30 / 4, "good_steps": 0, "skipped": 2}
+
+
 # ----------------------------------------------------------------------------------------------------
 # Refusals, and the order check
 
@@ -196,7 +266,6 @@ def test_a_silent_peer_ends_a_torch_engine_step_within_the_timeout():
                                             "dualpipev, not chimera"),
     ({"pipeline": {"schedule": "gpipe"}}, "not gpipe"),
     ({"kfac": {"fisher": "true"}}, "needs kfac.fisher empirical"),
-    ({"train": {"precision": "bf16"}}, "needs train.precision fp32"),
     ({"pipeline": {"stages": 1}}, "needs pipeline.stages >= 2"),
     ({"pipeline": {"schedule": "zb-h1"}, "data": {"num_micro_batches": 5}}, "multiple of max"),
 ])
@@ -220,6 +289,23 @@ def test_the_cli_refuses_a_torch_whose_pipelining_api_moved_in_one_line(tmp_path
     assert len(res.output.strip().splitlines()) == 1, res.output
 
 
+def test_a_half_precision_stage_gives_torch_its_output_in_the_wire_dtype():
+    """What torch sends (and the static shapes it was given) is in the dtype the own engine sends; the
+    loss stays float32, and fp32 is untouched."""
+    import torch
+
+    from pipefisher.runtime.models.bert import PipelineStage
+    from pipefisher.runtime.pipeline.torch_engine import LossStage
+
+    first, last = (PipelineStage(BASE.model, i, 2, seed=0) for i in range(2))
+    ids = torch.randint(5, BASE.model.vocab_size, (2, 8))
+    hidden = LossStage(first, "bf16")(ids)
+    assert hidden.dtype == torch.bfloat16 and hidden.requires_grad
+    loss = LossStage(last, "bf16")(hidden.detach().requires_grad_(), ids)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert LossStage(first)(ids).dtype == torch.float32
+
+
 def test_pipeline_calls_out_of_torchs_order_are_refused_before_the_step():
     from pipefisher.runtime.pipeline.torch_engine import TorchEngine
 
@@ -238,11 +324,14 @@ def test_pipeline_calls_out_of_torchs_order_are_refused_before_the_step():
 # The CLI: profile, pack, validate and train in one command
 
 
-def test_pipefisher_run_on_the_torch_engine_profiles_packs_and_trains(tmp_path):
+def test_pipefisher_run_on_the_torch_engine_profiles_packs_and_trains_in_bf16(tmp_path):
+    """A torchtitan-style user's run: torch's pipeline, bf16. (fp32 training on the torch engine: the
+    schedule and resume tests above.)"""
     from pipefisher.timeline import load_job
 
     out = tmp_path / "runs"
-    res = CliRunner().invoke(main, ["run", "--config", TINY, "--set", "pipeline.engine=torch", "--pipeline", "1f1b",
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--set", "pipeline.engine=torch",
+                                    "--set", "train.precision=bf16", "--pipeline", "1f1b",
                                     "--out", str(out), "--steps", "12", "--profile-steps", "2", "--nproc-per-node", "2",
                                     "--name", "t", "--no-progress"])
     assert res.exit_code == 0, res.output
@@ -251,6 +340,7 @@ def test_pipefisher_run_on_the_torch_engine_profiles_packs_and_trains(tmp_path):
     assert all(len(node.forwards()) == len(node.backwards()) == 4 for node in job.nodes)
     report = json.loads((out / "t_report.json").read_text())
     assert report["valid"] and report["training"]["steps"] == 12
+    assert "precision: bf16" in (out / "t_config.yaml").read_text()
     with open(out / "t_metrics.csv", newline="") as f:
         losses = [float(r["loss"]) for r in csv.DictReader(f)]
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])

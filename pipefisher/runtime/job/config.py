@@ -559,7 +559,7 @@ def load_config(path: str | os.PathLike[str]) -> RunConfig:
 
 def _torch_engine_refusals(cfg: RunConfig) -> list[str]:
     """What ``pipeline.engine`` refuses: an unknown engine, or what the torch engine cannot run (orders
-    torch has no schedule class for, the true Fisher's extra backward, fp16/bf16, one stage, and
+    torch has no schedule class for, the true Fisher's extra backward, one stage, and
     micro-batch counts torch's zero-bubble H1 does not split into rounds)."""
     p = cfg.pipeline
     if p.engine not in ENGINES:
@@ -577,8 +577,6 @@ def _torch_engine_refusals(cfg: RunConfig) -> list[str]:
     if cfg.kfac.fisher != "empirical":
         out.append("pipeline.engine torch needs kfac.fisher empirical (the true Fisher's sampled backward "
                    "runs in pipefisher's engine only)")
-    if cfg.train.precision != "fp32":
-        out.append("pipeline.engine torch needs train.precision fp32")
     if p.stages < 2:
         out.append("pipeline.engine torch needs pipeline.stages >= 2 (torch pipelines across processes)")
     return out

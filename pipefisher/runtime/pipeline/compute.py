@@ -66,6 +66,11 @@ class LossScale:
         """The gradient a last stage's backward starts from: the scale, in ``out``'s shape."""
         return torch.full_like(out, self.scale)
 
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the scale: a backward from 1 through it (torch's ``PipelineStage``\\ s start
+        the last stage's there) reaches the loss as :meth:`root`, the same numbers."""
+        return loss * self.scale
+
     def unscale(self, params: list[nn.Parameter]) -> torch.Tensor | bool:
         """Divide the gradients by the scale; whether all of them are finite (on this worker), as a 0-dim
         bool tensor on their device (True without gradients): the caller reads it once, with its peers'."""

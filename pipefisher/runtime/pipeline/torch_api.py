@@ -320,12 +320,15 @@ class Calls:
 class Runtime:
     """torch's ``_PipelineScheduleRuntime`` over this rank's ``stages``, lowered from ``actions``
     (every rank's compute-only ``_Action`` lists), with our handlers for every compute type and
-    ``REDUCE_GRAD``. ``loss_fn(output, target)`` is the last stage's loss of one micro-batch."""
+    ``REDUCE_GRAD``. ``loss_fn(output, target)`` is the last stage's loss of one micro-batch;
+    ``scale_loss(loss)``, when given, is what each last-stage backward starts from instead (fp16's loss
+    scale); the losses torch reports stay unscaled."""
 
     def __init__(self, stages: Sequence[Any], micro_batches: int, loss_fn: Callable[..., Any],
-                 actions: dict[int, list[Any]], calls: Calls, scale_grads: bool = False) -> None:
+                 actions: dict[int, list[Any]], calls: Calls, scale_grads: bool = False,
+                 scale_loss: Callable[[Any], Any] | None = None) -> None:
         s = _schedules()
-        self.calls = calls
+        self.calls, self.scale_loss = calls, scale_loss
         self.schedule = s._PipelineScheduleRuntime(list(stages), micro_batches, loss_fn=loss_fn,
                                                    scale_grads=scale_grads)
         missing = [a for a in _RUNTIME_ATTRIBUTES if not hasattr(self.schedule, a)]
@@ -390,6 +393,8 @@ class Runtime:
                 raise RuntimeError(f"torch engine: backward of stage {s} micro-batch {mb} before its receive")
             wait(lambda: _schedules()._wait_batch_p2p(works))
         loss = sched._maybe_get_loss(stage, mb)
+        if loss is not None and self.scale_loss is not None:
+            loss = self.scale_loss(loss)
         full = c.kind == BACKWARD
         if not full and stage.is_first:
             # torch's first stage computes nothing in its B pass and all in its W pass; pipefisher's

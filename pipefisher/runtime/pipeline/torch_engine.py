@@ -15,6 +15,10 @@ is done with it. In DualPipeV's overlapped pair torch posts the forward's send w
 run, so work packed between the pair's calls would run before that send (the profile shows the pair's
 calls back to back, leaving no bubble there).
 
+``train.precision`` bf16 and fp16 compute as the own engine does: each stage under autocast,
+activations and their gradients crossing stages in the wire dtype (:class:`LossStage`; the static
+shapes torch is given say that dtype); fp16's last stage starts each backward from the loss scale.
+
 The engine keeps the own engine's interface (``op``, ``run``, ``begin_step``, ``finish_step``,
 ``allreduce_gradients``, ``evaluate``, ``set_wait_log``), plus :meth:`TorchEngine.fold_iteration`, which
 the executor calls to hand over a schedule iteration: the rest of the runtime does not know which
@@ -38,6 +42,7 @@ from pipefisher.rules.format import START
 from pipefisher.runtime.data.batches import MLMData
 from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.pipeline.buckets import DEFAULT_BUCKET_MB, GradientBuckets
+from pipefisher.runtime.pipeline.compute import autocast, wire_dtype
 from pipefisher.runtime.pipeline.engine import logged_wait
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, PIPELINE_CALLS, WEIGHT, copy_suffix, parse_label
 from pipefisher.runtime.pipeline import torch_api
@@ -48,14 +53,23 @@ _LABEL = {_F: FORWARD, _B: BACKWARD, _W: WEIGHT}
 
 class LossStage(nn.Module):
     """A stage module as torch's ``PipelineStage`` calls it: ``forward(x, labels)``, where only the
-    last stage uses the labels (and returns the micro-batch's loss, pipefisher's stage protocol)."""
+    last stage uses the labels (and returns the micro-batch's loss, pipefisher's stage protocol).
 
-    def __init__(self, stage: nn.Module) -> None:
+    ``precision`` (``train.precision``) is computed as the own engine computes it
+    (:mod:`pipefisher.runtime.pipeline.compute`): the stage runs under its autocast, and a stage that is
+    not the last returns its output in the wire dtype, which torch then sends as it is (the next stage's
+    static input, and this stage's output gradient, have that dtype). The cast is in the graph, so the
+    output gradient reaches the stage in the dtype of its output, as the own engine casts it."""
+
+    def __init__(self, stage: nn.Module, precision: str = "fp32") -> None:
         super().__init__()
         self.stage = stage
+        self.precision, self.wire = precision, wire_dtype(precision)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        return self.stage(x, labels if self.stage.is_last else None)
+        with autocast(self.precision, x.device):
+            out = self.stage(x, labels if self.stage.is_last else None)
+        return out if self.stage.is_last else out.to(self.wire)
 
 
 class TorchEngine:
@@ -68,13 +82,14 @@ class TorchEngine:
     loss that is not already divided), before its buckets' all-reduce starts. ``inputs(step)`` gives a
     step's whole-batch ``(args, kwargs, target)``; ``kfacs`` (copy -> K-FAC state) close each forward
     (``end_forward``) as the own engine does; ``span`` is the profiler's; ``grads`` hold the copies'
-    gradients; ``evaluator`` gives held-out losses (the own engine on the same modules).
+    gradients; ``evaluator`` gives held-out losses (the own engine on the same modules); ``scaler``
+    (fp16's ``LossScale``) scales the loss each last-stage backward starts from, as the own engine does.
     """
 
     def __init__(self, stages: Mapping[int, Any], *, actions: dict[int, list[Any]], micro_batches: int,
                  loss_fn: Callable[..., Any], inputs: Callable[[int], tuple[tuple[Any, ...], dict[str, Any], Any]],
                  grads: GradientBuckets, scale_grads: bool = False, span: Span | None = None,
-                 kfacs: Mapping[int, Any] | None = None, evaluator: Any = None) -> None:
+                 kfacs: Mapping[int, Any] | None = None, evaluator: Any = None, scaler: Any = None) -> None:
         torch_api.check_torch()
         self.m, self.inputs, self.grads = micro_batches, inputs, grads
         self.kfacs = dict(kfacs or {})
@@ -86,7 +101,8 @@ class TorchEngine:
         self.holds_last = any(st.is_last for st in self.stages.values())
         self.scale_grads = scale_grads
         self.runtime = torch_api.Runtime([self.stages[j] for j in sorted(self.stages)], micro_batches, loss_fn,
-                                         actions, torch_api.Calls(run=self._run, reduce=self._reduce))
+                                         actions, torch_api.Calls(run=self._run, reduce=self._reduce),
+                                         scale_loss=None if scaler is None else scaler.scaled)
         self.rank = self.runtime.rank
         orders = torch_api.actions_order(actions)
         self.split = torch_api.splits(orders)
@@ -233,11 +249,14 @@ class TorchEngine:
 def build_torch_engine(copies: Mapping[int, nn.Module], ctx: DistContext, data: MLMData, num_micro_batches: int, *,
                        kind: str, chunks: int, layout: str, span: Span | None = None,
                        kfacs: Mapping[int, Any] | None = None, evaluator: Any = None,
-                       grad_bucket_mb: float = DEFAULT_BUCKET_MB) -> TorchEngine:
+                       grad_bucket_mb: float = DEFAULT_BUCKET_MB, precision: str = "fp32",
+                       scaler: Any = None) -> TorchEngine:
     """The torch engine of a worker: its stage copies (built as for the own engine) as torch
     ``PipelineStage``\\ s with static shapes, in torch's order of pipeline order ``kind``, fed the
     step's micro-batches of ``data`` (torch splits the whole batch back into the same micro-batches);
-    each micro-batch's loss divided by the micro-batch count, as the own engine does."""
+    each micro-batch's loss divided by the micro-batch count, as the own engine does. ``precision``
+    and ``scaler`` (``train.precision``, fp16's loss scale) as the own engine's: the stages compute
+    under autocast and exchange activations and gradients in the wire dtype (:class:`LossStage`)."""
     torch_api.check_torch()
     g, c, m = ctx.grid, data.cfg, num_micro_batches
     chunked = len(copies) > 1
@@ -248,10 +267,10 @@ def build_torch_engine(copies: Mapping[int, nn.Module], ctx: DistContext, data: 
         s = stage_on(g.stage, j, g.stages, layout) if chunked else g.stage
         # example tensors for torch's static shapes; requires_grad marks what carries a gradient
         hidden = torch.empty(c.micro_batch_size, c.seq_len, module.hidden_size, device=ctx.device,
-                             requires_grad=True)
+                             dtype=wire_dtype(precision), requires_grad=True)
         tokens = torch.zeros(c.micro_batch_size, c.seq_len, dtype=torch.long, device=ctx.device)
         out = torch.empty((), device=ctx.device, requires_grad=True) if module.is_last else hidden
-        stages[j] = torch_api.make_stage(LossStage(module), s, virtual, ctx.device, ctx.pipe_group,
+        stages[j] = torch_api.make_stage(LossStage(module, precision), s, virtual, ctx.device, ctx.pipe_group,
                                          tokens if module.is_first else hidden, out)
     first = any(mod.is_first for mod in copies.values())
     last = any(mod.is_last for mod in copies.values())
@@ -270,7 +289,7 @@ def build_torch_engine(copies: Mapping[int, nn.Module], ctx: DistContext, data: 
                             bucket_bytes=int(grad_bucket_mb * 2**20))
     engine = TorchEngine(stages, actions=torch_api.torch_actions(kind, g.stages, m, chunks), micro_batches=m,
                          loss_fn=lambda out, target: out / m, inputs=inputs, grads=grads, span=span, kfacs=kfacs,
-                         evaluator=evaluator)
+                         evaluator=evaluator, scaler=scaler)
     if engine.rank != g.stage:
         raise RuntimeError(f"torch engine: this worker is stage {g.stage} but rank {engine.rank} of its pipeline group")
     return engine

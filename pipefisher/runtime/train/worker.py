@@ -237,7 +237,8 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
 
         engine = build_torch_engine(copies, ctx, data, m, kind=cfg.pipeline.schedule, chunks=v,
                              layout=layout_of(cfg.pipeline.schedule), span=span, kfacs=kfacs, evaluator=engine,
-                             grad_bucket_mb=cfg.pipeline.grad_bucket_mb)
+                             grad_bucket_mb=cfg.pipeline.grad_bucket_mb, precision=cfg.train.precision,
+                             scaler=scaler)
     updater = Updater(cfg, stage, kfac, cfg.optim.decay_steps or total_steps,
                       pipe_group=ctx.pipe_group, copies=2 if chimera else 1, span=span, scaler=scaler)
     worker = Worker(cfg, ctx, mode, data, copies, stage, engine, kfacs, kfac, updater,
