@@ -36,7 +36,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runtime: data", ("pipefisher.runtime.data",)),
     ("runtime: pipeline", ("pipefisher.runtime.pipeline",)),
     ("runtime: training", ("pipefisher.runtime.train",)),
-    ("runtime: launch", ("pipefisher.runtime.launch", "pipefisher.runtime.api")),
+    ("runtime: launch and the library entry points", ("pipefisher.runtime.launch", "pipefisher.runtime.api",
+                                                       "pipefisher.runtime.torch_pp")),
     ("cli", ("pipefisher.cli", "pipefisher.__main__")),
 )
 
