@@ -105,6 +105,23 @@ def test_full_and_input_only_backwards_are_told_apart():
     assert torch_api.label_kinds(full, split=False) == [BACKWARD]
 
 
+def test_the_calls_that_continue_one_of_torchs_actions_are_named():
+    """DualPipeV's overlapped pairs and full backwards are one torch action each: every call but the
+    first of such an action continues it (torch sends the action's outputs once all of it ran)."""
+    actions = torch_api.torch_actions("dualpipev", 2, 4)[0]
+    split = torch_api.splits(torch_api.actions_order(torch_api.torch_actions("dualpipev", 2, 4)))
+    calls = [k for c in torch_api.actions_order({0: actions})[0] for k in torch_api.label_kinds(c, split)]
+    inside = torch_api.inside_calls(actions, split)
+    overlap = torch_api._schedules()._ComputationType.OVERLAP_F_B
+    pairs = sum(1 for a in actions if a is not None and a.computation_type == overlap)
+    full = sum(1 for c in torch_api.actions_order({0: actions})[0] if c.kind == BACKWARD)
+    assert pairs > 0 and full > 0
+    assert len(inside) == pairs + full  # a pair's B and W (its backward is full), a lone full backward's W
+    assert 0 not in inside and all(calls[k] in (BACKWARD, WEIGHT) for k in inside)
+    assert all(calls[k] == WEIGHT for k in inside if calls[k - 1] == BACKWARD)
+    assert torch_api.inside_calls(torch_api.torch_actions("zb-v", 2, 4)[0], True) == set()  # one call each
+
+
 def test_schedule1f1b_order_is_the_one_its_loop_runs():
     """Its loop's order, recorded: the last rank starts with micro-batch 0 (torch 2.13's
     ``_get_pipeline_order``, drawn from another code path, starts it at 1)."""

@@ -20,6 +20,7 @@ from pipefisher.cli import main
 from pipefisher.errors import InputError
 from pipefisher.runtime.job.dist import init_from_env, shutdown
 from pipefisher.runtime.launch.local import spawn_local
+from pipefisher.runtime.pipeline.torch_engine import after_whole_actions
 
 from _schedules import (TINY, assert_one_iteration_schedule_trains_as_kfac_mode, assert_schedule_trains_as_its_replay,
                         tiny, train_one_and_spread_schedules)
@@ -155,6 +156,14 @@ def scheduled_runs(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     results, files = train_one_and_spread_schedules(cfg, folder, STEPS)
     return cfg, results, files
+
+
+def test_kfac_work_packed_inside_one_of_torchs_actions_runs_when_it_has_ended():
+    # calls 2 and 3 continue the action that call 1 starts (an overlapped pair: F, then B and W)
+    segments = [["a"], ["b"], ["c"], ["d"], ["e"]]
+    assert after_whole_actions(segments, {2, 3}, ["end"]) == ([["a"], ["b"], [], [], ["c", "d", "e"]], ["end"])
+    assert after_whole_actions(segments, {4}, ["end"]) == ([["a"], ["b"], ["c"], ["d"], []], ["e", "end"])
+    assert after_whole_actions(segments, set(), []) == (segments, [])
 
 
 def test_a_one_iteration_schedule_on_torch_trains_as_kfac_mode(scheduled_runs):

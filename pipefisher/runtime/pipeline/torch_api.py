@@ -164,19 +164,38 @@ def _kinds() -> dict[Any, str]:
     return {ct.FORWARD: FORWARD, ct.FULL_BACKWARD: BACKWARD, ct.BACKWARD_INPUT: INPUT, ct.BACKWARD_WEIGHT: WEIGHT}
 
 
-def _flatten(actions: Sequence[Any]) -> list[Compute]:
-    """Compute actions in order: bubbles (None) and non-compute actions left out, OVERLAP_F_B as its
-    sub-actions in their order."""
+def _grouped(actions: Sequence[Any]) -> list[list[Compute]]:
+    """Compute actions in order, each as the computes it runs: bubbles (None) and non-compute actions
+    left out, an OVERLAP_F_B as its sub-actions in their order, anything else as itself."""
     kinds, out = _kinds(), []
     overlap = _schedules()._ComputationType.OVERLAP_F_B
     for a in actions:
         if a is None:
             continue
         subs = a.sub_actions if a.computation_type == overlap else (a,)
-        for s in subs or ():
-            if s.computation_type in kinds:
-                out.append(Compute(kinds[s.computation_type], s.stage_index, s.microbatch_index))
+        group = [Compute(kinds[s.computation_type], s.stage_index, s.microbatch_index)
+                 for s in subs or () if s.computation_type in kinds]
+        if group:
+            out.append(group)
     return out
+
+
+def _flatten(actions: Sequence[Any]) -> list[Compute]:
+    """Compute actions in order, an OVERLAP_F_B as its sub-actions (:func:`_grouped`, flat)."""
+    return [c for group in _grouped(actions) for c in group]
+
+
+def inside_calls(actions: Sequence[Any], split: bool) -> set[int]:
+    """The positions, in a rank's pipefisher pipeline calls (:func:`label_kinds` of each compute of
+    ``actions``, that rank's compute-only list), of the calls that continue one of torch's actions: the
+    second half of an overlapped pair, a full backward's W pass in an order that splits backwards.
+    Torch sends such an action's outputs only when all of it has run."""
+    inside, at = set(), 0
+    for group in _grouped(actions):
+        n = sum(len(label_kinds(c, split)) for c in group)
+        inside.update(range(at + 1, at + n))
+        at += n
+    return inside
 
 
 def torch_actions(kind: str, stages: int, micro_batches: int, chunks: int = 2) -> dict[int, list[Any]]:

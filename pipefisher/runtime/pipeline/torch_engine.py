@@ -11,9 +11,9 @@ last call run after torch's step returns (the tail bubble). ``REDUCE_GRAD`` star
 gradient buckets' all-reduce (:mod:`pipefisher.runtime.pipeline.buckets`), as the own engine does at
 its last backward; torch's DDP/FSDP path is never used. A full backward in an order that splits
 backwards (DualPipeV's) is the B and W calls of pipefisher's order: the B call computes it, the W call
-is done with it. In DualPipeV's overlapped pair torch posts the forward's send when the whole pair has
-run, so work packed between the pair's calls would run before that send (the profile shows the pair's
-calls back to back, leaving no bubble there).
+is done with it. Torch posts the sends of one action (a full backward, DualPipeV's overlapped pair)
+when all of it has run, so K-FAC work packed between the calls of one action would hold the next
+stage: it runs when that action has ended instead (:func:`after_whole_actions`).
 
 ``train.precision`` bf16 and fp16 compute as the own engine does: each stage under autocast,
 activations and their gradients crossing stages in the wire dtype (:class:`LossStage`; the static
@@ -72,6 +72,25 @@ class LossStage(nn.Module):
         return out if self.stage.is_last else out.to(self.wire)
 
 
+def after_whole_actions(segments: Sequence[Sequence[Any]], inside: set[int],
+                        tail: Sequence[Any]) -> tuple[list[list[Any]], list[Any]]:
+    """``segments[k]`` (the calls packed before pipeline call ``k``) with those packed inside one of
+    torch's actions (``k`` in ``inside``: between an overlapped pair's halves, or a full backward's B
+    and W) moved to when that action has ended, before the next call's own (or the ``tail``'s), in order.
+    Torch sends an action's outputs only once all of it has run, so work there would hold the next
+    stage; run later in the same bubble, it computes the same (its inputs are kept until the step ends)."""
+    out: list[list[Any]] = []
+    carry: list[Any] = []
+    for k, segment in enumerate(segments):
+        if k in inside:
+            carry += segment
+            out.append([])
+        else:
+            out.append(carry + list(segment))
+            carry = []
+    return out, carry + list(tail)
+
+
 class TorchEngine:
     """One rank's torch ``PipelineStage``\\ s (``stages``: copy id -> stage; copy j is chunk j, labels
     ``:chunk<j>``, when there are several) run in torch's order by torch's runtime.
@@ -107,6 +126,7 @@ class TorchEngine:
         orders = torch_api.actions_order(actions)
         self.split = torch_api.splits(orders)
         self.order = orders[self.rank]
+        self.inside = torch_api.inside_calls(actions[self.rank], self.split)
         self.labels = [label for cmp in self.order for label in self.labels_of(cmp)]
         self.cuda = next(iter(self.stages.values())).device.type == "cuda"
         self.step = 0
@@ -154,8 +174,9 @@ class TorchEngine:
         start = kinds.index(START) + 1 if START in kinds[:at[0]] else 0
         bounds = [start - 1] + at
         segments = [list(calls[bounds[k] + 1:bounds[k + 1]]) for k in range(len(at))]
+        segments, tail = after_whole_actions(segments, self.inside, list(calls[at[-1] + 1:]))
         pipeline = [calls[i] for i in at]
-        return list(calls[:start]) + [functools.partial(self._run_step, segments, pipeline)] + list(calls[at[-1] + 1:])
+        return list(calls[:start]) + [functools.partial(self._run_step, segments, pipeline)] + tail
 
     def begin_step(self, step: int) -> None:
         if self._current is not None:
