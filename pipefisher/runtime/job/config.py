@@ -443,8 +443,8 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
                             "pipeline.schedule interleaved")
         elif p.stages < 2:
             problems.append("pipeline.schedule interleaved needs pipeline.stages >= 2")
-        elif _order_refusal(p.schedule, p.stages, d.num_micro_batches, p.chunks):
-            problems.append(_order_refusal(p.schedule, p.stages, d.num_micro_batches, p.chunks) or "")
+        elif refusal := _order_refusal(p.schedule, p.stages, d.num_micro_batches, p.chunks):
+            problems.append(refusal)
         elif m.num_layers < p.stages * p.chunks:
             problems.append(f"pipeline.schedule interleaved needs model.num_layers >= pipeline.stages x "
                             f"pipeline.chunks ({p.stages} x {p.chunks} = {p.stages * p.chunks} model chunks)")
@@ -455,8 +455,8 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         elif m.num_layers < 2 * p.stages:
             problems.append(f"pipeline.schedule {p.schedule} needs model.num_layers >= 2 x pipeline.stages "
                             f"({2 * p.stages} model chunks)")
-        elif _order_refusal(p.schedule, p.stages, d.num_micro_batches, 2):
-            problems.append(_order_refusal(p.schedule, p.stages, d.num_micro_batches, 2) or "")
+        elif refusal := _order_refusal(p.schedule, p.stages, d.num_micro_batches, 2):
+            problems.append(refusal)
     if not 1 <= p.stages <= m.num_layers:
         problems.append("pipeline.stages must be between 1 and model.num_layers")
     if p.timeout_s <= 0:
@@ -557,6 +557,13 @@ def load_config(path: str | os.PathLike[str]) -> RunConfig:
     return config_from_dict(raw, path)
 
 
+def torch_rounds(micro_batches: int, stages: int) -> int | None:
+    """The rounds torch's interleaved and zero-bubble H1 schedule classes split a step's micro-batches
+    into (``max(1, m // stages)``), or None where they do not divide ``m`` (torch refuses that count)."""
+    rounds = max(1, micro_batches // stages)
+    return None if micro_batches % rounds else rounds
+
+
 def _torch_engine_refusals(cfg: RunConfig) -> list[str]:
     """What ``pipeline.engine`` refuses: an unknown engine, or what the torch engine cannot run (orders
     torch has no schedule class for, the true Fisher's extra backward, one stage, and
@@ -569,11 +576,10 @@ def _torch_engine_refusals(cfg: RunConfig) -> list[str]:
     out = []
     if p.schedule not in TORCH_ENGINE_ORDERS:
         out.append(f"pipeline.engine torch runs pipeline.schedule {', '.join(TORCH_ENGINE_ORDERS)}, not {p.schedule}")
-    elif p.schedule == "zb-h1":
-        m, rounds = cfg.data.num_micro_batches, max(1, cfg.data.num_micro_batches // p.stages)
-        if m % rounds:
-            out.append(f"pipeline.engine torch with zb-h1 needs data.num_micro_batches a multiple of "
-                       f"max(1, num_micro_batches // pipeline.stages) = {rounds} (torch's rounds), not {m}")
+    elif p.schedule == "zb-h1" and torch_rounds(cfg.data.num_micro_batches, p.stages) is None:
+        m = cfg.data.num_micro_batches
+        out.append(f"pipeline.engine torch with zb-h1 needs data.num_micro_batches a multiple of "
+                   f"max(1, num_micro_batches // pipeline.stages) = {max(1, m // p.stages)} (torch's rounds), not {m}")
     if cfg.kfac.fisher != "empirical":
         out.append("pipeline.engine torch needs kfac.fisher empirical (the true Fisher's sampled backward "
                    "runs in pipefisher's engine only)")

@@ -27,6 +27,7 @@ import torch
 
 from pipefisher.errors import InputError
 from pipefisher.pipeline_orders import BACKWARD, FORWARD, WEIGHT
+from pipefisher.runtime.job.config import torch_rounds
 
 SUPPORTED = ((2, 13), (2, 14))
 """The torch versions the torch engine supports: ``>= 2.13, < 2.14`` (``setup.cfg``: ``torch-pipelining``)."""
@@ -213,10 +214,10 @@ def torch_actions(kind: str, stages: int, micro_batches: int, chunks: int = 2) -
         fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
     else:
         local = chunks if kind == "interleaved" else 1
-        rounds = max(1, m // p)
-        if m % rounds:
+        rounds = torch_rounds(m, p)
+        if rounds is None:
             raise ValueError(f"torch's {SCHEDULE_CLASSES[kind]} needs data.num_micro_batches a multiple of "
-                             f"its {rounds} rounds (max(1, m // stages)), not {m}")
+                             f"its {max(1, m // p)} rounds (max(1, m // stages)), not {m}")
         fake = SimpleNamespace(n_local_stages=local, microbatches_per_round=m // rounds, pp_group_size=p,
                                _n_microbatches=m)
     return {r: list(cls._calculate_single_rank_operations(fake, r)) for r in range(p)}
