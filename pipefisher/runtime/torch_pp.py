@@ -32,6 +32,7 @@ loop); its loss function and micro-batch count are kept. Data parallelism around
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from typing import Any, Iterable, Sequence
 
 import torch.distributed as dist
@@ -128,15 +129,15 @@ class KfacPipeline:
         return None if self.executor is None else self.executor.cycle
 
     def _plain_step(self, step: int, refresh: bool) -> None:
-        span = self.profiler.span if refresh else None
+        span = self.profiler.span if refresh else (lambda key: nullcontext())
         self.engine.begin_step(step)
-        with (span or _no_span)(STEP_KEY):
+        with span(STEP_KEY):
             self.engine.run(self.engine.labels)
             self.engine.finish_step()
             if refresh:
                 self.kfac.update_curvature(span=span)
             self.kfac.clear_saved()
-            with (span or _no_span)(UPDATE_KEY):
+            with span(UPDATE_KEY):
                 self._end_of_step()
 
     def _end_of_step(self) -> None:
@@ -172,10 +173,4 @@ class KfacPipeline:
         if violations:
             return f"the packed schedule breaks {len(violations)} rule(s) of pipefisher validate; first: {violations[0]}"
         return packed.to_file_data()
-
-
-def _no_span(key: str) -> Any:
-    from contextlib import nullcontext
-
-    return nullcontext()
 
