@@ -15,7 +15,8 @@ two worker processes run everything, so every mode sees the same machine:
    each, the setting with the lowest mean TRAINING loss over the last 10 % of steps wins (the held-out
    text is never used to choose anything);
 3. for each seed, every mode with its chosen setting, interleaved, each evaluated on the held-out text
-   every ``--eval-every`` steps.
+   every ``--eval-every`` steps. The sweep's runs are evaluated so too (never to choose), and seed 0's
+   run of a mode is its sweep's winning run, not trained again (a run is a pure function of its config).
 
 The target is the best first-order optimizer's final held-out loss (median over seeds; the best: the
 lower median). Steps to target: the first evaluation at or below it; time to target: the training
@@ -121,10 +122,12 @@ def announcer(rank: int, cfg: Any) -> Callable[[str], None]:
 
 def choose_setting(train: Callable[..., tuple[Any, Any]], base: Any, steps: int, lrs: list[float],
                    warmups: list[int], announce: Callable[[str], None], entrant: Entrant = RACE[0],
-                   schedule: str | None = None) -> tuple[float, int, list[dict[str, Any]]]:
+                   schedule: str | None = None, swept: list[SweptRun] | None = None,
+                   evals: int = 0) -> tuple[float, int, list[dict[str, Any]]]:
     """``entrant``'s sweep (peak learning rate x warm-up) on seed 0, judged on TRAINING loss only (the
-    mean of the last 10 % of steps): the held-out text never chooses anything. Returns (lr, warm-up, the
-    sweep's rows), the same on every worker."""
+    mean of the last 10 % of steps): the held-out text never chooses anything, even where ``evals``
+    evaluates on it every that many steps (0: never) so that ``swept`` can keep each run for
+    :func:`swept_run`. Returns (lr, warm-up, the sweep's rows), the same on every worker."""
     import torch.distributed as dist
 
     tail = max(1, steps // 10)
@@ -132,9 +135,11 @@ def choose_setting(train: Callable[..., tuple[Any, Any]], base: Any, steps: int,
     for lr in lrs:
         for warm in warmups:
             cfg = base.replace(optim={**entrant.optim, "lr": lr, "warmup_steps": warm})
-            _, res = train(cfg, entrant.mode, schedule=schedule, evals=0)
+            trainer, res = train(cfg, entrant.mode, schedule=schedule, evals=evals)
             score = statistics.mean(res.losses[-tail:]) if res.losses else math.nan
             sweep.append({"lr": lr, "warmup_steps": warm, "train_loss_tail": score})
+            if swept is not None:
+                swept.append(SweptRun(cfg, entrant.mode, schedule, evals, res, trainer.cycles))
             announce(f"sweep: {entrant.label} lr {lr:g}, warm-up {warm}: training loss (last {tail} steps) {score:.4f}")
     choice: list[Any] = [None]
     if int(os.environ["RANK"]) == loss_rank(base):  # the last stage knows the losses: everyone takes its choice
@@ -146,13 +151,37 @@ def choose_setting(train: Callable[..., tuple[Any, Any]], base: Any, steps: int,
     return lr, warm, sweep
 
 
+@dataclass(frozen=True)
+class SweptRun:
+    """One run of a sweep, kept so that a measured run of exactly the same config is not trained twice."""
+
+    cfg: Any
+    mode: str
+    schedule: str | None
+    evals: int
+    result: Any  # the trainer's result
+    cycles: Any  # the trainer's K-FAC cycle per node (scheduled mode), else None
+
+
+def swept_run(swept: list[SweptRun], cfg: Any, mode: str, schedule: str | None, evals: int) -> SweptRun | None:
+    """The sweep's run of exactly this config, mode, schedule and evaluation interval, or None.
+
+    A run is a pure function of those (its seed is in the config; the same workers train every run from
+    freshly seeded weights, data and dropout: ``tests/test_bench_convergence.py`` checks that a config
+    trained twice gives the same losses), so seed 0's measured run of a mode is its sweep's winning run,
+    taken over rather than trained again: 4 of the default race's 36 runs. Its step times are its own
+    (measured in the sweep, not interleaved with the other modes' seed-0 runs)."""
+    return next((r for r in swept if (r.cfg, r.mode, r.schedule, r.evals) == (cfg, mode, schedule, evals)), None)
+
+
 def sweep_race(train: Callable[..., tuple[Any, Any]], base: Any, steps: int, sweeps: Mapping[str, list[float] | str],
                warmups: list[int], announce: Callable[[str], None], schedules: Mapping[str, str] | None = None,
-               bases: Mapping[str, Any] | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+               bases: Mapping[str, Any] | None = None, swept: list[SweptRun] | None = None,
+               evals: int = 0) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
     """Every mode of ``sweeps`` (key: its peak learning rates, or :data:`SHARE`: K-FAC every step's choice),
     in that order, each with its own :func:`choose_setting` sweep of the warm-ups x its lrs, on ``base``
-    (or ``bases[key]``) and ``schedules[key]`` where given. Returns (per mode its chosen ``lr`` and
-    ``warmup_steps``, per swept mode its sweep's rows), the same on every worker."""
+    (or ``bases[key]``) and ``schedules[key]`` where given (``swept``, ``evals``: as there). Returns (per
+    mode its chosen ``lr`` and ``warmup_steps``, per swept mode its sweep's rows), the same on every worker."""
     choices: dict[str, dict[str, Any]] = {}
     rows: dict[str, list[dict[str, Any]]] = {}
     for key, lrs in sweeps.items():
@@ -162,9 +191,20 @@ def sweep_race(train: Callable[..., tuple[Any, Any]], base: Any, steps: int, swe
                      f"warm-up {choices[key]['warmup_steps']} (--{key}-lrs {SHARE})")
             continue
         lr, warm, rows[key] = choose_setting(train, (bases or {}).get(key, base), steps, lrs, warmups,  # type: ignore[arg-type]
-                                             announce, ENTRANTS[key], (schedules or {}).get(key))
+                                             announce, ENTRANTS[key], (schedules or {}).get(key), swept, evals)
         choices[key] = {"lr": lr, "warmup_steps": warm}
     return choices, rows
+
+
+def measured_run(train: Callable[..., tuple[Any, Any]], swept: list[SweptRun], cfg: Any, mode: str,
+                 schedule: str | None, evals: int) -> tuple[Any, Any, bool]:
+    """(the result, the K-FAC cycle per node, whether it is the sweep's) of ``cfg``'s run: the sweep's
+    where it ran exactly this (:func:`swept_run`), else trained now."""
+    kept = swept_run(swept, cfg, mode, schedule, evals)
+    if kept is not None:
+        return kept.result, kept.cycles, True
+    trainer, res = train(cfg, mode, schedule=schedule, evals=evals)
+    return res, trainer.cycles, False
 
 
 def race_config(base: Any, key: str, choice: Mapping[str, Any], seed: int) -> Any:
@@ -239,21 +279,24 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
         # 1. profile and pack
         sched, out["plan"] = profile_and_pack(base, ctx, rank, folder, profile_steps, steps, staleness)
 
-        # 2. a sweep of the same size per mode, judged on training loss only
-        out["choices"], out["sweeps"] = sweep_race(train, base, steps, sweeps, warmups, announce, {"scheduled": sched})
+        # 2. a sweep of the same size per mode, judged on training loss only (evaluated as the measured
+        # runs are, so that seed 0's measured run can be its winner's, not trained twice)
+        swept: list[SweptRun] = []
+        out["choices"], out["sweeps"] = sweep_race(train, base, steps, sweeps, warmups, announce, {"scheduled": sched},
+                                                   swept=swept, evals=eval_every)
 
         # 3. every mode per seed, interleaved
         for seed in range(seeds):
             for key in sweeps:
                 choice = out["choices"][key]
-                trainer, res = train(race_config(base, key, choice, seed), ENTRANTS[key].mode,
-                                     schedule=sched if key == "scheduled" else None)
-                if trainer.cycles:
-                    out["cycles"] = trainer.cycles
+                res, cycles, kept = measured_run(train, swept, race_config(base, key, choice, seed), ENTRANTS[key].mode,
+                                           sched if key == "scheduled" else None, eval_every)
+                if cycles:
+                    out["cycles"] = cycles
                 out["runs"].append(run_record(key, seed, res, **choice))
                 if res.val:
                     announce(f"seed {seed} {key:9}: held-out {res.val[-1][1]:.4f} after {steps} steps, "
-                             f"{res.val[-1][2]:.0f} s of training")
+                             f"{res.val[-1][2]:.0f} s of training" + (" (its sweep's run)" if kept else ""))
     finally:
         shutdown(ctx)
     return out

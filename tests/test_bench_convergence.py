@@ -99,3 +99,65 @@ def test_a_mode_runs_with_its_own_optimizer_and_its_chosen_setting():
     assert (muon.optim.name, muon.optim.lr, muon.optim.warmup_steps, muon.data.seed) == ("muon", 4e-3, 30, 2)
     kfac = race_config(base, "kfac", {"lr": 2e-3, "warmup_steps": 0}, seed=1)
     assert (kfac.optim.name, kfac.optim.lr, kfac.data.seed) == (base.optim.name, 2e-3, 1)  # the config's optimizer
+
+
+def _three_modes_trained_twice(folder: str) -> dict:
+    """In each worker: per mode, a run, a run of another learning rate, and the first run again."""
+    from bench_convergence import profile_and_pack, start_worker, trainer_of
+
+    from pipefisher.runtime.job.dist import shutdown
+
+    base, rank, ctx = start_worker(TINY, ["model.dropout=0.1"])  # dropout: the runs draw random numbers
+    train = trainer_of(ctx, steps=6, eval_every=2)
+    out: dict = {}
+    try:
+        sched, _ = profile_and_pack(base, ctx, rank, folder, profile_steps=3, steps=6)
+        for mode in ("first-order", "kfac", "scheduled"):
+            schedule = sched if mode == "scheduled" else None
+            again = []
+            for lr in (base.optim.lr, 2 * base.optim.lr, base.optim.lr):
+                _, res = train(base.replace(optim={"lr": lr}), mode, schedule=schedule)
+                again.append(([float(x) for x in res.losses], [(s, float(v)) for s, v, _ in res.val]))
+            out[mode] = again
+    finally:
+        shutdown(ctx)
+    return out
+
+
+def test_a_run_is_a_pure_function_of_its_config_so_seed_0_can_take_over_the_sweeps_run(tmp_path):
+    # bench_convergence.swept_run hands seed 0's measured run the sweep's run of the same config instead of
+    # training it again: that is only honest if the same workers train the same config to the same numbers
+    from pipefisher.runtime.launch.local import spawn_local
+
+    results = spawn_local(_three_modes_trained_twice, 2, str(tmp_path), timeout_s=180)
+    holder = next(r for r in results if any(v[0][1] for v in r.values()))  # the worker with the held-out losses
+    for mode, (first, other, again) in holder.items():
+        assert first[0] and first[1], mode
+        assert again == first, mode
+        assert other[0] != first[0], mode  # a test that could tell runs apart
+
+
+def test_the_sweeps_run_is_taken_over_only_for_exactly_the_same_run():
+    from bench_convergence import SweptRun, measured_run, swept_run
+
+    base = bench_config(TINY, [])
+    cfg = base.replace(optim={"lr": 0.2})
+    kept = SweptRun(cfg, "kfac", None, 10, result="the sweep's result", cycles=None)
+    assert swept_run([kept], base.replace(optim={"lr": 0.2}), "kfac", None, 10) is kept
+    assert swept_run([kept], cfg.replace(data={"seed": 1}), "kfac", None, 10) is None  # another seed
+    assert swept_run([kept], cfg, "first-order", None, 10) is None
+    assert swept_run([kept], cfg, "kfac", "s.pickle", 10) is None
+    assert swept_run([kept], cfg, "kfac", None, 0) is None  # evaluated otherwise
+
+    trained = []
+
+    class _Trainer:
+        cycles = (4, 4)
+
+    def train(c, mode, schedule=None, evals=0):
+        trained.append((c, mode, schedule, evals))
+        return _Trainer(), "trained now"
+
+    assert measured_run(train, [kept], cfg, "kfac", None, 10) == ("the sweep's result", None, True) and not trained
+    assert measured_run(train, [kept], cfg.replace(data={"seed": 1}), "kfac", None, 10) == ("trained now", (4, 4), False)
+    assert len(trained) == 1
