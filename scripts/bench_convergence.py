@@ -214,9 +214,10 @@ def race_config(base: Any, key: str, choice: Mapping[str, Any], seed: int) -> An
 
 
 def choose_baseline(train: Callable[..., tuple[Any, Any]], base: Any, steps: int, lrs: list[float],
-                    warmups: list[int], announce: Callable[[str], None]) -> tuple[float, int, list[dict[str, Any]]]:
-    """The AdamW sweep (:func:`choose_setting` of the baseline)."""
-    return choose_setting(train, base, steps, lrs, warmups, announce, ENTRANTS["baseline"])
+                    warmups: list[int], announce: Callable[[str], None], swept: list[SweptRun] | None = None,
+                    evals: int = 0) -> tuple[float, int, list[dict[str, Any]]]:
+    """The AdamW sweep (:func:`choose_setting` of the baseline; ``swept``, ``evals``: as there)."""
+    return choose_setting(train, base, steps, lrs, warmups, announce, ENTRANTS["baseline"], swept=swept, evals=evals)
 
 
 def run_record(mode: str, seed: int, res: Any, **extra: Any) -> dict[str, Any]:

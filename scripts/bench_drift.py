@@ -12,7 +12,8 @@ over seeds of the chosen AdamW's final held-out loss). The same two worker proce
    (``static``: that schedule for the whole run);
 2. the AdamW sweep (seed 0);
 3. per seed: AdamW, ``static`` and ``adaptive`` (``--adapt`` from the same schedule and profile, no curve:
-   :class:`pipefisher.drift.DriftRule` sets k from every refresh's curvature aging), interleaved.
+   :class:`pipefisher.drift.DriftRule` sets k from every refresh's curvature aging), interleaved; seed 0's
+   AdamW run is the sweep's winning run (evaluated as the others), not trained twice.
 
 Printed: per run the k it settles at (the last schedule's; the adaptive runs' k history and the k most of
 their steps ran at too), steps and training time to the target (medians over seeds; evaluations
@@ -51,9 +52,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, t
 
 from pipefisher.errors import InputError  # noqa: E402
 
-from bench_convergence import (_median, announcer, baseline_target, bench_config, choose_baseline,  # noqa: E402
-                               common_arguments, loss_rank, merged_runs, profile_and_pack, race_table, run_record,
-                               start_worker, trainer_of)
+from bench_convergence import (ENTRANTS, _median, announcer, baseline_target, bench_config,  # noqa: E402
+                               choose_baseline, common_arguments, loss_rank, measured_run, merged_runs,
+                               profile_and_pack, race_table, run_record, start_worker, trainer_of)
 
 RUNS = ("baseline", "static", "adaptive")
 WITHIN = 0.10
@@ -88,13 +89,14 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
                     announce(f"seed {seed} kfac every {k:2} steps: {len(trainer.refreshes)} refreshes")
             return out
         sched, out["plan"] = profile_and_pack(base, ctx, rank, folder, profile_steps, steps)  # no curve
-        lr, warm, out["sweep"] = choose_baseline(train, base, steps, lrs, warmups, announce)
+        swept: list[Any] = []  # the sweep's runs: seed 0's AdamW run is its winner (bench_convergence.swept_run)
+        lr, warm, out["sweep"] = choose_baseline(train, base, steps, lrs, warmups, announce, swept, eval_every)
         out["baseline"] = {"lr": lr, "warmup_steps": warm}
         for seed in range(seeds):  # per seed: the three runs, interleaved
-            cfg = base.replace(optim={"lr": lr, "warmup_steps": warm}, data={"seed": seed})
+            cfg = base.replace(optim={**ENTRANTS["baseline"].optim, "lr": lr, "warmup_steps": warm}, data={"seed": seed})
             for run in RUNS:
                 if run == "baseline":
-                    trainer, res = train(cfg, "first-order")
+                    res, _, _ = measured_run(train, swept, cfg, "first-order", None, eval_every)
                     out["runs"].append(run_record(run, seed, res))
                 else:
                     trainer, res = train(cfg, "scheduled", schedule=sched, adapt=run == "adaptive")
