@@ -559,7 +559,7 @@ def main() -> None:
         print(f"| {label} | {t['lr']:g}, {t['warmup_steps']:g} | {t['steps']:g} | {t['seconds']:.1f} | {t['final']:.4f} "
               f"| {t['step_ms']:.1f} | {t['saved']:.1f} | {t['reached']}/{a.seeds} |")
     png = os.path.join(a.out, "convergence.png")
-    chart(runs, target, png, f"{cfg.name}: held-out loss, {a.seeds} seeds, 2 pipeline stages on CPU",
+    chart(runs, target, png, f"{cfg.name}: held-out loss, {a.seeds} seed{'s' if a.seeds != 1 else ''}, 2 pipeline stages on CPU",
           ENTRANTS[best].label if best else "")
     from pipefisher.safe_io import dump_json_atomic
 
