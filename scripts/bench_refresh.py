@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""What one curvature refresh costs per factor size: the damped Cholesky inverse (K-FAC), the full
-eigendecomposition (``kfac.update: soap``'s basis) and SOAP's cheaper candidate, one power-iteration
-step from the previous basis followed by a QR (not built: this script is how it was judged).
+"""The cost of one curvature refresh per factor size, against the Cholesky inverse of the same size.
+
+The refreshes: the damped Cholesky inverse (K-FAC), the full eigendecomposition (``kfac.update: soap``'s
+basis) and SOAP's cheaper candidate, one power-iteration step from the previous basis followed by a QR
+(not built: this script is how it was judged).
 
 The packer fits the refresh labels into bubbles, so a refresh that costs more stretches the cycle k
 (docs/benchmarks.md: the eigenbasis in the bubbles packed at k = 12 where Cholesky packs at 4-5). Each
