@@ -54,7 +54,7 @@ from pipefisher.errors import InputError  # noqa: E402
 
 from bench_convergence import (ENTRANTS, _median, announcer, baseline_target, bench_config,  # noqa: E402
                                choose_baseline, common_arguments, loss_rank, measured_run, merged_runs,
-                               profile_and_pack, race_table, run_record, start_worker, trainer_of)
+                               profile_and_pack, race_table, run_record, start_worker, SweptRun, trainer_of)
 
 RUNS = ("baseline", "static", "adaptive")
 WITHIN = 0.10
@@ -89,7 +89,7 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
                     announce(f"seed {seed} kfac every {k:2} steps: {len(trainer.refreshes)} refreshes")
             return out
         sched, out["plan"] = profile_and_pack(base, ctx, rank, folder, profile_steps, steps)  # no curve
-        swept: list[Any] = []  # the sweep's runs: seed 0's AdamW run is its winner (bench_convergence.swept_run)
+        swept: list[SweptRun] = []  # the sweep's runs: seed 0's AdamW run is its winner (bench_convergence.swept_run)
         lr, warm, out["sweep"] = choose_baseline(train, base, steps, lrs, warmups, announce, swept, eval_every)
         out["baseline"] = {"lr": lr, "warmup_steps": warm}
         for seed in range(seeds):  # per seed: the three runs, interleaved

@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, t
 from bench_convergence import (COLOURS, ENTRANTS, _median, _ratio, announcer, bench_config,  # noqa: E402
                                best_first_order, common_arguments, final_loss, loss_rank, merged_runs, race_arguments,
                                measured_run, race_config, race_sweeps, race_table, run_record, save_png,
-                               start_worker, steps_and_time_to, sweep_race, trainer_of)
+                               start_worker, steps_and_time_to, sweep_race, SweptRun, trainer_of)
 
 KEYS = ("baseline", "muon", "kfac")
 """The entrants of this race (the convergence benchmark's, but K-FAC in the bubbles: here k is set, not packed)."""
@@ -63,7 +63,7 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
     announce = announcer(rank, base)
     out: dict[str, Any] = {"rank": rank, "holds_loss": rank == loss_rank(base), "runs": []}
     try:
-        swept: list[Any] = []  # the sweeps' runs: seed 0's measured runs are their winners (bench_convergence)
+        swept: list[SweptRun] = []  # the sweeps' runs: seed 0's measured runs are their winners (bench_convergence)
         out["choices"], out["sweeps"] = sweep_race(train, base, steps, sweeps, warmups, announce,
                                                    bases={"kfac": base.replace(kfac={"interval": 1})},
                                                    swept=swept, evals=eval_every)

@@ -557,11 +557,10 @@ def load_config(path: str | os.PathLike[str]) -> RunConfig:
     return config_from_dict(raw, path)
 
 
-def torch_rounds(micro_batches: int, stages: int) -> int | None:
+def torch_rounds(micro_batches: int, stages: int) -> int:
     """The rounds torch's interleaved and zero-bubble H1 schedule classes split a step's micro-batches
-    into (``max(1, m // stages)``), or None where they do not divide ``m`` (torch refuses that count)."""
-    rounds = max(1, micro_batches // stages)
-    return None if micro_batches % rounds else rounds
+    into: ``max(1, m // stages)``; torch refuses a micro-batch count they do not divide."""
+    return max(1, micro_batches // stages)
 
 
 def _torch_engine_refusals(cfg: RunConfig) -> list[str]:
@@ -576,10 +575,10 @@ def _torch_engine_refusals(cfg: RunConfig) -> list[str]:
     out = []
     if p.schedule not in TORCH_ENGINE_ORDERS:
         out.append(f"pipeline.engine torch runs pipeline.schedule {', '.join(TORCH_ENGINE_ORDERS)}, not {p.schedule}")
-    elif p.schedule == "zb-h1" and torch_rounds(cfg.data.num_micro_batches, p.stages) is None:
+    elif p.schedule == "zb-h1" and cfg.data.num_micro_batches % torch_rounds(cfg.data.num_micro_batches, p.stages):
         m = cfg.data.num_micro_batches
         out.append(f"pipeline.engine torch with zb-h1 needs data.num_micro_batches a multiple of "
-                   f"max(1, num_micro_batches // pipeline.stages) = {max(1, m // p.stages)} (torch's rounds), not {m}")
+                   f"max(1, num_micro_batches // pipeline.stages) = {torch_rounds(m, p.stages)} (torch's rounds), not {m}")
     if cfg.kfac.fisher != "empirical":
         out.append("pipeline.engine torch needs kfac.fisher empirical (the true Fisher's sampled backward "
                    "runs in pipefisher's engine only)")

@@ -215,9 +215,9 @@ def torch_actions(kind: str, stages: int, micro_batches: int, chunks: int = 2) -
     else:
         local = chunks if kind == "interleaved" else 1
         rounds = torch_rounds(m, p)
-        if rounds is None:
+        if m % rounds:
             raise ValueError(f"torch's {SCHEDULE_CLASSES[kind]} needs data.num_micro_batches a multiple of "
-                             f"its {max(1, m // p)} rounds (max(1, m // stages)), not {m}")
+                             f"its {rounds} rounds (max(1, m // stages)), not {m}")
         fake = SimpleNamespace(n_local_stages=local, microbatches_per_round=m // rounds, pp_group_size=p,
                                _n_microbatches=m)
     return {r: list(cls._calculate_single_rank_operations(fake, r)) for r in range(p)}
