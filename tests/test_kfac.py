@@ -313,6 +313,21 @@ def test_running_average_factors_match_their_closed_form_and_are_what_is_inverte
         assert not _close(kfac.inverse(n, "A"), only_last, 1e-2)  # not the inverse of F3 alone
 
 
+def test_a_factors_scale_is_the_mean_trace_of_its_average_without_forming_it():
+    d = 0.7
+    model = TinyMLP()
+    kfac = KFAC(model, damping=1e-2, ignore=(), factor_decay=d)
+    for seed in (11, 12):
+        _accumulate(model, kfac, seed)
+        for n in kfac.names:
+            for f in "AB":  # new covariance, with no running average yet and then with one
+                assert float(kfac.scale(n, f)) == pytest.approx(float(fx.mean_trace(kfac.averaged(n, f))), rel=1e-6)
+            kfac.inv("A", n)  # A cleared: its scale is its running average's, as the inverse left it
+            assert float(kfac.scale(n, "A")) == pytest.approx(float(fx.mean_trace(kfac.layers[n].running["A"])),
+                                                              rel=1e-6)
+            kfac.inv("B", n)
+
+
 # 4. damping schedule -----------------------------------------------------------------------------
 
 def test_damping_decays_once_per_complete_refresh_down_to_its_floor():

@@ -59,3 +59,34 @@ def test_one_piece_is_the_plain_formula_in_half_precision_inputs_too():
     assert got.dtype == torch.float32
     assert _close(got, _plain_a(x.float(), True))
     assert _close(fx.cov_b(x, 2.0), _plain_b(x.float(), 2.0))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_all_finite_finds_one_bad_element_anywhere(bad):
+    t = torch.randn(5, 5)
+    assert bool(fx.all_finite(t))
+    for i, j in ((0, 4), (4, 0), (2, 2)):  # above, below and on the diagonal
+        u = t.clone()
+        u[i, j] = bad
+        assert not bool(fx.all_finite(u)), (i, j)
+
+
+def _spd(n: int, seed: int) -> torch.Tensor:
+    rows = torch.randn(4 * n, n, generator=torch.Generator().manual_seed(seed))
+    return rows.t() @ rows / rows.shape[0]
+
+
+@pytest.mark.parametrize("method", ["cholesky", "eigen"])
+def test_inverse_reads_the_lower_triangle_and_checks_the_whole_factor(method):
+    f = _spd(6, 3)
+    want = torch.linalg.inv(f.double() + 0.1 * torch.eye(6, dtype=torch.float64))
+    lower = f.tril() + torch.triu(torch.full_like(f, 7.0), 1)  # the upper triangle is never read
+    for factor in (f, lower):
+        inv, findings, ok = fx.inverse_findings(factor, 0.1, method=method)
+        assert bool(ok) and torch.allclose(inv.double(), want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(f, _spd(6, 3))  # the damping went into a copy, not into the caller's factor
+    poisoned = f.clone()
+    poisoned[0, 5] = float("nan")  # where Cholesky never looks, the check still does
+    _, findings, ok = fx.inverse_findings(poisoned, 0.1, method=method)
+    assert not bool(ok) and float(findings[0]) == 0.0
+    assert "NaN or infinite" in fx.bad_factor(findings.tolist(), method)

@@ -25,8 +25,9 @@ import torch
 
 
 def eigenbasis(f: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The eigenvectors of a symmetric PSD factor (columns), in ``f``'s dtype; no damping is needed. ``f``
-    is symmetric already (:func:`pipefisher.kfac.factors.inverse_findings` symmetrises it first)."""
+    """The eigenvectors of a symmetric PSD factor (columns), in ``f``'s dtype; no damping is needed.
+    Only ``f``'s lower triangle is read (``eigh``'s), so a factor symmetric up to rounding needs no
+    symmetrising pass."""
     _, vecs = torch.linalg.eigh(f.to(dtype))
     return vecs.to(f.dtype)
 

@@ -551,11 +551,26 @@ class KFAC:
         cur = st.factor(factor)
         if cur is None:
             return st.running[factor]
-        new = fx.running_average(st.running[factor], cur, self.factor_decay)
-        if self.grad_scaler is None or st.running[factor] is None:
+        return self._fold(st, factor, cur, st.running[factor])
+
+    def scale(self, name: str, factor: str) -> torch.Tensor | None:
+        """``mean_trace(averaged(name, factor))``, folded from the traces instead (a trace is linear): pi
+        reads both factors' scales at every inverse, and forming the averages for it cost passes over
+        both whole factors."""
+        st = self.layers[name]
+        self._settle(name, _check(factor))
+        running = None if st.running[factor] is None else fx.mean_trace(st.running[factor])
+        if st.sums[factor] is None:
+            return running
+        return self._fold(st, factor, fx.mean_trace(st.sums[factor]) / st.counts[factor], running)
+
+    def _fold(self, st: LayerState, factor: str, cur: torch.Tensor, running: torch.Tensor | None) -> torch.Tensor:
+        """The new covariance ``cur`` folded into the running average ``running`` (a factor, or its scale)."""
+        new = fx.running_average(running, cur, self.factor_decay)
+        if self.grad_scaler is None or running is None:
             return new
         some = torch.as_tensor(st.counts[factor], device=new.device) > 0  # a number after a checkpoint's load
-        return torch.where(some, new, st.running[factor])  # fp16: no piece, no change
+        return torch.where(some, new, running)  # fp16: no piece, no change
 
     def pi(self, name: str) -> torch.Tensor | float:
         """The pi damping split of layer ``name`` from the scales of BOTH factors.
@@ -569,8 +584,10 @@ class KFAC:
         for f in FACTORS:
             st = self.layers[name]
             local = self.dp_size > 1 and st.sums[f] is not None and not st.synced[f]
-            cur = st.running[f] if local else self.averaged(name, f)
-            scales.append(None if cur is None else fx.mean_trace(cur))
+            if local:
+                scales.append(None if st.running[f] is None else fx.mean_trace(st.running[f]))
+            else:
+                scales.append(self.scale(name, f))
         return fx.pi_split(*scales)  # a 0-dim tensor: no host sync
 
     def damping_of(self, name: str) -> float:
