@@ -29,6 +29,10 @@ over every other first-order optimizer's and over k = 1's, and the final held-ou
 model, data, horizon, target, seeds, the per-k spread of the steps over seeds, and ``relative_to``: the
 best first-order optimizer, its lr and warm-up) and the sweeps, choices and raw runs beside it; every
 command that packs takes it as ``--staleness FILE``. A run that never reaches the target counts as ``inf``.
+Where no k reaches the best optimizer's target that curve is all ``inf`` and decides nothing, so per other
+first-order optimizer the same table is printed against its own final held-out loss, and written as
+``staleness-<optim.name>.json`` (its ``relative_to`` says it is not the best); the chart's right panel
+gives K-FAC's final held-out loss per k beside every first-order optimizer's.
 
     python scripts/bench_staleness.py [--config configs/small.yaml] [--steps 300] [--seeds 3]
         [--intervals 1,2,4,8,16] [--eval-every 10] [--lrs 5e-4,1e-3,2e-3] [--muon-lrs 2e-3,4e-3,8e-3]
@@ -83,6 +87,11 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
     return out
 
 
+def first_order_steps(runs: list[dict[str, Any]], key: str, target: float) -> float:
+    """The median steps to ``target`` of ``key``'s runs."""
+    return _median([steps_and_time_to(r["val"], target)[0] for r in runs if r["mode"] == key])
+
+
 def curve(runs: list[dict[str, Any]], target: float, intervals: list[int],
           relative_to: str | None = "baseline") -> list[dict[str, float]]:
     """Per interval k: the median steps to target of the kfac runs (and their least and most over the
@@ -91,7 +100,7 @@ def curve(runs: list[dict[str, Any]], target: float, intervals: list[int],
     def steps(mine: list[dict[str, Any]]) -> list[float]:
         return [steps_and_time_to(r["val"], target)[0] for r in mine]
 
-    reference = _median(steps([r for r in runs if r["mode"] == relative_to]))
+    reference = first_order_steps(runs, relative_to, target) if relative_to else math.nan
     rows = []
     for k in intervals:
         mine = [r for r in runs if r["mode"] == "kfac" and r.get("interval") == k]
@@ -115,13 +124,28 @@ def staleness_race(runs: list[dict[str, Any]], intervals: list[int]) -> tuple[st
     return best, target, curve(runs, target, intervals, best)
 
 
-def relative_to_text(best: str, choice: Mapping[str, Any], finals: Mapping[str, float]) -> str:
-    """The curve's ``relative_to``: the best first-order optimizer (its ``optim.name``), its lr and warm-up,
-    and the median final held-out losses it was chosen by (``finals``: per first-order key)."""
+def own_target_curves(runs: list[dict[str, Any]], intervals: list[int],
+                      others: list[str]) -> dict[str, tuple[float, list[dict[str, float]]]]:
+    """Per first-order optimizer that is not the best: (its own median final held-out loss, :func:`curve`'s
+    rows against that target and its steps). Where no k reaches the best one's target, every ratio of the
+    main curve is ``inf`` and tells the packer nothing; against a target K-FAC does reach, the curve still
+    says what each longer cycle costs."""
+    out = {}
+    for key in others:
+        target = final_loss(runs, key)
+        out[key] = (target, curve(runs, target, intervals, key))
+    return out
+
+
+def relative_to_text(best: str, choice: Mapping[str, Any], finals: Mapping[str, float], *, is_best: bool = True) -> str:
+    """The curve's ``relative_to``: the first-order optimizer (its ``optim.name``) it is relative to, its lr and
+    warm-up, and the median final held-out losses the best was chosen by (``finals``: per first-order key).
+    ``is_best=False``: a curve against that optimizer's own final loss, though another did better."""
     names = "; ".join(f"{ENTRANTS[k].optim['name']} {f:.4f}" for k, f in finals.items())
-    return (f"{ENTRANTS[best].optim['name']} lr {choice['lr']:g}, warm-up {choice['warmup_steps']} steps (the best "
-            f"first-order optimizer by median final held-out loss" + (f": {names}" if names else "")
-            + "; each optimizer the best of its own sweep, on training loss)")
+    why = ("the best first-order optimizer by median final held-out loss" if is_best else
+           "not the best first-order optimizer: the target is its own median final held-out loss")
+    return (f"{ENTRANTS[best].optim['name']} lr {choice['lr']:g}, warm-up {choice['warmup_steps']} steps ({why}"
+            + (f": {names}" if names else "") + "; each optimizer the best of its own sweep, on training loss)")
 
 
 def measured_curve(rows: list[dict[str, float]], cfg: Any, config_path: str, steps: int, target: float, seeds: int,
@@ -148,15 +172,28 @@ def _fmt(x: float) -> str:
     return "inf" if math.isinf(x) or math.isnan(x) else f"{x:.3f}"
 
 
-def chart(rows: list[dict[str, float]], path: str, title: str, best: str, others: Mapping[str, float]) -> None:
-    """Steps to target over the best first-order optimizer's against k; a dashed line per first-order
-    optimizer at its own steps over the best's (``others``: per other first-order key, where finite)."""
+def chart(rows: list[dict[str, float]], path: str, title: str, best: str, others: Mapping[str, float],
+          finals: Mapping[str, float]) -> None:
+    """Left: steps to target over the best first-order optimizer's against k; a dashed line per first-order
+    optimizer at its own steps over the best's (``others``: per other first-order key, where finite).
+    Right: K-FAC's final held-out loss against k, a line per first-order optimizer at its own (``finals``),
+    which still shows the race where no k reaches the target."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(11.5, 4.2))
+    right.plot([r["interval"] for r in rows], [r["final"] for r in rows], "o-", color=COLOURS["kfac"], lw=1.6,
+               label="K-FAC, curvature every k steps")
+    for key, y in finals.items():
+        right.axhline(y, color=COLOURS[key], ls="--" if key == best else ":", lw=1, label=ENTRANTS[key].label)
+    right.set_xscale("log", base=2)
+    right.set_xticks([r["interval"] for r in rows], [str(r["interval"]) for r in rows])
+    right.set_xlabel("refresh interval k")
+    right.set_ylabel("final held-out loss, median over seeds")
+    right.grid(alpha=0.3)
+    right.legend(loc="upper left")
     ks = [r["interval"] for r in rows if not math.isinf(r["ratio"])]
     ys = [r["ratio"] for r in rows if not math.isinf(r["ratio"])]
     ax.plot(ks, ys, "o-", color=COLOURS["kfac"], lw=1.6, label="K-FAC, curvature every k steps")
@@ -177,7 +214,7 @@ def chart(rows: list[dict[str, float]], path: str, title: str, best: str, others
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    ax.set_title(title, fontsize=10)
+    fig.suptitle(title, fontsize=10)
     save_png(fig, path)
 
 
@@ -241,16 +278,28 @@ def main() -> None:
     best_steps = first_order[best]["steps"]
     lines = {k: first_order[k]["steps"] / best_steps for k in others
              if math.isfinite(first_order[k]["steps"]) and math.isfinite(best_steps) and best_steps}
+    finals = {k: t["final"] for k, t in first_order.items()}
     chart(rows, png, f"{cfg.name}: steps to {ENTRANTS[best].label}'s final held-out loss, {a.steps} steps, "
-                     f"{a.seeds} seeds", best, lines)
+                     f"{a.seeds} seeds", best, lines, finals)
     from pipefisher.safe_io import dump_json_atomic
 
-    relative_to = relative_to_text(best, choices[best], {k: t["final"] for k, t in first_order.items()})
-    dump_json_atomic(os.path.join(a.out, "staleness.json"),
-                     measured_curve(rows, cfg, a.config, a.steps, target, a.seeds, relative_to).to_data(
-                         best_first_order=best, choices=choices, sweeps=last["sweeps"], first_order=first_order,
-                         runs=runs, args=vars(a)))
-    print(f"wrote {png} and {os.path.join(a.out, 'staleness.json')}")
+    relative_to = relative_to_text(best, choices[best], finals)
+    written = [os.path.join(a.out, "staleness.json")]
+    dump_json_atomic(written[0], measured_curve(rows, cfg, a.config, a.steps, target, a.seeds, relative_to).to_data(
+        best_first_order=best, choices=choices, sweeps=last["sweeps"], first_order=first_order, runs=runs,
+        args=vars(a)))
+    for key, (own, own_rows) in own_target_curves(runs, intervals, others).items():
+        name = ENTRANTS[key].optim["name"]
+        print(f"against {ENTRANTS[key].label}'s own target, its final held-out loss {own:.4f} (steps to it: "
+              f"{first_order_steps(runs, key, own):g}):")
+        print("| refresh interval k | steps to it | / " + ENTRANTS[key].label + " | / k = 1 | seeds reaching |")
+        print("| --- | --- | --- | --- | --- |")
+        for r in own_rows:
+            print(f"| {r['interval']} | {r['steps']:g} | {_fmt(r['ratio'])} | {_fmt(r['vs_k1'])} | {r['reached']}/{a.seeds} |")
+        written.append(os.path.join(a.out, f"staleness-{name}.json"))
+        dump_json_atomic(written[-1], measured_curve(own_rows, cfg, a.config, a.steps, own, a.seeds, relative_to_text(
+            key, choices[key], finals, is_best=False)).to_data(best_first_order=best, choices=choices, args=vars(a)))
+    print(f"wrote {png} and {' and '.join(written)}")
     ks = ", ".join(str(r["interval"]) for r in rows)
     print(f"staleness (kfac steps-to-target / best first-order, {ENTRANTS[best].optim['name']}) at k = {ks}: "
           + ", ".join(_fmt(r["ratio"]) for r in rows))

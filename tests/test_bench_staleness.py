@@ -112,3 +112,28 @@ def test_the_target_and_the_ratios_follow_the_better_first_order_optimizer_and_t
     assert loaded.provenance.relative_to.startswith("muon lr 0.004, warm-up 30 steps (the best first-order")
     assert "adamw 6.0000; muon 5.7000" in loaded.provenance.relative_to
     assert "relative to muon lr 0.004" in loaded.describe()
+
+
+def test_where_no_k_reaches_the_best_target_the_other_optimizers_own_target_still_gives_a_curve(tmp_path) -> None:
+    """Muon ends at 5.5, below every K-FAC run: against it the curve is all inf. Against AdamW's own final
+    (6.0, reached at 30 on the median seed) K-FAC's cycles still differ: k = 1 at 10, k = 4 at 20."""
+    import matplotlib.image
+
+    from bench_staleness import chart, own_target_curves, relative_to_text, staleness_race
+
+    runs = [_run("baseline", [6.3, 6.1, f]) for f in (6.0, 5.9, 6.1)]
+    runs += [_run("muon", [6.0, 5.7, 5.5], lr=4e-3) for _ in range(3)]
+    runs += [_run("kfac", [5.9, 5.8, 5.7], 1) for _ in range(3)]
+    runs += [_run("kfac", [6.2, 6.0, 5.9], 4) for _ in range(3)]
+    best, target, rows = staleness_race(runs, [1, 4])
+    assert (best, target) == ("muon", 5.5) and all(math.isinf(r["ratio"]) for r in rows)
+    own = own_target_curves(runs, [1, 4], ["baseline"])
+    adamw_target, adamw_rows = own["baseline"]
+    assert adamw_target == 6.0
+    assert [r["steps"] for r in adamw_rows] == [10, 20]
+    assert [r["ratio"] for r in adamw_rows] == [10 / 30, 20 / 30] and [r["vs_k1"] for r in adamw_rows] == [1.0, 2.0]
+    text = relative_to_text("baseline", {"lr": 1e-3, "warmup_steps": 0}, {"baseline": 6.0, "muon": 5.5}, is_best=False)
+    assert text.startswith("adamw lr 0.001, warm-up 0 steps (not the best first-order optimizer")
+    png = str(tmp_path / "staleness.png")
+    chart(rows, png, "no k reaches Muon's target", best, {}, {"baseline": 6.0, "muon": 5.5})
+    assert matplotlib.image.imread(png).shape[1] > matplotlib.image.imread(png).shape[0]  # two panels side by side
