@@ -31,8 +31,9 @@ best first-order optimizer, its lr and warm-up) and the sweeps, choices and raw 
 command that packs takes it as ``--staleness FILE``. A run that never reaches the target counts as ``inf``.
 Where no k reaches the best optimizer's target that curve is all ``inf`` and decides nothing, so per other
 first-order optimizer the same table is printed against its own final held-out loss, and written as
-``staleness-<optim.name>.json`` (its ``relative_to`` says it is not the best); the chart's right panel
-gives K-FAC's final held-out loss per k beside every first-order optimizer's.
+``staleness-<optim.name>.json`` (its ``relative_to`` says it is not the best) and drawn beside the main
+curve; the chart's right panel gives K-FAC's final held-out loss per k beside every first-order
+optimizer's.
 
     python scripts/bench_staleness.py [--config configs/small.yaml] [--steps 300] [--seeds 3]
         [--intervals 1,2,4,8,16] [--eval-every 10] [--lrs 5e-4,1e-3,2e-3] [--muon-lrs 2e-3,4e-3,8e-3]
@@ -173,11 +174,12 @@ def _fmt(x: float) -> str:
 
 
 def chart(rows: list[dict[str, float]], path: str, title: str, best: str, others: Mapping[str, float],
-          finals: Mapping[str, float]) -> None:
+          finals: Mapping[str, float], own: Mapping[str, list[dict[str, float]]] | None = None) -> None:
     """Left: steps to target over the best first-order optimizer's against k; a dashed line per first-order
-    optimizer at its own steps over the best's (``others``: per other first-order key, where finite).
-    Right: K-FAC's final held-out loss against k, a line per first-order optimizer at its own (``finals``),
-    which still shows the race where no k reaches the target."""
+    optimizer at its own steps over the best's (``others``: per other first-order key, where finite); per
+    other optimizer in ``own`` (:func:`own_target_curves`' rows), K-FAC's steps to that optimizer's own final
+    loss over its steps, a thinner line. Right: K-FAC's final held-out loss against k, a line per
+    first-order optimizer at its own (``finals``), which still shows the race where no k reaches the target."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,13 +195,19 @@ def chart(rows: list[dict[str, float]], path: str, title: str, best: str, others
     right.set_xlabel("refresh interval k")
     right.set_ylabel("final held-out loss, median over seeds")
     right.grid(alpha=0.3)
-    right.legend(loc="upper left")
+    right.legend(loc="best")
     ks = [r["interval"] for r in rows if not math.isinf(r["ratio"])]
     ys = [r["ratio"] for r in rows if not math.isinf(r["ratio"])]
     ax.plot(ks, ys, "o-", color=COLOURS["kfac"], lw=1.6, label="K-FAC, curvature every k steps")
     ax.axhline(1.0, color=COLOURS[best], ls="--", lw=1, label=f"{ENTRANTS[best].label} (best first-order)")
     for key, y in others.items():
         ax.axhline(y, color=COLOURS[key], ls=":", lw=1, label=ENTRANTS[key].label)
+    for key, own_rows in (own or {}).items():
+        reached = [(r["interval"], r["ratio"]) for r in own_rows if not math.isinf(r["ratio"])]
+        ax.plot([k for k, _ in reached], [y for _, y in reached], "s:", color=COLOURS["kfac"], lw=1, alpha=0.7,
+                label=f"K-FAC to {ENTRANTS[key].label}'s own final loss / {ENTRANTS[key].label}'s steps")
+        for k, y in reached:
+            ax.annotate(f"{y:.2f}", (k, y), textcoords="offset points", xytext=(0, -12), ha="center", fontsize=7)
     for k, y in zip(ks, ys):
         ax.annotate(f"{y:.2f}", (k, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
     missed = [r["interval"] for r in rows if math.isinf(r["ratio"])]
@@ -210,7 +218,7 @@ def chart(rows: list[dict[str, float]], path: str, title: str, best: str, others
     ax.set_xscale("log", base=2)
     ax.set_xlim(rows[0]["interval"] / 1.5, rows[-1]["interval"] * 1.5)  # also when no k reached the target
     ax.set_xticks([r["interval"] for r in rows], [str(r["interval"]) for r in rows])
-    ax.set_ylabel(f"steps to target / {ENTRANTS[best].label}'s")
+    ax.set_ylabel(f"steps to target / {ENTRANTS[best].label}'s" if not own else "steps to target / the optimizer's")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
@@ -279,8 +287,9 @@ def main() -> None:
     lines = {k: first_order[k]["steps"] / best_steps for k in others
              if math.isfinite(first_order[k]["steps"]) and math.isfinite(best_steps) and best_steps}
     finals = {k: t["final"] for k, t in first_order.items()}
+    own_curves = own_target_curves(runs, intervals, others)
     chart(rows, png, f"{cfg.name}: steps to {ENTRANTS[best].label}'s final held-out loss, {a.steps} steps, "
-                     f"{a.seeds} seeds", best, lines, finals)
+                     f"{a.seeds} seeds", best, lines, finals, {k: r for k, (_, r) in own_curves.items()})
     from pipefisher.safe_io import dump_json_atomic
 
     relative_to = relative_to_text(best, choices[best], finals)
@@ -288,7 +297,7 @@ def main() -> None:
     dump_json_atomic(written[0], measured_curve(rows, cfg, a.config, a.steps, target, a.seeds, relative_to).to_data(
         best_first_order=best, choices=choices, sweeps=last["sweeps"], first_order=first_order, runs=runs,
         args=vars(a)))
-    for key, (own, own_rows) in own_target_curves(runs, intervals, others).items():
+    for key, (own, own_rows) in own_curves.items():
         name = ENTRANTS[key].optim["name"]
         print(f"against {ENTRANTS[key].label}'s own target, its final held-out loss {own:.4f} (steps to it: "
               f"{first_order_steps(runs, key, own):g}):")

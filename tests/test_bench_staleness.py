@@ -135,5 +135,5 @@ def test_where_no_k_reaches_the_best_target_the_other_optimizers_own_target_stil
     text = relative_to_text("baseline", {"lr": 1e-3, "warmup_steps": 0}, {"baseline": 6.0, "muon": 5.5}, is_best=False)
     assert text.startswith("adamw lr 0.001, warm-up 0 steps (not the best first-order optimizer")
     png = str(tmp_path / "staleness.png")
-    chart(rows, png, "no k reaches Muon's target", best, {}, {"baseline": 6.0, "muon": 5.5})
+    chart(rows, png, "no k reaches Muon's target", best, {}, {"baseline": 6.0, "muon": 5.5}, {"baseline": adamw_rows})
     assert matplotlib.image.imread(png).shape[1] > matplotlib.image.imread(png).shape[0]  # two panels side by side
