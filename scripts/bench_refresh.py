@@ -29,15 +29,19 @@ from typing import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def timed_inside(call: Callable[[], float], repeat: int) -> float:
+    """The median of ``repeat`` times ``call`` measures itself (its own set-up untimed), after one untimed."""
+    call()
+    return statistics.median(call() for _ in range(repeat))
+
+
 def timed(fn: Callable[[], object], repeat: int) -> float:
     """The median seconds of ``repeat`` calls of ``fn``, after one untimed call."""
-    fn()
-    times = []
-    for _ in range(repeat):
+    def call() -> float:
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time.perf_counter() - start
+    return timed_inside(call, repeat)
 
 
 def label_call(n: int) -> Callable[[], object]:
@@ -68,12 +72,6 @@ def label_call(n: int) -> Callable[[], object]:
         kfac.inv("B", name)
         return elapsed
     return call
-
-
-def timed_inside(call: Callable[[], float], repeat: int) -> float:
-    """The median of ``repeat`` times ``call`` measures itself (its own set-up untimed), after one untimed."""
-    call()
-    return statistics.median(call() for _ in range(repeat))
 
 
 def main() -> None:

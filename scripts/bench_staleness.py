@@ -29,10 +29,10 @@ over every other first-order optimizer's and over k = 1's, and the final held-ou
 model, data, horizon, target, seeds, the per-k spread of the steps over seeds, and ``relative_to``: the
 best first-order optimizer, its lr and warm-up) and the sweeps, choices and raw runs beside it; every
 command that packs takes it as ``--staleness FILE``. A run that never reaches the target counts as ``inf``.
-Where no k reaches the best optimizer's target that curve is all ``inf`` and decides nothing, so per other
-first-order optimizer the same table is printed against its own final held-out loss, and written as
-``staleness-<optim.name>.json`` (its ``relative_to`` says it is not the best) and drawn beside the main
-curve; the chart's right panel gives K-FAC's final held-out loss per k beside every first-order
+Per other first-order optimizer the same table is printed against that optimizer's own final held-out
+loss, written as ``staleness-<optim.name>.json`` (its ``relative_to`` says it is not the best) and drawn
+beside the main curve: where no k reaches the best optimizer's target, the main curve is all ``inf`` and
+decides nothing, and this one still says what each longer cycle costs; the chart's right panel gives K-FAC's final held-out loss per k beside every first-order
 optimizer's.
 
     python scripts/bench_staleness.py [--config configs/small.yaml] [--steps 300] [--seeds 3]
@@ -88,9 +88,14 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
     return out
 
 
+def _steps_to(runs: list[dict[str, Any]], target: float) -> list[float]:
+    """Each run's steps to ``target`` (``inf`` where it never got there)."""
+    return [steps_and_time_to(r["val"], target)[0] for r in runs]
+
+
 def first_order_steps(runs: list[dict[str, Any]], key: str, target: float) -> float:
     """The median steps to ``target`` of ``key``'s runs."""
-    return _median([steps_and_time_to(r["val"], target)[0] for r in runs if r["mode"] == key])
+    return _median(_steps_to([r for r in runs if r["mode"] == key], target))
 
 
 def curve(runs: list[dict[str, Any]], target: float, intervals: list[int],
@@ -98,14 +103,11 @@ def curve(runs: list[dict[str, Any]], target: float, intervals: list[int],
     """Per interval k: the median steps to target of the kfac runs (and their least and most over the
     seeds); ``ratio``, that over ``relative_to``'s (the best first-order optimizer's; ``inf`` where
     either median seed never reached the target); ``vs_k1``, over k = 1's."""
-    def steps(mine: list[dict[str, Any]]) -> list[float]:
-        return [steps_and_time_to(r["val"], target)[0] for r in mine]
-
     reference = first_order_steps(runs, relative_to, target) if relative_to else math.nan
     rows = []
     for k in intervals:
         mine = [r for r in runs if r["mode"] == "kfac" and r.get("interval") == k]
-        each = steps(mine)
+        each = _steps_to(mine, target)
         rows.append({"interval": k, "steps": _median(each), "steps_min": min(each, default=math.nan),
                      "steps_max": max(each, default=math.nan), "final": _median([r["val"][-1][1] for r in mine]),
                      "reached": sum(1 for x in each if not math.isinf(x))})

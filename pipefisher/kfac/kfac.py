@@ -230,6 +230,12 @@ class LayerState:
         return None if s is None else s / self.counts[f]
 
 
+def _running_scale(st: LayerState, factor: str) -> torch.Tensor | None:
+    """The mean trace of the layer's running average of ``factor`` (None before its first refresh)."""
+    running = st.running[factor]
+    return None if running is None else fx.mean_trace(running)
+
+
 class KFAC:
     """K-FAC for one stage (one data-parallel replica of it).
 
@@ -559,7 +565,7 @@ class KFAC:
         both whole factors."""
         st = self.layers[name]
         self._settle(name, _check(factor))
-        running = None if st.running[factor] is None else fx.mean_trace(st.running[factor])
+        running = _running_scale(st, factor)
         if st.sums[factor] is None:
             return running
         return self._fold(st, factor, fx.mean_trace(st.sums[factor]) / st.counts[factor], running)
@@ -584,10 +590,7 @@ class KFAC:
         for f in FACTORS:
             st = self.layers[name]
             local = self.dp_size > 1 and st.sums[f] is not None and not st.synced[f]
-            if local:
-                scales.append(None if st.running[f] is None else fx.mean_trace(st.running[f]))
-            else:
-                scales.append(self.scale(name, f))
+            scales.append(_running_scale(st, f) if local else self.scale(name, f))
         return fx.pi_split(*scales)  # a 0-dim tensor: no host sync
 
     def damping_of(self, name: str) -> float:
