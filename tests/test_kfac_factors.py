@@ -90,3 +90,15 @@ def test_inverse_reads_the_lower_triangle_and_checks_the_whole_factor(method):
     _, findings, ok = fx.inverse_findings(poisoned, 0.1, method=method)
     assert not bool(ok) and float(findings[0]) == 0.0
     assert "NaN or infinite" in fx.bad_factor(findings.tolist(), method)
+
+
+def test_a_zero_pivot_is_a_finding_not_an_exception():
+    # damping that exactly cancels a negative diagonal entry: Cholesky stops at a zero pivot there, on
+    # which torch's cholesky_inverse would raise; the run must get the factor's one-line reason instead
+    f = torch.diag(torch.tensor([1.0, 1.0, -1e-3, 1.0, 1.0]))
+    _, findings, ok = fx.inverse_findings(f, 1e-3)
+    assert not bool(ok)
+    assert "not positive definite after damping" in fx.bad_factor(findings.tolist(), "cholesky", "K-FAC layer x factor A")
+    assert "Cholesky failed at column 3" in fx.bad_factor(findings.tolist(), "cholesky")
+    with pytest.raises(fx.BadFactorError, match="Cholesky failed at column 3"):
+        fx.damped_inverse(f, 1e-3, what="K-FAC layer x factor A")

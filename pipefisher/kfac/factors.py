@@ -149,6 +149,11 @@ def inverse_findings(f: torch.Tensor, damping: torch.Tensor | float, *, method: 
         m = m.clone() if m is f else m
         m.diagonal().add_(damping)
         chol, info = torch.linalg.cholesky_ex(m)
+        # A failed factorization can stop at a zero pivot, on which cholesky_inverse raises instead of
+        # returning: a pivot that is not positive becomes 1 (a successful one has none), so the inverse
+        # always comes back and the findings, not an exception, say the factor was not honest.
+        pivots = chol.diagonal()
+        pivots.copy_(torch.where(pivots > 0, pivots, torch.ones_like(pivots)))
         inv = torch.cholesky_inverse(chol)
         first, second = info, info.new_zeros(())
         ok = info == 0
