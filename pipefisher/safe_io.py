@@ -105,6 +105,31 @@ def load_json(path: str | os.PathLike[str]) -> Any:
         raise InputError(path, f"is not valid JSON ({err})") from None
 
 
+def load_yaml(path: str | os.PathLike[str]) -> Any:
+    """Parse a YAML file; a syntax error is one :class:`InputError` line with where and what, not the
+    parser's multi-line report with a caret."""
+    import yaml
+
+    data = read_bytes(path)
+    try:
+        return yaml.safe_load(data)
+    except yaml.YAMLError as err:
+        raise InputError(path, f"is not valid YAML: {yaml_problem(err)}") from None
+
+
+def yaml_problem(err: Exception) -> str:
+    """A YAML parser error in one line: ``line L, column C: problem`` (1-based, as editors count), with
+    the construct it was inside and where that starts (an unclosed bracket is found at the end)."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is None or not problem:
+        return " ".join(str(err).split())  # a reader error (bad bytes): its reason and position
+    said = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, at = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and at is not None and (at.line, at.column) != (mark.line, mark.column):
+        said += f" ({context} from line {at.line + 1}, column {at.column + 1})"
+    return said
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -7,21 +7,25 @@ change is :func:`pipefisher.runtime.torch_pp.wrap` and calling its ``step`` inst
 step 0 is a plain step, the next ``--profile-steps`` run and profile K-FAC after the pipeline, then
 the K-FAC work runs in the bubbles of the packed schedule (written to ``--out``).
 
-    torchrun --nproc-per-node 2 scripts/example_torch_pipelining.py --schedule interleaved --steps 30 --out pf
-    torchrun --nproc-per-node 2 scripts/example_torch_pipelining.py --schedule zb-v   # or 1f1b, dualpipev
+    python scripts/example_torch_pipelining.py --schedule interleaved --steps 30 --out pf
+    torchrun --nproc-per-node 2 scripts/example_torch_pipelining.py --schedule zb-v   # or 1f1b, gpipe, dualpipev
 
-(``python -m torch.distributed.run`` is the same as ``torchrun``.) On CPU the ranks talk over gloo.
+Run with plain ``python``, it checks ``--out`` and starts its ``--ranks`` ranks itself, under torch's
+launcher (the command it runs is printed: ``python -m torch.distributed.run`` is ``torchrun``); under
+``torchrun`` it is one rank. A ``--out`` that holds an earlier run's schedule is refused unless
+``--overwrite``. On CPU the ranks talk over gloo.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SCHEDULES = {"1f1b": ("Schedule1F1B", 1), "interleaved": ("ScheduleInterleaved1F1B", 2),
+SCHEDULES = {"1f1b": ("Schedule1F1B", 1), "gpipe": ("ScheduleGPipe", 1), "interleaved": ("ScheduleInterleaved1F1B", 2),
              "zb-v": ("ScheduleZBVZeroBubble", 2), "dualpipev": ("ScheduleDualPipeV", 2)}
 """A torch schedule class (of ``torch.distributed.pipelining``) and the model chunks each rank holds."""
 
@@ -55,6 +59,30 @@ def batch(step: int, size: int, width: int, classes: int) -> tuple[Any, Any]:
     return centres[y] + 0.5 * torch.randn(size, width, generator=g), y
 
 
+def check_or_launch(args: argparse.Namespace) -> None:
+    """Refuse, in one line and before any rank trains, a ``--out`` the run cannot write or that holds an
+    earlier run's schedule (without ``--overwrite``); under torchrun only rank 0 says it. Run with
+    plain ``python``, then become torch's launcher (``torchrun``) of this script with these arguments."""
+    from pipefisher.errors import InputError
+    from pipefisher.runtime import torch_pp
+    from pipefisher.runtime.job.process import threads_per_worker
+
+    try:
+        torch_pp.check_folder(args.out, overwrite=args.overwrite, options=("--out", "--overwrite"))
+        threads = threads_per_worker(args.ranks)  # refuses a bad OMP_NUM_THREADS
+    except InputError as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    if "RANK" in os.environ:  # a rank under torchrun
+        return
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--standalone",
+               os.path.relpath(os.path.abspath(__file__)), *sys.argv[1:]]
+    print(f"starting {args.ranks} ranks: {shlex.join(command)}", flush=True)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun warns when it is unset
+    os.execv(sys.executable, command)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--schedule", choices=sorted(SCHEDULES), default="interleaved")
@@ -65,7 +93,14 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.05,
                     help="SGD's learning rate (0.1 diverged once, where the packer chose K-FAC cycles of 3 and 4 steps)")
     ap.add_argument("--out", default="torch_pp_run", help="folder for the profiled timelines and the schedule")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the schedule (and timelines) an earlier run wrote to --out, instead of refusing")
+    ap.add_argument("--ranks", type=int, default=2,
+                    help="ranks to start when run with plain python (under torchrun: its --nproc-per-node)")
     args = ap.parse_args()
+    if args.ranks < 2:
+        ap.error("--ranks must be at least 2 (a pipeline of one stage has no bubbles)")
+    check_or_launch(args)
 
     import torch
     import torch.distributed as dist
@@ -86,7 +121,8 @@ def main() -> None:
                             loss_fn=nn.CrossEntropyLoss())
     optimizer = torch.optim.SGD([p for st in stages for p in st.submod.parameters()], lr=args.lr)
 
-    pf = torch_pp.wrap(stages, schedule, folder=args.out, damping=args.damping, profile_steps=args.profile_steps)
+    pf = torch_pp.wrap(stages, schedule, folder=args.out, damping=args.damping, profile_steps=args.profile_steps,
+                       overwrite=args.overwrite)
     for step in range(args.steps):
         x, y = batch(step, 8 * args.micro_batches, width, classes)
         losses: list[Any] = []

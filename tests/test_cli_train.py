@@ -71,6 +71,20 @@ def test_a_bad_config_a_missing_pretrained_folder_or_data_file_are_refused_befor
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_yaml_syntax_error_and_a_missing_resume_folder_are_one_line_before_torch_loads(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: tiny\nmodel: {hidden_size: 32\n")
+    gone = tmp_path / "gone"
+    results = _torch_free([["train", "--config", str(bad), "--no-progress"],
+                           ["train", "--config", TINY, "--steps", "2", "--no-progress", "--resume", str(gone)]])
+    assert [(code, torch_loaded) for code, _, torch_loaded in results] == [(2, False)] * 2, results
+    assert [err for _, err, _ in results] == [
+        f"error: {bad}: is not valid YAML: line 3, column 1: expected ',' or '}}', but got '<stream end>' "
+        "(while parsing a flow mapping from line 2, column 8)\n",
+        f"error: {gone}: does not exist (no such folder, so no checkpoint to resume from)\n"]
+    assert not gone.exists()  # not made into an empty folder to checkpoint in
+
+
 def test_adapt_policy_without_adapt_is_refused_in_one_line():
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--stages", "1", "--steps", "1", "--no-progress",
                                     "--adapt-policy", "best-fit"])

@@ -137,5 +137,5 @@ def test_without_the_package_the_flag_is_refused_before_any_work(tmp_path, monke
     args = [a.replace("OUT", str(out)) for a in command]
     res = CliRunner().invoke(main, [*args, "--config", TINY, "--steps", "1", "--tensorboard", str(tb),
                                     "--no-progress"])
-    assert res.exit_code != 0 and res.output == f"Error: {MISSING}\n", res.output
+    assert res.exit_code == 2 and res.output == f"error: {MISSING}\n", res.output  # as every missing extra
     assert not os.path.exists(tb) and not os.path.exists(out)

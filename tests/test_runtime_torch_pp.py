@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -17,14 +18,22 @@ from pipefisher.runtime.pipeline import torch_api
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+EXAMPLE = os.path.join(ROOT, "scripts", "example_torch_pipelining.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+
+
 def test_the_example_script_packs_kfac_into_its_torch_schedules_bubbles_and_trains(tmp_path):
+    """Run with plain python, as a new user runs it: it starts its 2 ranks under torch's launcher (and
+    says how, a command that works as printed: it is the one it runs)."""
     out = tmp_path / "pf"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                          os.path.join(ROOT, "scripts", "example_torch_pipelining.py"), "--schedule", "interleaved",
-                          "--steps", "16", "--profile-steps", "2", "--out", str(out)],
-                         capture_output=True, text=True, timeout=240, env=env)
+    res = subprocess.run([sys.executable, EXAMPLE, "--schedule", "interleaved", "--steps", "16", "--profile-steps",
+                          "2", "--out", str(out)], capture_output=True, text=True, timeout=240, env=ENV, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
+    launched = res.stdout.splitlines()[0]
+    assert launched == "starting 2 ranks: " + shlex.join(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+         os.path.relpath(EXAMPLE, tmp_path), "--schedule", "interleaved", "--steps", "16", "--profile-steps", "2",
+         "--out", str(out)]), launched
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", res.stdout)]
     assert len(losses) >= 4 and losses[-1] < losses[0]
     k = re.search(r"K-FAC cycle k=(\d+)", res.stdout)
@@ -35,12 +44,48 @@ def test_the_example_script_packs_kfac_into_its_torch_schedules_bubbles_and_trai
     assert check.exit_code == 0, check.output
 
 
+@pytest.mark.parametrize("out, says", [
+    ("/proc/pf", "/proc/pf: cannot be created (--out): /proc is not writable"),
+    ("EARLIER", "EARLIER/torch_pp_schedule.pickle: exists: an earlier run packed this schedule, and this run "
+                "would replace it; choose another --out, or --overwrite to replace it"),
+])
+def test_the_example_refuses_an_out_it_cannot_write_or_would_overwrite_in_one_line(tmp_path, out, says):
+    """Before any rank starts (one line, not a traceback per rank); a second run into the same --out
+    does not replace the first one's schedule."""
+    earlier = tmp_path / "pf"
+    earlier.mkdir()
+    (earlier / "torch_pp_schedule.pickle").write_bytes(b"the first run's")
+    out, says = out.replace("EARLIER", str(earlier)), says.replace("EARLIER", str(earlier))
+    res = subprocess.run([sys.executable, EXAMPLE, "--out", out], capture_output=True, text=True, timeout=120,
+                         env=ENV)
+    assert (res.returncode, res.stdout, res.stderr) == (2, "", f"error: {says}\n")
+    assert (earlier / "torch_pp_schedule.pickle").read_bytes() == b"the first run's"
+
+
 def test_a_schedule_without_an_action_list_is_refused_in_one_line():
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    class OwnLoop(PipelineScheduleSingle):
+        """A schedule class of one's own: its loop is its order, which pipefisher cannot know."""
+
+        def _step_microbatches(self, *args, **kwargs):
+            raise AssertionError("not run")
+
+    with pytest.raises(InputError, match="OwnLoop has no per-rank action list") as err:
+        torch_api.schedule_actions(object.__new__(OwnLoop))
+    assert "\n" not in str(err.value)
+
+
+def test_schedulegpipe_gives_the_order_its_loop_runs_all_forwards_then_all_backwards():
     from torch.distributed.pipelining import ScheduleGPipe
 
-    with pytest.raises(InputError, match="ScheduleGPipe has no per-rank action list") as err:
-        torch_api.schedule_actions(object.__new__(ScheduleGPipe))
-    assert "\n" not in str(err.value)
+    from pipefisher.pipeline_orders import BACKWARD, FORWARD
+
+    fake = object.__new__(ScheduleGPipe)
+    fake.__dict__.update(_num_stages=2, _n_microbatches=3)
+    got = torch_api.actions_order(torch_api.schedule_actions(fake))
+    assert got == {r: [torch_api.Compute(kind, r, i) for kind in (FORWARD, BACKWARD) for i in range(3)]
+                   for r in range(2)}
 
 
 def test_schedule1f1b_gives_the_order_its_loop_runs():
@@ -100,7 +145,7 @@ def _first_step_both_ways(schedule_name: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-v"])
 def test_a_wrapped_step_computes_what_the_torch_schedules_own_step_does(schedule):
     """Same gradients (torch's scale_grads division included) and losses: the handlers pipefisher
     registers do what torch's own do."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipefisher.errors import InputError
-from pipefisher.safe_io import dump_pickle_atomic, load_pickle, loads_restricted, write_atomic
+from pipefisher.safe_io import dump_pickle_atomic, load_pickle, load_yaml, loads_restricted, write_atomic
 
 
 @pytest.mark.parametrize("protocol", [2, 3, 4, 5])
@@ -68,3 +68,17 @@ def test_atomic_write_keeps_old_file_when_serialisation_fails(tmp_path) -> None:
 def test_atomic_write_into_missing_folder_is_an_input_error(tmp_path) -> None:
     with pytest.raises(InputError, match="folder does not exist"):
         write_atomic(tmp_path / "nope" / "x.json", "{}")
+
+
+@pytest.mark.parametrize("text, where", [
+    ("name: x\nmodel: {a: 1\n", "line 3, column 1: expected ',' or '}', but got '<stream end>' "
+                                 "(while parsing a flow mapping from line 2, column 8)"),
+    ("a: b: c\n", "line 1, column 5: mapping values are not allowed here"),
+    ("a: \"\x00\"\n", "unacceptable character #x0000"),
+])
+def test_a_yaml_syntax_error_is_one_line_with_the_file_line_column_and_problem(tmp_path, text, where) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(InputError) as err:
+        load_yaml(path)
+    assert str(err.value).startswith(f"{path}: is not valid YAML: {where}") and "\n" not in str(err.value)

@@ -225,6 +225,20 @@ def test_cli_reports_bad_input_in_one_line_with_exit_2(tmp_path):
         assert res.output.startswith("error: ") and res.output.count("\n") == 1, res.output
 
 
+@pytest.mark.parametrize("command", [["compare"], ["simulate", "--out", "OUT"]])
+def test_a_run_config_given_for_a_cost_model_is_named_as_one(tmp_path, command):
+    tiny = os.path.join(ROOT, "configs", "tiny.yaml")
+    args = [a.replace("OUT", str(tmp_path / "sim")) for a in command]
+    res = CliRunner().invoke(main, [*args, "--config", tiny])
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert res.output.startswith(f"error: {tiny}: is a run config (for pipefisher train and run), not a cost "
+                                 "model: this --config takes a cost model"), res.output
+    assert "bert-base-4stages" in res.output and "unknown key" not in res.output
+    # a cost model with a stray key is still told its unknown key, not called a run config
+    with pytest.raises(InputError, match="unknown key in the file: optim"):
+        cost_model_from_dict({**MINIMAL, "optim": {}}, "model.yaml")
+
+
 def test_compare_prints_one_row_per_schedule_and_micro_batch_count(tmp_path):
     res = CliRunner().invoke(main, ["compare", "--config", BASE, "--schedules", "gpipe,1f1b,interleaved",
                                     "-m", "4,9", "--json", str(tmp_path / "c.json")])

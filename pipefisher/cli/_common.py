@@ -16,7 +16,8 @@ EXIT_BAD_INPUT = 2
 RUNTIME_INSTALL = "pip install 'pipefisher[runtime]' (in a clone: pip install -e '.[runtime]')"
 
 
-def _missing(module: str) -> bool:
+def missing_module(module: str) -> bool:
+    """Whether ``module`` is not installed, checked without importing it (nor torch): for every extra."""
     import importlib.util
 
     try:
@@ -27,11 +28,12 @@ def _missing(module: str) -> bool:
 
 def require_runtime(command: str, modules: tuple[str, ...] = ("torch",)) -> None:
     """One line saying how to install the runtime extra, instead of a ModuleNotFoundError traceback from
-    deep inside the runtime; checked without importing torch (the scheduling path must never import it)."""
-    missing = [m for m in modules if _missing(m)]
+    deep inside the runtime; checked without importing torch (the scheduling path must never import it).
+    An input error (exit 2), as every missing extra is."""
+    missing = [m for m in modules if missing_module(m)]
     if missing:
-        raise click.ClickException(f"pipefisher {command} needs {' and '.join(missing)} (the runtime extra), "
-                                   f"not installed here: {RUNTIME_INSTALL}")
+        raise InputError(None, f"pipefisher {command} needs {' and '.join(missing)} (the runtime extra), "
+                               f"not installed here: {RUNTIME_INSTALL}")
 
 
 class PipefisherGroup(click.Group):

@@ -10,7 +10,8 @@ from typing import Any
 
 import click
 
-from pipefisher.cli._common import chunks_option, pipeline_option, require_runtime, staleness_option
+from pipefisher.cli._common import (chunks_option, missing_module, pipeline_option, require_runtime,
+                                    staleness_option)
 from pipefisher.cli._outputs import check_fresh_outputs, check_out_file, check_out_folder, check_profile_folder
 from pipefisher.cli.group import main
 from pipefisher.errors import InputError
@@ -52,10 +53,10 @@ def check_tensorboard(folder: str | None) -> str | None:
     torch loads and any worker starts; returns DIR made absolute (the workers may run elsewhere)."""
     if folder is None:
         return None
-    from pipefisher.runtime.train.tensorboard import MISSING, available
+    from pipefisher.runtime.train.tensorboard import MISSING
 
-    if not available():
-        raise click.ClickException(MISSING)
+    if missing_module("tensorboard"):  # as every missing extra: one input-error line, exit 2
+        raise InputError(None, MISSING)
     check_out_folder(folder, "--tensorboard")
     return os.path.abspath(folder)
 
@@ -229,6 +230,10 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         raise click.UsageError("--profile needs --out DIR for the timeline files")
     if profile:
         check_profile_folder(out_dir, cfg.name)  # type: ignore[arg-type]  # never overwrite a profile silently
+    if resume_dir:  # before the folders below are made: a mistyped --resume DIR must not become an empty one
+        from pipefisher.runtime.train.checkpoint import check_exists
+
+        check_exists(resume_dir)
     if resume_dir and not checkpoint_dir:
         checkpoint_dir = resume_dir  # keep checkpointing where we resumed from
     if checkpoint_every and not checkpoint_dir:

@@ -50,17 +50,40 @@ from pipefisher.runtime.pipeline.torch_engine import TorchEngine
 from pipefisher.runtime.train.profiler import Profiler, timeline_filename
 from pipefisher.timeline import STEP_KEY, UPDATE_KEY
 
-__all__ = ["KfacPipeline", "wrap"]
+__all__ = ["KfacPipeline", "check_folder", "schedule_file", "wrap"]
 
 
 def wrap(stages: Sequence[Any], schedule: Any, *, folder: str, damping: float = 1e-3,
          ignore: Iterable[str] = DEFAULT_IGNORE, profile_steps: int = 3, policy: str = DEFAULT_POLICY,
-         margin: float = DEFAULT_MARGIN, name: str = "torch_pp") -> "KfacPipeline":
+         margin: float = DEFAULT_MARGIN, name: str = "torch_pp", overwrite: bool = False) -> "KfacPipeline":
     """K-FAC for this rank's ``stages`` (torch ``PipelineStage``\\ s) run in ``schedule``'s order (see
     the module's docstring). ``folder`` gets the profiled timelines and the packed schedule (``name``
-    prefixes their files); ``damping`` and ``ignore`` are K-FAC's (``kfac.damping``, ``kfac.ignore``)."""
+    prefixes their files); one that cannot be written, or that holds an earlier run's schedule (unless
+    ``overwrite``), is refused now (:func:`check_folder`), not after the profiled steps. ``damping`` and
+    ``ignore`` are K-FAC's (``kfac.damping``, ``kfac.ignore``)."""
+    check_folder(folder, name=name, overwrite=overwrite)
     return KfacPipeline(stages, schedule, folder=folder, damping=damping, ignore=ignore,
                         profile_steps=profile_steps, policy=policy, margin=margin, name=name)
+
+
+def schedule_file(folder: str, name: str = "torch_pp") -> str:
+    """Where :func:`wrap` writes the schedule it packs."""
+    return os.path.join(folder, f"{name}_schedule.pickle")
+
+
+def check_folder(folder: str, *, name: str = "torch_pp", overwrite: bool = False,
+                 options: tuple[str, str] = ("folder", "overwrite=True")) -> None:
+    """Refuse (:class:`InputError`, one line) a ``folder`` :func:`wrap` could not write its files to, or
+    one that holds the schedule an earlier run packed under ``name``: a second run would replace it
+    without a word. ``options``: how the caller names the folder and the overwrite (a script's
+    ``("--out", "--overwrite")``), for the line to say what to change."""
+    from pipefisher.cli._outputs import check_out_folder  # the checks every output folder gets; no torch
+
+    check_out_folder(folder, options[0])
+    path = schedule_file(folder, name)
+    if not overwrite and os.path.exists(path):
+        raise InputError(path, f"exists: an earlier run packed this schedule, and this run would replace it; "
+                               f"choose another {options[0]}, or {options[1]} to replace it")
 
 
 class KfacPipeline:
@@ -94,7 +117,7 @@ class KfacPipeline:
                                   span=self.profiler.span, kfacs=self.kfacs)
         self.rank = self.engine.rank
         self.executor: ScheduleExecutor | None = None
-        self.schedule_path = os.path.join(folder, f"{name}_schedule.pickle")
+        self.schedule_path = schedule_file(folder, name)
         self.steps_done = 0
 
     def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> None:

@@ -232,10 +232,24 @@ def _modules(path: str, kfac: Mapping[str, Any]) -> tuple[ModuleCost, ...]:
     return tuple(out)
 
 
+def _refuse_run_config(where: str, data: Mapping[str, Any]) -> None:
+    """A run config given where a cost model goes (both are YAML and both say ``--config``): said so,
+    with what the command takes, rather than its sections listed as unknown keys."""
+    from pipefisher.examples import cost_model_names
+    from pipefisher.runtime.job.config import is_run_config  # plain dataclasses, no torch
+
+    if "layers" not in data and is_run_config(data):
+        raise InputError(where, "is a run config (for pipefisher train and run), not a cost model: this --config "
+                                "takes a cost model, a YAML file of per-layer and K-FAC times (layers, kfac, ...: "
+                                "docs/simulating.md), or a bundled one by name ("
+                                + ", ".join(cost_model_names()) + ")")
+
+
 def cost_model_from_dict(data: Any, path: str | None = None) -> CostModel:
     """Build and check a cost model from parsed YAML; every problem is an :class:`InputError`."""
     where = path if path is not None else "<cost model>"
     data = _map(where, "the file", data)
+    _refuse_run_config(where, data)
     _allowed(where, "the file", data, {"name", "source", "schedule", "stages", "micro_batches", "chunks", "layers",
                                        "layer", "stage", "backward_input_fraction", "latency_ms", "kfac",
                                        "module_template"})
@@ -288,18 +302,10 @@ def cost_model_from_dict(data: Any, path: str | None = None) -> CostModel:
 
 def load_cost_model(path: str | os.PathLike[str]) -> CostModel:
     """Read a cost model YAML file."""
-    import yaml
-
-    from pipefisher.safe_io import read_bytes
+    from pipefisher.safe_io import load_yaml
 
     path = os.fspath(path)
-    text = read_bytes(path)
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise InputError(path, f"is not valid YAML{at}") from None
+    data = load_yaml(path)
     if data is None:
         raise InputError(path, "is empty")
     return cost_model_from_dict(data, path)

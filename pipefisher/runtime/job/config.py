@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipefisher.errors import InputError, first_line
+from pipefisher.errors import InputError
 from pipefisher.pipeline_orders import V_SCHEDULES, default_chunks
 
 DEFAULT_KFAC_IGNORE = ("embeddings", "LayerNorm", "cls")
@@ -311,6 +311,14 @@ _SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "kf
              "pipeline": PipelineConfig, "train": TrainConfig, "checkpoint": CheckpointConfig}
 
 
+def is_run_config(raw: Any) -> bool:
+    """Whether parsed YAML is a run config: only its keys (``name`` and sections), and a section a cost
+    model has no key for (both have ``kfac``). For commands that read another kind of YAML, to say
+    what they were given instead of listing its sections as unknown keys."""
+    keys = set(map(str, raw)) if isinstance(raw, Mapping) else set()
+    return bool(keys - {"name", "kfac"}) and keys <= {"name", *_SECTIONS}
+
+
 def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None) -> RunConfig:
     """Build and check a :class:`RunConfig`; unknown keys and bad values are :class:`InputError`."""
     if not isinstance(raw, Mapping):
@@ -372,6 +380,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     """
     import yaml
 
+    from pipefisher.safe_io import yaml_problem
+
     where = f"--set {text}"
     dotted, sep, raw = text.partition("=")
     dotted = dotted.strip()
@@ -388,7 +398,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
-        raise InputError(where, f"the value is not valid YAML ({first_line(err)})") from None
+        raise InputError(where, f"the value is not valid YAML ({yaml_problem(err)})") from None
     if isinstance(value, str) and _NUMBER.match(value.strip()):
         value = float(value)
     if isinstance(getattr(_SECTIONS[section](), key), str) and not isinstance(value, str):
@@ -545,16 +555,9 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
 
 def load_config(path: str | os.PathLike[str]) -> RunConfig:
     """Read a YAML config file."""
-    import yaml
+    from pipefisher.safe_io import load_yaml
 
-    from pipefisher.safe_io import read_bytes
-
-    data = read_bytes(path)
-    try:
-        raw = yaml.safe_load(data)
-    except yaml.YAMLError as err:
-        raise InputError(path, f"is not valid YAML ({err})") from None
-    return config_from_dict(raw, path)
+    return config_from_dict(load_yaml(path), path)
 
 
 def torch_rounds(micro_batches: int, stages: int) -> int:

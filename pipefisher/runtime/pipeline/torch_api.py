@@ -55,7 +55,8 @@ _NAMES = [
     (_MODULE, "_PipelineScheduleRuntime._prepare_schedule_with_comms"),
     (_MODULE, "_PipelineScheduleRuntime._maybe_compute_loss"),
     (_MODULE, "_PipelineScheduleRuntime._maybe_get_loss"), (_MODULE, "Schedule1F1B"),
-    (_MODULE, "Schedule1F1B._step_microbatches"), (_MODULE, "_batch_p2p"),
+    (_MODULE, "Schedule1F1B._step_microbatches"), (_MODULE, "_batch_p2p"), (_MODULE, "ScheduleGPipe"),
+    (_MODULE, "ScheduleGPipe._step_microbatches"),
     (_MODULE, "ScheduleInterleaved1F1B._calculate_single_rank_operations"),
     (_MODULE, "ScheduleZBVZeroBubble._calculate_single_rank_operations"),
     (_MODULE, "ScheduleInterleavedZeroBubble._calculate_single_rank_operations"),
@@ -209,7 +210,7 @@ def torch_actions(kind: str, stages: int, micro_batches: int, chunks: int = 2) -
     cls = getattr(schedules, SCHEDULE_CLASSES[kind])
     m, p = micro_batches, stages
     if kind == "1f1b":
-        return {r: _recorded_1f1b(cls, r, p, m) for r in range(p)}
+        return {r: _recorded_loop(cls, r, p, m) for r in range(p)}
     if kind in ("zb-v", "dualpipev"):
         fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
     else:
@@ -223,13 +224,15 @@ def torch_actions(kind: str, stages: int, micro_batches: int, chunks: int = 2) -
     return {r: list(cls._calculate_single_rank_operations(fake, r)) for r in range(p)}
 
 
-def _recorded_1f1b(cls: Any, rank: int, stages: int, micro_batches: int) -> list[Any]:
-    """The compute actions ``Schedule1F1B`` runs on ``rank``, recorded from its own loop
-    (``_step_microbatches``) run on a stand-in stage that computes and communicates nothing.
+def _recorded_loop(cls: Any, rank: int, stages: int, micro_batches: int) -> list[Any]:
+    """The compute actions a one-stage-per-rank schedule class (``Schedule1F1B``, ``ScheduleGPipe``)
+    runs on ``rank``, recorded from its own loop (``_step_microbatches``) run on a stand-in stage that
+    computes and communicates nothing.
 
-    ``Schedule1F1B`` walks no action list (its loop is the schedule), and its ``_get_pipeline_order``
-    (used for drawing) names micro-batches 1..m on the last rank in torch 2.13, so the order is taken
-    from what the loop calls; the engine then runs it through ``_PipelineScheduleRuntime``.
+    These classes walk no action list (their loop is the schedule), and ``Schedule1F1B``'s
+    ``_get_pipeline_order`` (used for drawing) names micro-batches 1..m on the last rank in torch 2.13,
+    so the order is taken from what the loop calls; the engine then runs it through
+    ``_PipelineScheduleRuntime``.
     """
     s = _schedules()
     ct = s._ComputationType
@@ -306,15 +309,17 @@ def actions_order(actions: dict[int, list[Any]]) -> dict[int, list[Compute]]:
 def schedule_actions(schedule: Any) -> dict[int, list[Any]]:
     """Every rank's compute-only ``_Action`` lists of a torch schedule object a user built: its
     ``pipeline_order`` (the runtime schedules: interleaved, zero-bubble, DualPipeV, one loaded from
-    CSV), or for ``Schedule1F1B``, whose loop is its order, the order that loop runs."""
+    CSV), or for ``Schedule1F1B`` and ``ScheduleGPipe``, whose loop is their order, the order that loop
+    runs."""
     s = _schedules()
-    if isinstance(schedule, s.Schedule1F1B):
-        p, m = schedule._num_stages, schedule._n_microbatches
-        return {r: _recorded_1f1b(s.Schedule1F1B, r, p, m) for r in range(p)}
+    for cls in (s.Schedule1F1B, s.ScheduleGPipe):
+        if isinstance(schedule, cls):
+            p, m = schedule._num_stages, schedule._n_microbatches
+            return {r: _recorded_loop(cls, r, p, m) for r in range(p)}
     order = getattr(schedule, "pipeline_order", None)
     if not isinstance(schedule, s._PipelineScheduleRuntime) or not order:
         raise InputError(None, f"the torch schedule {type(schedule).__name__} has no per-rank action list "
-                               "pipefisher can place K-FAC work in (Schedule1F1B, ScheduleInterleaved1F1B, "
+                               "pipefisher can place K-FAC work in (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, "
                                "ScheduleZBVZeroBubble, ScheduleDualPipeV, ScheduleInterleavedZeroBubble, or "
                                "one loaded with _load_csv)")
     reduce = s._ComputationType.REDUCE_GRAD

@@ -32,16 +32,6 @@ TAGS = {"loss": "loss/train", "val_loss": "loss/held_out", "lr": "optim/lr", "st
 """Column (as in the metrics CSV, where it has one) -> TensorBoard tag."""
 
 
-def available() -> bool:
-    """Whether the tensorboard package is installed (checked without importing it, nor torch)."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("tensorboard") is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def holds_run(folder: str) -> bool:
     """Whether ``folder`` already holds a TensorBoard run (event files), which another run would mix with."""
     import os
