@@ -227,6 +227,35 @@ def test_allow_invalid_trains_what_the_runtime_can_run_and_leaves_a_refused_sche
     assert not report["valid"] and report["runnable"] and len(packed.nodes) == 2
 
 
+def test_a_run_trains_no_cycle_longer_than_its_steps_chimera_pairs_aligned(tmp_path):
+    """The profiled Chimera pair packs k = 5 densely (3 per device before the pair is aligned): a 4-step
+    run takes the shortest packing that fits, and says its cycle and planned overhead; a 3-step run,
+    where no packing's aligned cycle fits, stops before training and says why and what it needs."""
+    from pipefisher.policies import get_policy
+    from pipefisher.runtime.launch.driver import RunPaths, pack_and_check
+
+    job, cfg = _chimera_profile()
+    lines: list[str] = []
+    packed, report = pack_and_check(job, get_policy("target", max_cycle=4), cfg, RunPaths(str(tmp_path), "k4"), 1,
+                                    margin=0.05, allow_invalid=False, steps=4, echo=lines.append)
+    chosen = packed.tradeoff.chosen
+    assert report["cycle"] == chosen.cost.cycle == max(n.figures.iterations for n in packed.nodes) <= 4
+    assert report["within_run"] and report["planned_overhead"] == round(chosen.cost.overhead, 6)
+    said = next(line for line in lines if "chosen:" in line)
+    assert f"k = {report['cycle']} at margin {chosen.margin:g} (planned {100 * chosen.cost.overhead:.1f} % over " \
+           "first-order)" in said and said.endswith("(cycles up to the run's 4 steps)")
+    for policy in (get_policy("target", max_cycle=3), get_policy("tight")):  # tight: k = 5, from 3 and 3
+        paths = RunPaths(str(tmp_path), policy.name)
+        lines.clear()
+        with pytest.raises(InputError, match=rf"policy '{policy.name}' packs no K-FAC cycle within the run's 3 steps "
+                                             r"\(its shortest: k = \d+, \d before aligning Chimera's stage pairs\); "
+                                             r"not training it.*give --steps \d+ or more"):
+            pack_and_check(job, policy, cfg, paths, 1, margin=0.05, allow_invalid=False, steps=3, echo=lines.append)
+        report = json.loads(open(paths.report).read())
+        assert not report["within_run"] and report["cycle"] > 3 and report["steps"] == 3
+        assert not any("cycles up to the run's" in line for line in lines)
+
+
 def test_run_records_its_kfac_margin_and_validate_checks_the_same_job(tmp_path):
     """`run --kfac-margin 2` packs against K-FAC times x 2 and says `valid`; `pipefisher validate` reads
     the factor beside the schedule and checks the same job, so both give one answer."""
