@@ -152,14 +152,16 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
             nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
             checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
             eval_every: int = 0, echo: Callable[[str], None] = print, margin: float | None = None,
-            adapt: bool = False, tensorboard: str | None = None, staleness: Any = None) -> RunPaths:
+            adapt: bool = False, tensorboard: str | None = None, staleness: Any = None,
+            adapt_drift: bool = False) -> RunPaths:
     """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.timeline.median_step`),
     pack them with ``policy`` (K-FAC times x ``kfac_margin``,
     room rule with ``margin``, :mod:`pipefisher.problem`),
     print the usage report, refuse a schedule that ``validate`` rejects (unless ``allow_invalid``) or
     that the runtime cannot run (always; both leave the schedule, chart and report in the run folder),
     then train ``steps`` steps with it (with ``adapt``, re-packing it from the measured steps while it
-    trains, :mod:`pipefisher.runtime.train.adapt`; with ``tensorboard``, TensorBoard logs of the training
+    trains, :mod:`pipefisher.runtime.train.adapt`; without a curve at the packing's cycle, unless
+    ``adapt_drift`` lets the drift rule set it; with ``tensorboard``, TensorBoard logs of the training
     in that folder); returns the paths. ``staleness``: the job's
     :class:`~pipefisher.staleness.StalenessCurve` (None: none), for the ``target`` policy, which also
     chooses among the cycles the run's ``steps`` complete, and for ``adapt``. Where no packing's cycle
@@ -224,8 +226,9 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
          f"{100 * report['planned_overhead']:.1f} % over first-order per step)")
     t0 = time.perf_counter()
     figures = launch(scheduled_options(paths, steps, checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
-                             eval_every=eval_every, adapt=adapt, adapt_policy=packer.name, margin=margin,
-                             tensorboard=tensorboard, staleness=staleness_data(staleness) if adapt else None))
+                             eval_every=eval_every, adapt=adapt, adapt_policy=packer.name, adapt_drift=adapt_drift,
+                             margin=margin, tensorboard=tensorboard,
+                             staleness=staleness_data(staleness) if adapt else None))
     report["training"] = training_summary(paths, figures, steps, cycles, adapt, profile_s, time.perf_counter() - t0,
                                           echo)
     dump_json_atomic(paths.report, report)
