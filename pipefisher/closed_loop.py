@@ -13,8 +13,10 @@ a bubble), and hands their answer to every worker.
 * :class:`AdaptiveScheduler` re-packs a timeline measured over its last cycles (robust quantiles, not
   one noisy sample) when the current schedule's work overruns its bubbles, and tries more K-FAC slack
   while the measured step time improves by a margin (going back where it does not). Its cycle k follows
-  a staleness curve when one is given, else the run's own curvature drift (:mod:`pipefisher.drift`:
-  longer while the curvature barely moves between refreshes, shorter when it moves much).
+  a staleness curve when one is given; without one it stays the packing's k, unless the drift rule is
+  asked for (``drift``, opt-in until it is validated beyond the job it was fitted on: docs/adapt.md),
+  which follows the run's own curvature drift (:mod:`pipefisher.drift`: longer while the curvature
+  barely moves between refreshes, shorter when it moves much).
 """
 from __future__ import annotations
 
@@ -187,7 +189,7 @@ class AdaptiveScheduler(Scheduler):
     * **repair**: when the schedule's work overran its planned bubbles significantly (beyond the room
       rule's margin) at the same place (node and iteration) two cycles in a row, it is re-packed from
       the measurements at its K-FAC slack; if that re-pack overruns too, at the next slack of ``ladder``
-      (a schedule on trial that overruns has failed its trial instead). Under the drift rule a repair
+      (a schedule on trial that overruns has failed its trial instead). Without a curve a repair
       stays within its k: the re-pack at that slack if it fits, else the densest that does, else none;
     * **more slack** (a trial): packed with the next factor of ``ladder``, kept if its value (the median
       step time of ``settle`` cycles, see :meth:`value`) beats the kept schedule's by more than ``tie``,
@@ -198,15 +200,16 @@ class AdaptiveScheduler(Scheduler):
 
     **Which cycle k.** Given a ``staleness`` curve (:class:`pipefisher.staleness.StalenessCurve`), a
     schedule's value is its measured step time x the curve at its k, so more slack that lengthens the
-    cycle must save more step time than its staler curvature costs in steps. Without one (``None``), the
-    run's own drift decides (:mod:`pipefisher.drift`, :meth:`observe_drift`): a :class:`DriftRule` sets
-    the cycle k every schedule runs at, doubling it when the curvature's aging over a cycle is clearly
-    small and halving it when it is clearly large; schedules are then judged by step time alone, all at
-    that k. A packing that needs fewer iterations than k is lengthened to k by pipeline-only iterations
-    appended to its cycle (:func:`equal_cycles`); more slack is tried only where its packing fits in k; a
-    shorter k goes back to denser rungs (a re-pack at the kept slack, then at less slack) and stops at the
-    densest packing (the rule's floor: no voluntary overflow). A resize is no trial: the drift says so, and
-    it is logged with its figures.
+    cycle must save more step time than its staler curvature costs in steps. Without one (``None``), k
+    stays the initial schedule's (:attr:`fixed_k`: the rules below at a k that never moves), unless
+    ``drift`` is set (opt-in: docs/adapt.md): then the run's own drift decides (:mod:`pipefisher.drift`,
+    :meth:`observe_drift`): a :class:`DriftRule` sets the cycle k every schedule runs at, doubling it
+    when the curvature's aging over a cycle is clearly small and halving it when it is clearly large.
+    Schedules are then judged by step time alone, all at that k. A packing that needs fewer iterations
+    than k is lengthened to k by pipeline-only iterations appended to its cycle (:func:`equal_cycles`);
+    more slack is tried only where its packing fits in k; a shorter k goes back to denser rungs (a re-pack
+    at the kept slack, then at less slack) and stops at the densest packing (the rule's floor: no
+    voluntary overflow). A resize is no trial: the drift says so, and it is logged with its figures.
 
     The ladder is the density search the ``target`` policy does on a model, done here on measurements:
     its re-packs use ``tight`` (``target`` would search again inside each rung), and the climb starts at
@@ -220,7 +223,7 @@ class AdaptiveScheduler(Scheduler):
                  window: int = 4, q: float = 0.5, settle: int = 2, tie: float = 0.04,
                  ladder: Sequence[float] = SLACK_LADDER, staleness: Any = None, aging_low: float = AGING_LOW,
                  aging_high: float = AGING_HIGH, max_cycle: int = DRIFT_MAX_CYCLE,
-                 drift_min_refreshes: int = DRIFT_MIN_REFRESHES) -> None:
+                 drift_min_refreshes: int = DRIFT_MIN_REFRESHES, drift: bool = False) -> None:
         super().__init__(initial)
         if window < 1 or settle < 1 or not 0 <= q <= 1 or not 0 <= tie < 1 or not ladder \
                 or any(g < 1 for g in ladder):
@@ -230,9 +233,11 @@ class AdaptiveScheduler(Scheduler):
         self.policy = "tight" if policy == "target" else policy
         self.window, self.q, self.settle, self.tie = window, q, settle, tie
         self.ladder = tuple(ladder)
-        self.staleness = staleness  # None: no curve, the drift rule sets k
-        self.rule = None if staleness is not None else \
-            DriftRule(max(initial.cycles), aging_low, aging_high, max_cycle, drift_min_refreshes)
+        self.staleness = staleness  # None: no curve; k is the initial packing's, or the drift rule's
+        self.rule = DriftRule(max(initial.cycles), aging_low, aging_high, max_cycle, drift_min_refreshes) \
+            if staleness is None and drift else None
+        self.fixed_k = max(initial.cycles) if staleness is None and not drift else None
+        """Without a curve or the drift rule: the cycle every schedule runs at (the packing's)."""
         self._natural: dict[str, ScheduleData] = {}  # digest of a lengthened plan -> the packing it lengthens
         self._cycles: deque[list[StepRecord]] = deque(maxlen=window)
         self._since_switch = 0
@@ -298,6 +303,8 @@ class AdaptiveScheduler(Scheduler):
                               "overran": self.overran[-1] if self.overran else []}
         if self.rule is not None:
             self.last_decision.update(cycle=self.rule.cycle, aging=self.rule.evidence)
+        elif self.fixed_k is not None:
+            self.last_decision.update(cycle=self.fixed_k)
         if again:
             where = ", ".join(f"node {n} iteration {i}" for n, i in again[:3]) + (", ..." if len(again) > 3 else "")
             over = f"its K-FAC work overran its bubbles two cycles in a row ({where})"
@@ -312,16 +319,16 @@ class AdaptiveScheduler(Scheduler):
             k = self._k()
             if k is None:
                 plan, rung = self._pack(self.rung + up, why), self.rung + up
-            else:  # within the cycle the drift allows: at this slack, else the densest that fits
+            else:  # within the cycle in force: at this slack, else the densest that fits
                 fits = next(((p, r) for p, r in self._repacks(self.rung + up, why, k) if len(self.natural(p)[0]) <= k),
                             None)
                 if fits is None:  # staler curvature is not the price of a repair: the overruns stay
                     self.overran = []
-                    self.last_decision["repair_blocked"] = f"{over}, and no re-pack fits the k = {k} the drift allows"
+                    self.last_decision["repair_blocked"] = f"{over}, and no re-pack fits {self._k_text()}"
                     return self.current
                 plan, rung = fits
                 if rung != self.rung + up:
-                    plan = Plan(plan.data, f"{plan.reason} (the densest re-pack that fits the k = {k} the drift allows)",
+                    plan = Plan(plan.data, f"{plan.reason} (the densest re-pack that fits {self._k_text()})",
                                 plan.timelines, plan.margin, plan.expected_seconds)
             plan = self._hand_out(plan, rung)
             self.kept, self.kept_rung, self.trial, self._repaired, self.shorter_tried = plan, self.rung, None, True, False
@@ -353,7 +360,7 @@ class AdaptiveScheduler(Scheduler):
         if self.climbing and self.rung + 1 < len(self.ladder):
             return self._try_slack(self.cost(self.current))
         self.climbing = False
-        if not self.shorter_tried and self.rule is None:  # without a curve the drift rule sets k
+        if not self.shorter_tried and self.staleness is not None:  # without a curve k is set (fixed or drift)
             self.shorter_tried = True
             plan = self._pack(self.rung, "a shorter cycle, tried")
             if max(plan.cycles) < max(self.current.cycles):
@@ -363,8 +370,13 @@ class AdaptiveScheduler(Scheduler):
         return self.current
 
     def _k(self) -> int | None:
-        """The cycle the drift rule has set (None with a staleness curve: every packing at its own k)."""
-        return None if self.rule is None else self.rule.cycle
+        """The cycle every schedule runs at: the drift rule's, else the packing's where there is no curve
+        (None with a staleness curve: every packing at its own k)."""
+        return self.rule.cycle if self.rule is not None else self.fixed_k
+
+    def _k_text(self) -> str:
+        """The cycle in force, and what set it, in words (where there is one: no curve)."""
+        return f"the k = {self._k()} " + ("the drift allows" if self.rule is not None else "of the initial packing")
 
     def _costs_text(self, plan: Plan) -> str:
         c, v = self.cost(plan), self.value(plan)
@@ -377,10 +389,10 @@ class AdaptiveScheduler(Scheduler):
         ms = f" ({here * 1e3:.1f} ms per step at x{self.ladder[self.rung]:g})" if here is not None else ""
         plan = self._pack(self.rung + 1, f"trying K-FAC slack x{self.ladder[self.rung + 1]:g}{ms}", self._k())
         k = self._k()
-        if k is not None and len(self.natural(plan)[0]) > k:  # it needs a longer cycle than the drift allows
+        if k is not None and len(self.natural(plan)[0]) > k:  # it needs a longer cycle than the one in force
             self.climbing = False
             self.last_decision["blocked"] = (f"K-FAC slack x{self.ladder[self.rung + 1]:g} packs into "
-                                             f"{len(self.natural(plan)[0])} iterations, the drift allows k = {k}")
+                                             f"{len(self.natural(plan)[0])} iterations, more than {self._k_text()}")
             return self.current
         self._hand_out(plan, self.rung + 1)
         self.trial = "slack"
@@ -497,6 +509,8 @@ class AdaptiveScheduler(Scheduler):
             self.kept = Plan.from_state(state["kept"])
         if self.rule is not None and state.get("rule") is not None:
             self.rule.load_state_dict(state["rule"])
+        if self.fixed_k is not None:  # the cycle in force goes on (a run the drift rule resized, resumed without it)
+            self.fixed_k = max(self.current.cycles)
         self._natural = {str(d): [[list(map(str, it)) for it in node] for node in n]
                          for d, n in (state.get("natural") or {}).items()}
 

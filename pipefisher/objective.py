@@ -206,24 +206,41 @@ class Choice:
     chosen: Candidate
     why: str
     warnings: tuple[str, ...] = ()
+    within_run: bool = True
+    """Whether the chosen cycle fits the run's steps (False: none does, the shortest is flagged)."""
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
-def within_run(candidates: Sequence[Candidate], max_cycle: int | None) -> tuple[list[Candidate], tuple[str, ...]]:
-    """The candidates whose cycle the run completes (k <= ``max_cycle``, its steps); where none does,
-    the shortest cycle, with a warning saying so."""
-    if max_cycle is None:
-        return list(candidates), ()
-    fit = [c for c in candidates if c.cost.cycle <= max_cycle]
-    if fit:
-        return fit, ()
+def within_run(candidates: Sequence[Candidate], max_cycle: int | None) -> list[Candidate]:
+    """The candidates whose cycle the run completes (k <= ``max_cycle``, its steps; every one where no
+    length is given); empty where none does (:func:`choose` then says so)."""
+    return [c for c in candidates if max_cycle is None or c.cost.cycle <= max_cycle]
+
+
+def aligned_from(schedule: JobSchedule) -> int | None:
+    """The job's cycle before its sync groups were aligned (:mod:`pipefisher.policies.align`), where
+    aligning lengthened it (a Chimera pair's members share one cycle, syncs and inverses); else None."""
+    before = max((int(n.figures.extra.get("iterations_before_alignment", n.figures.iterations))
+                  for n in schedule.nodes), default=0)
+    after = max((n.figures.iterations for n in schedule.nodes), default=0)
+    return before if before < after else None
+
+
+def _none_fits(candidates: Sequence[Candidate], max_cycle: int) -> Choice:
+    """No candidate's cycle fits the run: the shortest, flagged (``within_run`` False), with a line that
+    says so; a run must not train it (:func:`pipefisher.runtime.launch.driver.pack_and_check` refuses)."""
     short = min(candidates, key=lambda c: (c.cost.cycle, c.cost.step, c.margin))
-    return [short], (f"warning: every density packs a cycle longer than the run's {max_cycle} steps; the "
-                     f"shortest, k = {short.cost.cycle} (margin {short.margin:g}), refreshes the curvature "
-                     "less often than once",)
+    before = aligned_from(short.schedule)
+    stretched = "" if before is None else f", {before} before aligning its sync groups"
+    return Choice(short, f"none: no packing's cycle fits the run's {max_cycle} steps; the shortest is k = "
+                         f"{short.cost.cycle} at margin {short.margin:g}{stretched} (planned "
+                         f"{_pct(short.cost.overhead)} over first-order)",
+                  (f"warning: a run of {max_cycle} steps never completes a K-FAC cycle of {short.cost.cycle} "
+                   "steps, so some layers' curvature is never refreshed: it needs at least "
+                   f"{short.cost.cycle} steps",), within_run=False)
 
 
 def at_the_floor(densest: Candidate, tolerance: float = NO_CURVE_TOLERANCE) -> bool:
@@ -244,13 +261,17 @@ def choose_without_curve(candidates: Sequence[Candidate], max_cycle: int | None 
        cycle (then the lesser step, then the denser packing), counting a schedule that overflows more
        per step than the densest one (overflow it chose by its margin) only where it has the least step.
     """
-    fit, warnings = within_run(candidates, max_cycle)
+    fit = within_run(candidates, max_cycle)
+    if not fit:
+        assert max_cycle is not None
+        return _none_fits(candidates, max_cycle)
     densest = candidates[0]
     if any(c is densest for c in fit) and at_the_floor(densest, tolerance):
         return Choice(densest, f"by planned step time alone: the densest packing (margin {densest.margin:g}, k = "
-                               f"{densest.cost.cycle}): its planned step is {_pct(densest.cost.above_floor)} above "
-                               f"the floor no packing goes below, within {_pct(tolerance)}, so no sparser one "
-                               "could save more step time than that", warnings)
+                               f"{densest.cost.cycle}, planned {_pct(densest.cost.overhead)} over first-order): "
+                               f"its planned step is {_pct(densest.cost.above_floor)} above the floor no packing "
+                               f"goes below, within {_pct(tolerance)}, so no sparser one could save more step "
+                               "time than that")
     least = min(c.cost.step for c in fit)
     forced = densest.overflow_per_step
     eligible = [c for c in fit if c.cost.step <= least * (1 + tolerance)
@@ -258,19 +279,21 @@ def choose_without_curve(candidates: Sequence[Candidate], max_cycle: int | None 
     best = min(eligible, key=lambda c: (c.cost.cycle, c.cost.step, c.margin))
     return Choice(best, f"by planned step time alone: the least planned step ({_pct(min(c.cost.overhead for c in fit))} "
                         f"over first-order), then among the schedules within {_pct(tolerance)} of it the "
-                        f"shortest cycle: k = {best.cost.cycle} at margin {best.margin:g}", warnings)
+                        f"shortest cycle: k = {best.cost.cycle} at margin {best.margin:g} (planned "
+                        f"{_pct(best.cost.overhead)} over first-order)")
 
 
 def choose_with_curve(candidates: Sequence[Candidate], max_cycle: int | None = None) -> Choice | None:
     """The least expected time-to-target among the cycles the run completes (a tie goes to the shorter
     cycle, then the denser packing); None where no candidate reaches the target on the curve."""
-    fit, warnings = within_run(candidates, max_cycle)
-    finite = [c for c in fit if c.relative_time is not None and math.isfinite(c.relative_time)]
+    finite = [c for c in within_run(candidates, max_cycle)
+              if c.relative_time is not None and math.isfinite(c.relative_time)]
     if not finite:
         return None
     best = min(finite, key=_curve_order)
     return Choice(best, f"the least expected time-to-target: {best.relative_time:.3f} x first-order's "
-                        f"(k = {best.cost.cycle} at margin {best.margin:g})", warnings)
+                        f"(k = {best.cost.cycle} at margin {best.margin:g}, planned {_pct(best.cost.overhead)} "
+                        "over first-order)")
 
 
 def _curve_order(c: Candidate) -> tuple[float, int, float]:
@@ -289,12 +312,12 @@ def choose(candidates: Sequence[Candidate], staleness: StalenessCurve | None = N
         if chosen is not None:
             return chosen
     plain = choose_without_curve(candidates, max_cycle)
-    if staleness is None:
+    if staleness is None or not plain.within_run:
         return plain
     never = ", ".join(str(k) for k in sorted({c.cost.cycle for c in candidates}))
     which = "no density" if max_cycle is None else f"no density whose cycle the run's {max_cycle} steps complete"
     return Choice(plain.chosen, plain.why, (f"warning: {which} reaches the target on the staleness curve "
-                                            f"(k = {never}); chosen as without a curve", *plain.warnings))
+                                            f"(k = {never}); chosen as without a curve",))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -314,6 +337,8 @@ class Tradeoff:
     unpacked: tuple[str, ...] = ()
     """Densities not packed, and why they could not have been chosen."""
     max_cycle: int | None = None
+    within_run: bool = True
+    """Whether the chosen cycle fits the run's ``max_cycle`` steps (False: no packing's does)."""
 
     def lines(self) -> list[str]:
         """The table reports print: per candidate k, planned overhead and overflow per step, and with a
@@ -339,9 +364,10 @@ class Tradeoff:
                 rel, steps = c.relative_time, c.relative_steps
                 row += (f"  {'never' if steps is None or math.isinf(steps) else f'{steps:.3f}':>20}  "
                         f"{'never' if rel is None or math.isinf(rel) else f'{rel:.3f}':>29}")
-            out.append(row + ("  <- chosen" if c is self.chosen else ""))
+            mark = "  <- chosen" if self.within_run else "  <- the shortest, longer than the run"
+            out.append(row + (mark if c is self.chosen else ""))
         out.append(f"  chosen: {self.why}" + (f" (cycles up to the run's {self.max_cycle} steps)"
-                                                if self.max_cycle is not None else ""))
+                                                if self.max_cycle is not None and self.within_run else ""))
         out += [f"  not packed: {u}" for u in self.unpacked]
         out += [f"  {w}" for w in self.warnings]
         return out
@@ -356,6 +382,7 @@ class Tradeoff:
                                                           "source": curve.describe()},
                 "slowdown": self.slowdown, "why": self.why, "warnings": list(self.warnings),
                 "unpacked": list(self.unpacked), "max_cycle": self.max_cycle,
+                "within_run": self.within_run,
                 "candidates": [{"margin": c.margin, "cycle": c.cost.cycle, "overhead": num(c.cost.overhead),
                                 "overflow_per_step": num(c.overflow_per_step),
                                 "relative_steps": num(c.relative_steps), "relative_time": num(c.relative_time),
@@ -475,7 +502,7 @@ def tradeoff(job: Job, pack: Callable[..., JobSchedule], margin: float,
     candidates = w.packed()
     choice = choose(candidates, staleness, max_cycle)
     return Tradeoff(tuple(candidates), choice.chosen, staleness, slowdown, choice.why, choice.warnings,
-                    tuple(unpacked), max_cycle)
+                    tuple(unpacked), max_cycle, choice.within_run)
 
 
 def _reaches(c: Candidate, max_cycle: int | None) -> bool:

@@ -11,7 +11,7 @@ over seeds of the chosen AdamW's final held-out loss). The same two worker proce
 1. a profile of a few ``kfac`` steps, packed with the default policy and no staleness curve
    (``static``: that schedule for the whole run);
 2. the AdamW sweep (seed 0);
-3. per seed: AdamW, ``static`` and ``adaptive`` (``--adapt`` from the same schedule and profile, no curve:
+3. per seed: AdamW, ``static`` and ``adaptive`` (``--adapt --adapt-drift`` from the same schedule and profile, no curve:
    :class:`pipefisher.drift.DriftRule` sets k from every refresh's curvature aging), interleaved; seed 0's
    AdamW run is the sweep's winning run (evaluated as the others), not trained twice.
 
@@ -99,7 +99,9 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
                     res, _, _ = measured_run(train, swept, cfg, "first-order", None, eval_every)
                     out["runs"].append(run_record(run, seed, res))
                 else:
-                    trainer, res = train(cfg, "scheduled", schedule=sched, adapt=run == "adaptive")
+                    # the drift rule is opt-in (docs/adapt.md): this benchmark is its validation, so it asks for it
+                    trainer, res = train(cfg, "scheduled", schedule=sched, adapt=run == "adaptive",
+                                         adapt_drift=run == "adaptive")
                     out["runs"].append(run_record(run, seed, res, k=max(trainer.cycles), ks=_k_history(trainer),
                                                   drift=_refreshes(trainer)))
                 if res.val:

@@ -159,7 +159,9 @@ def test_run_chimera_end_to_end(tmp_path):
     from pipefisher.schedule_file import load_schedule, save_schedule
 
     out = tmp_path / "runs"
-    res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", "chimera", "--out", str(out), "--steps", "6",
+    # 12 steps: a pair's aligned cycle on a fresh profile is 4 to 7 or more, and a run shorter than every
+    # packing's cycle trains nothing (test_a_run_trains_no_cycle_longer_than_its_steps_chimera_pairs_aligned)
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", "chimera", "--out", str(out), "--steps", "12",
                                     "--profile-steps", "2", "--name", "c", "--no-progress", "--eval-every", "3",
                                     "--timeout", "30"])
     assert res.exit_code == 0, res.output
@@ -172,7 +174,7 @@ def test_run_chimera_end_to_end(tmp_path):
         assert any(k.startswith(kind + ":") and k.endswith(":up_pipe") for k in keys), kind
         assert any(k.startswith(kind + ":") and not k.endswith(":up_pipe") for k in keys), kind
     report = json.loads((out / "c_report.json").read_text())
-    assert report["valid"] and report["training"]["steps"] == 6
+    assert report["valid"] and report["training"]["steps"] == 12 and report["cycle"] <= 12
     schedule = str(out / "c_schedule.pickle")
     res = CliRunner().invoke(main, ["validate", "--schedule", schedule, *timelines])
     assert res.exit_code == 0, res.output
@@ -225,6 +227,35 @@ def test_allow_invalid_trains_what_the_runtime_can_run_and_leaves_a_refused_sche
     packed, report = pack_and_check(job, get_policy("tight"), cfg, RunPaths(str(tmp_path), "t2"), 1,
                                     allow_invalid=True, **quiet)
     assert not report["valid"] and report["runnable"] and len(packed.nodes) == 2
+
+
+def test_a_run_trains_no_cycle_longer_than_its_steps_chimera_pairs_aligned(tmp_path):
+    """The profiled Chimera pair packs k = 5 densely (3 per device before the pair is aligned): a 4-step
+    run takes the shortest packing that fits, and says its cycle and planned overhead; a 3-step run,
+    where no packing's aligned cycle fits, stops before training and says why and what it needs."""
+    from pipefisher.policies import get_policy
+    from pipefisher.runtime.launch.driver import RunPaths, pack_and_check
+
+    job, cfg = _chimera_profile()
+    lines: list[str] = []
+    packed, report = pack_and_check(job, get_policy("target", max_cycle=4), cfg, RunPaths(str(tmp_path), "k4"), 1,
+                                    margin=0.05, allow_invalid=False, steps=4, echo=lines.append)
+    chosen = packed.tradeoff.chosen
+    assert report["cycle"] == chosen.cost.cycle == max(n.figures.iterations for n in packed.nodes) <= 4
+    assert report["within_run"] and report["planned_overhead"] == round(chosen.cost.overhead, 6)
+    said = next(line for line in lines if "chosen:" in line)
+    assert f"k = {report['cycle']} at margin {chosen.margin:g} (planned {100 * chosen.cost.overhead:.1f} % over " \
+           "first-order)" in said and said.endswith("(cycles up to the run's 4 steps)")
+    for policy in (get_policy("target", max_cycle=3), get_policy("tight")):  # tight: k = 5, from 3 and 3
+        paths = RunPaths(str(tmp_path), policy.name)
+        lines.clear()
+        with pytest.raises(InputError, match=rf"policy '{policy.name}' packs no K-FAC cycle within the run's 3 steps "
+                                             r"\(its shortest: k = \d+, \d before aligning Chimera's stage pairs\); "
+                                             r"not training it.*give --steps \d+ or more"):
+            pack_and_check(job, policy, cfg, paths, 1, margin=0.05, allow_invalid=False, steps=3, echo=lines.append)
+        report = json.loads(open(paths.report).read())
+        assert not report["within_run"] and report["cycle"] > 3 and report["steps"] == 3
+        assert not any("cycles up to the run's" in line for line in lines)
 
 
 def test_run_records_its_kfac_margin_and_validate_checks_the_same_job(tmp_path):

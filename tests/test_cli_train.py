@@ -122,6 +122,37 @@ def test_the_curve_reaches_the_adaptive_scheduler_through_the_workers_options():
     assert make_scheduler("adaptive", plan, 1, staleness=TrainOptions().staleness_curve).staleness is None
 
 
+def test_without_a_curve_adapt_keeps_the_packings_cycle_and_adapt_drift_turns_the_drift_rule_on():
+    """The drift rule is opt-in: ``--adapt`` alone gives the adaptive scheduler no rule (k stays the
+    packing's); ``--adapt-drift`` travels in the workers' options and gives it one."""
+    from pipefisher.closed_loop import Plan, make_scheduler
+    from pipefisher.runtime.job.config import load_config
+    from pipefisher.runtime.launch.local import decode_spec, encode_spec
+    from pipefisher.runtime.train.trainer import TrainOptions, adaptive_options
+
+    plan = Plan([[["-- start --", "cov_kron_A:l", "-- end --"], ["-- start --", "-- end --"]]])
+    made = {}
+    for drift in (False, True):
+        opts = TrainOptions(mode="scheduled", schedule="s.pickle", adapt=True, adapt_drift=drift, steps=100)
+        _, back = decode_spec(encode_spec(load_config(TINY), opts))
+        made[drift] = make_scheduler("adaptive", plan, 1, **adaptive_options(back, 0.05))
+    assert made[False].rule is None and made[False].fixed_k == 2
+    assert made[True].rule is not None and made[True].rule.cycle == 2 and made[True].fixed_k is None
+    with pytest.raises(ValueError, match="adapt_drift needs adapt and no staleness"):
+        TrainOptions(mode="scheduled", schedule="s.pickle", adapt_drift=True)
+
+
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_adapt_drift_needs_adapt_and_no_curve_in_one_line(tmp_path, command):
+    where = ["--out", str(tmp_path / "o")] + (["--schedule", str(tmp_path / "s.pickle")] if command == "train" else [])
+    (tmp_path / "s.pickle").write_bytes(b"")
+    for extra, why in (([], "there is no --adapt"), (["--adapt", "--staleness", "1:0.5,4:0.6"], "the curve sets it")):
+        res = CliRunner().invoke(main, [command, "--config", TINY, "--stages", "1", "--no-progress", *where,
+                                        "--adapt-drift", *extra])
+        assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+        assert res.output.startswith("error: --adapt-drift: ") and why in res.output
+
+
 def test_ctrl_c_says_how_far_it_got_how_to_resume_and_where_the_worker_log_is(tmp_path):
     """Ctrl-C reaches the whole process group (the launcher and its two workers), as from a terminal.
 

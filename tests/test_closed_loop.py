@@ -197,10 +197,34 @@ def test_more_slack_is_kept_only_where_it_measures_faster(job, initial, value_ra
 
 
 def test_without_a_curve_a_schedule_is_worth_its_measured_step_time(job, initial) -> None:
-    scheduler = AdaptiveScheduler(initial, 4)
-    scheduler.costs[initial.digest] = [0.09, 0.09]
-    assert scheduler.staleness is None and scheduler.rule is not None  # k from the drift rule instead
-    assert scheduler.value(initial) == scheduler.cost(initial) == pytest.approx(0.09)
+    for drift in (False, True):
+        scheduler = AdaptiveScheduler(initial, 4, drift=drift)
+        scheduler.costs[initial.digest] = [0.09, 0.09]
+        # k is the packing's, or the drift rule's where it is asked for
+        assert scheduler.staleness is None and (scheduler.rule is not None) == drift
+        assert scheduler.value(initial) == scheduler.cost(initial) == pytest.approx(0.09)
+
+
+def test_without_a_curve_or_the_drift_rule_k_stays_the_packings(job, initial) -> None:
+    """The drift rule is opt-in (``drift``): without it and without a curve, refreshes that age as little as
+    those that double k under the rule (test_without_a_curve_a_low_aging_lengthens_the_cycle_...) change
+    nothing, no shorter cycle is tried, and a repair stays within the packing's k."""
+    k = max(initial.cycles)
+    loop = Loop(AdaptiveScheduler(initial, 4, aging_low=LOW, aging_high=HIGH), job)
+    assert loop.scheduler.rule is None and loop.scheduler.fixed_k == k
+    decisions = []
+    for _ in range(24):
+        assert max(loop.cycle(0.05)[1].cycles) == k
+        decisions.append(dict(loop.scheduler.last_decision))
+    assert all(d["cycle"] == k for d in decisions)
+    assert "packs into 5 iterations, more than the k = 4 of the initial packing" in \
+        next(filter(None, (d.get("blocked") for d in decisions)))
+    slow = Loop(AdaptiveScheduler(initial, 4), slowed_job(job, every_kfac=3.0))
+    blocked = []
+    for _ in range(12):
+        assert max(slow.cycle(0.01)[1].cycles) == k
+        blocked.append(slow.scheduler.last_decision.get("repair_blocked"))
+    assert "and no re-pack fits the k = 4 of the initial packing" in next(filter(None, blocked))
 
 
 def test_a_faster_step_with_staler_curvature_loses_where_the_staleness_costs_more(job, initial) -> None:
@@ -216,13 +240,13 @@ def test_a_faster_step_with_staler_curvature_loses_where_the_staleness_costs_mor
     assert nxt.digest == initial.digest and "back to the kept schedule" in nxt.reason
 
 
-# -- without a staleness curve: the drift rule sets k ---------------------------------------------------
+# -- without a staleness curve, with the drift rule (opt-in): the drift sets k --------------------------
 
 LOW, HIGH = 0.1, 0.3
 
 
 def _drifting(job, initial) -> Loop:
-    return Loop(AdaptiveScheduler(initial, 4, aging_low=LOW, aging_high=HIGH), job)
+    return Loop(AdaptiveScheduler(initial, 4, aging_low=LOW, aging_high=HIGH, drift=True), job)
 
 
 def _until_k(loop: Loop, aging: float, k: int, cycles: int = 40) -> list[Plan]:
@@ -246,7 +270,7 @@ def test_without_a_curve_a_low_aging_lengthens_the_cycle_with_pipeline_only_iter
     loop = _drifting(job, initial)
     k = max(initial.cycles)
     assert loop.cycle(0.05)[1] is initial and loop.cycle(0.05)[1] is initial
-    assert "packs into 5 iterations, the drift allows k = 4" in loop.scheduler.last_decision["blocked"]
+    assert "packs into 5 iterations, more than the k = 4 the drift allows" in loop.scheduler.last_decision["blocked"]
     for _ in range(10):  # ten refreshes in, all low: not yet clear (0.75^10 > 5 %)
         assert loop.cycle(0.05)[1] is initial
     longer = loop.cycle(0.05)[1]
@@ -280,7 +304,8 @@ def test_a_high_aging_shortens_the_cycle_back_to_denser_packings_down_to_the_den
 
 
 def test_between_the_thresholds_k_holds_and_refreshes_at_other_distances_are_left_out(job, initial) -> None:
-    loop = Loop(AdaptiveScheduler(initial, 4, aging_low=LOW, aging_high=HIGH, ladder=(1.0,)), job)  # no trials
+    loop = Loop(AdaptiveScheduler(initial, 4, aging_low=LOW, aging_high=HIGH, ladder=(1.0,), drift=True),
+                job)  # ladder: no trials
     k = max(initial.cycles)
     assert all(max(loop.cycle(0.2)[1].cycles) == k for _ in range(10))
     # the 8 refreshes counted in the band keep weighing: 47 low ones are clearly more than three quarters
@@ -307,7 +332,7 @@ def test_a_resumed_drift_driven_scheduler_decides_as_the_uninterrupted_one(job, 
         loop.step += max(plan.cycles)
         loop.scheduler.observe_drift([Refresh(loop.step - 1, 0.4, aging, lags=(max(plan.cycles), 2 * max(plan.cycles)))])
         state = json.loads(json.dumps(loop.scheduler.state_dict()))
-        resumed = AdaptiveScheduler(initial, 4, aging_low=LOW, aging_high=HIGH)
+        resumed = AdaptiveScheduler(initial, 4, aging_low=LOW, aging_high=HIGH, drift=True)
         resumed.load_state_dict(state)
         theirs, ours = resumed.next_schedule(), loop.scheduler.next_schedule()
         assert (theirs.digest, theirs.reason) == (ours.digest, ours.reason)

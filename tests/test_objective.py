@@ -149,9 +149,16 @@ def test_a_cycle_longer_than_the_run_is_never_chosen() -> None:
     short_run = weighed(StalenessCurve(((1, 0.5), (2, 0.55))), max_cycle=1)
     assert short_run.chosen.cost.cycle == 1 and "the run's 1 steps" in "\n".join(short_run.lines())
     assert weighed(None, max_cycle=1).chosen.cost.cycle == 1
-    # no density fits a run of 1 step: the shortest cycle, with a warning
+    # no density fits a run of 1 step: the shortest cycle, flagged, and the report says so (not that it
+    # kept to the run's steps) with the cycle and planned overhead of that schedule
     both_long = weighed(None, dense=LONGER, sparse=LONGER, max_cycle=1)
-    assert both_long.chosen.cost.cycle == 2 and "longer than the run" in both_long.warnings[0]
+    assert both_long.chosen.cost.cycle == 2 and not both_long.within_run and not both_long.data()["within_run"]
+    text = "\n".join(both_long.lines())
+    assert "cycles up to the run's" not in text and "<- chosen" not in text
+    assert "chosen: none: no packing's cycle fits the run's 1 steps; the shortest is k = 2 at margin 0.05 " \
+           f"(planned {100 * (455 / 420 - 1):.1f} % over first-order)" in text
+    assert "needs at least 2 steps" in both_long.warnings[0]
+    assert short_run.within_run and "<- chosen" in "\n".join(short_run.lines())
 
 
 def candidate(margin: float, cycle: int, step: float, overflow: int = 0, floor: float = 100.0,

@@ -83,6 +83,26 @@ def staleness_for(text: str | None, policy: str | None) -> Any:
     return read_staleness(text)
 
 
+def adapt_drift_option() -> Any:
+    """``--adapt-drift``: the drift rule sets ``--adapt``'s cycle k, one option for ``train`` and ``run``;
+    opt-in, since the rule is validated on no job but the one it was fitted on (docs/adapt.md)."""
+    return click.option(
+        "--adapt-drift", is_flag=True,
+        help="with --adapt and no --staleness: let the curvature's drift set the K-FAC cycle k (the drift rule, "
+             "pipefisher.drift; fitted on configs/small.yaml with one seed and not yet validated on other jobs: "
+             "docs/adapt.md); without it --adapt keeps the packing's cycle")
+
+
+def check_adapt_drift(adapt_drift: bool, adapt: bool, staleness: str | None) -> None:
+    """``--adapt-drift`` only where there is a cycle for it to set: with ``--adapt``, without a curve."""
+    if adapt_drift and not adapt:
+        raise InputError("--adapt-drift", "lets the drift rule set --adapt's cycle, and there is no --adapt; add "
+                                          "--adapt, or drop --adapt-drift")
+    if adapt_drift and staleness is not None:
+        raise InputError("--adapt-drift", "lets the drift rule set --adapt's cycle where there is no staleness "
+                                          "curve; with --staleness the curve sets it: drop one of them")
+
+
 def pipeline_option() -> Any:
     """``--pipeline``: the forward/backward order, one definition of its choices for ``train`` and ``run``."""
     from pipefisher.runtime.job.config import PIPELINE_ORDERS  # plain Python: no torch

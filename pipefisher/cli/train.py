@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
-from pipefisher.cli._common import (chunks_option, missing_module, pipeline_option, require_runtime,
-                                    staleness_option)
+from pipefisher.cli._common import (adapt_drift_option, check_adapt_drift, chunks_option, missing_module,
+                                    pipeline_option, require_runtime, staleness_option)
 from pipefisher.cli._outputs import check_fresh_outputs, check_out_file, check_out_folder, check_profile_folder
 from pipefisher.cli.group import main
 from pipefisher.errors import InputError
@@ -153,6 +153,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
                    "schedules used and the measurements go to --out")
 @click.option("--adapt-policy", default=None,
               help="packing policy of --adapt's re-packs, only with --adapt [default: pipefisher schedule's]")
+@adapt_drift_option()
 @staleness_option()
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
@@ -170,7 +171,8 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
                   pipe_schedule: str | None,
                   steps: int, profile: bool, out_dir: str | None, metrics_path: str | None, tensorboard_dir: str | None,
                   checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, past_decay: bool,
-                  adapt: bool, adapt_policy: str | None, staleness: str | None, nproc: int | None,
+                  adapt: bool, adapt_policy: str | None, adapt_drift: bool, staleness: str | None,
+                  nproc: int | None,
                   stages: int | None, interval: int | None, timeout_s: float | None, chunks: int | None,
                   overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
     """Train a model with pipeline parallelism (the built-in BERT-style masked-language model, a Hugging
@@ -215,6 +217,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     if staleness is not None and not adapt:
         raise InputError("--staleness", "weighs the trials of --adapt (step time x the curve at k), and there is "
                                         "no --adapt; add --adapt, or drop --staleness")
+    check_adapt_drift(adapt_drift, adapt, staleness)
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.staleness import curve_for_job, read_staleness, staleness_data
 
@@ -298,7 +301,8 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
                         tensorboard=tensorboard_dir,
                         checkpoint_dir=_abs(checkpoint_dir), checkpoint_every=checkpoint_every,
                         resume=_abs(resume_dir), eval_every=eval_every, adapt=adapt, adapt_policy=adapt_policy,
-                        allow_schedule_mismatch=allow_schedule_mismatch, staleness=staleness_data(curve))
+                        adapt_drift=adapt_drift, allow_schedule_mismatch=allow_schedule_mismatch,
+                        staleness=staleness_data(curve))
     try:
         if job is not None or n == 1:
             run_worker(cfg, opts)

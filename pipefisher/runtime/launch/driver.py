@@ -82,16 +82,19 @@ def runtime_refusal(schedule_path: str, cfg: RunConfig, replicas: int) -> str | 
 
 
 def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, replicas: int, *, margin: float,
-                   allow_invalid: bool, kfac_margin: float = 1.0,
+                   allow_invalid: bool, kfac_margin: float = 1.0, steps: int | None = None,
                    echo: Callable[[str], None] = print) -> tuple[Any, dict[str, Any]]:
     """Pack ``job`` with its K-FAC times x ``kfac_margin``, print the usage report, write the schedule
     (its metadata records both margins and the job it is for, so ``pipefisher validate`` checks the same
     rule on the same job, and a run of another job refuses it) and its chart, and decide whether to train it.
 
     Refuses (:class:`InputError`, after writing the report too) a schedule that ``validate`` rejects unless
-    ``allow_invalid``, and one the runtime cannot run always. A refused schedule stays in the run folder
-    with its chart and report, for inspection. Returns the packed schedule and the report (not yet written).
+    ``allow_invalid``, one the runtime cannot run always, and one whose K-FAC cycle (sync groups aligned)
+    is longer than the run's ``steps``: such a run never refreshes some layers' curvature. A refused
+    schedule stays in the run folder with its chart and report, for inspection. Returns the packed
+    schedule and the report (not yet written), which holds the schedule's planned overhead per step.
     """
+    from pipefisher.objective import aligned_from, step_cost
     from pipefisher.plot import chart_from_schedule, render
     from pipefisher.report import report_data, usage_lines
     from pipefisher.rules import validate
@@ -108,20 +111,34 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     # the room rule of the margin the schedule was packed under: ``target`` may choose its own
     violations = validate(packed.to_file_data(), job, margin=packed.margin)
     report = report_data(packed, job)
+    # what the run trains, as the report prints it: the cycle (after aligning sync groups) and the
+    # planned overhead per step (target's own figure for what it chose; the same function for the others)
+    cost = packed.tradeoff.chosen.cost if packed.tradeoff is not None else \
+        step_cost([n.iterations for n in packed.nodes], job)
+    cycle = max(n.figures.iterations for n in packed.nodes)
+    too_long = steps is not None and cycle > steps
     report.update(run=paths.name, valid=not violations, violations=[str(v) for v in violations[:50]],
-                  kfac_margin=kfac_margin)
+                  kfac_margin=kfac_margin, cycle=cycle, planned_overhead=round(cost.overhead, 6),
+                  steps=steps, within_run=not too_long)
     save_schedule(paths.schedule, packed, timelines=timelines, kfac_margin=kfac_margin, packed_for=packed_for(cfg))
     render(chart_from_schedule(packed, job, violations=violations), paths.chart)
     refusal = runtime_refusal(paths.schedule, cfg, replicas)  # what every worker checks, before they start
     report.update(runnable=refusal is None, runtime_refusal=refusal)
     if violations:
         echo(f"the schedule breaks {len(violations)} rule(s) of pipefisher validate; first: {violations[0]}")
-    if refusal is not None or (violations and not allow_invalid):
+    if refusal is not None or too_long or (violations and not allow_invalid):
         dump_json_atomic(paths.report, report)
         where = f" (report: {paths.report})"
         if refusal is not None:
             raise InputError(paths.schedule, f"policy '{packer.name}' gave a schedule the runtime cannot run "
                                              f"({refusal}); not training it, not even with --allow-invalid{where}")
+        if too_long:
+            before = aligned_from(packed)
+            stretched = "" if before is None else f", {before} before aligning Chimera's stage pairs"
+            raise InputError(paths.schedule, f"policy '{packer.name}' packs no K-FAC cycle within the run's {steps} "
+                                             f"steps (its shortest: k = {cycle}{stretched}); not training it, since a "
+                                             "run shorter than its cycle never refreshes some layers' curvature: "
+                                             f"give --steps {cycle} or more{where}")
         raise InputError(paths.schedule, f"policy '{packer.name}' gave a schedule that breaks {len(violations)} "
                                          f"rule(s) of pipefisher validate; not training it (--allow-invalid trains "
                                          f"it anyway: the runtime can run it){where}")
@@ -135,17 +152,20 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
             nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
             checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
             eval_every: int = 0, echo: Callable[[str], None] = print, margin: float | None = None,
-            adapt: bool = False, tensorboard: str | None = None, staleness: Any = None) -> RunPaths:
+            adapt: bool = False, tensorboard: str | None = None, staleness: Any = None,
+            adapt_drift: bool = False) -> RunPaths:
     """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.timeline.median_step`),
     pack them with ``policy`` (K-FAC times x ``kfac_margin``,
     room rule with ``margin``, :mod:`pipefisher.problem`),
     print the usage report, refuse a schedule that ``validate`` rejects (unless ``allow_invalid``) or
     that the runtime cannot run (always; both leave the schedule, chart and report in the run folder),
     then train ``steps`` steps with it (with ``adapt``, re-packing it from the measured steps while it
-    trains, :mod:`pipefisher.runtime.train.adapt`; with ``tensorboard``, TensorBoard logs of the training
+    trains, :mod:`pipefisher.runtime.train.adapt`; without a curve at the packing's cycle, unless
+    ``adapt_drift`` lets the drift rule set it; with ``tensorboard``, TensorBoard logs of the training
     in that folder); returns the paths. ``staleness``: the job's
     :class:`~pipefisher.staleness.StalenessCurve` (None: none), for the ``target`` policy, which also
-    never chooses a cycle longer than the ``steps`` of the run, and for ``adapt``."""
+    chooses among the cycles the run's ``steps`` complete, and for ``adapt``. Where no packing's cycle
+    (sync groups aligned) fits the run, it stops before training and says how many steps it needs."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.problem import DEFAULT_MARGIN
     from pipefisher.runtime.train.profiler import timeline_filename
@@ -197,16 +217,18 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     echo(f"[2/3] packing with policy {packer.name}"
          + (f", K-FAC times x {kfac_margin:g}" if kfac_margin != 1.0 else ""))
     packed, report = pack_and_check(load_job(timelines), packer, cfg, paths, replicas, margin=margin,
-                                    allow_invalid=allow_invalid, kfac_margin=kfac_margin, echo=echo)
+                                    allow_invalid=allow_invalid, kfac_margin=kfac_margin, steps=steps, echo=echo)
     cycles = [node.figures.iterations for node in packed.nodes]
     dump_json_atomic(paths.report, report)  # the packing's report, also if the training is cut short
 
     # 3. train
-    echo(f"[3/3] training {steps} step(s) with the schedule (K-FAC cycle k={max(cycles)})")
+    echo(f"[3/3] training {steps} step(s) with the schedule (K-FAC cycle k={max(cycles)}, planned "
+         f"{100 * report['planned_overhead']:.1f} % over first-order per step)")
     t0 = time.perf_counter()
     figures = launch(scheduled_options(paths, steps, checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
-                             eval_every=eval_every, adapt=adapt, adapt_policy=packer.name, margin=margin,
-                             tensorboard=tensorboard, staleness=staleness_data(staleness) if adapt else None))
+                             eval_every=eval_every, adapt=adapt, adapt_policy=packer.name, adapt_drift=adapt_drift,
+                             margin=margin, tensorboard=tensorboard,
+                             staleness=staleness_data(staleness) if adapt else None))
     report["training"] = training_summary(paths, figures, steps, cycles, adapt, profile_s, time.perf_counter() - t0,
                                           echo)
     dump_json_atomic(paths.report, report)

@@ -183,7 +183,8 @@ class TorchRNG:
 # ----------------------------------------------------------------------------------------------------
 # Writing
 
-RUN_OPTIONS = ("adapt", "adapt_policy", "margin", "eval_every", "checkpoint_every", "log_every", "tensorboard")
+RUN_OPTIONS = ("adapt", "adapt_policy", "adapt_drift", "margin", "eval_every", "checkpoint_every", "log_every",
+               "tensorboard")
 """The training options a manifest records (``options``): what ``pipefisher run --resume`` runs again."""
 
 

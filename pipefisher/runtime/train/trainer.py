@@ -77,15 +77,17 @@ class TrainOptions:
     adapt_window: int = 4
     adapt_quantile: float = 0.5
     adapt_tie: float = 0.04  # step-time improvement that counts (the adaptive scheduler's tie)
-    # without a staleness curve the drift rule sets k (pipefisher.drift): its thresholds on the curvature's
-    # aging, and the longest cycle (None: pipefisher.drift.longest_cycle of --steps)
+    # without a staleness curve k stays the packing's, unless ``adapt_drift``: then the drift rule sets it
+    # (pipefisher.drift; opt-in until validated beyond the job it was fitted on): its thresholds on the
+    # curvature's aging, and the longest cycle (None: pipefisher.drift.longest_cycle of --steps)
+    adapt_drift: bool = False
     adapt_aging_low: float = AGING_LOW
     adapt_aging_high: float = AGING_HIGH
     adapt_max_cycle: int | None = None
     margin: float | None = None
     schedule_timelines: tuple[str, ...] | None = None
     measure_prefix: str | None = None
-    # the job's staleness curve for ``adapt`` (None: none, the drift rule sets k), as data: options travel to
+    # the job's staleness curve for ``adapt`` (None: none, k as above), as data: options travel to
     # the workers as JSON (:meth:`pipefisher.staleness.StalenessCurve.to_data`)
     staleness: dict[str, Any] | None = None
 
@@ -95,6 +97,9 @@ class TrainOptions:
             raise ValueError("adapting the schedule needs mode 'scheduled' and a schedule file")
         if self.profile and self.mode == "scheduled":
             raise ValueError("profiling runs kfac steps, not a schedule")
+        if self.adapt_drift and (not self.adapt or self.staleness is not None):
+            raise ValueError("the drift rule sets adapt's cycle without a staleness curve: adapt_drift needs adapt "
+                             "and no staleness")
         if not 0 < self.adapt_aging_low < self.adapt_aging_high:
             raise ValueError("the drift rule's aging thresholds need 0 < adapt_aging_low < adapt_aging_high")
 
@@ -224,12 +229,7 @@ class Trainer:
         scheduler = None
         if g.rank == 0:
             scheduler = make_scheduler("adaptive" if opts.adapt else "static", plan, g.stages,
-                                       **({"policy": opts.adapt_policy, "margin": margin, "window": opts.adapt_window,
-                                           "q": opts.adapt_quantile, "tie": opts.adapt_tie,
-                                           "aging_low": opts.adapt_aging_low, "aging_high": opts.adapt_aging_high,
-                                           "max_cycle": opts.adapt_max_cycle or longest_cycle(opts.steps),
-                                           "staleness": opts.staleness_curve}
-                                          if opts.adapt else {}))
+                                       **(adaptive_options(opts, margin) if opts.adapt else {}))
         prefix = opts.measure_prefix or (RunPaths(opts.out, self.cfg.name).prefix if opts.out else None)
         collective = None
         if ctx.distributed:
@@ -555,6 +555,15 @@ def compute_line(cfg: RunConfig) -> str:
     t = cfg.train
     return ((f", {t.precision} autocast" if t.precision != "fp32" else "")
             + (", each block recomputed in its backward" if t.recompute == "layer" else ""))
+
+
+def adaptive_options(opts: TrainOptions, margin: float) -> dict[str, Any]:
+    """What the run's options say to :class:`pipefisher.closed_loop.AdaptiveScheduler` (``--adapt``): its
+    policy and room margin, its window and tie, the staleness curve, and whether the drift rule sets k."""
+    return {"policy": opts.adapt_policy, "margin": margin, "window": opts.adapt_window, "q": opts.adapt_quantile,
+            "tie": opts.adapt_tie, "aging_low": opts.adapt_aging_low, "aging_high": opts.adapt_aging_high,
+            "max_cycle": opts.adapt_max_cycle or longest_cycle(opts.steps), "staleness": opts.staleness_curve,
+            "drift": opts.adapt_drift}
 
 
 def schedule_plan_inputs(opts: TrainOptions) -> tuple[float, list[dict[str, Any]] | None]:
