@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 from pipefisher.errors import InputError, first_line
-from pipefisher.runtime.job.config import DEFAULT_BUILDER, OptimConfig, current_builder
+from pipefisher.runtime.job.config import DEFAULT_BUILDER, SYNTHETIC, OptimConfig, current_builder
 from pipefisher.safe_io import atomic_path, dump_json_atomic, load_json, write_atomic
 
 if TYPE_CHECKING:
@@ -231,11 +231,13 @@ def read_manifest(folder: str | os.PathLike[str], formats: tuple[int, ...] = (FO
 
 def tokenizer_kind(man: Mapping[str, Any]) -> str:
     """The kind of tokenizer (``data.tokenizer``) the manifest's run had: recorded as ``tokenizer_kind``
-    since ``bpe`` means byte-level BPE; before, ``bpe`` was the whitespace-split BPE (:data:`OLD_BPE`)."""
+    since ``bpe`` means byte-level BPE; before, ``bpe`` was the whitespace-split BPE (:data:`OLD_BPE`).
+    Synthetic tokens have no tokenizer: their setting is taken as it reads."""
     if "tokenizer_kind" in man:
         return str(man["tokenizer_kind"])
-    said = ((man.get("config") or {}).get("data") or {}).get("tokenizer", "bpe")
-    return OLD_BPE if said == "bpe" else str(said)
+    data = (man.get("config") or {}).get("data") or {}
+    said = str(data.get("tokenizer", "bpe"))
+    return OLD_BPE if said == "bpe" and data.get("text") != SYNTHETIC else said
 
 
 def check_resumable(folder: str | os.PathLike[str], cfg: Any, mode: str, schedule: str | None,
