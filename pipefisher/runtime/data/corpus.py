@@ -5,9 +5,9 @@ files) and which are held out is :mod:`pipefisher.runtime.data.sources`; this mo
 ids. Text documents get a subword tokenizer (HF ``tokenizers``: byte-level BPE, WordPiece, or the
 older whitespace-split BPE; special tokens ``[PAD] [UNK] [CLS] [SEP] [MASK]`` at ids 0..4) trained on
 the training documents only, so held-out text is truly unseen. Byte-level BPE sees the text as it is
-written, newlines and indentation included, and decodes back to it exactly. Token-id documents are used as they are (no tokenizer): every id must lie in
-``[0, model.vocab_size)``, and ids 0..4 mean the special tokens above. Either way each document is
-followed by ``[SEP]``.
+written, newlines and indentation included, and decodes back to it exactly. Token-id documents are
+used as they are (no tokenizer): every id must lie in ``[0, model.vocab_size)``, and ids 0..4 mean the
+special tokens above. Either way each document is followed by ``[SEP]``.
 
 Building is seconds (tokenizer training and encoding); the result is cached under
 ``$PIPEFISHER_CACHE`` (default ``~/.cache/pipefisher``) in ``corpus-<key>/`` where the key hashes what

@@ -13,8 +13,8 @@ Layout of a checkpoint folder::
                                             digest, stages x replicas, the component names, config and
                                             fingerprint, the transformers config an export writes
                                             (``export_config``, Hugging Face builders), the tokenizer's
-                                            kind (``tokenizer_kind``: :func:`tokenizer_kind`), and the loop's own
-                                            keys (the trainer's: K-FAC cycle k of the job and of each node,
+                                            kind (``tokenizer_kind``, :func:`tokenizer_kind`), and the
+                                            loop's own keys (the trainer's: K-FAC cycle k of the job and of each node,
                                             the active schedule, ``lr_horizon``, the run's ``options``)
     tokenizer.json                          the run's tokenizer (text corpora), for ``pipefisher export``
     step-00000012/stage0-replica0.pt        one torch file per worker (stage, replica)
@@ -254,8 +254,9 @@ def check_resumable(folder: str | os.PathLike[str], cfg: Any, mode: str, schedul
     if mine != theirs:
         diff = _differing_keys(mine, theirs)
         kind = (theirs.get("data") or {}).get("tokenizer")
-        how = (f"; its run's tokenizer was {kind}{' (the whitespace-split BPE of older runs)' if kind == OLD_BPE else ''}"
-               f": --set data.tokenizer={kind} resumes it" if "data.tokenizer" in diff else "")
+        older = " (the whitespace-split BPE of older runs)" if kind == OLD_BPE else ""
+        how = (f"; its run's tokenizer was {kind}{older}: --set data.tokenizer={kind} resumes it"
+               if "data.tokenizer" in diff else "")
         raise InputError(folder, f"was written by a run with another config (differs in {', '.join(diff)}){how}")
     if man.get("mode") != mode:
         raise InputError(folder, f"was written in mode '{man.get('mode')}', this run is '{mode}'")
