@@ -62,6 +62,16 @@ def test_readme_is_short_and_keeps_the_two_commands() -> None:
     assert "\nbash scripts/test.sh\n" in text and (ROOT / "scripts" / "test.sh").is_file()
 
 
+@pytest.mark.parametrize("page", [README, *PAGES, *sorted((ROOT / "configs").glob("*.yaml"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_install_from_a_clone_takes_the_pinned_versions(page: Path) -> None:
+    """Without the constraints an extra takes the newest releases (transformers 5.24 warned on every
+    Llama run); in a clone every install line says ``-c constraints.txt``."""
+    unpinned = [line.strip() for line in page.read_text().splitlines()
+                if re.search(r"pip install (?!-c constraints\.txt )[^`\n]*-e '\.", line)]
+    assert not unpinned, f"{page.relative_to(ROOT)}: " + "; ".join(unpinned)
+
+
 @pytest.mark.parametrize("page", [README, *PAGES], ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_and_picture_points_at_what_exists(page: Path) -> None:
     broken = []

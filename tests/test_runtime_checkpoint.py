@@ -206,6 +206,25 @@ def test_a_foreign_checkpoint_is_refused(tmp_path):
         assert json.load(f)["steps_done"] == 2
 
 
+def test_a_checkpoint_on_synthetic_tokens_from_before_the_tokenizer_kind_was_recorded_resumes(tmp_path):
+    """Only text had the older whitespace-split BPE: a run on synthetic tokens has no tokenizer, and its
+    manifest without ``tokenizer_kind`` resumes as it did."""
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})  # data.text synthetic, data.tokenizer bpe
+    ck = str(tmp_path / "ck")
+    _train(cfg, steps=1, checkpoint_dir=ck)
+    with open(os.path.join(ck, MANIFEST)) as f:
+        manifest = json.load(f)
+    del manifest["tokenizer_kind"]
+    with open(os.path.join(ck, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    assert check_resumable(ck, cfg, "first-order", None, 1, 1)["steps_done"] == 1
+    manifest["config"]["data"]["text"] = "stdlib"  # the same manifest of a run on text: it had bpe-whitespace
+    with open(os.path.join(ck, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(InputError, match=r"--set data.tokenizer=bpe-whitespace resumes it$"):
+        check_resumable(ck, cfg.replace(data={"text": "stdlib"}), "first-order", None, 1, 1)
+
+
 def test_cli_refuses_a_checkpoint_of_another_config_before_training(tmp_path):
     sched = str(tmp_path / "s.pickle")
     save_schedule(sched, single_iteration_schedule(tiny()))

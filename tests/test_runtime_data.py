@@ -15,7 +15,7 @@ from pipefisher.runtime.data import corpus as corpus_mod
 from pipefisher.runtime.data.batches import CLS, MASK, NUM_SPECIAL, PAD, SEP, UNK, MLMData
 from pipefisher.runtime.data.corpus import SPECIAL_TOKENS, load_corpus, save_tokenizer, train_tokenizer
 from pipefisher.runtime.data.sources import corpus_files, corpus_root, split_files
-from pipefisher.runtime.job.config import DataConfig
+from pipefisher.runtime.job.config import TOKENIZERS, DataConfig
 from pipefisher.runtime.models.builders import IGNORE_INDEX
 
 WORDS = ("the cat sat on a mat while dogs ran past small houses near green hills and rivers "
@@ -66,6 +66,13 @@ def vocab_of(tokenizer_json: str) -> dict[str, int]:
     return json.loads(tokenizer_json)["model"]["vocab"]
 
 
+def is_a_token(tokenizer_json: str, word: str) -> bool:
+    """Whether ``word`` after a space is one token (byte-level BPE's tokens carry the space, ``Ġword``)."""
+    from tokenizers import Tokenizer
+
+    return len(Tokenizer.from_str(tokenizer_json).encode(f" {word}", add_special_tokens=False).ids) == 1
+
+
 def test_corpus_files_of_a_folder_a_glob_and_a_file(tmp_path):
     folder = write_folder(tmp_path)
     files = corpus_files(str(folder))
@@ -105,21 +112,65 @@ def test_split_is_by_file_and_stable(tmp_path):
     assert split_files(files[:1], 0.25) == (files[:1], files[:1])
 
 
-@pytest.mark.parametrize("kind", ["bpe", "wordpiece"])
+@pytest.mark.parametrize("kind", TOKENIZERS)
 def test_tokenizer_has_the_special_ids_and_is_deterministic(kind):
     texts = [prose(i) for i in range(4)]
     one = train_tokenizer(texts, kind, 200)
     assert train_tokenizer(texts, kind, 200) == one
     vocab = vocab_of(one)
     assert [vocab[t] for t in SPECIAL_TOKENS] == [PAD, UNK, CLS, SEP, MASK] == list(range(NUM_SPECIAL))
-    assert len(vocab) <= 200 and "morning" in vocab
+    assert len(vocab) <= 200 and is_a_token(one, "morning")
+
+
+CODE = ["def foo(x):\n    return x + 1\n\n\nclass Bar:\n\tdef baz(self):\n\t\treturn 'héllo'  # ✓\n" * 40,
+        "import os\n\n\n    \nif __name__ == '__main__':\n    print(os.sep)\n\n" * 40]
+ANY_TEXT = ["def foo(x):\n    return x + 1\n", "héllo wörld ✓ 日本", "\t", "\n\n", "  two  spaces \n\t\n",
+            "\r\n\x00\x7f\U0001f600", "[SEP] [MASK] as text", ""]
+
+
+def test_byte_level_bpe_gives_any_text_back_exactly():
+    """Newlines, indents, tabs and characters the corpus never had: every byte has its token (the
+    alphabet is all 256 bytes once they fit in half the vocabulary), and the decoder puts them back."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(train_tokenizer(CODE, "bpe", 600))
+    tok.encode_special_tokens = True  # as the corpus encodes: "[SEP]" in text is text
+    for text in ANY_TEXT + CODE:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert UNK not in ids and tok.decode(ids, skip_special_tokens=False) == text, repr(text)
+    assert is_a_token(tok.to_str(), "return")  # merges: words are tokens, not bytes
+    # the older whitespace-split BPE loses the layout: what byte-level BPE is for
+    old = Tokenizer.from_str(train_tokenizer(CODE, "bpe-whitespace", 600))
+    assert old.decode(old.encode(ANY_TEXT[0]).ids) != ANY_TEXT[0]
+
+
+def test_the_model_sees_the_texts_newlines_and_indents(tmp_path, monkeypatch):
+    """The corpus's ids are the documents as written: decoded document by document they are the files'
+    text again, also when long texts are encoded in pieces (cut where no pre-tokenizer's split moves)."""
+    from tokenizers import Tokenizer
+
+    folder = tmp_path / "code"
+    folder.mkdir()
+    for i, text in enumerate(CODE * 2):
+        (folder / f"m{i}.py").write_text(text[i:])
+    monkeypatch.setattr(corpus_mod, "_PIECE_CHARS", 7)  # many cuts: at blank lines and indents too
+    cfg = data_cfg(folder, val_fraction=0.25)
+    corpus = load_corpus(cfg, 600, str(tmp_path / "cache"))
+    tok = Tokenizer.from_str(corpus.tokenizer_json)
+    train, _ = split_files(corpus_files(str(folder)), 0.25, corpus_root(str(folder)))
+    ids = corpus.train.tolist()
+    docs, start = [], 0
+    for end in [i for i, t in enumerate(ids) if t == SEP]:
+        docs.append(ids[start:end])
+        start = end + 1
+    assert [tok.decode(d) for d in docs] == [Path(f).read_text() for f in train]
+    assert docs[0] == tok.encode(Path(train[0]).read_text()).ids  # the pieces' ids are the whole text's
 
 
 def test_held_out_files_never_reach_the_tokenizer(built):
     cfg, corpus, train, val = built
-    vocab = vocab_of(corpus.tokenizer_json)
-    assert TRAIN_WORD in vocab and "markets" in vocab
-    assert HELD_OUT_WORD not in vocab
+    assert is_a_token(corpus.tokenizer_json, TRAIN_WORD) and is_a_token(corpus.tokenizer_json, "markets")
+    assert not is_a_token(corpus.tokenizer_json, HELD_OUT_WORD)
     assert corpus.files == len(train) + len(val) == 8
     assert corpus.train.dtype == corpus.val.dtype == torch.int64 and corpus.train.dim() == 1
     # Each file ends with [SEP]; nothing else in the prose makes one.

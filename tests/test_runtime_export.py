@@ -3,6 +3,7 @@ loads without pipefisher (Hugging Face builders) and trains again as model.pretr
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 
@@ -11,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from pipefisher.cli import main
+from pipefisher.errors import InputError
 from pipefisher.pipeline_orders import UP
 from pipefisher.runtime.job.config import RunConfig, load_config
 from pipefisher.runtime.job.dist import single_process
@@ -191,7 +193,7 @@ def fake_checkpoint(cfg: RunConfig, folder: str, steps: int = 3) -> dict[str, to
                        os.path.join(sub, rank_filename(device, replica)))
     dump_json_atomic(os.path.join(folder, MANIFEST), {
         "format": FORMAT, "steps_done": steps, "folder": step_folder(steps), "stages": cfg.pipeline.stages,
-        "replicas": 2, "config": cfg.to_dict()})
+        "replicas": 2, "config": cfg.to_dict(), "tokenizer_kind": cfg.data.tokenizer})
     return PipelineStage(cfg.model, 0, 1, seed=cfg.data.seed).state_dict()
 
 
@@ -246,3 +248,75 @@ def test_bad_input_is_one_line_naming_the_path(tmp_path):
         res = _runner().invoke(main, ["export", *args])
         assert (res.exit_code, res.stdout, res.stderr) == (2, "", f"error: {says}\n"), args
     assert not os.path.exists(out) and os.listdir(tmp_path / "full") == ["x"]
+
+
+def test_an_exported_tokenizer_gives_any_text_back_exactly(tmp_path):
+    """A run's byte-level BPE, exported and loaded by transformers alone (AutoTokenizer, as the docs
+    show): any text, code, tabs, blank lines and characters the corpus never had, decodes to itself."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    from pipefisher.runtime.data.corpus import train_tokenizer
+    from test_runtime_data import ANY_TEXT, CODE
+
+    cfg = load_config(TINY_YAML).replace(model={"vocab_size": 600}, pipeline={"stages": 1},
+                                         data={"objective": "clm"})
+    ck = tmp_path / "ck"
+    fake_checkpoint(cfg, str(ck))
+    (ck / "tokenizer.json").write_text(train_tokenizer(CODE, "bpe", 600))
+    line = export(str(ck), str(tmp_path / "out"))
+    assert "its tokenizer (transformers.AutoTokenizer loads it);" in line
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    ours = Tokenizer.from_str((ck / "tokenizer.json").read_text())
+    for text in ANY_TEXT + CODE:
+        ids = tok(text).input_ids
+        assert tok.decode(ids) == text, repr(text)
+        if "[" not in text:  # transformers reads "[SEP]" in text as the token; the corpus as text
+            assert ids == ours.encode(text).ids, repr(text)
+    assert tok.decode(tok("def foo(x):\n    return x + 1\n").input_ids) == "def foo(x):\n    return x + 1\n"
+
+
+def test_a_checkpoint_of_the_older_whitespace_bpe_resumes_and_exports(tmp_path):
+    """A checkpoint from before byte-level BPE (its manifest says data.tokenizer bpe and records no
+    tokenizer kind) had the whitespace-split BPE: resuming it as bpe is refused with what resumes it,
+    which does, on the ids the run had; its export loads in transformers and says it drops the layout."""
+    transformers = pytest.importorskip("transformers")
+    from pipefisher.runtime.train.checkpoint import check_resumable
+
+    old = tiny(pipeline={"stages": 1}, data={"tokenizer": "bpe-whitespace"})
+    ck = str(tmp_path / "ck")
+    first = trained(old, ck, steps=1)
+    with open(os.path.join(ck, MANIFEST)) as f:
+        manifest = json.load(f)
+    assert manifest["tokenizer_kind"] == "bpe-whitespace"
+    del manifest["tokenizer_kind"]  # as an older pipefisher wrote it
+    manifest["config"]["data"]["tokenizer"] = "bpe"
+    dump_json_atomic(os.path.join(ck, MANIFEST), manifest)
+    as_bpe = old.replace(data={"tokenizer": "bpe"})
+    with pytest.raises(InputError) as err:
+        check_resumable(ck, as_bpe, "first-order", None, 1, 1)
+    assert str(err.value) == (f"{ck}: was written by a run with another config (differs in data.tokenizer); its run's "
+                              "tokenizer was bpe-whitespace (the whitespace-split BPE of older runs): --set "
+                              "data.tokenizer=bpe-whitespace resumes it")
+    res = _runner().invoke(main, ["train", "--config", TINY_YAML, "--set", "data.text=stdlib", "--set",
+                                  "pipeline.stages=1", "--resume", ck, "--steps", "2", "--no-progress"])
+    assert res.exit_code == 2 and "--set data.tokenizer=bpe-whitespace resumes it" in res.output
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        resumed = Trainer(old, single_process(), TrainOptions(steps=2, progress=False, log_every=10**9, resume=ck))
+        resumed.run()
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed.start_step == 1
+    with open(os.path.join(ck, "tokenizer.json"), encoding="utf-8") as f:
+        assert resumed.data.corpus.tokenizer_json == f.read() == first.data.corpus.tokenizer_json
+    out = str(tmp_path / "out")
+    line = export(ck, out)
+    assert ("its tokenizer (transformers.AutoTokenizer loads it; the whitespace-split BPE of older runs: decoding "
+            "drops spaces and newlines)") in line
+    from tokenizers import Tokenizer
+
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def f(x):\n    return x + 1"
+    assert tok(text).input_ids == Tokenizer.from_str(first.data.corpus.tokenizer_json).encode(text).ids

@@ -89,6 +89,32 @@ def test_sample_path_returns_two_finite_losses(transformers, kind: str) -> None:
     torch.testing.assert_close(loss, chain(stages, x, labels))
 
 
+@pytest.mark.parametrize("kind", ["bert", "gpt2", "llama"])
+def test_stages_pass_transformers_no_deprecated_argument(transformers, kind: str, monkeypatch) -> None:
+    """transformers 5.24 renamed ``past_key_values`` -> ``cache`` (mask helpers, layers) and warns on the
+    old name: 8 lines per Llama run. The stages name neither (it is None), so no release in between warns:
+    every name they pass is recorded, and a forward/backward raises on any transformers warning."""
+    import warnings
+
+    from transformers import masking_utils
+
+    named: list[str] = []
+    for helper in ("create_causal_mask", "create_bidirectional_mask"):
+        real = getattr(masking_utils, helper)
+        monkeypatch.setattr(masking_utils, helper, lambda *a, _real=real, **kw: named.extend(kw) or _real(*a, **kw))
+    stages = [BUILDERS[kind](RunConfig(model=MODELS[kind]), i, 2, SEED) for i in range(2)]
+    for stage in stages:
+        for block in stage.modules():
+            if type(block).__name__ in ("BertLayer", "GPT2Block", "LlamaDecoderLayer"):
+                block.register_forward_pre_hook(lambda m, a, kw: named.extend(kw), with_kwargs=True)
+    x, labels, _ = batch(kind)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", category=FutureWarning)
+        warnings.filterwarnings("error", category=DeprecationWarning, module="transformers")
+        chain(stages, x, labels).backward()
+    assert named and "past_key_values" not in named and "cache" not in named
+
+
 def test_module_names_are_transformers_names(transformers) -> None:
     cfg = RunConfig(model=TINY)
     bert = dict(hf.bert_mlm(cfg, 1, 2, SEED).named_modules())

@@ -2,11 +2,12 @@
 
 Where the documents come from (text files, a ``data.builder`` function, a ``data.dataset`` of local
 files) and which are held out is :mod:`pipefisher.runtime.data.sources`; this module turns them into
-ids. Text documents get a subword tokenizer (HF ``tokenizers``: BPE or WordPiece, special tokens
-``[PAD] [UNK] [CLS] [SEP] [MASK]`` at ids 0..4) trained on the training documents only, so held-out
-text is truly unseen. Token-id documents are used as they are (no tokenizer): every id must lie in
-``[0, model.vocab_size)``, and ids 0..4 mean the special tokens above. Either way each document is
-followed by ``[SEP]``.
+ids. Text documents get a subword tokenizer (HF ``tokenizers``: byte-level BPE, WordPiece, or the
+older whitespace-split BPE; special tokens ``[PAD] [UNK] [CLS] [SEP] [MASK]`` at ids 0..4) trained on
+the training documents only, so held-out text is truly unseen. Byte-level BPE sees the text as it is
+written, newlines and indentation included, and decodes back to it exactly. Token-id documents are
+used as they are (no tokenizer): every id must lie in ``[0, model.vocab_size)``, and ids 0..4 mean the
+special tokens above. Either way each document is followed by ``[SEP]``.
 
 Building is seconds (tokenizer training and encoding); the result is cached under
 ``$PIPEFISHER_CACHE`` (default ``~/.cache/pipefisher``) in ``corpus-<key>/`` where the key hashes what
@@ -23,24 +24,25 @@ import collections
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.data.sources import IDS, TEXT, Documents, open_source, source_error
-from pipefisher.runtime.job.config import SPECIAL_TOKENS, DataConfig
+from pipefisher.runtime.job.config import SPECIAL_TOKENS, TOKENIZERS, DataConfig
 from pipefisher.safe_io import atomic_path, write_atomic
 
 if TYPE_CHECKING:
     import torch
 
 SEP_ID = SPECIAL_TOKENS.index("[SEP]")
-TOKENIZERS = ("bpe", "wordpiece")
-FORMAT = 2
+FORMAT = 3  # 3: data.tokenizer bpe is byte-level BPE (2: whitespace-split, now bpe-whitespace)
 """Bump when the cached files or the way they are built change: old caches are then ignored."""
 
 _PIECE_CHARS = 1 << 16
 _BATCH_PIECES = 256
+_CUT = re.compile(r"\S\n(?=\S)")
 
 
 def _alphabet(texts: Sequence[str], limit: int) -> list[str]:
@@ -52,14 +54,29 @@ def _alphabet(texts: Sequence[str], limit: int) -> list[str]:
     return chars[:limit]
 
 
-def train_tokenizer(texts: Sequence[str], kind: str, vocab_size: int) -> str:
-    """Train a ``bpe`` or ``wordpiece`` tokenizer of at most ``vocab_size`` tokens; its JSON.
+def _byte_alphabet(texts: Sequence[str], vocab_size: int) -> list[str]:
+    """Byte-level BPE's alphabet: all 256 bytes' tokens when they fit in half the vocabulary (so any
+    text encodes without ``[UNK]``), else the most frequent bytes of ``texts`` (:func:`_alphabet`)."""
+    from tokenizers import pre_tokenizers
 
-    BPE splits on whitespace and punctuation first (``Whitespace``), WordPiece like BERT
-    (``BertPreTokenizer``). Text is kept as written (no lower-casing). The alphabet is capped (the most
-    frequent characters, at most 256 and at most half the vocabulary for BPE, a third for WordPiece,
-    which also needs a ``##`` form of each) so the rest is left for merges; rarer characters become
-    ``[UNK]``.
+    limit = (vocab_size - len(SPECIAL_TOKENS)) // 2
+    every = pre_tokenizers.ByteLevel.alphabet()
+    if limit >= len(every):
+        return sorted(every)
+    as_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)  # one byte, one character
+    return _alphabet([piece for text in texts for piece, _ in as_bytes.pre_tokenize_str(text)], max(1, limit))
+
+
+def train_tokenizer(texts: Sequence[str], kind: str, vocab_size: int) -> str:
+    """Train a tokenizer of a kind in :data:`TOKENIZERS` of at most ``vocab_size`` tokens; its JSON.
+
+    ``bpe`` is byte-level (GPT-2's pre-tokenizer and decoder, no prefix space): spaces, tabs and
+    newlines are tokens like any other, so decoding gives the text back exactly. ``bpe-whitespace``
+    splits on whitespace and punctuation first (``Whitespace``) and drops the whitespace; WordPiece
+    splits like BERT (``BertPreTokenizer``). Text is kept as written (no lower-casing). The alphabet is
+    capped so the rest is left for merges: byte-level BPE's as :func:`_byte_alphabet` says, the others'
+    at the most frequent characters, at most 256 and at most half the vocabulary (a third for
+    WordPiece, which also needs a ``##`` form of each); rarer characters become ``[UNK]``.
 
     Deterministic for the same texts, which matters because workers that build a corpus at once must
     agree on its ids. The trainer alone is not: it breaks ties by token ids, and WordPiece numbers the
@@ -72,10 +89,15 @@ def train_tokenizer(texts: Sequence[str], kind: str, vocab_size: int) -> str:
     if kind not in TOKENIZERS:
         raise ValueError(f"unknown tokenizer {kind!r}: one of {', '.join(TOKENIZERS)}")
     texts = list(texts)
-    limit = max(1, min(256, (vocab_size - len(SPECIAL_TOKENS)) // (2 if kind == "bpe" else 3)))
-    alphabet = _alphabet(texts, limit)
+    limit = max(1, min(256, (vocab_size - len(SPECIAL_TOKENS)) // (3 if kind == "wordpiece" else 2)))
+    alphabet = _byte_alphabet(texts, vocab_size) if kind == "bpe" else _alphabet(texts, limit)
     special = list(SPECIAL_TOKENS)
     if kind == "bpe":
+        tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        make = trainers.BpeTrainer
+    elif kind == "bpe-whitespace":
         tok = Tokenizer(models.BPE(unk_token="[UNK]"))
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         make = trainers.BpeTrainer
@@ -101,11 +123,13 @@ def train_tokenizer(texts: Sequence[str], kind: str, vocab_size: int) -> str:
 
 
 def _pieces(text: str) -> Iterator[str]:
-    """Chunks cut after a newline: both pre-tokenizers split at whitespace, so ids do not change."""
+    """Chunks cut after a newline between two non-space characters: every pre-tokenizer splits there
+    alone (byte-level BPE's runs of whitespace would differ at a blank line or an indent), so ids do not
+    change."""
     start = 0
     while start < len(text):
-        end = text.find("\n", start + _PIECE_CHARS)
-        end = len(text) if end < 0 else end + 1
+        cut = _CUT.search(text, start + _PIECE_CHARS)
+        end = len(text) if cut is None else cut.end()
         yield text[start:end]
         start = end
 

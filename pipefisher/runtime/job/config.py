@@ -86,6 +86,9 @@ STDLIB = "stdlib"
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 """The run vocabulary's special tokens, in id order (``data.PAD, UNK, CLS, SEP, MASK``): the corpus's
 tokenizer gives them these ids, and exported transformers configs name them (pad, bos, eos)."""
+TOKENIZERS = ("bpe", "wordpiece", "bpe-whitespace")
+"""``data.tokenizer``'s kinds: byte-level BPE (text comes back exactly), BERT's WordPiece, and the
+whitespace-split BPE that ``bpe`` meant before byte-level BPE (what runs from then resume with)."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ class DataConfig:
     every machine with Python, so runs need no download), a file, a folder (its text files, recursively)
     or a glob. It is split by file into training and held-out text (``val_fraction`` of the files,
     chosen by a hash of their paths) and tokenized by a subword tokenizer trained on the training files
-    (``tokenizer``: ``bpe`` or ``wordpiece``, ``model.vocab_size`` tokens). ``synthetic`` gives seeded
+    (``tokenizer``: one of :data:`TOKENIZERS`, ``model.vocab_size`` tokens). ``synthetic`` gives seeded
     synthetic tokens instead: for unit tests only, there is little in them to learn.
 
     Other sources: ``builder`` names a function (``"package.module:function"``, like ``model.builder``)
@@ -507,8 +510,8 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
     keep = cfg.checkpoint.keep
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         problems.append("checkpoint.keep must be an integer >= 1 (the newest checkpoints a run keeps)")
-    if d.tokenizer not in ("bpe", "wordpiece"):
-        problems.append("data.tokenizer must be 'bpe' or 'wordpiece'")
+    if d.tokenizer not in TOKENIZERS:
+        problems.append(f"data.tokenizer must be one of {', '.join(TOKENIZERS)}")
     if not 0.0 < d.val_fraction < 1.0:
         problems.append("data.val_fraction must be in (0, 1)")
     if d.val_batches < 0:

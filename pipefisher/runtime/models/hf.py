@@ -291,11 +291,11 @@ def positions(x: torch.Tensor) -> torch.Tensor:
 
 def causal_mask(config: Any, h: torch.Tensor, pos: torch.Tensor) -> Any:
     """The causal mask transformers' decoder blocks take, as their models make it without a cache or an
-    attention mask (every window is full length, no padding)."""
+    attention mask (every window is full length, no padding). The (absent) cache goes by position: 5.24
+    renamed that argument ``past_key_values`` -> ``cache`` and warns on the old name."""
     from transformers.masking_utils import create_causal_mask
 
-    return create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                              position_ids=pos)
+    return create_causal_mask(config, h, None, None, position_ids=pos)
 
 
 class _Stage(nn.Module):
@@ -350,7 +350,7 @@ class BertStage(_Stage):
         # No padding (fixed-length windows): the mask BertModel would make without an attention_mask.
         mask = create_bidirectional_mask(config=self.config, inputs_embeds=h, attention_mask=None)
         for layer in self.bert.encoder.layer.values():
-            h = layer(h, mask, None, encoder_attention_mask=None, past_key_values=None)
+            h = layer(h, mask, None, encoder_attention_mask=None)  # no cache: named neither way (causal_mask)
         return self._end(h, labels, sample)
 
 
@@ -422,8 +422,7 @@ class LlamaStage(_Stage):
         mask = causal_mask(self.config, h, pos)
         angles = self.model.rotary_emb(h, position_ids=pos)
         for layer in self.model.layers.values():
-            h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=None, use_cache=False,
-                      position_embeddings=angles)
+            h = layer(h, attention_mask=mask, position_ids=pos, use_cache=False, position_embeddings=angles)
         return self._end(h, labels, sample)
 
 

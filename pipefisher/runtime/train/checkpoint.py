@@ -12,8 +12,9 @@ Layout of a checkpoint folder::
     checkpoint.json                         manifest: format, steps done, the step folder, mode, schedule
                                             digest, stages x replicas, the component names, config and
                                             fingerprint, the transformers config an export writes
-                                            (``export_config``, Hugging Face builders), and the loop's own
-                                            keys (the trainer's: K-FAC cycle k of the job and of each node,
+                                            (``export_config``, Hugging Face builders), the tokenizer's
+                                            kind (``tokenizer_kind``, :func:`tokenizer_kind`), and the
+                                            loop's own keys (the trainer's: K-FAC cycle k of the job and of each node,
                                             the active schedule, ``lr_horizon``, the run's ``options``)
     tokenizer.json                          the run's tokenizer (text corpora), for ``pipefisher export``
     step-00000012/stage0-replica0.pt        one torch file per worker (stage, replica)
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 from pipefisher.errors import InputError, first_line
-from pipefisher.runtime.job.config import DEFAULT_BUILDER, OptimConfig, current_builder
+from pipefisher.runtime.job.config import DEFAULT_BUILDER, SYNTHETIC, OptimConfig, current_builder
 from pipefisher.safe_io import atomic_path, dump_json_atomic, load_json, write_atomic
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
 MANIFEST = "checkpoint.json"
 TOKENIZER = "tokenizer.json"
 """The run's tokenizer, beside the manifest: what ``pipefisher export`` writes out with the model."""
+OLD_BPE = "bpe-whitespace"
+"""What ``data.tokenizer: bpe`` built before it meant byte-level BPE (manifests without ``tokenizer_kind``)."""
 FORMAT = 3  # 2: running-average factors, damping schedule, optimizer pair; 3: one entry per component
 EXPORTABLE = (2, FORMAT)
 """The formats ``pipefisher export`` reads: the model's tensors sit in every one of them alike."""
@@ -233,6 +236,17 @@ def read_manifest(folder: str | os.PathLike[str], formats: tuple[int, ...] = (FO
     raise InputError(path, f"is not a pipefisher checkpoint manifest of format {FORMAT}")
 
 
+def tokenizer_kind(man: Mapping[str, Any]) -> str:
+    """The kind of tokenizer (``data.tokenizer``) the manifest's run had: recorded as ``tokenizer_kind``
+    since ``bpe`` means byte-level BPE; before, ``bpe`` was the whitespace-split BPE (:data:`OLD_BPE`).
+    Synthetic tokens have no tokenizer: their setting is taken as it reads."""
+    if "tokenizer_kind" in man:
+        return str(man["tokenizer_kind"])
+    data = (man.get("config") or {}).get("data") or {}
+    said = str(data.get("tokenizer", "bpe"))
+    return OLD_BPE if said == "bpe" and data.get("text") != SYNTHETIC else said
+
+
 def check_resumable(folder: str | os.PathLike[str], cfg: Any, mode: str, schedule: str | None,
                     stages: int, replicas: int) -> dict[str, Any]:
     """Refuse (:class:`InputError`) a checkpoint that another job wrote; its manifest otherwise.
@@ -242,9 +256,15 @@ def check_resumable(folder: str | os.PathLike[str], cfg: Any, mode: str, schedul
     folder = os.fspath(folder)
     man = read_manifest(folder)
     mine, theirs = _config_for_compare(_jsonable(cfg.to_dict())), _config_for_compare(man.get("config") or {})
+    if isinstance(theirs.get("data"), dict):  # the ids the model learnt are those of the tokenizer it had
+        theirs["data"]["tokenizer"] = tokenizer_kind(man)
     if mine != theirs:
         diff = _differing_keys(mine, theirs)
-        raise InputError(folder, f"was written by a run with another config (differs in {', '.join(diff)})")
+        kind = (theirs.get("data") or {}).get("tokenizer")
+        older = " (the whitespace-split BPE of older runs)" if kind == OLD_BPE else ""
+        how = (f"; its run's tokenizer was {kind}{older}: --set data.tokenizer={kind} resumes it"
+               if "data.tokenizer" in diff else "")
+        raise InputError(folder, f"was written by a run with another config (differs in {', '.join(diff)}){how}")
     if man.get("mode") != mode:
         raise InputError(folder, f"was written in mode '{man.get('mode')}', this run is '{mode}'")
     if man.get("schedule") != schedule:
@@ -362,6 +382,7 @@ class Checkpointer:
                 "mode": self.mode, "schedule": self.schedule, "stages": g.stages, "replicas": g.replicas,
                 "components": sorted(components),
                 "fingerprint": self.cfg.fingerprint(), "config": _jsonable(self.cfg.to_dict()),
+                "tokenizer_kind": self.cfg.data.tokenizer,  # what data.tokenizer meant (see tokenizer_kind)
                 # what an export writes as the transformers config: it needs no pretrained folder then
                 "export_config": _export_config(self.cfg)})
             for entry in stale_steps(folder, steps_done, self.cfg.checkpoint.keep):

@@ -13,7 +13,9 @@ and a transformers ``config.json`` that also records the run's model section, wh
 ``model.pretrained`` reads back); for any other builder, ``model.safetensors`` (``model.pt`` without
 safetensors) under the stages' names and a ``config.json`` with the run's model section and a note.
 Every export also writes the run's tokenizer as a transformers tokenizer folder (``tokenizer.json``,
-``tokenizer_config.json``; ``AutoTokenizer`` loads it) where the run had one (a text corpus).
+``tokenizer_config.json``; ``AutoTokenizer`` loads it) where the run had one (a text corpus); a
+byte-level BPE one decodes ids back to the exact text, an older run's whitespace-split BPE (the
+manifest's :func:`~pipefisher.runtime.train.checkpoint.tokenizer_kind`) does not, and the line says so.
 
 All of it is written into a temp folder beside the output, then renamed into place, so a failed export
 leaves no half model behind; into an existing folder (``--force``) only the files an export writes
@@ -32,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 from pipefisher.errors import InputError, first_line
 from pipefisher.runtime.job.config import DEFAULT_BUILDER, RunConfig, config_from_dict, current_builder
 from pipefisher.runtime.job.files import RUN_CHECKPOINTS, RunPaths
-from pipefisher.runtime.train.checkpoint import (EXPORTABLE, MANIFEST, TOKENIZER, rank_filename, read_manifest,
-                                                 step_folder)
+from pipefisher.runtime.train.checkpoint import (EXPORTABLE, MANIFEST, OLD_BPE, TOKENIZER, rank_filename, read_manifest,
+                                                 step_folder, tokenizer_kind)
 from pipefisher.safe_io import dump_json_atomic
 
 if TYPE_CHECKING:
@@ -256,7 +258,9 @@ def export(path: str, out: str, force: bool = False) -> str:
         if tokenizer is not None:
             write_transformers_tokenizer(tokenizer, tmp, causal=cfg.data.objective == "clm",
                                          max_length=cfg.model.max_position)
-            what += "; its tokenizer (transformers.AutoTokenizer loads it)"
+            what += "; its tokenizer (transformers.AutoTokenizer loads it" + (
+                "; the whitespace-split BPE of older runs: decoding drops spaces and newlines)"
+                if tokenizer_kind(man) == OLD_BPE else ")")
         else:
             what += "; no tokenizer (the run trained on token ids, or its checkpoint keeps none)"
         _readable(tmp)
