@@ -25,3 +25,9 @@ def described(err: BaseException) -> str:
     kind tells the user something (a user's module or function failed)."""
     text = str(err).strip()
     return type(err).__name__ + (f": {text.splitlines()[0]}" if text else "")
+
+
+def install_hint(extra: str) -> str:
+    """How to install one of the package's extras, as every missing-extra message says it: from a
+    registry, and in a clone with the constraints file that pins what set-up and CI test against."""
+    return f"pip install 'pipefisher[{extra}]' (in a clone: pip install -c constraints.txt -e '.[{extra}]')"

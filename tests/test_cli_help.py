@@ -118,7 +118,7 @@ def test_train_and_run_without_torch_say_how_to_install_it(command, tmp_path):
     assert "Traceback" not in res.stderr and res.stdout == ""
     assert res.stderr.strip().splitlines() == [
         f"error: pipefisher {command[0]} needs torch (the runtime extra), not installed here: "
-        "pip install 'pipefisher[runtime]' (in a clone: pip install -e '.[runtime]')"]
+        "pip install 'pipefisher[runtime]' (in a clone: pip install -c constraints.txt -e '.[runtime]')"]
     assert not os.path.exists(tmp_path / "never-written")
 
 

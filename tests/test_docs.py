@@ -106,7 +106,7 @@ def _mkdocs_missing() -> str | None:
 
 
 @pytest.mark.skipif(_mkdocs_missing() is not None,
-                    reason=f"the docs extra is not installed (missing: {_mkdocs_missing()}): pip install -e '.[docs]'")
+                    reason=f"the docs extra is not installed (missing: {_mkdocs_missing()}): pip install -c constraints.txt -e '.[docs]'")
 def test_the_site_builds_strict(tmp_path: Path) -> None:
     site = tmp_path / "site"
     res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",

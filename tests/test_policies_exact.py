@@ -37,7 +37,7 @@ def test_without_ortools_the_policy_is_an_input_error_saying_how_to_install_it(m
     assert str(err.value) == MISSING_ORTOOLS
     assert "\n" not in str(err.value)
     assert str(err.value) == ("the 'exact' policy needs OR-Tools: pip install 'pipefisher[exact]' "
-                              "(or -e '.[exact]' in a clone)")
+                              "(in a clone: pip install -c constraints.txt -e '.[exact]')")
     with pytest.raises(InputError):
         ExactPolicy().pack(job_from_dicts(random_raw_job(0)))
 

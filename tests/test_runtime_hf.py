@@ -156,7 +156,7 @@ def test_missing_transformers_is_one_line_input_error(monkeypatch, builder) -> N
     with pytest.raises(InputError) as err:
         builder(RunConfig(model=TINY), 0, 2, SEED)
     assert str(err.value) == ("the Hugging Face models need transformers: pip install 'pipefisher[hf]' "
-                              "(or -e '.[hf]' in a clone)")
+                              "(in a clone: pip install -c constraints.txt -e '.[hf]')")
 
 
 def test_too_old_transformers_is_one_line_input_error(transformers, monkeypatch) -> None:

@@ -236,7 +236,8 @@ def test_bad_datasets_are_one_line_naming_the_files(files, monkeypatch):
     assert refusal("parquet", "sub").endswith("sub: has no .parquet files")
     monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
     assert refusal("json", "rows.jsonl") == (
-        "data.dataset needs Hugging Face datasets: pip install 'pipefisher[datasets]' (or -e '.[datasets]' in a clone)")
+        "data.dataset needs Hugging Face datasets: pip install 'pipefisher[datasets]' "
+        "(in a clone: pip install -c constraints.txt -e '.[datasets]')")
 
 
 def test_a_builder_corpus_trains_through_the_library_api():

@@ -8,12 +8,12 @@ from typing import Any, Iterator
 
 import click
 
-from pipefisher.errors import InputError
+from pipefisher.errors import InputError, install_hint
 
 EXIT_BAD_INPUT = 2
 
 
-RUNTIME_INSTALL = "pip install 'pipefisher[runtime]' (in a clone: pip install -e '.[runtime]')"
+RUNTIME_INSTALL = install_hint("runtime")
 
 
 def missing_module(module: str) -> bool:

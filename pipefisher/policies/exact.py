@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
-from pipefisher.errors import InputError
+from pipefisher.errors import InputError, install_hint
 from pipefisher.policies.align import align_groups
 from pipefisher.policies.base import JobSchedule, NodeSchedule, Policy, gc_paused
 from pipefisher.policies.bounds import model_bounds
@@ -47,8 +47,7 @@ from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, fits, 
 from pipefisher.rules.groups import job_groups
 from pipefisher.timeline import Job, NodeTimeline, Time
 
-MISSING_ORTOOLS = ("the 'exact' policy needs OR-Tools: pip install 'pipefisher[exact]' "
-                   "(or -e '.[exact]' in a clone)")
+MISSING_ORTOOLS = "the 'exact' policy needs OR-Tools: " + install_hint("exact")
 FLOAT_SCALE = 1e9  # float timelines are in seconds (or so): count them in nanoseconds
 MARGIN_SCALE = 10 ** 6  # the margin as a fraction over this denominator (smaller for huge numbers)
 BUILD_SECONDS_PER_CELL = 3e-5  # building the model, per (slot, work item): measured, with room to spare

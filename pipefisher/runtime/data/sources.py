@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from pipefisher.errors import InputError, described
+from pipefisher.errors import InputError, described, install_hint
 from pipefisher.runtime.job.config import STDLIB, SYNTHETIC, DataConfig
 
 TEXT, IDS = "text", "ids"
@@ -45,8 +45,7 @@ TEXT_SUFFIXES = frozenset({".txt", ".md", ".rst", ".py"})
 """Files a folder always contributes; any other file is taken only if it looks like UTF-8 text."""
 DATASET_SUFFIXES = {"json": frozenset({".json", ".jsonl"}), "parquet": frozenset({".parquet"})}
 """The files a folder contributes to a ``json`` / ``parquet`` dataset (``text``: as for text files)."""
-MISSING_DATASETS = ("data.dataset needs Hugging Face datasets: pip install 'pipefisher[datasets]' "
-                    "(or -e '.[datasets]' in a clone)")
+MISSING_DATASETS = "data.dataset needs Hugging Face datasets: " + install_hint("datasets")
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 _SNIFF_BYTES = 8192
 

@@ -37,14 +37,13 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from pipefisher.errors import InputError
+from pipefisher.errors import InputError, install_hint
 from pipefisher.runtime.job.config import ModelConfig, RunConfig
 from pipefisher.runtime.models.bert import CONFIG_FILE, check_pretrained
 from pipefisher.runtime.models.builders import lm_loss, stage_layers
 from pipefisher.safe_io import load_json
 
-MISSING_TRANSFORMERS = ("the Hugging Face models need transformers: pip install 'pipefisher[hf]' "
-                        "(or -e '.[hf]' in a clone)")
+MISSING_TRANSFORMERS = "the Hugging Face models need transformers: " + install_hint("hf")
 MIN_TRANSFORMERS = (5, 23)
 """The stages call transformers' blocks and mask helpers as its models do; their signatures change
 between releases (5.0's masks took ``input_embeds`` and ``cache_position``), so older ones are refused."""

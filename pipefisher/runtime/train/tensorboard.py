@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from pipefisher.errors import install_hint
+
 EVENT_FILES = "events.out.tfevents."
 """How TensorBoard names its event files: a folder holding one holds a TensorBoard run."""
 
-MISSING = "--tensorboard needs the tensorboard package: pip install 'pipefisher[tensorboard]'"
+MISSING = "--tensorboard needs the tensorboard package: " + install_hint("tensorboard")
 
 TAGS = {"loss": "loss/train", "val_loss": "loss/held_out", "lr": "optim/lr", "step_seconds": "time/step_seconds",
         "cycle": "kfac/cycle", "overrun_seconds": "kfac/overrun_seconds", "drift": "kfac/drift",
