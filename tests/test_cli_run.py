@@ -15,6 +15,7 @@ from pipefisher.errors import InputError
 from pipefisher.runtime.job.config import load_config
 from pipefisher.runtime.launch.driver import config_yaml, run_paths
 
+from _commands import torch_free
 from _schedules import TINY, tiny
 
 
@@ -357,9 +358,18 @@ def test_run_resume_continues_a_run_where_its_checkpoint_stopped_with_its_schedu
     whole = torch.load(os.path.join(ck, "step-00000005", "stage0-replica0.pt"), weights_only=True)["model"]
     resumed = torch.load(out / "r_checkpoints" / "step-00000005" / "stage0-replica0.pt", weights_only=True)["model"]
     assert all(torch.equal(t, resumed[k]) for k, t in whole.items())
-    res = CliRunner().invoke(main, ["run", "--resume", str(out), "--steps", "5"])
-    assert res.exit_code == 0 and res.output.endswith(f"nothing to do: the checkpoint in {out / 'r_checkpoints'} has "
-                                                      "5 steps done, --steps is 5\n"), res.output
+    # nothing left to do, and a --set that changes more than the learning rate: said before torch loads,
+    # the latter with the real reason (not the schedule's --allow-schedule-mismatch, which run has not)
+    (done, said, torch_loaded), (code, err, torch_too) = torch_free([
+        ["run", "--resume", str(out), "--steps", "5"],
+        ["run", "--resume", str(out), "--steps", "6", "--set", "model.hidden_size=64", "--set", "optim.lr=0.5"]])
+    assert (done, said, torch_loaded) == (0, f"nothing to do: the checkpoint in {out / 'r_checkpoints'} has 5 steps "
+                                             "done, --steps is 5\n", False), said
+    assert code == 2 and err.count("\n") == 1 and not torch_too, err
+    assert err.startswith(f"error: {out / 'r_checkpoints'}: was written by a run with another config (differs in "
+                          "model.hidden_size: 32 there, 64 here); a resumed run may change only its learning-rate "
+                          "schedule and run-time settings (optim.lr, "), err
+    assert "kfac.lr" in err and "allow-schedule-mismatch" not in err, err
     res = CliRunner().invoke(main, ["run", "--resume", str(out), "--steps", "6", "--stages", "2", "--policy", "tight"])
     assert (res.exit_code, res.output) == (2, "error: --policy, --stages: set a run up, which --resume continues as it "
                                               "was set up: drop them\n")

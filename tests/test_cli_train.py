@@ -11,22 +11,8 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 
+from _commands import torch_free as _torch_free
 from _schedules import ROOT, TINY
-
-
-def _torch_free(commands: list[list[str]]) -> list[tuple[int, str, bool]]:
-    """Each ``pipefisher ARGS`` of ``commands`` in one fresh interpreter, one after the other: per command
-    (exit code, its stderr, whether torch was imported by then)."""
-    import json
-
-    code = ("import contextlib, io, json, sys\nfrom pipefisher.cli import main\nout = []\n"
-            "for args in json.loads(sys.argv[1]):\n    err = io.StringIO()\n"
-            "    with contextlib.redirect_stderr(err):\n        try:\n            main(args)\n"
-            "        except SystemExit as e:\n            code = e.code\n"
-            "    out.append((code, err.getvalue(), 'torch' in sys.modules))\nprint(json.dumps(out))\n")
-    res = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
-    return [tuple(r) for r in json.loads(res.stdout.splitlines()[-1])]
 
 
 def test_an_output_that_cannot_be_written_is_refused_before_torch_loads(tmp_path):

@@ -189,7 +189,8 @@ def _resume(run_dir: str, name: str | None, steps: int, overrides: tuple[str, ..
     from pipefisher.cli._runconfig import read_run_config
     from pipefisher.cli.train import prepare_training
     from pipefisher.runtime.launch.driver import find_run
-    from pipefisher.runtime.train.checkpoint import RUN_OPTIONS, read_manifest
+    from pipefisher.runtime.train.checkpoint import (RUN_OPTIONS, check_resume_config, nothing_left, read_manifest,
+                                                     resume_note)
 
     paths = find_run(run_dir, name)
     man = read_manifest(paths.checkpoints)
@@ -202,15 +203,15 @@ def _resume(run_dir: str, name: str | None, steps: int, overrides: tuple[str, ..
     if given.get("tensorboard") is not None:
         options["tensorboard"] = check_tensorboard(given["tensorboard"])
     nproc = int(man.get("stages") or 1) * int(man.get("replicas") or 1)
+    check_resume_config(paths.checkpoints, cfg)  # what --set may change, before torch loads
+    if done := nothing_left(paths.checkpoints, steps):  # before torch and the corpus load: at once
+        click.echo(done)
+        return
     _phase_torch(no_progress)
     from pipefisher.runtime.launch.driver import resume_job
-    from pipefisher.runtime.train.checkpoint import nothing_left, resume_note
 
     prepare_training(cfg, paths.config, nproc, paths.schedule, paths.checkpoints, "scheduled",
                      bool(options.get("adapt")), progress=not no_progress)
-    if done := nothing_left(paths.checkpoints, steps):
-        click.echo(done)
-        return
     if note := resume_note(paths.checkpoints, cfg, steps, past_decay):
         click.echo(note)
     with _one_line_failures(run_dir, steps, paths):

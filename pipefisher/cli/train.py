@@ -83,10 +83,12 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
     from pipefisher.runtime.models.builders import check_builder
     from pipefisher.runtime.pipeline.torch_api import check_engine
     from pipefisher.runtime.pipeline.checks import MISMATCH_FLAG, check_packed_for, load_checked_schedule
-    from pipefisher.runtime.train.checkpoint import check_resumable
+    from pipefisher.runtime.train.checkpoint import check_resumable, check_resume_config
     from pipefisher.runtime.train.optim import check_optimizer
     from pipefisher.schedule_file import schedule_digest
 
+    if resume is not None:  # the real reason first, before the corpus: a config the checkpoint's run did not have
+        check_resume_config(resume, cfg)
     check_builder(cfg, config_path)  # type: ignore[arg-type]  # model.builder imports, its stages fit
     check_optimizer(cfg.optim, config_path)  # type: ignore[attr-defined]  # this torch has optim.name's optimizer
     check_engine(cfg)  # pipeline.engine torch: this torch's pipelining API is the one it uses
@@ -263,6 +265,12 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
             raise InputError(config_path, f"torchrun started {n} workers (WORLD_SIZE), not a multiple of the "
                                           f"{cfg.pipeline.stages} pipeline stages; start stages x replicas "
                                           "workers (torchrun --nnodes x --nproc-per-node)")
+    if resume_dir:
+        from pipefisher.runtime.train.checkpoint import nothing_left
+
+        if done := nothing_left(resume_dir, steps):  # resuming to the steps already done: say so before torch loads
+            click.echo(done)
+            return
     if not no_progress and os.environ.get("RANK", "0") == "0":
         from pipefisher.runtime.job.progress import phase
 
@@ -275,11 +283,8 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode, adapt, allow_schedule_mismatch,
                      progress=not no_progress)
     if resume_dir:
-        from pipefisher.runtime.train.checkpoint import nothing_left, resume_note
+        from pipefisher.runtime.train.checkpoint import resume_note
 
-        if done := nothing_left(resume_dir, steps):  # resuming to the steps already done: say so, start nothing
-            click.echo(done)
-            return
         if (note := resume_note(resume_dir, cfg, steps, past_decay)) and (job is None or job.rank == 0):
             click.echo(note)  # the learning-rate schedule: changed on purpose, or kept past its end
     if out_dir and (job is None or job.rank == 0):  # the config this run used, --set included

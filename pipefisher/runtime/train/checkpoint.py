@@ -226,6 +226,28 @@ def read_manifest(folder: str | os.PathLike[str], formats: tuple[int, ...] = (FO
     raise InputError(path, f"is not a pipefisher checkpoint manifest of format {FORMAT}")
 
 
+def check_resume_config(folder: str | os.PathLike[str], cfg: Any) -> dict[str, Any]:
+    """Refuse (:class:`InputError`) resuming the checkpoint in ``folder`` with a config that differs from
+    its run's in more than a resume may change, naming each key that differs (with both values) and what
+    may change; its manifest otherwise. Checked first, so that the refusal says this real reason rather
+    than what the other config breaks next (its schedule's metadata, say)."""
+    folder = os.fspath(folder)
+    man = read_manifest(folder)
+    mine, theirs = _config_for_compare(_jsonable(cfg.to_dict())), _config_for_compare(man.get("config") or {})
+    if mine != theirs:
+        def value(cfg: dict[str, Any], key: str) -> Any:
+            sec, _, name = key.partition(".")
+            part = cfg.get(sec)
+            return (part.get(name) if isinstance(part, dict) else None) if name else part
+
+        diff = [f"{k}: {value(theirs, k)} there, {value(mine, k)} here" for k in _differing_keys(mine, theirs)]
+        may = ", ".join(f"{sec}.{key}" for sec, key in (*LR_SCHEDULE_KEYS, *sorted(_VOLATILE)))
+        raise InputError(folder, f"was written by a run with another config (differs in {'; '.join(diff)}); a "
+                                 f"resumed run may change only its learning-rate schedule and run-time settings "
+                                 f"({may}): resume with the run's config, or start a new run with this one")
+    return man
+
+
 def check_resumable(folder: str | os.PathLike[str], cfg: Any, mode: str, schedule: str | None,
                     stages: int, replicas: int) -> dict[str, Any]:
     """Refuse (:class:`InputError`) a checkpoint that another job wrote; its manifest otherwise.
@@ -233,11 +255,7 @@ def check_resumable(folder: str | os.PathLike[str], cfg: Any, mode: str, schedul
     ``schedule`` is the digest of the schedule the new run uses (None unless ``scheduled``).
     """
     folder = os.fspath(folder)
-    man = read_manifest(folder)
-    mine, theirs = _config_for_compare(_jsonable(cfg.to_dict())), _config_for_compare(man.get("config") or {})
-    if mine != theirs:
-        diff = _differing_keys(mine, theirs)
-        raise InputError(folder, f"was written by a run with another config (differs in {', '.join(diff)})")
+    man = check_resume_config(folder, cfg)
     if man.get("mode") != mode:
         raise InputError(folder, f"was written in mode '{man.get('mode')}', this run is '{mode}'")
     if man.get("schedule") != schedule:
