@@ -88,8 +88,8 @@ class DistContext:
     stage_group_size: int = 1
     chimera: bool = False  # two pipes: this device also holds the up pipe's copy of stage ``mirror``
     pair_grad_group: Any = None  # Chimera: the stage group's ranks again, for the gradient buckets alone
-    # every rank, over gloo on the host where the job's backend is not (NCCL): small flags all ranks agree
-    # on (a stop request) without a device round trip; None: the default group is gloo already
+    # every rank, over gloo on the host: small flags all ranks agree on (a stop request) without a device
+    # round trip (NCCL), and without queueing behind the job's own collectives
     host_group: Any = None
 
     @property
@@ -172,7 +172,7 @@ def init_from_env(stages: int, timeout_s: float, chimera: bool = False) -> DistC
             grads = dist.new_group(grid.pair_ranks(s), timeout=timeout)
             if s in (grid.stage, grid.mirror):
                 stage_group, grad_group = group, grads
-    host_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    host_group = dist.new_group(backend="gloo", timeout=timeout)
     return DistContext(grid, device, backend, dp_group, pipe_group, stage_group, size, chimera, grad_group,
                        host_group)
 
