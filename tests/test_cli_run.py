@@ -412,7 +412,8 @@ def test_sigterm_in_run_checkpoints_this_run_and_prints_a_command_that_resumes_i
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    [name] = [e[: -len("_checkpoints")] for e in os.listdir(out) if e.endswith("_checkpoints") and e != "older_checkpoints"]
+    [name] = [e[: -len("_checkpoints")] for e in os.listdir(out)
+              if e.endswith("_checkpoints") and e != "older_checkpoints"]
     assert proc.returncode == 130 and err.count("\n") == 1, err
     done = int(err.split()[2])
     command = f"pipefisher run --steps 30 --no-progress --log-every 1 --resume {out} --name {name}"

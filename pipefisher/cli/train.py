@@ -368,7 +368,7 @@ def resume_command(argv: list[str], resume_dir: str, command: str = "train", dro
                    extra: tuple[str, ...] = ()) -> str:
     """This very command line (``sys.argv``) as the one that resumes its run: ``--resume DIR`` added where it
     is missing, the options in ``drop`` left out (option -> whether a value follows it) and ``extra`` added;
-    everything else (``--steps`` first) as given, so it trains what the stopped one was to train."""
+    everything else as given (its ``--steps`` too), so that it trains what the stopped one was to train."""
     import shlex
 
     if command not in argv[1:]:  # not started from a command line (a library call, a test runner)

@@ -221,7 +221,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
                   *([paths.profile_losses] if os.path.exists(paths.profile_losses) else []),
                   *([paths.profile_steps_dir] if os.path.exists(paths.profile_steps_dir) else []),
                   paths.schedule, paths.report, paths.chart, paths.metrics,
-                  *[m for m in measured if os.path.exists(m)], paths.checkpoints, *([tensorboard] if tensorboard else [])):
+                  *[m for m in measured if os.path.exists(m)], paths.checkpoints,
+                  *([tensorboard] if tensorboard else [])):
             echo(f"wrote {p}")
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: this run, in its phase
         raise interrupted_run(err, paths, *phase) from None

@@ -56,8 +56,8 @@ TOKENIZER = "tokenizer.json"
 FORMAT = 3  # 2: running-average factors, damping schedule, optimizer pair; 3: one entry per component
 EXPORTABLE = (2, FORMAT)
 """The formats ``pipefisher export`` reads: the model's tensors sit in every one of them alike."""
-_VOLATILE = {("pipeline", "timeout_s"), ("pipeline", "grad_bucket_mb"), ("train", "recompute"), ("train", "loss_scale"), ("checkpoint", "keep"),
-             ("checkpoint", "on_interrupt")}  # may change between a run and its resumption
+_VOLATILE = {("pipeline", "timeout_s"), ("pipeline", "grad_bucket_mb"), ("train", "recompute"), ("train", "loss_scale"),
+             ("checkpoint", "keep"), ("checkpoint", "on_interrupt")}  # may change between a run and its resumption
 LR_SCHEDULE_KEYS = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "schedule"), ("optim", "decay_steps"),
                     ("optim", "min_lr_ratio"), ("kfac", "lr"))
 """The learning-rate schedule: a resumed run may change it on purpose (one line says what changed)."""
