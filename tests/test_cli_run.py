@@ -15,6 +15,7 @@ from pipefisher.errors import InputError
 from pipefisher.runtime.job.config import load_config
 from pipefisher.runtime.launch.driver import config_yaml, run_paths
 
+from _commands import torch_free
 from _schedules import TINY, tiny
 
 
@@ -388,9 +389,18 @@ def test_run_resume_continues_a_run_where_its_checkpoint_stopped_with_its_schedu
     whole = torch.load(os.path.join(ck, "step-00000005", "stage0-replica0.pt"), weights_only=True)["model"]
     resumed = torch.load(out / "r_checkpoints" / "step-00000005" / "stage0-replica0.pt", weights_only=True)["model"]
     assert all(torch.equal(t, resumed[k]) for k, t in whole.items())
-    res = CliRunner().invoke(main, ["run", "--resume", str(out), "--steps", "5"])
-    assert res.exit_code == 0 and res.output.endswith(f"nothing to do: the checkpoint in {out / 'r_checkpoints'} has "
-                                                      "5 steps done, --steps is 5\n"), res.output
+    # nothing left to do, and a --set that changes more than the learning rate: said before torch loads,
+    # the latter with the real reason (not the schedule's --allow-schedule-mismatch, which run has not)
+    (done, said, torch_loaded), (code, err, torch_too) = torch_free([
+        ["run", "--resume", str(out), "--steps", "5"],
+        ["run", "--resume", str(out), "--steps", "6", "--set", "model.hidden_size=64", "--set", "optim.lr=0.5"]])
+    assert (done, said, torch_loaded) == (0, f"nothing to do: the checkpoint in {out / 'r_checkpoints'} has 5 steps "
+                                             "done, --steps is 5\n", False), said
+    assert code == 2 and err.count("\n") == 1 and not torch_too, err
+    assert err.startswith(f"error: {out / 'r_checkpoints'}: was written by a run with another config (differs in "
+                          "model.hidden_size: 32 there, 64 here); a resumed run may change only its learning-rate "
+                          "schedule and run-time settings (optim.lr, "), err
+    assert "kfac.lr" in err and "allow-schedule-mismatch" not in err, err
     res = CliRunner().invoke(main, ["run", "--resume", str(out), "--steps", "6", "--stages", "2", "--policy", "tight"])
     assert (res.exit_code, res.output) == (2, "error: --policy, --stages: set a run up, which --resume continues as it "
                                               "was set up: drop them\n")
@@ -399,28 +409,82 @@ def test_run_resume_continues_a_run_where_its_checkpoint_stopped_with_its_schedu
                                               "--resume takes the --out folder of a pipefisher run\n")
 
 
-@pytest.mark.parametrize("others", [0, 1])
-def test_ctrl_c_in_run_says_how_far_it_got_and_the_resume_command(tmp_path, monkeypatch, others):
-    """Ctrl-C during training: one line with the steps done and ``run --resume`` (with ``--name`` where
-    the folder holds another run's checkpoints too), not click's bare "Aborted!"."""
-    from pipefisher.runtime.job.process import Interrupted
-    from pipefisher.runtime.launch import driver
+def _steps(path) -> list[int]:
+    with open(path, newline="") as f:
+        return [int(r["step"]) for r in csv.DictReader(f)]
+
+
+def test_sigterm_in_run_checkpoints_this_run_and_prints_a_command_that_resumes_it(tmp_path):
+    """SIGTERM (a cluster's notice before preemption) while a run trains, in a --out folder that holds an
+    earlier run's checkpoint: this run stops at the next step boundary with a checkpoint there, its metrics
+    so far kept, and one line names its own checkpoint and the command that resumes it (its --steps, not the
+    default; --name, as the folder holds two runs), which, run as printed, trains to the end."""
+    import shlex
+    import signal
+
     from pipefisher.runtime.train.checkpoint import FORMAT, MANIFEST
 
     out = tmp_path / "runs"
+    (out / "older_checkpoints").mkdir(parents=True)
+    (out / "older_checkpoints" / MANIFEST).write_text(json.dumps({"format": FORMAT, "steps_done": 50}))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = ["run", "--config", TINY, "--stages", "1", "--out", str(out), "--steps", "30", "--profile-steps", "1",
+            "--no-progress", "--log-every", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "pipefisher", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("step     2"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    [name] = [e[: -len("_checkpoints")] for e in os.listdir(out)
+              if e.endswith("_checkpoints") and e != "older_checkpoints"]
+    assert proc.returncode == 130 and err.count("\n") == 1, err
+    done = int(err.split()[2])
+    command = f"pipefisher run --steps 30 --no-progress --log-every 1 --resume {out} --name {name}"
+    assert err == (f"interrupted after {done} of 30 training steps; the checkpoint in {out}/{name}_checkpoints has "
+                   f"{done} steps done; resume with: {command}\n"), err
+    assert 3 <= done < 30 and _steps(out / f"{name}_metrics.csv") == list(range(done))
+    res = subprocess.run([sys.executable, "-m", *shlex.split(command)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode == 0 and f"resuming after step {done - 1}" in res.stdout, res.stdout + res.stderr
+    assert _steps(out / f"{name}_metrics.csv") == list(range(30))
 
-    def interrupted_run(cfg, folder, **kw):  # the run started, checkpointed 4 steps, then Ctrl-C
-        for i in range(others):
-            (out / f"older{i}_checkpoints").mkdir(parents=True)
-            os.utime(out / f"older{i}_checkpoints", (0, 0))
-        ck = out / "mine_checkpoints"
-        ck.mkdir(parents=True)
-        (ck / MANIFEST).write_text(json.dumps({"format": FORMAT, "steps_done": 4}))
-        raise Interrupted(5)
 
-    monkeypatch.setattr(driver, "run_job", interrupted_run)
-    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--steps", "10", "--no-progress"])
-    assert res.exit_code == 130 and res.output.count("\n") == 1 and "Aborted" not in res.output, res.output
-    name = " --name mine" if others else ""
-    assert res.output == (f"interrupted after 5 of 10 steps; the checkpoint in {out}/mine_checkpoints has 4 steps "
-                          f"done; resume with: pipefisher run --resume {out}{name}\n"), res.output
+def test_ctrl_c_while_profiling_says_so_and_leaves_no_half_run_behind(tmp_path, monkeypatch):
+    """Stopped before its first checkpoint, a run cannot be resumed: the line says what was stopped and that
+    its files are removed, and they are; an earlier run's files stay."""
+    from pipefisher.runtime.launch import driver
+
+    def launcher(*a, **k):  # noqa: ANN202
+        def launch(opts):  # noqa: ANN202
+            raise KeyboardInterrupt
+        return launch
+
+    out = tmp_path / "runs"
+    out.mkdir()
+    (out / "older_config.yaml").write_text("name: older\n")
+    monkeypatch.setattr(driver, "launcher", launcher)
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--name", "r", "--no-progress"])
+    assert res.exit_code == 130 and res.output.endswith(
+        "[1/3] profiling 10 kfac step(s)\ninterrupted while profiling, before its first profiling step ended; "
+        "nothing to resume: run r stopped before its first checkpoint, and its files are removed\n"), res.output
+    assert os.listdir(out) == ["older_config.yaml"]
+
+
+def test_what_a_stop_stopped_is_said_by_phase():
+    from pipefisher.cli.train import stopped_what
+    from pipefisher.runtime.job.process import Interrupted
+
+    assert stopped_what(Interrupted(3, phase="profiling", total=10), 200) == \
+        "while profiling, after 3 of 10 profiling steps"
+    assert stopped_what(Interrupted(None, phase="packing"), 200) == "while packing the schedule"
+    assert stopped_what(Interrupted(45), 200) == "after 45 of 200 training steps"
+    assert stopped_what(Interrupted(None), 200) == "before its first training step ended"
+    assert stopped_what(Interrupted(None, phase="starting"), 200) == "while starting"

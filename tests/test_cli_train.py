@@ -11,22 +11,8 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 
+from _commands import torch_free as _torch_free
 from _schedules import ROOT, TINY
-
-
-def _torch_free(commands: list[list[str]]) -> list[tuple[int, str, bool]]:
-    """Each ``pipefisher ARGS`` of ``commands`` in one fresh interpreter, one after the other: per command
-    (exit code, its stderr, whether torch was imported by then)."""
-    import json
-
-    code = ("import contextlib, io, json, sys\nfrom pipefisher.cli import main\nout = []\n"
-            "for args in json.loads(sys.argv[1]):\n    err = io.StringIO()\n"
-            "    with contextlib.redirect_stderr(err):\n        try:\n            main(args)\n"
-            "        except SystemExit as e:\n            code = e.code\n"
-            "    out.append((code, err.getvalue(), 'torch' in sys.modules))\nprint(json.dumps(out))\n")
-    res = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
-    return [tuple(r) for r in json.loads(res.stdout.splitlines()[-1])]
 
 
 def test_an_output_that_cannot_be_written_is_refused_before_torch_loads(tmp_path):
@@ -153,24 +139,30 @@ def test_adapt_drift_needs_adapt_and_no_curve_in_one_line(tmp_path, command):
         assert res.output.startswith("error: --adapt-drift: ") and why in res.output
 
 
-def test_ctrl_c_says_how_far_it_got_how_to_resume_and_where_the_worker_log_is(tmp_path):
-    """Ctrl-C reaches the whole process group (the launcher and its two workers), as from a terminal.
+def test_ctrl_c_checkpoints_every_worker_at_one_step_and_prints_a_command_that_resumes(tmp_path):
+    """Ctrl-C reaches the whole process group (the launcher and its two workers), as from a terminal: without
+    --checkpoint-every, every worker stops at the same step boundary and the checkpoint is written there; the
+    line says how far it got, the command that resumes (run here as printed: it trains to the end) and where
+    the worker log is; the metrics so far are in their file.
 
     A terminal's Ctrl-C meets processes that handle SIGINT, so the command starts with SIGINT's default
     action: a test runner started in the background of a script (``pytest &``) ignores SIGINT, every
     process it starts inherits that, and the run would go on training after the Ctrl-C (the "hang" two
     whole-suite runs once showed)."""
+    import csv
+    import shlex
+
     ck, metrics = tmp_path / "ck", tmp_path / "m.csv"
-    args = ["train", "--config", TINY, "--steps", "100000", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
-            "--metrics", str(metrics), "--no-progress", "--log-every", "1"]
+    args = ["train", "--config", TINY, "--steps", "40", "--checkpoint-dir", str(ck), "--metrics", str(metrics),
+            "--no-progress", "--log-every", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "pipefisher"] + args, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=ROOT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=ROOT, env=env,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if line.startswith("step     2"):  # steps 0-2 done; the checkpoints of steps 1 and 2 are on their way
+            if line.startswith("step     2"):  # steps 0-2 done
                 os.killpg(proc.pid, signal.SIGINT)
                 break
         try:
@@ -185,10 +177,20 @@ def test_ctrl_c_says_how_far_it_got_how_to_resume_and_where_the_worker_log_is(tm
             proc.wait()
     assert proc.returncode == 130, err
     assert "Aborted!" not in err and "Traceback" not in err and err.count("\n") == 1, err
-    assert err.startswith("interrupted after ") and " of 100000 steps; the checkpoint in " in err, err
+    done = int(err.split()[2])
+    assert 3 <= done < 40 and err.startswith(f"interrupted after {done} of 40 training steps; the checkpoint in "
+                                             f"{ck} has {done} steps done; resume with: "), err
     log = str(tmp_path / "tiny_workers.log")
-    assert f"resume with: pipefisher {' '.join(args)} --resume {ck}; worker output in {log}\n" in err, err
-    assert os.path.exists(log)
+    command = f"pipefisher {shlex.join(args)} --resume {ck}"
+    assert err.endswith(f"resume with: {command}; worker output in {log}\n"), err
+    assert os.path.exists(log) and sorted(os.listdir(ck)) == ["checkpoint.json", f"step-{done:08d}"]
+    with open(metrics, newline="") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(done))
+    res = subprocess.run([sys.executable, "-m", *shlex.split(command)], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=120)
+    assert res.returncode == 0 and f"resuming after step {done - 1}" in res.stdout, res.stdout + res.stderr
+    with open(metrics, newline="") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(40))
 
 
 def test_ctrl_c_without_checkpoints_says_there_is_nothing_to_resume_from():
@@ -196,8 +198,8 @@ def test_ctrl_c_without_checkpoints_says_there_is_nothing_to_resume_from():
     from pipefisher.runtime.job.process import Interrupted
 
     line = interrupted_message(Interrupted(7), 20, None, ["pipefisher", "train", "--config", "c.yaml"])
-    assert line == ("interrupted after 7 of 20 steps; no checkpoint to resume from (--checkpoint-dir DIR "
-                    "writes them, --checkpoint-every N how often)")
+    assert line == ("interrupted after 7 of 20 training steps; no checkpoint to resume from (--checkpoint-dir DIR "
+                    "writes them, at the end, every --checkpoint-every N steps and on Ctrl-C or SIGTERM)")
 
 
 def test_the_resume_command_is_the_command_line_with_resume_added():
@@ -308,5 +310,5 @@ def test_ctrl_c_beside_an_older_formats_checkpoint_is_still_one_line(tmp_path):
 
     (tmp_path / MANIFEST).write_text('{"format": 2, "steps_done": 3}')
     line = interrupted_message(Interrupted(7), 20, str(tmp_path), ["pipefisher", "train"])
-    assert line.startswith("interrupted after 7 of 20 steps; the checkpoint there cannot be resumed: ") and \
+    assert line.startswith("interrupted after 7 of 20 training steps; the checkpoint there cannot be resumed: ") and \
         "format 2" in line and "\n" not in line, line

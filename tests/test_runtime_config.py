@@ -200,6 +200,7 @@ def test_cli_set_is_applied_and_recorded_in_the_config_the_run_writes(tmp_path):
     ("data", "dataset", "csv", "data.dataset must be one of text, json, parquet"),
     ("data", "builder", "nocolon", "data.builder must be 'package.module:function'"),
     ("checkpoint", "keep", 0, r"checkpoint.keep must be an integer >= 1 \(the newest checkpoints a run keeps\)"),
+    ("checkpoint", "on_interrupt", "later", "checkpoint.on_interrupt must be true or false"),
 ])
 def test_new_training_keys_are_checked_in_one_line(section, key, value, problem):
     with pytest.raises(InputError, match=problem):

@@ -295,7 +295,8 @@ def test_a_checkpoint_of_the_older_whitespace_bpe_resumes_and_exports(tmp_path):
     as_bpe = old.replace(data={"tokenizer": "bpe"})
     with pytest.raises(InputError) as err:
         check_resumable(ck, as_bpe, "first-order", None, 1, 1)
-    assert str(err.value) == (f"{ck}: was written by a run with another config (differs in data.tokenizer); its run's "
+    assert str(err.value) == (f"{ck}: was written by a run with another config (differs in data.tokenizer: bpe-whitespace "
+                              "there, bpe here); its run's "
                               "tokenizer was bpe-whitespace (the whitespace-split BPE of older runs): --set "
                               "data.tokenizer=bpe-whitespace resumes it")
     res = _runner().invoke(main, ["train", "--config", TINY_YAML, "--set", "data.text=stdlib", "--set",

@@ -309,3 +309,34 @@ def test_the_training_loop_reads_in_at_most_sixty_lines():
     import inspect
 
     assert len(inspect.getsource(Trainer._run).splitlines()) <= 60
+
+
+@pytest.mark.parametrize("on_interrupt", [True, False])
+def test_sigterm_checkpoints_at_the_next_step_unless_turned_off(tmp_path, monkeypatch, on_interrupt):
+    """SIGTERM during step 1 with a checkpoint folder: the step ends, a checkpoint of 2 steps is written and
+    the run stops there (checkpoint.on_interrupt, the default); turned off, it stops at once without one.
+    Either way the metrics of the steps done are in their file."""
+    import signal
+
+    from pipefisher.runtime.job.process import Interrupted
+    from pipefisher.runtime.train.checkpoint import MANIFEST, read_manifest
+
+    cfg = load_config(TINY).replace(pipeline={"stages": 1}, checkpoint={"on_interrupt": on_interrupt})
+    ck, metrics = tmp_path / "ck", tmp_path / "m.csv"
+    trainer = Trainer(cfg, single_process(), TrainOptions(steps=5, progress=False, checkpoint_dir=str(ck),
+                                                           metrics=str(metrics)))
+    step = trainer.train_step
+
+    def signalled_in_1(i: int):  # noqa: ANN202
+        if i == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(i)
+
+    monkeypatch.setattr(trainer, "train_step", signalled_in_1)
+    with pytest.raises(Interrupted) as stop:
+        trainer.run()
+    done = 2 if on_interrupt else 1
+    assert stop.value.steps_done == done
+    assert (read_manifest(ck)["steps_done"] if (ck / MANIFEST).exists() else None) == (2 if on_interrupt else None)
+    assert [int(line.split(",")[0]) for line in metrics.read_text().splitlines()[1:]] == list(range(done))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run's handler is gone with it

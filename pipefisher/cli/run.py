@@ -143,13 +143,15 @@ def _phase_torch(no_progress: bool) -> None:
 @contextmanager
 def _one_line_failures(run_dir: str, steps: int, paths: Any = None) -> Iterator[None]:
     """A worker's failure, a lost peer or a bad factor as one ``Error:`` line (their messages say it all);
-    Ctrl-C as one line saying how far the run got and how to go on (:func:`_interrupted`)."""
+    Ctrl-C or SIGTERM as one line saying what was stopped and how to go on (:func:`_interrupted`)."""
     from pipefisher.kfac.factors import BadFactorError
+    from pipefisher.runtime.job.process import StopRequest
     from pipefisher.runtime.launch.local import INTERRUPTED_EXIT, WorkerFailed
     from pipefisher.runtime.train.trainer import PeerLost
 
     try:
-        yield
+        with StopRequest(defer=False):  # SIGTERM as Ctrl-C (the launcher and the workers defer it to a step end)
+            yield
     except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None
     except KeyboardInterrupt as err:  # during profiling, packing or training: not click's bare "Aborted!"
@@ -158,29 +160,26 @@ def _one_line_failures(run_dir: str, steps: int, paths: Any = None) -> Iterator[
 
 
 def _interrupted(err: KeyboardInterrupt, run_dir: str, steps: int, paths: Any = None) -> str:
-    """The line after Ctrl-C in ``pipefisher run``: as ``train``'s, with ``run --resume RUN_DIR`` (and
-    ``--name`` where the folder holds several runs' checkpoints). ``paths``: the run being resumed;
-    a new run is the one whose checkpoints changed last (its name was made when it started)."""
-    import shlex
-
-    from pipefisher.cli.train import interrupted_message
+    """The line after Ctrl-C or SIGTERM in ``pipefisher run``: as ``train``'s, about this run (``paths``, the
+    one being resumed, or the new one the driver names in its ``Interrupted``), with this command line
+    as ``run --resume RUN_DIR`` (:func:`~pipefisher.cli.train.resume_command`: the options that set the run
+    up left out, ``--name`` where the folder holds several runs' checkpoints)."""
+    from pipefisher.cli.train import interrupted_message, resume_command
     from pipefisher.runtime.job.process import Interrupted
-    from pipefisher.runtime.job.files import RUN_CHECKPOINTS
     from pipefisher.runtime.train.export import run_checkpoint_folders
 
-    stop = err if isinstance(err, Interrupted) else Interrupted(None)
-    held = run_checkpoint_folders(run_dir) if os.path.isdir(run_dir) else []
-    if paths is not None:
-        checkpoints, name = paths.checkpoints, paths.name
-    elif held:
-        newest = max(held, key=lambda e: os.path.getmtime(os.path.join(run_dir, e)))
-        checkpoints, name = os.path.join(run_dir, newest), newest[: -len(RUN_CHECKPOINTS)]
-    else:
-        checkpoints, name = run_dir, None
-    resume = f"pipefisher run --resume {shlex.quote(run_dir)}"
-    if name is not None and len(held) > 1:
-        resume += f" --name {shlex.quote(name)}"
-    return interrupted_message(stop, steps, checkpoints, sys.argv, resume=resume)
+    stop = err if isinstance(err, Interrupted) else Interrupted.of(err, "starting")
+    paths = stop.paths if stop.paths is not None else paths
+    if paths is None:
+        return interrupted_message(stop, steps, None, sys.argv, nothing="nothing to resume: the run had not begun")
+    several = len(run_checkpoint_folders(run_dir)) > 1 if os.path.isdir(run_dir) else False
+    argv = sys.argv if "run" in sys.argv[1:] else ["pipefisher", "run", "--steps", str(steps)]  # a library call
+    drop = {o: not getattr(p, "is_flag", False) for p in run_command.params  # option -> takes a value
+            if p.name in (*SET_UP, "name", "resume_dir") for o in p.opts + p.secondary_opts}
+    resume = resume_command(argv, run_dir, "run", drop, ("--name", paths.name) if several else ())
+    return interrupted_message(stop, steps, paths.checkpoints, argv, resume=resume,
+                               nothing=f"nothing to resume: run {paths.name} stopped before its first checkpoint, "
+                                       "and its files are removed")
 
 
 def _resume(run_dir: str, name: str | None, steps: int, overrides: tuple[str, ...], past_decay: bool,
@@ -191,7 +190,8 @@ def _resume(run_dir: str, name: str | None, steps: int, overrides: tuple[str, ..
     from pipefisher.cli._runconfig import read_run_config
     from pipefisher.cli.train import prepare_training
     from pipefisher.runtime.launch.driver import find_run
-    from pipefisher.runtime.train.checkpoint import RUN_OPTIONS, read_manifest
+    from pipefisher.runtime.train.checkpoint import (RUN_OPTIONS, check_resume_config, nothing_left, read_manifest,
+                                                     resume_note)
 
     paths = find_run(run_dir, name)
     man = read_manifest(paths.checkpoints)
@@ -204,15 +204,15 @@ def _resume(run_dir: str, name: str | None, steps: int, overrides: tuple[str, ..
     if given.get("tensorboard") is not None:
         options["tensorboard"] = check_tensorboard(given["tensorboard"])
     nproc = int(man.get("stages") or 1) * int(man.get("replicas") or 1)
+    check_resume_config(paths.checkpoints, cfg)  # what --set may change, before torch loads
+    if done := nothing_left(paths.checkpoints, steps):  # before torch and the corpus load: at once
+        click.echo(done)
+        return
     _phase_torch(no_progress)
     from pipefisher.runtime.launch.driver import resume_job
-    from pipefisher.runtime.train.checkpoint import nothing_left, resume_note
 
     prepare_training(cfg, paths.config, nproc, paths.schedule, paths.checkpoints, "scheduled",
                      bool(options.get("adapt")), progress=not no_progress)
-    if done := nothing_left(paths.checkpoints, steps):
-        click.echo(done)
-        return
     if note := resume_note(paths.checkpoints, cfg, steps, past_decay):
         click.echo(note)
     with _one_line_failures(run_dir, steps, paths):

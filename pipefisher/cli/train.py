@@ -84,10 +84,12 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
     from pipefisher.runtime.models.builders import check_builder
     from pipefisher.runtime.pipeline.torch_api import check_engine
     from pipefisher.runtime.pipeline.checks import MISMATCH_FLAG, check_packed_for, load_checked_schedule
-    from pipefisher.runtime.train.checkpoint import check_resumable
+    from pipefisher.runtime.train.checkpoint import check_resumable, check_resume_config
     from pipefisher.runtime.train.optim import check_optimizer
     from pipefisher.schedule_file import schedule_digest
 
+    if resume is not None:  # the real reason first, before the corpus: a config the checkpoint's run did not have
+        check_resume_config(resume, cfg)
     check_builder(cfg, config_path)  # type: ignore[arg-type]  # model.builder imports, its stages fit
     check_optimizer(cfg.optim, config_path)  # type: ignore[attr-defined]  # this torch has optim.name's optimizer
     check_engine(cfg)  # pipeline.engine torch: this torch's pipelining API is the one it uses
@@ -271,6 +273,12 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
             raise InputError(config_path, f"torchrun started {n} workers (WORLD_SIZE), not a multiple of the "
                                           f"{cfg.pipeline.stages} pipeline stages; start stages x replicas "
                                           "workers (torchrun --nnodes x --nproc-per-node)")
+    if resume_dir:
+        from pipefisher.runtime.train.checkpoint import nothing_left
+
+        if done := nothing_left(resume_dir, steps):  # resuming to the steps already done: say so before torch loads
+            click.echo(done)
+            return
     if not no_progress and os.environ.get("RANK", "0") == "0":
         from pipefisher.runtime.job.progress import phase
 
@@ -283,11 +291,8 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode, adapt, allow_schedule_mismatch,
                      progress=not no_progress)
     if resume_dir:
-        from pipefisher.runtime.train.checkpoint import nothing_left, resume_note
+        from pipefisher.runtime.train.checkpoint import resume_note
 
-        if done := nothing_left(resume_dir, steps):  # resuming to the steps already done: say so, start nothing
-            click.echo(done)
-            return
         if (note := resume_note(resume_dir, cfg, steps, past_decay)) and (job is None or job.rank == 0):
             click.echo(note)  # the learning-rate schedule: changed on purpose, or kept past its end
     if out_dir and (job is None or job.rank == 0):  # the config this run used, --set included
@@ -312,7 +317,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         raise click.ClickException(str(err)) from None
     except KeyboardInterrupt as err:  # Ctrl-C: how far it got and how to go on, not just "Aborted!"
         if job is None or job.rank == 0:
-            stop = err if isinstance(err, Interrupted) else Interrupted(None)
+            stop = Interrupted.of(err, "profiling" if profile else "training", steps)
             click.echo(interrupted_message(stop, steps, checkpoint_dir, sys.argv), err=True)
         sys.exit(INTERRUPTED_EXIT)
     if schedule_path and out_dir and (job is None or job.rank == 0):
@@ -329,17 +334,20 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
 
 
 def interrupted_message(stop: Any, steps: int, checkpoint_dir: str | None, argv: list[str],
-                        resume: str | None = None) -> str:
-    """The line after Ctrl-C: the steps done, the command that resumes from the last checkpoint (or that
-    there is none), and where the worker log is when one was kept. ``stop``: the run's ``Interrupted``;
-    ``resume``: the command that resumes (default: ``argv`` with ``--resume checkpoint_dir``)."""
+                        resume: str | None = None, nothing: str | None = None) -> str:
+    """The line after Ctrl-C or SIGTERM: what was stopped (:func:`stopped_what`), the command that resumes
+    from the last checkpoint (or that there is none), and where the worker log is when one was kept.
+    ``stop``: the run's ``Interrupted``; ``resume``: the command that resumes (default: ``argv`` with
+    ``--resume checkpoint_dir``, :func:`resume_command`); ``nothing``: what to say without a checkpoint
+    (default: how to have them)."""
     from pipefisher.runtime.train.checkpoint import MANIFEST, read_manifest
 
-    done = "before its first step ended" if stop.steps_done is None else f"after {stop.steps_done} of {steps} steps"
+    done = stopped_what(stop, steps)
     if checkpoint_dir is None:
-        then = "no checkpoint to resume from (--checkpoint-dir DIR writes them, --checkpoint-every N how often)"
+        then = nothing or ("no checkpoint to resume from (--checkpoint-dir DIR writes them, at the end, every "
+                           "--checkpoint-every N steps and on Ctrl-C or SIGTERM)")
     elif not os.path.exists(os.path.join(checkpoint_dir, MANIFEST)):
-        then = f"no checkpoint to resume from: none was written in {os.path.normpath(checkpoint_dir)} yet"
+        then = nothing or f"no checkpoint to resume from: none was written in {os.path.normpath(checkpoint_dir)} yet"
     else:
         try:
             held = int(read_manifest(checkpoint_dir).get("steps_done") or 0)
@@ -352,16 +360,39 @@ def interrupted_message(stop: Any, steps: int, checkpoint_dir: str | None, argv:
     return f"interrupted {done}; {then}{log}"
 
 
-def resume_command(argv: list[str], checkpoint_dir: str) -> str:
-    """This very command line (``sys.argv``) with ``--resume DIR`` added where it is missing."""
+def stopped_what(stop: Any, steps: int) -> str:
+    """What a Ctrl-C or SIGTERM stopped, from its ``Interrupted``: ``after 45 of 200 training steps``, ``while
+    profiling, after 3 of 10 profiling steps``, ``while packing the schedule``, ``while starting``."""
+    n = stop.steps_done
+    if stop.phase == "training":
+        return "before its first training step ended" if n is None else \
+            f"after {n} of {stop.total or steps} training steps"
+    if stop.phase == "profiling":
+        return "while profiling, " + ("before its first profiling step ended" if n is None else
+                                      f"after {n} of {stop.total} profiling steps")
+    return "while packing the schedule" if stop.phase == "packing" else "while starting"
+
+
+def resume_command(argv: list[str], resume_dir: str, command: str = "train", drop: dict[str, bool] | None = None,
+                   extra: tuple[str, ...] = ()) -> str:
+    """This very command line (``sys.argv``) as the one that resumes its run: ``--resume DIR`` added where it
+    is missing, the options in ``drop`` left out (option -> whether a value follows it) and ``extra`` added;
+    everything else as given (its ``--steps`` too), so that it trains what the stopped one was to train."""
     import shlex
 
-    if "train" not in argv[1:]:  # not started from a command line (a library call, a test runner)
-        return f"this command with --resume {shlex.quote(checkpoint_dir)}"
-    args = argv[argv.index("train", 1):]
+    if command not in argv[1:]:  # not started from a command line (a library call, a test runner)
+        return f"this command with --resume {shlex.quote(resume_dir)}"
+    args: list[str] = []
+    skip = False  # the value of an option left out
+    for a in argv[argv.index(command, 1):]:
+        name, eq, _ = a.partition("=")
+        if skip or name in (drop or {}):
+            skip = not skip and (drop or {})[name] and not eq
+            continue
+        args.append(a)
     if not any(a == "--resume" or a.startswith("--resume=") for a in args):
-        args += ["--resume", checkpoint_dir]
-    return "pipefisher " + shlex.join(args)
+        args += ["--resume", resume_dir]
+    return "pipefisher " + shlex.join(args + list(extra))
 
 
 def _abs(path: str | None) -> str | None:

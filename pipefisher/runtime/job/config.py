@@ -267,9 +267,12 @@ class TrainConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     """What a run's checkpoint folder keeps: the newest ``keep`` checkpoints (1: only the latest; older
-    ones are removed as each new one is complete). It may change when a run is resumed."""
+    ones are removed as each new one is complete); ``on_interrupt``: whether Ctrl-C or SIGTERM (what a
+    cluster sends before preemption) makes a run with a checkpoint folder stop at the next step boundary,
+    on every worker at the same step, and write a checkpoint there. Both may change when a run is resumed."""
 
     keep: int = 1
+    on_interrupt: bool = True
 
 
 @dataclass(frozen=True)
@@ -510,6 +513,8 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
     keep = cfg.checkpoint.keep
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         problems.append("checkpoint.keep must be an integer >= 1 (the newest checkpoints a run keeps)")
+    if not isinstance(cfg.checkpoint.on_interrupt, bool):
+        problems.append("checkpoint.on_interrupt must be true or false (checkpoint at the next step on Ctrl-C/SIGTERM)")
     if d.tokenizer not in TOKENIZERS:
         problems.append(f"data.tokenizer must be one of {', '.join(TOKENIZERS)}")
     if not 0.0 < d.val_fraction < 1.0:

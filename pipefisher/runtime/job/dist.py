@@ -88,6 +88,9 @@ class DistContext:
     stage_group_size: int = 1
     chimera: bool = False  # two pipes: this device also holds the up pipe's copy of stage ``mirror``
     pair_grad_group: Any = None  # Chimera: the stage group's ranks again, for the gradient buckets alone
+    # every rank, over gloo on the host: small flags all ranks agree on (a stop request) without a device
+    # round trip (NCCL), and without queueing behind the job's own collectives
+    host_group: Any = None
 
     @property
     def distributed(self) -> bool:
@@ -169,7 +172,9 @@ def init_from_env(stages: int, timeout_s: float, chimera: bool = False) -> DistC
             grads = dist.new_group(grid.pair_ranks(s), timeout=timeout)
             if s in (grid.stage, grid.mirror):
                 stage_group, grad_group = group, grads
-    return DistContext(grid, device, backend, dp_group, pipe_group, stage_group, size, chimera, grad_group)
+    host_group = dist.new_group(backend="gloo", timeout=timeout)
+    return DistContext(grid, device, backend, dp_group, pipe_group, stage_group, size, chimera, grad_group,
+                       host_group)
 
 
 def check_agreement(ctx: DistContext, fingerprint: str) -> None:

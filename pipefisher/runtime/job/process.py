@@ -1,4 +1,4 @@
-"""This process in its job: torchrun's variables, its share of the machine's cores, and Ctrl-C.
+"""This process in its job: torchrun's variables, its share of the machine's cores, and Ctrl-C or SIGTERM.
 
 No torch here: the CLI reads these before it refuses a bad launch, and every layer above (the process
 set-up, the trainer, the launcher) takes them from here.
@@ -6,19 +6,81 @@ set-up, the trainer, the launcher) takes them from here.
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 from pipefisher.errors import InputError
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""What stops a run: Ctrl-C, and SIGTERM (what a cluster scheduler sends before it preempts a job)."""
+
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C while training: how many steps were done (None: the first had not ended) and, from the local
-    launcher, where the workers' output was kept (None: nowhere)."""
+    """Ctrl-C (or SIGTERM) while a run worked: how many steps of its ``phase`` were done (None: the first
+    had not ended) of ``total`` (None: the run's ``--steps``); from the local launcher, where the workers'
+    output was kept (None: nowhere); from ``pipefisher run``, the run's files (``paths``, its
+    :class:`~pipefisher.runtime.job.files.RunPaths`; None before it had any). ``phase``: ``training``,
+    ``profiling``, ``packing`` or ``starting`` (before the first of them)."""
 
-    def __init__(self, steps_done: int | None, log: str | None = None) -> None:
+    def __init__(self, steps_done: int | None, log: str | None = None, phase: str = "training",
+                 total: int | None = None, paths: Any = None) -> None:
         super().__init__(steps_done)
-        self.steps_done, self.log = steps_done, log
+        self.steps_done, self.log, self.phase, self.total, self.paths = steps_done, log, phase, total, paths
+
+    @classmethod
+    def of(cls, err: KeyboardInterrupt, phase: str = "training", total: int | None = None,
+           paths: Any = None) -> "Interrupted":
+        """``err`` as an :class:`Interrupted` of ``phase`` (a bare Ctrl-C: no step done yet), keeping the
+        steps and log it knows."""
+        if isinstance(err, Interrupted):
+            return cls(err.steps_done, err.log, phase, total, paths if paths is not None else err.paths)
+        return cls(None, None, phase, total, paths)
+
+
+class StopRequest:
+    """SIGINT and SIGTERM while in the ``with`` block: with ``defer``, the first only asks the run to stop
+    (:attr:`requested`; the loop stops at its next step boundary, checkpointing there), a later one stops
+    it at once; without, every one stops it at once (``KeyboardInterrupt``). A signal within
+    :attr:`REPEAT_S` seconds of the first is the same stop: a terminal's Ctrl-C reaches every process of
+    the job, and a launcher forwards what it got to its workers too. A signal the process ignores (a
+    job started in the background) stays ignored. Outside the main thread it changes nothing."""
+
+    REPEAT_S = 1.0
+
+    def __init__(self, defer: bool = True) -> None:
+        self.defer = defer
+        self.signum: int | None = None  # the first stop signal received
+        self._at = 0.0
+        self._old: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if self.signum is not None and now - self._at < self.REPEAT_S:
+            return  # the same stop, from another sender
+        first = self.signum is None
+        if first:
+            self.signum, self._at = signum, now
+        if not (first and self.defer):
+            raise KeyboardInterrupt
 
 
 @dataclass(frozen=True)

@@ -191,55 +191,89 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     except OSError as err:
         raise InputError(out, f"cannot be created ({err.strerror or err})") from None
     paths = run_paths(out, cfg, packer.name, name)
-    os.makedirs(paths.timelines, exist_ok=True)
-    write_atomic(paths.config, config_yaml(cfg))
-    if cfg.data.text != "synthetic":
-        from pipefisher.runtime.data.corpus import load_corpus, save_tokenizer
+    phase: list[Any] = ["starting", None]  # what a Ctrl-C or SIGTERM stops: phase, its steps
+    try:
+        os.makedirs(paths.timelines, exist_ok=True)
+        write_atomic(paths.config, config_yaml(cfg))
+        if cfg.data.text != "synthetic":
+            from pipefisher.runtime.data.corpus import load_corpus, save_tokenizer
 
-        save_tokenizer(load_corpus(cfg.data, cfg.model.vocab_size), paths.tokenizer)
-    echo(f"run {paths.name}: {cfg.name}, {stages} stage(s) x {replicas} replica(s), policy {packer.name}, "
-         f"files in {paths.folder}")
-    if staleness is not None and (warning := staleness.config_warning(cfg.fingerprint(layout=False), cfg.name)):
-        echo(warning)
+            save_tokenizer(load_corpus(cfg.data, cfg.model.vocab_size), paths.tokenizer)
+        echo(f"run {paths.name}: {cfg.name}, {stages} stage(s) x {replicas} replica(s), policy {packer.name}, "
+             f"files in {paths.folder}")
+        if staleness is not None and (warning := staleness.config_warning(cfg.fingerprint(layout=False), cfg.name)):
+            echo(warning)
 
-    launch = launcher(cfg, n, paths, echo)
+        launch = launcher(cfg, n, paths, echo)
 
-    # 1. profile
-    echo(f"[1/3] profiling {profile_steps} kfac step(s)")
-    t0 = time.perf_counter()
-    launch(TrainOptions(mode="kfac", steps=profile_steps, profile=True, out=paths.timelines, progress=False,
-                        log_every=10**9))
-    timelines = [os.path.join(paths.timelines, timeline_filename(cfg.name, i)) for i in range(stages)]
-    keep_only_timelines(paths, cfg.name)
-    profile_s = time.perf_counter() - t0
+        # 1. profile
+        echo(f"[1/3] profiling {profile_steps} kfac step(s)")
+        phase[:] = ["profiling", profile_steps]
+        t0 = time.perf_counter()
+        launch(TrainOptions(mode="kfac", steps=profile_steps, profile=True, out=paths.timelines, progress=False,
+                            log_every=10**9))
+        timelines = [os.path.join(paths.timelines, timeline_filename(cfg.name, i)) for i in range(stages)]
+        keep_only_timelines(paths, cfg.name)
+        profile_s = time.perf_counter() - t0
 
-    # 2. pack, report, check
-    echo(f"[2/3] packing with policy {packer.name}"
-         + (f", K-FAC times x {kfac_margin:g}" if kfac_margin != 1.0 else ""))
-    packed, report = pack_and_check(load_job(timelines), packer, cfg, paths, replicas, margin=margin,
-                                    allow_invalid=allow_invalid, kfac_margin=kfac_margin, steps=steps, echo=echo)
-    cycles = [node.figures.iterations for node in packed.nodes]
-    dump_json_atomic(paths.report, report)  # the packing's report, also if the training is cut short
+        # 2. pack, report, check
+        phase[:] = ["packing", None]
+        echo(f"[2/3] packing with policy {packer.name}"
+             + (f", K-FAC times x {kfac_margin:g}" if kfac_margin != 1.0 else ""))
+        packed, report = pack_and_check(load_job(timelines), packer, cfg, paths, replicas, margin=margin,
+                                        allow_invalid=allow_invalid, kfac_margin=kfac_margin, steps=steps,
+                                        echo=echo)
+        cycles = [node.figures.iterations for node in packed.nodes]
+        dump_json_atomic(paths.report, report)  # the packing's report, also if the training is cut short
 
-    # 3. train
-    echo(f"[3/3] training {steps} step(s) with the schedule (K-FAC cycle k={max(cycles)}, planned "
-         f"{100 * report['planned_overhead']:.1f} % over first-order per step)")
-    t0 = time.perf_counter()
-    figures = launch(scheduled_options(paths, steps, checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
-                             eval_every=eval_every, adapt=adapt, adapt_policy=packer.name, adapt_drift=adapt_drift,
-                             margin=margin, tensorboard=tensorboard,
-                             staleness=staleness_data(staleness) if adapt else None))
-    report["training"] = training_summary(paths, figures, steps, cycles, adapt, profile_s, time.perf_counter() - t0,
-                                          echo)
-    dump_json_atomic(paths.report, report)
-    measured = paths.measured_files()
-    for p in (paths.config, *([paths.tokenizer] if os.path.exists(paths.tokenizer) else []), paths.timelines,
-              *([paths.profile_losses] if os.path.exists(paths.profile_losses) else []),
-              *([paths.profile_steps_dir] if os.path.exists(paths.profile_steps_dir) else []),
-              paths.schedule, paths.report, paths.chart, paths.metrics,
-              *[m for m in measured if os.path.exists(m)], paths.checkpoints, *([tensorboard] if tensorboard else [])):
-        echo(f"wrote {p}")
+        # 3. train
+        echo(f"[3/3] training {steps} step(s) with the schedule (K-FAC cycle k={max(cycles)}, planned "
+             f"{100 * report['planned_overhead']:.1f} % over first-order per step)")
+        phase[:] = ["training", steps]
+        t0 = time.perf_counter()
+        figures = launch(scheduled_options(paths, steps, checkpoint_every=checkpoint_every, log_every=log_every,
+                                           progress=progress, eval_every=eval_every, adapt=adapt,
+                                           adapt_policy=packer.name, adapt_drift=adapt_drift, margin=margin,
+                                           tensorboard=tensorboard,
+                                           staleness=staleness_data(staleness) if adapt else None))
+        report["training"] = training_summary(paths, figures, steps, cycles, adapt, profile_s,
+                                              time.perf_counter() - t0, echo)
+        dump_json_atomic(paths.report, report)
+        measured = paths.measured_files()
+        for p in (paths.config, *([paths.tokenizer] if os.path.exists(paths.tokenizer) else []), paths.timelines,
+                  *([paths.profile_losses] if os.path.exists(paths.profile_losses) else []),
+                  *([paths.profile_steps_dir] if os.path.exists(paths.profile_steps_dir) else []),
+                  paths.schedule, paths.report, paths.chart, paths.metrics,
+                  *[m for m in measured if os.path.exists(m)], paths.checkpoints,
+                  *([tensorboard] if tensorboard else [])):
+            echo(f"wrote {p}")
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: this run, in its phase
+        raise interrupted_run(err, paths, *phase) from None
     return paths
+
+
+def interrupted_run(err: KeyboardInterrupt, paths: RunPaths, phase: str, total: int | None) -> Any:
+    """A Ctrl-C or SIGTERM of the run at ``paths`` in ``phase`` (of ``total`` steps), as the
+    :class:`~pipefisher.runtime.job.process.Interrupted` the CLI words. A run that stopped before its
+    first checkpoint cannot be resumed: its files are removed (all but the workers' log, which the line
+    after the stop names), so that the folder holds runs that are whole or resumable only."""
+    from pipefisher.runtime.job.process import Interrupted
+    from pipefisher.runtime.train.checkpoint import MANIFEST
+
+    if not os.path.exists(os.path.join(paths.checkpoints, MANIFEST)):
+        discard_run(paths, keep=(paths.workers_log,))
+    return Interrupted.of(err, phase, total, paths)
+
+
+def discard_run(paths: RunPaths, keep: tuple[str, ...] = ()) -> None:
+    """Remove the run's files (``<name>_*`` in its folder), but those in ``keep``."""
+    import shutil
+
+    prefix = f"{paths.name}_"
+    for entry in os.listdir(paths.folder) if os.path.isdir(paths.folder) else []:
+        path = os.path.join(paths.folder, entry)
+        if entry.startswith(prefix) and path not in keep:
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
 
 
 def launcher(cfg: RunConfig, n: int, paths: RunPaths,
@@ -331,8 +365,12 @@ def resume_job(cfg: RunConfig, paths: RunPaths, *, steps: int, nproc: int, optio
     echo(f"run {paths.name}: resuming from {paths.checkpoints}, training up to {steps} step(s) with its schedule "
          f"(K-FAC cycle k={max(cycles)})")
     t0 = time.perf_counter()
-    figures = launcher(cfg, nproc, paths, echo)(scheduled_options(paths, steps,
-                                                                  resume=os.path.abspath(paths.checkpoints), **options))
+    try:
+        figures = launcher(cfg, nproc, paths, echo)(scheduled_options(paths, steps,
+                                                                      resume=os.path.abspath(paths.checkpoints),
+                                                                      **options))
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: this run, while training
+        raise interrupted_run(err, paths, "training", steps) from None
     previous = report.get("training") or {}
     report["training"] = training_summary(paths, figures, steps, cycles, bool(options.get("adapt")),
                                           previous.get("profile_seconds"), time.perf_counter() - t0, echo)

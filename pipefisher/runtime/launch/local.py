@@ -26,7 +26,7 @@ from multiprocessing.reduction import DupFd
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pipefisher.runtime.job.config import RunConfig, config_from_dict
-from pipefisher.runtime.job.process import Interrupted, threads_per_worker
+from pipefisher.runtime.job.process import Interrupted, StopRequest, threads_per_worker
 
 if TYPE_CHECKING:
     from pipefisher.runtime.train.trainer import TrainOptions, WorkerResult
@@ -127,11 +127,12 @@ def run_worker(cfg: RunConfig, opts: TrainOptions) -> WorkerResult:
     from pipefisher.runtime.job.dist import init_context, shutdown
     from pipefisher.runtime.train.trainer import Trainer
 
-    ctx = init_context(cfg, json.dumps(opts.__dict__, sort_keys=True))
-    try:
-        return Trainer(cfg, ctx, opts).run()
-    finally:
-        shutdown(ctx)
+    with StopRequest(defer=False):  # SIGTERM as Ctrl-C, also before the steps (which may defer it)
+        ctx = init_context(cfg, json.dumps(opts.__dict__, sort_keys=True))
+        try:
+            return Trainer(cfg, ctx, opts).run()
+        finally:
+            shutdown(ctx)
 
 
 def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[[str], None] = print,
@@ -212,19 +213,34 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
         return len(seen) == nproc
 
     failed = interrupted = False
+    stop = StopRequest(defer=True)  # Ctrl-C or SIGTERM: the workers stop at their next step boundary
+
+    def bad(code: int | None) -> bool:  # after a stop, a worker's exit on it is how it should end
+        return code != 0 and not (interrupted and code == INTERRUPTED_EXIT)
+
     try:
         try:
-            while not look():
-                if any(procs[r].returncode != 0 for r in seen):
-                    failed = True
-                    quiet.set()
-                    deadline = time.monotonic() + grace_s  # let the others exit and log their errors
-                    while time.monotonic() < deadline and not look() \
-                            and not all(errors[r] for r in range(nproc) if r not in seen):  # said: stop them
-                        time.sleep(0.02)
-                    break
-                time.sleep(0.02)
-        except KeyboardInterrupt:  # Ctrl-C: the workers are stopped below, the caller says how far it got
+            with stop:
+                while not look():
+                    if stop.requested and not interrupted:
+                        interrupted = True  # passed on: a scheduler's SIGTERM may reach this process only
+                        quiet.set()
+                        for p in procs:
+                            if p.poll() is None:
+                                try:
+                                    p.send_signal(stop.signum)
+                                except OSError:  # it has just exited
+                                    pass
+                    if any(bad(procs[r].returncode) for r in seen):
+                        failed = True
+                        quiet.set()
+                        deadline = time.monotonic() + grace_s  # let the others exit and log their errors
+                        while time.monotonic() < deadline and not look() \
+                                and not all(errors[r] for r in range(nproc) if r not in seen):  # said: stop them
+                            time.sleep(0.02)
+                        break
+                    time.sleep(0.02)
+        except KeyboardInterrupt:  # a second Ctrl-C: the workers are stopped below, the caller says how far it got
             interrupted = True
             quiet.set()
     finally:
@@ -243,8 +259,8 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
         if bar is not None:
             bar.clear()
         look()
-        rank = first_failure([(r, p.returncode, seen.get(r, float("inf"))) for r, p in enumerate(procs)],
-                             stopped)
+        rank = first_failure([(r, p.returncode, seen.get(r, float("inf"))) for r, p in enumerate(procs)
+                              if not (interrupted and p.returncode == INTERRUPTED_EXIT)], stopped)
         with lock:
             log.close()
         kept = _keep_log(tmp_log, log_path) if rank is not None or failed or interrupted else None

@@ -59,7 +59,8 @@ OLD_BPE = "bpe-whitespace"
 FORMAT = 3  # 2: running-average factors, damping schedule, optimizer pair; 3: one entry per component
 EXPORTABLE = (2, FORMAT)
 """The formats ``pipefisher export`` reads: the model's tensors sit in every one of them alike."""
-_VOLATILE = {("pipeline", "timeout_s"), ("pipeline", "grad_bucket_mb"), ("train", "recompute"), ("train", "loss_scale"), ("checkpoint", "keep")}  # may change between a run and its resumption
+_VOLATILE = {("pipeline", "timeout_s"), ("pipeline", "grad_bucket_mb"), ("train", "recompute"), ("train", "loss_scale"),
+             ("checkpoint", "keep"), ("checkpoint", "on_interrupt")}  # may change between a run and its resumption
 LR_SCHEDULE_KEYS = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "schedule"), ("optim", "decay_steps"),
                     ("optim", "min_lr_ratio"), ("kfac", "lr"))
 """The learning-rate schedule: a resumed run may change it on purpose (one line says what changed)."""
@@ -247,6 +248,37 @@ def tokenizer_kind(man: Mapping[str, Any]) -> str:
     return OLD_BPE if said == "bpe" and data.get("text") != SYNTHETIC else said
 
 
+def check_resume_config(folder: str | os.PathLike[str], cfg: Any) -> dict[str, Any]:
+    """Refuse (:class:`InputError`) resuming the checkpoint in ``folder`` with a config that differs from
+    its run's in more than a resume may change, naming each key that differs (with both values) and what
+    may change; its manifest otherwise. Checked first, so that the refusal says this real reason rather
+    than what the other config breaks next (its schedule's metadata, say). The run's tokenizer is the
+    one it had (:func:`tokenizer_kind`): the ids the model learnt are that tokenizer's."""
+    folder = os.fspath(folder)
+    man = read_manifest(folder)
+    mine, theirs = _config_for_compare(_jsonable(cfg.to_dict())), _config_for_compare(man.get("config") or {})
+    if isinstance(theirs.get("data"), dict):
+        theirs["data"]["tokenizer"] = tokenizer_kind(man)
+    if mine != theirs:
+        def value(cfg: dict[str, Any], key: str) -> Any:
+            sec, _, name = key.partition(".")
+            part = cfg.get(sec)
+            return (part.get(name) if isinstance(part, dict) else None) if name else part
+
+        keys = _differing_keys(mine, theirs)
+        diff = "; ".join(f"{k}: {value(theirs, k)} there, {value(mine, k)} here" for k in keys)
+        if "data.tokenizer" in keys:
+            kind = theirs["data"]["tokenizer"]
+            older = " (the whitespace-split BPE of older runs)" if kind == OLD_BPE else ""
+            how = f"its run's tokenizer was {kind}{older}: --set data.tokenizer={kind} resumes it"
+        else:
+            may = ", ".join(f"{sec}.{key}" for sec, key in (*LR_SCHEDULE_KEYS, *sorted(_VOLATILE)))
+            how = (f"a resumed run may change only its learning-rate schedule and run-time settings ({may}): "
+                   "resume with the run's config, or start a new run with this one")
+        raise InputError(folder, f"was written by a run with another config (differs in {diff}); {how}")
+    return man
+
+
 def check_resumable(folder: str | os.PathLike[str], cfg: Any, mode: str, schedule: str | None,
                     stages: int, replicas: int) -> dict[str, Any]:
     """Refuse (:class:`InputError`) a checkpoint that another job wrote; its manifest otherwise.
@@ -254,17 +286,7 @@ def check_resumable(folder: str | os.PathLike[str], cfg: Any, mode: str, schedul
     ``schedule`` is the digest of the schedule the new run uses (None unless ``scheduled``).
     """
     folder = os.fspath(folder)
-    man = read_manifest(folder)
-    mine, theirs = _config_for_compare(_jsonable(cfg.to_dict())), _config_for_compare(man.get("config") or {})
-    if isinstance(theirs.get("data"), dict):  # the ids the model learnt are those of the tokenizer it had
-        theirs["data"]["tokenizer"] = tokenizer_kind(man)
-    if mine != theirs:
-        diff = _differing_keys(mine, theirs)
-        kind = (theirs.get("data") or {}).get("tokenizer")
-        older = " (the whitespace-split BPE of older runs)" if kind == OLD_BPE else ""
-        how = (f"; its run's tokenizer was {kind}{older}: --set data.tokenizer={kind} resumes it"
-               if "data.tokenizer" in diff else "")
-        raise InputError(folder, f"was written by a run with another config (differs in {', '.join(diff)}){how}")
+    man = check_resume_config(folder, cfg)
     if man.get("mode") != mode:
         raise InputError(folder, f"was written in mode '{man.get('mode')}', this run is '{mode}'")
     if man.get("schedule") != schedule:

@@ -36,7 +36,7 @@ from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.job.files import RunPaths
 from pipefisher.runtime.job.host import HOST
-from pipefisher.runtime.job.process import Interrupted
+from pipefisher.runtime.job.process import Interrupted, StopRequest
 from pipefisher.runtime.job.progress import phase
 from pipefisher.runtime.pipeline.layout import loss_device, node_pipes
 from pipefisher.runtime.train.profiler import Profiler
@@ -192,6 +192,7 @@ class Trainer:
         self.checkpointer = w.checkpointer()
         self.evaluator = Evaluator(self.engine, self.val_batches, opts.eval_every, opts.steps)
         self.start_step = 0
+        self.stop = StopRequest(defer=False)  # while the steps run: run()'s, which may defer a stop
         if opts.resume:
             self._phase(f"loading the checkpoint in {opts.resume}")
             self.start_step = self.checkpointer.load(opts.resume, self.components())
@@ -343,8 +344,12 @@ class Trainer:
                                tensorboard=opts.tensorboard, evaluates=self.evaluator.due,
                                overruns=lambda: self.loop.overruns if self.loop is not None else {},
                                refreshes=lambda: self.refreshes)
+        # Ctrl-C or SIGTERM: with a checkpoint folder, a stop at the next step boundary, checkpointed there
+        # (checkpoint.on_interrupt); else at once
+        defer = bool(opts.checkpoint_dir) and self.cfg.checkpoint.on_interrupt
         try:
-            result = self._run()
+            with StopRequest(defer) as self.stop:
+                result = self._run()
         finally:
             self.metrics.close()
         if self.ctx.distributed:
@@ -372,16 +377,20 @@ class Trainer:
                     loss, clock = self._timed_step(step)
                     unread.append(StepOutcome(step, loss, clock, self.updater.lr, cycle))
                     metrics.stepped(step)
-                    save = every and (step + 1) % every == 0 and step != last
+                    stop = step != last and self._stop_agreed(step)
+                    save = (every and (step + 1) % every == 0 and step != last) or stop
                     if metrics.should_log(step) or save:
                         self._report(unread, result)
                     if save:
                         self._gather_drift()
                         self.checkpoint(step + 1)
                         metrics.flush()
+                    if stop:
+                        raise Interrupted(step + 1)
                     result.host_reads.append(HOST.take())
         except KeyboardInterrupt:  # Ctrl-C: say how far it got (the CLI turns it into one line)
             self._report(unread, result)  # the steps done are logged as they would have been
+            metrics.write_csv()  # and kept: the metrics so far
             raise Interrupted(len(result.step_seconds) + self.start_step) from None
         result.val = self.evaluator.curve
         if self.kfac is not None:
@@ -403,6 +412,19 @@ class Trainer:
         result.figures = metrics.figures() if self.reporter else None
         self._write_outputs(result)
         return result
+
+    def _stop_agreed(self, step: int) -> bool:
+        """Whether the job stops after ``step``: asked on any worker (:class:`StopRequest`, a deferred Ctrl-C
+        or SIGTERM), agreed on by all at this step boundary (a MAX all-reduce over the host), so that every
+        worker stops and checkpoints at the same step. A dead peer fails it within the pipeline timeout."""
+        if not self.stop.defer:
+            return False
+        if not self.ctx.distributed:
+            return self.stop.requested
+        flag = torch.tensor([int(self.stop.requested)])
+        with self._failures(step):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.host_group)
+        return bool(flag.item())
 
     def _start(self, result: WorkerResult) -> None:
         """Before the first step: the start lines, the memory baseline, the run's tokenizer."""
