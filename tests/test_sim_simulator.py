@@ -164,6 +164,7 @@ def test_schedule_cli_packs_simulated_timelines(tmp_path):
     res = runner.invoke(main, ["schedule", *paths, "--save-path", str(tmp_path / "s.pickle")])
     assert res.exit_code == 0, res.output
     assert res.output.count("pipeline iterations (usage:") == 4
+    assert res.output.count("at the step's end: update 20.416 ms (preconditioning 20.416 ms of it)") == 4
 
 
 def test_bundled_cost_models_name_their_sources():
