@@ -179,10 +179,20 @@ def node_times(known: NodeTimes, i: int, labels: Sequence[Sequence[str]], layout
     key = (i, layout if layout is not None else tuple(map(tuple, labels)))
     times = known.get(key)
     if times is None:
-        update, precondition = end_of_step(node)
-        planned, ready = planned_iterations(labels, model, layout)
-        times = known[key] = [t + _exposed(model, r, update + precondition) for t, r in zip(planned, ready)]
+        planned, exposed = exposed_end_of_step(labels, layout, model, node)
+        times = known[key] = [t + e for t, e in zip(planned, exposed)]
     return times
+
+
+def exposed_end_of_step(labels: Sequence[Sequence[str]], layout: KfacLayout | None, model: NodeModel,
+                        node: NodeTimeline) -> tuple[list[float], list[float]]:
+    """Per iteration of a node's cycle ``labels`` on ``model``: its planned time without end-of-step work
+    (:func:`pipefisher.measure.planned_iterations`), and how much the node's end-of-step work (update and
+    preconditioning, :func:`end_of_step`) adds to it: the part the tail bubble left after the
+    iteration's last K-FAC label does not hide. The planned step and the report take both from here."""
+    update, precondition = end_of_step(node)
+    planned, ready = planned_iterations(labels, model, layout)
+    return planned, [_exposed(model, r, update + precondition) for r in ready]
 
 
 def _first_order_labels(model: NodeModel) -> list[str]:

@@ -22,7 +22,8 @@ from pipefisher.rules.format import MARKERS, PIPELINE_CATEGORIES, label_category
 from pipefisher.rules.violations import Violation
 from pipefisher.safe_io import atomic_path
 from pipefisher.sim.simulator import parse_default_prefix
-from pipefisher.timeline import STEP_KEY, UP_PIPE, Job, TimelineKey, node_file_prefix
+from pipefisher.timeline import (PRECONDITION_KEY, STEP_KEY, UP_PIPE, UPDATE_KEY, Job, TimelineKey,
+                                 node_file_prefix)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from pipefisher.measure import InstructionRow
 
 CATEGORY_ORDER = ("forward", "backward", "weight", "cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B",
-                  "inv_kron_A", "inv_kron_B", "other")
+                  "inv_kron_A", "inv_kron_B", "update", "precondition", "other")
 COLOURS = {
     "forward": "#4c78a8",
     "backward": "#54a24b",
@@ -41,12 +42,15 @@ COLOURS = {
     "sync_kron_B": "#b9a0d9",
     "inv_kron_A": "#e45756",
     "inv_kron_B": "#ff9d98",
+    "update": "#c9b8a6",
+    "precondition": "#8c564b",
     "other": "#9d9d9d",
 }
 LEGEND = {
     "forward": "forward", "backward": "backward", "weight": "weight grad (W)",
     "cov_kron_A": "cov A", "cov_kron_B": "cov B", "sync_kron_A": "sync A", "sync_kron_B": "sync B",
-    "inv_kron_A": "inv A", "inv_kron_B": "inv B", "other": "other",
+    "inv_kron_A": "inv A", "inv_kron_B": "inv B", "update": "update", "precondition": "preconditioning",
+    "other": "other",
 }
 UP_HATCH = "////"
 CHUNK_TINT = 0.35
@@ -132,7 +136,9 @@ class Chart:
 
 
 def category(label: str) -> str:
-    """The colour group of a timeline key or schedule label."""
+    """The colour group of a timeline key or schedule label (a profile's end-of-step keys have their own)."""
+    if label in (UPDATE_KEY, PRECONDITION_KEY):
+        return label
     cat = label_category(label)
     return cat if cat in COLOURS else "other"
 
@@ -182,9 +188,10 @@ def _pick_nodes(count: int, node: int | None) -> list[int]:
 
 def chart_from_job(job: Job, title: str | None = None, node: int | None = None) -> Chart:
     """Every interval of every node (or of ``node`` only) as recorded: the pipeline, then the node's
-    naive K-FAC work.
+    naive K-FAC work, then its update, where recorded.
 
-    A row's usage is its busy time over the step (0 to the latest end of any node).
+    A row's usage is its busy time over the step (0 to the latest end of any node); the preconditioning
+    runs inside the update, so it counts once.
     """
     k, unit = _scale(job)
     bars: list[Bar] = []
@@ -197,11 +204,13 @@ def chart_from_job(job: Job, title: str | None = None, node: int | None = None) 
             if key == STEP_KEY:
                 continue
             cat = category(key)
+            nested = key == PRECONDITION_KEY and UPDATE_KEY in job.nodes[i].entries
             for iv in intervals:
                 if iv.start is None or iv.end is None:
                     continue
                 bars.append(Bar(r, iv.start * k, iv.end * k, cat, key))
-                total += (iv.end - iv.start) * k
+                if not nested:
+                    total += (iv.end - iv.start) * k
                 end = max(end, float(iv.end))
         busy.append(total)
     end_scaled = end * k

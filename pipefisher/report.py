@@ -1,6 +1,7 @@
 """Usage reports of a packed job: the published one-line-per-node text, a workload listing, and JSON."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from pipefisher.policies.base import JobSchedule, NodeSchedule
@@ -25,11 +26,70 @@ def usage_line(index: int, node: NodeSchedule, margin: float | None = None) -> s
     return f"{line} [{extra}]"
 
 
-def usage_lines(schedule: JobSchedule) -> list[str]:
-    """Per node, its cycle and usage; for a ``target`` schedule, then the trade-off it was chosen by."""
+def usage_lines(schedule: JobSchedule, job: Job | None = None) -> list[str]:
+    """Per node, its cycle and usage; given the ``job`` it was packed from, where its profile records
+    end-of-step work, then :func:`step_end_lines`; for a ``target`` schedule, then the trade-off it was
+    chosen by. Without such records the lines are the published tool's alone."""
     lines = [usage_line(i, node, schedule.margin) for i, node in enumerate(schedule.nodes)]
+    if job is not None:
+        ends = step_ends(schedule, job)
+        if any(e.update or e.precondition for e in ends):
+            lines += ["", *step_end_lines(ends)]
     if schedule.tradeoff is not None:
         lines += ["", *schedule.tradeoff.lines()]
+    return lines
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """One node's K-FAC work: what its schedule places in the bubbles, against what runs at every step's
+    end, where no bubble is planned for it (times in the job's unit)."""
+
+    iterations: int
+    in_bubbles: Time
+    """K-FAC work placed over the cycle within the pipeline time (the placed work less the overflow)."""
+    overflow: Time
+    """Time the cycle's iterations run past the pipeline time (work that fits no bubble)."""
+    update: Time
+    """The profiled update (:data:`~pipefisher.timeline.UPDATE_KEY`, the whole ``-- end --``), per step."""
+    precondition: Time
+    """Its K-FAC part (:data:`~pipefisher.timeline.PRECONDITION_KEY`), per step."""
+    exposed: Time
+    """What the update adds to the node's step, averaged over the cycle: the part the tail bubble left
+    after the iteration's K-FAC work does not hide (the planned step's figure, on the profiled times)."""
+
+
+def step_ends(schedule: JobSchedule, job: Job) -> list[StepEnd]:
+    """Per node, its :class:`StepEnd`; the update is 0 where the profile does not record it."""
+    from pipefisher.objective import end_of_step, exposed_end_of_step
+    from pipefisher.problem import node_model
+
+    def unit(x: float) -> Time:
+        return round(x) if isinstance(job.span, int) else x
+
+    out = []
+    for node, timeline in zip(schedule.nodes, job.nodes):
+        f = node.figures
+        rest, precondition = end_of_step(timeline)
+        exposed = 0.0
+        if rest or precondition:
+            model = node_model(timeline, job.span, schedule.margin)
+            _, per = exposed_end_of_step(node.iterations, node.layout, model, timeline)
+            exposed = sum(per) / len(per) if per else 0.0
+        out.append(StepEnd(f.iterations, max(f.kfac_placed - f.overflow, 0), f.overflow, unit(rest + precondition),
+                           unit(precondition), unit(exposed)))
+    return out
+
+
+def step_end_lines(ends: list[StepEnd]) -> list[str]:
+    """One line per node: K-FAC work in the bubbles per cycle, and the update at the step's end, with its
+    preconditioning and the part of it no bubble hides, per step."""
+    lines = []
+    for i, e in enumerate(ends):
+        past = f", past the pipeline time {format_time(e.overflow)}" if e.overflow else ""
+        lines.append(f"node{i}: K-FAC in bubbles {format_time(e.in_bubbles)} per cycle of {e.iterations}{past}; "
+                     f"at the step's end: update {format_time(e.update)} (preconditioning "
+                     f"{format_time(e.precondition)} of it), exposed {format_time(e.exposed)} per step")
     return lines
 
 
@@ -76,14 +136,16 @@ def node_bound(schedule: JobSchedule, job: Job, index: int) -> int:
 
 
 def report_data(schedule: JobSchedule, job: Job) -> dict[str, Any]:
-    """The report as data, for ``--json``: per node, the figures a user compares.
+    """The report as data, for ``--json``: per node, the figures a user compares, the K-FAC work in the
+    bubbles against the update at the step's end among them (:class:`StepEnd`; 0 where not recorded).
 
     Every policy's nodes carry the lower bound, the gap to it and whether the cycle is proven optimal
     (for policies that compute no bound, it is computed here; a negative gap then means the schedule
     breaks the rules: no valid one is that short).
     """
     nodes = []
-    for i, (node, timeline) in enumerate(zip(schedule.nodes, job.nodes)):
+    ends = step_ends(schedule, job)
+    for i, (node, timeline, end) in enumerate(zip(schedule.nodes, job.nodes, ends)):
         f = node.figures
         bound = node_bound(schedule, job, i)
         entry = {
@@ -96,6 +158,10 @@ def report_data(schedule: JobSchedule, job: Job) -> dict[str, Any]:
             "kfac_placed_time": f.kfac_placed,
             "bubble_time_left": f.bubble_left,
             "overflow_time": f.overflow,
+            "kfac_in_bubbles_time": end.in_bubbles,
+            "update_time": end.update,
+            "precondition_time": end.precondition,
+            "update_exposed_time": end.exposed,
             "lower_bound": bound,
             "gap": f.iterations - bound,
             "optimal": f.iterations == bound,

@@ -11,7 +11,8 @@ The jobs are built from the published per-block costs (``tests/data/block-costs/
 model and GPU) through the simulator's bundled BERT cost models (``pipefisher/data/sim/``):
 BERT-Base on 4 stages and BERT-Large on 8; P100, V100 and RTX 3090; micro-batch sizes 8 and 32;
 ``N = D`` and ``2D`` micro-batches; GPipe and 1F1B (and, with ``--chimera``, Chimera); no
-data-parallel sync and no point-to-point latency, as the model assumes. Each node's ratio is
+data-parallel sync and no point-to-point latency, as the model assumes. Each row's preconditioning
+(``time_prec``) runs at the step's end, outside the model's ratio, as in the bundled models. Each node's ratio is
 measured on the simulated timeline itself (its K-FAC work over its idle time per iteration), which
 for GPipe and 1F1B is the formula above; for Chimera it counts the inverses of both stage copies.
 
@@ -92,7 +93,8 @@ def build(job: PaperJob) -> Job:
         data = yaml.safe_load(f)
     row = block_costs(job.model, job.gpu, job.batch)
     data["layer"] = {"forward_ms": row["time_f"], "backward_ms": row["time_b"]}
-    data["kfac"] = {**data["kfac"], "block_cov_ms": row["time_kron"], "block_inv_ms": row["time_inv"]}
+    data["kfac"] = {**data["kfac"], "block_cov_ms": row["time_kron"], "block_inv_ms": row["time_inv"],
+                    "block_prec_ms": row["time_prec"]}
     data["kfac"].pop("sync", None)
     data["latency_ms"] = 0.0
     timelines, _ = simulate_timelines(cost_model_from_dict(data, job.model), schedule=job.order,

@@ -34,7 +34,8 @@ def realistic_job(model: str, batch: int, schedule: str, stages: int, micro_batc
         data = yaml.safe_load(f)
     row = block_costs(model, batch)
     data["layer"] = {"forward_ms": row["time_f"], "backward_ms": row["time_b"]}
-    data["kfac"] = {**data["kfac"], "block_cov_ms": row["time_kron"], "block_inv_ms": row["time_inv"]}
+    data["kfac"] = {**data["kfac"], "block_cov_ms": row["time_kron"], "block_inv_ms": row["time_inv"],
+                    "block_prec_ms": row["time_prec"]}
     if not sync:
         data["kfac"].pop("sync", None)
     timelines, _ = simulate_timelines(cost_model_from_dict(data, model), schedule=schedule, stages=stages,

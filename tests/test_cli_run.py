@@ -360,6 +360,30 @@ def test_run_validates_a_schedule_under_the_margin_its_policy_chose(tmp_path):
     assert packed.margin != DEFAULT_MARGIN and report["valid"]
 
 
+def test_run_reports_kfac_in_the_bubbles_apart_from_the_preconditioning_at_the_steps_end(tmp_path):
+    """The runtime's profile records the update and its preconditioning: the run's report prints them
+    per node after the published line, and its JSON carries them."""
+    import glob
+
+    from pipefisher.objective import end_of_step
+    from pipefisher.policies import get_policy
+    from pipefisher.runtime.launch.driver import RunPaths, pack_and_check
+    from pipefisher.timeline import format_time, load_job
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profiles", "tiny_one_stage")
+    job = load_job(sorted(glob.glob(os.path.join(here, "*.pickle"))))
+    rest, prec = end_of_step(job.nodes[0])
+    assert prec > 0
+    lines: list[str] = []
+    packed, report = pack_and_check(job, get_policy("tight"), tiny(pipeline={"stages": 1}), RunPaths(str(tmp_path), "p"),
+                                    1, margin=0.05, allow_invalid=False, echo=lines.append)
+    assert lines[0].startswith("node0:") and "pipeline iterations (usage: " in lines[0] and lines[1] == ""
+    assert lines[2].startswith("node0: K-FAC in bubbles ") and (
+        f"at the step's end: update {format_time(round(rest + prec))} (preconditioning {format_time(round(prec))} "
+        "of it), exposed ") in lines[2]
+    assert report["nodes"][0]["precondition_time"] == round(prec)
+
+
 def test_run_resume_continues_a_run_where_its_checkpoint_stopped_with_its_schedule(tmp_path):
     """A one-stage run (in this process), resumed from 3 steps to 5: the run's schedule, config and
     options go on, its metrics hold every step once, and the model is the one a 5-step training with

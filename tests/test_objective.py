@@ -238,3 +238,27 @@ def test_the_planned_step_is_the_fake_clock_runs_step(schedule) -> None:
     (model,) = true_models(job)
     ran = [fake_step(labels, model, period([model]))[-1].end for labels in schedule[0]]
     assert sum(ran) / len(ran) == pytest.approx(step_cost(schedule, job, slowdown=0).step * 1e-9)
+
+
+def test_the_planned_step_of_a_simulated_job_grows_by_its_exposed_preconditioning() -> None:
+    """The bundled BERT-Base model preconditions 3 layers per node at the step's end (its CSV row's
+    ``time_prec``): node 0 ends the pipeline, so no tail bubble hides any of it there."""
+    from pipefisher.examples import cost_model_path
+    from pipefisher.objective import exposed_end_of_step, slowed_models
+    from pipefisher.sim import load_cost_model, simulate_timelines
+    from pipefisher.sim.costs import NS_PER_MS
+
+    model = load_cost_model(cost_model_path("bert-base-4stages"))
+    prec = round(3 * model.block_prec_ms * NS_PER_MS)
+    assert prec > 0
+    job = job_from_dicts(simulate_timelines(model, "1f1b")[0])
+    bare = job_from_dicts(simulate_timelines(model.replace(block_prec_ms=0.0), "1f1b")[0])
+    packed = get_policy("tight").pack(job)
+    assert packed.to_file_data() == get_policy("tight").pack(bare).to_file_data()  # packing ignores it
+    with_prec, without = step_cost(packed.to_file_data(), job), step_cost(packed.to_file_data(), bare)
+    assert with_prec.first_order == without.first_order  # first-order does not precondition
+    assert with_prec.floor - without.floor == pytest.approx(prec)
+    assert 0 < with_prec.step - without.step <= prec + 1e-6
+    node0 = packed.nodes[0]
+    _, exposed = exposed_end_of_step(node0.iterations, node0.layout, slowed_models(job)[0], job.nodes[0])
+    assert exposed == [prec] * len(node0.iterations)

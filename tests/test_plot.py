@@ -115,6 +115,18 @@ def test_chimera_up_pipe_work_is_drawn_hatched(tmp_path):
     assert "<pattern" not in (tmp_path / "down_only.svg").read_text()
 
 
+def test_the_update_and_its_preconditioning_have_their_own_colours_and_count_once(tmp_path):
+    node = {"start_end": [(0, 100)], "call_forward": [(0, 10)], "call_backward": [(10, 30)],
+            "update": [(30, 70)], "precondition": [(30, 60)]}
+    chart = chart_from_job(job_from_dicts([node]))
+    assert {b.label: b.category for b in chart.bars if b.label in ("update", "precondition")} == \
+        {"update": "update", "precondition": "precondition"}
+    # the step ends with the update at 70: 30 of pipeline and 40 of update, the preconditioning in it (not 142.9 %)
+    assert chart.rows == ("node0\nbusy 100.0 %",)
+    colours = check_png(render(chart, tmp_path / "update.png"), rows=1)
+    assert hex_rgb(COLOURS["precondition"]) in colours
+
+
 # ----------------------------------------------------------------------------------------------------
 # readable at any size: collections, merging, edges, units, limits, context, validity, idle fill
 

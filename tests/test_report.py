@@ -44,3 +44,38 @@ def test_a_bound_says_the_margin_it_holds_at_and_overflow_is_given_per_step() ->
     assert usage_line(1, gap, 0.05).endswith("[lower bound 6 at margin 0.05, gap 1]")
     packed = get_policy("tight").pack(job_from_dicts([small_node()]), 0.3)
     assert "at margin 0.3" in usage_lines(packed)[0]
+
+
+def test_the_report_separates_kfac_in_bubbles_from_the_update_at_the_steps_end() -> None:
+    from pipefisher.examples import cost_model_path
+    from pipefisher.sim import load_cost_model, simulate_timelines
+    from pipefisher.sim.costs import NS_PER_MS
+
+    model = load_cost_model(cost_model_path("bert-base-4stages"))
+    prec = round(3 * model.block_prec_ms * NS_PER_MS)  # 3 layers per node: 20.416 ms
+    job = job_from_dicts(simulate_timelines(model, "1f1b")[0])
+    packed = get_policy("tight").pack(job)
+    published = usage_lines(packed)
+    lines = usage_lines(packed, job)
+    assert lines[:4] == published and lines[4] == ""  # the published lines first, as they were
+    ends = lines[5:]
+    assert len(ends) == 4
+    for i, line in enumerate(ends):
+        assert line.startswith(f"node{i}: K-FAC in bubbles ") and f"per cycle of {len(packed.nodes[i].iterations)}" in line
+        assert "at the step's end: update 20.416 ms (preconditioning 20.416 ms of it), exposed " in line
+    assert ends[0].endswith("exposed 20.416 ms per step")  # node 0 ends the pipeline: no tail bubble hides it
+    data = report_data(packed, job)
+    json.dumps(data)
+    for node, entry in zip(packed.nodes, data["nodes"]):
+        assert entry["kfac_in_bubbles_time"] == node.figures.kfac_placed - node.figures.overflow
+        assert entry["update_time"] == entry["precondition_time"] == prec
+        assert 0 < entry["update_exposed_time"] <= prec
+    assert data["nodes"][0]["update_exposed_time"] == prec
+
+
+def test_without_end_of_step_records_the_report_is_the_published_one() -> None:
+    job = job_from_dicts([small_node(), small_node(offset=10)])
+    packed = get_policy("compat").pack(job)
+    assert usage_lines(packed, job) == usage_lines(packed)
+    entry = report_data(packed, job)["nodes"][0]
+    assert (entry["update_time"], entry["precondition_time"], entry["update_exposed_time"]) == (0, 0, 0)

@@ -164,6 +164,7 @@ def test_schedule_cli_packs_simulated_timelines(tmp_path):
     res = runner.invoke(main, ["schedule", *paths, "--save-path", str(tmp_path / "s.pickle")])
     assert res.exit_code == 0, res.output
     assert res.output.count("pipeline iterations (usage:") == 4
+    assert res.output.count("at the step's end: update 20.416 ms (preconditioning 20.416 ms of it)") == 4
 
 
 def test_bundled_cost_models_name_their_sources():
@@ -172,6 +173,44 @@ def test_bundled_cost_models_name_their_sources():
         assert csv in model.source and "bs=32" in model.source
         assert len(model.modules) == 6
     assert load_cost_model(BASE).stages == 4 and load_cost_model(LARGE).stages == 8
+
+
+def test_bundled_cost_models_take_the_preconditioning_from_their_rows_time_prec():
+    import csv
+
+    for path, csv_name in [(BASE, "bert-base_time_memory_p100.csv"), (LARGE, "bert-large_time_memory_p100.csv")]:
+        with open(os.path.join(ROOT, "tests", "data", "block-costs", csv_name)) as f:
+            row = next(r for r in csv.DictReader(f) if r["bs"] == "32")
+        model = load_cost_model(path)
+        assert model.block_prec_ms == float(row["time_prec"]) and model.block_update_ms == 0.0
+
+
+def test_each_node_ends_its_step_with_the_update_and_the_preconditioning_of_its_layers():
+    model = load_cost_model(BASE)
+    timelines, _ = simulate_timelines(model, "1f1b")
+    prec = round(3 * model.block_prec_ms * NS_PER_MS)  # 3 layers per stage
+    for node in timelines:
+        [(s, e)] = node["precondition"]
+        kfac_end = max(iv[-1][1] for k, iv in node.items() if k.split(":")[0] in KFAC_KINDS)
+        pipeline_end = max(e for _, e in node["call_backward"] + node["call_forward"])
+        assert e - s == prec and s == kfac_end > pipeline_end  # after the curvature refresh, as run profiles it
+        assert node["update"] == [(s, e)]  # no update cost of its own: only the preconditioning
+        assert node["start_end"] == [(0, e)]
+    # the rest of the update after it, inside one update interval; K-FAC's scale applies to K-FAC work only
+    more = model.replace(block_update_ms=2.0, kfac_scale=2.0)
+    node = simulate_timelines(more, "1f1b")[0][0]
+    [(s, e)], [(us, ue)] = node["precondition"], node["update"]
+    assert (e - s, us, ue - us) == (2 * prec, s, 2 * prec + 3 * 2_000_000)
+    # Chimera: a node holds two copies of a stage (down and up pipe) and preconditions both
+    chimera, _ = simulate_timelines(model, "chimera")
+    assert all(n["precondition"][0][1] - n["precondition"][0][0] == 2 * prec for n in chimera)
+
+
+def test_a_cost_model_without_end_of_step_costs_loads_and_writes_no_end_of_step_keys():
+    model = cost_model_from_dict(MINIMAL)
+    assert (model.block_prec_ms, model.block_update_ms) == (0.0, 0.0)
+    timelines, _ = simulate_timelines(model)
+    assert all("precondition" not in n and "update" not in n for n in timelines)
 
 
 def test_per_module_split_adds_up_to_the_block_measurement():
@@ -203,6 +242,8 @@ def test_per_stage_costs_and_explicit_module_costs():
     ({"kfac": {"modules": []}}, "non-empty list"),
     ({"kfac": {"modules": [{"name": "fc", "in": 4}]}}, "needs 'in' and 'out'"),
     ({"micro_batches": 2.5}, "whole number"),
+    ({"kfac": {**MINIMAL["kfac"], "block_prec_ms": -1}}, "'kfac.block_prec_ms' must be a finite number >= 0"),
+    ({"block_update_ms": "fast"}, "'block_update_ms' must be a number"),
 ])
 def test_bad_cost_models_are_input_errors(change, message):
     data = {**MINIMAL, **change}

@@ -57,7 +57,7 @@ def run_schedule(
     if print_workloads:
         for line in workload_lines(schedule):
             echo(line)
-    for line in usage_lines(schedule):
+    for line in usage_lines(schedule, job):
         echo(line)
     if compare:
         from pipefisher.report import compare_lines

@@ -371,7 +371,7 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
         f"(cost model {os.path.basename(config)})",
         f"simulated pipeline time {result.makespan / 1e6:.1f} ms, bubble fraction {100 * result.bubble_fraction:.1f} %",
         f"packed with policy '{chosen.name}':",
-        *usage_lines(packed),
+        *usage_lines(packed, job),
     ]
     for line in lines:
         echo(line)
@@ -389,8 +389,9 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
     title = f"{model.name}, {sched.name}, m={sched.micro_batches}: K-FAC packed into bubbles (policy {chosen.name})"
     schedule_chart = chart_from_schedule(packed, job, title)
     render(schedule_chart, files["chart"])
+    update = ", update" if model.end_of_step_ns(1) != (0, 0) else ""
     render(chart_from_job(job, f"{model.name}, {sched.name}, m={sched.micro_batches}: simulated step "
-                               "(pipeline, then naive K-FAC)"), files["timelines_chart"])
+                               f"(pipeline, naive K-FAC{update})"), files["timelines_chart"])
     write_trace(schedule_chart, files["trace"])
     echo(f"wrote {len(paths)} timelines, the schedule, the report, charts and a trace to {os.path.join(os.path.normpath(out), '')}")
     return files

@@ -7,7 +7,10 @@ Pipeline costs are given either per transformer layer (``layer: {forward_ms, bac
 ``layers``, split evenly over the stages) or per stage (``stage: {forward_ms: [...], backward_ms:
 [...]}``, one entry per stage). K-FAC costs are per module of one layer: either given per factor
 directly, or derived from per-block totals in proportion to the factor sizes (covariance ~ d^2,
-inverse ~ d^3 for a d x d factor; all-reduce time from the factor's bytes).
+inverse ~ d^3 for a d x d factor; all-reduce time from the factor's bytes). End-of-step work is per
+block per step: ``kfac.block_prec_ms`` (preconditioning the block's gradients, the published CSVs'
+``time_prec``) and ``block_update_ms`` (the rest of the update: gradient all-reduce, clipping, optimizer
+step); both default to 0, so files written before them load unchanged.
 """
 from __future__ import annotations
 
@@ -58,6 +61,11 @@ class CostModel:
     latency_ms: float = 0.0
     """Point-to-point time between neighbouring stages (send of activations or gradients)."""
     kfac_scale: float = 1.0
+    block_prec_ms: float = 0.0
+    """Preconditioning one layer's gradients with its inverses, once per step (K-FAC work: ``kfac_scale``
+    applies); on the step's critical path, after the pipeline."""
+    block_update_ms: float = 0.0
+    """The rest of one layer's share of the update, once per step (first-order pays it too)."""
     module_template: str = "encoder.layer.{layer}.{module}"
     schedule: str = "1f1b"
     stages: int = 4
@@ -86,7 +94,7 @@ class CostModel:
                  f"stage costs list {len(self.stage_forward_ms or ())} forward and {len(self.stage_backward_ms or ())} "
                  f"backward times, but stages is {self.stages}")
         times = [self.layer_forward_ms, self.layer_backward_ms, *(self.stage_forward_ms or ()),
-                 *(self.stage_backward_ms or ()), self.latency_ms]
+                 *(self.stage_backward_ms or ()), self.latency_ms, self.block_prec_ms, self.block_update_ms]
         need(all(t is None or (math.isfinite(t) and t >= 0) for t in times), "times must be finite and >= 0")
         need(0.0 < self.backward_input_fraction < 1.0, "backward_input_fraction must be between 0 and 1")
         need(self.kfac_scale >= 0 and math.isfinite(self.kfac_scale), "kfac scale must be >= 0")
@@ -130,6 +138,12 @@ class CostModel:
     def module_costs(self) -> tuple[ModuleCost, ...]:
         """Per-module K-FAC costs with the K-FAC scale applied."""
         return tuple(m.scaled(self.kfac_scale) for m in self.modules)
+
+    def end_of_step_ns(self, layers: int) -> tuple[int, int]:
+        """(preconditioning, the rest of the update) of a node holding ``layers`` layer copies, per step:
+        each copy's gradients are preconditioned and stepped (Chimera's two copies of a stage both are)."""
+        return (round(layers * self.block_prec_ms * self.kfac_scale * NS_PER_MS),
+                round(layers * self.block_update_ms * NS_PER_MS))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -176,7 +190,7 @@ def _sync_ms(sync: Mapping[str, Any] | None, dim: int, path: str) -> float:
 
 
 def _modules(path: str, kfac: Mapping[str, Any]) -> tuple[ModuleCost, ...]:
-    _allowed(path, "kfac", kfac, {"block_cov_ms", "block_inv_ms", "sync", "modules", "scale"})
+    _allowed(path, "kfac", kfac, {"block_cov_ms", "block_inv_ms", "block_prec_ms", "sync", "modules", "scale"})
     raw = kfac.get("modules")
     if not isinstance(raw, list) or not raw:
         raise InputError(path, "'kfac.modules' must be a non-empty list")
@@ -252,7 +266,7 @@ def cost_model_from_dict(data: Any, path: str | None = None) -> CostModel:
     _refuse_run_config(where, data)
     _allowed(where, "the file", data, {"name", "source", "schedule", "stages", "micro_batches", "chunks", "layers",
                                        "layer", "stage", "backward_input_fraction", "latency_ms", "kfac",
-                                       "module_template"})
+                                       "module_template", "block_update_ms"})
     if "layers" not in data:
         raise InputError(where, "needs 'layers' (transformer layers in the whole model)")
     if "kfac" not in data:
@@ -264,6 +278,7 @@ def cost_model_from_dict(data: Any, path: str | None = None) -> CostModel:
         "layers": _num(where, "layers", data["layers"], integer=True),
         "modules": _modules(where, kfac),
         "kfac_scale": _num(where, "kfac.scale", kfac.get("scale", 1.0)),
+        "block_prec_ms": _num(where, "kfac.block_prec_ms", kfac.get("block_prec_ms", 0.0)),
     }
     if "layer" in data:
         layer = _map(where, "layer", data["layer"])
@@ -281,7 +296,7 @@ def cost_model_from_dict(data: Any, path: str | None = None) -> CostModel:
                 raise InputError(where, f"'stage.{k}' must be a non-empty list of times, one per stage")
         kw["stage_forward_ms"] = tuple(_num(where, "stage.forward_ms", x) for x in stage["forward_ms"])
         kw["stage_backward_ms"] = tuple(_num(where, "stage.backward_ms", x) for x in stage["backward_ms"])
-    for k in ("backward_input_fraction", "latency_ms"):
+    for k in ("backward_input_fraction", "latency_ms", "block_update_ms"):
         if k in data:
             kw[k] = _num(where, k, data[k])
     for k in ("stages", "micro_batches", "chunks"):

@@ -6,8 +6,12 @@ device arrives ``latency`` after it ends; :meth:`~pipefisher.pipeline_orders.Pip
 names them, with a fused call's end in place of an operation inside it). Times are integer nanoseconds, starting at 0.
 
 After the pipeline, each node runs the naive K-FAC phase a real profiled step has: covariance A and B
-of every module (over all micro-batches), then the all-reduce of every factor, then every inverse.
-The result is one ``dict[str, list[(start, end)]]`` per node in the profiled format, so
+of every module (over all micro-batches), then the all-reduce of every factor, then every inverse;
+then, where the cost model gives them, the step's end as the runtime profiles it (the curvature
+refresh comes before the update there too): one :data:`~pipefisher.timeline.UPDATE_KEY` interval of
+the node's layer copies x (``block_prec_ms`` + ``block_update_ms``), with the preconditioning
+(layer copies x ``block_prec_ms``) as a :data:`~pipefisher.timeline.PRECONDITION_KEY` interval at its
+start, inside it. A model without either writes neither key. The result is one ``dict[str, list[(start, end)]]`` per node in the profiled format, so
 ``pipefisher schedule`` packs it exactly like a profile.
 
 Mapping choices (see also the format spec):
@@ -46,7 +50,7 @@ from pipefisher.pipeline_orders import (BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op,
                                         default_chunks, generate, stage_on)
 from pipefisher.sim.costs import NS_PER_MS, CostModel, ModuleCost
 from pipefisher.timeline import BACKWARD as BACKWARD_KEY, FORWARD as FORWARD_KEY
-from pipefisher.timeline import UP_SUFFIX, chunk_suffix, pipe_key, weight_key
+from pipefisher.timeline import PRECONDITION_KEY, UP_SUFFIX, UPDATE_KEY, chunk_suffix, pipe_key, weight_key
 
 Timelines = list[dict[str, list[tuple[int, int]]]]
 
@@ -217,7 +221,7 @@ def _ns(ms: float) -> int:
 
 
 def timelines_from_result(result: SimResult, model: CostModel) -> Timelines:
-    """Per-node profiled timelines: the simulated pipeline, then naive K-FAC, one step."""
+    """Per-node profiled timelines: the simulated pipeline, then naive K-FAC, then the update, one step."""
     modules: Sequence[ModuleCost] = model.module_costs()
     layers = node_layers(model, result.schedule)
     out: Timelines = []
@@ -244,6 +248,11 @@ def timelines_from_result(result: SimResult, model: CostModel) -> Timelines:
                     dur = _ns(getattr(m, attr))
                     entries[f"{kind}:{name}"] = [(t, t + dur)]
                     t += dur
+        precondition, update = model.end_of_step_ns(len(layers[d]))
+        if precondition or update:
+            entries[PRECONDITION_KEY] = [(t, t + precondition)]
+            entries[UPDATE_KEY] = [(t, t + precondition + update)]
+            t += precondition + update
         entries["start_end"] = [(0, t)]
         out.append(entries)
     return out

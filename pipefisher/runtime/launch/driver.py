@@ -106,7 +106,7 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     timelines = [n.path for n in job.nodes]
     job = inflate_kfac(job, kfac_margin)
     packed = packer.pack(job, margin)
-    for line in usage_lines(packed):
+    for line in usage_lines(packed, job):
         echo(line)
     # the room rule of the margin the schedule was packed under: ``target`` may choose its own
     violations = validate(packed.to_file_data(), job, margin=packed.margin)
