@@ -29,13 +29,14 @@ def _summary_of(rows: list[dict[str, str]], training: dict) -> bool:
 
 
 def test_run_end_to_end_with_two_processes(tmp_path):
+    """12 steps: a run trains no K-FAC cycle longer than itself, and a busy machine's profile packs longer."""
     out = tmp_path / "runs"
-    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--steps", "6", "--profile-steps", "2",
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--steps", "12", "--profile-steps", "2",
                                     "--nproc-per-node", "2", "--name", "first", "--no-progress", "--log-every", "2",
                                     "--eval-every", "3"])
     assert res.exit_code == 0, res.output
     text = res.output
-    assert "[1/3] profiling 2 kfac step(s)" in text and "[3/3] training 6 step(s)" in text
+    assert "[1/3] profiling 2 kfac step(s)" in text and "[3/3] training 12 step(s)" in text
     assert "node0:" in text and "node1:" in text and "pipeline iterations (usage:" in text
     assert "mode scheduled, 2 stage(s) x 1 replica(s)" in text and "step     4  loss" in text
     names = sorted(os.listdir(out))
@@ -50,9 +51,9 @@ def test_run_end_to_end_with_two_processes(tmp_path):
     assert json.loads((out / "first_profile_losses.json").read_text())["options"]["profile"] is True
     with open(out / "first_metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [int(r["step"]) for r in rows] == list(range(6)) and {r["mode"] for r in rows} == {"scheduled"}
+    assert [int(r["step"]) for r in rows] == list(range(12)) and {r["mode"] for r in rows} == {"scheduled"}
     assert all(float(r["loss"]) > 0 and float(r["step_seconds"]) > 0 for r in rows)
-    assert [bool(r["val_loss"]) for r in rows] == [False, False, True, False, False, True]  # held-out loss
+    assert [bool(r["val_loss"]) for r in rows] == [s % 3 == 2 for s in range(12)]  # held-out loss
     report = json.loads((out / "first_report.json").read_text())
     assert report["valid"] and report["policy"] == "target" and len(report["nodes"]) == 2
     assert report["tradeoff"]["candidates"]  # why its k: the run's report says it too
@@ -385,41 +386,42 @@ def test_run_reports_kfac_in_the_bubbles_apart_from_the_preconditioning_at_the_s
 
 
 def test_run_resume_continues_a_run_where_its_checkpoint_stopped_with_its_schedule(tmp_path):
-    """A one-stage run (in this process), resumed from 3 steps to 5: the run's schedule, config and
-    options go on, its metrics hold every step once, and the model is the one a 5-step training with
-    that schedule gives."""
+    """A one-stage run (in this process), resumed from 20 steps to 22: the run's schedule, config and
+    options go on, its metrics hold every step once, and the model is the one a 22-step training with
+    that schedule gives. (20 steps: a run trains no K-FAC cycle longer than itself, and a busy machine's
+    profile of tiny packs to cycles of 5-7 and more.)"""
     import torch
 
     out = tmp_path / "runs"
     res = CliRunner().invoke(main, ["run", "--config", TINY, "--stages", "1", "--out", str(out), "--name", "r",
-                                    "--steps", "3", "--profile-steps", "2", "--eval-every", "2", "--no-progress"])
+                                    "--steps", "20", "--profile-steps", "2", "--eval-every", "2", "--no-progress"])
     assert res.exit_code == 0, res.output
     schedule = (out / "r_schedule.pickle").read_bytes()
-    res = CliRunner().invoke(main, ["run", "--resume", str(out), "--steps", "5", "--no-progress"])
+    res = CliRunner().invoke(main, ["run", "--resume", str(out), "--steps", "22", "--no-progress"])
     assert res.exit_code == 0, res.output
-    assert f"run r: resuming from {out / 'r_checkpoints'}, training up to 5 step(s) with its schedule" in res.output
-    assert "mode scheduled, 1 stage(s) x 1 replica(s)" in res.output and "resuming after step 2" in res.output
+    assert f"run r: resuming from {out / 'r_checkpoints'}, training up to 22 step(s) with its schedule" in res.output
+    assert "mode scheduled, 1 stage(s) x 1 replica(s)" in res.output and "resuming after step 19" in res.output
     with open(out / "r_metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [int(r["step"]) for r in rows] == list(range(5))
-    assert [bool(r["val_loss"]) for r in rows] == [False, True, True, True, True]  # --eval-every 2 went on
+    assert [int(r["step"]) for r in rows] == list(range(22))
+    assert [bool(r["val_loss"]) for r in rows] == [s % 2 == 1 for s in range(22)]  # --eval-every 2 went on
     training = json.loads((out / "r_report.json").read_text())["training"]
-    assert training["steps"] == 5 and _summary_of(rows, training)  # the first run's steps included
+    assert training["steps"] == 22 and _summary_of(rows, training)  # the first run's steps included
     assert (out / "r_schedule.pickle").read_bytes() == schedule
     ck = str(tmp_path / "ck")
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--stages", "1", "--schedule", str(out / "r_schedule.pickle"),
-                                    "--steps", "5", "--checkpoint-dir", ck, "--no-progress"])
+                                    "--steps", "22", "--checkpoint-dir", ck, "--no-progress"])
     assert res.exit_code == 0, res.output
-    whole = torch.load(os.path.join(ck, "step-00000005", "stage0-replica0.pt"), weights_only=True)["model"]
-    resumed = torch.load(out / "r_checkpoints" / "step-00000005" / "stage0-replica0.pt", weights_only=True)["model"]
+    whole = torch.load(os.path.join(ck, "step-00000022", "stage0-replica0.pt"), weights_only=True)["model"]
+    resumed = torch.load(out / "r_checkpoints" / "step-00000022" / "stage0-replica0.pt", weights_only=True)["model"]
     assert all(torch.equal(t, resumed[k]) for k, t in whole.items())
     # nothing left to do, and a --set that changes more than the learning rate: said before torch loads,
     # the latter with the real reason (not the schedule's --allow-schedule-mismatch, which run has not)
     (done, said, torch_loaded), (code, err, torch_too) = torch_free([
-        ["run", "--resume", str(out), "--steps", "5"],
-        ["run", "--resume", str(out), "--steps", "6", "--set", "model.hidden_size=64", "--set", "optim.lr=0.5"]])
-    assert (done, said, torch_loaded) == (0, f"nothing to do: the checkpoint in {out / 'r_checkpoints'} has 5 steps "
-                                             "done, --steps is 5\n", False), said
+        ["run", "--resume", str(out), "--steps", "22"],
+        ["run", "--resume", str(out), "--steps", "24", "--set", "model.hidden_size=64", "--set", "optim.lr=0.5"]])
+    assert (done, said, torch_loaded) == (0, f"nothing to do: the checkpoint in {out / 'r_checkpoints'} has 22 steps "
+                                             "done, --steps is 22\n", False), said
     assert code == 2 and err.count("\n") == 1 and not torch_too, err
     assert err.startswith(f"error: {out / 'r_checkpoints'}: was written by a run with another config (differs in "
                           "model.hidden_size: 32 there, 64 here); a resumed run may change only its learning-rate "
