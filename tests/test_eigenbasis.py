@@ -114,3 +114,39 @@ def test_a_new_basis_carries_the_first_moment_over():
     after = state["basis_b"] @ state["exp_avg"] @ state["basis_a"].t()
     assert state["versions"] == (2, 1)
     assert torch.allclose(after, 0.9 * before, atol=1e-6)
+
+
+def test_over_stage_copies_every_copy_takes_its_own_step_and_the_state_resumes():
+    """Over a device's stage copies (:class:`StageCopiesKFAC`) the optimizer steps each copy's layers as
+    one over that copy alone would; its state dict, loaded into a fresh one, continues identically."""
+    from pipefisher.runtime.pipeline.copies import StageCopiesKFAC
+
+    def copies() -> tuple[list[nn.Sequential], StageCopiesKFAC]:
+        models = [_layer(True), _layer(False)]
+        kfacs = {0: KFAC(models[0], inverse="eigenbasis", ignore=()), 1: KFAC(models[1], inverse="eigenbasis", ignore=())}
+        for j, k in kfacs.items():
+            st = k.layers["0"]
+            st.inverses["A"] = torch.linalg.qr(torch.randn(6 - j, 6 - j, generator=torch.Generator().manual_seed(j)))[0]
+            st.inverses["B"] = torch.linalg.qr(torch.randn(3, 3, generator=torch.Generator().manual_seed(9 + j)))[0]
+            st.inversions = {"A": 1, "B": 1}
+        return models, StageCopiesKFAC(kfacs, order=[1, 0])
+
+    models, holder = copies()
+    refs, ref_holder = copies()
+    opt = EigenbasisAdam(holder, lr=1e-2, weight_decay=0.1)
+    alone = [EigenbasisAdam(ref_holder[j], lr=1e-2, weight_decay=0.1) for j in (0, 1)]
+    assert holder.layer_states() == [holder[1].layers["0"], holder[0].layers["0"]]  # canonical order
+    for step in range(3):
+        for m, r in zip(models, refs):
+            _grads(m, step)
+            _grads(r, step)
+        if step == 2:  # resume: a fresh optimizer over the same copies, from the state dict
+            state = opt.state_dict()
+            opt = EigenbasisAdam(holder, lr=1e-2, weight_decay=0.1)
+            opt.load_state_dict(state)
+        opt.step()
+        for a in alone:
+            a.step()
+    for m, r in zip(models, refs):
+        for a, b in zip(m.parameters(), r.parameters()):
+            assert torch.equal(a, b)

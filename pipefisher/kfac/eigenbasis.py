@@ -19,9 +19,12 @@ bases, the identity stands for them: plain AdamW.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from pipefisher.kfac.kfac import LayerStates
 
 
 def eigenbasis(f: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -33,10 +36,12 @@ def eigenbasis(f: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
 
 
 class EigenbasisAdam(torch.optim.Optimizer):
-    """The SOAP step above for the layers of one :class:`pipefisher.kfac.KFAC`, whose refreshes hold
-    the bases (``LayerState.inverses`` holds eigenvectors when K-FAC runs with ``inverse="eigenbasis"``)."""
+    """The SOAP step above for the layers of a K-FAC holder: one :class:`pipefisher.kfac.KFAC`, or a
+    device's stage copies (interleaved, ZB-V, DualPipeV, Chimera), through :class:`LayerStates` only.
+    Their refreshes hold the bases (``LayerState.inverses`` holds eigenvectors when K-FAC runs with
+    ``inverse="eigenbasis"``)."""
 
-    def __init__(self, kfac: Any, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, kfac: LayerStates, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         self.kfac = kfac
         super().__init__(kfac.parameters(), dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -45,7 +50,7 @@ class EigenbasisAdam(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         group = self.param_groups[0]
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        for st in self.kfac.layers.values():
+        for st in self.kfac.layer_states():
             w = st.module.weight
             if w.grad is None:
                 continue
