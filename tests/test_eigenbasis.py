@@ -31,6 +31,41 @@ def test_eigenbasis_diagonalises_the_factor():
     assert torch.allclose(rotated, torch.diag(torch.diagonal(rotated)), atol=1e-4)
 
 
+@pytest.mark.parametrize("scale", [1e-8, 3e-10, 1e-10])
+def test_a_low_rank_factor_with_zero_rows_far_below_1_gets_a_finite_right_basis_in_float32(scale):
+    """Output gradients of 1e-10 from a few rows, half the units' exactly zero (dead): a factor B of 1e-20,
+    of low rank, with zero rows, as the tiny config's layers had after a few steps at optim.lr 0.1.
+    float32's ``eigh`` returned NaN for (or did not converge on) 16 of these 120 here; scaled and shifted
+    first, the basis is orthonormal and diagonalises the factor to float32's precision."""
+    for rank in range(1, 5):
+        for seed in range(10):
+            g = torch.Generator().manual_seed(seed)
+            out = torch.randn(rank, 64, generator=g) * scale
+            out[:, torch.rand(64, generator=g) < 0.5] = 0
+            f = out.t() @ out
+            q = eigenbasis(f).double()
+            assert q.dtype == torch.float64 and torch.isfinite(q).all(), (rank, seed)
+            rotated = q.t() @ f.double() @ q
+            off = rotated - torch.diag(torch.diagonal(rotated))
+            assert torch.allclose(q.t() @ q, torch.eye(64, dtype=torch.float64), atol=1e-5), (rank, seed)
+            assert off.norm() <= 1e-5 * f.double().norm(), (rank, seed)
+
+
+def test_an_eigh_that_does_not_converge_is_refused_in_one_line_naming_float64(monkeypatch):
+    """Where ``eigh`` itself fails, the basis is NaN for the refresh's findings (no exception mid-step),
+    and the refusal names the setting that computes it in float64."""
+    from pipefisher.kfac.factors import BadFactorError, damped_inverse
+
+    def fails(m: torch.Tensor) -> None:
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", fails)
+    assert torch.isnan(eigenbasis(torch.eye(4))).all()
+    with pytest.raises(BadFactorError, match=r"^layer 0 factor B: the eigenbasis is not finite .*"
+                                             r"try kfac.inverse_dtype: float64\)$"):
+        damped_inverse(torch.eye(4), 1e-3, method="eigenbasis", what="layer 0 factor B")
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_without_bases_it_is_adamw(bias):
     """Before a layer's first refresh the identity stands for its bases: the step is AdamW's, weight

@@ -181,8 +181,10 @@ def bad_factor(findings: list[float], method: str, what: str = "factor") -> str 
     if method == "cholesky" and int(first) != 0:
         return (f"{what}: not positive definite after damping {damping:.3g} (Cholesky failed at column "
                 f"{int(first)}; try kfac.inverse: eigen, kfac.inverse_dtype: float64 or more damping)")
+    if not inv_finite and method == "eigenbasis":
+        return f"{what}: the eigenbasis is not finite (eigh failed; try kfac.inverse_dtype: float64)"
     if not inv_finite:
-        return f"{what}: the {'eigenbasis' if method == 'eigenbasis' else 'damped inverse'} is not finite"
+        return f"{what}: the damped inverse is not finite"
     return None
 
 
