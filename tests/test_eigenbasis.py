@@ -10,6 +10,8 @@ from torch import nn
 from pipefisher.kfac import KFAC
 from pipefisher.kfac.eigenbasis import EigenbasisAdam, eigenbasis
 
+from conftest import DEAD_UNIT_SCALES, dead_unit_factors
+
 
 def _layer(bias: bool = True) -> nn.Sequential:
     torch.manual_seed(0)
@@ -31,24 +33,19 @@ def test_eigenbasis_diagonalises_the_factor():
     assert torch.allclose(rotated, torch.diag(torch.diagonal(rotated)), atol=1e-4)
 
 
-@pytest.mark.parametrize("scale", [1e-8, 3e-10, 1e-10])
-def test_a_low_rank_factor_with_zero_rows_far_below_1_gets_a_finite_right_basis_in_float32(scale):
-    """Output gradients of 1e-10 from a few rows, half the units' exactly zero (dead): a factor B of 1e-20,
-    of low rank, with zero rows, as the tiny config's layers had after a few steps at optim.lr 0.1.
-    float32's ``eigh`` returned NaN for (or did not converge on) 16 of these 120 here; scaled and shifted
-    first, the basis is orthonormal and diagonalises the factor to float32's precision."""
-    for rank in range(1, 5):
-        for seed in range(10):
-            g = torch.Generator().manual_seed(seed)
-            out = torch.randn(rank, 64, generator=g) * scale
-            out[:, torch.rand(64, generator=g) < 0.5] = 0
-            f = out.t() @ out
-            q = eigenbasis(f).double()
-            assert q.dtype == torch.float64 and torch.isfinite(q).all(), (rank, seed)
-            rotated = q.t() @ f.double() @ q
-            off = rotated - torch.diag(torch.diagonal(rotated))
-            assert torch.allclose(q.t() @ q, torch.eye(64, dtype=torch.float64), atol=1e-5), (rank, seed)
-            assert off.norm() <= 1e-5 * f.double().norm(), (rank, seed)
+@pytest.mark.parametrize("scale", DEAD_UNIT_SCALES)
+def test_a_low_rank_factor_with_zero_rows_gets_a_finite_right_basis_in_float32(scale):
+    """Factors with dead units' zero rows (:func:`conftest.dead_unit_factors`), as the tiny config's
+    layers had after a few steps at optim.lr 0.1, on which float32's ``eigh`` returned NaN or did not
+    converge: scaled and shifted first, the basis is orthonormal and diagonalises the factor to
+    float32's precision."""
+    for name, f in dead_unit_factors(scale):
+        q = eigenbasis(f).double()
+        assert torch.isfinite(q).all(), name
+        rotated = q.t() @ f.double() @ q
+        off = rotated - torch.diag(torch.diagonal(rotated))
+        assert torch.allclose(q.t() @ q, torch.eye(64, dtype=torch.float64), atol=1e-5), name
+        assert off.norm() <= 1e-5 * f.double().norm(), name
 
 
 def test_an_eigh_that_does_not_converge_is_refused_in_one_line_naming_float64(monkeypatch):
