@@ -155,7 +155,7 @@ def test_over_stage_copies_every_copy_takes_its_own_step_and_the_state_resumes()
 
     def copies() -> tuple[list[nn.Sequential], StageCopiesKFAC]:
         models = [_layer(True), _layer(False)]
-        kfacs = {0: KFAC(models[0], inverse="eigenbasis", ignore=()), 1: KFAC(models[1], inverse="eigenbasis", ignore=())}
+        kfacs = {j: KFAC(m, inverse="eigenbasis", ignore=()) for j, m in enumerate(models)}
         for j, k in kfacs.items():
             st = k.layers["0"]
             st.inverses["A"] = torch.linalg.qr(torch.randn(6 - j, 6 - j, generator=torch.Generator().manual_seed(j)))[0]

@@ -41,10 +41,10 @@ def factor_eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     zero (a dead unit) gives the factor a zero row and column, and float32's ``eigh`` returned NaN for, or
     failed to converge on, about one in six of such factors (half or most of the rows zero; at any scale,
     more often far below 1: the tiny config's factor B of 1e-21 after a few steps at lr 0.1). The factor
-    is scaled by the power of two nearest its largest entry (exact), then :data:`JITTER` is added to its
+    is scaled by the power of two nearest its largest (diagonal) entry (exact), then :data:`JITTER` is added to its
     diagonal (a shift: the same eigenvectors, to float32's precision, and no eigenvalue exactly zero); the
     eigenvalues are shifted and scaled back."""
-    top = m.abs().amax() if m.numel() else m.new_ones(())
+    top = m.diagonal().abs().amax() if m.numel() else m.new_ones(())  # a PSD factor's largest entries
     _, exponent = torch.frexp(torch.where(torch.isfinite(top), top, torch.ones_like(top)))
     scaled = torch.ldexp(m, -exponent)  # a new tensor: m is not touched
     scaled.diagonal().add_(JITTER)
