@@ -66,3 +66,21 @@ def small_job(write_pickle: Callable[[str, Any], str]) -> list[str]:
     """Two nodes of a tiny job, written as pickles."""
     return [write_pickle(f"run_node{i}_timeline.pickle", small_node(offset=i * 50, module=f"layer.{i}"))
             for i in range(2)]
+
+
+def dead_unit_factors(scale: float) -> Iterator[tuple[str, Any]]:
+    """K-FAC factors ``X^T X`` (64 x 64, float32) of a few rows of ``scale`` with half the units exactly
+    zero (dead): low rank, zero rows. float32's ``eigh`` returned NaN for, or did not converge on, 16 of
+    the 120 made with scales 1e-8, 3e-10 and 1e-10 (the tiny config's factor B at lr 0.1 was one such,
+    of 1e-21). Yields (a name for assertion messages, the factor)."""
+    import torch
+
+    for rank in range(1, 5):
+        for seed in range(10):
+            g = torch.Generator().manual_seed(seed)
+            out = torch.randn(rank, 64, generator=g) * scale
+            out[:, torch.rand(64, generator=g) < 0.5] = 0
+            yield f"rank {rank} seed {seed}", out.t() @ out
+
+
+DEAD_UNIT_SCALES = [1e-8, 3e-10, 1e-10]

@@ -10,6 +10,8 @@ from torch import nn
 from pipefisher.kfac import KFAC
 from pipefisher.kfac.eigenbasis import EigenbasisAdam, eigenbasis
 
+from conftest import DEAD_UNIT_SCALES, dead_unit_factors
+
 
 def _layer(bias: bool = True) -> nn.Sequential:
     torch.manual_seed(0)
@@ -29,6 +31,36 @@ def test_eigenbasis_diagonalises_the_factor():
     rotated = q.t() @ f @ q
     assert torch.allclose(q.t() @ q, torch.eye(6), atol=1e-5)
     assert torch.allclose(rotated, torch.diag(torch.diagonal(rotated)), atol=1e-4)
+
+
+@pytest.mark.parametrize("scale", DEAD_UNIT_SCALES)
+def test_a_low_rank_factor_with_zero_rows_gets_a_finite_right_basis_in_float32(scale):
+    """Factors with dead units' zero rows (:func:`conftest.dead_unit_factors`), as the tiny config's
+    layers had after a few steps at optim.lr 0.1, on which float32's ``eigh`` returned NaN or did not
+    converge: scaled and shifted first, the basis is orthonormal and diagonalises the factor to
+    float32's precision."""
+    for name, f in dead_unit_factors(scale):
+        q = eigenbasis(f).double()
+        assert torch.isfinite(q).all(), name
+        rotated = q.t() @ f.double() @ q
+        off = rotated - torch.diag(torch.diagonal(rotated))
+        assert torch.allclose(q.t() @ q, torch.eye(64, dtype=torch.float64), atol=1e-5), name
+        assert off.norm() <= 1e-5 * f.double().norm(), name
+
+
+def test_an_eigh_that_does_not_converge_is_refused_in_one_line_naming_float64(monkeypatch):
+    """Where ``eigh`` itself fails, the basis is NaN for the refresh's findings (no exception mid-step),
+    and the refusal names the setting that computes it in float64."""
+    from pipefisher.kfac.factors import BadFactorError, damped_inverse
+
+    def fails(m: torch.Tensor) -> None:
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", fails)
+    assert torch.isnan(eigenbasis(torch.eye(4))).all()
+    with pytest.raises(BadFactorError, match=r"^layer 0 factor B: the eigenbasis is not finite .*"
+                                             r"try kfac.inverse_dtype: float64\)$"):
+        damped_inverse(torch.eye(4), 1e-3, method="eigenbasis", what="layer 0 factor B")
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -114,3 +146,39 @@ def test_a_new_basis_carries_the_first_moment_over():
     after = state["basis_b"] @ state["exp_avg"] @ state["basis_a"].t()
     assert state["versions"] == (2, 1)
     assert torch.allclose(after, 0.9 * before, atol=1e-6)
+
+
+def test_over_stage_copies_every_copy_takes_its_own_step_and_the_state_resumes():
+    """Over a device's stage copies (:class:`StageCopiesKFAC`) the optimizer steps each copy's layers as
+    one over that copy alone would; its state dict, loaded into a fresh one, continues identically."""
+    from pipefisher.runtime.pipeline.copies import StageCopiesKFAC
+
+    def copies() -> tuple[list[nn.Sequential], StageCopiesKFAC]:
+        models = [_layer(True), _layer(False)]
+        kfacs = {j: KFAC(m, inverse="eigenbasis", ignore=()) for j, m in enumerate(models)}
+        for j, k in kfacs.items():
+            st = k.layers["0"]
+            st.inverses["A"] = torch.linalg.qr(torch.randn(6 - j, 6 - j, generator=torch.Generator().manual_seed(j)))[0]
+            st.inverses["B"] = torch.linalg.qr(torch.randn(3, 3, generator=torch.Generator().manual_seed(9 + j)))[0]
+            st.inversions = {"A": 1, "B": 1}
+        return models, StageCopiesKFAC(kfacs, order=[1, 0])
+
+    models, holder = copies()
+    refs, ref_holder = copies()
+    opt = EigenbasisAdam(holder, lr=1e-2, weight_decay=0.1)
+    alone = [EigenbasisAdam(ref_holder[j], lr=1e-2, weight_decay=0.1) for j in (0, 1)]
+    assert holder.layer_states() == [holder[1].layers["0"], holder[0].layers["0"]]  # canonical order
+    for step in range(3):
+        for m, r in zip(models, refs):
+            _grads(m, step)
+            _grads(r, step)
+        if step == 2:  # resume: a fresh optimizer over the same copies, from the state dict
+            state = opt.state_dict()
+            opt = EigenbasisAdam(holder, lr=1e-2, weight_decay=0.1)
+            opt.load_state_dict(state)
+        opt.step()
+        for a in alone:
+            a.step()
+    for m, r in zip(models, refs):
+        for a, b in zip(m.parameters(), r.parameters()):
+            assert torch.equal(a, b)

@@ -6,6 +6,8 @@ import torch
 
 from pipefisher.kfac import factors as fx
 
+from conftest import DEAD_UNIT_SCALES, dead_unit_factors
+
 
 def _plain_a(x: torch.Tensor, bias: bool) -> torch.Tensor:
     """``[x, 1]^T [x, 1] / n`` with the column of ones built, in float64."""
@@ -90,6 +92,20 @@ def test_inverse_reads_the_lower_triangle_and_checks_the_whole_factor(method):
     _, findings, ok = fx.inverse_findings(poisoned, 0.1, method=method)
     assert not bool(ok) and float(findings[0]) == 0.0
     assert "NaN or infinite" in fx.bad_factor(findings.tolist(), method)
+
+
+@pytest.mark.parametrize("scale", DEAD_UNIT_SCALES)
+def test_the_eigen_inverse_of_a_factor_with_zero_rows_is_honest_in_float32(scale):
+    """``kfac.inverse: eigen`` decomposes the factor as the eigenbasis does
+    (:func:`pipefisher.kfac.eigenbasis.factor_eigh`): on dead units' zero rows, where float32's ``eigh``
+    returned NaN or did not converge, the damped inverse is finite and float64's."""
+    for name, f in dead_unit_factors(scale):
+        damping = 1e-2 * float(f.diagonal().mean())
+        want = torch.linalg.inv(f.double() + damping * torch.eye(64, dtype=torch.float64))
+        inv, findings, ok = fx.inverse_findings(f, damping, method="eigen")
+        assert bool(ok) and fx.bad_factor(findings.tolist(), "eigen") is None, name
+        cond = (float(torch.linalg.eigvalsh(f.double())[-1]) + damping) / damping  # about 6e3 here
+        assert (inv.double() - want).norm() <= 2 * cond * 6e-8 * want.norm(), name  # float32's precision
 
 
 def test_a_zero_pivot_is_a_finding_not_an_exception():

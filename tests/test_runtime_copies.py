@@ -6,6 +6,7 @@ the two copies of every stage hold bit-identical gradients and parameters.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -352,3 +353,64 @@ def test_chimera_with_data_parallel_replicas_runs_the_schedule(tmp_path):
         assert len(group) == 4
         for other in group[1:]:
             assert all(torch.equal(group[0][n], other[n]) for n in other), f"stage {stage}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# kfac.update: soap on every layout with stage copies
+
+
+def _soap_worker(cfgs: list, folder: str) -> list:
+    """Per config (one process group for all: the same layout kind), three K-FAC-mode runs with
+    ``kfac.update: soap``: 3 steps straight; 2 steps checkpointed; resumed to 3. Per config: the losses and
+    every copy's parameters of the straight and the resumed run, and the K-FAC weights over every copy
+    against those the eigenbasis optimizer stepped in its bases."""
+    ctx = init_from_env(cfgs[0].pipeline.stages, cfgs[0].pipeline.timeout_s,
+                        chimera=cfgs[0].pipeline.schedule == "chimera")
+    out = []
+    try:
+        for cfg in cfgs:
+            ck = os.path.join(folder, cfg.pipeline.schedule)
+
+            def run(steps: int, resume: str | None, checkpoint: str | None) -> tuple:
+                torch.manual_seed(0)
+                trainer = Trainer(cfg, ctx, TrainOptions(mode="kfac", steps=steps, progress=False, log_every=10**9,
+                                                         checkpoint_dir=checkpoint, resume=resume))
+                losses = trainer.run().losses
+                params = {f"{j}.{n}": t.detach().clone()
+                          for j, c in trainer.worker.copies.items() for n, t in c.named_parameters()}
+                opt = trainer.updater.kfac_optimizer
+                weights = {id(st.module.weight) for st in trainer.kfac.layer_states()}
+                stepped = {id(p) for p, s in opt.state.items() if s.get("basis_a") is not None}
+                return losses, params, len(weights), len(weights & stepped)
+
+            straight = run(3, None, None)
+            run(2, None, ck)
+            out.append((cfg.pipeline.schedule, straight, run(3, ck, ck)))
+    finally:
+        shutdown(ctx)
+    return out
+
+
+@pytest.mark.parametrize("orders", [("interleaved", "zb-v", "dualpipev"), ("chimera",)], ids=["one-pipe", "chimera"])
+def test_the_eigenbasis_update_trains_and_resumes_on_every_layout_with_stage_copies(tmp_path, orders):
+    """``kfac.update: soap`` steps the K-FAC layers of every stage copy in their bases (it once read a
+    ``layers`` attribute that only one stage's K-FAC has), and a run resumed from its checkpoint (the
+    moments and bases of every copy) continues bit for bit."""
+    from _schedules import tiny
+
+    cfgs = [tiny(pipeline={"schedule": o, "timeout_s": 30.0}, kfac={"update": "soap"}, optim={"lr": 3e-3})
+            for o in orders]
+    results = spawn_local(_soap_worker, 2, cfgs, str(tmp_path), timeout_s=180)
+    for device in results:
+        for order, straight, resumed in device:
+            losses, params, weights, stepped = straight
+            assert weights > 0 and stepped == weights, order  # every copy's K-FAC layers, in their bases
+            assert resumed[2:] == straight[2:]
+            for name, t in params.items():
+                assert torch.equal(resumed[1][name], t), (order, name)
+    for i, order in enumerate(orders):  # the losses, where the last stage is (Chimera: on both devices)
+        with_loss = [device[i] for device in results if device[i][1][0]]
+        assert with_loss, order
+        for _, straight, resumed in with_loss:
+            assert len(straight[0]) == 3 and all(math.isfinite(x) for x in straight[0]), order
+            assert resumed[0] == straight[0][2:], order

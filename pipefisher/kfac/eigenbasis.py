@@ -19,24 +19,56 @@ bases, the identity stands for them: plain AdamW.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from pipefisher.kfac.kfac import LayerStates
+
+
+JITTER = 1e-6
+"""What :func:`factor_eigh` adds to the diagonal of a factor scaled to a largest entry in [0.5, 1): a shift
+that leaves the eigenvectors as they are, and keeps float32's ``eigh`` off exactly zero eigenvalues."""
+
+
+def factor_eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``eigh`` of a symmetric PSD factor (its lower triangle), in ``m``'s dtype: eigenvalues (ascending)
+    and eigenvectors (columns); both NaN where ``eigh`` fails to converge, for the findings to report
+    (:func:`pipefisher.kfac.factors.bad_factor`), not an exception in the middle of a step.
+
+    Why the factor is not handed to ``eigh`` as it is: a unit whose input or output gradient is exactly
+    zero (a dead unit) gives the factor a zero row and column, and float32's ``eigh`` returned NaN for, or
+    failed to converge on, about one in six of such factors (half or most of the rows zero; at any scale,
+    more often far below 1: the tiny config's factor B of 1e-21 after a few steps at lr 0.1). The factor
+    is scaled by the power of two nearest its largest (diagonal) entry (exact), then :data:`JITTER` is added to its
+    diagonal (a shift: the same eigenvectors, to float32's precision, and no eigenvalue exactly zero); the
+    eigenvalues are shifted and scaled back."""
+    top = m.diagonal().abs().amax() if m.numel() else m.new_ones(())  # a PSD factor's largest entries
+    _, exponent = torch.frexp(torch.where(torch.isfinite(top), top, torch.ones_like(top)))
+    scaled = torch.ldexp(m, -exponent)  # a new tensor: m is not touched
+    scaled.diagonal().add_(JITTER)
+    try:
+        vals, vecs = torch.linalg.eigh(scaled)
+    except torch.linalg.LinAlgError:  # did not converge: a decomposition that says so
+        return m.new_full(m.shape[:1], float("nan")), torch.full_like(m, float("nan"))
+    return torch.ldexp(vals - JITTER, exponent), vecs
+
 
 def eigenbasis(f: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The eigenvectors of a symmetric PSD factor (columns), in ``f``'s dtype; no damping is needed.
-    Only ``f``'s lower triangle is read (``eigh``'s), so a factor symmetric up to rounding needs no
-    symmetrising pass."""
-    _, vecs = torch.linalg.eigh(f.to(dtype))
-    return vecs.to(f.dtype)
+    """The eigenvectors of a symmetric PSD factor (columns), computed in ``dtype`` by :func:`factor_eigh`
+    and returned in ``f``'s dtype; no damping is needed. Only ``f``'s lower triangle is read (``eigh``'s),
+    so a factor symmetric up to rounding needs no symmetrising pass."""
+    return factor_eigh(f.to(dtype))[1].to(f.dtype)
 
 
 class EigenbasisAdam(torch.optim.Optimizer):
-    """The SOAP step above for the layers of one :class:`pipefisher.kfac.KFAC`, whose refreshes hold
-    the bases (``LayerState.inverses`` holds eigenvectors when K-FAC runs with ``inverse="eigenbasis"``)."""
+    """The SOAP step above for the layers of a K-FAC holder: one :class:`pipefisher.kfac.KFAC`, or a
+    device's stage copies (interleaved, ZB-V, DualPipeV, Chimera), through :class:`LayerStates` only.
+    Their refreshes hold the bases (``LayerState.inverses`` holds eigenvectors when K-FAC runs with
+    ``inverse="eigenbasis"``)."""
 
-    def __init__(self, kfac: Any, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, kfac: LayerStates, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         self.kfac = kfac
         super().__init__(kfac.parameters(), dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -45,7 +77,7 @@ class EigenbasisAdam(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         group = self.param_groups[0]
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        for st in self.kfac.layers.values():
+        for st in self.kfac.layer_states():
             w = st.module.weight
             if w.grad is None:
                 continue

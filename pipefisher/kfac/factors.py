@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from pipefisher.kfac.eigenbasis import eigenbasis
+from pipefisher.kfac.eigenbasis import eigenbasis, factor_eigh
 
 
 class BadFactorError(RuntimeError):
@@ -140,7 +140,7 @@ def inverse_findings(f: torch.Tensor, damping: torch.Tensor | float, *, method: 
         first = second = m.new_zeros((), dtype=torch.float64)
         ok = torch.ones((), dtype=torch.bool, device=m.device)
     elif method == "eigen":
-        vals, vecs = torch.linalg.eigh(torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0))
+        vals, vecs = factor_eigh(torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0))
         inv = (vecs / (vals.clamp_min(0.0) + damping)) @ vecs.t()
         zero = vals.new_zeros((), dtype=torch.float64)
         first, second = (vals.min().double(), vals.abs().max().double()) if vals.numel() else (zero, zero)
@@ -181,8 +181,10 @@ def bad_factor(findings: list[float], method: str, what: str = "factor") -> str 
     if method == "cholesky" and int(first) != 0:
         return (f"{what}: not positive definite after damping {damping:.3g} (Cholesky failed at column "
                 f"{int(first)}; try kfac.inverse: eigen, kfac.inverse_dtype: float64 or more damping)")
+    if not inv_finite and method == "eigenbasis":
+        return f"{what}: the eigenbasis is not finite (eigh failed; try kfac.inverse_dtype: float64)"
     if not inv_finite:
-        return f"{what}: the {'eigenbasis' if method == 'eigenbasis' else 'damped inverse'} is not finite"
+        return f"{what}: the damped inverse is not finite (try kfac.inverse_dtype: float64 or more damping)"
     return None
 
 

@@ -35,7 +35,7 @@ import collections
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -228,6 +228,20 @@ class LayerState:
     def factor(self, f: str) -> torch.Tensor | None:
         s = self.sums[f]
         return None if s is None else s / self.counts[f]
+
+
+class LayerStates(Protocol):
+    """What an optimizer of K-FAC's layers (:class:`pipefisher.kfac.eigenbasis.EigenbasisAdam`) may ask
+    of a K-FAC holder, so that one stage's :class:`KFAC` and a device's stage copies
+    (:class:`pipefisher.runtime.pipeline.copies.StageCopiesKFAC`) serve it alike."""
+
+    def layer_states(self) -> list[LayerState]:
+        """The layers K-FAC preconditions, over every copy, in canonical order."""
+        ...
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Their weights and biases, in the same order."""
+        ...
 
 
 def _running_scale(st: LayerState, factor: str) -> torch.Tensor | None:
@@ -808,10 +822,14 @@ class KFAC:
         if grads:
             torch._foreach_mul_(grads, torch.as_tensor(nu, device=grads[0].device))
 
+    def layer_states(self) -> list[LayerState]:
+        """The layers K-FAC preconditions, in layer order (:class:`LayerStates`)."""
+        return list(self.layers.values())
+
     def parameters(self) -> list[nn.Parameter]:
         """The parameters K-FAC preconditions (weights and biases of its layers), in layer order."""
         out = []
-        for st in self.layers.values():
+        for st in self.layer_states():
             out.append(st.module.weight)
             if st.bias:
                 out.append(st.module.bias)

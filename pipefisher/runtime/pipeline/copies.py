@@ -21,7 +21,7 @@ distinct stage, so gradients and factors average over the replicas only.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.pipeline.buckets import GradientBuckets
 from pipefisher.runtime.pipeline.engine import PipelineEngine
 from pipefisher.runtime.pipeline.labels import copy_suffix, parse_label
+
+if TYPE_CHECKING:
+    from pipefisher.kfac.kfac import LayerState
 
 Span = Callable[[str], ContextManager[Any]]
 
@@ -139,6 +142,10 @@ class StageCopiesKFAC:
     def scale_step(self, nu: float) -> None:
         for k in self._all():
             k.scale_step(nu)
+
+    def layer_states(self) -> list[LayerState]:
+        """Every copy's K-FAC layers, copies in canonical order (:class:`pipefisher.kfac.kfac.LayerStates`)."""
+        return [st for k in self._all() for st in k.layer_states()]
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for k in self._all() for p in k.parameters()]
