@@ -1,4 +1,5 @@
-"""Reading pickles without running their code, and writing files so they are never half-written.
+"""Reading pickles without running their code, writing files so they are never half-written, and
+checking an output path before the work that writes it (a typo in it then costs nothing).
 
 Profiles and schedule files are pickles, and unpickling can call any importable function. Every pickle
 this project reads goes through :func:`load_pickle`, which admits plain containers, strings and numbers,
@@ -183,3 +184,52 @@ def dump_pickle_atomic(path: str | os.PathLike[str], obj: Any) -> None:
 
 def dump_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def check_out_file(path: str | os.PathLike[str] | None, option: str) -> None:
+    """Refuse an output file whose folder does not exist or cannot be written, or that is a folder."""
+    if path is None:
+        return
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise InputError(path, f"is a folder; {option} needs a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise InputError(path, f"cannot be written: {os.path.normpath(folder)} is a file, not a folder ({option})")
+    if not os.path.isdir(folder):
+        raise InputError(path, f"cannot be written: its folder does not exist ({option})")
+    if not os.access(folder, os.W_OK | os.X_OK) or not _can_create_in(folder):
+        raise InputError(path, f"cannot be written: its folder is not writable ({option})")
+
+
+def check_out_folder(path: str | os.PathLike[str], option: str) -> None:
+    """Refuse an output folder that is a file, or that cannot be created or written; creates nothing."""
+    path = os.fspath(path)
+    here = os.path.abspath(path)
+    while not os.path.exists(here):  # the nearest existing ancestor is where makedirs starts
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    if not os.path.isdir(here):
+        if here == os.path.abspath(path):
+            raise InputError(path, f"is a file; {option} needs a folder")
+        raise InputError(path, f"cannot be created ({option}): {os.path.normpath(here)} is a file")
+    if not os.access(here, os.W_OK | os.X_OK) or not _can_create_in(here):
+        if here == os.path.abspath(path):
+            raise InputError(path, f"is not writable ({option})")
+        raise InputError(path, f"cannot be created ({option}): {os.path.normpath(here)} is not writable")
+
+
+def _can_create_in(folder: str) -> bool:
+    """Whether a file can really be created in ``folder``: ``os.access`` says yes to root everywhere, and
+    to read-only or virtual file systems (``/proc``) where every write fails; a probe file tells."""
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".pipefisher-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True

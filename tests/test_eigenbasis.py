@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from pipefisher.kfac import KFAC
-from pipefisher.kfac.eigenbasis import EigenbasisAdam, eigenbasis
+from pipefisher.kfac.eigenbasis import EigenbasisAdam
+from pipefisher.kfac.factors import eigenbasis
 
 from conftest import DEAD_UNIT_SCALES, dead_unit_factors
 

@@ -97,7 +97,7 @@ def test_inverse_reads_the_lower_triangle_and_checks_the_whole_factor(method):
 @pytest.mark.parametrize("scale", DEAD_UNIT_SCALES)
 def test_the_eigen_inverse_of_a_factor_with_zero_rows_is_honest_in_float32(scale):
     """``kfac.inverse: eigen`` decomposes the factor as the eigenbasis does
-    (:func:`pipefisher.kfac.eigenbasis.factor_eigh`): on dead units' zero rows, where float32's ``eigh``
+    (:func:`pipefisher.kfac.factors.factor_eigh`): on dead units' zero rows, where float32's ``eigh``
     returned NaN or did not converge, the damped inverse is finite and float64's."""
     for name, f in dead_unit_factors(scale):
         damping = 1e-2 * float(f.diagonal().mean())

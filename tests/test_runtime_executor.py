@@ -200,9 +200,12 @@ def test_a_schedule_packed_for_another_model_is_refused_unless_allowed(tmp_path)
     res = CliRunner().invoke(main, [*flags, "--set", "model.hidden_size=64"])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert res.output.count("\n") == 1 and "model.hidden_size 32 (this run: 64)" in res.output
-    res = CliRunner().invoke(main, [*flags, "--set", "model.hidden_size=64", "--allow-schedule-mismatch",
-                                    "--resume", str(tmp_path)])  # a folder without a checkpoint
-    assert "packed for another job (model.hidden_size 32 (this run: 64)); training it anyway" in res.output
+    from pipefisher.cli.train import prepare_training
+
+    with CliRunner().isolation() as (out, *_):  # the CLI's pre-check with the flag: said, and it goes on
+        assert prepare_training(wider, TINY, 1, path, None, "scheduled", allow_schedule_mismatch=True)
+        said = out.getvalue().decode()
+    assert "packed for another job (model.hidden_size 32 (this run: 64)); training it anyway" in said
     # a schedule without the record (a published file) is checked as before, by its labels alone
     save_schedule(path, packed_job_schedule(cfg).to_file_data())
     load_checked_schedule(path, wider)

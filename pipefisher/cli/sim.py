@@ -33,6 +33,26 @@ def _config_help() -> str:
             f"[default: {DEFAULT_CONFIG}]")
 
 
+def _cost_model(path: str) -> Any:
+    """The cost model in ``path``; a run config given instead (both are YAML, both say ``--config``) is said
+    to be one, with what this ``--config`` takes, rather than its sections listed as unknown keys."""
+    from pipefisher.examples import cost_model_names
+    from pipefisher.runtime.job.config import is_run_config  # plain dataclasses, no torch
+    from pipefisher.safe_io import load_yaml
+    from pipefisher.sim import load_cost_model
+
+    try:
+        return load_cost_model(path)
+    except InputError:
+        data = load_yaml(path)
+        if isinstance(data, dict) and "layers" not in data and is_run_config(data):
+            raise InputError(path, "is a run config (for pipefisher train and run), not a cost model: this "
+                                   "--config takes a cost model, a YAML file of per-layer and K-FAC times (layers, "
+                                   "kfac, ...: docs/simulating.md), or a bundled one by name ("
+                                   + ", ".join(cost_model_names()) + ")") from None
+        raise
+
+
 def _ints(text: str | None, what: str) -> list[int] | None:
     if text is None:
         return None
@@ -60,13 +80,13 @@ def run_simulate(config: str, schedule: str | None, stages: int | None, micro_ba
                  chunks: int | None, latency_ms: float | None, kfac_scale: float | None, out: str,
                  prefix: str | None, echo: Callable[[str], None] = click.echo) -> list[str]:
     from pipefisher.cli._outputs import check_out_folder
-    from pipefisher.sim import load_cost_model, simulate_timelines, write_timelines
+    from pipefisher.sim import simulate_timelines, write_timelines
     from pipefisher.sim.simulator import default_prefix, stale_node_files
 
     check_out_folder(out, "--out")
     if prefix is not None and (not prefix or os.sep in prefix or "/" in prefix):
         raise InputError(None, f"--prefix '{prefix}' must be a non-empty file name prefix, without '/'")
-    model = load_cost_model(config).replace(latency_ms=latency_ms, kfac_scale=kfac_scale)
+    model = _cost_model(config).replace(latency_ms=latency_ms, kfac_scale=kfac_scale)
     timelines, result = simulate_timelines(model, schedule, stages, micro_batches, chunks)
     sched = result.schedule
     prefix = prefix or default_prefix(model.name, sched)
@@ -131,10 +151,10 @@ def compare_rows(config: str, schedules: Sequence[str] | None, micro_batches: Se
     """One row per (schedule, micro-batch count): bubble fraction, K-FAC cycle length and usage; with the
     job's staleness curve (``target``), the expected time to the target relative to first-order too."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
-    from pipefisher.sim import load_cost_model, schedule_names, simulate_timelines
+    from pipefisher.sim import schedule_names, simulate_timelines
     from pipefisher.timeline import job_from_dicts
 
-    model = load_cost_model(config).replace(stages=stages, kfac_scale=kfac_scale, latency_ms=latency_ms)
+    model = _cost_model(config).replace(stages=stages, kfac_scale=kfac_scale, latency_ms=latency_ms)
     chosen = get_policy(policy or DEFAULT_POLICY, staleness=staleness)
     names = list(schedules) if schedules else schedule_names()
     counts = list(micro_batches) if micro_batches else sorted({model.stages, 2 * model.stages, 4 * model.stages})
@@ -348,7 +368,7 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
     from pipefisher.report import report_data, usage_lines
     from pipefisher.safe_io import dump_json_atomic, write_atomic
     from pipefisher.schedule_file import save_schedule
-    from pipefisher.sim import load_cost_model, simulate_timelines, write_timelines
+    from pipefisher.sim import simulate_timelines, write_timelines
     from pipefisher.timeline import load_job
     from pipefisher.trace import write_trace
 
@@ -359,7 +379,7 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
     chosen = get_policy(policy or DEFAULT_POLICY, staleness=staleness_for(staleness, policy))
     check_out_folder(out, "--out")
     config = bundled_config(config)
-    model = load_cost_model(config)
+    model = _cost_model(config)
     timelines, result = simulate_timelines(model, schedule, None, micro_batches)
     sched = result.schedule
     _mkdir(out)

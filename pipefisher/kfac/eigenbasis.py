@@ -7,7 +7,7 @@ Shampoo using Adam") keeps only the *eigenbases* of the two Kronecker factors fr
 runs Adam in the rotated coordinates, ``G' = Q_B^T G Q_A``: Adam's second moments follow the gradient's
 scale at every step, so a basis a few steps old costs little. Here the bases are those of K-FAC's own
 factors (activations ``A`` and output gradients ``B``), computed in the factor's refresh label
-(``inv_kron_X``, in a bubble: :func:`eigenbasis`), so the packer places them like any inverse.
+(``inv_kron_X``, in a bubble: :func:`pipefisher.kfac.factors.eigenbasis`), so the packer places them like any inverse.
 
 Per step and layer (``[W | b]`` as one ``(out, in + 1)`` matrix, as K-FAC sees it), with ``R(X) =
 Q_B^T X Q_A`` the rotation into the bases: ``m <- b1 m + (1 - b1) R(G)``, ``v <- b2 v + (1 - b2) R(G)^2``,
@@ -19,47 +19,11 @@ bases, the identity stands for them: plain AdamW.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from pipefisher.kfac.kfac import LayerStates
-
-
-JITTER = 1e-6
-"""What :func:`factor_eigh` adds to the diagonal of a factor scaled to a largest entry in [0.5, 1): a shift
-that leaves the eigenvectors as they are, and keeps float32's ``eigh`` off exactly zero eigenvalues."""
-
-
-def factor_eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``eigh`` of a symmetric PSD factor (its lower triangle), in ``m``'s dtype: eigenvalues (ascending)
-    and eigenvectors (columns); both NaN where ``eigh`` fails to converge, for the findings to report
-    (:func:`pipefisher.kfac.factors.bad_factor`), not an exception in the middle of a step.
-
-    Why the factor is not handed to ``eigh`` as it is: a unit whose input or output gradient is exactly
-    zero (a dead unit) gives the factor a zero row and column, and float32's ``eigh`` returned NaN for, or
-    failed to converge on, about one in six of such factors (half or most of the rows zero; at any scale,
-    more often far below 1: the tiny config's factor B of 1e-21 after a few steps at lr 0.1). The factor
-    is scaled by the power of two nearest its largest (diagonal) entry (exact), then :data:`JITTER` is added to its
-    diagonal (a shift: the same eigenvectors, to float32's precision, and no eigenvalue exactly zero); the
-    eigenvalues are shifted and scaled back."""
-    top = m.diagonal().abs().amax() if m.numel() else m.new_ones(())  # a PSD factor's largest entries
-    _, exponent = torch.frexp(torch.where(torch.isfinite(top), top, torch.ones_like(top)))
-    scaled = torch.ldexp(m, -exponent)  # a new tensor: m is not touched
-    scaled.diagonal().add_(JITTER)
-    try:
-        vals, vecs = torch.linalg.eigh(scaled)
-    except torch.linalg.LinAlgError:  # did not converge: a decomposition that says so
-        return m.new_full(m.shape[:1], float("nan")), torch.full_like(m, float("nan"))
-    return torch.ldexp(vals - JITTER, exponent), vecs
-
-
-def eigenbasis(f: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The eigenvectors of a symmetric PSD factor (columns), computed in ``dtype`` by :func:`factor_eigh`
-    and returned in ``f``'s dtype; no damping is needed. Only ``f``'s lower triangle is read (``eigh``'s),
-    so a factor symmetric up to rounding needs no symmetrising pass."""
-    return factor_eigh(f.to(dtype))[1].to(f.dtype)
+from pipefisher.kfac.kfac import LayerStates
 
 
 class EigenbasisAdam(torch.optim.Optimizer):

@@ -1,4 +1,5 @@
-"""The K-FAC math on plain tensors: covariance contributions, the pi damping split, inverses, KL-clip.
+"""The K-FAC math on plain tensors: covariance contributions, the pi damping split, inverses, eigenbases,
+KL-clip.
 
 Kept free of module and process-group state so tests can compare it with a hand-written reference.
 """
@@ -8,7 +9,40 @@ import math
 
 import torch
 
-from pipefisher.kfac.eigenbasis import eigenbasis, factor_eigh
+
+JITTER = 1e-6
+"""What :func:`factor_eigh` adds to the diagonal of a factor scaled to a largest entry in [0.5, 1): a shift
+that leaves the eigenvectors as they are, and keeps float32's ``eigh`` off exactly zero eigenvalues."""
+
+
+def factor_eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``eigh`` of a symmetric PSD factor (its lower triangle), in ``m``'s dtype: eigenvalues (ascending)
+    and eigenvectors (columns); both NaN where ``eigh`` fails to converge, for the findings to report
+    (:func:`bad_factor`), not an exception in the middle of a step.
+
+    Why the factor is not handed to ``eigh`` as it is: a unit whose input or output gradient is exactly
+    zero (a dead unit) gives the factor a zero row and column, and float32's ``eigh`` returned NaN for, or
+    failed to converge on, about one in six of such factors (half or most of the rows zero; at any scale,
+    more often far below 1: the tiny config's factor B of 1e-21 after a few steps at lr 0.1). The factor
+    is scaled by the power of two nearest its largest (diagonal) entry (exact), then :data:`JITTER` is added to its
+    diagonal (a shift: the same eigenvectors, to float32's precision, and no eigenvalue exactly zero); the
+    eigenvalues are shifted and scaled back."""
+    top = m.diagonal().abs().amax() if m.numel() else m.new_ones(())  # a PSD factor's largest entries
+    _, exponent = torch.frexp(torch.where(torch.isfinite(top), top, torch.ones_like(top)))
+    scaled = torch.ldexp(m, -exponent)  # a new tensor: m is not touched
+    scaled.diagonal().add_(JITTER)
+    try:
+        vals, vecs = torch.linalg.eigh(scaled)
+    except torch.linalg.LinAlgError:  # did not converge: a decomposition that says so
+        return m.new_full(m.shape[:1], float("nan")), torch.full_like(m, float("nan"))
+    return torch.ldexp(vals - JITTER, exponent), vecs
+
+
+def eigenbasis(f: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The eigenvectors of a symmetric PSD factor (columns), computed in ``dtype`` by :func:`factor_eigh`
+    and returned in ``f``'s dtype; no damping is needed. Only ``f``'s lower triangle is read (``eigh``'s),
+    so a factor symmetric up to rounding needs no symmetrising pass."""
+    return factor_eigh(f.to(dtype))[1].to(f.dtype)
 
 
 class BadFactorError(RuntimeError):

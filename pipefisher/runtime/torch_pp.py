@@ -77,7 +77,7 @@ def check_folder(folder: str, *, name: str = "torch_pp", overwrite: bool = False
     one that holds the schedule an earlier run packed under ``name``: a second run would replace it
     without a word. ``options``: how the caller names the folder and the overwrite (a script's
     ``("--out", "--overwrite")``), for the line to say what to change."""
-    from pipefisher.cli._outputs import check_out_folder  # the checks every output folder gets; no torch
+    from pipefisher.safe_io import check_out_folder  # the checks every output folder gets
 
     check_out_folder(folder, options[0])
     path = schedule_file(folder, name)

@@ -246,24 +246,10 @@ def _modules(path: str, kfac: Mapping[str, Any]) -> tuple[ModuleCost, ...]:
     return tuple(out)
 
 
-def _refuse_run_config(where: str, data: Mapping[str, Any]) -> None:
-    """A run config given where a cost model goes (both are YAML and both say ``--config``): said so,
-    with what the command takes, rather than its sections listed as unknown keys."""
-    from pipefisher.examples import cost_model_names
-    from pipefisher.runtime.job.config import is_run_config  # plain dataclasses, no torch
-
-    if "layers" not in data and is_run_config(data):
-        raise InputError(where, "is a run config (for pipefisher train and run), not a cost model: this --config "
-                                "takes a cost model, a YAML file of per-layer and K-FAC times (layers, kfac, ...: "
-                                "docs/simulating.md), or a bundled one by name ("
-                                + ", ".join(cost_model_names()) + ")")
-
-
 def cost_model_from_dict(data: Any, path: str | None = None) -> CostModel:
     """Build and check a cost model from parsed YAML; every problem is an :class:`InputError`."""
     where = path if path is not None else "<cost model>"
     data = _map(where, "the file", data)
-    _refuse_run_config(where, data)
     _allowed(where, "the file", data, {"name", "source", "schedule", "stages", "micro_batches", "chunks", "layers",
                                        "layer", "stage", "backward_input_fraction", "latency_ms", "kfac",
                                        "module_template", "block_update_ms"})
