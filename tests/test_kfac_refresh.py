@@ -105,7 +105,7 @@ def test_eigenbasis_pieces_take_a_power_step_from_the_previous_basis():
 
 
 def test_auto_pieces_and_the_split_of_the_work():
-    assert [pieces_for(w, "auto", "cholesky") for w in (128, 512, 513, 1025, 4096)] == [1, 1, 2, 3, 8]
+    assert [pieces_for(w, "auto", "cholesky") for w in (128, 513, 768, 1024, 4096)] == [1, 1, 1, 2, 6]
     assert pieces_for(513, 4, "eigen") == 1 and pieces_for(3, 8, "cholesky") == 3
     ranges = split_costs([1.0] * 12, 4)
     assert ranges == [(0, 3), (3, 6), (6, 9), (9, 12)]
@@ -126,11 +126,7 @@ def test_the_config_refuses_pieces_of_an_eigen_refresh_in_one_line():
 
 
 def test_the_naive_step_times_each_piece_under_the_factor_key():
-    cfg = tiny(pipeline={"stages": 1}, kfac={"refresh_pieces": 3})
-    stage = PipelineStage(cfg.model, 0, 1, seed=cfg.data.seed)
-    kfac = make_kfac(cfg, stage)
-    engine = PipelineEngine(stage, single_process(), MLMData(cfg.data, cfg.model.vocab_size),
-                            cfg.data.num_micro_batches, kfac=kfac)
+    cfg, kfac, engine = _one_stage(3)
     seen: list[str] = []
 
     class Span:
@@ -151,6 +147,16 @@ def test_the_naive_step_times_each_piece_under_the_factor_key():
 
 
 # -- the runtime's rule, on one stage of configs/tiny.yaml ----------------------------------------------
+
+
+def _one_stage(pieces: int):
+    """configs/tiny.yaml on one stage with refreshes in ``pieces``: its config, K-FAC and engine."""
+    cfg = tiny(pipeline={"stages": 1}, kfac={"refresh_pieces": pieces})
+    stage = PipelineStage(cfg.model, 0, 1, seed=cfg.data.seed)
+    kfac = make_kfac(cfg, stage)
+    engine = PipelineEngine(stage, single_process(), MLMData(cfg.data, cfg.model.vocab_size),
+                            cfg.data.num_micro_batches, kfac=kfac)
+    return cfg, kfac, engine
 
 
 def _fill(cfg, engine, kfac) -> None:
@@ -175,11 +181,7 @@ def _with_pieces(labels: list[str], p: int, before: int = 0) -> list[str]:
 
 
 def _executor(p: int, before: int):
-    cfg = tiny(pipeline={"stages": 1}, kfac={"refresh_pieces": p})
-    stage = PipelineStage(cfg.model, 0, 1, seed=cfg.data.seed)
-    kfac = make_kfac(cfg, stage)
-    engine = PipelineEngine(stage, single_process(), MLMData(cfg.data, cfg.model.vocab_size),
-                            cfg.data.num_micro_batches, kfac=kfac)
+    cfg, kfac, engine = _one_stage(p)
     labels = _with_pieces(single_iteration_schedule(cfg)[0][0], p, before)
     log: list = []
     ex = ScheduleExecutor([labels], engine, {0: kfac}, lambda: log.append(("end", _versions(kfac))),
@@ -247,11 +249,7 @@ def test_an_overlapping_schedule_does_nothing_first_then_continues_the_previous_
 
 
 def test_a_schedule_with_other_piece_counts_than_the_kfac_is_refused_in_one_line():
-    cfg = tiny(pipeline={"stages": 1}, kfac={"refresh_pieces": 2})
-    stage = PipelineStage(cfg.model, 0, 1, seed=cfg.data.seed)
-    kfac = make_kfac(cfg, stage)
-    engine = PipelineEngine(stage, single_process(), MLMData(cfg.data, cfg.model.vocab_size),
-                            cfg.data.num_micro_batches, kfac=kfac)
+    cfg, kfac, engine = _one_stage(2)
     labels = single_iteration_schedule(cfg)[0][0]
     with pytest.raises(InputError, match=r"the schedule has 'inv_kron_A:\S+' 1 time\(s\) per cycle, but this "
                                          r"run's K-FAC refreshes that factor in 2 piece\(s\)") as err:

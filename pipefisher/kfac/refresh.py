@@ -32,7 +32,7 @@ from pipefisher.kfac.eigenbasis import scaled_factor
 PIECE_METHODS = ("cholesky", "eigenbasis")
 """The refreshes that run in pieces; ``eigen`` (a whole ``eigh`` per refresh) is not split."""
 
-AUTO_COLUMNS = 512
+AUTO_COLUMNS = 768
 """``kfac.refresh_pieces: auto`` gives a factor one piece per this many columns (rounded up): chosen from
 scripts/bench_refresh.py's figures (docs/benchmarks.md, "A refresh in pieces")."""
 

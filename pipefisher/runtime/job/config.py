@@ -194,8 +194,8 @@ class KfacConfig:
     a stride s saves s times less and makes every covariance piece about s times cheaper.
     ``refresh_pieces``: how many pieces (inverse labels) a factor's refresh runs in, so that it fits
     bubbles shorter than the whole refresh (:mod:`pipefisher.kfac.refresh`): an integer, or ``auto``
-    (one piece per 512 columns of the factor); more than 1 needs ``inverse: cholesky`` or ``update: soap``.
-    Default 1: on CPU the pieces cost 1.2-2.4x the whole inverse in all (docs/benchmarks.md).
+    (one piece per 768 columns of the factor); more than 1 needs ``inverse: cholesky`` or ``update: soap``.
+    Default 1: on CPU the pieces cost 1.2-3x the whole inverse in all (docs/benchmarks.md).
     """
 
     damping: float = 1e-3
