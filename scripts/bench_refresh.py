@@ -15,7 +15,14 @@ builds its factor from 2048 random input rows), in float32, on one thread, the f
 printed: the median of ``--repeat`` calls in ms and its ratio to K-FAC's Cholesky inverse of the same
 size, measured in the same run.
 
-    python scripts/bench_refresh.py [--sizes 129,513] [--repeat 7]
+Then each refresh in pieces (:mod:`pipefisher.kfac.refresh`, ``kfac.refresh_pieces``) against the whole
+one, per ``--pieces`` count: the total time and the largest piece (medians over ``--repeat`` runs), and
+the quality: for the Cholesky inverse the residual ``||(F + damping I) X - I|| / ||I||`` (Frobenius) beside
+the whole inverse's; for the eigenbasis (one power step from the previous refresh's basis, the basis of
+the same kind of factor from other rows) the off-diagonal mass ``||offdiag(Q^T F Q)|| / ||Q^T F Q||``
+beside ``eigh``'s and the previous basis's.
+
+    python scripts/bench_refresh.py [--sizes 129,513] [--repeat 7] [--pieces 2,4,8]
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -74,10 +81,74 @@ def label_call(n: int) -> Callable[[], object]:
     return call
 
 
+def piece_times(make: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """The median total and the median largest piece, in seconds, of a refresh ``make()`` builds (untimed)
+    and that runs piece by piece (:meth:`pipefisher.kfac.refresh.Refresh.step`), after one untimed run."""
+    totals, largest = [], []
+    for i in range(repeat + 1):
+        refresh: Any = make()
+        times = []
+        while not refresh.finished:
+            start = time.perf_counter()
+            refresh.step()
+            times.append(time.perf_counter() - start)
+        if i:
+            totals.append(sum(times))
+            largest.append(max(times))
+    return statistics.median(totals), statistics.median(largest)
+
+
+def residual(damped: Any, inverse: Any) -> float:
+    """``||damped @ inverse - I|| / ||I||`` (Frobenius): how far an inverse is from exact."""
+    import torch
+
+    eye = torch.eye(damped.shape[0], dtype=torch.float64)
+    return float((damped.double() @ inverse.double() - eye).norm() / eye.norm())
+
+
+def off_diagonal(factor: Any, basis: Any) -> float:
+    """``||offdiag(Q^T F Q)|| / ||Q^T F Q||``: 0 for F's eigenbasis."""
+    import torch
+
+    rotated = basis.double().t() @ factor.double() @ basis.double()
+    return float((rotated - torch.diag(rotated.diagonal())).norm() / rotated.norm())
+
+
+def pieces_table(n: int, factor: Any, previous: Any, pieces: list[int], repeat: int) -> None:
+    """Each refresh in ``pieces`` pieces against the whole (see the module's docstring); one line each."""
+    import torch
+
+    from pipefisher.kfac.factors import inverse_findings
+    from pipefisher.kfac.refresh import Refresh
+
+    damped = factor + 1e-3 * torch.eye(n)
+    whole_inv = timed(lambda: inverse_findings(factor, 1e-3, method="cholesky"), repeat)
+    whole_res = residual(damped, inverse_findings(factor, 1e-3, method="cholesky")[0])
+    eigh_off = off_diagonal(factor, inverse_findings(factor, 1e-3, method="eigenbasis")[0])
+    prev_off = off_diagonal(factor, previous)
+    power = lambda p: Refresh(factor, 1e-3, method="eigenbasis", dtype=torch.float32, pieces=p, basis=previous)
+    for p in pieces:
+        make = lambda p=p: Refresh(factor, 1e-3, method="cholesky", dtype=torch.float32, pieces=p)
+        total, big = piece_times(make, repeat)
+        done = make()
+        done.finish()
+        print(f"n = {n:4}: cholesky inverse in {p} pieces: total {total * 1e3:7.2f} ms ({total / whole_inv:4.2f}x "
+              f"whole), largest piece {big * 1e3:6.2f} ms ({big / whole_inv:4.2f}x whole), residual "
+              f"{residual(damped, done.result()[0]):.2e} (whole {whole_res:.2e})")
+    for p in pieces:
+        total, big = piece_times(lambda p=p: power(p), repeat)
+        done = power(p)
+        done.finish()
+        print(f"n = {n:4}: eigenbasis power step in {p} pieces: total {total * 1e3:7.2f} ms, largest piece "
+              f"{big * 1e3:6.2f} ms ({big / whole_inv:4.2f}x the whole Cholesky inverse), off-diagonal mass "
+              f"{off_diagonal(factor, done.result()[0]):.2e} (eigh {eigh_off:.2e}, previous basis {prev_off:.2e})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="129,513", help="factor sizes (small.yaml's K-FAC factors are 128-513)")
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--pieces", default="2,4,8", help="piece counts to time against the whole refresh ('' for none)")
     a = ap.parse_args()
     import torch
 
@@ -105,6 +176,10 @@ def main() -> None:
                 t = timed_inside(label_call(n), a.repeat)
                 print(f"n = {n:4}: {'inverse label (KFAC.inv, factor A, no drift)':50} {t * 1e3:7.2f} ms  "
                       f"{t / base:5.2f}x the Cholesky inverse")
+        if a.pieces:
+            other = torch.randn(2048, n)  # the previous refresh's factor: the same kind, other rows
+            before = torch.linalg.eigh(other.t() @ other / other.shape[0])[1]
+            pieces_table(n, factor, before, [int(p) for p in a.pieces.split(",")], a.repeat)
 
 
 if __name__ == "__main__":

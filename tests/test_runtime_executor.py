@@ -401,8 +401,22 @@ _M = "encoder.layer.0.output.dense"
 
 
 class _FakeKFAC:
+    names = [_M]
+
     def __init__(self, log: list, fail: str | None = None) -> None:
         self.log, self.fail = log, fail
+
+    def pieces(self, module: str, factor: str) -> int:
+        return 1
+
+    def plan_refresh(self) -> None:  # whole refreshes: every label does its work, as logged
+        return None
+
+    def complete(self, factor: str, module: str) -> None:
+        return None
+
+    def finish_refreshes(self) -> None:
+        return None
 
     def set_saving(self, on: bool) -> None:
         self.log.append(("saving", on))

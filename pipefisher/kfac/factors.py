@@ -15,6 +15,17 @@ JITTER = 1e-6
 that leaves the eigenvectors as they are, and keeps float32's ``eigh`` off exactly zero eigenvalues."""
 
 
+def scaled_factor(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A PSD factor scaled by the power of two nearest its largest (diagonal) entry (exact), with
+    :data:`JITTER` on its diagonal, and that power's exponent: what float32's ``eigh`` and a power step
+    (:mod:`pipefisher.kfac.refresh`) work on (see :func:`factor_eigh` for why)."""
+    top = m.diagonal().abs().amax() if m.numel() else m.new_ones(())  # a PSD factor's largest entries
+    _, exponent = torch.frexp(torch.where(torch.isfinite(top), top, torch.ones_like(top)))
+    scaled = torch.ldexp(m, -exponent)  # a new tensor: m is not touched
+    scaled.diagonal().add_(JITTER)
+    return scaled, exponent
+
+
 def factor_eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``eigh`` of a symmetric PSD factor (its lower triangle), in ``m``'s dtype: eigenvalues (ascending)
     and eigenvectors (columns); both NaN where ``eigh`` fails to converge, for the findings to report
@@ -27,10 +38,7 @@ def factor_eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     is scaled by the power of two nearest its largest (diagonal) entry (exact), then :data:`JITTER` is added to its
     diagonal (a shift: the same eigenvectors, to float32's precision, and no eigenvalue exactly zero); the
     eigenvalues are shifted and scaled back."""
-    top = m.diagonal().abs().amax() if m.numel() else m.new_ones(())  # a PSD factor's largest entries
-    _, exponent = torch.frexp(torch.where(torch.isfinite(top), top, torch.ones_like(top)))
-    scaled = torch.ldexp(m, -exponent)  # a new tensor: m is not touched
-    scaled.diagonal().add_(JITTER)
+    scaled, exponent = scaled_factor(m)
     try:
         vals, vecs = torch.linalg.eigh(scaled)
     except torch.linalg.LinAlgError:  # did not converge: a decomposition that says so

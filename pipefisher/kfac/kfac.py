@@ -12,7 +12,8 @@ The calls map one to one onto schedule labels (see the timeline-and-schedule spe
   all-reduce is started here and waited for where the factor is next read, so a device never blocks
   on its peers at the sync label itself; see :meth:`KFAC.sync`)
 - :meth:`KFAC.inv` - ``inv_kron_X:<m>``: fold the new factor into its running average, damped
-  inverse, then clear the new factor
+  inverse, then clear the new factor; a refresh may run in pieces, one per label
+  (``refresh_pieces``, :mod:`pipefisher.kfac.refresh`; see :meth:`KFAC.inv` for which label runs which)
 - :meth:`KFAC.precondition` - part of ``-- end --``: ``B^-1 grad A^-1``
 
 At every refresh of a layer (once both of its factors went through ``inv``) K-FAC also measures the
@@ -43,6 +44,7 @@ from torch import nn
 
 from pipefisher.kfac import factors as fx
 from pipefisher.kfac.factors import BadFactorError
+from pipefisher.kfac.refresh import PIECE_METHODS, Refresh, pieces_for
 
 FACTORS = ("A", "B")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -208,6 +210,10 @@ class LayerState:
     replaced: dict[str, torch.Tensor | None] = field(default_factory=dict)
     handled: set[str] = field(default_factory=set)
     previous: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
+    # a refresh in pieces (KFAC.inv): per factor the refresh in flight (its Refresh and what it installs
+    # with), and the factors completed (sync, or last covariance piece) since their last refresh began
+    flight: dict[str, dict[str, Any] | None] = field(default_factory=lambda: {"A": None, "B": None})
+    completed: set[str] = field(default_factory=set)
 
     @property
     def bias(self) -> bool:
@@ -269,7 +275,8 @@ class KFAC:
                  damping_min: float | None = None, damping_decay: float = 1.0, factor_decay: float = 0.0,
                  inverse: str = "cholesky", inverse_dtype: str = "float32", on_bad_factor: str = "stop",
                  save_dtype: str = "float32", fisher: str = "empirical",
-                 warn: Callable[[str], None] | None = None, cov_stride: int = 1, drift: bool = True) -> None:
+                 warn: Callable[[str], None] | None = None, cov_stride: int = 1, drift: bool = True,
+                 refresh_pieces: int | str = 1) -> None:
         if not (damping > 0 and math.isfinite(damping)):  # also refuses NaN and infinity
             raise ValueError(f"K-FAC damping must be positive and finite, not {damping!r}: an undamped "
                              "factor is singular")
@@ -290,6 +297,13 @@ class KFAC:
         if not isinstance(cov_stride, int) or cov_stride < 1:
             raise ValueError(f"K-FAC cov_stride must be an integer >= 1, not {cov_stride!r}")
         self.cov_stride = cov_stride
+        if refresh_pieces != "auto" and (isinstance(refresh_pieces, bool) or not isinstance(refresh_pieces, int)
+                                         or refresh_pieces < 1):
+            raise ValueError(f"K-FAC refresh_pieces must be an integer >= 1 or 'auto', not {refresh_pieces!r}")
+        if refresh_pieces not in (1, "auto") and inverse not in PIECE_METHODS:
+            raise ValueError(f"K-FAC refresh_pieces > 1 needs inverse {' or '.join(PIECE_METHODS)}, not {inverse!r}")
+        self.refresh_pieces = refresh_pieces
+        self._marked = False  # completions are marked (complete) by a schedule's executor: see plan_refresh
         self.warn = warn or (lambda msg: None)
         self.loss_scale = float(loss_scale)
         self.dp_group, self.dp_size = dp_group, int(dp_size)
@@ -612,8 +626,80 @@ class KFAC:
         done = min(self.layers[name].inversions.values())
         return max(self.damping_min, self.damping * self.damping_decay ** done)
 
+    def pieces(self, name: str, factor: str) -> int:
+        """How many pieces (inverse labels) a refresh of ``factor`` of layer ``name`` runs in
+        (``refresh_pieces``, :func:`pipefisher.kfac.refresh.pieces_for`)."""
+        return pieces_for(_factor_size(self.layers[name], _check(factor)), self.refresh_pieces, self.inverse_method)
+
+    def plan_refresh(self) -> None:
+        """From now on a refresh begins only where its factor was marked complete (:meth:`complete`):
+        a schedule's executor marks each factor's completion label, so an inverse label before it in a
+        cycle continues the refresh in flight or does nothing (:meth:`inv`). Without a plan every
+        :meth:`inv` with no refresh in flight begins one (direct calls, naive K-FAC)."""
+        self._marked = True
+
+    def complete(self, factor: str, name: str) -> None:
+        """``factor`` of layer ``name`` holds this cycle's covariance (its sync, or its last covariance
+        piece where it has no sync): the next inverse label with no refresh in flight begins one."""
+        self.layers[name].completed.add(_check(factor))
+
     def inv(self, factor: str, name: str) -> None:
-        """Fold the new ``factor`` of layer ``name`` into its running average, invert it damped, clear it.
+        """One inverse label: the next piece of the factor's refresh in flight; with none in flight, begin
+        one (:meth:`_begin`) if the factor completed since the last began (always, without
+        :meth:`plan_refresh`), else nothing (an overlapping schedule's first cycle). The last piece installs
+        the result (:meth:`_install`); the update always uses the latest installed one."""
+        st = self.layers[name]
+        flight = st.flight[_check(factor)]
+        if flight is None:
+            if self._marked and factor not in st.completed:
+                return
+            st.completed.discard(factor)
+            flight = self._begin(factor, name)
+            st.flight[factor] = flight
+        if flight["refresh"].step():
+            st.flight[factor] = None
+            self._install(factor, name, flight)
+
+    def finish_refreshes(self) -> None:
+        """Run every refresh in flight to its end at once (a schedule switch: the next schedule's labels
+        know nothing of this one's pieces)."""
+        for name, st in self.layers.items():
+            for f in FACTORS:
+                flight = st.flight[f]
+                if flight is not None:
+                    flight["refresh"].finish()
+                    st.flight[f] = None
+                    self._install(f, name, flight)
+
+    def _begin(self, factor: str, name: str) -> dict[str, Any]:
+        """Begin a refresh: fold the new ``factor`` of layer ``name`` into its running average, take pi and
+        the damping, clear the new factor, and keep the matrix to invert (or take the eigenbasis of) in a
+        :class:`pipefisher.kfac.refresh.Refresh` of :meth:`pieces` pieces."""
+        st = self.layers[name]
+        for f in FACTORS:  # this factor, and the other one that pi reads
+            self._settle(name, f)
+        p = self.pieces(name, factor)
+        if st.factor(factor) is None:
+            if self.grad_scaler is not None:  # fp16: no piece of this refresh reached the factor
+                st.synced[factor] = False
+                return {"refresh": Refresh.nothing(p)}
+            raise RuntimeError(f"inv_kron_{factor}:{name}: factor {factor} has no covariance to invert")
+        f = self.averaged(name, factor)
+        assert f is not None
+        pi = self.pi(name)  # before clearing: uses this factor's scale and the other's
+        damp_a, damp_b = fx.damping_terms(self.damping_of(name), pi)
+        pieces = st.counts[factor] if self.grad_scaler is not None else None
+        st.sums[factor], st.counts[factor], st.synced[factor] = None, 0, False
+        basis = st.inverses[factor] if self.inverse_method == "eigenbasis" else None
+        refresh = Refresh(f, damp_a if factor == "A" else damp_b, method=self.inverse_method,
+                          dtype=self.inverse_dtype, pieces=p, basis=basis,
+                          kept=None if pieces is None else torch.as_tensor(pieces))
+        flight = {"refresh": refresh, "f": f, "pi": pi, "old_running": st.running[factor]}
+        st.running[factor] = f  # folded now: the other factor's pi reads it while this one is in flight
+        return flight
+
+    def _install(self, factor: str, name: str, flight: dict[str, Any]) -> None:
+        """Install a finished refresh: the new inverse (or basis), or the previous one where it is not honest.
 
         A factor that cannot be inverted honestly raises :class:`BadFactorError` (``on_bad_factor:
         stop``) or keeps the previous inverse and drops this refresh of the factor (``skip``). Nothing is
@@ -622,28 +708,18 @@ class KFAC:
         refresh, with its last inverse (:meth:`_checked`). A first inverse is checked at once.
         """
         st = self.layers[name]
-        for f in FACTORS:  # this factor, and the other one that pi reads
-            self._settle(name, f)
-        if st.factor(_check(factor)) is None:
-            if self.grad_scaler is not None:  # fp16: no piece of this refresh reached the factor
-                st.synced[factor] = False
-                self._overflowed(name, factor)
-                self._refreshed(name, factor)  # kept: it counts as unchanged in the drift
-                self._inverted_one(name, factor)
-                return
-            raise RuntimeError(f"inv_kron_{factor}:{name}: factor {factor} has no covariance to invert")
-        f = self.averaged(name, factor)
-        assert f is not None
-        pi = self.pi(name)  # before clearing: uses this factor's scale and the other's
-        damp_a, damp_b = fx.damping_terms(self.damping_of(name), pi)
-        pieces = st.counts[factor] if self.grad_scaler is not None else None
-        st.sums[factor], st.counts[factor], st.synced[factor] = None, 0, False
-        inverse, findings, ok = fx.inverse_findings(f, damp_a if factor == "A" else damp_b,
-                                                    method=self.inverse_method, dtype=self.inverse_dtype,
-                                                    pieces=None if pieces is None else torch.as_tensor(pieces))
-        old_inverse, old_running = st.inverses[factor], st.running[factor]
+        refresh = flight["refresh"]
+        if refresh.mode == "none":  # fp16: every piece overflowed; kept, it counts as unchanged in the drift
+            self._overflowed(name, factor)
+            self._refreshed(name, factor)
+            self._inverted_one(name, factor)
+            return
+        inverse, findings, ok = refresh.result()
+        f, pi, old_running = flight["f"], flight["pi"], flight["old_running"]
+        old_inverse = st.inverses[factor]
         if old_inverse is None or old_running is None:  # nothing to fall back on: read the findings now
             if not self._judge(name, factor, self._read(findings)):
+                st.running[factor] = old_running
                 self._refreshed(name, factor)
                 self._inverted_one(name, factor)
                 return
@@ -841,7 +917,8 @@ class KFAC:
         """Everything a resumed run needs to continue exactly: the saving flag and, per layer, factor sums
         and counts, inverses, pi scale, running averages, refresh counts, the saved inputs and output
         gradients still waiting for their covariance piece, and what the next refresh's drift is measured
-        with (a refresh can be half done). Waits for in-flight all-reduces first."""
+        with (a refresh can be half done), refreshes in flight in pieces and the factors completed since
+        their last refresh began. Waits for in-flight all-reduces first."""
         self.settle_all()
         layers = {}
         for name, st in self.layers.items():
@@ -853,6 +930,7 @@ class KFAC:
                 "last_grad": st.last_grad, "last_pre": st.last_pre,
                 "pre_versions": list(st.pre_versions) if st.pre_versions is not None else None,
                 "replaced": dict(st.replaced), "handled": sorted(st.handled), "previous": dict(st.previous),
+                "flight": {f: _flight_state(st.flight[f]) for f in FACTORS}, "completed": sorted(st.completed),
             }
         return {"saving": self.saving, "layers": layers}
 
@@ -882,6 +960,9 @@ class KFAC:
             st.replaced = dict(s["replaced"])
             st.handled = set(s["handled"])
             st.previous = {f: s["previous"].get(f) for f in "AB"}
+            flights = s.get("flight", {})  # a checkpoint from before refreshes in pieces has none in flight
+            st.flight = {f: _flight_from_state(flights.get(f)) for f in FACTORS}
+            st.completed = set(s.get("completed", ()))
         self.recount_saved()
 
     # -- conveniences ----------------------------------------------------------------------------
@@ -895,7 +976,7 @@ class KFAC:
         return self.layers[name].inverses[_check(factor)]
 
     def update_curvature(self, span: Callable[[str], ContextManager[Any]] | None = None) -> None:
-        """Naive K-FAC for every layer: all covariance, then sync, then both inverses.
+        """Naive K-FAC for every layer: all covariance, then sync, then both refreshes, each in its pieces.
 
         ``span(key)`` wraps each piece (a profiler uses it); keys are the timeline keys.
         """
@@ -911,8 +992,10 @@ class KFAC:
                         self.sync(f, name)
         for name in self.layers:
             for f in FACTORS:
-                with span(f"inv_kron_{f}:{name}"):
-                    self.inv(f, name)
+                self.complete(f, name)
+                for _ in range(self.pieces(name, f)):  # each piece in its own span: the timeline holds p
+                    with span(f"inv_kron_{f}:{name}"):
+                        self.inv(f, name)
 
     def apply_label(self, label: str) -> bool:
         """Run one K-FAC schedule label (``cov_kron_A:<m>``, ``turn_off_save_inputs_outgrads``, ...).
@@ -933,6 +1016,15 @@ class KFAC:
             raise KeyError(f"{label}: this stage has no K-FAC layer named {name!r}")
         work(kind[-1], name)
         return True
+
+
+def _flight_state(flight: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A refresh in flight as a checkpoint holds it."""
+    return None if flight is None else {**flight, "refresh": flight["refresh"].state_dict()}
+
+
+def _flight_from_state(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if state is None else {**state, "refresh": Refresh.from_state(state["refresh"])}
 
 
 def _factor_size(st: LayerState, factor: str) -> int:

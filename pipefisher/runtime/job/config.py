@@ -192,6 +192,10 @@ class KfacConfig:
     ``save_dtype``: the dtype saved inputs and output gradients wait in until their covariance piece.
     ``cov_stride``: every how many token rows of a micro-batch one feeds the covariance factors (1: all);
     a stride s saves s times less and makes every covariance piece about s times cheaper.
+    ``refresh_pieces``: how many pieces (inverse labels) a factor's refresh runs in, so that it fits
+    bubbles shorter than the whole refresh (:mod:`pipefisher.kfac.refresh`): an integer, or ``auto``
+    (one piece per 768 columns of the factor); more than 1 needs ``inverse: cholesky`` or ``update: soap``.
+    Default 1: on CPU the pieces cost 1.2-3x the whole inverse in all (docs/benchmarks.md).
     """
 
     damping: float = 1e-3
@@ -210,6 +214,7 @@ class KfacConfig:
     on_bad_factor: str = "stop"
     save_dtype: str = "float32"
     cov_stride: int = 1
+    refresh_pieces: int | str = 1
 
 
 PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v", "dualpipev")
@@ -350,6 +355,8 @@ def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None) -> Ru
 def _coerce(section: str, key: str, value: Any, path: str | os.PathLike[str] | None) -> Any:
     """``value`` as the type of ``section.key``'s default, or an :class:`InputError` naming the key."""
     default = getattr(_SECTIONS[section](), key)
+    if (section, key) == ("kfac", "refresh_pieces"):  # a number or 'auto': check_config says which are right
+        return value
     if isinstance(default, dict):
         if not isinstance(value, Mapping):
             raise InputError(path, f"{section}.{key} must be a mapping, not {value!r}")
@@ -549,6 +556,12 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("kfac.kl_clip must be >= 0, kfac.lr > 0 and kfac.momentum in [0, 1)")
     if not isinstance(k.cov_stride, int) or k.cov_stride < 1:
         problems.append("kfac.cov_stride must be an integer >= 1")
+    pieces = k.refresh_pieces
+    if pieces != "auto" and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
+        problems.append(f"kfac.refresh_pieces must be an integer >= 1 or auto, not {pieces!r}")
+    elif pieces not in (1, "auto") and k.update != "soap" and k.inverse != "cholesky":
+        problems.append(f"kfac.refresh_pieces > 1 needs kfac.inverse cholesky (or kfac.update soap): an "
+                        f"{k.inverse} refresh is one eigh, not split into pieces")
     if k.update == "soap" and k.kl_clip > 0:
         problems.append("kfac.kl_clip bounds a preconditioned step; kfac.update: soap takes Adam's step in "
                         "the factors' eigenbasis, which it does not apply to: set kl_clip 0")

@@ -18,6 +18,7 @@ Every worker checks every node, so all of them refuse together instead of some w
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any, Iterable, Mapping, Sequence
 
 from pipefisher.errors import InputError
@@ -28,19 +29,23 @@ from pipefisher.rules.waits import group_violations
 from pipefisher.runtime.job.config import RunConfig, current_builder
 from pipefisher.runtime.pipeline.labels import PIPELINE_CALLS, UNKNOWN, labelled, parse_label
 from pipefisher.runtime.pipeline.layout import is_chimera, node_kfac_names, sync_copies
-from pipefisher.schedule_file import load_schedule, modules_difference, schedule_packed_for
+from pipefisher.schedule_file import load_schedule, modules_difference, read_schedule_meta, schedule_packed_for
 from pipefisher.timeline import UP_SUFFIX, Interval, NodeTimeline
 
 
 def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
                              names: Sequence[str] | Mapping[int, Sequence[str]], ops: Sequence[str],
-                             replicas: int = 1, path: str | None = None, interleaved: bool = False) -> None:
+                             replicas: int = 1, path: str | None = None, interleaved: bool = False,
+                             overlap: bool = False) -> None:
     """Refuse (:class:`InputError`) one node's cycle unless this runtime can run it as the spec says.
 
     ``names`` are the device's K-FAC modules (per pipe under Chimera), ``ops`` the engine's
     forward/backward labels of one step (:func:`pipefisher.runtime.pipeline.engine.pipeline_ops`), ``replicas``
     how many copies of each stage average their factors (sync_kron is needed when more than one),
-    ``interleaved`` whether the copies are chunks (``:chunk<j>``) rather than pipes (``:up_pipe``).
+    ``interleaved`` whether the copies are chunks (``:chunk<j>``) rather than pipes (``:up_pipe``),
+    ``overlap`` whether the schedule's metadata says its refreshes overlap cycles (inverse labels may then
+    stand before their factor's completion: pieces of the previous cycle's refresh). A refresh may run in
+    several inverse labels (pieces); that their count is K-FAC's the executor checks, which knows it.
     Pure: no torch, no process group.
     """
     def refuse(where: str, problem: str) -> None:
@@ -93,8 +98,11 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
                 refuse(where, f"'{marker}' {'again' if i == at else 'here'}: a cycle has it once, in iteration "
                               f"{at}; another would change which micro-batches the workers save for covariance")
     syncs = {lb for labels in iterations for lb in labels if parse_label(lb).kind == "sync_kron"}
-    model = step_timeline(ops, by_pipe, interleaved, syncs, every_sync=replicas > 1)
+    inverses = Counter(lb for labels in iterations for lb in labels if parse_label(lb).kind == "inv_kron")
+    model = step_timeline(ops, by_pipe, interleaved, syncs, every_sync=replicas > 1, inverses=inverses)
     bad = dependency_violations(node, model, iterations, needs="this run's step needs")
+    if overlap:  # an inverse label before the factor's completion continues the previous cycle's refresh
+        bad = [v for v in bad if v.rule not in ("inv-before-sync", "inv-before-cov")]
     if bad:  # the first, in the runtime's words; the rule's name says which
         v = bad[0]
         no_sync = v.rule == "inv-before-sync" or parse_label(v.label).kind == "sync_kron"
@@ -105,12 +113,14 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
 
 
 def step_timeline(ops: Sequence[str], by_copy: Mapping[int, Sequence[str]], interleaved: bool,
-                  syncs: Iterable[str] = (), every_sync: bool = False) -> NodeTimeline:
+                  syncs: Iterable[str] = (), every_sync: bool = False,
+                  inverses: Mapping[str, int] | None = None) -> NodeTimeline:
     """One node's step in this run as the dependency rules (:mod:`pipefisher.rules.dependencies`) read a
     profiled timeline: every pipeline call of ``ops`` as often as the engine makes it, and per factor of
     each stage copy's K-FAC modules one covariance key (a piece per micro-batch of the copy), one
-    inverse, and one all-reduce where ``every_sync`` (several replicas) or ``syncs`` names it. The
-    intervals hold no times: the rules only count them."""
+    inverse (or as many as ``inverses`` counts for its label: a refresh in pieces), and one all-reduce where
+    ``every_sync`` (several replicas) or ``syncs`` names it. The intervals hold no times: the rules only
+    count them."""
     none = Interval(None, None)
     entries: dict[str, tuple[Interval, ...]] = {op: (none,) * ops.count(op) for op in dict.fromkeys(ops)}
     syncs = set(syncs)
@@ -121,12 +131,15 @@ def step_timeline(ops: Sequence[str], by_copy: Mapping[int, Sequence[str]], inte
                 entries[f"cov_kron_{f}:{shown}"] = (none,)
                 if every_sync or f"sync_kron_{f}:{shown}" in syncs:
                     entries[f"sync_kron_{f}:{shown}"] = (none,)
-                entries[f"inv_kron_{f}:{shown}"] = (none,)
+                inv = f"inv_kron_{f}:{shown}"
+                entries[inv] = (none,) * max(1, (inverses or {}).get(inv, 1))
     return NodeTimeline("<this run>", entries)
 
 
-def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.PathLike[str] | None = None) -> ScheduleData:
-    """Refuse a schedule that does not belong to this job; every node is checked, whatever the caller's."""
+def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.PathLike[str] | None = None,
+                   overlap: bool = False) -> ScheduleData:
+    """Refuse a schedule that does not belong to this job; every node is checked, whatever the caller's.
+    ``overlap``: its metadata says its refreshes overlap cycles (:func:`schedule_overlaps`)."""
     from pipefisher.runtime.pipeline.engine import pipeline_ops
 
     p = None if path is None else os.fspath(path)
@@ -137,7 +150,8 @@ def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.
     for node, names in enumerate(node_kfac_names(cfg)):
         ops = pipeline_ops(cfg.pipeline.schedule, node, stages, cfg.data.num_micro_batches, cfg.pipeline.chunks)
         check_schedule_for_stage(data[node], node=node, names=names, ops=ops,
-                                 replicas=sync_copies(cfg, replicas), path=p, interleaved=cfg.pipeline.chunked)
+                                 replicas=sync_copies(cfg, replicas), path=p, interleaved=cfg.pipeline.chunked,
+                                 overlap=overlap)
     if is_chimera(cfg):
         bad = group_violations(data, chimera_groups(stages))
         if bad:
@@ -212,7 +226,14 @@ def load_checked_schedule(path: str | os.PathLike[str], cfg: RunConfig, replicas
     for another job (:func:`check_packed_for`, unless ``allow_mismatch``), and :func:`check_schedule` it."""
     data = load_schedule(path)
     check_packed_for(path, cfg, allow_mismatch)
-    return check_schedule(data, cfg, replicas, path)
+    return check_schedule(data, cfg, replicas, path, overlap=schedule_overlaps(path))
+
+
+def schedule_overlaps(path: str | os.PathLike[str]) -> bool:
+    """Whether a schedule file's metadata says its refreshes overlap cycles (``"overlap": true``, written
+    by the packer that made it)."""
+    meta = read_schedule_meta(path)
+    return bool(meta is not None and meta.get("overlap") is True)
 
 
 def single_iteration_schedule(cfg: RunConfig, replicas: int = 1) -> ScheduleData:

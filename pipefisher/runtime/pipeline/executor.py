@@ -18,6 +18,14 @@ any of these with ``:chunk<j>``        the same on chunk j's engine / stage copy
 ``turn_off/on_save_inputs_outgrads``   ``kfac.set_saving(False / True)``
 =====================================  ===========================================================
 
+A factor's refresh may run in pieces (``kfac.refresh_pieces``): its inverse label then appears once per
+piece in the cycle, and the executor marks each factor's *completion* (its ``sync_kron`` label, or where
+the node has none for it, its last ``cov_kron`` piece of the cycle: :func:`completion_points`) so that
+K-FAC knows which inverse label begins a refresh and which continue one (:meth:`pipefisher.kfac.KFAC.inv`;
+an overlapping schedule's inverse labels before the completion continue the previous cycle's refresh).
+A schedule whose inverse labels per factor differ from the pieces this run's K-FAC splits into is refused
+(:meth:`ScheduleExecutor.switch`); at a switch to another schedule, refreshes in flight finish at once.
+
 Before the K-FAC work of a bubble (the first of a run of K-FAC labels followed, within the step, by a
 pipeline call), the executor has the engine post that call's receives (``engine.prepost``): with gloo
 a neighbour's send completes only once its receive is posted, so posting it only when the call comes
@@ -28,6 +36,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, ContextManager, Mapping, Sequence
 
+from pipefisher.errors import InputError
 from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, KFAC_WORK, PIPELINE_CALLS, WEIGHT, parse_label
 
@@ -60,6 +69,29 @@ def prepost_points(labels: Sequence[str]) -> dict[int, str]:
     return out
 
 
+def completion_points(iterations: Sequence[Sequence[str]]) -> dict[tuple[int, int], tuple[int, str, str]]:
+    """Where each factor of each stage copy completes in the cycle: ``(iteration, label index) -> (copy,
+    factor, module)`` at its last ``sync_kron`` label, or where it has none, its last ``cov_kron`` piece."""
+    last: dict[tuple[int, str, str], dict[str, tuple[int, int]]] = {}
+    for i, labels in enumerate(iterations):
+        for j, label in enumerate(labels):
+            kind, factor, module, copy = parse_label(label)
+            if kind in ("cov_kron", "sync_kron") and module is not None:
+                last.setdefault((copy, factor, module), {})[kind] = (i, j)
+    return {at.get("sync_kron", at.get("cov_kron")): key for key, at in last.items()}  # type: ignore[misc]
+
+
+def inverse_counts(iterations: Sequence[Sequence[str]]) -> dict[tuple[int, str, str], list[str]]:
+    """Every ``inv_kron`` label of the cycle by ``(copy, factor, module)``: one per piece of its refresh."""
+    out: dict[tuple[int, str, str], list[str]] = {}
+    for labels in iterations:
+        for label in labels:
+            kind, factor, module, copy = parse_label(label)
+            if kind == "inv_kron" and module is not None:
+                out.setdefault((copy, factor, module), []).append(label)
+    return out
+
+
 class ScheduleExecutor:
     """Runs one node's iterations label by label on an engine, its K-FAC states and an end-of-step call.
 
@@ -85,14 +117,26 @@ class ScheduleExecutor:
         self.last_record: Any = None
         self._step = 0
         self._loss: Any = None  # the step's loss, a 0-dim tensor on the last stage
+        self._ran = False  # a step ran since the last switch (a switch then ends the refreshes in flight)
         self.switch(iterations, first_step)
 
     def switch(self, iterations: Sequence[Sequence[str]], first_step: int) -> None:
-        """Run ``iterations`` from training step ``first_step`` on (its iteration 0)."""
+        """Run ``iterations`` from training step ``first_step`` on (its iteration 0).
+
+        Refuses (:class:`InputError`) a cycle whose inverse labels per factor are not as many as the
+        pieces this run's K-FAC refreshes that factor in. Where steps ran before (an ``--adapt`` switch),
+        every refresh in flight first runs its remaining pieces at once; a switch before any step (a
+        resumed run restoring its schedule) leaves the restored refreshes as they are."""
         if first_step < 1:
             raise ValueError("a schedule's cycle starts at step 1 or later (step 0 is a plain step)")
+        self._plan_refreshes(iterations)
+        if self._ran:
+            for kfac in self.kfacs.values():
+                kfac.finish_refreshes()
+        self._ran = False
         self.iterations = [list(it) for it in iterations]
-        self._compiled = [self._compile_iteration(it) for it in self.iterations]
+        self._completions = completion_points(self.iterations)
+        self._compiled = [self._compile_iteration(i, it) for i, it in enumerate(self.iterations)]
         self.first_step = first_step
 
     @property
@@ -107,7 +151,23 @@ class ScheduleExecutor:
         for k in self.kfacs.values():
             k.set_saving(on)
 
-    def _compile_iteration(self, labels: Sequence[str]) -> list[Callable[[], None]]:
+    def _plan_refreshes(self, iterations: Sequence[Sequence[str]]) -> None:
+        """Refuse a cycle whose inverse labels do not match the K-FAC's pieces, then have every K-FAC
+        begin its refreshes at marked completions (:meth:`pipefisher.kfac.KFAC.plan_refresh`)."""
+        counts = inverse_counts(iterations)
+        for copy, kfac in self.kfacs.items():
+            for name in kfac.names:
+                for factor in "AB":
+                    labels, want = counts.get((copy, factor, name), []), kfac.pieces(name, factor)
+                    if labels and len(labels) != want:
+                        raise InputError(None, f"the schedule has '{labels[0]}' {len(labels)} time(s) per cycle, "
+                                               f"but this run's K-FAC refreshes that factor in {want} piece(s) "
+                                               "(kfac.refresh_pieces; pack the schedule from a profile of this "
+                                               "run's settings)")
+        for kfac in self.kfacs.values():
+            kfac.plan_refresh()
+
+    def _compile_iteration(self, index: int, labels: Sequence[str]) -> list[Callable[[], None]]:
         """One bound call per label, each bubble's receive posts (unrecorded) before its K-FAC work."""
         post = getattr(self.engine, "prepost", None) if self.prepost else None
         points = prepost_points(labels) if post is not None else {}
@@ -115,15 +175,15 @@ class ScheduleExecutor:
         for i, label in enumerate(labels):
             if i in points:
                 calls.append(functools.partial(post, points[i]))
-            calls.append(self._compile(label))
+            calls.append(self._compile(label, (index, i) in self._completions))
         fold = getattr(self.engine, "fold_iteration", None)  # an engine that walks its own order (torch's)
         return calls if fold is None else fold(labels, calls)
 
-    def _compile(self, label: str) -> Callable[[], None]:
-        call = self._bind(label)
+    def _compile(self, label: str, completes: bool = False) -> Callable[[], None]:
+        call = self._bind(label, completes)
         return call if self.recorder is None else self.recorder.wrap(label, call)
 
-    def _bind(self, label: str) -> Callable[[], None]:
+    def _bind(self, label: str, completes: bool = False) -> Callable[[], None]:
         kind, factor, module, pipe = parse_label(label)
         if kind == START:
             return lambda: self.engine.begin_step(self._step)
@@ -139,6 +199,12 @@ class ScheduleExecutor:
             kfac = self.kfacs[pipe]
             work = {"cov_kron": kfac.cov, "sync_kron": kfac.sync, "inv_kron": kfac.inv}[kind]
             call = functools.partial(work, factor, module)
+            if completes:  # the factor's completion: K-FAC's next inverse label begins a refresh
+                work_call, complete = call, functools.partial(kfac.complete, factor, module)
+
+                def call() -> None:
+                    work_call()
+                    complete()
             if self.span is None:
                 return call
             span = self.span
@@ -159,7 +225,7 @@ class ScheduleExecutor:
         if step < self.first_step:
             raise ValueError(f"step {step} comes before this cycle's first step {self.first_step} "
                              "(step 0 is a plain pipeline step with naive K-FAC, not a schedule iteration)")
-        self._step, self._loss = step, None
+        self._step, self._loss, self._ran = step, None, True
         it = self.iteration_of(step)
         if self.recorder is not None:
             self.recorder.begin_step(step, it)

@@ -147,6 +147,6 @@ def make_kfac(cfg: RunConfig, stage: nn.Module, *, dp_group: Any = None, dp_size
                 ignore=k.ignore, loss_scale=cfg.data.num_micro_batches, dp_group=dp_group, dp_size=dp_size,
                 factor_decay=k.factor_decay, inverse="eigenbasis" if soap else k.inverse, inverse_dtype=k.inverse_dtype,
                 on_bad_factor=k.on_bad_factor, save_dtype=k.save_dtype, fisher=k.fisher, warn=warn,
-                cov_stride=k.cov_stride, drift=drift and not soap)
+                cov_stride=k.cov_stride, drift=drift and not soap, refresh_pieces=k.refresh_pieces)
     kfac.host = HOST  # its inverses' checks are read with the runtime's next read, counted
     return kfac

@@ -1,0 +1,252 @@
+"""A factor's refresh in pieces: the work of one ``inv_kron_X`` refresh split so that it fits bubbles.
+
+A whole refresh (a damped inverse, or an eigenbasis under ``kfac.update: soap``) of a 512- to 4096-wide
+factor lasts longer than most pipeline bubbles, so a packer that must place it whole stretches the K-FAC
+cycle. :class:`Refresh` holds one factor's refresh in flight and runs it in ``p`` pieces of about equal
+flops, its state carried between them (and into a checkpoint), giving what the whole refresh gives:
+
+- ``cholesky``: ``(F + damping I)^-1`` by a left-looking Cholesky by column blocks, then ``W = L^-1`` by
+  column blocks, then ``X = W^T W`` by column blocks (the lower part; the upper mirrored): exact up to
+  rounding, with the findings :func:`pipefisher.kfac.factors.inverse_findings` gives (the Cholesky failure
+  column included), so bad factors, ``on_bad_factor`` and the fallback work as for a whole inverse.
+- ``eigenbasis``: SOAP's refresh from the previous basis, one power-iteration step ``Y = F Q_prev`` and an
+  orthogonalisation, by column blocks from the largest eigenvalues down (each block orthogonalised twice
+  against the blocks done, by block Gram-Schmidt, then a thin QR of its own), every column kept in its
+  place with its sign towards the previous column, so Adam's moments in the basis stay meaningful
+  (:class:`pipefisher.kfac.eigenbasis.EigenbasisAdam` rotates the first moment by ``Q_new^T Q_old``, near
+  the identity). The first refresh (no previous basis) is the whole ``eigh``, in its first piece.
+
+``p = 1`` is the whole refresh exactly as before (:func:`pipefisher.kfac.factors.inverse_findings`);
+``eigen`` is never split (:data:`PIECE_METHODS`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from pipefisher.kfac import factors as fx
+from pipefisher.kfac.factors import scaled_factor
+
+PIECE_METHODS = ("cholesky", "eigenbasis")
+"""The refreshes that run in pieces; ``eigen`` (a whole ``eigh`` per refresh) is not split."""
+
+AUTO_COLUMNS = 768
+"""``kfac.refresh_pieces: auto`` gives a factor one piece per this many columns (rounded up): chosen from
+scripts/bench_refresh.py's figures (docs/benchmarks.md, "A refresh in pieces")."""
+
+BLOCKS_PER_PIECE = 3
+"""Column blocks per piece and stage of the work: more blocks balance the pieces better, fewer run as
+larger (faster) matrix products."""
+
+
+def pieces_for(width: int, setting: int | str, method: str) -> int:
+    """How many pieces a ``width``-wide factor's refresh runs in: ``setting`` (``kfac.refresh_pieces``),
+    an integer, or ``auto`` (:data:`AUTO_COLUMNS`); never more than its columns, and 1 for a method that
+    is not split."""
+    if method not in PIECE_METHODS:
+        return 1
+    p = max(1, math.ceil(width / AUTO_COLUMNS)) if setting == "auto" else int(setting)
+    return max(1, min(p, width))
+
+
+def column_blocks(n: int, count: int) -> list[tuple[int, int]]:
+    """``count`` (at most ``n``) contiguous column ranges of ``0..n``, as equal as integers allow."""
+    count = max(1, min(count, n))
+    edges = [round(n * i / count) for i in range(count + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def split_costs(costs: list[float], p: int) -> list[tuple[int, int]]:
+    """``p`` contiguous ranges of the tasks whose costs are ``costs``, each of about ``sum / p``: a task
+    goes into the piece its cost's midpoint falls in."""
+    total, acc, i = sum(costs), 0.0, 0
+    bounds = [0]
+    for piece in range(1, p):
+        while i < len(costs) and acc + costs[i] / 2 <= total * piece / p:
+            acc += costs[i]
+            i += 1
+        bounds.append(i)
+    bounds.append(len(costs))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _cholesky_tasks(n: int, p: int) -> list[tuple[str, int, int, float]]:
+    """The blocked inverse's tasks in order, each ``(stage, first column, end column, flops)``."""
+    blocks = column_blocks(n, BLOCKS_PER_PIECE * p)
+    tasks = []
+    for j0, j1 in blocks:  # left-looking Cholesky: update the block column, factor its top, solve below
+        b, rows = j1 - j0, n - j0
+        tasks.append(("chol", j0, j1, 2.0 * rows * j0 * b + b ** 3 / 3 + (rows - b) * b * b))
+    for j0, j1 in blocks:  # W = L^-1, a column block by one triangular solve
+        tasks.append(("inv", j0, j1, float((n - j0) ** 2 * (j1 - j0))))
+    for j0, j1 in blocks:  # X = W^T W, the lower part of a column block
+        tasks.append(("prod", j0, j1, 2.0 * (n - j0) ** 2 * (j1 - j0)))
+    return tasks
+
+
+def _power_tasks(n: int, p: int) -> list[tuple[str, int, int, float]]:
+    """The power step's tasks in order (the blocks of the largest eigenvalues first)."""
+    tasks = []
+    for j0, j1 in reversed(column_blocks(n, BLOCKS_PER_PIECE * p)):
+        b, done = j1 - j0, n - j1
+        tasks.append(("power", j0, j1, 2.0 * n * n * b + 8.0 * n * done * b + 2.0 * n * b * b))
+    return tasks
+
+
+class Refresh:
+    """One factor's refresh in flight: :meth:`step` runs its next piece, :meth:`result` is what the whole
+    refresh would give (``(inverse or basis, findings, honest)``, as
+    :func:`pipefisher.kfac.factors.inverse_findings`). ``basis`` is the previous eigenbasis (``eigenbasis``;
+    None: the first refresh, a whole ``eigh``). Nothing is read back to the host."""
+
+    def __init__(self, f: torch.Tensor, damping: torch.Tensor | float, *, method: str, dtype: torch.dtype,
+                 pieces: int, kept: torch.Tensor | None = None, basis: torch.Tensor | None = None) -> None:
+        if method not in fx.INVERSE_METHODS:
+            raise ValueError(f"inverse method must be one of {', '.join(fx.INVERSE_METHODS)}, not {method!r}")
+        if pieces > 1 and method not in PIECE_METHODS:
+            raise ValueError(f"a {method} refresh is not split into pieces ({', '.join(PIECE_METHODS)} are)")
+        self.method, self.dtype, self.pieces, self.done = method, dtype, int(pieces), 0
+        self.out_dtype, self.damping, self.kept = f.dtype, damping, kept
+        self.mode = "whole" if pieces == 1 else "cholesky" if method == "cholesky" else \
+            "eigh" if basis is None else "power"
+        self.t: dict[str, Any] = {"f": f} if self.mode in ("whole", "eigh") else {}
+        self._result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if self.mode == "cholesky":
+            m = f.to(self.dtype)
+            m = m.clone() if m is f else m
+            m.diagonal().add_(damping)
+            self.t = {"m": m, "l": torch.zeros_like(m), "w": torch.zeros_like(m), "x": torch.zeros_like(m),
+                      "first": torch.zeros((), dtype=torch.int32, device=m.device), "finite": fx.all_finite(f)}
+        elif self.mode == "power":
+            m = torch.nan_to_num(f.to(self.dtype), nan=0.0, posinf=0.0, neginf=0.0)
+            low = m.tril()  # the lower triangle, as eigh reads it, made whole
+            s, _ = scaled_factor(low + low.tril(-1).t())
+            self.t = {"s": s, "q_prev": basis.to(self.dtype), "q": torch.zeros_like(s), "finite": fx.all_finite(f)}
+        self._plan()
+
+    @classmethod
+    def nothing(cls, pieces: int) -> "Refresh":
+        """A refresh with nothing to compute (fp16: every micro-batch of the factor overflowed), still
+        ``pieces`` labels long, so the labels that follow are its pieces, not a new refresh."""
+        self = cls.__new__(cls)
+        self.method, self.dtype, self.pieces, self.done = "none", torch.float32, int(pieces), 0
+        self.out_dtype, self.damping, self.kept, self.mode, self.t = torch.float32, 0.0, None, "none", {}
+        self._result = None
+        self._plan()
+        return self
+
+    def _plan(self) -> None:
+        n = self.t["l"].shape[0] if self.mode == "cholesky" else self.t["s"].shape[0] if self.mode == "power" else 0
+        tasks = _cholesky_tasks(n, self.pieces) if self.mode == "cholesky" else \
+            _power_tasks(n, self.pieces) if self.mode == "power" else []
+        self.tasks = tasks
+        self.ranges = split_costs([c for *_, c in tasks], self.pieces)
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.pieces
+
+    def step(self) -> bool:
+        """Run the next piece; True once the refresh is complete (its :meth:`result` ready)."""
+        if self.finished:
+            raise RuntimeError("this refresh has run all its pieces")
+        piece, self.done = self.done, self.done + 1
+        if self.mode in ("whole", "eigh", "none"):
+            if piece == 0 and self.mode != "none":
+                self._result = fx.inverse_findings(self.t.pop("f"), self.damping, method=self.method,
+                                                   dtype=self.dtype, pieces=self.kept)
+        else:
+            start, end = self.ranges[piece]
+            for stage, j0, j1, _ in self.tasks[start:end]:
+                getattr(self, "_" + stage)(j0, j1)
+        if self.finished and self._result is None and self.mode != "none":
+            self._result = self._findings()
+        return self.finished
+
+    def finish(self) -> None:
+        """Run every piece left at once (a schedule switch: the new schedule knows nothing of this one)."""
+        while not self.finished:
+            self.step()
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert self._result is not None, "the refresh has pieces left"
+        return self._result
+
+    # -- the blocked damped inverse ------------------------------------------------------------------
+
+    def _chol(self, j0: int, j1: int) -> None:
+        m, low = self.t["m"], self.t["l"]
+        col = m[j0:, j0:j1] - low[j0:, :j0] @ low[j0:j1, :j0].t()  # only M's lower triangle is read
+        b = j1 - j0
+        top, info = torch.linalg.cholesky_ex(col[:b])
+        pivots = top.diagonal()  # a failed block: non-positive pivots become 1, as the whole inverse does
+        pivots.copy_(torch.where(pivots > 0, pivots, torch.ones_like(pivots)))
+        first = self.t["first"]
+        self.t["first"] = torch.where((first == 0) & (info > 0), info + j0, first).to(torch.int32)
+        low[j0:j1, j0:j1] = top
+        if j1 < m.shape[0]:
+            low[j1:, j0:j1] = torch.linalg.solve_triangular(top.t(), col[b:], upper=True, left=False)
+        if j1 == m.shape[0]:
+            del self.t["m"]  # factored: the damped matrix is no longer needed
+
+    def _inv(self, j0: int, j1: int) -> None:
+        low, w = self.t["l"], self.t["w"]
+        eye = torch.zeros(low.shape[0] - j0, j1 - j0, dtype=low.dtype, device=low.device)
+        eye[:j1 - j0].fill_diagonal_(1.0)
+        w[j0:, j0:j1] = torch.linalg.solve_triangular(low[j0:, j0:], eye, upper=False)
+
+    def _prod(self, j0: int, j1: int) -> None:
+        w, x = self.t["w"], self.t["x"]
+        block = w[j0:, j0:].t() @ w[j0:, j0:j1]  # rows j0.. of X's column block (W is lower triangular)
+        x[j0:, j0:j1] = block
+        x[j0:j1, j1:] = block[j1 - j0:].t()
+
+    # -- the power step ------------------------------------------------------------------------------
+
+    def _power(self, j0: int, j1: int) -> None:
+        s, q = self.t["s"], self.t["q"]
+        y = s @ self.t["q_prev"][:, j0:j1]
+        done = q[:, j1:]  # the blocks of larger eigenvalues, already orthonormal
+        for _ in range(2):  # block Gram-Schmidt, twice (once loses orthogonality to rounding)
+            y = y - done @ (done.t() @ y)
+        qb, r = torch.linalg.qr(y.flip(1))  # the block's largest eigenvalue first, as across blocks
+        sign = torch.where(r.diagonal() < 0, -1.0, 1.0).to(qb.dtype)  # each column towards its predecessor
+        q[:, j0:j1] = (qb * sign).flip(1)
+
+    def _findings(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole refresh's findings (:data:`pipefisher.kfac.factors.FINDINGS`) of the pieces' result."""
+        out = self.t["x"] if self.mode == "cholesky" else self.t["q"]
+        dev = out.device
+        finite, out_finite = self.t["finite"], fx.all_finite(out)
+        first = self.t["first"] if self.mode == "cholesky" else torch.zeros((), dtype=torch.int32, device=dev)
+        ok = finite & out_finite & (first == 0)
+        kept = torch.ones((), device=dev) if self.kept is None else self.kept.to(dev)
+        if self.kept is not None:
+            ok = ok & (kept > 0)
+        findings = torch.stack([v.to(torch.float64) for v in (
+            finite, torch.as_tensor(self.damping, device=dev), first, torch.zeros((), device=dev), out_finite, kept)])
+        self.t = {}
+        return out.to(self.out_dtype), findings, ok
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """All a resumed run needs to run the remaining pieces exactly as this one would."""
+        return {"method": self.method, "dtype": self.dtype, "pieces": self.pieces, "done": self.done,
+                "mode": self.mode, "out_dtype": self.out_dtype, "damping": self.damping, "kept": self.kept,
+                "tensors": dict(self.t), "result": self._result}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "Refresh":
+        self = cls.__new__(cls)
+        self.method, self.dtype, self.pieces = state["method"], state["dtype"], int(state["pieces"])
+        self.done, self.mode, self.out_dtype = int(state["done"]), state["mode"], state["out_dtype"]
+        self.damping, self.kept, self.t = state["damping"], state["kept"], dict(state["tensors"])
+        self._result = state["result"]
+        if self.t:
+            self._plan()
+        else:
+            self.tasks, self.ranges = [], []
+        return self

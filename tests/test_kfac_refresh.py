@@ -1,0 +1,289 @@
+"""A factor's refresh in pieces (pipefisher.kfac.refresh): the math against the whole refresh, and the
+runtime's rule of which inverse label does what (KFAC.inv, the executor's completions), resumes included."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from pipefisher.errors import InputError
+from pipefisher.kfac import factors as fx
+from pipefisher.kfac.refresh import Refresh, pieces_for, split_costs
+from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.runtime.data.batches import MLMData
+from pipefisher.runtime.job.dist import single_process
+from pipefisher.runtime.models.bert import PipelineStage
+from pipefisher.runtime.pipeline.checks import single_iteration_schedule
+from pipefisher.runtime.pipeline.engine import PipelineEngine
+from pipefisher.runtime.pipeline.executor import ScheduleExecutor
+from pipefisher.runtime.pipeline.labels import parse_label
+from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+from pipefisher.runtime.train.update import make_kfac
+from pipefisher.schedule_file import meta_path, save_schedule
+
+from _schedules import tiny
+
+
+def _factor(n: int, rows: int = 64, bias: bool = False, seed: int = 0) -> torch.Tensor:
+    """A covariance as a refresh sees one (factor A with its bias column where ``bias``)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n - bias, generator=g) * torch.linspace(2.0, 0.1, n - bias)
+    return fx.cov_a(x, bias)
+
+
+def _run(refresh: Refresh) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    steps = 0
+    while not refresh.step():
+        steps += 1
+    assert steps + 1 == refresh.pieces
+    return refresh.result()
+
+
+@pytest.mark.parametrize("n, bias", [(7, False), (130, True), (257, True)])
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_pieces_give_the_whole_damped_inverse(n, bias, p):
+    f = _factor(n, rows=4 * n, bias=bias)
+    whole, want, ok_whole = fx.inverse_findings(f, 1e-3)
+    inv, findings, ok = _run(Refresh(f, 1e-3, method="cholesky", dtype=torch.float32, pieces=p))
+    assert torch.equal(findings, want) and bool(ok) and bool(ok_whole)
+    # in float64 exact to rounding against the damped matrix itself (its lower triangle, as Cholesky reads
+    # it: float32's product is not exactly symmetric), and in float32 as close to it as the whole inverse
+    inv64, _, _ = _run(Refresh(f.double(), 1e-3, method="cholesky", dtype=torch.float64, pieces=p))
+    low = f.double().tril()
+    damped = low + low.tril(-1).t() + 1e-3 * torch.eye(n, dtype=torch.float64)
+    assert torch.allclose(damped @ inv64, torch.eye(n, dtype=torch.float64), atol=1e-9)
+    error = lambda x: float((x.double() - inv64).norm() / inv64.norm())
+    assert error(inv) <= 4 * error(whole) + 1e-6, (error(inv), error(whole))
+
+
+def test_one_piece_is_the_whole_refresh_bit_for_bit():
+    f = _factor(40, bias=True)
+    for method in ("cholesky", "eigen", "eigenbasis"):
+        got = _run(Refresh(f, 1e-3, method=method, dtype=torch.float32, pieces=1, basis=torch.eye(40)))
+        for a, b in zip(got, fx.inverse_findings(f, 1e-3, method=method)):
+            assert torch.equal(a, b), method
+
+
+@pytest.mark.parametrize("bad", ["indefinite", "nan"])
+def test_a_bad_factor_has_the_same_findings_in_pieces(bad):
+    f = _factor(33)
+    if bad == "indefinite":
+        f[20, 20] = -5.0  # the leading minor of order 21 is not positive definite
+    else:
+        f[12, 3] = f[3, 12] = float("nan")
+    _, want, ok_whole = fx.inverse_findings(f, 1e-3)
+    for p in (2, 4):
+        _, findings, ok = _run(Refresh(f, 1e-3, method="cholesky", dtype=torch.float32, pieces=p))
+        reason = fx.bad_factor(findings.tolist(), "cholesky", "layer x factor A")
+        assert reason is not None and reason == fx.bad_factor(want.tolist(), "cholesky", "layer x factor A")
+        assert not bool(ok) and not bool(ok_whole)
+    if bad == "indefinite":
+        assert "Cholesky failed at column 21" in reason
+
+
+def test_eigenbasis_pieces_take_a_power_step_from_the_previous_basis():
+    n = 48
+    vals = torch.linspace(2.0, 0.2, n, dtype=torch.float64)  # distinct eigenvalues, apart
+    q = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(1), dtype=torch.float64))[0]
+    f = ((q * vals) @ q.t()).float()
+    nudge = 1e-5 * torch.randn(n, n, generator=torch.Generator().manual_seed(2))
+    previous = fx.eigenbasis(f + (nudge + nudge.t()))  # last refresh's basis: a nearby factor's
+    exact = fx.eigenbasis(f)
+    for p in (1, 2, 3, 5):
+        basis, findings, ok = _run(Refresh(f, 1e-3, method="eigenbasis", dtype=torch.float32, pieces=p,
+                                           basis=previous))
+        assert bool(ok) and findings[4] == 1
+        assert torch.allclose(basis.t() @ basis, torch.eye(n), atol=1e-5)  # orthonormal
+        if p > 1:  # each column stays in its place, with its sign: close to eigh's (and the previous) column
+            assert (basis * exact).sum(0).abs().min() > 0.99
+            assert (basis * previous).sum(0).min() > 0.99
+    # the first refresh (no previous basis) is eigh, whatever the pieces
+    first, _, _ = _run(Refresh(f, 1e-3, method="eigenbasis", dtype=torch.float32, pieces=3))
+    assert torch.equal(first, exact)
+
+
+def test_auto_pieces_and_the_split_of_the_work():
+    assert [pieces_for(w, "auto", "cholesky") for w in (128, 513, 768, 1024, 4096)] == [1, 1, 1, 2, 6]
+    assert pieces_for(513, 4, "eigen") == 1 and pieces_for(3, 8, "cholesky") == 3
+    ranges = split_costs([1.0] * 12, 4)
+    assert ranges == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    from pipefisher.kfac import KFAC
+
+    with pytest.raises(ValueError, match="needs inverse cholesky or eigenbasis"):
+        KFAC(torch.nn.Sequential(torch.nn.Linear(2, 2)), inverse="eigen", refresh_pieces=2)
+
+
+def test_the_config_refuses_pieces_of_an_eigen_refresh_in_one_line():
+    from pipefisher.runtime.job.config import apply_overrides
+
+    with pytest.raises(InputError, match="kfac.refresh_pieces > 1 needs kfac.inverse cholesky"):
+        apply_overrides(tiny(), ["kfac.inverse=eigen", "kfac.refresh_pieces=2"])
+    with pytest.raises(InputError, match="kfac.refresh_pieces must be an integer >= 1 or auto, not 'many'"):
+        apply_overrides(tiny(), ["kfac.refresh_pieces=many"])
+    assert apply_overrides(tiny(), ["kfac.refresh_pieces=auto"]).kfac.refresh_pieces == "auto"
+
+
+def test_the_naive_step_times_each_piece_under_the_factor_key():
+    cfg, kfac, engine = _one_stage(3)
+    seen: list[str] = []
+
+    class Span:
+        def __init__(self, key: str) -> None:
+            seen.append(key)
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc) -> None:
+            return None
+
+    _fill(cfg, engine, kfac)
+    kfac.update_curvature(span=Span)
+    name = kfac.names[0]
+    assert seen.count(f"inv_kron_A:{name}") == 3 and seen.count(f"cov_kron_A:{name}") == 1
+    assert kfac.layers[name].inversions == {"A": 1, "B": 1}
+
+
+# -- the runtime's rule, on one stage of configs/tiny.yaml ----------------------------------------------
+
+
+def _one_stage(pieces: int):
+    """configs/tiny.yaml on one stage with refreshes in ``pieces``: its config, K-FAC and engine."""
+    cfg = tiny(pipeline={"stages": 1}, kfac={"refresh_pieces": pieces})
+    stage = PipelineStage(cfg.model, 0, 1, seed=cfg.data.seed)
+    kfac = make_kfac(cfg, stage)
+    engine = PipelineEngine(stage, single_process(), MLMData(cfg.data, cfg.model.vocab_size),
+                            cfg.data.num_micro_batches, kfac=kfac)
+    return cfg, kfac, engine
+
+
+def _fill(cfg, engine, kfac) -> None:
+    """One pipeline step with saving on (micro-batches for the covariance)."""
+    from pipefisher.runtime.pipeline.engine import pipeline_ops
+
+    kfac.set_saving(True)
+    engine.begin_step(0)
+    for op in pipeline_ops(cfg.pipeline.schedule, 0, 1, cfg.data.num_micro_batches):
+        engine.op(op)()
+    engine.finish_step()
+
+
+def _with_pieces(labels: list[str], p: int, before: int = 0) -> list[str]:
+    """``labels`` (one iteration) with each inverse label ``p`` times: ``before`` of them at the start of
+    the iteration (before the factor's completion: an overlapping schedule), the rest where it stood."""
+    invs = [lb for lb in labels if parse_label(lb).kind == "inv_kron"]
+    out = [START] + [lb for lb in invs for _ in range(before)]
+    for lb in labels[1:]:
+        out += [lb] * (p - before) if lb in invs else [lb]
+    return out
+
+
+def _executor(p: int, before: int):
+    cfg, kfac, engine = _one_stage(p)
+    labels = _with_pieces(single_iteration_schedule(cfg)[0][0], p, before)
+    log: list = []
+    ex = ScheduleExecutor([labels], engine, {0: kfac}, lambda: log.append(("end", _versions(kfac))),
+                          recorder=_Versions(kfac, log))
+    kfac.set_saving(True)  # as step 0 leaves it
+    return cfg, kfac, ex, log, labels
+
+
+def _versions(kfac) -> dict:
+    return {(n, f): st.inversions[f] for n, st in kfac.layers.items() for f in "AB"}
+
+
+class _Versions:
+    """A recorder that logs every inverse label with the inversion counts after it."""
+
+    def __init__(self, kfac, log: list) -> None:
+        self.kfac, self.log = kfac, log
+
+    def attach(self, engine) -> None:
+        return None
+
+    def begin_step(self, step: int, iteration: int) -> None:
+        self.log.append(("step", step))
+
+    def wrap(self, label: str, call):
+        def logged() -> None:
+            call()
+            if parse_label(label).kind == "inv_kron":
+                self.log.append((label, _versions(self.kfac)))
+        return logged
+
+    def end_step(self) -> None:
+        return None
+
+
+def test_a_non_overlapping_schedule_installs_at_each_factors_last_piece():
+    cfg, kfac, ex, log, _ = _executor(p=3, before=0)
+    for step in (1, 2):
+        ex.run_step(step)
+    name = kfac.names[0]
+    a = [v[(name, "A")] for lb, v in log if lb == f"inv_kron_A:{name}"]
+    assert a == [0, 0, 1, 1, 1, 2]  # begun at the first piece, installed at the third, every cycle
+    ends = [v for what, v in log if what == "end"]
+    assert [set(e.values()) for e in ends] == [{1}, {2}]  # every factor refreshed once per cycle
+    assert kfac.layers[name].flight == {"A": None, "B": None}
+
+
+def test_an_overlapping_schedule_does_nothing_first_then_continues_the_previous_refresh():
+    cfg, kfac, ex, log, labels = _executor(p=2, before=1)
+    name = kfac.names[0]
+    first_a = labels.index(f"inv_kron_A:{name}")
+    assert first_a == 1  # one piece at the start of the iteration, before any covariance
+    for step in (1, 2, 3):
+        ex.run_step(step)
+        if step == 1:  # the first cycle: the piece before the completion did nothing, the one after began
+            assert kfac.layers[name].inversions == {"A": 0, "B": 0}
+            assert kfac.layers[name].flight["A"] is not None and kfac.layers[name].flight["A"]["refresh"].done == 1
+    a = [v[(name, "A")] for lb, v in log if lb == f"inv_kron_A:{name}"]
+    assert a == [0, 0, 1, 1, 2, 2]  # installed by each next cycle's first label: the previous refresh's end
+    ends = [v for what, v in log if what == "end"]
+    assert [set(e.values()) for e in ends] == [{0}, {1}, {2}]
+    # at a switch to another schedule the refresh in flight ends at once
+    ex.switch(ex.iterations, 4)
+    assert kfac.layers[name].flight == {"A": None, "B": None} and kfac.layers[name].inversions["A"] == 3
+
+
+def test_a_schedule_with_other_piece_counts_than_the_kfac_is_refused_in_one_line():
+    cfg, kfac, engine = _one_stage(2)
+    labels = single_iteration_schedule(cfg)[0][0]
+    with pytest.raises(InputError, match=r"the schedule has 'inv_kron_A:\S+' 1 time\(s\) per cycle, but this "
+                                         r"run's K-FAC refreshes that factor in 2 piece\(s\)") as err:
+        ScheduleExecutor([labels], engine, {0: kfac}, lambda: None)
+    assert "\n" not in str(err.value)
+
+
+def _train(cfg, **opts) -> Trainer:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t = Trainer(cfg, single_process(), TrainOptions(progress=False, log_every=10**9, **opts))
+        t.run()
+        return t
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_resume_with_a_refresh_in_flight_continues_bit_for_bit(tmp_path):
+    cfg = tiny(pipeline={"stages": 1}, optim={"name": "adam", "lr": 0.01, "decay_steps": 6},
+               kfac={"refresh_pieces": 2})
+    sched = str(tmp_path / "s.pickle")
+    save_schedule(sched, [[_with_pieces(single_iteration_schedule(cfg)[0][0], 2, before=1)]])
+    with open(meta_path(sched), "w") as fh:  # as the packer of an overlapping schedule writes it
+        json.dump({"overlap": True, "margin": 0.1}, fh)
+    full = _train(cfg, mode="scheduled", schedule=sched, steps=6)
+    ck = str(tmp_path / "ck")
+    stopped = _train(cfg, mode="scheduled", schedule=sched, steps=3, checkpoint_dir=ck, checkpoint_every=3)
+    assert all(st.flight["A"] is not None for st in stopped.kfac.layers.values())  # saved mid-refresh
+    state = torch.load(os.path.join(ck, "step-00000003", "stage0-replica0.pt"), weights_only=True)
+    assert all(layer["flight"]["A"]["refresh"]["done"] == 1 for layer in state["kfac"][0]["layers"].values())
+    resumed = _train(cfg, mode="scheduled", schedule=sched, steps=6, resume=ck, checkpoint_dir=ck)
+    assert resumed.start_step == 3
+    for (name, p), q in zip(full.stage.named_parameters(), resumed.stage.parameters()):
+        assert torch.equal(p, q), name
+    for name, st in full.kfac.layers.items():
+        assert torch.equal(st.inverses["A"], resumed.kfac.layers[name].inverses["A"])
