@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from pipefisher.kfac import factors as fx
-from pipefisher.kfac.factors import scaled_factor
 
 PIECE_METHODS = ("cholesky", "eigenbasis")
 """The refreshes that run in pieces; ``eigen`` (a whole ``eigh`` per refresh) is not split."""
@@ -122,7 +121,7 @@ class Refresh:
         elif self.mode == "power":
             m = torch.nan_to_num(f.to(self.dtype), nan=0.0, posinf=0.0, neginf=0.0)
             low = m.tril()  # the lower triangle, as eigh reads it, made whole
-            s, _ = scaled_factor(low + low.tril(-1).t())
+            s, _ = fx.scaled_factor(low + low.tril(-1).t())
             self.t = {"s": s, "q_prev": basis.to(self.dtype), "q": torch.zeros_like(s), "finite": fx.all_finite(f)}
         self._plan()
 
