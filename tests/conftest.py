@@ -28,6 +28,17 @@ def _temporary_files_stay_in_the_session(tmp_path_factory: pytest.TempPathFactor
     tempfile.tempdir = before[1]
 
 
+@pytest.fixture
+def cli_lines() -> Iterator[None]:
+    """What the runtime logs shown as the CLI shows it (its handler on the ``pipefisher`` logger), for tests
+    that read what a library call of the runtime says on stdout: alone, it says nothing."""
+    from pipefisher.cli._progress import CliLines
+    from pipefisher.runtime.job.progress import showing
+
+    with showing(CliLines()):
+        yield
+
+
 def case_timelines(case: Path) -> list[str]:
     return sorted(str(p) for p in case.glob("job_node*_timeline.pickle"))
 

@@ -1,6 +1,7 @@
 """K-FAC in one process against a hand-written reference on the same micro-batches."""
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -449,6 +450,20 @@ def test_skip_keeps_the_previous_inverse_counts_it_and_warns_once():
     kfac.inv("B", "fc2")
     kfac.check_inverses()
     assert st.skipped == 2 and len(warnings) == 2 and torch.equal(kfac.inverse("fc2", "B"), kept)
+
+
+def test_without_warn_a_skip_is_a_warning_of_the_kfac_logger(caplog):
+    """A library user who passes no ``warn`` still hears of a skipped refresh: as a logging warning (on stderr
+    while logging is unconfigured, never on stdout)."""
+    model = TinyMLP()
+    kfac = KFAC(model, damping=1e-2, ignore=(), on_bad_factor="skip")
+    _refresh(model, kfac, seed=0)
+    _poison(kfac, "fc2", "B", -1e3 * torch.eye(kfac.layers["fc2"].module.out_features))
+    with caplog.at_level(logging.WARNING, logger="pipefisher"):
+        kfac.inv("B", "fc2")
+        kfac.check_inverses()
+    assert [(r.name, r.levelno) for r in caplog.records] == [("pipefisher.kfac.kfac", logging.WARNING)]
+    assert caplog.records[0].getMessage().startswith("K-FAC layer fc2 factor B: ") and kfac.layers["fc2"].skipped == 1
 
 
 # 7. true Fisher ----------------------------------------------------------------------------------

@@ -159,3 +159,27 @@ def test_the_checks_see_what_they_must() -> None:
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
                      "def f():\n    import c\n")
     assert [n.names[0].name for n in _imports(tree) if isinstance(n, ast.Import)] == ["a", "b", "c"]
+
+
+ENTRY_POINTS = ("pipefisher.runtime.launch.child",)
+"""Modules under the runtime that are a process's ``__main__``: their own output is theirs to write (the
+local launcher's worker writes its error and summary lines for the launcher)."""
+
+
+def test_the_runtime_and_kfac_log_and_never_print() -> None:
+    """No module under ``pipefisher.runtime`` or ``pipefisher.kfac`` imports click or calls ``print``: they log
+    (``logging.getLogger(__name__)``), and showing the lines is the CLI's (:mod:`pipefisher.cli._progress`),
+    so a library user's stdout stays theirs."""
+    found = []
+    for name, (path, _) in sorted(_modules().items()):
+        if name.split(".")[:2] not in (["pipefisher", "runtime"], ["pipefisher", "kfac"]):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in _imports(tree):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"{name} (line {node.lineno}) imports {m}" for m in modules if m.split(".")[0] == "click"]
+        if name not in ENTRY_POINTS:
+            found += [f"{name} (line {node.lineno}) calls print" for node in ast.walk(tree)
+                      if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"]
+    assert not found, "\n".join(found)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -160,3 +162,32 @@ def test_the_own_model_example_trains_on_two_processes_and_resumes_exactly(tmp_p
     printed = capfd.readouterr().out
     assert "step   1  loss" not in printed and "step   2  loss" in printed
     assert json.loads(resumed.read_text())["losses"] == losses[2:]
+
+
+
+def test_the_library_says_nothing_on_stdout_and_the_cli_says_what_it_always_said(capsys, caplog):
+    """A library user's stdout is theirs: the runtime logs (start-up phases, what K-FAC covers, the loss lines)
+    and shows nothing unless logging is configured; ``pipefisher train`` shows those very records as its lines,
+    and only while it runs."""
+    torch.set_num_threads(1)
+    cfg = _tiny().replace(pipeline={"stages": 1})
+    worker = api.build_worker(cfg, single_process(), mode="kfac", total_steps=2)
+    for step in range(2):
+        worker.step(step)
+    Trainer(cfg, single_process(), TrainOptions(mode="kfac", steps=2, log_every=1)).run()
+    assert capsys.readouterr().out == ""
+    with caplog.at_level(logging.INFO, logger="pipefisher"):  # configured: the lines are the records
+        Trainer(cfg, single_process(), TrainOptions(mode="kfac", steps=2, log_every=1)).run()
+    assert capsys.readouterr().out == ""
+
+    def timeless(lines: list[str]) -> list[str]:  # the step times and peak memory differ from run to run
+        return [re.sub(r"\d+\.\d (ms|MiB)", "#", line) for line in lines]
+
+    said = timeless([r.getMessage() for r in caplog.records if r.levelno >= logging.INFO])
+    assert "... loading data (synthetic tokens)" in said and any(m.startswith("step     1  loss") for m in said), said
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--stages", "1", "--mode", "kfac", "--steps", "2",
+                                    "--log-every", "1"])
+    assert res.exit_code == 0, res.output
+    assert timeless(res.stdout.splitlines()) == ["... loading torch"] + said, res.stdout
+    Trainer(cfg, single_process(), TrainOptions(mode="kfac", steps=1)).run()  # after the command: quiet again
+    assert capsys.readouterr().out == ""

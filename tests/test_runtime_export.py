@@ -94,7 +94,7 @@ def test_a_hugging_face_export_loads_without_pipefisher_and_computes_what_the_pi
 
 
 def test_an_export_needs_neither_the_pretrained_folder_nor_the_folder_the_run_started_in(tmp_path, monkeypatch,
-                                                                                        capsys):
+                                                                                        capsys, cli_lines):
     """The checkpoint keeps the transformers config: exported after the pretrained folder is gone, and
     from another working folder, it is the same model. A run from pretrained weights says so."""
     transformers = pytest.importorskip("transformers")

@@ -14,7 +14,7 @@ def test_should_log_every_step_with_log_every_one():
     assert all(m.should_log(s) for s in range(4))
 
 
-def test_record_prints_the_loss_only_on_logging_steps(capsys):
+def test_record_prints_the_loss_only_on_logging_steps(capsys, cli_lines):
     m = Metrics(reporter=True, mode="first-order", steps=4, log_every=3, progress=False)
     for step in range(4):
         m.record(step, loss=1.0 + step, val=0.5 if step == 3 else None, lr=1e-3, seconds=0.01, cycle=None)
@@ -22,7 +22,7 @@ def test_record_prints_the_loss_only_on_logging_steps(capsys):
     assert lines == ["step     0  loss 1.0000  10.0 ms", "step     3  loss 4.0000  held-out 0.5000  10.0 ms"]
 
 
-def test_only_the_reporting_worker_prints_and_writes_the_csv(tmp_path, capsys):
+def test_only_the_reporting_worker_prints_and_writes_the_csv(tmp_path, capsys, cli_lines):
     path = tmp_path / "m.csv"
     m = Metrics(reporter=False, mode="first-order", steps=2, progress=False, csv=str(path))
     m.record(0, loss=None, val=None, lr=1e-3, seconds=0.01, cycle=None)

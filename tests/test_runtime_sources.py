@@ -250,7 +250,7 @@ def test_a_builder_corpus_trains_through_the_library_api():
     assert worker.data.corpus is not None and worker.data.corpus.files == len(LINES)
 
 
-def test_the_phase_lines_name_the_documents_source_and_a_build_only_when_there_is_one(capsys):
+def test_the_phase_lines_name_the_documents_source_and_a_build_only_when_there_is_one(capsys, cli_lines):
     """With data.builder the run says where its documents come from (not 'stdlib'), and that it builds the
     tokenizer and ids only on the run that builds them; later runs find them in the cache."""
     from pipefisher.cli.train import prepare_training

@@ -1,7 +1,6 @@
 """Training end to end: loss goes down in each mode, profiles feed the scheduler, failures are loud."""
 from __future__ import annotations
 
-import io
 import json
 import os
 import statistics
@@ -212,7 +211,7 @@ def test_skip_keeps_training_past_a_bad_factor(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
-# progress: start-up is not silent, and the bar's ETA leaves the warm-up step out
+# progress: start-up is not silent (the bar: tests/test_cli_progress.py)
 
 
 def _phase_order(lines: list[str]) -> list[str]:
@@ -222,7 +221,7 @@ def _phase_order(lines: list[str]) -> list[str]:
     return [k for line in lines for k in keys if line.startswith(k)]
 
 
-def test_one_process_says_each_start_up_phase_before_the_first_step(capsys):
+def test_one_process_says_each_start_up_phase_before_the_first_step(capsys, cli_lines):
     cfg = load_config(TINY).replace(pipeline={"stages": 1})
     Trainer(cfg, single_process(), TrainOptions(steps=1)).run()
     order = _phase_order(capsys.readouterr().out.splitlines())
@@ -230,7 +229,7 @@ def test_one_process_says_each_start_up_phase_before_the_first_step(capsys):
                      "step     0"], order
 
 
-def test_no_progress_keeps_start_up_quiet(capsys):
+def test_no_progress_keeps_start_up_quiet(capsys, cli_lines):
     cfg = load_config(TINY).replace(pipeline={"stages": 1})
     Trainer(cfg, single_process(), TrainOptions(steps=1, progress=False)).run()
     assert not [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("...")]
@@ -247,46 +246,7 @@ def test_local_launcher_says_it_spawns_and_relays_the_workers_phases(profiled):
     assert not [ln for ln in lines if ln.startswith("@@")]  # progress marks feed the bar, never the output
 
 
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def test_step_bar_shows_position_and_an_eta_without_the_warm_up_step():
-    from pipefisher.runtime.job.progress import StepBar, format_eta
-
-    now = [0.0]
-    out = _Terminal()
-    bar = StepBar(file=out, clock=lambda: now[0])
-    now[0] = 100.0  # step 0 compiled for 100 s
-    bar.update(1, 10)
-    assert bar.eta is None and "1/10" in out.getvalue() and "ETA" not in out.getvalue()
-    now[0] = 102.0  # then 2 s a step: 8 steps left
-    bar.update(2, 10)
-    assert bar.eta == pytest.approx(16.0)
-    assert "2/10" in out.getvalue() and format_eta(16.0) == "ETA 0:16" and "ETA 0:16" in out.getvalue()
-    bar.clear()
-    assert out.getvalue().endswith("\r\033[K\033[?25h")  # wiped, cursor back, for the next output line
-
-
-def test_step_bar_draws_nothing_off_a_terminal():
-    from pipefisher.runtime.job.progress import StepBar
-
-    out = io.StringIO()
-    bar = StepBar(file=out)
-    bar.update(1, 3)
-    bar.update(2, 3)
-    bar.clear()
-    assert out.getvalue() == "" and bar.eta is not None
-
-
-def test_eta_format():
-    from pipefisher.runtime.job.progress import format_eta
-
-    assert format_eta(65.4) == "ETA 1:05" and format_eta(3 * 3600 + 62) == "ETA 3:01:02" and format_eta(-1) == "ETA 0:00"
-
-
-def test_kfac_run_says_what_kfac_covers_at_start_and_first_order_does_not(capsys):
+def test_kfac_run_says_what_kfac_covers_at_start_and_first_order_does_not(capsys, cli_lines):
     cfg = load_config(TINY).replace(pipeline={"stages": 1})
     for mode in ("kfac", "first-order"):
         Trainer(cfg, single_process(), TrainOptions(mode=mode, steps=1, progress=False)).run()
@@ -297,7 +257,7 @@ def test_kfac_run_says_what_kfac_covers_at_start_and_first_order_does_not(capsys
         assert lines == expect, (mode, lines)
 
 
-def test_the_peak_memory_line_says_which_worker_it_is(capsys):
+def test_the_peak_memory_line_says_which_worker_it_is(capsys, cli_lines):
     cfg = load_config(TINY).replace(pipeline={"stages": 1})
     Trainer(cfg, single_process(), TrainOptions(steps=1, progress=False)).run()
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "peak memory" in ln)

@@ -37,11 +37,16 @@ def require_runtime(command: str, modules: tuple[str, ...] = ("torch",)) -> None
 
 
 class PipefisherGroup(click.Group):
-    """A click group that turns :class:`InputError` into ``error: <file>: <problem>`` and exit 2."""
+    """A click group that turns :class:`InputError` into ``error: <file>: <problem>`` and exit 2, and shows
+    what the runtime logs while a command runs (:class:`pipefisher.cli._progress.CliLines`)."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        from pipefisher.cli._progress import CliLines
+        from pipefisher.runtime.job.progress import showing
+
         try:
-            return super().invoke(ctx)
+            with showing(CliLines()):
+                return super().invoke(ctx)
         except InputError as err:
             click.echo(f"error: {err}", err=True)
             sys.exit(EXIT_BAD_INPUT)

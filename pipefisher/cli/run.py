@@ -129,8 +129,8 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
     with _one_line_failures(out_dir, steps):
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every or 0, log_every=log_every or 5,
-                progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every or 0, echo=click.echo,
-                margin=margin, adapt=adapt, adapt_drift=adapt_drift, tensorboard=tensorboard_dir, staleness=curve)
+                progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every or 0, margin=margin,
+                adapt=adapt, adapt_drift=adapt_drift, tensorboard=tensorboard_dir, staleness=curve)
 
 
 def _phase_torch(no_progress: bool) -> None:
@@ -216,5 +216,4 @@ def _resume(run_dir: str, name: str | None, steps: int, overrides: tuple[str, ..
     if note := resume_note(paths.checkpoints, cfg, steps, past_decay):
         click.echo(note)
     with _one_line_failures(run_dir, steps, paths):
-        resume_job(cfg, paths, steps=steps, nproc=nproc, options={**options, "progress": not no_progress},
-                   echo=click.echo)
+        resume_job(cfg, paths, steps=steps, nproc=nproc, options={**options, "progress": not no_progress})

@@ -312,7 +312,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         if job is not None or n == 1:
             run_worker(cfg, opts)
         else:
-            launch_local(cfg, opts, n, echo=click.echo, log_path=workers_log(out_dir, metrics_path, cfg.name))
+            launch_local(cfg, opts, n, log_path=workers_log(out_dir, metrics_path, cfg.name))
     except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None
     except KeyboardInterrupt as err:  # Ctrl-C: how far it got and how to go on, not just "Aborted!"

@@ -33,6 +33,7 @@ training labels.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from torch import nn
 from pipefisher.kfac import factors as fx
 from pipefisher.kfac.factors import BadFactorError
 from pipefisher.kfac.refresh import PIECE_METHODS, Refresh, pieces_for
+
+logger = logging.getLogger(__name__)
 
 FACTORS = ("A", "B")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -264,7 +267,8 @@ class KFAC:
     data-parallel process group (``None``: no data parallelism). Damping starts at ``damping`` and is
     multiplied by ``damping_decay`` after every refresh of a layer, never going below ``damping_min``.
     ``on_bad_factor``: ``stop`` raises :class:`BadFactorError` (one line naming the layer), ``skip``
-    keeps the layer's previous inverse, drops that refresh and reports it through ``warn``.
+    keeps the layer's previous inverse, drops that refresh and reports it through ``warn`` (default: a
+    warning of this module's logger).
     ``drift``: measure every layer's drift at its refreshes (:meth:`inv`); it keeps two gradient-sized
     tensors and the inverses of the refresh before per layer. Replicas hold the same gradients and
     inverses, so one replica measuring suffices.
@@ -304,7 +308,7 @@ class KFAC:
             raise ValueError(f"K-FAC refresh_pieces > 1 needs inverse {' or '.join(PIECE_METHODS)}, not {inverse!r}")
         self.refresh_pieces = refresh_pieces
         self._marked = False  # completions are marked (complete) by a schedule's executor: see plan_refresh
-        self.warn = warn or (lambda msg: None)
+        self.warn = warn or logger.warning
         self.loss_scale = float(loss_scale)
         self.dp_group, self.dp_size = dp_group, int(dp_size)
         self.layers = {n: LayerState(m, layer_kind(m) or LAYER_KINDS[0])

@@ -1,37 +1,53 @@
-"""What a training run shows while it runs: start-up phase lines and a step bar with an ETA.
+"""What a training run says while it runs, through :mod:`logging`: start-up phase lines, progress records,
+and the handler that shows them as lines (the CLI's and a launched worker's).
 
 Start-up (spawning workers, importing torch, building the model, the first step) takes seconds on a
-tiny model and minutes on BERT-Base; without these lines it is silent. No torch here, so the local
-launcher can say what it is doing before any worker has imported it.
+tiny model and minutes on BERT-Base; without these lines it is silent. The runtime and K-FAC only log
+(each module to ``logging.getLogger(__name__)``, under the ``pipefisher`` logger): a library user sees
+nothing unless they configure logging, and the CLI shows the records as the lines a run prints
+(:class:`LineHandler`, installed by :func:`showing`). Progress is a record too (:func:`report_progress`):
+the CLI draws it as its bar, a worker of the local launcher passes it on as a :data:`PROGRESS_MARK`
+line. No torch and no click here, so the local launcher can say what it is doing before any worker has
+imported torch.
 """
 from __future__ import annotations
 
+import logging
 import sys
-import time
-from typing import Callable, TextIO
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
-import click
+logger = logging.getLogger(__name__)
 
+ROOT_LOGGER = "pipefisher"
+"""The logger every pipefisher module's logger sits under: where :func:`showing` puts its handler."""
 PROGRESS_ENV = "PIPEFISHER_RELAY_PROGRESS"
-"""Set by the local launcher: the reporting worker prints :data:`PROGRESS_MARK` lines instead of a bar."""
+"""Set by the local launcher: the reporting worker reports its progress even with ``progress`` off (the
+launcher counts the steps done from its marks) and ends with a :data:`SUMMARY_MARK` line."""
 PROGRESS_MARK = "@@pipefisher-progress"
 """``@@pipefisher-progress DONE TOTAL``: steps done of this run's steps, for the launcher's bar."""
 SUMMARY_MARK = "@@pipefisher-summary"
 """``@@pipefisher-summary JSON``: the reporting worker's run figures (:meth:`Metrics.figures
 <pipefisher.runtime.train.metrics.Metrics.figures>`), its last line, for the launcher's caller."""
+PROGRESS = "pipefisher_progress"
+"""The attribute of a progress record (:func:`report_progress`): (done, total), or None once the steps are over."""
 
 
-def phase(what: str, echo: Callable[[str], None] = click.echo) -> None:
-    """One start-up phase line, printed as the phase begins (so a slow phase shows which it is)."""
-    echo(f"... {what}")
+def phase(what: str, echo: Callable[[str], None] | None = None) -> None:
+    """One start-up phase line, said as the phase begins (so a slow phase shows which it is): logged, or
+    to ``echo``."""
+    (echo or logger.info)(f"... {what}")
 
 
-def format_eta(seconds: float) -> str:
-    """``ETA 1:05`` / ``ETA 2:03:04``: what is left, whole seconds."""
-    s = max(0, int(round(seconds)))
-    h, rest = divmod(s, 3600)
-    m, s = divmod(rest, 60)
-    return f"ETA {h}:{m:02d}:{s:02d}" if h else f"ETA {m}:{s:02d}"
+def report_progress(done: int, total: int) -> None:
+    """``done`` of ``total`` steps are finished: a DEBUG record carrying them (:data:`PROGRESS`), which the
+    CLI draws as its bar; DEBUG, so that a library user's INFO log gets no line per step."""
+    logger.debug("%d of %d step(s) done", done, total, extra={PROGRESS: (done, total)})
+
+
+def report_steps_over() -> None:
+    """The steps are over (done, failed or stopped): the CLI wipes its bar before what follows."""
+    logger.debug("steps over", extra={PROGRESS: None})
 
 
 def parse_mark(line: str) -> tuple[int, int] | None:
@@ -42,45 +58,47 @@ def parse_mark(line: str) -> tuple[int, int] | None:
     return int(parts[1]), int(parts[2])
 
 
-class StepBar:
-    """click's progress bar over the training steps, with the position and an ETA, on a terminal only
-    (elsewhere the loss lines show progress).
+class LineHandler(logging.Handler):
+    """Shows the runtime's records as the lines a run prints: each message (INFO and above) on its own
+    line on standard output, and each progress record as a :data:`PROGRESS_MARK` line (a launched
+    worker's, for its launcher). The CLI's handler draws the progress as a bar instead (:meth:`progress`).
 
-    The ETA is measured from the steps after the first one the bar sees: the first step compiles,
-    allocates and warms up, and counting it would make the estimate far too long for many steps.
-    """
+    Standard output is looked up at each line, not kept: a test runner that replaces ``sys.stdout`` gets
+    the lines written while it holds it."""
 
-    def __init__(self, file: TextIO | None = None, label: str = "training",
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.file = file if file is not None else sys.stdout
-        self.label, self.clock = label, clock
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+
+    def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.tty = self.file.isatty()
-        except (AttributeError, ValueError):
-            self.tty = False
-        self.bar: click.progressbar | None = None  # type: ignore[valid-type]
-        self.started: tuple[float, int] | None = None  # (when, steps done) at the first update
-        self.eta: float | None = None  # seconds left, once two updates have been seen
+            if PROGRESS in record.__dict__:
+                self.progress(record.__dict__[PROGRESS])
+            elif record.levelno >= logging.INFO:
+                self.line(self.format(record))
+        except Exception:  # logging's rule: a failing handler reports itself, it never breaks the run
+            self.handleError(record)
 
-    def update(self, done: int, total: int) -> None:
-        """``done`` of ``total`` steps are finished."""
-        now = self.clock()
-        if self.started is None:
-            self.started = (now, done)
-        elif done > self.started[1]:
-            self.eta = (now - self.started[0]) / (done - self.started[1]) * max(0, total - done)
-        if not self.tty:
-            return
-        if self.bar is None:
-            self.bar = click.progressbar(length=total, label=self.label, show_pos=True, show_eta=False,
-                                         item_show_func=lambda text: text, file=self.file)
-            self.bar.__enter__()
-        info = format_eta(self.eta) if self.eta is not None and done < total else ""
-        self.bar.update(done - self.bar.pos, info)
+    def line(self, text: str) -> None:
+        """One line of output."""
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
 
-    def clear(self) -> None:
-        """Wipe the bar's line before other output, and at the end (the bar is transient: the loss lines
-        stay); the next update draws it again, as its position or ETA has changed."""
-        if self.bar is not None and self.tty:
-            self.file.write("\r\033[K\033[?25h")  # click hides the cursor while it draws
-            self.file.flush()
+    def progress(self, mark: tuple[int, int] | None) -> None:
+        """A progress record's (done, total), or None once the steps are over."""
+        if mark is not None:
+            self.line(f"{PROGRESS_MARK} {mark[0]} {mark[1]}")
+
+
+@contextmanager
+def showing(handler: logging.Handler) -> Iterator[None]:
+    """``handler`` gets every record of the pipefisher loggers (progress records too) while the block runs;
+    then the ``pipefisher`` logger is as it was (a test process runs many commands and library calls)."""
+    root = logging.getLogger(ROOT_LOGGER)
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)

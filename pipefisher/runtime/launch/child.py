@@ -7,7 +7,9 @@
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29500 \\
         --no-python pipefisher train --config configs/bert-base.yaml --mode kfac --steps 100
 
-A failure ends in one line (marked for the launcher); its traceback goes to the launcher's log.
+What the worker logs it prints, as ``pipefisher train`` does (:class:`~pipefisher.runtime.job.progress.LineHandler`),
+its progress as mark lines for the launcher. A failure ends in one line (marked for the launcher); its
+traceback goes to the launcher's log.
 """
 from __future__ import annotations
 
@@ -50,14 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr, flush=True)
         return 2
     from pipefisher.kfac.factors import BadFactorError
-    from pipefisher.runtime.job.progress import PROGRESS_ENV, SUMMARY_MARK
+    from pipefisher.runtime.job.progress import PROGRESS_ENV, SUMMARY_MARK, LineHandler, showing
     from pipefisher.runtime.launch.local import INTERRUPTED_EXIT, PEER_LOST_EXIT, decode_spec, run_worker
     from pipefisher.runtime.train.trainer import PeerLost
 
     rank = os.environ.get("RANK", "0")
     try:
         cfg, opts = decode_spec(args[1])
-        result = run_worker(cfg, opts)
+        with showing(LineHandler()):
+            result = run_worker(cfg, opts)
         if result.figures is not None and os.environ.get(PROGRESS_ENV) == "1":  # for the local launcher's caller
             print(f"{SUMMARY_MARK} {json.dumps(result.figures)}", flush=True)
     except InputError as err:

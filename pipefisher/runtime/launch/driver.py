@@ -6,6 +6,7 @@ runs sit side by side; :mod:`pipefisher.runtime.job.files` decides every name (:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import statistics
@@ -16,6 +17,8 @@ from pipefisher.errors import InputError
 from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.files import RUN_CHECKPOINTS, RunPaths
 from pipefisher.safe_io import load_json
+
+logger = logging.getLogger(__name__)
 
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -83,8 +86,8 @@ def runtime_refusal(schedule_path: str, cfg: RunConfig, replicas: int) -> str | 
 
 def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, replicas: int, *, margin: float,
                    allow_invalid: bool, kfac_margin: float = 1.0, steps: int | None = None,
-                   echo: Callable[[str], None] = print) -> tuple[Any, dict[str, Any]]:
-    """Pack ``job`` with its K-FAC times x ``kfac_margin``, print the usage report, write the schedule
+                   echo: Callable[[str], None] | None = None) -> tuple[Any, dict[str, Any]]:
+    """Pack ``job`` with its K-FAC times x ``kfac_margin``, say the usage report (to ``echo``; default: logged), write the schedule
     (its metadata records both margins and the job it is for, so ``pipefisher validate`` checks the same
     rule on the same job, and a run of another job refuses it) and its chart, and decide whether to train it.
 
@@ -103,6 +106,7 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     from pipefisher.schedule_file import save_schedule
     from pipefisher.timeline import inflate_kfac
 
+    echo = echo or logger.info
     timelines = [n.path for n in job.nodes]
     job = inflate_kfac(job, kfac_margin)
     packed = packer.pack(job, margin)
@@ -151,13 +155,13 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
 def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, policy: str | None = None,
             nproc: int | None = None, name: str | None = None, allow_invalid: bool = False,
             checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
-            eval_every: int = 0, echo: Callable[[str], None] = print, margin: float | None = None,
+            eval_every: int = 0, echo: Callable[[str], None] | None = None, margin: float | None = None,
             adapt: bool = False, tensorboard: str | None = None, staleness: Any = None,
             adapt_drift: bool = False) -> RunPaths:
     """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.timeline.median_step`),
     pack them with ``policy`` (K-FAC times x ``kfac_margin``,
     room rule with ``margin``, :mod:`pipefisher.problem`),
-    print the usage report, refuse a schedule that ``validate`` rejects (unless ``allow_invalid``) or
+    say the usage report (to ``echo``, as every line of the run; default: logged), refuse a schedule that ``validate`` rejects (unless ``allow_invalid``) or
     that the runtime cannot run (always; both leave the schedule, chart and report in the run folder),
     then train ``steps`` steps with it (with ``adapt``, re-packing it from the measured steps while it
     trains, :mod:`pipefisher.runtime.train.adapt`; without a curve at the packing's cycle, unless
@@ -174,6 +178,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     from pipefisher.staleness import staleness_data
     from pipefisher.timeline import load_job
 
+    warn, echo = echo or logger.warning, echo or logger.info
     policy = policy or DEFAULT_POLICY
     if staleness is not None and policy != "target":
         raise InputError(None, f"--staleness applies to the 'target' policy only, not to '{policy}'")
@@ -202,7 +207,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
         echo(f"run {paths.name}: {cfg.name}, {stages} stage(s) x {replicas} replica(s), policy {packer.name}, "
              f"files in {paths.folder}")
         if staleness is not None and (warning := staleness.config_warning(cfg.fingerprint(layout=False), cfg.name)):
-            echo(warning)
+            warn(warning)
 
         launch = launcher(cfg, n, paths, echo)
 
@@ -351,14 +356,16 @@ def find_run(folder: str, name: str | None = None) -> RunPaths:
 
 
 def resume_job(cfg: RunConfig, paths: RunPaths, *, steps: int, nproc: int, options: dict[str, Any],
-               echo: Callable[[str], None] = print) -> RunPaths:
+               echo: Callable[[str], None] | None = None) -> RunPaths:
     """Continue the run at ``paths`` from its checkpoint up to ``steps`` steps in all, with its schedule
     (and with the closed loop's state the checkpoint holds), ``nproc`` workers as it had and the
     training ``options`` it recorded (:data:`pipefisher.runtime.train.checkpoint.RUN_OPTIONS`, some
-    given anew); the metrics and report go on where they were. The caller has checked the checkpoint."""
+    given anew); the metrics and report go on where they were. The caller has checked the checkpoint.
+    Its lines go to ``echo`` (default: logged)."""
     from pipefisher.safe_io import dump_json_atomic
     from pipefisher.schedule_file import read_schedule_meta
 
+    echo = echo or logger.info
     meta = read_schedule_meta(paths.schedule) or {}
     cycles = [int(n["iterations"]) for n in meta.get("nodes", [])] or [1]
     report = load_json(paths.report) if os.path.exists(paths.report) else {"run": paths.name}

@@ -12,6 +12,7 @@ Nothing here imports torch at module level, so the CLI can check its launch opti
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -30,6 +31,8 @@ from pipefisher.runtime.job.process import Interrupted, StopRequest, threads_per
 
 if TYPE_CHECKING:
     from pipefisher.runtime.train.trainer import TrainOptions, WorkerResult
+
+logger = logging.getLogger(__name__)
 
 LOG_ENV = "PIPEFISHER_WORKER_LOG"
 """Set by :func:`launch_local`: the file a worker appends its traceback to (the terminal gets one line)."""
@@ -135,24 +138,26 @@ def run_worker(cfg: RunConfig, opts: TrainOptions) -> WorkerResult:
             shutdown(ctx)
 
 
-def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[[str], None] = print,
+def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[[str], None] | None = None,
                  grace_s: float = 3.0, log_path: str | None = None) -> dict[str, list[float]] | None:
     """Run ``nproc`` workers as child processes; raise :class:`WorkerFailed` if any of them fails. Returns
     the reporting worker's run figures (:attr:`WorkerResult.figures`, passed on as a
     :data:`~pipefisher.runtime.job.progress.SUMMARY_MARK` line).
 
-    Worker output is relayed to ``echo`` and kept in a log; tracebacks go to the log only. On failure
-    the log is appended to ``log_path`` (or kept as a temp file) and the error names it; a run that
-    succeeds leaves no log behind.
+    Worker output is relayed to ``echo`` (default: logged) and kept in a log; tracebacks go to the log
+    only; the reporting worker's progress marks become progress records (with ``opts.progress``). On
+    failure the log is appended to ``log_path`` (or kept as a temp file) and the error names it; a run
+    that succeeds leaves no log behind.
     """
     from pipefisher.runtime.job.dist import free_port
-    from pipefisher.runtime.job.progress import PROGRESS_ENV, PROGRESS_MARK, SUMMARY_MARK, StepBar, parse_mark, phase
+    from pipefisher.runtime.job.progress import (PROGRESS_ENV, PROGRESS_MARK, SUMMARY_MARK, parse_mark, phase,
+                                                 report_progress, report_steps_over)
 
+    echo = echo or logger.info
     if opts.progress:  # the seconds until a worker speaks (python, torch, the process group) are not silent
         phase(f"spawning {nproc} workers (each starts python, imports torch and joins the process group)", echo)
     port = free_port()
     spec = encode_spec(cfg, opts)
-    bar = StepBar() if opts.progress else None  # drawn from the reporting worker's marks
     lock = threading.Lock()
     fd, tmp_log = tempfile.mkstemp(prefix="pipefisher-workers-", suffix=".log")
     os.close(fd)
@@ -179,8 +184,8 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
                     mark = parse_mark(line)
                     if mark is not None:
                         done[:] = [opts.steps - mark[1] + mark[0]]  # the marks count this run's steps
-                    if bar is not None and mark is not None and not quiet.is_set():
-                        bar.update(*mark)
+                    if opts.progress and mark is not None and not quiet.is_set():
+                        report_progress(*mark)
                     continue
                 if line.startswith(SUMMARY_MARK):
                     figures[:] = [json.loads(line[len(SUMMARY_MARK):])]
@@ -195,8 +200,6 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
                 tails[r] = (tails[r] + [line])[-20:]
                 if quiet.is_set():
                     continue
-                if bar is not None:
-                    bar.clear()
                 echo(line)
 
     threads = [threading.Thread(target=relay, args=(r, p), daemon=True) for r, p in enumerate(procs)]
@@ -256,8 +259,8 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
                 p.wait()
         for t in threads:
             t.join(timeout=2)
-        if bar is not None:
-            bar.clear()
+        if opts.progress:
+            report_steps_over()
         look()
         rank = first_failure([(r, p.returncode, seen.get(r, float("inf"))) for r, p in enumerate(procs)
                               if not (interrupted and p.returncode == INTERRUPTED_EXIT)], stopped)

@@ -1,24 +1,25 @@
 """What a training run reports per step, in one component beside the loop: the metrics CSV, the TensorBoard
-log (:mod:`pipefisher.runtime.train.tensorboard`), the progress bar (or the launcher's progress marks) and
-the loss lines.
+log (:mod:`pipefisher.runtime.train.tensorboard`), the progress records (the CLI's bar, the launcher's
+progress marks) and the loss lines, all logged (:mod:`pipefisher.runtime.job.progress`).
 
 The loop hands it each step's figures (:meth:`Metrics.record`); :meth:`Metrics.should_log` is the one rule
 for the steps whose loss is printed (every ``log_every`` steps, the last step, and every held-out
 evaluation), so a loop that keeps its losses on the device knows where it has to read them back.
-Every worker makes one; only the reporting worker (the one holding the loss) prints, writes the CSV and
+Every worker makes one; only the reporting worker (the one holding the loss) logs, writes the CSV and
 the TensorBoard log. Importing this module costs nothing (no torch): TensorBoard's writer is imported
 when the log is opened.
 """
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
-import click
+from pipefisher.runtime.job.progress import PROGRESS_ENV, report_progress, report_steps_over
 
-from pipefisher.runtime.job.progress import PROGRESS_ENV, PROGRESS_MARK, StepBar
+logger = logging.getLogger(__name__)
 
 CSV_HEADER = "step,loss,val_loss,lr,step_seconds,mode,cycle,overrun_seconds,drift,aging\n"
 """The metrics CSV's columns (see :meth:`Metrics.write_csv`)."""
@@ -42,10 +43,9 @@ class Metrics:
         self.log_every, self.evaluates = log_every, evaluates
         self.overruns, self.refreshes = overruns, refreshes
         self.csv = csv if reporter else None
-        self.relay = os.environ.get(PROGRESS_ENV) == "1"  # the local launcher draws the bar for us
-        self.show = reporter and progress and not self.relay  # StepBar draws on a terminal only
+        # the local launcher counts the steps done from the progress marks, with progress shown or not
+        self.reports = reporter and (progress or os.environ.get(PROGRESS_ENV) == "1")
         self.rows: list[Row] = []
-        self.bar: StepBar | None = None
         self.tensorboard: Any = None
         if reporter and tensorboard:
             from pipefisher.runtime.train.tensorboard import TensorBoardLog  # imports its writer
@@ -64,22 +64,20 @@ class Metrics:
 
     @contextmanager
     def progress(self) -> Iterator[None]:
-        """The step bar while the steps run (drawn on a terminal only), cleared however they end."""
-        self.bar = StepBar() if self.show else None
+        """While the steps run: their progress records end with one saying they are over, however they end
+        (the CLI wipes its bar)."""
         try:
             yield
         finally:
-            if self.bar is not None:
-                self.bar.clear()
+            if self.reports:
+                report_steps_over()
 
     def stepped(self, step: int) -> None:
-        """Step ``step`` is done: the bar moves (or the launcher's bar, through its marks). Needs no figure
-        of the step, so it moves every step while the figures wait for a logging step (:meth:`record`)."""
-        done = step + 1 - self.first
-        if self.bar is not None:
-            self.bar.update(done, self.todo)
-        elif self.relay and self.reporter:  # the launcher's bar, and its line after Ctrl-C
-            click.echo(f"{PROGRESS_MARK} {done} {self.todo}")
+        """Step ``step`` is done: a progress record (the CLI's bar moves, or the launcher's, through its
+        marks). Needs no figure of the step, so it moves every step while the figures wait for a logging
+        step (:meth:`record`)."""
+        if self.reports:
+            report_progress(step + 1 - self.first, self.todo)
 
     def record(self, step: int, *, loss: float | None, val: float | None, lr: float, seconds: float,
                cycle: int | None) -> None:
@@ -92,9 +90,7 @@ class Metrics:
             self.log_late()
         if self.reporter and loss is not None and self.should_log(step):
             held = f"  held-out {val:.4f}" if val is not None else ""
-            if self.bar is not None:
-                self.bar.clear()  # the loss line takes the bar's line; the next step redraws the bar
-            click.echo(f"step {step:>5}  loss {loss:.4f}{held}  {seconds * 1e3:.1f} ms")
+            logger.info(f"step {step:>5}  loss {loss:.4f}{held}  {seconds * 1e3:.1f} ms")
 
     def log_late(self) -> None:
         """TensorBoard: the overruns and the refreshes' drift and aging not logged yet, each under its step."""
@@ -120,12 +116,12 @@ class Metrics:
         times = seconds[1:] or seconds
         from pipefisher.runtime.job import memory
 
-        click.echo(f"median step {statistics.median(times) * 1e3:.1f} ms, peak memory {memory.mib(peak_bytes)} "
-                   f"({rank_line})" + (f", K-FAC saved tensors {memory.mib(saved_bytes)} at most"
-                                       if saved_bytes is not None else ""))
+        logger.info(f"median step {statistics.median(times) * 1e3:.1f} ms, peak memory {memory.mib(peak_bytes)} "
+                    f"({rank_line})" + (f", K-FAC saved tensors {memory.mib(saved_bytes)} at most"
+                                        if saved_bytes is not None else ""))
         if scaler is not None:
-            click.echo(f"fp16: {scaler.skipped} update(s) skipped for overflow over the run, loss scale now "
-                       f"{scaler.scale:g}")
+            logger.info(f"fp16: {scaler.skipped} update(s) skipped for overflow over the run, loss scale now "
+                        f"{scaler.scale:g}")
         if self.tensorboard is not None:
             self.tensorboard.log_peak_memory(self.steps - 1, peak_bytes, saved_bytes)
 

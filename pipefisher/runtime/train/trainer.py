@@ -14,6 +14,7 @@ held-out batches (timed apart from training), and the run reports its peak memor
 """
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -21,7 +22,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
-import click
 import torch
 import torch.distributed as dist
 
@@ -44,6 +44,8 @@ from pipefisher.runtime.train.evaluator import Evaluator
 from pipefisher.runtime.train.metrics import Metrics
 from pipefisher.runtime.train.worker import build_worker, check_options
 from pipefisher.safe_io import dump_json_atomic
+
+logger = logging.getLogger(__name__)
 
 
 class PeerLost(RuntimeError):
@@ -176,7 +178,7 @@ class Trainer:
             horizon = lr_horizon(read_manifest(opts.resume), cfg, opts.steps)
         self.worker = build_worker(cfg, ctx, mode=self.mode, total_steps=horizon, schedule=opts.schedule,
                                    kfac_interval=self.interval, data=self.data, span=self.profiler.span,
-                                   warn=click.echo, recorder=recorder,
+                                   recorder=recorder,
                                    allow_schedule_mismatch=opts.allow_schedule_mismatch)
         w = self.worker
         self.stage, self.kfac, self.kfacs, self.engine = w.stage, w.kfac, w.kfacs, w.engine
@@ -197,7 +199,7 @@ class Trainer:
             self._phase(f"loading the checkpoint in {opts.resume}")
             self.start_step = self.checkpointer.load(opts.resume, self.components())
         elif cfg.model.pretrained and self.reporter:  # said also without phase lines: what the run trains
-            click.echo(f"model.pretrained: the model starts from the weights in {cfg.model.pretrained}")
+            logger.info(f"model.pretrained: the model starts from the weights in {cfg.model.pretrained}")
 
     def _schedule_loop(self) -> Any:
         """The closed loop (:class:`pipefisher.runtime.train.adapt.ScheduleLoop`) of this worker."""
@@ -225,8 +227,8 @@ class Trainer:
             check_schedule(data, cfg, g.replicas)
             switch(plan, 1)
             if self.reporter and opts.progress:
-                click.echo(f"--adapt: every node runs the job's K-FAC cycle k={max(plan.cycles)} (the "
-                           "shorter ones idle through the rest), so that all can switch schedules at once")
+                logger.info(f"--adapt: every node runs the job's K-FAC cycle k={max(plan.cycles)} (the "
+                            "shorter ones idle through the rest), so that all can switch schedules at once")
         scheduler = None
         if g.rank == 0:
             scheduler = make_scheduler("adaptive" if opts.adapt else "static", plan, g.stages,
@@ -249,7 +251,7 @@ class Trainer:
                             prefix=prefix, collective=collective,
                             check=lambda new: check_schedule(new.data, cfg, g.replicas),
                             agree=lambda text: check_agreement(ctx, text), switch=switch,
-                            echo=click.echo if self.reporter and opts.progress else None,
+                            echo=logger.info if self.reporter and opts.progress else None,
                             drift=self.drift_log.drain if self.drift_log is not None else None)
 
     def _phase(self, what: str) -> None:
@@ -407,7 +409,7 @@ class Trainer:
             self._finish_loop()  # after the checkpoint: a resumed run gathers the open cycle as this one would
         metrics.log_late()
         if self.reporter and metrics.todo and self.refreshes:
-            click.echo(drift_line(list(self.refreshes.values())))
+            logger.info(drift_line(list(self.refreshes.values())))
         metrics.write_csv()
         result.figures = metrics.figures() if self.reporter else None
         self._write_outputs(result)
@@ -435,14 +437,14 @@ class Trainer:
             extra = (f", K-FAC cycle k={max(self.cycles)} (per node: {', '.join(map(str, self.cycles))})"
                      if self.cycles else "")
             resumed = f", resuming after step {first - 1}" if first else ""
-            click.echo(f"pipefisher train: mode {self.mode}, {g.stages} stage(s) x {g.replicas} replica(s), "
-                       f"{self.cfg.pipeline.schedule}, {self.cfg.data.num_micro_batches} micro-batches, "
-                       f"{opts.steps} steps on {self.ctx.device}{compute_line(self.cfg)}{extra}{resumed}")
+            logger.info(f"pipefisher train: mode {self.mode}, {g.stages} stage(s) x {g.replicas} replica(s), "
+                        f"{self.cfg.pipeline.schedule}, {self.cfg.data.num_micro_batches} micro-batches, "
+                        f"{opts.steps} steps on {self.ctx.device}{compute_line(self.cfg)}{extra}{resumed}")
         if g.replica == 0:  # each stage says what its K-FAC covers (every replica holds the same layers)
             for p, k in self.kfacs.items():
                 up = ("" if not p else f" (chunk {p})" if self.cfg.pipeline.chunked
                       else " (up pipe)" if p == UP else "")
-                click.echo(k.coverage.line(f"stage {node_pipes(self.cfg, g.stage)[p]}{up}"))
+                logger.info(k.coverage.line(f"stage {node_pipes(self.cfg, g.stage)[p]}{up}"))
         memory.reset_peak(self.ctx.device)
         result.base_memory_bytes = memory.peak_bytes(self.ctx.device)  # just reset: what it holds now
         if self.kfac is not None:
@@ -504,8 +506,8 @@ class Trainer:
         self.loop.write_schedules()
         self.loop.write_measured()
         if self.reporter and self.metrics.todo:
-            click.echo(f"closed loop ({'adaptive' if self.opts.adapt else 'static'} scheduler): "
-                       f"{self.loop.cost_line()}" + (f", final K-FAC cycle k={max(self.cycles)}" if self.opts.adapt else ""))
+            logger.info(f"closed loop ({'adaptive' if self.opts.adapt else 'static'} scheduler): "
+                        f"{self.loop.cost_line()}" + (f", final K-FAC cycle k={max(self.cycles)}" if self.opts.adapt else ""))
 
     def _write_outputs(self, result: WorkerResult) -> None:
         """With ``out``: the profiled timeline (replica 0 of each stage) and the losses JSON (reporting worker)."""

@@ -8,6 +8,7 @@ interleaved device) is built by ``cfg.model.builder`` (:mod:`pipefisher.runtime.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
@@ -32,6 +33,8 @@ from pipefisher.runtime.train.checkpoint import Checkpointer, StateGroup, TorchR
 from pipefisher.runtime.train.update import Updater, make_kfac
 from pipefisher.schedule_file import schedule_digest
 from pipefisher.timeline import STEP_KEY, UPDATE_KEY
+
+logger = logging.getLogger(__name__)
 
 MODES = ("first-order", "kfac", "scheduled")
 """How a worker trains: the pipeline alone, with K-FAC after it, or with K-FAC in its bubbles (a schedule)."""
@@ -182,7 +185,7 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     ``kfac.interval``) or ``scheduled`` (with ``schedule``, a schedule file: checked against this job
     on every worker before anything runs). ``total_steps`` ends the learning-rate schedule when
     ``optim.decay_steps`` is 0. ``span`` times named work (the profiler's); ``warn`` gets K-FAC's
-    warnings; ``recorder`` (scheduled mode, :mod:`pipefisher.runtime.train.recorder`) times every label;
+    warnings, each naming its stage (default: a warning of this module's logger, shown by the CLI); ``recorder`` (scheduled mode, :mod:`pipefisher.runtime.train.recorder`) times every label;
     ``allow_schedule_mismatch`` trains a schedule whose metadata says it was packed for another job
     (:func:`pipefisher.runtime.pipeline.checks.check_packed_for`). Seeds torch's global generator per worker (dropout), so runs repeat.
     """
@@ -200,8 +203,9 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
         for p, copy in copies.items():
             what = (f" (chunk {p})" if interleaved else " (up pipe)") if p else ""
             where = f"stage {index[p]}" + what + f" replica {g.replica}"
-            say = (lambda msg, where=where: warn(f"{where}: {msg}")) if warn is not None else None
-            kfacs[p] = make_kfac(cfg, copy, dp_group=ctx.stage_group, dp_size=ctx.stage_group_size, warn=say,
+            say = warn or logger.warning
+            kfacs[p] = make_kfac(cfg, copy, dp_group=ctx.stage_group, dp_size=ctx.stage_group_size,
+                                 warn=lambda msg, where=where, say=say: say(f"{where}: {msg}"),
                                  drift=g.replica == 0)  # every replica would measure the same drift
     scaler = LossScale(cfg.train.loss_scale) if cfg.train.precision == "fp16" else None
     for k in kfacs.values():
