@@ -87,9 +87,10 @@ def runtime_refusal(schedule_path: str, cfg: RunConfig, replicas: int) -> str | 
 def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, replicas: int, *, margin: float,
                    allow_invalid: bool, kfac_margin: float = 1.0, steps: int | None = None,
                    echo: Callable[[str], None] | None = None) -> tuple[Any, dict[str, Any]]:
-    """Pack ``job`` with its K-FAC times x ``kfac_margin``, say the usage report (to ``echo``; default: logged), write the schedule
-    (its metadata records both margins and the job it is for, so ``pipefisher validate`` checks the same
-    rule on the same job, and a run of another job refuses it) and its chart, and decide whether to train it.
+    """Pack ``job`` with its K-FAC times x ``kfac_margin``, say the usage report (to ``echo``; default:
+    logged), write the schedule (its metadata records both margins and the job it is for, so ``pipefisher
+    validate`` checks the same rule on the same job, and a run of another job refuses it) and its chart,
+    and decide whether to train it.
 
     Refuses (:class:`InputError`, after writing the report too) a schedule that ``validate`` rejects unless
     ``allow_invalid``, one the runtime cannot run always, and one whose K-FAC cycle (sync groups aligned)
@@ -161,8 +162,9 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.timeline.median_step`),
     pack them with ``policy`` (K-FAC times x ``kfac_margin``,
     room rule with ``margin``, :mod:`pipefisher.problem`),
-    say the usage report (to ``echo``, as every line of the run; default: logged), refuse a schedule that ``validate`` rejects (unless ``allow_invalid``) or
-    that the runtime cannot run (always; both leave the schedule, chart and report in the run folder),
+    say the usage report (to ``echo``, as every line of the run; default: logged), refuse a schedule
+    that ``validate`` rejects (unless ``allow_invalid``) or that the runtime cannot run (always; both
+    leave the schedule, chart and report in the run folder),
     then train ``steps`` steps with it (with ``adapt``, re-packing it from the measured steps while it
     trains, :mod:`pipefisher.runtime.train.adapt`; without a curve at the packing's cycle, unless
     ``adapt_drift`` lets the drift rule set it; with ``tensorboard``, TensorBoard logs of the training

@@ -507,7 +507,8 @@ class Trainer:
         self.loop.write_measured()
         if self.reporter and self.metrics.todo:
             logger.info(f"closed loop ({'adaptive' if self.opts.adapt else 'static'} scheduler): "
-                        f"{self.loop.cost_line()}" + (f", final K-FAC cycle k={max(self.cycles)}" if self.opts.adapt else ""))
+                        f"{self.loop.cost_line()}"
+                        + (f", final K-FAC cycle k={max(self.cycles)}" if self.opts.adapt else ""))
 
     def _write_outputs(self, result: WorkerResult) -> None:
         """With ``out``: the profiled timeline (replica 0 of each stage) and the losses JSON (reporting worker)."""

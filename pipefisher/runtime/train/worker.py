@@ -185,7 +185,8 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     ``kfac.interval``) or ``scheduled`` (with ``schedule``, a schedule file: checked against this job
     on every worker before anything runs). ``total_steps`` ends the learning-rate schedule when
     ``optim.decay_steps`` is 0. ``span`` times named work (the profiler's); ``warn`` gets K-FAC's
-    warnings, each naming its stage (default: a warning of this module's logger, shown by the CLI); ``recorder`` (scheduled mode, :mod:`pipefisher.runtime.train.recorder`) times every label;
+    warnings, each naming its stage (default: a warning of this module's logger, shown by the CLI);
+    ``recorder`` (scheduled mode, :mod:`pipefisher.runtime.train.recorder`) times every label;
     ``allow_schedule_mismatch`` trains a schedule whose metadata says it was packed for another job
     (:func:`pipefisher.runtime.pipeline.checks.check_packed_for`). Seeds torch's global generator per worker (dropout), so runs repeat.
     """
