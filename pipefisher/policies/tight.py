@@ -132,6 +132,8 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
     cov_left = list(model.factors.pieces)
     syncs_of, invs_of = model.factors.syncs, model.factors.invs
     sync_seen = [False] * model.groups
+    next_piece = {a: b for invs in invs_of for a, b in zip(invs, invs[1:])}  # a refresh's pieces, in order
+    done_at: list[tuple[int, int] | None] = [None] * model.groups  # where each factor completed
     remaining = sum(len(w.pieces) for w in work)
     if shorter_than is not None:
         bubble_time = sum(b.length for b in bubbles)
@@ -154,9 +156,13 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
         if model.synced[g]:
             for wi in syncs_of[g]:
                 ready_plain(wi)
-        else:
-            for wi in invs_of[g]:
-                ready_plain(wi)
+        elif invs_of[g]:
+            completed(g)
+
+    def completed(g: int) -> None:
+        """The factor's refresh may begin: its first piece is ready (each next one once it is placed)."""
+        done_at[g] = (iteration, cur_bubble)
+        ready_plain(invs_of[g][0])
 
     def classify(wi: int) -> None:
         """Put queue ``wi``'s new head where it belongs: ready, waiting for its forward/backward, or forced."""
@@ -181,8 +187,10 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
         g = w.group
         if w.kind == SYNC and not sync_seen[g]:
             sync_seen[g] = True
-            for v in invs_of[g]:
-                ready_plain(v)
+            if invs_of[g]:
+                completed(g)
+        elif w.kind == INV and wi in next_piece:
+            ready_plain(next_piece[wi])
 
     for g in range(model.groups):
         if cov_left[g] == 0:
@@ -422,9 +430,11 @@ def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None,
         else:
             forced_ready.append(wi)
 
+    # backwards: a refresh's last piece first, each earlier one once the one after it is placed
+    before_piece = {b: a for invs in invs_of for a, b in zip(invs, invs[1:])}
     for wi in plain:
         w = work[wi]
-        if w.kind == INV or invs_left[w.group] == 0:
+        if (w.kind == INV and wi == invs_of[w.group][-1]) or (w.kind == SYNC and invs_left[w.group] == 0):
             ready(wi)
     allowed = setup.allowed
 
@@ -461,6 +471,8 @@ def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None,
         slot_of[wi] = slot
         placed_plain += 1
         w = work[wi]
+        if wi in before_piece:
+            ready(before_piece[wi])
         if w.kind == INV and model.synced[w.group]:
             invs_left[w.group] -= 1
             if invs_left[w.group] == 0:
@@ -648,11 +660,12 @@ def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None,
         with_pieces = {work[wi].group for wi, _ in items if work[wi].kind == COV}
         # syncs/inverses of factors without pieces here, then the pieces, then the other syncs/inverses
         # (stable: pieces keep their order, a sync stays before its inverse)
-        def place_rank(x: tuple[int, int]) -> tuple[int, int]:
+        # (a refresh's pieces in order: step 1 put them there last first)
+        def place_rank(x: tuple[int, int]) -> tuple[int, int, int]:
             w = work[x[0]]
             if w.kind == COV:
-                return (1, 0)
-            return (2 if w.group in with_pieces else 0, w.kind)
+                return (1, 0, 0)
+            return (2 if w.group in with_pieces else 0, w.kind, x[0])
 
         items = sorted(items, key=place_rank)  # not in place: a prefix's slots are shared
         if b == nb:
