@@ -185,7 +185,7 @@ def compare_lines(job: Job, schedules: "list[JobSchedule]") -> list[str]:
     """
     from pipefisher.rules import validate
 
-    bad = [{v.node for v in validate(s.to_file_data(), job, margin=s.margin)} for s in schedules]
+    bad = [{v.node for v in validate(s.to_file_data(), job, margin=s.margin, overlap=s.overlap)} for s in schedules]
     head = ["node"]
     for s in schedules:
         head += [f"{s.policy}:cycle", "usage%", "overflow", "valid"]
