@@ -183,6 +183,39 @@ def pieces_before_completion(node: NodeTimeline, iterations: Sequence[Sequence[s
     return out
 
 
+def curvature_age(node: NodeTimeline, iterations: Sequence[Sequence[str]]) -> tuple[int, float, int] | None:
+    """The curvature's age over one node's cycle, in steps: (least, mean, most) over its steps and factors;
+    None where the cycle refreshes nothing.
+
+    At a step's ``-- end --`` the gradients are preconditioned with the latest installed refresh; its age
+    is the steps since iteration 0 of the cycle whose micro-batches built it. A refresh whose last piece
+    runs in iteration ``f`` counted from that iteration 0 (``f >= k`` where the cycle overlaps the next:
+    its last pieces come before the next completion, :func:`pieces_before_completion`; one more where
+    the piece comes after the ``-- end --``) is installed at step ``f``'s end at age ``f + 1`` and used
+    until the next one: ages ``f + 1`` to ``f + k``.
+    """
+    k = len(iterations)
+    before = pieces_before_completion(node, iterations)
+    seen: dict[str, int] = {}
+    last_at: dict[str, int] = {}  # per inverse label: the installing run's iteration (after its end: +1)
+    for i, labels in enumerate(iterations):
+        ended = False
+        for label in labels:
+            if label == "-- end --":
+                ended = True
+            elif label.startswith("inv_kron_"):
+                seen[label] = seen.get(label, 0) + 1
+                if seen[label] == before[label] or not before[label]:
+                    last_at[label] = i + (1 if ended else 0)  # the last run before the completion, or the last
+    ages: list[int] = []
+    for label, at in last_at.items():
+        f = at + (k if before[label] else 0)
+        ages.extend(range(f + 1, f + k + 1))
+    if not ages:
+        return None
+    return min(ages), sum(ages) / len(ages), max(ages)
+
+
 def sane_bounds(iv: Interval, fallback: Time) -> tuple[Time, Time]:
     """A missing bound is no measured time; an end before the start is no time either."""
     s, e = iv.start, iv.end
