@@ -40,7 +40,7 @@ from functools import cached_property
 from typing import Sequence
 
 from pipefisher.timeline import (
-    BACKWARD, FORWARD, Interval, NodeTimeline, Time, TimelineKey, pipe_key,
+    BACKWARD, FORWARD, Interval, NodeTimeline, Time, TimelineKey, pipe_key, split_evenly,
 )
 
 DEFAULT_MARGIN = 0.05
@@ -227,14 +227,6 @@ def sane_bounds(iv: Interval, fallback: Time) -> tuple[Time, Time]:
         e = s
     assert s is not None and e is not None
     return s, (e if e >= s else s)
-
-
-def split_evenly(length: Time, m: int) -> tuple[Time, ...]:
-    """``m`` pieces that add up to ``length``: the remainder spread over the first pieces (integers)."""
-    if isinstance(length, int):
-        base, rem = divmod(length, m)
-        return (base + 1,) * rem + (base,) * (m - rem)
-    return (length / m,) * m
 
 
 def node_model(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN, overlap: bool = False) -> NodeModel:

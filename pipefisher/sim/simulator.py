@@ -48,10 +48,10 @@ from typing import Sequence
 from pipefisher.errors import InputError
 from pipefisher.pipeline_orders import (BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op, PipelineSchedule, canonical_name,
                                         default_chunks, generate, stage_on)
-from pipefisher.problem import split_evenly
 from pipefisher.sim.costs import NS_PER_MS, CostModel, ModuleCost
 from pipefisher.timeline import BACKWARD as BACKWARD_KEY, FORWARD as FORWARD_KEY
-from pipefisher.timeline import PRECONDITION_KEY, UP_SUFFIX, UPDATE_KEY, chunk_suffix, pipe_key, weight_key
+from pipefisher.timeline import (PRECONDITION_KEY, UP_SUFFIX, UPDATE_KEY, chunk_suffix, pipe_key, split_evenly,
+                                 weight_key)
 
 Timelines = list[dict[str, list[tuple[int, int]]]]
 
