@@ -5,7 +5,8 @@ from typing import Callable, Sequence
 
 import click
 
-from pipefisher.cli._common import kept_until_exit, margin_option, staleness_for, staleness_option
+from pipefisher.cli._common import (check_overlap, kept_until_exit, margin_option, overlap_option, staleness_for,
+                                    staleness_option)
 from pipefisher.cli.group import main
 from pipefisher.problem import DEFAULT_MARGIN
 
@@ -23,18 +24,18 @@ def run_schedule(
     allow_mixed: bool = False,
     staleness: str | None = None,
     slowdown: float | None = None,
-    overlap: bool | None = None,
+    overlap: bool = False,
 ) -> None:
     """Load, pack, report, then write the outputs; nothing is written unless everything before worked.
 
     Options and output folders are checked first, so a typo there refuses before any packing or report.
     ``allow_mixed`` loads timelines that look like several jobs' (:func:`pipefisher.timeline.load_job`).
-    ``overlap``: cycles may overlap (None: yes for the policies that can, :data:`OVERLAPPING`).
+    ``overlap``: cycles may overlap (the policies that take the option: :func:`check_overlap`).
     """
     from pipefisher.cli._outputs import check_out_file
     from pipefisher.errors import InputError
     from pipefisher.examples import example_timelines
-    from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.policies import DEFAULT_POLICY, POLICIES, get_policy
     from pipefisher.report import report_data, usage_lines, workload_lines
     from pipefisher.safe_io import dump_json_atomic
     from pipefisher.schedule_file import job_layout, save_schedule
@@ -45,12 +46,9 @@ def run_schedule(
         raise InputError(None, f"--time-limit applies to the 'exact' policy only, not to '{name}'")
     if slowdown is not None and name != "target":
         raise InputError(None, f"--kfac-slowdown applies to the 'target' policy only, not to '{name}'")
-    if overlap and name not in OVERLAPPING:
-        raise InputError(None, f"--overlap applies to the {' and '.join(map(repr, OVERLAPPING))} policies only, "
-                               f"not to '{name}'")
-    overlap = name in OVERLAPPING if overlap is None else overlap
+    check_overlap(overlap, name)
     chosen = get_policy(name, time_limit=time_limit, staleness=staleness_for(staleness, name), slowdown=slowdown,
-                        overlap=overlap if name in OVERLAPPING else None)
+                        overlap=overlap or None)
     check_out_file(save_path, "--save-path")
     check_out_file(json_path, "--json")
     if not paths:
@@ -69,7 +67,7 @@ def run_schedule(
     if compare:
         from pipefisher.report import compare_lines
 
-        others = [get_policy(name, overlap=overlap if name in OVERLAPPING else None).pack(job, margin)
+        others = [get_policy(name, overlap=overlap and "overlap" in getattr(POLICIES[name], "options", ()) or None).pack(job, margin)
                   for name in ("compat", DEFAULT_POLICY) if name != chosen.name]
         pair = [s for s in [schedule, *others] if s.policy == "compat"] + \
             [s for s in [schedule, *others] if s.policy != "compat"]
@@ -81,10 +79,6 @@ def run_schedule(
         save_schedule(save_path, schedule, timelines=[n.path for n in job.nodes], packed_for=job_layout(job))
     if json_path:
         dump_json_atomic(json_path, data)
-
-
-OVERLAPPING = ("tight", "target")
-"""The policies whose cycles may overlap (:mod:`pipefisher.problem`): by default they do."""
 
 
 def _policy_help() -> str:
@@ -113,14 +107,11 @@ def _policy_help() -> str:
 @click.option("--allow-mixed", is_flag=True,
               help="load TIMELINES even if they look like several jobs' (other name prefixes, a node index "
                    "missing or twice, a file twice, or another run's start_end)")
-@click.option("--overlap/--no-overlap", default=None,
-              help="let a factor's inverse pieces run on into the next cycle's first iterations, so a cycle "
-                   "is as short as its covariance, sync and total inverse work allow (default: on for "
-                   "'tight' and 'target', which alone can; the metadata records it)")
+@overlap_option()
 def schedule_command(timelines: tuple[str, ...], save_path: str | None, policy: str | None,
                      print_workloads: bool, json_path: str | None, compare: bool, margin: float,
                      time_limit: float | None, allow_mixed: bool, staleness: str | None,
-                     slowdown: float | None, overlap: bool | None) -> None:
+                     slowdown: float | None, overlap: bool) -> None:
     """Pack per-node TIMELINES (pickle or JSON; comma-separated lists work too) into bubbles.
 
     With no TIMELINES, packs the bundled example job. With --save-path, the schedule's metadata (policy,
