@@ -228,7 +228,7 @@ def violations_per_node(schedule: JobSchedule, job: Job,
     if violations is None:
         from pipefisher.rules import validate
 
-        violations = validate(schedule.to_file_data(), job, margin=schedule.margin)
+        violations = validate(schedule.to_file_data(), job, margin=schedule.margin, overlap=schedule.overlap)
     counts: dict[int, int] = {}
     for v in violations:
         counts[v.node] = counts.get(v.node, 0) + 1

@@ -11,8 +11,10 @@ schedule that ``validate`` accepts, with the same margin, has fewer iterations.
   tail gaps up to the job's pipeline time (an iteration spans [min(0, first item), max(pipeline time,
   last item end)]).
 * **The work.** A covariance key is a queue of m pieces per interval (m = micro-batches of the pipe its
-  module serves; the interval's length split evenly, remainder on the first pieces), a sync or inverse
-  key one item per interval (each as long as the key's longest interval).
+  module serves; the interval's length split evenly, remainder on the first pieces), a sync key one item
+  per interval (each as long as the key's longest interval), an inverse key one item per interval: the
+  refresh's pieces, in order, each as long as its own interval (the j-th run of the label after the
+  factor's completion runs piece j; every packer places a factor's pieces in that order).
 * **The room rule.** An item of duration d that starts at t in a bubble ending at e fits when
   ``t + (1 + margin) d < e``: work runs back to back from the bubble's start, and each item keeps a
   margin of its own length free after it (the published tool's rule, with margin 0.05). The margin is
@@ -25,15 +27,20 @@ schedule that ``validate`` accepts, with the same margin, has fewer iterations.
   or backward (B) ``j mod m`` of its pipe, or under interleaving of its own model chunk (``:chunk<j>``
   keys; m = that chunk's forwards) (:func:`cov_source`, :func:`source_call`); a sync follows all
   pieces of its factor; an inverse follows the factor's first sync, or all its pieces where the node has
-  no sync for it (``NodeModel.synced``).
+  no sync for it (``NodeModel.synced``): the factor's *completion*. In an overlapping cycle
+  (``NodeModel.overlap``, schedule metadata ``"overlap": true``) an inverse piece may also lie before
+  its factor's completion: cyclically, the p inverse labels after a completion are its refresh's p
+  pieces, so those before the completion are pieces of the previous cycle's refresh
+  (:func:`pieces_before_completion`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Sequence
 
 from pipefisher.timeline import (
-    BACKWARD, FORWARD, Interval, NodeTimeline, Time, TimelineKey, pipe_key,
+    BACKWARD, FORWARD, Interval, NodeTimeline, Time, TimelineKey, pipe_key, split_evenly,
 )
 
 DEFAULT_MARGIN = 0.05
@@ -115,6 +122,7 @@ class NodeModel:
     groups: int
     synced: tuple[bool, ...]  # per group: the node has a sync item for it (inverses wait for it)
     margin: float = DEFAULT_MARGIN  # the room rule's margin (see the module's docstring)
+    overlap: bool = False  # inverse pieces may lie before their factor's completion (the module's docstring)
 
     @property
     def scale(self) -> float:
@@ -149,6 +157,65 @@ class NodeModel:
         return Factors(tuple(pieces), tuple(map(tuple, syncs)), tuple(map(tuple, invs)))
 
 
+def pieces_before_completion(node: NodeTimeline, iterations: Sequence[Sequence[str]]) -> dict[str, int]:
+    """Per inverse label of a cycle, how many of its runs come before its factor's completion (its first
+    sync, or without one on the node its last covariance piece; none: the cycle's start). In an
+    overlapping cycle those are the previous refresh's last pieces, so the j-th run in the cycle runs
+    piece ``(j - this count) mod p``; in any other cycle the count is 0 (what ``validate`` allows)."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    runs: dict[str, list[int]] = {}
+    at = 0
+    for labels in iterations:
+        for label in labels:
+            if label.startswith("inv_kron_"):
+                runs.setdefault(label, []).append(at)
+            elif label.startswith(("sync_kron_", "cov_kron_")):
+                first.setdefault(label, at)
+                last[label] = at
+            at += 1
+    out: dict[str, int] = {}
+    for label, where in runs.items():
+        rest = label[len("inv_kron_"):]  # the factor letter and the layer
+        sync = "sync_kron_" + rest
+        done = first.get(sync, -1) if node.entries.get(sync) else last.get("cov_kron_" + rest, -1)
+        out[label] = sum(1 for x in where if x < done)
+    return out
+
+
+def curvature_age(node: NodeTimeline, iterations: Sequence[Sequence[str]]) -> tuple[int, float, int] | None:
+    """The curvature's age over one node's cycle, in steps: (least, mean, most) over its steps and factors;
+    None where the cycle refreshes nothing.
+
+    At a step's ``-- end --`` the gradients are preconditioned with the latest installed refresh; its age
+    is the steps since iteration 0 of the cycle whose micro-batches built it. A refresh whose last piece
+    runs in iteration ``f`` counted from that iteration 0 (``f >= k`` where the cycle overlaps the next:
+    its last pieces come before the next completion, :func:`pieces_before_completion`; one more where
+    the piece comes after the ``-- end --``) is installed at step ``f``'s end at age ``f + 1`` and used
+    until the next one: ages ``f + 1`` to ``f + k``.
+    """
+    k = len(iterations)
+    before = pieces_before_completion(node, iterations)
+    seen: dict[str, int] = {}
+    last_at: dict[str, int] = {}  # per inverse label: the installing run's iteration (after its end: +1)
+    for i, labels in enumerate(iterations):
+        ended = False
+        for label in labels:
+            if label == "-- end --":
+                ended = True
+            elif label.startswith("inv_kron_"):
+                seen[label] = seen.get(label, 0) + 1
+                if seen[label] == before[label] or not before[label]:
+                    last_at[label] = i + (1 if ended else 0)  # the last run before the completion, or the last
+    ages: list[int] = []
+    for label, at in last_at.items():
+        f = at + (k if before[label] else 0)
+        ages.extend(range(f + 1, f + k + 1))
+    if not ages:
+        return None
+    return min(ages), sum(ages) / len(ages), max(ages)
+
+
 def sane_bounds(iv: Interval, fallback: Time) -> tuple[Time, Time]:
     """A missing bound is no measured time; an end before the start is no time either."""
     s, e = iv.start, iv.end
@@ -162,16 +229,9 @@ def sane_bounds(iv: Interval, fallback: Time) -> tuple[Time, Time]:
     return s, (e if e >= s else s)
 
 
-def split_evenly(length: Time, m: int) -> tuple[Time, ...]:
-    """``m`` pieces that add up to ``length``: the remainder spread over the first pieces (integers)."""
-    if isinstance(length, int):
-        base, rem = divmod(length, m)
-        return (base + 1,) * rem + (base,) * (m - rem)
-    return (length / m,) * m
-
-
-def node_model(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN) -> NodeModel:
-    """Sort the pipeline, find the bubbles in [0, span], and turn the K-FAC keys into work items."""
+def node_model(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN, overlap: bool = False) -> NodeModel:
+    """Sort the pipeline, find the bubbles in [0, span], and turn the K-FAC keys into work items;
+    ``overlap``: the packing problem of overlapping cycles (the module's docstring)."""
     margin = check_margin(margin)
     raw = []
     order = 0
@@ -234,11 +294,14 @@ def node_model(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN) -
             release = period * len(durations)
             items.append(Work(key, COV, g, tuple(pieces), release))
         else:
-            if kind == SYNC and durations:
-                synced.add(g)
-            # A sync or inverse that ran several times in the profiled step: every run is measured at
-            # the longest (a label names no run, so a check cannot tell which one comes when).
-            longest = max(durations, default=0)
-            items.extend(Work(key, kind, g, (longest,), ()) for _ in durations)
+            if kind == SYNC:
+                if durations:
+                    synced.add(g)
+                # A sync that ran several times in the profiled step: every run is measured at the
+                # longest (a label names no run, so a check cannot tell which one comes when).
+                longest = max(durations, default=0)
+                items.extend(Work(key, kind, g, (longest,), ()) for _ in durations)
+            else:  # an inverse's intervals are its refresh's pieces, each run in order at its own length
+                items.extend(Work(key, kind, g, (d,), ()) for d in durations)
     return NodeModel(pipeline, tuple(bubbles), base, length, busy, tuple(items), len(group_of),
-                     tuple(g in synced for g in range(len(group_of))), margin)
+                     tuple(g in synced for g in range(len(group_of))), margin, overlap)

@@ -35,6 +35,8 @@ def usage_lines(schedule: JobSchedule, job: Job | None = None) -> list[str]:
         ends = step_ends(schedule, job)
         if any(e.update or e.precondition for e in ends):
             lines += ["", *step_end_lines(ends)]
+        if any(node.figures.lower_bound is not None for node in schedule.nodes):  # not the published report
+            lines += ["", *age_lines(schedule, job)]
     if schedule.tradeoff is not None:
         lines += ["", *schedule.tradeoff.lines()]
     return lines
@@ -79,6 +81,24 @@ def step_ends(schedule: JobSchedule, job: Job) -> list[StepEnd]:
         out.append(StepEnd(f.iterations, max(f.kfac_placed - f.overflow, 0), f.overflow, unit(rest + precondition),
                            unit(precondition), unit(exposed)))
     return out
+
+
+def age_lines(schedule: JobSchedule, job: Job) -> list[str]:
+    """One line per node: the curvature's age over its cycle (:func:`pipefisher.problem.curvature_age`),
+    which the refresh interval k alone does not say where a refresh runs on into the next cycle."""
+    from pipefisher.problem import curvature_age
+
+    lines = []
+    for i, (node, timeline) in enumerate(zip(schedule.nodes, job.nodes)):
+        age = curvature_age(timeline, node.iterations)
+        k = node.figures.iterations
+        if age is None:
+            lines.append(f"node{i}: no curvature refresh in its cycle of {k}")
+            continue
+        low, mean, high = age
+        lines.append(f"node{i}: curvature age {low}..{high} steps (mean {mean:.2f}) over its cycle of {k}"
+                     + (" (overlapping)" if schedule.overlap else ""))
+    return lines
 
 
 def step_end_lines(ends: list[StepEnd]) -> list[str]:
@@ -137,17 +157,21 @@ def node_bound(schedule: JobSchedule, job: Job, index: int) -> int:
 
 def report_data(schedule: JobSchedule, job: Job) -> dict[str, Any]:
     """The report as data, for ``--json``: per node, the figures a user compares, the K-FAC work in the
-    bubbles against the update at the step's end among them (:class:`StepEnd`; 0 where not recorded).
+    bubbles against the update at the step's end among them (:class:`StepEnd`; 0 where not recorded),
+    and the curvature's age over the cycle (least, mean and most steps; None where nothing is refreshed).
 
     Every policy's nodes carry the lower bound, the gap to it and whether the cycle is proven optimal
     (for policies that compute no bound, it is computed here; a negative gap then means the schedule
     breaks the rules: no valid one is that short).
     """
+    from pipefisher.problem import curvature_age
+
     nodes = []
     ends = step_ends(schedule, job)
     for i, (node, timeline, end) in enumerate(zip(schedule.nodes, job.nodes, ends)):
         f = node.figures
         bound = node_bound(schedule, job, i)
+        age = curvature_age(timeline, node.iterations)
         entry = {
             "node": i,
             "timeline": timeline.path,
@@ -165,12 +189,14 @@ def report_data(schedule: JobSchedule, job: Job) -> dict[str, Any]:
             "lower_bound": bound,
             "gap": f.iterations - bound,
             "optimal": f.iterations == bound,
+            "curvature_age": None if age is None else {"min": age[0], "mean": _plain(round(age[1], 6)), "max": age[2]},
         }
         entry.update({k: _plain(v) for k, v in f.extra.items()})
         nodes.append(entry)
     return {
         "policy": schedule.policy,
         "margin": schedule.margin,
+        "overlap": schedule.overlap,
         **({"tradeoff": schedule.tradeoff.data()} if schedule.tradeoff is not None else {}),
         "pipeline_time": job.span,
         "time_unit": "seconds" if isinstance(job.span, float) else "nanoseconds",
@@ -185,7 +211,7 @@ def compare_lines(job: Job, schedules: "list[JobSchedule]") -> list[str]:
     """
     from pipefisher.rules import validate
 
-    bad = [{v.node for v in validate(s.to_file_data(), job, margin=s.margin)} for s in schedules]
+    bad = [{v.node for v in validate(s.to_file_data(), job, margin=s.margin, overlap=s.overlap)} for s in schedules]
     head = ["node"]
     for s in schedules:
         head += [f"{s.policy}:cycle", "usage%", "overflow", "valid"]

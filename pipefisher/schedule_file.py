@@ -45,7 +45,7 @@ def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | Schedule
     """Write the schedule file atomically (the old file stays whole if anything fails).
 
     A packed :class:`JobSchedule` also gets its metadata beside it (:func:`meta_path`): the policy, the
-    margin it was packed under and the K-FAC inflation ``kfac_margin`` it was packed against
+    margin it was packed under, ``"overlap": true`` where its cycles overlap, and the K-FAC inflation ``kfac_margin`` it was packed against
     (:func:`pipefisher.timeline.inflate_kfac`; so ``validate`` checks it under the same rule, on the
     same job), per node the cycle and its lower bound, the ``timelines`` it was packed from where
     given (absolute paths: the trainer plans its measurements against them), and ``packed_for``, the
@@ -61,6 +61,7 @@ def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | Schedule
             "margin": schedule.margin,
             "kfac_margin": kfac_margin,
             "pipeline_time": schedule.span,
+            **({"overlap": True} if schedule.overlap else {}),
             "nodes": [{"iterations": n.figures.iterations, "lower_bound": n.figures.lower_bound,
                        "optimal": n.figures.optimal if n.figures.lower_bound is not None else None}
                       for n in schedule.nodes],
@@ -117,6 +118,16 @@ def schedule_margin(path: str | os.PathLike[str]) -> float | None:
     if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < 10:
         raise InputError(meta_path(path), f"holds no valid margin ({margin!r})")
     return float(margin)
+
+
+def schedule_overlap(path: str | os.PathLike[str]) -> bool:
+    """Whether a schedule's cycles overlap (metadata ``"overlap": true``, written by the packer that made
+    it: :mod:`pipefisher.problem`); False where nothing is recorded."""
+    meta = read_schedule_meta(path)
+    overlap = False if meta is None else meta.get("overlap", False)
+    if not isinstance(overlap, bool):
+        raise InputError(meta_path(path), f"holds no valid overlap ({overlap!r}; true or false)")
+    return overlap
 
 
 def schedule_kfac_margin(path: str | os.PathLike[str]) -> float:

@@ -236,6 +236,14 @@ def pipeline_keys(chunks: Iterable[int] = (0,)) -> tuple[str, ...]:
 _NATURAL_CHUNK = re.compile(r"(\d+)")
 
 
+def split_evenly(length: Time, m: int) -> tuple[Time, ...]:
+    """``m`` pieces that add up to ``length``: the remainder spread over the first pieces (integers)."""
+    if isinstance(length, int):
+        base, rem = divmod(length, m)
+        return (base + 1,) * rem + (base,) * (m - rem)
+    return (length / m,) * m
+
+
 def natural_key(path: str) -> list[Any]:
     """Sort key that puts ``node2`` before ``node10``."""
     return [int(c) if c.isdigit() else c for c in _NATURAL_CHUNK.split(os.fspath(path))]

@@ -21,6 +21,11 @@ Per job it prints the cycle the policy chose (the longest over the nodes), the m
 whether the cycle is within the model's; the last line counts the jobs within it:
 
     python scripts/bench_paper_jobs.py [--policy target] [--chimera] [--json out.json]
+        [--overlap] [--pieces N|auto | --piece-ms X]
+
+``--overlap`` lets the cycles overlap (``tight`` and ``target``); ``--pieces`` / ``--piece-ms`` run every
+inverse in pieces (the simulator's ``kfac.refresh_pieces`` / ``kfac.refresh_piece_ms``): the ratio is
+the same, only the work's granularity changes.
 """
 from __future__ import annotations
 
@@ -87,8 +92,12 @@ def paper_jobs(chimera: bool = False) -> Iterator[PaperJob]:
             yield PaperJob(model, gpu, batch, order, stages, n)
 
 
-def build(job: PaperJob) -> Job:
-    """The simulated job: the bundled cost model with this row's block costs, no sync, no latency."""
+def build(job: PaperJob, pieces: int | str = 1, piece_ms: float | None = None) -> Job:
+    """The simulated job: the bundled cost model with this row's block costs, no sync, no latency; each
+    inverse in ``pieces`` pieces (``auto``: :func:`auto_piece_ms`), or in pieces of at most ``piece_ms``."""
+    if pieces == "auto":
+        piece_ms = auto_piece_ms(build(job))
+        pieces = 1
     with open(os.path.join(SIM, MODELS[job.model][0])) as f:
         data = yaml.safe_load(f)
     row = block_costs(job.model, job.gpu, job.batch)
@@ -96,10 +105,24 @@ def build(job: PaperJob) -> Job:
     data["kfac"] = {**data["kfac"], "block_cov_ms": row["time_kron"], "block_inv_ms": row["time_inv"],
                     "block_prec_ms": row["time_prec"]}
     data["kfac"].pop("sync", None)
+    data["kfac"]["refresh_pieces"] = int(pieces)
+    if piece_ms is not None:
+        data["kfac"]["refresh_piece_ms"] = piece_ms
     data["latency_ms"] = 0.0
     timelines, _ = simulate_timelines(cost_model_from_dict(data, job.model), schedule=job.order,
                                       stages=job.stages, micro_batches=job.micro_batches)
     return job_from_dicts(timelines)
+
+
+AUTO_SHARE = 0.5
+"""``--pieces auto``: pieces at most this share of the smallest of the nodes' largest bubbles."""
+
+
+def auto_piece_ms(job: Job) -> float:
+    """A piece width that fits every node's bubbles: :data:`AUTO_SHARE` of the smallest node's largest
+    bubble (the pipeline's bubbles do not depend on how the K-FAC work is cut), in milliseconds."""
+    largest = min(node_model(node, job.span).largest for node in job.nodes)
+    return AUTO_SHARE * largest / 1e6
 
 
 def model_ratios(job: Job) -> list[float]:
@@ -126,13 +149,16 @@ class Outcome:
         return self.cycle <= self.model_cycle
 
 
-def measure(job: PaperJob, policy: str) -> Outcome:
-    built = build(job)
+def measure(job: PaperJob, policy: str, overlap: bool | None = None, pieces: int | str = 1,
+            piece_ms: float | None = None) -> Outcome:
+    """One job packed by ``policy`` (``overlap``: its option, None: the policy's default), each inverse in
+    ``pieces`` (or of at most ``piece_ms``: :func:`build`), and checked by the rule it was packed under."""
+    built = build(job, pieces, piece_ms)
     ratios = model_ratios(built)
     start = time.perf_counter()
-    packed = get_policy(policy).pack(built)
+    packed = get_policy(policy, overlap=overlap).pack(built)
     seconds = time.perf_counter() - start
-    valid = not validate(packed.to_file_data(), built, margin=packed.margin)
+    valid = not validate(packed.to_file_data(), built, margin=packed.margin, overlap=packed.overlap)
     cycle = max(n.figures.iterations for n in packed.nodes)
     return Outcome(str(job), cycle, math.ceil(SLACK * max(ratios)), max(ratios), valid, seconds)
 
@@ -141,10 +167,20 @@ def measure(job: PaperJob, policy: str) -> Outcome:
 @click.option("--policy", default=DEFAULT_POLICY, show_default=True, help="Packing policy to measure.")
 @click.option("--chimera", is_flag=True, help="Add Chimera to GPipe and 1F1B (its model counts both copies).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write every job's figures here.")
-def main(policy: str, chimera: bool, json_out: str | None) -> None:
+@click.option("--overlap/--no-overlap", default=None,
+              help="Let cycles overlap (tight and target only; default: the policy's own, off).")
+@click.option("--pieces", default="1", show_default=True,
+              help="Pieces each inverse runs in, or 'auto': pieces of at most half the smallest node's largest bubble.")
+@click.option("--piece-ms", type=click.FloatRange(0, min_open=True), default=None,
+              help="Pieces of at most this many milliseconds (instead of --pieces).")
+def main(policy: str, chimera: bool, json_out: str | None, overlap: bool | None, pieces: str,
+         piece_ms: float | None) -> None:
+    if pieces != "auto" and not (pieces.isdigit() and int(pieces) >= 1):
+        raise click.BadParameter(f"{pieces!r} is neither a count >= 1 nor 'auto'", param_hint="--pieces")
+    split: int | str = pieces if pieces == "auto" else int(pieces)
     outcomes = []
     for job in paper_jobs(chimera):
-        o = measure(job, policy)
+        o = measure(job, policy, overlap, split, piece_ms)
         outcomes.append(o)
         click.echo(f"{o.job:<44} cycle {o.cycle:>3}  model ceil({SLACK} x {o.ratio:6.2f}) = {o.model_cycle:>3}  "
                    f"{'valid' if o.valid else 'INVALID'}  {'within' if o.within else 'over'}  {o.seconds:.2f} s")

@@ -82,7 +82,7 @@ def time_policies(paths: list[str], repeat: int, published: bool) -> Runs:
                     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
                     times[policy].append((wall, cpu))
                 cycles[policy] = max(int(line.split(":")[1].split()[0]) for line in res.stdout.splitlines()
-                                     if line.startswith("node"))
+                                     if line.startswith("node") and " pipeline iterations " in line)
     return {p: (times[p], cycles[p]) for p in times}
 
 

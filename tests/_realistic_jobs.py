@@ -28,8 +28,10 @@ def block_costs(model: str, batch: int) -> dict[str, float]:
     return {k: float(v) for k, v in row.items()}
 
 
-def realistic_job(model: str, batch: int, schedule: str, stages: int, micro_batches: int, sync: bool) -> Job:
-    """A simulated job of ``model`` at micro-batch size ``batch`` (see the module's docstring)."""
+def realistic_job(model: str, batch: int, schedule: str, stages: int, micro_batches: int, sync: bool,
+                  piece_ms: float | None = None) -> Job:
+    """A simulated job of ``model`` at micro-batch size ``batch`` (see the module's docstring); with
+    ``piece_ms``, each inverse runs in pieces of at most that long (``kfac.refresh_piece_ms``)."""
     with open(SIM / MODELS[model]) as f:
         data = yaml.safe_load(f)
     row = block_costs(model, batch)
@@ -38,6 +40,8 @@ def realistic_job(model: str, batch: int, schedule: str, stages: int, micro_batc
                     "block_prec_ms": row["time_prec"]}
     if not sync:
         data["kfac"].pop("sync", None)
+    if piece_ms is not None:
+        data["kfac"]["refresh_piece_ms"] = piece_ms
     timelines, _ = simulate_timelines(cost_model_from_dict(data, model), schedule=schedule, stages=stages,
                                       micro_batches=micro_batches)
     return job_from_dicts(timelines)

@@ -95,3 +95,16 @@ def dead_unit_factors(scale: float) -> Iterator[tuple[str, Any]]:
 
 
 DEAD_UNIT_SCALES = [1e-8, 3e-10, 1e-10]
+
+
+def overlapping_node() -> dict[str, list[tuple[int, int]]]:
+    """A node whose refresh (three pieces of 80) fits after its factor's completion only in three bubbles
+    of 100, one more than the cycle holds after the completion: non-overlapping, its cycle is 3
+    iterations (also its bound); overlapping, the third piece goes into iteration 0's first bubble, 2.
+
+    Bubbles [10, 110], [120, 130], [140, 240]; the factor's second covariance piece follows backward 1
+    (at 240), so it completes in iteration 1 at the earliest.
+    """
+    return {"start_end": [(0, 1000)], "call_forward": [(0, 10), (130, 140)],
+            "call_backward": [(110, 120), (240, 250)], "cov_kron_B:l": [(0, 10)], "sync_kron_B:l": [(0, 4)],
+            "inv_kron_B:l": [(0, 80), (0, 80), (0, 80)]}

@@ -35,3 +35,15 @@ def test_one_job_is_packed_valid_and_compared_with_the_model() -> None:
     assert out.valid
     assert out.model_cycle == 2 and out.cycle >= 1  # ceil(1.1 x 1.58)
     assert out.within == (out.cycle <= 2)
+
+
+def test_pieces_and_overlap_pack_valid_and_no_longer_than_whole_refreshes() -> None:
+    job = bench.PaperJob("bert-large", "rtx3090", 8, "gpipe", 8, 8)
+    whole = bench.measure(job, "tight")
+    auto = bench.measure(job, "tight", overlap=True, pieces="auto")
+    assert whole.valid and auto.valid and auto.cycle <= whole.cycle
+    assert auto.ratio == pytest.approx(whole.ratio, rel=1e-6)  # the same work, in other pieces
+    built = bench.build(job, "auto")
+    width = bench.auto_piece_ms(bench.build(job)) * 1e6
+    inverses = [ivs for node in built.nodes for k, ivs in node.entries.items() if k.startswith("inv_kron_")]
+    assert max(map(len, inverses)) > 1 and all(iv.end - iv.start <= width + 1 for ivs in inverses for iv in ivs)

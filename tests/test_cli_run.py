@@ -514,3 +514,17 @@ def test_what_a_stop_stopped_is_said_by_phase():
     assert stopped_what(Interrupted(45), 200) == "after 45 of 200 training steps"
     assert stopped_what(Interrupted(None), 200) == "before its first training step ended"
     assert stopped_what(Interrupted(None, phase="starting"), 200) == "while starting"
+
+
+def test_overlap_is_refused_in_one_line_where_it_cannot_apply(tmp_path):
+    """--overlap needs a policy that packs overlapping cycles, and --adapt's re-packs do not overlap (yet):
+    both said before any work; with --resume it is a set-up option like --policy."""
+    for args, said in ((["--policy", "compat"], "--overlap applies to the 'target' and 'tight' policies only, "
+                                                "not to 'compat'"),
+                       (["--adapt"], "error: --overlap: packs the first schedule only; --adapt's re-packs do not "
+                                     "overlap yet: drop one of them")):
+        res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(tmp_path / "o"), "--overlap", *args])
+        assert res.exit_code == 2 and res.output.count("\n") == 1 and said in res.output, res.output
+        assert not (tmp_path / "o").exists()
+    res = CliRunner().invoke(main, ["run", "--resume", str(tmp_path), "--overlap"])
+    assert res.exit_code == 2 and "--overlap: sets a run up" in res.output, res.output

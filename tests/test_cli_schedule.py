@@ -237,7 +237,8 @@ def test_report_says_optimal_or_gap_for_every_policy(tmp_path) -> None:
             assert node["gap"] == node["iterations"] - node["lower_bound"]
             assert node["optimal"] == (node["gap"] == 0)
         if policy != "compat":  # compat's lines stay the published ones, character for character
-            assert all(("optimal]" in line) or (", gap " in line) for line in result.output.splitlines())
+            assert all(("optimal]" in line) or (", gap " in line) for line in result.output.splitlines()
+                       if "pipeline iterations" in line)
 
 
 def test_bad_margin_is_one_line() -> None:
@@ -310,7 +311,7 @@ def test_the_default_policy_takes_a_staleness_curve_inline_or_as_a_file(tmp_path
     tight = run("schedule", "--policy", "tight")
     assert steep.exit_code == 0 and "time-to-target trade-off" in steep.output
     def cycles(output: str) -> list[str]:  # per node its cycle and usage, not the margin its bound is at
-        return [line.split(" [")[0] for line in output.splitlines() if line.startswith("node")]
+        return [line.split(" [")[0] for line in output.splitlines() if " pipeline iterations " in line]
 
     assert cycles(steep.output) == cycles(tight.output)
     path = str(tmp_path / "staleness.json")

@@ -402,3 +402,43 @@ def test_pack_nodes_hands_each_node_over_in_order_as_it_is_made(workers) -> None
     nodes = pack_nodes(job, workers=workers, each=lambda i, node: seen.append((i, node)))
     assert [i for i, _ in seen] == list(range(len(job.nodes)))
     assert tuple(node for _, node in seen) == nodes == pack_nodes(job, workers=workers)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Overlapping cycles
+
+
+def test_overlap_puts_the_pieces_left_into_the_first_iteration_and_shortens_the_cycle() -> None:
+    from conftest import overlapping_node
+    from pipefisher.policies import get_policy
+    from pipefisher.rules import validate
+    from pipefisher.timeline import job_from_dicts
+
+    job = job_from_dicts([overlapping_node()])
+    plain = get_policy("tight").pack(job)
+    assert not plain.overlap and plain.nodes[0].figures.iterations == 3
+    overlapping = get_policy("tight", overlap=True).pack(job)
+    node = overlapping.nodes[0]
+    assert overlapping.overlap and node.figures.iterations == 2 and node.figures.lower_bound == 2
+    # the previous refresh's last piece in iteration 0's first bubble, before this cycle's sync
+    assert node.iterations[0][:3] == ("-- start --", "call_forward", "inv_kron_B:l")
+    assert validate(overlapping.to_file_data(), job, overlap=True) == []
+    assert [v.rule for v in validate(overlapping.to_file_data(), job)] == ["inv-before-sync"]
+    # target packs tight: with the option, the same
+    target = get_policy("target", overlap=True).pack(job)
+    assert target.overlap and target.nodes[0].figures.iterations == 2
+
+
+@pytest.mark.parametrize("piece_ms", [None, 2.0])
+def test_overlap_never_lengthens_a_cycle_and_every_realistic_node_validates(piece_ms: float | None) -> None:
+    from pipefisher.policies import get_policy
+    from pipefisher.rules import validate
+
+    for shape in realistic_shapes()[::16]:
+        name, job = str(shape), realistic_job(*shape, piece_ms=piece_ms)
+        plain = get_policy("tight").pack(job)
+        overlapping = get_policy("tight", overlap=True).pack(job)
+        assert validate(overlapping.to_file_data(), job, margin=overlapping.margin, overlap=overlapping.overlap) == []
+        for a, b in zip(plain.nodes, overlapping.nodes):
+            assert b.figures.iterations <= a.figures.iterations, name
+            assert b.figures.lower_bound <= b.figures.iterations, name

@@ -136,6 +136,56 @@ def test_the_oracle_places_items_at_the_limit_of_the_rule() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# A refresh in pieces: an inverse key with p intervals is p pieces, each at its own length, in order
+
+
+def test_an_inverse_key_with_several_intervals_is_its_pieces_each_at_its_own_length() -> None:
+    raw = one_bubble(100, **{kfac("cov_kron_A"): [(0, 5)], kfac("inv_kron_A"): [(0, 60), (0, 8)]})
+    job = job_from_dicts([raw])
+    model = node_model(job.nodes[0], job.span)
+    assert model.durations[kfac("inv_kron_A")] == (60, 8)
+    # piece 1 (8) fits the 20 left after piece 0 in the same bubble; measured at the longest it did not
+    both = ["call_forward", kfac("cov_kron_A"), kfac("inv_kron_A"), kfac("inv_kron_A"), "call_backward"]
+    assert rooms(raw, both) == []
+    # in the other order the labels would claim the 60 runs second: it does not fit after 5 + 60
+    swapped = one_bubble(100, **{kfac("cov_kron_A"): [(0, 5)], kfac("inv_kron_A"): [(0, 8), (0, 60)]})
+    assert rooms(swapped, both) == []
+    longer = one_bubble(100, **{kfac("cov_kron_A"): [(0, 5)], kfac("inv_kron_A"): [(0, 60), (0, 35)]})
+    assert rooms(longer, both) == ["bubble-overfilled"]
+
+
+@pytest.mark.parametrize("policy", ["tight", "best-fit", "exact"])
+def test_every_packer_places_a_refresh_s_pieces_in_their_order(policy: str) -> None:
+    # pieces 8, then 60, then 20: a packer choosing the largest ready item first would run 60 first
+    pieces = [(0, 8), (0, 60), (0, 20)]
+    raw = {"start_end": [(0, 1000)], "call_forward": [(0, 10)], "call_backward": [(110, 120)],
+           kfac("cov_kron_A"): [(0, 5)], kfac("sync_kron_A"): [(0, 4)], kfac("inv_kron_A"): pieces}
+    job = job_from_dicts([raw])
+    if policy == "exact":
+        pytest.importorskip("ortools")
+    packed = get_policy(policy).pack(job)
+    assert validate(packed.to_file_data(), job) == []
+    runs = [p.duration for p in packed.nodes[0].placements if p.label == kfac("inv_kron_A")]
+    assert runs == [8, 60, 20]
+
+
+def test_the_fixed_length_construction_places_a_refresh_s_pieces_in_their_order() -> None:
+    from pipefisher.policies.cycle import node_schedule
+    from pipefisher.policies.tight import pack_fixed
+
+    raw = {"start_end": [(0, 1000)], "call_forward": [(0, 10)], "call_backward": [(110, 120)],
+           kfac("cov_kron_A"): [(0, 5)], kfac("sync_kron_A"): [(0, 4)], kfac("inv_kron_A"): [(0, 8), (0, 60), (0, 20)]}
+    job = job_from_dicts([raw])
+    model = node_model(job.nodes[0], job.span)
+    built = [packed for packed in (pack_fixed(model, k) for k in (1, 2, 3, 4)) if packed is not None]
+    assert built
+    for packed in built:
+        schedule = node_schedule(model, packed, model_bounds(model))
+        assert validate([list(map(list, schedule.iterations))], job) == []
+        assert [p.duration for p in schedule.placements if p.label == kfac("inv_kron_A")] == [8, 60, 20]
+
+
+# ----------------------------------------------------------------------------------------------------
 # Generated nodes
 
 

@@ -58,8 +58,8 @@ def test_the_report_separates_kfac_in_bubbles_from_the_update_at_the_steps_end()
     published = usage_lines(packed)
     lines = usage_lines(packed, job)
     assert lines[:4] == published and lines[4] == ""  # the published lines first, as they were
-    ends = lines[5:]
-    assert len(ends) == 4
+    ends = lines[5:9]
+    assert lines[9] == "" and all(line.startswith(f"node{i}: curvature age ") for i, line in enumerate(lines[10:]))
     for i, line in enumerate(ends):
         assert line.startswith(f"node{i}: K-FAC in bubbles ") and f"per cycle of {len(packed.nodes[i].iterations)}" in line
         assert "at the step's end: update 20.416 ms (preconditioning 20.416 ms of it), exposed " in line
@@ -79,3 +79,20 @@ def test_without_end_of_step_records_the_report_is_the_published_one() -> None:
     assert usage_lines(packed, job) == usage_lines(packed)
     entry = report_data(packed, job)["nodes"][0]
     assert (entry["update_time"], entry["precondition_time"], entry["update_exposed_time"]) == (0, 0, 0)
+
+
+def test_the_report_gives_the_curvature_s_age_over_the_cycle_overlapping_or_not() -> None:
+    from conftest import overlapping_node
+
+    job = job_from_dicts([overlapping_node()])
+    # k = 3, the refresh done in iteration 2: ages 3, 4, 5; overlapping, k = 2 and the refresh done in the
+    # next cycle's iteration 0 (k + 0): ages 3 and 4, younger on average, though built a cycle earlier
+    for overlap, k, age, mean in ((False, 3, "3..5", "4.00"), (True, 2, "3..4", "3.50")):
+        packed = get_policy("tight", overlap=overlap).pack(job)
+        assert packed.nodes[0].figures.iterations == k
+        line = usage_lines(packed, job)[-1]
+        assert line.startswith(f"node0: curvature age {age} steps (mean {mean}) over its cycle of {k}"), line
+        data = report_data(packed, job)
+        low, high = map(int, age.split(".."))
+        assert data["overlap"] is overlap
+        assert data["nodes"][0]["curvature_age"] == {"min": low, "mean": float(mean), "max": high}

@@ -273,3 +273,33 @@ def test_a_chunked_schedule_validates_with_room_and_packs_tightly() -> None:
     job = job_from_dicts([_two_chunk_node()])
     packed = get_policy("tight").pack(job)
     assert validate(packed.to_file_data(), job) == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# Overlapping cycles (schedule metadata "overlap": true)
+
+OVERLAPPING = [[
+    ["-- start --", "call_forward", "call_backward", "inv_kron_B:l", "call_forward", "cov_kron_B:l", "call_backward",
+     "-- end --", "turn_off_save_inputs_outgrads"],
+    ["-- start --", "call_forward", "cov_kron_B:l", "sync_kron_B:l", "inv_kron_B:l", "call_backward", "call_forward",
+     "inv_kron_B:l", "call_backward", "-- end --", "turn_on_save_inputs_outgrads"],
+]]
+
+
+def test_an_overlapping_cycle_is_valid_by_the_overlap_rule_only() -> None:
+    from conftest import overlapping_node
+
+    raw = overlapping_node()
+    raw["inv_kron_B:l"] = [(0, 80), (0, 80), (0, 8)]
+    job = job_from_dicts([raw])
+    # the run before the sync is the previous refresh's last piece (8: it fits the bubble of 10)
+    assert validate(OVERLAPPING, job, overlap=True) == []
+    # by today's rules it is an inverse before its sync, and measured as the first piece (80) it overfills
+    assert sorted(v.rule for v in validate(OVERLAPPING, job)) == ["bubble-overfilled", "inv-before-sync"]
+    # the pieces after the completion are still measured in their order: 8 first does not fit there
+    raw["inv_kron_B:l"] = [(0, 80), (0, 8), (0, 80)]
+    assert [v.rule for v in validate(OVERLAPPING, job_from_dicts([raw]), overlap=True)] == ["bubble-overfilled"]
+    # counts are checked as always
+    short = copy.deepcopy(OVERLAPPING)
+    short[0][0].remove("inv_kron_B:l")
+    assert [v.rule for v in validate(short, job, overlap=True)] == ["work-count"]

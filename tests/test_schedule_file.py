@@ -50,3 +50,30 @@ def test_validate_of_a_schedule_packed_for_another_pipeline_is_one_line(tmp_path
 def test_a_module_difference_says_which_are_missing_and_which_extra() -> None:
     assert modules_difference(1, ["a", "b", "c"], ["b", "c", "d", "e"], "in this run") == (
         "node 1's K-FAC modules: 1 of its 3 not in this run (e.g. 'a'); 2 in this run not in it (e.g. 'd')")
+
+
+def test_an_overlapping_schedule_says_so_beside_it_and_validate_checks_it_by_that_rule(tmp_path, write_pickle) -> None:
+    from conftest import overlapping_node
+
+    timeline = write_pickle("job_node0_timeline.pickle", overlapping_node())
+    runner = CliRunner()
+    sched = str(tmp_path / "s.pickle")
+    res = runner.invoke(main, ["schedule", timeline, "--policy", "tight", "--save-path", sched])  # default: overlap
+    assert res.exit_code == 0, res.output
+    meta = json.loads(open(meta_path(sched)).read())
+    assert meta["overlap"] is True and meta["nodes"][0]["iterations"] == 2
+    res = runner.invoke(main, ["validate", "--schedule", sched, timeline])
+    assert res.exit_code == 0 and "overlap" in res.output, res.output
+    del meta["overlap"]  # without the flag: today's rules, which it breaks
+    open(meta_path(sched), "w").write(json.dumps(meta))
+    res = runner.invoke(main, ["validate", "--schedule", sched, timeline])
+    assert res.exit_code == 1 and "inv-before-sync" in res.output, res.output
+    meta["overlap"] = "yes"
+    open(meta_path(sched), "w").write(json.dumps(meta))
+    res = runner.invoke(main, ["validate", "--schedule", sched, timeline])
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "overlap" in res.output, res.output
+    # --no-overlap: today's cycle, no flag; --overlap where the policy cannot: one line
+    res = runner.invoke(main, ["schedule", timeline, "--policy", "tight", "--no-overlap", "--save-path", sched])
+    assert res.exit_code == 0 and "overlap" not in json.loads(open(meta_path(sched)).read())
+    res = runner.invoke(main, ["schedule", timeline, "--policy", "compat", "--overlap"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "--overlap" in res.output, res.output

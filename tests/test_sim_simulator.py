@@ -482,3 +482,31 @@ def test_dualpipev_pair_sends_its_forward_after_its_backward():
     f, b, w = next(run for run in s.fused if run[0].kind == "F" and run[0].stage < 2)
     nxt = next(op for op in timed if op.kind == "F" and op.micro_batch == f.micro_batch and op.stage == f.stage + 1)
     assert timed[nxt].start >= timed[w].end + latency > timed[f].end + latency
+
+
+def test_a_refresh_in_pieces_writes_each_inverse_as_that_many_equal_back_to_back_intervals() -> None:
+    import yaml
+
+    with open(BASE) as f:
+        data = yaml.safe_load(f)
+    whole, _ = simulate_timelines(cost_model_from_dict(data, "base"))
+    data["kfac"]["refresh_pieces"] = 3
+    split, _ = simulate_timelines(cost_model_from_dict(data, "base"))
+    inverses = [k for k in whole[0] if k.startswith("inv_kron_")]
+    assert inverses
+    for key in inverses:
+        (s, e), = whole[0][key]
+        pieces = split[0][key]
+        assert len(pieces) == 3 and pieces[0][0] == split[0][key][0][0]
+        assert sum(b - a for a, b in pieces) == e - s and max(b - a for a, b in pieces) - min(b - a for a, b in pieces) <= 1
+        assert all(pieces[j][1] == pieces[j + 1][0] for j in range(2))
+    # pieces of at most a width: as many as the inverse needs
+    del data["kfac"]["refresh_pieces"]
+    width = max(e - s for k in inverses for s, e in whole[0][k]) / NS_PER_MS / 2.5
+    data["kfac"]["refresh_piece_ms"] = width
+    wide, _ = simulate_timelines(cost_model_from_dict(data, "base"))
+    assert max(len(wide[0][k]) for k in inverses) == 3
+    assert all(b - a <= width * NS_PER_MS + 1 for k in inverses for a, b in wide[0][k])
+    data["kfac"]["refresh_pieces"] = 0
+    with pytest.raises(InputError, match="refresh_pieces"):
+        cost_model_from_dict(data, "base")

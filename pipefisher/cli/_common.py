@@ -153,3 +153,24 @@ def kept_until_exit() -> Iterator[None]:
         gc.freeze()
         if was_enabled:
             gc.enable()
+
+
+def overlap_option() -> Any:
+    """``--overlap``: cycles that overlap (``schedule`` and ``run``)."""
+    return click.option(
+        "--overlap/--no-overlap", default=False,
+        help="let a factor's refresh pieces run on into the next cycle's first iterations, so a cycle is as "
+             "short as its covariance, sync and total refresh work allow (the 'tight' and 'target' policies; "
+             "the metadata records it) [default: off]")
+
+
+def check_overlap(overlap: bool, policy: str | None) -> None:
+    """Refuse ``--overlap`` with a policy that cannot pack overlapping cycles (one that takes no ``overlap``
+    option), in one line, before any work."""
+    from pipefisher.policies import DEFAULT_POLICY, POLICIES
+
+    name = policy or DEFAULT_POLICY
+    able = sorted(n for n, cls in POLICIES.items() if "overlap" in getattr(cls, "options", ()))
+    if overlap and name in POLICIES and name not in able:
+        raise InputError(None, f"--overlap applies to the {' and '.join(map(repr, able))} policies only, not to "
+                               f"'{name}'")

@@ -13,16 +13,17 @@ from typing import Any, Iterator
 
 import click
 
-from pipefisher.cli._common import (adapt_drift_option, check_adapt_drift, chunks_option, margin_option,
-                                    pipeline_option, require_runtime, staleness_for, staleness_option)
+from pipefisher.cli._common import (adapt_drift_option, check_adapt_drift, check_overlap, chunks_option,
+                                    margin_option, overlap_option, pipeline_option, require_runtime, staleness_for,
+                                    staleness_option)
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.cli.train import (check_tensorboard, no_progress_option, past_decay_option, set_option,
                                   tensorboard_option)
 from pipefisher.errors import InputError
 
-SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "margin", "staleness", "adapt",
-          "adapt_drift", "allow_invalid",
+SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "margin", "staleness", "overlap",
+          "adapt", "adapt_drift", "allow_invalid",
           "nproc", "stages", "pipe_schedule", "chunks")
 """What sets a run up: ``--resume`` continues the run as it was set up, so these are refused with it."""
 
@@ -47,6 +48,7 @@ SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "m
                    "CPU timings; a longer cycle k)")
 @margin_option()
 @staleness_option()
+@overlap_option()
 @click.option("--adapt", is_flag=True,
               help="measure every training step and re-pack the schedule from the measurements while training "
                    "(same policy; switches at cycle boundaries, on every worker at the same step)")
@@ -77,7 +79,8 @@ SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "m
 @click.pass_context
 def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None, resume_dir: str | None, steps: int,
                 past_decay: bool, profile_steps: int, policy: str | None, kfac_margin: float, margin: float,
-                staleness: str | None, adapt: bool, adapt_drift: bool, name: str | None, allow_invalid: bool,
+                staleness: str | None, overlap: bool, adapt: bool, adapt_drift: bool, name: str | None,
+                allow_invalid: bool,
                 tensorboard_dir: str | None,
                 checkpoint_every: int | None, nproc: int | None, stages: int | None, pipe_schedule: str | None,
                 chunks: int | None, timeout_s: float | None, overrides: tuple[str, ...], eval_every: int | None,
@@ -116,6 +119,10 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
     tensorboard_dir = check_tensorboard(tensorboard_dir)
     curve = staleness_for(staleness, policy)  # a bad file: one line, before torch loads
     check_adapt_drift(adapt_drift, adapt, staleness)
+    check_overlap(overlap, policy)
+    if overlap and adapt:
+        raise InputError("--overlap", "packs the first schedule only; --adapt's re-packs do not overlap yet: "
+                                      "drop one of them")
     check_fresh_outputs(tensorboard=tensorboard_dir)  # each run's files have their own names; TensorBoard's not
     _phase_torch(no_progress)
     from pipefisher.runtime.launch.driver import run_job
@@ -130,7 +137,7 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
         run_job(cfg, out_dir, steps=steps, profile_steps=profile_steps, policy=policy, nproc=nproc, name=name,
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every or 0, log_every=log_every or 5,
                 progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every or 0, margin=margin,
-                adapt=adapt, adapt_drift=adapt_drift, tensorboard=tensorboard_dir, staleness=curve)
+                adapt=adapt, adapt_drift=adapt_drift, tensorboard=tensorboard_dir, staleness=curve, overlap=overlap)
 
 
 def _phase_torch(no_progress: bool) -> None:

@@ -5,7 +5,8 @@ from typing import Callable, Sequence
 
 import click
 
-from pipefisher.cli._common import kept_until_exit, margin_option, staleness_for, staleness_option
+from pipefisher.cli._common import (check_overlap, kept_until_exit, margin_option, overlap_option, staleness_for,
+                                    staleness_option)
 from pipefisher.cli.group import main
 from pipefisher.problem import DEFAULT_MARGIN
 
@@ -23,16 +24,18 @@ def run_schedule(
     allow_mixed: bool = False,
     staleness: str | None = None,
     slowdown: float | None = None,
+    overlap: bool = False,
 ) -> None:
     """Load, pack, report, then write the outputs; nothing is written unless everything before worked.
 
     Options and output folders are checked first, so a typo there refuses before any packing or report.
     ``allow_mixed`` loads timelines that look like several jobs' (:func:`pipefisher.timeline.load_job`).
+    ``overlap``: cycles may overlap (the policies that take the option: :func:`check_overlap`).
     """
     from pipefisher.cli._outputs import check_out_file
     from pipefisher.errors import InputError
     from pipefisher.examples import example_timelines
-    from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.policies import DEFAULT_POLICY, POLICIES, get_policy
     from pipefisher.report import report_data, usage_lines, workload_lines
     from pipefisher.safe_io import dump_json_atomic
     from pipefisher.schedule_file import job_layout, save_schedule
@@ -43,7 +46,9 @@ def run_schedule(
         raise InputError(None, f"--time-limit applies to the 'exact' policy only, not to '{name}'")
     if slowdown is not None and name != "target":
         raise InputError(None, f"--kfac-slowdown applies to the 'target' policy only, not to '{name}'")
-    chosen = get_policy(name, time_limit=time_limit, staleness=staleness_for(staleness, name), slowdown=slowdown)
+    check_overlap(overlap, name)
+    chosen = get_policy(name, time_limit=time_limit, staleness=staleness_for(staleness, name), slowdown=slowdown,
+                        overlap=overlap or None)
     check_out_file(save_path, "--save-path")
     check_out_file(json_path, "--json")
     if not paths:
@@ -62,7 +67,8 @@ def run_schedule(
     if compare:
         from pipefisher.report import compare_lines
 
-        others = [get_policy(name).pack(job, margin) for name in ("compat", DEFAULT_POLICY) if name != chosen.name]
+        others = [get_policy(name, overlap=overlap and "overlap" in getattr(POLICIES[name], "options", ()) or None).pack(job, margin)
+                  for name in ("compat", DEFAULT_POLICY) if name != chosen.name]
         pair = [s for s in [schedule, *others] if s.policy == "compat"] + \
             [s for s in [schedule, *others] if s.policy != "compat"]
         echo("")
@@ -101,14 +107,16 @@ def _policy_help() -> str:
 @click.option("--allow-mixed", is_flag=True,
               help="load TIMELINES even if they look like several jobs' (other name prefixes, a node index "
                    "missing or twice, a file twice, or another run's start_end)")
+@overlap_option()
 def schedule_command(timelines: tuple[str, ...], save_path: str | None, policy: str | None,
                      print_workloads: bool, json_path: str | None, compare: bool, margin: float,
                      time_limit: float | None, allow_mixed: bool, staleness: str | None,
-                     slowdown: float | None) -> None:
+                     slowdown: float | None, overlap: bool) -> None:
     """Pack per-node TIMELINES (pickle or JSON; comma-separated lists work too) into bubbles.
 
     With no TIMELINES, packs the bundled example job. With --save-path, the schedule's metadata (policy,
     margin, cycle and bound per node) is written beside it as FILE.meta.json.
     """
     run_schedule(timelines, save_path, policy, print_workloads, json_path, compare=compare, margin=margin,
-                 time_limit=time_limit, allow_mixed=allow_mixed, staleness=staleness, slowdown=slowdown)
+                 time_limit=time_limit, allow_mixed=allow_mixed, staleness=staleness, slowdown=slowdown,
+                 overlap=overlap)

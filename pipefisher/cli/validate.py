@@ -31,7 +31,8 @@ def validate_command(schedule_path: str, room: bool, layout: str, margin: float 
     JSON); print every violation, exit 1 if there is any.
 
     The spec's rules: each covariance piece after the forward or backward whose data it needs, syncs
-    after all pieces, inverses after their sync, every piece, sync and inverse as often as the timeline
+    after all pieces, inverses after their sync (where the metadata says the cycles overlap, an inverse
+    piece may also come before it: the previous cycle's refresh), every piece, sync and inverse as often as the timeline
     asks. A schedule whose metadata (FILE.meta.json) says it was packed for another job (another pipeline
     order, node or micro-batch count, other K-FAC modules) is refused in one line. With --room (the
     default), also the room rule, with its margin: the K-FAC work between two
@@ -48,8 +49,8 @@ def validate_command(schedule_path: str, room: bool, layout: str, margin: float 
     from pipefisher.problem import DEFAULT_MARGIN
     from pipefisher.rules import validate
     from pipefisher.rules.groups import chimera_groups
-    from pipefisher.schedule_file import (load_schedule, schedule_kfac_margin, schedule_margin, schedule_timelines,
-                                          timelines_mismatch)
+    from pipefisher.schedule_file import (load_schedule, schedule_kfac_margin, schedule_margin, schedule_overlap,
+                                          schedule_timelines, timelines_mismatch)
     from pipefisher.timeline import inflate_kfac, load_job
 
     job = load_job(timelines, allow_mixed=allow_mixed)
@@ -70,7 +71,11 @@ def validate_command(schedule_path: str, room: bool, layout: str, margin: float 
         elif margin != DEFAULT_MARGIN:
             click.echo(f"(room rule with margin {margin:g}, as recorded beside the schedule)", err=True)
     groups = {"auto": None, "chimera": chimera_groups(len(job.nodes)), "none": []}[layout]
-    violations = validate(schedule, job, schedule_path, room=room, groups=groups, margin=margin)
+    overlap = schedule_overlap(schedule_path)
+    if overlap:
+        click.echo("(cycles that overlap, as recorded beside the schedule: refresh pieces may come before "
+                   "their factor's completion)", err=True)
+    violations = validate(schedule, job, schedule_path, room=room, groups=groups, margin=margin, overlap=overlap)
     for v in violations:
         click.echo(str(v))
     nodes_bad = len({v.node for v in violations})

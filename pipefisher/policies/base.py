@@ -132,6 +132,9 @@ class JobSchedule:
     nodes: tuple[NodeSchedule, ...]
     margin: float = DEFAULT_MARGIN
     """The room rule's margin it was packed under (:mod:`pipefisher.problem`)."""
+    overlap: bool = False
+    """Its cycles overlap: some refresh pieces lie before their factor's completion, as pieces of the
+    previous cycle's refresh (:mod:`pipefisher.problem`); ``validate`` checks it by that rule."""
     tradeoff: Any = None
     """The ``target`` policy's weighing (a :class:`pipefisher.objective.Tradeoff`: the densities it packed
     and evaluated, this schedule one of them); None for the other policies."""

@@ -6,7 +6,7 @@ fits, then go to the next bubble. Work that fits no bubble of the node waits for
 iteration, after its last pipeline item (forced overflow). Ready means the dependency rules allow it
 now: a covariance piece after its forward or backward of the first iteration (and after the pieces
 before it in its queue), a sync after all pieces of its factor, an inverse after the factor's first
-sync (or all its pieces, where the node has no sync for it).
+sync (or all its pieces, where the node has no sync for it), each piece of a refresh after the one before.
 
 It knows nothing the other policies do not: ``tight`` runs it as one candidate of its portfolio, so
 ``tight`` never loses to it.
@@ -19,7 +19,7 @@ from pipefisher.policies.align import align_groups
 from pipefisher.policies.base import JobSchedule, Policy, gc_paused
 from pipefisher.policies.bounds import fittable_work, model_bounds, placed_time, sure_to_reach
 from pipefisher.policies.cycle import Packed, node_schedule
-from pipefisher.problem import COV, DEFAULT_MARGIN, SYNC, NodeModel, node_model
+from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, node_model
 from pipefisher.rules.groups import job_groups
 from pipefisher.timeline import Job, Time
 
@@ -44,6 +44,7 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20, later_first: 
     pieces_left = list(model.factors.pieces)
     syncs_of, invs_of = model.factors.syncs, model.factors.invs
     synced_yet = [False] * model.groups
+    next_piece = {a: b for invs in invs_of for a, b in zip(invs, invs[1:])}  # a refresh's pieces, in order
     if shorter_than is not None:
         bubble_time = sum(b.length for b in bubbles)
         fit_left = fittable_work(model)  # what is left of it: only bubbles take it
@@ -65,7 +66,7 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20, later_first: 
             insort(ready, (d * scale, tie * wi, wi))
 
     def factor_pieces_done(g: int) -> None:
-        for wi in (syncs_of[g] if model.synced[g] else invs_of[g]):
+        for wi in (syncs_of[g] if model.synced[g] else invs_of[g][:1]):
             make_ready(wi)
 
     def done(wi: int) -> Time:
@@ -82,8 +83,10 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20, later_first: 
             return d
         if w.kind == SYNC and not synced_yet[w.group]:
             synced_yet[w.group] = True
-            for v in invs_of[w.group]:
+            for v in invs_of[w.group][:1]:
                 make_ready(v)
+        elif w.kind == INV and wi in next_piece:
+            make_ready(next_piece[wi])
         return w.pieces[0]
 
     for g in range(model.groups):

@@ -14,6 +14,10 @@ or the dependencies (margin 5 % in the examples):
   ``ceil(count / sum of n over bubbles)`` iterations;
 * chains: each factor's last covariance piece, sync and inverse, alone on the node, end in some
   iteration at the earliest; the cycle needs at least one more;
+* overlapping cycles (``NodeModel.overlap``): an inverse piece may lie anywhere in the cycle (before its
+  factor's completion it is a piece of the previous refresh), so the bounds below that order work
+  (chains, one iteration, first iteration) take inverse pieces as free from the cycle's start: bounds of
+  the problem that packer solves, never above any valid overlapping schedule's cycle;
 * one iteration: a one-iteration cycle must do every factor's pieces after their forwards/backwards
   and its sync and inverse after that, all before the iteration ends; when the work released at or
   after some pipeline position cannot fit the bubbles after it, the cycle needs at least two;
@@ -34,7 +38,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from pipefisher.problem import COV, DEFAULT_MARGIN, SYNC, NodeModel, fits
+from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, fits
 from pipefisher.timeline import Time
 
 _SLACK = 1e-9  # floats: keep every bound valid when a ratio lands on a whole number by rounding
@@ -350,7 +354,10 @@ def _released(model: NodeModel, largest: Time) -> dict[int, float]:
         for wi in members:
             w = model.work[wi]
             if w.kind != COV:
-                tail.extend(d for d in w.pieces if d * scale < largest)
+                if model.overlap and w.kind == INV:  # free from the cycle's start
+                    released[-1] = get(-1, 0) + sum(d for d in w.pieces if d * scale < largest)
+                else:
+                    tail.extend(d for d in w.pieces if d * scale < largest)
                 continue
             if max(w.pieces) * scale < largest:  # the common case: all of it fits some bubble
                 for p, d in zip(w.release, w.pieces):
@@ -379,6 +386,10 @@ def _chains(model: NodeModel, largest: Time, with_pieces: bool = True) -> list[C
     fit_level = [-1] * g_n  # and of the last fittable one
     for w in model.work:
         g = w.group
+        if model.overlap and w.kind == INV:  # a piece free from the cycle's start: no link of the chain
+            if with_pieces:
+                pieces[g].extend((-1, d) for d in w.pieces if d * scale < largest)
+            continue
         level = w.kind if model.synced[g] or w.kind == COV else SYNC
         if w.kind == COV:
             last[g] = (w.release[-1], w.pieces[-1])  # releases repeat per interval and rise within it

@@ -23,6 +23,7 @@ class Packed:
     iterations: int
     in_bubbles: list[list[tuple[int, str, Time, Time]]]  # per iteration: (bubble, label, start, end)
     overflow: list[list[tuple[str, Time]]]  # per iteration: (label, duration), after the last pipeline item
+    overlap: bool = False  # some refresh pieces lie before their factor's completion (:mod:`pipefisher.problem`)
 
 
 def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeSchedule:
@@ -79,6 +80,7 @@ def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeS
             "bubble_time_per_iteration": bounds.bubble_time,
             "largest_bubble": bounds.largest_bubble,
             "forced_items": bounds.forced_items,
+            **({"overlap": True} if packed.overlap else {}),
         },
     )
     return NodeSchedule(tuple(iterations), LazyPlacements(lambda: _placements(model, packed)), figures, tuple(layout))

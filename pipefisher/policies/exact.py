@@ -255,6 +255,7 @@ def _build(cp_model: Any, model: NodeModel, k: int, nums: _Numbers, proof: bool)
         return sum(s * lit for s, lit in out.plain[wi].items())
 
     first_sync: dict[int, Any] = {}
+    next_piece = {a: b for invs in model.factors.invs for a, b in zip(invs, invs[1:])}
     for wi, w in enumerate(work):
         if w.kind == COV:
             continue
@@ -267,6 +268,8 @@ def _build(cp_model: Any, model: NodeModel, k: int, nums: _Numbers, proof: bool)
             m.add_min_equality(f, [position(si) for si in syncs_of[g]])
             first_sync[g] = f
         m.add(position(wi) >= first_sync[g])
+    for wi, nxt in next_piece.items():  # a refresh's pieces in order (the layout orders a slot's by index)
+        m.add(position(nxt) >= position(wi))
 
     # Room. The work of a bubble runs back to back; what decides whether it fits is mostly its last
     # item, which needs its margin before the bubble's end: ``total + margin * last < bubble``. Each
@@ -295,6 +298,8 @@ def _build(cp_model: Any, model: NodeModel, k: int, nums: _Numbers, proof: bool)
             elif w.kind == SYNC and (not proof or len(syncs_of[w.group]) == 1):
                 # an inverse here follows this sync (for proofs: only certain where it is the only one)
                 blockers = lits_of.get((w.group, INV), [])
+            elif w.kind == INV and wi in next_piece:  # the refresh's next piece, if here, follows it
+                blockers = [other for v, other, _, _ in here if v == next_piece[wi]]
             else:
                 blockers = []
             last = m.new_bool_var(f"last{wi}_{s}")
@@ -351,11 +356,11 @@ def _packed(model: NodeModel, built: _Model, solver: Any) -> Packed:
         # syncs/inverses of factors without pieces here, then the pieces, then the other
         # syncs/inverses (stable: pieces keep their order; a sync comes before an inverse); the item
         # the model chose to end the bubble (a queue: its pieces here) goes last
-        def place_rank(x: tuple[int, int]) -> tuple[int, int, int]:
+        def place_rank(x: tuple[int, int]) -> tuple[int, int, int, int]:
             w = work[x[0]]
             if w.kind == COV:
-                return (x[0] == chosen, 1, 0)
-            return (x[0] == chosen, 2 if w.group in with_pieces else 0, w.kind)
+                return (x[0] == chosen, 1, 0, 0)
+            return (x[0] == chosen, 2 if w.group in with_pieces else 0, w.kind, x[0])
 
         items.sort(key=place_rank)
         if b == nb:

@@ -13,6 +13,7 @@ packed at, which is at least the one asked for.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Iterator, Sequence
 
 from pipefisher.policies.base import JobSchedule, Policy, gc_paused
@@ -21,16 +22,17 @@ from pipefisher.problem import DEFAULT_MARGIN
 from pipefisher.timeline import Job
 
 
-def cycle_bound(job: Job, margin: float, order: Sequence[int]) -> Iterator[int]:
+def cycle_bound(job: Job, margin: float, order: Sequence[int], overlap: bool = False) -> Iterator[int]:
     """Per node of ``job``, in ``order``, a proven lower bound on its cycle in every valid schedule at
     ``margin`` (:mod:`pipefisher.policies.bounds`; the first-iteration bound left out, it walks every
     piece): their running maximum bounds the job's cycle k. One at a time, so that a proof needing only
-    the first few costs only theirs."""
+    the first few costs only theirs. ``overlap``: in every valid overlapping schedule (the bounds of the
+    problem ``tight`` then solves)."""
     from pipefisher.policies.bounds import model_bounds
     from pipefisher.problem import node_model
 
     for i in order:
-        yield model_bounds(node_model(job.nodes[i], job.span, margin), first_iteration=False).tight
+        yield model_bounds(node_model(job.nodes[i], job.span, margin, overlap), first_iteration=False).tight
 
 
 class TargetPolicy(Policy):
@@ -39,12 +41,14 @@ class TargetPolicy(Policy):
     name = "target"
     summary = ("the packing density with the least expected time-to-target given the job's staleness curve, "
                "else the least planned step (tight at several margins)")
-    options = ("staleness", "slowdown", "max_cycle")
+    options = ("staleness", "slowdown", "max_cycle", "overlap")
 
-    def __init__(self, staleness: object = None, slowdown: float | None = None, max_cycle: int | None = None) -> None:
+    def __init__(self, staleness: object = None, slowdown: float | None = None, max_cycle: int | None = None,
+                 overlap: bool = False) -> None:
         """``staleness``: the job's :class:`~pipefisher.staleness.StalenessCurve` (or its text: a file or
         ``k:ratio,...``), None for none; ``max_cycle``: the run's length in steps, where known (no
-        schedule whose cycle the run does not complete is chosen)."""
+        schedule whose cycle the run does not complete is chosen); ``overlap``: ``tight``'s (cycles
+        may overlap)."""
         from pipefisher.objective import DEFAULT_SLOWDOWN
         from pipefisher.staleness import StalenessCurve, read_staleness
 
@@ -55,11 +59,12 @@ class TargetPolicy(Policy):
         self.staleness = staleness
         self.slowdown = DEFAULT_SLOWDOWN if slowdown is None else float(slowdown)
         self.max_cycle = None if max_cycle is None else int(max_cycle)
+        self.overlap = bool(overlap)
 
     def pack(self, job: Job, margin: float = DEFAULT_MARGIN) -> JobSchedule:
         from pipefisher.objective import tradeoff
 
         with gc_paused():  # what it allocates never forms cycles; the packed candidates are millions of tuples
-            weighed = tradeoff(job, TightPolicy().pack, margin, self.staleness, self.slowdown, self.max_cycle,
-                               bound=cycle_bound, each_node=True)
+            weighed = tradeoff(job, TightPolicy(self.overlap).pack, margin, self.staleness, self.slowdown,
+                               self.max_cycle, bound=partial(cycle_bound, overlap=self.overlap), each_node=True)
         return dataclasses.replace(weighed.chosen.schedule, policy=self.name, tradeoff=weighed)

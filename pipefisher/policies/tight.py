@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from itertools import accumulate, repeat
+from operator import itemgetter
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Tuple
 
@@ -35,7 +36,7 @@ from pipefisher.policies.bestfit import pack_best_fit
 from pipefisher.policies.bounds import (NodeBounds, fittable_work, model_bounds, placed_time, sure_to_reach,
                                          with_first_iteration)
 from pipefisher.policies.cycle import Packed, node_schedule
-from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, node_model
+from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, fits, node_model
 from pipefisher.rules.format import PIPELINE_CATEGORIES, label_category
 from pipefisher.rules.groups import job_groups
 from pipefisher.timeline import KFAC_KINDS, Job, NodeTimeline, Time
@@ -132,6 +133,10 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
     cov_left = list(model.factors.pieces)
     syncs_of, invs_of = model.factors.syncs, model.factors.invs
     sync_seen = [False] * model.groups
+    next_piece = {a: b for invs in invs_of for a, b in zip(invs, invs[1:])}  # a refresh's pieces, in order
+    done_at: list[tuple[int, int] | None] = [None] * model.groups  # where each factor completed
+    inv_next = [0] * model.groups  # per factor, its next refresh piece (index into its inverses)
+    overlapped = False
     remaining = sum(len(w.pieces) for w in work)
     if shorter_than is not None:
         bubble_time = sum(b.length for b in bubbles)
@@ -154,9 +159,13 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
         if model.synced[g]:
             for wi in syncs_of[g]:
                 ready_plain(wi)
-        else:
-            for wi in invs_of[g]:
-                ready_plain(wi)
+        elif invs_of[g]:
+            completed(g)
+
+    def completed(g: int) -> None:
+        """The factor's refresh may begin: its first piece is ready (each next one once it is placed)."""
+        done_at[g] = (iteration, cur_bubble)
+        ready_plain(invs_of[g][0])
 
     def classify(wi: int) -> None:
         """Put queue ``wi``'s new head where it belongs: ready, waiting for its forward/backward, or forced."""
@@ -181,8 +190,12 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
         g = w.group
         if w.kind == SYNC and not sync_seen[g]:
             sync_seen[g] = True
-            for v in invs_of[g]:
-                ready_plain(v)
+            if invs_of[g]:
+                completed(g)
+        elif w.kind == INV:
+            inv_next[g] += 1
+            if wi in next_piece:
+                ready_plain(next_piece[wi])
 
     for g in range(model.groups):
         if cov_left[g] == 0:
@@ -295,13 +308,59 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
         in_bubbles.append(here)
         overflow.append(spill)
         iteration += 1
+        if model.overlap and remaining and not forced:
+            left = [(g, invs_of[g][inv_next[g]:]) for g in range(model.groups)
+                    if done_at[g] is not None and inv_next[g] < len(invs_of[g])]
+            if sum(len(rest) for _, rest in left) == remaining:
+                if _overlap_into_earlier(model, in_bubbles, left, done_at):
+                    overlapped = True
+                    break
         if shorter_than is not None and remaining:
+            if model.overlap:  # what is left may still go into the room of the iterations so far
+                if iteration + 1 >= shorter_than:
+                    return None
+                continue
             fit_left -= placed_time(here)
             if sure_to_reach(iteration, fit_left, bubble_time, shorter_than):
                 return None
     if not in_bubbles:
         in_bubbles, overflow = [[]], [[]]
-    return Packed(len(in_bubbles), in_bubbles, overflow)
+    return Packed(len(in_bubbles), in_bubbles, overflow, overlapped)
+
+
+def _overlap_into_earlier(model: NodeModel, in_bubbles: list[list[tuple[int, str, Time, Time]]],
+                          left: Sequence[tuple[int, Sequence[int]]], done_at: Sequence[tuple[int, int] | None]) -> bool:
+    """Place the refresh pieces ``left`` (per factor, its pieces not yet placed, in order) into the room
+    the walked iterations left, each before its factor's completion (``done_at``: iteration and bubble;
+    the bubble count for its overflow): in an overlapping cycle they are the previous refresh's last
+    pieces (:mod:`pipefisher.problem`). Bubbles in time order, each filled after its own work with the
+    largest next piece that fits (the room rule, as ``validate`` measures it). All of them or nothing:
+    True where they all went in (``in_bubbles`` then holds them), else ``in_bubbles`` is unchanged."""
+    work, bubbles, margin = model.work, model.bubbles, model.margin
+    pending = {g: list(rest) for g, rest in left}
+    added: dict[int, list[tuple[int, str, Time, Time]]] = {}
+    for it, here in enumerate(in_bubbles):
+        fill = {b: e for b, _, _, e in here}  # per bubble, where its work ends (laid out in time order)
+        for b, bub in enumerate(bubbles):
+            t, end = fill.get(b, bub.start), bub.end
+            while True:
+                best = -1
+                for g, rest in pending.items():
+                    if rest and (it, b) < done_at[g]:  # type: ignore[operator]
+                        d = work[rest[0]].pieces[0]
+                        if fits(d, end - t, margin) and (best < 0 or d > work[pending[best][0]].pieces[0]):
+                            best = g
+                if best < 0:
+                    break
+                wi = pending[best].pop(0)
+                d = work[wi].pieces[0]
+                added.setdefault(it, []).append((b, work[wi].label, t, t + d))
+                t += d
+    if any(pending.values()):
+        return False
+    for it, extra in added.items():  # each bubble's new work after its own: stable by bubble
+        in_bubbles[it] = sorted(in_bubbles[it] + extra, key=itemgetter(0))
+    return True
 
 
 def pack_fixed(model: NodeModel, k: int) -> Packed | None:
@@ -422,9 +481,11 @@ def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None,
         else:
             forced_ready.append(wi)
 
+    # backwards: a refresh's last piece first, each earlier one once the one after it is placed
+    before_piece = {b: a for invs in invs_of for a, b in zip(invs, invs[1:])}
     for wi in plain:
         w = work[wi]
-        if w.kind == INV or invs_left[w.group] == 0:
+        if (w.kind == INV and wi == invs_of[w.group][-1]) or (w.kind == SYNC and invs_left[w.group] == 0):
             ready(wi)
     allowed = setup.allowed
 
@@ -461,6 +522,8 @@ def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None,
         slot_of[wi] = slot
         placed_plain += 1
         w = work[wi]
+        if wi in before_piece:
+            ready(before_piece[wi])
         if w.kind == INV and model.synced[w.group]:
             invs_left[w.group] -= 1
             if invs_left[w.group] == 0:
@@ -648,11 +711,12 @@ def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None,
         with_pieces = {work[wi].group for wi, _ in items if work[wi].kind == COV}
         # syncs/inverses of factors without pieces here, then the pieces, then the other syncs/inverses
         # (stable: pieces keep their order, a sync stays before its inverse)
-        def place_rank(x: tuple[int, int]) -> tuple[int, int]:
+        # (a refresh's pieces in order: step 1 put them there last first)
+        def place_rank(x: tuple[int, int]) -> tuple[int, int, int]:
             w = work[x[0]]
             if w.kind == COV:
-                return (1, 0)
-            return (2 if w.group in with_pieces else 0, w.kind)
+                return (1, 0, 0)
+            return (2 if w.group in with_pieces else 0, w.kind, x[0])
 
         items = sorted(items, key=place_rank)  # not in place: a prefix's slots are shared
         if b == nb:
@@ -727,7 +791,8 @@ class _Choice:
     compat: NodeSchedule | None  # the published construction's cycle, where honest, valid and shorter
 
 
-def pack_node(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN, prune: bool = True) -> NodeSchedule:
+def pack_node(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN, prune: bool = True,
+              overlap: bool = False) -> NodeSchedule:
     """One node's cycle, as short as this policy can make it: a small portfolio of constructions.
 
     Each candidate is dependency-correct by construction; the shortest is kept, and the search stops
@@ -737,8 +802,10 @@ def pack_node(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN, pr
     fixed-length construction for every k from the bound up, and the published packer's cycle where
     it is valid and honest. With ``prune`` (``False`` only to test that it changes nothing), each
     candidate after the first is told the best cycle so far and gives up once it cannot be shorter.
+    ``overlap``: the problem of overlapping cycles (:mod:`pipefisher.problem`): the greedy walks may put
+    refresh pieces before their factor's completion, and the bounds are that problem's.
     """
-    model = node_model(node, span, margin)
+    model = node_model(node, span, margin, overlap)
     bounds, first = _first_walk(model)
     return _node_schedule(model, _chosen(first, bounds, _challenge(node, span, model, bounds, first.iterations, prune)))
 
@@ -875,12 +942,20 @@ class TightPolicy(Policy):
     name = "tight"
     summary = "dependency-correct packing near the lower bound (overflow only for work no bubble can hold)"
 
+    options = ("overlap",)
+
+    def __init__(self, overlap: bool = False) -> None:
+        """``overlap``: cycles may overlap (a refresh's pieces run on into the next cycle's first
+        iterations, :mod:`pipefisher.problem`); the schedule's metadata then says so."""
+        self.overlap = bool(overlap)
+
     def pack(self, job: Job, margin: float = DEFAULT_MARGIN,
              each: Callable[[int, NodeSchedule], None] | None = None) -> JobSchedule:
         """``each``: see :func:`pack_nodes` (the nodes it is given are before aligning sync groups)."""
         with gc_paused():
-            nodes = pack_nodes(job, margin, each=each)
-            return JobSchedule(self.name, job.span, align_groups(job, nodes, job_groups(job), margin), margin)
+            nodes = align_groups(job, pack_nodes(job, margin, each=each, overlap=self.overlap), job_groups(job), margin)
+            overlaps = any(n.figures.extra.get("overlap") for n in nodes)
+            return JobSchedule(self.name, job.span, nodes, margin, overlap=overlaps)
 
 
 PARALLEL_PIECES = 50_000
@@ -889,7 +964,7 @@ on the nodes where that walk misses the bound (some 50 ms to start them, against
 
 
 def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = None,
-               each: Callable[[int, NodeSchedule], None] | None = None) -> tuple[NodeSchedule, ...]:
+               each: Callable[[int, NodeSchedule], None] | None = None, overlap: bool = False) -> tuple[NodeSchedule, ...]:
     """Every node's :func:`pack_node`, in node order.
 
     In a big job, the nodes whose first walk misses the bound run the rest of the portfolio in forked
@@ -902,7 +977,7 @@ def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = N
     """
     import os
 
-    models = [node_model(node, job.span, margin) for node in job.nodes]
+    models = [node_model(node, job.span, margin, overlap) for node in job.nodes]
     if workers is None:
         big = sum(len(w.pieces) for model in models for w in model.work) >= PARALLEL_PIECES
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

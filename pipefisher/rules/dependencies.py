@@ -21,10 +21,13 @@ def _layer_key(key: TimelineKey) -> tuple[str | None, bool, int]:
 
 
 def dependency_violations(node_index: int, node: NodeTimeline, iterations: Sequence[Sequence[str]],
-                          needs: str = "the timeline asks for") -> list[Violation]:
+                          needs: str = "the timeline asks for", overlap: bool = False) -> list[Violation]:
     """Every violation of the problem's rules (:mod:`pipefisher.problem`) in one node's cycle: markers,
     counts, and every K-FAC piece after the work it depends on. ``needs`` says where the counts come
-    from in a work-count message (the runtime checks its own step as ``node``)."""
+    from in a work-count message (the runtime checks its own step as ``node``). ``overlap``: the cycle
+    overlaps the next (schedule metadata ``"overlap": true``): an inverse label may also come before its
+    factor's completion, as a piece of the previous cycle's refresh (cyclically, the p labels after a
+    completion are its refresh's pieces, and with p of them per cycle they come before the next one)."""
     out: list[Violation] = []
 
     def bad(iteration: int | None, label: str, rule: str, detail: str) -> None:
@@ -109,7 +112,7 @@ def dependency_violations(node_index: int, node: NodeTimeline, iterations: Seque
                 if state["cov"] < want:
                     bad(i, label, "sync-before-cov", f"only {state['cov']} of {want} covariance pieces done")
                 state["sync"] += 1
-            else:  # inverse
+            elif not overlap:  # inverse
                 cov_key = f"cov_kron_{key.factor}" + label[len(key.kind):]
                 want = expected.get(cov_key, 0)
                 if layer in has_sync:  # the inverse waits for the factor's first sync

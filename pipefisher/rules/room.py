@@ -11,20 +11,21 @@ from collections import defaultdict
 from itertools import accumulate
 from typing import Sequence
 
-from pipefisher.problem import DEFAULT_MARGIN, fits, node_model
+from pipefisher.problem import DEFAULT_MARGIN, fits, node_model, pieces_before_completion
 from pipefisher.rules.violations import Violation
 from pipefisher.timeline import NodeTimeline, Time, format_time
 
 
 def room_violations(node_index: int, node: NodeTimeline, iterations: Sequence[Sequence[str]], span: Time,
-                    margin: float = DEFAULT_MARGIN) -> list[Violation]:
+                    margin: float = DEFAULT_MARGIN, overlap: bool = False) -> list[Violation]:
     """Every violation of the room rule of :mod:`pipefisher.problem`, on the labels between two pipeline items.
 
     The K-FAC work labelled between two pipeline items runs back to back from the end of the first
     (the latest end of the pipeline items so far); each item must fit with its margin before the
     second starts: ``(1 + margin) d < start - t``, zero-length items too, each item measured as the
     packers measure it (the j-th covariance piece of a key is its j-th even share, a missing time no
-    time) and ``t`` summed item by item, so that the check and the packers agree to the last bit. A
+    time, the j-th run of an inverse label its j-th piece, counted from its factor's completion in an
+    ``overlap`` cycle) and ``t`` summed item by item, so that the check and the packers agree to the last bit. A
     schedule that claims more room than that makes every such iteration longer than reported (or
     leaves a bubble no safety margin): ``bubble-overfilled``. Work after an iteration's last pipeline
     item runs up to the pipeline time under the same rule; then only work that fits no bubble of the
@@ -43,6 +44,8 @@ def room_violations(node_index: int, node: NodeTimeline, iterations: Sequence[Se
     largest = model.largest
     lengths = model.durations  # per K-FAC key: its items' durations, in order
     done: dict[str, int] = defaultdict(int)
+    # an overlapping cycle's inverse runs before the completion are the previous refresh's last pieces
+    shift = pieces_before_completion(node, iterations) if overlap else {}
     begin = min(min((s for _, s, _ in model.pipeline), default=0), 0)
 
     # Pipeline items in time order, each with its occurrence of its key, and the running latest end: the
@@ -98,7 +101,7 @@ def room_violations(node_index: int, node: NodeTimeline, iterations: Sequence[Se
                 frontier = max(frontier, e)
                 pending = []
             elif lengths.get(label):
-                n = done[label]
+                n = done[label] - shift.get(label, 0)
                 done[label] += 1
                 pending.append((label, lengths[label][n % len(lengths[label])]))
         # After the last pipeline item: fittable work up to the pipeline time; then forced work only,

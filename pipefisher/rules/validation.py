@@ -21,28 +21,31 @@ from pipefisher.timeline import Job, NodeTimeline, Time
 
 
 def validate_node(node_index: int, node: NodeTimeline, iterations: Sequence[Sequence[str]],
-                  span: Time | None = None, margin: float = DEFAULT_MARGIN) -> list[Violation]:
+                  span: Time | None = None, margin: float = DEFAULT_MARGIN, overlap: bool = False) -> list[Violation]:
     """Every violation of the dependency rules in one node's cycle; with the job's pipeline time
-    ``span``, also of the room rule with ``margin`` (:func:`pipefisher.rules.room.room_violations`)."""
-    out = dependency_violations(node_index, node, iterations)
+    ``span``, also of the room rule with ``margin`` (:func:`pipefisher.rules.room.room_violations`);
+    ``overlap``: by the rules of an overlapping cycle (:mod:`pipefisher.problem`)."""
+    out = dependency_violations(node_index, node, iterations, overlap=overlap)
     if iterations and span is not None:
-        out.extend(room_violations(node_index, node, iterations, span, margin))
+        out.extend(room_violations(node_index, node, iterations, span, margin, overlap))
     return out
 
 
 def validate(schedule: ScheduleData, job: Job, path: str | None = None, room: bool = True,
-             groups: Sequence[Sequence[int]] | None = None, margin: float = DEFAULT_MARGIN) -> list[Violation]:
+             groups: Sequence[Sequence[int]] | None = None, margin: float = DEFAULT_MARGIN,
+             overlap: bool = False) -> list[Violation]:
     """Every violation of the dependency rules and counts in ``schedule`` for ``job``, with ``room`` of
     the bubbles' room (work that does not fit where it is placed), and of the sync groups' shared order
     (:func:`pipefisher.rules.groups.group_order_violations`); where a group has several members, also
     every step whose waits form a cycle (``deadlock``, :func:`pipefisher.rules.waits.deadlock_violations`).
     ``groups``: the nodes that hold replicas of one stage; None infers them from the job's layout
-    (Chimera's pairs, or every node alone)."""
+    (Chimera's pairs, or every node alone). ``overlap``: the schedule's cycles overlap (its metadata's
+    ``"overlap": true``): checked by that rule (:mod:`pipefisher.problem`), every other rule as always."""
     if len(schedule) != len(job.nodes):
         raise InputError(path, f"has {len(schedule)} node schedules but the job has {len(job.nodes)} timelines")
     out: list[Violation] = []
     for n, (node, iterations) in enumerate(zip(job.nodes, schedule)):
-        out.extend(validate_node(n, node, iterations, job.span if room else None, margin))
+        out.extend(validate_node(n, node, iterations, job.span if room else None, margin, overlap))
     groups = job_groups(job) if groups is None else [tuple(g) for g in groups]
     out.extend(group_violations(schedule, groups))
     return out

@@ -191,7 +191,7 @@ class KfacPipeline:
         timelines = [os.path.join(self.folder, timeline_filename(self.name, r)) for r in range(ranks)]
         job = load_job(timelines)
         packed = self.packer.pack(job, self.margin)
-        violations = validate(packed.to_file_data(), job, margin=packed.margin)
+        violations = validate(packed.to_file_data(), job, margin=packed.margin, overlap=packed.overlap)
         save_schedule(self.schedule_path, packed, timelines=timelines)
         if violations:
             return f"the packed schedule breaks {len(violations)} rule(s) of pipefisher validate; first: {violations[0]}"

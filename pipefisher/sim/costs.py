@@ -66,6 +66,11 @@ class CostModel:
     applies); on the step's critical path, after the pipeline."""
     block_update_ms: float = 0.0
     """The rest of one layer's share of the update, once per step (first-order pays it too)."""
+    refresh_pieces: int = 1
+    """Pieces each factor's refresh (its inverse) runs in: the runtime's ``kfac.refresh_pieces``; the
+    timeline then holds that many intervals per inverse key, equal shares of its time."""
+    refresh_piece_ms: float | None = None
+    """Or pieces of at most this long: a factor's inverse of ``t`` ms runs in ``ceil(t / this)`` pieces."""
     module_template: str = "encoder.layer.{layer}.{module}"
     schedule: str = "1f1b"
     stages: int = 4
@@ -108,6 +113,9 @@ class CostModel:
             need(False, "module_template may only use {layer} and {module}")
         need(self.stages >= 1, f"stages must be >= 1, got {self.stages}")
         need(self.micro_batches >= 1, f"micro_batches must be >= 1, got {self.micro_batches}")
+        need(self.refresh_pieces >= 1, f"kfac.refresh_pieces must be >= 1, got {self.refresh_pieces}")
+        need(self.refresh_piece_ms is None or (math.isfinite(self.refresh_piece_ms) and self.refresh_piece_ms > 0),
+             f"kfac.refresh_piece_ms must be > 0, got {self.refresh_piece_ms}")
 
     # ------------------------------------------------------------------------------------------------
 
@@ -138,6 +146,13 @@ class CostModel:
     def module_costs(self) -> tuple[ModuleCost, ...]:
         """Per-module K-FAC costs with the K-FAC scale applied."""
         return tuple(m.scaled(self.kfac_scale) for m in self.modules)
+
+    def pieces_of(self, inverse_ms: float) -> int:
+        """How many pieces an inverse of ``inverse_ms`` (scaled) runs in: ``refresh_pieces``, or by
+        ``refresh_piece_ms`` where that is set."""
+        if self.refresh_piece_ms is None:
+            return self.refresh_pieces
+        return max(1, math.ceil(inverse_ms / self.refresh_piece_ms))
 
     def end_of_step_ns(self, layers: int) -> tuple[int, int]:
         """(preconditioning, the rest of the update) of a node holding ``layers`` layer copies, per step:
@@ -190,7 +205,8 @@ def _sync_ms(sync: Mapping[str, Any] | None, dim: int, path: str) -> float:
 
 
 def _modules(path: str, kfac: Mapping[str, Any]) -> tuple[ModuleCost, ...]:
-    _allowed(path, "kfac", kfac, {"block_cov_ms", "block_inv_ms", "block_prec_ms", "sync", "modules", "scale"})
+    _allowed(path, "kfac", kfac, {"block_cov_ms", "block_inv_ms", "block_prec_ms", "sync", "modules", "scale",
+                                  "refresh_pieces", "refresh_piece_ms"})
     raw = kfac.get("modules")
     if not isinstance(raw, list) or not raw:
         raise InputError(path, "'kfac.modules' must be a non-empty list")
@@ -265,7 +281,10 @@ def cost_model_from_dict(data: Any, path: str | None = None) -> CostModel:
         "modules": _modules(where, kfac),
         "kfac_scale": _num(where, "kfac.scale", kfac.get("scale", 1.0)),
         "block_prec_ms": _num(where, "kfac.block_prec_ms", kfac.get("block_prec_ms", 0.0)),
+        "refresh_pieces": _num(where, "kfac.refresh_pieces", kfac.get("refresh_pieces", 1), integer=True),
     }
+    if kfac.get("refresh_piece_ms") is not None:
+        kw["refresh_piece_ms"] = _num(where, "kfac.refresh_piece_ms", kfac["refresh_piece_ms"])
     if "layer" in data:
         layer = _map(where, "layer", data["layer"])
         _allowed(where, "layer", layer, {"forward_ms", "backward_ms"})

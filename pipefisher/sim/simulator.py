@@ -50,7 +50,8 @@ from pipefisher.pipeline_orders import (BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op,
                                         default_chunks, generate, stage_on)
 from pipefisher.sim.costs import NS_PER_MS, CostModel, ModuleCost
 from pipefisher.timeline import BACKWARD as BACKWARD_KEY, FORWARD as FORWARD_KEY
-from pipefisher.timeline import PRECONDITION_KEY, UP_SUFFIX, UPDATE_KEY, chunk_suffix, pipe_key, weight_key
+from pipefisher.timeline import (PRECONDITION_KEY, UP_SUFFIX, UPDATE_KEY, chunk_suffix, pipe_key, split_evenly,
+                                 weight_key)
 
 Timelines = list[dict[str, list[tuple[int, int]]]]
 
@@ -246,8 +247,12 @@ def timelines_from_result(result: SimResult, model: CostModel) -> Timelines:
             for name, m, copy in names:
                 for kind, attr in group:
                     dur = _ns(getattr(m, attr))
-                    entries[f"{kind}:{name}"] = [(t, t + dur)]
-                    t += dur
+                    # an inverse runs in the model's refresh pieces: equal shares, back to back
+                    shares = split_evenly(dur, model.pieces_of(getattr(m, attr))) if kind.startswith("inv") else (dur,)
+                    entries[f"{kind}:{name}"] = []
+                    for share in shares:
+                        entries[f"{kind}:{name}"].append((t, t + share))
+                        t += share
         precondition, update = model.end_of_step_ns(len(layers[d]))
         if precondition or update:
             entries[PRECONDITION_KEY] = [(t, t + precondition)]

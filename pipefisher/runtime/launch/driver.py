@@ -114,7 +114,7 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     for line in usage_lines(packed, job):
         echo(line)
     # the room rule of the margin the schedule was packed under: ``target`` may choose its own
-    violations = validate(packed.to_file_data(), job, margin=packed.margin)
+    violations = validate(packed.to_file_data(), job, margin=packed.margin, overlap=packed.overlap)
     report = report_data(packed, job)
     # what the run trains, as the report prints it: the cycle (after aligning sync groups) and the
     # planned overhead per step (target's own figure for what it chose; the same function for the others)
@@ -158,7 +158,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
             checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
             eval_every: int = 0, echo: Callable[[str], None] | None = None, margin: float | None = None,
             adapt: bool = False, tensorboard: str | None = None, staleness: Any = None,
-            adapt_drift: bool = False) -> RunPaths:
+            adapt_drift: bool = False, overlap: bool = False) -> RunPaths:
     """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.timeline.median_step`),
     pack them with ``policy`` (K-FAC times x ``kfac_margin``,
     room rule with ``margin``, :mod:`pipefisher.problem`),
@@ -171,7 +171,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     in that folder); returns the paths. ``staleness``: the job's
     :class:`~pipefisher.staleness.StalenessCurve` (None: none), for the ``target`` policy, which also
     chooses among the cycles the run's ``steps`` complete, and for ``adapt``. Where no packing's cycle
-    (sync groups aligned) fits the run, it stops before training and says how many steps it needs."""
+    (sync groups aligned) fits the run, it stops before training and says how many steps it needs.
+    ``overlap``: the policy may let a refresh's pieces run on into the next cycle (:mod:`pipefisher.problem`)."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.problem import DEFAULT_MARGIN
     from pipefisher.runtime.train.profiler import timeline_filename
@@ -184,7 +185,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     policy = policy or DEFAULT_POLICY
     if staleness is not None and policy != "target":
         raise InputError(None, f"--staleness applies to the 'target' policy only, not to '{policy}'")
-    packer = get_policy(policy, **({"staleness": staleness, "max_cycle": steps} if policy == "target" else {}))
+    packer = get_policy(policy, overlap=overlap or None,
+                        **({"staleness": staleness, "max_cycle": steps} if policy == "target" else {}))
     margin = DEFAULT_MARGIN if margin is None else margin
     stages = cfg.pipeline.stages
     n = nproc or stages

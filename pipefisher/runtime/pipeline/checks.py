@@ -29,7 +29,7 @@ from pipefisher.rules.waits import group_violations
 from pipefisher.runtime.job.config import RunConfig, current_builder
 from pipefisher.runtime.pipeline.labels import PIPELINE_CALLS, UNKNOWN, labelled, parse_label
 from pipefisher.runtime.pipeline.layout import is_chimera, node_kfac_names, sync_copies
-from pipefisher.schedule_file import load_schedule, modules_difference, read_schedule_meta, schedule_packed_for
+from pipefisher.schedule_file import load_schedule, modules_difference, schedule_overlap, schedule_packed_for
 from pipefisher.timeline import UP_SUFFIX, Interval, NodeTimeline
 
 
@@ -100,9 +100,7 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
     syncs = {lb for labels in iterations for lb in labels if parse_label(lb).kind == "sync_kron"}
     inverses = Counter(lb for labels in iterations for lb in labels if parse_label(lb).kind == "inv_kron")
     model = step_timeline(ops, by_pipe, interleaved, syncs, every_sync=replicas > 1, inverses=inverses)
-    bad = dependency_violations(node, model, iterations, needs="this run's step needs")
-    if overlap:  # an inverse label before the factor's completion continues the previous cycle's refresh
-        bad = [v for v in bad if v.rule not in ("inv-before-sync", "inv-before-cov")]
+    bad = dependency_violations(node, model, iterations, needs="this run's step needs", overlap=overlap)
     if bad:  # the first, in the runtime's words; the rule's name says which
         v = bad[0]
         no_sync = v.rule == "inv-before-sync" or parse_label(v.label).kind == "sync_kron"
@@ -139,7 +137,7 @@ def step_timeline(ops: Sequence[str], by_copy: Mapping[int, Sequence[str]], inte
 def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.PathLike[str] | None = None,
                    overlap: bool = False) -> ScheduleData:
     """Refuse a schedule that does not belong to this job; every node is checked, whatever the caller's.
-    ``overlap``: its metadata says its refreshes overlap cycles (:func:`schedule_overlaps`)."""
+    ``overlap``: its metadata says its refreshes overlap cycles (:func:`pipefisher.schedule_file.schedule_overlap`)."""
     from pipefisher.runtime.pipeline.engine import pipeline_ops
 
     p = None if path is None else os.fspath(path)
@@ -226,14 +224,7 @@ def load_checked_schedule(path: str | os.PathLike[str], cfg: RunConfig, replicas
     for another job (:func:`check_packed_for`, unless ``allow_mismatch``), and :func:`check_schedule` it."""
     data = load_schedule(path)
     check_packed_for(path, cfg, allow_mismatch)
-    return check_schedule(data, cfg, replicas, path, overlap=schedule_overlaps(path))
-
-
-def schedule_overlaps(path: str | os.PathLike[str]) -> bool:
-    """Whether a schedule file's metadata says its refreshes overlap cycles (``"overlap": true``, written
-    by the packer that made it)."""
-    meta = read_schedule_meta(path)
-    return bool(meta is not None and meta.get("overlap") is True)
+    return check_schedule(data, cfg, replicas, path, overlap=schedule_overlap(path))
 
 
 def single_iteration_schedule(cfg: RunConfig, replicas: int = 1) -> ScheduleData:
