@@ -18,6 +18,7 @@ from pipefisher.runtime.job.config import load_config
 from pipefisher.runtime.launch.local import WorkerFailed, spawn_local
 from pipefisher.runtime.models.bert import PipelineStage
 from pipefisher.runtime.pipeline.checks import check_schedule, single_iteration_schedule
+from pipefisher.runtime.pipeline.contracts import EngineDefaults
 from pipefisher.runtime.pipeline.executor import ScheduleExecutor, prepost_points
 from pipefisher.runtime.pipeline.labels import FORWARD
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
@@ -406,13 +407,13 @@ class _FakeKFAC:
     def __init__(self, log: list, fail: str | None = None) -> None:
         self.log, self.fail = log, fail
 
-    def pieces(self, module: str, factor: str) -> int:
+    def pieces(self, name: str, factor: str) -> int:
         return 1
 
     def plan_refresh(self) -> None:  # whole refreshes: every label does its work, as logged
         return None
 
-    def complete(self, factor: str, module: str) -> None:
+    def complete(self, factor: str, name: str) -> None:
         return None
 
     def finish_refreshes(self) -> None:
@@ -421,23 +422,23 @@ class _FakeKFAC:
     def set_saving(self, on: bool) -> None:
         self.log.append(("saving", on))
 
-    def _work(self, kind: str, factor: str, module: str) -> None:
+    def _work(self, kind: str, factor: str, name: str) -> None:
         if kind == self.fail:
             raise RuntimeError(f"{kind} failed")
         self.log.append((kind, factor))
 
-    def cov(self, factor: str, module: str) -> None:
-        self._work("cov", factor, module)
+    def cov(self, factor: str, name: str) -> None:
+        self._work("cov", factor, name)
 
-    def sync(self, factor: str, module: str) -> None:
-        self._work("sync", factor, module)
+    def sync(self, factor: str, name: str) -> None:
+        self._work("sync", factor, name)
 
-    def inv(self, factor: str, module: str) -> None:
-        self._work("inv", factor, module)
+    def inv(self, factor: str, name: str) -> None:
+        self._work("inv", factor, name)
 
 
-class _BareEngine:
-    """Logs every call (an engine that cannot post receives ahead)."""
+class _BareEngine(EngineDefaults):
+    """Logs every call (an engine that cannot post receives ahead: the contract's no-op defaults)."""
 
     def __init__(self, log: list) -> None:
         self.log, self.posted, self.dropped = log, set(), 0

@@ -1,9 +1,11 @@
-"""Device-to-host reads on the step path: one counter (``HOST``), and at most one read per step that logs
-nothing, in kfac and scheduled mode, fp32 and fp16, on one process and on two gloo ranks."""
+"""Device-to-host reads on the step path: one counter per worker (``HostReads``, none process-wide), and at
+most one read per step that logs nothing, in kfac and scheduled mode, fp32 and fp16, on one process and on
+two gloo ranks."""
 from __future__ import annotations
 
 import os
 import pickle
+import sys
 from typing import Any
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 from _schedules import TINY, spread_schedule
 from pipefisher.runtime.job.config import load_config
 from pipefisher.runtime.job.dist import init_from_env, shutdown, single_process
-from pipefisher.runtime.job.host import HOST, HostReads, unrouted_reads
+from pipefisher.runtime.job.host import HostReads, unrouted_reads
 from pipefisher.runtime.launch.local import spawn_local
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
@@ -36,15 +38,52 @@ def test_a_read_counts_once_and_brings_what_waits_along():
 
 def test_a_float_put_back_on_the_step_path_counts_as_a_read():
     loss = torch.tensor(1.5)
-    with unrouted_reads() as places:
-        before = HOST.count
+    host = HostReads()
+    with unrouted_reads(host) as places:
         float(loss)  # this test's own read: not pipefisher's
         from pipefisher.kfac.factors import bad_factor  # any pipefisher code that converts counts
         assert bad_factor([1.0, loss, 0.0, 0.0, 1.0, 1.0], "cholesky") is None  # type: ignore[list-item]
-        counted = HOST.count - before
+        counted = host.count
         assert counted >= 1 and len(places) == counted
         assert all(p.startswith("pipefisher/kfac/factors.py:") for p in places), places
-    assert float(loss) == 1.5 and HOST.count == before + counted  # closed: conversions are plain again
+    assert float(loss) == 1.5 and host.count == counted  # closed: conversions are plain again
+
+
+def test_no_counter_is_process_wide():
+    """No module of pipefisher holds a counter: each worker makes its own and hands it to those who read."""
+    import pipefisher.runtime.api  # noqa: F401  (every runtime module a worker uses, loaded)
+    import pipefisher.runtime.train.trainer  # noqa: F401
+
+    shared = [f"{name}.{attr}" for name, module in list(sys.modules.items())
+              if name.startswith("pipefisher") and module is not None
+              for attr, value in vars(module).items() if isinstance(value, HostReads)]
+    assert not shared, shared
+
+
+def test_two_workers_in_one_process_count_their_reads_apart():
+    from pipefisher.runtime import api
+
+    torch.set_num_threads(1)
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})
+    a, b = (api.build_worker(cfg, single_process(), mode="kfac", total_steps=3) for _ in range(2))
+    assert a.host is not b.host
+    for w in (a, b):  # everything in a worker that reads, reads through the worker's own counter
+        assert w.updater.host is w.host and w.engine.host is w.host  # type: ignore[attr-defined]
+        assert w.kfacs and all(k.host is w.host for k in w.kfacs.values())
+    a.step(0)  # the first refresh: inverses with none to fall back on, checked at once through a's counter
+    assert a.host.take() >= 1 and not a.host.waiting
+    a.step(1)  # the next refresh: its checks wait for a's next read, not b's
+    assert a.host.waiting and not b.host.waiting
+    a.step(2)  # which the next step makes, at its start: one read
+    assert a.host.take() == 1 and b.host.take() == 0 and b.host.total == 0
+
+
+def test_two_trainers_in_one_process_have_a_counter_each():
+    torch.set_num_threads(1)
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})
+    one, two = (Trainer(cfg, single_process(), TrainOptions(mode="kfac", steps=1, progress=False)) for _ in range(2))
+    assert one.host is one.worker.host and two.host is two.worker.host and one.host is not two.host
+    assert one.drift_log is not None and one.drift_log.host is one.host
 
 
 def _train(cfg: Any, ctx: Any, folder: str) -> dict[str, Any]:
@@ -61,7 +100,7 @@ def _train(cfg: Any, ctx: Any, folder: str) -> dict[str, Any]:
         torch.manual_seed(0)
         trainer = Trainer(run_cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=STEPS, progress=False,
                                                      log_every=100))
-        with unrouted_reads() as places:
+        with unrouted_reads(trainer.host) as places:
             result = trainer.run()
         out[mode, precision] = (result.host_reads, places)
         out["reporter"] = trainer.reporter
@@ -123,17 +162,18 @@ class FakeEvent:
 def test_a_gpu_step_time_comes_from_its_events_waiting_only_for_an_end_not_done():
     from pipefisher.runtime.train.trainer import StepOutcome
 
-    HOST.take()
+    host = HostReads()
     done = StepOutcome(3, None, (FakeEvent(1.0), FakeEvent(1.25)), 0.1, None)
-    assert done.seconds() == 0.25 and HOST.take() == 0  # the loss read before waited for it: no wait
+    assert done.seconds(host) == 0.25 and host.take() == 0  # the loss read before waited for it: no wait
     late = StepOutcome(4, None, (FakeEvent(2.0), FakeEvent(2.5, done=False)), 0.1, None)
-    assert late.seconds() == 0.5 and HOST.take() == 1  # one wait, counted as a read
+    assert late.seconds(host) == 0.5 and host.take() == 1  # one wait, counted as a read
 
 
 def test_a_gpu_step_record_keeps_its_events_until_the_records_are_gathered():
     from pipefisher.runtime.train.recorder import ClockRecorder, EventRecord, resolved
 
-    rec = ClockRecorder(1, 0, cuda=True)
+    host = HostReads()
+    rec = ClockRecorder(1, 0, cuda=True, host=host)
     clock = iter([0.0, 0.5, 1.5, 2.0, 2.0])  # the step's start, then each label's start and end
     rec._now = lambda: FakeEvent(next(clock), done=False)  # type: ignore[method-assign]
     rec.begin_step(7, 2)
@@ -145,6 +185,7 @@ def test_a_gpu_step_record_keeps_its_events_until_the_records_are_gathered():
     for ev in events:
         ev.done = True  # what the gather's read just before has waited for
     got = resolved(record)
+    assert host.take() == 0  # every event done: nothing waited for
     assert (got.node, got.step, got.iteration) == (1, 7, 2)
     assert [(t.label, t.start, t.end) for t in got.labels] == [("call_forward", 0.5, 1.5), ("-- end --", 2.0, 2.0)]
     assert got.labels[0].wait == pytest.approx(0.3)

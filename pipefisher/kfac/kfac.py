@@ -253,6 +253,23 @@ class LayerStates(Protocol):
         ...
 
 
+class HostReader(Protocol):
+    """What K-FAC asks of the runtime's reader of device values (:class:`pipefisher.runtime.job.host.HostReads`,
+    one per worker), so that its checks of inverses are read, and counted, with the worker's next read."""
+
+    def values(self, *tensors: torch.Tensor) -> list[float]:
+        """The tensors' elements as numbers, in one read (with whatever waited for it)."""
+        ...
+
+    def later(self, t: torch.Tensor, then: Callable[[list[float]], None]) -> None:
+        """Read ``t`` with the next read and call ``then(values)`` there."""
+        ...
+
+    def settle(self) -> None:
+        """Read now what waits for the next read, if anything does."""
+        ...
+
+
 def _running_scale(st: LayerState, factor: str) -> torch.Tensor | None:
     """The mean trace of the layer's running average of ``factor`` (None before its first refresh)."""
     running = st.running[factor]
@@ -271,7 +288,8 @@ class KFAC:
     warning of this module's logger).
     ``drift``: measure every layer's drift at its refreshes (:meth:`inv`); it keeps two gradient-sized
     tensors and the inverses of the refresh before per layer. Replicas hold the same gradients and
-    inverses, so one replica measuring suffices.
+    inverses, so one replica measuring suffices. ``host``: the worker's reader of device values
+    (:class:`HostReader`), which the checks of inverses are read with (None: each read at once).
     """
 
     def __init__(self, model: nn.Module, *, damping: float = 1e-3, ignore: Iterable[str] = DEFAULT_IGNORE,
@@ -280,7 +298,7 @@ class KFAC:
                  inverse: str = "cholesky", inverse_dtype: str = "float32", on_bad_factor: str = "stop",
                  save_dtype: str = "float32", fisher: str = "empirical",
                  warn: Callable[[str], None] | None = None, cov_stride: int = 1, drift: bool = True,
-                 refresh_pieces: int | str = 1) -> None:
+                 refresh_pieces: int | str = 1, host: HostReader | None = None) -> None:
         if not (damping > 0 and math.isfinite(damping)):  # also refuses NaN and infinity
             raise ValueError(f"K-FAC damping must be positive and finite, not {damping!r}: an undamped "
                              "factor is singular")
@@ -332,11 +350,11 @@ class KFAC:
         self.measure_drift = bool(drift)
         self._drift: list[tuple[Any, ...]] = []  # (layer, change^2, change over two refreshes^2, norm^2), not taken
         self._handles = [self._hook(st) for st in self.layers.values()]
-        # Checking inverses: the runtime's reader (pipefisher.runtime.job.host.HOST; None: read at once). An
-        # inverse with one to fall back on is used on the device as it is, or passed over for that one where
-        # its findings say it is dishonest, and its findings are read once, with the refresh's last inverse
-        # (at the next read of the host's); one without is checked at once.
-        self.host: Any = None
+        # Checking inverses: through the worker's reader (host; None: read at once). An inverse with one to
+        # fall back on is used on the device as it is, or passed over for that one where its findings say it
+        # is dishonest, and its findings are read once, with the refresh's last inverse (at the next read
+        # of the host's); one without is checked at once.
+        self.host = host
         self._unchecked: list[tuple[str, str, torch.Tensor]] = []  # (layer, factor, findings) not read yet
         self._honest: dict[tuple[str, str], torch.Tensor] = {}  # (layer, factor) -> used or not, not read yet
         self._inverted: set[tuple[str, str]] = set()  # (layer, factor) inverted since the last check

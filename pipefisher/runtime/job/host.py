@@ -4,10 +4,12 @@ On a GPU, turning a tensor into a Python number (``float(t)``, ``bool(t)``, ``.i
 makes the host wait until the device has computed it: the host stops queueing work, and the device
 idles once the queue runs dry. A training step should therefore read nothing, apart from what decides
 the host's next move (fp16's overflow decides whether the optimizer steps) and what the run reports
-(losses at logging steps). Every read of the runtime goes through :data:`HOST`, which counts them
-(:meth:`HostReads.take`: the reads since the last take, so a loop counts them per step) and batches
-those that can wait: :meth:`HostReads.later` files a tensor and what to do with its values, and the next
-read of any kind (:meth:`HostReads.settle`) brings them over with it, in one transfer.
+(losses at logging steps). Every read of a worker goes through its :class:`HostReads`, made with the
+worker (:func:`pipefisher.runtime.train.worker.build_worker`) and handed to those that read (its engine,
+K-FAC, update rule, trainer), never a process-wide one: two workers in one process count apart. It counts
+the reads (:meth:`HostReads.take`: the reads since the last take, so a loop counts them per step) and
+batches those that can wait: :meth:`HostReads.later` files a tensor and what to do with its values, and
+the next read of any kind (:meth:`HostReads.settle`) brings them over with it, in one transfer.
 
 A read syncs no more than itself: ``.tolist()`` of one flat tensor (never ``torch.cuda.synchronize``).
 Nothing here imports torch at module level, so the module costs nothing to import.
@@ -28,9 +30,10 @@ _HOST_SIDE = (os.path.abspath(__file__), os.path.join(_PACKAGE, "runtime", "data
 
 
 class HostReads:
-    """Counts this process's device-to-host reads and holds the reads that can wait for the next one.
+    """Counts one worker's device-to-host reads and holds the reads that can wait for the next one
+    (a :class:`pipefisher.kfac.kfac.HostReader` for K-FAC's checks).
 
-    ``count``: reads since the last :meth:`take`; ``total``: over the process's life."""
+    ``count``: reads since the last :meth:`take`; ``total``: over the counter's life."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -93,17 +96,14 @@ class HostReads:
         return n
 
 
-HOST = HostReads()
-"""The process's one counter: every read of the runtime's step path goes through it."""
-
-
 @contextmanager
-def unrouted_reads() -> Iterator[list[str]]:
+def unrouted_reads(host: HostReads) -> Iterator[list[str]]:
     """While open, every conversion of a tensor into Python numbers (:data:`CONVERSIONS`) made by pipefisher
-    code outside :data:`HOST` counts in HOST's count too, and its place (``file:line``) is listed: so a
-    ``float(loss)`` put back on the step path shows in the reads per step. Not counted: HOST's own reads,
-    the data pipeline's (host tensors, before they go to the device) and torch's optimizers' (their step
-    counts live on the host). A diagnostic for tests and benchmarks: every conversion walks the stack."""
+    code outside a :class:`HostReads` counts in ``host``'s count too (the worker's under test), and its place
+    (``file:line``) is listed: so a ``float(loss)`` put back on the step path shows in the reads per step.
+    Not counted: the counters' own reads, the data pipeline's (host tensors, before they go to the device)
+    and torch's optimizers' (their step counts live on the host). A diagnostic for tests and benchmarks:
+    every conversion walks the stack."""
     import torch
 
     places: list[str] = []
@@ -129,8 +129,8 @@ def unrouted_reads() -> Iterator[list[str]]:
         def conversion(self: Any, *args: Any, **kwargs: Any) -> Any:
             where = caller()
             if where is not None:
-                HOST.count += 1
-                HOST.total += 1
+                host.count += 1
+                host.total += 1
                 places.append(where)
             return original(self, *args, **kwargs)
         return conversion

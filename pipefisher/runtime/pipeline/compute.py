@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import functools
 from contextlib import nullcontext
-from typing import Any, ContextManager
+from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pipefisher.kfac import KFAC
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``train.precision`` -> the dtype forwards and backwards compute in."""
@@ -115,7 +118,7 @@ def blocks(stage: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def recompute_blocks(stage: nn.Module, kfac: Any = None) -> list[str]:
+def recompute_blocks(stage: nn.Module, kfac: KFAC | None = None) -> list[str]:
     """Run each of ``stage``'s :func:`blocks` under activation checkpointing; returns their names.
 
     ``kfac`` (the stage's K-FAC, if any) is paused while a block is recomputed, so its inputs count

@@ -21,7 +21,7 @@ distinct stage, so gradients and factors average over the replicas only.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -29,13 +29,12 @@ from torch import nn
 from pipefisher.pipeline_orders import DOWN, UP
 from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.pipeline.buckets import GradientBuckets
+from pipefisher.runtime.pipeline.contracts import Curvature, EngineDefaults, Span
 from pipefisher.runtime.pipeline.engine import PipelineEngine
 from pipefisher.runtime.pipeline.labels import copy_suffix, parse_label
 
 if TYPE_CHECKING:
     from pipefisher.kfac.kfac import LayerState
-
-Span = Callable[[str], ContextManager[Any]]
 
 
 def suffix_span(span: Span | None, suffix: str) -> Span:
@@ -92,17 +91,18 @@ class StageChunks(nn.Module):
 
 class StageCopiesKFAC:
     """The K-FAC states of a device's stage copies (Chimera's two pipes, or the chunks of interleaved
-    1F1B and ZB-V: ``interleaved``), seen as one by the trainer and the updater; each copy's profiler
+    1F1B and ZB-V: ``interleaved``), seen as one by the trainer and the updater (a
+    :class:`~pipefisher.runtime.pipeline.contracts.Curvature` made of the copies'); each copy's profiler
     keys carry its label suffix (:func:`pipefisher.runtime.pipeline.labels.copy_suffix`)."""
 
-    def __init__(self, kfacs: dict[int, Any], order: list[int], interleaved: bool = False) -> None:
+    def __init__(self, kfacs: Mapping[int, Curvature], order: list[int], interleaved: bool = False) -> None:
         self.kfacs, self.order = kfacs, order
         self.suffixes = {p: copy_suffix(p, interleaved) for p in kfacs}
 
-    def __getitem__(self, copy: int) -> Any:
+    def __getitem__(self, copy: int) -> Curvature:
         return self.kfacs[copy]
 
-    def _all(self) -> Iterator[Any]:
+    def _all(self) -> Iterator[Curvature]:
         return (self.kfacs[p] for p in self.order)
 
     def set_saving(self, on: bool) -> None:
@@ -139,7 +139,7 @@ class StageCopiesKFAC:
     def grad_dot_step(self) -> torch.Tensor:
         return sum(k.grad_dot_step for k in self._all())  # type: ignore[return-value]
 
-    def scale_step(self, nu: float) -> None:
+    def scale_step(self, nu: torch.Tensor | float) -> None:
         for k in self._all():
             k.scale_step(nu)
 
@@ -151,9 +151,10 @@ class StageCopiesKFAC:
         return [p for k in self._all() for p in k.parameters()]
 
 
-class StageCopiesEngine:
+class StageCopiesEngine(EngineDefaults):
     """The pipeline calls of a device with several stage copies (Chimera's pipes, the chunks of
-    interleaved 1F1B and ZB-V): each label to its copy's engine, and the step's ends. The copies' gradients
+    interleaved 1F1B and ZB-V): each label to its copy's engine, and the step's ends (an
+    :class:`~pipefisher.runtime.pipeline.contracts.Engine`). The copies' gradients
     share one set of buckets, in canonical order; under Chimera (whose pair runs different labels) they are
     started in that order too."""
 

@@ -27,7 +27,7 @@ import collections
 import functools
 import time
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,15 +38,15 @@ from pipefisher.pipeline_orders import FORWARD as _F
 from pipefisher.runtime.data.batches import MLMData, batch_seed
 from pipefisher.runtime.job.config import PIPELINE_ORDERS
 from pipefisher.runtime.job.dist import DistContext
-from pipefisher.runtime.job.host import HOST
+from pipefisher.runtime.job.host import HostReads
 from pipefisher.runtime.pipeline.buckets import DEFAULT_BUCKET_MB, GradientBuckets
 from pipefisher.runtime.pipeline.compute import autocast, wire_dtype
+from pipefisher.runtime.pipeline.contracts import EngineDefaults, ForwardCurvature, Span
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, WEIGHT, chunk_suffix, copy_suffix
 
 _TAG_ACT, _TAG_GRAD, _TAG_SAMPLED_GRAD, _TAG_EVAL = 1, 2, 3, 4
 _TAG_PIPE_STRIDE = 8  # the up pipe's tags: the same kinds, shifted, so the two pipes never mix
 _TAG_CHUNK_STRIDE = 16  # interleaving: a boundary's tags shifted by its receiving chunk, so chunks never mix
-Span = Callable[[str], ContextManager[Any]]
 
 
 def copy_label(kind: str, copy: int, interleaved: bool) -> str:
@@ -123,8 +123,9 @@ def pipe_micro_batches(kind: str, device: int, devices: int, num_micro_batches: 
     return out
 
 
-class PipelineEngine:
-    """Runs one stage's part of each step's pipeline, on one pipe.
+class PipelineEngine(EngineDefaults):
+    """Runs one stage's part of each step's pipeline, on one pipe (an
+    :class:`~pipefisher.runtime.pipeline.contracts.Engine`).
 
     ``stage`` is any module keeping the stage protocol (``is_first``, ``is_last``, ``hidden_size``,
     ``forward(x, labels=None, sample=None)``; see :func:`pipefisher.runtime.models.builders.make_stage`).
@@ -153,14 +154,17 @@ class PipelineEngine:
     against labels sampled from its predictions, and every stage runs a second backward of that loss
     (input and layer-output gradients only, no weight gradients) before the real one: its layer-output
     gradients build factor B, and its input gradient travels to the previous stage beside the real one.
+    ``host`` counts the held-out losses' reads (:mod:`pipefisher.runtime.job.host`; None: a counter of its own).
     """
 
     def __init__(self, stage: torch.nn.Module, ctx: DistContext, data: MLMData, num_micro_batches: int,
-                 span: Span | None = None, kfac: Any = None, *, pipe: int = DOWN,
+                 span: Span | None = None, kfac: ForwardCurvature | None = None, *, pipe: int = DOWN,
                  micro_batches: Sequence[int] | None = None, chunk: int | None = None,
                  layout: str = LOOP, split: bool = False, local: "LocalLink | None" = None,
-                 precision: str = "fp32", scaler: Any = None, grad_bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+                 precision: str = "fp32", scaler: Any = None, grad_bucket_mb: float = DEFAULT_BUCKET_MB,
+                 host: HostReads | None = None) -> None:
         self.stage, self.ctx, self.data = stage, ctx, data
+        self.host = host if host is not None else HostReads()
         self.precision, self.scaler = precision, scaler
         self.wire = wire_dtype(precision)  # activations and gradients between stages
         self.split = split
@@ -451,7 +455,7 @@ class PipelineEngine:
             with autocast(self.precision, dev):
                 out = self.stage(x, mb.labels.to(dev) if self.is_last else None)
             if self.is_last:
-                return HOST.value(out)
+                return self.host.value(out)
             out = out.to(self.wire)
             if self.next_rank == self.ctx.grid.rank:
                 self.local.put(_TAG_EVAL + self._out, out)
@@ -468,7 +472,7 @@ class PipelineEngine:
             return value
         loss = torch.tensor([value], device=self.ctx.device)
         dist.all_reduce(loss, group=self.ctx.dp_group)
-        return HOST.value(loss / grid.replicas)
+        return self.host.value(loss / grid.replicas)
 
     def allreduce_gradients(self) -> None:
         """Gradients averaged over the stage's data-parallel group: waits for the buckets' all-reduces

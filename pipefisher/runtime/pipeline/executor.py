@@ -34,10 +34,11 @@ would hold the neighbour for the whole bubble (:func:`prepost_points`).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, ContextManager, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.runtime.pipeline.contracts import CurvatureWork, Engine, Span
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, KFAC_WORK, PIPELINE_CALLS, WEIGHT, parse_label
 
 
@@ -92,6 +93,14 @@ def inverse_counts(iterations: Sequence[Sequence[str]]) -> dict[tuple[int, str, 
     return out
 
 
+def _after(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    """One call that runs ``first``, then ``then``."""
+    def both() -> None:
+        first()
+        then()
+    return both
+
+
 class ScheduleExecutor:
     """Runs one node's iterations label by label on an engine, its K-FAC states and an end-of-step call.
 
@@ -101,12 +110,14 @@ class ScheduleExecutor:
     ``recorder`` (:mod:`pipefisher.runtime.train.recorder`) times every label of every step; its record of
     the last step is :attr:`last_record`. The cycle starts at step ``first_step``; :meth:`switch` puts
     another cycle in its place from a later step (a cycle boundary: see :class:`pipefisher.runtime.train.adapt.ScheduleLoop`).
-    With ``prepost`` (and an engine that has ``prepost``), every bubble's K-FAC work is preceded by
-    posting the next pipeline call's receives (:func:`prepost_points`); that is no label, not recorded.
+    With ``prepost``, every bubble's K-FAC work is preceded by the engine posting the next pipeline call's
+    receives (:func:`prepost_points`; an engine that cannot post ahead posts nothing, the contract's
+    default); that is no label, not recorded. ``engine`` and ``kfacs`` keep the runtime's contracts
+    (:mod:`pipefisher.runtime.pipeline.contracts`).
     """
 
-    def __init__(self, iterations: Sequence[Sequence[str]], engine: Any, kfacs: Mapping[int, Any],
-                 end_of_step: Callable[[], None], span: Callable[[str], ContextManager[Any]] | None = None,
+    def __init__(self, iterations: Sequence[Sequence[str]], engine: Engine, kfacs: Mapping[int, CurvatureWork],
+                 end_of_step: Callable[[], None], span: Span | None = None,
                  recorder: Any = None, first_step: int = 1, prepost: bool = True) -> None:
         self.engine, self.kfacs, self.end_of_step = engine, kfacs, end_of_step
         self.span = span
@@ -168,16 +179,16 @@ class ScheduleExecutor:
             kfac.plan_refresh()
 
     def _compile_iteration(self, index: int, labels: Sequence[str]) -> list[Callable[[], None]]:
-        """One bound call per label, each bubble's receive posts (unrecorded) before its K-FAC work."""
-        post = getattr(self.engine, "prepost", None) if self.prepost else None
-        points = prepost_points(labels) if post is not None else {}
+        """One bound call per label (a bubble's first K-FAC label posts the next pipeline call's receives
+        first, unrecorded), as the engine runs them (its ``fold_iteration``)."""
+        points = prepost_points(labels) if self.prepost else {}
         calls: list[Callable[[], None]] = []
         for i, label in enumerate(labels):
+            call = self._compile(label, (index, i) in self._completions)
             if i in points:
-                calls.append(functools.partial(post, points[i]))
-            calls.append(self._compile(label, (index, i) in self._completions))
-        fold = getattr(self.engine, "fold_iteration", None)  # an engine that walks its own order (torch's)
-        return calls if fold is None else fold(labels, calls)
+                call = _after(functools.partial(self.engine.prepost, points[i]), call)
+            calls.append(call)
+        return self.engine.fold_iteration(labels, calls)
 
     def _compile(self, label: str, completes: bool = False) -> Callable[[], None]:
         call = self._bind(label, completes)
@@ -200,11 +211,7 @@ class ScheduleExecutor:
             work = {"cov_kron": kfac.cov, "sync_kron": kfac.sync, "inv_kron": kfac.inv}[kind]
             call = functools.partial(work, factor, module)
             if completes:  # the factor's completion: K-FAC's next inverse label begins a refresh
-                work_call, complete = call, functools.partial(kfac.complete, factor, module)
-
-                def call() -> None:
-                    work_call()
-                    complete()
+                call = _after(call, functools.partial(kfac.complete, factor, module))
             if self.span is None:
                 return call
             span = self.span
@@ -233,9 +240,7 @@ class ScheduleExecutor:
             for call in self._compiled[it]:
                 call()
         except BaseException:
-            drop = getattr(self.engine, "drop_preposted", None)
-            if drop is not None:  # receives posted ahead of a call the failed step never ran
-                drop()
+            self.engine.drop_preposted()  # receives posted ahead of a call the failed step never ran
             raise
         if self.recorder is not None:
             self.last_record = self.recorder.end_step()

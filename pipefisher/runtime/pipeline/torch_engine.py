@@ -19,17 +19,17 @@ stage: it runs when that action has ended instead (:func:`after_whole_actions`).
 activations and their gradients crossing stages in the wire dtype (:class:`LossStage`; the static
 shapes torch is given say that dtype); fp16's last stage starts each backward from the loss scale.
 
-The engine keeps the own engine's interface (``op``, ``run``, ``begin_step``, ``finish_step``,
-``allreduce_gradients``, ``evaluate``, ``set_wait_log``), plus :meth:`TorchEngine.fold_iteration`, which
-the executor calls to hand over a schedule iteration: the rest of the runtime does not know which
-engine runs. Held-out evaluation goes through the own engine given as ``evaluator`` (forward only, no
-schedule to share).
+The engine keeps the runtime's engine contract (:class:`pipefisher.runtime.pipeline.contracts.Engine`)
+as the own engine does, with its own :meth:`TorchEngine.fold_iteration`, which the executor calls to hand
+over a schedule iteration (torch posts its own receives: nothing is posted ahead); the rest of the
+runtime does not know which engine runs. Held-out evaluation goes through the own engine given as
+``evaluator`` (forward only, no schedule to share).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -43,11 +43,11 @@ from pipefisher.runtime.data.batches import MLMData
 from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.pipeline.buckets import DEFAULT_BUCKET_MB, GradientBuckets
 from pipefisher.runtime.pipeline.compute import autocast, wire_dtype
+from pipefisher.runtime.pipeline.contracts import Engine, EngineDefaults, ForwardCurvature, Span
 from pipefisher.runtime.pipeline.engine import logged_wait
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, PIPELINE_CALLS, WEIGHT, copy_suffix, parse_label
 from pipefisher.runtime.pipeline import torch_api
 
-Span = Callable[[str], ContextManager[Any]]
 _LABEL = {_F: FORWARD, _B: BACKWARD, _W: WEIGHT}
 
 
@@ -91,7 +91,7 @@ def after_whole_actions(segments: Sequence[Sequence[Any]], inside: set[int],
     return out, carry + list(tail)
 
 
-class TorchEngine:
+class TorchEngine(EngineDefaults):
     """One rank's torch ``PipelineStage``\\ s (``stages``: copy id -> stage; copy j is chunk j, labels
     ``:chunk<j>``, when there are several) run in torch's order by torch's runtime.
 
@@ -108,7 +108,8 @@ class TorchEngine:
     def __init__(self, stages: Mapping[int, Any], *, actions: dict[int, list[Any]], micro_batches: int,
                  loss_fn: Callable[..., Any], inputs: Callable[[int], tuple[tuple[Any, ...], dict[str, Any], Any]],
                  grads: GradientBuckets, scale_grads: bool = False, span: Span | None = None,
-                 kfacs: Mapping[int, Any] | None = None, evaluator: Any = None, scaler: Any = None) -> None:
+                 kfacs: Mapping[int, ForwardCurvature] | None = None, evaluator: Engine | None = None,
+                 scaler: Any = None) -> None:
         torch_api.check_torch()
         self.m, self.inputs, self.grads = micro_batches, inputs, grads
         self.kfacs = dict(kfacs or {})
@@ -269,7 +270,7 @@ class TorchEngine:
 
 def build_torch_engine(copies: Mapping[int, nn.Module], ctx: DistContext, data: MLMData, num_micro_batches: int, *,
                        kind: str, chunks: int, layout: str, span: Span | None = None,
-                       kfacs: Mapping[int, Any] | None = None, evaluator: Any = None,
+                       kfacs: Mapping[int, ForwardCurvature] | None = None, evaluator: Engine | None = None,
                        grad_bucket_mb: float = DEFAULT_BUCKET_MB, precision: str = "fp32",
                        scaler: Any = None) -> TorchEngine:
     """The torch engine of a worker: its stage copies (built as for the own engine) as torch

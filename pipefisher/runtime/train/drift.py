@@ -14,7 +14,8 @@ from typing import Any, Mapping
 import torch
 
 from pipefisher.drift import DriftSample
-from pipefisher.runtime.job.host import HOST
+from pipefisher.kfac import KFAC
+from pipefisher.runtime.job.host import HostReads
 
 
 _LATER = object()  # a sample's lags, known when its figures are read
@@ -22,10 +23,13 @@ _LATER = object()  # a sample's lags, known when its figures are read
 
 class DriftLog:
     """Drift samples of one worker's K-FAC copies (``kfacs``: copy -> K-FAC; ``stages``: copy -> the
-    stage index it holds), not gathered yet. ``node``: this worker's pipeline node."""
+    stage index it holds), not gathered yet. ``node``: this worker's pipeline node; ``host``: the
+    worker's counter, which reads them (None: a counter of its own)."""
 
-    def __init__(self, kfacs: Mapping[int, Any], stages: Mapping[int, int], node: int) -> None:
+    def __init__(self, kfacs: Mapping[int, KFAC], stages: Mapping[int, int], node: int,
+                 host: HostReads | None = None) -> None:
         self.kfacs, self.stages, self.node = dict(kfacs), dict(stages), node
+        self.host = host if host is not None else HostReads()
         self.pending: list[tuple[Any, ...]] = []  # step, layer, change, change2, norm (tensors, floats or None)
         self.refreshed: dict[str, list[int]] = {}  # layer -> the steps of its last two refreshes measured
 
@@ -46,7 +50,7 @@ class DriftLog:
         """Every sample not gathered yet, as numbers (one device-to-host transfer), and forget them."""
         pending, self.pending = self.pending, []
         tensors = [t for entry in pending for t in entry[2:] if isinstance(t, torch.Tensor)]
-        values = iter(HOST.values(torch.stack([t.detach().float().reshape(()) for t in tensors]))) if tensors \
+        values = iter(self.host.values(torch.stack([t.detach().float().reshape(()) for t in tensors]))) if tensors \
             else iter(())
 
         def num(x: Any) -> float | None:  # in the order the tensors were stacked

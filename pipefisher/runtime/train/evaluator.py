@@ -7,15 +7,18 @@ steps (the pipeline's evaluation is a collective of the replica). No torch here:
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from pipefisher.runtime.pipeline.contracts import Engine
 
 
 class Evaluator:
-    """Evaluates ``batches`` with ``engine`` (anything with ``evaluate(batches) -> float | None``, the loss on
-    the stage that holds it, else None) every ``every`` steps and after step ``steps - 1``; ``every`` 0
+    """Evaluates ``batches`` with ``engine`` (its ``evaluate(batches) -> float | None``, the loss on the
+    stage that holds it, else None) every ``every`` steps and after step ``steps - 1``; ``every`` 0
     (or no held-out batches): never."""
 
-    def __init__(self, engine: Any, batches: Sequence[Any], every: int, steps: int) -> None:
+    def __init__(self, engine: Engine, batches: Sequence[Any], every: int, steps: int) -> None:
         self.engine, self.batches, self.every, self.steps = engine, list(batches), every, steps
         self.train_seconds = 0.0  # training time so far (this run's steps), the curve's time axis
         self.curve: list[tuple[int, float, float]] = []

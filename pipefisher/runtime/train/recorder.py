@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pipefisher.measure import LabelTime, StepRecord
+from pipefisher.runtime.job.host import HostReads
+
+if TYPE_CHECKING:
+    from pipefisher.runtime.pipeline.contracts import Engine
 
 
 class StepRecorder(ABC):
@@ -35,22 +39,24 @@ class StepRecorder(ABC):
     def end_step(self) -> StepRecord:
         """The step's record (after its last label)."""
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: Engine) -> None:
         """Let the recorder see the engine's receive waits (the wall clock's need; others may ignore it)."""
 
 
 class ClockRecorder(StepRecorder):
-    """The real clock: ``perf_counter`` on CPU, CUDA events on GPU."""
+    """The real clock: ``perf_counter`` on CPU, CUDA events on GPU; ``host`` (the worker's counter, None: a
+    counter of its own) counts the wait where a GPU record is read before its last event is done."""
 
-    def __init__(self, node: int, replica: int, cuda: bool = False) -> None:
+    def __init__(self, node: int, replica: int, cuda: bool = False, host: HostReads | None = None) -> None:
         super().__init__(node, replica)
         self.cuda = cuda
+        self.host = host if host is not None else HostReads()
         self._waits: list[Any] = []  # the engine appends receive waits (seconds, or CUDA event pairs)
         self._labels: list[tuple[str, Any, Any, int, int]] = []  # label, start, end, waits from, to
         self._step = self._iteration = 0
         self._base: Any = 0.0
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: Engine) -> None:
         engine.set_wait_log(self._waits)
 
     def _now(self) -> Any:
@@ -81,7 +87,7 @@ class ClockRecorder(StepRecorder):
     def end_step(self) -> StepRecord | EventRecord:
         if self.cuda:  # the events are read where the records are gathered
             return EventRecord(self.node, self.replica, self._step, self._iteration, self._base,
-                               list(self._labels), list(self._waits))
+                               list(self._labels), list(self._waits), self.host)
         b = self._base
         out = tuple(LabelTime(label, s - b, e - b, sum(self._waits[a:z])) for label, s, e, a, z in self._labels)
         return StepRecord(self.node, self.replica, self._step, self._iteration, out)
@@ -89,19 +95,18 @@ class ClockRecorder(StepRecorder):
 
 class EventRecord:
     """A scheduled step's record on GPU with its CUDA events not read yet (reading them waits for the
-    device): :meth:`resolve` makes it a :class:`StepRecord` where the records are gathered."""
+    device): :meth:`resolve` makes it a :class:`StepRecord` where the records are gathered; a wait there
+    counts in ``host``, the recording worker's counter."""
 
     def __init__(self, node: int, replica: int, step: int, iteration: int, base: Any,
-                 labels: list[tuple[str, Any, Any, int, int]], waits: list[Any]) -> None:
+                 labels: list[tuple[str, Any, Any, int, int]], waits: list[Any], host: HostReads) -> None:
         self.node, self.replica, self.step, self.iteration = node, replica, step, iteration
-        self._base, self._labels, self._waits = base, labels, waits
+        self._base, self._labels, self._waits, self.host = base, labels, waits, host
 
     def resolve(self) -> StepRecord:
         """The record, its times read from the events (waiting, counted, only if the last is not done)."""
-        from pipefisher.runtime.job.host import HOST
-
         if self._labels and not self._labels[-1][2].query():
-            HOST.wait(self._labels[-1][2])
+            self.host.wait(self._labels[-1][2])
         base = self._base
         out = tuple(LabelTime(label, base.elapsed_time(s) / 1e3, base.elapsed_time(e) / 1e3,
                               sum(p[0].elapsed_time(p[1]) / 1e3 for p in self._waits[a:z]))

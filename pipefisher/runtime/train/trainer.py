@@ -35,7 +35,7 @@ from pipefisher.runtime.job import memory
 from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.job.files import RunPaths
-from pipefisher.runtime.job.host import HOST
+from pipefisher.runtime.job.host import HostReads
 from pipefisher.runtime.job.process import Interrupted, StopRequest
 from pipefisher.runtime.job.progress import phase
 from pipefisher.runtime.pipeline.layout import loss_device, node_pipes
@@ -166,10 +166,11 @@ class Trainer:
                     f"{cfg.model.hidden_size}, {g.stages} stage(s)) on {ctx.device}"
                     + (", with K-FAC" if self.mode != "first-order" else ""))
         # The library's composition (pipefisher.runtime.api): a user's own loop gets the same worker.
+        host = HostReads()  # this worker's device-to-host reads: counted per step (WorkerResult.host_reads)
         if self.mode == "scheduled" and recorder is None:  # always-on measurement of scheduled steps
             from pipefisher.runtime.train.recorder import ClockRecorder
 
-            recorder = ClockRecorder(g.stage, g.replica, cuda=ctx.device.type == "cuda")
+            recorder = ClockRecorder(g.stage, g.replica, cuda=ctx.device.type == "cuda", host=host)
         # the learning rate decays over the steps the first run defined, not a resumed run's --steps
         horizon = opts.steps
         if opts.resume:
@@ -179,16 +180,16 @@ class Trainer:
         self.worker = build_worker(cfg, ctx, mode=self.mode, total_steps=horizon, schedule=opts.schedule,
                                    kfac_interval=self.interval, data=self.data, span=self.profiler.span,
                                    recorder=recorder,
-                                   allow_schedule_mismatch=opts.allow_schedule_mismatch)
+                                   allow_schedule_mismatch=opts.allow_schedule_mismatch, host=host)
         w = self.worker
         self.stage, self.kfac, self.kfacs, self.engine = w.stage, w.kfac, w.kfacs, w.engine
-        self.updater, self.ops, self.executor = w.updater, w.ops, w.executor
+        self.updater, self.ops, self.executor, self.host = w.updater, w.ops, w.executor, w.host
         self.schedule_digest = w.schedule_digest
         self.drift_log = None  # this worker's curvature drift samples (K-FAC modes), see pipefisher.drift
         if self.kfacs:
             from pipefisher.runtime.train.drift import DriftLog
 
-            self.drift_log = DriftLog(self.kfacs, node_pipes(cfg, g.stage), g.stage)
+            self.drift_log = DriftLog(self.kfacs, node_pipes(cfg, g.stage), g.stage, host=host)
         self._refreshes: dict[int, Any] = {}  # kfac mode: the job's refreshes gathered so far, by step
         self.loop = self._schedule_loop() if self.executor is not None else None
         self.checkpointer = w.checkpointer()
@@ -371,7 +372,7 @@ class Trainer:
         self._start(result)
         every, last = opts.checkpoint_every, opts.steps - 1
         unread: list[StepOutcome] = []  # steps whose loss and time are still on the device
-        HOST.take()  # the reads before the first step are none of a step's
+        self.host.take()  # the reads before the first step are none of a step's
         try:
             with metrics.progress():
                 for step in range(self.start_step, opts.steps):
@@ -389,7 +390,7 @@ class Trainer:
                         metrics.flush()
                     if stop:
                         raise Interrupted(step + 1)
-                    result.host_reads.append(HOST.take())
+                    result.host_reads.append(self.host.take())
         except KeyboardInterrupt:  # Ctrl-C: say how far it got (the CLI turns it into one line)
             self._report(unread, result)  # the steps done are logged as they would have been
             metrics.write_csv()  # and kept: the metrics so far
@@ -487,10 +488,10 @@ class Trainer:
         if not unread:
             return
         losses = [u.loss for u in unread if u.loss is not None]
-        values = iter(HOST.values(torch.stack([x.reshape(()).double() for x in losses])) if losses else [])
+        values = iter(self.host.values(torch.stack([x.reshape(()).double() for x in losses])) if losses else [])
         for u in unread:
             loss = next(values) if u.loss is not None else None
-            seconds = u.seconds()
+            seconds = u.seconds(self.host)
             with self._failures(u.step):
                 val = self.evaluator.after_step(u.step, seconds)
             self.metrics.record(u.step, loss=loss, val=val, lr=u.lr, seconds=seconds, cycle=u.cycle)
@@ -549,14 +550,14 @@ class StepOutcome:
     lr: float
     cycle: int | None
 
-    def seconds(self) -> float:
+    def seconds(self, host: HostReads) -> float:
         """The step's seconds: on GPU from its events, which the loss read before has waited for (the
-        end event of the last step read: synchronized here, once)."""
+        end event of the last step read: synchronized here, once, counted in the worker's ``host``)."""
         if not isinstance(self.clock, tuple):
             return self.clock
         start, end = self.clock
         if not end.query():
-            HOST.wait(end)
+            host.wait(end)
         return start.elapsed_time(end) / 1e3
 
 

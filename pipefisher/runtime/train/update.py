@@ -25,16 +25,18 @@ PipeFisher and KAISA BERT runs also feed K-FAC's gradient to the base optimizer 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipefisher.kfac import KFAC
 from pipefisher.kfac.eigenbasis import EigenbasisAdam
 from pipefisher.kfac.factors import kl_clip_scale
 from pipefisher.runtime.job.config import RunConfig
-from pipefisher.runtime.job.host import HOST
+from pipefisher.runtime.job.host import HostReads
+from pipefisher.runtime.pipeline.contracts import Curvature, Span
 from pipefisher.runtime.train.optim import LRSchedule, clip_grad_norm, make_optimizer
 from pipefisher.timeline import PRECONDITION_KEY
 
@@ -46,13 +48,16 @@ class Updater:
     global gradient norm and the KL-clip sum are all-reduced; None in one process. ``copies``: how
     many devices of the pipeline hold each stage (2 under Chimera), so each copy contributes its share
     of those sums and every stage counts once. ``span`` (the profiler's) times the preconditioning as
-    :data:`PRECONDITION_KEY`, what K-FAC adds to every step's update.
+    :data:`PRECONDITION_KEY`, what K-FAC adds to every step's update. ``kfac``: the stage's K-FAC (all its
+    copies as one), or None. ``host`` reads fp16's overflow flag (the worker's counter,
+    :mod:`pipefisher.runtime.job.host`; None: a counter of its own).
     """
 
-    def __init__(self, cfg: RunConfig, stage: nn.Module, kfac: Any, total_steps: int,
-                 pipe_group: Any = None, copies: int = 1,
-                 span: Callable[[str], ContextManager[Any]] | None = None, scaler: Any = None) -> None:
+    def __init__(self, cfg: RunConfig, stage: nn.Module, kfac: Curvature | None, total_steps: int,
+                 pipe_group: Any = None, copies: int = 1, span: Span | None = None, scaler: Any = None,
+                 host: HostReads | None = None) -> None:
         self.cfg, self.kfac, self.pipe_group = cfg, kfac, pipe_group
+        self.host = host if host is not None else HostReads()
         self.scaler = scaler  # fp16's LossScale (pipefisher.runtime.pipeline.compute), else None
         self.span = span or (lambda key: nullcontext())
         self.share = 1.0 / copies
@@ -93,14 +98,15 @@ class Updater:
     def step(self, stage: nn.Module) -> None:
         """Steps 0 and 2-5 above on ``stage``'s gradients, then clear them. Reads nothing back from the
         device but fp16's overflow flag, which decides whether the optimizer steps (the step's one read,
-        through :data:`~pipefisher.runtime.job.host.HOST`, which brings whatever waits for a read along)."""
+        through the worker's :class:`~pipefisher.runtime.job.host.HostReads`, which brings whatever waits for
+        a read along)."""
         o, k = self.cfg.optim, self.cfg.kfac
         if self.scaler is not None:
             finite = torch.as_tensor(self.scaler.unscale(list(stage.parameters())), device=self.device)
             overflow = (~finite).to(torch.float32).reshape(1)
             if self.pipe_group is not None:  # every stage skips, or none (replicas hold the same gradients)
                 dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.pipe_group)
-            skip = HOST.flag(overflow)
+            skip = self.host.flag(overflow)
             self.scaler.update(not skip)
             if skip:
                 self._clear()
@@ -136,17 +142,16 @@ class Updater:
 
 
 def make_kfac(cfg: RunConfig, stage: nn.Module, *, dp_group: Any = None, dp_size: int = 1,
-              warn: Any = None, drift: bool = True) -> Any:
+              warn: Any = None, drift: bool = True, host: HostReads | None = None) -> KFAC:
     """The stage's K-FAC as the config says (one place, so trainer and replay build the same one).
-    ``drift``: measure the curvature drift at refreshes (replica 0 does: replicas measure the same)."""
-    from pipefisher.kfac import KFAC
-
+    ``drift``: measure the curvature drift at refreshes (replica 0 does: replicas measure the same).
+    ``host``: the worker's counter, which reads its inverses' checks with the worker's next read (None:
+    each read at once)."""
     k = cfg.kfac
     soap = k.update == "soap"
     kfac = KFAC(stage, damping=k.damping, damping_min=k.damping_min or None, damping_decay=k.damping_decay,
                 ignore=k.ignore, loss_scale=cfg.data.num_micro_batches, dp_group=dp_group, dp_size=dp_size,
                 factor_decay=k.factor_decay, inverse="eigenbasis" if soap else k.inverse, inverse_dtype=k.inverse_dtype,
                 on_bad_factor=k.on_bad_factor, save_dtype=k.save_dtype, fisher=k.fisher, warn=warn,
-                cov_stride=k.cov_stride, drift=drift and not soap, refresh_pieces=k.refresh_pieces)
-    kfac.host = HOST  # its inverses' checks are read with the runtime's next read, counted
+                cov_stride=k.cov_stride, drift=drift and not soap, refresh_pieces=k.refresh_pieces, host=host)
     return kfac

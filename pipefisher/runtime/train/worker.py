@@ -20,10 +20,12 @@ from pipefisher.pipeline_orders import DOWN, UP, layout_of
 from pipefisher.runtime.data.batches import DataPosition, MLMData
 from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext, check_agreement
-from pipefisher.runtime.job.host import HOST
+from pipefisher.kfac import KFAC
+from pipefisher.runtime.job.host import HostReads
 from pipefisher.runtime.models.builders import make_stage
 from pipefisher.runtime.pipeline.checks import load_checked_schedule
 from pipefisher.runtime.pipeline.compute import LossScale, recompute_blocks
+from pipefisher.runtime.pipeline.contracts import Curvature, Engine, Span
 from pipefisher.runtime.pipeline.copies import StageChunks, StageCopiesEngine, StageCopiesKFAC, StagePair
 from pipefisher.runtime.pipeline.engine import (LocalLink, PipelineEngine, pipe_micro_batches, pipeline_ops,
                                                 splits_backward)
@@ -38,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 MODES = ("first-order", "kfac", "scheduled")
 """How a worker trains: the pipeline alone, with K-FAC after it, or with K-FAC in its bubbles (a schedule)."""
-Span = Callable[[str], ContextManager[Any]]
 
 
 def check_options(mode: str, schedule: str | None, cfg: RunConfig | None = None,
@@ -77,7 +78,8 @@ class Worker:
     pipe; ``engine`` runs the pipeline order ``ops`` with point-to-point sends and the gradient
     all-reduce; ``kfac`` (None in first-order mode) and ``kfacs`` (by pipe) hold K-FAC;
     ``updater`` the learning-rate schedule, clipping, preconditioning and optimizers; ``executor``
-    (scheduled mode) walks the schedule file.
+    (scheduled mode) walks the schedule file. ``host`` counts the worker's device-to-host reads
+    (:mod:`pipefisher.runtime.job.host`): its engine, K-FAC and updater read through it, no other worker.
     """
 
     cfg: RunConfig
@@ -86,9 +88,9 @@ class Worker:
     data: MLMData
     copies: dict[int, nn.Module]
     stage: nn.Module
-    engine: Any
-    kfacs: dict[int, Any]
-    kfac: Any
+    engine: Engine
+    kfacs: dict[int, KFAC]
+    kfac: Curvature | None
     updater: Updater
     ops: list[str]
     interval: int
@@ -98,6 +100,7 @@ class Worker:
     cycles: list[int] = field(default_factory=list)  # every node's K-FAC cycle (scheduled mode)
     schedule: list[list[list[str]]] | None = None  # the schedule file's labels (scheduled mode)
     position: DataPosition = field(default_factory=DataPosition)  # the next step's micro-batches
+    host: HostReads = field(default_factory=HostReads)  # this worker's device-to-host reads
 
     def step(self, step: int) -> torch.Tensor | None:
         """Training step ``step`` (0, 1, ...): forward and backward over the step's micro-batches in the
@@ -109,10 +112,10 @@ class Worker:
 
         The step reads nothing back from the device but fp16's overflow flag (whether the optimizer
         steps). The checks of K-FAC's inverses wait, on the device, for the next read
-        (:data:`pipefisher.runtime.job.host.HOST`): fp16's flag, else at the latest the start of the next step.
+        (:attr:`host`): fp16's flag, else at the latest the start of the next step.
         """
         if self.updater.scaler is None:  # fp16 reads its flag in this step anyway, and what waits with it
-            HOST.settle()  # what the last step left to check (bad K-FAC factors), if nothing read it since
+            self.host.settle()  # what the last step left to check (bad K-FAC factors), if nothing read it since
         self.updater.set_step(step)
         self.position.step = step + 1  # where a checkpoint after this step resumes
         if self.executor is not None and step >= 1:
@@ -178,7 +181,8 @@ class Worker:
 def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order", total_steps: int,
                  schedule: str | None = None, kfac_interval: int | None = None, data: MLMData | None = None,
                  span: Span | None = None, warn: Callable[[str], None] | None = None,
-                 recorder: Any = None, allow_schedule_mismatch: bool = False) -> Worker:
+                 recorder: Any = None, allow_schedule_mismatch: bool = False,
+                 host: HostReads | None = None) -> Worker:
     """Everything this worker runs, composed as ``pipefisher train`` composes it.
 
     ``mode``: ``first-order``, ``kfac`` (naive K-FAC every ``kfac_interval`` steps, default
@@ -188,9 +192,12 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     warnings, each naming its stage (default: a warning of this module's logger, shown by the CLI);
     ``recorder`` (scheduled mode, :mod:`pipefisher.runtime.train.recorder`) times every label;
     ``allow_schedule_mismatch`` trains a schedule whose metadata says it was packed for another job
-    (:func:`pipefisher.runtime.pipeline.checks.check_packed_for`). Seeds torch's global generator per worker (dropout), so runs repeat.
+    (:func:`pipefisher.runtime.pipeline.checks.check_packed_for`); ``host`` counts the worker's
+    device-to-host reads (None: a new counter, :attr:`Worker.host`). Seeds torch's global generator per
+    worker (dropout), so runs repeat.
     """
     check_options(mode, schedule, cfg, ctx)
+    host = host if host is not None else HostReads()
     g, m = ctx.grid, cfg.data.num_micro_batches
     chimera = cfg.pipeline.schedule == "chimera"
     data = data if data is not None else MLMData(cfg.data, cfg.model.vocab_size)
@@ -199,7 +206,7 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     v = cfg.pipeline.chunks
     copies = build_stages(cfg, ctx)
     index = node_pipes(cfg, g.stage)
-    kfacs: dict[int, Any] = {}
+    kfacs: dict[int, KFAC] = {}
     if mode != "first-order":
         for p, copy in copies.items():
             what = (f" (chunk {p})" if interleaved else " (up pipe)") if p else ""
@@ -207,7 +214,7 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
             say = warn or logger.warning
             kfacs[p] = make_kfac(cfg, copy, dp_group=ctx.stage_group, dp_size=ctx.stage_group_size,
                                  warn=lambda msg, where=where, say=say: say(f"{where}: {msg}"),
-                                 drift=g.replica == 0)  # every replica would measure the same drift
+                                 drift=g.replica == 0, host=host)  # every replica would measure the same drift
     scaler = LossScale(cfg.train.loss_scale) if cfg.train.precision == "fp16" else None
     for k in kfacs.values():
         k.grad_scaler = scaler
@@ -221,16 +228,17 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
         engines = {j: PipelineEngine(copies[j], ctx, data, m, span=span, kfac=kfacs.get(j), micro_batches=plan[j],
                                      chunk=j, layout=layout_of(cfg.pipeline.schedule), split=split, local=local,
                                      precision=cfg.train.precision, scaler=scaler,
-                                     grad_bucket_mb=cfg.pipeline.grad_bucket_mb)
+                                     grad_bucket_mb=cfg.pipeline.grad_bucket_mb, host=host)
                    for j in plan}
     else:
         engines = {p: PipelineEngine(copies[p], ctx, data, m, span=span, kfac=kfacs.get(p), pipe=p,
                                      micro_batches=plan[p], split=split, precision=cfg.train.precision,
-                                     scaler=scaler, grad_bucket_mb=cfg.pipeline.grad_bucket_mb) for p in plan}
+                                     scaler=scaler, grad_bucket_mb=cfg.pipeline.grad_bucket_mb, host=host)
+                   for p in plan}
     if interleaved:
         stage: nn.Module = StageChunks([copies[j] for j in range(v)])
-        kfac: Any = StageCopiesKFAC(kfacs, list(index), interleaved=True) if kfacs else None
-        engine: Any = StageCopiesEngine(stage, ctx, engines)
+        kfac: Curvature | None = StageCopiesKFAC(kfacs, list(index), interleaved=True) if kfacs else None
+        engine: Engine = StageCopiesEngine(stage, ctx, engines)
     elif chimera:
         stage = StagePair(copies[DOWN], copies[UP], list(index))
         kfac = StageCopiesKFAC(kfacs, list(index)) if kfacs else None
@@ -245,10 +253,10 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
                              grad_bucket_mb=cfg.pipeline.grad_bucket_mb, precision=cfg.train.precision,
                              scaler=scaler)
     updater = Updater(cfg, stage, kfac, cfg.optim.decay_steps or total_steps,
-                      pipe_group=ctx.pipe_group, copies=2 if chimera else 1, span=span, scaler=scaler)
+                      pipe_group=ctx.pipe_group, copies=2 if chimera else 1, span=span, scaler=scaler, host=host)
     worker = Worker(cfg, ctx, mode, data, copies, stage, engine, kfacs, kfac, updater,
                     pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m, v),
-                    kfac_interval or cfg.kfac.interval, span)
+                    kfac_interval or cfg.kfac.interval, span, host=host)
     if schedule is not None:
         # Every worker checks every node, so a bad schedule stops all of them before step 0.
         nodes = load_checked_schedule(schedule, cfg, g.replicas, allow_schedule_mismatch)
