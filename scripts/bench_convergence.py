@@ -11,7 +11,11 @@ two worker processes run everything, so every mode sees the same machine:
    seed 0, each run as long as the benchmark's runs: ``baseline`` (AdamW), ``muon`` (torch's Muon on
    the hidden matrices, AdamW on the rest), ``kfac`` (curvature every step, the preconditioned gradient
    fed to the config's optimizer, AdamW) and ``scheduled`` (the packed schedule, K-FAC inside the
-   pipeline bubbles; ``--scheduled-lrs kfac`` takes ``kfac``'s choice instead of its own sweep); in
+   pipeline bubbles, its cycles overlapping, its refresh in ``--refresh-pieces`` pieces: by default 1, 2
+   and 4 are each profiled and packed and the shortest planned step taken; its curvature update, K-FAC
+   feeding AdamW or ``soap``, Adam in K-FAC's eigenbasis, chosen by its sweep: each update has its own
+   lrs and the updates split the warm-ups, 3 lrs x 1 warm-up each, the size of every other sweep;
+   ``--scheduled-lrs kfac`` takes ``kfac``'s choice, K-FAC feeding AdamW, instead of its own sweep); in
    each, the setting with the lowest mean TRAINING loss over the last 10 % of steps wins (the held-out
    text is never used to choose anything);
 3. for each seed, every mode with its chosen setting, interleaved, each evaluated on the held-out text
@@ -23,7 +27,8 @@ lower median). Steps to target: the first evaluation at or below it; time to tar
 seconds until then (evaluations excluded). Printed: a table with a row per mode (medians over seeds);
 the packing report with its trade-off; the plan against the run (the objective's planned step,
 :mod:`pipefisher.objective`, against the measured mean step, for the scheduled and the AdamW runs);
-``scheduled step / first-order step: X`` (AdamW's step), ``muon step / adamw step: Y``; the last line
+``scheduled step / first-order step: X`` (AdamW's step; again against the best first-order optimizer's
+where that is Muon), ``muon step / adamw step: Y``; the last line
 ``kfac steps-to-target / baseline: A; scheduled time-to-target / baseline: B; best first-order: NAME;
 scheduled time-to-target / best first-order: C`` (the baseline is AdamW; ``inf`` where the median seed
 never reached the target, ``n/a`` where the one it is divided by never did); then the total elapsed
@@ -32,7 +37,8 @@ the raw results as JSON.
 
     python scripts/bench_convergence.py [--config configs/small.yaml] [--steps 300] [--seeds 3]
         [--eval-every 10] [--lrs 5e-4,1e-3,2e-3] [--muon-lrs 2e-3,4e-3,8e-3] [--kfac-lrs 1e-3,2e-3,4e-3]
-        [--scheduled-lrs 7e-4,1.4e-3,2.8e-3|kfac] [--warmups 0,30] [--modes baseline,muon,kfac,scheduled]
+        [--scheduled-lrs 7e-4,1.4e-3,2.8e-3|kfac] [--soap-lrs 2e-3,4e-3,8e-3] [--scheduled-updates base,soap]
+        [--refresh-pieces best|auto|N] [--warmups 0,30] [--modes baseline,muon,kfac,scheduled]
         [--out bench-convergence/]
 """
 from __future__ import annotations
@@ -44,7 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,6 +79,14 @@ model (AdamW 1e-3, Muon 4e-3, K-FAC every step 2e-3, K-FAC in the bubbles 1.4e-3
 the preconditioned gradient to the config's optimizer (``configs/small.yaml``: AdamW)."""
 MODES = tuple(e.key for e in RACE)
 ENTRANTS = {e.key: e for e in RACE}
+UPDATES = {"base": "K-FAC feeding AdamW", "soap": "soap: Adam in K-FAC's eigenbasis"}
+"""K-FAC in the bubbles' curvature updates (``kfac.update``), chosen by its sweep: its default lrs of each
+(``--scheduled-lrs`` for ``base``, centred on 1.4e-3; ``--soap-lrs`` for ``soap``, centred on 4e-3, where
+the eigenbasis in the bubbles did best, docs/benchmarks.md)."""
+SOAP_LRS = "2e-3,4e-3,8e-3"
+PIECE_CHOICES = (1, 2, 4)
+"""``--refresh-pieces best`` (the default): each of these piece counts is profiled and packed (with
+overlapping cycles), and the one with the shortest planned step taken (then the shorter cycle)."""
 SHARE = "kfac"
 """``--scheduled-lrs kfac``: K-FAC in the bubbles takes K-FAC every step's choice instead of a sweep."""
 
@@ -130,8 +144,6 @@ def choose_setting(train: Callable[..., tuple[Any, Any]], base: Any, steps: int,
     mean of the last 10 % of steps): the held-out text never chooses anything, even where ``evals``
     evaluates on it every that many steps (0: never) so that ``swept`` can keep each run for
     :func:`swept_run`. Returns (lr, warm-up, the sweep's rows), the same on every worker."""
-    import torch.distributed as dist
-
     tail = max(1, steps // 10)
     sweep = []
     for lr in lrs:
@@ -143,14 +155,56 @@ def choose_setting(train: Callable[..., tuple[Any, Any]], base: Any, steps: int,
             if swept is not None:
                 swept.append(SweptRun(cfg, entrant.mode, schedule, evals, res, trainer.cycles))
             announce(f"sweep: {entrant.label} lr {lr:g}, warm-up {warm}: training loss (last {tail} steps) {score:.4f}")
-    choice: list[Any] = [None]
-    if int(os.environ["RANK"]) == loss_rank(base):  # the last stage knows the losses: everyone takes its choice
-        best = min(sweep, key=lambda r: math.inf if math.isnan(r["train_loss_tail"]) else r["train_loss_tail"])
-        choice = [(best["lr"], best["warmup_steps"])]
-    dist.broadcast_object_list(choice, src=loss_rank(base))
-    lr, warm = choice[0]
+    best = lowest_training_loss(sweep, base)
+    lr, warm = best["lr"], best["warmup_steps"]
     announce(f"{entrant.label}: lr {lr:g}, warm-up {warm} steps (the best training loss of its sweep)")
     return lr, warm, sweep
+
+
+def lowest_training_loss(rows: list[dict[str, Any]], base: Any) -> dict[str, Any]:
+    """The sweep row with the lowest ``train_loss_tail`` as the worker holding the losses saw it (the other
+    worker's are nan), the same on every worker."""
+    import torch.distributed as dist
+
+    choice: list[Any] = [None]
+    if int(os.environ["RANK"]) == loss_rank(base):  # the last stage knows the losses: everyone takes its choice
+        choice = [min(rows, key=lambda r: math.inf if math.isnan(r["train_loss_tail"]) else r["train_loss_tail"])]
+    dist.broadcast_object_list(choice, src=loss_rank(base))
+    return choice[0]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One curvature update of K-FAC in the bubbles' sweep: its config (``kfac.update`` and the refresh
+    pieces it was profiled with), its schedule, its part of the sweep and, on rank 0, its plan."""
+
+    update: str
+    cfg: Any
+    schedule: str
+    lrs: list[float]
+    warmups: list[int]
+    plan: dict[str, Any] | None
+
+
+def choose_update(train: Callable[..., tuple[Any, Any]], steps: int, variants: list[Variant],
+                  announce: Callable[[str], None], swept: list[SweptRun] | None = None,
+                  evals: int = 0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """K-FAC in the bubbles' sweep over its curvature updates: each variant's own :func:`choose_setting`
+    sweep (its lrs x its warm-ups, on its config and schedule), the winner over all their runs by the
+    same rule (the lowest mean training loss over the last 10 % of steps). Returns (the choice: ``lr``,
+    ``warmup_steps``, ``update``, ``refresh_pieces``, ``overlap``; every row), the same on every worker."""
+    entrant, rows = ENTRANTS["scheduled"], []
+    for v in variants:
+        label = replace(entrant, label=f"{entrant.label} ({UPDATES[v.update]})")
+        _, _, sub = choose_setting(train, v.cfg, steps, v.lrs, v.warmups, announce, label, v.schedule, swept, evals)
+        rows += [{**r, "update": v.update} for r in sub]
+    best = lowest_training_loss(rows, variants[0].cfg)
+    cfg = next(v.cfg for v in variants if v.update == best["update"])
+    choice = {"lr": best["lr"], "warmup_steps": best["warmup_steps"], "update": best["update"],
+              "refresh_pieces": cfg.kfac.refresh_pieces, "overlap": True}
+    announce(f"{entrant.label}: {UPDATES[best['update']]}, lr {best['lr']:g}, warm-up {best['warmup_steps']} steps "
+             "(the best training loss of its sweep over the updates)")
+    return choice, rows
 
 
 @dataclass(frozen=True)
@@ -229,12 +283,13 @@ def run_record(mode: str, seed: int, res: Any, **extra: Any) -> dict[str, Any]:
 
 
 def profile_and_pack(base: Any, ctx: Any, rank: int, folder: str, profile_steps: int, steps: int,
-                     staleness: str | None = None) -> tuple[str, dict[str, Any] | None]:
+                     staleness: str | None = None, overlap: bool = False) -> tuple[str, dict[str, Any] | None]:
     """A profile of ``profile_steps`` kfac steps in these workers, whose median step rank 0 packs with the
     default policy (with the ``staleness`` curve file where given, for a run of ``steps`` steps) into
-    ``folder/schedule.pickle`` (its metadata names the profile, which an ``--adapt`` run plans against).
+    ``folder/schedule.pickle`` (its metadata names the profile, which an ``--adapt`` run plans against),
+    its cycles overlapping where ``overlap`` lets them (the policy's option; ``--adapt`` refuses it).
     Returns the schedule's path and, on rank 0, the plan: the policy, the planned and first-order step
-    (ms) and the packing report's lines."""
+    (ms), the cycle per node, whether the cycles overlap, and the packing report's lines."""
     import torch.distributed as dist
 
     from pipefisher.runtime.train.profiler import timeline_filename
@@ -257,43 +312,87 @@ def profile_and_pack(base: Any, ctx: Any, rank: int, folder: str, profile_steps:
         job = load_job(timelines)
         from pipefisher.staleness import read_staleness
 
-        packed = get_policy(DEFAULT_POLICY, staleness=read_staleness(staleness), max_cycle=steps).pack(job)
-        assert not validate(packed.to_file_data(), job, margin=packed.margin), "an invalid schedule"
+        packed = get_policy(DEFAULT_POLICY, staleness=read_staleness(staleness), max_cycle=steps,
+                            overlap=overlap or None).pack(job)
+        assert not validate(packed.to_file_data(), job, margin=packed.margin, overlap=packed.overlap), "an invalid schedule"
         save_schedule(sched, packed, timelines)
         cost = step_cost(packed.to_file_data(), job)  # the profile is in nanoseconds
         plan = {"policy": packed.policy, "step_ms": cost.step * 1e-6, "first_order_ms": cost.first_order * 1e-6,
+                "cycles": [node.figures.iterations for node in packed.nodes], "overlap": packed.overlap,
                 "report": usage_lines(packed)}
     dist.barrier()
     return sched, plan
 
 
+def pack_variant(base: Any, ctx: Any, rank: int, folder: str, profile_steps: int, steps: int, update: str,
+                 pieces: str, staleness: str | None = None) -> tuple[Any, str, dict[str, Any] | None]:
+    """(the config, the schedule, on rank 0 the plan) of K-FAC in the bubbles with curvature ``update``:
+    profiled with the refresh in ``pieces`` pieces (``kfac.refresh_pieces``: a number or ``auto``; ``best``:
+    each of :data:`PIECE_CHOICES`, the shortest planned step taken) and packed with overlapping cycles."""
+    import torch.distributed as dist
+
+    packs = []
+    for p in PIECE_CHOICES if pieces == "best" else (pieces if pieces == "auto" else int(pieces),):
+        cfg = base.replace(kfac={"update": update, "refresh_pieces": p})
+        where = os.path.join(folder, f"{update}-pieces-{p}")
+        os.makedirs(where, exist_ok=True)
+        sched, plan = profile_and_pack(cfg, ctx, rank, where, profile_steps, steps, staleness, overlap=True)
+        packs.append((cfg, sched, plan))
+    pick = [0]
+    if rank == 0:  # the plans are rank 0's
+        pick = [min(range(len(packs)), key=lambda i: (packs[i][2]["step_ms"], max(packs[i][2]["cycles"])))]
+        packs[pick[0]][2]["pieces_tried"] = {str(c.kfac.refresh_pieces): plan["step_ms"] for c, _, plan in packs}
+    dist.broadcast_object_list(pick, src=0)
+    return packs[pick[0]]
+
+
 def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval_every: int,
             sweeps: dict[str, list[float] | str], warmups: list[int], profile_steps: int, folder: str,
-            staleness: str | None = None) -> dict[str, Any]:
-    """Every mode of ``sweeps`` (key: its learning rates, or :data:`SHARE`), swept then run per seed."""
+            staleness: str | None = None, updates: dict[str, list[float]] | None = None,
+            pieces: str = "best") -> dict[str, Any]:
+    """Every mode of ``sweeps`` (key: its learning rates, or :data:`SHARE`), swept then run per seed; K-FAC
+    in the bubbles (unless it shares) over ``updates`` (per curvature update its lrs; :func:`update_warmups`
+    splits the warm-ups among them), each profiled with ``pieces`` and packed (:func:`pack_variant`)."""
     from pipefisher.runtime.job.dist import shutdown
 
     base, rank, ctx = start_worker(config_path, overrides)
     train = trainer_of(ctx, steps, eval_every)
     announce = announcer(rank, base)
     out: dict[str, Any] = {"rank": rank, "holds_loss": rank == loss_rank(base), "sweeps": {}, "choices": {},
-                           "runs": [], "cycles": None, "plan": None}
+                           "runs": [], "cycles": None, "plan": None, "plans": {}}
+    own = sweeps.get("scheduled") not in (None, SHARE)
+    updates = updates if own and updates else {"base": []}
     try:
-        # 1. profile and pack
-        sched, out["plan"] = profile_and_pack(base, ctx, rank, folder, profile_steps, steps, staleness)
+        # 1. per curvature update: profile (in refresh pieces) and pack (cycles overlapping)
+        variants = []
+        for (update, lrs), warms in zip(updates.items(), update_warmups(list(updates), warmups)):
+            cfg, sched, plan = pack_variant(base, ctx, rank, folder, profile_steps, steps, update, pieces, staleness)
+            variants.append(Variant(update, cfg, sched, lrs, warms, plan))
+            out["plans"][update] = plan
 
         # 2. a sweep of the same size per mode, judged on training loss only (evaluated as the measured
         # runs are, so that seed 0's measured run can be its winner's, not trained twice)
         swept: list[SweptRun] = []
-        out["choices"], out["sweeps"] = sweep_race(train, base, steps, sweeps, warmups, announce, {"scheduled": sched},
+        others = {k: v for k, v in sweeps.items() if not (own and k == "scheduled")}
+        out["choices"], out["sweeps"] = sweep_race(train, base, steps, others, warmups, announce,
+                                                   {"scheduled": variants[0].schedule}, {"scheduled": variants[0].cfg},
                                                    swept=swept, evals=eval_every)
+        if own:
+            out["choices"]["scheduled"], out["sweeps"]["scheduled"] = choose_update(train, steps, variants, announce,
+                                                                                    swept, eval_every)
+        elif "scheduled" in sweeps:
+            out["choices"]["scheduled"].update(update="base", refresh_pieces=variants[0].cfg.kfac.refresh_pieces,
+                                               overlap=True)
+        chosen = next(v for v in variants if v.update == out["choices"].get("scheduled", {}).get("update", "base"))
+        out["plan"] = chosen.plan
 
         # 3. every mode per seed, interleaved
         for seed in range(seeds):
             for key in sweeps:
                 choice = out["choices"][key]
-                res, cycles, kept = measured_run(train, swept, race_config(base, key, choice, seed), ENTRANTS[key].mode,
-                                           sched if key == "scheduled" else None, eval_every)
+                on = chosen.cfg if key == "scheduled" else base
+                res, cycles, kept = measured_run(train, swept, race_config(on, key, choice, seed), ENTRANTS[key].mode,
+                                                 chosen.schedule if key == "scheduled" else None, eval_every)
                 if cycles:
                     out["cycles"] = cycles
                 out["runs"].append(run_record(key, seed, res, **choice))
@@ -303,6 +402,15 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
     finally:
         shutdown(ctx)
     return out
+
+
+def update_warmups(updates: list[str], warmups: list[int]) -> list[list[int]]:
+    """Each curvature update's warm-ups in K-FAC in the bubbles' sweep: the update replaces the warm-up
+    axis (update i takes every n-th warm-up from the i-th, n updates), so that its sweep has as many runs
+    as every other mode's (2 updates x 3 lrs = 3 lrs x 2 warm-ups); with fewer warm-ups than updates,
+    each takes them all (a larger sweep: said in the printed sizes)."""
+    n = len(updates)
+    return [warmups[i::n] if len(warmups) >= n else list(warmups) for i in range(n)]
 
 
 def merged_runs(results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
@@ -510,6 +618,33 @@ def lr_list(text: str) -> list[float]:
     return lrs
 
 
+def scheduled_updates(ap: argparse.ArgumentParser, a: argparse.Namespace,
+                      sweeps: Mapping[str, list[float] | str]) -> dict[str, list[float]]:
+    """Per curvature update of ``--scheduled-updates`` its lrs (``--scheduled-lrs`` or ``--soap-lrs``),
+    after ``--refresh-pieces`` is checked; a bad one is ``ap.error``'s one line. Empty where K-FAC in the
+    bubbles does not sweep (not raced, or ``--scheduled-lrs kfac``)."""
+    if a.refresh_pieces not in ("best", "auto") and not (a.refresh_pieces.isdigit() and int(a.refresh_pieces) >= 1):
+        ap.error(f"--refresh-pieces: an integer >= 1, auto or best, not {a.refresh_pieces!r}")
+    names = [u.strip() for u in a.scheduled_updates.split(",") if u.strip()]
+    if not names or set(names) - set(UPDATES) or len(set(names)) != len(names):
+        ap.error(f"--scheduled-updates: a subset of {','.join(UPDATES)}, each once, not {a.scheduled_updates!r}")
+    if sweeps.get("scheduled") in (None, SHARE):
+        return {}
+    try:
+        return {u: lr_list(a.scheduled_lrs if u == "base" else a.soap_lrs) for u in names}
+    except ValueError as err:
+        ap.error(f"a list of numbers is expected: {err}")
+        raise
+
+
+def scheduled_label(run: Mapping[str, Any]) -> str:
+    """K-FAC in the bubbles as it ran: its curvature update, refresh pieces and whether its cycles overlap."""
+    if "update" not in run:
+        return ENTRANTS["scheduled"].label
+    return (f"{ENTRANTS['scheduled'].label} ({UPDATES[run['update']]}, refresh in {run['refresh_pieces']} "
+            f"piece{'s' if run['refresh_pieces'] != 1 else ''}{', overlapping cycles' if run['overlap'] else ''})")
+
+
 def main() -> None:
     started = time.monotonic()
     ap = common_arguments(__doc__.splitlines()[0])
@@ -517,8 +652,17 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=10,
                     help="kfac steps profiled before packing (default 10; their median step is packed)")
     ap.add_argument("--out", default="bench-convergence", help="folder for the chart and the raw results")
+    ap.add_argument("--scheduled-updates", default="base,soap",
+                    help="K-FAC in the bubbles' curvature updates, chosen by its sweep: base (K-FAC feeding AdamW; "
+                         "its lrs: --scheduled-lrs) and/or soap (Adam in K-FAC's eigenbasis; its lrs: --soap-lrs); "
+                         "the updates split the warm-ups, so the sweep keeps every mode's size")
+    ap.add_argument("--soap-lrs", default=SOAP_LRS, help="soap's peak learning rates in K-FAC in the bubbles' sweep")
+    ap.add_argument("--refresh-pieces", default="best", metavar="N|auto|best",
+                    help="kfac.refresh_pieces of K-FAC in the bubbles' profile and runs; best (default): "
+                         f"{'/'.join(map(str, PIECE_CHOICES))} each profiled and packed, the shortest planned step taken")
     a = ap.parse_args()
     sweeps, warmups = race_sweeps(ap, a)
+    updates = scheduled_updates(ap, a, sweeps)
 
     from pipefisher.runtime.data.corpus import load_corpus
     from pipefisher.runtime.launch.local import spawn_local
@@ -533,15 +677,18 @@ def main() -> None:
           f"held-out tokens, {cfg.data.tokenizer} vocabulary {cfg.model.vocab_size}", flush=True)
     with tempfile.TemporaryDirectory(prefix="pipefisher-conv-") as folder:
         results = spawn_local(_worker, 2, a.config, a.overrides, a.steps, a.seeds, a.eval_every, sweeps, warmups,
-                              a.profile_steps, folder, a.staleness, timeout_s=3 * 3600)
+                              a.profile_steps, folder, a.staleness, updates, a.refresh_pieces, timeout_s=3 * 3600)
     runs, first, last = merged_runs(results)
     best = best_first_order(runs)
     target = final_loss(runs, best) if best else math.nan
     table = race_table(runs, target)
     choices = last["choices"]
     print()
-    sizes = ", ".join(f"{k} {len(v)} lrs x {len(warmups)} warm-ups" if v != SHARE else f"{k}: {SHARE}'s choice"
-                      for k, v in sweeps.items())
+    split = zip(updates, update_warmups(list(updates), warmups))
+    sizes = ", ".join(f"{k}: {SHARE}'s choice" if v == SHARE else
+                      " + ".join(f"{k} {u} {len(updates[u])} lrs x {len(w)} warm-up{'s' if len(w) != 1 else ''}"
+                                 for u, w in split) if k == "scheduled" and updates else
+                      f"{k} {len(v)} lrs x {len(warmups)} warm-ups" for k, v in sweeps.items())
     print(f"config {os.path.basename(a.config)}, 2 stages x 1 core, {a.steps} steps, {a.seeds} seeds, "
           f"held-out evaluation every {a.eval_every} steps; each mode's peak lr and warm-up chosen by its own sweep "
           f"on training loss ({sizes}); K-FAC's base optimizer {cfg.optim.name}"
@@ -558,6 +705,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for key, t in table.items():
         label = ENTRANTS[key].label + (" (baseline)" if key == "baseline" else "")
+        if key == "scheduled":
+            label = scheduled_label(next(r for r in runs if r["mode"] == key))
         print(f"| {label} | {t['lr']:g}, {t['warmup_steps']:g} | {t['steps']:g} | {t['seconds']:.1f} | {t['final']:.4f} "
               f"| {t['step_ms']:.1f} | {t['saved']:.1f} | {t['reached']}/{a.seeds} |")
     png = os.path.join(a.out, "convergence.png")
@@ -568,10 +717,13 @@ def main() -> None:
     dump_json_atomic(os.path.join(a.out, "convergence.json"),
                      {"target": target, "best_first_order": best, "table": table, "choices": choices,
                       "sweeps": last["sweeps"], "runs": runs, "cycles": first["cycles"], "plan": first["plan"],
+                      "plans": first["plans"], "scheduled": scheduled_label(choices.get("scheduled", {})),
                       "args": vars(a)})
     print(f"wrote {png} and {os.path.join(a.out, 'convergence.json')}")
     plan = first["plan"]
-    print(f"packed with '{plan['policy']}' on the profile's median step:")
+    tried = ", ".join(f"{p}: {ms:.1f} ms" for p, ms in plan.get("pieces_tried", {}).items())
+    print(f"packed with '{plan['policy']}' on the profile's median step, cycles overlapping "
+          f"({'they do' if plan['overlap'] else 'none did'}); planned step per refresh piece count: {tried}:")
     for line in plan["report"]:
         print(f"  {line}")
     # means, not medians: a cycle's steps carry different K-FAC loads, and time to target is their sum
@@ -583,6 +735,9 @@ def main() -> None:
               f"({_ratio(measured['baseline'], plan['first_order_ms'])})")
     how = "(mean step after step 0, median over seeds, measured in this run)"
     print(f"scheduled step / first-order step: {_ratio(measured.get('scheduled', math.nan), measured.get('baseline', math.nan))} {how}")
+    if best and best != "baseline":  # against the best first-order optimizer's step too
+        print(f"scheduled step / first-order step ({ENTRANTS[best].label}, the best first-order): "
+              f"{_ratio(measured.get('scheduled', math.nan), measured.get(best, math.nan))} {how}")
     print(f"muon step / adamw step: {_ratio(measured.get('muon', math.nan), measured.get('baseline', math.nan))} {how}")
     print(last_line(table, best))
     elapsed = time.monotonic() - started

@@ -161,3 +161,92 @@ def test_the_sweeps_run_is_taken_over_only_for_exactly_the_same_run():
     assert measured_run(train, [kept], cfg, "kfac", None, 10) == ("the sweep's result", None, True) and not trained
     assert measured_run(train, [kept], cfg.replace(data={"seed": 1}), "kfac", None, 10) == ("trained now", (4, 4), False)
     assert len(trained) == 1
+
+
+def test_k_fac_in_the_bubbles_sweeps_its_curvature_update_at_every_other_modes_size():
+    """The updates replace the warm-up axis: base at warm-up 0, soap at 30, 3 lrs each = 3 lrs x 2 warm-ups."""
+    import pytest
+
+    from bench_convergence import common_arguments, race_arguments, race_sweeps, scheduled_updates, update_warmups
+
+    assert update_warmups(["base", "soap"], [0, 30]) == [[0], [30]]
+    assert update_warmups(["base"], [0, 30]) == [[0, 30]]
+    ap = common_arguments("convergence")
+    race_arguments(ap)
+    for opt in (["--scheduled-updates", "base,soap"], ["--soap-lrs", "1e-3"], ["--refresh-pieces", "auto"]):
+        ap.add_argument(opt[0], default=None)  # as main() declares them
+    a = ap.parse_args(["--scheduled-updates", "base,soap", "--soap-lrs", "2e-3,4e-3,8e-3", "--refresh-pieces", "best"])
+    sweeps, warmups = race_sweeps(ap, a)
+    updates = scheduled_updates(ap, a, sweeps)
+    assert updates == {"base": [7e-4, 1.4e-3, 2.8e-3], "soap": [2e-3, 4e-3, 8e-3]}
+    size = sum(len(lrs) * len(w) for lrs, w in zip(updates.values(), update_warmups(list(updates), warmups)))
+    assert size == len(sweeps["baseline"]) * len(warmups) == 6
+    for bad in (["--scheduled-updates", "base,adam"], ["--refresh-pieces", "0"], ["--refresh-pieces", "two"]):
+        with pytest.raises(SystemExit):
+            scheduled_updates(ap, ap.parse_args(["--scheduled-updates", "base", "--refresh-pieces", "1", *bad]), sweeps)
+
+
+def _choose_among_updates(folder: str) -> dict:
+    """In each worker: K-FAC in the bubbles' sweep over both updates, each packed with overlap."""
+    from bench_convergence import Variant, choose_update, pack_variant, start_worker, trainer_of
+
+    from pipefisher.runtime.job.dist import shutdown
+
+    base, rank, ctx = start_worker(TINY, [])
+    train = trainer_of(ctx, steps=4, eval_every=0)
+    try:
+        variants = []
+        for update in ("base", "soap"):
+            cfg, sched, plan = pack_variant(base, ctx, rank, folder, 2, 4, update, "2")
+            variants.append(Variant(update, cfg, sched, [1e-3], [0], plan))
+        choice, rows = choose_update(train, 4, variants, lambda msg: None)
+    finally:
+        shutdown(ctx)
+    from pipefisher.schedule_file import meta_path
+
+    import json
+
+    metas = [json.load(open(meta_path(v.schedule))) for v in variants]
+    return {"rank": rank, "choice": choice, "rows": rows, "updates": [v.cfg.kfac.update for v in variants],
+            "pieces": [v.cfg.kfac.refresh_pieces for v in variants], "plans": [v.plan for v in variants],
+            "metas": metas}
+
+
+def test_the_scheduled_mode_chooses_its_update_by_training_loss_and_packs_with_overlap(tmp_path):
+    import math as m
+
+    from pipefisher.runtime.launch.local import spawn_local
+
+    results = spawn_local(_choose_among_updates, 2, str(tmp_path), timeout_s=180)
+    assert results[0]["choice"] == results[1]["choice"]  # every worker runs the same choice
+    holder = next(r for r in results if not any(m.isnan(row["train_loss_tail"]) for row in r["rows"]))
+    assert [row["update"] for row in holder["rows"]] == ["base", "soap"]  # both updates swept
+    best = min(holder["rows"], key=lambda row: row["train_loss_tail"])
+    assert holder["choice"]["update"] == best["update"] and holder["choice"]["overlap"] is True
+    assert holder["updates"] == ["base", "soap"] and holder["pieces"] == [2, 2]
+    plans = next(r for r in results if r["rank"] == 0)["plans"]
+    assert all("overlap" in p and p["cycles"] for p in plans)  # packed by the overlapping policy
+    rank0 = next(r for r in results if r["rank"] == 0)
+    assert all(meta.get("overlap", False) == p["overlap"] for meta, p in zip(rank0["metas"], plans))
+
+
+def test_the_scheduled_mode_packs_with_overlap_and_takes_the_refresh_pieces_of_the_shortest_planned_step(
+        monkeypatch, tmp_path):
+    import bench_convergence
+    import torch.distributed as dist
+
+    calls = []
+
+    def fake_pack(cfg, ctx, rank, folder, profile_steps, steps, staleness=None, overlap=False):
+        calls.append((cfg.kfac.update, cfg.kfac.refresh_pieces, overlap))
+        ms = {1: 30.0, 2: 20.0, 4: 25.0, "auto": 22.0}[cfg.kfac.refresh_pieces]
+        return os.path.join(folder, "s.pickle"), {"step_ms": ms, "cycles": [3, 4], "overlap": overlap}
+
+    monkeypatch.setattr(bench_convergence, "profile_and_pack", fake_pack)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objs, src: None)
+    cfg, _, plan = bench_convergence.pack_variant(bench_config(TINY, []), None, 0, str(tmp_path), 2, 8, "soap", "best")
+    assert calls == [("soap", 1, True), ("soap", 2, True), ("soap", 4, True)]  # every count, cycles overlapping
+    assert cfg.kfac.refresh_pieces == 2 and cfg.kfac.update == "soap" and plan["pieces_tried"]["2"] == 20.0
+    calls.clear()
+    cfg, _, _ = bench_convergence.pack_variant(bench_config(TINY, []), None, 0, str(tmp_path), 2, 8, "base", "auto")
+    assert calls == [("base", "auto", True)] and cfg.kfac.refresh_pieces == "auto"
