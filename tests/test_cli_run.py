@@ -161,9 +161,9 @@ def test_run_chimera_end_to_end(tmp_path):
     from pipefisher.schedule_file import load_schedule, save_schedule
 
     out = tmp_path / "runs"
-    # 12 steps: a pair's aligned cycle on a fresh profile is 4 to 7 or more, and a run shorter than every
-    # packing's cycle trains nothing (test_a_run_trains_no_cycle_longer_than_its_steps_chimera_pairs_aligned)
-    res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", "chimera", "--out", str(out), "--steps", "12",
+    # 30 steps: a pair's aligned cycle on a fresh profile is 4 to 7, and 13 on a busy machine; a run shorter
+    # than every packing's cycle trains nothing (test_a_run_trains_no_cycle_longer_than_its_steps_chimera_pairs_aligned)
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", "chimera", "--out", str(out), "--steps", "30",
                                     "--profile-steps", "2", "--name", "c", "--no-progress", "--eval-every", "3",
                                     "--timeout", "30"])
     assert res.exit_code == 0, res.output
@@ -176,7 +176,7 @@ def test_run_chimera_end_to_end(tmp_path):
         assert any(k.startswith(kind + ":") and k.endswith(":up_pipe") for k in keys), kind
         assert any(k.startswith(kind + ":") and not k.endswith(":up_pipe") for k in keys), kind
     report = json.loads((out / "c_report.json").read_text())
-    assert report["valid"] and report["training"]["steps"] == 12 and report["cycle"] <= 12
+    assert report["valid"] and report["training"]["steps"] == 30 and report["cycle"] <= 30
     schedule = str(out / "c_schedule.pickle")
     res = CliRunner().invoke(main, ["validate", "--schedule", schedule, *timelines])
     assert res.exit_code == 0, res.output

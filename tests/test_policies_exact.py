@@ -56,6 +56,8 @@ def test_without_ortools_the_cli_prints_one_line(monkeypatch, tmp_path):
 
 def test_get_policy_options():
     with pytest.raises(InputError, match="takes no options"):
+        get_policy("best-fit", time_limit=1.0)
+    with pytest.raises(InputError, match="policy 'tight' takes only overlap, not time_limit"):
         get_policy("tight", time_limit=1.0)
     assert get_policy("tight", time_limit=None).name == "tight"  # None: not given
     with pytest.raises(InputError, match="unknown policy"):

@@ -58,7 +58,7 @@ def test_an_overlapping_schedule_says_so_beside_it_and_validate_checks_it_by_tha
     timeline = write_pickle("job_node0_timeline.pickle", overlapping_node())
     runner = CliRunner()
     sched = str(tmp_path / "s.pickle")
-    res = runner.invoke(main, ["schedule", timeline, "--policy", "tight", "--save-path", sched])  # default: overlap
+    res = runner.invoke(main, ["schedule", timeline, "--policy", "tight", "--overlap", "--save-path", sched])
     assert res.exit_code == 0, res.output
     meta = json.loads(open(meta_path(sched)).read())
     assert meta["overlap"] is True and meta["nodes"][0]["iterations"] == 2
@@ -72,8 +72,9 @@ def test_an_overlapping_schedule_says_so_beside_it_and_validate_checks_it_by_tha
     open(meta_path(sched), "w").write(json.dumps(meta))
     res = runner.invoke(main, ["validate", "--schedule", sched, timeline])
     assert res.exit_code == 2 and res.output.count("\n") == 1 and "overlap" in res.output, res.output
-    # --no-overlap: today's cycle, no flag; --overlap where the policy cannot: one line
-    res = runner.invoke(main, ["schedule", timeline, "--policy", "tight", "--no-overlap", "--save-path", sched])
-    assert res.exit_code == 0 and "overlap" not in json.loads(open(meta_path(sched)).read())
+    # by default (and --no-overlap): today's cycle, no flag; --overlap where the policy cannot: one line
+    for flags in ([], ["--no-overlap"]):
+        res = runner.invoke(main, ["schedule", timeline, "--policy", "tight", *flags, "--save-path", sched])
+        assert res.exit_code == 0 and "overlap" not in json.loads(open(meta_path(sched)).read())
     res = runner.invoke(main, ["schedule", timeline, "--policy", "compat", "--overlap"])
     assert res.exit_code == 2 and res.output.count("\n") == 1 and "--overlap" in res.output, res.output
