@@ -71,7 +71,7 @@ def test_run_adapt_measures_repacks_and_writes_what_it_used(tmp_path):
     """--adapt: the run's steps are measured, the schedule is re-packed from them while it trains, every
     schedule used is kept with the step it took over, and the measured timelines pack like a profile."""
     out = tmp_path / "runs"
-    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--steps", "16", "--profile-steps", "2",
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--steps", "24", "--profile-steps", "2",
                                     "--nproc-per-node", "2", "--name", "a", "--no-progress", "--adapt"])
     assert res.exit_code == 0, res.output
     assert "closed loop (adaptive scheduler):" in res.output and "gathers of the measurements" in res.output
@@ -89,7 +89,7 @@ def test_run_adapt_measures_repacks_and_writes_what_it_used(tmp_path):
     assert drift and all(d > 0 for d in drift.values()) and report["refreshes"] == len(drift)
     with open(out / "a_measurements.csv", newline="") as f:
         measured = list(csv.DictReader(f))
-    assert {int(r["step"]) for r in measured} == set(range(1, 16)) and {r["node"] for r in measured} == {"0", "1"}
+    assert {int(r["step"]) for r in measured} == set(range(1, 24)) and {r["node"] for r in measured} == {"0", "1"}
     assert all(float(r["measured_end"]) >= float(r["measured_start"]) for r in measured)
     cycles = [json.loads(line) for line in (out / "a_cycles.jsonl").read_text().splitlines()]
     assert {c["node"] for c in cycles} == {0, 1} and all(c["kfac_seconds"] and c["step_seconds"] > 0 for c in cycles)
@@ -324,7 +324,7 @@ def test_run_a_zero_bubble_pipeline_end_to_end(tmp_path, pipeline):
     from pipefisher.timeline import load_job
 
     out = tmp_path / "runs"
-    res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", pipeline, "--out", str(out), "--steps", "12",
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", pipeline, "--out", str(out), "--steps", "24",
                                     "--profile-steps", "2", "--nproc-per-node", "2", "--name", "zb", "--no-progress"])
     assert res.exit_code == 0, res.output
     assert f"mode scheduled, 2 stage(s) x 1 replica(s), {pipeline}" in res.output
@@ -338,7 +338,7 @@ def test_run_a_zero_bubble_pipeline_end_to_end(tmp_path, pipeline):
     assert check.exit_code == 0, check.output
     with open(out / "zb_metrics.csv", newline="") as f:
         losses = [float(r["loss"]) for r in csv.DictReader(f)]
-    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+    assert len(losses) == 24 and sum(losses[-3:]) < sum(losses[:3])  # 24: longer than a busy machine's cycle
 
 
 def test_run_validates_a_schedule_under_the_margin_its_policy_chose(tmp_path):
