@@ -82,5 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """End the worker without the interpreter's finalization, as multiprocessing's children do: its outputs
+    are written (atomically) and flushed here, its process groups destroyed (:func:`pipefisher.runtime.job.dist
+    .shutdown`); what finalization would still do is free torch's C++ objects (gloo's threads, the TCPStore)
+    in no set order, which once aborted a finished worker (``terminate called without an active exception``,
+    SIGABRT after its last line) in a suite run."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach the launcher anyway
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
