@@ -528,3 +528,12 @@ def test_overlap_is_refused_in_one_line_where_it_cannot_apply(tmp_path):
         assert not (tmp_path / "o").exists()
     res = CliRunner().invoke(main, ["run", "--resume", str(tmp_path), "--overlap"])
     assert res.exit_code == 2 and "--overlap: sets a run up" in res.output, res.output
+
+
+def test_refresh_pieces_under_chimera_are_refused_in_one_line_before_any_work(tmp_path):
+    """Chimera's pair alignment does not yet place refresh pieces validly: said before torch loads."""
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", "chimera", "--out", str(tmp_path / "o"),
+                                    "--set", "kfac.refresh_pieces=2"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert "kfac.refresh_pieces other than 1 is not packed validly under pipeline.schedule chimera" in res.output
+    assert not (tmp_path / "o").exists()

@@ -120,6 +120,10 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
     curve = staleness_for(staleness, policy)  # a bad file: one line, before torch loads
     check_adapt_drift(adapt_drift, adapt, staleness)
     check_overlap(overlap, policy)
+    if cfg.pipeline.schedule == "chimera" and cfg.kfac.refresh_pieces != 1:  # measured: 3-17 room-rule breaks
+        raise InputError(config_path, "kfac.refresh_pieces other than 1 is not packed validly under pipeline.schedule "
+                                      "chimera yet (aligning its stage pairs breaks the room rule with refresh "
+                                      "pieces): use 1 with chimera")
     if overlap and adapt:
         raise InputError("--overlap", "packs the first schedule only; --adapt's re-packs do not overlap yet: "
                                       "drop one of them")
