@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipefisher.kfac.defaults import DEFAULT_IGNORE
 from pipefisher.kfac import factors as fx
 from pipefisher.kfac.factors import BadFactorError
 from pipefisher.kfac.refresh import PIECE_METHODS, Refresh, pieces_for
@@ -52,7 +53,6 @@ logger = logging.getLogger(__name__)
 FACTORS = ("A", "B")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
-DEFAULT_IGNORE = ("embeddings", "LayerNorm", "cls")
 
 
 def is_ignored(name: str, ignore: Iterable[str]) -> bool:
