@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import groupby
+from typing import Callable
 
 from pipefisher.policies.base import LazyPlacements, NodeFigures, NodeSchedule, Placement
 from pipefisher.policies.bounds import NodeBounds
-from pipefisher.problem import NodeModel
+from pipefisher.problem import COV, NodeModel
 from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.timeline import Time
 
@@ -24,6 +25,18 @@ class Packed:
     in_bubbles: list[list[tuple[int, str, Time, Time]]]  # per iteration: (bubble, label, start, end)
     overflow: list[list[tuple[str, Time]]]  # per iteration: (label, duration), after the last pipeline item
     overlap: bool = False  # some refresh pieces lie before their factor's completion (:mod:`pipefisher.problem`)
+
+
+def start_walk(model: NodeModel, factor_done: Callable[[int], None], queue_ready: Callable[[int], None]) -> None:
+    """What a walk over the bubbles (greedy, best-fit) has ready before it places anything: each factor
+    with no covariance pieces on this node is done at once (``factor_done(group)``: its syncs or its
+    refresh may start), and each covariance queue's first piece is ready (``queue_ready(work index)``)."""
+    for g, pieces in enumerate(model.factors.pieces):
+        if pieces == 0:
+            factor_done(g)
+    for wi, w in enumerate(model.work):
+        if w.kind == COV:
+            queue_ready(wi)
 
 
 def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeSchedule:
