@@ -316,20 +316,22 @@ def generated_jobs_missing_the_bound() -> list[Job]:
             for kw in ({}, {"heavy": True, "float_seconds": False})]
 
 
-def test_pruned_portfolio_chooses_exactly_what_the_full_one_does() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pruned_portfolio_chooses_exactly_what_the_full_one_does(overlap: bool) -> None:
     missed = 0
     for job in generated_jobs_missing_the_bound():
         for node in job.nodes:
-            pruned = pack_node(node, job.span)
-            assert pruned == pack_node(node, job.span, prune=False)
+            pruned = pack_node(node, job.span, overlap=overlap)
+            assert pruned == pack_node(node, job.span, prune=False, overlap=overlap)
             missed += pruned.figures.iterations > pruned.figures.lower_bound
     assert missed >= 100  # the candidates after the first did run, and so did their caps
 
 
-def test_capped_walks_give_up_only_where_they_could_not_be_shorter() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_capped_walks_give_up_only_where_they_could_not_be_shorter(overlap: bool) -> None:
     for job in generated_jobs_missing_the_bound()[:120]:
         for node in job.nodes:
-            model = node_model(node, job.span)
+            model = node_model(node, job.span, overlap=overlap)
             walks = {"greedy": lambda cap: pack_greedy(model, shorter_than=cap),
                      "cov first": lambda cap: pack_greedy(model, cov_first=True, shorter_than=cap),
                      "best-fit": lambda cap: pack_best_fit(model, shorter_than=cap),
@@ -427,6 +429,39 @@ def test_overlap_puts_the_pieces_left_into_the_first_iteration_and_shortens_the_
     # target packs tight: with the option, the same
     target = get_policy("target", overlap=True).pack(job)
     assert target.overlap and target.nodes[0].figures.iterations == 2
+
+
+def test_a_capped_overlapping_walk_gives_up_once_its_covariance_alone_reaches_the_cap(monkeypatch) -> None:
+    # Only refresh pieces may go back into the room of iterations already walked: the covariance and
+    # syncs left still need iterations of their own, so the walk gives up as early as they say (here
+    # after 2 of its cap of 4, where the rule "one more iteration reaches the cap" waited for 3).
+    import pipefisher.policies.tight as tight
+
+    job = job_from_dicts(random_raw_job(12, heavy=True, float_seconds=False))
+    model = node_model(job.nodes[0], job.span, overlap=True)
+    cap = pack_greedy(model).iterations
+    walked: list[int] = []
+    checked = tight.sure_to_reach
+    monkeypatch.setattr(tight, "sure_to_reach", lambda done, *rest: walked.append(done) or checked(done, *rest))
+    assert pack_greedy(model, cov_first=True, shorter_than=cap) is None
+    assert cap == 4 and walked[-1] + 1 < cap
+
+
+def test_an_attempt_to_put_the_pieces_left_into_earlier_iterations_tests_a_full_bubble_once(monkeypatch) -> None:
+    # The heavy job's packing is dense: most bubbles have no room for the smallest refresh piece left,
+    # and the attempts (one per iteration once only refresh pieces are left) pass over them at once,
+    # rather than testing every factor's next piece (96 factors here) in each.
+    import pipefisher.policies.tight as tight
+
+    job = load_job(sorted(str(p) for p in (REGRESSIONS / "heavy-16x128x48").glob("*_timeline.pickle")))
+    node = next(n for n in job.nodes if Path(n.path).name.split("_")[1] == "node5")
+    model = node_model(node, job.span, overlap=True)
+    first = pack_greedy(model)
+    assert first.overlap and first.iterations == 42
+    tests = Counter()
+    monkeypatch.setattr(tight, "fits", lambda *a: tests.update(["fits"]) or fits(*a))
+    assert pack_greedy(model, cov_first=True, shorter_than=first.iterations) is None  # after a failed attempt
+    assert 0 < tests["fits"] <= 2 * first.iterations * len(model.bubbles)
 
 
 @pytest.mark.parametrize("piece_ms", [None, 2.0])
