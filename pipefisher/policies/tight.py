@@ -950,6 +950,11 @@ def _as_ours(theirs: NodeSchedule, ours: NodeSchedule) -> NodeSchedule:
     return replace(theirs, figures=figures)
 
 
+OVERLAP_BY_DEFAULT = True
+"""``tight`` and ``target`` let cycles overlap unless told not to: never a longer cycle, and packing the
+heavy regression job so costs no more processor time than without (docs/policies.md)."""
+
+
 class TightPolicy(Policy):
     """Dependency-correct packing close to the lower bound; overflow only for work that fits no bubble."""
 
@@ -958,7 +963,7 @@ class TightPolicy(Policy):
 
     options = ("overlap",)
 
-    def __init__(self, overlap: bool = False) -> None:
+    def __init__(self, overlap: bool = OVERLAP_BY_DEFAULT) -> None:
         """``overlap``: cycles may overlap (a refresh's pieces run on into the next cycle's first
         iterations, :mod:`pipefisher.problem`); the schedule's metadata then says so."""
         self.overlap = bool(overlap)
