@@ -457,12 +457,15 @@ class AdaptiveScheduler(Scheduler):
     def _pack(self, rung: int, why: str, cycle: int | None = None) -> Plan:
         """The measured timeline packed with ``ladder[rung]``, lengthened to ``cycle`` iterations where it
         needs fewer (not handed out: :meth:`_hand_out`)."""
-        from pipefisher.policies import get_policy
+        from pipefisher.policies import get_policy, packs_overlapping
         from pipefisher.timeline import inflate_kfac
 
         timelines = self.measured_timelines()
         job, models = job_models(timelines, self.margin)
-        packed = get_policy(self.policy).pack(inflate_kfac(job, self.ladder[rung]), self.margin)
+        # never overlapping: a switch, and a return to the kept plan, are checked by the rules of a cycle
+        # that does not overlap (pipefisher run --adapt says so in one line)
+        packer = get_policy(self.policy, overlap=False if packs_overlapping(self.policy) else None)
+        packed = packer.pack(inflate_kfac(job, self.ladder[rung]), self.margin)
         natural = equal_cycles(packed.to_file_data())
         k = len(natural[0])
         data = natural if cycle is None or cycle <= k else equal_cycles(natural, cycle)

@@ -283,11 +283,12 @@ def run_record(mode: str, seed: int, res: Any, **extra: Any) -> dict[str, Any]:
 
 
 def profile_and_pack(base: Any, ctx: Any, rank: int, folder: str, profile_steps: int, steps: int,
-                     staleness: str | None = None, overlap: bool = False) -> tuple[str, dict[str, Any] | None]:
+                     staleness: str | None = None, overlap: bool | None = None) -> tuple[str, dict[str, Any] | None]:
     """A profile of ``profile_steps`` kfac steps in these workers, whose median step rank 0 packs with the
     default policy (with the ``staleness`` curve file where given, for a run of ``steps`` steps) into
     ``folder/schedule.pickle`` (its metadata names the profile, which an ``--adapt`` run plans against),
-    its cycles overlapping where ``overlap`` lets them (the policy's option; ``--adapt`` refuses it).
+    its cycles overlapping where ``overlap`` lets them (the policy's option, None: its default, on; an
+    ``--adapt`` run needs False: its switches do not overlap).
     Returns the schedule's path and, on rank 0, the plan: the policy, the planned and first-order step
     (ms), the cycle per node, whether the cycles overlap, and the packing report's lines."""
     import torch.distributed as dist
@@ -313,7 +314,7 @@ def profile_and_pack(base: Any, ctx: Any, rank: int, folder: str, profile_steps:
         from pipefisher.staleness import read_staleness
 
         packed = get_policy(DEFAULT_POLICY, staleness=read_staleness(staleness), max_cycle=steps,
-                            overlap=overlap or None).pack(job)
+                            overlap=overlap).pack(job)
         assert not validate(packed.to_file_data(), job, margin=packed.margin, overlap=packed.overlap), "an invalid schedule"
         save_schedule(sched, packed, timelines)
         cost = step_cost(packed.to_file_data(), job)  # the profile is in nanoseconds

@@ -168,7 +168,7 @@ def measure(job: PaperJob, policy: str, overlap: bool | None = None, pieces: int
 @click.option("--chimera", is_flag=True, help="Add Chimera to GPipe and 1F1B (its model counts both copies).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write every job's figures here.")
 @click.option("--overlap/--no-overlap", default=None,
-              help="Let cycles overlap (tight and target only; default: the policy's own, off).")
+              help="Let cycles overlap (tight and target only; default: the policy's own, on for those two).")
 @click.option("--pieces", default="1", show_default=True,
               help="Pieces each inverse runs in, or 'auto': pieces of at most half the smallest node's largest bubble.")
 @click.option("--piece-ms", type=click.FloatRange(0, min_open=True), default=None,

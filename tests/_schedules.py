@@ -105,15 +105,18 @@ def fake_timelines(cfg: RunConfig) -> list[dict]:
     return raws
 
 
-def packed_job_schedule(cfg: RunConfig):  # -> pipefisher.policies.base.JobSchedule
-    """The default policy's packing of :func:`fake_timelines`, checked by ``validate``."""
+def packed_job_schedule(cfg: RunConfig, overlap: bool = False):  # -> pipefisher.policies.base.JobSchedule
+    """The default policy's packing of :func:`fake_timelines`, checked by ``validate``. Without overlapping
+    cycles unless asked (on these timelines they would overlap): the tests save and hand over the plain
+    schedule, without the metadata that says so, and the runtime checks such a schedule by the rules
+    of a cycle that does not overlap."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.rules import validate
     from pipefisher.timeline import job_from_dicts
 
     job = job_from_dicts(fake_timelines(cfg))
-    packed = get_policy(DEFAULT_POLICY).pack(job)
-    assert validate(packed.to_file_data(), job) == []
+    packed = get_policy(DEFAULT_POLICY, overlap=overlap).pack(job)
+    assert packed.overlap is overlap and validate(packed.to_file_data(), job, overlap=overlap) == []
     return packed
 
 

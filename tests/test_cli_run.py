@@ -75,6 +75,8 @@ def test_run_adapt_measures_repacks_and_writes_what_it_used(tmp_path):
                                     "--nproc-per-node", "2", "--name", "a", "--no-progress", "--adapt"])
     assert res.exit_code == 0, res.output
     assert "closed loop (adaptive scheduler):" in res.output and "gathers of the measurements" in res.output
+    # overlapping cycles are the default, and --adapt packs without them, saying so
+    assert "--adapt: packing without overlapping cycles (--adapt's re-packs do not overlap yet)" in res.output
     history = json.loads((out / "a_schedules" / "history.json").read_text())["switches"]
     assert history[0]["step"] == 1 and history[0]["reason"] == "schedule file a_schedule.pickle"
     assert all((out / "a_schedules" / h["file"]).exists() for h in history)
@@ -106,13 +108,20 @@ def test_train_adapt_needs_a_schedule_and_a_known_policy(tmp_path):
     assert res.exit_code == 2 and "--adapt re-packs a schedule while training: it needs --schedule FILE" in res.output
     from pipefisher.schedule_file import save_schedule
 
-    from _schedules import packed_schedule
+    from _schedules import packed_job_schedule, packed_schedule
 
     sched = str(tmp_path / "s.pickle")
     save_schedule(sched, packed_schedule(tiny()))
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--schedule", sched, "--adapt", "--adapt-policy",
                                     "nope", "--no-progress", "--out", str(tmp_path / "out")])
     assert res.exit_code == 2 and "nope" in res.output and "Traceback" not in res.output
+    # a schedule whose cycles overlap: --adapt would check its return to it by the rules of one that does not
+    save_schedule(sched, packed_job_schedule(tiny(), overlap=True))
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--schedule", sched, "--adapt", "--no-progress",
+                                    "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert f"{sched}: has overlapping cycles (its .meta.json), and --adapt's re-packs and switches do not overlap " \
+           "yet: pack it with pipefisher schedule --no-overlap" in res.output
 
 
 def test_default_run_names_sit_side_by_side(tmp_path):
@@ -522,13 +531,11 @@ def test_what_a_stop_stopped_is_said_by_phase():
 
 
 def test_overlap_is_refused_in_one_line_where_it_cannot_apply(tmp_path):
-    """--overlap needs a policy that packs overlapping cycles, and --adapt's re-packs do not overlap (yet):
-    both said before any work; with --resume it is a set-up option like --policy."""
-    for args, said in ((["--policy", "compat"], "--overlap applies to the 'target' and 'tight' policies only, "
-                                                "not to 'compat'"),
-                       (["--adapt"], "error: --overlap: packs the first schedule only; --adapt's re-packs do not "
-                                     "overlap yet: drop one of them")):
-        res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(tmp_path / "o"), "--overlap", *args])
+    """--overlap and --no-overlap need a policy that packs overlapping cycles: said before any work; with
+    --resume they are set-up options like --policy."""
+    for flag in ("--overlap", "--no-overlap"):
+        said = f"{flag} applies to the 'target' and 'tight' policies only, not to 'compat'"
+        res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(tmp_path / "o"), flag, "--policy", "compat"])
         assert res.exit_code == 2 and res.output.count("\n") == 1 and said in res.output, res.output
         assert not (tmp_path / "o").exists()
     res = CliRunner().invoke(main, ["run", "--resume", str(tmp_path), "--overlap"])

@@ -367,3 +367,19 @@ def test_without_a_curve_a_repair_stays_within_the_cycle_the_drift_allows(job, i
         assert max(plans[-1].cycles) <= loop.scheduler.rule.cycle
     repaired = [p for p in plans if "overran its bubbles" in p.reason]
     assert repaired and max(repaired[0].cycles) > 4
+
+
+def test_a_re_pack_never_overlaps_cycles(monkeypatch) -> None:
+    """``tight`` overlaps cycles by default, but a switch, and a return to the kept plan, are checked by
+    the rules of a cycle that does not overlap: the scheduler's re-packs keep every refresh in its cycle."""
+    from conftest import overlapping_node
+    from pipefisher.timeline import job_from_dicts
+
+    raw = overlapping_node()
+    job = job_from_dicts([raw])
+    assert get_policy("tight").pack(job).overlap  # the default overlaps this node's cycle (k = 2)
+    initial = Plan(get_policy("tight", overlap=False).pack(job).to_file_data(), timelines=[raw])
+    scheduler = AdaptiveScheduler(initial, 1)
+    monkeypatch.setattr(scheduler, "measured_timelines", lambda: [raw])
+    plan = scheduler._pack(0, "a test")
+    assert plan.cycles == [3] and validate(plan.data, job) == []

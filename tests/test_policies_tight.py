@@ -39,7 +39,7 @@ def check_job(job: Job, against_compat: bool = True) -> None:
     """Every property the issue asks for, on one job."""
     packed = TIGHT.pack(job)
     data = packed.to_file_data()
-    assert validate(data, job) == []
+    assert validate(data, job, overlap=packed.overlap) == []
     for i, (node, ns) in enumerate(zip(job.nodes, packed.nodes)):
         f = ns.figures
         assert f.lower_bound is not None and f.iterations >= f.lower_bound >= f.extra["volume_bound"] >= 1
@@ -180,8 +180,10 @@ def test_refuses_a_compat_cycle_that_counts_the_same_time_twice() -> None:
     slots = pack_node_slots(node, job.span)
     assert len(split_iterations(slots)) == 2 and not validate_node(1, node, split_iterations(slots))
     assert honest_compat(node, job.span) is None
-    ours = TIGHT.pack(job).nodes[1].figures
+    ours = get_policy("tight", overlap=False).pack(job).nodes[1].figures
     assert ours.iterations == ours.lower_bound == 3
+    # overlapping (the default) the bound is 2, and the cycle still 3, not compat's dishonest 2
+    assert TIGHT.pack(job).nodes[1].figures.iterations == 3
     check_job(job)
 
 
@@ -242,7 +244,7 @@ def test_regression_bert_large_8_stages_meets_the_bound_a_plain_greedy_meets() -
     # pieces as one size finds the bound, 4.
     job = load_job([str(p) for p in (REGRESSIONS / "bert-large-8stages-m12-bs8").glob("*_timeline.pickle")])
     packed = TIGHT.pack(job)
-    assert validate(packed.to_file_data(), job) == []
+    assert validate(packed.to_file_data(), job, overlap=packed.overlap) == []
     for i in (0, 1):
         assert len(plain_greedy_cycle(node_model(job.nodes[i], job.span), "queue", "first")) == 4
         assert packed.nodes[i].figures.iterations == packed.nodes[i].figures.lower_bound == 4
@@ -316,20 +318,22 @@ def generated_jobs_missing_the_bound() -> list[Job]:
             for kw in ({}, {"heavy": True, "float_seconds": False})]
 
 
-def test_pruned_portfolio_chooses_exactly_what_the_full_one_does() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pruned_portfolio_chooses_exactly_what_the_full_one_does(overlap: bool) -> None:
     missed = 0
     for job in generated_jobs_missing_the_bound():
         for node in job.nodes:
-            pruned = pack_node(node, job.span)
-            assert pruned == pack_node(node, job.span, prune=False)
+            pruned = pack_node(node, job.span, overlap=overlap)
+            assert pruned == pack_node(node, job.span, prune=False, overlap=overlap)
             missed += pruned.figures.iterations > pruned.figures.lower_bound
     assert missed >= 100  # the candidates after the first did run, and so did their caps
 
 
-def test_capped_walks_give_up_only_where_they_could_not_be_shorter() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_capped_walks_give_up_only_where_they_could_not_be_shorter(overlap: bool) -> None:
     for job in generated_jobs_missing_the_bound()[:120]:
         for node in job.nodes:
-            model = node_model(node, job.span)
+            model = node_model(node, job.span, overlap=overlap)
             walks = {"greedy": lambda cap: pack_greedy(model, shorter_than=cap),
                      "cov first": lambda cap: pack_greedy(model, cov_first=True, shorter_than=cap),
                      "best-fit": lambda cap: pack_best_fit(model, shorter_than=cap),
@@ -382,12 +386,14 @@ def test_worker_processes_give_the_same_schedules() -> None:
 def test_heavy_regression_job_keeps_its_cycles() -> None:
     # 16 x 128 micro-batches x 48 K-FAC layers, work spilling over ~40 iterations: no node meets its
     # bound, so every candidate runs (the speed benchmark's job, scripts/bench_policy.py --process-only).
+    # Cycles overlap by default: nodes 5 and 11 put their last refresh pieces back into earlier
+    # iterations (43 and 40 without overlap).
     job = load_job(sorted(str(p) for p in (REGRESSIONS / "heavy-16x128x48").glob("*_timeline.pickle")))
     packed = TIGHT.pack(job)
-    assert validate(packed.to_file_data(), job) == []
+    assert packed.overlap and validate(packed.to_file_data(), job, overlap=True) == []
     by_node = {Path(n.path).name.split("_")[1]: s.figures.iterations for n, s in zip(job.nodes, packed.nodes)}
     assert by_node == {f"node{i}": k for i, k in enumerate(
-        (41, 41, 44, 43, 44, 43, 43, 43, 42, 44, 42, 40, 41, 42, 45, 44))}
+        (41, 41, 44, 43, 44, 42, 43, 43, 42, 44, 42, 39, 41, 42, 45, 44))}
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -415,7 +421,7 @@ def test_overlap_puts_the_pieces_left_into_the_first_iteration_and_shortens_the_
     from pipefisher.timeline import job_from_dicts
 
     job = job_from_dicts([overlapping_node()])
-    plain = get_policy("tight").pack(job)
+    plain = get_policy("tight", overlap=False).pack(job)
     assert not plain.overlap and plain.nodes[0].figures.iterations == 3
     overlapping = get_policy("tight", overlap=True).pack(job)
     node = overlapping.nodes[0]
@@ -429,6 +435,39 @@ def test_overlap_puts_the_pieces_left_into_the_first_iteration_and_shortens_the_
     assert target.overlap and target.nodes[0].figures.iterations == 2
 
 
+def test_a_capped_overlapping_walk_gives_up_once_its_covariance_alone_reaches_the_cap(monkeypatch) -> None:
+    # Only refresh pieces may go back into the room of iterations already walked: the covariance and
+    # syncs left still need iterations of their own, so the walk gives up as early as they say (here
+    # after 2 of its cap of 4, where the rule "one more iteration reaches the cap" waited for 3).
+    import pipefisher.policies.tight as tight
+
+    job = job_from_dicts(random_raw_job(12, heavy=True, float_seconds=False))
+    model = node_model(job.nodes[0], job.span, overlap=True)
+    cap = pack_greedy(model).iterations
+    walked: list[int] = []
+    checked = tight.sure_to_reach
+    monkeypatch.setattr(tight, "sure_to_reach", lambda done, *rest: walked.append(done) or checked(done, *rest))
+    assert pack_greedy(model, cov_first=True, shorter_than=cap) is None
+    assert cap == 4 and walked[-1] + 1 < cap
+
+
+def test_an_attempt_to_put_the_pieces_left_into_earlier_iterations_tests_a_full_bubble_once(monkeypatch) -> None:
+    # The heavy job's packing is dense: most bubbles have no room for the smallest refresh piece left,
+    # and the attempts (one per iteration once only refresh pieces are left) pass over them at once,
+    # rather than testing every factor's next piece (96 factors here) in each.
+    import pipefisher.policies.tight as tight
+
+    job = load_job(sorted(str(p) for p in (REGRESSIONS / "heavy-16x128x48").glob("*_timeline.pickle")))
+    node = next(n for n in job.nodes if Path(n.path).name.split("_")[1] == "node5")
+    model = node_model(node, job.span, overlap=True)
+    first = pack_greedy(model)
+    assert first.overlap and first.iterations == 42
+    tests = Counter()
+    monkeypatch.setattr(tight, "fits", lambda *a: tests.update(["fits"]) or fits(*a))
+    assert pack_greedy(model, cov_first=True, shorter_than=first.iterations) is None  # after a failed attempt
+    assert 0 < tests["fits"] <= 2 * first.iterations * len(model.bubbles)
+
+
 @pytest.mark.parametrize("piece_ms", [None, 2.0])
 def test_overlap_never_lengthens_a_cycle_and_every_realistic_node_validates(piece_ms: float | None) -> None:
     from pipefisher.policies import get_policy
@@ -436,8 +475,8 @@ def test_overlap_never_lengthens_a_cycle_and_every_realistic_node_validates(piec
 
     for shape in realistic_shapes()[::16]:
         name, job = str(shape), realistic_job(*shape, piece_ms=piece_ms)
-        plain = get_policy("tight").pack(job)
-        overlapping = get_policy("tight", overlap=True).pack(job)
+        plain = get_policy("tight", overlap=False).pack(job)
+        overlapping = get_policy("tight").pack(job)  # the default
         assert validate(overlapping.to_file_data(), job, margin=overlapping.margin, overlap=overlapping.overlap) == []
         for a, b in zip(plain.nodes, overlapping.nodes):
             assert b.figures.iterations <= a.figures.iterations, name

@@ -266,9 +266,9 @@ def test_tight_validates_with_its_margin_and_meets_the_bound(raws: list[Raw], ma
     job = job_from_dicts(raws)
     packed = TIGHT.pack(job, margin=margin)
     assert packed.margin == margin
-    assert validate(packed.to_file_data(), job, margin=margin) == []
+    assert validate(packed.to_file_data(), job, margin=margin, overlap=packed.overlap) == []
     for node, ns in zip(job.nodes, packed.nodes):
-        bound = model_bounds(node_model(node, job.span, margin)).tight
+        bound = model_bounds(node_model(node, job.span, margin, packed.overlap)).tight
         assert ns.figures.iterations >= bound
         assert ns.figures.lower_bound is not None and ns.figures.lower_bound <= ns.figures.iterations
 
@@ -283,9 +283,10 @@ def test_a_larger_margin_is_stricter(raws: list[Raw], seed: int) -> None:
         model = node_model(node, job.span, 0.2)
         assume(all(fits(d, model.largest, 0.2) or not fits(d, model.largest, 0.05)
                    for w in model.work for d in w.pieces))
-    strict = TIGHT.pack(job, margin=0.2).to_file_data()
-    assert validate(strict, job, margin=0.2) == []
-    assert validate(strict, job, margin=0.05) == []
+    packed = TIGHT.pack(job, margin=0.2)
+    strict = packed.to_file_data()
+    assert validate(strict, job, margin=0.2, overlap=packed.overlap) == []
+    assert validate(strict, job, margin=0.05, overlap=packed.overlap) == []
     oracle = random_job_schedule(job, 0.2, random.Random(seed), style="mixed")
     assert validate(oracle, job, margin=0.2) == []
     assert validate(oracle, job, margin=0.05) == []
@@ -363,9 +364,9 @@ def _refused(raws: list[Raw], node: int, labels: list[list[str]], margin: float 
 def _tight_meets_its_bound(raws: list[Raw], margin: float = 0.05) -> None:
     job = job_from_dicts(raws)
     packed = TIGHT.pack(job, margin=margin)
-    assert validate(packed.to_file_data(), job, margin=margin) == []
+    assert validate(packed.to_file_data(), job, margin=margin, overlap=packed.overlap) == []
     for node, ns in zip(job.nodes, packed.nodes):
-        assert model_bounds(node_model(node, job.span, margin)).tight <= ns.figures.iterations
+        assert model_bounds(node_model(node, job.span, margin, packed.overlap)).tight <= ns.figures.iterations
 
 
 def test_regression_fittable_work_may_not_follow_forced_work() -> None:
@@ -493,4 +494,4 @@ def test_no_kfac_item_runs_over_a_weight_gradient_pass(policy: str) -> None:
         drawn = [p for p in schedule.placements if p.category == "weight"]
         assert len(drawn) == len(weights) * len(schedule.iterations)  # the packed chart draws W
     if policy != "compat":  # compat keeps the published tool's dependency flaws (its spec)
-        assert validate(packed.to_file_data(), job) == []
+        assert validate(packed.to_file_data(), job, overlap=packed.overlap) == []

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.policies import get_policy
-from pipefisher.policies.tight import pack_node
+from pipefisher.policies.tight import OVERLAP_BY_DEFAULT, pack_node
 from pipefisher.rules import validate
 from pipefisher.rules.groups import (chimera_groups, group_order_violations, identity, is_chimera_job, job_groups,
                                      shared_sequence)
@@ -219,9 +219,11 @@ def test_the_chimera_chart_and_report_follow_the_aligned_schedule() -> None:
 @pytest.mark.parametrize("seed", range(12))
 def test_tight_leaves_jobs_without_groups_exactly_as_packed_per_node(seed: int) -> None:
     job = job_from_dicts(random_raw_job(seed, up_pipe=seed % 2 == 0))
-    assert get_policy("tight").pack(job).nodes == tuple(pack_node(node, job.span) for node in job.nodes)
+    assert get_policy("tight").pack(job).nodes == tuple(pack_node(node, job.span, overlap=OVERLAP_BY_DEFAULT)
+                                                  for node in job.nodes)
 
 
 def test_tight_leaves_pipelines_without_up_pipe_unchanged() -> None:
     job = sim_job(schedule="1f1b", stages=4, m=8)
-    assert get_policy("tight").pack(job).nodes == tuple(pack_node(node, job.span) for node in job.nodes)
+    assert get_policy("tight").pack(job).nodes == tuple(pack_node(node, job.span, overlap=OVERLAP_BY_DEFAULT)
+                                                  for node in job.nodes)

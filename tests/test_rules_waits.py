@@ -10,7 +10,7 @@ import pytest
 
 from pipefisher.policies import get_policy
 from pipefisher.policies.align import _Member, align_group, job_calls
-from pipefisher.policies.tight import pack_node
+from pipefisher.policies.tight import OVERLAP_BY_DEFAULT, pack_node
 from pipefisher.rules import validate
 from pipefisher.rules.groups import chimera_groups, job_groups, singleton_groups
 from pipefisher.rules.waits import call_clock, deadlock_violations
@@ -121,7 +121,7 @@ def sim_job(config: str, schedule: str, stages: int, m: int, scale: float, skew:
 
 def aligned_without_safety_net(job: Job) -> list[list[list[str]]]:
     """Each group aligned by :func:`align_group` alone, without the check and fallback of ``align_groups``."""
-    nodes = [pack_node(node, job.span) for node in job.nodes]
+    nodes = [pack_node(node, job.span, overlap=OVERLAP_BY_DEFAULT) for node in job.nodes]  # as the tight policy packs
     calls = job_calls(job, nodes)
     out = list(nodes)
     for group in job_groups(job):

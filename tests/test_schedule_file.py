@@ -72,9 +72,15 @@ def test_an_overlapping_schedule_says_so_beside_it_and_validate_checks_it_by_tha
     open(meta_path(sched), "w").write(json.dumps(meta))
     res = runner.invoke(main, ["validate", "--schedule", sched, timeline])
     assert res.exit_code == 2 and res.output.count("\n") == 1 and "overlap" in res.output, res.output
-    # by default (and --no-overlap): today's cycle, no flag; --overlap where the policy cannot: one line
-    for flags in ([], ["--no-overlap"]):
-        res = runner.invoke(main, ["schedule", timeline, "--policy", "tight", *flags, "--save-path", sched])
-        assert res.exit_code == 0 and "overlap" not in json.loads(open(meta_path(sched)).read())
-    res = runner.invoke(main, ["schedule", timeline, "--policy", "compat", "--overlap"])
-    assert res.exit_code == 2 and res.output.count("\n") == 1 and "--overlap" in res.output, res.output
+    # by default the same as --overlap (tight and target); --no-overlap: a cycle of 3, no flag
+    for policy in ("tight", "target"):
+        res = runner.invoke(main, ["schedule", timeline, "--policy", policy, "--save-path", sched])
+        meta = json.loads(open(meta_path(sched)).read())
+        assert res.exit_code == 0 and meta["overlap"] is True and meta["nodes"][0]["iterations"] == 2
+    res = runner.invoke(main, ["schedule", timeline, "--policy", "tight", "--no-overlap", "--save-path", sched])
+    meta = json.loads(open(meta_path(sched)).read())
+    assert res.exit_code == 0 and "overlap" not in meta and meta["nodes"][0]["iterations"] == 3
+    # either flag where the policy cannot overlap: one line
+    for flag in ("--overlap", "--no-overlap"):
+        res = runner.invoke(main, ["schedule", timeline, "--policy", "compat", flag])
+        assert res.exit_code == 2 and res.output.count("\n") == 1 and f"{flag} applies to" in res.output, res.output

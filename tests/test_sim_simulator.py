@@ -409,7 +409,7 @@ def test_tight_packs_a_simulated_interleaved_job_in_the_chunk_format(tmp_path):
         assert node.micro_batches() == node.micro_batches(chunk=1) == 4
         assert any(k.endswith(":chunk1") and k.startswith("cov_kron_A:") for k in node.entries)
     packed = get_policy("tight").pack(job)
-    assert validate(packed.to_file_data(), job) == []
+    assert validate(packed.to_file_data(), job, overlap=packed.overlap) == []
     for n in packed.nodes:
         assert n.figures.lower_bound is not None and n.figures.lower_bound <= n.figures.iterations
 

@@ -151,21 +151,23 @@ def kept_until_exit() -> Iterator[None]:
 
 
 def overlap_option() -> Any:
-    """``--overlap``: cycles that overlap (``schedule`` and ``run``)."""
+    """``--overlap/--no-overlap``: cycles that overlap (``schedule`` and ``run``); None where neither is
+    given (the policy's default: :data:`pipefisher.policies.tight.OVERLAP_BY_DEFAULT`)."""
     return click.option(
-        "--overlap/--no-overlap", default=False,
+        "--overlap/--no-overlap", default=None,
         help="let a factor's refresh pieces run on into the next cycle's first iterations, so a cycle is as "
              "short as its covariance, sync and total refresh work allow (the 'tight' and 'target' policies; "
-             "the metadata records it) [default: off]")
+             "the metadata records it) [default: on for those policies; --no-overlap: every refresh within "
+             "its cycle]")
 
 
-def check_overlap(overlap: bool, policy: str | None) -> None:
-    """Refuse ``--overlap`` with a policy that cannot pack overlapping cycles (one that takes no ``overlap``
-    option), in one line, before any work."""
-    from pipefisher.policies import DEFAULT_POLICY, POLICIES
+def check_overlap(overlap: bool | None, policy: str | None) -> None:
+    """Refuse ``--overlap`` or ``--no-overlap`` with a policy that cannot pack overlapping cycles (one
+    that takes no ``overlap`` option), in one line, before any work."""
+    from pipefisher.policies import DEFAULT_POLICY, POLICIES, packs_overlapping
 
     name = policy or DEFAULT_POLICY
-    able = sorted(n for n, cls in POLICIES.items() if "overlap" in getattr(cls, "options", ()))
-    if overlap and name in POLICIES and name not in able:
-        raise InputError(None, f"--overlap applies to the {' and '.join(map(repr, able))} policies only, not to "
-                               f"'{name}'")
+    able = sorted(filter(packs_overlapping, POLICIES))
+    if overlap is not None and name in POLICIES and name not in able:
+        raise InputError(None, f"--{'' if overlap else 'no-'}overlap applies to the {' and '.join(map(repr, able))} "
+                               f"policies only, not to '{name}'")

@@ -79,7 +79,7 @@ SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "m
 @click.pass_context
 def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None, resume_dir: str | None, steps: int,
                 past_decay: bool, profile_steps: int, policy: str | None, kfac_margin: float, margin: float,
-                staleness: str | None, overlap: bool, adapt: bool, adapt_drift: bool, name: str | None,
+                staleness: str | None, overlap: bool | None, adapt: bool, adapt_drift: bool, name: str | None,
                 allow_invalid: bool,
                 tensorboard_dir: str | None,
                 checkpoint_every: int | None, nproc: int | None, stages: int | None, pipe_schedule: str | None,
@@ -124,9 +124,6 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
         raise InputError(config_path, "kfac.refresh_pieces other than 1 is not packed validly under pipeline.schedule "
                                       "chimera yet (aligning its stage pairs breaks the room rule with refresh "
                                       "pieces): use 1 with chimera")
-    if overlap and adapt:
-        raise InputError("--overlap", "packs the first schedule only; --adapt's re-packs do not overlap yet: "
-                                      "drop one of them")
     check_fresh_outputs(tensorboard=tensorboard_dir)  # each run's files have their own names; TensorBoard's not
     _phase_torch(no_progress)
     from pipefisher.runtime.launch.driver import run_job

@@ -24,18 +24,19 @@ def run_schedule(
     allow_mixed: bool = False,
     staleness: str | None = None,
     slowdown: float | None = None,
-    overlap: bool = False,
+    overlap: bool | None = None,
 ) -> None:
     """Load, pack, report, then write the outputs; nothing is written unless everything before worked.
 
     Options and output folders are checked first, so a typo there refuses before any packing or report.
     ``allow_mixed`` loads timelines that look like several jobs' (:func:`pipefisher.timeline.load_job`).
-    ``overlap``: cycles may overlap (the policies that take the option: :func:`check_overlap`).
+    ``overlap``: cycles may overlap (the policies that take the option: :func:`check_overlap`); None: the
+    policy's default.
     """
     from pipefisher.cli._outputs import check_out_file
     from pipefisher.errors import InputError
     from pipefisher.examples import example_timelines
-    from pipefisher.policies import DEFAULT_POLICY, POLICIES, get_policy
+    from pipefisher.policies import DEFAULT_POLICY, get_policy, packs_overlapping
     from pipefisher.policies.packing import pack_job
     from pipefisher.report import report_data, usage_lines, workload_lines
     from pipefisher.safe_io import dump_json_atomic
@@ -48,7 +49,7 @@ def run_schedule(
         raise InputError(None, f"--kfac-slowdown applies to the 'target' policy only, not to '{name}'")
     check_overlap(overlap, name)
     chosen = get_policy(name, time_limit=time_limit, staleness=staleness_for(staleness, name), slowdown=slowdown,
-                        overlap=overlap or None)
+                        overlap=overlap)
     check_out_file(save_path, "--save-path")
     check_out_file(json_path, "--json")
     if not paths:
@@ -68,7 +69,7 @@ def run_schedule(
     if compare:
         from pipefisher.report import compare_lines
 
-        others = [get_policy(name, overlap=overlap and "overlap" in getattr(POLICIES[name], "options", ()) or None).pack(job, margin)
+        others = [get_policy(name, overlap=overlap if packs_overlapping(name) else None).pack(job, margin)
                   for name in ("compat", DEFAULT_POLICY) if name != chosen.name]
         pair = [s for s in [schedule, *others] if s.policy == "compat"] + \
             [s for s in [schedule, *others] if s.policy != "compat"]
@@ -112,7 +113,7 @@ def _policy_help() -> str:
 def schedule_command(timelines: tuple[str, ...], save_path: str | None, policy: str | None,
                      print_workloads: bool, json_path: str | None, compare: bool, margin: float,
                      time_limit: float | None, allow_mixed: bool, staleness: str | None,
-                     slowdown: float | None, overlap: bool) -> None:
+                     slowdown: float | None, overlap: bool | None) -> None:
     """Pack per-node TIMELINES (pickle or JSON; comma-separated lists work too) into bubbles.
 
     With no TIMELINES, packs the bundled example job. With --save-path, the schedule's metadata (policy,

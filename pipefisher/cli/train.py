@@ -227,6 +227,12 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     adapt_policy = adapt_policy or DEFAULT_POLICY
     if adapt:
         get_policy(adapt_policy)  # an unknown name: one line, before any worker starts
+        from pipefisher.schedule_file import schedule_overlap
+
+        if schedule_overlap(schedule_path):  # its return to the kept plan is checked without overlap
+            raise InputError(schedule_path, "has overlapping cycles (its .meta.json), and --adapt's re-packs and "
+                                            "switches do not overlap yet: pack it with pipefisher schedule "
+                                            "--no-overlap")
     cfg = read_run_config(config_path, overrides, "train", {"stages": stages, "schedule": pipe_schedule,
                                                            "timeout_s": timeout_s, "chunks": chunks}, interval)
     curve = curve_for_job(staleness, cfg.fingerprint(layout=False), config_path,

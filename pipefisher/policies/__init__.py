@@ -25,6 +25,12 @@ POLICIES: dict[str, type[Policy]] = {
 DEFAULT_POLICY = TargetPolicy.name
 
 
+def packs_overlapping(name: str) -> bool:
+    """Whether the policy registered under ``name`` can let cycles overlap (takes the ``overlap`` option:
+    ``tight`` and ``target``, by default)."""
+    return "overlap" in getattr(POLICIES.get(name), "options", ())
+
+
 def get_policy(name: str, **options: Any) -> Policy:
     """The policy registered under ``name``, made with ``options`` (those given as None are left out);
     an unknown name, or an option the policy does not take, is an input error.
@@ -48,4 +54,4 @@ def get_policy(name: str, **options: Any) -> Policy:
 
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "JobSchedule", "NodeFigures", "NodeSchedule", "Placement", "Policy",
-           "get_policy"]
+           "get_policy", "packs_overlapping"]

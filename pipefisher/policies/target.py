@@ -17,12 +17,12 @@ from functools import partial
 from typing import Iterator, Sequence
 
 from pipefisher.policies.base import JobSchedule, Policy, gc_paused
-from pipefisher.policies.tight import TightPolicy
+from pipefisher.policies.tight import OVERLAP_BY_DEFAULT, TightPolicy
 from pipefisher.problem import DEFAULT_MARGIN
 from pipefisher.timeline import Job
 
 
-def cycle_bound(job: Job, margin: float, order: Sequence[int], overlap: bool = False) -> Iterator[int]:
+def cycle_bound(job: Job, margin: float, order: Sequence[int], overlap: bool = OVERLAP_BY_DEFAULT) -> Iterator[int]:
     """Per node of ``job``, in ``order``, a proven lower bound on its cycle in every valid schedule at
     ``margin`` (:mod:`pipefisher.policies.bounds`; the first-iteration bound left out, it walks every
     piece): their running maximum bounds the job's cycle k. One at a time, so that a proof needing only
@@ -44,7 +44,7 @@ class TargetPolicy(Policy):
     options = ("staleness", "slowdown", "max_cycle", "overlap")
 
     def __init__(self, staleness: object = None, slowdown: float | None = None, max_cycle: int | None = None,
-                 overlap: bool = False) -> None:
+                 overlap: bool = OVERLAP_BY_DEFAULT) -> None:
         """``staleness``: the job's :class:`~pipefisher.staleness.StalenessCurve` (or its text: a file or
         ``k:ratio,...``), None for none; ``max_cycle``: the run's length in steps, where known (no
         schedule whose cycle the run does not complete is chosen); ``overlap``: ``tight``'s (cycles

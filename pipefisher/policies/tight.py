@@ -141,6 +141,9 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
     if shorter_than is not None:
         bubble_time = sum(b.length for b in bubbles)
         fit_left = fittable_work(model)  # what is left of it: only bubbles take it
+    # Overlapping: only refresh pieces may go back into the room of the iterations already walked, so
+    # the rest (covariance and syncs, ``fit_left - inv_left``) still needs iterations of its own.
+    inv_left = sum(w.pieces[0] for w in work if w.kind == INV and w.pieces[0] * scale < largest)
 
     mask = 0
     pending: list[list[int]] = [[] for _ in range(nb + 1)]
@@ -186,6 +189,7 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
 
     def placed(wi: int) -> None:
         """Bookkeeping after an item (plain) or a queue's last piece was placed."""
+        nonlocal inv_left
         w = work[wi]
         g = w.group
         if w.kind == SYNC and not sync_seen[g]:
@@ -194,6 +198,8 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
                 completed(g)
         elif w.kind == INV:
             inv_next[g] += 1
+            if w.pieces[0] * scale < largest:
+                inv_left -= w.pieces[0]
             if wi in next_piece:
                 ready_plain(next_piece[wi])
 
@@ -311,12 +317,8 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
                     overlapped = True
                     break
         if shorter_than is not None and remaining:
-            if model.overlap:  # what is left may still go into the room of the iterations so far
-                if iteration + 1 >= shorter_than:
-                    return None
-                continue
             fit_left -= placed_time(here)
-            if sure_to_reach(iteration, fit_left, bubble_time, shorter_than):
+            if sure_to_reach(iteration, fit_left - inv_left if model.overlap else fit_left, bubble_time, shorter_than):
                 return None
     if not in_bubbles:
         in_bubbles, overflow = [[]], [[]]
@@ -332,26 +334,38 @@ def _overlap_into_earlier(model: NodeModel, in_bubbles: list[list[tuple[int, str
     largest next piece that fits (the room rule, as ``validate`` measures it). All of them or nothing:
     True where they all went in (``in_bubbles`` then holds them), else ``in_bubbles`` is unchanged."""
     work, bubbles, margin = model.work, model.bubbles, model.margin
-    pending = {g: list(rest) for g, rest in left}
+    pending = {g: list(rest) for g, rest in left if rest}  # a factor leaves it with its last piece
     added: dict[int, list[tuple[int, str, Time, Time]]] = {}
-    for it, here in enumerate(in_bubbles):
+    # A bubble without room for the smallest piece left takes none (most of them, in a dense packing),
+    # and none goes at or after the latest completion.
+    smallest = min(work[wi].pieces[0] for rest in pending.values() for wi in rest)
+    last = max(done_at[g] for g in pending)  # type: ignore[type-var]
+    for it, here in enumerate(in_bubbles[:last[0] + 1]):  # type: ignore[index]
+        if not pending:
+            break
         fill = {b: e for b, _, _, e in here}  # per bubble, where its work ends (laid out in time order)
         for b, bub in enumerate(bubbles):
             t, end = fill.get(b, bub.start), bub.end
+            if not pending:
+                break
+            if not fits(smallest, end - t, margin):
+                continue
             while True:
                 best = -1
                 for g, rest in pending.items():
-                    if rest and (it, b) < done_at[g]:  # type: ignore[operator]
+                    if (it, b) < done_at[g]:  # type: ignore[operator]
                         d = work[rest[0]].pieces[0]
                         if fits(d, end - t, margin) and (best < 0 or d > work[pending[best][0]].pieces[0]):
                             best = g
                 if best < 0:
                     break
                 wi = pending[best].pop(0)
+                if not pending[best]:
+                    del pending[best]
                 d = work[wi].pieces[0]
                 added.setdefault(it, []).append((b, work[wi].label, t, t + d))
                 t += d
-    if any(pending.values()):
+    if pending:
         return False
     for it, extra in added.items():  # each bubble's new work after its own: stable by bubble
         in_bubbles[it] = sorted(in_bubbles[it] + extra, key=itemgetter(0))
@@ -931,6 +945,11 @@ def _as_ours(theirs: NodeSchedule, ours: NodeSchedule) -> NodeSchedule:
     return replace(theirs, figures=figures)
 
 
+OVERLAP_BY_DEFAULT = True
+"""``tight`` and ``target`` let cycles overlap unless told not to: never a longer cycle, and packing the
+heavy regression job so costs no more processor time than without (docs/policies.md)."""
+
+
 class TightPolicy(Policy):
     """Dependency-correct packing close to the lower bound; overflow only for work that fits no bubble."""
 
@@ -939,7 +958,7 @@ class TightPolicy(Policy):
 
     options = ("overlap",)
 
-    def __init__(self, overlap: bool = False) -> None:
+    def __init__(self, overlap: bool = OVERLAP_BY_DEFAULT) -> None:
         """``overlap``: cycles may overlap (a refresh's pieces run on into the next cycle's first
         iterations, :mod:`pipefisher.problem`); the schedule's metadata then says so."""
         self.overlap = bool(overlap)

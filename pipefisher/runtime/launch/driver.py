@@ -153,7 +153,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
             checkpoint_every: int = 0, log_every: int = 5, progress: bool = True, kfac_margin: float = 1.0,
             eval_every: int = 0, echo: Callable[[str], None] | None = None, margin: float | None = None,
             adapt: bool = False, tensorboard: str | None = None, staleness: Any = None,
-            adapt_drift: bool = False, overlap: bool = False) -> RunPaths:
+            adapt_drift: bool = False, overlap: bool | None = None) -> RunPaths:
     """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.timeline.median_step`),
     pack them with ``policy`` (K-FAC times x ``kfac_margin``,
     room rule with ``margin``, :mod:`pipefisher.problem`),
@@ -167,8 +167,9 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     :class:`~pipefisher.staleness.StalenessCurve` (None: none), for the ``target`` policy, which also
     chooses among the cycles the run's ``steps`` complete, and for ``adapt``. Where no packing's cycle
     (sync groups aligned) fits the run, it stops before training and says how many steps it needs.
-    ``overlap``: the policy may let a refresh's pieces run on into the next cycle (:mod:`pipefisher.problem`)."""
-    from pipefisher.policies import DEFAULT_POLICY, get_policy
+    ``overlap``: the policy may let a refresh's pieces run on into the next cycle (:mod:`pipefisher.problem`;
+    None: the policy's default); with ``adapt`` never (its re-packs do not overlap yet), said in one line."""
+    from pipefisher.policies import DEFAULT_POLICY, get_policy, packs_overlapping
     from pipefisher.problem import DEFAULT_MARGIN
     from pipefisher.runtime.train.profiler import timeline_filename
     from pipefisher.runtime.train.trainer import TrainOptions
@@ -180,7 +181,10 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     policy = policy or DEFAULT_POLICY
     if staleness is not None and policy != "target":
         raise InputError(None, f"--staleness applies to the 'target' policy only, not to '{policy}'")
-    packer = get_policy(policy, overlap=overlap or None,
+    no_overlap = adapt and overlap is not False and packs_overlapping(policy)
+    if no_overlap:
+        overlap = False
+    packer = get_policy(policy, overlap=overlap,
                         **({"staleness": staleness, "max_cycle": steps} if policy == "target" else {}))
     margin = DEFAULT_MARGIN if margin is None else margin
     stages = cfg.pipeline.stages
@@ -205,6 +209,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
             save_tokenizer(load_corpus(cfg.data, cfg.model.vocab_size), paths.tokenizer)
         echo(f"run {paths.name}: {cfg.name}, {stages} stage(s) x {replicas} replica(s), policy {packer.name}, "
              f"files in {paths.folder}")
+        if no_overlap:
+            echo("--adapt: packing without overlapping cycles (--adapt's re-packs do not overlap yet)")
         if staleness is not None and (warning := staleness.config_warning(cfg.fingerprint(layout=False), cfg.name)):
             warn(warning)
 
