@@ -20,7 +20,7 @@ At every refresh of a layer (once both of its factors went through ``inv``) K-FA
 layer's **drift**: how far the refresh moves its preconditioned gradient, ``||P_new(G) - P_old(G)||``
 against ``||P_new(G)||`` with ``P(G) = B^-1 G A^-1`` and ``G`` the gradient it preconditioned last, and
 the same against the inverses of the refresh before (see :meth:`KFAC.inv`, :meth:`KFAC.take_drift` and
-:mod:`pipefisher.drift`).
+:mod:`pipefisher.loop.drift`).
 
 Within a refresh a factor is the mean of its micro-batch contributions, so it does not matter how the
 covariance pieces are spread over time; across refreshes factors are running averages
@@ -866,7 +866,7 @@ class KFAC:
     def take_drift(self) -> list[tuple[Any, ...]]:
         """The drift measured since the last call, per completed refresh of a layer: ``(layer,
         ||P_new(G) - P_old(G)||^2, ||P_new(G) - P_older(G)||^2 or None, ||P_new(G)||^2)`` as 0-dim tensors
-        (read them where the runtime gathers anyway: :class:`pipefisher.runtime.train.drift.DriftLog`). A
+        (read them where the runtime gathers anyway: :class:`pipefisher.runtime.train.drift_log.DriftLog`). A
         refresh whose every new inverse turned out dishonest (passed over on the device, its findings not
         read yet) changed nothing and is no sample: its ``||P_new(G)||^2`` is NaN, and the reader drops it."""
         out, self._drift = self._drift, []

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import groupby
 
-from pipefisher.policies.base import LazyPlacements, NodeFigures, NodeSchedule, Placement
 from pipefisher.policies.bounds import NodeBounds
-from pipefisher.problem import NodeModel
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
-from pipefisher.timeline import Time
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.packed import LazyPlacements, NodeFigures, NodeSchedule, Placement
+from pipefisher.schedule.problem import NodeModel
+from pipefisher.schedule.timeline import Time
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Packed:
     iterations: int
     in_bubbles: list[list[tuple[int, str, Time, Time]]]  # per iteration: (bubble, label, start, end)
     overflow: list[list[tuple[str, Time]]]  # per iteration: (label, duration), after the last pipeline item
-    overlap: bool = False  # some refresh pieces lie before their factor's completion (:mod:`pipefisher.problem`)
+    overlap: bool = False  # some refresh pieces lie before their factor's completion (:mod:`pipefisher.schedule.problem`)
 
 
 def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeSchedule:

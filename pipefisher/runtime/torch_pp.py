@@ -41,14 +41,14 @@ from pipefisher.errors import InputError
 from pipefisher.kfac import KFAC
 from pipefisher.kfac.kfac import DEFAULT_IGNORE
 from pipefisher.policies import DEFAULT_POLICY
-from pipefisher.problem import DEFAULT_MARGIN
 from pipefisher.runtime.pipeline import torch_api
 from pipefisher.runtime.pipeline.buckets import GradientBuckets
 from pipefisher.runtime.pipeline.copies import StageCopiesKFAC
 from pipefisher.runtime.pipeline.executor import ScheduleExecutor
 from pipefisher.runtime.pipeline.torch_engine import TorchEngine
 from pipefisher.runtime.train.profiler import Profiler, timeline_filename
-from pipefisher.timeline import STEP_KEY, UPDATE_KEY
+from pipefisher.schedule.problem import DEFAULT_MARGIN
+from pipefisher.schedule.timeline import STEP_KEY, UPDATE_KEY
 
 __all__ = ["KfacPipeline", "check_folder", "schedule_file", "wrap"]
 
@@ -185,8 +185,8 @@ class KfacPipeline:
     def _packed(self, ranks: int) -> Any:
         """Rank 0: the schedule packed from every rank's profile, checked; or why not (one line)."""
         from pipefisher.rules import validate
-        from pipefisher.schedule_file import save_schedule
-        from pipefisher.timeline import load_job
+        from pipefisher.schedule.file import save_schedule
+        from pipefisher.schedule.timeline import load_job
 
         timelines = [os.path.join(self.folder, timeline_filename(self.name, r)) for r in range(ranks)]
         job = load_job(timelines)

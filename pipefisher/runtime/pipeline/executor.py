@@ -37,9 +37,9 @@ import functools
 from typing import Any, Callable, Mapping, Sequence
 
 from pipefisher.errors import InputError
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.runtime.pipeline.contracts import CurvatureWork, Engine, Span
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, KFAC_WORK, PIPELINE_CALLS, WEIGHT, parse_label
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
 
 
 def prepost_points(labels: Sequence[str]) -> dict[int, str]:
