@@ -240,7 +240,7 @@ def _replay_chimera(cfg: RunConfig, schedule: list[list[list[str]]], steps: int)
         return (node if pipe == 0 else stages - 1 - node), pipe
 
     def average(stage: int, factor: str, name: str) -> None:
-        a, b = (kfacs[stage][p].layers[name] for p in (0, 1))
+        a, b = (kfacs[stage][p].stats.state[name] for p in (0, 1))
         avg = (a.factor(factor) + b.factor(factor)) / 2
         for st in (a, b):
             st.sums[factor], st.counts[factor], st.synced[factor] = avg.clone(), 1, True

@@ -89,10 +89,10 @@ def test_with_bases_it_is_adam_in_the_rotated_coordinates():
     gradients, rotated back: Adam's per-coordinate scaling happens in the factors' eigenbasis."""
     model = _layer(True)
     kfac = KFAC(model, inverse="eigenbasis", ignore=())
-    st = kfac.layers["0"]
+    st = kfac.refresher.state["0"]
     qa = torch.linalg.qr(torch.randn(6, 6))[0]
     qb = torch.linalg.qr(torch.randn(3, 3))[0]
-    st.inverses["A"], st.inverses["B"] = qa, qb
+    st.installed["A"], st.installed["B"] = qa, qb
     opt = EigenbasisAdam(kfac, lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
     full = torch.cat([model[0].weight.detach(), model[0].bias.detach()[:, None]], dim=1)
     rotated = nn.Parameter(qb.t() @ full @ qa)
@@ -116,7 +116,7 @@ def test_a_refresh_stores_the_factor_eigenbasis_not_an_inverse():
     out.sum().backward()
     kfac.update_curvature()
     q = kfac.inverse("0", "A")
-    a = kfac.layers["0"].running["A"]  # the factor as it was decomposed
+    a = kfac.stats.state["0"].running["A"]  # the factor as it was decomposed
     assert q is not None and a is not None
     assert torch.allclose(q.t() @ q, torch.eye(6), atol=1e-5)
     rotated = q.t() @ a @ q
@@ -130,16 +130,16 @@ def test_a_new_basis_carries_the_first_moment_over():
     rotation cannot carry: here every coordinate's is equal, so it is exact)."""
     model = _layer(True)
     kfac = KFAC(model, inverse="eigenbasis", ignore=())
-    st = kfac.layers["0"]
+    st = kfac.refresher.state["0"]
     opt = EigenbasisAdam(kfac, lr=1e-2, betas=(0.9, 0.9), eps=0.0)
-    st.inverses["A"], st.inverses["B"] = torch.eye(6), torch.eye(3)
+    st.installed["A"], st.installed["B"] = torch.eye(6), torch.eye(3)
     st.inversions = {"A": 1, "B": 1}
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
     state = opt.state[model[0].weight]
     before = state["basis_b"] @ state["exp_avg"] @ state["basis_a"].t()
-    st.inverses["A"] = torch.linalg.qr(torch.randn(6, 6))[0]
+    st.installed["A"] = torch.linalg.qr(torch.randn(6, 6))[0]
     st.inversions = {"A": 2, "B": 1}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -158,9 +158,9 @@ def test_over_stage_copies_every_copy_takes_its_own_step_and_the_state_resumes()
         models = [_layer(True), _layer(False)]
         kfacs = {j: KFAC(m, inverse="eigenbasis", ignore=()) for j, m in enumerate(models)}
         for j, k in kfacs.items():
-            st = k.layers["0"]
-            st.inverses["A"] = torch.linalg.qr(torch.randn(6 - j, 6 - j, generator=torch.Generator().manual_seed(j)))[0]
-            st.inverses["B"] = torch.linalg.qr(torch.randn(3, 3, generator=torch.Generator().manual_seed(9 + j)))[0]
+            st = k.refresher.state["0"]
+            st.installed["A"] = torch.linalg.qr(torch.randn(6 - j, 6 - j, generator=torch.Generator().manual_seed(j)))[0]
+            st.installed["B"] = torch.linalg.qr(torch.randn(3, 3, generator=torch.Generator().manual_seed(9 + j)))[0]
             st.inversions = {"A": 1, "B": 1}
         return models, StageCopiesKFAC(kfacs, order=[1, 0])
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import pytest
 import torch
@@ -90,7 +91,7 @@ def test_factors_inverses_and_preconditioned_gradients_match_reference():
         kfac.inv("A", n)
         assert kfac.factor(n, "A") is None  # cleared
         kfac.inv("B", n)
-        assert kfac.layers[n].last_pi == pytest.approx(ref[n]["pi"], rel=1e-4)
+        assert kfac.refresher.state[n].last_pi == pytest.approx(ref[n]["pi"], rel=1e-4)
         assert _close(kfac.inverse(n, "A"), ref[n]["A_inv"], 1e-3)
         assert _close(kfac.inverse(n, "B"), ref[n]["B_inv"], 1e-3)
     assert kfac.precondition_all() == len(kfac.names)
@@ -112,7 +113,7 @@ def test_damping_is_finite_for_both_factors_whichever_inverse_runs_first():
         assert math.isfinite(pi) and pi > 0 and pi != 1.0
         second = "B" if first == "A" else "A"
         kfac.inv(first, n)
-        assert kfac.pi(n) == pytest.approx(pi)  # the cleared factor still counts with its old scale
+        assert kfac.stats.pi(n) == pytest.approx(pi)  # the cleared factor still counts with its old scale
         kfac.inv(second, n)
         da, db = fx.damping_terms(DAMPING, pi)
         assert math.isfinite(da) and math.isfinite(db) and da > 0 and db > 0
@@ -126,14 +127,14 @@ def test_damping_is_finite_for_both_factors_whichever_inverse_runs_first():
 def test_cov_takes_the_oldest_micro_batch_and_labels_dispatch():
     model = PipelineStage(CFG, 0, 1)
     kfac = KFAC(model, damping=DAMPING, loss_scale=3)
-    assert kfac.apply_label("turn_on_save_inputs_outgrads") and kfac.saving
+    assert kfac.apply_label("turn_on_save_inputs_outgrads") and kfac.stats.saving
     data = MLMData(DATA, CFG.vocab_size)
     for i in range(2):
         mb = data.micro_batch(0, 0, i)
         (model(mb.input_ids, mb.labels) / 3).backward()
     kfac.apply_label("turn_off_save_inputs_outgrads")
     n = kfac.names[0]
-    first_input = kfac.layers[n].inputs[0]
+    first_input = kfac.stats.state[n].inputs[0]
     assert kfac.apply_label(f"cov_kron_A:{n}")
     assert _close(kfac.factor(n, "A"), fx.cov_a(first_input, True))
     assert kfac.pending("A", n) == 1 and kfac.pending("B", n) == 2
@@ -158,9 +159,9 @@ def test_cov_stride_builds_the_factors_from_every_s_th_token_row_and_saves_s_tim
 
     full, half = run(1), run(2)
     n = full.names[0]
-    x, g = full.layers[n].inputs[0], full.layers[n].outgrads[0]
+    x, g = full.stats.state[n].inputs[0], full.stats.state[n].outgrads[0]
     assert half.saved_bytes() * 2 == full.saved_bytes()
-    assert torch.equal(half.layers[n].inputs[0], x[::2]) and half.layers[n].inputs[0].is_contiguous()
+    assert torch.equal(half.stats.state[n].inputs[0], x[::2]) and half.stats.state[n].inputs[0].is_contiguous()
     half.cov("A", n), half.cov("B", n)
     assert _close(half.factor(n, "A"), fx.cov_a(x[::2], True))
     rows = g.shape[0]  # per-row gradients of the full micro-batch: g x loss_scale x rows
@@ -301,10 +302,10 @@ def test_running_average_factors_match_their_closed_form_and_are_what_is_inverte
         # R1 = F1; R2 = d R1 + (1 - d) F2; R3 = d R2 + (1 - d) F3
         ra = d * d * a1 + d * (1 - d) * a2 + (1 - d) * a3
         rb = d * d * b1 + d * (1 - d) * b2 + (1 - d) * b3
-        assert _close(kfac.layers[n].running["A"], ra, 1e-5)
-        assert _close(kfac.layers[n].running["B"], rb, 1e-5)
+        assert _close(kfac.stats.state[n].running["A"], ra, 1e-5)
+        assert _close(kfac.stats.state[n].running["B"], rb, 1e-5)
         pi = fx.pi_split(fx.mean_trace(ra), fx.mean_trace(rb))
-        assert float(kfac.layers[n].last_pi) == pytest.approx(float(pi), rel=1e-5)
+        assert float(kfac.refresher.state[n].last_pi) == pytest.approx(float(pi), rel=1e-5)
         da, db = fx.damping_terms(damping, pi)
         want_a = torch.linalg.inv(ra.double() + da * torch.eye(ra.shape[0], dtype=torch.float64))
         want_b = torch.linalg.inv(rb.double() + db * torch.eye(rb.shape[0], dtype=torch.float64))
@@ -322,9 +323,9 @@ def test_a_factors_scale_is_the_mean_trace_of_its_average_without_forming_it():
         _accumulate(model, kfac, seed)
         for n in kfac.names:
             for f in "AB":  # new covariance, with no running average yet and then with one
-                assert float(kfac.scale(n, f)) == pytest.approx(float(fx.mean_trace(kfac.averaged(n, f))), rel=1e-6)
+                assert float(kfac.stats.scale(n, f)) == pytest.approx(float(fx.mean_trace(kfac.stats.averaged(n, f))), rel=1e-6)
             kfac.inv("A", n)  # A cleared: its scale is its running average's, as the inverse left it
-            assert float(kfac.scale(n, "A")) == pytest.approx(float(fx.mean_trace(kfac.layers[n].running["A"])),
+            assert float(kfac.stats.scale(n, "A")) == pytest.approx(float(fx.mean_trace(kfac.stats.state[n].running["A"])),
                                                               rel=1e-6)
             kfac.inv("B", n)
 
@@ -336,11 +337,11 @@ def test_damping_decays_once_per_complete_refresh_down_to_its_floor():
     kfac = KFAC(model, damping=1e-2, damping_decay=0.5, damping_min=1e-3, ignore=())
     seen = []
     for seed in range(6):
-        damping = kfac.damping_of("fc1")
+        damping = kfac.refresher.damping_of("fc1")
         seen.append(damping)
         new = _accumulate(model, kfac, seed)
         kfac.inv("A", "fc1")
-        assert kfac.damping_of("fc1") == damping  # half a refresh does not count
+        assert kfac.refresher.damping_of("fc1") == damping  # half a refresh does not count
         kfac.inv("B", "fc1")
         # ... and the inverse just computed used this refresh's damping
         a, b = new["fc1"]
@@ -348,7 +349,7 @@ def test_damping_decays_once_per_complete_refresh_down_to_its_floor():
         eye = torch.eye(a.shape[0])
         assert _close(kfac.inverse("fc1", "A") @ (a + da * eye), eye, 1e-3)
     assert seen == pytest.approx([1e-2, 5e-3, 2.5e-3, 1.25e-3, 1e-3, 1e-3], rel=1e-12)
-    assert kfac.damping_of("fc2") == 1e-2  # fc2 was never refreshed: each layer keeps its own count
+    assert kfac.refresher.damping_of("fc2") == 1e-2  # fc2 was never refreshed: each layer keeps its own count
 
 
 # 5. inverse methods ------------------------------------------------------------------------------
@@ -398,7 +399,7 @@ def test_eigen_inverse_survives_a_rank_deficient_factor_with_rounding_negative_e
 
 def _poison(kfac, name: str, factor: str, matrix: torch.Tensor) -> None:
     """Make ``matrix`` the new factor of ``name`` (what cov + sync would leave)."""
-    st = kfac.layers[name]
+    st = kfac.stats.state[name]
     st.sums[factor], st.counts[factor] = matrix, 1
 
 
@@ -430,19 +431,19 @@ def test_skip_keeps_the_previous_inverse_counts_it_and_warns_once():
     kfac = KFAC(model, damping=1e-2, ignore=(), on_bad_factor="skip", warn=warnings.append)
     _refresh(model, kfac, seed=0)
     kept = kfac.inverse("fc2", "B").clone()
-    running = kfac.layers["fc2"].running["B"].clone()
+    running = kfac.stats.state["fc2"].running["B"].clone()
     dim = kfac.layers["fc2"].module.out_features
     _poison(kfac, "fc2", "B", torch.full((dim, dim), float("nan")))
     kfac.inv("B", "fc2")  # does not raise
-    st = kfac.layers["fc2"]
+    st = kfac.refresher.state["fc2"]
     assert not warnings and st.skipped == 0  # not read yet: the refresh's findings are read at its end
     for name in ("fc1", "fc2"):  # the refresh's other inverses: the last one reads every finding at once
         for f in ("A", "B"):
             if (name, f) != ("fc2", "B"):
-                _poison(kfac, name, f, kfac.layers[name].running[f].clone())
+                _poison(kfac, name, f, kfac.stats.state[name].running[f].clone())
                 kfac.inv(f, name)
-    assert torch.equal(kfac.inverse("fc2", "B"), kept) and torch.equal(st.running["B"], running)
-    assert st.skipped == 1 and kfac.layers["fc1"].skipped == 0
+    assert torch.equal(kfac.inverse("fc2", "B"), kept) and torch.equal(kfac.stats.state["fc2"].running["B"], running)
+    assert st.skipped == 1 and kfac.refresher.state["fc1"].skipped == 0
     assert kfac.factor("fc2", "B") is None  # the bad refresh is dropped, the next one starts clean
     assert len(warnings) == 1 and "\n" not in warnings[0]
     assert warnings[0].startswith("K-FAC layer fc2 factor B: ") and "skip" in warnings[0]
@@ -462,8 +463,8 @@ def test_without_warn_a_skip_is_a_warning_of_the_kfac_logger(caplog):
     with caplog.at_level(logging.WARNING, logger="pipefisher"):
         kfac.inv("B", "fc2")
         kfac.check_inverses()
-    assert [(r.name, r.levelno) for r in caplog.records] == [("pipefisher.kfac.kfac", logging.WARNING)]
-    assert caplog.records[0].getMessage().startswith("K-FAC layer fc2 factor B: ") and kfac.layers["fc2"].skipped == 1
+    assert [(r.name, r.levelno) for r in caplog.records] == [("pipefisher.kfac.refresher", logging.WARNING)]
+    assert caplog.records[0].getMessage().startswith("K-FAC layer fc2 factor B: ") and kfac.refresher.state["fc2"].skipped == 1
 
 
 # 7. true Fisher ----------------------------------------------------------------------------------
@@ -576,17 +577,17 @@ def test_bfloat16_saving_halves_memory_keeps_factors_and_shares_qkv_inputs():
         _run_saved(model, kfac)
         runs[dtype] = kfac
     small, full = runs["bfloat16"], runs["float32"]
-    for st in small.layers.values():
+    for st in small.stats.state.values():
         assert all(t.dtype == torch.bfloat16 for t in (*st.inputs, *st.outgrads))
     assert small.saved_bytes() * 2 == full.saved_bytes()
 
     attn = "encoder.layer.0.attention.self."
-    q, k, v = (small.layers[attn + w] for w in ("query", "key", "value"))
+    q, k, v = (small.stats.state[attn + w] for w in ("query", "key", "value"))
     for i in range(3):  # every micro-batch: one saved input for the three projections
         assert q.inputs[i] is k.inputs[i] is v.inputs[i]
-    assert small.layers[attn[:-len("self.")] + "output.dense"].inputs[0] is not q.inputs[0]
+    assert small.stats.state[attn[:-len("self.")] + "output.dense"].inputs[0] is not q.inputs[0]
     naive = sum(t.numel() * t.element_size()
-                for st in small.layers.values() for t in (*st.inputs, *st.outgrads))
+                for st in small.stats.state.values() for t in (*st.inputs, *st.outgrads))
     shared = sum(t.numel() * t.element_size() for t in q.inputs) * 2 * CFG.num_layers  # k and v, per layer
     assert small.saved_bytes() == naive - shared  # the shared input is counted once
 
@@ -666,7 +667,7 @@ def test_conv1d_gives_the_same_factors_and_preconditioned_gradient_as_its_linear
     for f in ("A", "B"):
         assert torch.equal(f_conv[f], f_lin[f])
         assert torch.equal(k_conv.inverse("0", f), k_lin.inverse("0", f))
-    assert k_conv.layers["0"].last_pi == k_lin.layers["0"].last_pi
+    assert k_conv.refresher.state["0"].last_pi == k_lin.refresher.state["0"].last_pi
     assert c.weight.grad.shape == (5, 4)  # written back in Conv1D's own layout
     assert _close(c.weight.grad.t(), lin.weight.grad, 1e-6)
     assert _close(c.bias.grad, lin.bias.grad, 1e-6)
@@ -948,7 +949,7 @@ def test_a_kfac_that_does_not_measure_drift_keeps_no_gradient():
     for seed in range(3):
         _refresh(model, kfac, seed)
         kfac.precondition_all()
-    assert kfac.take_drift() == [] and all(st.last_grad is None for st in kfac.layers.values())
+    assert kfac.take_drift() == [] and all(st.last_grad is None for st in kfac.drift.state.values())
 
 
 def test_every_refresh_also_measures_the_change_since_the_refresh_before_the_last():
@@ -976,3 +977,67 @@ def test_every_refresh_also_measures_the_change_since_the_refresh_before_the_las
         [(_, change, change2, _)] = [x for x in k.take_drift() if x[0] == "fc2"]
         assert float(change) == pytest.approx(near, rel=1e-4) and float(change2) == pytest.approx(far, rel=1e-4)
     assert far != pytest.approx(near, rel=1e-3)
+
+
+# 9. checkpoints written before K-FAC's components ---------------------------------------------------
+
+FLAT_STATE = os.path.join(os.path.dirname(__file__), "data", "kfac_flat_state.pt")
+"""A K-FAC state in the layout before the components (one flat record per layer), written by that code
+(pipefisher at 78f5dff) from :func:`_half_done`'s run: a refresh in pieces in flight, a refresh half done
+for the drift, and micro-batches saved and not yet added."""
+
+
+def _refresh_in_two(kfac) -> None:
+    """Both pieces of a refresh of every factor."""
+    for n in kfac.names:
+        for f in ("A", "B"):
+            kfac.inv(f, n)
+            kfac.inv(f, n)
+
+
+def _half_done(model, kfac) -> None:
+    """A refresh of every factor in two pieces, a preconditioned step, new covariance, one piece of a new
+    refresh of fc1's A, and one more micro-batch saved (its covariance pending)."""
+    _accumulate(model, kfac, seed=0)
+    _refresh_in_two(kfac)
+    _step_gradients(model, seed=1)
+    kfac.precondition_all()
+    _accumulate(model, kfac, seed=3)
+    kfac.inv("A", "fc1")
+    x, y = _micro_batch(seed=5)
+    kfac.set_saving(True)
+    loss = model(x, y)
+    kfac.end_forward()
+    loss.backward()
+
+
+def _finish(model, kfac) -> list[torch.Tensor]:
+    """The rest of the refresh, the pending covariance, another refresh and step: what it all gave."""
+    kfac.inv("A", "fc1")  # its second piece: installed
+    for n in kfac.names:
+        kfac.cov_all("A", n)
+        kfac.cov_all("B", n)
+    _refresh_in_two(kfac)
+    _step_gradients(model, seed=7)
+    kfac.precondition_all()
+    drift = [t for _, *terms in kfac.take_drift() for t in terms if t is not None]
+    return [kfac.inverse(n, f) for n in kfac.names for f in ("A", "B")] + drift + [
+        p.grad for p in model.parameters()]
+
+
+def test_a_checkpoint_in_the_layout_before_the_components_resumes_bit_for_bit():
+    """The state a run saved before K-FAC was split into components loads (:func:`split_flat_state`) and
+    continues exactly as a run that never stopped: the refresh in flight, the drift's half-done refresh
+    and the pending micro-batch included."""
+    model = TinyMLP()
+    kfac = KFAC(model, damping=1e-2, ignore=(), refresh_pieces=2)
+    _half_done(model, kfac)
+    flat = torch.load(FLAT_STATE, weights_only=False)
+    assert "format" not in flat and set(flat["layers"]["fc1"]) >= {"sums", "inverses", "last_grad", "flight"}
+    twin = TinyMLP()
+    twin.load_state_dict(model.state_dict())
+    resumed = KFAC(twin, damping=1e-2, ignore=(), refresh_pieces=2)
+    resumed.load_state_dict(flat)
+    assert resumed.refresher.state["fc1"].flight["A"]["refresh"].done == 1 and resumed.pending("A", "fc1") == 1
+    for a, b in zip(_finish(model, kfac), _finish(twin, resumed), strict=True):
+        assert torch.equal(a, b)

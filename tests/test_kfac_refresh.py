@@ -143,7 +143,7 @@ def test_the_naive_step_times_each_piece_under_the_factor_key():
     kfac.update_curvature(span=Span)
     name = kfac.names[0]
     assert seen.count(f"inv_kron_A:{name}") == 3 and seen.count(f"cov_kron_A:{name}") == 1
-    assert kfac.layers[name].inversions == {"A": 1, "B": 1}
+    assert kfac.refresher.state[name].inversions == {"A": 1, "B": 1}
 
 
 # -- the runtime's rule, on one stage of configs/tiny.yaml ----------------------------------------------
@@ -191,7 +191,7 @@ def _executor(p: int, before: int):
 
 
 def _versions(kfac) -> dict:
-    return {(n, f): st.inversions[f] for n, st in kfac.layers.items() for f in "AB"}
+    return {(n, f): st.inversions[f] for n, st in kfac.refresher.state.items() for f in "AB"}
 
 
 class _Versions:
@@ -226,7 +226,7 @@ def test_a_non_overlapping_schedule_installs_at_each_factors_last_piece():
     assert a == [0, 0, 1, 1, 1, 2]  # begun at the first piece, installed at the third, every cycle
     ends = [v for what, v in log if what == "end"]
     assert [set(e.values()) for e in ends] == [{1}, {2}]  # every factor refreshed once per cycle
-    assert kfac.layers[name].flight == {"A": None, "B": None}
+    assert kfac.refresher.state[name].flight == {"A": None, "B": None}
 
 
 def test_an_overlapping_schedule_does_nothing_first_then_continues_the_previous_refresh():
@@ -237,15 +237,15 @@ def test_an_overlapping_schedule_does_nothing_first_then_continues_the_previous_
     for step in (1, 2, 3):
         ex.run_step(step)
         if step == 1:  # the first cycle: the piece before the completion did nothing, the one after began
-            assert kfac.layers[name].inversions == {"A": 0, "B": 0}
-            assert kfac.layers[name].flight["A"] is not None and kfac.layers[name].flight["A"]["refresh"].done == 1
+            assert kfac.refresher.state[name].inversions == {"A": 0, "B": 0}
+            assert kfac.refresher.state[name].flight["A"] is not None and kfac.refresher.state[name].flight["A"]["refresh"].done == 1
     a = [v[(name, "A")] for lb, v in log if lb == f"inv_kron_A:{name}"]
     assert a == [0, 0, 1, 1, 2, 2]  # installed by each next cycle's first label: the previous refresh's end
     ends = [v for what, v in log if what == "end"]
     assert [set(e.values()) for e in ends] == [{0}, {1}, {2}]
     # at a switch to another schedule the refresh in flight ends at once
     ex.switch(ex.iterations, 4)
-    assert kfac.layers[name].flight == {"A": None, "B": None} and kfac.layers[name].inversions["A"] == 3
+    assert kfac.refresher.state[name].flight == {"A": None, "B": None} and kfac.refresher.state[name].inversions["A"] == 3
 
 
 def test_a_schedule_with_other_piece_counts_than_the_kfac_is_refused_in_one_line():
@@ -278,12 +278,12 @@ def test_resume_with_a_refresh_in_flight_continues_bit_for_bit(tmp_path):
     full = _train(cfg, mode="scheduled", schedule=sched, steps=6)
     ck = str(tmp_path / "ck")
     stopped = _train(cfg, mode="scheduled", schedule=sched, steps=3, checkpoint_dir=ck, checkpoint_every=3)
-    assert all(st.flight["A"] is not None for st in stopped.kfac.layers.values())  # saved mid-refresh
+    assert all(st.flight["A"] is not None for st in stopped.kfac.refresher.state.values())  # saved mid-refresh
     state = torch.load(os.path.join(ck, "step-00000003", "stage0-replica0.pt"), weights_only=True)
-    assert all(layer["flight"]["A"]["refresh"]["done"] == 1 for layer in state["kfac"][0]["layers"].values())
+    assert all(layer["flight"]["A"]["refresh"]["done"] == 1 for layer in state["kfac"][0]["refresh"].values())
     resumed = _train(cfg, mode="scheduled", schedule=sched, steps=6, resume=ck, checkpoint_dir=ck)
     assert resumed.start_step == 3
     for (name, p), q in zip(full.stage.named_parameters(), resumed.stage.parameters()):
         assert torch.equal(p, q), name
-    for name, st in full.kfac.layers.items():
-        assert torch.equal(st.inverses["A"], resumed.kfac.layers[name].inverses["A"])
+    for name, st in full.kfac.refresher.state.items():
+        assert torch.equal(st.installed["A"], resumed.kfac.refresher.state[name].installed["A"])

@@ -58,7 +58,7 @@ def test_resume_in_one_process_continues_exactly(tmp_path, mode):
     assert sorted(e for e in os.listdir(ck) if e.startswith("step-")) == ["step-00000005"]
     if mode == "scheduled":
         state = torch.load(os.path.join(ck, "step-00000005", "stage0-replica0.pt"), weights_only=True)
-        assert any(layer["inputs"] for layer in state["kfac"][0]["layers"].values())
+        assert any(layer["inputs"] for layer in state["kfac"][0]["curvature"]["layers"].values())
     resumed = _train(cfg, mode=mode, schedule=sched, steps=8, resume=ck, checkpoint_dir=ck)
     assert resumed.start_step == 5
     for name, p in _params(full).items():

@@ -45,9 +45,9 @@ def test_half_precision_losses_track_fp32_and_factors_stay_float32_finite_and_sy
     assert bf16 != fp32  # it did compute in bf16
     assert max(abs(a - b) for a, b in zip(fp32, bf16)) < BF16_LOSS_TOLERANCE, (fp32, bf16)
     assert bf16[-1] < bf16[0] - 0.2  # and it learns
-    for name, st in kfac.layers.items():
+    for name in kfac.layers:
         for f in "AB":
-            factor, inverse = st.running[f], st.inverses[f]
+            factor, inverse = kfac.stats.state[name].running[f], kfac.inverse(name, f)
             assert factor.dtype == inverse.dtype == torch.float32, name
             assert bool(torch.isfinite(factor).all()) and torch.equal(factor, factor.t()), f"{name} {f}"
 
@@ -95,11 +95,12 @@ def test_fp16_overflow_skips_the_update_and_kfac_drops_the_overflowed_pieces():
             worker.step(s)
         assert all(torch.equal(p, before[n]) for n, p in worker.stage.named_parameters())
         assert worker.updater.scaler.state_dict() == {"scale": 1e30 / 8, "good_steps": 0, "skipped": 3}
-        st = next(iter(worker.kfac.layers.values()))
-        assert st.overflowed["B"] == 3 * cfg.data.num_micro_batches and st.inverses["B"] is None
+        name = next(iter(worker.kfac.layers))
+        assert worker.kfac.stats.state[name].overflowed["B"] == 3 * cfg.data.num_micro_batches
+        assert worker.kfac.inverse(name, "B") is None
         assert len(said) == 1 and "overflowed in fp16" in said[0]
         # B^-1 was never there and no gradient was preconditioned: no drift is made up from the kept state
-        assert worker.kfac.take_drift() == [] and st.last_grad is None
+        assert worker.kfac.take_drift() == [] and worker.kfac.drift.state[name].last_grad is None
     finally:
         api.shutdown(ctx)
 
@@ -122,7 +123,7 @@ def _variants_worker(variants: list[dict]) -> dict:
         moved = any(not torch.equal(a, p) for a, p in zip(start, worker.stage.parameters()))
         params = {f"{j}.{n}": p.detach().clone() for j, c in worker.copies.items() for n, p in c.named_parameters()}
         factors = {f"{j}.{n}.{f}": st.running[f].clone() for j, k in worker.kfacs.items()
-                   for n, st in k.layers.items() for f in "AB" if st.running[f] is not None}
+                   for n, st in k.stats.state.items() for f in "AB" if st.running[f] is not None}
         out[json.dumps(v, sort_keys=True)] = {"params": params, "factors": factors, "moved": moved}
     from pipefisher.runtime.job.dist import shutdown
     shutdown(ctx)
@@ -222,14 +223,14 @@ def _replicas_worker(overflow_on: int) -> dict:
         sync = kfac.sync
 
         def keep_local(factor: str, name: str) -> None:  # this replica's own factor, before the average
-            local[f"{name}.{factor}"] = kfac.layers[name].factor(factor)
+            local[f"{name}.{factor}"] = kfac.stats.state[name].factor(factor)
             sync(factor, name)
         kfac.sync = keep_local
         start = [p.detach().clone() for p in worker.stage.parameters()]
         worker.step(0)
         moved = any(not torch.equal(a, p) for a, p in zip(start, worker.stage.parameters()))
-        return {"moved": moved, "overflowed": sum(st.overflowed["B"] for st in kfac.layers.values()), "local": local,
-                "factors": {f"{n}.{f}": st.running[f] for n, st in kfac.layers.items() for f in "AB"}}
+        return {"moved": moved, "overflowed": sum(st.overflowed["B"] for st in kfac.stats.state.values()), "local": local,
+                "factors": {f"{n}.{f}": st.running[f] for n, st in kfac.stats.state.items() for f in "AB"}}
     finally:
         shutdown(ctx)
 

@@ -44,6 +44,7 @@ def test_bundled_configs_cover_tests_demo_and_bert_shapes():
     ({"kfac": {"cov_stride": 0}}, "kfac.cov_stride must be an integer >= 1"),
     ({"kfac": {"update": "adam"}}, "kfac.update must be one of base, momentum, soap"),
     ({"kfac": {"update": "soap", "kl_clip": 0.001}}, "kfac.kl_clip bounds a preconditioned step"),
+    ({"kfac": {"update": "soap", "inverse": "eigen"}}, "kfac.inverse: eigen chooses how a damped inverse"),
 ])
 def test_bad_configs_are_input_errors(raw, problem):
     with pytest.raises(InputError, match=problem.replace("(", r"\(").replace(")", r"\)")):

@@ -295,7 +295,7 @@ def test_a_resumed_chimera_run_is_bit_exact(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     spawn_local(train_whole_and_resumed, 2, cfg, a, b, 5, 2, {"mode": "scheduled", "schedule": sched}, timeout_s=180)
     mid = torch.load(os.path.join(b, "step-00000002", "stage0-replica0.pt"), weights_only=True)
-    assert any(layer["inputs"] for layer in mid["kfac"][1]["layers"].values())  # pieces still to come
+    assert any(layer["inputs"] for layer in mid["kfac"][1]["curvature"]["layers"].values())  # pieces still to come
     for device in range(2):
         fa = torch.load(os.path.join(a, "step-00000005", f"stage{device}-replica0.pt"), weights_only=True)
         fb = torch.load(os.path.join(b, "step-00000005", f"stage{device}-replica0.pt"), weights_only=True)
@@ -304,9 +304,9 @@ def test_a_resumed_chimera_run_is_bit_exact(tmp_path):
             assert torch.equal(p, fb["model"][name]), (device, name)
         assert sorted(fa["kfac"]) == [0, 1]  # each copy of the device (down, up) as one entry
         for copy, state in fa["kfac"].items():
-            for layer, st in state["layers"].items():
+            for layer, st in state["refresh"].items():
                 for f in "AB":
-                    assert torch.equal(st["inverses"][f], fb["kfac"][copy]["layers"][layer]["inverses"][f])
+                    assert torch.equal(st["installed"][f], fb["kfac"][copy]["refresh"][layer]["installed"][f])
 
 
 def test_a_schedule_that_would_deadlock_is_refused_before_training(tmp_path):

@@ -99,7 +99,7 @@ def _kfac_in_every_order(cfg_path: str, overrides: dict, steps: int, folder: str
             trainer = Trainer(cfg, ctx if order == "chimera" else plain,
                               TrainOptions(mode="kfac", steps=steps, progress=False, log_every=10**9))
             res = trainer.run()
-            layers = [st for k in trainer.kfacs.values() for st in k.layers.values()]
+            layers = [st for k in trainer.kfacs.values() for st in k.refresher.state.values()]
             out[order] = (res.losses, len(layers), all(st.inversions["A"] == st.inversions["B"] == steps
                                                        for st in layers))
         Trainer(base, plain, TrainOptions(mode="kfac", steps=3, profile=True, out=os.path.join(folder, "prof"),

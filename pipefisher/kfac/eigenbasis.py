@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from pipefisher.kfac.kfac import LayerStates
+from pipefisher.kfac.layers import LayerStates
 
 
 class EigenbasisAdam(torch.optim.Optimizer):
     """The SOAP step above for the layers of a K-FAC holder: one :class:`pipefisher.kfac.KFAC`, or a
-    device's stage copies (interleaved, ZB-V, DualPipeV, Chimera), through :class:`LayerStates` only.
-    Their refreshes hold the bases (``LayerState.inverses`` holds eigenvectors when K-FAC runs with
-    ``inverse="eigenbasis"``)."""
+    device's stage copies (interleaved, ZB-V, DualPipeV, Chimera), through :class:`LayerStates` only:
+    its layers, their parameters, and the bases their refreshes installed (K-FAC with
+    ``inverse="eigenbasis"``, :meth:`LayerStates.eigenbases`)."""
 
     def __init__(self, kfac: LayerStates, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
@@ -41,19 +41,18 @@ class EigenbasisAdam(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         group = self.param_groups[0]
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        for st in self.kfac.layer_states():
+        for st, (qa, qb, versions) in zip(self.kfac.layer_states(), self.kfac.eigenbases()):
             w = st.module.weight
             if w.grad is None:
                 continue
             g = st.grad_matrix()
-            qa, qb = st.inverses["A"], st.inverses["B"]
             if qa is None or qb is None:
                 qa = qb = None
             state = self.state[w]
             if not state:
                 state.update(step=0, exp_avg=torch.zeros_like(g), exp_avg_sq=torch.zeros_like(g),
                              basis_a=None, basis_b=None, versions=(0, 0))
-            self._follow_basis(state, qa, qb, (0, 0) if qa is None else (st.inversions["A"], st.inversions["B"]))
+            self._follow_basis(state, qa, qb, (0, 0) if qa is None else versions)
             state["step"] += 1
             t = state["step"]
             m, v = state["exp_avg"], state["exp_avg_sq"]

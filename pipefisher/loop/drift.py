@@ -3,7 +3,7 @@
 At a refresh K-FAC swaps a layer's inverses for fresh ones. How far that moves the preconditioned
 gradient says what stale curvature costs right now: with ``P(G) = B^-1 G A^-1``, a layer's **drift** is
 ``||P_n(G) - P_{n-1}(G)||_F / ||P_n(G)||_F``, refresh n against the refresh before, for the gradient ``G``
-it preconditioned last (:meth:`pipefisher.kfac.kfac.KFAC.inv` measures it in the inverse's own label, in
+it preconditioned last (:class:`pipefisher.kfac.drift_meter.DriftMeter` measures it in the inverse's own label, in
 a bubble). A refresh's figure aggregates its layers as ``sqrt(sum ||P_n - P_{n-1}||^2 / sum ||P_n||^2)``:
 the relative change of the whole preconditioned gradient (every K-FAC layer's, stacked), the step the
 optimizer receives. A layer counts by the size of its part of that step, so a layer whose gradient is

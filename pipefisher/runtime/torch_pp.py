@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from pipefisher.errors import InputError
 from pipefisher.kfac import KFAC
-from pipefisher.kfac.kfac import DEFAULT_IGNORE
+from pipefisher.kfac.layers import DEFAULT_IGNORE
 from pipefisher.policies import DEFAULT_POLICY
 from pipefisher.runtime.pipeline import torch_api
 from pipefisher.runtime.pipeline.buckets import GradientBuckets

@@ -565,6 +565,9 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
     if k.update == "soap" and k.kl_clip > 0:
         problems.append("kfac.kl_clip bounds a preconditioned step; kfac.update: soap takes Adam's step in "
                         "the factors' eigenbasis, which it does not apply to: set kl_clip 0")
+    if k.update == "soap" and k.inverse != KfacConfig.inverse:
+        problems.append(f"kfac.inverse: {k.inverse} chooses how a damped inverse is formed; kfac.update: soap "
+                        f"forms none (a refresh keeps the factors' eigenbasis): leave kfac.inverse unset")
     for key, allowed in (("update", UPDATES), ("fisher", FISHERS), ("inverse", INVERSES),
                          ("inverse_dtype", ("float32", "float64")), ("on_bad_factor", ON_BAD_FACTOR),
                          ("save_dtype", SAVE_DTYPES)):

@@ -31,7 +31,7 @@ _HOST_SIDE = (os.path.abspath(__file__), os.path.join(_PACKAGE, "runtime", "data
 
 class HostReads:
     """Counts one worker's device-to-host reads and holds the reads that can wait for the next one
-    (a :class:`pipefisher.kfac.kfac.HostReader` for K-FAC's checks).
+    (a :class:`pipefisher.kfac.refresher.HostReader` for K-FAC's checks).
 
     ``count``: reads since the last :meth:`take`; ``total``: over the counter's life."""
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Protocol, Sequence, runtime_checkable
 
-from pipefisher.kfac.kfac import LayerState, LayerStates
+from pipefisher.kfac.layers import LayerState, LayerStates
 
 if TYPE_CHECKING:
     import torch
@@ -162,7 +162,7 @@ class ForwardCurvature(Protocol):
 @runtime_checkable
 class Curvature(LayerStates, Protocol):
     """A device's K-FAC as one (one stage's, or its stage copies' together) as the worker, the update
-    rule and the trainer use it; its layers and parameters as :class:`pipefisher.kfac.kfac.LayerStates`."""
+    rule and the trainer use it; its layers and parameters as :class:`pipefisher.kfac.layers.LayerStates`."""
 
     def set_saving(self, on: bool) -> None:
         """Save the next micro-batches' inputs and output gradients, or not."""

@@ -34,7 +34,7 @@ from pipefisher.runtime.pipeline.engine import PipelineEngine
 from pipefisher.runtime.pipeline.labels import copy_suffix, parse_label
 
 if TYPE_CHECKING:
-    from pipefisher.kfac.kfac import LayerState
+    from pipefisher.kfac.layers import LayerState
 
 
 def suffix_span(span: Span | None, suffix: str) -> Span:
@@ -144,8 +144,12 @@ class StageCopiesKFAC:
             k.scale_step(nu)
 
     def layer_states(self) -> list[LayerState]:
-        """Every copy's K-FAC layers, copies in canonical order (:class:`pipefisher.kfac.kfac.LayerStates`)."""
+        """Every copy's K-FAC layers, copies in canonical order (:class:`pipefisher.kfac.layers.LayerStates`)."""
         return [st for k in self._all() for st in k.layer_states()]
+
+    def eigenbases(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int]]]:
+        """Every copy's installed bases, in :meth:`layer_states`' order."""
+        return [b for k in self._all() for b in k.eigenbases()]
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for k in self._all() for p in k.parameters()]

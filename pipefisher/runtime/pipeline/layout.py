@@ -18,7 +18,7 @@ from pipefisher.runtime.job.config import RunConfig
 def _stage_kfac_names(cfg: RunConfig, stages: int) -> tuple[tuple[str, ...], ...]:
     import torch
 
-    from pipefisher.kfac.kfac import kfac_modules
+    from pipefisher.kfac.layers import kfac_modules
     from pipefisher.runtime.models.builders import make_stage
 
     # Module names do not depend on the weights: the stages are built through the run's builder on

@@ -20,7 +20,7 @@ How the graph is cut, in the graph's own terms:
 
 Hooks on layer outputs (K-FAC's output gradients) see the B pass. The W pass re-enters a join with
 its kept gradient, which runs the join's tensor hooks once more: a hook that must see each gradient
-once guards itself (:mod:`pipefisher.kfac.kfac` does).
+once guards itself (:mod:`pipefisher.kfac.statistics` does).
 
 Starting and stopping a backward at a node rather than at a tensor needs ``torch.autograd.grad`` to
 take ``torch.autograd.graph.GradientEdge`` outputs and inputs: torch 2.4 and later (:data:`MIN_TORCH`;

@@ -23,8 +23,9 @@ Layout of a checkpoint folder::
 A worker file holds :data:`HEADER` (format, step, stage, replica, ...) and one entry per component. The
 trainer's: ``model`` (the stage's parameters: both copies under Chimera, every chunk when interleaved;
 what ``pipefisher export`` reads), ``optimizer`` (the optimizers), ``kfac`` (``{copy: state}``, each
-K-FAC copy of the device: factors, inverses, pi scales, saving flag, saved micro-batches still waiting for
-their covariance pieces, and what the next refresh's drift is measured with), ``loss_scale`` (fp16),
+K-FAC copy of the device, one part per component (:meth:`pipefisher.kfac.KFAC.state_dict`): factors,
+inverses, pi scales, saving flag, saved micro-batches still waiting for their covariance pieces, and what
+the next refresh's drift is measured with), ``loss_scale`` (fp16),
 ``data`` (the data position: the next step; every micro-batch is a pure function of (seed, step,
 replica, index)), ``rng`` (torch's generators: dropout), ``loop`` (scheduled mode: the active schedule
 and the step it began at, the open cycle's measurements, rank 0's scheduler) and ``drift`` (samples not

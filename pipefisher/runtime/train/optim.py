@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefisher.errors import InputError
-from pipefisher.kfac.kfac import is_ignored
+from pipefisher.kfac.layers import is_ignored
 from pipefisher.runtime.job.config import LR_SCHEDULES, OptimConfig
 
 NO_DECAY_MARKERS = ("LayerNorm",)
@@ -91,7 +91,7 @@ def muon_split(named_params: Iterable[tuple[str, nn.Parameter]], cfg: OptimConfi
 
     Muon takes a trainable parameter when it is 2-D (a weight matrix: torch's Muon takes nothing else),
     ``cfg.muon_include`` is empty or names it, and ``cfg.muon_exclude`` does not. A pattern names a
-    parameter as ``kfac.ignore`` names a module (:func:`pipefisher.kfac.kfac.is_ignored`): it equals one
+    parameter as ``kfac.ignore`` names a module (:func:`pipefisher.kfac.layers.is_ignored`): it equals one
     of the dotted parts of its name (``embeddings`` names ``embeddings.word_embeddings.weight``) or is a
     dotted prefix of it (``encoder.layer.0``). The default exclusions are input embeddings and output
     heads (:data:`pipefisher.runtime.job.config.DEFAULT_MUON_EXCLUDE`), which Muon is not meant for;

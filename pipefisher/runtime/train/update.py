@@ -148,7 +148,7 @@ def make_kfac(cfg: RunConfig, stage: nn.Module, *, dp_group: Any = None, dp_size
     ``host``: the worker's counter, which reads its inverses' checks with the worker's next read (None:
     each read at once)."""
     k = cfg.kfac
-    soap = k.update == "soap"
+    soap = k.update == "soap"  # its refreshes keep eigenbases: check_config refuses kfac.inverse: eigen with it
     kfac = KFAC(stage, damping=k.damping, damping_min=k.damping_min or None, damping_decay=k.damping_decay,
                 ignore=k.ignore, loss_scale=cfg.data.num_micro_batches, dp_group=dp_group, dp_size=dp_size,
                 factor_decay=k.factor_decay, inverse="eigenbasis" if soap else k.inverse, inverse_dtype=k.inverse_dtype,
