@@ -26,8 +26,8 @@ from pipefisher.schedule.timeline import load_job  # noqa: E402
 from pipefisher.sim.costs import cost_model_from_dict  # noqa: E402
 from pipefisher.sim.simulator import simulate_timelines, write_timelines  # noqa: E402
 
-CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pipefisher", "bundled", "cost_models",
-                      "bert-large-8stages.yaml")
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pipefisher", "bundled",
+                      "cost_models", "bert-large-8stages.yaml")
 
 
 def build_job(folder: str, stages: int, micro_batches: int, layers_per_stage: int, kfac_scale: float) -> list[str]:

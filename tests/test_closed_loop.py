@@ -14,7 +14,7 @@ import pytest
 
 from _fake_clock import fake_records, slowed_job, true_models
 from pipefisher.loop.closed_loop import (AdaptiveScheduler, Plan, StaticScheduler, cycle_seconds, job_models,
-                                    make_scheduler)
+                                         make_scheduler)
 from pipefisher.bundled import example_timelines
 from pipefisher.cost.measure import gap_overruns, planned_gaps, step_overrun
 from pipefisher.cost.staleness import StalenessCurve

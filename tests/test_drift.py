@@ -11,7 +11,7 @@ import statistics
 import pytest
 
 from pipefisher.loop.drift import (AGING_HIGH, AGING_LOW, DRIFT_MIN_REFRESHES, DriftRule, DriftSample, aging,
-                              binomial_tail, clearly_more, longest_cycle, refreshes, relative)
+                                   binomial_tail, clearly_more, longest_cycle, refreshes, relative)
 
 
 def test_a_refresh_is_the_relative_change_of_the_whole_preconditioned_gradient():

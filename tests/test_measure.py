@@ -7,10 +7,10 @@ import pytest
 
 from _fake_clock import FakeRecorder, fake_records, period, slowed_job, true_models
 from pipefisher.bundled import example_timelines
+from pipefisher.cost.measure import (CSV_COLUMNS, END, START, LabelTime, StepRecord, append_csv, cycle_summary,
+                                     gap_overruns, gaps, instruction_rows, is_pipeline, lay_out, measured_timeline,
+                                     planned_gaps, read_csv, step_overrun, window_timelines)
 from pipefisher.errors import InputError
-from pipefisher.cost.measure import (CSV_COLUMNS, END, START, LabelTime, StepRecord, append_csv, cycle_summary, gap_overruns,
-                                gaps, instruction_rows, is_pipeline, lay_out, measured_timeline, planned_gaps, read_csv,
-                                step_overrun, window_timelines)
 from pipefisher.policies import get_policy
 from pipefisher.rules import validate
 from pipefisher.schedule.format import MARKERS

@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipefisher.cli import main
-from pipefisher.outputs.plot import COLOURS, DPI, EXTRA_IN, ROW_IN, WIDTH_IN, chart_from_job, chart_from_schedule, chart_size_px, render
+from pipefisher.outputs.plot import (COLOURS, DPI, EXTRA_IN, ROW_IN, WIDTH_IN, chart_from_job, chart_from_schedule,
+                                     chart_size_px, render)
 from pipefisher.policies import get_policy
 from pipefisher.schedule.timeline import job_from_dicts
 from pipefisher.sim import simulate_timelines, synthetic_model, write_timelines
@@ -131,7 +132,7 @@ def test_the_update_and_its_preconditioning_have_their_own_colours_and_count_onc
 # readable at any size: collections, merging, edges, units, limits, context, validity, idle fill
 
 from pipefisher.outputs.plot import (IDLE, INVALID, PLOT_PX, Bar, Chart, figure, merge_bars,  # noqa: E402
-                             violations_per_node)
+                                     violations_per_node)
 from pipefisher.schedule.timeline import load_job  # noqa: E402
 
 

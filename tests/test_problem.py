@@ -445,8 +445,8 @@ def test_a_chunks_covariance_pieces_follow_that_chunks_own_calls() -> None:
 # ----------------------------------------------------------------------------------------------------
 # Zero-bubble weight-gradient passes (W) are pipeline work
 
-ZB_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pipefisher", "bundled", "cost_models",
-                         "bert-base-4stages.yaml")
+ZB_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pipefisher", "bundled",
+                         "cost_models", "bert-base-4stages.yaml")
 
 
 def zb_h1_job() -> Job:

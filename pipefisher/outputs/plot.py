@@ -23,7 +23,7 @@ from pipefisher.schedule.format import MARKERS, PIPELINE_CATEGORIES, label_categ
 from pipefisher.schedule.packed import JobSchedule
 from pipefisher.sim.simulator import parse_default_prefix
 from pipefisher.schedule.timeline import (PRECONDITION_KEY, STEP_KEY, UP_PIPE, UPDATE_KEY, Job, TimelineKey,
-                                 node_file_prefix)
+                                          node_file_prefix)
 
 if TYPE_CHECKING:
     import numpy as np

@@ -10,8 +10,8 @@ their steps in the same order. This module takes the packed members of a group a
    packings had them, by the latest time over members), each member appending the label at the earliest
    gap between pipeline items (or the iteration's tail) that is not before its dependencies (a sync after
    all its factor's pieces on that node, an inverse after its sync) nor before the member's previous
-   shared label, and that still has room by the problem's room rule (:func:`pipefisher.schedule.problem.fits`); work that fits no
-   bubble goes to a tail, as overflow. All members use the same iteration and the same side of
+   shared label, and that still has room by the problem's room rule
+   (:func:`pipefisher.schedule.problem.fits`); work that fits no bubble goes to a tail, as overflow. All members use the same iteration and the same side of
    ``-- end --``: the latest any member needs, bumped (adding pipeline-only iterations when needed)
    until every member has room there, and, for an inverse before the end, until it cannot deadlock;
 4. drop trailing iterations that hold no K-FAC work on any member, and recompute placements and figures.

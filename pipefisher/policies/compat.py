@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.schedule.packed import (JobSchedule, NodeFigures, NodeSchedule, Placement, Policy, gc_paused,
-                                      split_iterations)
+                                        split_iterations)
 from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START, PIPELINE_CATEGORIES, label_category
 from pipefisher.schedule.problem import DEFAULT_MARGIN, check_margin
 from pipefisher.schedule.timeline import BACKWARD, COV_KINDS, FORWARD, KFAC_KINDS, Job, NodeTimeline, Time

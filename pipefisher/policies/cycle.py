@@ -23,7 +23,8 @@ class Packed:
     iterations: int
     in_bubbles: list[list[tuple[int, str, Time, Time]]]  # per iteration: (bubble, label, start, end)
     overflow: list[list[tuple[str, Time]]]  # per iteration: (label, duration), after the last pipeline item
-    overlap: bool = False  # some refresh pieces lie before their factor's completion (:mod:`pipefisher.schedule.problem`)
+    # some refresh pieces lie before their factor's completion (:mod:`pipefisher.schedule.problem`)
+    overlap: bool = False
 
 
 def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeSchedule:

@@ -51,7 +51,7 @@ from pipefisher.pipeline_orders import (BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op,
 from pipefisher.schedule.timeline import BACKWARD as BACKWARD_KEY, FORWARD as FORWARD_KEY
 from pipefisher.sim.costs import NS_PER_MS, CostModel, ModuleCost
 from pipefisher.schedule.timeline import (PRECONDITION_KEY, UP_SUFFIX, UPDATE_KEY, chunk_suffix, pipe_key, split_evenly,
-                                 weight_key)
+                                          weight_key)
 
 Timelines = list[dict[str, list[tuple[int, int]]]]
 

@@ -172,7 +172,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     :class:`~pipefisher.cost.staleness.StalenessCurve` (None: none), for the ``target`` policy, which also
     chooses among the cycles the run's ``steps`` complete, and for ``adapt``. Where no packing's cycle
     (sync groups aligned) fits the run, it stops before training and says how many steps it needs.
-    ``overlap``: the policy may let a refresh's pieces run on into the next cycle (:mod:`pipefisher.schedule.problem`)."""
+    ``overlap``: the policy may let a refresh's pieces run on into the next cycle
+    (:mod:`pipefisher.schedule.problem`)."""
     from pipefisher.cost.staleness import staleness_data
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.runtime.train.profiler import timeline_filename

@@ -37,7 +37,7 @@ from pipefisher.loop.drift import DriftSample, Refresh, refreshes
 from pipefisher.runtime.job.files import RunPaths
 from pipefisher.runtime.train.recorder import resolved
 from pipefisher.cost.measure import (StepRecord, append_csv, cycle_summary, instruction_rows, lay_out,
-                                planned_gap_seconds, step_overrun, unit_seconds, window_timelines)
+                                     planned_gap_seconds, step_overrun, unit_seconds, window_timelines)
 
 MEASURED_WINDOW = 4
 """Gathers (job cycles, under ``adapt``) the exported measured timelines are built from."""
