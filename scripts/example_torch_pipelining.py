@@ -121,8 +121,8 @@ def main() -> None:
                             loss_fn=nn.CrossEntropyLoss())
     optimizer = torch.optim.SGD([p for st in stages for p in st.submod.parameters()], lr=args.lr)
 
-    pf = torch_pp.wrap(stages, schedule, folder=args.out, damping=args.damping, profile_steps=args.profile_steps,
-                       overwrite=args.overwrite)
+    pf = torch_pp.wrap(stages, schedule, folder=args.out, kfac={"damping": args.damping}, optimizer=optimizer,
+                       profile_steps=args.profile_steps, overwrite=args.overwrite)
     for step in range(args.steps):
         x, y = batch(step, 8 * args.micro_batches, width, classes)
         losses: list[Any] = []

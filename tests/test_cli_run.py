@@ -203,7 +203,7 @@ def _chimera_profile() -> tuple:  # type: ignore[type-arg]
 
 
 def test_allow_invalid_trains_what_the_runtime_can_run_and_leaves_a_refused_schedule(tmp_path, monkeypatch):
-    import pipefisher.rules
+    import pipefisher.policies.packing
     from pipefisher.policies import get_policy
     from pipefisher.rules.violations import Violation
     from pipefisher.runtime.launch.driver import RunPaths, pack_and_check
@@ -221,7 +221,7 @@ def test_allow_invalid_trains_what_the_runtime_can_run_and_leaves_a_refused_sche
     # a schedule validate rejects (a room rule, say) that the runtime can run: refused without the flag,
     # trained with it
     broken = Violation(0, 0, "-- end --", "bubble-overfilled", "made up for the test")
-    monkeypatch.setattr(pipefisher.rules, "validate", lambda *a, **k: [broken])
+    monkeypatch.setattr(pipefisher.policies.packing, "validate", lambda *a, **k: [broken])  # the one check
     paths = RunPaths(str(tmp_path), "t")
     with pytest.raises(InputError, match="--allow-invalid trains it anyway: the runtime can run it"):
         pack_and_check(job, get_policy("tight"), cfg, paths, 1, allow_invalid=False, **quiet)
@@ -274,6 +274,11 @@ def test_run_records_its_kfac_margin_and_validate_checks_the_same_job(tmp_path):
     meta_file = tmp_path / "km2_schedule.pickle.meta.json"
     meta = json.loads(meta_file.read_text())
     assert meta["kfac_margin"] == 2.0 and meta["packed_for"]["pipeline.schedule"] == "chimera"
+    # the metadata every packing writes (torch_pp.wrap and `pipefisher schedule` too): the timelines' layout,
+    # the config's shape over it
+    assert set(meta) == {"format", "policy", "margin", "kfac_margin", "pipeline_time", "nodes", "timelines",
+                         "packed_for"}
+    assert meta["packed_for"]["layout"] == [1, True, False] and meta["packed_for"]["pipeline.stages"] == 2
     timelines = [n.path for n in job.nodes]
     res = CliRunner().invoke(main, ["validate", "--schedule", paths.schedule, *timelines])
     assert res.exit_code == 0, res.output

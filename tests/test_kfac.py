@@ -700,6 +700,24 @@ def test_the_kfac_package_does_not_import_transformers():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+def test_the_run_configs_default_ignore_is_kfacs_own_and_reading_it_needs_no_torch():
+    """One definition of the modules K-FAC leaves alone, in the K-FAC package, which the torch-free run
+    config reads without importing torch (K-FAC's classes import it when first named)."""
+    import inspect
+    import subprocess
+    import sys
+
+    from pipefisher.kfac import DEFAULT_IGNORE
+    from pipefisher.runtime.job.config import KfacConfig
+
+    assert KfacConfig().ignore is DEFAULT_IGNORE
+    assert inspect.signature(KFAC).parameters["ignore"].default is DEFAULT_IGNORE
+    code = ("import sys; sys.modules['torch'] = None; from pipefisher.runtime.job.config import KfacConfig; "
+            "print(KfacConfig().ignore)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == str(DEFAULT_IGNORE), res.stderr
+
+
 def test_conv1d_kfac_state_survives_a_checkpoint_round_trip():
     def fresh():
         torch.manual_seed(0)

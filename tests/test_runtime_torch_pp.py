@@ -159,3 +159,104 @@ def test_a_wrapped_step_computes_what_the_torch_schedules_own_step_does(schedule
         for name, g in grads.items():
             assert torch.allclose(res["wrap"][0][name], g, rtol=1e-5, atol=1e-7), name
         assert res["wrap"][1] == pytest.approx(losses, rel=1e-6)
+
+
+SETTINGS = {"kl_clip": 1e-7, "inverse_dtype": "float64", "refresh_pieces": 2, "cov_stride": 2, "damping": 0.03}
+
+
+def _wrapped_with_settings(folder: str) -> dict:
+    """On 2 ranks (1F1B, the example's model): the same weights wrapped twice, with :data:`SETTINGS` and
+    with them but ``kl_clip``; both train to their first profiled step (K-FAC refreshed, gradients
+    preconditioned), then the first trains on to its packed schedule. What its K-FAC was built with, both
+    steps' gradients of K-FAC's layers and the labels of the schedule it runs."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from pipefisher.runtime import torch_pp
+
+    ex = _example()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ex.make_model(world, 16, 4)
+    out: dict = {}
+    try:
+        pfs = {}
+        for way, kfac in (("clipped", SETTINGS), ("unclipped", {**SETTINGS, "kl_clip": 0.0})):
+            stage = PipelineStage(copy.deepcopy(model[rank]), rank, world, torch.device("cpu"))
+            optimizer = torch.optim.SGD(stage.submod.parameters(), lr=0.5)
+            schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=torch.nn.CrossEntropyLoss())
+            pfs[way] = pf = torch_pp.wrap([stage], schedule, folder=os.path.join(folder, way), kfac=kfac,
+                                          optimizer=optimizer, profile_steps=2)
+            for step in range(2):
+                pf.step(*ex.batch(step, 16, 16, 4)[:1], target=ex.batch(step, 16, 16, 4)[1])
+                if step == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            out[way] = [p.grad.clone() for p in pf.kfacs[0].parameters()]
+        pf = pfs["clipped"]
+        kfac = pf.kfacs[0]
+        out["built"] = {"kl_clip": pf.settings.kl_clip, "inverse_dtype": kfac.refresher.dtype,
+                        "cov_stride": kfac.stats.cov_stride, "damping": kfac.refresher.damping,
+                        "pieces": {kfac.pieces(n, f) for n in kfac.names for f in "AB"}}
+        for step in (2, 3):  # step 2 packs; step 3 runs the packed schedule
+            x, y = ex.batch(step, 16, 16, 4)
+            pf.step(x, target=y)
+        out["cycle"] = pf.cycle
+        out["labels"] = [label for it in pf.executor.iterations for label in it]
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def test_a_torch_pp_run_honours_the_kfac_settings_and_writes_runs_metadata(tmp_path):
+    """K-FAC built from the config as ``pipefisher train`` builds it (kl_clip, inverse_dtype, refresh_pieces,
+    cov_stride, damping all taken), the KL-clip scaling the preconditioned step, the refresh pieces in the
+    packed schedule, and the schedule saved with ``run``'s metadata: the same file ``pipefisher schedule``
+    writes from the same timelines."""
+    import json
+
+    import torch
+
+    from pipefisher.runtime.launch.local import spawn_local
+    from pipefisher.schedule.file import meta_path
+
+    results = spawn_local(_wrapped_with_settings, 2, str(tmp_path), timeout_s=180)
+    for res in results:
+        assert res["built"] == {"kl_clip": 1e-7, "inverse_dtype": torch.float64, "cov_stride": 2, "damping": 0.03,
+                                "pieces": {2}}
+        ratios = [float(c.norm() / u.norm()) for c, u in zip(res["clipped"], res["unclipped"])]
+        assert max(ratios) < 0.5 and max(ratios) == pytest.approx(min(ratios), rel=1e-6), ratios  # one factor
+        for c, u in zip(res["clipped"], res["unclipped"]):
+            assert torch.allclose(c, u * ratios[0], rtol=1e-5, atol=1e-9)
+        invs = [label for label in res["labels"] if label.startswith("inv_kron")]
+        assert invs and all(invs.count(label) == 2 for label in invs), invs  # each refresh in 2 pieces
+    folder = tmp_path / "clipped"
+    meta = json.loads(open(meta_path(str(folder / "torch_pp_schedule.pickle"))).read())
+    assert set(meta) == {"format", "policy", "margin", "kfac_margin", "pipeline_time", "nodes", "timelines",
+                         "packed_for"}  # what `run` writes (no overlap)
+    assert meta["packed_for"]["pipeline.stages"] == 2 and meta["packed_for"]["data.num_micro_batches"] == 4
+    assert {"layout", "modules"} <= set(meta["packed_for"])
+    again = str(tmp_path / "again.pickle")
+    res = CliRunner().invoke(main, ["schedule", *meta["timelines"], "--save-path", again])
+    assert res.exit_code == 0, res.output
+    assert json.loads(open(meta_path(again)).read()) == meta
+    assert open(again, "rb").read() == (folder / "torch_pp_schedule.pickle").read_bytes()
+
+
+def test_wrap_refuses_kfac_settings_a_loop_of_its_own_cannot_honour_in_one_line(tmp_path):
+    """Before anything is built or written: an update rule that needs pipefisher's optimizer, the true
+    Fisher, a KL-clip without the optimizer's learning rate, an unknown key; never silently dropped."""
+    from pipefisher.runtime import torch_pp
+
+    for kfac, says in (({"update": "soap"}, "kfac.update soap steps K-FAC's layers with an optimizer of pipefisher's own"),
+                       ({"update": "momentum"}, "kfac.update momentum steps"),
+                       ({"fisher": "true"}, "kfac.fisher true needs pipefisher's own engine"),
+                       ({"kl_clip": 0.01}, "kfac.kl_clip 0.01 bounds the step at your optimizer's learning rate"),
+                       ({"clip": 0.01}, "unknown key(s) in 'kfac': clip")):
+        with pytest.raises(InputError, match=re.escape(says)) as err:
+            torch_pp.wrap([object()], object(), folder=str(tmp_path / "pf"), kfac=kfac)
+        assert "\n" not in str(err.value) and str(err.value).startswith("torch_pp.wrap kfac: ")
+    assert not (tmp_path / "pf").exists()

@@ -1,7 +1,6 @@
 """What every command shares: bad input becomes one line on stderr and exit code 2."""
 from __future__ import annotations
 
-import gc
 import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -145,14 +144,10 @@ def kept_until_exit() -> Iterator[None]:
     if not ENDS_WITH_COMMAND:
         yield
         return
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    from pipefisher.schedule.packed import gc_paused
+
+    with gc_paused(freeze=True):
         yield
-    finally:
-        gc.freeze()
-        if was_enabled:
-            gc.enable()
 
 
 def overlap_option() -> Any:

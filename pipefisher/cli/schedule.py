@@ -37,8 +37,8 @@ def run_schedule(
     from pipefisher.errors import InputError
     from pipefisher.outputs.report import report_data, usage_lines, workload_lines
     from pipefisher.policies import DEFAULT_POLICY, POLICIES, get_policy
+    from pipefisher.policies.packing import pack_job
     from pipefisher.safe_io import dump_json_atomic
-    from pipefisher.schedule.file import job_layout, save_schedule
     from pipefisher.schedule.timeline import load_job
 
     name = policy or DEFAULT_POLICY
@@ -56,7 +56,8 @@ def run_schedule(
         echo(f"(no timelines given: packing the bundled example, {len(paths)} nodes)")
     with kept_until_exit():
         job = load_job(paths, allow_mixed=allow_mixed)
-        schedule = chosen.pack(job, margin)
+        packing = pack_job(job, chosen, margin)
+    schedule = packing.schedule
     if margin != DEFAULT_MARGIN:
         echo(f"(margin {margin:g}: an item fits where start + {1 + margin:g} x length < the bubble's end)")
     if print_workloads:
@@ -76,7 +77,7 @@ def run_schedule(
             echo(line)
     data = report_data(schedule, job) if json_path else None
     if save_path:
-        save_schedule(save_path, schedule, timelines=[n.path for n in job.nodes], packed_for=job_layout(job))
+        packing.save(save_path)
     if json_path:
         dump_json_atomic(json_path, data)
 

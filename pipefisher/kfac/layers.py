@@ -16,10 +16,11 @@ from typing import Callable, Iterable, Protocol
 import torch
 from torch import nn
 
+from pipefisher.kfac.defaults import DEFAULT_IGNORE
+
 FACTORS = ("A", "B")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
-DEFAULT_IGNORE = ("embeddings", "LayerNorm", "cls")
 
 
 def is_ignored(name: str, ignore: Iterable[str]) -> bool:

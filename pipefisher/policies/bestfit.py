@@ -17,7 +17,7 @@ from bisect import bisect_left, bisect_right, insort
 
 from pipefisher.policies.align import align_groups
 from pipefisher.policies.bounds import fittable_work, model_bounds, placed_time, sure_to_reach
-from pipefisher.policies.cycle import Packed, node_schedule
+from pipefisher.policies.cycle import Packed, node_schedule, start_walk
 from pipefisher.rules.groups import job_groups
 from pipefisher.schedule.packed import JobSchedule, Policy, gc_paused
 from pipefisher.schedule.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, node_model
@@ -89,12 +89,7 @@ def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20, later_first: 
             make_ready(next_piece[wi])
         return w.pieces[0]
 
-    for g in range(model.groups):
-        if pieces_left[g] == 0:
-            factor_pieces_done(g)
-    for wi, w in enumerate(work):
-        if w.kind == COV:
-            make_ready(wi)
+    start_walk(model, factor_pieces_done, make_ready)
 
     in_bubbles: list[list[tuple[int, str, Time, Time]]] = []
     overflow: list[list[tuple[str, Time]]] = []

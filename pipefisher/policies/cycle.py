@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import groupby
+from typing import Callable
 
 from pipefisher.policies.bounds import NodeBounds
 from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.schedule.packed import LazyPlacements, NodeFigures, NodeSchedule, Placement
-from pipefisher.schedule.problem import NodeModel
+from pipefisher.schedule.problem import COV, NodeModel
 from pipefisher.schedule.timeline import Time
 
 
@@ -25,6 +26,18 @@ class Packed:
     overflow: list[list[tuple[str, Time]]]  # per iteration: (label, duration), after the last pipeline item
     # some refresh pieces lie before their factor's completion (:mod:`pipefisher.schedule.problem`)
     overlap: bool = False
+
+
+def start_walk(model: NodeModel, factor_done: Callable[[int], None], queue_ready: Callable[[int], None]) -> None:
+    """What a walk over the bubbles (greedy, best-fit) has ready before it places anything: each factor
+    with no covariance pieces on this node is done at once (``factor_done(group)``: its syncs or its
+    refresh may start), and each covariance queue's first piece is ready (``queue_ready(work index)``)."""
+    for g, pieces in enumerate(model.factors.pieces):
+        if pieces == 0:
+            factor_done(g)
+    for wi, w in enumerate(model.work):
+        if w.kind == COV:
+            queue_ready(wi)
 
 
 def node_schedule(model: NodeModel, packed: Packed, bounds: NodeBounds) -> NodeSchedule:

@@ -126,63 +126,76 @@ class _Model:
     trivially_infeasible: bool = False
 
 
-def _build(cp_model: Any, model: NodeModel, k: int, nums: _Numbers, proof: bool) -> _Model:
-    """The feasibility model of a ``k``-iteration cycle (see the module's docstring)."""
-    m = cp_model.CpModel()
-    work = model.work
-    bubbles = model.bubbles
-    nb = len(bubbles)
-    per = nb + 1
-    nslots = k * per
-    q, mq = nums.q, nums.mq
-    largest, margin = model.largest, model.margin
-    out = _Model(m, k, {}, {})
+class _Builder:
+    """The feasibility model of a ``k``-iteration cycle (see the module's docstring), built in named
+    steps (:func:`_build`): each work item's variables in work order (:meth:`plain_item`,
+    :meth:`queue`), then the dependencies between them (:meth:`dependencies`), then each bubble's room
+    (:meth:`room`). The order is the model's: CP-SAT's deterministic search follows it."""
 
-    def fits_alone(d: int, b: int) -> bool:
-        return q * d + mq * d <= q * nums.gaps[b] - 1
+    def __init__(self, cp_model: Any, model: NodeModel, k: int, nums: _Numbers, proof: bool) -> None:
+        self.m = m = cp_model.CpModel()
+        self.model, self.nums, self.proof = model, nums, proof
+        self.work = model.work
+        self.nb = len(model.bubbles)
+        self.per = self.nb + 1
+        self.nslots = k * self.per
+        self.out = _Model(m, k, {}, {})
+        self.terms: list[list[Any]] = [[] for _ in range(self.nslots)]  # the slot's work (scaled durations)
+        # per slot, what may be there: (work index, literal "it is there", largest and smallest size)
+        self.present: list[list[tuple[int, Any, int, int]]] = [[] for _ in range(self.nslots)]
+        self.queues_of: list[list[int]] = [[] for _ in range(model.groups)]
+        self.syncs_of: list[list[int]] = [[] for _ in range(model.groups)]
+        self.next_piece = {a: b for invs in model.factors.invs for a, b in zip(invs, invs[1:])}
+        self.pos = [b.pos for b in model.bubbles]
 
-    def room_slot(s: int) -> int:
+    def fits_alone(self, d: int, b: int) -> bool:
+        return self.nums.q * d + self.nums.mq * d <= self.nums.q * self.nums.gaps[b] - 1
+
+    def room_slot(self, s: int) -> int:
         """Whose room fittable work in slot ``s`` uses: its bubble's, or none (an overflow slot)."""
-        return s if s % per < nb else -1
+        return s if s % self.per < self.nb else -1
 
-    def may_hold(d: int, s: int) -> bool:
+    def may_hold(self, d: int, s: int) -> bool:
         """Whether fittable work of (smallest) size ``d`` may go to slot ``s``: bubbles only."""
-        b = s % per
-        return b < nb and fits_alone(d, b)
+        b = s % self.per
+        return b < self.nb and self.fits_alone(d, b)
 
-    terms: list[list[Any]] = [[] for _ in range(nslots)]  # the slot's work (scaled durations)
-    # per slot, what may be there: (work index, literal "it is there", largest and smallest size)
-    present: list[list[tuple[int, Any, int, int]]] = [[] for _ in range(nslots)]
-    pos = [b.pos for b in bubbles]
-    queues_of: list[list[int]] = [[] for _ in range(model.groups)]
-    syncs_of: list[list[int]] = [[] for _ in range(model.groups)]
+    def forced(self, wi: int) -> list[bool]:
+        """Per piece of item ``wi``: whether it fits no bubble (overflow slots only)."""
+        return [not fits(d, self.model.largest, self.model.margin) for d in self.work[wi].pieces]
 
-    for wi, w in enumerate(work):
-        sizes = nums.pieces[wi]
-        forced = [not fits(d, largest, margin) for d in w.pieces]
-        if w.kind != COV:
-            if w.kind == SYNC:
-                syncs_of[w.group].append(wi)
-            d = sizes[0]
-            lits: dict[int, Any] = {}
-            for s in range(nslots):
-                b = s % per
-                if (b == nb) if forced[0] else may_hold(d, s):
-                    lit = m.new_bool_var(f"y{wi}_{s}")
-                    lits[s] = lit
-                    r = -1 if forced[0] else room_slot(s)
-                    if r >= 0:
-                        terms[r].append(d * lit)
-                        present[r].append((wi, lit, d, d))
-            if not lits:
-                out.trivially_infeasible = True
-                return out
-            m.add_exactly_one(list(lits.values()))
-            out.plain[wi] = lits
-            continue
+    def plain_item(self, wi: int) -> bool:
+        """A sync or inverse: one boolean per slot it may go to, exactly one true; False where it may go nowhere."""
+        m, w = self.m, self.work[wi]
+        if w.kind == SYNC:
+            self.syncs_of[w.group].append(wi)
+        d = self.nums.pieces[wi][0]
+        forced = self.forced(wi)[0]
+        lits: dict[int, Any] = {}
+        for s in range(self.nslots):
+            if (s % self.per == self.nb) if forced else self.may_hold(d, s):
+                lit = m.new_bool_var(f"y{wi}_{s}")
+                lits[s] = lit
+                r = -1 if forced else self.room_slot(s)
+                if r >= 0:
+                    self.terms[r].append(d * lit)
+                    self.present[r].append((wi, lit, d, d))
+        if not lits:
+            return False
+        m.add_exactly_one(list(lits.values()))
+        self.out.plain[wi] = lits
+        return True
+
+    def queue(self, wi: int) -> bool:
+        """A covariance queue: its cumulative piece count per slot (in the cycle's first iteration capped
+        by the pieces whose forward/backward runs before the bubble; all done by the cycle's end); False
+        where no count can meet its slot's limits."""
+        m, w, nb, per, nslots = self.m, self.work[wi], self.nb, self.per, self.nslots
+        sizes = self.nums.pieces[wi]
+        forced = self.forced(wi)
         if any(forced) and not all(forced):
             raise _Unsupported("a covariance queue with pieces both inside and beyond the bubbles")
-        queues_of[w.group].append(wi)
+        self.queues_of[w.group].append(wi)
         n = len(sizes)
         in_overflow = forced[0]
         prefix = [0]
@@ -192,24 +205,20 @@ def _build(cp_model: Any, model: NodeModel, k: int, nums: _Numbers, proof: bool)
         top = max(sizes)
         smallest = min(sizes)
         # iteration 0: pieces (in order) whose forward/backward runs before bubble b
-        limit = []
-        for b in range(nb):
-            first_late = next((j for j, r in enumerate(w.release) if r >= pos[b]), n)
-            limit.append(first_late)
+        limit = [next((j for j, r in enumerate(w.release) if r >= self.pos[b]), n) for b in range(nb)]
         counts: list[Any] = []
         prev_c: Any = 0
         prev_s: Any = 0
         for s in range(nslots):
             i, b = divmod(s, per)
-            can = b == nb if in_overflow else may_hold(smallest, s)
-            r = -1 if in_overflow else room_slot(s)
+            can = b == nb if in_overflow else self.may_hold(smallest, s)
+            r = -1 if in_overflow else self.room_slot(s)
             ub = limit[b] if (i == 0 and b < nb) else n
             lo = n if s == nslots - 1 else 0  # all pieces done by the end of the cycle
             if not can:  # nothing of this queue here: its count stays, within this slot's limits
                 if isinstance(prev_c, int):
                     if not lo <= prev_c <= ub:
-                        out.trivially_infeasible = True
-                        return out
+                        return False
                 else:
                     if lo > 0:
                         m.add(prev_c >= lo)
@@ -218,8 +227,7 @@ def _build(cp_model: Any, model: NodeModel, k: int, nums: _Numbers, proof: bool)
                 counts.append(prev_c)
                 continue
             if ub < lo:
-                out.trivially_infeasible = True
-                return out
+                return False
             c = m.new_int_var(lo, ub, f"c{wi}_{s}")
             m.add(c >= prev_c)
             if uniform:
@@ -228,20 +236,21 @@ def _build(cp_model: Any, model: NodeModel, k: int, nums: _Numbers, proof: bool)
                 s_expr = m.new_int_var(0, prefix[-1], f"s{wi}_{s}")
                 m.add_element(c, prefix, s_expr)
             if r >= 0:
-                terms[r].append(s_expr - prev_s)
+                self.terms[r].append(s_expr - prev_s)
                 z = m.new_bool_var(f"z{wi}_{s}")  # some of its pieces are here
                 m.add(c - prev_c <= n * z)
                 m.add(c - prev_c >= 1).only_enforce_if(z)
-                present[r].append((wi, z, top, smallest))
+                self.present[r].append((wi, z, top, smallest))
             counts.append(c)
             prev_c, prev_s = c, s_expr
-        out.queues[wi] = counts
+        self.out.queues[wi] = counts
+        return True
 
-    # dependencies: a sync (and an inverse of a factor without sync) after all its factor's pieces
-    def after_pieces(wi: int) -> None:
-        g = work[wi].group
-        for qi in queues_of[g]:
-            n = len(work[qi].pieces)
+    def after_pieces(self, wi: int) -> None:
+        """Item ``wi`` (a sync, or an inverse of a factor without sync) after all its factor's pieces."""
+        m, out = self.m, self.out
+        for qi in self.queues_of[self.work[wi].group]:
+            n = len(self.work[qi].pieces)
             counts = out.queues[qi]
             for s, lit in out.plain[wi].items():
                 c = counts[s]
@@ -251,41 +260,68 @@ def _build(cp_model: Any, model: NodeModel, k: int, nums: _Numbers, proof: bool)
                 else:
                     m.add(c >= n).only_enforce_if(lit)
 
-    def position(wi: int) -> Any:
-        return sum(s * lit for s, lit in out.plain[wi].items())
+    def position(self, wi: int) -> Any:
+        return sum(s * lit for s, lit in self.out.plain[wi].items())
 
-    first_sync: dict[int, Any] = {}
-    next_piece = {a: b for invs in model.factors.invs for a, b in zip(invs, invs[1:])}
-    for wi, w in enumerate(work):
-        if w.kind == COV:
-            continue
-        if w.kind == SYNC or not model.synced[w.group]:
-            after_pieces(wi)
-            continue
-        g = w.group
-        if g not in first_sync:
-            f = m.new_int_var(0, nslots - 1, f"first_sync{g}")
-            m.add_min_equality(f, [position(si) for si in syncs_of[g]])
-            first_sync[g] = f
-        m.add(position(wi) >= first_sync[g])
-    for wi, nxt in next_piece.items():  # a refresh's pieces in order (the layout orders a slot's by index)
-        m.add(position(nxt) >= position(wi))
+    def dependencies(self) -> None:
+        """A sync (and an inverse of a factor without sync) after all its factor's pieces; an inverse in
+        its factor's first sync's slot or after; a refresh's pieces in order."""
+        m, model = self.m, self.model
+        first_sync: dict[int, Any] = {}
+        for wi, w in enumerate(self.work):
+            if w.kind == COV:
+                continue
+            if w.kind == SYNC or not model.synced[w.group]:
+                self.after_pieces(wi)
+                continue
+            g = w.group
+            if g not in first_sync:
+                f = m.new_int_var(0, self.nslots - 1, f"first_sync{g}")
+                m.add_min_equality(f, [self.position(si) for si in self.syncs_of[g]])
+                first_sync[g] = f
+            m.add(self.position(wi) >= first_sync[g])
+        for wi, nxt in self.next_piece.items():  # a refresh's pieces in order (the layout orders a slot's by index)
+            m.add(self.position(nxt) >= self.position(wi))
 
-    # Room. The work of a bubble runs back to back; what decides whether it fits is mostly its last
-    # item, which needs its margin before the bubble's end: ``total + margin * last < bubble``. Each
-    # bubble picks its last item among those there that nothing else there must follow (the model's
-    # dependencies within one slot: a queue's sync, or inverse where unsynced, after its pieces; an
-    # inverse after its sync). Proofs need only that (with the last item's smallest size). Solutions
-    # need the others to fit before it too: ``total - last + margin * largest < bubble`` suffices (each
-    # earlier item ends by ``total - last``), with the last item's largest size in the first condition
-    # and its smallest in this one; the layout then puts the chosen item last.
-    for s in range(nslots):
-        b = s % per
-        if b == nb or not present[s]:
-            continue  # (``present`` holds work of bubbles only: see ``room_slot``)
-        total = sum(terms[s])
-        room = q * nums.gaps[b] - 1
-        here = present[s]
+    def room(self, s: int) -> None:
+        """The room rule of slot ``s``'s bubble.
+
+        The work of a bubble runs back to back; what decides whether it fits is mostly its last
+        item, which needs its margin before the bubble's end: ``total + margin * last < bubble``. Each
+        bubble picks its last item among those there that nothing else there must follow (the model's
+        dependencies within one slot: a queue's sync, or inverse where unsynced, after its pieces; an
+        inverse after its sync). Proofs need only that (with the last item's smallest size). Solutions
+        need the others to fit before it too: ``total - last + margin * largest < bubble`` suffices (each
+        earlier item ends by ``total - last``), with the last item's largest size in the first condition
+        and its smallest in this one; the layout then puts the chosen item last."""
+        m, q, mq = self.m, self.nums.q, self.nums.mq
+        b = s % self.per
+        here = self.present[s]
+        if b == self.nb or not here:
+            return  # (``present`` holds work of bubbles only: see ``room_slot``)
+        total = sum(self.terms[s])
+        room = q * self.nums.gaps[b] - 1
+        lasts = self.last_items(s)
+        busy = m.new_bool_var(f"busy{s}")  # one last item where there is any work
+        m.add(sum(last for _, last, _, _ in lasts) == busy)
+        for _, lit, _, _ in here:
+            m.add_implication(lit, busy)
+        self.out.last[s] = [(wi, last) for wi, last, _, _ in lasts]
+        if self.proof:
+            m.add(q * total + mq * sum(lo * last for _, last, _, lo in lasts) <= room)
+            return
+        m.add(q * total + mq * sum(hi * last for _, last, hi, _ in lasts) <= room)
+        if len(here) == 1:
+            return  # the one item there is the last
+        big = m.new_int_var(0, max(hi for _, _, hi, _ in here), f"max{s}")
+        for _, lit, hi, _ in here:
+            m.add(big >= hi).only_enforce_if(lit)
+        m.add(q * total - q * sum(lo * last for _, last, _, lo in lasts) + mq * big <= room)
+
+    def last_items(self, s: int) -> list[tuple[int, Any, int, int]]:
+        """Per item that may be in slot ``s``: (work index, literal "it is the bubble's last", largest and
+        smallest size); an item cannot be last where something there must follow it."""
+        m, work, here = self.m, self.work, self.present[s]
         lits_of: dict[tuple[int, int], list[Any]] = {}  # (group, kind) -> literals here
         for wi, lit, _, _ in here:
             lits_of.setdefault((work[wi].group, work[wi].kind), []).append(lit)
@@ -293,13 +329,13 @@ def _build(cp_model: Any, model: NodeModel, k: int, nums: _Numbers, proof: bool)
         for wi, lit, hi, lo in here:
             w = work[wi]
             if w.kind == COV:
-                blockers = lits_of.get((w.group, SYNC), []) if model.synced[w.group] else \
+                blockers = lits_of.get((w.group, SYNC), []) if self.model.synced[w.group] else \
                     lits_of.get((w.group, SYNC), []) + lits_of.get((w.group, INV), [])
-            elif w.kind == SYNC and (not proof or len(syncs_of[w.group]) == 1):
+            elif w.kind == SYNC and (not self.proof or len(self.syncs_of[w.group]) == 1):
                 # an inverse here follows this sync (for proofs: only certain where it is the only one)
                 blockers = lits_of.get((w.group, INV), [])
-            elif w.kind == INV and wi in next_piece:  # the refresh's next piece, if here, follows it
-                blockers = [other for v, other, _, _ in here if v == next_piece[wi]]
+            elif w.kind == INV and wi in self.next_piece:  # the refresh's next piece, if here, follows it
+                blockers = [other for v, other, _, _ in here if v == self.next_piece[wi]]
             else:
                 blockers = []
             last = m.new_bool_var(f"last{wi}_{s}")
@@ -308,22 +344,21 @@ def _build(cp_model: Any, model: NodeModel, k: int, nums: _Numbers, proof: bool)
                 if other is not lit:
                     m.add_bool_or([last.Not(), other.Not()])
             lasts.append((wi, last, hi, lo))
-        busy = m.new_bool_var(f"busy{s}")  # one last item where there is any work
-        m.add(sum(last for _, last, _, _ in lasts) == busy)
-        for _, lit, _, _ in here:
-            m.add_implication(lit, busy)
-        out.last[s] = [(wi, last) for wi, last, _, _ in lasts]
-        if proof:
-            m.add(q * total + mq * sum(lo * last for _, last, _, lo in lasts) <= room)
-            continue
-        m.add(q * total + mq * sum(hi * last for _, last, hi, _ in lasts) <= room)
-        if len(here) == 1:
-            continue  # the one item there is the last
-        big = m.new_int_var(0, max(hi for _, _, hi, _ in here), f"max{s}")
-        for _, lit, hi, _ in here:
-            m.add(big >= hi).only_enforce_if(lit)
-        m.add(q * total - q * sum(lo * last for _, last, _, lo in lasts) + mq * big <= room)
-    return out
+        return lasts
+
+
+def _build(cp_model: Any, model: NodeModel, k: int, nums: _Numbers, proof: bool) -> _Model:
+    """The feasibility model of a ``k``-iteration cycle (see the module's docstring): every item's
+    variables, the dependencies, every bubble's room (:class:`_Builder`)."""
+    built = _Builder(cp_model, model, k, nums, proof)
+    for wi, w in enumerate(model.work):
+        if not (built.queue(wi) if w.kind == COV else built.plain_item(wi)):
+            built.out.trivially_infeasible = True  # some item has nowhere to go
+            return built.out
+    built.dependencies()
+    for s in range(built.nslots):
+        built.room(s)
+    return built.out
 
 
 def _packed(model: NodeModel, built: _Model, solver: Any) -> Packed:

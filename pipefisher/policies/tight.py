@@ -35,7 +35,7 @@ from pipefisher.policies.bestfit import pack_best_fit
 from pipefisher.schedule.packed import JobSchedule, NodeFigures, NodeSchedule, Policy, gc_paused, split_iterations
 from pipefisher.policies.bounds import (NodeBounds, fittable_work, model_bounds, placed_time, sure_to_reach,
                                          with_first_iteration)
-from pipefisher.policies.cycle import Packed, node_schedule
+from pipefisher.policies.cycle import Packed, node_schedule, start_walk
 from pipefisher.rules.groups import job_groups
 from pipefisher.schedule.format import PIPELINE_CATEGORIES, label_category
 from pipefisher.schedule.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, fits, node_model
@@ -197,12 +197,7 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
             if wi in next_piece:
                 ready_plain(next_piece[wi])
 
-    for g in range(model.groups):
-        if cov_left[g] == 0:
-            group_cov_done(g)
-    for wi, w in enumerate(work):
-        if w.kind == COV:
-            classify(wi)
+    start_walk(model, group_cov_done, classify)
 
     in_bubbles: list[list[tuple[int, str, Time, Time]]] = []
     overflow: list[list[tuple[str, Time]]] = []

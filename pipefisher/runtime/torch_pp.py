@@ -7,7 +7,7 @@ attaches K-FAC to the stage modules and takes the schedule's place in the loop:
 
     stages = [PipelineStage(chunk, index, num_stages, device, group=pp_group) for ...]   # as before
     schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=loss_fn)          # as before
-    pf = torch_pp.wrap(stages, schedule, folder="pf", damping=0.03)
+    pf = torch_pp.wrap(stages, schedule, folder="pf", kfac={"damping": 0.03}, optimizer=optimizer)
     for step in range(steps):
         losses = []
         pf.step(x, target=y, losses=losses)   # instead of schedule.step(...): gradients averaged and preconditioned
@@ -23,7 +23,12 @@ rules, writes it to ``folder`` (with the timelines: ``pipefisher plot`` and ``va
 every rank trains with it from the next step on: each K-FAC piece in its bubble, among torch's actions
 (:mod:`pipefisher.runtime.pipeline.torch_engine`). After each step the gradients are those of the
 schedule's ``step`` (averaged over micro-batches when the schedule's ``scale_grads``), preconditioned
-with the latest K-FAC inverses.
+with the latest K-FAC inverses (and, with ``kfac.kl_clip``, scaled as :class:`pipefisher.runtime.train.update.Updater`
+scales them, at the learning rate of ``optimizer``'s first group).
+
+K-FAC is built from the ``kfac`` settings as ``pipefisher train`` builds it
+(:func:`pipefisher.runtime.train.update.kfac_from_config`); the schedule is packed, checked and saved,
+with the same metadata as ``pipefisher run``'s, by :mod:`pipefisher.policies.packing`.
 
 The schedule's order comes from the schedule object (its per-rank actions, or ``Schedule1F1B``'s
 loop); its loss function and micro-batch count are kept. Data parallelism around the pipeline
@@ -31,39 +36,71 @@ loop); its loss function and micro-batch count are kept. Data parallelism around
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-from contextlib import nullcontext
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch.distributed as dist
 
 from pipefisher.errors import InputError
-from pipefisher.kfac import KFAC
-from pipefisher.kfac.layers import DEFAULT_IGNORE
 from pipefisher.policies import DEFAULT_POLICY
+from pipefisher.runtime.job.config import KfacConfig, config_from_dict
 from pipefisher.runtime.pipeline import torch_api
 from pipefisher.runtime.pipeline.buckets import GradientBuckets
 from pipefisher.runtime.pipeline.copies import StageCopiesKFAC
-from pipefisher.runtime.pipeline.executor import ScheduleExecutor
+from pipefisher.runtime.pipeline.executor import ScheduleExecutor, plain_step
 from pipefisher.runtime.pipeline.torch_engine import TorchEngine
 from pipefisher.runtime.train.profiler import Profiler, timeline_filename
+from pipefisher.runtime.train.update import clip_kl, kfac_from_config
 from pipefisher.schedule.problem import DEFAULT_MARGIN
-from pipefisher.schedule.timeline import STEP_KEY, UPDATE_KEY
+from pipefisher.schedule.timeline import UPDATE_KEY
 
-__all__ = ["KfacPipeline", "check_folder", "schedule_file", "wrap"]
+__all__ = ["KfacPipeline", "check_folder", "kfac_settings", "schedule_file", "wrap"]
 
 
-def wrap(stages: Sequence[Any], schedule: Any, *, folder: str, damping: float = 1e-3,
-         ignore: Iterable[str] = DEFAULT_IGNORE, profile_steps: int = 3, policy: str = DEFAULT_POLICY,
-         margin: float = DEFAULT_MARGIN, name: str = "torch_pp", overwrite: bool = False) -> "KfacPipeline":
+def wrap(stages: Sequence[Any], schedule: Any, *, folder: str, kfac: KfacConfig | Mapping[str, Any] | None = None,
+         optimizer: Any = None, damping: float | None = None, ignore: Iterable[str] | None = None,
+         profile_steps: int = 3, policy: str = DEFAULT_POLICY, margin: float = DEFAULT_MARGIN,
+         name: str = "torch_pp", overwrite: bool = False) -> "KfacPipeline":
     """K-FAC for this rank's ``stages`` (torch ``PipelineStage``\\ s) run in ``schedule``'s order (see
     the module's docstring). ``folder`` gets the profiled timelines and the packed schedule (``name``
     prefixes their files); one that cannot be written, or that holds an earlier run's schedule (unless
-    ``overwrite``), is refused now (:func:`check_folder`), not after the profiled steps. ``damping`` and
-    ``ignore`` are K-FAC's (``kfac.damping``, ``kfac.ignore``)."""
+    ``overwrite``), is refused now (:func:`check_folder`), not after the profiled steps. ``kfac``: K-FAC's
+    settings, a run config's ``kfac`` section (:func:`kfac_settings`); ``damping`` and ``ignore``, where
+    given, replace its ``kfac.damping`` and ``kfac.ignore``. ``optimizer``: your loop's optimizer, whose
+    first group's learning rate ``kfac.kl_clip`` bounds the step at (needed with ``kl_clip`` only)."""
+    settings = kfac_settings(kfac, damping=damping, ignore=ignore, optimizer=optimizer)
     check_folder(folder, name=name, overwrite=overwrite)
-    return KfacPipeline(stages, schedule, folder=folder, damping=damping, ignore=ignore,
+    return KfacPipeline(stages, schedule, folder=folder, kfac=settings, optimizer=optimizer,
                         profile_steps=profile_steps, policy=policy, margin=margin, name=name)
+
+
+def kfac_settings(kfac: KfacConfig | Mapping[str, Any] | None = None, *, damping: float | None = None,
+                  ignore: Iterable[str] | None = None, optimizer: Any = None) -> KfacConfig:
+    """The ``kfac`` settings :func:`wrap` builds K-FAC from, checked as a config file's ``kfac`` section is
+    (:class:`InputError`, one line naming the key), and refused where a loop of your own cannot honour
+    them: ``kfac.update`` other than ``base`` (``momentum`` and ``soap`` step K-FAC's layers with an
+    optimizer of pipefisher's own; here your optimizer steps every parameter), the true Fisher (its
+    sampled backward runs in pipefisher's engine only), and ``kl_clip`` without the ``optimizer`` whose
+    learning rate it needs. ``kfac.interval`` plays no part: the packed schedule refreshes once per cycle."""
+    values = dataclasses.asdict(kfac) if isinstance(kfac, KfacConfig) else dict(kfac or {})
+    if damping is not None:
+        values["damping"] = damping
+    if ignore is not None:
+        values["ignore"] = list(ignore)
+    where = "torch_pp.wrap kfac"
+    settings = config_from_dict({"kfac": values}, where).kfac
+    if settings.update != "base":
+        raise InputError(where, f"kfac.update {settings.update} steps K-FAC's layers with an optimizer of "
+                                "pipefisher's own, which a loop of your own does not run: use update base "
+                                "(your optimizer steps the preconditioned gradients)")
+    if settings.fisher != "empirical":
+        raise InputError(where, "kfac.fisher true needs pipefisher's own engine (its sampled backward): "
+                                "use fisher empirical")
+    if settings.kl_clip > 0 and optimizer is None:
+        raise InputError(where, f"kfac.kl_clip {settings.kl_clip:g} bounds the step at your optimizer's learning "
+                                "rate: give wrap your optimizer (optimizer=...)")
+    return settings
 
 
 def schedule_file(folder: str, name: str = "torch_pp") -> str:
@@ -89,8 +126,8 @@ def check_folder(folder: str, *, name: str = "torch_pp", overwrite: bool = False
 class KfacPipeline:
     """This rank's stages, their K-FAC states and the torch engine that runs them (:func:`wrap`)."""
 
-    def __init__(self, stages: Sequence[Any], schedule: Any, *, folder: str, damping: float,
-                 ignore: Iterable[str], profile_steps: int, policy: str, margin: float, name: str) -> None:
+    def __init__(self, stages: Sequence[Any], schedule: Any, *, folder: str, kfac: KfacConfig, optimizer: Any,
+                 profile_steps: int, policy: str, margin: float, name: str) -> None:
         torch_api.check_torch("pipefisher.runtime.torch_pp")
         if profile_steps < 2:
             raise InputError(None, "torch_pp.wrap: profile_steps must be at least 2 (the median step skips the first)")
@@ -103,7 +140,8 @@ class KfacPipeline:
         self.profile_steps = profile_steps
         ordered = sorted(stages, key=lambda st: st.stage_index)
         self.copies = dict(enumerate(ordered))  # copy j: this rank's j-th stage (chunk j)
-        self.kfacs = {j: KFAC(st.submod, damping=damping, ignore=ignore) for j, st in self.copies.items()}
+        self.settings, self.optimizer = kfac, optimizer
+        self.kfacs = {j: kfac_from_config(kfac, st.submod) for j, st in self.copies.items()}
         self.kfac = StageCopiesKFAC(self.kfacs, list(self.copies), interleaved=len(self.copies) > 1)
         device = ordered[0].device
         self.profiler = Profiler(False, device)  # on for the profiled steps only
@@ -127,15 +165,13 @@ class KfacPipeline:
         k = self.steps_done
         self._inputs = (args, kwargs, target)
         if k == 0:  # torch sets its stages up (metadata, p2p) in its first step: nothing saved for K-FAC
-            self.kfac.set_saving(False)
-            self._plain_step(k, refresh=False)
+            plain_step(self.engine, self.engine.labels, k, self.kfac, False, self._end_of_step, self.profiler.span)
         elif k <= self.profile_steps:
             if k == 1:
                 self.profiler.enabled = True
                 self.profiler.align(self.group)
             self.profiler.barrier(self.group)
-            self.kfac.set_saving(True)
-            self._plain_step(k, refresh=True)
+            plain_step(self.engine, self.engine.labels, k, self.kfac, True, self._end_of_step, self.profiler.span)
             if k == self.profile_steps:
                 self._pack()
         else:
@@ -151,21 +187,14 @@ class KfacPipeline:
         """The packed schedule's K-FAC cycle k (None before it is packed)."""
         return None if self.executor is None else self.executor.cycle
 
-    def _plain_step(self, step: int, refresh: bool) -> None:
-        span = self.profiler.span if refresh else (lambda key: nullcontext())
-        self.engine.begin_step(step)
-        with span(STEP_KEY):
-            self.engine.run(self.engine.labels)
-            self.engine.finish_step()
-            if refresh:
-                self.kfac.update_curvature(span=span)
-            self.kfac.clear_saved()
-            with span(UPDATE_KEY):
-                self._end_of_step()
-
     def _end_of_step(self) -> None:
-        self.engine.allreduce_gradients()
-        self.kfac.precondition_all()
+        """Gradients averaged, preconditioned and (``kfac.kl_clip``) scaled; profiled as :data:`UPDATE_KEY`."""
+        with self.profiler.span(UPDATE_KEY):
+            self.engine.allreduce_gradients()
+            self.kfac.precondition_all()
+            if self.settings.kl_clip > 0:
+                clip_kl(self.kfac, float(self.optimizer.param_groups[0]["lr"]), self.settings.kl_clip,
+                        self.group if self.group is not None else dist.group.WORLD)
 
     def _pack(self) -> None:
         """Timelines of every rank into ``folder``; rank 0 packs and validates; every rank gets the schedule."""
@@ -183,17 +212,12 @@ class KfacPipeline:
         self.executor = ScheduleExecutor(nodes[0][self.rank], self.engine, self.kfacs, self._end_of_step)
 
     def _packed(self, ranks: int) -> Any:
-        """Rank 0: the schedule packed from every rank's profile, checked; or why not (one line)."""
-        from pipefisher.rules import validate
-        from pipefisher.schedule.file import save_schedule
+        """Rank 0: the schedule packed from every rank's profile, checked and saved; or why not (one line)."""
+        from pipefisher.policies.packing import pack_job
         from pipefisher.schedule.timeline import load_job
 
         timelines = [os.path.join(self.folder, timeline_filename(self.name, r)) for r in range(ranks)]
-        job = load_job(timelines)
-        packed = self.packer.pack(job, self.margin)
-        violations = validate(packed.to_file_data(), job, margin=packed.margin, overlap=packed.overlap)
-        save_schedule(self.schedule_path, packed, timelines=timelines)
-        if violations:
-            return f"the packed schedule breaks {len(violations)} rule(s) of pipefisher validate; first: {violations[0]}"
-        return packed.to_file_data()
+        packing = pack_job(load_job(timelines), self.packer, self.margin)
+        packing.save(self.schedule_path)
+        return packing.problem or packing.schedule.to_file_data()
 

@@ -14,10 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pipefisher.errors import InputError
+from pipefisher.kfac import DEFAULT_IGNORE
 from pipefisher.pipeline_orders import V_SCHEDULES, default_chunks
-
-DEFAULT_KFAC_IGNORE = ("embeddings", "LayerNorm", "cls")
-"""Substrings of module names K-FAC leaves alone: embeddings, norms and the prediction head."""
 
 DEFAULT_MUON_EXCLUDE = ("embed", "embeddings", "embed_tokens", "wte", "wpe", "cls", "head", "lm_head")
 """Parameter-name parts ``optim.name: muon`` leaves to AdamW although their tensors are 2-D: input
@@ -202,7 +200,7 @@ class KfacConfig:
     damping_min: float = 0.0  # 0: no decay below ``damping``
     damping_decay: float = 1.0
     interval: int = 1
-    ignore: tuple[str, ...] = DEFAULT_KFAC_IGNORE
+    ignore: tuple[str, ...] = DEFAULT_IGNORE
     factor_decay: float = 0.0
     kl_clip: float = 0.0
     update: str = "base"

@@ -101,20 +101,15 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     from pipefisher.cost.objective import aligned_from, step_cost
     from pipefisher.outputs.plot import chart_from_schedule, render
     from pipefisher.outputs.report import report_data, usage_lines
-    from pipefisher.rules import validate
+    from pipefisher.policies.packing import pack_job
     from pipefisher.runtime.pipeline.checks import packed_for
     from pipefisher.safe_io import dump_json_atomic
-    from pipefisher.schedule.file import save_schedule
-    from pipefisher.schedule.timeline import inflate_kfac
 
     echo = echo or logger.info
-    timelines = [n.path for n in job.nodes]
-    job = inflate_kfac(job, kfac_margin)
-    packed = packer.pack(job, margin)
+    packing = pack_job(job, packer, margin, kfac_margin=kfac_margin)
+    job, packed, violations = packing.job, packing.schedule, packing.violations
     for line in usage_lines(packed, job):
         echo(line)
-    # the room rule of the margin the schedule was packed under: ``target`` may choose its own
-    violations = validate(packed.to_file_data(), job, margin=packed.margin, overlap=packed.overlap)
     report = report_data(packed, job)
     # what the run trains, as the report prints it: the cycle (after aligning sync groups) and the
     # planned overhead per step (target's own figure for what it chose; the same function for the others)
@@ -125,12 +120,12 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     report.update(run=paths.name, valid=not violations, violations=[str(v) for v in violations[:50]],
                   kfac_margin=kfac_margin, cycle=cycle, planned_overhead=round(cost.overhead, 6),
                   steps=steps, within_run=not too_long)
-    save_schedule(paths.schedule, packed, timelines=timelines, kfac_margin=kfac_margin, packed_for=packed_for(cfg))
+    packing.save(paths.schedule, packed_for(cfg))
     render(chart_from_schedule(packed, job, violations=violations), paths.chart)
     refusal = runtime_refusal(paths.schedule, cfg, replicas)  # what every worker checks, before they start
     report.update(runnable=refusal is None, runtime_refusal=refusal)
-    if violations:
-        echo(f"the schedule breaks {len(violations)} rule(s) of pipefisher validate; first: {violations[0]}")
+    if packing.problem is not None:
+        echo(packing.problem)
     if refusal is not None or too_long or (violations and not allow_invalid):
         dump_json_atomic(paths.report, report)
         where = f" (report: {paths.report})"

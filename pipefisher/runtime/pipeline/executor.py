@@ -37,9 +37,30 @@ import functools
 from typing import Any, Callable, Mapping, Sequence
 
 from pipefisher.errors import InputError
-from pipefisher.runtime.pipeline.contracts import CurvatureWork, Engine, Span
+from pipefisher.runtime.pipeline.contracts import Curvature, CurvatureWork, Engine, Span
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, KFAC_WORK, PIPELINE_CALLS, WEIGHT, parse_label
 from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.timeline import STEP_KEY
+
+
+def plain_step(engine: Engine, ops: Sequence[str], step: int, kfac: Curvature | None, refresh: bool,
+               end_of_step: Callable[[], None], span: Span) -> Any:
+    """A step without a schedule (step 0 of a scheduled run, every step of a ``first-order`` or ``kfac``
+    run, a profiled step of :mod:`pipefisher.runtime.torch_pp`): the pipeline order ``ops``, then, with
+    ``refresh``, all K-FAC work (``kfac``'s saving follows ``refresh``), then ``end_of_step`` (gradient
+    all-reduce and update); timed as one :data:`STEP_KEY` interval. Returns the engine's loss of the step."""
+    if kfac is not None:
+        kfac.set_saving(refresh)
+    engine.begin_step(step)
+    with span(STEP_KEY):
+        engine.run(ops)
+        loss = engine.finish_step()
+        if kfac is not None:
+            if refresh:
+                kfac.update_curvature(span=span)
+            kfac.clear_saved()
+        end_of_step()
+    return loss
 
 
 def prepost_points(labels: Sequence[str]) -> dict[int, str]:

@@ -34,7 +34,7 @@ from torch import nn
 from pipefisher.kfac import KFAC
 from pipefisher.kfac.eigenbasis import EigenbasisAdam
 from pipefisher.kfac.factors import kl_clip_scale
-from pipefisher.runtime.job.config import RunConfig
+from pipefisher.runtime.job.config import KfacConfig, RunConfig
 from pipefisher.runtime.job.host import HostReads
 from pipefisher.runtime.pipeline.contracts import Curvature, Span
 from pipefisher.runtime.train.optim import LRSchedule, clip_grad_norm, make_optimizer
@@ -87,14 +87,6 @@ class Updater:
             peak = self.cfg.optim.lr if self.cfg.kfac.update == "soap" else self.cfg.kfac.lr
             self.schedule.apply(self.kfac_optimizer, step, peak_lr=peak)
 
-    def _pipe_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """A 0-dim float64 tensor summed over the pipeline (it stays on the device)."""
-        if self.pipe_group is None:
-            return value
-        t = value.reshape(1).clone()
-        dist.all_reduce(t, group=self.pipe_group)
-        return t[0]
-
     def step(self, stage: nn.Module) -> None:
         """Steps 0 and 2-5 above on ``stage``'s gradients, then clear them. Reads nothing back from the
         device but fp16's overflow flag, which decides whether the optimizer steps (the step's one read,
@@ -118,7 +110,7 @@ class Updater:
                 self.kfac.precondition_all()
             if k.kl_clip > 0:
                 lr = (self.kfac_optimizer.param_groups[0]["lr"] if self.kfac_optimizer is not None else self.lr)
-                self.kfac.scale_step(kl_clip_scale(self._pipe_sum(self.kfac.grad_dot_step * self.share), lr, k.kl_clip))
+                clip_kl(self.kfac, lr, k.kl_clip, self.pipe_group, self.share)
         self.optimizer.step()
         if self.kfac_optimizer is not None:
             self.kfac_optimizer.step()
@@ -141,17 +133,38 @@ class Updater:
             self.kfac_optimizer.load_state_dict(state["kfac_optimizer"])
 
 
+def clip_kl(kfac: Curvature, lr: float, bound: float, group: Any = None, share: float = 1.0) -> None:
+    """Step 4 above: scale the preconditioned gradients so the step's predicted KL change (at learning
+    rate ``lr``), summed over the pipeline's process ``group`` (None: one process), stays under
+    ``bound``; every stage then uses the same factor. ``share``: this device's share of each stage it
+    holds (1/2 under Chimera's two copies), so every stage counts once. The sum stays on the device."""
+    total = kfac.grad_dot_step * share
+    if group is not None:
+        t = total.reshape(1).clone()
+        dist.all_reduce(t, group=group)
+        total = t[0]
+    kfac.scale_step(kl_clip_scale(total, lr, bound))
+
+
 def make_kfac(cfg: RunConfig, stage: nn.Module, *, dp_group: Any = None, dp_size: int = 1,
               warn: Any = None, drift: bool = True, host: HostReads | None = None) -> KFAC:
-    """The stage's K-FAC as the config says (one place, so trainer and replay build the same one).
-    ``drift``: measure the curvature drift at refreshes (replica 0 does: replicas measure the same).
-    ``host``: the worker's counter, which reads its inverses' checks with the worker's next read (None:
-    each read at once)."""
-    k = cfg.kfac
+    """The stage's K-FAC as the run config says (:func:`kfac_from_config`, its loss divided over the
+    config's micro-batches), so trainer and replay build the same one."""
+    return kfac_from_config(cfg.kfac, stage, loss_scale=cfg.data.num_micro_batches, dp_group=dp_group,
+                            dp_size=dp_size, warn=warn, drift=drift, host=host)
+
+
+def kfac_from_config(k: KfacConfig, module: nn.Module, *, loss_scale: float = 1.0, dp_group: Any = None,
+                     dp_size: int = 1, warn: Any = None, drift: bool = True, host: HostReads | None = None) -> KFAC:
+    """``module``'s K-FAC as a config's ``kfac`` section says: the one construction from the config, for
+    ``pipefisher train`` (:func:`make_kfac`) and :func:`pipefisher.runtime.torch_pp.wrap`.
+    ``loss_scale``: what the loss of a micro-batch was divided by (the output gradients K-FAC sees
+    are that much smaller). ``drift``: measure the curvature drift at refreshes (replica 0 does:
+    replicas measure the same). ``host``: the worker's counter, which reads its inverses' checks with
+    the worker's next read (None: each read at once)."""
     soap = k.update == "soap"  # its refreshes keep eigenbases: check_config refuses kfac.inverse: eigen with it
-    kfac = KFAC(stage, damping=k.damping, damping_min=k.damping_min or None, damping_decay=k.damping_decay,
-                ignore=k.ignore, loss_scale=cfg.data.num_micro_batches, dp_group=dp_group, dp_size=dp_size,
+    return KFAC(module, damping=k.damping, damping_min=k.damping_min or None, damping_decay=k.damping_decay,
+                ignore=k.ignore, loss_scale=loss_scale, dp_group=dp_group, dp_size=dp_size,
                 factor_decay=k.factor_decay, inverse="eigenbasis" if soap else k.inverse, inverse_dtype=k.inverse_dtype,
                 on_bad_factor=k.on_bad_factor, save_dtype=k.save_dtype, fisher=k.fisher, warn=warn,
                 cov_stride=k.cov_stride, drift=drift and not soap, refresh_pieces=k.refresh_pieces, host=host)
-    return kfac

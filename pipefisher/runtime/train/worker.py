@@ -29,12 +29,12 @@ from pipefisher.runtime.pipeline.contracts import Curvature, Engine, Span
 from pipefisher.runtime.pipeline.copies import StageChunks, StageCopiesEngine, StageCopiesKFAC, StagePair
 from pipefisher.runtime.pipeline.engine import (LocalLink, PipelineEngine, pipe_micro_batches, pipeline_ops,
                                                 splits_backward)
-from pipefisher.runtime.pipeline.executor import ScheduleExecutor
+from pipefisher.runtime.pipeline.executor import ScheduleExecutor, plain_step
 from pipefisher.runtime.pipeline.layout import node_pipes
 from pipefisher.runtime.train.checkpoint import Checkpointer, StateGroup, TorchRNG
 from pipefisher.runtime.train.update import Updater, make_kfac
 from pipefisher.schedule.file import schedule_digest
-from pipefisher.schedule.timeline import STEP_KEY, UPDATE_KEY
+from pipefisher.schedule.timeline import UPDATE_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -121,17 +121,7 @@ class Worker:
         if self.executor is not None and step >= 1:
             return self.mean_loss(self.executor.run_step(step))
         refresh = self.kfac is not None and (self.executor is not None or step % self.interval == 0)
-        if self.kfac is not None:
-            self.kfac.set_saving(refresh)
-        self.engine.begin_step(step)
-        with self.span(STEP_KEY):
-            self.engine.run(self.ops)
-            loss = self.engine.finish_step()
-            if self.kfac is not None:
-                if refresh:
-                    self.kfac.update_curvature(span=self.span)
-                self.kfac.clear_saved()
-            self.end_of_step()
+        loss = plain_step(self.engine, self.ops, step, self.kfac, refresh, self.end_of_step, self.span)
         if self.executor is not None:  # step 0 done: iteration 0 of the first cycle saves
             self.kfac.set_saving(True)
         return self.mean_loss(loss)
