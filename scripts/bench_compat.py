@@ -19,15 +19,15 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pipefisher.outputs.report import usage_lines  # noqa: E402
 from pipefisher.policies import get_policy  # noqa: E402
 from pipefisher.policies.compat_reference import ref_pack_job  # noqa: E402
-from pipefisher.report import usage_lines  # noqa: E402
+from pipefisher.schedule.timeline import load_job  # noqa: E402
 from pipefisher.sim.costs import cost_model_from_dict  # noqa: E402
 from pipefisher.sim.simulator import simulate_timelines, write_timelines  # noqa: E402
-from pipefisher.timeline import load_job  # noqa: E402
 
-CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pipefisher", "data", "sim",
-                      "bert-large-8stages.yaml")
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pipefisher", "bundled",
+                      "cost_models", "bert-large-8stages.yaml")
 
 
 def build_job(folder: str, stages: int, micro_batches: int, layers_per_stage: int, kfac_scale: float) -> list[str]:

@@ -26,7 +26,7 @@ The target is the best first-order optimizer's final held-out loss (median over 
 lower median). Steps to target: the first evaluation at or below it; time to target: the training
 seconds until then (evaluations excluded). Printed: a table with a row per mode (medians over seeds);
 the packing report with its trade-off; the plan against the run (the objective's planned step,
-:mod:`pipefisher.objective`, against the measured mean step, for the scheduled and the AdamW runs);
+:mod:`pipefisher.cost.objective`, against the measured mean step, for the scheduled and the AdamW runs);
 ``scheduled step / first-order step: X`` (AdamW's step; again against the best first-order optimizer's
 where that is Muon), ``muon step / adamw step: Y``; the last line
 ``kfac steps-to-target / baseline: A; scheduled time-to-target / baseline: B; best first-order: NAME;
@@ -302,16 +302,16 @@ def profile_and_pack(base: Any, ctx: Any, rank: int, folder: str, profile_steps:
     sched = os.path.join(folder, "schedule.pickle")
     plan = None
     if rank == 0:
-        from pipefisher.objective import step_cost
+        from pipefisher.cost.objective import step_cost
+        from pipefisher.outputs.report import usage_lines
         from pipefisher.policies import DEFAULT_POLICY, get_policy
-        from pipefisher.report import usage_lines
         from pipefisher.rules import validate
-        from pipefisher.schedule_file import save_schedule
-        from pipefisher.timeline import load_job
+        from pipefisher.schedule.file import save_schedule
+        from pipefisher.schedule.timeline import load_job
 
         timelines = [os.path.join(folder, timeline_filename(base.name, i)) for i in range(2)]
         job = load_job(timelines)
-        from pipefisher.staleness import read_staleness
+        from pipefisher.cost.staleness import read_staleness
 
         packed = get_policy(DEFAULT_POLICY, staleness=read_staleness(staleness), max_cycle=steps,
                             overlap=overlap).pack(job)
@@ -568,7 +568,7 @@ def common_arguments(description: str, packs: bool = True) -> argparse.ArgumentP
                     help="override a config value, as pipefisher train --set does (e.g. --set data.text=DIR: "
                          "any folder or file of text as the corpus); repeatable")
     if packs:
-        from pipefisher.staleness import STALENESS_HELP
+        from pipefisher.cost.staleness import STALENESS_HELP
 
         ap.add_argument("--staleness", default=None, metavar="FILE|K:RATIO,...", help=STALENESS_HELP)
     return ap
@@ -669,7 +669,7 @@ def main() -> None:
     from pipefisher.runtime.launch.local import spawn_local
 
     cfg = bench_config(a.config, a.overrides)
-    from pipefisher.staleness import curve_for_job
+    from pipefisher.cost.staleness import curve_for_job
 
     curve_for_job(a.staleness, cfg.fingerprint(layout=False), a.config)  # a bad file: one line, before any run
     os.makedirs(a.out, exist_ok=True)

@@ -12,7 +12,7 @@ over seeds of the chosen AdamW's final held-out loss). The same two worker proce
    (``static``: that schedule for the whole run);
 2. the AdamW sweep (seed 0);
 3. per seed: AdamW, ``static`` and ``adaptive`` (``--adapt --adapt-drift`` from the same schedule and profile, no curve:
-   :class:`pipefisher.drift.DriftRule` sets k from every refresh's curvature aging), interleaved; seed 0's
+   :class:`pipefisher.loop.drift.DriftRule` sets k from every refresh's curvature aging), interleaved; seed 0's
    AdamW run is the sweep's winning run (evaluated as the others), not trained twice.
 
 Printed: per run the k it settles at (the last schedule's; the adaptive runs' k history and the k most of
@@ -25,8 +25,8 @@ adaptive/static: X; ...``. ``--out`` gets ``drift.json`` (every run, its refresh
 
 ``--calibrate 1,2,4,8`` instead runs ``kfac`` mode with ``kfac.interval`` k (the curvature refreshed every
 k steps, nothing else changed) for each k and seed, and prints the drift and the aging of the refreshes
-per k and per quarter of the run: the figures the rule's thresholds (:data:`pipefisher.drift.AGING_LOW`,
-:data:`~pipefisher.drift.AGING_HIGH`) are read from.
+per k and per quarter of the run: the figures the rule's thresholds (:data:`pipefisher.loop.drift.AGING_LOW`,
+:data:`~pipefisher.loop.drift.AGING_HIGH`) are read from.
 
 ``--replay DRIFT_JSON`` instead replays the rule offline on the refreshes a run of this script recorded
 (its ``drift.json``) and prints the k it chooses at each refresh (:func:`replay`). Copies of the script can
@@ -114,11 +114,11 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
 
 def staleness_curve(text: str) -> Any:
     """``--staleness``: a curve ``scripts/bench_staleness.py`` measured (its ``staleness.json``) or
-    ``k:ratio`` pairs (:func:`pipefisher.staleness.read_staleness`). A file whose ratios to AdamW are
+    ``k:ratio`` pairs (:func:`pipefisher.cost.staleness.read_staleness`). A file whose ratios to AdamW are
     unusable (AdamW never reached its own median target, so they read 0) is read relative to its k = 1,
     which is all the check against k = 1 needs: its ``vs_first`` (format 1) or its median steps (format 2)."""
+    from pipefisher.cost.staleness import StalenessCurve, read_staleness
     from pipefisher.safe_io import load_json
-    from pipefisher.staleness import StalenessCurve, read_staleness
 
     try:
         return read_staleness(text)
@@ -215,7 +215,7 @@ def replay_report(data: dict[str, Any], floor: int | None) -> list[str]:
     """``--replay``: the rule on every scheduled run of a ``drift.json`` this script wrote, from the run's
     first k, never below ``floor`` (default: the static schedule's k, the densest packing in the runs so
     far) nor beyond the longest cycle of the run's length."""
-    from pipefisher.drift import DriftRule, longest_cycle
+    from pipefisher.loop.drift import DriftRule, longest_cycle
 
     steps = int(data["args"]["steps"])
     runs = [r for r in data["runs"] if r.get("ks")]

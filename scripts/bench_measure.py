@@ -52,7 +52,7 @@ def main() -> None:
     from pipefisher.runtime.job.config import load_config
     from pipefisher.runtime.pipeline.checks import single_iteration_schedule
     from pipefisher.runtime.train.recorder import ClockRecorder
-    from pipefisher.schedule_file import save_schedule
+    from pipefisher.schedule.file import save_schedule
 
     torch.set_num_threads(1)
     cfg = load_config(a.config).replace(pipeline={"stages": 1, "schedule": "1f1b"})

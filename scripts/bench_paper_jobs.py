@@ -8,7 +8,7 @@ interval of a node is at least its K-FAC work of one refresh over the idle time 
 every piece of work fits a bubble and a cycle's work may run wherever there is room.
 
 The jobs are built from the published per-block costs (``tests/data/block-costs/``, one CSV per
-model and GPU) through the simulator's bundled BERT cost models (``pipefisher/data/sim/``):
+model and GPU) through the simulator's bundled BERT cost models (``pipefisher/bundled/cost_models/``):
 BERT-Base on 4 stages and BERT-Large on 8; P100, V100 and RTX 3090; micro-batch sizes 8 and 32;
 ``N = D`` and ``2D`` micro-batches; GPipe and 1F1B (and, with ``--chimera``, Chimera); no
 data-parallel sync and no point-to-point latency, as the model assumes. Each row's preconditioning
@@ -46,14 +46,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from pipefisher.policies import DEFAULT_POLICY, get_policy  # noqa: E402
-from pipefisher.problem import node_model  # noqa: E402
 from pipefisher.rules import validate  # noqa: E402
+from pipefisher.schedule.problem import node_model  # noqa: E402
+from pipefisher.schedule.timeline import Job, job_from_dicts  # noqa: E402
 from pipefisher.sim.costs import cost_model_from_dict  # noqa: E402
 from pipefisher.sim.simulator import simulate_timelines  # noqa: E402
-from pipefisher.timeline import Job, job_from_dicts  # noqa: E402
 
 BLOCK_COSTS = os.path.join(ROOT, "tests", "data", "block-costs")
-SIM = os.path.join(ROOT, "pipefisher", "data", "sim")
+SIM = os.path.join(ROOT, "pipefisher", "bundled", "cost_models")
 MODELS = {"bert-base": ("bert-base-4stages.yaml", 4), "bert-large": ("bert-large-8stages.yaml", 8)}
 GPUS = ("p100", "v100", "rtx3090")
 BATCHES = (8, 32)

@@ -33,15 +33,15 @@ import click
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipefisher.cli._common import staleness_for, staleness_option  # noqa: E402
+from pipefisher.outputs.report import usage_lines  # noqa: E402
 from pipefisher.policies import DEFAULT_POLICY, get_policy  # noqa: E402
 from pipefisher.policies.compat_reference import ref_pack_job  # noqa: E402
-from pipefisher.report import usage_lines  # noqa: E402
 from pipefisher.rules import validate  # noqa: E402
-from pipefisher.problem import DEFAULT_MARGIN  # noqa: E402
-from pipefisher.schedule_file import load_schedule, save_schedule, schedule_margin  # noqa: E402
+from pipefisher.schedule.file import load_schedule, save_schedule, schedule_margin  # noqa: E402
+from pipefisher.schedule.problem import DEFAULT_MARGIN  # noqa: E402
+from pipefisher.schedule.timeline import load_job, natural_key  # noqa: E402
 from pipefisher.sim.simulator import write_timelines  # noqa: E402
 from pipefisher.sim.synthetic import synthetic_timelines  # noqa: E402
-from pipefisher.timeline import load_job, natural_key  # noqa: E402
 
 HEAVY_SCALE = 5.0  # the heavy job: 16 x 128 x 48 K-FAC layers whose work spills over about 40 iterations
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

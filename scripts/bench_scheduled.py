@@ -22,7 +22,7 @@ With several pipelines it then compares them against the fastest first-order ste
 a user would otherwise train with): per pipeline its first-order, kfac and ``target`` steps over that
 step, and, given the job's staleness curve (``--staleness``, from ``scripts/bench_staleness.py``), the
 ``target`` schedule's expected time to a target loss over first-order's at that step, ``steps(k) x step``
-(:mod:`pipefisher.objective`); without one, no time to target is predicted.
+(:mod:`pipefisher.cost.objective`); without one, no time to target is predicted.
 
     python scripts/bench_scheduled.py [--config configs/small.yaml] [--steps 80] [--warmup 3] [--rounds 5] \
         [--kfac-margin 1,1.25,1.5,2] [--micro-batches M] [--pipelines 1f1b,chimera] [--no-adapt] \
@@ -65,7 +65,7 @@ def _config(base, name: str):  # noqa: ANN001, ANN202
 
 def _bubble_fraction(job) -> float:
     """Share of the profiled pipeline time the nodes sit idle (mean over nodes)."""
-    from pipefisher.problem import node_model
+    from pipefisher.schedule.problem import node_model
 
     models = [node_model(node, job.span) for node in job.nodes]
     return sum(1 - m.pipeline_busy / m.length for m in models) / len(models)
@@ -89,7 +89,7 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
     chimera_ctx = init_from_env(2, base.pipeline.timeout_s, chimera=True)
     one_pipe_ctx = dataclasses.replace(chimera_ctx, chimera=False, stage_group=chimera_ctx.dp_group,
                                        stage_group_size=chimera_ctx.grid.replicas)
-    from pipefisher.staleness import read_staleness, staleness_data
+    from pipefisher.cost.staleness import read_staleness, staleness_data
 
     quiet = dict(progress=False, log_every=10**9)
     curve_data = staleness_data(read_staleness(staleness))  # the adaptive run's too
@@ -118,13 +118,13 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
 
             timelines[pipe] = tuple(os.path.join(sub, _tf(cfg.name, i)) for i in range(2))
             if rank == 0:
+                from pipefisher.outputs.report import usage_lines
                 from pipefisher.policies import DEFAULT_POLICY, get_policy
-                from pipefisher.report import usage_lines
                 from pipefisher.rules import validate
                 from pipefisher.runtime.pipeline.checks import packed_for
                 from pipefisher.runtime.train.profiler import timeline_filename
-                from pipefisher.schedule_file import save_schedule
-                from pipefisher.timeline import inflate_kfac, load_job
+                from pipefisher.schedule.file import save_schedule
+                from pipefisher.schedule.timeline import inflate_kfac, load_job
 
                 job = load_job([os.path.join(sub, timeline_filename(cfg.name, i)) for i in range(2)])
                 out["bubbles"][pipe] = _bubble_fraction(job)
@@ -191,12 +191,12 @@ def main() -> None:
                     help="comma-separated K-FAC time factors to pack with, one static scheduled run each")
     ap.add_argument("--no-adapt", dest="adapt", action="store_false",
                     help="leave out the adaptive run (the closed loop starting from the margin-1 schedule)")
-    from pipefisher.staleness import STALENESS_HELP
+    from pipefisher.cost.staleness import STALENESS_HELP
 
     ap.add_argument("--staleness", default=None, metavar="FILE|K:RATIO,...", help=STALENESS_HELP)
     a = ap.parse_args()
+    from pipefisher.cost.staleness import curve_for_job
     from pipefisher.runtime.job.config import load_config
-    from pipefisher.staleness import curve_for_job
 
     margins = [float(x) for x in a.kfac_margin.split(",")]
     engines = [e.strip() for e in a.engine.split(",") if e.strip()]

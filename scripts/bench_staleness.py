@@ -153,11 +153,11 @@ def relative_to_text(best: str, choice: Mapping[str, Any], finals: Mapping[str, 
 
 def measured_curve(rows: list[dict[str, float]], cfg: Any, config_path: str, steps: int, target: float, seeds: int,
                    relative_to: str) -> Any:
-    """The job's :class:`~pipefisher.staleness.StalenessCurve` from :func:`curve`'s rows, with where it was
+    """The job's :class:`~pipefisher.cost.staleness.StalenessCurve` from :func:`curve`'s rows, with where it was
     measured: the config's digest (:meth:`RunConfig.fingerprint` without the layout), name and path, model,
     data, horizon, target, seeds, the per-k spread over seeds, and the optimizer it is relative to
     (:func:`relative_to_text`)."""
-    from pipefisher.staleness import Provenance, StalenessCurve
+    from pipefisher.cost.staleness import Provenance, StalenessCurve
 
     m, d = cfg.model, cfg.data
     provenance = Provenance(

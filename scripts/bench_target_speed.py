@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Speed of the default policy ``target`` against ``tight``, whole process, in the same run.
 
-``target`` packs ``tight`` at several densities and weighs them (:func:`pipefisher.objective.tradeoff`),
+``target`` packs ``tight`` at several densities and weighs them (:func:`pipefisher.cost.objective.tradeoff`),
 so ``tight`` is its baseline: both are timed as fresh processes, alternating, after one untimed run
 each (byte code and file caches warm, as a user's are), best and median of ``--repeat``:
 
@@ -17,7 +17,7 @@ each (byte code and file caches warm, as a user's are), best and median of ``--r
 Each line: best and median seconds per policy (and the processor seconds of the best run, its
 workers' included: on a busy machine the wall clock mostly measures the neighbours), ``target / tight``
 (best, median), the cycle k each chose. With ``--check``, each job's ``target`` schedule is also compared with the one the unpruned
-weighing gives (every density packed, :func:`~pipefisher.objective.tradeoff` with ``prune=False``).
+weighing gives (every density packed, :func:`~pipefisher.cost.objective.tradeoff` with ``prune=False``).
 
     python scripts/bench_target_speed.py [--repeat 5] [--check]
 """
@@ -36,7 +36,7 @@ import click
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pipefisher.timeline import natural_key  # noqa: E402
+from pipefisher.schedule.timeline import natural_key  # noqa: E402
 
 REGRESSIONS = os.path.join(ROOT, "tests", "data", "regressions")
 HEAVY_TARGET_S = 1.0
@@ -102,12 +102,12 @@ def report(name: str, runs: Runs) -> tuple[float, float]:
 
 def same_as_unpruned(paths: list[str]) -> bool:
     """Whether ``target``'s schedule is the one the unpruned weighing (every density packed) chooses."""
-    from pipefisher.objective import tradeoff
+    from pipefisher.cost.objective import tradeoff
     from pipefisher.policies import get_policy
     from pipefisher.policies.target import cycle_bound
     from pipefisher.policies.tight import TightPolicy
-    from pipefisher.problem import DEFAULT_MARGIN
-    from pipefisher.timeline import load_job
+    from pipefisher.schedule.problem import DEFAULT_MARGIN
+    from pipefisher.schedule.timeline import load_job
 
     job = load_job(paths)
     fast = get_policy("target").pack(job)
@@ -119,9 +119,9 @@ def same_as_unpruned(paths: list[str]) -> bool:
 @click.option("--repeat", default=5, show_default=True, help="timed runs per policy and job (best and median)")
 @click.option("--check", is_flag=True, help="also check each job's schedule against the unpruned weighing")
 def main(repeat: int, check: bool) -> None:
+    from pipefisher.bundled import cost_model_path
     from pipefisher.sim import load_cost_model, simulate_timelines, write_timelines
     from pipefisher.sim.simulator import default_prefix
-    from pipefisher.examples import cost_model_path
 
     with tempfile.TemporaryDirectory() as sim:
         model = load_cost_model(cost_model_path("bert-large-8stages"))

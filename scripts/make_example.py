@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Regenerate the bundled example job in ``pipefisher/data/examples/`` from a simulator cost model.
+"""Regenerate the bundled example job in ``pipefisher/bundled/examples/`` from a simulator cost model.
 
 The example is what ``pipefisher schedule`` packs when given no timelines: BERT-Base on 4 stages,
-1F1B, 8 micro-batches, simulated from ``pipefisher/data/sim/bert-base-4stages.yaml``.
+1F1B, 8 micro-batches, simulated from ``pipefisher/bundled/cost_models/bert-base-4stages.yaml``.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import click
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pipefisher.examples import COST_MODELS_DIR, DEFAULT_EXAMPLE, EXAMPLES_DIR  # noqa: E402
+from pipefisher.bundled import COST_MODELS_DIR, DEFAULT_EXAMPLE, EXAMPLES_DIR  # noqa: E402
 from pipefisher.sim.costs import load_cost_model  # noqa: E402
 from pipefisher.sim.simulator import simulate_timelines, write_timelines  # noqa: E402
 

@@ -2,7 +2,7 @@
 """How close each packing policy gets to the lower bound, on two suites of jobs.
 
 * realistic: BERT-Base and BERT-Large (costs from the published block measurements, through the
-  simulator's cost models in pipefisher/data/sim/), GPipe and 1F1B, 4 and 8 stages, 4, 8 and 16 micro-batches;
+  simulator's cost models in pipefisher/bundled/cost_models/), GPipe and 1F1B, 4 and 8 stages, 4, 8 and 16 micro-batches;
 * generated: ``pipefisher.sim.random_jobs.random_raw_job`` over many seeds (light and heavy K-FAC work,
   bare keys, up-pipe keys, float seconds, several steps, None times).
 
@@ -36,8 +36,8 @@ from pipefisher.errors import InputError  # noqa: E402
 from pipefisher.policies import DEFAULT_POLICY, Policy, get_policy  # noqa: E402
 from pipefisher.policies.tight import honest_compat  # noqa: E402
 from pipefisher.rules import validate  # noqa: E402
+from pipefisher.schedule.timeline import Job, job_from_dicts  # noqa: E402
 from pipefisher.sim.random_jobs import random_raw_job  # noqa: E402
-from pipefisher.timeline import Job, job_from_dicts  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {"bert-base": "bert-base-4stages.yaml", "bert-large": "bert-large-8stages.yaml"}
@@ -78,7 +78,7 @@ def realistic_jobs() -> list[tuple[str, Job]]:
 
     jobs = []
     for model_name, config in CONFIGS.items():
-        path = os.path.join(ROOT, "pipefisher", "data", "sim", config)
+        path = os.path.join(ROOT, "pipefisher", "bundled", "cost_models", config)
         with open(path) as f:
             data = yaml.safe_load(f)
         model = cost_model_from_dict(data, path)

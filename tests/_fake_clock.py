@@ -1,10 +1,10 @@
 """A deterministic, reality-like fake clock for the measurement loop (a test helper, no tests in it).
 
-Every node has a *true* :class:`~pipefisher.problem.NodeModel`: the profile with some K-FAC keys made
+Every node has a *true* :class:`~pipefisher.schedule.problem.NodeModel`: the profile with some K-FAC keys made
 slower or faster (:func:`slowed_job`, :func:`true_models`). The pipeline of all nodes repeats with
 period ``P`` = the largest ``model.base``; in step ``t`` pipeline call ``j`` of a node gets its input at
 ``t * P + s_j`` (``s_j``: the call's start in the model; calls matched to the model's pipeline by key
-and occurrence within the step, as :func:`pipefisher.measure.lay_out` does). The node runs its labels
+and occurrence within the step, as :func:`pipefisher.cost.measure.lay_out` does). The node runs its labels
 back to back: a call starts when it is called and gets its input at ``max(cursor, offered)`` (``wait``
 is the difference), then lasts its model duration; a K-FAC label lasts its true duration (occurrence
 ``j`` of a key *within the step* takes the key's piece ``j``: pieces of one profiled interval differ by
@@ -34,11 +34,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping, Sequence
 
-from pipefisher.measure import LabelTime, StepRecord
-from pipefisher.problem import DEFAULT_MARGIN, NodeModel, node_model
-from pipefisher.rules.format import END, MARKERS
+from pipefisher.cost.measure import LabelTime, StepRecord
 from pipefisher.runtime.train.recorder import StepRecorder
-from pipefisher.timeline import Interval, Job, TimelineKey
+from pipefisher.schedule.format import END, MARKERS
+from pipefisher.schedule.problem import DEFAULT_MARGIN, NodeModel, node_model
+from pipefisher.schedule.timeline import Interval, Job, TimelineKey
 
 
 def slowed_job(job: Job, factors: Mapping[tuple[int, str], float] | None = None,

@@ -12,11 +12,11 @@ from typing import Iterator
 
 import yaml
 
+from pipefisher.schedule.timeline import Job, job_from_dicts
 from pipefisher.sim.costs import cost_model_from_dict
 from pipefisher.sim.simulator import simulate_timelines
-from pipefisher.timeline import Job, job_from_dicts
 
-SIM = Path(__file__).parent.parent / "pipefisher" / "data" / "sim"
+SIM = Path(__file__).parent.parent / "pipefisher" / "bundled" / "cost_models"
 BLOCK_COSTS = Path(__file__).parent / "data" / "block-costs"
 MODELS = {"bert-base": "bert-base-4stages.yaml", "bert-large": "bert-large-8stages.yaml"}
 

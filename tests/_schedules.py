@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.runtime.data.batches import MLMData
 from pipefisher.runtime.job.config import RunConfig, load_config
 from pipefisher.runtime.models.bert import PipelineStage
@@ -105,14 +105,14 @@ def fake_timelines(cfg: RunConfig) -> list[dict]:
     return raws
 
 
-def packed_job_schedule(cfg: RunConfig, overlap: bool = False):  # -> pipefisher.policies.base.JobSchedule
+def packed_job_schedule(cfg: RunConfig, overlap: bool = False):  # -> pipefisher.schedule.packed.JobSchedule
     """The default policy's packing of :func:`fake_timelines`, checked by ``validate``. Without overlapping
     cycles unless asked (on these timelines they would overlap): the tests save and hand over the plain
     schedule, without the metadata that says so, and the runtime checks such a schedule by the rules
     of a cycle that does not overlap."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.rules import validate
-    from pipefisher.timeline import job_from_dicts
+    from pipefisher.schedule.timeline import job_from_dicts
 
     job = job_from_dicts(fake_timelines(cfg))
     packed = get_policy(DEFAULT_POLICY, overlap=overlap).pack(job)
@@ -497,7 +497,7 @@ def train_one_and_spread_schedules(cfg: RunConfig, folder: Any, steps: int) -> t
     results of :func:`train_copies_every_step` and the schedule files by name."""
     from pipefisher.runtime.launch.local import spawn_local
     from pipefisher.runtime.pipeline.checks import check_schedule, single_iteration_schedule
-    from pipefisher.schedule_file import save_schedule
+    from pipefisher.schedule.file import save_schedule
 
     files = {}
     for name, data in (("one", single_iteration_schedule(cfg)), ("spread", interleaved_spread_schedule(cfg))):
@@ -528,7 +528,7 @@ def assert_one_iteration_schedule_trains_as_kfac_mode(results: list[dict], steps
 def assert_schedule_trains_as_its_replay(cfg: RunConfig, results: list[dict], path: str, steps: int) -> None:
     """The run of schedule file ``path`` ends with every virtual stage's parameters equal to a
     one-process :func:`replay` of its labels."""
-    from pipefisher.schedule_file import load_schedule
+    from pipefisher.schedule.file import load_schedule
 
     from test_runtime_executor import _close
 

@@ -1,7 +1,7 @@
 """A test oracle: valid schedules built straight from the problem's rules, independently of the packers.
 
 :func:`random_cycle` walks one node's bubbles iteration by iteration and puts random READY items in
-them WHILE THEY FIT, with nothing but the definitions of :mod:`pipefisher.problem`: the room rule
+them WHILE THEY FIT, with nothing but the definitions of :mod:`pipefisher.schedule.problem`: the room rule
 ``t + (1 + margin) d < e`` (work runs back to back from the bubble's start), forced overflow (work that
 fits no bubble runs after the iteration's last pipeline item) and the dependency rules (piece j of a
 factor after forward/backward ``j mod m`` of iteration 0, a sync after all pieces of its factor, an
@@ -21,9 +21,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pipefisher.problem import COV, SYNC, NodeModel, fits, node_model
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
-from pipefisher.timeline import Job, NodeTimeline, Time
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.problem import COV, SYNC, NodeModel, fits, node_model
+from pipefisher.schedule.timeline import Job, NodeTimeline, Time
 
 
 @dataclass

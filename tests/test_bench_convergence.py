@@ -202,7 +202,7 @@ def _choose_among_updates(folder: str) -> dict:
         choice, rows = choose_update(train, 4, variants, lambda msg: None)
     finally:
         shutdown(ctx)
-    from pipefisher.schedule_file import meta_path
+    from pipefisher.schedule.file import meta_path
 
     import json
 

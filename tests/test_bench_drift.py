@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from bench_drift import _most_steps, replay, replay_report, staleness_curve, within  # noqa: E402
 
-from pipefisher.drift import DriftRule, longest_cycle  # noqa: E402
+from pipefisher.loop.drift import DriftRule, longest_cycle  # noqa: E402
 
 from pipefisher.errors import InputError  # noqa: E402
 

@@ -42,9 +42,9 @@ def test_the_curve_is_the_median_steps_to_target_relative_to_the_first_order_opt
 def test_the_benchmark_writes_the_jobs_curve_with_where_it_was_measured(tmp_path) -> None:
     from bench_staleness import measured_curve, relative_to_text
 
+    from pipefisher.cost.staleness import read_staleness
     from pipefisher.runtime.job.config import RunConfig
     from pipefisher.safe_io import dump_json_atomic
-    from pipefisher.staleness import read_staleness
 
     runs = [_run("baseline", [6.0, 5.0, 4.9]), _run("kfac", [5.5, 4.9, 4.7], 1), _run("kfac", [5.6, 5.0, 4.8], 1),
             _run("kfac", [6.0, 5.9, 5.8], 4), _run("kfac", [5.9, 5.5, 4.9], 4)]
@@ -85,9 +85,9 @@ def test_the_target_and_the_ratios_follow_the_better_first_order_optimizer_and_t
     from bench_convergence import race_table
     from bench_staleness import measured_curve, relative_to_text, staleness_race
 
+    from pipefisher.cost.staleness import read_staleness
     from pipefisher.runtime.job.config import RunConfig
     from pipefisher.safe_io import dump_json_atomic
-    from pipefisher.staleness import read_staleness
 
     runs = [_run("baseline", [6.3, 6.1, f]) for f in (6.0, 5.9, 6.1)]  # median 6.0: never reaches 5.7
     runs += [_run("muon", [6.0, f, f - 0.1], lr=4e-3) for f in (5.8, 5.7, 5.9)]  # 5.7 at 30, 20, never: median 30

@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipefisher.problem import fits
+from pipefisher.schedule.problem import fits
 from pipefisher.policies.bounds import (
     Chain,
     ceil_ratio,
@@ -175,9 +175,9 @@ def test_fittable_work_sums_the_pieces_that_fit_a_bubble_in_work_order() -> None
     # on integer nanoseconds and on float seconds alike
     import random
 
-    from pipefisher.problem import node_model
+    from pipefisher.schedule.problem import node_model
+    from pipefisher.schedule.timeline import job_from_dicts
     from pipefisher.sim.random_jobs import random_raw_job
-    from pipefisher.timeline import job_from_dicts
 
     cases = set()
     for seed in range(12):

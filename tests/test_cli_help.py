@@ -76,7 +76,7 @@ def test_validate_usage_and_help_agree():
 
 
 def test_sim_commands_name_their_bundled_cost_models():
-    from pipefisher.examples import cost_model_names
+    from pipefisher.bundled import cost_model_names
 
     assert cost_model_names() == ["bert-base-4stages", "bert-large-8stages"]
     for name in ("simulate", "compare", "demo"):

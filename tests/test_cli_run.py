@@ -106,7 +106,7 @@ def test_run_adapt_measures_repacks_and_writes_what_it_used(tmp_path):
 def test_train_adapt_needs_a_schedule_and_a_known_policy(tmp_path):
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--adapt", "--no-progress"])
     assert res.exit_code == 2 and "--adapt re-packs a schedule while training: it needs --schedule FILE" in res.output
-    from pipefisher.schedule_file import save_schedule
+    from pipefisher.schedule.file import save_schedule
 
     from _schedules import packed_job_schedule, packed_schedule
 
@@ -167,7 +167,7 @@ def test_cli_import_does_not_load_torch():
 def test_run_chimera_end_to_end(tmp_path):
     """The published workflow: profile Chimera with K-FAC, pack (pairs aligned), train from the schedule."""
     from pipefisher.safe_io import load_pickle
-    from pipefisher.schedule_file import load_schedule, save_schedule
+    from pipefisher.schedule.file import load_schedule, save_schedule
 
     out = tmp_path / "runs"
     # 30 steps: a pair's aligned cycle on a fresh profile is 4 to 7, and 13 on a busy machine; a run shorter
@@ -205,7 +205,7 @@ def _chimera_profile() -> tuple:  # type: ignore[type-arg]
     """The profiled tiny Chimera job of tests/data, and the config it was profiled with."""
     import glob
 
-    from pipefisher.timeline import load_job
+    from pipefisher.schedule.timeline import load_job
 
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profiles", "chimera_tiny_2")
     return load_job(sorted(glob.glob(os.path.join(here, "*.pickle")))), tiny(pipeline={"schedule": "chimera"})
@@ -335,7 +335,7 @@ def test_the_profile_losses_leave_the_timelines_folder(tmp_path):
 @pytest.mark.parametrize("pipeline", ["zb-h1", "zb-v", "dualpipev"])
 def test_run_a_zero_bubble_pipeline_end_to_end(tmp_path, pipeline):
     """Profile (W passes under their own keys), pack, validate and train with the schedule: the loss falls."""
-    from pipefisher.timeline import load_job
+    from pipefisher.schedule.timeline import load_job
 
     out = tmp_path / "runs"
     res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", pipeline, "--out", str(out), "--steps", "24",
@@ -363,9 +363,9 @@ def test_run_validates_a_schedule_under_the_margin_its_policy_chose(tmp_path):
     import glob
 
     from pipefisher.policies import get_policy
-    from pipefisher.problem import DEFAULT_MARGIN
     from pipefisher.runtime.launch.driver import RunPaths, pack_and_check
-    from pipefisher.timeline import load_job
+    from pipefisher.schedule.problem import DEFAULT_MARGIN
+    from pipefisher.schedule.timeline import load_job
 
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profiles", "tiny_one_stage")
     job = load_job(sorted(glob.glob(os.path.join(here, "*.pickle"))))
@@ -380,10 +380,10 @@ def test_run_reports_kfac_in_the_bubbles_apart_from_the_preconditioning_at_the_s
     per node after the published line, and its JSON carries them."""
     import glob
 
-    from pipefisher.objective import end_of_step
+    from pipefisher.cost.objective import end_of_step
     from pipefisher.policies import get_policy
     from pipefisher.runtime.launch.driver import RunPaths, pack_and_check
-    from pipefisher.timeline import format_time, load_job
+    from pipefisher.schedule.timeline import format_time, load_job
 
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profiles", "tiny_one_stage")
     job = load_job(sorted(glob.glob(os.path.join(here, "*.pickle"))))

@@ -167,7 +167,7 @@ def test_validate_refuses_a_schedule_of_another_job(tmp_path) -> None:
 
 
 def test_scheduling_path_imports_no_torch_and_no_matplotlib() -> None:
-    code = "import sys, pipefisher.cli, pipefisher.policies, pipefisher.report, pipefisher.schedule_file; " \
+    code = "import sys, pipefisher.cli, pipefisher.policies, pipefisher.outputs.report, pipefisher.schedule.file; " \
            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib')))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert result.stdout.strip() == "[]"
@@ -193,7 +193,7 @@ def test_margin_is_recorded_beside_the_schedule_and_validate_uses_it(tmp_path) -
     assert run("validate", "--schedule", str(out), *paths).exit_code == 0  # under the recorded 0.3
     assert run("validate", "--schedule", str(out), "--margin", "0.05", *paths).exit_code == 0  # looser: also ok
     # ... and the timelines it was packed from, which the trainer plans its measurements against
-    from pipefisher.schedule_file import schedule_timelines
+    from pipefisher.schedule.file import schedule_timelines
 
     assert schedule_timelines(out) == [os.path.abspath(p) for p in paths] == meta["timelines"]
     assert schedule_timelines(tmp_path / "none.pickle") is None
@@ -217,7 +217,7 @@ def test_a_schedule_packed_without_margin_is_refused_under_the_default_one(tmp_p
 
 
 def test_a_plain_schedule_file_drops_stale_metadata(tmp_path) -> None:
-    from pipefisher.schedule_file import save_schedule
+    from pipefisher.schedule.file import save_schedule
 
     out = tmp_path / "s.pickle"
     assert run("schedule", *case_timelines(CASE), "--save-path", str(out)).exit_code == 0
@@ -304,8 +304,8 @@ def test_the_default_policy_prints_why_its_k_and_predicts_nothing_without_a_curv
 
 
 def test_the_default_policy_takes_a_staleness_curve_inline_or_as_a_file(tmp_path) -> None:
+    from pipefisher.cost.staleness import Provenance, StalenessCurve
     from pipefisher.safe_io import dump_json_atomic
-    from pipefisher.staleness import Provenance, StalenessCurve
 
     steep = run("schedule", "--staleness", "1:0.5,2:50")  # any staler curvature is ruinous: the shortest k
     tight = run("schedule", "--policy", "tight")

@@ -93,11 +93,11 @@ def test_a_staleness_curve_needs_adapt_and_a_bad_one_is_refused_before_torch_loa
 
 def test_the_curve_reaches_the_adaptive_scheduler_through_the_workers_options():
     """``--staleness`` travels in the training options, as JSON, to the worker that runs the closed loop."""
-    from pipefisher.closed_loop import Plan, make_scheduler
+    from pipefisher.cost.staleness import StalenessCurve, staleness_data
+    from pipefisher.loop.closed_loop import Plan, make_scheduler
     from pipefisher.runtime.job.config import load_config
     from pipefisher.runtime.launch.local import decode_spec, encode_spec
     from pipefisher.runtime.train.trainer import TrainOptions
-    from pipefisher.staleness import StalenessCurve, staleness_data
 
     curve = StalenessCurve.parse("1:0.5,4:0.6")
     opts = TrainOptions(mode="scheduled", schedule="s.pickle", adapt=True, staleness=staleness_data(curve))
@@ -111,7 +111,7 @@ def test_the_curve_reaches_the_adaptive_scheduler_through_the_workers_options():
 def test_without_a_curve_adapt_keeps_the_packings_cycle_and_adapt_drift_turns_the_drift_rule_on():
     """The drift rule is opt-in: ``--adapt`` alone gives the adaptive scheduler no rule (k stays the
     packing's); ``--adapt-drift`` travels in the workers' options and gives it one."""
-    from pipefisher.closed_loop import Plan, make_scheduler
+    from pipefisher.loop.closed_loop import Plan, make_scheduler
     from pipefisher.runtime.job.config import load_config
     from pipefisher.runtime.launch.local import decode_spec, encode_spec
     from pipefisher.runtime.train.trainer import TrainOptions, adaptive_options

@@ -1,4 +1,4 @@
-"""Schedulers in the loop (:mod:`pipefisher.closed_loop`), fed by the fake clock (:mod:`_fake_clock`): the
+"""Schedulers in the loop (:mod:`pipefisher.loop.closed_loop`), fed by the fake clock (:mod:`_fake_clock`): the
 bundled example job is packed with ``tight`` from its profile, then runs on "true" timings that drifted
 from it; after every cycle the scheduler sees the records and says which schedule runs next.
 
@@ -13,16 +13,16 @@ import os
 import pytest
 
 from _fake_clock import fake_records, slowed_job, true_models
-from pipefisher.closed_loop import (AdaptiveScheduler, Plan, StaticScheduler, cycle_seconds, job_models,
-                                    make_scheduler)
-from pipefisher.drift import Refresh
-from pipefisher.examples import example_timelines
-from pipefisher.measure import gap_overruns, planned_gaps, step_overrun
+from pipefisher.loop.closed_loop import (AdaptiveScheduler, Plan, StaticScheduler, cycle_seconds, job_models,
+                                         make_scheduler)
+from pipefisher.bundled import example_timelines
+from pipefisher.cost.measure import gap_overruns, planned_gaps, step_overrun
+from pipefisher.cost.staleness import StalenessCurve
+from pipefisher.loop.drift import Refresh
 from pipefisher.policies import get_policy
-from pipefisher.problem import DEFAULT_MARGIN
 from pipefisher.rules import validate
-from pipefisher.staleness import StalenessCurve
-from pipefisher.timeline import load_job, read_node_file
+from pipefisher.schedule.problem import DEFAULT_MARGIN
+from pipefisher.schedule.timeline import load_job, read_node_file
 
 SLOW_KEY = "cov_kron_A:encoder.layer.3.attention.self.query"  # on node 1 of the example
 CURVE = StalenessCurve.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -229,7 +229,7 @@ def test_without_a_curve_or_the_drift_rule_k_stays_the_packings(job, initial) ->
 
 def test_a_faster_step_with_staler_curvature_loses_where_the_staleness_costs_more(job, initial) -> None:
     """The closed loop's objective is the user's: step time x steps-to-target at the cycle's k."""
-    from pipefisher.staleness import StalenessCurve
+    from pipefisher.cost.staleness import StalenessCurve
 
     steep = StalenessCurve(((1, 0.5), (4, 0.5), (5, 1.0), (64, 1.0)))
     scheduler, trial = _on_trial(job, initial, 1.0, staleness=steep)
@@ -265,7 +265,7 @@ def test_without_a_curve_a_low_aging_lengthens_the_cycle_with_pipeline_only_iter
     quarters and double k: the same packing, four pipeline-only iterations appended, saving turned back on
     at the new last one. More slack, which packs into more than 4 iterations, could not be tried at k = 4;
     at k = 8 it is, lengthened to 8 as well."""
-    from pipefisher.rules.format import SAVE_ON
+    from pipefisher.schedule.format import SAVE_ON
 
     loop = _drifting(job, initial)
     k = max(initial.cycles)
@@ -373,7 +373,7 @@ def test_a_re_pack_never_overlaps_cycles(monkeypatch) -> None:
     """``tight`` overlaps cycles by default, but a switch, and a return to the kept plan, are checked by
     the rules of a cycle that does not overlap: the scheduler's re-packs keep every refresh in its cycle."""
     from conftest import overlapping_node
-    from pipefisher.timeline import job_from_dicts
+    from pipefisher.schedule.timeline import job_from_dicts
 
     raw = overlapping_node()
     job = job_from_dicts([raw])

@@ -127,9 +127,9 @@ def test_the_roles_hook_keeps_the_name_and_drops_the_role() -> None:
     spec = importlib.util.spec_from_file_location("roles", DOCS / "hooks" / "roles.py")
     roles = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(roles)
-    assert roles.plain("see :class:<code>~pipefisher.objective.Candidate</code> and "
-                       ":func:<code>pipefisher.measure.lay_out</code>") == \
-        "see <code>Candidate</code> and <code>pipefisher.measure.lay_out</code>"
+    assert roles.plain("see :class:<code>~pipefisher.cost.objective.Candidate</code> and "
+                       ":func:<code>pipefisher.cost.measure.lay_out</code>") == \
+        "see <code>Candidate</code> and <code>pipefisher.cost.measure.lay_out</code>"
     assert roles.plain("<code>a.b</code> stays") == "<code>a.b</code> stays"
 
 

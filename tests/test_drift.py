@@ -1,4 +1,4 @@
-"""Curvature drift without torch (:mod:`pipefisher.drift`): a refresh's figures (drift, aging) from its
+"""Curvature drift without torch (:mod:`pipefisher.loop.drift`): a refresh's figures (drift, aging) from its
 layers' samples, and the rule that turns refreshes' aging into the cycle k the closed loop runs at, on
 noisy streams like the measured ones (one refresh's aging scatters from -0.3 to 2.8 at one k)."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import statistics
 
 import pytest
 
-from pipefisher.drift import (AGING_HIGH, AGING_LOW, DRIFT_MIN_REFRESHES, DriftRule, DriftSample, aging,
-                              binomial_tail, clearly_more, longest_cycle, refreshes, relative)
+from pipefisher.loop.drift import (AGING_HIGH, AGING_LOW, DRIFT_MIN_REFRESHES, DriftRule, DriftSample, aging,
+                                   binomial_tail, clearly_more, longest_cycle, refreshes, relative)
 
 
 def test_a_refresh_is_the_relative_change_of_the_whole_preconditioned_gradient():

@@ -11,7 +11,6 @@ import torch
 from pipefisher.errors import InputError
 from pipefisher.kfac import factors as fx
 from pipefisher.kfac.refresh import Refresh, pieces_for, split_costs
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.runtime.data.batches import MLMData
 from pipefisher.runtime.job.dist import single_process
 from pipefisher.runtime.models.bert import PipelineStage
@@ -21,7 +20,8 @@ from pipefisher.runtime.pipeline.executor import ScheduleExecutor
 from pipefisher.runtime.pipeline.labels import parse_label
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from pipefisher.runtime.train.update import make_kfac
-from pipefisher.schedule_file import meta_path, save_schedule
+from pipefisher.schedule.file import meta_path, save_schedule
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
 
 from _schedules import tiny
 

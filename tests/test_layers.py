@@ -20,16 +20,17 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(pipefisher.__file__))
 # above it; it may import its own layer and the layers below, never one above. K-FAC and the runtime
 # (torch) sit above every scheduling layer, so the scheduling path cannot reach torch.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundations", ("pipefisher", "pipefisher.errors", "pipefisher.safe_io", "pipefisher.staleness", "pipefisher.timeline",
-                     "pipefisher.pipeline_orders", "pipefisher.examples")),
+    ("foundations", ("pipefisher", "pipefisher.errors", "pipefisher.safe_io", "pipefisher.pipeline_orders",
+                     "pipefisher.bundled")),
+    ("schedule: timelines", ("pipefisher.schedule.timeline",)),
+    ("schedule: the problem and the label grammar", ("pipefisher.schedule.problem", "pipefisher.schedule.format")),
+    ("schedule: packed schedules and their files", ("pipefisher.schedule",)),
     ("simulation", ("pipefisher.sim",)),
-    ("problem", ("pipefisher.problem",)),
     ("rules", ("pipefisher.rules",)),
-    ("packed schedules", ("pipefisher.policies.base", "pipefisher.schedule_file", "pipefisher.measure",
-                          "pipefisher.objective")),
+    ("cost", ("pipefisher.cost",)),
     ("policies", ("pipefisher.policies",)),
-    ("scheduling outputs and the closed loop", ("pipefisher.report", "pipefisher.plot", "pipefisher.trace",
-                                                "pipefisher.closed_loop")),
+    ("outputs", ("pipefisher.outputs",)),
+    ("the closed loop", ("pipefisher.loop",)),
     ("kfac", ("pipefisher.kfac",)),
     ("runtime: the job", ("pipefisher.runtime", "pipefisher.runtime.job")),
     ("runtime: models", ("pipefisher.runtime.models",)),
@@ -183,3 +184,30 @@ def test_the_runtime_and_kfac_log_and_never_print() -> None:
             found += [f"{name} (line {node.lineno}) calls print" for node in ast.walk(tree)
                       if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"]
     assert not found, "\n".join(found)
+
+
+ROOT_MODULES_AT_MOST = 6
+"""The package root holds only what every layer shares; the scheduling path's steps are folders
+(``schedule``, ``sim``, ``rules``, ``cost``, ``policies``, ``outputs``, ``loop``) that show its flow."""
+
+
+def test_the_package_root_holds_few_modules() -> None:
+    root = sorted(f for f in os.listdir(PACKAGE_DIR) if f.endswith(".py"))
+    assert len(root) <= ROOT_MODULES_AT_MOST, f"{len(root)} modules at the package root: {', '.join(root)}"
+
+
+def test_each_name_means_one_thing() -> None:
+    """No two modules, and no two folders, of the package share a name (``__init__`` aside): a name
+    such as ``drift`` or ``data`` names one thing, wherever it is read."""
+    seen: dict[tuple[str, str], list[str]] = {}
+    for folder, dirs, files in os.walk(PACKAGE_DIR):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        rel = os.path.relpath(folder, PACKAGE_DIR)
+        for d in dirs:
+            seen.setdefault(("folder", d), []).append(os.path.join(rel, d))
+        for f in files:
+            if f.endswith(".py") and f != "__init__.py":
+                seen.setdefault(("module", f), []).append(os.path.join(rel, f))
+    doubled = [f"{kind} {name}: {', '.join(sorted(paths))}" for (kind, name), paths in sorted(seen.items())
+               if len(paths) > 1]
+    assert not doubled, "names used twice:\n" + "\n".join(doubled)

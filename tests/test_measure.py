@@ -1,4 +1,4 @@
-"""Measured steps (:mod:`pipefisher.measure`): gaps, planned placements, overruns, measured timelines and
+"""Measured steps (:mod:`pipefisher.cost.measure`): gaps, planned placements, overruns, measured timelines and
 the per-instruction CSV, on hand-made records and on the fake clock (:mod:`_fake_clock`) running the
 bundled example job."""
 from __future__ import annotations
@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 
 from _fake_clock import FakeRecorder, fake_records, period, slowed_job, true_models
+from pipefisher.bundled import example_timelines
+from pipefisher.cost.measure import (CSV_COLUMNS, END, START, LabelTime, StepRecord, append_csv, cycle_summary,
+                                     gap_overruns, gaps, instruction_rows, is_pipeline, lay_out, measured_timeline,
+                                     planned_gaps, read_csv, step_overrun, window_timelines)
 from pipefisher.errors import InputError
-from pipefisher.examples import example_timelines
-from pipefisher.measure import (CSV_COLUMNS, END, START, LabelTime, StepRecord, append_csv, cycle_summary, gap_overruns,
-                                gaps, instruction_rows, is_pipeline, lay_out, measured_timeline, planned_gaps, read_csv,
-                                step_overrun, window_timelines)
 from pipefisher.policies import get_policy
-from pipefisher.problem import DEFAULT_MARGIN, node_model
 from pipefisher.rules import validate
-from pipefisher.rules.format import MARKERS
-from pipefisher.timeline import load_job, job_from_dicts
+from pipefisher.schedule.format import MARKERS
+from pipefisher.schedule.problem import DEFAULT_MARGIN, node_model
+from pipefisher.schedule.timeline import load_job, job_from_dicts
 
 SLOW_KEY = "cov_kron_A:encoder.layer.3.attention.self.query"  # on node 1 of the example
 TIGHT = get_policy("tight")
@@ -124,9 +124,9 @@ def packed_jobs():
     """Jobs of every pipeline shape, packed at a dense and a sparse margin, on models whose K-FAC runs
     1.1x its profiled time (so that work outgrows its bubbles): (name, node schedules, models)."""
     from _realistic_jobs import realistic_family
+    from pipefisher.bundled import cost_model_path
+    from pipefisher.cost.objective import slowed_models
     from pipefisher.sim import load_cost_model, simulate_timelines
-    from pipefisher.examples import cost_model_path
-    from pipefisher.objective import slowed_models
 
     jobs = list(realistic_family(every=24))
     model = load_cost_model(cost_model_path("bert-base-4stages"))
@@ -140,7 +140,7 @@ def packed_jobs():
 
 
 def test_planned_iterations_are_the_placements_figures_from_labels_or_layout() -> None:
-    from pipefisher.measure import iteration_time, planned_iterations
+    from pipefisher.cost.measure import iteration_time, planned_iterations
 
     layouts = 0
     for name, nodes, models in packed_jobs():
@@ -159,8 +159,8 @@ def test_planned_iterations_are_the_placements_figures_from_labels_or_layout() -
 def test_calls_that_overlap_delay_the_next_one_from_labels_or_layout(slower, margin) -> None:
     """A node whose calls overlap (a profile's own jitter): a call starts when the one before it ends, a
     delay the layout's evaluation must not skip though no K-FAC work comes before it."""
-    from pipefisher.measure import planned_iterations
-    from pipefisher.objective import slowed_models
+    from pipefisher.cost.measure import planned_iterations
+    from pipefisher.cost.objective import slowed_models
 
     node = {"call_forward": [(0, 100), (80, 200), (400, 500)], "call_backward": [(600, 700), (650, 800), (900, 1000)],
             "cov_kron_A:l": [(0, 90)], "cov_kron_B:l": [(0, 60)], "inv_kron_A:l": [(0, 150)],
@@ -180,7 +180,7 @@ def test_planned_iterations_of_any_label_order_are_the_placements_figures(job, p
     work after it, labels no model knows, an empty iteration, times in float seconds."""
     import random
 
-    from pipefisher.measure import planned_iterations
+    from pipefisher.cost.measure import planned_iterations
 
     rng = random.Random(7)
     for n, node in enumerate(packed.nodes):
@@ -356,9 +356,9 @@ def test_a_cycle_summary_says_what_each_label_took_and_where_work_overran() -> N
 
 def test_planned_bubbles_are_compared_in_seconds_whatever_the_profile_unit() -> None:
     """Profiles hold integer nanoseconds, hand-made ones may hold float seconds: the same bubble either way."""
-    from pipefisher.measure import planned_gap_seconds, unit_seconds
-    from pipefisher.problem import node_model
-    from pipefisher.timeline import job_from_dicts
+    from pipefisher.cost.measure import planned_gap_seconds, unit_seconds
+    from pipefisher.schedule.problem import node_model
+    from pipefisher.schedule.timeline import job_from_dicts
 
     def gaps_of(scale, cast):
         raw = {"call_forward": [(cast(0 * scale), cast(1 * scale))], "call_backward": [(cast(3 * scale), cast(5 * scale))],

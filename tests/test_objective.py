@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from pipefisher.objective import (
+from pipefisher.cost.objective import (
     NO_CURVE_TOLERANCE,
     Candidate,
     StepCost,
@@ -20,13 +20,13 @@ from pipefisher.objective import (
     step_cost,
     tradeoff,
 )
+from pipefisher.cost.staleness import StalenessCurve
+from pipefisher.outputs.report import usage_lines
 from pipefisher.policies import get_policy
-from pipefisher.policies.base import JobSchedule, NodeFigures, NodeSchedule
-from pipefisher.report import usage_lines
 from pipefisher.rules import validate
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
-from pipefisher.staleness import StalenessCurve
-from pipefisher.timeline import job_from_dicts
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.packed import JobSchedule, NodeFigures, NodeSchedule
+from pipefisher.schedule.timeline import job_from_dicts
 
 from tests.conftest import small_node
 
@@ -243,8 +243,8 @@ def test_the_planned_step_is_the_fake_clock_runs_step(schedule) -> None:
 def test_the_planned_step_of_a_simulated_job_grows_by_its_exposed_preconditioning() -> None:
     """The bundled BERT-Base model preconditions 3 layers per node at the step's end (its CSV row's
     ``time_prec``): node 0 ends the pipeline, so no tail bubble hides any of it there."""
-    from pipefisher.examples import cost_model_path
-    from pipefisher.objective import exposed_end_of_step, slowed_models
+    from pipefisher.bundled import cost_model_path
+    from pipefisher.cost.objective import exposed_end_of_step, slowed_models
     from pipefisher.sim import load_cost_model, simulate_timelines
     from pipefisher.sim.costs import NS_PER_MS
 

@@ -95,8 +95,8 @@ def test_demo_and_bare_schedule_work_from_an_installed_wheel(installed: tuple[Pa
 def test_wheel_lists_the_package_data(installed: tuple[Path, Path]) -> None:
     wheel = next((installed[1].parent / "wheels").glob("pipefisher-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "pipefisher/data/sim/bert-base-4stages.yaml" in names
-    assert any(n.startswith("pipefisher/data/examples/") and n.endswith("_timeline.pickle") for n in names)
+    assert "pipefisher/bundled/cost_models/bert-base-4stages.yaml" in names
+    assert any(n.startswith("pipefisher/bundled/examples/") and n.endswith("_timeline.pickle") for n in names)
 
 
 README_OUTPUTS = ["pipefisher-demo/chart.png", "runs/x_schedule.pickle", "prof/small_node0_timeline.pickle",

@@ -10,10 +10,11 @@ import pytest
 from click.testing import CliRunner
 
 from pipefisher.cli import main
-from pipefisher.plot import COLOURS, DPI, EXTRA_IN, ROW_IN, WIDTH_IN, chart_from_job, chart_from_schedule, chart_size_px, render
+from pipefisher.outputs.plot import (COLOURS, DPI, EXTRA_IN, ROW_IN, WIDTH_IN, chart_from_job, chart_from_schedule,
+                                     chart_size_px, render)
 from pipefisher.policies import get_policy
+from pipefisher.schedule.timeline import job_from_dicts
 from pipefisher.sim import simulate_timelines, synthetic_model, write_timelines
-from pipefisher.timeline import job_from_dicts
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +131,9 @@ def test_the_update_and_its_preconditioning_have_their_own_colours_and_count_onc
 # ----------------------------------------------------------------------------------------------------
 # readable at any size: collections, merging, edges, units, limits, context, validity, idle fill
 
-from pipefisher.plot import (IDLE, INVALID, PLOT_PX, Bar, Chart, figure, merge_bars,  # noqa: E402
-                             violations_per_node)
-from pipefisher.timeline import load_job  # noqa: E402
+from pipefisher.outputs.plot import (IDLE, INVALID, PLOT_PX, Bar, Chart, figure, merge_bars,  # noqa: E402
+                                     violations_per_node)
+from pipefisher.schedule.timeline import load_job  # noqa: E402
 
 
 def bar_collections(fig):
@@ -293,8 +294,8 @@ def test_idle_time_has_its_own_fill_distinct_from_the_background(tmp_path, job):
 
 
 def test_job_name_is_the_files_common_prefix_or_nothing():
-    from pipefisher.plot import job_name
-    from pipefisher.timeline import Job, NodeTimeline
+    from pipefisher.outputs.plot import job_name
+    from pipefisher.schedule.timeline import Job, NodeTimeline
 
     def named(*paths):
         return job_name(Job(tuple(NodeTimeline(p, {}) for p in paths), 1))
@@ -310,8 +311,8 @@ def test_interleaved_chunks_are_drawn_in_lighter_shades_and_named_in_the_trace(t
     legend entry; the trace names each event with its label, so the chunk is in its name."""
     from matplotlib.colors import to_hex
 
-    from pipefisher.plot import chunk_colour
-    from pipefisher.trace import trace_events
+    from pipefisher.outputs.plot import chunk_colour
+    from pipefisher.outputs.trace import trace_events
 
     model = synthetic_model(stages=2, micro_batches=4, layers_per_stage=2, schedule="interleaved")
     chart = chart_from_job(job_from_dicts(simulate_timelines(model)[0]))
@@ -336,7 +337,7 @@ def test_zb_v_draws_each_chunks_weight_passes_in_a_colour_of_their_own(tmp_path)
 
     from matplotlib.colors import to_hex, to_rgb
 
-    from pipefisher.plot import chunk_colour
+    from pipefisher.outputs.plot import chunk_colour
 
     model = synthetic_model(stages=3, micro_batches=6, layers_per_stage=2, schedule="zb-v")
     chart = chart_from_job(job_from_dicts(simulate_timelines(model)[0]))
@@ -353,12 +354,12 @@ def test_zb_v_draws_each_chunks_weight_passes_in_a_colour_of_their_own(tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------------
-# planned vs measured: a run's per-instruction CSV (pipefisher.measure.CSV_COLUMNS)
+# planned vs measured: a run's per-instruction CSV (pipefisher.cost.measure.CSV_COLUMNS)
 
-from pipefisher.measure import LabelTime, StepRecord, append_csv, instruction_rows  # noqa: E402
-from pipefisher.plot import OVERRUN, chart_from_measured, measured_steps, read_measured  # noqa: E402
-from pipefisher.policies.base import Placement  # noqa: E402
-from pipefisher.rules.format import END, START  # noqa: E402
+from pipefisher.cost.measure import LabelTime, StepRecord, append_csv, instruction_rows  # noqa: E402
+from pipefisher.outputs.plot import OVERRUN, chart_from_measured, measured_steps, read_measured  # noqa: E402
+from pipefisher.schedule.format import END, START  # noqa: E402
+from pipefisher.schedule.packed import Placement  # noqa: E402
 
 
 def measured_step(node, step, iteration, overrun=False):
@@ -508,7 +509,7 @@ def test_measured_chart_path_imports_no_torch(measured_csv):
     import subprocess
     import sys
 
-    code = ("import sys; from pipefisher.plot import chart_from_measured, figure; "
+    code = ("import sys; from pipefisher.outputs.plot import chart_from_measured, figure; "
             f"figure(chart_from_measured({str(measured_csv)!r})); import pipefisher.cli; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

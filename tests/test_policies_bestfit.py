@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from pipefisher.policies import get_policy
 from pipefisher.policies.bestfit import pack_best_fit
-from pipefisher.problem import node_model
 from pipefisher.rules import validate
+from pipefisher.schedule.problem import node_model
+from pipefisher.schedule.timeline import job_from_dicts
 from pipefisher.sim.random_jobs import random_raw_job
-from pipefisher.timeline import job_from_dicts
 
 
 def _node(bubbles: list[int], items: dict[str, int]) -> dict:

@@ -6,11 +6,11 @@ import pickle
 import pytest
 
 from conftest import COMPAT_CASES, case_timelines, small_node
+from pipefisher.outputs.report import usage_lines
 from pipefisher.policies import get_policy
 from pipefisher.policies.compat_reference import ref_pack_job
-from pipefisher.report import usage_lines
+from pipefisher.schedule.timeline import job_from_dicts, load_job
 from pipefisher.sim.random_jobs import random_raw_job
-from pipefisher.timeline import job_from_dicts, load_job
 
 
 @pytest.mark.parametrize("case", COMPAT_CASES, ids=lambda p: p.name)
@@ -62,9 +62,9 @@ def test_figures_break_usage_down() -> None:
 def test_giving_up_early_never_drops_a_shorter_cycle():
     """``pack_node_slots_below`` is the full construction, or None only when the cycle would reach
     the limit anyway (or end by appending work as it stands, which is never an honest cycle)."""
-    from pipefisher.policies.base import split_iterations
     from pipefisher.policies.compat import pack_node_slots, pack_node_slots_below
-    from pipefisher.rules.format import END
+    from pipefisher.schedule.format import END
+    from pipefisher.schedule.packed import split_iterations
 
     early = 0
     for seed in range(0, 240, 3):

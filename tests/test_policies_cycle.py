@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pickle
 
-from pipefisher.examples import example_timelines
+from pipefisher.bundled import example_timelines
 from pipefisher.policies import get_policy
-from pipefisher.policies.base import LazyPlacements, Placement, split_iterations
-from pipefisher.timeline import load_job
+from pipefisher.schedule.packed import LazyPlacements, Placement, split_iterations
+from pipefisher.schedule.timeline import load_job
 
 
 def test_placements_follow_the_labels_of_every_iteration() -> None:
@@ -37,8 +37,8 @@ def test_the_kfac_layout_says_what_the_labels_say() -> None:
     """Every iteration is ``-- start --``, the calls in timeline order with each run of K-FAC labels the
     layout places after as many calls as it says, ``-- end --`` and the markers; no two runs in a row are
     of the same label at the same place."""
-    from pipefisher.problem import node_model
-    from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
+    from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
+    from pipefisher.schedule.problem import node_model
 
     job = load_job(example_timelines())
     for margin in (0.05, 3.0):  # 3: work that fits no bubble overflows after the last call

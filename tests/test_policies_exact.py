@@ -14,10 +14,10 @@ from pipefisher.errors import InputError
 from pipefisher.policies import get_policy
 from pipefisher.policies.exact import MISSING_ORTOOLS, ExactPolicy
 from pipefisher.policies.tight import pack_node
-from pipefisher.problem import node_model
 from pipefisher.rules import validate, validate_node
+from pipefisher.schedule.problem import node_model
+from pipefisher.schedule.timeline import job_from_dicts
 from pipefisher.sim.random_jobs import random_raw_job
-from pipefisher.timeline import job_from_dicts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,7 +106,7 @@ def _simulated(config: str, schedule: str, stages: int, micro_batches: int):
     from pipefisher.sim.costs import cost_model_from_dict
     from pipefisher.sim.simulator import simulate_timelines
 
-    path = os.path.join(ROOT, "pipefisher", "data", "sim", config)
+    path = os.path.join(ROOT, "pipefisher", "bundled", "cost_models", config)
     with open(path) as f:
         model = cost_model_from_dict(yaml.safe_load(f), path)
     timelines, _ = simulate_timelines(model, schedule=schedule, stages=stages, micro_batches=micro_batches)

@@ -7,15 +7,15 @@ import os
 
 import pytest
 
-from pipefisher.objective import Candidate, choose, tradeoff
+from pipefisher.cost.objective import Candidate, choose, tradeoff
+from pipefisher.cost.staleness import StalenessCurve
+from pipefisher.outputs.report import usage_lines
 from pipefisher.policies import get_policy
 from pipefisher.policies.target import cycle_bound
 from pipefisher.policies.tight import TightPolicy
-from pipefisher.problem import DEFAULT_MARGIN
-from pipefisher.report import usage_lines
 from pipefisher.rules import validate
-from pipefisher.staleness import StalenessCurve
-from pipefisher.timeline import Job, job_from_dicts, load_job
+from pipefisher.schedule.problem import DEFAULT_MARGIN
+from pipefisher.schedule.timeline import Job, job_from_dicts, load_job
 
 BERT_LARGE = os.path.join(os.path.dirname(__file__), "data", "regressions", "bert-large-8stages-m12-bs8")
 AT_1000_STEPS = "1:0.718,2:0.718,4:0.769,8:0.923,16:0.846"
@@ -64,7 +64,7 @@ def weighed_fully() -> list[tuple[str, Job, list]]:
     """Jobs where the choice goes different ways (BERT-Large, where no density is at the floor, the bundled
     example, simulated pipelines, a few of the realistic family), each with every density packed."""
     from _realistic_jobs import realistic_family
-    from pipefisher.examples import cost_model_path, example_timelines
+    from pipefisher.bundled import cost_model_path, example_timelines
     from pipefisher.sim import load_cost_model, simulate_timelines
 
     jobs = [("bert-large regression", load_job([BERT_LARGE])), ("example", load_job(example_timelines()))]

@@ -16,19 +16,19 @@ from _realistic_jobs import realistic_family, realistic_job, realistic_shapes
 from _valid_schedules import PLAIN_GREEDIES, plain_greedy_cycle
 from conftest import COMPAT_CASES, case_timelines, small_node
 from pipefisher.policies import DEFAULT_POLICY, get_policy
-from pipefisher.policies.base import split_iterations
 from pipefisher.policies.bestfit import pack_best_fit
 from pipefisher.policies.bounds import model_bounds
 from pipefisher.policies.compat import pack_node_slots
+from pipefisher.schedule.packed import split_iterations
 from pipefisher.policies.tight import (_pack_fixed, fixed_fails_at_once, honest_compat, pack_fixed, pack_greedy,
                                        pack_node, pack_nodes, shorter_valid_compat)
-from pipefisher.problem import fits
-from pipefisher.problem import COV, NodeModel, node_model
-from pipefisher.report import usage_lines
+from pipefisher.outputs.report import usage_lines
 from pipefisher.rules import validate, validate_node
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.problem import fits
+from pipefisher.schedule.problem import COV, NodeModel, node_model
+from pipefisher.schedule.timeline import COV_KINDS, Job, TimelineKey, job_from_dicts, load_job
 from pipefisher.sim.random_jobs import random_raw_job
-from pipefisher.timeline import COV_KINDS, Job, TimelineKey, job_from_dicts, load_job
 
 TIGHT = get_policy("tight")
 
@@ -400,7 +400,7 @@ def test_heavy_regression_job_keeps_its_cycles() -> None:
 def test_pack_nodes_hands_each_node_over_in_order_as_it_is_made(workers) -> None:
     from pipefisher.policies.tight import pack_nodes
 
-    from pipefisher.timeline import load_job
+    from pipefisher.schedule.timeline import load_job
 
     # node 2's first walk misses its bound: with workers, the rest of its portfolio runs in the pool
     job = load_job([os.path.join(os.path.dirname(__file__), "data", "regressions", "bert-large-8stages-m12-bs8")])
@@ -418,7 +418,7 @@ def test_overlap_puts_the_pieces_left_into_the_first_iteration_and_shortens_the_
     from conftest import overlapping_node
     from pipefisher.policies import get_policy
     from pipefisher.rules import validate
-    from pipefisher.timeline import job_from_dicts
+    from pipefisher.schedule.timeline import job_from_dicts
 
     job = job_from_dicts([overlapping_node()])
     plain = get_policy("tight", overlap=False).pack(job)

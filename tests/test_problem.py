@@ -1,4 +1,4 @@
-"""THE packing problem (:mod:`pipefisher.problem`) as a contract between ``validate``, the bounds and the
+"""THE packing problem (:mod:`pipefisher.schedule.problem`) as a contract between ``validate``, the bounds and the
 policies.
 
 * ``validate`` accepts what the rules allow: an oracle that builds schedules straight from the rules
@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 from _valid_schedules import random_job_schedule
 from pipefisher.policies import get_policy
 from pipefisher.policies.bounds import model_bounds
-from pipefisher.problem import fits, node_model
 from pipefisher.rules import validate, validate_node
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.problem import fits, node_model
+from pipefisher.schedule.timeline import KFAC_KINDS, Job, NodeTimeline, job_from_dicts, weight_key
 from pipefisher.sim import load_cost_model, simulate_timelines
 from pipefisher.sim.random_jobs import random_raw_job
-from pipefisher.timeline import KFAC_KINDS, Job, NodeTimeline, job_from_dicts, weight_key
 
 MARGINS = (0.0, 0.05, 0.2)
 TIGHT = get_policy("tight")
@@ -446,8 +446,8 @@ def test_a_chunks_covariance_pieces_follow_that_chunks_own_calls() -> None:
 # ----------------------------------------------------------------------------------------------------
 # Zero-bubble weight-gradient passes (W) are pipeline work
 
-ZB_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pipefisher", "data", "sim",
-                         "bert-base-4stages.yaml")
+ZB_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pipefisher", "bundled",
+                         "cost_models", "bert-base-4stages.yaml")
 
 
 def zb_h1_job() -> Job:

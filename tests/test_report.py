@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 
 from conftest import small_node
+from pipefisher.outputs.report import report_data, usage_lines, workload_lines
 from pipefisher.policies import get_policy
-from pipefisher.report import report_data, usage_lines, workload_lines
-from pipefisher.timeline import job_from_dicts
+from pipefisher.schedule.timeline import job_from_dicts
 
 
 def test_usage_line_is_the_published_format() -> None:
@@ -34,8 +34,8 @@ def test_report_data_is_json_and_float_seconds_say_so() -> None:
 
 
 def test_a_bound_says_the_margin_it_holds_at_and_overflow_is_given_per_step() -> None:
-    from pipefisher.policies.base import NodeFigures, NodeSchedule
-    from pipefisher.report import usage_line
+    from pipefisher.outputs.report import usage_line
+    from pipefisher.schedule.packed import NodeFigures, NodeSchedule
 
     node = NodeSchedule((), (), NodeFigures(3, 88.49, 0, 0, 0, 0, overflow=224_768_000, lower_bound=3))
     assert usage_line(0, node, 2.0) == ("node0:3 pipeline iterations (usage: 88.49 %) [lower bound 3 at margin 2, "
@@ -47,7 +47,7 @@ def test_a_bound_says_the_margin_it_holds_at_and_overflow_is_given_per_step() ->
 
 
 def test_the_report_separates_kfac_in_bubbles_from_the_update_at_the_steps_end() -> None:
-    from pipefisher.examples import cost_model_path
+    from pipefisher.bundled import cost_model_path
     from pipefisher.sim import load_cost_model, simulate_timelines
     from pipefisher.sim.costs import NS_PER_MS
 

@@ -15,10 +15,10 @@ from pipefisher.policies.tight import OVERLAP_BY_DEFAULT, pack_node
 from pipefisher.rules import validate
 from pipefisher.rules.groups import (chimera_groups, group_order_violations, identity, is_chimera_job, job_groups,
                                      shared_sequence)
+from pipefisher.schedule.timeline import Job, job_from_dicts
 from pipefisher.sim.costs import load_cost_model
 from pipefisher.sim.random_jobs import random_raw_job
 from pipefisher.sim.simulator import simulate_timelines
-from pipefisher.timeline import Job, job_from_dicts
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B", "inv_kron_A", "inv_kron_B")
@@ -27,7 +27,7 @@ START, END, OFF, ON = "-- start --", "-- end --", "turn_off_save_inputs_outgrads
 
 def sim_job(config: str = "bert-base-4stages", schedule: str = "chimera", stages: int = 2, m: int = 4,
             scale: float = 1.0, seconds: bool = False) -> Job:
-    model = load_cost_model(ROOT / "pipefisher" / "data" / "sim" / f"{config}.yaml")
+    model = load_cost_model(ROOT / "pipefisher" / "bundled" / "cost_models" / f"{config}.yaml")
     timelines, _ = simulate_timelines(model.replace(kfac_scale=scale), schedule=schedule, stages=stages,
                                       micro_batches=m)
     if seconds:  # float seconds, as CPU profiles have them

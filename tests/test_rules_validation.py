@@ -8,8 +8,8 @@ import pytest
 from conftest import COMPAT_CASES, case_timelines, small_node
 from pipefisher.errors import InputError
 from pipefisher.rules import validate
-from pipefisher.schedule_file import load_schedule
-from pipefisher.timeline import job_from_dicts, load_job
+from pipefisher.schedule.file import load_schedule
+from pipefisher.schedule.timeline import job_from_dicts, load_job
 
 M = "layer.0"
 GOOD = [[

@@ -14,9 +14,9 @@ from pipefisher.policies.tight import OVERLAP_BY_DEFAULT, pack_node
 from pipefisher.rules import validate
 from pipefisher.rules.groups import chimera_groups, job_groups, singleton_groups
 from pipefisher.rules.waits import call_clock, deadlock_violations
+from pipefisher.schedule.timeline import Job, job_from_dicts, load_job
 from pipefisher.sim.costs import load_cost_model
 from pipefisher.sim.simulator import simulate_timelines
-from pipefisher.timeline import Job, job_from_dicts, load_job
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END, OFF, ON = "-- start --", "-- end --", "turn_off_save_inputs_outgrads", "turn_on_save_inputs_outgrads"
@@ -107,7 +107,7 @@ def test_the_call_clock_respects_every_receive() -> None:
 def sim_job(config: str, schedule: str, stages: int, m: int, scale: float, skew: int | None = None) -> Job:
     """A simulated job; with ``skew``, every node but node 0 reads its own clock, shifted by up to 15 %
     of the pipeline time (seeded), in float seconds: what a profile of several processes looks like."""
-    model = load_cost_model(ROOT / "pipefisher" / "data" / "sim" / f"{config}.yaml")
+    model = load_cost_model(ROOT / "pipefisher" / "bundled" / "cost_models" / f"{config}.yaml")
     timelines, _ = simulate_timelines(model.replace(kfac_scale=scale), schedule=schedule, stages=stages,
                                       micro_batches=m)
     if skew is not None:

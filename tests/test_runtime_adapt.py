@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipefisher.runtime.launch.local import spawn_local
-from pipefisher.timeline import job_from_dicts
+from pipefisher.schedule.timeline import job_from_dicts
 
 from _fake_clock import FakeRecorder, slowed_job, true_models
 from _schedules import fake_timelines, replay, tiny
@@ -38,7 +38,7 @@ def _job_files(folder, cfg) -> tuple[str, list[str], tuple[int, str]]:
     from pipefisher.policies import get_policy
     from pipefisher.rules import validate
     from pipefisher.safe_io import dump_pickle_atomic
-    from pipefisher.schedule_file import save_schedule
+    from pipefisher.schedule.file import save_schedule
 
     raws = _timelines(cfg)
     paths = [str(folder / f"tiny_node{n}_timeline.pickle") for n in range(len(raws))]
@@ -61,7 +61,7 @@ def _run(sched: str, paths: list[str], slow: tuple[int, str], steps: int, prefix
     """One worker: a scheduled run whose recorder is the fake clock of the slowed job."""
     from pipefisher.runtime.job.dist import init_from_env, shutdown
     from pipefisher.runtime.train.trainer import Trainer, TrainOptions
-    from pipefisher.timeline import load_job
+    from pipefisher.schedule.timeline import load_job
 
     cfg = _cfg().replace(pipeline={"timeout_s": 60.0})
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
@@ -99,14 +99,14 @@ def adaptive(tmp_path_factory):
 
 
 def _labels_run(prefix: str) -> dict[tuple[int, int], list[str]]:
-    from pipefisher.measure import read_csv
+    from pipefisher.cost.measure import read_csv
 
     return {(r.step, r.node): [lt.label for lt in r.labels] for r in read_csv(prefix + "_measurements.csv")
             if r.replica == 0}
 
 
 def test_a_slower_item_is_repacked_within_two_cycles_on_every_worker_at_once(adaptive):
-    from pipefisher.schedule_file import load_schedule
+    from pipefisher.schedule.file import load_schedule
 
     out, sched, _, slow, _ = adaptive
     by_stage, prefix = out["adaptive"]
@@ -143,7 +143,7 @@ def test_parameters_equal_a_one_process_replay_of_the_labels_run(adaptive):
 
 
 def test_the_static_scheduler_runs_the_file_as_before(adaptive):
-    from pipefisher.schedule_file import load_schedule
+    from pipefisher.schedule.file import load_schedule
 
     out, sched, *_ = adaptive
     by_stage, prefix = out["static"]
@@ -181,15 +181,15 @@ def test_a_loop_restored_in_the_middle_of_a_cycle_goes_on_as_the_uninterrupted_o
     the window and the active schedule, so a restored loop ends in the very state of one never stopped."""
     import copy
 
-    from pipefisher.closed_loop import AdaptiveScheduler, Plan, equal_cycles
+    from pipefisher.loop.closed_loop import AdaptiveScheduler, Plan, equal_cycles
     from pipefisher.runtime.train.adapt import ScheduleLoop
-    from pipefisher.timeline import load_job
+    from pipefisher.schedule.timeline import load_job
 
     from _fake_clock import fake_records
 
     sched, paths, slow = _job_files(tmp_path, _cfg())
-    from pipefisher.schedule_file import load_schedule
-    from pipefisher.timeline import read_node_file
+    from pipefisher.schedule.file import load_schedule
+    from pipefisher.schedule.timeline import read_node_file
 
     models = true_models(slowed_job(load_job(paths), {slow: 2.0}), 0.05)
     raws = [read_node_file(p) for p in paths]

@@ -10,14 +10,14 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
+from pipefisher.runtime.data.batches import DataPosition
 from pipefisher.runtime.job.config import apply_overrides, load_config
 from pipefisher.runtime.job.dist import single_process
-from pipefisher.runtime.pipeline.checks import single_iteration_schedule
-from pipefisher.runtime.data.batches import DataPosition
 from pipefisher.runtime.launch.local import decode_spec, encode_spec, run_worker, spawn_local
+from pipefisher.runtime.pipeline.checks import single_iteration_schedule
 from pipefisher.runtime.train.checkpoint import FORMAT, MANIFEST, Checkpointer, StateGroup, TorchRNG, check_resumable
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
-from pipefisher.schedule_file import save_schedule
+from pipefisher.schedule.file import save_schedule
 
 from _schedules import TINY, packed_schedule, spread_schedule, tiny, train_whole_and_resumed
 
@@ -354,7 +354,7 @@ def test_checkpoint_keep_keeps_the_newest_checkpoints_and_export_takes_any_of_th
     from safetensors.torch import load_file
 
     from pipefisher.runtime.models.bert import from_transformers
-    from pipefisher.runtime.train.export import export
+    from pipefisher.runtime.train.consolidate import export
 
     cfg = tiny(pipeline={"stages": 1}, checkpoint={"keep": 2})
     ck = str(tmp_path / "ck")
@@ -472,7 +472,7 @@ def test_a_checkpoint_of_the_previous_format_is_refused_naming_the_file_and_what
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--stages", "1", "--no-progress", "--steps", "2",
                                     "--resume", ck])
     assert (res.exit_code, res.output) == (2, f"error: {line}\n")
-    from pipefisher.runtime.train.export import export
+    from pipefisher.runtime.train.consolidate import export
 
     assert "after 1 step," in export(ck, str(tmp_path / "out"))
 

@@ -133,7 +133,7 @@ STEPS = 7  # step 0, a full 5-iteration cycle of the packed schedule, and the ne
 @pytest.fixture(scope="module")
 def chimera_runs(tmp_path_factory):
     from pipefisher.runtime.pipeline.checks import check_schedule, single_iteration_schedule
-    from pipefisher.schedule_file import save_schedule
+    from pipefisher.schedule.file import save_schedule
 
     from _schedules import chimera_spread_schedule, tiny
 
@@ -157,7 +157,7 @@ def _packed_from_profile() -> list:
 
     from pipefisher.policies import get_policy
     from pipefisher.rules import validate
-    from pipefisher.timeline import load_job
+    from pipefisher.schedule.timeline import load_job
 
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profiles", "chimera_tiny_2")
     job = load_job(sorted(glob.glob(os.path.join(here, "*.pickle"))))
@@ -194,7 +194,7 @@ def test_one_iteration_chimera_schedule_equals_kfac_mode(chimera_runs):
 
 @pytest.mark.parametrize("name", ["spread", "packed"])
 def test_multi_iteration_chimera_schedule_equals_a_one_process_replay(chimera_runs, name):
-    from pipefisher.schedule_file import load_schedule
+    from pipefisher.schedule.file import load_schedule
     from test_runtime_executor import _close
 
     from _schedules import replay
@@ -234,7 +234,7 @@ def test_a_schedule_whose_pair_syncs_in_another_order_is_refused_before_training
     from pipefisher.cli import main
     from pipefisher.errors import InputError
     from pipefisher.runtime.pipeline.checks import check_schedule
-    from pipefisher.schedule_file import save_schedule
+    from pipefisher.schedule.file import save_schedule
 
     from _schedules import TINY, chimera_spread_schedule, tiny
 
@@ -267,7 +267,7 @@ def test_every_chimera_worker_refuses_the_mismatched_order_on_its_own(tmp_path):
     import time
 
     from pipefisher.runtime.launch.local import WorkerFailed
-    from pipefisher.schedule_file import save_schedule
+    from pipefisher.schedule.file import save_schedule
 
     from _schedules import TINY, chimera_spread_schedule, tiny
 
@@ -284,7 +284,7 @@ def test_a_resumed_chimera_run_is_bit_exact(tmp_path):
     """Stop after step 2 (saved micro-batches still waiting for their pieces), resume to step 5: both
     copies of every stage, their K-FAC state and the optimizer equal the uninterrupted run's."""
     from pipefisher.runtime.job.config import load_config
-    from pipefisher.schedule_file import save_schedule
+    from pipefisher.schedule.file import save_schedule
 
     from _schedules import TINY, chimera_spread_schedule, train_whole_and_resumed
 
@@ -333,7 +333,7 @@ def test_chimera_with_data_parallel_replicas_runs_the_schedule(tmp_path):
     """2 stages x 2 replicas: four copies of every stage (two pipes x two replicas) average their factors
     and gradients in one group; the one-iteration schedule equals kfac mode and all four stay identical."""
     from pipefisher.runtime.pipeline.checks import single_iteration_schedule
-    from pipefisher.schedule_file import save_schedule
+    from pipefisher.schedule.file import save_schedule
 
     from _schedules import tiny
 

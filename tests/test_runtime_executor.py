@@ -13,7 +13,6 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.runtime.job.config import load_config
 from pipefisher.runtime.launch.local import WorkerFailed, spawn_local
 from pipefisher.runtime.models.bert import PipelineStage
@@ -22,7 +21,8 @@ from pipefisher.runtime.pipeline.contracts import EngineDefaults
 from pipefisher.runtime.pipeline.executor import ScheduleExecutor, prepost_points
 from pipefisher.runtime.pipeline.labels import FORWARD
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
-from pipefisher.schedule_file import save_schedule
+from pipefisher.schedule.file import save_schedule
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
 
 from _schedules import REAL_TEXT, TINY, packed_schedule, replay, spread_schedule, tiny, train_runs
 
@@ -218,7 +218,7 @@ def test_a_schedule_packed_from_timelines_records_what_they_say(tmp_path):
     import glob
 
     from pipefisher.runtime.pipeline.checks import load_checked_schedule
-    from pipefisher.schedule_file import schedule_packed_for
+    from pipefisher.schedule.file import schedule_packed_for
 
     profile = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "data", "profiles", "chimera_tiny_2", "*.pickle")))
     path = str(tmp_path / "s.pickle")
@@ -323,7 +323,7 @@ def test_one_iteration_schedule_equals_kfac_every_step(two_stage_runs):
 
 @pytest.mark.parametrize("name", ["spread", "packed"])
 def test_multi_iteration_schedule_equals_a_one_process_replay(two_stage_runs, name):
-    from pipefisher.schedule_file import load_schedule
+    from pipefisher.schedule.file import load_schedule
 
     by_stage, files = two_stage_runs
     schedule = load_schedule(files[name])

@@ -16,7 +16,7 @@ from pipefisher.cli import main
 from pipefisher.runtime.job.config import load_config
 from pipefisher.runtime.launch.local import spawn_local
 from pipefisher.runtime.pipeline.checks import single_iteration_schedule
-from pipefisher.schedule_file import save_schedule
+from pipefisher.schedule.file import save_schedule
 
 from _schedules import train_runs
 

@@ -108,7 +108,7 @@ def test_interleaved_schedule_equals_single_process_replay(interleaved_runs, nam
 def test_trainer_refuses_a_covariance_piece_before_its_own_chunks_forward(tmp_path):
     """The device's first forward is chunk 0's: a chunk-1 A piece right after it has nothing saved yet."""
     from pipefisher.runtime.pipeline.checks import load_checked_schedule, single_iteration_schedule
-    from pipefisher.schedule_file import save_schedule
+    from pipefisher.schedule.file import save_schedule
 
     from _schedules import tiny
 

@@ -16,7 +16,7 @@ from pipefisher.runtime.job.config import load_config
 from pipefisher.runtime.job.dist import single_process
 from pipefisher.runtime.train.tensorboard import MISSING, TAGS
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
-from pipefisher.schedule_file import save_schedule
+from pipefisher.schedule.file import save_schedule
 
 from _schedules import TINY, spread_schedule
 

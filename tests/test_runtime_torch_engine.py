@@ -336,7 +336,7 @@ def test_pipeline_calls_out_of_torchs_order_are_refused_before_the_step():
 def test_pipefisher_run_on_the_torch_engine_profiles_packs_and_trains_in_bf16(tmp_path):
     """A torchtitan-style user's run: torch's pipeline, bf16. (fp32 training on the torch engine: the
     schedule and resume tests above.)"""
-    from pipefisher.timeline import load_job
+    from pipefisher.schedule.timeline import load_job
 
     out = tmp_path / "runs"
     res = CliRunner().invoke(main, ["run", "--config", TINY, "--set", "pipeline.engine=torch",

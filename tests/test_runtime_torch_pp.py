@@ -221,7 +221,7 @@ def test_a_torch_pp_run_honours_the_kfac_settings_and_writes_runs_metadata(tmp_p
     import torch
 
     from pipefisher.runtime.launch.local import spawn_local
-    from pipefisher.schedule_file import meta_path
+    from pipefisher.schedule.file import meta_path
 
     results = spawn_local(_wrapped_with_settings, 2, str(tmp_path), timeout_s=180)
     for res in results:

@@ -54,7 +54,7 @@ def profiled(tmp_path_factory):
 def test_profile_writes_one_timeline_per_node_in_the_profiled_format(profiled):
     """Beside each node's timeline (the median step) lie all its profiled steps as recorded."""
     from pipefisher.safe_io import load_pickle
-    from pipefisher.timeline import median_step
+    from pipefisher.schedule.timeline import median_step
 
     _, paths, _ = profiled
     for node, path in enumerate(paths):
@@ -80,7 +80,7 @@ def test_profile_writes_one_timeline_per_node_in_the_profiled_format(profiled):
 
 
 def test_profile_loads_and_packs_in_the_scheduler(profiled):
-    from pipefisher.timeline import load_job
+    from pipefisher.schedule.timeline import load_job
 
     out, paths, _ = profiled
     assert len(load_job(paths).nodes) == 2

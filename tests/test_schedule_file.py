@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from pipefisher.cli import main
 from pipefisher.errors import InputError
-from pipefisher.schedule_file import load_schedule, meta_path, modules_difference, save_schedule
+from pipefisher.schedule.file import load_schedule, meta_path, modules_difference, save_schedule
 from test_rules_validation import GOOD
 
 

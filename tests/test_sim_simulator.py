@@ -14,12 +14,12 @@ from pipefisher.rules import validate
 from pipefisher.sim import (
     cost_model_from_dict, load_cost_model, simulate_timelines, synthetic_model, synthetic_timelines, write_timelines,
 )
+from pipefisher.schedule.timeline import KFAC_KINDS, load_job
 from pipefisher.sim.costs import NS_PER_MS
-from pipefisher.timeline import KFAC_KINDS, load_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = os.path.join(ROOT, "pipefisher", "data", "sim", "bert-base-4stages.yaml")
-LARGE = os.path.join(ROOT, "pipefisher", "data", "sim", "bert-large-8stages.yaml")
+BASE = os.path.join(ROOT, "pipefisher", "bundled", "cost_models", "bert-base-4stages.yaml")
+LARGE = os.path.join(ROOT, "pipefisher", "bundled", "cost_models", "bert-large-8stages.yaml")
 
 
 def kfac_keys(node, kind="cov_kron_A"):

@@ -8,7 +8,7 @@ import pytest
 
 from pipefisher.errors import InputError
 from pipefisher.safe_io import dump_json_atomic
-from pipefisher.staleness import (
+from pipefisher.cost.staleness import (
     STALENESS_FORMAT,
     Provenance,
     StalenessCurve,

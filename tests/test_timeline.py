@@ -8,7 +8,7 @@ import pytest
 
 from conftest import small_node
 from pipefisher.errors import InputError
-from pipefisher.timeline import (
+from pipefisher.schedule.timeline import (
     Interval, TimelineKey, expand_paths, format_time, job_from_dicts, load_job, natural_key,
 )
 
@@ -185,7 +185,7 @@ def test_every_published_and_profiled_job_still_loads() -> None:
 
     jobs = [case_timelines(c) for c in COMPAT_CASES]
     jobs += [sorted(str(p) for p in d.glob("*_timeline.pickle")) for d in (DATA / "profiles").iterdir()]
-    examples = Path(__file__).resolve().parent.parent / "pipefisher" / "data" / "examples"
+    examples = Path(__file__).resolve().parent.parent / "pipefisher" / "bundled" / "examples"
     jobs += [sorted(str(p) for p in d.glob("*_timeline.pickle")) for d in examples.glob("*") if d.is_dir()]
     assert len(jobs) >= 14
     for paths in jobs:
@@ -293,7 +293,7 @@ def _four_steps() -> dict:
 
 
 def test_median_step_takes_per_interval_medians_relative_to_each_step_start() -> None:
-    from pipefisher.timeline import median_step
+    from pipefisher.schedule.timeline import median_step
 
     raw = _four_steps()
     med = median_step(raw)
@@ -313,7 +313,7 @@ def test_median_step_keeps_order_and_nesting() -> None:
     """Medians of starts and of ends, taken separately, keep every order that holds in every step."""
     import random
 
-    from pipefisher.timeline import median_step
+    from pipefisher.schedule.timeline import median_step
 
     rng = random.Random(3)
     for _ in range(50):
@@ -343,7 +343,7 @@ def test_median_step_keeps_order_and_nesting() -> None:
 
 
 def test_median_step_falls_back_to_the_last_step_with_few_steps() -> None:
-    from pipefisher.timeline import _last_step, median_step
+    from pipefisher.schedule.timeline import _last_step, median_step
 
     raw = _four_steps()
     two = {k: v[len(v) // 2:] for k, v in raw.items()}  # steps 2 and 3: one left after the warm-up
@@ -362,7 +362,7 @@ def test_median_step_falls_back_to_the_last_step_with_few_steps() -> None:
 
 
 def test_median_step_keeps_odd_keys_last_slice_as_the_loader_would() -> None:
-    from pipefisher.timeline import median_step
+    from pipefisher.schedule.timeline import median_step
 
     raw = _four_steps()
     raw["inv_kron_A:l"] = [(2500, 2600)]  # fewer intervals than steps: the loader keeps them all

@@ -6,10 +6,10 @@ import json
 from click.testing import CliRunner
 
 from pipefisher.cli import main
-from pipefisher.plot import chart_from_job
+from pipefisher.outputs.plot import chart_from_job
+from pipefisher.outputs.trace import trace_events
+from pipefisher.schedule.timeline import job_from_dicts
 from pipefisher.sim import simulate_timelines, synthetic_model, write_timelines
-from pipefisher.timeline import job_from_dicts
-from pipefisher.trace import trace_events
 
 
 def test_trace_events_mirror_the_timelines():
@@ -41,10 +41,10 @@ def test_trace_file_is_compact_json_equal_to_the_events_and_the_cli_states_its_s
     import os
     import re
 
-    from pipefisher.plot import chart_from_schedule
+    from pipefisher.outputs.plot import chart_from_schedule
+    from pipefisher.outputs.trace import format_size, write_trace
     from pipefisher.policies import get_policy
-    from pipefisher.timeline import load_job
-    from pipefisher.trace import format_size, write_trace
+    from pipefisher.schedule.timeline import load_job
 
     model = synthetic_model(stages=3, micro_batches=6, layers_per_stage=1)
     paths = write_timelines(tmp_path, "bert-x_1f1b_m6", simulate_timelines(model)[0])

@@ -1,6 +1,6 @@
 """A mkdocs hook: the docstrings' Sphinx cross-reference roles shown as plain code in the API pages.
 
-The docstrings name things the Sphinx way (``:class:`~pipefisher.objective.Candidate```), which reads
+The docstrings name things the Sphinx way (``:class:`~pipefisher.cost.objective.Candidate```), which reads
 well in the source and in ``help()``; mkdocstrings renders them literally (``:class:`` and all). This
 keeps the name as code and drops the role, and a leading ``~`` keeps only the last dotted part, as
 Sphinx does.

@@ -52,11 +52,11 @@ class PipefisherGroup(click.Group):
 
 
 def margin_option(recorded: bool = False) -> Any:
-    """``--margin``: the room rule's margin (:mod:`pipefisher.problem`), one option for every command.
+    """``--margin``: the room rule's margin (:mod:`pipefisher.schedule.problem`), one option for every command.
 
     ``recorded``: for commands that read a schedule, whose metadata may record the margin it was packed
     under; the option then defaults to None (use the record)."""
-    from pipefisher.problem import DEFAULT_MARGIN
+    from pipefisher.schedule.problem import DEFAULT_MARGIN
 
     default = "the one recorded in FILE.meta.json beside the --schedule FILE, else " + f"{DEFAULT_MARGIN:g}" if recorded else None
     return click.option(
@@ -71,16 +71,16 @@ def margin_option(recorded: bool = False) -> Any:
 
 def staleness_option() -> Any:
     """``--staleness FILE|K:RATIO,...``: the job's staleness curve, one option for every command that packs
-    with the default policy (:func:`pipefisher.staleness.read_staleness` reads it)."""
-    from pipefisher.staleness import STALENESS_HELP
+    with the default policy (:func:`pipefisher.cost.staleness.read_staleness` reads it)."""
+    from pipefisher.cost.staleness import STALENESS_HELP
 
     return click.option("--staleness", default=None, metavar="FILE|K:RATIO,...", help=STALENESS_HELP)
 
 
 def staleness_for(text: str | None, policy: str | None) -> Any:
     """The curve ``--staleness`` gives (None without one), refused for a policy that does not weigh one."""
+    from pipefisher.cost.staleness import read_staleness
     from pipefisher.policies import DEFAULT_POLICY
-    from pipefisher.staleness import read_staleness
 
     if text is not None and (policy or DEFAULT_POLICY) != "target":
         raise InputError(None, f"--staleness applies to the 'target' policy only, not to '{policy}'")
@@ -93,7 +93,7 @@ def adapt_drift_option() -> Any:
     return click.option(
         "--adapt-drift", is_flag=True,
         help="with --adapt and no --staleness: let the curvature's drift set the K-FAC cycle k (the drift rule, "
-             "pipefisher.drift; fitted on configs/small.yaml with one seed and not yet validated on other jobs: "
+             "pipefisher.loop.drift; fitted on configs/small.yaml with one seed and not yet validated on other jobs: "
              "docs/adapt.md); without it --adapt keeps the packing's cycle")
 
 
@@ -139,12 +139,12 @@ def kept_until_exit() -> Iterator[None]:
     packed job is millions of tuples without cycles) stays alive until exit, so the collector's passes
     over it, the one at exit included, free nothing and only take time (a tenth of a big job's run):
     it is frozen. The collector stays off until then: the packers pause it anyway
-    (:func:`~pipefisher.policies.base.gc_paused`), and turned back on before the freeze, its first
+    (:func:`~pipefisher.schedule.packed.gc_paused`), and turned back on before the freeze, its first
     pass walks everything they allocated (some 60 ms of the heavy regression job's second)."""
     if not ENDS_WITH_COMMAND:
         yield
         return
-    from pipefisher.policies.base import gc_paused
+    from pipefisher.schedule.packed import gc_paused
 
     with gc_paused(freeze=True):
         yield

@@ -19,7 +19,7 @@ __all__ = ["check_fresh_outputs", "check_out_file", "check_out_folder", "check_p
 def check_profile_folder(folder: str | os.PathLike[str], name: str, rename: str = "--set name=NEW") -> None:
     """Refuse to profile into a folder that already holds node timelines under the same name: writing
     would replace them without a word (and a half-replaced set mixes two runs)."""
-    from pipefisher.timeline import node_file_prefix  # the one definition of the node files' names
+    from pipefisher.schedule.timeline import node_file_prefix  # the one definition of the node files' names
 
     folder = os.fspath(folder)
     if not os.path.isdir(folder):

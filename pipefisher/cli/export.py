@@ -32,7 +32,7 @@ def export_command(source: str, out_dir: str, force: bool) -> None:
     """
     require_runtime("export")
     from pipefisher.cli._outputs import check_out_folder
-    from pipefisher.runtime.train.export import check_out, export, find_checkpoint
+    from pipefisher.runtime.train.consolidate import check_out, export, find_checkpoint
 
     check_out_folder(out_dir, "--out")
     check_out(out_dir, force, find_checkpoint(source))  # bad paths: one line, before torch loads

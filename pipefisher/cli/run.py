@@ -174,7 +174,7 @@ def _interrupted(err: KeyboardInterrupt, run_dir: str, steps: int, paths: Any = 
     up left out, ``--name`` where the folder holds several runs' checkpoints)."""
     from pipefisher.cli.train import interrupted_message, resume_command
     from pipefisher.runtime.job.process import Interrupted
-    from pipefisher.runtime.train.export import run_checkpoint_folders
+    from pipefisher.runtime.train.consolidate import run_checkpoint_folders
 
     stop = err if isinstance(err, Interrupted) else Interrupted.of(err, "starting")
     paths = stop.paths if stop.paths is not None else paths

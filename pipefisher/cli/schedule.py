@@ -8,7 +8,7 @@ import click
 from pipefisher.cli._common import (check_overlap, kept_until_exit, margin_option, overlap_option, staleness_for,
                                     staleness_option)
 from pipefisher.cli.group import main
-from pipefisher.problem import DEFAULT_MARGIN
+from pipefisher.schedule.problem import DEFAULT_MARGIN
 
 
 def run_schedule(
@@ -29,18 +29,18 @@ def run_schedule(
     """Load, pack, report, then write the outputs; nothing is written unless everything before worked.
 
     Options and output folders are checked first, so a typo there refuses before any packing or report.
-    ``allow_mixed`` loads timelines that look like several jobs' (:func:`pipefisher.timeline.load_job`).
+    ``allow_mixed`` loads timelines that look like several jobs' (:func:`pipefisher.schedule.timeline.load_job`).
     ``overlap``: cycles may overlap (the policies that take the option: :func:`check_overlap`); None: the
     policy's default.
     """
     from pipefisher.cli._outputs import check_out_file
     from pipefisher.errors import InputError
-    from pipefisher.examples import example_timelines
+    from pipefisher.bundled import example_timelines
     from pipefisher.policies import DEFAULT_POLICY, get_policy, packs_overlapping
     from pipefisher.policies.packing import pack_job
-    from pipefisher.report import report_data, usage_lines, workload_lines
+    from pipefisher.outputs.report import report_data, usage_lines, workload_lines
     from pipefisher.safe_io import dump_json_atomic
-    from pipefisher.timeline import load_job
+    from pipefisher.schedule.timeline import load_job
 
     name = policy or DEFAULT_POLICY
     if time_limit is not None and name != "exact":
@@ -67,7 +67,7 @@ def run_schedule(
     for line in usage_lines(schedule, job):
         echo(line)
     if compare:
-        from pipefisher.report import compare_lines
+        from pipefisher.outputs.report import compare_lines
 
         others = [get_policy(name, overlap=overlap if packs_overlapping(name) else None).pack(job, margin)
                   for name in ("compat", DEFAULT_POLICY) if name != chosen.name]

@@ -13,21 +13,21 @@ from pipefisher.cli._common import margin_option, staleness_for, staleness_optio
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.errors import InputError
-from pipefisher.problem import DEFAULT_MARGIN
+from pipefisher.schedule.problem import DEFAULT_MARGIN
 
 DEFAULT_CONFIG = "bert-base-4stages"
 
 
 def bundled_config(name: str | None = None) -> str:
-    """Path of the cost model ``--config`` names: a file, or a model shipped in ``pipefisher/data/sim/``
+    """Path of the cost model ``--config`` names: a file, or a model shipped in ``pipefisher/bundled/cost_models/``
     (package data, so the defaults work in an installed package, not only in a clone)."""
-    from pipefisher.examples import cost_model_path
+    from pipefisher.bundled import cost_model_path
 
     return cost_model_path(name)
 
 
 def _config_help() -> str:
-    from pipefisher.examples import cost_model_names
+    from pipefisher.bundled import cost_model_names
 
     return (f"cost model: a YAML file, or a bundled one by name ({', '.join(cost_model_names())}) "
             f"[default: {DEFAULT_CONFIG}]")
@@ -36,7 +36,7 @@ def _config_help() -> str:
 def _cost_model(path: str) -> Any:
     """The cost model in ``path``; a run config given instead (both are YAML, both say ``--config``) is said
     to be one, with what this ``--config`` takes, rather than its sections listed as unknown keys."""
-    from pipefisher.examples import cost_model_names
+    from pipefisher.bundled import cost_model_names
     from pipefisher.runtime.job.config import is_run_config  # plain dataclasses, no torch
     from pipefisher.safe_io import load_yaml
     from pipefisher.sim import load_cost_model
@@ -151,8 +151,8 @@ def compare_rows(config: str, schedules: Sequence[str] | None, micro_batches: Se
     """One row per (schedule, micro-batch count): bubble fraction, K-FAC cycle length and usage; with the
     job's staleness curve (``target``), the expected time to the target relative to first-order too."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.schedule.timeline import job_from_dicts
     from pipefisher.sim import schedule_names, simulate_timelines
-    from pipefisher.timeline import job_from_dicts
 
     model = _cost_model(config).replace(stages=stages, kfac_scale=kfac_scale, latency_ms=latency_ms)
     chosen = get_policy(policy or DEFAULT_POLICY, staleness=staleness)
@@ -251,11 +251,11 @@ def _charts(paths: Sequence[str], policy: str | None, packed: bool, title: str |
             margin: float = DEFAULT_MARGIN, allow_mixed: bool = False, out: str | None = None,
             iterations: int | None = None, node: int | None = None, measured: str | None = None,
             step: int | None = None, staleness: str | None = None):
+    from pipefisher.bundled import example_timelines
     from pipefisher.cli._outputs import check_out_file
-    from pipefisher.examples import example_timelines
-    from pipefisher.plot import chart_from_job, chart_from_measured, chart_from_schedule
+    from pipefisher.outputs.plot import chart_from_job, chart_from_measured, chart_from_schedule
     from pipefisher.policies import DEFAULT_POLICY, get_policy
-    from pipefisher.timeline import load_job
+    from pipefisher.schedule.timeline import load_job
 
     if step is not None and measured is None:
         raise InputError(None, "--step applies to a measurements CSV: give --measured FILE.csv")
@@ -331,7 +331,7 @@ def plot_command(timelines: tuple[str, ...], out: str, packed: bool, policy: str
     over consecutive steps; a forward's or backward's wait for its input is drawn idle, and measured
     K-FAC work that overran its bubble is outlined red.
     """
-    from pipefisher.plot import render
+    from pipefisher.outputs.plot import render
 
     if os.path.splitext(out)[1].lower() not in (".png", ".svg"):
         raise InputError(out, "chart files must end in .png or .svg")
@@ -347,7 +347,7 @@ def trace_command(timelines: tuple[str, ...], out: str, packed: bool, policy: st
                   node: int | None = None, measured: str | None = None, step: int | None = None,
                   staleness: str | None = None) -> None:
     """Write TIMELINES (or their packed schedule, or --measured steps) as Chrome trace / Perfetto JSON (compact)."""
-    from pipefisher.trace import format_size, write_trace
+    from pipefisher.outputs.trace import format_size, write_trace
 
     write_trace(_charts(timelines, policy, packed, title, margin, allow_mixed, out, iterations, node, measured,
                         step, staleness), out)
@@ -363,14 +363,14 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
              staleness: str | None = None) -> dict[str, str]:
     """Simulate a bundled model, pack it, report, and write everything into ``out``. ``staleness``: the
     ``--staleness`` text (a curve file or ``k:ratio,...``); without it nothing predicts a time-to-target."""
-    from pipefisher.plot import chart_from_job, chart_from_schedule, render
+    from pipefisher.outputs.plot import chart_from_job, chart_from_schedule, render
+    from pipefisher.outputs.report import report_data, usage_lines
+    from pipefisher.outputs.trace import write_trace
     from pipefisher.policies import DEFAULT_POLICY, get_policy
-    from pipefisher.report import report_data, usage_lines
     from pipefisher.safe_io import dump_json_atomic, write_atomic
-    from pipefisher.schedule_file import save_schedule
+    from pipefisher.schedule.file import save_schedule
+    from pipefisher.schedule.timeline import load_job
     from pipefisher.sim import simulate_timelines, write_timelines
-    from pipefisher.timeline import load_job
-    from pipefisher.trace import write_trace
 
     from pipefisher.cli._outputs import check_out_folder
     from pipefisher.sim.simulator import default_prefix

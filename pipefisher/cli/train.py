@@ -82,11 +82,11 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
     from pipefisher.runtime.data.sources import describe_source
     from pipefisher.runtime.job.progress import phase
     from pipefisher.runtime.models.builders import check_builder
-    from pipefisher.runtime.pipeline.torch_api import check_engine
     from pipefisher.runtime.pipeline.checks import MISMATCH_FLAG, check_packed_for, load_checked_schedule
+    from pipefisher.runtime.pipeline.torch_api import check_engine
     from pipefisher.runtime.train.checkpoint import check_resumable, check_resume_config
     from pipefisher.runtime.train.optim import check_optimizer
-    from pipefisher.schedule_file import schedule_digest
+    from pipefisher.schedule.file import schedule_digest
 
     if resume is not None:  # the real reason first, before the corpus: a config the checkpoint's run did not have
         check_resume_config(resume, cfg)
@@ -220,14 +220,14 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         raise InputError("--staleness", "weighs the trials of --adapt (step time x the curve at k), and there is "
                                         "no --adapt; add --adapt, or drop --staleness")
     check_adapt_drift(adapt_drift, adapt, staleness)
+    from pipefisher.cost.staleness import curve_for_job, read_staleness, staleness_data
     from pipefisher.policies import DEFAULT_POLICY, get_policy
-    from pipefisher.staleness import curve_for_job, read_staleness, staleness_data
 
     read_staleness(staleness)  # a bad file: one line, before the config loads
     adapt_policy = adapt_policy or DEFAULT_POLICY
     if adapt:
         get_policy(adapt_policy)  # an unknown name: one line, before any worker starts
-        from pipefisher.schedule_file import schedule_overlap
+        from pipefisher.schedule.file import schedule_overlap
 
         if schedule_overlap(schedule_path):  # its return to the kept plan is checked without overlap
             raise InputError(schedule_path, "has overlapping cycles (its .meta.json), and --adapt's re-packs and "

@@ -46,12 +46,12 @@ def validate_command(schedule_path: str, room: bool, layout: str, margin: float 
     its input) form a cycle in some training step is reported as 'deadlock'.
     """
     from pipefisher.errors import InputError
-    from pipefisher.problem import DEFAULT_MARGIN
     from pipefisher.rules import validate
     from pipefisher.rules.groups import chimera_groups
-    from pipefisher.schedule_file import (load_schedule, schedule_kfac_margin, schedule_margin, schedule_overlap,
+    from pipefisher.schedule.problem import DEFAULT_MARGIN
+    from pipefisher.schedule.file import (load_schedule, schedule_kfac_margin, schedule_margin, schedule_overlap,
                                           schedule_timelines, timelines_mismatch)
-    from pipefisher.timeline import inflate_kfac, load_job
+    from pipefisher.schedule.timeline import inflate_kfac, load_job
 
     job = load_job(timelines, allow_mixed=allow_mixed)
     schedule = load_schedule(schedule_path)

@@ -1,7 +1,7 @@
 """K-FAC's curvature drift: at every refresh of a layer (once both of its factors went through ``inv``), how far
 the refresh moves its preconditioned gradient, ``||P_new(G) - P_old(G)||`` against ``||P_new(G)||`` with
 ``P(G) = B^-1 G A^-1`` and ``G`` the gradient it preconditioned last, and the same against the inverses of
-the refresh before (:mod:`pipefisher.drift` turns them into figures).
+the refresh before (:mod:`pipefisher.loop.drift` turns them into figures).
 
 It follows the refreshes as their :class:`pipefisher.kfac.refresher.RefreshListener`, reads the inverses
 through the refresher's public calls, and is handed each preconditioned gradient by the update
@@ -117,7 +117,7 @@ class DriftMeter:
     def take(self) -> list[tuple[Any, ...]]:
         """The drift measured since the last call, per completed refresh of a layer: ``(layer,
         ||P_new(G) - P_old(G)||^2, ||P_new(G) - P_older(G)||^2 or None, ||P_new(G)||^2)`` as 0-dim tensors
-        (read them where the runtime gathers anyway: :class:`pipefisher.runtime.train.drift.DriftLog`). A
+        (read them where the runtime gathers anyway: :class:`pipefisher.runtime.train.drift_log.DriftLog`). A
         refresh whose every new inverse turned out dishonest (passed over on the device, its findings not
         read yet) changed nothing and is no sample: its ``||P_new(G)||^2`` is NaN, and the reader drops it."""
         out, self._drift = self._drift, []

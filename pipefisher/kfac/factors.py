@@ -256,7 +256,7 @@ def drift_terms(new: torch.Tensor, old: torch.Tensor,
     second None without ``older``), as 0-dim tensors.
 
     Kept as tensors (no host sync where they are computed) and as squares, so that layers, stages and
-    replicas add up before a refresh's figures are formed (:mod:`pipefisher.drift`)."""
+    replicas add up before a refresh's figures are formed (:mod:`pipefisher.loop.drift`)."""
     new = new.float()
     far = None if older is None else (new - older.float()).square().sum()
     return (new - old.float()).square().sum(), far, new.square().sum()

@@ -1,19 +1,19 @@
 """Packing policies, by name: a policy takes a loaded job and returns per-node schedules and figures.
 Packing only: what a packed schedule must satisfy is :mod:`pipefisher.rules`, which the policies call
 (to align sync groups, to check their own output) and never redefine. What a policy returns is
-:mod:`pipefisher.policies.base`, a layer below the policies, since measurements and objectives read it.
+:mod:`pipefisher.schedule.packed`, below the policies, since measurements, objectives and schedule files read it.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from pipefisher.errors import InputError
-from pipefisher.policies.base import JobSchedule, NodeFigures, NodeSchedule, Placement, Policy
 from pipefisher.policies.bestfit import BestFitPolicy
 from pipefisher.policies.compat import CompatPolicy
 from pipefisher.policies.exact import ExactPolicy
 from pipefisher.policies.target import TargetPolicy
 from pipefisher.policies.tight import TightPolicy
+from pipefisher.schedule.packed import JobSchedule, NodeFigures, NodeSchedule, Placement, Policy
 
 POLICIES: dict[str, type[Policy]] = {
     CompatPolicy.name: CompatPolicy,
@@ -36,7 +36,7 @@ def get_policy(name: str, **options: Any) -> Policy:
     an unknown name, or an option the policy does not take, is an input error.
 
     Options: ``time_limit`` (seconds per job) for ``exact``; ``staleness`` (a
-    :class:`pipefisher.objective.StalenessCurve` or its text) and ``slowdown`` for ``target``; the other
+    :class:`pipefisher.cost.objective.StalenessCurve` or its text) and ``slowdown`` for ``target``; the other
     policies take none.
     ``exact`` without OR-Tools installed is an input error that says how to install it.
     """

@@ -10,8 +10,8 @@ their steps in the same order. This module takes the packed members of a group a
    packings had them, by the latest time over members), each member appending the label at the earliest
    gap between pipeline items (or the iteration's tail) that is not before its dependencies (a sync after
    all its factor's pieces on that node, an inverse after its sync) nor before the member's previous
-   shared label, and that still has room by the problem's room rule (:func:`pipefisher.problem.fits`); work that fits no
-   bubble goes to a tail, as overflow. All members use the same iteration and the same side of
+   shared label, and that still has room by the problem's room rule
+   (:func:`pipefisher.schedule.problem.fits`); work that fits no bubble goes to a tail, as overflow. All members use the same iteration and the same side of
    ``-- end --``: the latest any member needs, bumped (adding pipeline-only iterations when needed)
    until every member has room there, and, for an inverse before the end, until it cannot deadlock;
 4. drop trailing iterations that hold no K-FAC work on any member, and recompute placements and figures.
@@ -37,12 +37,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pipefisher.policies.base import NodeFigures, NodeSchedule, Placement
-from pipefisher.problem import DEFAULT_MARGIN, NodeModel, fits, node_model
-from pipefisher.rules.format import END, MARKERS, SAVE_OFF, SAVE_ON, START
 from pipefisher.rules.groups import Group, identity, is_shared
 from pipefisher.rules.waits import Clock, call_clock, deadlock_violations, layer_of
-from pipefisher.timeline import Job, Time, TimelineKey
+from pipefisher.schedule.format import END, MARKERS, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.packed import NodeFigures, NodeSchedule, Placement
+from pipefisher.schedule.problem import DEFAULT_MARGIN, NodeModel, fits, node_model
+from pipefisher.schedule.timeline import Job, Time, TimelineKey
 
 Item = tuple[str, int]  # (identity, occurrence): one shared label of the cycle, as all members know it
 Position = tuple[int, int]  # (iteration, region)

@@ -1,7 +1,7 @@
 """The ``best-fit`` policy: the plainest greedy packing, a baseline every other policy must match.
 
 Bubble by bubble, in time order, iteration after iteration: put the largest ready item that still fits
-(the room rule of :mod:`pipefisher.problem`) at the bubble's current time; repeat until nothing ready
+(the room rule of :mod:`pipefisher.schedule.problem`) at the bubble's current time; repeat until nothing ready
 fits, then go to the next bubble. Work that fits no bubble of the node waits for the end of an
 iteration, after its last pipeline item (forced overflow). Ready means the dependency rules allow it
 now: a covariance piece after its forward or backward of the first iteration (and after the pieces
@@ -16,12 +16,12 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right, insort
 
 from pipefisher.policies.align import align_groups
-from pipefisher.policies.base import JobSchedule, Policy, gc_paused
 from pipefisher.policies.bounds import fittable_work, model_bounds, placed_time, sure_to_reach
 from pipefisher.policies.cycle import Packed, node_schedule, start_walk
-from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, node_model
 from pipefisher.rules.groups import job_groups
-from pipefisher.timeline import Job, Time
+from pipefisher.schedule.packed import JobSchedule, Policy, gc_paused
+from pipefisher.schedule.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, node_model
+from pipefisher.schedule.timeline import Job, Time
 
 
 def pack_best_fit(model: NodeModel, max_iterations: int = 1 << 20, later_first: bool = False,

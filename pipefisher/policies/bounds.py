@@ -1,6 +1,6 @@
 """Lower bounds on a node's curvature refresh interval (pipeline iterations per K-FAC cycle).
 
-Bounds on the problem of :mod:`pipefisher.problem`, under its room rule with the same margin: no
+Bounds on the problem of :mod:`pipefisher.schedule.problem`, under its room rule with the same margin: no
 schedule that ``pipefisher validate`` accepts (with that margin) has fewer iterations. Such a schedule
 puts all work that fits some bubble into the cycle's bubbles, k copies of the node's per-iteration
 bubbles (only work that fits none may overflow). These facts bound k from below, whatever the order
@@ -38,8 +38,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, fits
-from pipefisher.timeline import Time
+from pipefisher.schedule.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, fits
+from pipefisher.schedule.timeline import Time
 
 _SLACK = 1e-9  # floats: keep every bound valid when a ratio lands on a whole number by rounding
 MAX_THRESHOLDS = 64  # distinct item sizes tried by the size-class and counting bounds (largest first)

@@ -23,11 +23,11 @@ from operator import neg
 from typing import Any, Iterable, Sequence
 
 from pipefisher.errors import InputError
-from pipefisher.policies.base import (JobSchedule, NodeFigures, NodeSchedule, Placement, Policy, gc_paused,
-                                      split_iterations)
-from pipefisher.problem import DEFAULT_MARGIN, check_margin
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START, PIPELINE_CATEGORIES, label_category
-from pipefisher.timeline import BACKWARD, COV_KINDS, FORWARD, KFAC_KINDS, Job, NodeTimeline, Time
+from pipefisher.schedule.packed import (JobSchedule, NodeFigures, NodeSchedule, Placement, Policy, gc_paused,
+                                        split_iterations)
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START, PIPELINE_CATEGORIES, label_category
+from pipefisher.schedule.problem import DEFAULT_MARGIN, check_margin
+from pipefisher.schedule.timeline import BACKWARD, COV_KINDS, FORWARD, KFAC_KINDS, Job, NodeTimeline, Time
 
 INF = float("inf")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pipefisher.timeline import BACKWARD, FORWARD, KFAC_KINDS, COV_KINDS, Job, NodeTimeline
+from pipefisher.schedule.timeline import BACKWARD, FORWARD, KFAC_KINDS, COV_KINDS, Job, NodeTimeline
 
 MARGIN = 0.05
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import Callable
 
-from pipefisher.policies.base import LazyPlacements, NodeFigures, NodeSchedule, Placement
 from pipefisher.policies.bounds import NodeBounds
-from pipefisher.problem import COV, NodeModel
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
-from pipefisher.timeline import Time
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.packed import LazyPlacements, NodeFigures, NodeSchedule, Placement
+from pipefisher.schedule.problem import COV, NodeModel
+from pipefisher.schedule.timeline import Time
 
 
 @dataclass
@@ -24,7 +24,8 @@ class Packed:
     iterations: int
     in_bubbles: list[list[tuple[int, str, Time, Time]]]  # per iteration: (bubble, label, start, end)
     overflow: list[list[tuple[str, Time]]]  # per iteration: (label, duration), after the last pipeline item
-    overlap: bool = False  # some refresh pieces lie before their factor's completion (:mod:`pipefisher.problem`)
+    # some refresh pieces lie before their factor's completion (:mod:`pipefisher.schedule.problem`)
+    overlap: bool = False
 
 
 def start_walk(model: NodeModel, factor_done: Callable[[int], None], queue_ready: Callable[[int], None]) -> None:

@@ -40,12 +40,12 @@ from typing import Any
 
 from pipefisher.errors import InputError, install_hint
 from pipefisher.policies.align import align_groups
-from pipefisher.policies.base import JobSchedule, NodeSchedule, Policy, gc_paused
 from pipefisher.policies.bounds import model_bounds
 from pipefisher.policies.cycle import Packed, node_schedule
-from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, fits, node_model
 from pipefisher.rules.groups import job_groups
-from pipefisher.timeline import Job, NodeTimeline, Time
+from pipefisher.schedule.packed import JobSchedule, NodeSchedule, Policy, gc_paused
+from pipefisher.schedule.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, fits, node_model
+from pipefisher.schedule.timeline import Job, NodeTimeline, Time
 
 MISSING_ORTOOLS = "the 'exact' policy needs OR-Tools: " + install_hint("exact")
 FLOAT_SCALE = 1e9  # float timelines are in seconds (or so): count them in nanoseconds

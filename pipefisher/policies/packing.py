@@ -3,7 +3,7 @@
 ``pipefisher run``, ``pipefisher schedule`` and :func:`pipefisher.runtime.torch_pp.wrap` all pack through
 :func:`pack_job`, check by :attr:`Packing.violations` (``run`` and ``wrap``: ``schedule`` leaves that to
 ``validate``) and write through :meth:`Packing.save`, so each records the same metadata beside its
-schedule (:func:`pipefisher.schedule_file.save_schedule`): the margins, the timelines, and
+schedule (:func:`pipefisher.schedule.file.save_schedule`): the margins, the timelines, and
 ``packed_for``, the job it fits (what the timelines say, plus the run config's shape where the caller
 knows it). Torch-free: the scheduling path uses it.
 """
@@ -14,10 +14,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from pipefisher.policies.base import JobSchedule, Policy
 from pipefisher.rules import Violation, validate
-from pipefisher.schedule_file import job_layout, save_schedule
-from pipefisher.timeline import Job, inflate_kfac
+from pipefisher.schedule.file import job_layout, save_schedule
+from pipefisher.schedule.packed import JobSchedule, Policy
+from pipefisher.schedule.timeline import Job, inflate_kfac
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Packing:
 
 def pack_job(job: Job, packer: Policy, margin: float, *, kfac_margin: float = 1.0) -> Packing:
     """Pack ``job`` with its K-FAC times x ``kfac_margin`` (slack for work that runs slower than
-    profiled, :func:`pipefisher.timeline.inflate_kfac`) by ``packer`` under the room rule's ``margin``;
+    profiled, :func:`pipefisher.schedule.timeline.inflate_kfac`) by ``packer`` under the room rule's ``margin``;
     :attr:`Packing.violations` checks it."""
     timelines = [n.path for n in job.nodes]
     job = inflate_kfac(job, kfac_margin)

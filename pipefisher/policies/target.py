@@ -4,8 +4,8 @@
 tool's goal, and a fine one when the K-FAC work costs exactly its profiled time. It does not: work
 packed densely into bubbles runs longer and delays the pipeline, and the end-of-step preconditioning
 is paid every step. ``target`` packs ``tight`` at its margin and at sparser ones
-(:data:`pipefisher.objective.DENSITIES`), evaluates each schedule's expected step time, and chooses
-(:func:`pipefisher.objective.tradeoff`): with the job's staleness curve, the least expected
+(:data:`pipefisher.cost.objective.DENSITIES`), evaluates each schedule's expected step time, and chooses
+(:func:`pipefisher.cost.objective.tradeoff`): with the job's staleness curve, the least expected
 time-to-target relative to first-order; without one, by planned step time alone, by a rule that needs
 no curve. Every candidate is a ``tight`` schedule, so it is dependency-correct under the margin it was
 packed at, which is at least the one asked for.
@@ -16,10 +16,10 @@ import dataclasses
 from functools import partial
 from typing import Iterator, Sequence
 
-from pipefisher.policies.base import JobSchedule, Policy, gc_paused
+from pipefisher.schedule.packed import JobSchedule, Policy, gc_paused
 from pipefisher.policies.tight import OVERLAP_BY_DEFAULT, TightPolicy
-from pipefisher.problem import DEFAULT_MARGIN
-from pipefisher.timeline import Job
+from pipefisher.schedule.problem import DEFAULT_MARGIN
+from pipefisher.schedule.timeline import Job
 
 
 def cycle_bound(job: Job, margin: float, order: Sequence[int], overlap: bool = OVERLAP_BY_DEFAULT) -> Iterator[int]:
@@ -29,7 +29,7 @@ def cycle_bound(job: Job, margin: float, order: Sequence[int], overlap: bool = O
     the first few costs only theirs. ``overlap``: in every valid overlapping schedule (the bounds of the
     problem ``tight`` then solves)."""
     from pipefisher.policies.bounds import model_bounds
-    from pipefisher.problem import node_model
+    from pipefisher.schedule.problem import node_model
 
     for i in order:
         yield model_bounds(node_model(job.nodes[i], job.span, margin, overlap), first_iteration=False).tight
@@ -45,12 +45,12 @@ class TargetPolicy(Policy):
 
     def __init__(self, staleness: object = None, slowdown: float | None = None, max_cycle: int | None = None,
                  overlap: bool = OVERLAP_BY_DEFAULT) -> None:
-        """``staleness``: the job's :class:`~pipefisher.staleness.StalenessCurve` (or its text: a file or
+        """``staleness``: the job's :class:`~pipefisher.cost.staleness.StalenessCurve` (or its text: a file or
         ``k:ratio,...``), None for none; ``max_cycle``: the run's length in steps, where known (no
         schedule whose cycle the run does not complete is chosen); ``overlap``: ``tight``'s (cycles
         may overlap)."""
-        from pipefisher.objective import DEFAULT_SLOWDOWN
-        from pipefisher.staleness import StalenessCurve, read_staleness
+        from pipefisher.cost.objective import DEFAULT_SLOWDOWN
+        from pipefisher.cost.staleness import StalenessCurve, read_staleness
 
         if isinstance(staleness, str):
             staleness = read_staleness(staleness)
@@ -62,7 +62,7 @@ class TargetPolicy(Policy):
         self.overlap = bool(overlap)
 
     def pack(self, job: Job, margin: float = DEFAULT_MARGIN) -> JobSchedule:
-        from pipefisher.objective import tradeoff
+        from pipefisher.cost.objective import tradeoff
 
         with gc_paused():  # what it allocates never forms cycles; the packed candidates are millions of tuples
             weighed = tradeoff(job, TightPolicy(self.overlap).pack, margin, self.staleness, self.slowdown,

@@ -1,6 +1,6 @@
 """The ``tight`` policy: dependency-correct K-FAC packing, close to the lower bound, fast at scale.
 
-Each node is packed on its own model (:mod:`pipefisher.problem`): its bubbles, the same in every
+Each node is packed on its own model (:mod:`pipefisher.schedule.problem`): its bubbles, the same in every
 iteration, and its work items (covariance queues of m pieces per interval, syncs, inverses).
 Dependencies, from the format spec: in the first iteration, covariance piece q may only follow
 forward (A) / backward (B) ``q mod m`` of its pipe; a sync follows all pieces of its factor; an
@@ -31,15 +31,15 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from pipefisher.policies.align import align_groups
-from pipefisher.policies.base import JobSchedule, NodeFigures, NodeSchedule, Policy, gc_paused, split_iterations
 from pipefisher.policies.bestfit import pack_best_fit
+from pipefisher.schedule.packed import JobSchedule, NodeFigures, NodeSchedule, Policy, gc_paused, split_iterations
 from pipefisher.policies.bounds import (NodeBounds, fittable_work, model_bounds, placed_time, sure_to_reach,
                                          with_first_iteration)
 from pipefisher.policies.cycle import Packed, node_schedule, start_walk
-from pipefisher.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, fits, node_model
-from pipefisher.rules.format import PIPELINE_CATEGORIES, label_category
 from pipefisher.rules.groups import job_groups
-from pipefisher.timeline import KFAC_KINDS, Job, NodeTimeline, Time
+from pipefisher.schedule.format import PIPELINE_CATEGORIES, label_category
+from pipefisher.schedule.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, fits, node_model
+from pipefisher.schedule.timeline import KFAC_KINDS, Job, NodeTimeline, Time
 
 
 
@@ -330,7 +330,7 @@ def _overlap_into_earlier(model: NodeModel, in_bubbles: list[list[tuple[int, str
     """Place the refresh pieces ``left`` (per factor, its pieces not yet placed, in order) into the room
     the walked iterations left, each before its factor's completion (``done_at``: iteration and bubble;
     the bubble count for its overflow): in an overlapping cycle they are the previous refresh's last
-    pieces (:mod:`pipefisher.problem`). Bubbles in time order, each filled after its own work with the
+    pieces (:mod:`pipefisher.schedule.problem`). Bubbles in time order, each filled after its own work with the
     largest next piece that fits (the room rule, as ``validate`` measures it). All of them or nothing:
     True where they all went in (``in_bubbles`` then holds them), else ``in_bubbles`` is unchanged."""
     work, bubbles, margin = model.work, model.bubbles, model.margin
@@ -811,7 +811,7 @@ def pack_node(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN, pr
     fixed-length construction for every k from the bound up, and the published packer's cycle where
     it is valid and honest. With ``prune`` (``False`` only to test that it changes nothing), each
     candidate after the first is told the best cycle so far and gives up once it cannot be shorter.
-    ``overlap``: the problem of overlapping cycles (:mod:`pipefisher.problem`): the greedy walks may put
+    ``overlap``: the problem of overlapping cycles (:mod:`pipefisher.schedule.problem`): the greedy walks may put
     refresh pieces before their factor's completion, and the bounds are that problem's.
     """
     model = node_model(node, span, margin, overlap)
@@ -960,7 +960,7 @@ class TightPolicy(Policy):
 
     def __init__(self, overlap: bool = OVERLAP_BY_DEFAULT) -> None:
         """``overlap``: cycles may overlap (a refresh's pieces run on into the next cycle's first
-        iterations, :mod:`pipefisher.problem`); the schedule's metadata then says so."""
+        iterations, :mod:`pipefisher.schedule.problem`); the schedule's metadata then says so."""
         self.overlap = bool(overlap)
 
     def pack(self, job: Job, margin: float = DEFAULT_MARGIN,

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from pipefisher.problem import cov_source, source_call
-from pipefisher.rules.format import END, MARKERS, SAVE_OFF, SAVE_ON, START
 from pipefisher.rules.violations import Violation
-from pipefisher.timeline import COV_KINDS, NodeTimeline, TimelineKey
+from pipefisher.schedule.format import END, MARKERS, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.problem import cov_source, source_call
+from pipefisher.schedule.timeline import COV_KINDS, NodeTimeline, TimelineKey
 
 
 def _layer_key(key: TimelineKey) -> tuple[str | None, bool, int]:
@@ -22,7 +22,7 @@ def _layer_key(key: TimelineKey) -> tuple[str | None, bool, int]:
 
 def dependency_violations(node_index: int, node: NodeTimeline, iterations: Sequence[Sequence[str]],
                           needs: str = "the timeline asks for", overlap: bool = False) -> list[Violation]:
-    """Every violation of the problem's rules (:mod:`pipefisher.problem`) in one node's cycle: markers,
+    """Every violation of the problem's rules (:mod:`pipefisher.schedule.problem`) in one node's cycle: markers,
     counts, and every K-FAC piece after the work it depends on. ``needs`` says where the counts come
     from in a work-count message (the runtime checks its own step as ``node``). ``overlap``: the cycle
     overlaps the next (schedule metadata ``"overlap": true``): an inverse label may also come before its

@@ -14,9 +14,9 @@ from __future__ import annotations
 from itertools import zip_longest
 from typing import Iterable, Sequence
 
-from pipefisher.rules.format import END
 from pipefisher.rules.violations import Violation
-from pipefisher.timeline import UP_SUFFIX, Job
+from pipefisher.schedule.format import END
+from pipefisher.schedule.timeline import UP_SUFFIX, Job
 
 Group = tuple[int, ...]
 SHARED_PREFIXES = ("sync_kron_", "inv_kron_")

@@ -1,7 +1,7 @@
 """The room rule on a schedule: K-FAC work fits, with its margin, where its labels place it.
 
 The rule itself (an item of length ``d`` fits ``(1 + margin) d < room``) is stated once in
-:mod:`pipefisher.problem`; this module checks a schedule's labels against it, measuring every item as
+:mod:`pipefisher.schedule.problem`; this module checks a schedule's labels against it, measuring every item as
 the packers do, so that the check and the packers agree to the last bit.
 """
 from __future__ import annotations
@@ -11,14 +11,14 @@ from collections import defaultdict
 from itertools import accumulate
 from typing import Sequence
 
-from pipefisher.problem import DEFAULT_MARGIN, fits, node_model, pieces_before_completion
 from pipefisher.rules.violations import Violation
-from pipefisher.timeline import NodeTimeline, Time, format_time
+from pipefisher.schedule.problem import DEFAULT_MARGIN, fits, node_model, pieces_before_completion
+from pipefisher.schedule.timeline import NodeTimeline, Time, format_time
 
 
 def room_violations(node_index: int, node: NodeTimeline, iterations: Sequence[Sequence[str]], span: Time,
                     margin: float = DEFAULT_MARGIN, overlap: bool = False) -> list[Violation]:
-    """Every violation of the room rule of :mod:`pipefisher.problem`, on the labels between two pipeline items.
+    """Every violation of the room rule of :mod:`pipefisher.schedule.problem`, on the labels between two pipeline items.
 
     The K-FAC work labelled between two pipeline items runs back to back from the end of the first
     (the latest end of the pipeline items so far); each item must fit with its margin before the

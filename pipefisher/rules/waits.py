@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from pipefisher.pipeline_orders import device_of_stage, stage_on
-from pipefisher.rules.format import END
 from pipefisher.rules.groups import group_order_violations, identity
 from pipefisher.rules.violations import Violation
-from pipefisher.timeline import TimelineKey
+from pipefisher.schedule.format import END
+from pipefisher.schedule.timeline import TimelineKey
 
 _CALLS = {"call_forward": "F", "call_backward": "B"}
 MAX_STEPS = 4096

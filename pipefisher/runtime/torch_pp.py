@@ -44,16 +44,16 @@ import torch.distributed as dist
 
 from pipefisher.errors import InputError
 from pipefisher.policies import DEFAULT_POLICY
-from pipefisher.problem import DEFAULT_MARGIN
+from pipefisher.runtime.job.config import KfacConfig, config_from_dict
 from pipefisher.runtime.pipeline import torch_api
 from pipefisher.runtime.pipeline.buckets import GradientBuckets
 from pipefisher.runtime.pipeline.copies import StageCopiesKFAC
-from pipefisher.runtime.job.config import KfacConfig, config_from_dict
 from pipefisher.runtime.pipeline.executor import ScheduleExecutor, plain_step
 from pipefisher.runtime.pipeline.torch_engine import TorchEngine
 from pipefisher.runtime.train.profiler import Profiler, timeline_filename
 from pipefisher.runtime.train.update import clip_kl, kfac_from_config
-from pipefisher.timeline import UPDATE_KEY
+from pipefisher.schedule.problem import DEFAULT_MARGIN
+from pipefisher.schedule.timeline import UPDATE_KEY
 
 __all__ = ["KfacPipeline", "check_folder", "kfac_settings", "schedule_file", "wrap"]
 
@@ -214,7 +214,7 @@ class KfacPipeline:
     def _packed(self, ranks: int) -> Any:
         """Rank 0: the schedule packed from every rank's profile, checked and saved; or why not (one line)."""
         from pipefisher.policies.packing import pack_job
-        from pipefisher.timeline import load_job
+        from pipefisher.schedule.timeline import load_job
 
         timelines = [os.path.join(self.folder, timeline_filename(self.name, r)) for r in range(ranks)]
         packing = pack_job(load_job(timelines), self.packer, self.margin)

@@ -1,7 +1,7 @@
 """Cost models: how long forwards, backwards, K-FAC work and point-to-point sends take.
 
-A cost model is a YAML file (see the bundled ones in ``pipefisher/data/sim/``) or built in code. Times in the file are
-milliseconds (as the published measurements are); the simulator works in integer nanoseconds.
+A cost model is a YAML file (see the bundled ones in ``pipefisher/bundled/cost_models/``) or built in code.
+Times in the file are milliseconds (as the published measurements are); the simulator works in integer nanoseconds.
 
 Pipeline costs are given either per transformer layer (``layer: {forward_ms, backward_ms}`` with
 ``layers``, split evenly over the stages) or per stage (``stage: {forward_ms: [...], backward_ms:

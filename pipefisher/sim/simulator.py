@@ -8,9 +8,9 @@ names them, with a fused call's end in place of an operation inside it). Times a
 After the pipeline, each node runs the naive K-FAC phase a real profiled step has: covariance A and B
 of every module (over all micro-batches), then the all-reduce of every factor, then every inverse;
 then, where the cost model gives them, the step's end as the runtime profiles it (the curvature
-refresh comes before the update there too): one :data:`~pipefisher.timeline.UPDATE_KEY` interval of
+refresh comes before the update there too): one :data:`~pipefisher.schedule.timeline.UPDATE_KEY` interval of
 the node's layer copies x (``block_prec_ms`` + ``block_update_ms``), with the preconditioning
-(layer copies x ``block_prec_ms``) as a :data:`~pipefisher.timeline.PRECONDITION_KEY` interval at its
+(layer copies x ``block_prec_ms``) as a :data:`~pipefisher.schedule.timeline.PRECONDITION_KEY` interval at its
 start, inside it. A model without either writes neither key. The result is one ``dict[str, list[(start, end)]]`` per node in the profiled format, so
 ``pipefisher schedule`` packs it exactly like a profile.
 
@@ -26,7 +26,7 @@ Mapping choices (see also the format spec):
   chunk 0's output to its own chunk 1 (no latency). Its W passes are written as ZB-H1's.
 - ZB-H1 (and ZB-V): ``call_backward`` is the input-gradient pass B. A weight-gradient pass W that directly
   follows its own B is merged into that interval (so node 0 looks like 1F1B); a deferred W is written
-  under :func:`pipefisher.timeline.weight_key` (``call_backward:weight`` plus the pipe's or chunk's
+  under :func:`pipefisher.schedule.timeline.weight_key` (``call_backward:weight`` plus the pipe's or chunk's
   suffix): pipeline work, which every policy and ``validate`` keep K-FAC out of (the problem's one
   list of pipeline keys), but not a micro-batch (m counts forwards) and not the backward that factor
   B's covariance pieces follow (that is B).
@@ -48,10 +48,10 @@ from typing import Sequence
 from pipefisher.errors import InputError
 from pipefisher.pipeline_orders import (BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op, PipelineSchedule, canonical_name,
                                         default_chunks, generate, stage_on)
+from pipefisher.schedule.timeline import BACKWARD as BACKWARD_KEY, FORWARD as FORWARD_KEY
 from pipefisher.sim.costs import NS_PER_MS, CostModel, ModuleCost
-from pipefisher.timeline import BACKWARD as BACKWARD_KEY, FORWARD as FORWARD_KEY
-from pipefisher.timeline import (PRECONDITION_KEY, UP_SUFFIX, UPDATE_KEY, chunk_suffix, pipe_key, split_evenly,
-                                 weight_key)
+from pipefisher.schedule.timeline import (PRECONDITION_KEY, UP_SUFFIX, UPDATE_KEY, chunk_suffix, pipe_key, split_evenly,
+                                          weight_key)
 
 Timelines = list[dict[str, list[tuple[int, int]]]]
 

@@ -7,7 +7,7 @@ from pipefisher.sim.costs import CostModel, ModuleCost
 from pipefisher.sim.simulator import Timelines, simulate_timelines
 
 # BERT-Base-like per-layer costs (ms) from the P100 bs=32 row of the published block measurements
-# (see pipefisher/data/sim/bert-base-4stages.yaml for the derivation of the per-module split).
+# (see pipefisher/bundled/cost_models/bert-base-4stages.yaml for the derivation of the per-module split).
 _LAYER_FORWARD_MS = 9.748
 _LAYER_BACKWARD_MS = 16.450
 _BERT_MODULES = (  # name, in, out

@@ -98,10 +98,10 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     schedule stays in the run folder with its chart and report, for inspection. Returns the packed
     schedule and the report (not yet written), which holds the schedule's planned overhead per step.
     """
-    from pipefisher.objective import aligned_from, step_cost
-    from pipefisher.plot import chart_from_schedule, render
+    from pipefisher.cost.objective import aligned_from, step_cost
+    from pipefisher.outputs.plot import chart_from_schedule, render
     from pipefisher.policies.packing import pack_job
-    from pipefisher.report import report_data, usage_lines
+    from pipefisher.outputs.report import report_data, usage_lines
     from pipefisher.runtime.pipeline.checks import packed_for
     from pipefisher.safe_io import dump_json_atomic
 
@@ -154,9 +154,9 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
             eval_every: int = 0, echo: Callable[[str], None] | None = None, margin: float | None = None,
             adapt: bool = False, tensorboard: str | None = None, staleness: Any = None,
             adapt_drift: bool = False, overlap: bool | None = None) -> RunPaths:
-    """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.timeline.median_step`),
+    """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.schedule.timeline.median_step`),
     pack them with ``policy`` (K-FAC times x ``kfac_margin``,
-    room rule with ``margin``, :mod:`pipefisher.problem`),
+    room rule with ``margin``, :mod:`pipefisher.schedule.problem`),
     say the usage report (to ``echo``, as every line of the run; default: logged), refuse a schedule
     that ``validate`` rejects (unless ``allow_invalid``) or that the runtime cannot run (always; both
     leave the schedule, chart and report in the run folder),
@@ -164,18 +164,18 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     trains, :mod:`pipefisher.runtime.train.adapt`; without a curve at the packing's cycle, unless
     ``adapt_drift`` lets the drift rule set it; with ``tensorboard``, TensorBoard logs of the training
     in that folder); returns the paths. ``staleness``: the job's
-    :class:`~pipefisher.staleness.StalenessCurve` (None: none), for the ``target`` policy, which also
+    :class:`~pipefisher.cost.staleness.StalenessCurve` (None: none), for the ``target`` policy, which also
     chooses among the cycles the run's ``steps`` complete, and for ``adapt``. Where no packing's cycle
     (sync groups aligned) fits the run, it stops before training and says how many steps it needs.
-    ``overlap``: the policy may let a refresh's pieces run on into the next cycle (:mod:`pipefisher.problem`;
+    ``overlap``: the policy may let a refresh's pieces run on into the next cycle (:mod:`pipefisher.schedule.problem`;
     None: the policy's default); with ``adapt`` never (its re-packs do not overlap yet), said in one line."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy, packs_overlapping
-    from pipefisher.problem import DEFAULT_MARGIN
+    from pipefisher.schedule.problem import DEFAULT_MARGIN
     from pipefisher.runtime.train.profiler import timeline_filename
     from pipefisher.runtime.train.trainer import TrainOptions
     from pipefisher.safe_io import dump_json_atomic, write_atomic
-    from pipefisher.staleness import staleness_data
-    from pipefisher.timeline import load_job
+    from pipefisher.cost.staleness import staleness_data
+    from pipefisher.schedule.timeline import load_job
 
     warn, echo = echo or logger.warning, echo or logger.info
     policy = policy or DEFAULT_POLICY
@@ -343,7 +343,7 @@ def training_summary(paths: RunPaths, figures: dict[str, list[float]] | None, st
 def find_run(folder: str, name: str | None = None) -> RunPaths:
     """The run in the run folder ``folder`` (``pipefisher run --out``) that ``--resume`` continues: the
     one named ``name``, else the only one there with checkpoints; one line says what is missing."""
-    from pipefisher.runtime.train.export import run_checkpoint_folders
+    from pipefisher.runtime.train.consolidate import run_checkpoint_folders
 
     if not os.path.isdir(folder):
         raise InputError(folder, "is not a run folder (no such folder); --resume takes the --out folder of a run")
@@ -368,7 +368,7 @@ def resume_job(cfg: RunConfig, paths: RunPaths, *, steps: int, nproc: int, optio
     given anew); the metrics and report go on where they were. The caller has checked the checkpoint.
     Its lines go to ``echo`` (default: logged)."""
     from pipefisher.safe_io import dump_json_atomic
-    from pipefisher.schedule_file import read_schedule_meta
+    from pipefisher.schedule.file import read_schedule_meta
 
     echo = echo or logger.info
     meta = read_schedule_meta(paths.schedule) or {}

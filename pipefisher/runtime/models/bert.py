@@ -10,7 +10,7 @@ The model is transformers' ``BertForMaskedLM`` without token types (:func:`trans
 :func:`to_transformers`), so ``pipefisher export`` writes it as a folder ``AutoModelForMaskedLM`` loads.
 
 With ``model.pretrained`` the stage starts from the weights ``pipefisher export`` wrote
-(:mod:`pipefisher.runtime.train.export`): a folder holding ``config.json`` (the model section it was
+(:mod:`pipefisher.runtime.train.consolidate`): a folder holding ``config.json`` (the model section it was
 trained with, under ``pipefisher``; ``model`` in older exports) and ``model.safetensors`` (or
 ``model.pt``), or such a weights file alone, under transformers' names or this module's. The run
 config's model section must describe that model (:data:`PRETRAINED_KEYS`); a mismatch is refused in

@@ -23,14 +23,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from pipefisher.errors import InputError
 from pipefisher.rules.dependencies import dependency_violations
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START, ScheduleData, check_schedule_data
 from pipefisher.rules.groups import chimera_groups
 from pipefisher.rules.waits import group_violations
 from pipefisher.runtime.job.config import RunConfig, current_builder
 from pipefisher.runtime.pipeline.labels import PIPELINE_CALLS, UNKNOWN, labelled, parse_label
 from pipefisher.runtime.pipeline.layout import is_chimera, node_kfac_names, sync_copies
-from pipefisher.schedule_file import load_schedule, modules_difference, schedule_overlap, schedule_packed_for
-from pipefisher.timeline import UP_SUFFIX, Interval, NodeTimeline
+from pipefisher.schedule.file import load_schedule, modules_difference, schedule_overlap, schedule_packed_for
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START, ScheduleData, check_schedule_data
+from pipefisher.schedule.timeline import UP_SUFFIX, Interval, NodeTimeline
 
 
 def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
@@ -137,7 +137,7 @@ def step_timeline(ops: Sequence[str], by_copy: Mapping[int, Sequence[str]], inte
 def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.PathLike[str] | None = None,
                    overlap: bool = False) -> ScheduleData:
     """Refuse a schedule that does not belong to this job; every node is checked, whatever the caller's.
-    ``overlap``: its metadata says its refreshes overlap cycles (:func:`pipefisher.schedule_file.schedule_overlap`)."""
+    ``overlap``: its metadata says its refreshes overlap cycles (:func:`pipefisher.schedule.file.schedule_overlap`)."""
     from pipefisher.runtime.pipeline.engine import pipeline_ops
 
     p = None if path is None else os.fspath(path)
@@ -172,9 +172,9 @@ MISMATCH_FLAG = "--allow-schedule-mismatch"
 
 def packed_for(cfg: RunConfig) -> dict[str, Any]:
     """What a schedule packed for ``cfg`` fits, as its metadata records it (``packed_for``,
-    :func:`pipefisher.schedule_file.save_schedule`): the :data:`SHAPE_KEYS` values (``pipeline.chunks`` 1
+    :func:`pipefisher.schedule.file.save_schedule`): the :data:`SHAPE_KEYS` values (``pipeline.chunks`` 1
     unless interleaved) and, per node, its K-FAC modules as the labels name them (the keys of
-    :func:`pipefisher.schedule_file.job_layout`, which is what a profile alone can say)."""
+    :func:`pipefisher.schedule.file.job_layout`, which is what a profile alone can say)."""
     import json
 
     values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SHAPE_KEYS}

@@ -37,10 +37,10 @@ import functools
 from typing import Any, Callable, Mapping, Sequence
 
 from pipefisher.errors import InputError
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.runtime.pipeline.contracts import Curvature, CurvatureWork, Engine, Span
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, KFAC_WORK, PIPELINE_CALLS, WEIGHT, parse_label
-from pipefisher.timeline import STEP_KEY
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.timeline import STEP_KEY
 
 
 def plain_step(engine: Engine, ops: Sequence[str], step: int, kfac: Curvature | None, refresh: bool,

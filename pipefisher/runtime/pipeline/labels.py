@@ -3,15 +3,15 @@ copy's labels are named.
 
 The grammar itself (markers, ``call_forward``/``call_backward``, the zero-bubble weight pass
 ``call_backward:weight``, K-FAC pieces ``<kind>_A|B:<module>``, the ``:up_pipe`` and ``:chunk<j>``
-suffixes) is defined once on the scheduling side: :func:`pipefisher.rules.format.parse_label` over
-:class:`pipefisher.timeline.TimelineKey`; this module re-exports it for the engine, the executor and
+suffixes) is defined once on the scheduling side: :func:`pipefisher.schedule.format.parse_label` over
+:class:`pipefisher.schedule.timeline.TimelineKey`; this module re-exports it for the engine, the executor and
 the checks. Plain Python.
 """
 from __future__ import annotations
 
-from pipefisher.rules.format import UNKNOWN, parse_label
-from pipefisher.timeline import BACKWARD, FORWARD, KFAC_WORK, UP_SUFFIX, chunk_suffix
-from pipefisher.timeline import WEIGHT_KEY as WEIGHT
+from pipefisher.schedule.format import UNKNOWN, parse_label
+from pipefisher.schedule.timeline import BACKWARD, FORWARD, KFAC_WORK, UP_SUFFIX, chunk_suffix
+from pipefisher.schedule.timeline import WEIGHT_KEY as WEIGHT
 
 __all__ = ["BACKWARD", "FORWARD", "KFAC_WORK", "PIPELINE_CALLS", "UNKNOWN", "WEIGHT", "chunk_suffix",
            "copy_suffix", "labelled", "parse_label"]

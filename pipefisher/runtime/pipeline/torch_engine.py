@@ -38,15 +38,15 @@ from pipefisher.pipeline_orders import BACKWARD as _B
 from pipefisher.pipeline_orders import FORWARD as _F
 from pipefisher.pipeline_orders import WEIGHT as _W
 from pipefisher.pipeline_orders import stage_on
-from pipefisher.rules.format import START
 from pipefisher.runtime.data.batches import MLMData
 from pipefisher.runtime.job.dist import DistContext
+from pipefisher.runtime.pipeline import torch_api
 from pipefisher.runtime.pipeline.buckets import DEFAULT_BUCKET_MB, GradientBuckets
 from pipefisher.runtime.pipeline.compute import autocast, wire_dtype
 from pipefisher.runtime.pipeline.contracts import Engine, EngineDefaults, ForwardCurvature, Span
 from pipefisher.runtime.pipeline.engine import logged_wait
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, PIPELINE_CALLS, WEIGHT, copy_suffix, parse_label
-from pipefisher.runtime.pipeline import torch_api
+from pipefisher.schedule.format import START
 
 _LABEL = {_F: FORWARD, _B: BACKWARD, _W: WEIGHT}
 

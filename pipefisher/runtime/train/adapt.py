@@ -3,8 +3,8 @@
 Every worker records its steps (:mod:`pipefisher.runtime.train.recorder`). Every k steps (the longest
 node's cycle; without ``adapt``, every whole number of cycles near :data:`STATIC_GATHER_STEPS` steps)
 the workers all-gather those steps' records. Under ``adapt`` every node's cycle is k
-(:func:`pipefisher.closed_loop.equal_cycles`), so these are the steps at which every node has finished
-its cycle, with saving on, nothing saved and every factor inverted: the only safe place to switch. Rank 0 hands them to the scheduler (:mod:`pipefisher.closed_loop`) and broadcasts its answer;
+(:func:`pipefisher.loop.closed_loop.equal_cycles`), so these are the steps at which every node has finished
+its cycle, with saving on, nothing saved and every factor inverted: the only safe place to switch. Rank 0 hands them to the scheduler (:mod:`pipefisher.loop.closed_loop`) and broadcasts its answer;
 a new schedule is checked on every worker as a schedule file is (node count, collective order, saved
 micro-batches), all workers must agree on its digest, and it takes effect from the next step on all of
 them. This happens between two steps, never inside a bubble.
@@ -12,12 +12,12 @@ them. This happens between two steps, never inside a bubble.
 Files (with an output prefix ``P``), written by rank 0:
 
 * ``P_measurements.csv``: per instruction: node, replica, step, iteration, label, planned start/end,
-  measured start/end, wait (:data:`pipefisher.measure.CSV_COLUMNS`); planned times are the plan's
+  measured start/end, wait (:data:`pipefisher.cost.measure.CSV_COLUMNS`); planned times are the plan's
   placements shifted so that the step's first forward or backward gets its input at the same time;
 * ``P_cycles.jsonl``: per gather (a cycle under ``adapt``) and node, a summary
-  (:func:`pipefisher.measure.cycle_summary`): mean step time, each K-FAC label's time, each bubble as
+  (:func:`pipefisher.cost.measure.cycle_summary`): mean step time, each K-FAC label's time, each bubble as
   it really was, each bubble's largest overrun; and the curvature refreshes completed in it
-  (``drift``: the job's drift and aging, and this node's layers', :mod:`pipefisher.drift`), which the
+  (``drift``: the job's drift and aging, and this node's layers', :mod:`pipefisher.loop.drift`), which the
   workers gather with their records;
 * ``P_measured/``: the timelines measured over the last cycles, one pickle per node, in the profiled
   format (``pipefisher schedule P_measured/*.pickle`` packs them);
@@ -32,12 +32,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipefisher.closed_loop import Plan, Scheduler, _record_from_state, _record_state
-from pipefisher.drift import DriftSample, Refresh, refreshes
+from pipefisher.loop.closed_loop import Plan, Scheduler, _record_from_state, _record_state
+from pipefisher.loop.drift import DriftSample, Refresh, refreshes
 from pipefisher.runtime.job.files import RunPaths
 from pipefisher.runtime.train.recorder import resolved
-from pipefisher.measure import (StepRecord, append_csv, cycle_summary, instruction_rows, lay_out,
-                                planned_gap_seconds, step_overrun, unit_seconds, window_timelines)
+from pipefisher.cost.measure import (StepRecord, append_csv, cycle_summary, instruction_rows, lay_out,
+                                     planned_gap_seconds, step_overrun, unit_seconds, window_timelines)
 
 MEASURED_WINDOW = 4
 """Gathers (job cycles, under ``adapt``) the exported measured timelines are built from."""
@@ -61,7 +61,7 @@ class ScheduleLoop:
     objects (None: one process);
     ``check(plan)`` refuses a schedule this job cannot run (raises); ``agree(text)`` fails unless every
     worker passes the same text; ``switch(plan, first_step)`` makes the executor run it. ``drift`` hands
-    over this worker's drift samples not gathered yet (:meth:`pipefisher.runtime.train.drift.DriftLog.drain`):
+    over this worker's drift samples not gathered yet (:meth:`pipefisher.runtime.train.drift_log.DriftLog.drain`):
     they travel with its records, and every worker learns the job's refreshes (:attr:`refreshes`).
     """
 
@@ -74,7 +74,7 @@ class ScheduleLoop:
                  echo: Callable[[str], None] | None = None,
                  drift: Callable[[], list[DriftSample]] | None = None) -> None:
         if adapt and len(set(plan.cycles)) > 1:
-            raise ValueError("adapting needs one cycle length on every node (pipefisher.closed_loop.equal_cycles)")
+            raise ValueError("adapting needs one cycle length on every node (pipefisher.loop.closed_loop.equal_cycles)")
         self.plan, self.node, self.rank, self.nodes = plan, node, rank, nodes
         self.scheduler, self.adapt = scheduler, adapt
         self.first_step = first_step
@@ -97,7 +97,7 @@ class ScheduleLoop:
     @property
     def cycle(self) -> int:
         """Steps between gathers: the longest node's cycle k (under ``adapt`` every node's, see
-        :func:`pipefisher.closed_loop.equal_cycles`: a new schedule can start on all of them then)."""
+        :func:`pipefisher.loop.closed_loop.equal_cycles`: a new schedule can start on all of them then)."""
         return max(self.plan.cycles)
 
     @property
@@ -189,7 +189,7 @@ class ScheduleLoop:
         first_call = next((p for p in plan if p.category in ("forward", "backward")), None)
         got = next((lt for lt in r.labels if lt.label == (first_call.label if first_call else None)), None)
         shift = (got.start + got.wait - first_call.start * scale) if first_call is not None and got is not None else 0.0
-        from pipefisher.policies.base import Placement
+        from pipefisher.schedule.packed import Placement
 
         aligned = [Placement(p.label, p.start * scale + shift, p.end * scale + shift, p.iteration) for p in plan]
         return instruction_rows(r, aligned)
@@ -241,7 +241,7 @@ class ScheduleLoop:
         if self.prefix is None:
             return
         from pipefisher.safe_io import dump_json_atomic
-        from pipefisher.schedule_file import save_schedule
+        from pipefisher.schedule.file import save_schedule
 
         files = RunPaths.at(self.prefix)
         folder = files.schedules

@@ -132,7 +132,7 @@ class Metrics:
         ``cycle``: the K-FAC cycle k of the schedule the step ran (scheduled mode); ``overrun_seconds``:
         how long K-FAC work delayed the step's calls past their planned bubbles (the slowest node's;
         known once the step's job cycle is gathered); ``drift`` and ``aging``: the curvature drift and
-        aging of the refresh that completed in the step (:mod:`pipefisher.drift`; empty on other steps)."""
+        aging of the refresh that completed in the step (:mod:`pipefisher.loop.drift`; empty on other steps)."""
         kept: list[str] = []
         if self.csv is not None and os.path.exists(self.csv):
             with open(self.csv, encoding="utf-8") as f:

@@ -4,7 +4,7 @@ All workers start their clocks together: a barrier, then each takes its time bas
 nanoseconds from that base: wall-clock (``perf_counter_ns``) on CPU, CUDA-event device times on GPU.
 The clocks of different hosts are never compared. Every profiled step starts after another barrier
 (:meth:`Profiler.barrier`), so that step starts line up across nodes and the median step
-(:func:`pipefisher.timeline.median_step`) that :meth:`Profiler.write` writes has one reference on all.
+(:func:`pipefisher.schedule.timeline.median_step`) that :meth:`Profiler.write` writes has one reference on all.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pipefisher.safe_io import dump_pickle_atomic
-from pipefisher.timeline import STEP_KEY, median_step
+from pipefisher.schedule.timeline import STEP_KEY, median_step
 
 __all__ = ["Profiler", "STEP_KEY", "steps_filename", "timeline_filename"]
 

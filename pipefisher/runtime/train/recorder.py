@@ -14,7 +14,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable
 
-from pipefisher.measure import LabelTime, StepRecord
+from pipefisher.cost.measure import LabelTime, StepRecord
 from pipefisher.runtime.job.host import HostReads
 
 if TYPE_CHECKING:

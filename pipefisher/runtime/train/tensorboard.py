@@ -6,7 +6,7 @@ and in scheduled mode ``kfac/cycle`` (the K-FAC cycle k of the schedule the step
 ``kfac/overrun_seconds`` (known only once the step's job cycle is gathered, so written then, under the
 step it belongs to); with K-FAC, ``kfac/drift`` and ``kfac/aging`` under the step each curvature refresh
 completed in (known once gathered: in scheduled mode with the measurements, every cycle under
-``--adapt``; in kfac mode at checkpoints and the end; :mod:`pipefisher.drift`);
+``--adapt``; in kfac mode at checkpoints and the end; :mod:`pipefisher.loop.drift`);
 at the end ``memory/peak_mib`` (and ``memory/kfac_saved_peak_mib`` with K-FAC).
 
 A resumed run appends to the same folder: its writer purges (``purge_step``) whatever an earlier run

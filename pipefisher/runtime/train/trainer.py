@@ -25,9 +25,9 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from pipefisher.drift import AGING_HIGH, AGING_LOW, longest_cycle
 from pipefisher.errors import first_line
 from pipefisher.kfac.factors import BadFactorError
+from pipefisher.loop.drift import AGING_HIGH, AGING_LOW, longest_cycle
 from pipefisher.pipeline_orders import UP
 from pipefisher.policies import DEFAULT_POLICY
 from pipefisher.runtime.data.batches import MLMData
@@ -39,9 +39,9 @@ from pipefisher.runtime.job.host import HostReads
 from pipefisher.runtime.job.process import Interrupted, StopRequest
 from pipefisher.runtime.job.progress import phase
 from pipefisher.runtime.pipeline.layout import loss_device, node_pipes
-from pipefisher.runtime.train.profiler import Profiler
 from pipefisher.runtime.train.evaluator import Evaluator
 from pipefisher.runtime.train.metrics import Metrics
+from pipefisher.runtime.train.profiler import Profiler
 from pipefisher.runtime.train.worker import build_worker, check_options
 from pipefisher.safe_io import dump_json_atomic
 
@@ -80,8 +80,8 @@ class TrainOptions:
     adapt_quantile: float = 0.5
     adapt_tie: float = 0.04  # step-time improvement that counts (the adaptive scheduler's tie)
     # without a staleness curve k stays the packing's, unless ``adapt_drift``: then the drift rule sets it
-    # (pipefisher.drift; opt-in until validated beyond the job it was fitted on): its thresholds on the
-    # curvature's aging, and the longest cycle (None: pipefisher.drift.longest_cycle of --steps)
+    # (pipefisher.loop.drift; opt-in until validated beyond the job it was fitted on): its thresholds on the
+    # curvature's aging, and the longest cycle (None: pipefisher.loop.drift.longest_cycle of --steps)
     adapt_drift: bool = False
     adapt_aging_low: float = AGING_LOW
     adapt_aging_high: float = AGING_HIGH
@@ -90,7 +90,7 @@ class TrainOptions:
     schedule_timelines: tuple[str, ...] | None = None
     measure_prefix: str | None = None
     # the job's staleness curve for ``adapt`` (None: none, k as above), as data: options travel to
-    # the workers as JSON (:meth:`pipefisher.staleness.StalenessCurve.to_data`)
+    # the workers as JSON (:meth:`pipefisher.cost.staleness.StalenessCurve.to_data`)
     staleness: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -107,8 +107,8 @@ class TrainOptions:
 
     @property
     def staleness_curve(self) -> Any:
-        """:attr:`staleness` as a :class:`~pipefisher.staleness.StalenessCurve` (None without one)."""
-        from pipefisher.staleness import StalenessCurve
+        """:attr:`staleness` as a :class:`~pipefisher.cost.staleness.StalenessCurve` (None without one)."""
+        from pipefisher.cost.staleness import StalenessCurve
 
         return None if self.staleness is None else StalenessCurve.from_data(self.staleness, "--staleness")
 
@@ -185,9 +185,9 @@ class Trainer:
         self.stage, self.kfac, self.kfacs, self.engine = w.stage, w.kfac, w.kfacs, w.engine
         self.updater, self.ops, self.executor, self.host = w.updater, w.ops, w.executor, w.host
         self.schedule_digest = w.schedule_digest
-        self.drift_log = None  # this worker's curvature drift samples (K-FAC modes), see pipefisher.drift
+        self.drift_log = None  # this worker's curvature drift samples (K-FAC modes), see pipefisher.loop.drift
         if self.kfacs:
-            from pipefisher.runtime.train.drift import DriftLog
+            from pipefisher.runtime.train.drift_log import DriftLog
 
             self.drift_log = DriftLog(self.kfacs, node_pipes(cfg, g.stage), g.stage, host=host)
         self._refreshes: dict[int, Any] = {}  # kfac mode: the job's refreshes gathered so far, by step
@@ -204,7 +204,7 @@ class Trainer:
 
     def _schedule_loop(self) -> Any:
         """The closed loop (:class:`pipefisher.runtime.train.adapt.ScheduleLoop`) of this worker."""
-        from pipefisher.closed_loop import Plan, make_scheduler
+        from pipefisher.loop.closed_loop import Plan, make_scheduler
         from pipefisher.runtime.job.dist import check_agreement
         from pipefisher.runtime.pipeline.checks import check_schedule
         from pipefisher.runtime.train.adapt import ScheduleLoop
@@ -220,7 +220,7 @@ class Trainer:
 
         data = self.worker.schedule
         if opts.adapt:  # one cycle length on every node, so that a new schedule can start on all at once
-            from pipefisher.closed_loop import equal_cycles
+            from pipefisher.loop.closed_loop import equal_cycles
 
             data = equal_cycles(data)
         plan = Plan(data, f"schedule file {os.path.basename(opts.schedule)}", timelines, margin)
@@ -262,7 +262,7 @@ class Trainer:
 
     @property
     def refreshes(self) -> dict[int, Any]:
-        """The job's curvature refreshes gathered so far (:class:`pipefisher.drift.Refresh`), by the step
+        """The job's curvature refreshes gathered so far (:class:`pipefisher.loop.drift.Refresh`), by the step
         each completed in: the closed loop's (scheduled mode, every gather), else those gathered at
         checkpoints and at the end (kfac mode). Every worker holds them."""
         return self.loop.refreshes if self.loop is not None else self._refreshes
@@ -272,7 +272,7 @@ class Trainer:
         worker calls it at the same point). Scheduled mode gathers them with its cycles."""
         if self.drift_log is None or self.loop is not None:
             return
-        from pipefisher.drift import refreshes
+        from pipefisher.loop.drift import refreshes
 
         mine = self.drift_log.drain()
         parts: list[Any] = [mine]
@@ -294,7 +294,7 @@ class Trainer:
     def train_step(self, step: int) -> Any:
         """One step; returns the loss (mean over replicas, a 0-dim tensor) on the last stage, else None.
         Profiling, a barrier over the whole job first: every node starts the step's ``start_end`` together,
-        the common reference of the median step (:func:`pipefisher.timeline.median_step`)."""
+        the common reference of the median step (:func:`pipefisher.schedule.timeline.median_step`)."""
         self.profiler.barrier(distributed=self.ctx.distributed)
         return self.worker.step(step)
 
@@ -573,7 +573,7 @@ def drift_line(refreshes: list[Any]) -> str:
     ages = [r.aging for r in rs if r.aging is not None]
     aged = f"; aging median {statistics.median(ages):.3f}, last {ages[-1]:.3f}" if ages else ""
     return (f"curvature drift over {len(rs)} refresh(es): median {statistics.median(r.drift for r in rs):.3f}, "
-            f"last {rs[-1].drift:.3f}{aged} (see pipefisher.drift)")
+            f"last {rs[-1].drift:.3f}{aged} (see pipefisher.loop.drift)")
 
 
 def compute_line(cfg: RunConfig) -> str:
@@ -584,7 +584,7 @@ def compute_line(cfg: RunConfig) -> str:
 
 
 def adaptive_options(opts: TrainOptions, margin: float) -> dict[str, Any]:
-    """What the run's options say to :class:`pipefisher.closed_loop.AdaptiveScheduler` (``--adapt``): its
+    """What the run's options say to :class:`pipefisher.loop.closed_loop.AdaptiveScheduler` (``--adapt``): its
     policy and room margin, its window and tie, the staleness curve, and whether the drift rule sets k."""
     return {"policy": opts.adapt_policy, "margin": margin, "window": opts.adapt_window, "q": opts.adapt_quantile,
             "tie": opts.adapt_tie, "aging_low": opts.adapt_aging_low, "aging_high": opts.adapt_aging_high,
@@ -594,10 +594,10 @@ def adaptive_options(opts: TrainOptions, margin: float) -> dict[str, Any]:
 
 def schedule_plan_inputs(opts: TrainOptions) -> tuple[float, list[dict[str, Any]] | None]:
     """The room rule's margin and the profile (per-node timeline dicts) a schedule file was packed from:
-    the options' where given, else what its metadata records (:func:`pipefisher.schedule_file.save_schedule`)."""
-    from pipefisher.problem import DEFAULT_MARGIN
-    from pipefisher.schedule_file import schedule_margin, schedule_timelines
-    from pipefisher.timeline import read_node_file
+    the options' where given, else what its metadata records (:func:`pipefisher.schedule.file.save_schedule`)."""
+    from pipefisher.schedule.file import schedule_margin, schedule_timelines
+    from pipefisher.schedule.problem import DEFAULT_MARGIN
+    from pipefisher.schedule.timeline import read_node_file
 
     assert opts.schedule is not None
     margin = opts.margin if opts.margin is not None else (schedule_margin(opts.schedule) or DEFAULT_MARGIN)

@@ -38,7 +38,7 @@ from pipefisher.runtime.job.config import KfacConfig, RunConfig
 from pipefisher.runtime.job.host import HostReads
 from pipefisher.runtime.pipeline.contracts import Curvature, Span
 from pipefisher.runtime.train.optim import LRSchedule, clip_grad_norm, make_optimizer
-from pipefisher.timeline import PRECONDITION_KEY
+from pipefisher.schedule.timeline import PRECONDITION_KEY
 
 
 class Updater:

@@ -33,8 +33,8 @@ from pipefisher.runtime.pipeline.executor import ScheduleExecutor, plain_step
 from pipefisher.runtime.pipeline.layout import node_pipes
 from pipefisher.runtime.train.checkpoint import Checkpointer, StateGroup, TorchRNG
 from pipefisher.runtime.train.update import Updater, make_kfac
-from pipefisher.schedule_file import schedule_digest
-from pipefisher.timeline import UPDATE_KEY
+from pipefisher.schedule.file import schedule_digest
+from pipefisher.schedule.timeline import UPDATE_KEY
 
 logger = logging.getLogger(__name__)
 

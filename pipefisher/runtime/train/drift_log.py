@@ -1,4 +1,4 @@
-"""One worker's drift samples, from its K-FAC copies to the gathers (see :mod:`pipefisher.drift`).
+"""One worker's drift samples, from its K-FAC copies to the gathers (see :mod:`pipefisher.loop.drift`).
 
 K-FAC measures a layer's drift inside its refresh's ``inv`` label and keeps the result as tensors.
 :meth:`DriftLog.take` files them after every step under that step, still as tensors: reading them would
@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
-from pipefisher.drift import DriftSample
 from pipefisher.kfac import KFAC
+from pipefisher.loop.drift import DriftSample
 from pipefisher.runtime.job.host import HostReads
 
 

@@ -41,7 +41,7 @@ whole ``-- end --`` (gradient all-reduce, clipping, preconditioning, optimizer s
 step pays it less :data:`PRECONDITION_KEY`."""
 PRECONDITION_KEY = "precondition"
 """The part of :data:`UPDATE_KEY`'s interval that K-FAC adds: preconditioning every layer's gradient.
-The time-to-target objective (:mod:`pipefisher.objective`) adds both to a step's pipeline and K-FAC time."""
+The time-to-target objective (:mod:`pipefisher.cost.objective`) adds both to a step's pipeline and K-FAC time."""
 KFAC_WORK = ("cov_kron", "sync_kron", "inv_kron")
 """The kinds of K-FAC work, without the factor: covariance pieces, the all-reduce, the damped inverse."""
 KFAC_KINDS = tuple(f"{work}_{factor}" for work in KFAC_WORK for factor in "AB")

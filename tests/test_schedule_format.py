@@ -1,4 +1,4 @@
-"""The label grammar, defined once (``pipefisher.rules.format.parse_label`` over ``TimelineKey.parse``)
+"""The label grammar, defined once (``pipefisher.schedule.format.parse_label`` over ``TimelineKey.parse``)
 and imported by the runtime: what every kind of label means to a node."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from pipefisher import timeline
-from pipefisher.rules import format as fmt
-from pipefisher.rules.format import END, SAVE_OFF, SAVE_ON, START, UNKNOWN, Label, parse_label
+from pipefisher.schedule import timeline
+from pipefisher.schedule import format as fmt
+from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START, UNKNOWN, Label, parse_label
 
 PACKAGE = os.path.dirname(os.path.abspath(timeline.__file__))
 

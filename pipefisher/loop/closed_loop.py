@@ -15,7 +15,7 @@ a bubble), and hands their answer to every worker.
   while the measured step time improves by a margin (going back where it does not). Its cycle k follows
   a staleness curve when one is given; without one it stays the packing's k, unless the drift rule is
   asked for (``drift``, opt-in until it is validated beyond the job it was fitted on: docs/adapt.md),
-  which follows the run's own curvature drift (:mod:`pipefisher.drift`: longer while the curvature
+  which follows the run's own curvature drift (:mod:`pipefisher.loop.drift`: longer while the curvature
   barely moves between refreshes, shorter when it moves much).
 """
 from __future__ import annotations
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar, Iterator, Sequence
 
-from pipefisher.drift import AGING_HIGH, AGING_LOW, DRIFT_MAX_CYCLE, DRIFT_MIN_REFRESHES, DriftRule, Refresh
-from pipefisher.measure import StepRecord, expected_step_time, unit_seconds, window_timelines
-from pipefisher.problem import DEFAULT_MARGIN, NodeModel, node_model
-from pipefisher.rules.format import ScheduleData
-from pipefisher.schedule_file import schedule_digest
+from pipefisher.loop.drift import AGING_HIGH, AGING_LOW, DRIFT_MAX_CYCLE, DRIFT_MIN_REFRESHES, DriftRule, Refresh
+from pipefisher.cost.measure import StepRecord, expected_step_time, unit_seconds, window_timelines
+from pipefisher.schedule.problem import DEFAULT_MARGIN, NodeModel, node_model
+from pipefisher.schedule.format import ScheduleData
+from pipefisher.schedule.file import schedule_digest
 
 
 Timelines = list[dict[str, list[tuple[int, int]]]]
@@ -82,7 +82,7 @@ class Plan:
 
 def job_models(timelines: Sequence[dict[str, Any]], margin: float) -> tuple[Any, tuple[NodeModel, ...]]:
     """The job of per-node timeline dicts, and its node models under the room rule's ``margin``."""
-    from pipefisher.timeline import job_from_dicts
+    from pipefisher.schedule.timeline import job_from_dicts
 
     job = job_from_dicts(list(timelines), [f"<measured node{n}>" for n in range(len(timelines))])
     return job, tuple(node_model(n, job.span, margin) for n in job.nodes)
@@ -111,7 +111,7 @@ class Scheduler(ABC):
             self.current = plan
 
     def observe_drift(self, refreshes: Sequence[Refresh]) -> None:
-        """The curvature refreshes (:mod:`pipefisher.drift`) completed in the cycle just observed, after
+        """The curvature refreshes (:mod:`pipefisher.loop.drift`) completed in the cycle just observed, after
         :meth:`observe`; ignored unless the scheduler decides by them."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -142,8 +142,8 @@ def equal_cycles(data: ScheduleData, k: int | None = None) -> ScheduleData:
     refreshed its curvature every k_n < k steps now does so every k: a ``k`` beyond the longest cycle
     lengthens the job's cycle with pipeline-only iterations (the drift rule's way to refresh less
     often, :class:`AdaptiveScheduler`)."""
-    from pipefisher.measure import is_pipeline
-    from pipefisher.rules.format import END, SAVE_ON, START
+    from pipefisher.cost.measure import is_pipeline
+    from pipefisher.schedule.format import END, SAVE_ON, START
 
     longest = max(len(node) for node in data)
     if k is None:
@@ -180,7 +180,7 @@ class AdaptiveScheduler(Scheduler):
     """Re-packs the timeline measured over the last ``window`` job cycles, and keeps what measures fastest.
 
     The measured timeline takes the ``q``-quantile of every duration over the window
-    (:func:`pipefisher.measure.measured_timeline`), so a schedule packed on it fits the work as it runs.
+    (:func:`pipefisher.cost.measure.measured_timeline`), so a schedule packed on it fits the work as it runs.
     Packing K-FAC work densely costs more than its own time, though (it slows the forwards and
     backwards around it, a shorter cycle saves micro-batches more often), and no timeline shows that;
     so every change but a repair and a drift resize is a *trial*, kept only if the measured step time
@@ -198,11 +198,11 @@ class AdaptiveScheduler(Scheduler):
     * **shorter cycle** (a trial, once climbing is over, with a staleness curve): a re-pack at the kept
       slack that needs fewer iterations, kept if no slower than ``tie`` (fresher curvature wins a tie).
 
-    **Which cycle k.** Given a ``staleness`` curve (:class:`pipefisher.staleness.StalenessCurve`), a
+    **Which cycle k.** Given a ``staleness`` curve (:class:`pipefisher.cost.staleness.StalenessCurve`), a
     schedule's value is its measured step time x the curve at its k, so more slack that lengthens the
     cycle must save more step time than its staler curvature costs in steps. Without one (``None``), k
     stays the initial schedule's (:attr:`fixed_k`: the rules below at a k that never moves), unless
-    ``drift`` is set (opt-in: docs/adapt.md): then the run's own drift decides (:mod:`pipefisher.drift`,
+    ``drift`` is set (opt-in: docs/adapt.md): then the run's own drift decides (:mod:`pipefisher.loop.drift`,
     :meth:`observe_drift`): a :class:`DriftRule` sets the cycle k every schedule runs at, doubling it
     when the curvature's aging over a cycle is clearly small and halving it when it is clearly large.
     Schedules are then judged by step time alone, all at that k. A packing that needs fewer iterations
@@ -270,7 +270,7 @@ class AdaptiveScheduler(Scheduler):
                 self.rule.observe(r.aging)
 
     def measured_timelines(self) -> Timelines:
-        """Every node's timeline measured over the window (:func:`pipefisher.measure.window_timelines`)."""
+        """Every node's timeline measured over the window (:func:`pipefisher.cost.measure.window_timelines`)."""
         records = [r for cycle in self._cycles for r in cycle]
         return window_timelines(records, self.nodes, self.current.models, self.q)
 
@@ -458,7 +458,7 @@ class AdaptiveScheduler(Scheduler):
         """The measured timeline packed with ``ladder[rung]``, lengthened to ``cycle`` iterations where it
         needs fewer (not handed out: :meth:`_hand_out`)."""
         from pipefisher.policies import get_policy, packs_overlapping
-        from pipefisher.timeline import inflate_kfac
+        from pipefisher.schedule.timeline import inflate_kfac
 
         timelines = self.measured_timelines()
         job, models = job_models(timelines, self.margin)
@@ -520,8 +520,8 @@ class AdaptiveScheduler(Scheduler):
 
 def overran(records: Sequence[StepRecord], plan: Plan) -> set[tuple[int, int]]:
     """The (node, iteration) places of a cycle where K-FAC work overran its planned bubble significantly
-    (:func:`pipefisher.measure.significant`): kept the next call waiting past the plan."""
-    from pipefisher.measure import gap_overruns, planned_gap_seconds, significant
+    (:func:`pipefisher.cost.measure.significant`): kept the next call waiting past the plan."""
+    from pipefisher.cost.measure import gap_overruns, planned_gap_seconds, significant
 
     if plan.models is None:
         return set()
@@ -538,7 +538,7 @@ def _record_state(r: StepRecord) -> list[Any]:
 
 
 def _record_from_state(x: Sequence[Any]) -> StepRecord:
-    from pipefisher.measure import LabelTime
+    from pipefisher.cost.measure import LabelTime
 
     node, replica, step, iteration, labels = x
     return StepRecord(int(node), int(replica), int(step), int(iteration),

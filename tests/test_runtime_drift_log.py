@@ -1,12 +1,12 @@
-"""One worker's drift samples (:class:`pipefisher.runtime.train.drift.DriftLog`): filed per step as the
+"""One worker's drift samples (:class:`pipefisher.runtime.train.drift_log.DriftLog`): filed per step as the
 K-FAC copies measured them, read as numbers only when drained, each with its distances to the layer's two
 refreshes before, and kept whole through a checkpoint."""
 from __future__ import annotations
 
 import torch
 
-from pipefisher.drift import DriftSample
-from pipefisher.runtime.train.drift import DriftLog
+from pipefisher.loop.drift import DriftSample
+from pipefisher.runtime.train.drift_log import DriftLog
 
 
 class _Measured:

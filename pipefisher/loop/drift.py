@@ -23,7 +23,7 @@ is how much the preconditioner's squared error would grow if the cycle were twic
 the cycle is short against the curvature's pace (noise only), 1 and more when its movement dominates.
 
 The closed loop turns it into a cycle length (:class:`DriftRule`, used by
-:class:`pipefisher.closed_loop.AdaptiveScheduler` when no staleness curve is given). One refresh's aging
+:class:`pipefisher.loop.closed_loop.AdaptiveScheduler` when no staleness curve is given). One refresh's aging
 is noisy (it spans -0.3 to 2.8 at one k) and follows the training phase more than k, so the rule judges
 all the refreshes measured at the cycle in force since it last changed, and moves only on clear evidence:
 it doubles the cycle when significantly more than three quarters of them aged below :data:`AGING_LOW`

@@ -5,14 +5,14 @@ The packer's own goal (the shortest cycle k at the densest packing the room rule
 user's. A user pays ``steps(k) x step_time(k)``:
 
 * **step time**: a schedule's expected step, averaged over its cycle: the pipeline time, plus every delay
-  its K-FAC work adds to a call or to the iteration's end (:func:`pipefisher.measure.iteration_time`:
+  its K-FAC work adds to a call or to the iteration's end (:func:`pipefisher.cost.measure.iteration_time`:
   overflow, and work that outgrows its bubble), plus the end-of-step work a profile records
-  (:data:`~pipefisher.timeline.UPDATE_KEY`, :data:`~pipefisher.timeline.PRECONDITION_KEY`) where the
+  (:data:`~pipefisher.schedule.timeline.UPDATE_KEY`, :data:`~pipefisher.schedule.timeline.PRECONDITION_KEY`) where the
   node's tail bubble does not hide it. K-FAC work placed in a bubble runs slower than profiled (each
   piece is its own call, the caches are colder, the neighbour's send waits): ``slowdown`` makes every
   K-FAC item that much longer when the plan is evaluated, so a densely packed bubble costs what it costs;
 * **steps**: K-FAC's steps to the target relative to first-order's, at a curvature refreshed every k
-  steps: the job's :class:`~pipefisher.staleness.StalenessCurve`, measured on it
+  steps: the job's :class:`~pipefisher.cost.staleness.StalenessCurve`, measured on it
   (``scripts/bench_staleness.py``) or given. There is no default: what staleness costs depends on the
   model, the data, the learning rate and the horizon, so a curve from another job would decide with
   someone else's numbers. A measured curve is relative to the best first-order optimizer of the
@@ -38,12 +38,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from pipefisher.measure import job_cycle_mean, planned_iterations
-from pipefisher.policies.base import JobSchedule, KfacLayout, NodeSchedule
-from pipefisher.problem import NodeModel, node_model
-from pipefisher.rules.format import END
-from pipefisher.staleness import StalenessCurve
-from pipefisher.timeline import PRECONDITION_KEY, UPDATE_KEY, Job, NodeTimeline, inflate_node_kfac
+from pipefisher.cost.measure import job_cycle_mean, planned_iterations
+from pipefisher.cost.staleness import StalenessCurve
+from pipefisher.schedule.format import END
+from pipefisher.schedule.packed import JobSchedule, KfacLayout, NodeSchedule
+from pipefisher.schedule.problem import NodeModel, node_model
+from pipefisher.schedule.timeline import PRECONDITION_KEY, UPDATE_KEY, Job, NodeTimeline, inflate_node_kfac
 
 DEFAULT_SLOWDOWN = 0.10
 """How much longer than profiled a K-FAC item takes when it runs in a bubble, as a fraction of its
@@ -123,7 +123,7 @@ def end_of_step(node: NodeTimeline) -> tuple[float, float]:
 def _exposed(model: NodeModel, ready: float, seconds: float) -> float:
     """How much of ``seconds`` of end-of-step work adds to an iteration's time on this node: the part its
     tail bubble does not hide. The work starts when the last label before ``-- end --`` ends (``ready``,
-    :func:`pipefisher.measure.planned_iterations`); from there to the node's pipeline time the node sits
+    :func:`pipefisher.cost.measure.planned_iterations`); from there to the node's pipeline time the node sits
     idle."""
     return max(0.0, seconds - max(0.0, float(model.base) - ready))
 
@@ -141,7 +141,7 @@ def slowed_model(job: Job, i: int, slowdown: float = DEFAULT_SLOWDOWN) -> NodeMo
 NodeTimes = dict[tuple[int, object], list[float]]
 """Per (node, its cycle's labels): the node's planned time per iteration, end-of-step work included
 (a cache: densities that pack a node alike evaluate it once); the labels stand for themselves by
-their :data:`~pipefisher.policies.base.KfacLayout` where there is one."""
+their :data:`~pipefisher.schedule.packed.KfacLayout` where there is one."""
 
 
 def step_cost(schedule: Sequence[Sequence[Sequence[str]]], job: Job, slowdown: float = DEFAULT_SLOWDOWN,
@@ -151,10 +151,10 @@ def step_cost(schedule: Sequence[Sequence[Sequence[str]]], job: Job, slowdown: f
 
     Per step, the slowest node sets the time (the pipeline couples them): its iteration time (pipeline,
     delays, overflow; K-FAC ``slowdown`` x longer than profiled) plus whatever of its end-of-step work
-    its tail bubble does not hide, averaged over the job's cycle (:func:`pipefisher.measure.job_cycle_mean`).
+    its tail bubble does not hide, averaged over the job's cycle (:func:`pipefisher.cost.measure.job_cycle_mean`).
     ``models``: :func:`slowed_models` of the job, where the caller evaluates several schedules; ``known``:
     node times already worked out on them (filled in here); ``layouts``: per node, its labels'
-    :data:`~pipefisher.policies.base.KfacLayout` where the policy gave one (the same figures, faster).
+    :data:`~pipefisher.schedule.packed.KfacLayout` where the policy gave one (the same figures, faster).
     """
     models = slowed_models(job, slowdown) if models is None else models
     ends = [end_of_step(n) for n in job.nodes]
@@ -187,7 +187,7 @@ def node_times(known: NodeTimes, i: int, labels: Sequence[Sequence[str]], layout
 def exposed_end_of_step(labels: Sequence[Sequence[str]], layout: KfacLayout | None, model: NodeModel,
                         node: NodeTimeline) -> tuple[list[float], list[float]]:
     """Per iteration of a node's cycle ``labels`` on ``model``: its planned time without end-of-step work
-    (:func:`pipefisher.measure.planned_iterations`), and how much the node's end-of-step work (update and
+    (:func:`pipefisher.cost.measure.planned_iterations`), and how much the node's end-of-step work (update and
     preconditioning, :func:`end_of_step`) adds to it: the part the tail bubble left after the
     iteration's last K-FAC label does not hide. The planned step and the report take both from here."""
     update, precondition = end_of_step(node)
@@ -201,7 +201,7 @@ def _first_order_labels(model: NodeModel) -> list[str]:
 
 
 DENSITIES = (0.15, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
-"""Room rule margins (:mod:`pipefisher.problem`) the ``target`` policy packs beside the one asked for:
+"""Room rule margins (:mod:`pipefisher.schedule.problem`) the ``target`` policy packs beside the one asked for:
 each leaves K-FAC items that much more room than their profiled time, a sparser, longer cycle."""
 
 
@@ -353,7 +353,7 @@ class Tradeoff:
     def lines(self) -> list[str]:
         """The table reports print: per candidate k, planned overhead and overflow per step, and with a
         curve the expected time-to-target; then why the chosen one, and what was not packed."""
-        from pipefisher.timeline import format_time
+        from pipefisher.schedule.timeline import format_time
 
         curve = self.staleness
         if curve is not None:

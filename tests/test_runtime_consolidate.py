@@ -14,15 +14,15 @@ from click.testing import CliRunner
 from pipefisher.cli import main
 from pipefisher.errors import InputError
 from pipefisher.pipeline_orders import UP
+from pipefisher.runtime.data.corpus import SPECIAL_TOKENS
 from pipefisher.runtime.job.config import RunConfig, load_config
 from pipefisher.runtime.job.dist import single_process
 from pipefisher.runtime.models.bert import PipelineStage, from_transformers
-from pipefisher.runtime.data.corpus import SPECIAL_TOKENS
 from pipefisher.runtime.models.builders import make_stage
 from pipefisher.runtime.pipeline.copies import StageChunks, StagePair
 from pipefisher.runtime.pipeline.layout import node_pipes
 from pipefisher.runtime.train.checkpoint import FORMAT, MANIFEST, rank_filename, step_folder
-from pipefisher.runtime.train.export import export
+from pipefisher.runtime.train.consolidate import export
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from pipefisher.safe_io import dump_json_atomic
 

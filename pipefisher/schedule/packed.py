@@ -2,7 +2,8 @@
 
 A policy is a small object with a name and one method, :meth:`Policy.pack`. Everything it returns is
 plain data: the label lists the trainer walks (the schedule file), the placements a chart draws, and
-the figures a report prints.
+the figures a report prints. It lives with the schedule, below the policies, because the costs, the
+schedule files and the reports read it too.
 """
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 
-from pipefisher.problem import DEFAULT_MARGIN
-from pipefisher.rules.format import START, label_category
-from pipefisher.timeline import Job, Time
+from pipefisher.schedule.format import START, label_category
+from pipefisher.schedule.problem import DEFAULT_MARGIN
+from pipefisher.schedule.timeline import Job, Time
 
 
 class Placement(NamedTuple):
@@ -131,12 +132,12 @@ class JobSchedule:
     span: Time
     nodes: tuple[NodeSchedule, ...]
     margin: float = DEFAULT_MARGIN
-    """The room rule's margin it was packed under (:mod:`pipefisher.problem`)."""
+    """The room rule's margin it was packed under (:mod:`pipefisher.schedule.problem`)."""
     overlap: bool = False
     """Its cycles overlap: some refresh pieces lie before their factor's completion, as pieces of the
-    previous cycle's refresh (:mod:`pipefisher.problem`); ``validate`` checks it by that rule."""
+    previous cycle's refresh (:mod:`pipefisher.schedule.problem`); ``validate`` checks it by that rule."""
     tradeoff: Any = None
-    """The ``target`` policy's weighing (a :class:`pipefisher.objective.Tradeoff`: the densities it packed
+    """The ``target`` policy's weighing (a :class:`pipefisher.cost.objective.Tradeoff`: the densities it packed
     and evaluated, this schedule one of them); None for the other policies."""
 
     def to_file_data(self) -> list[list[list[str]]]:

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from itertools import accumulate, chain, cycle, islice, repeat
 from typing import Iterable, Sequence
 
-from pipefisher.policies.base import KfacLayout, Placement
-from pipefisher.problem import DEFAULT_MARGIN, NodeModel, cov_source
-from pipefisher.rules.format import END, MARKERS, PIPELINE_CATEGORIES, START, label_category
-from pipefisher.timeline import COV_KINDS, STEP_KEY, TimelineKey
+from pipefisher.schedule.format import END, MARKERS, PIPELINE_CATEGORIES, START, label_category
+from pipefisher.schedule.packed import KfacLayout, Placement
+from pipefisher.schedule.problem import DEFAULT_MARGIN, NodeModel, cov_source
+from pipefisher.schedule.timeline import COV_KINDS, STEP_KEY, TimelineKey
 
 WAIT_EPS = 20e-6
 """Seconds of receive time below which a call counts as not having waited (the copy of an input that

@@ -14,7 +14,7 @@ import os
 from operator import itemgetter
 from typing import Any, Iterator
 
-from pipefisher.plot import Chart
+from pipefisher.outputs.plot import Chart
 from pipefisher.safe_io import atomic_path
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from pipefisher.policies.base import JobSchedule, NodeSchedule
-from pipefisher.timeline import Job, Time, format_time
+from pipefisher.schedule.packed import JobSchedule, NodeSchedule
+from pipefisher.schedule.timeline import Job, Time, format_time
 
 
 def usage_line(index: int, node: NodeSchedule, margin: float | None = None) -> str:
@@ -53,9 +53,9 @@ class StepEnd:
     overflow: Time
     """Time the cycle's iterations run past the pipeline time (work that fits no bubble)."""
     update: Time
-    """The profiled update (:data:`~pipefisher.timeline.UPDATE_KEY`, the whole ``-- end --``), per step."""
+    """The profiled update (:data:`~pipefisher.schedule.timeline.UPDATE_KEY`, the whole ``-- end --``), per step."""
     precondition: Time
-    """Its K-FAC part (:data:`~pipefisher.timeline.PRECONDITION_KEY`), per step."""
+    """Its K-FAC part (:data:`~pipefisher.schedule.timeline.PRECONDITION_KEY`), per step."""
     exposed: Time
     """What the update adds to the node's step, averaged over the cycle: the part the tail bubble left
     after the iteration's K-FAC work does not hide (the planned step's figure, on the profiled times)."""
@@ -63,8 +63,8 @@ class StepEnd:
 
 def step_ends(schedule: JobSchedule, job: Job) -> list[StepEnd]:
     """Per node, its :class:`StepEnd`; the update is 0 where the profile does not record it."""
-    from pipefisher.objective import end_of_step, exposed_end_of_step
-    from pipefisher.problem import node_model
+    from pipefisher.cost.objective import end_of_step, exposed_end_of_step
+    from pipefisher.schedule.problem import node_model
 
     def unit(x: float) -> Time:
         return round(x) if isinstance(job.span, int) else x
@@ -84,9 +84,9 @@ def step_ends(schedule: JobSchedule, job: Job) -> list[StepEnd]:
 
 
 def age_lines(schedule: JobSchedule, job: Job) -> list[str]:
-    """One line per node: the curvature's age over its cycle (:func:`pipefisher.problem.curvature_age`),
+    """One line per node: the curvature's age over its cycle (:func:`pipefisher.schedule.problem.curvature_age`),
     which the refresh interval k alone does not say where a refresh runs on into the next cycle."""
-    from pipefisher.problem import curvature_age
+    from pipefisher.schedule.problem import curvature_age
 
     lines = []
     for i, (node, timeline) in enumerate(zip(schedule.nodes, job.nodes)):
@@ -150,7 +150,7 @@ def node_bound(schedule: JobSchedule, job: Job, index: int) -> int:
     if own is not None:
         return own
     from pipefisher.policies.bounds import model_bounds
-    from pipefisher.problem import node_model
+    from pipefisher.schedule.problem import node_model
 
     return model_bounds(node_model(job.nodes[index], job.span, schedule.margin)).tight
 
@@ -164,7 +164,7 @@ def report_data(schedule: JobSchedule, job: Job) -> dict[str, Any]:
     (for policies that compute no bound, it is computed here; a negative gap then means the schedule
     breaks the rules: no valid one is that short).
     """
-    from pipefisher.problem import curvature_age
+    from pipefisher.schedule.problem import curvature_age
 
     nodes = []
     ends = step_ends(schedule, job)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
-from pipefisher.timeline import (
+from pipefisher.schedule.timeline import (
     BACKWARD, FORWARD, Interval, NodeTimeline, Time, TimelineKey, pipe_key, split_evenly,
 )
 

@@ -1,7 +1,7 @@
 """Gantt charts of a timeline set or a packed schedule: one row per node, idle time in its own fill.
 
 The chart is first built as plain data (:class:`Chart`: rows, bars, iteration boundaries), which the
-PNG/SVG renderer here and the Chrome-trace writer (:mod:`pipefisher.trace`) both draw from.
+PNG/SVG renderer here and the Chrome-trace writer (:mod:`pipefisher.outputs.trace`) both draw from.
 matplotlib and numpy are imported only when rendering.
 
 A large job has over a million bars, most far narrower than a pixel. The renderer therefore draws
@@ -17,18 +17,18 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from pipefisher.errors import InputError
-from pipefisher.policies.base import JobSchedule
-from pipefisher.rules.format import MARKERS, PIPELINE_CATEGORIES, label_category
 from pipefisher.rules.violations import Violation
 from pipefisher.safe_io import atomic_path
+from pipefisher.schedule.format import MARKERS, PIPELINE_CATEGORIES, label_category
+from pipefisher.schedule.packed import JobSchedule
 from pipefisher.sim.simulator import parse_default_prefix
-from pipefisher.timeline import (PRECONDITION_KEY, STEP_KEY, UP_PIPE, UPDATE_KEY, Job, TimelineKey,
-                                 node_file_prefix)
+from pipefisher.schedule.timeline import (PRECONDITION_KEY, STEP_KEY, UP_PIPE, UPDATE_KEY, Job, TimelineKey,
+                                          node_file_prefix)
 
 if TYPE_CHECKING:
     import numpy as np
     from matplotlib.figure import Figure
-    from pipefisher.measure import InstructionRow
+    from pipefisher.cost.measure import InstructionRow
 
 CATEGORY_ORDER = ("forward", "backward", "weight", "cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B",
                   "inv_kron_A", "inv_kron_B", "update", "precondition", "other")
@@ -297,7 +297,7 @@ def chart_from_schedule(schedule: JobSchedule, job: Job, title: str | None = Non
 
 
 # ----------------------------------------------------------------------------------------------------
-# Planned vs measured: a run's per-instruction CSV (pipefisher.measure.CSV_COLUMNS)
+# Planned vs measured: a run's per-instruction CSV (pipefisher.cost.measure.CSV_COLUMNS)
 
 
 class MeasuredStep(NamedTuple):
@@ -308,9 +308,9 @@ class MeasuredStep(NamedTuple):
 
 
 def read_measured(path: str | os.PathLike[str]) -> dict[int, dict[int, MeasuredStep]]:
-    """Replica 0's steps of a measurements CSV (:func:`pipefisher.measure.read_rows`), planned times
+    """Replica 0's steps of a measurements CSV (:func:`pipefisher.cost.measure.read_rows`), planned times
     kept: ``{node: {step: MeasuredStep}}``; a CSV without replica-0 rows is an :class:`InputError`."""
-    from pipefisher.measure import read_rows
+    from pipefisher.cost.measure import read_rows
 
     out: dict[int, dict[int, MeasuredStep]] = {}
     for row in read_rows(path):
@@ -368,10 +368,10 @@ def measured_steps(data: dict[int, dict[int, MeasuredStep]], nodes: Sequence[int
 
 def _overrunning(entries: Sequence[InstructionRow]) -> set[int]:
     """Indices of the K-FAC entries whose work kept the next call waiting past its planned bubble
-    (:func:`pipefisher.measure.gap_overruns`) significantly (:func:`pipefisher.measure.significant`); planned
+    (:func:`pipefisher.cost.measure.gap_overruns`) significantly (:func:`pipefisher.cost.measure.significant`); planned
     bubbles from the planned times, so none where a call has no planned time."""
-    from pipefisher.measure import LabelTime, StepRecord, gap_overruns, is_kfac, is_pipeline, significant
-    from pipefisher.rules.format import END, START
+    from pipefisher.cost.measure import LabelTime, StepRecord, gap_overruns, is_kfac, is_pipeline, significant
+    from pipefisher.schedule.format import END, START
 
     calls = [e for e in entries if is_pipeline(e.label)]
     if not calls or any(e.planned_start is None or e.planned_end is None for e in calls):

@@ -1,5 +1,6 @@
-"""What the package ships for the CLI's defaults: the example job's node timelines and the simulator's
-cost models, under ``pipefisher/data/`` so they are there in an installed package too, not only in a clone.
+"""What the package ships for the CLI's defaults: the example job's node timelines (``examples/``) and the
+simulator's cost models (``cost_models/``), in this folder so they are there in an installed package too, not
+only in a clone.
 """
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 
 from pipefisher.errors import InputError
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parent
 EXAMPLES_DIR = DATA_DIR / "examples"
-COST_MODELS_DIR = DATA_DIR / "sim"
+COST_MODELS_DIR = DATA_DIR / "cost_models"
 DEFAULT_EXAMPLE = "bert-base-4stage-1f1b"
 DEFAULT_COST_MODEL = "bert-base-4stages.yaml"
 
@@ -38,6 +39,6 @@ def cost_model_path(config: str | None = None) -> str:
     name = config or DEFAULT_COST_MODEL
     path = COST_MODELS_DIR / (name if name.endswith((".yaml", ".yml")) else name + ".yaml")
     if not path.is_file():
-        known = ", ".join(cost_model_names()) or "none (the package's data/sim/ folder is missing)"
+        known = ", ".join(cost_model_names()) or "none (the package's bundled/cost_models/ folder is missing)"
         raise InputError(name, f"no such file, nor a bundled cost model (bundled: {known})")
     return str(path)

@@ -11,7 +11,7 @@ from itertools import repeat
 from typing import Any, NamedTuple
 
 from pipefisher.errors import InputError
-from pipefisher.timeline import BACKWARD, FORWARD, WEIGHT_KEY, TimelineKey
+from pipefisher.schedule.timeline import BACKWARD, FORWARD, WEIGHT_KEY, TimelineKey
 
 ScheduleData = list[list[list[str]]]
 
@@ -49,7 +49,7 @@ class Label(NamedTuple):
 
     kind: str
     """A marker, ``call_forward``/``call_backward``, ``call_backward:weight`` (a zero-bubble W pass),
-    a K-FAC work kind without its factor (:data:`pipefisher.timeline.KFAC_WORK`), or :data:`UNKNOWN`."""
+    a K-FAC work kind without its factor (:data:`pipefisher.schedule.timeline.KFAC_WORK`), or :data:`UNKNOWN`."""
     factor: str | None
     """``'A'`` or ``'B'`` for K-FAC work, else None."""
     module: str | None

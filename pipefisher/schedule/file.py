@@ -11,10 +11,10 @@ import os
 from typing import Any, Mapping, Sequence
 
 from pipefisher.errors import InputError
-from pipefisher.policies.base import JobSchedule
-from pipefisher.rules.format import ScheduleData, check_schedule_data
 from pipefisher.safe_io import dump_json_atomic, dump_pickle_atomic, load_json, load_pickle
-from pipefisher.timeline import Job
+from pipefisher.schedule.format import ScheduleData, check_schedule_data
+from pipefisher.schedule.packed import JobSchedule
+from pipefisher.schedule.timeline import Job
 
 
 def schedule_digest(data: ScheduleData) -> str:
@@ -46,7 +46,7 @@ def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | Schedule
 
     A packed :class:`JobSchedule` also gets its metadata beside it (:func:`meta_path`): the policy, the
     margin it was packed under, ``"overlap": true`` where its cycles overlap, and the K-FAC inflation ``kfac_margin`` it was packed against
-    (:func:`pipefisher.timeline.inflate_kfac`; so ``validate`` checks it under the same rule, on the
+    (:func:`pipefisher.schedule.timeline.inflate_kfac`; so ``validate`` checks it under the same rule, on the
     same job), per node the cycle and its lower bound, the ``timelines`` it was packed from where
     given (absolute paths: the trainer plans its measurements against them), and ``packed_for``, the
     job it fits (:func:`job_layout`, plus the run config's shape where known; the runtime refuses
@@ -122,7 +122,7 @@ def schedule_margin(path: str | os.PathLike[str]) -> float | None:
 
 def schedule_overlap(path: str | os.PathLike[str]) -> bool:
     """Whether a schedule's cycles overlap (metadata ``"overlap": true``, written by the packer that made
-    it: :mod:`pipefisher.problem`); False where nothing is recorded."""
+    it: :mod:`pipefisher.schedule.problem`); False where nothing is recorded."""
     meta = read_schedule_meta(path)
     overlap = False if meta is None else meta.get("overlap", False)
     if not isinstance(overlap, bool):
@@ -131,7 +131,7 @@ def schedule_overlap(path: str | os.PathLike[str]) -> bool:
 
 
 def schedule_kfac_margin(path: str | os.PathLike[str]) -> float:
-    """The K-FAC inflation a schedule was packed against (:func:`pipefisher.timeline.inflate_kfac`), as
+    """The K-FAC inflation a schedule was packed against (:func:`pipefisher.schedule.timeline.inflate_kfac`), as
     recorded beside it; 1 (the profiled times) where nothing is recorded."""
     meta = read_schedule_meta(path)
     scale = 1.0 if meta is None else meta.get("kfac_margin", 1.0)
