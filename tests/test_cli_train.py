@@ -277,19 +277,19 @@ def test_adapt_without_out_is_refused_in_one_line():
 
 @pytest.mark.parametrize("command", ["train", "run"])
 def test_a_pipeline_option_the_config_cannot_take_is_blamed_on_the_option(command, tmp_path):
-    res = CliRunner().invoke(main, [command, "--config", TINY, "--pipeline", "zb-v", "--chunks", "3", "--no-progress",
+    res = CliRunner().invoke(main, [command, "--config", TINY, "--order", "zb-v", "--chunks", "3", "--no-progress",
                                     *(["--out", str(tmp_path)] if command == "run" else [])])
-    assert (res.exit_code, res.output) == (2, "error: --pipeline zb-v --chunks 3: pipeline.schedule zb-v has exactly "
+    assert (res.exit_code, res.output) == (2, "error: --order zb-v --chunks 3: pipeline.order zb-v has exactly "
                                               "2 model chunks per device (its V): pipeline.chunks must be 2\n")
 
 
 @pytest.mark.parametrize("command", ["train", "run"])
 def test_dualpipev_with_fewer_than_two_micro_batches_per_stage_is_refused_in_one_line(command, tmp_path):
-    res = CliRunner().invoke(main, [command, "--config", TINY, "--pipeline", "dualpipev", "--set",
+    res = CliRunner().invoke(main, [command, "--config", TINY, "--order", "dualpipev", "--set",
                                     "data.num_micro_batches=3", "--no-progress",
                                     *(["--out", str(tmp_path)] if command == "run" else [])])
     assert (res.exit_code, res.output) == (
-        2, "error: --pipeline dualpipev: pipeline.schedule dualpipev with data.num_micro_batches 3: dualpipev: "
+        2, "error: --order dualpipev: pipeline.order dualpipev with data.num_micro_batches 3: dualpipev: "
            "needs micro-batches >= 2 x stages = 4 (one per virtual stage), got 3 (torch's ScheduleDualPipeV "
            "refuses it too)\n")
 
@@ -312,3 +312,20 @@ def test_ctrl_c_beside_an_older_formats_checkpoint_is_still_one_line(tmp_path):
     line = interrupted_message(Interrupted(7), 20, str(tmp_path), ["pipefisher", "train"])
     assert line.startswith("interrupted after 7 of 20 training steps; the checkpoint there cannot be resumed: ") and \
         "format 2" in line and "\n" not in line, line
+
+
+def test_the_pipeline_order_is_order_and_its_old_spellings_still_train_saying_the_new_name():
+    """``--set pipeline.order=`` and ``--order`` (issue 47's target command, here on one stage in this
+    process), and the old ``--set pipeline.schedule=`` and ``--pipeline``: the same run, a notice each."""
+    try:
+        runner = CliRunner(mix_stderr=False)  # type: ignore[call-arg]
+    except TypeError:  # click >= 8.2 keeps them apart anyway
+        runner = CliRunner()
+    spellings = {("--set", "pipeline.order=gpipe"): "", ("--order", "gpipe"): "",
+                 ("--set", "pipeline.schedule=gpipe"): "note: --set pipeline.schedule is now --set pipeline.order",
+                 ("--pipeline", "gpipe"): "note: --pipeline is now --order"}
+    for args, notice in spellings.items():
+        res = runner.invoke(main, ["train", "--config", TINY, *args, "--stages", "1", "--steps", "1", "--no-progress"])
+        assert res.exit_code == 0, res.output
+        assert "mode first-order, 1 stage(s) x 1 replica(s), gpipe," in res.stdout
+        assert res.stderr == (notice + " (the old name still works)\n" if notice else "")

@@ -165,7 +165,7 @@ def _fill(cfg, engine, kfac) -> None:
 
     kfac.set_saving(True)
     engine.begin_step(0)
-    for op in pipeline_ops(cfg.pipeline.schedule, 0, 1, cfg.data.num_micro_batches):
+    for op in pipeline_ops(cfg.pipeline.order, 0, 1, cfg.data.num_micro_batches):
         engine.op(op)()
     engine.finish_step()
 

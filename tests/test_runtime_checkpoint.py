@@ -15,7 +15,8 @@ from pipefisher.runtime.job.dist import single_process
 from pipefisher.runtime.pipeline.checks import single_iteration_schedule
 from pipefisher.runtime.data.batches import DataPosition
 from pipefisher.runtime.launch.local import decode_spec, encode_spec, run_worker, spawn_local
-from pipefisher.runtime.train.checkpoint import FORMAT, MANIFEST, Checkpointer, StateGroup, TorchRNG, check_resumable
+from pipefisher.runtime.train.checkpoint import (FORMAT, MANIFEST, Checkpointer, StateGroup, TorchRNG, check_resumable,
+                                                lr_schedule_changes)
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from pipefisher.schedule_file import save_schedule
 
@@ -283,7 +284,7 @@ def test_resuming_past_the_learning_rate_decay_is_refused_unless_asked_for(tmp_p
     --steps, recorded in the checkpoint), so steps 4-7 would train at the final rate, 0: refused in one line
     with both fixes. With --past-decay every lr equals that of a run that never stopped with that end, and
     one line says that the steps past it keep the final rate."""
-    base = ["train", "--config", TINY, "--stages", "1", "--no-progress", "--set", "optim.schedule=linear"]
+    base = ["train", "--config", TINY, "--stages", "1", "--no-progress", "--set", "optim.lr_schedule=linear"]
     ck, resumed, whole = str(tmp_path / "ck"), str(tmp_path / "resumed.csv"), str(tmp_path / "whole.csv")
     runner = CliRunner()
     res = runner.invoke(main, base + ["--steps", "4", "--checkpoint-dir", ck, "--metrics", resumed])
@@ -304,7 +305,7 @@ def test_resuming_past_the_learning_rate_decay_is_refused_unless_asked_for(tmp_p
 
 
 def test_an_explicit_change_of_the_learning_rate_schedule_on_resume_is_said_in_one_line(tmp_path):
-    base = ["train", "--config", TINY, "--stages", "1", "--no-progress", "--set", "optim.schedule=linear"]
+    base = ["train", "--config", TINY, "--stages", "1", "--no-progress", "--set", "optim.lr_schedule=linear"]
     ck, metrics = str(tmp_path / "ck"), str(tmp_path / "m.csv")
     runner = CliRunner()
     assert runner.invoke(main, base + ["--steps", "4", "--checkpoint-dir", ck, "--metrics", metrics]).exit_code == 0
@@ -530,3 +531,23 @@ def test_the_fp16_loss_scale_is_a_component_of_its_own_and_comes_back(tmp_path):
     assert fresh.checkpointer().load(str(tmp_path / "ck"), fresh.components()) == 2
     assert fresh.updater.scaler.state_dict() == {"scale": 1e30 / 4, "good_steps": 0, "skipped": 2}
     assert fresh.position.step == 2
+
+
+def test_a_checkpoint_whose_manifest_has_the_old_key_names_still_resumes(tmp_path):
+    """Manifests before ``pipeline.order`` and ``optim.lr_schedule`` recorded ``pipeline.schedule`` and
+    ``optim.schedule``: such a checkpoint resumes, silently, and a changed learning-rate schedule is still
+    said under its new name."""
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})
+    ck = str(tmp_path / "ck")
+    _train(cfg, steps=1, checkpoint_dir=ck)
+    with open(os.path.join(ck, MANIFEST)) as f:
+        manifest = json.load(f)
+    config = manifest["config"]
+    config["pipeline"]["schedule"] = config["pipeline"].pop("order")
+    config["optim"]["schedule"] = config["optim"].pop("lr_schedule")
+    with open(os.path.join(ck, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    assert check_resumable(ck, cfg, "first-order", None, 1, 1)["steps_done"] == 1
+    assert lr_schedule_changes(manifest, cfg.replace(optim={"lr_schedule": "linear"})) == [
+        "optim.lr_schedule constant -> linear"]
+    assert _train(cfg, steps=2, resume=ck, checkpoint_dir=ck).start_step == 1

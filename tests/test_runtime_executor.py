@@ -66,7 +66,7 @@ def test_unknown_module_is_refused():
     ("frobnicate", "'frobnicate': unknown label"),
     ("cov_kron_C:encoder.layer.0.output.dense", "unknown label"),
     ("call_forward:up_pipe", "second (up) pipeline, but this run's pipeline has one pipe"),
-    ("cov_kron_A:encoder.layer.0.output.dense:up_pipe", "pipeline.schedule: chimera has two"),
+    ("cov_kron_A:encoder.layer.0.output.dense:up_pipe", "pipeline.order: chimera has two"),
     ("-- end --:up_pipe", "second (up) pipeline"),
     ("cov_kron_A", "no module name"),
 ])
@@ -78,7 +78,7 @@ def test_unknown_labels_are_refused(label, message):
 
 def test_pipeline_order_and_count_must_match_the_engine():
     cfg = tiny()
-    gpipe = single_iteration_schedule(cfg.replace(pipeline={"schedule": "gpipe"}))
+    gpipe = single_iteration_schedule(cfg.replace(pipeline={"order": "gpipe"}))
     assert "another order than this run's pipeline" in _refused(gpipe, cfg)
     assert "'-- end --'" not in _refused(gpipe, cfg)
     fewer = single_iteration_schedule(cfg.replace(data={"num_micro_batches": 3}))
@@ -123,7 +123,7 @@ def test_the_runtime_checks_a_cycle_with_the_rules_own_dependency_rules():
     cfg = tiny()
     good = spread_schedule(cfg)
     for node, names in enumerate(node_kfac_names(cfg)):
-        ops = pipeline_ops(cfg.pipeline.schedule, node, cfg.pipeline.stages, cfg.data.num_micro_batches)
+        ops = pipeline_ops(cfg.pipeline.order, node, cfg.pipeline.stages, cfg.data.num_micro_batches)
         step = checks.step_timeline(ops, names, interleaved=False)
         assert dependency_violations(node, step, good[node]) == []
         bad = copy.deepcopy(good[node])
@@ -226,7 +226,7 @@ def test_a_schedule_packed_from_timelines_records_what_they_say(tmp_path):
     recorded = schedule_packed_for(path)
     assert set(recorded) == {"pipeline.stages", "data.num_micro_batches", "layout", "modules"}
     assert recorded["layout"] == [1, True, False]  # Chimera: one chunk per device, two pipes, whole backwards
-    cfg = tiny(pipeline={"schedule": "chimera"})
+    cfg = tiny(pipeline={"order": "chimera"})
     load_checked_schedule(path, cfg)
     load_checked_schedule(path, cfg.replace(model={"hidden_size": 64}))  # not recorded, not compared
     with pytest.raises(InputError, match=r"data.num_micro_batches 4 \(this run: 8\)"):

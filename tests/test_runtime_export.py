@@ -201,7 +201,7 @@ def fake_checkpoint(cfg: RunConfig, folder: str, steps: int = 3) -> dict[str, to
 def test_every_stage_copy_layout_merges_into_the_unsplit_model(order, tmp_path):
     from safetensors.torch import load_file
 
-    cfg = load_config(TINY_YAML).replace(pipeline={"schedule": order, "stages": 2})
+    cfg = load_config(TINY_YAML).replace(pipeline={"order": order, "stages": 2})
     want = fake_checkpoint(cfg, str(tmp_path / "ck"))
     export(str(tmp_path / "ck"), str(tmp_path / "out"))
     got = from_transformers(load_file(str(tmp_path / "out" / "model.safetensors")), "out")

@@ -95,7 +95,7 @@ def _kfac_in_every_order(cfg_path: str, overrides: dict, steps: int, folder: str
     out = {}
     try:
         for order in PIPELINE_ORDERS:
-            cfg = base.replace(pipeline={"schedule": order})
+            cfg = base.replace(pipeline={"order": order})
             trainer = Trainer(cfg, ctx if order == "chimera" else plain,
                               TrainOptions(mode="kfac", steps=steps, progress=False, log_every=10**9))
             res = trainer.run()

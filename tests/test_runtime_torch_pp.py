@@ -26,13 +26,13 @@ def test_the_example_script_packs_kfac_into_its_torch_schedules_bubbles_and_trai
     """Run with plain python, as a new user runs it: it starts its 2 ranks under torch's launcher (and
     says how, a command that works as printed: it is the one it runs)."""
     out = tmp_path / "pf"
-    res = subprocess.run([sys.executable, EXAMPLE, "--schedule", "interleaved", "--steps", "16", "--profile-steps",
+    res = subprocess.run([sys.executable, EXAMPLE, "--order", "interleaved", "--steps", "16", "--profile-steps",
                           "2", "--out", str(out)], capture_output=True, text=True, timeout=240, env=ENV, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     launched = res.stdout.splitlines()[0]
     assert launched == "starting 2 ranks: " + shlex.join(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         os.path.relpath(EXAMPLE, tmp_path), "--schedule", "interleaved", "--steps", "16", "--profile-steps", "2",
+         os.path.relpath(EXAMPLE, tmp_path), "--order", "interleaved", "--steps", "16", "--profile-steps", "2",
          "--out", str(out)]), launched
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", res.stdout)]
     assert len(losses) >= 4 and losses[-1] < losses[0]

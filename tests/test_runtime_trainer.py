@@ -34,7 +34,7 @@ def test_loss_goes_down_in_one_process(mode):
 def test_cli_train_two_stages_loss_goes_down(tmp_path, mode, schedule):
     out = tmp_path / "run"
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--nproc-per-node", "2", "--mode", mode,
-                                    "--pipeline", schedule, "--steps", "30", "--out", str(out), "--no-progress"])
+                                    "--order", schedule, "--steps", "30", "--out", str(out), "--no-progress"])
     assert res.exit_code == 0, res.output
     assert f"mode {mode}, 2 stage(s) x 1 replica(s)" in res.output and "step    25  loss" in res.output
     report = json.loads((out / "tiny_losses.json").read_text())
@@ -158,7 +158,7 @@ def _config_file(tmp_path, **sections) -> str:
 
 def test_train_on_real_text_evaluates_held_out_loss_and_records_the_run(tmp_path):
     cfg = _config_file(tmp_path, data={"text": "stdlib", "val_batches": 2},
-                       optim={"name": "adamw", "lr": 3e-3, "warmup_steps": 2, "schedule": "linear"})
+                       optim={"name": "adamw", "lr": 3e-3, "warmup_steps": 2, "lr_schedule": "linear"})
     out, metrics = tmp_path / "out", tmp_path / "m.csv"
     res = CliRunner().invoke(main, ["train", "--config", cfg, "--nproc-per-node", "2", "--mode", "kfac",
                                     "--steps", "6", "--eval-every", "3", "--out", str(out), "--metrics",

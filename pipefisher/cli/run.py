@@ -13,9 +13,9 @@ from typing import Any, Iterator
 
 import click
 
-from pipefisher.cli._common import (adapt_drift_option, check_adapt_drift, check_overlap, chunks_option,
-                                    margin_option, overlap_option, pipeline_option, require_runtime, staleness_for,
-                                    staleness_option)
+from pipefisher.cli._common import (OLD_NAME_SUFFIX, adapt_drift_option, check_adapt_drift, check_overlap,
+                                    chunks_option, margin_option, overlap_option, order_option, require_runtime,
+                                    staleness_for, staleness_option)
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.cli.train import (check_tensorboard, no_progress_option, past_decay_option, set_option,
@@ -24,7 +24,7 @@ from pipefisher.errors import InputError
 
 SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "margin", "staleness", "overlap",
           "adapt", "adapt_drift", "allow_invalid",
-          "nproc", "stages", "pipe_schedule", "chunks")
+          "nproc", "stages", "order", "order" + OLD_NAME_SUFFIX, "chunks")
 """What sets a run up: ``--resume`` continues the run as it was set up, so these are refused with it."""
 
 
@@ -65,7 +65,7 @@ SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "m
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages")
-@pipeline_option()
+@order_option()
 @chunks_option()
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="override pipeline.timeout_s")
@@ -82,7 +82,7 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
                 staleness: str | None, overlap: bool, adapt: bool, adapt_drift: bool, name: str | None,
                 allow_invalid: bool,
                 tensorboard_dir: str | None,
-                checkpoint_every: int | None, nproc: int | None, stages: int | None, pipe_schedule: str | None,
+                checkpoint_every: int | None, nproc: int | None, stages: int | None, order: str | None,
                 chunks: int | None, timeout_s: float | None, overrides: tuple[str, ...], eval_every: int | None,
                 log_every: int | None, no_progress: bool) -> None:
     """Profile a few K-FAC steps, pack them into the pipeline bubbles, print the usage report, and
@@ -113,15 +113,15 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
         raise click.UsageError(f"{'--config FILE' if config_path is None else '--out DIR'} is required "
                                "(or --resume RUN_DIR)")
     # Up to "loading torch" nothing imports it: a bad config, option or output path costs no start-up.
-    cfg = read_run_config(config_path, overrides, "run", {"stages": stages, "schedule": pipe_schedule,
+    cfg = read_run_config(config_path, overrides, "run", {"stages": stages, "order": order,
                                                          "timeout_s": timeout_s, "chunks": chunks})
     check_out_folder(out_dir, "--out")
     tensorboard_dir = check_tensorboard(tensorboard_dir)
     curve = staleness_for(staleness, policy)  # a bad file: one line, before torch loads
     check_adapt_drift(adapt_drift, adapt, staleness)
     check_overlap(overlap, policy)
-    if cfg.pipeline.schedule == "chimera" and cfg.kfac.refresh_pieces != 1:  # measured: 3-17 room-rule breaks
-        raise InputError(config_path, "kfac.refresh_pieces other than 1 is not packed validly under pipeline.schedule "
+    if cfg.pipeline.order == "chimera" and cfg.kfac.refresh_pieces != 1:  # measured: 3-17 room-rule breaks
+        raise InputError(config_path, "kfac.refresh_pieces other than 1 is not packed validly under pipeline.order "
                                       "chimera yet (aligning its stage pairs breaks the room rule with refresh "
                                       "pieces): use 1 with chimera")
     if overlap and adapt:

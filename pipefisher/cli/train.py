@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from pipefisher.cli._common import (adapt_drift_option, check_adapt_drift, chunks_option, missing_module,
-                                    pipeline_option, require_runtime, staleness_option)
+                                    order_option, require_runtime, staleness_option)
 from pipefisher.cli._outputs import check_fresh_outputs, check_out_file, check_out_folder, check_profile_folder
 from pipefisher.cli.group import main
 from pipefisher.errors import InputError
@@ -129,7 +129,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 @click.option("--allow-schedule-mismatch", is_flag=True,
               help="train a --schedule whose metadata (FILE.meta.json) says it was packed for another job "
                    "(model shape, stages, micro-batches, pipeline, K-FAC modules)")
-@pipeline_option()
+@order_option()
 @chunks_option()
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
               help="total training steps (with --resume: including those already done)")
@@ -170,7 +170,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
               help="steps between loss lines")
 @no_progress_option()
 def train_command(config_path: str, mode: str | None, schedule_arg: str | None, allow_schedule_mismatch: bool,
-                  pipe_schedule: str | None,
+                  order: str | None,
                   steps: int, profile: bool, out_dir: str | None, metrics_path: str | None, tensorboard_dir: str | None,
                   checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, past_decay: bool,
                   adapt: bool, adapt_policy: str | None, adapt_drift: bool, staleness: str | None,
@@ -227,7 +227,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     adapt_policy = adapt_policy or DEFAULT_POLICY
     if adapt:
         get_policy(adapt_policy)  # an unknown name: one line, before any worker starts
-    cfg = read_run_config(config_path, overrides, "train", {"stages": stages, "schedule": pipe_schedule,
+    cfg = read_run_config(config_path, overrides, "train", {"stages": stages, "order": order,
                                                            "timeout_s": timeout_s, "chunks": chunks}, interval)
     curve = curve_for_job(staleness, cfg.fingerprint(layout=False), config_path,
                           click.echo if job is None or job.rank == 0 else (lambda _: None))

@@ -439,7 +439,7 @@ class Trainer:
                      if self.cycles else "")
             resumed = f", resuming after step {first - 1}" if first else ""
             logger.info(f"pipefisher train: mode {self.mode}, {g.stages} stage(s) x {g.replicas} replica(s), "
-                        f"{self.cfg.pipeline.schedule}, {self.cfg.data.num_micro_batches} micro-batches, "
+                        f"{self.cfg.pipeline.order}, {self.cfg.data.num_micro_batches} micro-batches, "
                         f"{opts.steps} steps on {self.ctx.device}{compute_line(self.cfg)}{extra}{resumed}")
         if g.replica == 0:  # each stage says what its K-FAC covers (every replica holds the same layers)
             for p, k in self.kfacs.items():
