@@ -289,15 +289,15 @@ def test_run_records_its_kfac_margin_and_validate_checks_the_same_job(tmp_path):
 
 
 def test_run_offers_the_pipelines_and_chunks_train_offers():
-    """One definition of --pipeline's choices and --chunks for both commands; run applies --chunks."""
+    """One definition of --order's choices and --chunks for both commands; run applies --chunks."""
     def option(command: str, name: str):
         return next(p for p in main.commands[command].params if p.name == name)
 
-    for name in ("pipe_schedule", "chunks"):
+    for name in ("order", "chunks"):
         run_opt, train_opt = option("run", name), option("train", name)
         assert run_opt.help == train_opt.help and run_opt.opts == train_opt.opts
-    assert "interleaved" in option("run", "pipe_schedule").type.choices
-    assert "interleaved" in option("run", "pipe_schedule").help
+    assert "interleaved" in option("run", "order").type.choices
+    assert "interleaved" in option("run", "order").help
     # tiny has 4 layers: 2 stages x 3 chunks do not fit, which only an applied --chunks can say
     res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", "unused", "--order", "interleaved",
                                     "--chunks", "3", "--no-progress"])
