@@ -110,7 +110,7 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
             sub = os.path.join(folder, pipe)
             os.makedirs(sub, exist_ok=True)
             # profile, then rank 0 packs (once per K-FAC margin) while the other waits
-            Trainer(cfg, ctx, TrainOptions(mode="kfac", profile=True, steps=profile_steps, out=sub, **quiet)).run()
+            Trainer(cfg, ctx, TrainOptions.of(mode="kfac", profile=True, steps=profile_steps, out=sub, **quiet)).run()
             dist.barrier()
             for i, g in enumerate(margins):
                 files[pipe, f"scheduled x{g:g}"] = os.path.join(sub, f"schedule-{i}.pickle")
@@ -154,10 +154,10 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
                     cfg = cfg.replace(kfac={"interval": 10**9})
                 ctx = chimera_ctx if pipe == "chimera" else one_pipe_ctx
                 sched = files.get((pipe, mode))
-                opts = TrainOptions(mode="scheduled" if sched else "kfac" if mode == PRECONDITION else mode,
-                                    steps=steps, schedule=sched,
-                                    adapt=mode == "adaptive", schedule_timelines=timelines[pipe],
-                                    staleness=curve_data if mode == "adaptive" else None, **quiet)
+                opts = TrainOptions.of(mode="scheduled" if sched else "kfac" if mode == PRECONDITION else mode,
+                                       steps=steps, schedule=sched,
+                                       adapt=mode == "adaptive", schedule_timelines=timelines[pipe],
+                                       staleness=curve_data if mode == "adaptive" else None, **quiet)
                 trainer = Trainer(cfg, ctx, opts)
                 res = trainer.run()
                 # the mean, not the median: a cycle's steps carry different K-FAC loads, the cost is their sum

@@ -425,8 +425,8 @@ def train_copies_every_step(cfg: RunConfig, runs: list[tuple[str, str | None]], 
     try:
         for mode, schedule in runs:
             torch.manual_seed(0)
-            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
-                                                     log_every=10**9))
+            trainer = Trainer(cfg, ctx, TrainOptions.of(mode=mode, schedule=schedule, steps=steps, progress=False,
+                                                        log_every=10**9))
             trainer.stage.train()
             def copy(c: int):  # noqa: ANN202
                 return trainer.stage.copy(c) if hasattr(trainer.stage, "copy") else trainer.stage
@@ -458,8 +458,8 @@ def train_runs(cfg_path: str, runs: list[tuple[str, str | None]], steps: int, ov
     try:
         for mode, schedule in runs:
             torch.manual_seed(0)
-            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
-                                                     log_every=10**9))
+            trainer = Trainer(cfg, ctx, TrainOptions.of(mode=mode, schedule=schedule, steps=steps, progress=False,
+                                                        log_every=10**9))
             res = trainer.run()
             params = {n: p.detach().clone() for n, p in trainer.stage.named_parameters()}
             out[mode if schedule is None else os.path.basename(schedule)] = (params, res.losses)
@@ -478,8 +478,8 @@ def train_whole_and_resumed(cfg: RunConfig, whole: str, stopped: str, steps: int
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s, chimera=cfg.pipeline.order == "chimera")
     try:
         for last, folder, resume in ((steps, whole, None), (stop, stopped, None), (steps, stopped, stopped)):
-            Trainer(cfg, ctx, TrainOptions(steps=last, checkpoint_dir=folder, resume=resume, progress=False,
-                                           log_every=10**9, **options)).run()
+            Trainer(cfg, ctx, TrainOptions.of(steps=last, checkpoint_dir=folder, resume=resume, progress=False,
+                                              log_every=10**9, **options)).run()
     finally:
         shutdown(ctx)
 

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipefisher.cli import main
+from pipefisher.errors import InputError
 
 from _commands import torch_free as _torch_free
 from _schedules import ROOT, TINY
@@ -100,12 +101,12 @@ def test_the_curve_reaches_the_adaptive_scheduler_through_the_workers_options():
     from pipefisher.staleness import StalenessCurve, staleness_data
 
     curve = StalenessCurve.parse("1:0.5,4:0.6")
-    opts = TrainOptions(mode="scheduled", schedule="s.pickle", adapt=True, staleness=staleness_data(curve))
+    opts = TrainOptions.of(mode="scheduled", schedule="s.pickle", adapt=True, staleness=staleness_data(curve))
     _, back = decode_spec(encode_spec(load_config(TINY), opts))
     plan = Plan([[["-- start --", "-- end --"]]])
-    scheduler = make_scheduler("adaptive", plan, 1, staleness=back.staleness_curve)
+    scheduler = make_scheduler("adaptive", plan, 1, staleness=back.adapt.staleness_curve)
     assert scheduler.staleness.points == curve.points and scheduler.staleness.source == curve.source
-    assert make_scheduler("adaptive", plan, 1, staleness=TrainOptions().staleness_curve).staleness is None
+    assert make_scheduler("adaptive", plan, 1, staleness=TrainOptions.of().adapt.staleness_curve).staleness is None
 
 
 def test_without_a_curve_adapt_keeps_the_packings_cycle_and_adapt_drift_turns_the_drift_rule_on():
@@ -119,13 +120,13 @@ def test_without_a_curve_adapt_keeps_the_packings_cycle_and_adapt_drift_turns_th
     plan = Plan([[["-- start --", "cov_kron_A:l", "-- end --"], ["-- start --", "-- end --"]]])
     made = {}
     for drift in (False, True):
-        opts = TrainOptions(mode="scheduled", schedule="s.pickle", adapt=True, adapt_drift=drift, steps=100)
+        opts = TrainOptions.of(mode="scheduled", schedule="s.pickle", adapt=True, adapt_drift=drift, steps=100)
         _, back = decode_spec(encode_spec(load_config(TINY), opts))
         made[drift] = make_scheduler("adaptive", plan, 1, **adaptive_options(back, 0.05))
     assert made[False].rule is None and made[False].fixed_k == 2
     assert made[True].rule is not None and made[True].rule.cycle == 2 and made[True].fixed_k is None
-    with pytest.raises(ValueError, match="adapt_drift needs adapt and no staleness"):
-        TrainOptions(mode="scheduled", schedule="s.pickle", adapt_drift=True)
+    with pytest.raises(InputError, match="--adapt-drift: lets the drift rule set --adapt's cycle, and there is no"):
+        TrainOptions.of(mode="scheduled", schedule="s.pickle", adapt_drift=True)
 
 
 @pytest.mark.parametrize("command", ["train", "run"])

@@ -261,7 +261,7 @@ def _train(cfg, **opts) -> Trainer:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        t = Trainer(cfg, single_process(), TrainOptions(progress=False, log_every=10**9, **opts))
+        t = Trainer(cfg, single_process(), TrainOptions.of(progress=False, log_every=10**9, **opts))
         t.run()
         return t
     finally:

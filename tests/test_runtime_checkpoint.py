@@ -34,7 +34,7 @@ def _one_thread(fn):
 
 def _train(cfg, **opts) -> Trainer:
     def go() -> Trainer:
-        t = Trainer(cfg, single_process(), TrainOptions(progress=False, log_every=10**9, **opts))
+        t = Trainer(cfg, single_process(), TrainOptions.of(progress=False, log_every=10**9, **opts))
         t.run()
         return t
     return _one_thread(go)
@@ -114,7 +114,7 @@ def test_muon_resume_on_two_stages_one_without_muon_parameters(tmp_path):
     and resumed to step 4 ends with the weights of the run that never stopped, on both stages."""
     sets = ["data.text=stdlib", "optim.name=muon", "optim.lr=0.01", "optim.muon_include=[encoder.layer.0]"]
     # the config as pipefisher train --set ... hands it to its workers (through the launcher's JSON spec)
-    cfg, _ = decode_spec(encode_spec(apply_overrides(load_config(TINY), sets), TrainOptions()))
+    cfg, _ = decode_spec(encode_spec(apply_overrides(load_config(TINY), sets), TrainOptions.of()))
     assert cfg.optim.muon_include == ("encoder.layer.0",)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     spawn_local(train_whole_and_resumed, 2, cfg, a, b, 4, 2, {}, timeout_s=120)
@@ -135,7 +135,8 @@ def test_resume_with_two_stages_through_the_cli(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     # the uninterrupted run: what `base --steps 5 --checkpoint-dir a` has each worker run, in forked workers
     spawn_local(run_worker, 2, load_config(TINY),
-                TrainOptions(mode="scheduled", schedule=sched, steps=5, checkpoint_dir=a, progress=False), timeout_s=120)
+                TrainOptions.of(mode="scheduled", schedule=sched, steps=5, checkpoint_dir=a, progress=False),
+                timeout_s=120)
     runner = CliRunner()
     metrics = str(tmp_path / "b.csv")
     res = runner.invoke(main, base + ["--steps", "2", "--checkpoint-dir", b, "--metrics", metrics])
@@ -337,8 +338,8 @@ def _late_manifest_worker(cfg, folder: str) -> int:
                 return write(*args, **kwargs)
 
             checkpoint.dump_json_atomic = late
-        Trainer(cfg, ctx, TrainOptions(mode="first-order", steps=1, progress=False, log_every=10**9,
-                                       checkpoint_dir=folder)).run()
+        Trainer(cfg, ctx, TrainOptions.of(mode="first-order", steps=1, progress=False, log_every=10**9,
+                                          checkpoint_dir=folder)).run()
         return checkpoint.read_manifest(folder)["steps_done"]
     finally:
         shutdown(ctx)

@@ -29,7 +29,7 @@ def _step_worker(cfg) -> dict:
     """One kfac-mode step: gradients after the pair's all-reduce, then naive K-FAC and preconditioning."""
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s, chimera=True)
     try:
-        trainer = Trainer(cfg, ctx, TrainOptions(mode="kfac", steps=1, progress=False))
+        trainer = Trainer(cfg, ctx, TrainOptions.of(mode="kfac", steps=1, progress=False))
         eng, kfac, pair = trainer.engine, trainer.kfac, trainer.stage
         kfac.set_saving(True)
         eng.begin_step(0)
@@ -259,7 +259,7 @@ def _train_bad(cfg_path: str, schedule: str) -> None:
     from pipefisher.runtime.launch.local import run_worker
 
     cfg = load_config(cfg_path).replace(pipeline={"order": "chimera", "timeout_s": 20.0})
-    run_worker(cfg, TrainOptions(mode="scheduled", schedule=schedule, steps=3, progress=False))
+    run_worker(cfg, TrainOptions.of(mode="scheduled", schedule=schedule, steps=3, progress=False))
 
 
 def test_every_chimera_worker_refuses_the_mismatched_order_on_its_own(tmp_path):
@@ -373,8 +373,8 @@ def _soap_worker(cfgs: list, folder: str) -> list:
 
             def run(steps: int, resume: str | None, checkpoint: str | None) -> tuple:
                 torch.manual_seed(0)
-                trainer = Trainer(cfg, ctx, TrainOptions(mode="kfac", steps=steps, progress=False, log_every=10**9,
-                                                         checkpoint_dir=checkpoint, resume=resume))
+                trainer = Trainer(cfg, ctx, TrainOptions.of(mode="kfac", steps=steps, progress=False, log_every=10**9,
+                                                            checkpoint_dir=checkpoint, resume=resume))
                 losses = trainer.run().losses
                 params = {f"{j}.{n}": t.detach().clone()
                           for j, c in trainer.worker.copies.items() for n, t in c.named_parameters()}

@@ -191,10 +191,10 @@ def test_a_schedule_packed_for_another_model_is_refused_unless_allowed(tmp_path)
                                          r"this run not in it \(e.g. 'encoder.layer.4."):
         load_checked_schedule(path, deeper)
     # the workers check it too (torchrun runs no CLI pre-check), and take the override from the options
-    opts = TrainOptions(mode="scheduled", schedule=path, steps=1, progress=False)
+    opts = TrainOptions.of(mode="scheduled", schedule=path, steps=1, progress=False)
     with pytest.raises(InputError, match="model.hidden_size 32"):
         Trainer(wider, single_process(), opts)
-    assert Trainer(wider, single_process(), TrainOptions(**{**opts.__dict__, "allow_schedule_mismatch": True})).cycle
+    assert Trainer(wider, single_process(), TrainOptions.of(**{**opts.flags(), "allow_schedule_mismatch": True})).cycle
 
     # the CLI, before any worker starts; with the flag it goes on (to the next check, here the resume one)
     flags = ["train", "--config", TINY, "--stages", "1", "--schedule", path, "--no-progress"]
@@ -237,7 +237,7 @@ def _train_bad(cfg_path: str, schedule: str) -> None:
     from pipefisher.runtime.launch.local import run_worker
 
     cfg = load_config(cfg_path).replace(pipeline={"timeout_s": 20.0})
-    run_worker(cfg, TrainOptions(mode="scheduled", schedule=schedule, steps=3, progress=False))
+    run_worker(cfg, TrainOptions.of(mode="scheduled", schedule=schedule, steps=3, progress=False))
 
 
 def test_every_worker_refuses_a_wrong_schedule_on_its_own(tmp_path):
@@ -277,8 +277,8 @@ def _train_runs_posting(cfg_path: str, runs: list[tuple[str, str | None]], steps
         for mode, schedule, name in [(m, s, m if s is None else os.path.basename(s)) for m, s in runs] \
                 + [("scheduled", runs[-1][1], NOT_POSTED)]:
             torch.manual_seed(0)
-            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
-                                                     log_every=10**9))
+            trainer = Trainer(cfg, ctx, TrainOptions.of(mode=mode, schedule=schedule, steps=steps, progress=False,
+                                                        log_every=10**9))
             if name == NOT_POSTED:
                 trainer.executor.prepost = False
                 trainer.executor.switch(trainer.executor.iterations, trainer.executor.first_step)
@@ -385,8 +385,8 @@ def test_one_stage_run_in_one_process_uses_the_executor():
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            trainer = Trainer(cfg, single_process(), TrainOptions(mode="scheduled", schedule=path, steps=STEPS,
-                                                                  progress=False))
+            trainer = Trainer(cfg, single_process(), TrainOptions.of(mode="scheduled", schedule=path, steps=STEPS,
+                                                                     progress=False))
             assert trainer.cycle == 3
             trainer.run()
         finally:

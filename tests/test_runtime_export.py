@@ -45,7 +45,7 @@ def trained(cfg: RunConfig, ck: str, steps: int = 2) -> Trainer:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        opts = TrainOptions(steps=steps, progress=False, log_every=10**9, checkpoint_dir=ck)
+        opts = TrainOptions.of(steps=steps, progress=False, log_every=10**9, checkpoint_dir=ck)
         t = Trainer(cfg, single_process(), opts)
         t.run()
     finally:
@@ -305,7 +305,7 @@ def test_a_checkpoint_of_the_older_whitespace_bpe_resumes_and_exports(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        resumed = Trainer(old, single_process(), TrainOptions(steps=2, progress=False, log_every=10**9, resume=ck))
+        resumed = Trainer(old, single_process(), TrainOptions.of(steps=2, progress=False, log_every=10**9, resume=ck))
         resumed.run()
     finally:
         torch.set_num_threads(threads)

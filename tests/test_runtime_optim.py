@@ -473,7 +473,7 @@ def _muon_step_worker(cfg) -> dict:
     out: dict = {"device": ctx.grid.stage, "replica": ctx.grid.replica}
     try:
         for mode in ("first-order", "kfac"):
-            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, steps=1, progress=False, log_every=10**9))
+            trainer = Trainer(cfg, ctx, TrainOptions.of(mode=mode, steps=1, progress=False, log_every=10**9))
             copies = dict(trainer.worker.copies)
             opt = trainer.updater.optimizer
             muon_ids = {id(p) for g in opt.param_groups if g["group"] == "muon" for p in g["params"]}

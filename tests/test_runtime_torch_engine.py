@@ -189,8 +189,8 @@ def _profile_both_engines(cfg, folder: str) -> None:  # noqa: ANN001
     try:
         for engine in ENGINES:
             Trainer(cfg.replace(pipeline={"engine": engine}), ctx,
-                    TrainOptions(mode="kfac", profile=True, out=os.path.join(folder, engine), steps=2,
-                                 progress=False)).run()
+                    TrainOptions.of(mode="kfac", profile=True, out=os.path.join(folder, engine), steps=2,
+                                    progress=False)).run()
     finally:
         shutdown(ctx)
 

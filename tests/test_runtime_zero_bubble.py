@@ -174,7 +174,7 @@ def test_weight_passes_are_refused_outside_zero_bubble_orders():
 def _profile_worker(cfg, out: str) -> None:
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
     try:
-        Trainer(cfg, ctx, TrainOptions(mode="kfac", profile=True, out=out, steps=1, progress=False)).run()
+        Trainer(cfg, ctx, TrainOptions.of(mode="kfac", profile=True, out=out, steps=1, progress=False)).run()
     finally:
         shutdown(ctx)
 
@@ -206,8 +206,8 @@ def _resume_worker(cfg, folder: str) -> list:
     try:
         def run(steps: int, resume: str | None, ck: str | None) -> list:
             torch.manual_seed(0)
-            opts = TrainOptions(mode="kfac", steps=steps, progress=False, log_every=10**9,
-                                checkpoint_dir=ck, resume=resume)
+            opts = TrainOptions.of(mode="kfac", steps=steps, progress=False, log_every=10**9,
+                                   checkpoint_dir=ck, resume=resume)
             trainer = Trainer(cfg, ctx, opts)
             losses = trainer.run().losses
             params = {f"{j}.{n}": t.detach().clone()

@@ -99,16 +99,6 @@ def adapt_drift_option() -> Any:
              "docs/adapt.md); without it --adapt keeps the packing's cycle")
 
 
-def check_adapt_drift(adapt_drift: bool, adapt: bool, staleness: str | None) -> None:
-    """``--adapt-drift`` only where there is a cycle for it to set: with ``--adapt``, without a curve."""
-    if adapt_drift and not adapt:
-        raise InputError("--adapt-drift", "lets the drift rule set --adapt's cycle, and there is no --adapt; add "
-                                          "--adapt, or drop --adapt-drift")
-    if adapt_drift and staleness is not None:
-        raise InputError("--adapt-drift", "lets the drift rule set --adapt's cycle where there is no staleness "
-                                          "curve; with --staleness the curve sets it: drop one of them")
-
-
 OLD_NAME_SUFFIX = "_by_old_name"
 """What the parameter of an option's old name (:func:`old_name`) is called: its new one's and this."""
 

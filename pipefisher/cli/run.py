@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import click
 
-from pipefisher.cli._common import (OLD_NAME_SUFFIX, adapt_drift_option, check_adapt_drift, check_overlap,
+from pipefisher.cli._common import (OLD_NAME_SUFFIX, adapt_drift_option, check_overlap,
                                     margin_option, overlap_option, require_runtime, staleness_for, staleness_option)
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
@@ -21,6 +21,7 @@ from pipefisher.cli._runflags import (checkpoint_every_option, eval_log_options,
                                       past_decay_option, say_loading_torch, set_option, tensorboard_option)
 from pipefisher.cli.train import check_tensorboard
 from pipefisher.errors import InputError
+from pipefisher.runtime.job.options import check_adapt_drift
 
 SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "margin", "staleness", "overlap",
           "adapt", "adapt_drift", "allow_invalid",
@@ -106,7 +107,7 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
     check_out_folder(out_dir, "--out")
     tensorboard_dir = check_tensorboard(tensorboard_dir)
     curve = staleness_for(staleness, policy)  # a bad file: one line, before torch loads
-    check_adapt_drift(adapt_drift, adapt, staleness)
+    check_adapt_drift(adapt_drift, adapt, staleness is not None)  # the options' own check, before torch
     check_overlap(overlap, policy)
     if cfg.pipeline.order == "chimera" and cfg.kfac.refresh_pieces != 1:  # measured: 3-17 room-rule breaks
         raise InputError(config_path, "kfac.refresh_pieces other than 1 is not packed validly under pipeline.order "
@@ -182,8 +183,8 @@ def _resume(run_dir: str, name: str | None, steps: int, overrides: tuple[str, ..
     from pipefisher.cli._runconfig import read_run_config
     from pipefisher.cli.train import prepare_training
     from pipefisher.runtime.launch.driver import find_run
-    from pipefisher.runtime.train.checkpoint import (RUN_OPTIONS, check_resume_config, nothing_left, read_manifest,
-                                                     resume_note)
+    from pipefisher.runtime.job.options import RUN_OPTIONS
+    from pipefisher.runtime.train.checkpoint import check_resume_config, nothing_left, read_manifest, resume_note
 
     paths = find_run(run_dir, name)
     man = read_manifest(paths.checkpoints)

@@ -10,13 +10,14 @@ from typing import Any
 
 import click
 
-from pipefisher.cli._common import (adapt_drift_option, check_adapt_drift, missing_module, require_runtime,
+from pipefisher.cli._common import (adapt_drift_option, missing_module, require_runtime,
                                     staleness_option)
 from pipefisher.cli._outputs import check_fresh_outputs, check_out_file, check_out_folder, check_profile_folder
 from pipefisher.cli._runflags import (checkpoint_every_option, eval_log_options, layout_options, no_progress_option,
                                       past_decay_option, say_loading_torch, set_option, tensorboard_option)
 from pipefisher.cli.group import main
 from pipefisher.errors import InputError
+from pipefisher.runtime.job.options import TrainOptions, check_adapt_drift, check_mode
 
 
 def check_tensorboard(folder: str | None) -> str | None:
@@ -168,6 +169,12 @@ def train_command(config_path: str, mode: str | None, schedule_path: str | None,
     checkpoint_dir, tensorboard_dir = _checked_outputs(cfg.name, profile, out_dir, metrics_path, tensorboard_dir,
                                                        checkpoint_dir, checkpoint_every, resume_dir, job)
     n = _worker_count(job, nproc, cfg.pipeline.stages, config_path)
+    opts = TrainOptions.of(mode=mode, steps=steps, profile=profile, schedule=_abs(schedule_path),
+                           allow_schedule_mismatch=allow_schedule_mismatch, out=out_dir, log_every=log_every,
+                           progress=not no_progress, metrics=_abs(metrics_path), tensorboard=tensorboard_dir,
+                           eval_every=eval_every, checkpoint_dir=_abs(checkpoint_dir),
+                           checkpoint_every=checkpoint_every, resume=_abs(resume_dir), adapt=adapt,
+                           adapt_policy=adapt_policy, adapt_drift=adapt_drift, staleness=staleness_data(curve))
     if resume_dir:
         from pipefisher.runtime.train.checkpoint import nothing_left
 
@@ -175,18 +182,9 @@ def train_command(config_path: str, mode: str | None, schedule_path: str | None,
             click.echo(done)
             return
     say_loading_torch(no_progress)
-    from pipefisher.runtime.train.trainer import TrainOptions
-
     prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode, adapt, allow_schedule_mismatch,
                      progress=not no_progress)
     _record_run(cfg, out_dir, resume_dir, steps, past_decay, reports)
-    opts = TrainOptions(mode=mode, steps=steps, profile=profile, out=out_dir, log_every=log_every,
-                        progress=not no_progress, schedule=_abs(schedule_path), metrics=_abs(metrics_path),
-                        tensorboard=tensorboard_dir,
-                        checkpoint_dir=_abs(checkpoint_dir), checkpoint_every=checkpoint_every,
-                        resume=_abs(resume_dir), eval_every=eval_every, adapt=adapt, adapt_policy=adapt_policy,
-                        adapt_drift=adapt_drift, allow_schedule_mismatch=allow_schedule_mismatch,
-                        staleness=staleness_data(curve))
     _train_workers(cfg, opts, job, n, workers_log(out_dir, metrics_path, cfg.name), checkpoint_dir, reports)
     _say_written(cfg, out_dir, bool(schedule_path) and reports, profile)
 
@@ -210,14 +208,7 @@ def _checked_mode(mode: str | None, schedule_path: str | None, profile: bool, ad
     combinations of mode, schedule, profiling and ``--adapt``'s options refused in one line."""
     if mode is None:
         mode = "scheduled" if schedule_path else "first-order"
-    if mode == "scheduled" and not schedule_path:
-        raise click.UsageError("--mode scheduled needs --schedule FILE")
-    if schedule_path and mode != "scheduled":
-        raise click.UsageError(f"--schedule FILE trains in scheduled mode, not {mode}")
-    if profile and schedule_path:
-        raise click.UsageError("--profile runs kfac steps; it does not take a schedule file")
-    if adapt and not schedule_path:
-        raise click.UsageError("--adapt re-packs a schedule while training: it needs --schedule FILE")
+    check_mode(mode, schedule_path, profile, adapt)  # the options' own check, before torch
     if adapt and not out_dir:
         raise InputError("--adapt", "writes the schedules it re-packs and the measurements they come from into "
                                     "--out DIR, and there is no --out: add --out DIR")
@@ -227,7 +218,7 @@ def _checked_mode(mode: str | None, schedule_path: str | None, profile: bool, ad
     if staleness is not None and not adapt:
         raise InputError("--staleness", "weighs the trials of --adapt (step time x the curve at k), and there is "
                                         "no --adapt; add --adapt, or drop --staleness")
-    check_adapt_drift(adapt_drift, adapt, staleness)
+    check_adapt_drift(adapt_drift, adapt, staleness is not None)  # the options' own check, before torch
     return mode
 
 

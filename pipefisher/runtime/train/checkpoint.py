@@ -189,11 +189,6 @@ class TorchRNG:
 # ----------------------------------------------------------------------------------------------------
 # Writing
 
-RUN_OPTIONS = ("adapt", "adapt_policy", "adapt_drift", "margin", "eval_every", "checkpoint_every", "log_every",
-               "tensorboard")
-"""The training options a manifest records (``options``): what ``pipefisher run --resume`` runs again."""
-
-
 def _export_config(cfg: Any) -> dict[str, Any] | None:
     """The transformers config of a Hugging Face builder's model (:func:`pipefisher.runtime.models.hf.export_config`)."""
     from pipefisher.runtime.models.hf import BUILDER_KINDS, export_config

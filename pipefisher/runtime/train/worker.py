@@ -22,6 +22,7 @@ from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext, check_agreement
 from pipefisher.kfac import KFAC
 from pipefisher.runtime.job.host import HostReads
+from pipefisher.runtime.job.options import check_mode
 from pipefisher.runtime.models.builders import make_stage
 from pipefisher.runtime.pipeline.checks import load_checked_schedule
 from pipefisher.runtime.pipeline.compute import LossScale, recompute_blocks
@@ -38,20 +39,14 @@ from pipefisher.timeline import STEP_KEY, UPDATE_KEY
 
 logger = logging.getLogger(__name__)
 
-MODES = ("first-order", "kfac", "scheduled")
-"""How a worker trains: the pipeline alone, with K-FAC after it, or with K-FAC in its bubbles (a schedule)."""
-
-
 def check_options(mode: str, schedule: str | None, cfg: RunConfig | None = None,
                   ctx: DistContext | None = None) -> None:
-    """The one check of how a worker is asked to train (:class:`ValueError`: a caller's mistake, not the
-    user's, whom the CLI answers first): ``mode`` one of :data:`MODES`, a ``schedule`` file exactly with
-    mode ``scheduled``, and, given both ``cfg`` and ``ctx``, process groups set up for ``cfg``'s stages and
-    pipeline order. ``TrainOptions`` checks its options with it, :func:`build_worker` its arguments."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-    if (mode == "scheduled") != (schedule is not None):
-        raise ValueError("mode 'scheduled' and a schedule file go together")
+    """How a worker is asked to train (:class:`ValueError`: a caller's mistake, not the user's, whom the
+    CLI answers first): the mode and schedule as :class:`~pipefisher.runtime.job.options.TrainOptions`
+    checks them (:func:`~pipefisher.runtime.job.options.check_mode`), and, given both ``cfg`` and ``ctx``,
+    process groups set up for ``cfg``'s stages and pipeline order. :func:`build_worker` checks its
+    arguments with it."""
+    check_mode(mode, schedule)
     if cfg is None or ctx is None:
         return
     if ctx.grid.stages != cfg.pipeline.stages:
