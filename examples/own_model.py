@@ -110,7 +110,7 @@ def config(steps: int) -> Any:
               "num_micro_batches": 4},
         optim={"name": "adamw", "lr": 3e-3, "weight_decay": 0.0},
         kfac={"damping": 0.01, "interval": 1, "ignore": ["head"], "lr": 0.05},
-        pipeline={"stages": 2, "schedule": "1f1b"})
+        pipeline={"stages": 2, "order": "1f1b"})
 
 
 def worker(rank: int, world: int, port: int, steps: int, out: str | None, checkpoint_dir: str | None = None,

@@ -31,3 +31,11 @@ def install_hint(extra: str) -> str:
     """How to install one of the package's extras, as every missing-extra message says it: from a
     registry, and in a clone with the constraints file that pins what set-up and CI test against."""
     return f"pip install 'pipefisher[{extra}]' (in a clone: pip install -c constraints.txt -e '.[{extra}]')"
+
+
+def renamed_notice(old: str, new: str, where: str | None = None) -> None:
+    """One line on stderr saying that ``old`` (a config key, an option) is read as its new name ``new``:
+    old configs, scripts and records keep working, and the user learns the new name."""
+    import sys
+
+    print(f"note: {where + ': ' if where else ''}{old} is now {new} (the old name still works)", file=sys.stderr)

@@ -30,12 +30,51 @@ import heapq
 import numbers
 import operator
 from dataclasses import dataclass
+from enum import Enum
 from functools import cached_property
 from typing import Callable, Iterator
 
 from pipefisher.errors import InputError
 
-FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
+
+
+class PassKind(Enum):
+    """The kinds of pipeline pass, the one vocabulary every layer names them in: the orders' and the
+    simulator's letter (:attr:`label`), the profiled timelines' key (:attr:`key`, :mod:`pipefisher.schedule.timeline`)
+    and torch's ``_ComputationType`` (:meth:`torch_name`).
+
+    ``BACKWARD`` (B) computes the input gradient only where the order splits the backward (zero-bubble
+    orders, DualPipeV: torch's ``BACKWARD_INPUT``) and the full backward otherwise (torch's
+    ``FULL_BACKWARD``); ``WEIGHT`` (W) is the deferred weight-gradient pass of a split."""
+
+    FORWARD = ("F", "call_forward", "FORWARD", "FORWARD")
+    BACKWARD = ("B", "call_backward", "FULL_BACKWARD", "BACKWARD_INPUT")
+    WEIGHT = ("W", "call_backward:weight", "BACKWARD_WEIGHT", "BACKWARD_WEIGHT")
+
+    def __new__(cls, label: str, key: str, torch_full: str, torch_split: str) -> PassKind:
+        member = object.__new__(cls)
+        member._value_ = label
+        member._key, member._torch = key, (torch_full, torch_split)
+        return member
+
+    @property
+    def label(self) -> str:
+        """The letter of the orders and the simulator (:attr:`Op.kind`): ``F``, ``B`` or ``W``."""
+        return str(self.value)
+
+    @property
+    def key(self) -> str:
+        """The profiled timeline's key of this pass (chunk and pipe suffixes aside)."""
+        return self._key
+
+    def torch_name(self, split: bool = False) -> str:
+        """The name of torch's ``_ComputationType`` that runs this pass, in an order that splits its
+        backwards (``split``) or not."""
+        return self._torch[1 if split else 0]
+
+
+FORWARD, BACKWARD, WEIGHT = PassKind.FORWARD.label, PassKind.BACKWARD.label, PassKind.WEIGHT.label
+"""The letters of the passes (:class:`PassKind`), as :attr:`Op.kind` holds them."""
 DOWN, UP = 0, 1
 LOOP, V = "loop", "v"
 """How model chunks sit on the devices: chunk ``c`` of device ``d`` is virtual stage ``d + c p`` in a

@@ -53,7 +53,7 @@ def _bench(config_path: str, mode: str, steps: int, warmup: int, stages: int) ->
             for precision, recompute in VARIANTS:
                 cfg = base.replace(train={"precision": precision, "recompute": recompute})
                 gc.collect()  # the previous variant's trainer is gone before this one's baseline
-                opts = TrainOptions(mode=mode, steps=steps if measured else 2, progress=False, log_every=10**9)
+                opts = TrainOptions.of(mode=mode, steps=steps if measured else 2, progress=False, log_every=10**9)
                 trainer = Trainer(cfg, ctx, opts)
                 res = trainer.run()
                 if measured:  # the peak above what the process held as the steps began

@@ -115,8 +115,8 @@ def trainer_of(ctx: Any, steps: int, eval_every: int) -> Callable[..., tuple[Any
 
     def train(cfg: Any, mode: str, schedule: str | None = None, evals: int = eval_every,
               **options: Any) -> tuple[Any, Any]:
-        opts = TrainOptions(mode=mode, steps=steps, schedule=schedule, eval_every=evals, progress=False,
-                            log_every=10**9, **options)
+        opts = TrainOptions.of(mode=mode, steps=steps, schedule=schedule, eval_every=evals, progress=False,
+                               log_every=10**9, **options)
         trainer = Trainer(cfg, ctx, opts)
         return trainer, trainer.run()
 
@@ -296,8 +296,8 @@ def profile_and_pack(base: Any, ctx: Any, rank: int, folder: str, profile_steps:
     from pipefisher.runtime.train.profiler import timeline_filename
     from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
-    Trainer(base, ctx, TrainOptions(mode="kfac", profile=True, steps=profile_steps, out=folder, progress=False,
-                                    log_every=10**9)).run()
+    Trainer(base, ctx, TrainOptions.of(mode="kfac", profile=True, steps=profile_steps, out=folder, progress=False,
+                                       log_every=10**9)).run()
     dist.barrier()
     sched = os.path.join(folder, "schedule.pickle")
     plan = None

@@ -55,7 +55,7 @@ def main() -> None:
     from pipefisher.schedule.file import save_schedule
 
     torch.set_num_threads(1)
-    cfg = load_config(a.config).replace(pipeline={"stages": 1, "schedule": "1f1b"})
+    cfg = load_config(a.config).replace(pipeline={"stages": 1, "order": "1f1b"})
     with tempfile.TemporaryDirectory(prefix="pipefisher-bench-") as folder:
         path = os.path.join(folder, "one.pickle")
         save_schedule(path, single_iteration_schedule(cfg))

@@ -28,7 +28,7 @@ def _bench(config_path: str, steps: int, warmup: int) -> dict[str, float]:
     out = {}
     try:
         for mode in ("first-order", "kfac"):
-            opts = TrainOptions(mode=mode, steps=steps, progress=False, log_every=10**9)
+            opts = TrainOptions.of(mode=mode, steps=steps, progress=False, log_every=10**9)
             res = Trainer(cfg, ctx, opts).run()
             out[mode] = statistics.median(res.step_seconds[warmup:])
     finally:

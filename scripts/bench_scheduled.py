@@ -3,7 +3,7 @@
 static schedules) and ``adaptive`` (the closed loop: re-packed from the measured steps while training)
 on 2 pipeline stages, one CPU core each, for each pipeline order asked for, in one go.
 
-The same two worker processes run everything: per pipeline (``--pipelines``, default 1F1B and
+The same two worker processes run everything: per pipeline (``--orders``, default 1F1B and
 Chimera), a profile of a few kfac steps, whose median step rank 0 packs with the default policy
 (``target``: the density with the least expected time-to-target) and with ``tight`` (or --policy) once
 per K-FAC margin (profiled K-FAC times x margin: slack for noisy CPU timings, at the price of a longer
@@ -25,10 +25,10 @@ step, and, given the job's staleness curve (``--staleness``, from ``scripts/benc
 (:mod:`pipefisher.cost.objective`); without one, no time to target is predicted.
 
     python scripts/bench_scheduled.py [--config configs/small.yaml] [--steps 80] [--warmup 3] [--rounds 5] \
-        [--kfac-margin 1,1.25,1.5,2] [--micro-batches M] [--pipelines 1f1b,chimera] [--no-adapt] \
+        [--kfac-margin 1,1.25,1.5,2] [--micro-batches M] [--orders 1f1b,chimera] [--no-adapt] \
         [--staleness bench-staleness/staleness.json]
-    python scripts/bench_scheduled.py --pipelines 1f1b,zb-h1,zb-v --kfac-margin 1 --no-adapt   # zero bubble
-    python scripts/bench_scheduled.py --pipelines 1f1b,zb-v --engine pipefisher,torch --kfac-margin 1 --no-adapt
+    python scripts/bench_scheduled.py --orders 1f1b,zb-h1,zb-v --kfac-margin 1 --no-adapt   # zero bubble
+    python scripts/bench_scheduled.py --orders 1f1b,zb-v --engine pipefisher,torch --kfac-margin 1 --no-adapt
 
 ``--engine pipefisher,torch`` runs every pipeline on both engines (``pipeline.engine``) in the same
 workers, each profiled and packed on its own (rows ``<pipeline>@<engine>``), and ends with each
@@ -43,6 +43,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pipefisher.cli._common import add_renamed_argument  # noqa: E402
 
 
 TARGET = "target"
@@ -60,7 +62,7 @@ def _variant(name: str) -> tuple[str, str]:
 
 def _config(base, name: str):  # noqa: ANN001, ANN202
     pipe, engine = _variant(name)
-    return base.replace(pipeline={"schedule": pipe, "engine": engine})
+    return base.replace(pipeline={"order": pipe, "engine": engine})
 
 
 def _bubble_fraction(job) -> float:
@@ -108,7 +110,7 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
             sub = os.path.join(folder, pipe)
             os.makedirs(sub, exist_ok=True)
             # profile, then rank 0 packs (once per K-FAC margin) while the other waits
-            Trainer(cfg, ctx, TrainOptions(mode="kfac", profile=True, steps=profile_steps, out=sub, **quiet)).run()
+            Trainer(cfg, ctx, TrainOptions.of(mode="kfac", profile=True, steps=profile_steps, out=sub, **quiet)).run()
             dist.barrier()
             for i, g in enumerate(margins):
                 files[pipe, f"scheduled x{g:g}"] = os.path.join(sub, f"schedule-{i}.pickle")
@@ -152,10 +154,10 @@ def _bench(config_path: str, overrides: dict, pipelines: list[str], steps: int, 
                     cfg = cfg.replace(kfac={"interval": 10**9})
                 ctx = chimera_ctx if pipe == "chimera" else one_pipe_ctx
                 sched = files.get((pipe, mode))
-                opts = TrainOptions(mode="scheduled" if sched else "kfac" if mode == PRECONDITION else mode,
-                                    steps=steps, schedule=sched,
-                                    adapt=mode == "adaptive", schedule_timelines=timelines[pipe],
-                                    staleness=curve_data if mode == "adaptive" else None, **quiet)
+                opts = TrainOptions.of(mode="scheduled" if sched else "kfac" if mode == PRECONDITION else mode,
+                                       steps=steps, schedule=sched,
+                                       adapt=mode == "adaptive", schedule_timelines=timelines[pipe],
+                                       staleness=curve_data if mode == "adaptive" else None, **quiet)
                 trainer = Trainer(cfg, ctx, opts)
                 res = trainer.run()
                 # the mean, not the median: a cycle's steps carry different K-FAC loads, the cost is their sum
@@ -182,8 +184,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every run (median reported)")
     ap.add_argument("--policy", default=None, help="packing policy of the margin sweep (default: tight)")
     ap.add_argument("--micro-batches", type=int, default=None, help="override data.num_micro_batches")
-    ap.add_argument("--pipelines", default="1f1b,chimera",
-                    help="comma-separated pipeline orders to compare (gpipe, 1f1b, chimera, interleaved, zb-h1, zb-v, "
+    add_renamed_argument(ap, "--orders", "--pipelines", default="1f1b,chimera",
+                         help="comma-separated pipeline orders to compare (gpipe, 1f1b, chimera, interleaved, zb-h1, zb-v, "
                          "dualpipev)")
     ap.add_argument("--engine", default="pipefisher",
                     help="comma-separated pipeline engines to run every pipeline on (pipefisher, torch)")
@@ -200,7 +202,7 @@ def main() -> None:
 
     margins = [float(x) for x in a.kfac_margin.split(",")]
     engines = [e.strip() for e in a.engine.split(",") if e.strip()]
-    pipelines = [p.strip() for p in a.pipelines.split(",") if p.strip()]
+    pipelines = [p.strip() for p in a.orders.split(",") if p.strip()]
     if engines != ["pipefisher"]:
         pipelines = [f"{p}@{e}" for p in pipelines for e in engines]
     overrides: dict = {"pipeline": {"stages": 2}}

@@ -8,7 +8,7 @@ each (byte code and file caches warm, as a user's are), best and median of ``--r
 * the heavy regression job ``tests/data/regressions/heavy-16x128x48``, exactly as the published script
   is run (``python scripts/auto_schedule.py <16 files joined by commas> --save_path s.pickle``); the
   target: ``target`` under 1 s;
-* the interleaved job ``pipefisher simulate --config bert-large-8stages --schedule interleaved -m 256``
+* the interleaved job ``pipefisher simulate --config bert-large-8stages --order interleaved -m 256``
   (simulated here into a temporary folder), packed by ``python -m pipefisher schedule <files>``; the
   target: ``target`` within 1.5x ``tight``;
 * the BERT-Large regression job (``tests/data/regressions/bert-large-8stages-m12-bs8``), where no

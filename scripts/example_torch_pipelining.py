@@ -7,8 +7,8 @@ change is :func:`pipefisher.runtime.torch_pp.wrap` and calling its ``step`` inst
 step 0 is a plain step, the next ``--profile-steps`` run and profile K-FAC after the pipeline, then
 the K-FAC work runs in the bubbles of the packed schedule (written to ``--out``).
 
-    python scripts/example_torch_pipelining.py --schedule interleaved --steps 30 --out pf
-    torchrun --nproc-per-node 2 scripts/example_torch_pipelining.py --schedule zb-v   # or 1f1b, gpipe, dualpipev
+    python scripts/example_torch_pipelining.py --order interleaved --steps 30 --out pf
+    torchrun --nproc-per-node 2 scripts/example_torch_pipelining.py --order zb-v   # or 1f1b, gpipe, dualpipev
 
 Run with plain ``python``, it checks ``--out`` and starts its ``--ranks`` ranks itself, under torch's
 launcher (the command it runs is printed: ``python -m torch.distributed.run`` is ``torchrun``); under
@@ -25,13 +25,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pipefisher.cli._common import add_renamed_argument  # noqa: E402
+
 SCHEDULES = {"1f1b": ("Schedule1F1B", 1), "gpipe": ("ScheduleGPipe", 1), "interleaved": ("ScheduleInterleaved1F1B", 2),
              "zb-v": ("ScheduleZBVZeroBubble", 2), "dualpipev": ("ScheduleDualPipeV", 2)}
 """A torch schedule class (of ``torch.distributed.pipelining``) and the model chunks each rank holds."""
 
 
 def schedule_class(name: str) -> tuple[Any, int]:
-    """The torch schedule class of ``--schedule name`` and the chunks per rank."""
+    """The torch schedule class of ``--order name`` and the chunks per rank."""
     import torch.distributed.pipelining as pipelining
 
     cls, per_rank = SCHEDULES[name]
@@ -85,7 +87,7 @@ def check_or_launch(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    ap.add_argument("--schedule", choices=sorted(SCHEDULES), default="interleaved")
+    add_renamed_argument(ap, "--order", "--schedule", choices=sorted(SCHEDULES), default="interleaved")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--micro-batches", type=int, default=4)
@@ -111,11 +113,11 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    schedule_cls, per_rank = schedule_class(args.schedule)
+    schedule_cls, per_rank = schedule_class(args.order)
     width, classes, n = 32, 8, world * per_rank
     model = make_model(n, width, classes)
     # this rank's stage indices: one per rank, a loop (interleaved) or a V (zb-v, dualpipev)
-    mine = [rank] if per_rank == 1 else [rank, rank + world] if args.schedule == "interleaved" else [rank, 2 * world - 1 - rank]
+    mine = [rank] if per_rank == 1 else [rank, rank + world] if args.order == "interleaved" else [rank, 2 * world - 1 - rank]
     stages = [PipelineStage(model[i], i, n, torch.device("cpu")) for i in mine]
     schedule = schedule_cls(stages if per_rank > 1 else stages[0], n_microbatches=args.micro_batches,
                             loss_fn=nn.CrossEntropyLoss())

@@ -20,7 +20,7 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 
 REAL_TEXT = {"data": {"text": "stdlib"},
-             "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2, "schedule": "linear", "weight_decay": 0.01}}
+             "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2, "lr_schedule": "linear", "weight_decay": 0.01}}
 """The runtime equalities run on the real data path and the transformer optimizer: configs/tiny.yaml's
 model on the standard library's text (BPE, vocabulary 100), AdamW with warm-up and linear decay."""
 
@@ -41,7 +41,7 @@ def spread_schedule(cfg: RunConfig) -> list[list[list[str]]]:
     m, stages = cfg.data.num_micro_batches, cfg.pipeline.stages
     out = []
     for node, names in enumerate(stage_kfac_names(cfg)):
-        ops = pipeline_ops(cfg.pipeline.schedule, node, stages, m)
+        ops = pipeline_ops(cfg.pipeline.order, node, stages, m)
         half = names[: len(names) // 2]
         first = names[0]
         it0, nf, nb = [START], 0, 0
@@ -77,7 +77,7 @@ def fake_timelines(cfg: RunConfig) -> list[dict]:
     names = stage_kfac_names(cfg)
     done: dict = {}
     free = [0] * stages
-    pending = [list(pipeline_ops(cfg.pipeline.schedule, s, stages, m)) for s in range(stages)]
+    pending = [list(pipeline_ops(cfg.pipeline.order, s, stages, m)) for s in range(stages)]
     nxt = [[0, 0] for _ in range(stages)]
     raws: list[dict] = [{FORWARD: [], BACKWARD: []} for _ in range(stages)]
     while any(pending):
@@ -135,7 +135,7 @@ def replay(cfg: RunConfig, schedule: list[list[list[str]]] | None, steps: int,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers: the same reduction order, so the same floats
     try:
-        if cfg.pipeline.schedule == "chimera":
+        if cfg.pipeline.order == "chimera":
             assert schedule is not None and labels_at is None
             return _replay_chimera(cfg, schedule, steps)
         chunks = cfg.pipeline.chunks if cfg.pipeline.chunked else 1
@@ -342,7 +342,7 @@ def interleaved_spread_schedule(cfg: RunConfig) -> list[list[list[str]]]:
     stages, m, v = cfg.pipeline.stages, cfg.data.num_micro_batches, cfg.pipeline.chunks
     out = []
     for node, by_chunk in enumerate(node_kfac_names(cfg)):
-        ops = pipeline_ops(cfg.pipeline.schedule, node, stages, m, v)
+        ops = pipeline_ops(cfg.pipeline.order, node, stages, m, v)
         it0 = [START]
         for label in ops:
             it0.append(label)
@@ -371,7 +371,7 @@ def _replay_virtual_stages(cfg: RunConfig, labels_at: Callable[[int, int], list[
     p, v, m = cfg.pipeline.stages, chunks, cfg.data.num_micro_batches
 
     def at(node: int, j: int) -> int:
-        return stage_on(node, j, p, layout_of(cfg.pipeline.schedule))
+        return stage_on(node, j, p, layout_of(cfg.pipeline.order))
     n = p * v
     mods = [PipelineStage(cfg.model, s, n, seed=cfg.data.seed) for s in range(n)]
     kfacs = [make_kfac(cfg, mod) for mod in mods]
@@ -421,15 +421,15 @@ def train_copies_every_step(cfg: RunConfig, runs: list[tuple[str, str | None]], 
     from pipefisher.runtime.job.dist import init_from_env, shutdown
     from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
-    chimera = cfg.pipeline.schedule == "chimera"
+    chimera = cfg.pipeline.order == "chimera"
     copies = (0, 1) if chimera else range(cfg.pipeline.chunks) if cfg.pipeline.chunked else (0,)
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s, chimera=chimera)
     out: dict = {"device": ctx.grid.stage, "replica": ctx.grid.replica}
     try:
         for mode, schedule in runs:
             torch.manual_seed(0)
-            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
-                                                     log_every=10**9))
+            trainer = Trainer(cfg, ctx, TrainOptions.of(mode=mode, schedule=schedule, steps=steps, progress=False,
+                                                        log_every=10**9))
             trainer.stage.train()
             def copy(c: int):  # noqa: ANN202
                 return trainer.stage.copy(c) if hasattr(trainer.stage, "copy") else trainer.stage
@@ -461,8 +461,8 @@ def train_runs(cfg_path: str, runs: list[tuple[str, str | None]], steps: int, ov
     try:
         for mode, schedule in runs:
             torch.manual_seed(0)
-            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
-                                                     log_every=10**9))
+            trainer = Trainer(cfg, ctx, TrainOptions.of(mode=mode, schedule=schedule, steps=steps, progress=False,
+                                                        log_every=10**9))
             res = trainer.run()
             params = {n: p.detach().clone() for n, p in trainer.stage.named_parameters()}
             out[mode if schedule is None else os.path.basename(schedule)] = (params, res.losses)
@@ -478,11 +478,11 @@ def train_whole_and_resumed(cfg: RunConfig, whole: str, stopped: str, steps: int
     from pipefisher.runtime.job.dist import init_from_env, shutdown
     from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
-    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s, chimera=cfg.pipeline.schedule == "chimera")
+    ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s, chimera=cfg.pipeline.order == "chimera")
     try:
         for last, folder, resume in ((steps, whole, None), (stop, stopped, None), (steps, stopped, stopped)):
-            Trainer(cfg, ctx, TrainOptions(steps=last, checkpoint_dir=folder, resume=resume, progress=False,
-                                           log_every=10**9, **options)).run()
+            Trainer(cfg, ctx, TrainOptions.of(steps=last, checkpoint_dir=folder, resume=resume, progress=False,
+                                              log_every=10**9, **options)).run()
     finally:
         shutdown(ctx)
 

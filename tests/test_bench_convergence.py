@@ -21,7 +21,7 @@ def _result(rank: int, holds_loss: bool, seconds: float) -> dict:
 
 def test_the_losses_come_from_the_worker_holding_the_last_stage():
     assert loss_rank(bench_config(TINY, [])) == 1
-    assert loss_rank(bench_config(TINY, ["pipeline.schedule=zb-v"])) == 0  # the V ends where it began
+    assert loss_rank(bench_config(TINY, ["pipeline.order=zb-v"])) == 0  # the V ends where it began
     runs, first, last = merged_runs([_result(0, True, 0.2), _result(1, False, 0.3)])
     assert last["rank"] == 0 and first["rank"] == 0
     assert runs[0]["val"] == [(10, 5.0, 1.0)]

@@ -61,7 +61,7 @@ def test_the_benchmark_writes_the_jobs_curve_with_where_it_was_measured(tmp_path
     assert (p.horizon, p.target, p.seeds) == (30, 5.0, 2) and p.relative_to.startswith("adamw lr 0.001")
     assert "layers" in p.model and "micro-batches" in p.data
     # a run of the same model on another pipeline layout is the same job; another learning rate is not
-    assert loaded.config_warning(cfg.replace(pipeline={"stages": 1, "schedule": "gpipe"}).fingerprint(layout=False), "x") is None
+    assert loaded.config_warning(cfg.replace(pipeline={"stages": 1, "order": "gpipe"}).fingerprint(layout=False), "x") is None
     assert loaded.config_warning(cfg.replace(optim={"lr": 0.5}).fingerprint(layout=False), "x") is not None
 
 

@@ -47,10 +47,25 @@ def test_policy_help_lists_the_registry(name):
     assert f"packing policy: {', '.join(sorted(POLICIES))} (default: {DEFAULT_POLICY})" in text
 
 
-def test_compare_refuses_schedule_and_schedules_together_in_one_line():
-    res = _runner().invoke(main, ["compare", "--schedule", "1f1b", "--schedules", "gpipe,1f1b"])
+def test_compare_refuses_order_and_orders_together_in_one_line():
+    res = _runner().invoke(main, ["compare", "--order", "1f1b", "--orders", "gpipe,1f1b"])
     assert res.exit_code == 2
-    assert res.stderr == "error: give --schedule (one) or --schedules (several), not both\n"
+    assert res.stderr == "error: give --order (one) or --orders (several), not both\n"
+
+
+def test_the_old_names_of_order_options_still_work_saying_the_new_name(tmp_path):
+    """``simulate --schedule`` and ``compare --schedules`` (before --order/--orders): the same result, one
+    notice line each; an old name beside its new one is refused in one line."""
+    new = _runner().invoke(main, ["simulate", "--order", "gpipe", "-m", "4", "--out", str(tmp_path / "N")])
+    old = _runner().invoke(main, ["simulate", "--schedule", "gpipe", "-m", "4", "--out", str(tmp_path / "O")])
+    assert (new.exit_code, old.exit_code) == (0, 0)
+    assert old.stdout.replace(str(tmp_path / "O"), str(tmp_path / "N")) == new.stdout
+    assert old.stderr == "note: --schedule is now --order (the old name still works)\n"
+    res = _runner().invoke(main, ["compare", "--schedules", "gpipe", "-m", "4"])
+    assert res.exit_code == 0 and "gpipe" in res.stdout
+    assert res.stderr == "note: --schedules is now --orders (the old name still works)\n"
+    both = _runner().invoke(main, ["simulate", "--order", "gpipe", "--schedule", "1f1b", "--out", str(tmp_path / "b")])
+    assert (both.exit_code, both.stderr) == (2, "error: --schedule: is the old name of --order: give --order only\n")
 
 
 def test_the_help_texts_a_new_user_read_say_what_the_commands_do():

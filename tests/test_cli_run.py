@@ -172,7 +172,7 @@ def test_run_chimera_end_to_end(tmp_path):
     out = tmp_path / "runs"
     # 30 steps: a pair's aligned cycle on a fresh profile is 4 to 7, and 13 on a busy machine; a run shorter
     # than every packing's cycle trains nothing (test_a_run_trains_no_cycle_longer_than_its_steps_chimera_pairs_aligned)
-    res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", "chimera", "--out", str(out), "--steps", "30",
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--order", "chimera", "--out", str(out), "--steps", "30",
                                     "--profile-steps", "2", "--name", "c", "--no-progress", "--eval-every", "3",
                                     "--timeout", "30"])
     assert res.exit_code == 0, res.output
@@ -208,7 +208,7 @@ def _chimera_profile() -> tuple:  # type: ignore[type-arg]
     from pipefisher.schedule.timeline import load_job
 
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profiles", "chimera_tiny_2")
-    return load_job(sorted(glob.glob(os.path.join(here, "*.pickle")))), tiny(pipeline={"schedule": "chimera"})
+    return load_job(sorted(glob.glob(os.path.join(here, "*.pickle")))), tiny(pipeline={"order": "chimera"})
 
 
 def test_allow_invalid_trains_what_the_runtime_can_run_and_leaves_a_refused_schedule(tmp_path, monkeypatch):
@@ -282,7 +282,7 @@ def test_run_records_its_kfac_margin_and_validate_checks_the_same_job(tmp_path):
     assert report["valid"] and report["kfac_margin"] == 2.0
     meta_file = tmp_path / "km2_schedule.pickle.meta.json"
     meta = json.loads(meta_file.read_text())
-    assert meta["kfac_margin"] == 2.0 and meta["packed_for"]["pipeline.schedule"] == "chimera"
+    assert meta["kfac_margin"] == 2.0 and meta["packed_for"]["pipeline.order"] == "chimera"
     # the metadata every packing writes (torch_pp.wrap and `pipefisher schedule` too): the timelines' layout,
     # the config's shape over it
     assert set(meta) == {"format", "policy", "margin", "kfac_margin", "pipeline_time", "nodes", "timelines",
@@ -303,17 +303,17 @@ def test_run_records_its_kfac_margin_and_validate_checks_the_same_job(tmp_path):
 
 
 def test_run_offers_the_pipelines_and_chunks_train_offers():
-    """One definition of --pipeline's choices and --chunks for both commands; run applies --chunks."""
+    """One definition of --order's choices and --chunks for both commands; run applies --chunks."""
     def option(command: str, name: str):
         return next(p for p in main.commands[command].params if p.name == name)
 
-    for name in ("pipe_schedule", "chunks"):
+    for name in ("order", "chunks"):
         run_opt, train_opt = option("run", name), option("train", name)
         assert run_opt.help == train_opt.help and run_opt.opts == train_opt.opts
-    assert "interleaved" in option("run", "pipe_schedule").type.choices
-    assert "interleaved" in option("run", "pipe_schedule").help
+    assert "interleaved" in option("run", "order").type.choices
+    assert "interleaved" in option("run", "order").help
     # tiny has 4 layers: 2 stages x 3 chunks do not fit, which only an applied --chunks can say
-    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", "unused", "--pipeline", "interleaved",
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", "unused", "--order", "interleaved",
                                     "--chunks", "3", "--no-progress"])
     assert res.exit_code == 2 and "model.num_layers" in res.output and "Traceback" not in res.output, res.output
 
@@ -338,7 +338,7 @@ def test_run_a_zero_bubble_pipeline_end_to_end(tmp_path, pipeline):
     from pipefisher.schedule.timeline import load_job
 
     out = tmp_path / "runs"
-    res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", pipeline, "--out", str(out), "--steps", "24",
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--order", pipeline, "--out", str(out), "--steps", "24",
                                     "--profile-steps", "2", "--nproc-per-node", "2", "--name", "zb", "--no-progress"])
     assert res.exit_code == 0, res.output
     assert f"mode scheduled, 2 stage(s) x 1 replica(s), {pipeline}" in res.output
@@ -544,8 +544,8 @@ def test_overlap_is_refused_in_one_line_where_it_cannot_apply(tmp_path):
 
 def test_refresh_pieces_under_chimera_are_refused_in_one_line_before_any_work(tmp_path):
     """Chimera's pair alignment does not yet place refresh pieces validly: said before torch loads."""
-    res = CliRunner().invoke(main, ["run", "--config", TINY, "--pipeline", "chimera", "--out", str(tmp_path / "o"),
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--order", "chimera", "--out", str(tmp_path / "o"),
                                     "--set", "kfac.refresh_pieces=2"])
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
-    assert "kfac.refresh_pieces other than 1 is not packed validly under pipeline.schedule chimera" in res.output
+    assert "kfac.refresh_pieces other than 1 is not packed validly under pipeline.order chimera" in res.output
     assert not (tmp_path / "o").exists()

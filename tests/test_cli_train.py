@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipefisher.cli import main
+from pipefisher.errors import InputError
 
 from _commands import torch_free as _torch_free
 from _schedules import ROOT, TINY
@@ -100,12 +101,12 @@ def test_the_curve_reaches_the_adaptive_scheduler_through_the_workers_options():
     from pipefisher.runtime.train.trainer import TrainOptions
 
     curve = StalenessCurve.parse("1:0.5,4:0.6")
-    opts = TrainOptions(mode="scheduled", schedule="s.pickle", adapt=True, staleness=staleness_data(curve))
+    opts = TrainOptions.of(mode="scheduled", schedule="s.pickle", adapt=True, staleness=staleness_data(curve))
     _, back = decode_spec(encode_spec(load_config(TINY), opts))
     plan = Plan([[["-- start --", "-- end --"]]])
-    scheduler = make_scheduler("adaptive", plan, 1, staleness=back.staleness_curve)
+    scheduler = make_scheduler("adaptive", plan, 1, staleness=back.adapt.staleness_curve)
     assert scheduler.staleness.points == curve.points and scheduler.staleness.source == curve.source
-    assert make_scheduler("adaptive", plan, 1, staleness=TrainOptions().staleness_curve).staleness is None
+    assert make_scheduler("adaptive", plan, 1, staleness=TrainOptions.of().adapt.staleness_curve).staleness is None
 
 
 def test_without_a_curve_adapt_keeps_the_packings_cycle_and_adapt_drift_turns_the_drift_rule_on():
@@ -119,13 +120,13 @@ def test_without_a_curve_adapt_keeps_the_packings_cycle_and_adapt_drift_turns_th
     plan = Plan([[["-- start --", "cov_kron_A:l", "-- end --"], ["-- start --", "-- end --"]]])
     made = {}
     for drift in (False, True):
-        opts = TrainOptions(mode="scheduled", schedule="s.pickle", adapt=True, adapt_drift=drift, steps=100)
+        opts = TrainOptions.of(mode="scheduled", schedule="s.pickle", adapt=True, adapt_drift=drift, steps=100)
         _, back = decode_spec(encode_spec(load_config(TINY), opts))
         made[drift] = make_scheduler("adaptive", plan, 1, **adaptive_options(back, 0.05))
     assert made[False].rule is None and made[False].fixed_k == 2
     assert made[True].rule is not None and made[True].rule.cycle == 2 and made[True].fixed_k is None
-    with pytest.raises(ValueError, match="adapt_drift needs adapt and no staleness"):
-        TrainOptions(mode="scheduled", schedule="s.pickle", adapt_drift=True)
+    with pytest.raises(InputError, match="--adapt-drift: lets the drift rule set --adapt's cycle, and there is no"):
+        TrainOptions.of(mode="scheduled", schedule="s.pickle", adapt_drift=True)
 
 
 @pytest.mark.parametrize("command", ["train", "run"])
@@ -277,19 +278,19 @@ def test_adapt_without_out_is_refused_in_one_line():
 
 @pytest.mark.parametrize("command", ["train", "run"])
 def test_a_pipeline_option_the_config_cannot_take_is_blamed_on_the_option(command, tmp_path):
-    res = CliRunner().invoke(main, [command, "--config", TINY, "--pipeline", "zb-v", "--chunks", "3", "--no-progress",
+    res = CliRunner().invoke(main, [command, "--config", TINY, "--order", "zb-v", "--chunks", "3", "--no-progress",
                                     *(["--out", str(tmp_path)] if command == "run" else [])])
-    assert (res.exit_code, res.output) == (2, "error: --pipeline zb-v --chunks 3: pipeline.schedule zb-v has exactly "
+    assert (res.exit_code, res.output) == (2, "error: --order zb-v --chunks 3: pipeline.order zb-v has exactly "
                                               "2 model chunks per device (its V): pipeline.chunks must be 2\n")
 
 
 @pytest.mark.parametrize("command", ["train", "run"])
 def test_dualpipev_with_fewer_than_two_micro_batches_per_stage_is_refused_in_one_line(command, tmp_path):
-    res = CliRunner().invoke(main, [command, "--config", TINY, "--pipeline", "dualpipev", "--set",
+    res = CliRunner().invoke(main, [command, "--config", TINY, "--order", "dualpipev", "--set",
                                     "data.num_micro_batches=3", "--no-progress",
                                     *(["--out", str(tmp_path)] if command == "run" else [])])
     assert (res.exit_code, res.output) == (
-        2, "error: --pipeline dualpipev: pipeline.schedule dualpipev with data.num_micro_batches 3: dualpipev: "
+        2, "error: --order dualpipev: pipeline.order dualpipev with data.num_micro_batches 3: dualpipev: "
            "needs micro-batches >= 2 x stages = 4 (one per virtual stage), got 3 (torch's ScheduleDualPipeV "
            "refuses it too)\n")
 
@@ -312,3 +313,20 @@ def test_ctrl_c_beside_an_older_formats_checkpoint_is_still_one_line(tmp_path):
     line = interrupted_message(Interrupted(7), 20, str(tmp_path), ["pipefisher", "train"])
     assert line.startswith("interrupted after 7 of 20 training steps; the checkpoint there cannot be resumed: ") and \
         "format 2" in line and "\n" not in line, line
+
+
+def test_the_pipeline_order_is_order_and_its_old_spellings_still_train_saying_the_new_name():
+    """``--set pipeline.order=`` and ``--order`` (issue 47's target command, here on one stage in this
+    process), and the old ``--set pipeline.schedule=`` and ``--pipeline``: the same run, a notice each."""
+    try:
+        runner = CliRunner(mix_stderr=False)  # type: ignore[call-arg]
+    except TypeError:  # click >= 8.2 keeps them apart anyway
+        runner = CliRunner()
+    spellings = {("--set", "pipeline.order=gpipe"): "", ("--order", "gpipe"): "",
+                 ("--set", "pipeline.schedule=gpipe"): "note: --set pipeline.schedule is now --set pipeline.order",
+                 ("--pipeline", "gpipe"): "note: --pipeline is now --order"}
+    for args, notice in spellings.items():
+        res = runner.invoke(main, ["train", "--config", TINY, *args, "--stages", "1", "--steps", "1", "--no-progress"])
+        assert res.exit_code == 0, res.output
+        assert "mode first-order, 1 stage(s) x 1 replica(s), gpipe," in res.stdout
+        assert res.stderr == (notice + " (the old name still works)\n" if notice else "")

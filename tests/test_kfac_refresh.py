@@ -165,7 +165,7 @@ def _fill(cfg, engine, kfac) -> None:
 
     kfac.set_saving(True)
     engine.begin_step(0)
-    for op in pipeline_ops(cfg.pipeline.schedule, 0, 1, cfg.data.num_micro_batches):
+    for op in pipeline_ops(cfg.pipeline.order, 0, 1, cfg.data.num_micro_batches):
         engine.op(op)()
     engine.finish_step()
 
@@ -261,7 +261,7 @@ def _train(cfg, **opts) -> Trainer:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        t = Trainer(cfg, single_process(), TrainOptions(progress=False, log_every=10**9, **opts))
+        t = Trainer(cfg, single_process(), TrainOptions.of(progress=False, log_every=10**9, **opts))
         t.run()
         return t
     finally:

@@ -570,3 +570,21 @@ def test_dualpipev_holds_2p_plus_1_chunks_of_activations(p):
     """The DualPipe paper's PP + 1 activations (PP = 2p stages of a chunk each): one more than ZB-V's 2p."""
     for m in range(2 * p, 4 * p + 2):
         assert [peak_activations(ops) for ops in generate("dualpipev", p, m).devices] == [2 * p + 1] * p, m
+
+
+def test_one_vocabulary_of_pass_kinds_names_them_for_the_orders_the_timelines_and_torch():
+    """The orders' letters, the timeline keys and torch's computation types are :class:`PassKind`'s."""
+    from pipefisher.schedule import timeline
+    from pipefisher.pipeline_orders import BACKWARD, FORWARD, WEIGHT, PassKind
+
+    assert [p.label for p in PassKind] == [FORWARD, BACKWARD, WEIGHT] == ["F", "B", "W"]
+    assert [p.key for p in PassKind] == [timeline.FORWARD, timeline.BACKWARD, timeline.WEIGHT_KEY]
+    assert timeline.WEIGHT_KEY == timeline.BACKWARD + ":" + timeline.WEIGHT
+    assert PassKind("B") is PassKind.BACKWARD
+    # B is the input gradient only where the order splits backwards, the full backward otherwise
+    assert [p.torch_name() for p in PassKind] == ["FORWARD", "FULL_BACKWARD", "BACKWARD_WEIGHT"]
+    assert [p.torch_name(split=True) for p in PassKind] == ["FORWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT"]
+    pytest.importorskip("torch")  # torch's names are its enum's members
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    assert all(hasattr(_ComputationType, p.torch_name(s)) for p in PassKind for s in (False, True))

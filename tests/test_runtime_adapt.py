@@ -72,8 +72,8 @@ def _run(sched: str, paths: list[str], slow: tuple[int, str], steps: int, prefix
         period = max(m.base for m in models)
         recorder = FakeRecorder(g.stage, g.replica, models[g.stage], period)
         torch.manual_seed(0)
-        opts = TrainOptions(mode="scheduled", schedule=sched, steps=steps, progress=False, log_every=10**9,
-                            adapt=adapt, measure_prefix=prefix, checkpoint_dir=checkpoint_dir, resume=resume)
+        opts = TrainOptions.of(mode="scheduled", schedule=sched, steps=steps, progress=False, log_every=10**9,
+                               adapt=adapt, measure_prefix=prefix, checkpoint_dir=checkpoint_dir, resume=resume)
         trainer = Trainer(cfg, ctx, opts, recorder=recorder)
         res = trainer.run()
         loop = trainer.loop

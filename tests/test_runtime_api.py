@@ -98,7 +98,7 @@ def test_custom_builder_trains_two_stages_through_pipefisher_train(tmp_path):
 def test_own_step_loop_gives_the_parameters_pipefisher_train_gives(builder):
     torch.set_num_threads(1)
     cfg = _tiny(builder=builder).replace(pipeline={"stages": 1})
-    trainer = Trainer(cfg, single_process(), TrainOptions(mode="kfac", steps=4, progress=False))
+    trainer = Trainer(cfg, single_process(), TrainOptions.of(mode="kfac", steps=4, progress=False))
     trained = trainer.run()
     worker = api.build_worker(cfg, single_process(), mode="kfac", total_steps=4)
     losses = [worker.step(step) for step in range(4)]
@@ -109,7 +109,7 @@ def test_own_step_loop_gives_the_parameters_pipefisher_train_gives(builder):
 
 
 def test_build_worker_refuses_a_schedule_without_scheduled_mode():
-    with pytest.raises(ValueError, match="go together"):
+    with pytest.raises(ValueError, match=r"--schedule FILE trains in scheduled mode, not kfac"):
         api.build_worker(_tiny().replace(pipeline={"stages": 1}), single_process(), mode="kfac",
                          schedule="x.pickle", total_steps=1)
 
@@ -117,12 +117,12 @@ def test_build_worker_refuses_a_schedule_without_scheduled_mode():
 def test_one_check_of_the_options_serves_the_trainer_and_build_worker():
     from pipefisher.runtime.train.worker import check_options
 
-    for mode, schedule, problem in (("nope", None, "mode must be one of first-order, kfac, scheduled, not 'nope'"),
-                                    ("scheduled", None, "mode 'scheduled' and a schedule file go together")):
+    for mode, schedule, problem in (("nope", None, "--mode must be one of first-order, kfac, scheduled, not 'nope'"),
+                                    ("scheduled", None, "--mode scheduled needs --schedule FILE")):
         with pytest.raises(ValueError, match=problem):
             check_options(mode, schedule)
         with pytest.raises(ValueError, match=problem):
-            TrainOptions(mode=mode, schedule=schedule)
+            TrainOptions.of(mode=mode, schedule=schedule)
     with pytest.raises(ValueError, match="the grid has 1 stages but the config asks for 2"):
         api.build_worker(_tiny().replace(pipeline={"stages": 2}), single_process(), total_steps=1)
 
@@ -174,10 +174,10 @@ def test_the_library_says_nothing_on_stdout_and_the_cli_says_what_it_always_said
     worker = api.build_worker(cfg, single_process(), mode="kfac", total_steps=2)
     for step in range(2):
         worker.step(step)
-    Trainer(cfg, single_process(), TrainOptions(mode="kfac", steps=2, log_every=1)).run()
+    Trainer(cfg, single_process(), TrainOptions.of(mode="kfac", steps=2, log_every=1)).run()
     assert capsys.readouterr().out == ""
     with caplog.at_level(logging.INFO, logger="pipefisher"):  # configured: the lines are the records
-        Trainer(cfg, single_process(), TrainOptions(mode="kfac", steps=2, log_every=1)).run()
+        Trainer(cfg, single_process(), TrainOptions.of(mode="kfac", steps=2, log_every=1)).run()
     assert capsys.readouterr().out == ""
 
     def timeless(lines: list[str]) -> list[str]:  # the step times and peak memory differ from run to run
@@ -189,5 +189,5 @@ def test_the_library_says_nothing_on_stdout_and_the_cli_says_what_it_always_said
                                     "--log-every", "1"])
     assert res.exit_code == 0, res.output
     assert timeless(res.stdout.splitlines()) == ["... loading torch"] + said, res.stdout
-    Trainer(cfg, single_process(), TrainOptions(mode="kfac", steps=1)).run()  # after the command: quiet again
+    Trainer(cfg, single_process(), TrainOptions.of(mode="kfac", steps=1)).run()  # after the command: quiet again
     assert capsys.readouterr().out == ""

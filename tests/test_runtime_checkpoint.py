@@ -15,7 +15,8 @@ from pipefisher.runtime.job.config import apply_overrides, load_config
 from pipefisher.runtime.job.dist import single_process
 from pipefisher.runtime.launch.local import decode_spec, encode_spec, run_worker, spawn_local
 from pipefisher.runtime.pipeline.checks import single_iteration_schedule
-from pipefisher.runtime.train.checkpoint import FORMAT, MANIFEST, Checkpointer, StateGroup, TorchRNG, check_resumable
+from pipefisher.runtime.train.checkpoint import (FORMAT, MANIFEST, Checkpointer, StateGroup, TorchRNG, check_resumable,
+                                                lr_schedule_changes)
 from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 from pipefisher.schedule.file import save_schedule
 
@@ -33,7 +34,7 @@ def _one_thread(fn):
 
 def _train(cfg, **opts) -> Trainer:
     def go() -> Trainer:
-        t = Trainer(cfg, single_process(), TrainOptions(progress=False, log_every=10**9, **opts))
+        t = Trainer(cfg, single_process(), TrainOptions.of(progress=False, log_every=10**9, **opts))
         t.run()
         return t
     return _one_thread(go)
@@ -113,7 +114,7 @@ def test_muon_resume_on_two_stages_one_without_muon_parameters(tmp_path):
     and resumed to step 4 ends with the weights of the run that never stopped, on both stages."""
     sets = ["data.text=stdlib", "optim.name=muon", "optim.lr=0.01", "optim.muon_include=[encoder.layer.0]"]
     # the config as pipefisher train --set ... hands it to its workers (through the launcher's JSON spec)
-    cfg, _ = decode_spec(encode_spec(apply_overrides(load_config(TINY), sets), TrainOptions()))
+    cfg, _ = decode_spec(encode_spec(apply_overrides(load_config(TINY), sets), TrainOptions.of()))
     assert cfg.optim.muon_include == ("encoder.layer.0",)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     spawn_local(train_whole_and_resumed, 2, cfg, a, b, 4, 2, {}, timeout_s=120)
@@ -134,7 +135,8 @@ def test_resume_with_two_stages_through_the_cli(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     # the uninterrupted run: what `base --steps 5 --checkpoint-dir a` has each worker run, in forked workers
     spawn_local(run_worker, 2, load_config(TINY),
-                TrainOptions(mode="scheduled", schedule=sched, steps=5, checkpoint_dir=a, progress=False), timeout_s=120)
+                TrainOptions.of(mode="scheduled", schedule=sched, steps=5, checkpoint_dir=a, progress=False),
+                timeout_s=120)
     runner = CliRunner()
     metrics = str(tmp_path / "b.csv")
     res = runner.invoke(main, base + ["--steps", "2", "--checkpoint-dir", b, "--metrics", metrics])
@@ -283,7 +285,7 @@ def test_resuming_past_the_learning_rate_decay_is_refused_unless_asked_for(tmp_p
     --steps, recorded in the checkpoint), so steps 4-7 would train at the final rate, 0: refused in one line
     with both fixes. With --past-decay every lr equals that of a run that never stopped with that end, and
     one line says that the steps past it keep the final rate."""
-    base = ["train", "--config", TINY, "--stages", "1", "--no-progress", "--set", "optim.schedule=linear"]
+    base = ["train", "--config", TINY, "--stages", "1", "--no-progress", "--set", "optim.lr_schedule=linear"]
     ck, resumed, whole = str(tmp_path / "ck"), str(tmp_path / "resumed.csv"), str(tmp_path / "whole.csv")
     runner = CliRunner()
     res = runner.invoke(main, base + ["--steps", "4", "--checkpoint-dir", ck, "--metrics", resumed])
@@ -304,7 +306,7 @@ def test_resuming_past_the_learning_rate_decay_is_refused_unless_asked_for(tmp_p
 
 
 def test_an_explicit_change_of_the_learning_rate_schedule_on_resume_is_said_in_one_line(tmp_path):
-    base = ["train", "--config", TINY, "--stages", "1", "--no-progress", "--set", "optim.schedule=linear"]
+    base = ["train", "--config", TINY, "--stages", "1", "--no-progress", "--set", "optim.lr_schedule=linear"]
     ck, metrics = str(tmp_path / "ck"), str(tmp_path / "m.csv")
     runner = CliRunner()
     assert runner.invoke(main, base + ["--steps", "4", "--checkpoint-dir", ck, "--metrics", metrics]).exit_code == 0
@@ -336,8 +338,8 @@ def _late_manifest_worker(cfg, folder: str) -> int:
                 return write(*args, **kwargs)
 
             checkpoint.dump_json_atomic = late
-        Trainer(cfg, ctx, TrainOptions(mode="first-order", steps=1, progress=False, log_every=10**9,
-                                       checkpoint_dir=folder)).run()
+        Trainer(cfg, ctx, TrainOptions.of(mode="first-order", steps=1, progress=False, log_every=10**9,
+                                          checkpoint_dir=folder)).run()
         return checkpoint.read_manifest(folder)["steps_done"]
     finally:
         shutdown(ctx)
@@ -530,3 +532,23 @@ def test_the_fp16_loss_scale_is_a_component_of_its_own_and_comes_back(tmp_path):
     assert fresh.checkpointer().load(str(tmp_path / "ck"), fresh.components()) == 2
     assert fresh.updater.scaler.state_dict() == {"scale": 1e30 / 4, "good_steps": 0, "skipped": 2}
     assert fresh.position.step == 2
+
+
+def test_a_checkpoint_whose_manifest_has_the_old_key_names_still_resumes(tmp_path):
+    """Manifests before ``pipeline.order`` and ``optim.lr_schedule`` recorded ``pipeline.schedule`` and
+    ``optim.schedule``: such a checkpoint resumes, silently, and a changed learning-rate schedule is still
+    said under its new name."""
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})
+    ck = str(tmp_path / "ck")
+    _train(cfg, steps=1, checkpoint_dir=ck)
+    with open(os.path.join(ck, MANIFEST)) as f:
+        manifest = json.load(f)
+    config = manifest["config"]
+    config["pipeline"]["schedule"] = config["pipeline"].pop("order")
+    config["optim"]["schedule"] = config["optim"].pop("lr_schedule")
+    with open(os.path.join(ck, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    assert check_resumable(ck, cfg, "first-order", None, 1, 1)["steps_done"] == 1
+    assert lr_schedule_changes(manifest, cfg.replace(optim={"lr_schedule": "linear"})) == [
+        "optim.lr_schedule constant -> linear"]
+    assert _train(cfg, steps=2, resume=ck, checkpoint_dir=ck).start_step == 1

@@ -115,7 +115,7 @@ def _variants_worker(variants: list[dict]) -> dict:
     ctx = init_from_env(TINY.pipeline.stages, TINY.pipeline.timeout_s)
     out = {}
     for v in variants:
-        cfg = TINY.replace(pipeline={"schedule": v["order"]}, train=v["train"], kfac={"fisher": v["fisher"]})
+        cfg = TINY.replace(pipeline={"order": v["order"]}, train=v["train"], kfac={"fisher": v["fisher"]})
         worker = api.build_worker(cfg, ctx, mode="kfac", total_steps=2)
         start = [p.detach().clone() for p in worker.stage.parameters()]
         for s in range(2):

@@ -37,10 +37,10 @@ def test_bundled_configs_cover_tests_demo_and_bert_shapes():
     ({"model": {"hidden_size": "big"}}, "model.hidden_size must be a int"),
     ({"model": {"hidden_size": 30, "num_heads": 4}}, "multiple of model.num_heads"),
     ({"pipeline": {"stages": 5}}, "pipeline.stages must be between 1"),
-    ({"pipeline": {"schedule": "zigzag"}}, "pipeline.schedule must be one of gpipe, 1f1b, chimera"),
-    ({"pipeline": {"schedule": "chimera", "stages": 3}, "model": {"num_layers": 4}},
+    ({"pipeline": {"order": "zigzag"}}, "pipeline.order must be one of gpipe, 1f1b, chimera"),
+    ({"pipeline": {"order": "chimera", "stages": 3}, "model": {"num_layers": 4}},
      "chimera needs an even number of stages"),
-    ({"pipeline": {"schedule": "chimera"}, "data": {"num_micro_batches": 3}}, "and of data.num_micro_batches"),
+    ({"pipeline": {"order": "chimera"}, "data": {"num_micro_batches": 3}}, "and of data.num_micro_batches"),
     ({"kfac": {"cov_stride": 0}}, "kfac.cov_stride must be an integer >= 1"),
     ({"kfac": {"update": "adam"}}, "kfac.update must be one of base, momentum, soap"),
     ({"kfac": {"update": "soap", "kl_clip": 0.001}}, "kfac.kl_clip bounds a preconditioned step"),
@@ -96,6 +96,15 @@ def test_a_schedule_packed_for_the_old_default_builder_fits_the_default_model():
 
     assert schedule_mismatch({"model.builder": "pipefisher.runtime.model:build_stage"}, RunConfig()) is None
     assert schedule_mismatch({"model.builder": "pkg.mod:build"}, RunConfig()) is not None
+
+
+def test_a_schedules_metadata_with_the_old_order_key_is_still_checked():
+    """``packed_for`` recorded ``pipeline.schedule`` before it was ``pipeline.order``."""
+    from pipefisher.runtime.pipeline.checks import packed_for, schedule_mismatch
+
+    assert packed_for(RunConfig())["pipeline.order"] == "1f1b" and "pipeline.schedule" not in packed_for(RunConfig())
+    assert schedule_mismatch({"pipeline.schedule": "1f1b"}, RunConfig()) is None
+    assert "pipeline.order" in schedule_mismatch({"pipeline.schedule": "gpipe"}, RunConfig())
 
 
 def test_stage_split_keeps_names_and_weights_of_the_whole_model():
@@ -231,3 +240,27 @@ def test_a_data_builder_is_not_silently_replaced_by_synthetic_tokens():
     with pytest.raises(InputError, match="data.builder gives the documents"):
         config_from_dict({"data": {"builder": "docs:all", "text": "synthetic"}}, "run.yaml")
     assert config_from_dict({"data": {"builder": "docs:all"}}).data.builder == "docs:all"
+
+
+def test_the_renamed_keys_still_read_saying_the_new_names_and_keep_the_configs_identity(tmp_path, capsys):
+    """``pipeline.schedule`` is ``pipeline.order`` and ``optim.schedule`` ``optim.lr_schedule``: a file or
+    ``--set`` with an old name gives the same config with one notice line each; both names at once are
+    refused; the fingerprint (which checkpoints, schedules and staleness curves recorded) is the one the
+    config had before the rename (tiny.yaml's, computed by the code of the commit before it)."""
+    new = load_config(TINY)
+    assert (new.fingerprint(), new.fingerprint(layout=False)) == ("95b500ae9af202f8", "ff151e767555e152")
+    assert capsys.readouterr().err == ""
+    old = tmp_path / "old.yaml"
+    with open(TINY) as f:
+        text = f.read()
+    old.write_text(text.replace("pipeline: {stages: 2, order:", "pipeline: {stages: 2, schedule:")
+                   .replace("weight_decay: 0.0}", "weight_decay: 0.0, schedule: cosine}"))
+    cfg = load_config(old)
+    assert cfg == new.replace(optim={"lr_schedule": "cosine"}) and cfg.pipeline.order == new.pipeline.order
+    assert capsys.readouterr().err == (f"note: {old}: pipeline.schedule is now pipeline.order (the old name still works)\n"
+                                       f"note: {old}: optim.schedule is now optim.lr_schedule (the old name still "
+                                       "works)\n")
+    assert apply_overrides(new, ["pipeline.schedule=gpipe"]).pipeline.order == "gpipe"
+    assert "--set pipeline.schedule is now --set pipeline.order" in capsys.readouterr().err
+    with pytest.raises(InputError, match="has both pipeline.schedule and pipeline.order"):
+        config_from_dict({"pipeline": {"schedule": "gpipe", "order": "1f1b"}}, "x.yaml")

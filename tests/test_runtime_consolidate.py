@@ -45,7 +45,7 @@ def trained(cfg: RunConfig, ck: str, steps: int = 2) -> Trainer:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        opts = TrainOptions(steps=steps, progress=False, log_every=10**9, checkpoint_dir=ck)
+        opts = TrainOptions.of(steps=steps, progress=False, log_every=10**9, checkpoint_dir=ck)
         t = Trainer(cfg, single_process(), opts)
         t.run()
     finally:
@@ -201,7 +201,7 @@ def fake_checkpoint(cfg: RunConfig, folder: str, steps: int = 3) -> dict[str, to
 def test_every_stage_copy_layout_merges_into_the_unsplit_model(order, tmp_path):
     from safetensors.torch import load_file
 
-    cfg = load_config(TINY_YAML).replace(pipeline={"schedule": order, "stages": 2})
+    cfg = load_config(TINY_YAML).replace(pipeline={"order": order, "stages": 2})
     want = fake_checkpoint(cfg, str(tmp_path / "ck"))
     export(str(tmp_path / "ck"), str(tmp_path / "out"))
     got = from_transformers(load_file(str(tmp_path / "out" / "model.safetensors")), "out")
@@ -305,7 +305,7 @@ def test_a_checkpoint_of_the_older_whitespace_bpe_resumes_and_exports(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        resumed = Trainer(old, single_process(), TrainOptions(steps=2, progress=False, log_every=10**9, resume=ck))
+        resumed = Trainer(old, single_process(), TrainOptions.of(steps=2, progress=False, log_every=10**9, resume=ck))
         resumed.run()
     finally:
         torch.set_num_threads(threads)

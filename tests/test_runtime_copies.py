@@ -22,14 +22,14 @@ from _schedules import train_copies_every_step
 
 from test_runtime_engine import BASE, _assert_close, _reference
 
-CHIMERA = BASE.replace(pipeline=dict(schedule="chimera"), data=dict(num_micro_batches=4))
+CHIMERA = BASE.replace(pipeline=dict(order="chimera"), data=dict(num_micro_batches=4))
 
 
 def _step_worker(cfg) -> dict:
     """One kfac-mode step: gradients after the pair's all-reduce, then naive K-FAC and preconditioning."""
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s, chimera=True)
     try:
-        trainer = Trainer(cfg, ctx, TrainOptions(mode="kfac", steps=1, progress=False))
+        trainer = Trainer(cfg, ctx, TrainOptions.of(mode="kfac", steps=1, progress=False))
         eng, kfac, pair = trainer.engine, trainer.kfac, trainer.stage
         kfac.set_saving(True)
         eng.begin_step(0)
@@ -137,7 +137,7 @@ def chimera_runs(tmp_path_factory):
 
     from _schedules import chimera_spread_schedule, tiny
 
-    cfg = tiny(pipeline={"schedule": "chimera", "timeout_s": 30.0})
+    cfg = tiny(pipeline={"order": "chimera", "timeout_s": 30.0})
     folder = tmp_path_factory.mktemp("chimera")
     files = {}
     for name, data in (("one", single_iteration_schedule(cfg)), ("spread", chimera_spread_schedule(cfg)),
@@ -238,13 +238,13 @@ def test_a_schedule_whose_pair_syncs_in_another_order_is_refused_before_training
 
     from _schedules import TINY, chimera_spread_schedule, tiny
 
-    cfg = tiny(pipeline={"schedule": "chimera"})
+    cfg = tiny(pipeline={"order": "chimera"})
     bad = _swap_two_syncs(chimera_spread_schedule(cfg), 1)
     with pytest.raises(InputError, match="group-order"):
         check_schedule(bad, cfg)
     path = str(tmp_path / "bad.pickle")
     save_schedule(path, bad)
-    res = CliRunner().invoke(main, ["train", "--config", TINY, "--pipeline", "chimera", "--schedule", path,
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--order", "chimera", "--schedule", path,
                                     "--nproc-per-node", "2", "--steps", "3", "--no-progress"])
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
@@ -258,8 +258,8 @@ def _train_bad(cfg_path: str, schedule: str) -> None:
     from pipefisher.runtime.job.config import load_config
     from pipefisher.runtime.launch.local import run_worker
 
-    cfg = load_config(cfg_path).replace(pipeline={"schedule": "chimera", "timeout_s": 20.0})
-    run_worker(cfg, TrainOptions(mode="scheduled", schedule=schedule, steps=3, progress=False))
+    cfg = load_config(cfg_path).replace(pipeline={"order": "chimera", "timeout_s": 20.0})
+    run_worker(cfg, TrainOptions.of(mode="scheduled", schedule=schedule, steps=3, progress=False))
 
 
 def test_every_chimera_worker_refuses_the_mismatched_order_on_its_own(tmp_path):
@@ -272,7 +272,7 @@ def test_every_chimera_worker_refuses_the_mismatched_order_on_its_own(tmp_path):
     from _schedules import TINY, chimera_spread_schedule, tiny
 
     path = str(tmp_path / "bad.pickle")
-    save_schedule(path, _swap_two_syncs(chimera_spread_schedule(tiny(pipeline={"schedule": "chimera"})), 0))
+    save_schedule(path, _swap_two_syncs(chimera_spread_schedule(tiny(pipeline={"order": "chimera"})), 0))
     t0 = time.monotonic()
     with pytest.raises(WorkerFailed) as err:
         spawn_local(_train_bad, 2, TINY, path, timeout_s=60)
@@ -289,7 +289,7 @@ def test_a_resumed_chimera_run_is_bit_exact(tmp_path):
     from _schedules import TINY, chimera_spread_schedule, train_whole_and_resumed
 
     # keep 2: the stopped run's step 2 stays beside the resumed run's step 5
-    cfg = load_config(TINY).replace(pipeline={"schedule": "chimera"}, model={"dropout": 0.1}, checkpoint={"keep": 2})
+    cfg = load_config(TINY).replace(pipeline={"order": "chimera"}, model={"dropout": 0.1}, checkpoint={"keep": 2})
     sched = str(tmp_path / "s.pickle")
     save_schedule(sched, chimera_spread_schedule(cfg))
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -317,7 +317,7 @@ def test_a_schedule_that_would_deadlock_is_refused_before_training(tmp_path):
 
     from _schedules import chimera_spread_schedule, tiny
 
-    cfg = tiny(pipeline={"schedule": "chimera"})
+    cfg = tiny(pipeline={"order": "chimera"})
     data = chimera_spread_schedule(cfg)
     check_schedule(data, cfg)
     it = data[0][2]
@@ -337,7 +337,7 @@ def test_chimera_with_data_parallel_replicas_runs_the_schedule(tmp_path):
 
     from _schedules import tiny
 
-    cfg = tiny(pipeline={"schedule": "chimera", "timeout_s": 30.0})
+    cfg = tiny(pipeline={"order": "chimera", "timeout_s": 30.0})
     path = str(tmp_path / "dp.pickle")
     save_schedule(path, single_iteration_schedule(cfg, replicas=2))
     results = spawn_local(train_copies_every_step, 4, cfg, [("kfac", None), ("scheduled", path)], 3, timeout_s=180)
@@ -365,16 +365,16 @@ def _soap_worker(cfgs: list, folder: str) -> list:
     every copy's parameters of the straight and the resumed run, and the K-FAC weights over every copy
     against those the eigenbasis optimizer stepped in its bases."""
     ctx = init_from_env(cfgs[0].pipeline.stages, cfgs[0].pipeline.timeout_s,
-                        chimera=cfgs[0].pipeline.schedule == "chimera")
+                        chimera=cfgs[0].pipeline.order == "chimera")
     out = []
     try:
         for cfg in cfgs:
-            ck = os.path.join(folder, cfg.pipeline.schedule)
+            ck = os.path.join(folder, cfg.pipeline.order)
 
             def run(steps: int, resume: str | None, checkpoint: str | None) -> tuple:
                 torch.manual_seed(0)
-                trainer = Trainer(cfg, ctx, TrainOptions(mode="kfac", steps=steps, progress=False, log_every=10**9,
-                                                         checkpoint_dir=checkpoint, resume=resume))
+                trainer = Trainer(cfg, ctx, TrainOptions.of(mode="kfac", steps=steps, progress=False, log_every=10**9,
+                                                            checkpoint_dir=checkpoint, resume=resume))
                 losses = trainer.run().losses
                 params = {f"{j}.{n}": t.detach().clone()
                           for j, c in trainer.worker.copies.items() for n, t in c.named_parameters()}
@@ -385,7 +385,7 @@ def _soap_worker(cfgs: list, folder: str) -> list:
 
             straight = run(3, None, None)
             run(2, None, ck)
-            out.append((cfg.pipeline.schedule, straight, run(3, ck, ck)))
+            out.append((cfg.pipeline.order, straight, run(3, ck, ck)))
     finally:
         shutdown(ctx)
     return out
@@ -398,7 +398,7 @@ def test_the_eigenbasis_update_trains_and_resumes_on_every_layout_with_stage_cop
     moments and bases of every copy) continues bit for bit."""
     from _schedules import tiny
 
-    cfgs = [tiny(pipeline={"schedule": o, "timeout_s": 30.0}, kfac={"update": "soap"}, optim={"lr": 3e-3})
+    cfgs = [tiny(pipeline={"order": o, "timeout_s": 30.0}, kfac={"update": "soap"}, optim={"lr": 3e-3})
             for o in orders]
     results = spawn_local(_soap_worker, 2, cfgs, str(tmp_path), timeout_s=180)
     for device in results:

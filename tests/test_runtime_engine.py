@@ -129,7 +129,7 @@ def copies_step(cfg: RunConfig, ctx) -> dict:  # noqa: ANN001
     """:func:`copies_step_worker`'s step, in process groups already set up."""
     from pipefisher.runtime.train.trainer import Trainer, TrainOptions
 
-    trainer = Trainer(cfg, ctx, TrainOptions(mode="kfac", steps=1, progress=False))
+    trainer = Trainer(cfg, ctx, TrainOptions.of(mode="kfac", steps=1, progress=False))
     eng, kfac = trainer.engine, trainer.kfac
     copies, kfacs = dict(trainer.worker.copies), dict(trainer.kfacs)
     kfac.set_saving(True)

@@ -66,7 +66,7 @@ def test_unknown_module_is_refused():
     ("frobnicate", "'frobnicate': unknown label"),
     ("cov_kron_C:encoder.layer.0.output.dense", "unknown label"),
     ("call_forward:up_pipe", "second (up) pipeline, but this run's pipeline has one pipe"),
-    ("cov_kron_A:encoder.layer.0.output.dense:up_pipe", "pipeline.schedule: chimera has two"),
+    ("cov_kron_A:encoder.layer.0.output.dense:up_pipe", "pipeline.order: chimera has two"),
     ("-- end --:up_pipe", "second (up) pipeline"),
     ("cov_kron_A", "no module name"),
 ])
@@ -78,7 +78,7 @@ def test_unknown_labels_are_refused(label, message):
 
 def test_pipeline_order_and_count_must_match_the_engine():
     cfg = tiny()
-    gpipe = single_iteration_schedule(cfg.replace(pipeline={"schedule": "gpipe"}))
+    gpipe = single_iteration_schedule(cfg.replace(pipeline={"order": "gpipe"}))
     assert "another order than this run's pipeline" in _refused(gpipe, cfg)
     assert "'-- end --'" not in _refused(gpipe, cfg)
     fewer = single_iteration_schedule(cfg.replace(data={"num_micro_batches": 3}))
@@ -123,7 +123,7 @@ def test_the_runtime_checks_a_cycle_with_the_rules_own_dependency_rules():
     cfg = tiny()
     good = spread_schedule(cfg)
     for node, names in enumerate(node_kfac_names(cfg)):
-        ops = pipeline_ops(cfg.pipeline.schedule, node, cfg.pipeline.stages, cfg.data.num_micro_batches)
+        ops = pipeline_ops(cfg.pipeline.order, node, cfg.pipeline.stages, cfg.data.num_micro_batches)
         step = checks.step_timeline(ops, names, interleaved=False)
         assert dependency_violations(node, step, good[node]) == []
         bad = copy.deepcopy(good[node])
@@ -191,10 +191,10 @@ def test_a_schedule_packed_for_another_model_is_refused_unless_allowed(tmp_path)
                                          r"this run not in it \(e.g. 'encoder.layer.4."):
         load_checked_schedule(path, deeper)
     # the workers check it too (torchrun runs no CLI pre-check), and take the override from the options
-    opts = TrainOptions(mode="scheduled", schedule=path, steps=1, progress=False)
+    opts = TrainOptions.of(mode="scheduled", schedule=path, steps=1, progress=False)
     with pytest.raises(InputError, match="model.hidden_size 32"):
         Trainer(wider, single_process(), opts)
-    assert Trainer(wider, single_process(), TrainOptions(**{**opts.__dict__, "allow_schedule_mismatch": True})).cycle
+    assert Trainer(wider, single_process(), TrainOptions.of(**{**opts.flags(), "allow_schedule_mismatch": True})).cycle
 
     # the CLI, before any worker starts; with the flag it goes on (to the next check, here the resume one)
     flags = ["train", "--config", TINY, "--stages", "1", "--schedule", path, "--no-progress"]
@@ -226,7 +226,7 @@ def test_a_schedule_packed_from_timelines_records_what_they_say(tmp_path):
     recorded = schedule_packed_for(path)
     assert set(recorded) == {"pipeline.stages", "data.num_micro_batches", "layout", "modules"}
     assert recorded["layout"] == [1, True, False]  # Chimera: one chunk per device, two pipes, whole backwards
-    cfg = tiny(pipeline={"schedule": "chimera"})
+    cfg = tiny(pipeline={"order": "chimera"})
     load_checked_schedule(path, cfg)
     load_checked_schedule(path, cfg.replace(model={"hidden_size": 64}))  # not recorded, not compared
     with pytest.raises(InputError, match=r"data.num_micro_batches 4 \(this run: 8\)"):
@@ -237,7 +237,7 @@ def _train_bad(cfg_path: str, schedule: str) -> None:
     from pipefisher.runtime.launch.local import run_worker
 
     cfg = load_config(cfg_path).replace(pipeline={"timeout_s": 20.0})
-    run_worker(cfg, TrainOptions(mode="scheduled", schedule=schedule, steps=3, progress=False))
+    run_worker(cfg, TrainOptions.of(mode="scheduled", schedule=schedule, steps=3, progress=False))
 
 
 def test_every_worker_refuses_a_wrong_schedule_on_its_own(tmp_path):
@@ -277,8 +277,8 @@ def _train_runs_posting(cfg_path: str, runs: list[tuple[str, str | None]], steps
         for mode, schedule, name in [(m, s, m if s is None else os.path.basename(s)) for m, s in runs] \
                 + [("scheduled", runs[-1][1], NOT_POSTED)]:
             torch.manual_seed(0)
-            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=steps, progress=False,
-                                                     log_every=10**9))
+            trainer = Trainer(cfg, ctx, TrainOptions.of(mode=mode, schedule=schedule, steps=steps, progress=False,
+                                                        log_every=10**9))
             if name == NOT_POSTED:
                 trainer.executor.prepost = False
                 trainer.executor.switch(trainer.executor.iterations, trainer.executor.first_step)
@@ -385,8 +385,8 @@ def test_one_stage_run_in_one_process_uses_the_executor():
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            trainer = Trainer(cfg, single_process(), TrainOptions(mode="scheduled", schedule=path, steps=STEPS,
-                                                                  progress=False))
+            trainer = Trainer(cfg, single_process(), TrainOptions.of(mode="scheduled", schedule=path, steps=STEPS,
+                                                                     progress=False))
             assert trainer.cycle == 3
             trainer.run()
         finally:

@@ -95,16 +95,16 @@ def _kfac_in_every_order(cfg_path: str, overrides: dict, steps: int, folder: str
     out = {}
     try:
         for order in PIPELINE_ORDERS:
-            cfg = base.replace(pipeline={"schedule": order})
+            cfg = base.replace(pipeline={"order": order})
             trainer = Trainer(cfg, ctx if order == "chimera" else plain,
-                              TrainOptions(mode="kfac", steps=steps, progress=False, log_every=10**9))
+                              TrainOptions.of(mode="kfac", steps=steps, progress=False, log_every=10**9))
             res = trainer.run()
             layers = [st for k in trainer.kfacs.values() for st in k.refresher.state.values()]
             out[order] = (res.losses, len(layers), all(st.inversions["A"] == st.inversions["B"] == steps
                                                        for st in layers))
-        Trainer(base, plain, TrainOptions(mode="kfac", steps=3, profile=True, out=os.path.join(folder, "prof"),
-                                          checkpoint_dir=os.path.join(folder, "ck"), progress=False,
-                                          log_every=10**9)).run()
+        Trainer(base, plain, TrainOptions.of(mode="kfac", steps=3, profile=True, out=os.path.join(folder, "prof"),
+                                             checkpoint_dir=os.path.join(folder, "ck"), progress=False,
+                                             log_every=10**9)).run()
     finally:
         shutdown(ctx)
     return out

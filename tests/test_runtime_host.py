@@ -81,7 +81,7 @@ def test_two_workers_in_one_process_count_their_reads_apart():
 def test_two_trainers_in_one_process_have_a_counter_each():
     torch.set_num_threads(1)
     cfg = load_config(TINY).replace(pipeline={"stages": 1})
-    one, two = (Trainer(cfg, single_process(), TrainOptions(mode="kfac", steps=1, progress=False)) for _ in range(2))
+    one, two = (Trainer(cfg, single_process(), TrainOptions.of(mode="kfac", steps=1, progress=False)) for _ in range(2))
     assert one.host is one.worker.host and two.host is two.worker.host and one.host is not two.host
     assert one.drift_log is not None and one.drift_log.host is one.host
 
@@ -98,8 +98,8 @@ def _train(cfg: Any, ctx: Any, folder: str) -> dict[str, Any]:
             with open(schedule, "wb") as f:
                 pickle.dump(spread_schedule(run_cfg), f)
         torch.manual_seed(0)
-        trainer = Trainer(run_cfg, ctx, TrainOptions(mode=mode, schedule=schedule, steps=STEPS, progress=False,
-                                                     log_every=100))
+        trainer = Trainer(run_cfg, ctx, TrainOptions.of(mode=mode, schedule=schedule, steps=STEPS, progress=False,
+                                                        log_every=100))
         with unrouted_reads(trainer.host) as places:
             result = trainer.run()
         out[mode, precision] = (result.host_reads, places)

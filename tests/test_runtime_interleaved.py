@@ -23,7 +23,7 @@ from _schedules import (assert_one_iteration_schedule_trains_as_kfac_mode, asser
 from test_runtime_engine import (BASE, _reference, assert_copies_kfac_equals_reference,
                                  assert_copies_step_equals_reference, copies_step_worker)
 
-INTERLEAVED = BASE.replace(pipeline=dict(schedule="interleaved", chunks=2), data=dict(num_micro_batches=4))
+INTERLEAVED = BASE.replace(pipeline=dict(order="interleaved", chunks=2), data=dict(num_micro_batches=4))
 
 
 def test_the_engine_runs_the_simulators_interleaved_order():
@@ -88,7 +88,7 @@ STEPS = 4  # step 0, a full 2-iteration cycle of the spread schedule, and the ne
 def interleaved_runs(tmp_path_factory):
     from _schedules import tiny
 
-    cfg = tiny(pipeline={"schedule": "interleaved", "chunks": 2, "timeout_s": 30.0})
+    cfg = tiny(pipeline={"order": "interleaved", "chunks": 2, "timeout_s": 30.0})
     folder = tmp_path_factory.mktemp("interleaved")
     results, files = train_one_and_spread_schedules(cfg, folder, STEPS)
     return cfg, results, files
@@ -112,7 +112,7 @@ def test_trainer_refuses_a_covariance_piece_before_its_own_chunks_forward(tmp_pa
 
     from _schedules import tiny
 
-    cfg = tiny(pipeline={"schedule": "interleaved", "chunks": 2})
+    cfg = tiny(pipeline={"order": "interleaved", "chunks": 2})
     data = single_iteration_schedule(cfg)
     labels = data[0][0]
     piece = next(lb for lb in labels if lb.startswith("cov_kron_A:") and lb.endswith(":chunk1"))
@@ -145,7 +145,7 @@ def test_chunk_labels_are_refused_outside_interleaving(tmp_path):
 def _profile_worker(cfg, out: str) -> None:
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
     try:
-        Trainer(cfg, ctx, TrainOptions(mode="kfac", profile=True, out=out, steps=1, progress=False)).run()
+        Trainer(cfg, ctx, TrainOptions.of(mode="kfac", profile=True, out=out, steps=1, progress=False)).run()
     finally:
         shutdown(ctx)
 
@@ -178,8 +178,8 @@ def _resume_worker(cfg, folder: str) -> list:
     try:
         def run(steps: int, resume: str | None, ck: str | None) -> list:
             torch.manual_seed(0)
-            opts = TrainOptions(mode="kfac", steps=steps, progress=False, log_every=10**9,
-                                checkpoint_dir=ck, resume=resume)
+            opts = TrainOptions.of(mode="kfac", steps=steps, progress=False, log_every=10**9,
+                                   checkpoint_dir=ck, resume=resume)
             return Trainer(cfg, ctx, opts).run().losses
 
         straight = run(3, None, None)

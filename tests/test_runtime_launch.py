@@ -117,7 +117,7 @@ def test_a_killed_worker_is_named_with_its_signal_and_tracebacks_go_to_the_log(t
 
     log = tmp_path / "tiny_workers.log"
     with pytest.raises(WorkerFailed) as err:
-        launch_local(cfg, TrainOptions(steps=100_000, progress=False, log_every=1), 2, echo=echo,
+        launch_local(cfg, TrainOptions.of(steps=100_000, progress=False, log_every=1), 2, echo=echo,
                      log_path=str(log))
     assert killed and time.monotonic() - killed[0] < 5  # not the peers' timeout, nor a slow teardown
     assert str(err.value) == ("worker rank 1 of 2 was killed by SIGKILL (exit code -9): no error message "

@@ -209,35 +209,35 @@ def test_empty_parameter_list_still_gives_an_optimizer():
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
 def test_lr_factor_warms_up_linearly_from_the_first_step(schedule):
-    f = [lr_factor(s, warmup_steps=4, total_steps=10, schedule=schedule, min_lr_ratio=0.1) for s in range(4)]
+    f = [lr_factor(s, warmup_steps=4, total_steps=10, lr_schedule=schedule, min_lr_ratio=0.1) for s in range(4)]
     assert f == [0.25, 0.5, 0.75, 1.0]
-    assert lr_factor(4, warmup_steps=4, total_steps=10, schedule=schedule, min_lr_ratio=0.1) == 1.0
+    assert lr_factor(4, warmup_steps=4, total_steps=10, lr_schedule=schedule, min_lr_ratio=0.1) == 1.0
 
 
 def test_lr_factor_decays_to_the_floor_at_total_steps_and_stays():
     kw = dict(warmup_steps=4, total_steps=10, min_lr_ratio=0.1)
     # progress = (step - 4) / 6
-    assert lr_factor(7, schedule="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert lr_factor(9, schedule="linear", **kw) == pytest.approx(0.1 + 0.9 / 6)  # the last step still moves
-    assert lr_factor(7, schedule="cosine", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert lr_factor(5, schedule="cosine", **kw) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 6)))
+    assert lr_factor(7, lr_schedule="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(9, lr_schedule="linear", **kw) == pytest.approx(0.1 + 0.9 / 6)  # the last step still moves
+    assert lr_factor(7, lr_schedule="cosine", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(5, lr_schedule="cosine", **kw) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 6)))
     for schedule in ("linear", "cosine"):
-        assert lr_factor(10, schedule=schedule, **kw) == pytest.approx(0.1)
-        assert lr_factor(1000, schedule=schedule, **kw) == pytest.approx(0.1)
-    assert lr_factor(1000, schedule="constant", **kw) == 1.0
-    assert lr_factor(10, schedule="linear", warmup_steps=4, total_steps=10, min_lr_ratio=0.0) == 0.0
+        assert lr_factor(10, lr_schedule=schedule, **kw) == pytest.approx(0.1)
+        assert lr_factor(1000, lr_schedule=schedule, **kw) == pytest.approx(0.1)
+    assert lr_factor(1000, lr_schedule="constant", **kw) == 1.0
+    assert lr_factor(10, lr_schedule="linear", warmup_steps=4, total_steps=10, min_lr_ratio=0.0) == 0.0
 
 
 def test_lr_factor_without_warmup_starts_at_the_peak():
-    assert lr_factor(0, warmup_steps=0, total_steps=4, schedule="linear", min_lr_ratio=0.0) == 1.0
-    assert lr_factor(2, warmup_steps=0, total_steps=4, schedule="linear", min_lr_ratio=0.0) == 0.5
-    assert lr_factor(0, warmup_steps=0, total_steps=0, schedule="cosine", min_lr_ratio=0.2) == pytest.approx(1.0)
+    assert lr_factor(0, warmup_steps=0, total_steps=4, lr_schedule="linear", min_lr_ratio=0.0) == 1.0
+    assert lr_factor(2, warmup_steps=0, total_steps=4, lr_schedule="linear", min_lr_ratio=0.0) == 0.5
+    assert lr_factor(0, warmup_steps=0, total_steps=0, lr_schedule="cosine", min_lr_ratio=0.2) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="schedule"):
-        lr_factor(0, warmup_steps=0, total_steps=4, schedule="step", min_lr_ratio=0.0)
+        lr_factor(0, warmup_steps=0, total_steps=4, lr_schedule="step", min_lr_ratio=0.0)
 
 
 def test_lr_schedule_sets_every_group_and_honours_decay_steps():
-    cfg = OptimConfig(lr=0.4, warmup_steps=2, schedule="linear", min_lr_ratio=0.0)
+    cfg = OptimConfig(lr=0.4, warmup_steps=2, lr_schedule="linear", min_lr_ratio=0.0)
     m = tiny()
     opt = make_optimizer(cfg, m.named_parameters())
     sched = LRSchedule(cfg, total_steps=6)
@@ -247,7 +247,7 @@ def test_lr_schedule_sets_every_group_and_honours_decay_steps():
     assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.2)] * 2
     sched.apply(opt, 1, peak_lr=3.0)  # K-FAC's own peak, same shape
     assert [g["lr"] for g in opt.param_groups] == [pytest.approx(3.0)] * 2
-    early = LRSchedule(OptimConfig(lr=0.4, warmup_steps=2, schedule="linear", decay_steps=4), total_steps=100)
+    early = LRSchedule(OptimConfig(lr=0.4, warmup_steps=2, lr_schedule="linear", decay_steps=4), total_steps=100)
     assert early.total_steps == 4 and early.factor(4) == 0.0
 
 
@@ -473,7 +473,7 @@ def _muon_step_worker(cfg) -> dict:
     out: dict = {"device": ctx.grid.stage, "replica": ctx.grid.replica}
     try:
         for mode in ("first-order", "kfac"):
-            trainer = Trainer(cfg, ctx, TrainOptions(mode=mode, steps=1, progress=False, log_every=10**9))
+            trainer = Trainer(cfg, ctx, TrainOptions.of(mode=mode, steps=1, progress=False, log_every=10**9))
             copies = dict(trainer.worker.copies)
             opt = trainer.updater.optimizer
             muon_ids = {id(p) for g in opt.param_groups if g["group"] == "muon" for p in g["params"]}
@@ -499,7 +499,7 @@ def test_muon_in_a_pipeline_steps_as_on_the_whole_model(layout):
     from test_runtime_engine import BASE, _assert_close, _reference
 
     order, stages, replicas = MUON_LAYOUTS[layout]
-    cfg = BASE.replace(pipeline=dict(schedule=order, stages=stages), kfac=dict(update="base"),
+    cfg = BASE.replace(pipeline=dict(order=order, stages=stages), kfac=dict(update="base"),
                        optim=dict(name="muon", lr=0.01, weight_decay=0.01))
     results = spawn_local(_muon_step_worker, stages * replicas, cfg, timeout_s=180)
     ref = _reference(cfg, replicas)

@@ -65,7 +65,7 @@ def _train(cfg, **opts) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        Trainer(cfg, single_process(), TrainOptions(progress=False, log_every=10**9, **opts)).run()
+        Trainer(cfg, single_process(), TrainOptions.of(progress=False, log_every=10**9, **opts)).run()
     finally:
         torch.set_num_threads(threads)
 
@@ -115,7 +115,7 @@ def test_the_log_is_closed_when_training_stops(tmp_path, monkeypatch):
 
     tb = tmp_path / "tb"
     trainer = Trainer(load_config(TINY).replace(pipeline={"stages": 1}), single_process(),
-                      TrainOptions(steps=5, progress=False, tensorboard=str(tb)))
+                      TrainOptions.of(steps=5, progress=False, tensorboard=str(tb)))
     step = trainer.train_step
 
     def interrupted_at_2(i: int):  # noqa: ANN202

@@ -76,7 +76,7 @@ with one stage per rank; its order is checked against ours in tests/test_runtime
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def both_engines(request):
     kind, stages, replicas, m = LAYOUTS[request.param]
-    cfg = BASE.replace(pipeline=dict(schedule=kind, stages=stages, engine="torch"), data=dict(num_micro_batches=m))
+    cfg = BASE.replace(pipeline=dict(order=kind, stages=stages, engine="torch"), data=dict(num_micro_batches=m))
     results = spawn_local(both_engines_step_worker, stages * replicas, cfg, timeout_s=180)
     return cfg, replicas, results, _reference(cfg, replicas)
 
@@ -152,7 +152,7 @@ STEPS = 4  # step 0, a full 2-iteration cycle of the spread schedule, and the ne
 
 @pytest.fixture(scope="module", params=["zb-v", "dualpipev"])  # 1f1b's packed schedule: the CLI test
 def scheduled_runs(request, tmp_path_factory):
-    cfg = tiny(pipeline={"schedule": request.param, "timeout_s": 30.0, "engine": "torch"})
+    cfg = tiny(pipeline={"order": request.param, "timeout_s": 30.0, "engine": "torch"})
     folder = tmp_path_factory.mktemp(request.param)
     results, files = train_one_and_spread_schedules(cfg, folder, STEPS)
     return cfg, results, files
@@ -177,7 +177,7 @@ def test_kfac_work_between_torchs_actions_trains_as_the_single_process_replay(sc
 
 
 def test_a_resumed_torch_engine_run_continues_bit_for_bit(tmp_path):
-    _resumes_bit_for_bit(tmp_path, BASE.replace(pipeline=dict(schedule="zb-v", engine="torch"),
+    _resumes_bit_for_bit(tmp_path, BASE.replace(pipeline=dict(order="zb-v", engine="torch"),
                                                 data=dict(num_micro_batches=4)))
 
 
@@ -189,8 +189,8 @@ def _profile_both_engines(cfg, folder: str) -> None:  # noqa: ANN001
     try:
         for engine in ENGINES:
             Trainer(cfg.replace(pipeline={"engine": engine}), ctx,
-                    TrainOptions(mode="kfac", profile=True, out=os.path.join(folder, engine), steps=2,
-                                 progress=False)).run()
+                    TrainOptions.of(mode="kfac", profile=True, out=os.path.join(folder, engine), steps=2,
+                                    progress=False)).run()
     finally:
         shutdown(ctx)
 
@@ -200,7 +200,7 @@ def test_the_profiler_records_the_same_keys_per_action_on_both_engines(tmp_path)
     both chunks' keys)."""
     from pipefisher.safe_io import load_pickle
 
-    cfg = BASE.replace(pipeline=dict(schedule="interleaved"), data=dict(num_micro_batches=4))
+    cfg = BASE.replace(pipeline=dict(order="interleaved"), data=dict(num_micro_batches=4))
     for engine in ENGINES:
         (tmp_path / engine).mkdir()
     spawn_local(_profile_both_engines, 2, cfg, str(tmp_path), timeout_s=120)
@@ -271,12 +271,12 @@ def test_fp16_overflow_on_the_torch_engine_skips_every_stages_update():
 
 
 @pytest.mark.parametrize("sections,message", [
-    ({"pipeline": {"schedule": "chimera"}}, "pipeline.engine torch runs pipeline.schedule 1f1b, interleaved, zb-v, zb-h1, "
+    ({"pipeline": {"order": "chimera"}}, "pipeline.engine torch runs pipeline.order 1f1b, interleaved, zb-v, zb-h1, "
                                             "dualpipev, not chimera"),
-    ({"pipeline": {"schedule": "gpipe"}}, "not gpipe"),
+    ({"pipeline": {"order": "gpipe"}}, "not gpipe"),
     ({"kfac": {"fisher": "true"}}, "needs kfac.fisher empirical"),
     ({"pipeline": {"stages": 1}}, "needs pipeline.stages >= 2"),
-    ({"pipeline": {"schedule": "zb-h1"}, "data": {"num_micro_batches": 5}}, "multiple of max"),
+    ({"pipeline": {"order": "zb-h1"}, "data": {"num_micro_batches": 5}}, "multiple of max"),
 ])
 def test_what_the_torch_engine_cannot_run_is_refused_in_one_line(sections, message):
     pipeline = {"engine": "torch", **sections.get("pipeline", {})}
@@ -340,7 +340,7 @@ def test_pipefisher_run_on_the_torch_engine_profiles_packs_and_trains_in_bf16(tm
 
     out = tmp_path / "runs"
     res = CliRunner().invoke(main, ["run", "--config", TINY, "--set", "pipeline.engine=torch",
-                                    "--set", "train.precision=bf16", "--pipeline", "1f1b",
+                                    "--set", "train.precision=bf16", "--order", "1f1b",
                                     "--out", str(out), "--steps", "24", "--profile-steps", "2", "--nproc-per-node", "2",
                                     "--name", "t", "--no-progress"])  # longer than a busy machine's cycle
     assert res.exit_code == 0, res.output

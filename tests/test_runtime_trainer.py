@@ -26,7 +26,7 @@ def _went_down(losses: list[float], margin: float = 0.2) -> bool:
 @pytest.mark.parametrize("mode", ["first-order", "kfac"])
 def test_loss_goes_down_in_one_process(mode):
     cfg = load_config(TINY).replace(pipeline={"stages": 1})
-    result = Trainer(cfg, single_process(), TrainOptions(mode=mode, steps=30, progress=False)).run()
+    result = Trainer(cfg, single_process(), TrainOptions.of(mode=mode, steps=30, progress=False)).run()
     assert len(result.losses) == 30 and _went_down(result.losses), result.losses
 
 
@@ -34,7 +34,7 @@ def test_loss_goes_down_in_one_process(mode):
 def test_cli_train_two_stages_loss_goes_down(tmp_path, mode, schedule):
     out = tmp_path / "run"
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--nproc-per-node", "2", "--mode", mode,
-                                    "--pipeline", schedule, "--steps", "30", "--out", str(out), "--no-progress"])
+                                    "--order", schedule, "--steps", "30", "--out", str(out), "--no-progress"])
     assert res.exit_code == 0, res.output
     assert f"mode {mode}, 2 stage(s) x 1 replica(s)" in res.output and "step    25  loss" in res.output
     report = json.loads((out / "tiny_losses.json").read_text())
@@ -108,7 +108,7 @@ def _dies_at_start(cfg_path: str) -> None:
     ctx = init_from_env(2, cfg.pipeline.timeout_s)
     if ctx.grid.rank == 1:
         os._exit(0)
-    Trainer(cfg, ctx, TrainOptions(steps=2, progress=False)).run()
+    Trainer(cfg, ctx, TrainOptions.of(steps=2, progress=False)).run()
 
 
 def test_a_dead_worker_gives_a_clear_error_not_a_hang():
@@ -122,7 +122,7 @@ def test_a_dead_worker_gives_a_clear_error_not_a_hang():
 def _mismatched(cfg_path: str) -> None:
     rank = int(os.environ["RANK"])
     cfg = load_config(cfg_path).replace(optim={"lr": 0.1 * (rank + 1)}, pipeline={"timeout_s": 10.0})
-    run_worker(cfg, TrainOptions(steps=1, progress=False))
+    run_worker(cfg, TrainOptions.of(steps=1, progress=False))
 
 
 def test_workers_with_different_configs_refuse_to_start():
@@ -135,7 +135,7 @@ def test_launcher_reports_a_failing_worker(tmp_path):
     cfg = load_config(TINY).replace(data={"text": str(tmp_path / "missing.txt")})
     lines: list[str] = []
     with pytest.raises(WorkerFailed, match=r"worker rank \d of 2 exited with code 2: error: .*missing.txt"):
-        launch_local(cfg, TrainOptions(steps=1, progress=False), 2, echo=lines.append)
+        launch_local(cfg, TrainOptions.of(steps=1, progress=False), 2, echo=lines.append)
 
 
 def test_cli_rejects_a_bad_layout_as_input_error():
@@ -158,7 +158,7 @@ def _config_file(tmp_path, **sections) -> str:
 
 def test_train_on_real_text_evaluates_held_out_loss_and_records_the_run(tmp_path):
     cfg = _config_file(tmp_path, data={"text": "stdlib", "val_batches": 2},
-                       optim={"name": "adamw", "lr": 3e-3, "warmup_steps": 2, "schedule": "linear"})
+                       optim={"name": "adamw", "lr": 3e-3, "warmup_steps": 2, "lr_schedule": "linear"})
     out, metrics = tmp_path / "out", tmp_path / "m.csv"
     res = CliRunner().invoke(main, ["train", "--config", cfg, "--nproc-per-node", "2", "--mode", "kfac",
                                     "--steps", "6", "--eval-every", "3", "--out", str(out), "--metrics",
@@ -223,7 +223,7 @@ def _phase_order(lines: list[str]) -> list[str]:
 
 def test_one_process_says_each_start_up_phase_before_the_first_step(capsys, cli_lines):
     cfg = load_config(TINY).replace(pipeline={"stages": 1})
-    Trainer(cfg, single_process(), TrainOptions(steps=1)).run()
+    Trainer(cfg, single_process(), TrainOptions.of(steps=1)).run()
     order = _phase_order(capsys.readouterr().out.splitlines())
     assert order == ["... loading data", "... building the model", "pipefisher train:", "... first step",
                      "step     0"], order
@@ -231,7 +231,7 @@ def test_one_process_says_each_start_up_phase_before_the_first_step(capsys, cli_
 
 def test_no_progress_keeps_start_up_quiet(capsys, cli_lines):
     cfg = load_config(TINY).replace(pipeline={"stages": 1})
-    Trainer(cfg, single_process(), TrainOptions(steps=1, progress=False)).run()
+    Trainer(cfg, single_process(), TrainOptions.of(steps=1, progress=False)).run()
     assert not [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("...")]
 
 
@@ -249,7 +249,7 @@ def test_local_launcher_says_it_spawns_and_relays_the_workers_phases(profiled):
 def test_kfac_run_says_what_kfac_covers_at_start_and_first_order_does_not(capsys, cli_lines):
     cfg = load_config(TINY).replace(pipeline={"stages": 1})
     for mode in ("kfac", "first-order"):
-        Trainer(cfg, single_process(), TrainOptions(mode=mode, steps=1, progress=False)).run()
+        Trainer(cfg, single_process(), TrainOptions.of(mode=mode, steps=1, progress=False)).run()
         lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("K-FAC covers")]
         expect = (["K-FAC covers 24 layers (24 Linear) on stage 0; first-order only: Embedding (2), LayerNorm (10); "
                    "ignored by kfac.ignore: cls.predictions.transform.dense, cls.predictions.decoder"]
@@ -259,7 +259,7 @@ def test_kfac_run_says_what_kfac_covers_at_start_and_first_order_does_not(capsys
 
 def test_the_peak_memory_line_says_which_worker_it_is(capsys, cli_lines):
     cfg = load_config(TINY).replace(pipeline={"stages": 1})
-    Trainer(cfg, single_process(), TrainOptions(steps=1, progress=False)).run()
+    Trainer(cfg, single_process(), TrainOptions.of(steps=1, progress=False)).run()
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "peak memory" in ln)
     assert line.endswith(" MiB (rank 0: stage 0, replica 0)"), line
 
@@ -283,7 +283,7 @@ def test_sigterm_checkpoints_at_the_next_step_unless_turned_off(tmp_path, monkey
 
     cfg = load_config(TINY).replace(pipeline={"stages": 1}, checkpoint={"on_interrupt": on_interrupt})
     ck, metrics = tmp_path / "ck", tmp_path / "m.csv"
-    trainer = Trainer(cfg, single_process(), TrainOptions(steps=5, progress=False, checkpoint_dir=str(ck),
+    trainer = Trainer(cfg, single_process(), TrainOptions.of(steps=5, progress=False, checkpoint_dir=str(ck),
                                                            metrics=str(metrics)))
     step = trainer.train_step
 

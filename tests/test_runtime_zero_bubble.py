@@ -27,9 +27,9 @@ from _schedules import (assert_one_iteration_schedule_trains_as_kfac_mode, asser
 from test_runtime_engine import (BASE, _reference, assert_copies_kfac_equals_reference,
                                  assert_copies_step_equals_reference, copies_step_worker)
 
-ZB_H1 = BASE.replace(pipeline=dict(schedule="zb-h1"), data=dict(num_micro_batches=4))
-ZB_V = BASE.replace(pipeline=dict(schedule="zb-v"), data=dict(num_micro_batches=4))
-DUALPIPEV = BASE.replace(pipeline=dict(schedule="dualpipev"), data=dict(num_micro_batches=4))
+ZB_H1 = BASE.replace(pipeline=dict(order="zb-h1"), data=dict(num_micro_batches=4))
+ZB_V = BASE.replace(pipeline=dict(order="zb-v"), data=dict(num_micro_batches=4))
+DUALPIPEV = BASE.replace(pipeline=dict(order="dualpipev"), data=dict(num_micro_batches=4))
 KIND = {"F": "call_forward", "B": "call_backward", "W": "call_backward:weight"}
 
 
@@ -72,7 +72,7 @@ def test_config_checks_the_zero_bubble_layouts():
         DUALPIPEV.replace(pipeline=dict(stages=4), data=dict(num_micro_batches=8))
     with pytest.raises(InputError, match="dualpipev has exactly 2 model chunks per device"):
         DUALPIPEV.replace(pipeline=dict(chunks=3), model=dict(num_layers=6))
-    with pytest.raises(InputError, match="pipeline.schedule dualpipev with data.num_micro_batches 3: dualpipev: "
+    with pytest.raises(InputError, match="pipeline.order dualpipev with data.num_micro_batches 3: dualpipev: "
                                          "needs micro-batches >= 2 x stages = 4") as err:
         DUALPIPEV.replace(data=dict(num_micro_batches=3))
     assert "\n" not in str(err.value)
@@ -92,7 +92,7 @@ LAYOUTS = {"zb-h1 D=2 x 2 replicas": ("zb-h1", 2, 2, 4, 4), "zb-h1 D=3, m=5": ("
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def zero_bubble_step(request):
     name, stages, replicas, layers, micro_batches = LAYOUTS[request.param]
-    cfg = BASE.replace(pipeline=dict(schedule=name, stages=stages), model=dict(num_layers=layers),
+    cfg = BASE.replace(pipeline=dict(order=name, stages=stages), model=dict(num_layers=layers),
                        data=dict(num_micro_batches=micro_batches))
     results = spawn_local(copies_step_worker, stages * replicas, cfg, timeout_s=180)
     return cfg, replicas, results, _reference(cfg, replicas)
@@ -118,7 +118,7 @@ STEPS = 4  # step 0, a full 2-iteration cycle of the spread schedule, and the ne
 def zero_bubble_runs(request, tmp_path_factory):
     from _schedules import tiny
 
-    cfg = tiny(pipeline={"schedule": request.param, "timeout_s": 30.0})
+    cfg = tiny(pipeline={"order": request.param, "timeout_s": 30.0})
     folder = tmp_path_factory.mktemp(request.param)
     results, files = train_one_and_spread_schedules(cfg, folder, STEPS)
     return cfg, results, files
@@ -142,7 +142,7 @@ def test_a_covariance_piece_of_factor_b_needs_the_b_pass_not_the_w_pass(tmp_path
 
     from _schedules import tiny
 
-    cfg = tiny(pipeline={"schedule": "zb-h1"})
+    cfg = tiny(pipeline={"order": "zb-h1"})
     data = single_iteration_schedule(cfg)
     labels = data[0][0]  # the first stage: F0 F1 B0 W0 F2 B1 W1 ...
     piece = next(lb for lb in labels if lb.startswith("cov_kron_B:"))
@@ -174,7 +174,7 @@ def test_weight_passes_are_refused_outside_zero_bubble_orders():
 def _profile_worker(cfg, out: str) -> None:
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
     try:
-        Trainer(cfg, ctx, TrainOptions(mode="kfac", profile=True, out=out, steps=1, progress=False)).run()
+        Trainer(cfg, ctx, TrainOptions.of(mode="kfac", profile=True, out=out, steps=1, progress=False)).run()
     finally:
         shutdown(ctx)
 
@@ -206,8 +206,8 @@ def _resume_worker(cfg, folder: str) -> list:
     try:
         def run(steps: int, resume: str | None, ck: str | None) -> list:
             torch.manual_seed(0)
-            opts = TrainOptions(mode="kfac", steps=steps, progress=False, log_every=10**9,
-                                checkpoint_dir=ck, resume=resume)
+            opts = TrainOptions.of(mode="kfac", steps=steps, progress=False, log_every=10**9,
+                                   checkpoint_dir=ck, resume=resume)
             trainer = Trainer(cfg, ctx, opts)
             losses = trainer.run().losses
             params = {f"{j}.{n}": t.detach().clone()

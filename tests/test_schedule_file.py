@@ -26,7 +26,7 @@ def test_validate_of_a_schedule_packed_for_another_pipeline_is_one_line(tmp_path
     every label; the same for a schedule whose metadata names the pipeline order (packed by a run)."""
     runner = CliRunner()
     for order in ("zb-v", "1f1b"):
-        res = runner.invoke(main, ["simulate", "--config", "bert-base-4stages", "--schedule", order, "-m", "4",
+        res = runner.invoke(main, ["simulate", "--config", "bert-base-4stages", "--order", order, "-m", "4",
                                    "--stages", "2", "--out", str(tmp_path / order)])
         assert res.exit_code == 0, res.output
     sched = str(tmp_path / "zbv.pickle")
@@ -40,7 +40,7 @@ def test_validate_of_a_schedule_packed_for_another_pipeline_is_one_line(tmp_path
     assert runner.invoke(main, ["validate", "--schedule", sched, str(tmp_path / "zb-v")]).exit_code == 0
     meta = json.loads(open(meta_path(sched)).read())  # as a run records it: the order by name
     del meta["packed_for"]["layout"]
-    meta["packed_for"].update({"pipeline.schedule": "zb-h1", "pipeline.chunks": 1})
+    meta["packed_for"].update({"pipeline.order": "zb-h1", "pipeline.chunks": 1})
     open(meta_path(sched), "w").write(json.dumps(meta))
     res = runner.invoke(main, ["validate", "--schedule", sched, str(tmp_path / "1f1b")])
     assert res.exit_code == 2 and "another job than these timelines: pipeline zb-h1 (1 model chunk per device, " \

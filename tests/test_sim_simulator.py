@@ -153,7 +153,7 @@ def test_simulated_pickles_load_and_pack(tmp_path, config, schedule):
 
 def test_schedule_cli_packs_simulated_timelines(tmp_path):
     runner = CliRunner()
-    res = runner.invoke(main, ["simulate", "--config", BASE, "--schedule", "gpipe", "--micro-batches", "4",
+    res = runner.invoke(main, ["simulate", "--config", BASE, "--order", "gpipe", "--micro-batches", "4",
                                "--out", str(tmp_path / "tl")])
     assert res.exit_code == 0, res.output
     assert "bubble fraction" in res.output
@@ -258,9 +258,9 @@ def test_cli_reports_bad_input_in_one_line_with_exit_2(tmp_path):
     bad.write_text("layers: [unclosed\n")
     for args in (["simulate", "--config", str(bad), "--out", str(tmp_path)],
                  ["simulate", "--config", str(tmp_path / "missing.yaml"), "--out", str(tmp_path)],
-                 ["simulate", "--config", BASE, "--schedule", "interleaved", "-m", "9", "--out", str(tmp_path)],
-                 ["simulate", "--config", BASE, "--schedule", "dualpipev", "-m", "7", "--out", str(tmp_path)],
-                 ["simulate", "--config", BASE, "--schedule", "nope", "--out", str(tmp_path)]):
+                 ["simulate", "--config", BASE, "--order", "interleaved", "-m", "9", "--out", str(tmp_path)],
+                 ["simulate", "--config", BASE, "--order", "dualpipev", "-m", "7", "--out", str(tmp_path)],
+                 ["simulate", "--config", BASE, "--order", "nope", "--out", str(tmp_path)]):
         res = runner.invoke(main, args)
         assert res.exit_code == 2, (args, res.output)
         assert res.output.startswith("error: ") and res.output.count("\n") == 1, res.output
@@ -281,7 +281,7 @@ def test_a_run_config_given_for_a_cost_model_is_named_as_one(tmp_path, command):
 
 
 def test_compare_prints_one_row_per_schedule_and_micro_batch_count(tmp_path):
-    res = CliRunner().invoke(main, ["compare", "--config", BASE, "--schedules", "gpipe,1f1b,interleaved",
+    res = CliRunner().invoke(main, ["compare", "--config", BASE, "--orders", "gpipe,1f1b,interleaved",
                                     "-m", "4,9", "--json", str(tmp_path / "c.json")])
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
@@ -301,7 +301,7 @@ def test_compare_by_default_has_a_row_for_every_schedule_zero_bubble_ones_too():
 
 
 def test_compare_says_dualpipev_needs_two_micro_batches_per_stage():
-    res = CliRunner().invoke(main, ["compare", "--config", BASE, "--schedules", "dualpipev,zb-v", "-m", "4,8"])
+    res = CliRunner().invoke(main, ["compare", "--config", BASE, "--orders", "dualpipev,zb-v", "-m", "4,8"])
     assert res.exit_code == 0, res.output
     rows = [line for line in res.output.splitlines() if line.startswith(("dualpipev", "zb-v"))]
     assert [r.split()[:2] for r in rows] == [["dualpipev", "4"], ["dualpipev", "8"], ["zb-v", "4"], ["zb-v", "8"]]
@@ -332,7 +332,7 @@ def test_the_demo_predicts_no_time_to_target_without_the_jobs_staleness_curve(tm
 
 
 def test_compare_gives_a_time_to_target_column_only_with_a_staleness_curve():
-    args = ["compare", "--config", BASE, "--schedules", "1f1b", "-m", "8"]
+    args = ["compare", "--config", BASE, "--orders", "1f1b", "-m", "8"]
     plain = CliRunner().invoke(main, args)
     given = CliRunner().invoke(main, [*args, "--staleness", "1:0.5,4:0.6,16:0.9"])
     assert plain.exit_code == 0 and given.exit_code == 0, (plain.output, given.output)
@@ -400,7 +400,7 @@ def test_trace_refuses_two_jobs_unless_allow_mixed_and_checks_its_output_first(t
 def test_tight_packs_a_simulated_interleaved_job_in_the_chunk_format(tmp_path):
     """``pipefisher simulate --schedule interleaved --chunks 2``: chunk 1's keys end in ':chunk1', tight
     packs every node above its lower bound, and the packed schedule validates (per-chunk cov rule)."""
-    res = CliRunner().invoke(main, ["simulate", "--config", BASE, "--schedule", "interleaved", "--chunks", "2",
+    res = CliRunner().invoke(main, ["simulate", "--config", BASE, "--order", "interleaved", "--chunks", "2",
                                     "--micro-batches", "4", "--out", str(tmp_path), "--prefix", "il"])
     assert res.exit_code == 0, res.output
     job = load_job(sorted(str(p) for p in tmp_path.glob("il_node*_timeline.pickle")))
@@ -423,7 +423,7 @@ def test_a_simulated_v_job_packs_validates_and_plots_end_to_end(tmp_path, schedu
     if policy == "exact":
         pytest.importorskip("ortools")
     runner = CliRunner()
-    res = runner.invoke(main, ["simulate", "--config", BASE, "--schedule", schedule, "-m", "8", "--out", str(tmp_path)])
+    res = runner.invoke(main, ["simulate", "--config", BASE, "--order", schedule, "-m", "8", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert f"{schedule}, 4 stages, 8 micro-batches, 2 chunks" in res.output
     paths = sorted(str(p) for p in tmp_path.glob("*.pickle"))

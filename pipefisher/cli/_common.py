@@ -1,13 +1,14 @@
 """What every command shares: bad input becomes one line on stderr and exit code 2."""
 from __future__ import annotations
 
+import functools
 import sys
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import click
 
-from pipefisher.errors import InputError, install_hint
+from pipefisher.errors import InputError, install_hint, renamed_notice
 
 EXIT_BAD_INPUT = 2
 
@@ -97,34 +98,70 @@ def adapt_drift_option() -> Any:
              "docs/adapt.md); without it --adapt keeps the packing's cycle")
 
 
-def check_adapt_drift(adapt_drift: bool, adapt: bool, staleness: str | None) -> None:
-    """``--adapt-drift`` only where there is a cycle for it to set: with ``--adapt``, without a curve."""
-    if adapt_drift and not adapt:
-        raise InputError("--adapt-drift", "lets the drift rule set --adapt's cycle, and there is no --adapt; add "
-                                          "--adapt, or drop --adapt-drift")
-    if adapt_drift and staleness is not None:
-        raise InputError("--adapt-drift", "lets the drift rule set --adapt's cycle where there is no staleness "
-                                          "curve; with --staleness the curve sets it: drop one of them")
+OLD_NAME_SUFFIX = "_by_old_name"
+"""What the parameter of an option's old name (:func:`old_name`) is called: its new one's and this."""
 
 
-def pipeline_option() -> Any:
-    """``--pipeline``: the forward/backward order, one definition of its choices for ``train`` and ``run``."""
+def old_name(old: str, new: str, dest: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A hidden option ``old``, the former name of option ``new`` (parameter ``dest``): it sets ``dest``
+    as ``new`` does, with a one-line notice of the new name on stderr; both at once are refused in one
+    line. ``kwargs``: the option's type and such, as ``new``'s."""
+    hidden = dest + OLD_NAME_SUFFIX
+
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(f)
+        def command(*args: Any, **params: Any) -> Any:
+            value = params.pop(hidden)
+            if value is not None:
+                if params.get(dest) is not None:
+                    raise InputError(old, f"is the old name of {new}: give {new} only")
+                renamed_notice(old, new)
+                params[dest] = value
+            return f(*args, **params)
+
+        return click.option(old, hidden, hidden=True, default=None, help=f"the old name of {new}", **kwargs)(command)
+
+    return decorate
+
+
+def add_renamed_argument(parser: Any, new: str, old: str, **kwargs: Any) -> None:
+    """``new`` on an ``argparse`` parser (the scripts'), and ``old``, its former name, hidden: it sets the
+    same value with a one-line notice of the new name on stderr (:func:`old_name` for click commands)."""
+    import argparse
+
+    class _OldName(argparse.Action):
+        def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+            renamed_notice(old, new)
+            setattr(namespace, self.dest, values)
+
+    action = parser.add_argument(new, **kwargs)
+    parser.add_argument(old, dest=action.dest, action=_OldName, help=argparse.SUPPRESS,
+                        **{k: v for k, v in kwargs.items() if k in ("type", "choices")})
+
+
+def order_option() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--order``: the forward/backward order (``pipeline.order``), one definition of its choices for
+    ``train`` and ``run``; ``--pipeline``, its former name, still works (:func:`old_name`)."""
     from pipefisher.runtime.job.config import PIPELINE_ORDERS  # plain Python: no torch
 
-    return click.option(
-        "--pipeline", "pipe_schedule", type=click.Choice(PIPELINE_ORDERS), default=None,
-        help="override pipeline.schedule: the forward/backward order (gpipe; 1f1b; chimera: two pipes in "
-             "opposite directions, every device holding two stage copies; interleaved: 1F1B over --chunks model "
-             "chunks per device; zb-h1 and zb-v: zero bubble, every backward split into an input-gradient and "
-             "a weight-gradient pass, zb-v with 2 chunks per device in a V; dualpipev: DualPipe's overlapped "
-             "forward-backward pairs in zb-v's V, needs micro-batches >= 2 x stages)")
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        f = old_name("--pipeline", "--order", "order", type=click.Choice(PIPELINE_ORDERS))(f)
+        return click.option(
+            "--order", "order", type=click.Choice(PIPELINE_ORDERS), default=None,
+            help="override pipeline.order: the forward/backward order (gpipe; 1f1b; chimera: two pipes in "
+                 "opposite directions, every device holding two stage copies; interleaved: 1F1B over --chunks "
+                 "model chunks per device; zb-h1 and zb-v: zero bubble, every backward split into an "
+                 "input-gradient and a weight-gradient pass, zb-v with 2 chunks per device in a V; dualpipev: "
+                 "DualPipe's overlapped forward-backward pairs in zb-v's V, needs micro-batches >= 2 x stages)")(f)
+
+    return decorate
 
 
 def chunks_option() -> Any:
-    """``--chunks``: model chunks per device under ``--pipeline interleaved`` (``train`` and ``run``)."""
+    """``--chunks``: model chunks per device under ``--order interleaved`` (``train`` and ``run``)."""
     return click.option(
         "--chunks", type=click.IntRange(min=2), default=None,
-        help="override pipeline.chunks: model chunks per device with --pipeline interleaved "
+        help="override pipeline.chunks: model chunks per device with --order interleaved "
              "(virtual stage s on device s % stages; zb-v and dualpipev have 2) [config default: 2]")
 
 

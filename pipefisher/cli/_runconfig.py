@@ -15,13 +15,13 @@ from pipefisher.cli._common import require_runtime
 from pipefisher.errors import InputError
 from pipefisher.runtime.job.config import STDLIB, SYNTHETIC, RunConfig, apply_overrides, load_config
 
-PIPELINE_OPTIONS = {"stages": "--stages", "schedule": "--pipeline", "timeout_s": "--timeout", "chunks": "--chunks"}
+PIPELINE_OPTIONS = {"stages": "--stages", "order": "--order", "timeout_s": "--timeout", "chunks": "--chunks"}
 """The options that override ``pipeline.*`` keys (the same on ``train`` and ``run``), by key."""
 
 
 def with_options(cfg: RunConfig, pipeline: Mapping[str, Any], interval: int | None = None) -> RunConfig:
     """``cfg`` with the ``pipeline.*`` options given (None: not given) and ``--interval``; a combination
-    the checks refuse names those options (``--pipeline zb-v --chunks 3: ...``), which caused it."""
+    the checks refuse names those options (``--order zb-v --chunks 3: ...``), which caused it."""
     given = {k: v for k, v in pipeline.items() if v is not None}
     if not given and not interval:
         return cfg

@@ -13,18 +13,19 @@ from typing import Any, Iterator
 
 import click
 
-from pipefisher.cli._common import (adapt_drift_option, check_adapt_drift, check_overlap, chunks_option,
-                                    margin_option, overlap_option, pipeline_option, require_runtime, staleness_for,
-                                    staleness_option)
+from pipefisher.cli._common import (OLD_NAME_SUFFIX, adapt_drift_option, check_overlap,
+                                    margin_option, overlap_option, require_runtime, staleness_for, staleness_option)
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
-from pipefisher.cli.train import (check_tensorboard, no_progress_option, past_decay_option, set_option,
-                                  tensorboard_option)
+from pipefisher.cli._runflags import (checkpoint_every_option, eval_log_options, layout_options, no_progress_option,
+                                      past_decay_option, say_loading_torch, set_option, tensorboard_option)
+from pipefisher.cli.train import check_tensorboard
 from pipefisher.errors import InputError
+from pipefisher.runtime.job.options import check_adapt_drift
 
 SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "margin", "staleness", "overlap",
           "adapt", "adapt_drift", "allow_invalid",
-          "nproc", "stages", "pipe_schedule", "chunks")
+          "nproc", "stages", "order", "order" + OLD_NAME_SUFFIX, "chunks")
 """What sets a run up: ``--resume`` continues the run as it was set up, so these are refused with it."""
 
 
@@ -59,22 +60,10 @@ SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "m
               help="train a schedule that pipefisher validate rejects, where the runtime can still run it (a "
                    "schedule it cannot run is refused anyway; a refused one stays in --out for inspection)")
 @tensorboard_option()
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=None,
-              help="steps between checkpoints in <run>_checkpoints/ (0: only at the end) [default: 0; with "
-                   "--resume, the run's]")
-@click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
-              help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
-@click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages")
-@pipeline_option()
-@chunks_option()
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="override pipeline.timeout_s")
+@checkpoint_every_option("steps between checkpoints in <run>_checkpoints/ (0: only at the end)", resumable=True)
+@layout_options()
 @set_option()
-@click.option("--eval-every", type=click.IntRange(min=0), default=None,
-              help="steps between held-out evaluations while training (0: none) [default: 0; with --resume, "
-                   "the run's]")
-@click.option("--log-every", type=click.IntRange(min=1), default=None,
-              help="steps between loss lines [default: 5; with --resume, the run's]")
+@eval_log_options(resumable=True)
 @no_progress_option()
 @click.pass_context
 def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None, resume_dir: str | None, steps: int,
@@ -82,7 +71,7 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
                 staleness: str | None, overlap: bool | None, adapt: bool, adapt_drift: bool, name: str | None,
                 allow_invalid: bool,
                 tensorboard_dir: str | None,
-                checkpoint_every: int | None, nproc: int | None, stages: int | None, pipe_schedule: str | None,
+                checkpoint_every: int | None, nproc: int | None, stages: int | None, order: str | None,
                 chunks: int | None, timeout_s: float | None, overrides: tuple[str, ...], eval_every: int | None,
                 log_every: int | None, no_progress: bool) -> None:
     """Profile a few K-FAC steps, pack them into the pipeline bubbles, print the usage report, and
@@ -113,19 +102,19 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
         raise click.UsageError(f"{'--config FILE' if config_path is None else '--out DIR'} is required "
                                "(or --resume RUN_DIR)")
     # Up to "loading torch" nothing imports it: a bad config, option or output path costs no start-up.
-    cfg = read_run_config(config_path, overrides, "run", {"stages": stages, "schedule": pipe_schedule,
+    cfg = read_run_config(config_path, overrides, "run", {"stages": stages, "order": order,
                                                          "timeout_s": timeout_s, "chunks": chunks})
     check_out_folder(out_dir, "--out")
     tensorboard_dir = check_tensorboard(tensorboard_dir)
     curve = staleness_for(staleness, policy)  # a bad file: one line, before torch loads
-    check_adapt_drift(adapt_drift, adapt, staleness)
+    check_adapt_drift(adapt_drift, adapt, staleness is not None)  # the options' own check, before torch
     check_overlap(overlap, policy)
-    if cfg.pipeline.schedule == "chimera" and cfg.kfac.refresh_pieces != 1:  # measured: 3-17 room-rule breaks
-        raise InputError(config_path, "kfac.refresh_pieces other than 1 is not packed validly under pipeline.schedule "
+    if cfg.pipeline.order == "chimera" and cfg.kfac.refresh_pieces != 1:  # measured: 3-17 room-rule breaks
+        raise InputError(config_path, "kfac.refresh_pieces other than 1 is not packed validly under pipeline.order "
                                       "chimera yet (aligning its stage pairs breaks the room rule with refresh "
                                       "pieces): use 1 with chimera")
     check_fresh_outputs(tensorboard=tensorboard_dir)  # each run's files have their own names; TensorBoard's not
-    _phase_torch(no_progress)
+    say_loading_torch(no_progress)
     from pipefisher.runtime.launch.driver import run_job
     from pipefisher.runtime.models.builders import check_builder
     from pipefisher.runtime.pipeline.torch_api import check_engine
@@ -139,13 +128,6 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
                 allow_invalid=allow_invalid, checkpoint_every=checkpoint_every or 0, log_every=log_every or 5,
                 progress=not no_progress, kfac_margin=kfac_margin, eval_every=eval_every or 0, margin=margin,
                 adapt=adapt, adapt_drift=adapt_drift, tensorboard=tensorboard_dir, staleness=curve, overlap=overlap)
-
-
-def _phase_torch(no_progress: bool) -> None:
-    if not no_progress and os.environ.get("RANK", "0") == "0":
-        from pipefisher.runtime.job.progress import phase
-
-        phase("loading torch")  # seconds on a cold start, before anything else can be said
 
 
 @contextmanager
@@ -198,8 +180,8 @@ def _resume(run_dir: str, name: str | None, steps: int, overrides: tuple[str, ..
     from pipefisher.cli._runconfig import read_run_config
     from pipefisher.cli.train import prepare_training
     from pipefisher.runtime.launch.driver import find_run
-    from pipefisher.runtime.train.checkpoint import (RUN_OPTIONS, check_resume_config, nothing_left, read_manifest,
-                                                     resume_note)
+    from pipefisher.runtime.job.options import RUN_OPTIONS
+    from pipefisher.runtime.train.checkpoint import check_resume_config, nothing_left, read_manifest, resume_note
 
     paths = find_run(run_dir, name)
     man = read_manifest(paths.checkpoints)
@@ -216,7 +198,7 @@ def _resume(run_dir: str, name: str | None, steps: int, overrides: tuple[str, ..
     if done := nothing_left(paths.checkpoints, steps):  # before torch and the corpus load: at once
         click.echo(done)
         return
-    _phase_torch(no_progress)
+    say_loading_torch(no_progress)
     from pipefisher.runtime.launch.driver import resume_job
 
     prepare_training(cfg, paths.config, nproc, paths.schedule, paths.checkpoints, "scheduled",

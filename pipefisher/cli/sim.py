@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import click
 
-from pipefisher.cli._common import margin_option, staleness_for, staleness_option
+from pipefisher.cli._common import margin_option, old_name, staleness_for, staleness_option
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.errors import InputError
@@ -100,16 +100,21 @@ def run_simulate(config: str, schedule: str | None, stages: int | None, micro_ba
     return paths
 
 
-def _schedule_help() -> str:
+def _order_help() -> str:
     from pipefisher.pipeline_orders import schedule_names
 
-    return f"pipeline schedule: {', '.join(schedule_names())} (default: the file's)"
+    return f"pipeline order: {', '.join(schedule_names())} (default: the file's)"
+
+
+def _order_options(f: Callable) -> Callable:
+    """``--order`` and its former name ``--schedule`` (:func:`~pipefisher.cli._common.old_name`)."""
+    return click.option("--order", default=None, help=_order_help())(old_name("--schedule", "--order", "order")(f))
 
 
 def _model_options(f: Callable) -> Callable:
     for opt in reversed([
         click.option("--config", "config", type=click.Path(dir_okay=False), default=None, help=_config_help()),
-        click.option("--schedule", default=None, help=_schedule_help()),
+        _order_options,
         click.option("--stages", type=int, default=None, help="pipeline stages (default: the file's)"),
         click.option("--chunks", type=int, default=None,
                      help="model chunks per device (interleaved: default the file's, else 2; zb-v and "
@@ -128,7 +133,7 @@ def _model_options(f: Callable) -> Callable:
 @click.option("--prefix", default=None,
               help="file name prefix (default: <model>_<schedule>_p<stages>[_v<chunks>]_m<m>); node files of "
                    "this prefix beyond the job's nodes are removed")
-def simulate_command(config: str | None, schedule: str | None, stages: int | None, chunks: int | None,
+def simulate_command(config: str | None, order: str | None, stages: int | None, chunks: int | None,
                      latency_ms: float | None, kfac_scale: float | None, micro_batches: int | None, out: str,
                      prefix: str | None) -> None:
     """Simulate one training step from a cost model and write per-node timelines.
@@ -136,7 +141,7 @@ def simulate_command(config: str | None, schedule: str | None, stages: int | Non
     The timelines have the profiled format: pack them with ``pipefisher schedule OUT/*.pickle``.
     Flags override the file's settings.
     """
-    run_simulate(bundled_config(config), schedule, stages, micro_batches, chunks, latency_ms, kfac_scale, out,
+    run_simulate(bundled_config(config), order, stages, micro_batches, chunks, latency_ms, kfac_scale, out,
                  prefix)
 
 
@@ -213,26 +218,27 @@ def format_compare(rows: Sequence[dict[str, object]], title: str) -> list[str]:
 
 @main.command("compare")
 @_model_options
-@click.option("--schedules", default=None,
-              help="comma-separated pipeline schedules to compare (default: all; --schedule gives one)")
+@click.option("--orders", default=None,
+              help="comma-separated pipeline orders to compare (default: all; --order gives one)")
+@old_name("--schedules", "--orders", "orders")
 @click.option("--micro-batches", "-m", "micro_batches", default=None,
               help="comma-separated micro-batch counts (default: p, 2p, 4p)")
 @click.option("--policy", default=None, help=_policy_help())
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write the rows as JSON")
 @margin_option()
 @staleness_option()
-def compare_command(config: str | None, schedule: str | None, stages: int | None, chunks: int | None,
-                    latency_ms: float | None, kfac_scale: float | None, schedules: str | None,
+def compare_command(config: str | None, order: str | None, stages: int | None, chunks: int | None,
+                    latency_ms: float | None, kfac_scale: float | None, orders: str | None,
                     micro_batches: str | None, policy: str | None, json_path: str | None,
                     margin: float, staleness: str | None) -> None:
     """Compare pipeline schedules and micro-batch counts for one cost model: the table to choose from."""
     from pipefisher.safe_io import dump_json_atomic
 
-    if schedule and schedules:
-        raise InputError(None, "give --schedule (one) or --schedules (several), not both")
+    if order and orders:
+        raise InputError(None, "give --order (one) or --orders (several), not both")
     curve = staleness_for(staleness, policy)
     config = bundled_config(config)
-    names = [s.strip() for s in schedules.split(",") if s.strip()] if schedules else ([schedule] if schedule else None)
+    names = [s.strip() for s in orders.split(",") if s.strip()] if orders else ([order] if order else None)
     rows = compare_rows(config, names, _ints(micro_batches, "--micro-batches"), policy, stages, chunks, kfac_scale,
                         latency_ms, margin, curve)
     from pipefisher.policies import DEFAULT_POLICY
@@ -419,14 +425,14 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
 
 @main.command("demo")
 @click.option("--config", type=click.Path(dir_okay=False), default=None, help=_config_help())
-@click.option("--schedule", default=None, help=_schedule_help())
+@_order_options
 @click.option("--micro-batches", "-m", type=int, default=None, help="micro-batches (default: the file's)")
 @click.option("--policy", default=None, help=_policy_help())
 @click.option("--out", type=click.Path(file_okay=False), default="pipefisher-demo", show_default=True,
               help="output folder")
 @margin_option()
 @staleness_option()
-def demo_command(config: str | None, schedule: str | None, micro_batches: int | None, policy: str | None,
+def demo_command(config: str | None, order: str | None, micro_batches: int | None, policy: str | None,
                  out: str, margin: float, staleness: str | None) -> None:
     """Simulate a bundled BERT model, pack its K-FAC work, print the report, and save it all (with a chart)."""
-    run_demo(config, schedule, micro_batches, policy, out, margin=margin, staleness=staleness)
+    run_demo(config, order, micro_batches, policy, out, margin=margin, staleness=staleness)

@@ -10,42 +10,14 @@ from typing import Any
 
 import click
 
-from pipefisher.cli._common import (adapt_drift_option, check_adapt_drift, chunks_option, missing_module,
-                                    pipeline_option, require_runtime, staleness_option)
+from pipefisher.cli._common import (adapt_drift_option, missing_module, require_runtime,
+                                    staleness_option)
 from pipefisher.cli._outputs import check_fresh_outputs, check_out_file, check_out_folder, check_profile_folder
+from pipefisher.cli._runflags import (checkpoint_every_option, eval_log_options, layout_options, no_progress_option,
+                                      past_decay_option, say_loading_torch, set_option, tensorboard_option)
 from pipefisher.cli.group import main
 from pipefisher.errors import InputError
-
-
-def set_option() -> Any:
-    """``--set SECTION.KEY=VALUE``: any config value from the command line (``train`` and ``run``)."""
-    return click.option(
-        "--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
-        help="override one config value, e.g. --set optim.lr=0.01 --set data.seed=3 (VALUE is read as "
-             "YAML; repeatable, later ones win; checked like the file and recorded in the config the run "
-             "writes)")
-
-
-def tensorboard_option() -> Any:
-    """``--tensorboard DIR``: TensorBoard logs of the training (``train`` and ``run``)."""
-    return click.option(
-        "--tensorboard", "tensorboard_dir", type=click.Path(), default=None, metavar="DIR",
-        help="also write TensorBoard logs of the training here: loss, held-out loss, learning rate, step time, "
-             "K-FAC cycle k and overrun (scheduled mode), peak memory; a folder that holds another run's logs "
-             "is refused, a resumed run appends. Needs the tensorboard extra; look with: tensorboard --logdir DIR")
-
-
-def past_decay_option() -> Any:
-    """``--past-decay``: resume past the end of the learning-rate decay (``train`` and ``run``)."""
-    return click.option(
-        "--past-decay", is_flag=True,
-        help="with --resume and more --steps than the checkpoint's run decayed its learning rate over: train "
-             "the extra steps at its final rate (refused without it; --set optim.decay_steps=N decays over all N)")
-
-
-def no_progress_option() -> Any:
-    """``--no-progress`` (``train`` and ``run``)."""
-    return click.option("--no-progress", is_flag=True, help="no start-up phase lines and no progress bar")
+from pipefisher.runtime.job.options import TrainOptions, check_adapt_drift, check_mode
 
 
 def check_tensorboard(folder: str | None) -> str | None:
@@ -124,13 +96,11 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
               help="first-order: pipeline + optimizer; kfac: plus naive K-FAC every kfac.interval steps; "
                    "scheduled: K-FAC in the bubbles as --schedule FILE says (implied by it) "
                    "[default: first-order]")
-@click.option("--schedule", "schedule_arg", default=None, metavar="FILE",
+@click.option("--schedule", "schedule_path", default=None, metavar="FILE",
               help="schedule file (pipefisher schedule --save-path): train in scheduled mode")
 @click.option("--allow-schedule-mismatch", is_flag=True,
               help="train a --schedule whose metadata (FILE.meta.json) says it was packed for another job "
                    "(model shape, stages, micro-batches, pipeline, K-FAC modules)")
-@pipeline_option()
-@chunks_option()
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
               help="total training steps (with --resume: including those already done)")
 @click.option("--profile", is_flag=True,
@@ -144,8 +114,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 @click.option("--checkpoint-dir", type=click.Path(), default=None,
               help="write checkpoints here (at the end, and every --checkpoint-every steps; checkpoint.keep "
                    "of them are kept); and the run's tokenizer, for pipefisher export")
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
-              help="steps between checkpoints (0: only at the end)")
+@checkpoint_every_option("steps between checkpoints (0: only at the end)")
 @click.option("--resume", "resume_dir", type=click.Path(), default=None,
               help="continue from the checkpoint in this folder (same config, mode and schedule)")
 @past_decay_option()
@@ -157,26 +126,18 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
               help="packing policy of --adapt's re-packs, only with --adapt [default: pipefisher schedule's]")
 @adapt_drift_option()
 @staleness_option()
-@click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
-              help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)")
-@click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages")
+@layout_options()
 @click.option("--interval", type=click.IntRange(min=1), default=None, help="override kfac.interval")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="override pipeline.timeout_s (seconds a worker waits on a peer before failing)")
 @set_option()
-@click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
-              help="steps between held-out evaluations (loss on data.val_batches of held-out text; 0: none)")
-@click.option("--log-every", type=click.IntRange(min=1), default=5, show_default=True,
-              help="steps between loss lines")
+@eval_log_options()
 @no_progress_option()
-def train_command(config_path: str, mode: str | None, schedule_arg: str | None, allow_schedule_mismatch: bool,
-                  pipe_schedule: str | None,
+def train_command(config_path: str, mode: str | None, schedule_path: str | None, allow_schedule_mismatch: bool,
                   steps: int, profile: bool, out_dir: str | None, metrics_path: str | None, tensorboard_dir: str | None,
                   checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, past_decay: bool,
                   adapt: bool, adapt_policy: str | None, adapt_drift: bool, staleness: str | None,
-                  nproc: int | None,
-                  stages: int | None, interval: int | None, timeout_s: float | None, chunks: int | None,
-                  overrides: tuple[str, ...], eval_every: int, log_every: int, no_progress: bool) -> None:
+                  nproc: int | None, stages: int | None, order: str | None, chunks: int | None,
+                  timeout_s: float | None, interval: int | None, overrides: tuple[str, ...], eval_every: int,
+                  log_every: int, no_progress: bool) -> None:
     """Train a model with pipeline parallelism (the built-in BERT-style masked-language model, a Hugging
     Face BERT, GPT-2 or Llama, or your own builder's; see configs/): first-order, K-FAC, or K-FAC packed
     into the pipeline bubbles by a schedule file.
@@ -188,40 +149,13 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     from pipefisher.runtime.job.process import torchrun_env  # no torch: refuse a bad launch at once
 
     job = torchrun_env()  # under torchrun this process is one worker; torchrun started the others
-    if job is not None and nproc is not None:
-        if job.local_rank != 0:  # one line per machine, not one per worker
-            raise SystemExit(2)
-        raise InputError("--nproc-per-node", f"this process already is worker {job.rank} of {job.world_size} "
-                                             "started by torchrun; give the worker count to torchrun "
-                                             "(torchrun --nproc-per-node N --no-python pipefisher train ...) "
-                                             "and drop pipefisher's --nproc-per-node")
+    _refuse_nproc_under_torchrun(job, nproc)
     require_runtime("train")
     # Up to "loading torch" nothing imports it: a bad config, option or output path costs no start-up.
+    mode = _checked_mode(mode, schedule_path, profile, adapt, out_dir, adapt_policy, staleness, adapt_drift)
     from pipefisher.cli._runconfig import read_run_config
-
-    schedule_path = schedule_arg
-    if mode is None:
-        mode = "scheduled" if schedule_path else "first-order"
-    if mode == "scheduled" and not schedule_path:
-        raise click.UsageError("--mode scheduled needs --schedule FILE")
-    if schedule_path and mode != "scheduled":
-        raise click.UsageError(f"--schedule FILE trains in scheduled mode, not {mode}")
-    if profile and schedule_path:
-        raise click.UsageError("--profile runs kfac steps; it does not take a schedule file")
-    if adapt and not schedule_path:
-        raise click.UsageError("--adapt re-packs a schedule while training: it needs --schedule FILE")
-    if adapt and not out_dir:
-        raise InputError("--adapt", "writes the schedules it re-packs and the measurements they come from into "
-                                    "--out DIR, and there is no --out: add --out DIR")
-    if adapt_policy is not None and not adapt:
-        raise InputError("--adapt-policy", "sets the packing policy of --adapt's re-packs, and there is no --adapt; "
-                                           "add --adapt, or drop --adapt-policy")
-    if staleness is not None and not adapt:
-        raise InputError("--staleness", "weighs the trials of --adapt (step time x the curve at k), and there is "
-                                        "no --adapt; add --adapt, or drop --staleness")
-    check_adapt_drift(adapt_drift, adapt, staleness)
-    from pipefisher.cost.staleness import curve_for_job, read_staleness, staleness_data
     from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.cost.staleness import curve_for_job, read_staleness, staleness_data
 
     read_staleness(staleness)  # a bad file: one line, before the config loads
     adapt_policy = adapt_policy or DEFAULT_POLICY
@@ -233,14 +167,77 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
             raise InputError(schedule_path, "has overlapping cycles (its .meta.json), and --adapt's re-packs and "
                                             "switches do not overlap yet: pack it with pipefisher schedule "
                                             "--no-overlap")
-    cfg = read_run_config(config_path, overrides, "train", {"stages": stages, "schedule": pipe_schedule,
+    cfg = read_run_config(config_path, overrides, "train", {"stages": stages, "order": order,
                                                            "timeout_s": timeout_s, "chunks": chunks}, interval)
+    reports = job is None or job.rank == 0  # the worker that says what the run does and wrote
     curve = curve_for_job(staleness, cfg.fingerprint(layout=False), config_path,
-                          click.echo if job is None or job.rank == 0 else (lambda _: None))
+                          click.echo if reports else (lambda _: None))
+    checkpoint_dir, tensorboard_dir = _checked_outputs(cfg.name, profile, out_dir, metrics_path, tensorboard_dir,
+                                                       checkpoint_dir, checkpoint_every, resume_dir, job)
+    n = _worker_count(job, nproc, cfg.pipeline.stages, config_path)
+    opts = TrainOptions.of(mode=mode, steps=steps, profile=profile, schedule=_abs(schedule_path),
+                           allow_schedule_mismatch=allow_schedule_mismatch, out=out_dir, log_every=log_every,
+                           progress=not no_progress, metrics=_abs(metrics_path), tensorboard=tensorboard_dir,
+                           eval_every=eval_every, checkpoint_dir=_abs(checkpoint_dir),
+                           checkpoint_every=checkpoint_every, resume=_abs(resume_dir), adapt=adapt,
+                           adapt_policy=adapt_policy, adapt_drift=adapt_drift, staleness=staleness_data(curve))
+    if resume_dir:
+        from pipefisher.runtime.train.checkpoint import nothing_left
+
+        if done := nothing_left(resume_dir, steps):  # resuming to the steps already done: say so before torch loads
+            click.echo(done)
+            return
+    say_loading_torch(no_progress)
+    prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode, adapt, allow_schedule_mismatch,
+                     progress=not no_progress)
+    _record_run(cfg, out_dir, resume_dir, steps, past_decay, reports)
+    _train_workers(cfg, opts, job, n, workers_log(out_dir, metrics_path, cfg.name), checkpoint_dir, reports)
+    _say_written(cfg, out_dir, bool(schedule_path) and reports, profile)
+
+
+def _refuse_nproc_under_torchrun(job: Any, nproc: int | None) -> None:
+    """Under torchrun (``job``) the worker count is torchrun's: ``--nproc-per-node`` is refused, by the first
+    worker of each machine (the others leave quietly)."""
+    if job is None or nproc is None:
+        return
+    if job.local_rank != 0:  # one line per machine, not one per worker
+        raise SystemExit(2)
+    raise InputError("--nproc-per-node", f"this process already is worker {job.rank} of {job.world_size} "
+                                         "started by torchrun; give the worker count to torchrun "
+                                         "(torchrun --nproc-per-node N --no-python pipefisher train ...) "
+                                         "and drop pipefisher's --nproc-per-node")
+
+
+def _checked_mode(mode: str | None, schedule_path: str | None, profile: bool, adapt: bool, out_dir: str | None,
+                  adapt_policy: str | None, staleness: str | None, adapt_drift: bool) -> str:
+    """The training mode (``scheduled`` with a schedule file, else ``first-order`` unless given), the
+    combinations of mode, schedule, profiling and ``--adapt``'s options refused in one line."""
+    if mode is None:
+        mode = "scheduled" if schedule_path else "first-order"
+    check_mode(mode, schedule_path, profile, adapt)  # the options' own check, before torch
+    if adapt and not out_dir:
+        raise InputError("--adapt", "writes the schedules it re-packs and the measurements they come from into "
+                                    "--out DIR, and there is no --out: add --out DIR")
+    if adapt_policy is not None and not adapt:
+        raise InputError("--adapt-policy", "sets the packing policy of --adapt's re-packs, and there is no --adapt; "
+                                           "add --adapt, or drop --adapt-policy")
+    if staleness is not None and not adapt:
+        raise InputError("--staleness", "weighs the trials of --adapt (step time x the curve at k), and there is "
+                                        "no --adapt; add --adapt, or drop --staleness")
+    check_adapt_drift(adapt_drift, adapt, staleness is not None)  # the options' own check, before torch
+    return mode
+
+
+def _checked_outputs(name: str, profile: bool, out_dir: str | None, metrics_path: str | None,
+                     tensorboard_dir: str | None, checkpoint_dir: str | None, checkpoint_every: int,
+                     resume_dir: str | None, job: Any) -> tuple[str | None, str | None]:
+    """Every output checked before torch loads, not only when written after the last step, and the
+    folders made; returns the checkpoint folder (the ``--resume`` one unless given: checkpointing goes
+    on where the run resumed) and ``--tensorboard`` made absolute."""
     if profile and not out_dir:
         raise click.UsageError("--profile needs --out DIR for the timeline files")
     if profile:
-        check_profile_folder(out_dir, cfg.name)  # type: ignore[arg-type]  # never overwrite a profile silently
+        check_profile_folder(out_dir, name)  # type: ignore[arg-type]  # never overwrite a profile silently
     if resume_dir:  # before the folders below are made: a mistyped --resume DIR must not become an empty one
         from pipefisher.runtime.train.checkpoint import check_exists
 
@@ -249,7 +246,6 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
         checkpoint_dir = resume_dir  # keep checkpointing where we resumed from
     if checkpoint_every and not checkpoint_dir:
         raise click.UsageError("--checkpoint-every needs --checkpoint-dir DIR")
-    # every output is checked here, before torch loads, not only when written after the last step
     ck_option = "--checkpoint-dir" if checkpoint_dir != resume_dir else "--resume"
     for folder, option in ((out_dir, "--out"), (checkpoint_dir, ck_option)):
         if folder:
@@ -259,7 +255,7 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
     # A new run never writes over an earlier one's outputs; a resumed one continues its own. Under torchrun
     # rank 0 (which writes them) checks, before any worker writes: a later-starting worker would see them.
     if not resume_dir and (job is None or job.rank == 0):
-        check_fresh_outputs(out=out_dir, name=cfg.name, metrics=metrics_path, tensorboard=tensorboard_dir,
+        check_fresh_outputs(out=out_dir, name=name, metrics=metrics_path, tensorboard=tensorboard_dir,
                             checkpoints=checkpoint_dir)
     for folder in (out_dir, checkpoint_dir):
         if folder:
@@ -267,66 +263,72 @@ def train_command(config_path: str, mode: str | None, schedule_arg: str | None, 
                 os.makedirs(folder, exist_ok=True)
             except OSError as err:
                 raise InputError(folder, f"cannot be created ({err.strerror or err})") from None
-    n = nproc or cfg.pipeline.stages
-    if job is None and n % cfg.pipeline.stages:
-        raise InputError(config_path, f"--nproc-per-node {n} is not a multiple of the "
-                                      f"{cfg.pipeline.stages} pipeline stages")
-    if job is not None:
-        n = job.world_size
-        if n % cfg.pipeline.stages:
-            if job.local_rank != 0:  # one line per machine, not one per worker
-                raise SystemExit(2)
-            raise InputError(config_path, f"torchrun started {n} workers (WORLD_SIZE), not a multiple of the "
-                                          f"{cfg.pipeline.stages} pipeline stages; start stages x replicas "
-                                          "workers (torchrun --nnodes x --nproc-per-node)")
-    if resume_dir:
-        from pipefisher.runtime.train.checkpoint import nothing_left
+    return checkpoint_dir, tensorboard_dir
 
-        if done := nothing_left(resume_dir, steps):  # resuming to the steps already done: say so before torch loads
-            click.echo(done)
-            return
-    if not no_progress and os.environ.get("RANK", "0") == "0":
-        from pipefisher.runtime.job.progress import phase
 
-        phase("loading torch")  # seconds on a cold start, before anything else can be said
-    from pipefisher.kfac.factors import BadFactorError
-    from pipefisher.runtime.job.process import Interrupted
-    from pipefisher.runtime.launch.local import INTERRUPTED_EXIT, WorkerFailed, launch_local, run_worker
-    from pipefisher.runtime.train.trainer import PeerLost, TrainOptions
+def _worker_count(job: Any, nproc: int | None, stages: int, config_path: str) -> int:
+    """The workers of the run: ``--nproc-per-node`` (default: the stages) here, torchrun's ``WORLD_SIZE``
+    under it; a count the pipeline stages do not divide is refused in one line."""
+    if job is None:
+        n = nproc or stages
+        if n % stages:
+            raise InputError(config_path, f"--nproc-per-node {n} is not a multiple of the {stages} pipeline stages")
+        return n
+    n = job.world_size
+    if n % stages:
+        if job.local_rank != 0:  # one line per machine, not one per worker
+            raise SystemExit(2)
+        raise InputError(config_path, f"torchrun started {n} workers (WORLD_SIZE), not a multiple of the "
+                                      f"{stages} pipeline stages; start stages x replicas "
+                                      "workers (torchrun --nnodes x --nproc-per-node)")
+    return n
 
-    prepare_training(cfg, config_path, n, schedule_path, resume_dir, mode, adapt, allow_schedule_mismatch,
-                     progress=not no_progress)
+
+def _record_run(cfg: Any, out_dir: str | None, resume_dir: str | None, steps: int, past_decay: bool,
+                reports: bool) -> None:
+    """Before training: a resumed run's learning-rate schedule note (changed on purpose, or kept past its
+    end), and the config this run uses, ``--set`` included, in ``--out``; by the reporting worker."""
     if resume_dir:
         from pipefisher.runtime.train.checkpoint import resume_note
 
-        if (note := resume_note(resume_dir, cfg, steps, past_decay)) and (job is None or job.rank == 0):
-            click.echo(note)  # the learning-rate schedule: changed on purpose, or kept past its end
-    if out_dir and (job is None or job.rank == 0):  # the config this run used, --set included
+        if (note := resume_note(resume_dir, cfg, steps, past_decay)) and reports:
+            click.echo(note)
+    if out_dir and reports:
         from pipefisher.runtime.job.files import RunPaths
         from pipefisher.runtime.launch.driver import config_yaml
         from pipefisher.safe_io import write_atomic
 
         write_atomic(RunPaths(out_dir, cfg.name).config, config_yaml(cfg))
-    opts = TrainOptions(mode=mode, steps=steps, profile=profile, out=out_dir, log_every=log_every,
-                        progress=not no_progress, schedule=_abs(schedule_path), metrics=_abs(metrics_path),
-                        tensorboard=tensorboard_dir,
-                        checkpoint_dir=_abs(checkpoint_dir), checkpoint_every=checkpoint_every,
-                        resume=_abs(resume_dir), eval_every=eval_every, adapt=adapt, adapt_policy=adapt_policy,
-                        adapt_drift=adapt_drift, allow_schedule_mismatch=allow_schedule_mismatch,
-                        staleness=staleness_data(curve))
+
+
+def _train_workers(cfg: Any, opts: Any, job: Any, n: int, log_path: str | None, checkpoint_dir: str | None,
+                   reports: bool) -> None:
+    """Train: this process as the one worker (under torchrun, or alone), else ``n`` local workers. A
+    worker's failure is one ``Error:`` line; Ctrl-C one line saying how far it got and how to go on from
+    ``checkpoint_dir`` (as the command line gave it)."""
+    from pipefisher.kfac.factors import BadFactorError
+    from pipefisher.runtime.job.process import Interrupted
+    from pipefisher.runtime.launch.local import INTERRUPTED_EXIT, WorkerFailed, launch_local, run_worker
+    from pipefisher.runtime.train.trainer import PeerLost
+
     try:
         if job is not None or n == 1:
             run_worker(cfg, opts)
         else:
-            launch_local(cfg, opts, n, log_path=workers_log(out_dir, metrics_path, cfg.name))
+            launch_local(cfg, opts, n, log_path=log_path)
     except (WorkerFailed, PeerLost, BadFactorError) as err:
         raise click.ClickException(str(err)) from None
     except KeyboardInterrupt as err:  # Ctrl-C: how far it got and how to go on, not just "Aborted!"
-        if job is None or job.rank == 0:
-            stop = Interrupted.of(err, "profiling" if profile else "training", steps)
-            click.echo(interrupted_message(stop, steps, checkpoint_dir, sys.argv), err=True)
+        if reports:
+            stop = Interrupted.of(err, "profiling" if opts.profile else "training", opts.steps)
+            click.echo(interrupted_message(stop, opts.steps, checkpoint_dir, sys.argv), err=True)
         sys.exit(INTERRUPTED_EXIT)
-    if schedule_path and out_dir and (job is None or job.rank == 0):
+
+
+def _say_written(cfg: Any, out_dir: str | None, measured: bool, profile: bool) -> None:
+    """The files a run wrote beside its losses: the measurements of a scheduled run in ``--out``
+    (``measured``: by the reporting worker), the timelines of a profiling one."""
+    if measured and out_dir:
         from pipefisher.runtime.job.files import RunPaths
 
         for path in RunPaths(out_dir, cfg.name).measured_files():

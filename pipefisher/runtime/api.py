@@ -29,7 +29,8 @@ from pipefisher.runtime.job.config import RunConfig, load_config
 from pipefisher.runtime.job.dist import init_context, shutdown
 from pipefisher.runtime.models.builders import StageBuilder, load_builder, make_stage
 from pipefisher.runtime.train.checkpoint import Checkpointer, Stateful, StateGroup
-from pipefisher.runtime.train.worker import MODES, Worker, build_stages, build_worker
+from pipefisher.runtime.job.options import MODES
+from pipefisher.runtime.train.worker import Worker, build_stages, build_worker
 
 __all__ = ["RunConfig", "load_config", "StageBuilder", "load_builder", "make_stage", "init_context",
            "build_stages", "build_worker", "Worker", "Checkpointer", "Stateful", "StateGroup", "shutdown"]

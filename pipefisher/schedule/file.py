@@ -189,7 +189,8 @@ def timelines_mismatch(path: str | os.PathLike[str], job: Job) -> str | None:
     if recorded is None:
         return None
     here = job_layout(job)
-    order, stages, m = (recorded.get(k) for k in ("pipeline.schedule", "pipeline.stages", "data.num_micro_batches"))
+    order = recorded.get("pipeline.order", recorded.get("pipeline.schedule"))  # metadata written before its rename
+    stages, m = (recorded.get(k) for k in ("pipeline.stages", "data.num_micro_batches"))
     diffs = []
     layout = recorded.get("layout")
     if isinstance(layout, list) and len(layout) == 3 and tuple(layout) != timeline_shape(job):

@@ -15,15 +15,16 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 from pipefisher.errors import InputError
+from pipefisher.pipeline_orders import PassKind
 from pipefisher.safe_io import load_json, load_pickle
 
 Time = Union[int, float]
 """Integer nanoseconds (GPU profiles) or float seconds (CPU or hand-made profiles)."""
 
-FORWARD = "call_forward"
-BACKWARD = "call_backward"
-WEIGHT = "weight"
-WEIGHT_KEY = BACKWARD + ":" + WEIGHT
+FORWARD = PassKind.FORWARD.key
+BACKWARD = PassKind.BACKWARD.key
+WEIGHT_KEY = PassKind.WEIGHT.key
+WEIGHT = WEIGHT_KEY.partition(":")[2]
 """Zero-bubble schedules' deferred weight-gradient pass W (``call_backward:weight`` plus the pipe's or
 chunk's suffix, :func:`weight_key`): pipeline work no K-FAC item may overlap, but not a micro-batch (m
 counts forwards) and not a backward that covariance pieces of factor B follow (that is the B pass)."""

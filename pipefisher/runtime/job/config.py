@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipefisher.errors import InputError
+from pipefisher.errors import InputError, renamed_notice
 from pipefisher.kfac import DEFAULT_IGNORE
 from pipefisher.pipeline_orders import V_SCHEDULES, default_chunks
 
@@ -135,7 +135,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 class OptimConfig:
     """The first-order optimizer: every parameter K-FAC does not precondition, or all of them without K-FAC.
 
-    ``lr`` is the peak learning rate: it rises linearly over ``warmup_steps``, then follows ``schedule``
+    ``lr`` is the peak learning rate: it rises linearly over ``warmup_steps``, then follows ``lr_schedule``
     down to ``min_lr_ratio * lr`` at step ``decay_steps`` (0: the run's last step). ``weight_decay`` is
     decoupled (AdamW, LAMB, Muon) and never applies to biases and LayerNorm weights. ``clip_norm`` > 0
     clips the global gradient norm (over every stage) before K-FAC and the optimizer see the gradients.
@@ -153,7 +153,7 @@ class OptimConfig:
     momentum: float = 0.9
     weight_decay: float = 0.01
     warmup_steps: int = 0
-    schedule: str = "constant"
+    lr_schedule: str = "constant"  # one of LR_SCHEDULES
     decay_steps: int = 0
     min_lr_ratio: float = 0.0
     clip_norm: float = 0.0
@@ -231,7 +231,7 @@ class PipelineConfig:
     """Pipeline layout. ``stages`` x data-parallel replicas = world size; replicas are inferred."""
 
     stages: int = 2
-    schedule: str = "1f1b"  # one of PIPELINE_ORDERS
+    order: str = "1f1b"  # one of PIPELINE_ORDERS
     timeout_s: float = 60.0
     chunks: int = 2  # interleaved: model chunks per device (virtual stage s on device s % stages); zb-v, dualpipev: 2
     grad_bucket_mb: float = 25.0  # the most MiB of gradients one bucket's all-reduce carries
@@ -241,7 +241,7 @@ class PipelineConfig:
     def chunked(self) -> bool:
         """Whether each device holds several model chunks: ``pipeline.chunks`` of them interleaved, two
         in ZB-V's V (the orders :func:`pipefisher.pipeline_orders.default_chunks` gives more than one)."""
-        return self.schedule in PIPELINE_ORDERS and default_chunks(self.schedule) > 1
+        return self.order in PIPELINE_ORDERS and default_chunks(self.order) > 1
 
     @property
     def virtual_stages(self) -> int:
@@ -292,7 +292,7 @@ class RunConfig:
     def replace(self, **sections: Mapping[str, Any]) -> "RunConfig":
         """A copy with some fields of some sections changed, e.g. ``replace(pipeline={"stages": 4})``."""
         changes = {}
-        for name, values in sections.items():
+        for name, values in renamed_sections(sections, "RunConfig.replace").items():
             if name == "name":
                 changes[name] = values
                 continue
@@ -309,11 +309,49 @@ class RunConfig:
         start-up, so stages never run different setups. ``layout=False`` leaves out the name and the
         pipeline section (stages, order, chunks, timeout), which change how a step runs but not what the
         model learns: the identity a staleness curve is measured for and checked against."""
-        raw = self.to_dict()
+        raw = recorded_sections(self.to_dict())
         if not layout:
             raw = {k: v for k, v in raw.items() if k not in ("name", "pipeline")}
         blob = json.dumps(raw, sort_keys=True, default=list).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+RENAMED_KEYS = {"pipeline.schedule": "pipeline.order", "optim.schedule": "optim.lr_schedule"}
+"""Config keys under their old names, which still read as the new ones: "schedule" names only the packed
+K-FAC schedule. Records (a checkpoint's manifest, a schedule's metadata) written with the old names
+read silently; a config file or ``--set`` with one also says the new name on stderr."""
+
+
+def renamed_sections(raw: Mapping[str, Any], where: str | os.PathLike[str] | None = None,
+                     notice: bool = True) -> dict[str, Any]:
+    """``raw`` (a config's sections) with every :data:`RENAMED_KEYS` key under its new name; an old key
+    beside its new one is an :class:`InputError`. ``notice``: say each old name found, naming ``where``."""
+    out = dict(raw)
+    for old, new in RENAMED_KEYS.items():
+        section, _, key = old.partition(".")
+        values = out.get(section)
+        if not isinstance(values, Mapping) or key not in values:
+            continue
+        new_key = new.partition(".")[2]
+        if new_key in values:
+            raise InputError(where, f"has both {old} and {new} (the same key, under its old and new name): keep {new}")
+        out[section] = {(new_key if k == key else k): v for k, v in values.items()}
+        if notice:
+            renamed_notice(old, new, None if where is None else os.fspath(where))
+    return out
+
+
+def recorded_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A config's sections (``RunConfig.to_dict``) under the names records had before :data:`RENAMED_KEYS`:
+    what the fingerprint hashes, so the digests that checkpoints, schedules and staleness curves recorded
+    still name the same configs."""
+    out = dict(raw)
+    for old, new in RENAMED_KEYS.items():
+        section, _, key = new.partition(".")
+        old_key = old.partition(".")[2]
+        if isinstance(out.get(section), Mapping):
+            out[section] = {(old_key if k == key else k): v for k, v in out[section].items()}
+    return out
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "kfac": KfacConfig,
@@ -328,10 +366,12 @@ def is_run_config(raw: Any) -> bool:
     return bool(keys - {"name", "kfac"}) and keys <= {"name", *_SECTIONS}
 
 
-def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None) -> RunConfig:
-    """Build and check a :class:`RunConfig`; unknown keys and bad values are :class:`InputError`."""
+def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None, notice: bool = True) -> RunConfig:
+    """Build and check a :class:`RunConfig`; unknown keys and bad values are :class:`InputError`. Old key
+    names read as their new ones (:func:`renamed_sections`; ``notice``: saying so on stderr)."""
     if not isinstance(raw, Mapping):
         raise InputError(path, "config must be a mapping of sections (" + ", ".join(_SECTIONS) + ")")
+    raw = renamed_sections(raw, path, notice)
     unknown = set(raw) - set(_SECTIONS) - {"name"}
     if unknown:
         raise InputError(path, f"unknown config section(s): {', '.join(sorted(map(str, unknown)))}")
@@ -400,6 +440,9 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise InputError(where, "expected SECTION.KEY=VALUE, e.g. optim.lr=0.01")
     if dotted == "name":
         return dotted, raw.strip()
+    if dotted in RENAMED_KEYS:
+        renamed_notice(f"--set {dotted}", f"--set {RENAMED_KEYS[dotted]}")
+        dotted = RENAMED_KEYS[dotted]
     section, dot, key = dotted.partition(".")
     if section not in _SECTIONS:
         raise InputError(where, f"unknown config section '{section}' (one of name, {', '.join(_SECTIONS)})")
@@ -453,30 +496,30 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("data sizes must be positive")
     if not 0.0 < d.mask_prob <= 1.0:
         problems.append("data.mask_prob must be in (0, 1]")
-    if p.schedule not in PIPELINE_ORDERS:
-        problems.append(f"pipeline.schedule must be one of {', '.join(PIPELINE_ORDERS)}")
-    if p.schedule == "chimera" and (p.stages % 2 or d.num_micro_batches % 2):
-        problems.append("pipeline.schedule chimera needs an even number of stages and of "
+    if p.order not in PIPELINE_ORDERS:
+        problems.append(f"pipeline.order must be one of {', '.join(PIPELINE_ORDERS)}")
+    if p.order == "chimera" and (p.stages % 2 or d.num_micro_batches % 2):
+        problems.append("pipeline.order chimera needs an even number of stages and of "
                         "data.num_micro_batches (half of them run on each pipe)")
-    if p.schedule == "interleaved":
+    if p.order == "interleaved":
         if isinstance(p.chunks, bool) or not isinstance(p.chunks, int) or p.chunks < 2:
             problems.append("pipeline.chunks must be an integer >= 2 (model chunks per device) with "
-                            "pipeline.schedule interleaved")
+                            "pipeline.order interleaved")
         elif p.stages < 2:
-            problems.append("pipeline.schedule interleaved needs pipeline.stages >= 2")
-        elif refusal := _order_refusal(p.schedule, p.stages, d.num_micro_batches, p.chunks):
+            problems.append("pipeline.order interleaved needs pipeline.stages >= 2")
+        elif refusal := _order_refusal(p.order, p.stages, d.num_micro_batches, p.chunks):
             problems.append(refusal)
         elif m.num_layers < p.stages * p.chunks:
-            problems.append(f"pipeline.schedule interleaved needs model.num_layers >= pipeline.stages x "
+            problems.append(f"pipeline.order interleaved needs model.num_layers >= pipeline.stages x "
                             f"pipeline.chunks ({p.stages} x {p.chunks} = {p.stages * p.chunks} model chunks)")
-    if p.schedule in V_SCHEDULES:
+    if p.order in V_SCHEDULES:
         if p.chunks != 2 or isinstance(p.chunks, bool):
-            problems.append(f"pipeline.schedule {p.schedule} has exactly 2 model chunks per device (its V): "
+            problems.append(f"pipeline.order {p.order} has exactly 2 model chunks per device (its V): "
                             "pipeline.chunks must be 2")
         elif m.num_layers < 2 * p.stages:
-            problems.append(f"pipeline.schedule {p.schedule} needs model.num_layers >= 2 x pipeline.stages "
+            problems.append(f"pipeline.order {p.order} needs model.num_layers >= 2 x pipeline.stages "
                             f"({2 * p.stages} model chunks)")
-        elif refusal := _order_refusal(p.schedule, p.stages, d.num_micro_batches, 2):
+        elif refusal := _order_refusal(p.order, p.stages, d.num_micro_batches, 2):
             problems.append(refusal)
     if not 1 <= p.stages <= m.num_layers:
         problems.append("pipeline.stages must be between 1 and model.num_layers")
@@ -529,8 +572,8 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
     o = cfg.optim
     if o.name not in OPTIMIZERS:
         problems.append(f"optim.name must be one of {', '.join(OPTIMIZERS)}")
-    if o.schedule not in LR_SCHEDULES:
-        problems.append(f"optim.schedule must be one of {', '.join(LR_SCHEDULES)}")
+    if o.lr_schedule not in LR_SCHEDULES:
+        problems.append(f"optim.lr_schedule must be one of {', '.join(LR_SCHEDULES)}")
     if o.lr <= 0 or o.eps <= 0 or o.weight_decay < 0 or o.clip_norm < 0:
         problems.append("optim.lr and optim.eps must be > 0, optim.weight_decay and optim.clip_norm >= 0")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
@@ -598,9 +641,9 @@ def _torch_engine_refusals(cfg: RunConfig) -> list[str]:
     if p.engine != "torch":
         return []
     out = []
-    if p.schedule not in TORCH_ENGINE_ORDERS:
-        out.append(f"pipeline.engine torch runs pipeline.schedule {', '.join(TORCH_ENGINE_ORDERS)}, not {p.schedule}")
-    elif p.schedule == "zb-h1" and cfg.data.num_micro_batches % torch_rounds(cfg.data.num_micro_batches, p.stages):
+    if p.order not in TORCH_ENGINE_ORDERS:
+        out.append(f"pipeline.engine torch runs pipeline.order {', '.join(TORCH_ENGINE_ORDERS)}, not {p.order}")
+    elif p.order == "zb-h1" and cfg.data.num_micro_batches % torch_rounds(cfg.data.num_micro_batches, p.stages):
         m = cfg.data.num_micro_batches
         out.append(f"pipeline.engine torch with zb-h1 needs data.num_micro_batches a multiple of "
                    f"max(1, num_micro_batches // pipeline.stages) = {torch_rounds(m, p.stages)} (torch's rounds), not {m}")
@@ -621,5 +664,5 @@ def _order_refusal(schedule: str, stages: int, micro_batches: int, chunks: int) 
     try:
         generate(schedule, stages, micro_batches, chunks)
     except InputError as err:
-        return f"pipeline.schedule {schedule} with data.num_micro_batches {micro_batches}: {err.problem}"
+        return f"pipeline.order {schedule} with data.num_micro_batches {micro_batches}: {err.problem}"
     return None

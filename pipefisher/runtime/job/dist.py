@@ -198,7 +198,7 @@ def init_context(cfg: RunConfig, agree_on: str = "") -> DistContext:
     """
     if torchrun_env() is not None:
         ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s,
-                            chimera=cfg.pipeline.schedule == "chimera")
+                            chimera=cfg.pipeline.order == "chimera")
     else:
         if cfg.pipeline.stages != 1:
             raise ValueError("a pipeline of several stages needs several workers (pipefisher train "

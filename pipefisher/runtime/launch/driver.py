@@ -172,7 +172,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     from pipefisher.policies import DEFAULT_POLICY, get_policy, packs_overlapping
     from pipefisher.schedule.problem import DEFAULT_MARGIN
     from pipefisher.runtime.train.profiler import timeline_filename
-    from pipefisher.runtime.train.trainer import TrainOptions
+    from pipefisher.runtime.job.options import TrainOptions
     from pipefisher.safe_io import dump_json_atomic, write_atomic
     from pipefisher.cost.staleness import staleness_data
     from pipefisher.schedule.timeline import load_job
@@ -220,8 +220,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
         echo(f"[1/3] profiling {profile_steps} kfac step(s)")
         phase[:] = ["profiling", profile_steps]
         t0 = time.perf_counter()
-        launch(TrainOptions(mode="kfac", steps=profile_steps, profile=True, out=paths.timelines, progress=False,
-                            log_every=10**9))
+        launch(TrainOptions.of(mode="kfac", steps=profile_steps, profile=True, out=paths.timelines, progress=False,
+                               log_every=10**9))
         timelines = [os.path.join(paths.timelines, timeline_filename(cfg.name, i)) for i in range(stages)]
         keep_only_timelines(paths, cfg.name)
         profile_s = time.perf_counter() - t0
@@ -304,11 +304,11 @@ def launcher(cfg: RunConfig, n: int, paths: RunPaths,
 def scheduled_options(paths: RunPaths, steps: int, **options: Any) -> Any:
     """The ``TrainOptions`` of a run's training phase: scheduled mode with the run's schedule, its metrics,
     checkpoints and measurement files in the run folder, and ``options`` (how it trains)."""
-    from pipefisher.runtime.train.trainer import TrainOptions
+    from pipefisher.runtime.job.options import TrainOptions
 
-    return TrainOptions(mode="scheduled", steps=steps, schedule=os.path.abspath(paths.schedule),
-                        metrics=os.path.abspath(paths.metrics), checkpoint_dir=os.path.abspath(paths.checkpoints),
-                        measure_prefix=os.path.abspath(paths.prefix), **options)
+    return TrainOptions.of(mode="scheduled", steps=steps, schedule=os.path.abspath(paths.schedule),
+                           metrics=os.path.abspath(paths.metrics), checkpoint_dir=os.path.abspath(paths.checkpoints),
+                           measure_prefix=os.path.abspath(paths.prefix), **options)
 
 
 def training_summary(paths: RunPaths, figures: dict[str, list[float]] | None, steps: int, cycles: list[int],
@@ -364,7 +364,7 @@ def resume_job(cfg: RunConfig, paths: RunPaths, *, steps: int, nproc: int, optio
                echo: Callable[[str], None] | None = None) -> RunPaths:
     """Continue the run at ``paths`` from its checkpoint up to ``steps`` steps in all, with its schedule
     (and with the closed loop's state the checkpoint holds), ``nproc`` workers as it had and the
-    training ``options`` it recorded (:data:`pipefisher.runtime.train.checkpoint.RUN_OPTIONS`, some
+    training ``options`` it recorded (:data:`pipefisher.runtime.job.options.RUN_OPTIONS`, some
     given anew); the metrics and report go on where they were. The caller has checked the checkpoint.
     Its lines go to ``echo`` (default: logged)."""
     from pipefisher.safe_io import dump_json_atomic

@@ -66,14 +66,14 @@ def worker_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def encode_spec(cfg: RunConfig, opts: TrainOptions) -> str:
-    return json.dumps({"config": cfg.to_dict(), "options": opts.__dict__})
+    return json.dumps({"config": cfg.to_dict(), "options": opts.flags()})
 
 
 def decode_spec(text: str) -> tuple[RunConfig, TrainOptions]:
-    from pipefisher.runtime.train.trainer import TrainOptions
+    from pipefisher.runtime.job.options import TrainOptions
 
     raw = json.loads(text)
-    return config_from_dict(raw["config"]), TrainOptions(**raw["options"])
+    return config_from_dict(raw["config"]), TrainOptions.of(**raw["options"])
 
 
 def pin_to_one_core() -> int:
@@ -131,7 +131,7 @@ def run_worker(cfg: RunConfig, opts: TrainOptions) -> WorkerResult:
     from pipefisher.runtime.train.trainer import Trainer
 
     with StopRequest(defer=False):  # SIGTERM as Ctrl-C, also before the steps (which may defer it)
-        ctx = init_context(cfg, json.dumps(opts.__dict__, sort_keys=True))
+        ctx = init_context(cfg, json.dumps(opts.flags(), sort_keys=True))
         try:
             return Trainer(cfg, ctx, opts).run()
         finally:
@@ -145,7 +145,7 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
     :data:`~pipefisher.runtime.job.progress.SUMMARY_MARK` line).
 
     Worker output is relayed to ``echo`` (default: logged) and kept in a log; tracebacks go to the log
-    only; the reporting worker's progress marks become progress records (with ``opts.progress``). On
+    only; the reporting worker's progress marks become progress records (with ``opts.log.progress``). On
     failure the log is appended to ``log_path`` (or kept as a temp file) and the error names it; a run
     that succeeds leaves no log behind.
     """
@@ -154,7 +154,7 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
                                                  report_progress, report_steps_over)
 
     echo = echo or logger.info
-    if opts.progress:  # the seconds until a worker speaks (python, torch, the process group) are not silent
+    if opts.log.progress:  # the seconds until a worker speaks (python, torch, the process group) are not silent
         phase(f"spawning {nproc} workers (each starts python, imports torch and joins the process group)", echo)
     port = free_port()
     spec = encode_spec(cfg, opts)
@@ -184,7 +184,7 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
                     mark = parse_mark(line)
                     if mark is not None:
                         done[:] = [opts.steps - mark[1] + mark[0]]  # the marks count this run's steps
-                    if opts.progress and mark is not None and not quiet.is_set():
+                    if opts.log.progress and mark is not None and not quiet.is_set():
                         report_progress(*mark)
                     continue
                 if line.startswith(SUMMARY_MARK):
@@ -259,7 +259,7 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
                 p.wait()
         for t in threads:
             t.join(timeout=2)
-        if opts.progress:
+        if opts.log.progress:
             report_steps_over()
         look()
         rank = first_failure([(r, p.returncode, seen.get(r, float("inf"))) for r, p in enumerate(procs)

@@ -25,7 +25,7 @@ from pipefisher.errors import InputError
 from pipefisher.rules.dependencies import dependency_violations
 from pipefisher.rules.groups import chimera_groups
 from pipefisher.rules.waits import group_violations
-from pipefisher.runtime.job.config import RunConfig, current_builder
+from pipefisher.runtime.job.config import RENAMED_KEYS, RunConfig, current_builder
 from pipefisher.runtime.pipeline.labels import PIPELINE_CALLS, UNKNOWN, labelled, parse_label
 from pipefisher.runtime.pipeline.layout import is_chimera, node_kfac_names, sync_copies
 from pipefisher.schedule.file import load_schedule, modules_difference, schedule_overlap, schedule_packed_for
@@ -62,11 +62,11 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
             if chunked and (not interleaved or pipe not in by_pipe):
                 refuse(f"iteration {i}", f"'{label}': work of model chunk {pipe}, but this run has "
                        + (f"{len(by_pipe)} chunk(s) per device" if interleaved else
-                          "one model chunk per device (pipeline.schedule: interleaved, zb-v and dualpipev "
+                          "one model chunk per device (pipeline.order: interleaved, zb-v and dualpipev "
                           "have several)"))
             if pipe not in by_pipe or (pipe > 0 and interleaved and not chunked):
                 refuse(f"iteration {i}", f"'{label}': work of a second (up) pipeline, but this run's "
-                                         "pipeline has one pipe (pipeline.schedule: chimera has two)")
+                                         "pipeline has one pipe (pipeline.order: chimera has two)")
             if kind == UNKNOWN:
                 refuse(f"iteration {i}", f"'{label}': unknown label")
             if factor is not None and module is None:
@@ -84,9 +84,9 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
                 def count(seq: Sequence[str]) -> str:
                     return ", ".join(f"{seq.count(x)} {x}" for x in sorted(set(ops) | set(pipe_calls)))
                 refuse(where, f"has {count(pipe_calls)}, but this run's pipeline step has {count(ops)} "
-                              "(data.num_micro_batches, pipeline.schedule)")
+                              "(data.num_micro_batches, pipeline.order)")
             refuse(where, "runs its forwards and backwards in another order than this run's pipeline "
-                          "(pipeline.schedule, stages); it would deadlock the point-to-point transfers")
+                          "(pipeline.order, stages); it would deadlock the point-to-point transfers")
         if START in labels[1:]:
             refuse(where, f"has a second '{START}'")
         if END in labels:  # '-- end --' steps the optimizer: the step's calls come before it
@@ -146,7 +146,7 @@ def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.
     if len(data) != stages:
         raise InputError(p, f"has {len(data)} node schedule(s) but this run has {stages} pipeline stage(s)")
     for node, names in enumerate(node_kfac_names(cfg)):
-        ops = pipeline_ops(cfg.pipeline.schedule, node, stages, cfg.data.num_micro_batches, cfg.pipeline.chunks)
+        ops = pipeline_ops(cfg.pipeline.order, node, stages, cfg.data.num_micro_batches, cfg.pipeline.chunks)
         check_schedule_for_stage(data[node], node=node, names=names, ops=ops,
                                  replicas=sync_copies(cfg, replicas), path=p, interleaved=cfg.pipeline.chunked,
                                  overlap=overlap)
@@ -162,7 +162,7 @@ def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.
 
 SHAPE_KEYS = ("model.builder", "model.options", "model.vocab_size", "model.hidden_size", "model.num_layers",
               "model.num_heads", "model.intermediate_size", "model.max_position", "data.seq_len",
-              "data.micro_batch_size", "data.num_micro_batches", "pipeline.stages", "pipeline.schedule",
+              "data.micro_batch_size", "data.num_micro_batches", "pipeline.stages", "pipeline.order",
               "pipeline.chunks")
 """The config values a schedule's fit depends on: its labels (stages, micro-batches, pipeline order,
 chunks) and the K-FAC and pipeline times it was packed from (the model's and the micro-batches' shape)."""
@@ -190,6 +190,7 @@ def schedule_mismatch(recorded: Mapping[str, Any], cfg: RunConfig) -> str | None
     here = packed_for(cfg)
     diffs = []
     for key, want in recorded.items():
+        key = RENAMED_KEYS.get(key, key)  # metadata written before the key was renamed
         if key == "model.builder":
             want = current_builder(want)
         if key not in here or here[key] == want:
@@ -239,7 +240,7 @@ def single_iteration_schedule(cfg: RunConfig, replicas: int = 1) -> ScheduleData
     out = []
     stages, m = cfg.pipeline.stages, cfg.data.num_micro_batches
     for node, by_pipe in enumerate(node_kfac_names(cfg)):
-        labels = [START, *pipeline_ops(cfg.pipeline.schedule, node, stages, m, cfg.pipeline.chunks)]
+        labels = [START, *pipeline_ops(cfg.pipeline.order, node, stages, m, cfg.pipeline.chunks)]
         mods = [labelled(n, pipe, cfg.pipeline.chunked) for pipe, names in by_pipe.items() for n in names]
         per_copy = m if cfg.pipeline.chunked else m // len(by_pipe)  # each chunk sees every micro-batch
         for name in mods:

@@ -32,9 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from pipefisher.pipeline_orders import DOWN, LOOP, default_chunks, device_of_stage, generate, stage_on
-from pipefisher.pipeline_orders import BACKWARD as _B
-from pipefisher.pipeline_orders import FORWARD as _F
+from pipefisher.pipeline_orders import DOWN, LOOP, PassKind, default_chunks, device_of_stage, generate, stage_on
 from pipefisher.runtime.data.batches import MLMData, batch_seed
 from pipefisher.runtime.job.config import PIPELINE_ORDERS
 from pipefisher.runtime.job.dist import DistContext
@@ -88,8 +86,7 @@ def _plans(kind: str, devices: int, num_micro_batches: int,
     """Every device's plan at once (Chimera's list scheduling orders all devices together)."""
     schedule = generate(kind, devices, num_micro_batches, chunks)
     inter = schedule.chunks > 1
-    names = {_F: FORWARD, _B: BACKWARD}
-    return tuple(tuple((copy_label(names.get(op.kind, WEIGHT), op.chunk if inter else op.pipe, inter),
+    return tuple(tuple((copy_label(PassKind(op.kind).key, op.chunk if inter else op.pipe, inter),
                         op.chunk if inter else op.pipe, op.micro_batch)
                        for op in ops) for ops in schedule.devices)
 

@@ -44,7 +44,7 @@ def stage_kfac_names(cfg: RunConfig) -> list[list[str]]:
 
 
 def is_chimera(cfg: RunConfig) -> bool:
-    return cfg.pipeline.schedule == "chimera"
+    return cfg.pipeline.order == "chimera"
 
 
 def node_pipes(cfg: RunConfig, node: int) -> dict[int, int]:
@@ -54,7 +54,7 @@ def node_pipes(cfg: RunConfig, node: int) -> dict[int, int]:
     :func:`pipefisher.pipeline_orders.stage_on` places there, ``node + j*D`` interleaved)."""
     p = cfg.pipeline
     if p.chunked:
-        return {j: stage_on(node, j, p.stages, layout_of(p.schedule)) for j in range(p.chunks)}
+        return {j: stage_on(node, j, p.stages, layout_of(p.order)) for j in range(p.chunks)}
     pipes = {0: node}
     if is_chimera(cfg):
         pipes[1] = p.stages - 1 - node
@@ -65,7 +65,7 @@ def loss_device(cfg: RunConfig) -> int:
     """The device holding the model's last (virtual) stage, which computes the loss: ``D - 1``, except
     in ZB-V's V, which ends on device 0 where it began."""
     p = cfg.pipeline
-    return device_of_stage(p.virtual_stages - 1, p.stages, layout_of(p.schedule) if p.chunked else LOOP)
+    return device_of_stage(p.virtual_stages - 1, p.stages, layout_of(p.order) if p.chunked else LOOP)
 
 
 def node_kfac_names(cfg: RunConfig) -> list[dict[int, list[str]]]:

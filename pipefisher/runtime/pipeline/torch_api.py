@@ -26,7 +26,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 
 from pipefisher.errors import InputError
-from pipefisher.pipeline_orders import BACKWARD, FORWARD, WEIGHT
+from pipefisher.pipeline_orders import BACKWARD, FORWARD, WEIGHT, PassKind
 from pipefisher.runtime.job.config import torch_rounds
 
 SUPPORTED = ((2, 13), (2, 14))
@@ -163,7 +163,8 @@ def _schedules() -> Any:
 
 def _kinds() -> dict[Any, str]:
     ct = _schedules()._ComputationType
-    return {ct.FORWARD: FORWARD, ct.FULL_BACKWARD: BACKWARD, ct.BACKWARD_INPUT: INPUT, ct.BACKWARD_WEIGHT: WEIGHT}
+    kinds = {getattr(ct, p.torch_name()): p.label for p in PassKind}
+    return {**kinds, getattr(ct, PassKind.BACKWARD.torch_name(split=True)): INPUT}
 
 
 def _grouped(actions: Sequence[Any]) -> list[list[Compute]]:
@@ -366,7 +367,7 @@ class Runtime:
         self._done_at_input: set[tuple[int, int]] = set()  # first stage: full backward ran at its B slot
         ct = s._ComputationType
         self._kinds = _kinds()
-        for t in (ct.FORWARD, ct.FULL_BACKWARD, ct.BACKWARD_INPUT, ct.BACKWARD_WEIGHT):
+        for t in self._kinds:  # every compute kind of pipefisher's passes, split or not
             self.schedule.register_custom_function(t, self._compute)
         self.schedule.register_custom_function(ct.OVERLAP_F_B, self._overlap)
         self.schedule.register_custom_function(ct.REDUCE_GRAD, self._reduce)

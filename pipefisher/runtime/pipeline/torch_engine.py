@@ -34,10 +34,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from pipefisher.pipeline_orders import BACKWARD as _B
-from pipefisher.pipeline_orders import FORWARD as _F
-from pipefisher.pipeline_orders import WEIGHT as _W
-from pipefisher.pipeline_orders import stage_on
+from pipefisher.pipeline_orders import PassKind, stage_on
 from pipefisher.runtime.data.batches import MLMData
 from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.pipeline import torch_api
@@ -45,10 +42,8 @@ from pipefisher.runtime.pipeline.buckets import DEFAULT_BUCKET_MB, GradientBucke
 from pipefisher.runtime.pipeline.compute import autocast, wire_dtype
 from pipefisher.runtime.pipeline.contracts import Engine, EngineDefaults, ForwardCurvature, Span
 from pipefisher.runtime.pipeline.engine import logged_wait
-from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, PIPELINE_CALLS, WEIGHT, copy_suffix, parse_label
+from pipefisher.runtime.pipeline.labels import PIPELINE_CALLS, copy_suffix, parse_label
 from pipefisher.schedule.format import START
-
-_LABEL = {_F: FORWARD, _B: BACKWARD, _W: WEIGHT}
 
 
 class LossStage(nn.Module):
@@ -141,7 +136,7 @@ class TorchEngine(EngineDefaults):
     def labels_of(self, c: torch_api.Compute) -> list[str]:
         """The schedule labels of torch's compute action ``c`` on this device: one, or a B and its W
         pass for a full backward in an order that splits backwards (:func:`torch_api.label_kinds`)."""
-        return [_LABEL[k] + self.suffix[self.copy_of[c.stage]] for k in torch_api.label_kinds(c, self.split)]
+        return [PassKind(k).key + self.suffix[self.copy_of[c.stage]] for k in torch_api.label_kinds(c, self.split)]
 
     def check_plan(self, ops: Sequence[str], where: str = "the pipeline order") -> None:
         """Refuse pipeline calls that are not torch's compute actions of this rank, 1:1 in order."""
@@ -259,7 +254,7 @@ class TorchEngine(EngineDefaults):
         with self.span(label):
             yield
             kfac = self.kfacs.get(self.copy_of[c.stage])
-            if c.kind == _F and kfac is not None:
+            if c.kind == PassKind.FORWARD.label and kfac is not None:
                 kfac.end_forward()
 
     def _reduce(self, stage: int) -> None:

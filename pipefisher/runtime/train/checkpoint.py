@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 from pipefisher.errors import InputError, first_line
-from pipefisher.runtime.job.config import DEFAULT_BUILDER, SYNTHETIC, OptimConfig, current_builder
+from pipefisher.runtime.job.config import DEFAULT_BUILDER, SYNTHETIC, OptimConfig, current_builder, renamed_sections
 from pipefisher.safe_io import atomic_path, dump_json_atomic, load_json, write_atomic
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ EXPORTABLE = (2, FORMAT)
 """The formats ``pipefisher export`` reads: the model's tensors sit in every one of them alike."""
 _VOLATILE = {("pipeline", "timeout_s"), ("pipeline", "grad_bucket_mb"), ("train", "recompute"), ("train", "loss_scale"),
              ("checkpoint", "keep"), ("checkpoint", "on_interrupt")}  # may change between a run and its resumption
-LR_SCHEDULE_KEYS = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "schedule"), ("optim", "decay_steps"),
+LR_SCHEDULE_KEYS = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "lr_schedule"), ("optim", "decay_steps"),
                     ("optim", "min_lr_ratio"), ("kfac", "lr"))
 """The learning-rate schedule: a resumed run may change it on purpose (one line says what changed)."""
 
@@ -86,7 +86,9 @@ def rank_filename(stage: int, replica: int) -> str:
 
 def _config_for_compare(cfg: dict[str, Any]) -> dict[str, Any]:
     """The config as a resumption compares it: volatile keys left out, keys an older manifest lacks
-    read as the value they stand for (so checkpoints from before a key existed still resume)."""
+    read as the value they stand for, keys under their old names under their new ones (so checkpoints from
+    before a key existed or was renamed still resume)."""
+    cfg = renamed_sections(cfg, notice=False)
     out = {sec: ({k: v for k, v in vals.items() if (sec, k) not in _VOLATILE and (sec, k) not in LR_SCHEDULE_KEYS}
                  if isinstance(vals, dict) else vals)
            for sec, vals in cfg.items()}
@@ -187,11 +189,6 @@ class TorchRNG:
 
 # ----------------------------------------------------------------------------------------------------
 # Writing
-
-RUN_OPTIONS = ("adapt", "adapt_policy", "adapt_drift", "margin", "eval_every", "checkpoint_every", "log_every",
-               "tensorboard")
-"""The training options a manifest records (``options``): what ``pipefisher run --resume`` runs again."""
-
 
 def _export_config(cfg: Any) -> dict[str, Any] | None:
     """The transformers config of a Hugging Face builder's model (:func:`pipefisher.runtime.models.hf.export_config`)."""
@@ -319,7 +316,7 @@ def nothing_left(folder: str | os.PathLike[str], steps: int) -> str | None:
 def lr_schedule_changes(man: dict[str, Any], cfg: Any) -> list[str]:
     """What a resumed run changes in the learning-rate schedule (:data:`LR_SCHEDULE_KEYS`), as
     ``optim.decay_steps 0 -> 100``; empty when it continues the checkpoint's run's schedule."""
-    theirs, mine = man.get("config") or {}, _jsonable(cfg.to_dict())
+    theirs, mine = renamed_sections(man.get("config") or {}, notice=False), _jsonable(cfg.to_dict())
     return [f"{sec}.{key} {theirs[sec][key]} -> {mine[sec][key]}" for sec, key in LR_SCHEDULE_KEYS
             if isinstance(theirs.get(sec), dict) and key in theirs[sec] and theirs[sec][key] != mine[sec][key]]
 
@@ -348,11 +345,11 @@ def resume_note(folder: str | os.PathLike[str], cfg: Any, steps: int, past_decay
         return (f"resuming with another learning-rate schedule than the checkpoint's run: {', '.join(changes)} "
                 f"(decay to step {horizon})")
     o = cfg.optim
-    if man.get("lr_horizon") is None or steps <= horizon or o.schedule == "constant":
+    if man.get("lr_horizon") is None or steps <= horizon or o.lr_schedule == "constant":
         return None
     final = f"{o.min_lr_ratio * o.lr:g} (optim.min_lr_ratio x optim.lr)"
     if not past_decay:
-        raise InputError(os.fspath(folder), f"holds a run whose {o.schedule} learning-rate schedule decayed to step "
+        raise InputError(os.fspath(folder), f"holds a run whose {o.lr_schedule} learning-rate schedule decayed to step "
                                             f"{horizon}: --steps {steps} would train steps {horizon}-{steps - 1} at "
                                             f"its final rate {final}; --set optim.decay_steps={steps} decays over all "
                                             f"{steps} steps instead, --past-decay trains them at the final rate")

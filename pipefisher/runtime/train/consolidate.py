@@ -142,7 +142,7 @@ def merged_state(folder: str, man: dict[str, Any], cfg: RunConfig) -> dict[str, 
             if stage in taken:
                 continue
             taken.add(stage)
-            prefix = copy_prefix(cfg.pipeline.chunked, cfg.pipeline.schedule == "chimera", copy)
+            prefix = copy_prefix(cfg.pipeline.chunked, cfg.pipeline.order == "chimera", copy)
             out.update({k[len(prefix):]: v for k, v in state["model"].items() if k.startswith(prefix)})
     if len(taken) != cfg.pipeline.virtual_stages:
         raise InputError(sub, f"holds {len(taken)} of the {cfg.pipeline.virtual_stages} stages")
@@ -233,7 +233,7 @@ def export(path: str, out: str, force: bool = False) -> str:
     raw = man.get("config")
     if not isinstance(raw, dict):
         raise InputError(os.path.join(folder, MANIFEST), "holds no run config")
-    cfg = config_from_dict(raw, os.path.join(folder, MANIFEST))
+    cfg = config_from_dict(raw, os.path.join(folder, MANIFEST), notice=False)  # a record: old names read silently
     cfg = cfg.replace(model={"builder": current_builder(cfg.model.builder)})  # an older name of a built-in one
     state = merged_state(folder, man, cfg)
     steps = int(man.get("steps_done") or 0)

@@ -268,7 +268,7 @@ def make_optimizer(cfg: OptimConfig, named_params: Iterable[tuple[str, nn.Parame
     raise ValueError(f"unknown optimizer {cfg.name!r}")
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, lr_schedule: str, min_lr_ratio: float) -> float:
     """Multiplier of the peak learning rate at 0-based ``step``.
 
     Warm-up: ``(step + 1) / warmup_steps`` for ``step < warmup_steps`` (the first step already moves,
@@ -279,16 +279,16 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, 
     the last step (N - 1) still moves, as in the usual transformer schedules. ``warmup_steps >=
     total_steps`` decays at once after the warm-up.
     """
-    if schedule not in LR_SCHEDULES:
-        raise ValueError(f"unknown learning-rate schedule {schedule!r} (one of {', '.join(LR_SCHEDULES)})")
+    if lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown learning-rate schedule {lr_schedule!r} (one of {', '.join(LR_SCHEDULES)})")
     if step < 0 or warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError("lr_factor needs step >= 0, warmup_steps >= 0 and min_lr_ratio in [0, 1]")
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    if schedule == "constant":
+    if lr_schedule == "constant":
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if schedule == "linear":
+    if lr_schedule == "linear":
         shape = 1.0 - progress
     else:
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -309,7 +309,7 @@ class LRSchedule:
 
     def factor(self, step: int) -> float:
         c = self.cfg
-        return lr_factor(step, warmup_steps=c.warmup_steps, total_steps=self.total_steps, schedule=c.schedule,
+        return lr_factor(step, warmup_steps=c.warmup_steps, total_steps=self.total_steps, lr_schedule=c.lr_schedule,
                          min_lr_ratio=c.min_lr_ratio)
 
     def apply(self, optimizer: torch.optim.Optimizer | MuonWithAdamW, step: int, peak_lr: float | None = None) -> float:

@@ -19,30 +19,30 @@ import os
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from pipefisher.errors import first_line
+from pipefisher.loop.drift import longest_cycle
 from pipefisher.kfac.factors import BadFactorError
-from pipefisher.loop.drift import AGING_HIGH, AGING_LOW, longest_cycle
 from pipefisher.pipeline_orders import UP
-from pipefisher.policies import DEFAULT_POLICY
 from pipefisher.runtime.data.batches import MLMData
 from pipefisher.runtime.job import memory
 from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.job.files import RunPaths
 from pipefisher.runtime.job.host import HostReads
+from pipefisher.runtime.job.options import TrainOptions
 from pipefisher.runtime.job.process import Interrupted, StopRequest
 from pipefisher.runtime.job.progress import phase
 from pipefisher.runtime.pipeline.layout import loss_device, node_pipes
 from pipefisher.runtime.train.evaluator import Evaluator
 from pipefisher.runtime.train.metrics import Metrics
 from pipefisher.runtime.train.profiler import Profiler
-from pipefisher.runtime.train.worker import build_worker, check_options
+from pipefisher.runtime.train.worker import build_worker
 from pipefisher.safe_io import dump_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -50,71 +50,6 @@ logger = logging.getLogger(__name__)
 
 class PeerLost(RuntimeError):
     """A training step failed in communication (or compute) on this worker; says which and when."""
-
-
-@dataclass(frozen=True)
-class TrainOptions:
-    """What to run, as opposed to what model to run it on (that is the :class:`RunConfig`)."""
-
-    mode: str = "first-order"
-    steps: int = 10
-    profile: bool = False
-    out: str | None = None
-    log_every: int = 5
-    progress: bool = True
-    schedule: str | None = None  # schedule file (mode "scheduled")
-    allow_schedule_mismatch: bool = False  # train a schedule whose metadata says it fits another job
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end, if checkpoint_dir)
-    resume: str | None = None  # checkpoint folder to continue from
-    metrics: str | None = None  # CSV file: step, loss, val_loss, lr, step time, mode (reporting worker)
-    tensorboard: str | None = None  # TensorBoard log folder (reporting worker; see train.tensorboard)
-    eval_every: int = 0  # steps between held-out evaluations (0: none; the last step is always one)
-    # The closed loop (scheduled mode, :mod:`pipefisher.runtime.train.adapt`): measurements always, re-packing
-    # with ``adapt``. ``margin``: the room rule's for re-packs (default: the schedule's recorded one);
-    # ``schedule_timelines``: the profile the schedule was packed from (default: its metadata's);
-    # ``measure_prefix``: where measurement files go (default: ``out/<name>`` with ``out``).
-    adapt: bool = False
-    adapt_policy: str = DEFAULT_POLICY
-    adapt_window: int = 4
-    adapt_quantile: float = 0.5
-    adapt_tie: float = 0.04  # step-time improvement that counts (the adaptive scheduler's tie)
-    # without a staleness curve k stays the packing's, unless ``adapt_drift``: then the drift rule sets it
-    # (pipefisher.loop.drift; opt-in until validated beyond the job it was fitted on): its thresholds on the
-    # curvature's aging, and the longest cycle (None: pipefisher.loop.drift.longest_cycle of --steps)
-    adapt_drift: bool = False
-    adapt_aging_low: float = AGING_LOW
-    adapt_aging_high: float = AGING_HIGH
-    adapt_max_cycle: int | None = None
-    margin: float | None = None
-    schedule_timelines: tuple[str, ...] | None = None
-    measure_prefix: str | None = None
-    # the job's staleness curve for ``adapt`` (None: none, k as above), as data: options travel to
-    # the workers as JSON (:meth:`pipefisher.cost.staleness.StalenessCurve.to_data`)
-    staleness: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        check_options(self.mode, self.schedule)
-        if self.adapt and self.mode != "scheduled":
-            raise ValueError("adapting the schedule needs mode 'scheduled' and a schedule file")
-        if self.profile and self.mode == "scheduled":
-            raise ValueError("profiling runs kfac steps, not a schedule")
-        if self.adapt_drift and (not self.adapt or self.staleness is not None):
-            raise ValueError("the drift rule sets adapt's cycle without a staleness curve: adapt_drift needs adapt "
-                             "and no staleness")
-        if not 0 < self.adapt_aging_low < self.adapt_aging_high:
-            raise ValueError("the drift rule's aging thresholds need 0 < adapt_aging_low < adapt_aging_high")
-
-    @property
-    def staleness_curve(self) -> Any:
-        """:attr:`staleness` as a :class:`~pipefisher.cost.staleness.StalenessCurve` (None without one)."""
-        from pipefisher.cost.staleness import StalenessCurve
-
-        return None if self.staleness is None else StalenessCurve.from_data(self.staleness, "--staleness")
-
-    @property
-    def effective_mode(self) -> str:
-        return "kfac" if self.profile else self.mode
 
 
 @dataclass
@@ -160,7 +95,7 @@ class Trainer:
 
         self._phase(f"loading data ({describe_source(cfg.data)})")
         self.data = MLMData(cfg.data, cfg.model.vocab_size)
-        self.val_batches = self.data.validation_batches() if opts.eval_every else []
+        self.val_batches = self.data.validation_batches() if opts.evaluation.every else []
         self.profiler = Profiler(opts.profile, ctx.device)
         self._phase(f"building the model ({cfg.model.builder}, {cfg.model.num_layers} layers, hidden "
                     f"{cfg.model.hidden_size}, {g.stages} stage(s)) on {ctx.device}"
@@ -173,10 +108,10 @@ class Trainer:
             recorder = ClockRecorder(g.stage, g.replica, cuda=ctx.device.type == "cuda", host=host)
         # the learning rate decays over the steps the first run defined, not a resumed run's --steps
         horizon = opts.steps
-        if opts.resume:
+        if opts.checkpoint.resume:
             from pipefisher.runtime.train.checkpoint import lr_horizon, read_manifest
 
-            horizon = lr_horizon(read_manifest(opts.resume), cfg, opts.steps)
+            horizon = lr_horizon(read_manifest(opts.checkpoint.resume), cfg, opts.steps)
         self.worker = build_worker(cfg, ctx, mode=self.mode, total_steps=horizon, schedule=opts.schedule,
                                    kfac_interval=self.interval, data=self.data, span=self.profiler.span,
                                    recorder=recorder,
@@ -193,12 +128,12 @@ class Trainer:
         self._refreshes: dict[int, Any] = {}  # kfac mode: the job's refreshes gathered so far, by step
         self.loop = self._schedule_loop() if self.executor is not None else None
         self.checkpointer = w.checkpointer()
-        self.evaluator = Evaluator(self.engine, self.val_batches, opts.eval_every, opts.steps)
+        self.evaluator = Evaluator(self.engine, self.val_batches, opts.evaluation.every, opts.steps)
         self.start_step = 0
         self.stop = StopRequest(defer=False)  # while the steps run: run()'s, which may defer a stop
-        if opts.resume:
-            self._phase(f"loading the checkpoint in {opts.resume}")
-            self.start_step = self.checkpointer.load(opts.resume, self.components())
+        if opts.checkpoint.resume:
+            self._phase(f"loading the checkpoint in {opts.checkpoint.resume}")
+            self.start_step = self.checkpointer.load(opts.checkpoint.resume, self.components())
         elif cfg.model.pretrained and self.reporter:  # said also without phase lines: what the run trains
             logger.info(f"model.pretrained: the model starts from the weights in {cfg.model.pretrained}")
 
@@ -219,7 +154,7 @@ class Trainer:
             self.worker.cycles = new.cycles
 
         data = self.worker.schedule
-        if opts.adapt:  # one cycle length on every node, so that a new schedule can start on all at once
+        if opts.adapt.enabled:  # one cycle length on every node, so that a new schedule can start on all at once
             from pipefisher.loop.closed_loop import equal_cycles
 
             data = equal_cycles(data)
@@ -227,14 +162,14 @@ class Trainer:
         if data != self.worker.schedule:
             check_schedule(data, cfg, g.replicas)
             switch(plan, 1)
-            if self.reporter and opts.progress:
+            if self.reporter and opts.log.progress:
                 logger.info(f"--adapt: every node runs the job's K-FAC cycle k={max(plan.cycles)} (the "
                             "shorter ones idle through the rest), so that all can switch schedules at once")
         scheduler = None
         if g.rank == 0:
-            scheduler = make_scheduler("adaptive" if opts.adapt else "static", plan, g.stages,
-                                       **(adaptive_options(opts, margin) if opts.adapt else {}))
-        prefix = opts.measure_prefix or (RunPaths(opts.out, self.cfg.name).prefix if opts.out else None)
+            scheduler = make_scheduler("adaptive" if opts.adapt.enabled else "static", plan, g.stages,
+                                       **(adaptive_options(opts, margin) if opts.adapt.enabled else {}))
+        prefix = opts.adapt.measure_prefix or (RunPaths(opts.log.out, self.cfg.name).prefix if opts.log.out else None)
         collective = None
         if ctx.distributed:
             def gather(obj: Any) -> list[Any]:
@@ -248,16 +183,16 @@ class Trainer:
                 return box[0]
             collective = (gather, broadcast, dist.barrier)
 
-        return ScheduleLoop(plan, node=g.stage, rank=g.rank, nodes=g.stages, scheduler=scheduler, adapt=opts.adapt,
-                            prefix=prefix, collective=collective,
+        return ScheduleLoop(plan, node=g.stage, rank=g.rank, nodes=g.stages, scheduler=scheduler,
+                            adapt=opts.adapt.enabled, prefix=prefix, collective=collective,
                             check=lambda new: check_schedule(new.data, cfg, g.replicas),
                             agree=lambda text: check_agreement(ctx, text), switch=switch,
-                            echo=logger.info if self.reporter and opts.progress else None,
+                            echo=logger.info if self.reporter and opts.log.progress else None,
                             drift=self.drift_log.drain if self.drift_log is not None else None)
 
     def _phase(self, what: str) -> None:
         """A start-up phase line from the reporting worker (the launcher relays it), unless --no-progress."""
-        if self.reporter and self.opts.progress:
+        if self.reporter and self.opts.log.progress:
             phase(what)
 
     @property
@@ -320,9 +255,9 @@ class Trainer:
 
     def checkpoint(self, steps_done: int) -> str | None:
         """Write this worker's checkpoint after ``steps_done`` steps (collective: every worker calls it)."""
-        if not self.opts.checkpoint_dir:
+        if not self.opts.checkpoint.folder:
             return None
-        from pipefisher.runtime.train.checkpoint import RUN_OPTIONS
+        from pipefisher.runtime.job.options import RUN_OPTIONS
 
         loop, cycles = self.loop, self.cycles
         manifest = {
@@ -335,21 +270,21 @@ class Trainer:
             # the step where the learning-rate decay ends: a resumed run keeps it (see checkpoint.lr_horizon)
             "lr_horizon": self.updater.schedule.total_steps,
             # how the run trains (pipefisher run --resume continues it so)
-            "options": {k: getattr(self.opts, k) for k in RUN_OPTIONS}}
-        return self.checkpointer.save(self.opts.checkpoint_dir, steps_done, self.components(), manifest=manifest)
+            "options": {k: v for k, v in self.opts.flags().items() if k in RUN_OPTIONS}}
+        return self.checkpointer.save(self.opts.checkpoint.folder, steps_done, self.components(), manifest=manifest)
 
     def run(self) -> WorkerResult:
         """Train; the reporting worker keeps the ``tensorboard`` option's log open meanwhile (closed also
         on a failure or Ctrl-C). Returns once every worker of the job is done."""
         opts = self.opts
         self.metrics = Metrics(reporter=self.reporter, mode=self.mode, steps=opts.steps, first=self.start_step,
-                               log_every=opts.log_every, progress=opts.progress, csv=opts.metrics,
-                               tensorboard=opts.tensorboard, evaluates=self.evaluator.due,
+                               log_every=opts.log.every, progress=opts.log.progress, csv=opts.log.metrics,
+                               tensorboard=opts.log.tensorboard, evaluates=self.evaluator.due,
                                overruns=lambda: self.loop.overruns if self.loop is not None else {},
                                refreshes=lambda: self.refreshes)
         # Ctrl-C or SIGTERM: with a checkpoint folder, a stop at the next step boundary, checkpointed there
         # (checkpoint.on_interrupt); else at once
-        defer = bool(opts.checkpoint_dir) and self.cfg.checkpoint.on_interrupt
+        defer = bool(opts.checkpoint.folder) and self.cfg.checkpoint.on_interrupt
         try:
             with StopRequest(defer) as self.stop:
                 result = self._run()
@@ -370,7 +305,7 @@ class Trainer:
         g, opts, metrics = self.ctx.grid, self.opts, self.metrics
         result = WorkerResult(g.rank, g.stage, g.replica)
         self._start(result)
-        every, last = opts.checkpoint_every, opts.steps - 1
+        every, last = opts.checkpoint.every, opts.steps - 1
         unread: list[StepOutcome] = []  # steps whose loss and time are still on the device
         self.host.take()  # the reads before the first step are none of a step's
         try:
@@ -439,7 +374,7 @@ class Trainer:
                      if self.cycles else "")
             resumed = f", resuming after step {first - 1}" if first else ""
             logger.info(f"pipefisher train: mode {self.mode}, {g.stages} stage(s) x {g.replicas} replica(s), "
-                        f"{self.cfg.pipeline.schedule}, {self.cfg.data.num_micro_batches} micro-batches, "
+                        f"{self.cfg.pipeline.order}, {self.cfg.data.num_micro_batches} micro-batches, "
                         f"{opts.steps} steps on {self.ctx.device}{compute_line(self.cfg)}{extra}{resumed}")
         if g.replica == 0:  # each stage says what its K-FAC covers (every replica holds the same layers)
             for p, k in self.kfacs.items():
@@ -450,10 +385,10 @@ class Trainer:
         result.base_memory_bytes = memory.peak_bytes(self.ctx.device)  # just reset: what it holds now
         if self.kfac is not None:
             self.kfac.reset_peak_saved()
-        if opts.out is not None and self.reporter and self.data.corpus is not None:
+        if opts.log.out is not None and self.reporter and self.data.corpus is not None:
             from pipefisher.runtime.data.corpus import save_tokenizer  # the run's vocabulary, from the start
 
-            save_tokenizer(self.data.corpus, RunPaths(opts.out, self.cfg.name).tokenizer)
+            save_tokenizer(self.data.corpus, RunPaths(opts.log.out, self.cfg.name).tokenizer)
         if self.metrics.todo:
             self._phase("first step (compiles / warms up; later steps are faster, the bar's ETA follows)")
 
@@ -507,21 +442,21 @@ class Trainer:
         self.loop.write_schedules()
         self.loop.write_measured()
         if self.reporter and self.metrics.todo:
-            logger.info(f"closed loop ({'adaptive' if self.opts.adapt else 'static'} scheduler): "
+            logger.info(f"closed loop ({'adaptive' if self.opts.adapt.enabled else 'static'} scheduler): "
                         f"{self.loop.cost_line()}"
-                        + (f", final K-FAC cycle k={max(self.cycles)}" if self.opts.adapt else ""))
+                        + (f", final K-FAC cycle k={max(self.cycles)}" if self.opts.adapt.enabled else ""))
 
     def _write_outputs(self, result: WorkerResult) -> None:
         """With ``out``: the profiled timeline (replica 0 of each stage) and the losses JSON (reporting worker)."""
         opts, g, first = self.opts, self.ctx.grid, self.start_step
-        if opts.out is None:
+        if opts.log.out is None:
             return
         if opts.profile and g.replica == 0:
-            result.timeline_path = self.profiler.write(opts.out, self.cfg.name, g.stage)
+            result.timeline_path = self.profiler.write(opts.log.out, self.cfg.name, g.stage)
         if self.reporter:
-            dump_json_atomic(RunPaths(opts.out, self.cfg.name).losses,
+            dump_json_atomic(RunPaths(opts.log.out, self.cfg.name).losses,
                              {"mode": self.mode, "losses": result.losses, "val": result.val,
-                              "step_seconds": result.step_seconds, "options": asdict(opts),
+                              "step_seconds": result.step_seconds, "options": opts.flags(),
                               "peak_memory_bytes": result.peak_memory_bytes,
                               "peak_saved_bytes": result.peak_saved_bytes,
                               "config": self.cfg.to_dict(), "first_step": first,
@@ -586,10 +521,10 @@ def compute_line(cfg: RunConfig) -> str:
 def adaptive_options(opts: TrainOptions, margin: float) -> dict[str, Any]:
     """What the run's options say to :class:`pipefisher.loop.closed_loop.AdaptiveScheduler` (``--adapt``): its
     policy and room margin, its window and tie, the staleness curve, and whether the drift rule sets k."""
-    return {"policy": opts.adapt_policy, "margin": margin, "window": opts.adapt_window, "q": opts.adapt_quantile,
-            "tie": opts.adapt_tie, "aging_low": opts.adapt_aging_low, "aging_high": opts.adapt_aging_high,
-            "max_cycle": opts.adapt_max_cycle or longest_cycle(opts.steps), "staleness": opts.staleness_curve,
-            "drift": opts.adapt_drift}
+    return {"policy": opts.adapt.policy, "margin": margin, "window": opts.adapt.window, "q": opts.adapt.quantile,
+            "tie": opts.adapt.tie, "aging_low": opts.adapt.aging_low, "aging_high": opts.adapt.aging_high,
+            "max_cycle": opts.adapt.max_cycle or longest_cycle(opts.steps), "staleness": opts.adapt.staleness_curve,
+            "drift": opts.adapt.drift}
 
 
 def schedule_plan_inputs(opts: TrainOptions) -> tuple[float, list[dict[str, Any]] | None]:
@@ -600,8 +535,8 @@ def schedule_plan_inputs(opts: TrainOptions) -> tuple[float, list[dict[str, Any]
     from pipefisher.schedule.timeline import read_node_file
 
     assert opts.schedule is not None
-    margin = opts.margin if opts.margin is not None else (schedule_margin(opts.schedule) or DEFAULT_MARGIN)
-    paths = list(opts.schedule_timelines) if opts.schedule_timelines else schedule_timelines(opts.schedule)
+    margin = opts.adapt.margin if opts.adapt.margin is not None else (schedule_margin(opts.schedule) or DEFAULT_MARGIN)
+    paths = list(opts.adapt.schedule_timelines) if opts.adapt.schedule_timelines else schedule_timelines(opts.schedule)
     if not paths or not all(os.path.exists(p) for p in paths):
         return margin, None
     return margin, [read_node_file(p) for p in paths]

@@ -22,6 +22,7 @@ from pipefisher.runtime.job.config import RunConfig
 from pipefisher.runtime.job.dist import DistContext, check_agreement
 from pipefisher.kfac import KFAC
 from pipefisher.runtime.job.host import HostReads
+from pipefisher.runtime.job.options import check_mode
 from pipefisher.runtime.models.builders import make_stage
 from pipefisher.runtime.pipeline.checks import load_checked_schedule
 from pipefisher.runtime.pipeline.compute import LossScale, recompute_blocks
@@ -38,25 +39,19 @@ from pipefisher.schedule.timeline import UPDATE_KEY
 
 logger = logging.getLogger(__name__)
 
-MODES = ("first-order", "kfac", "scheduled")
-"""How a worker trains: the pipeline alone, with K-FAC after it, or with K-FAC in its bubbles (a schedule)."""
-
-
 def check_options(mode: str, schedule: str | None, cfg: RunConfig | None = None,
                   ctx: DistContext | None = None) -> None:
-    """The one check of how a worker is asked to train (:class:`ValueError`: a caller's mistake, not the
-    user's, whom the CLI answers first): ``mode`` one of :data:`MODES`, a ``schedule`` file exactly with
-    mode ``scheduled``, and, given both ``cfg`` and ``ctx``, process groups set up for ``cfg``'s stages and
-    pipeline order. ``TrainOptions`` checks its options with it, :func:`build_worker` its arguments."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-    if (mode == "scheduled") != (schedule is not None):
-        raise ValueError("mode 'scheduled' and a schedule file go together")
+    """How a worker is asked to train (:class:`ValueError`: a caller's mistake, not the user's, whom the
+    CLI answers first): the mode and schedule as :class:`~pipefisher.runtime.job.options.TrainOptions`
+    checks them (:func:`~pipefisher.runtime.job.options.check_mode`), and, given both ``cfg`` and ``ctx``,
+    process groups set up for ``cfg``'s stages and pipeline order. :func:`build_worker` checks its
+    arguments with it."""
+    check_mode(mode, schedule)
     if cfg is None or ctx is None:
         return
     if ctx.grid.stages != cfg.pipeline.stages:
         raise ValueError(f"the grid has {ctx.grid.stages} stages but the config asks for {cfg.pipeline.stages}")
-    if ctx.chimera != (cfg.pipeline.schedule == "chimera"):
+    if ctx.chimera != (cfg.pipeline.order == "chimera"):
         raise ValueError("the process groups were set up for another pipeline schedule than the config's")
 
 
@@ -189,7 +184,7 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     check_options(mode, schedule, cfg, ctx)
     host = host if host is not None else HostReads()
     g, m = ctx.grid, cfg.data.num_micro_batches
-    chimera = cfg.pipeline.schedule == "chimera"
+    chimera = cfg.pipeline.order == "chimera"
     data = data if data is not None else MLMData(cfg.data, cfg.model.vocab_size)
     span = span or (lambda key: _nothing())
     interleaved = cfg.pipeline.chunked  # the copies are model chunks (interleaved, ZB-V)
@@ -211,12 +206,12 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     if cfg.train.recompute == "layer":  # after K-FAC's hooks exist: a recomputed block pauses them
         for p, copy in copies.items():
             recompute_blocks(copy, kfacs.get(p))
-    plan = pipe_micro_batches(cfg.pipeline.schedule, g.stage, g.stages, m, v)
-    split = splits_backward(cfg.pipeline.schedule)  # zero-bubble: B and W passes apart
+    plan = pipe_micro_batches(cfg.pipeline.order, g.stage, g.stages, m, v)
+    split = splits_backward(cfg.pipeline.order)  # zero-bubble: B and W passes apart
     if interleaved:  # one engine per chunk, on the down pipe; its own keys carry ``:chunk<j>``
         local = LocalLink()  # ZB-V's turn: device D-1's chunk 0 feeds its own chunk 1
         engines = {j: PipelineEngine(copies[j], ctx, data, m, span=span, kfac=kfacs.get(j), micro_batches=plan[j],
-                                     chunk=j, layout=layout_of(cfg.pipeline.schedule), split=split, local=local,
+                                     chunk=j, layout=layout_of(cfg.pipeline.order), split=split, local=local,
                                      precision=cfg.train.precision, scaler=scaler,
                                      grad_bucket_mb=cfg.pipeline.grad_bucket_mb, host=host)
                    for j in plan}
@@ -238,14 +233,14 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     if cfg.pipeline.engine == "torch":  # the same copies and K-FAC, run by torch.distributed.pipelining
         from pipefisher.runtime.pipeline.torch_engine import build_torch_engine
 
-        engine = build_torch_engine(copies, ctx, data, m, kind=cfg.pipeline.schedule, chunks=v,
-                             layout=layout_of(cfg.pipeline.schedule), span=span, kfacs=kfacs, evaluator=engine,
+        engine = build_torch_engine(copies, ctx, data, m, kind=cfg.pipeline.order, chunks=v,
+                             layout=layout_of(cfg.pipeline.order), span=span, kfacs=kfacs, evaluator=engine,
                              grad_bucket_mb=cfg.pipeline.grad_bucket_mb, precision=cfg.train.precision,
                              scaler=scaler)
     updater = Updater(cfg, stage, kfac, cfg.optim.decay_steps or total_steps,
                       pipe_group=ctx.pipe_group, copies=2 if chimera else 1, span=span, scaler=scaler, host=host)
     worker = Worker(cfg, ctx, mode, data, copies, stage, engine, kfacs, kfac, updater,
-                    pipeline_ops(cfg.pipeline.schedule, g.stage, g.stages, m, v),
+                    pipeline_ops(cfg.pipeline.order, g.stage, g.stages, m, v),
                     kfac_interval or cfg.kfac.interval, span, host=host)
     if schedule is not None:
         # Every worker checks every node, so a bad schedule stops all of them before step 0.
