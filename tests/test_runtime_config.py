@@ -42,6 +42,10 @@ def test_bundled_configs_cover_tests_demo_and_bert_shapes():
      "chimera needs an even number of stages"),
     ({"pipeline": {"schedule": "chimera"}, "data": {"num_micro_batches": 3}}, "and of data.num_micro_batches"),
     ({"kfac": {"cov_stride": 0}}, "kfac.cov_stride must be an integer >= 1"),
+    ({"kfac": {"cov_micro_batches": 0}}, "kfac.cov_micro_batches must be an integer >= 1 or all, not 0"),
+    ({"kfac": {"cov_micro_batches": "half"}}, "kfac.cov_micro_batches must be an integer >= 1 or all, not 'half'"),
+    ({"kfac": {"cov_micro_batches": 5}, "data": {"num_micro_batches": 4}},
+     "kfac.cov_micro_batches 5 is more than the step's 4 micro-batches"),
     ({"kfac": {"update": "adam"}}, "kfac.update must be one of base, momentum, soap"),
     ({"kfac": {"update": "soap", "kl_clip": 0.001}}, "kfac.kl_clip bounds a preconditioned step"),
 ])
@@ -230,3 +234,10 @@ def test_a_data_builder_is_not_silently_replaced_by_synthetic_tokens():
     with pytest.raises(InputError, match="data.builder gives the documents"):
         config_from_dict({"data": {"builder": "docs:all", "text": "synthetic"}}, "run.yaml")
     assert config_from_dict({"data": {"builder": "docs:all"}}).data.builder == "docs:all"
+
+
+def test_cov_micro_batches_takes_a_count_or_all_from_set():
+    """``--set kfac.cov_micro_batches=2`` is the count 2 (not the text '2' its default's type would make it)."""
+    cfg = apply_overrides(RunConfig(), ["kfac.cov_micro_batches=2"])
+    assert cfg.kfac.cov_micro_batches == 2
+    assert apply_overrides(cfg, ["kfac.cov_micro_batches=all"]).kfac.cov_micro_batches == "all"

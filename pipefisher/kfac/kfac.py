@@ -217,6 +217,7 @@ class LayerState:
     # with), and the factors completed (sync, or last covariance piece) since their last refresh began
     flight: dict[str, dict[str, Any] | None] = field(default_factory=lambda: {"A": None, "B": None})
     completed: set[str] = field(default_factory=set)
+    saved_forwards: int = 0  # forwards saved since saving last turned on or off (KFAC.cov_micro_batches)
 
     @property
     def bias(self) -> bool:
@@ -298,7 +299,8 @@ class KFAC:
                  inverse: str = "cholesky", inverse_dtype: str = "float32", on_bad_factor: str = "stop",
                  save_dtype: str = "float32", fisher: str = "empirical",
                  warn: Callable[[str], None] | None = None, cov_stride: int = 1, drift: bool = True,
-                 refresh_pieces: int | str = 1, host: HostReader | None = None) -> None:
+                 refresh_pieces: int | str = 1, host: HostReader | None = None,
+                 cov_micro_batches: int | None = None) -> None:
         if not (damping > 0 and math.isfinite(damping)):  # also refuses NaN and infinity
             raise ValueError(f"K-FAC damping must be positive and finite, not {damping!r}: an undamped "
                              "factor is singular")
@@ -319,6 +321,10 @@ class KFAC:
         if not isinstance(cov_stride, int) or cov_stride < 1:
             raise ValueError(f"K-FAC cov_stride must be an integer >= 1, not {cov_stride!r}")
         self.cov_stride = cov_stride
+        if cov_micro_batches is not None and (isinstance(cov_micro_batches, bool) or not isinstance(cov_micro_batches, int)
+                                              or cov_micro_batches < 1):
+            raise ValueError(f"K-FAC cov_micro_batches must be an integer >= 1 or None (all), not {cov_micro_batches!r}")
+        self.cov_micro_batches = cov_micro_batches
         if refresh_pieces != "auto" and (isinstance(refresh_pieces, bool) or not isinstance(refresh_pieces, int)
                                          or refresh_pieces < 1):
             raise ValueError(f"K-FAC refresh_pieces must be an integer >= 1 or 'auto', not {refresh_pieces!r}")
@@ -366,8 +372,12 @@ class KFAC:
         return list(self.layers)
 
     def set_saving(self, on: bool) -> None:
-        """Start or stop saving layer inputs (forward) and output gradients (backward)."""
+        """Start or stop saving layer inputs (forward) and output gradients (backward). Either starts a
+        new count of saved micro-batches: with ``cov_micro_batches`` M, only each layer's first M forwards
+        (and their output gradients) after this call are saved (:func:`pipefisher.problem.cov_pieces`)."""
         self.saving = bool(on)
+        for st in self.layers.values():
+            st.saved_forwards = 0
 
     def _compact(self, t: torch.Tensor) -> torch.Tensor:
         """The rows a covariance piece will use, in the saved dtype: every ``cov_stride``-th token row
@@ -422,6 +432,9 @@ class KFAC:
         def on_forward(module: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
             if not (self.saving and torch.is_grad_enabled()) or self._replaying:
                 return
+            if self.cov_micro_batches is not None and st.saved_forwards >= self.cov_micro_batches:
+                return  # beyond the refresh's micro-batches: neither its input nor its output gradient
+            st.saved_forwards += 1
             st.inputs.append(self._saved_input(inputs[0]))
             if not out.requires_grad:
                 return

@@ -196,6 +196,9 @@ class KfacConfig:
     bubbles shorter than the whole refresh (:mod:`pipefisher.kfac.refresh`): an integer, or ``auto``
     (one piece per 768 columns of the factor); more than 1 needs ``inverse: cholesky`` or ``update: soap``.
     Default 1: on CPU the pieces cost 1.2-3x the whole inverse in all (docs/benchmarks.md).
+    ``cov_micro_batches``: how many micro-batches of a refresh's iteration feed its factors, the first M
+    of each pipe (or model chunk), or ``all``: fewer save less and place fewer covariance pieces; the
+    factor stays a mean over them, so its scale does not change (:func:`pipefisher.problem.cov_pieces`).
     """
 
     damping: float = 1e-3
@@ -215,6 +218,12 @@ class KfacConfig:
     save_dtype: str = "float32"
     cov_stride: int = 1
     refresh_pieces: int | str = 1
+    cov_micro_batches: int | str = "all"
+
+
+def cov_limit(value: int | str) -> int | None:
+    """``kfac.cov_micro_batches`` as K-FAC and the timelines take it: a count, None for ``all``."""
+    return None if value == "all" else int(value)
 
 
 PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v", "dualpipev")
@@ -352,10 +361,14 @@ def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None) -> Ru
     return cfg
 
 
+NUMBER_OR_WORD = (("kfac", "refresh_pieces"), ("kfac", "cov_micro_batches"))
+"""Settings that take a whole number or a word (``auto``, ``all``): kept as read, :func:`check_config` checks them."""
+
+
 def _coerce(section: str, key: str, value: Any, path: str | os.PathLike[str] | None) -> Any:
     """``value`` as the type of ``section.key``'s default, or an :class:`InputError` naming the key."""
     default = getattr(_SECTIONS[section](), key)
-    if (section, key) == ("kfac", "refresh_pieces"):  # a number or 'auto': check_config says which are right
+    if (section, key) in NUMBER_OR_WORD:  # check_config says which are right
         return value
     if isinstance(default, dict):
         if not isinstance(value, Mapping):
@@ -414,7 +427,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise InputError(where, f"the value is not valid YAML ({yaml_problem(err)})") from None
     if isinstance(value, str) and _NUMBER.match(value.strip()):
         value = float(value)
-    if isinstance(getattr(_SECTIONS[section](), key), str) and not isinstance(value, str):
+    if isinstance(getattr(_SECTIONS[section](), key), str) and not isinstance(value, str) \
+            and (section, key) not in NUMBER_OR_WORD:
         value = raw.strip()  # a str field takes what was typed: name=123, data.text=2024
     _coerce(section, key, value, where)
     return dotted, value
@@ -556,6 +570,12 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("kfac.kl_clip must be >= 0, kfac.lr > 0 and kfac.momentum in [0, 1)")
     if not isinstance(k.cov_stride, int) or k.cov_stride < 1:
         problems.append("kfac.cov_stride must be an integer >= 1")
+    m = k.cov_micro_batches
+    if m != "all" and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        problems.append(f"kfac.cov_micro_batches must be an integer >= 1 or all, not {m!r}")
+    elif m != "all" and m > cfg.data.num_micro_batches:
+        problems.append(f"kfac.cov_micro_batches {m} is more than the step's {cfg.data.num_micro_batches} "
+                        "micro-batches (data.num_micro_batches); all takes every one")
     pieces = k.refresh_pieces
     if pieces != "auto" and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
         problems.append(f"kfac.refresh_pieces must be an integer >= 1 or auto, not {pieces!r}")

@@ -34,7 +34,7 @@ from torch import nn
 from pipefisher.kfac import KFAC
 from pipefisher.kfac.eigenbasis import EigenbasisAdam
 from pipefisher.kfac.factors import kl_clip_scale
-from pipefisher.runtime.job.config import RunConfig
+from pipefisher.runtime.job.config import RunConfig, cov_limit
 from pipefisher.runtime.job.host import HostReads
 from pipefisher.runtime.pipeline.contracts import Curvature, Span
 from pipefisher.runtime.train.optim import LRSchedule, clip_grad_norm, make_optimizer
@@ -153,5 +153,6 @@ def make_kfac(cfg: RunConfig, stage: nn.Module, *, dp_group: Any = None, dp_size
                 ignore=k.ignore, loss_scale=cfg.data.num_micro_batches, dp_group=dp_group, dp_size=dp_size,
                 factor_decay=k.factor_decay, inverse="eigenbasis" if soap else k.inverse, inverse_dtype=k.inverse_dtype,
                 on_bad_factor=k.on_bad_factor, save_dtype=k.save_dtype, fisher=k.fisher, warn=warn,
-                cov_stride=k.cov_stride, drift=drift and not soap, refresh_pieces=k.refresh_pieces, host=host)
+                cov_stride=k.cov_stride, drift=drift and not soap, refresh_pieces=k.refresh_pieces, host=host,
+                cov_micro_batches=cov_limit(k.cov_micro_batches))
     return kfac
