@@ -435,6 +435,37 @@ def test_a_schedule_for_m_covariance_micro_batches_runs_only_with_m_and_trains_a
     assert runs["kfac"][1] * 2 == every.peak_saved_bytes  # 2 of the 4 micro-batches saved
 
 
+def test_a_profile_with_m_covariance_micro_batches_records_m_and_packs_a_schedule_the_run_takes(tmp_path):
+    """The chain: a profiled kfac run with ``kfac.cov_micro_batches`` 1 records it in its timeline, the
+    packer places one covariance piece per factor, ``validate`` accepts it, and the runtime's own checks
+    accept it for this run and refuse it, in one line, for a run that covers every micro-batch."""
+    from pipefisher.policies import get_policy
+    from pipefisher.rules import validate
+    from pipefisher.runtime.job.dist import single_process
+    from pipefisher.runtime.pipeline.checks import load_checked_schedule, packed_for
+    from pipefisher.timeline import load_job
+
+    cfg = tiny(pipeline={"stages": 1})
+    one = cfg.replace(kfac={"cov_micro_batches": 1})
+    res = Trainer(one, single_process(), TrainOptions(mode="kfac", profile=True, out=str(tmp_path), steps=2,
+                                                      progress=False)).run()
+    job = load_job([res.timeline_path])
+    assert job.nodes[0].cov_micro_batches == 1
+    packed = get_policy("tight").pack(job)
+    data = packed.to_file_data()
+    assert validate(data, job) == []
+    cov = [lb for it in data[0] for lb in it if lb.startswith("cov_kron_A:")]
+    assert len(cov) == len(set(cov))  # one piece per factor
+    path = str(tmp_path / "s.pickle")
+    save_schedule(path, packed, timelines=[res.timeline_path])
+    load_checked_schedule(path, one)
+    with pytest.raises(InputError, match=r"only 1 of 4 covariance pieces done|appears 1 pieces"):
+        load_checked_schedule(path, cfg)
+    save_schedule(path, packed, packed_for=packed_for(one))
+    with pytest.raises(InputError, match=r"kfac.cov_micro_batches 1 \(this run: 'all'\)"):
+        load_checked_schedule(path, cfg)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Receives posted ahead of bubble work, on a fake engine
 
