@@ -171,6 +171,47 @@ def test_cov_stride_builds_the_factors_from_every_s_th_token_row_and_saves_s_tim
         KFAC(PipelineStage(CFG, 0, 1), damping=DAMPING, cov_stride=0)
 
 
+def test_cov_micro_batches_saves_only_the_first_m_and_keeps_the_factor_s_scale():
+    """``kfac.cov_micro_batches`` M: only each layer's first M micro-batches after saving turns on are
+    saved (inputs and output gradients, M/m of the memory), and the factor is their mean: the same as
+    K-FAC over all micro-batches of a step that had only those M (loss / m each), not M/m of it."""
+    def run(m_run: int, limit: int | None):
+        torch.manual_seed(0)
+        model = PipelineStage(CFG, 0, 1)
+        kfac = KFAC(model, damping=DAMPING, loss_scale=3, cov_micro_batches=limit)
+        data = MLMData(DATA, CFG.vocab_size)
+        kfac.set_saving(True)
+        for i in range(m_run):  # every micro-batch's loss divided by the step's 3, as the engine does
+            mb = data.micro_batch(0, 0, i)
+            (model(mb.input_ids, mb.labels) / 3).backward()
+        peak = kfac.peak_saved_bytes
+        for n in kfac.names:
+            for f in "AB":
+                kfac.cov_all(f, n)
+        return kfac, peak, model, data
+
+    capped, capped_peak, model, data = run(3, 2)
+    two, _, _, _ = run(2, None)  # the first two micro-batches alone
+    everything, all_peak, _, _ = run(3, None)
+    n = capped.names[0]
+    assert capped.stats.state[n].counts == {"A": 2, "B": 2} and everything.stats.state[n].counts == {"A": 3, "B": 3}
+    assert capped_peak * 3 == all_peak * 2
+    def off(x, y):  # relative: factor B's entries are about 1e-10 here
+        return float((x.double() - y.double()).norm() / y.double().norm())
+
+    for f in "AB":
+        assert off(capped.factor(n, f), two.factor(n, f)) < 1e-5
+        assert off(capped.factor(n, f), everything.factor(n, f)) > 1e-2
+    assert fx.mean_trace(capped.factor(n, "B")) > 0.5 * fx.mean_trace(everything.factor(n, "B"))  # no 2/3 scale
+    capped.set_saving(True)  # a new count starts whenever saving is turned on (again)
+    for i in range(3):
+        mb = data.micro_batch(0, 1, i)
+        (model(mb.input_ids, mb.labels) / 3).backward()
+    assert capped.pending("A", n) == 2 and capped.pending("B", n) == 2
+    with pytest.raises(ValueError, match="cov_micro_batches"):
+        KFAC(PipelineStage(CFG, 0, 1), damping=DAMPING, cov_micro_batches=0)
+
+
 # -- K-FAC options on small models ---------------------------------------------------------------
 #
 # The tests below use a two-layer perceptron (``TinyMLP``) or a single softmax layer (``Softmax``):

@@ -22,14 +22,15 @@ from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from _valid_schedules import random_job_schedule
+from pipefisher.errors import InputError
 from pipefisher.policies import get_policy
 from pipefisher.policies.bounds import model_bounds
 from pipefisher.rules import validate, validate_node
 from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
 from pipefisher.schedule.problem import fits, node_model
-from pipefisher.schedule.timeline import KFAC_KINDS, Job, NodeTimeline, job_from_dicts, weight_key
 from pipefisher.sim import load_cost_model, simulate_timelines
 from pipefisher.sim.random_jobs import random_raw_job
+from pipefisher.schedule.timeline import COV_MICRO_BATCHES_KEY, KFAC_KINDS, Job, NodeTimeline, job_from_dicts, weight_key
 
 MARGINS = (0.0, 0.05, 0.2)
 TIGHT = get_policy("tight")
@@ -152,6 +153,30 @@ def test_an_inverse_key_with_several_intervals_is_its_pieces_each_at_its_own_len
     assert rooms(swapped, both) == []
     longer = one_bubble(100, **{kfac("cov_kron_A"): [(0, 5)], kfac("inv_kron_A"): [(0, 60), (0, 35)]})
     assert rooms(longer, both) == ["bubble-overfilled"]
+
+
+@pytest.mark.parametrize("policy", ["tight", "best-fit", "compat"])
+def test_a_profile_that_covered_m_micro_batches_packs_m_covariance_pieces_and_validate_agrees(policy: str) -> None:
+    """``cov_micro_batches`` M recorded in a profile (kfac.cov_micro_batches): its covariance interval is
+    the work of the first M micro-batches, split into M pieces, the j-th after forward j; the packers
+    place M, ``validate`` wants M (not the 4 forwards), and a bad record is one line naming the file."""
+    fwd = [(i * 10, i * 10 + 5) for i in range(4)]
+    bwd = [(100 + i * 10, 100 + i * 10 + 5) for i in range(4)]
+    raw = {"start_end": [(0, 1000)], "call_forward": fwd, "call_backward": bwd,
+           kfac("cov_kron_A"): [(0, 4)], kfac("cov_kron_B"): [(0, 4)], kfac("inv_kron_A"): [(0, 3)],
+           kfac("inv_kron_B"): [(0, 3)], COV_MICRO_BATCHES_KEY: [(2, 2)]}
+    job = job_from_dicts([raw])
+    assert job.nodes[0].cov_micro_batches == 2 and COV_MICRO_BATCHES_KEY not in job.nodes[0].entries
+    model = node_model(job.nodes[0], job.span)
+    assert model.durations[kfac("cov_kron_A")] == (2, 2)
+    packed = get_policy(policy).pack(job)
+    labels = [lb for it in packed.to_file_data()[0] for lb in it]
+    assert labels.count(kfac("cov_kron_A")) == 2 and labels.count(kfac("cov_kron_B")) == 2
+    assert validate(packed.to_file_data(), job) == []
+    every = job_from_dicts([{k: v for k, v in raw.items() if k != COV_MICRO_BATCHES_KEY}])
+    assert "work-count" in {v.rule for v in validate(packed.to_file_data(), every)}
+    with pytest.raises(InputError, match=f"<node0>: key '{COV_MICRO_BATCHES_KEY}' must hold one pair"):
+        job_from_dicts([{**raw, COV_MICRO_BATCHES_KEY: [(2, 3)]}])
 
 
 @pytest.mark.parametrize("policy", ["tight", "best-fit", "exact"])

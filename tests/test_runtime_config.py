@@ -42,6 +42,10 @@ def test_bundled_configs_cover_tests_demo_and_bert_shapes():
      "chimera needs an even number of stages"),
     ({"pipeline": {"order": "chimera"}, "data": {"num_micro_batches": 3}}, "and of data.num_micro_batches"),
     ({"kfac": {"cov_stride": 0}}, "kfac.cov_stride must be an integer >= 1"),
+    ({"kfac": {"cov_micro_batches": 0}}, "kfac.cov_micro_batches must be an integer >= 1 or all, not 0"),
+    ({"kfac": {"cov_micro_batches": "half"}}, "kfac.cov_micro_batches must be an integer >= 1 or all, not 'half'"),
+    ({"kfac": {"cov_micro_batches": 5}, "data": {"num_micro_batches": 4}},
+     "kfac.cov_micro_batches 5 is more than the step's 4 micro-batches"),
     ({"kfac": {"update": "adam"}}, "kfac.update must be one of base, momentum, soap"),
     ({"kfac": {"update": "soap", "kl_clip": 0.001}}, "kfac.kl_clip bounds a preconditioned step"),
     ({"kfac": {"update": "soap", "inverse": "eigen"}}, "kfac.inverse: eigen chooses how a damped inverse"),
@@ -264,3 +268,19 @@ def test_the_renamed_keys_still_read_saying_the_new_names_and_keep_the_configs_i
     assert "--set pipeline.schedule is now --set pipeline.order" in capsys.readouterr().err
     with pytest.raises(InputError, match="has both pipeline.schedule and pipeline.order"):
         config_from_dict({"pipeline": {"schedule": "gpipe", "order": "1f1b"}}, "x.yaml")
+
+
+def test_cov_micro_batches_takes_a_count_or_all_from_set():
+    """``--set kfac.cov_micro_batches=2`` is the count 2 (not the text '2' its default's type would make it)."""
+    cfg = apply_overrides(RunConfig(), ["kfac.cov_micro_batches=2"])
+    assert cfg.kfac.cov_micro_batches == 2
+    assert apply_overrides(cfg, ["kfac.cov_micro_batches=all"]).kfac.cov_micro_batches == "all"
+
+
+def test_a_setting_added_later_changes_the_fingerprint_only_away_from_its_default():
+    """``kfac.cov_micro_batches`` came after fingerprints were recorded: at ``all`` a config keeps the
+    digest it had (checkpoints and staleness curves still match it); any other value is another config."""
+    base = load_config(TINY)
+    assert base.fingerprint() == "95b500ae9af202f8"
+    assert base.replace(kfac={"cov_micro_batches": "all"}).fingerprint() == base.fingerprint()
+    assert base.replace(kfac={"cov_micro_batches": 1}).fingerprint() != base.fingerprint()

@@ -394,6 +394,78 @@ def test_one_stage_run_in_one_process_uses_the_executor():
     _close(_params(trainer), replay(cfg, data, STEPS)[0])
 
 
+def test_a_schedule_for_m_covariance_micro_batches_runs_only_with_m_and_trains_as_kfac_mode(tmp_path):
+    """``kfac.cov_micro_batches`` M: the one-iteration cycle holds M covariance pieces per factor, trains
+    exactly as ``kfac`` mode with the same M (the runtime saves only those micro-batches), and a
+    schedule made for another M is refused in one line, by its labels and by its metadata."""
+    from pipefisher.runtime.job.dist import single_process
+    from pipefisher.runtime.pipeline.checks import load_checked_schedule, packed_for
+
+    cfg = tiny(pipeline={"stages": 1})
+    two = cfg.replace(kfac={"cov_micro_batches": 2})
+    data = single_iteration_schedule(two)
+    name = [lb for lb in data[0][0] if lb.startswith("cov_kron_A:")][0]
+    assert data[0][0].count(name) == 2 < cfg.data.num_micro_batches
+    check_schedule(data, two)
+    assert "only 2 of 4 covariance pieces done (inv-before-cov)" in _refused(data, cfg)
+    assert "appears 4 pieces in the cycle, this run's step needs 2 (work-count)" in _refused(
+        single_iteration_schedule(cfg), two)
+    path = str(tmp_path / "s.pickle")
+    from _schedules import packed_job_schedule
+
+    save_schedule(path, packed_job_schedule(cfg), packed_for=packed_for(two))
+    with pytest.raises(InputError, match=r"packed for another job: kfac.cov_micro_batches 2 \(this run: 'all'\)"):
+        load_checked_schedule(path, cfg)
+    save_schedule(path, data)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runs = {}
+        for mode in ("scheduled", "kfac"):
+            torch.manual_seed(0)
+            trainer = Trainer(two, single_process(), TrainOptions(mode=mode, schedule=path if mode == "scheduled"
+                                                                  else None, steps=3, progress=False))
+            res = trainer.run()
+            runs[mode] = (_params(trainer), res.peak_saved_bytes)
+        torch.manual_seed(0)
+        every = Trainer(cfg, single_process(), TrainOptions(mode="kfac", steps=3, progress=False)).run()
+    finally:
+        torch.set_num_threads(threads)
+    _close(runs["scheduled"][0], runs["kfac"][0])
+    assert runs["kfac"][1] * 2 == every.peak_saved_bytes  # 2 of the 4 micro-batches saved
+
+
+def test_a_profile_with_m_covariance_micro_batches_records_m_and_packs_a_schedule_the_run_takes(tmp_path):
+    """The chain: a profiled kfac run with ``kfac.cov_micro_batches`` 1 records it in its timeline, the
+    packer places one covariance piece per factor, ``validate`` accepts it, and the runtime's own checks
+    accept it for this run and refuse it, in one line, for a run that covers every micro-batch."""
+    from pipefisher.policies import get_policy
+    from pipefisher.rules import validate
+    from pipefisher.runtime.job.dist import single_process
+    from pipefisher.runtime.pipeline.checks import load_checked_schedule, packed_for
+    from pipefisher.schedule.timeline import load_job
+
+    cfg = tiny(pipeline={"stages": 1})
+    one = cfg.replace(kfac={"cov_micro_batches": 1})
+    res = Trainer(one, single_process(), TrainOptions(mode="kfac", profile=True, out=str(tmp_path), steps=2,
+                                                      progress=False)).run()
+    job = load_job([res.timeline_path])
+    assert job.nodes[0].cov_micro_batches == 1
+    packed = get_policy("tight").pack(job)
+    data = packed.to_file_data()
+    assert validate(data, job) == []
+    cov = [lb for it in data[0] for lb in it if lb.startswith("cov_kron_A:")]
+    assert len(cov) == len(set(cov))  # one piece per factor
+    path = str(tmp_path / "s.pickle")
+    save_schedule(path, packed, timelines=[res.timeline_path])
+    load_checked_schedule(path, one)
+    with pytest.raises(InputError, match=r"only 1 of 4 covariance pieces done|appears 1 pieces"):
+        load_checked_schedule(path, cfg)
+    save_schedule(path, packed, packed_for=packed_for(one))
+    with pytest.raises(InputError, match=r"kfac.cov_micro_batches 1 \(this run: 'all'\)"):
+        load_checked_schedule(path, cfg)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Receives posted ahead of bubble work, on a fake engine
 

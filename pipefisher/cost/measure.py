@@ -36,7 +36,7 @@ from typing import Iterable, Sequence
 from pipefisher.schedule.format import END, MARKERS, PIPELINE_CATEGORIES, START, label_category
 from pipefisher.schedule.packed import KfacLayout, Placement
 from pipefisher.schedule.problem import DEFAULT_MARGIN, NodeModel, cov_source
-from pipefisher.schedule.timeline import COV_KINDS, STEP_KEY, TimelineKey
+from pipefisher.schedule.timeline import COV_KINDS, COV_MICRO_BATCHES_KEY, STEP_KEY, TimelineKey, cov_pieces
 
 WAIT_EPS = 20e-6
 """Seconds of receive time below which a call counts as not having waited (the copy of an input that
@@ -507,7 +507,9 @@ def measured_timeline(records: Sequence[StepRecord], planned: NodeModel | None =
     A bubble never seen exactly (its K-FAC work always overran it) is at most the shortest stretch seen
     there, and at most ``planned``'s where given (``planned``: in nanoseconds, the profiled format's
     unit; its head bubble is kept, see the module's docstring). K-FAC keys are written after the pipeline, back to back
-    (only their lengths matter); a covariance key as long as all its pieces together, as profiles have it.
+    (only their lengths matter); a covariance key as long as all its pieces together, as profiles have it
+    (``planned``'s ``cov_micro_batches`` of them per pipe, :func:`pipefisher.schedule.timeline.cov_pieces`, which the
+    timeline then records too).
     """
     if not records:
         raise ValueError("no step records to build a timeline from")
@@ -552,6 +554,7 @@ def measured_timeline(records: Sequence[StepRecord], planned: NodeModel | None =
         t += d
     end_of_calls = t
     counts = {label: len(v) for label, v in out.items()}
+    limit = planned.cov_micro_batches if planned is not None else None
     if planned is not None:  # keys the records lack (work never run in the window): as planned
         for key, lengths in planned.durations.items():
             work.setdefault(key, [float(x) * unit_seconds(planned) for x in lengths])
@@ -559,10 +562,12 @@ def measured_timeline(records: Sequence[StepRecord], planned: NodeModel | None =
         parsed = TimelineKey.parse(key)
         d = quantile(work[key], q)
         if parsed.kind in COV_KINDS:
-            d *= counts.get(cov_source(parsed.factor, parsed.up_pipe, parsed.chunk), 1)
+            d *= cov_pieces(counts.get(cov_source(parsed.factor, parsed.up_pipe, parsed.chunk), 1), limit)
         out[key] = [(ns(t), ns(t + d))]
         t += d
     out[STEP_KEY] = [(0, ns(max(t, end_of_calls + bubble[-1])))]
+    if limit is not None:
+        out[COV_MICRO_BATCHES_KEY] = [(limit, limit)]
     return out
 
 

@@ -63,7 +63,7 @@ def split_flat_state(state: dict[str, Any]) -> dict[str, Any]:
 
 def _check_settings(damping: float, damping_min: float | None, damping_decay: float, factor_decay: float,
                     inverse: str, inverse_dtype: str, on_bad_factor: str, fisher: str, cov_stride: int,
-                    refresh_pieces: int | str) -> None:
+                    refresh_pieces: int | str, cov_micro_batches: int | None) -> None:
     """``ValueError`` for a setting K-FAC cannot run with (the run config's check says the same to users)."""
     if not (damping > 0 and math.isfinite(damping)):  # also refuses NaN and infinity
         raise ValueError(f"K-FAC damping must be positive and finite, not {damping!r}: an undamped "
@@ -78,6 +78,9 @@ def _check_settings(damping: float, damping_min: float | None, damping_decay: fl
         raise ValueError(f"on_bad_factor {on_bad_factor!r} / fisher {fisher!r} not understood")
     if not isinstance(cov_stride, int) or cov_stride < 1:
         raise ValueError(f"K-FAC cov_stride must be an integer >= 1, not {cov_stride!r}")
+    if cov_micro_batches is not None and (isinstance(cov_micro_batches, bool) or not isinstance(cov_micro_batches, int)
+                                          or cov_micro_batches < 1):
+        raise ValueError(f"K-FAC cov_micro_batches must be an integer >= 1 or None (all), not {cov_micro_batches!r}")
     if refresh_pieces != "auto" and (isinstance(refresh_pieces, bool) or not isinstance(refresh_pieces, int)
                                      or refresh_pieces < 1):
         raise ValueError(f"K-FAC refresh_pieces must be an integer >= 1 or 'auto', not {refresh_pieces!r}")
@@ -107,14 +110,15 @@ class KFAC:
                  inverse: str = "cholesky", inverse_dtype: str = "float32", on_bad_factor: str = "stop",
                  save_dtype: str = "float32", fisher: str = "empirical",
                  warn: Callable[[str], None] | None = None, cov_stride: int = 1, drift: bool = True,
-                 refresh_pieces: int | str = 1, host: HostReader | None = None) -> None:
+                 refresh_pieces: int | str = 1, host: HostReader | None = None,
+                 cov_micro_batches: int | None = None) -> None:
         _check_settings(damping, damping_min, damping_decay, factor_decay, inverse, inverse_dtype,
-                        on_bad_factor, fisher, cov_stride, refresh_pieces)
+                        on_bad_factor, fisher, cov_stride, refresh_pieces, cov_micro_batches)
         self.layers = layer_states(model, ignore)
         self.coverage = coverage(model, ignore)  # what the run says at start
         self.stats = CurvatureStats(self.layers, loss_scale=loss_scale, dp_group=dp_group, dp_size=dp_size,
                                     factor_decay=factor_decay, save_dtype=DTYPES[save_dtype], fisher=fisher,
-                                    cov_stride=cov_stride)
+                                    cov_stride=cov_stride, cov_micro_batches=cov_micro_batches)
         self.refresher = Refresher(self.layers, self.stats, damping=float(damping),
                                    damping_min=float(damping if damping_min is None else damping_min),
                                    damping_decay=float(damping_decay), method=inverse,

@@ -43,6 +43,7 @@ class LayerStats:
     running: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
     synced: dict[str, bool] = field(default_factory=lambda: {"A": False, "B": False})  # since the last piece
     overflowed: dict[str, Any] = field(default_factory=lambda: {"A": 0, "B": 0})  # fp16 pieces dropped (a tensor)
+    saved_forwards: int = 0  # forwards saved since saving last turned on or off (cov_micro_batches)
 
     def factor(self, f: str) -> torch.Tensor | None:
         s = self.sums[f]
@@ -66,17 +67,21 @@ class CurvatureStats:
 
     ``loss_scale`` is the number each micro-batch's mean loss was divided by, so factor B is built from
     per-row gradients; ``dp_group``/``dp_size`` the stage's data-parallel group (None/1: none);
-    ``save_dtype`` what saved tensors wait in; ``cov_stride`` every how many token rows feed a piece.
+    ``save_dtype`` what saved tensors wait in; ``cov_stride`` every how many token rows feed a piece;
+    ``cov_micro_batches`` M: only each layer's first M forwards after saving turns on or off are saved
+    (None: all; :func:`pipefisher.schedule.timeline.cov_pieces`).
     """
 
     def __init__(self, layers: dict[str, LayerState], *, loss_scale: float, dp_group: Any, dp_size: int,
-                 factor_decay: float, save_dtype: torch.dtype, fisher: str, cov_stride: int) -> None:
+                 factor_decay: float, save_dtype: torch.dtype, fisher: str, cov_stride: int,
+                 cov_micro_batches: int | None = None) -> None:
         self.layers = layers
         self.state = {n: LayerStats() for n in layers}
         self._names = {id(st): n for n, st in layers.items()}  # a layer's name from its record
         self.loss_scale, self.factor_decay = float(loss_scale), float(factor_decay)
         self.dp_group, self.dp_size = dp_group, int(dp_size)
         self.save_dtype, self.fisher, self.cov_stride = save_dtype, fisher, cov_stride
+        self.cov_micro_batches = cov_micro_batches
         self.saving = False
         # bytes of saved tensors still waiting for their covariance piece, counted as they are saved and
         # freed (a tensor shared by several layers once), and the most they reached since reset_peak_saved
@@ -95,8 +100,12 @@ class CurvatureStats:
     # -- saving inputs and output gradients -------------------------------------------------------
 
     def set_saving(self, on: bool) -> None:
-        """Start or stop saving layer inputs (forward) and output gradients (backward)."""
+        """Start or stop saving layer inputs (forward) and output gradients (backward). Either starts a
+        new count of saved micro-batches: with ``cov_micro_batches`` M, only each layer's first M forwards
+        (and their output gradients) after this call are saved."""
         self.saving = bool(on)
+        for s in self.state.values():
+            s.saved_forwards = 0
 
     def _compact(self, t: torch.Tensor) -> torch.Tensor:
         """The rows a covariance piece will use, in the saved dtype: every ``cov_stride``-th token row
@@ -147,6 +156,9 @@ class CurvatureStats:
         def on_forward(module: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
             if not (self.saving and torch.is_grad_enabled()) or self.replaying:
                 return
+            if self.cov_micro_batches is not None and s.saved_forwards >= self.cov_micro_batches:
+                return  # beyond the refresh's micro-batches: neither its input nor its output gradient
+            s.saved_forwards += 1
             s.inputs.append(self._saved_input(inputs[0]))
             if not out.requires_grad:
                 return

@@ -27,7 +27,7 @@ from pipefisher.schedule.packed import (JobSchedule, NodeFigures, NodeSchedule, 
                                         split_iterations)
 from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START, PIPELINE_CATEGORIES, label_category
 from pipefisher.schedule.problem import DEFAULT_MARGIN, check_margin
-from pipefisher.schedule.timeline import BACKWARD, COV_KINDS, FORWARD, KFAC_KINDS, Job, NodeTimeline, Time
+from pipefisher.schedule.timeline import BACKWARD, COV_KINDS, FORWARD, KFAC_KINDS, Job, NodeTimeline, Time, cov_pieces
 
 INF = float("inf")
 
@@ -433,7 +433,9 @@ def pack_node_slots_below(node: NodeTimeline, span: Time, iterations: int,
 def _pack_node(node: NodeTimeline, span: Time, give_up_at: int | None, margin: float) -> list[Slot] | None:
     pipeline = _pipeline(node, span)
     pieces = sum(1 for s in pipeline if s[0] == FORWARD)
-    items = _work_items(node, pieces, 1.0 + check_margin(margin))
+    # a queue per covariance key of as many pieces as the micro-batches it covers (the published tool's
+    # every forward, unless the profile recorded kfac.cov_micro_batches); piece j still waits for forward j
+    items = _work_items(node, cov_pieces(pieces, node.cov_micro_batches), 1.0 + check_margin(margin))
     if pieces == 0 and any(w.is_queue for w in items):
         raise InputError(node.path, f"has no '{FORWARD}' intervals to split covariance work over "
                                     "(the compat policy counts only down-pipe forwards)")

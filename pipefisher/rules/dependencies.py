@@ -38,7 +38,7 @@ def dependency_violations(node_index: int, node: NodeTimeline, iterations: Seque
         return out
 
     chunks = node.chunks
-    pipe_counts = {(up, c): node.micro_batches(up, c) for up in (False, True) for c in chunks}
+    pipe_counts = {(up, c): node.cov_pieces(up, c) for up in (False, True) for c in chunks}
     known = set(MARKERS)
     expected: dict[str, int] = {}
     has_sync: set[tuple[str, tuple[str | None, bool, int]]] = set()

@@ -14,7 +14,7 @@ from pipefisher.errors import InputError
 from pipefisher.safe_io import dump_json_atomic, dump_pickle_atomic, load_json, load_pickle
 from pipefisher.schedule.format import ScheduleData, check_schedule_data
 from pipefisher.schedule.packed import JobSchedule
-from pipefisher.schedule.timeline import Job
+from pipefisher.schedule.timeline import Job, cov_record
 
 
 def schedule_digest(data: ScheduleData) -> str:
@@ -80,9 +80,11 @@ def job_layout(job: Job) -> dict[str, Any]:
     (:func:`timeline_shape`: model chunks per device, a second pipe, split backwards). The runtime compares
     it with its own (:mod:`pipefisher.runtime.pipeline.checks`), ``validate`` with its timelines'."""
     first = job.nodes[0]
-    out: dict[str, Any] = {"pipeline.stages": len(job.nodes),
-                           "data.num_micro_batches": first.micro_batches() + first.micro_batches(up_pipe=True),
+    m = first.micro_batches() + first.micro_batches(up_pipe=True)
+    out: dict[str, Any] = {"pipeline.stages": len(job.nodes), "data.num_micro_batches": m,
                            "layout": list(timeline_shape(job))}
+    if first.cov_micro_batches is not None:  # a profile that recorded it (COV_MICRO_BATCHES_KEY)
+        out["kfac.cov_micro_batches"] = cov_record(first.cov_micro_batches, m)
     modules = [sorted({str(k).partition(":")[2] for k in node.kfac_keys()}) for node in job.nodes]
     if all(names and "" not in names for names in modules):
         out["modules"] = modules
@@ -207,6 +209,9 @@ def timelines_mismatch(path: str | os.PathLike[str], job: Job) -> str | None:
     for key in ("pipeline.stages", "data.num_micro_batches"):
         if key in recorded and key in here and recorded[key] != here[key]:
             diffs.append(f"{key} {recorded[key]!r} (the timelines: {here[key]!r})")
+    cov = "kfac.cov_micro_batches"  # timelines that record none cover all micro-batches
+    if cov in recorded and recorded[cov] != here.get(cov, "all"):
+        diffs.append(f"{cov} {recorded[cov]!r} (the timelines: {here.get(cov, 'all')!r})")
     theirs, ours = recorded.get("modules"), here.get("modules")
     if not diffs and isinstance(theirs, list) and isinstance(ours, list) and theirs != ours:
         n = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), 0)

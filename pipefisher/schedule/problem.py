@@ -11,7 +11,8 @@ schedule that ``validate`` accepts, with the same margin, has fewer iterations.
   tail gaps up to the job's pipeline time (an iteration spans [min(0, first item), max(pipeline time,
   last item end)]).
 * **The work.** A covariance key is a queue of m pieces per interval (m = micro-batches of the pipe its
-  module serves; the interval's length split evenly, remainder on the first pieces), a sync key one item
+  module serves, or the first ``kfac.cov_micro_batches`` of them, :meth:`NodeTimeline.cov_pieces`; the
+  interval's length split evenly, remainder on the first pieces), a sync key one item
   per interval (each as long as the key's longest interval), an inverse key one item per interval: the
   refresh's pieces, in order, each as long as its own interval (the j-th run of the label after the
   factor's completion runs piece j; every packer places a factor's pieces in that order).
@@ -123,6 +124,7 @@ class NodeModel:
     synced: tuple[bool, ...]  # per group: the node has a sync item for it (inverses wait for it)
     margin: float = DEFAULT_MARGIN  # the room rule's margin (see the module's docstring)
     overlap: bool = False  # inverse pieces may lie before their factor's completion (the module's docstring)
+    cov_micro_batches: int | None = None  # the node's NodeTimeline.cov_micro_batches (None: all)
 
     @property
     def scale(self) -> float:
@@ -280,7 +282,7 @@ def node_model(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN, o
         g = group_of.setdefault(gkey, len(group_of))
         durations = [e - s for s, e in (sane_bounds(iv, 0) for iv in intervals)]
         if kind == COV:
-            m = node.micro_batches(parsed.up_pipe, parsed.chunk)
+            m = node.cov_pieces(parsed.up_pipe, parsed.chunk)
             if m == 0 or not durations:
                 continue  # the timeline asks for no pieces of a pipe (or chunk) that does not run here
             pos = positions[cov_source(parsed.factor, parsed.up_pipe, parsed.chunk)]
@@ -304,4 +306,4 @@ def node_model(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN, o
             else:  # an inverse's intervals are its refresh's pieces, each run in order at its own length
                 items.extend(Work(key, kind, g, (d,), ()) for d in durations)
     return NodeModel(pipeline, tuple(bubbles), base, length, busy, tuple(items), len(group_of),
-                     tuple(g in synced for g in range(len(group_of))), margin, overlap)
+                     tuple(g in synced for g in range(len(group_of))), margin, overlap, node.cov_micro_batches)

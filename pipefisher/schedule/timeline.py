@@ -49,6 +49,22 @@ KFAC_KINDS = tuple(f"{work}_{factor}" for work in KFAC_WORK for factor in "AB")
 """Every K-FAC key's kind, work by work (``cov_kron_A``, ``cov_kron_B``, ``sync_kron_A``, ...): the
 order the ``compat`` policy gives them priority in."""
 COV_KINDS = ("cov_kron_A", "cov_kron_B")
+COV_MICRO_BATCHES_KEY = "cov_micro_batches"
+"""A profile's record of ``kfac.cov_micro_batches`` M: one pair ``(M, M)``, a count, not an interval. The
+profiled step then saved, and its covariance keys cover, only the first M micro-batches of each pipe (or
+model chunk); without it, all of them. The loader takes it out of the intervals (:attr:`NodeTimeline.cov_micro_batches`)."""
+
+
+def cov_pieces(micro_batches: int, limit: int | None) -> int:
+    """The rule of ``kfac.cov_micro_batches``: a refresh's covariance takes the first ``limit`` of a pipe's
+    (or chunk's) ``micro_batches`` (None: all), one covariance piece per factor for each."""
+    return micro_batches if limit is None else min(limit, micro_batches)
+
+
+def cov_record(limit: int | None, micro_batches: int) -> int | str:
+    """``kfac.cov_micro_batches`` as a schedule's metadata records it (``packed_for``): ``all`` where the
+    limit takes every one of the step's ``micro_batches``, else the count (both sides compare the same)."""
+    return "all" if limit is None or limit >= micro_batches else int(limit)
 
 
 @dataclass(frozen=True)
@@ -155,6 +171,9 @@ class NodeTimeline:
 
     path: str
     entries: Mapping[str, tuple[Interval, ...]]
+    cov_micro_batches: int | None = None
+    """How many micro-batches of each pipe (or chunk) a refresh's covariance covers (None: all; from
+    :data:`COV_MICRO_BATCHES_KEY`)."""
 
     def intervals(self, key: str) -> tuple[Interval, ...]:
         return self.entries.get(key, ())
@@ -172,6 +191,12 @@ class NodeTimeline:
     def micro_batches(self, up_pipe: bool = False, chunk: int = 0) -> int:
         """Forwards of one pipe (or one model chunk) in the step: the m its covariance pieces split over."""
         return len(self.forwards(up_pipe, chunk))
+
+    def cov_pieces(self, up_pipe: bool = False, chunk: int = 0) -> int:
+        """Covariance pieces per factor and profiled interval of a pipe (or chunk): one per micro-batch of the
+        refresh's iteration that feeds the factors, its first ``cov_micro_batches`` (the one definition the
+        packers, the rules and the runtime's checks share; the runtime saves only those)."""
+        return cov_pieces(self.micro_batches(up_pipe, chunk), self.cov_micro_batches)
 
     @property
     def chunks(self) -> tuple[int, ...]:
@@ -483,11 +508,26 @@ def job_from_dicts(raws: Sequence[Mapping[str, Sequence[tuple[Any, Any]]]], path
     def shift(t: Any) -> Any:
         return None if t is None else t - origin
 
+    limits = [_cov_micro_batches(path, raw) for path, raw in zip(paths, checked)]
     nodes = tuple(
-        NodeTimeline(path, {k: tuple(Interval(shift(s), shift(e)) for s, e in v) for k, v in raw.items()})
-        for path, raw in zip(paths, checked)
+        NodeTimeline(path, {k: tuple(Interval(shift(s), shift(e)) for s, e in v) for k, v in raw.items()
+                            if k != COV_MICRO_BATCHES_KEY}, limit)
+        for path, raw, limit in zip(paths, checked, limits)
     )
     return Job(nodes=nodes, span=span, origin=origin, steps=steps0)
+
+
+def _cov_micro_batches(path: str, raw: Mapping[str, Sequence[tuple[Any, Any]]]) -> int | None:
+    """The count :data:`COV_MICRO_BATCHES_KEY` records (None where the file has none), or one line saying
+    why it is no count."""
+    pairs = raw.get(COV_MICRO_BATCHES_KEY)
+    if pairs is None:
+        return None
+    ok = len(pairs) == 1 and pairs[0][0] == pairs[0][1] and isinstance(pairs[0][0], int) and pairs[0][0] >= 1
+    if not ok:
+        raise InputError(path, f"key '{COV_MICRO_BATCHES_KEY}' must hold one pair (M, M), M the whole number of "
+                               f"micro-batches the covariance covers, not {list(pairs)!r}")
+    return int(pairs[0][0])
 
 
 TIMELINE_SUFFIXES = ("_timeline.pickle", "_timeline.json")
@@ -613,4 +653,4 @@ def inflate_node_kfac(node: NodeTimeline, factor: float) -> NodeTimeline:
         return Interval(iv.start, iv.start + (int(round(d)) if isinstance(iv.start, int) else d))
 
     return NodeTimeline(node.path, {k: (tuple(grow(iv) for iv in v) if TimelineKey.parse(k).is_kfac else v)
-                                    for k, v in node.entries.items()})
+                                    for k, v in node.entries.items()}, node.cov_micro_batches)

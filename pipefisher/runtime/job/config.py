@@ -194,6 +194,9 @@ class KfacConfig:
     bubbles shorter than the whole refresh (:mod:`pipefisher.kfac.refresh`): an integer, or ``auto``
     (one piece per 768 columns of the factor); more than 1 needs ``inverse: cholesky`` or ``update: soap``.
     Default 1: on CPU the pieces cost 1.2-3x the whole inverse in all (docs/benchmarks.md).
+    ``cov_micro_batches``: how many micro-batches of a refresh's iteration feed its factors, the first M
+    of each pipe (or model chunk), or ``all``: fewer save less and place fewer covariance pieces; the
+    factor stays a mean over them, so its scale does not change (:func:`pipefisher.schedule.problem.cov_pieces`).
     """
 
     damping: float = 1e-3
@@ -213,6 +216,12 @@ class KfacConfig:
     save_dtype: str = "float32"
     cov_stride: int = 1
     refresh_pieces: int | str = 1
+    cov_micro_batches: int | str = "all"
+
+
+def cov_limit(value: int | str) -> int | None:
+    """``kfac.cov_micro_batches`` as K-FAC and the timelines take it: a count, None for ``all``."""
+    return None if value == "all" else int(value)
 
 
 PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v", "dualpipev")
@@ -341,11 +350,20 @@ def renamed_sections(raw: Mapping[str, Any], where: str | os.PathLike[str] | Non
     return out
 
 
+LATER_KEYS = {"kfac.cov_micro_batches": "all"}
+"""Settings added after fingerprints were first recorded, with their defaults: at its default such a
+setting is left out of the fingerprint, so a config that does not use it keeps the digest it had."""
+
+
 def recorded_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """A config's sections (``RunConfig.to_dict``) under the names records had before :data:`RENAMED_KEYS`:
-    what the fingerprint hashes, so the digests that checkpoints, schedules and staleness curves recorded
-    still name the same configs."""
+    """A config's sections (``RunConfig.to_dict``) under the names records had before :data:`RENAMED_KEYS`,
+    without :data:`LATER_KEYS` at their defaults: what the fingerprint hashes, so the digests that
+    checkpoints, schedules and staleness curves recorded still name the same configs."""
     out = dict(raw)
+    for dotted, default in LATER_KEYS.items():
+        section, _, key = dotted.partition(".")
+        if isinstance(out.get(section), Mapping) and out[section].get(key, default) == default:
+            out[section] = {k: v for k, v in out[section].items() if k != key}
     for old, new in RENAMED_KEYS.items():
         section, _, key = new.partition(".")
         old_key = old.partition(".")[2]
@@ -390,10 +408,14 @@ def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None, notic
     return cfg
 
 
+NUMBER_OR_WORD = (("kfac", "refresh_pieces"), ("kfac", "cov_micro_batches"))
+"""Settings that take a whole number or a word (``auto``, ``all``): kept as read, :func:`check_config` checks them."""
+
+
 def _coerce(section: str, key: str, value: Any, path: str | os.PathLike[str] | None) -> Any:
     """``value`` as the type of ``section.key``'s default, or an :class:`InputError` naming the key."""
     default = getattr(_SECTIONS[section](), key)
-    if (section, key) == ("kfac", "refresh_pieces"):  # a number or 'auto': check_config says which are right
+    if (section, key) in NUMBER_OR_WORD:  # check_config says which are right
         return value
     if isinstance(default, dict):
         if not isinstance(value, Mapping):
@@ -455,7 +477,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise InputError(where, f"the value is not valid YAML ({yaml_problem(err)})") from None
     if isinstance(value, str) and _NUMBER.match(value.strip()):
         value = float(value)
-    if isinstance(getattr(_SECTIONS[section](), key), str) and not isinstance(value, str):
+    if isinstance(getattr(_SECTIONS[section](), key), str) and not isinstance(value, str) \
+            and (section, key) not in NUMBER_OR_WORD:
         value = raw.strip()  # a str field takes what was typed: name=123, data.text=2024
     _coerce(section, key, value, where)
     return dotted, value
@@ -597,6 +620,12 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append("kfac.kl_clip must be >= 0, kfac.lr > 0 and kfac.momentum in [0, 1)")
     if not isinstance(k.cov_stride, int) or k.cov_stride < 1:
         problems.append("kfac.cov_stride must be an integer >= 1")
+    m = k.cov_micro_batches
+    if m != "all" and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        problems.append(f"kfac.cov_micro_batches must be an integer >= 1 or all, not {m!r}")
+    elif m != "all" and m > cfg.data.num_micro_batches:
+        problems.append(f"kfac.cov_micro_batches {m} is more than the step's {cfg.data.num_micro_batches} "
+                        "micro-batches (data.num_micro_batches); all takes every one")
     pieces = k.refresh_pieces
     if pieces != "auto" and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
         problems.append(f"kfac.refresh_pieces must be an integer >= 1 or auto, not {pieces!r}")

@@ -25,18 +25,18 @@ from pipefisher.errors import InputError
 from pipefisher.rules.dependencies import dependency_violations
 from pipefisher.rules.groups import chimera_groups
 from pipefisher.rules.waits import group_violations
-from pipefisher.runtime.job.config import RENAMED_KEYS, RunConfig, current_builder
+from pipefisher.runtime.job.config import RENAMED_KEYS, RunConfig, cov_limit, current_builder
 from pipefisher.runtime.pipeline.labels import PIPELINE_CALLS, UNKNOWN, labelled, parse_label
 from pipefisher.runtime.pipeline.layout import is_chimera, node_kfac_names, sync_copies
 from pipefisher.schedule.file import load_schedule, modules_difference, schedule_overlap, schedule_packed_for
 from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START, ScheduleData, check_schedule_data
-from pipefisher.schedule.timeline import UP_SUFFIX, Interval, NodeTimeline
+from pipefisher.schedule.timeline import UP_SUFFIX, Interval, NodeTimeline, cov_pieces, cov_record
 
 
 def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
                              names: Sequence[str] | Mapping[int, Sequence[str]], ops: Sequence[str],
                              replicas: int = 1, path: str | None = None, interleaved: bool = False,
-                             overlap: bool = False) -> None:
+                             overlap: bool = False, cov_micro_batches: int | None = None) -> None:
     """Refuse (:class:`InputError`) one node's cycle unless this runtime can run it as the spec says.
 
     ``names`` are the device's K-FAC modules (per pipe under Chimera), ``ops`` the engine's
@@ -46,7 +46,8 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
     ``overlap`` whether the schedule's metadata says its refreshes overlap cycles (inverse labels may then
     stand before their factor's completion: pieces of the previous cycle's refresh). A refresh may run in
     several inverse labels (pieces); that their count is K-FAC's the executor checks, which knows it.
-    Pure: no torch, no process group.
+    ``cov_micro_batches``: the micro-batches of each pipe K-FAC saves for covariance (None: all): the
+    covariance pieces per factor the cycle must hold. Pure: no torch, no process group.
     """
     def refuse(where: str, problem: str) -> None:
         raise InputError(path, f"node {node} {where}: {problem}")
@@ -99,7 +100,8 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
                               f"{at}; another would change which micro-batches the workers save for covariance")
     syncs = {lb for labels in iterations for lb in labels if parse_label(lb).kind == "sync_kron"}
     inverses = Counter(lb for labels in iterations for lb in labels if parse_label(lb).kind == "inv_kron")
-    model = step_timeline(ops, by_pipe, interleaved, syncs, every_sync=replicas > 1, inverses=inverses)
+    model = step_timeline(ops, by_pipe, interleaved, syncs, every_sync=replicas > 1, inverses=inverses,
+                          cov_micro_batches=cov_micro_batches)
     bad = dependency_violations(node, model, iterations, needs="this run's step needs", overlap=overlap)
     if bad:  # the first, in the runtime's words; the rule's name says which
         v = bad[0]
@@ -112,13 +114,13 @@ def check_schedule_for_stage(iterations: Sequence[Sequence[str]], *, node: int,
 
 def step_timeline(ops: Sequence[str], by_copy: Mapping[int, Sequence[str]], interleaved: bool,
                   syncs: Iterable[str] = (), every_sync: bool = False,
-                  inverses: Mapping[str, int] | None = None) -> NodeTimeline:
+                  inverses: Mapping[str, int] | None = None, cov_micro_batches: int | None = None) -> NodeTimeline:
     """One node's step in this run as the dependency rules (:mod:`pipefisher.rules.dependencies`) read a
     profiled timeline: every pipeline call of ``ops`` as often as the engine makes it, and per factor of
     each stage copy's K-FAC modules one covariance key (a piece per micro-batch of the copy), one
     inverse (or as many as ``inverses`` counts for its label: a refresh in pieces), and one all-reduce where
-    ``every_sync`` (several replicas) or ``syncs`` names it. The intervals hold no times: the rules only
-    count them."""
+    ``every_sync`` (several replicas) or ``syncs`` names it; a piece per micro-batch up to
+    ``cov_micro_batches`` (None: all). The intervals hold no times: the rules only count them."""
     none = Interval(None, None)
     entries: dict[str, tuple[Interval, ...]] = {op: (none,) * ops.count(op) for op in dict.fromkeys(ops)}
     syncs = set(syncs)
@@ -131,7 +133,7 @@ def step_timeline(ops: Sequence[str], by_copy: Mapping[int, Sequence[str]], inte
                     entries[f"sync_kron_{f}:{shown}"] = (none,)
                 inv = f"inv_kron_{f}:{shown}"
                 entries[inv] = (none,) * max(1, (inverses or {}).get(inv, 1))
-    return NodeTimeline("<this run>", entries)
+    return NodeTimeline("<this run>", entries, cov_micro_batches)
 
 
 def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.PathLike[str] | None = None,
@@ -149,7 +151,7 @@ def check_schedule(data: Any, cfg: RunConfig, replicas: int = 1, path: str | os.
         ops = pipeline_ops(cfg.pipeline.order, node, stages, cfg.data.num_micro_batches, cfg.pipeline.chunks)
         check_schedule_for_stage(data[node], node=node, names=names, ops=ops,
                                  replicas=sync_copies(cfg, replicas), path=p, interleaved=cfg.pipeline.chunked,
-                                 overlap=overlap)
+                                 overlap=overlap, cov_micro_batches=cov_limit(cfg.kfac.cov_micro_batches))
     if is_chimera(cfg):
         bad = group_violations(data, chimera_groups(stages))
         if bad:
@@ -173,12 +175,14 @@ MISMATCH_FLAG = "--allow-schedule-mismatch"
 def packed_for(cfg: RunConfig) -> dict[str, Any]:
     """What a schedule packed for ``cfg`` fits, as its metadata records it (``packed_for``,
     :func:`pipefisher.schedule.file.save_schedule`): the :data:`SHAPE_KEYS` values (``pipeline.chunks`` 1
-    unless interleaved) and, per node, its K-FAC modules as the labels name them (the keys of
+    unless interleaved), ``kfac.cov_micro_batches`` (:func:`pipefisher.schedule.timeline.cov_record`) and, per node,
+    its K-FAC modules as the labels name them (the keys of
     :func:`pipefisher.schedule.file.job_layout`, which is what a profile alone can say)."""
     import json
 
     values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SHAPE_KEYS}
     values["pipeline.chunks"] = cfg.pipeline.chunks if cfg.pipeline.chunked else 1
+    values["kfac.cov_micro_batches"] = cov_record(cov_limit(cfg.kfac.cov_micro_batches), cfg.data.num_micro_batches)
     values["modules"] = [sorted(labelled(n, pipe, cfg.pipeline.chunked) for pipe, names in by_pipe.items()
                                 for n in names) for by_pipe in node_kfac_names(cfg)]
     return json.loads(json.dumps(values, default=list))  # as JSON reads it back: lists, plain dicts
@@ -242,7 +246,8 @@ def single_iteration_schedule(cfg: RunConfig, replicas: int = 1) -> ScheduleData
     for node, by_pipe in enumerate(node_kfac_names(cfg)):
         labels = [START, *pipeline_ops(cfg.pipeline.order, node, stages, m, cfg.pipeline.chunks)]
         mods = [labelled(n, pipe, cfg.pipeline.chunked) for pipe, names in by_pipe.items() for n in names]
-        per_copy = m if cfg.pipeline.chunked else m // len(by_pipe)  # each chunk sees every micro-batch
+        per_copy = cov_pieces(m if cfg.pipeline.chunked else m // len(by_pipe),  # each chunk sees every one
+                              cov_limit(cfg.kfac.cov_micro_batches))
         for name in mods:
             for f in "AB":
                 labels += [f"cov_kron_{f}:{name}"] * per_copy

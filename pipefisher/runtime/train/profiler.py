@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pipefisher.safe_io import dump_pickle_atomic
-from pipefisher.schedule.timeline import STEP_KEY, median_step
+from pipefisher.schedule.timeline import COV_MICRO_BATCHES_KEY, STEP_KEY, median_step
 
 __all__ = ["Profiler", "STEP_KEY", "steps_filename", "timeline_filename"]
 
@@ -82,16 +82,21 @@ class Profiler:
 
         return {k: [(ns(s), ns(e)) for s, e in v] for k, v in self._records.items()}
 
-    def write(self, folder: str | os.PathLike[str], name: str, node: int) -> str:
+    def write(self, folder: str | os.PathLike[str], name: str, node: int, cov_micro_batches: int | None = None) -> str:
         """Write the node's timeline, the median of its profiled steps (:func:`median_step`: one step,
         steadier than the last step the loader would keep), and beside it every profiled step as recorded
         (:func:`steps_filename`); returns the timeline's path. The timeline is written last, so where it
-        exists, so do the steps."""
+        exists, so do the steps. ``cov_micro_batches``: the profiled steps' covariance covered only that
+        many micro-batches of each pipe (``kfac.cov_micro_batches``), which the timeline records
+        (:data:`COV_MICRO_BATCHES_KEY`) so that it is packed with as many covariance pieces."""
         raw = self.timeline()
         folder = os.fspath(folder)
         dump_pickle_atomic(os.path.join(folder, steps_filename(name, node)), raw)
         path = os.path.join(folder, timeline_filename(name, node))
-        dump_pickle_atomic(path, median_step(raw))
+        step = median_step(raw)
+        if cov_micro_batches is not None:
+            step[COV_MICRO_BATCHES_KEY] = [(cov_micro_batches, cov_micro_batches)]
+        dump_pickle_atomic(path, step)
         return path
 
 

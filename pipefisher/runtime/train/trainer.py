@@ -31,7 +31,7 @@ from pipefisher.kfac.factors import BadFactorError
 from pipefisher.pipeline_orders import UP
 from pipefisher.runtime.data.batches import MLMData
 from pipefisher.runtime.job import memory
-from pipefisher.runtime.job.config import RunConfig
+from pipefisher.runtime.job.config import RunConfig, cov_limit
 from pipefisher.runtime.job.dist import DistContext
 from pipefisher.runtime.job.files import RunPaths
 from pipefisher.runtime.job.host import HostReads
@@ -452,7 +452,8 @@ class Trainer:
         if opts.log.out is None:
             return
         if opts.profile and g.replica == 0:
-            result.timeline_path = self.profiler.write(opts.log.out, self.cfg.name, g.stage)
+            result.timeline_path = self.profiler.write(opts.log.out, self.cfg.name, g.stage,
+                                                       cov_limit(self.cfg.kfac.cov_micro_batches))
         if self.reporter:
             dump_json_atomic(RunPaths(opts.log.out, self.cfg.name).losses,
                              {"mode": self.mode, "losses": result.losses, "val": result.val,

@@ -34,7 +34,7 @@ from torch import nn
 from pipefisher.kfac import KFAC
 from pipefisher.kfac.eigenbasis import EigenbasisAdam
 from pipefisher.kfac.factors import kl_clip_scale
-from pipefisher.runtime.job.config import KfacConfig, RunConfig
+from pipefisher.runtime.job.config import KfacConfig, RunConfig, cov_limit
 from pipefisher.runtime.job.host import HostReads
 from pipefisher.runtime.pipeline.contracts import Curvature, Span
 from pipefisher.runtime.train.optim import LRSchedule, clip_grad_norm, make_optimizer
@@ -167,4 +167,5 @@ def kfac_from_config(k: KfacConfig, module: nn.Module, *, loss_scale: float = 1.
                 ignore=k.ignore, loss_scale=loss_scale, dp_group=dp_group, dp_size=dp_size,
                 factor_decay=k.factor_decay, inverse="eigenbasis" if soap else k.inverse, inverse_dtype=k.inverse_dtype,
                 on_bad_factor=k.on_bad_factor, save_dtype=k.save_dtype, fisher=k.fisher, warn=warn,
-                cov_stride=k.cov_stride, drift=drift and not soap, refresh_pieces=k.refresh_pieces, host=host)
+                cov_stride=k.cov_stride, drift=drift and not soap, refresh_pieces=k.refresh_pieces, host=host,
+                cov_micro_batches=cov_limit(k.cov_micro_batches))
