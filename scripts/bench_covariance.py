@@ -69,8 +69,8 @@ def _worker(config_path: str, overrides: list[str], steps: int, eval_every: int,
         for stride, micro in profiled:
             cfg = _cov_config(base, stride, micro, 1, lr, warmup, 0)
             with tempfile.TemporaryDirectory() as folder:
-                opts = TrainOptions(mode="kfac", steps=profile_steps, profile=True, out=folder, progress=False,
-                                    log_every=10**9)
+                opts = TrainOptions.of(mode="kfac", steps=profile_steps, profile=True, out=folder, progress=False,
+                                       log_every=10**9)
                 res = Trainer(cfg, ctx, opts).run()
                 out["cov"].append({"cov_stride": stride, "cov_micro_batches": micro,
                                    "cov_seconds": _cov_seconds(res.timeline_path), "peak_saved": res.peak_saved_bytes})

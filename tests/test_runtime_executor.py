@@ -423,12 +423,12 @@ def test_a_schedule_for_m_covariance_micro_batches_runs_only_with_m_and_trains_a
         runs = {}
         for mode in ("scheduled", "kfac"):
             torch.manual_seed(0)
-            trainer = Trainer(two, single_process(), TrainOptions(mode=mode, schedule=path if mode == "scheduled"
-                                                                  else None, steps=3, progress=False))
+            trainer = Trainer(two, single_process(), TrainOptions.of(mode=mode, schedule=path if mode == "scheduled"
+                                                                     else None, steps=3, progress=False))
             res = trainer.run()
             runs[mode] = (_params(trainer), res.peak_saved_bytes)
         torch.manual_seed(0)
-        every = Trainer(cfg, single_process(), TrainOptions(mode="kfac", steps=3, progress=False)).run()
+        every = Trainer(cfg, single_process(), TrainOptions.of(mode="kfac", steps=3, progress=False)).run()
     finally:
         torch.set_num_threads(threads)
     _close(runs["scheduled"][0], runs["kfac"][0])
@@ -447,8 +447,8 @@ def test_a_profile_with_m_covariance_micro_batches_records_m_and_packs_a_schedul
 
     cfg = tiny(pipeline={"stages": 1})
     one = cfg.replace(kfac={"cov_micro_batches": 1})
-    res = Trainer(one, single_process(), TrainOptions(mode="kfac", profile=True, out=str(tmp_path), steps=2,
-                                                      progress=False)).run()
+    res = Trainer(one, single_process(), TrainOptions.of(mode="kfac", profile=True, out=str(tmp_path), steps=2,
+                                                         progress=False)).run()
     job = load_job([res.timeline_path])
     assert job.nodes[0].cov_micro_batches == 1
     packed = get_policy("tight").pack(job)
