@@ -21,11 +21,14 @@ Per job it prints the cycle the policy chose (the longest over the nodes), the m
 whether the cycle is within the model's; the last line counts the jobs within it:
 
     python scripts/bench_paper_jobs.py [--policy target] [--chimera] [--json out.json]
-        [--overlap] [--pieces N|auto | --piece-ms X]
+        [--overlap] [--pieces N|auto | --piece-ms X] [--piece-cost C] [--tolerance T]
 
 ``--overlap`` lets the cycles overlap (``tight`` and ``target``); ``--pieces`` / ``--piece-ms`` run every
 inverse in pieces (the simulator's ``kfac.refresh_pieces`` / ``kfac.refresh_piece_ms``): the ratio is
-the same, only the work's granularity changes.
+the same, only the work's granularity changes. ``--piece-cost C`` makes an inverse run in pieces cost
+``C`` times its whole time in all (on CPU pieces cost 1.2-4.4x, docs/benchmarks.md), each piece still
+within the width asked for; the model's ratio stays that of whole inverses, the published costs.
+``--tolerance T`` is ``target``'s tie without a staleness curve (its ``tolerance`` option).
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ sys.path.insert(0, ROOT)
 from pipefisher.policies import DEFAULT_POLICY, get_policy  # noqa: E402
 from pipefisher.rules import validate  # noqa: E402
 from pipefisher.schedule.problem import node_model  # noqa: E402
-from pipefisher.schedule.timeline import Job, job_from_dicts  # noqa: E402
+from pipefisher.schedule.timeline import Job, inflate_kfac, job_from_dicts  # noqa: E402
 from pipefisher.sim.costs import cost_model_from_dict  # noqa: E402
 from pipefisher.sim.simulator import simulate_timelines  # noqa: E402
 
@@ -92,12 +95,16 @@ def paper_jobs(chimera: bool = False) -> Iterator[PaperJob]:
             yield PaperJob(model, gpu, batch, order, stages, n)
 
 
-def build(job: PaperJob, pieces: int | str = 1, piece_ms: float | None = None) -> Job:
+def build(job: PaperJob, pieces: int | str = 1, piece_ms: float | None = None, piece_cost: float = 1.0) -> Job:
     """The simulated job: the bundled cost model with this row's block costs, no sync, no latency; each
-    inverse in ``pieces`` pieces (``auto``: :func:`auto_piece_ms`), or in pieces of at most ``piece_ms``."""
+    inverse in ``pieces`` pieces (``auto``: :func:`auto_piece_ms`), or in pieces of at most ``piece_ms``;
+    an inverse run in more than one piece costs ``piece_cost`` times its whole time in all (its pieces
+    cut ``piece_cost`` times finer, so that each stays within ``piece_ms``)."""
     if pieces == "auto":
         piece_ms = auto_piece_ms(build(job))
         pieces = 1
+    if piece_ms is not None:
+        piece_ms /= piece_cost
     with open(os.path.join(SIM, MODELS[job.model][0])) as f:
         data = yaml.safe_load(f)
     row = block_costs(job.model, job.gpu, job.batch)
@@ -111,7 +118,12 @@ def build(job: PaperJob, pieces: int | str = 1, piece_ms: float | None = None) -
     data["latency_ms"] = 0.0
     timelines, _ = simulate_timelines(cost_model_from_dict(data, job.model), schedule=job.order,
                                       stages=job.stages, micro_batches=job.micro_batches)
-    return job_from_dicts(timelines)
+    return inflate_kfac(job_from_dicts(timelines), piece_cost, which=split_refresh)
+
+
+def split_refresh(key: str, intervals: object) -> bool:
+    """An inverse the simulator ran in more than one piece (what ``piece_cost`` lengthens)."""
+    return key.startswith("inv_") and len(intervals) > 1  # type: ignore[arg-type]
 
 
 AUTO_SHARE = 0.5
@@ -150,13 +162,14 @@ class Outcome:
 
 
 def measure(job: PaperJob, policy: str, overlap: bool | None = None, pieces: int | str = 1,
-            piece_ms: float | None = None) -> Outcome:
-    """One job packed by ``policy`` (``overlap``: its option, None: the policy's default), each inverse in
-    ``pieces`` (or of at most ``piece_ms``: :func:`build`), and checked by the rule it was packed under."""
-    built = build(job, pieces, piece_ms)
-    ratios = model_ratios(built)
+            piece_ms: float | None = None, piece_cost: float = 1.0, tolerance: float | None = None) -> Outcome:
+    """One job packed by ``policy`` (``overlap``, ``tolerance``: its options, None: the policy's default),
+    each inverse in ``pieces`` (or of at most ``piece_ms``, each costing ``piece_cost``: :func:`build`),
+    and checked by the rule it was packed under; the model's ratio is the whole inverses'."""
+    built = build(job, pieces, piece_ms, piece_cost)
+    ratios = model_ratios(built if piece_cost == 1 else build(job))
     start = time.perf_counter()
-    packed = get_policy(policy, overlap=overlap).pack(built)
+    packed = get_policy(policy, overlap=overlap, tolerance=tolerance).pack(built)
     seconds = time.perf_counter() - start
     valid = not validate(packed.to_file_data(), built, margin=packed.margin, overlap=packed.overlap)
     cycle = max(n.figures.iterations for n in packed.nodes)
@@ -173,14 +186,21 @@ def measure(job: PaperJob, policy: str, overlap: bool | None = None, pieces: int
               help="Pieces each inverse runs in, or 'auto': pieces of at most half the smallest node's largest bubble.")
 @click.option("--piece-ms", type=click.FloatRange(0, min_open=True), default=None,
               help="Pieces of at most this many milliseconds (instead of --pieces).")
+@click.option("--piece-cost", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="An inverse run in pieces costs this many times its whole time in all.")
+@click.option("--tolerance", type=click.FloatRange(0), default=None,
+              help="target only: without a staleness curve, planned steps this close (a fraction) tie and the "
+                   "shorter cycle wins (default: the policy's, 0.02).")
 def main(policy: str, chimera: bool, json_out: str | None, overlap: bool | None, pieces: str,
-         piece_ms: float | None) -> None:
+         piece_ms: float | None, piece_cost: float, tolerance: float | None) -> None:
     if pieces != "auto" and not (pieces.isdigit() and int(pieces) >= 1):
         raise click.BadParameter(f"{pieces!r} is neither a count >= 1 nor 'auto'", param_hint="--pieces")
+    if tolerance is not None and policy != "target":
+        raise click.BadParameter(f"applies to the 'target' policy only, not to {policy!r}", param_hint="--tolerance")
     split: int | str = pieces if pieces == "auto" else int(pieces)
     outcomes = []
     for job in paper_jobs(chimera):
-        o = measure(job, policy, overlap, split, piece_ms)
+        o = measure(job, policy, overlap, split, piece_ms, piece_cost, tolerance)
         outcomes.append(o)
         click.echo(f"{o.job:<44} cycle {o.cycle:>3}  model ceil({SLACK} x {o.ratio:6.2f}) = {o.model_cycle:>3}  "
                    f"{'valid' if o.valid else 'INVALID'}  {'within' if o.within else 'over'}  {o.seconds:.2f} s")

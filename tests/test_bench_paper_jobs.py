@@ -6,6 +6,10 @@ import os
 import sys
 
 import pytest
+from click.testing import CliRunner
+
+from pipefisher.errors import InputError
+from pipefisher.policies import get_policy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
@@ -47,3 +51,49 @@ def test_pieces_and_overlap_pack_valid_and_no_longer_than_whole_refreshes() -> N
     width = bench.auto_piece_ms(bench.build(job)) * 1e6
     inverses = [ivs for node in built.nodes for k, ivs in node.entries.items() if k.startswith("inv_kron_")]
     assert max(map(len, inverses)) > 1 and all(iv.end - iv.start <= width + 1 for ivs in inverses for iv in ivs)
+
+
+def test_a_wider_tie_without_a_curve_buys_the_shortest_cycle_within_it() -> None:
+    """target's rule without a curve: the shortest cycle among the packings whose planned step is within
+    its tolerance of the least; on this job the default 2 % keeps k = 10, 5 % reaches the model's 7."""
+    built = bench.build(bench.PaperJob("bert-base", "v100", 8, "1f1b", 4, 8))
+    default = get_policy("target").pack(built).tradeoff
+    wide = get_policy("target", tolerance=0.05).pack(built).tradeoff
+    assert default.tolerance == 0.02 and wide.tolerance == 0.05
+    for w in (default, wide):
+        least = min(c.cost.step for c in w.candidates)
+        near = [c for c in w.candidates if c.cost.step <= least * (1 + w.tolerance)]
+        assert w.chosen.cost.cycle == min(c.cost.cycle for c in near)
+        assert w.data()["tolerance"] == w.tolerance
+    assert wide.chosen.cost.cycle < default.chosen.cost.cycle
+    assert wide.chosen.cost.cycle <= bench.measure(bench.PaperJob("bert-base", "v100", 8, "1f1b", 4, 8),
+                                                   "target").model_cycle
+
+
+def test_a_tolerance_must_be_a_fraction_and_is_targets_only() -> None:
+    with pytest.raises(InputError, match="tolerance must be a fraction >= 0"):
+        get_policy("target", tolerance=-0.1)
+    with pytest.raises(InputError, match="takes only"):
+        get_policy("tight", tolerance=0.05)
+    out = CliRunner().invoke(bench.main, ["--policy", "tight", "--tolerance", "0.05"])
+    assert out.exit_code != 0 and "'target' policy only" in out.output and "Traceback" not in out.output
+
+
+def test_pieces_that_cost_more_than_the_whole_stay_within_their_width_and_leave_the_ratio() -> None:
+    job = bench.PaperJob("bert-large", "rtx3090", 8, "gpipe", 8, 8)
+    whole = bench.build(job)
+    width = bench.auto_piece_ms(whole) * 1e6
+    even, costly = bench.build(job, "auto"), bench.build(job, "auto", piece_cost=2.0)
+
+    def inverses(j):
+        return {(n.path, k): [iv.end - iv.start for iv in ivs] for n in j.nodes for k, ivs in n.entries.items()
+                if k.startswith("inv_")}
+
+    base, dear, one = inverses(even), inverses(costly), inverses(whole)
+    split = [k for k, v in dear.items() if len(v) > 1]
+    assert split and all(max(dear[k]) <= width + 1 for k in dear)
+    for k, pieces in dear.items():  # split inverses cost twice the whole one, whole ones as published
+        assert sum(pieces) == pytest.approx((2.0 if len(pieces) > 1 else 1.0) * sum(one[k]), rel=1e-3)
+    assert len(base) == len(dear)
+    assert bench.measure(job, "tight", pieces="auto", piece_cost=2.0).ratio == \
+        pytest.approx(bench.measure(job, "tight").ratio, rel=1e-6)

@@ -195,6 +195,8 @@ def test_choose_needs_candidates_and_the_curve_decides_where_it_can() -> None:
     with_curve = [Candidate(c.margin, c.schedule, c.cost, curve.at(c.cost.cycle)) for c in (a, b)]
     assert choose(with_curve, curve).chosen is with_curve[0]  # 0.55 x 1.10 = 0.605 < 0.9 x 1.01
     assert choose([a, b]).chosen is b  # without it: the least step, 10 % above the floor
+    # a wider tie buys the shorter cycle: 110 is within 10 % of 101
+    assert choose([a, b], tolerance=0.1).chosen is a
 
 
 def small_two_node_job():

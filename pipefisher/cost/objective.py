@@ -311,17 +311,17 @@ def _curve_order(c: Candidate) -> tuple[float, int, float]:
 
 
 def choose(candidates: Sequence[Candidate], staleness: StalenessCurve | None = None,
-           max_cycle: int | None = None) -> Choice:
+           max_cycle: int | None = None, tolerance: float = NO_CURVE_TOLERANCE) -> Choice:
     """The whole rule on ``candidates`` (every density, in packing order): with a curve, the least
     expected time-to-target; without one, or where no candidate reaches the target on it (a warning
-    says so), :func:`choose_without_curve`."""
+    says so), :func:`choose_without_curve` at ``tolerance``."""
     if not candidates:
         raise ValueError("no candidate schedules")
     if staleness is not None:
         chosen = choose_with_curve(candidates, max_cycle)
         if chosen is not None:
             return chosen
-    plain = choose_without_curve(candidates, max_cycle)
+    plain = choose_without_curve(candidates, max_cycle, tolerance)
     if staleness is None or not plain.within_run:
         return plain
     never = ", ".join(str(k) for k in sorted({c.cost.cycle for c in candidates}))
@@ -349,6 +349,8 @@ class Tradeoff:
     max_cycle: int | None = None
     within_run: bool = True
     """Whether the chosen cycle fits the run's ``max_cycle`` steps (False: no packing's does)."""
+    tolerance: float = NO_CURVE_TOLERANCE
+    """The rule without a curve's tie: planned steps this close (a fraction) count as equal."""
 
     def lines(self) -> list[str]:
         """The table reports print: per candidate k, planned overhead and overflow per step, and with a
@@ -392,7 +394,7 @@ class Tradeoff:
                                                           "source": curve.describe()},
                 "slowdown": self.slowdown, "why": self.why, "warnings": list(self.warnings),
                 "unpacked": list(self.unpacked), "max_cycle": self.max_cycle,
-                "within_run": self.within_run,
+                "within_run": self.within_run, "tolerance": self.tolerance,
                 "candidates": [{"margin": c.margin, "cycle": c.cost.cycle, "overhead": num(c.cost.overhead),
                                 "overflow_per_step": num(c.overflow_per_step),
                                 "relative_steps": num(c.relative_steps), "relative_time": num(c.relative_time),
@@ -458,7 +460,7 @@ def _same(a: JobSchedule, b: JobSchedule) -> bool:
 def tradeoff(job: Job, pack: Callable[..., JobSchedule], margin: float,
              staleness: StalenessCurve | None = None, slowdown: float = DEFAULT_SLOWDOWN,
              max_cycle: int | None = None, bound: CycleBound | None = None, prune: bool = True,
-             each_node: bool = False) -> Tradeoff:
+             each_node: bool = False, tolerance: float = NO_CURVE_TOLERANCE) -> Tradeoff:
     """Pack ``job`` at ``margin`` and the sparser :data:`DENSITIES` (``pack(job, m)``), evaluate each
     distinct schedule, and choose (:func:`choose`): every density is weighed, whatever its k.
 
@@ -474,6 +476,8 @@ def tradeoff(job: Job, pack: Callable[..., JobSchedule], margin: float,
     then, while the packer works on the others (in worker processes, on a big job), rather than after.
     A node the packer changes after that (aligning sync groups) is evaluated again: the figures are
     looked up by the node's schedule, so they are the same either way.
+
+    ``tolerance``: the rule without a curve's tie (:func:`choose_without_curve`).
     """
     margins = [margin, *(d for d in DENSITIES if d > margin)]
     w = _Weighing(job, pack, staleness, slowdown, margins, each_node)
@@ -503,16 +507,16 @@ def tradeoff(job: Job, pack: Callable[..., JobSchedule], margin: float,
             if c is not None and _reaches(c, max_cycle) and (best is None or _curve_order(c) < _curve_order(best)):
                 best = c
         if best is None:  # no finite candidate: the rule without a curve decides, over every density
-            _without_curve(w, max_cycle, unpacked)
+            _without_curve(w, max_cycle, unpacked, tolerance)
         elif never:
             unpacked.append(f"margins {', '.join(f'{m:g}' for m in never)} (their cycles never reach the "
                             "target on the curve)")
     else:
-        _without_curve(w, max_cycle, unpacked)
+        _without_curve(w, max_cycle, unpacked, tolerance)
     candidates = w.packed()
-    choice = choose(candidates, staleness, max_cycle)
+    choice = choose(candidates, staleness, max_cycle, tolerance)
     return Tradeoff(tuple(candidates), choice.chosen, staleness, slowdown, choice.why, choice.warnings,
-                    tuple(unpacked), max_cycle, choice.within_run)
+                    tuple(unpacked), max_cycle, choice.within_run, tolerance)
 
 
 def _reaches(c: Candidate, max_cycle: int | None) -> bool:
@@ -536,11 +540,13 @@ def _cannot_win(curve: StalenessCurve, bounds: Iterator[int], floor: float, upto
     return None
 
 
-def _without_curve(w: _Weighing, max_cycle: int | None, unpacked: list[str]) -> None:
-    """Pack what :func:`choose_without_curve` needs: the densest alone where it is at the floor."""
+def _without_curve(w: _Weighing, max_cycle: int | None, unpacked: list[str],
+                   tolerance: float = NO_CURVE_TOLERANCE) -> None:
+    """Pack what :func:`choose_without_curve` at ``tolerance`` needs: the densest alone where it is at the
+    floor."""
     densest = w.get(w.margins[0])
     assert densest is not None
-    if (max_cycle is None or densest.cost.cycle <= max_cycle) and at_the_floor(densest):
+    if (max_cycle is None or densest.cost.cycle <= max_cycle) and at_the_floor(densest, tolerance):
         rest = [m for m in w.margins[1:] if m not in w.done]
         if rest:
             unpacked.append(f"margins {', '.join(f'{m:g}' for m in rest)} (the densest packing is at the floor)")

@@ -12,7 +12,7 @@ import os
 import re
 from functools import lru_cache
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 from pipefisher.errors import InputError
 from pipefisher.pipeline_orders import PassKind
@@ -631,17 +631,22 @@ def load_job(paths: Iterable[str | os.PathLike[str]], allow_mixed: bool = False)
 
 
 
-def inflate_kfac(job: Job, factor: float) -> Job:
+KfacSelector = Callable[[str, Sequence[Interval]], bool]
+"""Which K-FAC entries (key, intervals) :func:`inflate_kfac` lengthens."""
+
+
+def inflate_kfac(job: Job, factor: float, which: KfacSelector | None = None) -> Job:
     """The job with every K-FAC interval ``factor`` times as long (same start): packing it leaves that
-    much slack for K-FAC work that runs slower, or bubbles that are shorter, than profiled."""
+    much slack for K-FAC work that runs slower, or bubbles that are shorter, than profiled. ``which``:
+    only the entries it selects (a refresh that costs more in pieces than whole)."""
     import dataclasses
 
     if factor == 1.0:
         return job
-    return dataclasses.replace(job, nodes=tuple(inflate_node_kfac(n, factor) for n in job.nodes))
+    return dataclasses.replace(job, nodes=tuple(inflate_node_kfac(n, factor, which) for n in job.nodes))
 
 
-def inflate_node_kfac(node: NodeTimeline, factor: float) -> NodeTimeline:
+def inflate_node_kfac(node: NodeTimeline, factor: float, which: KfacSelector | None = None) -> NodeTimeline:
     """One node of :func:`inflate_kfac` (the ``target`` policy evaluates nodes one at a time)."""
     if factor == 1.0:
         return node
@@ -652,5 +657,6 @@ def inflate_node_kfac(node: NodeTimeline, factor: float) -> NodeTimeline:
         d = (iv.end - iv.start) * factor
         return Interval(iv.start, iv.start + (int(round(d)) if isinstance(iv.start, int) else d))
 
-    return NodeTimeline(node.path, {k: (tuple(grow(iv) for iv in v) if TimelineKey.parse(k).is_kfac else v)
+    return NodeTimeline(node.path, {k: (tuple(grow(iv) for iv in v)
+                                        if TimelineKey.parse(k).is_kfac and (which is None or which(k, v)) else v)
                                     for k, v in node.entries.items()}, node.cov_micro_batches)
