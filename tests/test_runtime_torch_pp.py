@@ -281,10 +281,11 @@ OWN_UPDATE_STEPS = 8
 
 
 def _own_update_against_the_updater(folder: str, update: str) -> dict:
-    """On 2 ranks (1F1B, the example's model), a loop of one's own with AdamW and ``kfac.update`` ``update``
-    (KL-clip on with momentum): every step, the K-FAC layers' step ``pf.step`` took, against ``pipefisher train``'s
-    :class:`Updater` from the same weights, gradients and optimizer state (through the profiled steps and
-    the packed schedule's); the loop's losses, and what the user's AdamW holds state for."""
+    """On 2 ranks (1F1B, the example's model), a loop of one's own with AdamW, a warm-up scheduler and
+    ``kfac.update`` ``update`` (KL-clip on with momentum): every step, the K-FAC layers' step ``pf.step``
+    took, against ``pipefisher train``'s :class:`Updater` from the same weights, gradients and optimizer
+    state (through the profiled steps and the packed schedule's); the loop's losses, and what the user's
+    AdamW holds state for."""
     import copy
 
     import torch
@@ -298,9 +299,12 @@ def _own_update_against_the_updater(folder: str, update: str) -> dict:
     ex = _example()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # the config check refuses kl_clip with soap (Adam's step, not a preconditioned one); each stage's
+    # first layer is left to AdamW alone; the learning rate warms up (a torch scheduler in the loop)
     kfac = {"update": update, "kl_clip": 1e-2 if update == "momentum" else 0.0, "damping": 0.03, "lr": 0.05,
-            "momentum": 0.9, "ignore": ["0"]}  # each stage's first layer is AdamW's alone  # the config check refuses kl_clip with soap (Adam's step, not a preconditioned one)
-    optim = {"name": "adamw", "lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01}
+            "momentum": 0.9, "ignore": ["0"]}
+    optim = {"name": "adamw", "lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01,
+             "warmup_steps": 4}
     out: dict = {"losses": [], "gaps": [], "moved": []}
     try:
         stage = PipelineStage(ex.make_model(world, 16, 4)[rank], rank, world, torch.device("cpu"))
@@ -311,6 +315,7 @@ def _own_update_against_the_updater(folder: str, update: str) -> dict:
         pf = torch_pp.wrap([stage], schedule, folder=folder, kfac=kfac, optimizer=optimizer, profile_steps=2)
         updater = Updater(config_from_dict({"optim": optim, "kfac": kfac}, "test"), module, pf.kfac,
                           total_steps=OWN_UPDATE_STEPS, pipe_group=dist.group.WORLD)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, updater.schedule.factor)  # train's warm-up
         params, own = list(module.parameters()), {id(p) for p in pf.kfac.parameters()}
         before: dict = {}
         precondition = pf.kfac.precondition_all
@@ -345,6 +350,7 @@ def _own_update_against_the_updater(folder: str, update: str) -> dict:
                     p.grad = g
             optimizer.step()
             optimizer.zero_grad()
+            scheduler.step()
             out["losses"].append(sum(float(v) for v in losses) / max(len(losses), 1))
         out["adamw_state"] = sorted(id(p) in own for p in optimizer.state)  # False: a parameter K-FAC leaves
         out["cycle"] = pf.cycle
@@ -356,7 +362,8 @@ def _own_update_against_the_updater(folder: str, update: str) -> dict:
 @pytest.mark.parametrize("update", ["soap", "momentum"])
 def test_a_torch_pp_run_with_kfacs_own_update_steps_its_layers_as_the_updater_does(tmp_path, update):
     """``kfac.update`` soap and momentum: ``pf.step`` steps K-FAC's layers exactly as ``pipefisher train``'s
-    Updater does on the same gradients (momentum's KL-clip at its learning rate included), in the profiled
+    Updater does on the same gradients (the learning rate following the loop's warm-up, momentum's KL-clip
+    at its learning rate included), in the profiled
     steps and under the packed schedule; the user's AdamW steps only the other parameters; the loss falls."""
     from pipefisher.runtime.launch.local import spawn_local
 

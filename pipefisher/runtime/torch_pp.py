@@ -28,7 +28,7 @@ scales them, at the learning rate of ``optimizer``'s first group).
 
 With ``kfac.update`` ``momentum`` or ``soap``, K-FAC's layers are stepped as ``pipefisher train``'s
 :class:`~pipefisher.runtime.train.update.Updater` steps them, by :attr:`KfacPipeline.kfac_optimizer`
-(:func:`pipefisher.runtime.train.update.kfac_optimizer`), at the end of :meth:`KfacPipeline.step`; their
+(:func:`pipefisher.runtime.train.update.make_kfac_optimizer`), at the end of :meth:`KfacPipeline.step`; their
 gradients are then cleared (``None``), so your ``optimizer.step()`` steps the other parameters only (torch's
 optimizers skip a parameter without a gradient, weight decay included). Its learning rate follows
 ``optimizer``'s first group: ``soap`` steps at that rate (with that group's betas, eps and weight decay),
@@ -60,7 +60,7 @@ from pipefisher.runtime.pipeline.copies import StageCopiesKFAC
 from pipefisher.runtime.pipeline.executor import ScheduleExecutor, plain_step
 from pipefisher.runtime.pipeline.torch_engine import TorchEngine
 from pipefisher.runtime.train.profiler import Profiler, timeline_filename
-from pipefisher.runtime.train.update import clip_kl, kfac_from_config, kfac_optimizer, kfac_peak_lr
+from pipefisher.runtime.train.update import clip_kl, kfac_from_config, kfac_peak_lr, make_kfac_optimizer
 from pipefisher.schedule.problem import DEFAULT_MARGIN
 from pipefisher.schedule.timeline import UPDATE_KEY
 
@@ -159,12 +159,14 @@ class KfacPipeline:
         self.settings, self.optimizer = kfac, optimizer
         self.kfacs = {j: kfac_from_config(kfac, st.submod) for j, st in self.copies.items()}
         self.kfac = StageCopiesKFAC(self.kfacs, list(self.copies), interleaved=len(self.copies) > 1)
-        self.kfac_optimizer = None  # K-FAC's layers' own update (kfac.update momentum, soap), else your optimizer's
+        self.kfac_optimizer: Any = None  # K-FAC's layers' own update (kfac.update momentum, soap), else yours
+        self._initial_lr = 0.0
         if kfac.update != "base":
             group = optimizer.param_groups[0]
             self._initial_lr = float(group.get("initial_lr", group["lr"]))
-            self.kfac_optimizer = kfac_optimizer(kfac, self.kfac, lr=float(group["lr"]), betas=group.get("betas", ()),
-                                                 eps=group.get("eps", 0.0), weight_decay=group.get("weight_decay", 0.0))
+            self.kfac_optimizer = make_kfac_optimizer(kfac, self.kfac, lr=float(group["lr"]),
+                                                      betas=group.get("betas", ()), eps=group.get("eps", 0.0),
+                                                      weight_decay=group.get("weight_decay", 0.0))
         device = ordered[0].device
         self.profiler = Profiler(False, device)  # on for the profiled steps only
         self.group = ordered[0].group
@@ -222,7 +224,8 @@ class KfacPipeline:
                 for group in self.kfac_optimizer.param_groups:
                     group["lr"] = lr
             if self.settings.kl_clip > 0:
-                clip_kl(self.kfac, lr, self.settings.kl_clip, self.group if self.group is not None else dist.group.WORLD)
+                group = self.group if self.group is not None else dist.group.WORLD
+                clip_kl(self.kfac, lr, self.settings.kl_clip, group)
             if self.kfac_optimizer is not None:
                 self.kfac_optimizer.step()
                 self.kfac_optimizer.zero_grad(set_to_none=True)  # your optimizer skips K-FAC's layers

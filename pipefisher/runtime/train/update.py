@@ -67,7 +67,7 @@ class Updater:
         named = [(n, p) for n, p in stage.named_parameters() if id(p) not in kfac_ids]
         self.optimizer = make_optimizer(cfg.optim, named)
         o = cfg.optim
-        self.kfac_optimizer = kfac_optimizer(cfg.kfac, kfac, lr=o.lr, betas=o.betas, eps=o.eps,
+        self.kfac_optimizer = make_kfac_optimizer(cfg.kfac, kfac, lr=o.lr, betas=o.betas, eps=o.eps,
                                              weight_decay=o.weight_decay) if own else None
         self.device = next(stage.parameters()).device
 
@@ -128,7 +128,7 @@ class Updater:
             self.kfac_optimizer.load_state_dict(state["kfac_optimizer"])
 
 
-def kfac_optimizer(k: KfacConfig, kfac: Curvature, *, lr: float, betas: Sequence[float], eps: float,
+def make_kfac_optimizer(k: KfacConfig, kfac: Curvature, *, lr: float, betas: Sequence[float], eps: float,
                    weight_decay: float) -> torch.optim.Optimizer:
     """The optimizer that steps K-FAC's layers under ``kfac.update`` ``momentum`` or ``soap`` (step 5 above),
     for :class:`Updater` and :mod:`pipefisher.runtime.torch_pp`: ``soap`` - Adam in the layers' eigenbases
@@ -143,7 +143,7 @@ def kfac_optimizer(k: KfacConfig, kfac: Curvature, *, lr: float, betas: Sequence
 
 
 def kfac_peak_lr(k: KfacConfig, lr: float) -> float:
-    """The learning rate of :func:`kfac_optimizer`'s optimizer where the first-order one's is ``lr``
+    """The learning rate of :func:`make_kfac_optimizer`'s optimizer where the first-order one's is ``lr``
     (both follow one schedule): ``soap`` steps at ``lr`` itself, ``momentum`` at its own ``kfac.lr``."""
     return lr if k.update == "soap" else k.lr
 
