@@ -251,12 +251,126 @@ def test_wrap_refuses_kfac_settings_a_loop_of_its_own_cannot_honour_in_one_line(
     Fisher, a KL-clip without the optimizer's learning rate, an unknown key; never silently dropped."""
     from pipefisher.runtime import torch_pp
 
-    for kfac, says in (({"update": "soap"}, "kfac.update soap steps K-FAC's layers with an optimizer of pipefisher's own"),
-                       ({"update": "momentum"}, "kfac.update momentum steps"),
-                       ({"fisher": "true"}, "kfac.fisher true needs pipefisher's own engine"),
+    for kfac, says in (({"update": "soap"}, "kfac.update soap steps K-FAC's layers at your optimizer's learning rate: "
+                                            "give wrap your optimizer (optimizer=...)"),
+                       ({"update": "momentum"}, "kfac.update momentum steps K-FAC's layers at your optimizer's"),
+                       ({"fisher": "true"}, "kfac.fisher true needs a second backward of sampled labels sent from "
+                                            "stage to stage, which torch's pipeline schedules do not run"),
                        ({"kl_clip": 0.01}, "kfac.kl_clip 0.01 bounds the step at your optimizer's learning rate"),
                        ({"clip": 0.01}, "unknown key(s) in 'kfac': clip")):
         with pytest.raises(InputError, match=re.escape(says)) as err:
             torch_pp.wrap([object()], object(), folder=str(tmp_path / "pf"), kfac=kfac)
         assert "\n" not in str(err.value) and str(err.value).startswith("torch_pp.wrap kfac: ")
     assert not (tmp_path / "pf").exists()
+
+
+def test_wrap_refuses_soap_with_an_optimizer_without_adams_betas_in_one_line(tmp_path):
+    """soap runs Adam in K-FAC's eigenbases with your optimizer's betas and eps: SGD has none to give."""
+    import torch
+
+    from pipefisher.runtime import torch_pp
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(InputError, match=re.escape("kfac.update soap runs Adam with your optimizer's betas and eps, "
+                                                   "and SGD has none")) as err:
+        torch_pp.wrap([object()], object(), folder=str(tmp_path / "pf"), kfac={"update": "soap"}, optimizer=sgd)
+    assert "\n" not in str(err.value)
+
+
+OWN_UPDATE_STEPS = 8
+
+
+def _own_update_against_the_updater(folder: str, update: str) -> dict:
+    """On 2 ranks (1F1B, the example's model), a loop of one's own with AdamW, a warm-up scheduler and
+    ``kfac.update`` ``update`` (KL-clip on with momentum): every step, the K-FAC layers' step ``pf.step``
+    took, against ``pipefisher train``'s :class:`Updater` from the same weights, gradients and optimizer
+    state (through the profiled steps and the packed schedule's); the loop's losses, and what the user's
+    AdamW holds state for."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from pipefisher.runtime import torch_pp
+    from pipefisher.runtime.job.config import config_from_dict
+    from pipefisher.runtime.train.update import Updater
+
+    ex = _example()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # the config check refuses kl_clip with soap (Adam's step, not a preconditioned one); each stage's
+    # first layer is left to AdamW alone; the learning rate warms up (a torch scheduler in the loop)
+    kfac = {"update": update, "kl_clip": 1e-2 if update == "momentum" else 0.0, "damping": 0.03, "lr": 0.05,
+            "momentum": 0.9, "ignore": ["0"]}
+    optim = {"name": "adamw", "lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01,
+             "warmup_steps": 4}
+    out: dict = {"losses": [], "gaps": [], "moved": []}
+    try:
+        stage = PipelineStage(ex.make_model(world, 16, 4)[rank], rank, world, torch.device("cpu"))
+        module = stage.submod
+        optimizer = torch.optim.AdamW(module.parameters(), lr=optim["lr"], betas=tuple(optim["betas"]),
+                                      eps=optim["eps"], weight_decay=optim["weight_decay"])
+        schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=torch.nn.CrossEntropyLoss())
+        pf = torch_pp.wrap([stage], schedule, folder=folder, kfac=kfac, optimizer=optimizer, profile_steps=2)
+        updater = Updater(config_from_dict({"optim": optim, "kfac": kfac}, "test"), module, pf.kfac,
+                          total_steps=OWN_UPDATE_STEPS, pipe_group=dist.group.WORLD)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, updater.schedule.factor)  # train's warm-up
+        params, own = list(module.parameters()), {id(p) for p in pf.kfac.parameters()}
+        before: dict = {}
+        precondition = pf.kfac.precondition_all
+
+        def recorded() -> int:  # what the update starts from: weights, raw gradients, K-FAC's optimizer state
+            before.update(weights=[p.detach().clone() for p in params], grads=[p.grad.clone() for p in params],
+                          state=copy.deepcopy(pf.kfac_optimizer.state_dict()))
+            return precondition()
+
+        for step in range(OWN_UPDATE_STEPS):
+            x, y = ex.batch(step, 16, 16, 4)
+            losses: list = []
+            pf.kfac.precondition_all = recorded
+            pf.step(x, target=y, losses=losses)
+            pf.kfac.precondition_all = precondition
+            taken = [p.detach().clone() for p in params]
+            assert all(p.grad is None for p in params if id(p) in own)  # the user's AdamW skips them
+            rest = [p.grad for p in params]
+            with torch.no_grad():  # the Updater's step from the same point
+                for p, w, g in zip(params, before["weights"], before["grads"]):
+                    p.copy_(w)
+                    p.grad = g.clone()
+            updater.kfac_optimizer.load_state_dict(before["state"])
+            updater.set_step(step)
+            updater.step(module)
+            out["gaps"].append(max(float((p.detach() - t).abs().max()) for p, t in zip(params, taken) if id(p) in own))
+            out["moved"].append(min(float((t - w).abs().max()) for t, w, p in zip(taken, before["weights"], params)
+                                    if id(p) in own))
+            with torch.no_grad():
+                for p, t, g in zip(params, taken, rest):
+                    p.copy_(t)
+                    p.grad = g
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            out["losses"].append(sum(float(v) for v in losses) / max(len(losses), 1))
+        out["adamw_state"] = sorted(id(p) in own for p in optimizer.state)  # False: a parameter K-FAC leaves
+        out["cycle"] = pf.cycle
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("update", ["soap", "momentum"])
+def test_a_torch_pp_run_with_kfacs_own_update_steps_its_layers_as_the_updater_does(tmp_path, update):
+    """``kfac.update`` soap and momentum: ``pf.step`` steps K-FAC's layers exactly as ``pipefisher train``'s
+    Updater does on the same gradients (the learning rate following the loop's warm-up, momentum's KL-clip
+    at its learning rate included), in the profiled
+    steps and under the packed schedule; the user's AdamW steps only the other parameters; the loss falls."""
+    from pipefisher.runtime.launch.local import spawn_local
+
+    for rank, res in enumerate(spawn_local(_own_update_against_the_updater, 2, str(tmp_path), update, timeout_s=180)):
+        assert res["cycle"] is not None
+        assert max(res["gaps"]) < 1e-6, res["gaps"]
+        assert min(res["moved"]) > 1e-5, res["moved"]
+        assert res["adamw_state"] == [False, False], res["adamw_state"]  # the first layer's weight and bias
+        if rank == 1:  # the last stage's losses
+            assert sum(res["losses"][-2:]) < sum(res["losses"][:2]), res["losses"]

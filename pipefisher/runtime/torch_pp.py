@@ -26,6 +26,15 @@ schedule's ``step`` (averaged over micro-batches when the schedule's ``scale_gra
 with the latest K-FAC inverses (and, with ``kfac.kl_clip``, scaled as :class:`pipefisher.runtime.train.update.Updater`
 scales them, at the learning rate of ``optimizer``'s first group).
 
+With ``kfac.update`` ``momentum`` or ``soap``, K-FAC's layers are stepped as ``pipefisher train``'s
+:class:`~pipefisher.runtime.train.update.Updater` steps them, by :attr:`KfacPipeline.kfac_optimizer`
+(:func:`pipefisher.runtime.train.update.make_kfac_optimizer`), at the end of :meth:`KfacPipeline.step`; their
+gradients are then cleared (``None``), so your ``optimizer.step()`` steps the other parameters only (torch's
+optimizers skip a parameter without a gradient, weight decay included). Its learning rate follows
+``optimizer``'s first group: ``soap`` steps at that rate (with that group's betas, eps and weight decay),
+``momentum`` at ``kfac.lr`` times that rate over the group's initial one (its ``initial_lr``, which torch's
+learning-rate schedulers set, else its rate at :func:`wrap`), as ``train`` runs both on one schedule.
+
 K-FAC is built from the ``kfac`` settings as ``pipefisher train`` builds it
 (:func:`pipefisher.runtime.train.update.kfac_from_config`); the schedule is packed, checked and saved,
 with the same metadata as ``pipefisher run``'s, by :mod:`pipefisher.policies.packing`.
@@ -51,7 +60,7 @@ from pipefisher.runtime.pipeline.copies import StageCopiesKFAC
 from pipefisher.runtime.pipeline.executor import ScheduleExecutor, plain_step
 from pipefisher.runtime.pipeline.torch_engine import TorchEngine
 from pipefisher.runtime.train.profiler import Profiler, timeline_filename
-from pipefisher.runtime.train.update import clip_kl, kfac_from_config
+from pipefisher.runtime.train.update import clip_kl, kfac_from_config, kfac_peak_lr, make_kfac_optimizer
 from pipefisher.schedule.problem import DEFAULT_MARGIN
 from pipefisher.schedule.timeline import UPDATE_KEY
 
@@ -68,7 +77,8 @@ def wrap(stages: Sequence[Any], schedule: Any, *, folder: str, kfac: KfacConfig 
     ``overwrite``), is refused now (:func:`check_folder`), not after the profiled steps. ``kfac``: K-FAC's
     settings, a run config's ``kfac`` section (:func:`kfac_settings`); ``damping`` and ``ignore``, where
     given, replace its ``kfac.damping`` and ``kfac.ignore``. ``optimizer``: your loop's optimizer, whose
-    first group's learning rate ``kfac.kl_clip`` bounds the step at (needed with ``kl_clip`` only)."""
+    first group's learning rate ``kfac.kl_clip`` bounds the step at and ``kfac.update`` ``momentum`` and
+    ``soap`` follow (needed with those only)."""
     settings = kfac_settings(kfac, damping=damping, ignore=ignore, optimizer=optimizer)
     check_folder(folder, name=name, overwrite=overwrite)
     return KfacPipeline(stages, schedule, folder=folder, kfac=settings, optimizer=optimizer,
@@ -79,10 +89,10 @@ def kfac_settings(kfac: KfacConfig | Mapping[str, Any] | None = None, *, damping
                   ignore: Iterable[str] | None = None, optimizer: Any = None) -> KfacConfig:
     """The ``kfac`` settings :func:`wrap` builds K-FAC from, checked as a config file's ``kfac`` section is
     (:class:`InputError`, one line naming the key), and refused where a loop of your own cannot honour
-    them: ``kfac.update`` other than ``base`` (``momentum`` and ``soap`` step K-FAC's layers with an
-    optimizer of pipefisher's own; here your optimizer steps every parameter), the true Fisher (its
-    sampled backward runs in pipefisher's engine only), and ``kl_clip`` without the ``optimizer`` whose
-    learning rate it needs. ``kfac.interval`` plays no part: the packed schedule refreshes once per cycle."""
+    them: the true Fisher (its second, sampled-label backward sends its own gradients from stage to
+    stage, which torch's schedules do not run), and ``kl_clip``, ``update`` ``momentum`` or ``soap`` without
+    the ``optimizer`` whose learning rate they need (``soap``: one with Adam's ``betas`` and ``eps``).
+    ``kfac.interval`` plays no part: the packed schedule refreshes once per cycle."""
     values = dataclasses.asdict(kfac) if isinstance(kfac, KfacConfig) else dict(kfac or {})
     if damping is not None:
         values["damping"] = damping
@@ -90,13 +100,19 @@ def kfac_settings(kfac: KfacConfig | Mapping[str, Any] | None = None, *, damping
         values["ignore"] = list(ignore)
     where = "torch_pp.wrap kfac"
     settings = config_from_dict({"kfac": values}, where).kfac
-    if settings.update != "base":
-        raise InputError(where, f"kfac.update {settings.update} steps K-FAC's layers with an optimizer of "
-                                "pipefisher's own, which a loop of your own does not run: use update base "
-                                "(your optimizer steps the preconditioned gradients)")
     if settings.fisher != "empirical":
-        raise InputError(where, "kfac.fisher true needs pipefisher's own engine (its sampled backward): "
-                                "use fisher empirical")
+        raise InputError(where, "kfac.fisher true needs a second backward of sampled labels sent from stage to "
+                                "stage, which torch's pipeline schedules do not run: use fisher empirical "
+                                "(or pipefisher train with pipeline.engine pipefisher)")
+    if settings.update != "base" and optimizer is None:
+        raise InputError(where, f"kfac.update {settings.update} steps K-FAC's layers at your optimizer's learning "
+                                "rate: give wrap your optimizer (optimizer=...)")
+    if settings.update == "soap":
+        group = optimizer.param_groups[0]
+        if "betas" not in group or "eps" not in group:
+            raise InputError(where, f"kfac.update soap runs Adam with your optimizer's betas and eps, and "
+                                    f"{type(optimizer).__name__} has none: use an Adam-type optimizer (Adam, AdamW) "
+                                    "or kfac.update momentum")
     if settings.kl_clip > 0 and optimizer is None:
         raise InputError(where, f"kfac.kl_clip {settings.kl_clip:g} bounds the step at your optimizer's learning "
                                 "rate: give wrap your optimizer (optimizer=...)")
@@ -143,6 +159,14 @@ class KfacPipeline:
         self.settings, self.optimizer = kfac, optimizer
         self.kfacs = {j: kfac_from_config(kfac, st.submod) for j, st in self.copies.items()}
         self.kfac = StageCopiesKFAC(self.kfacs, list(self.copies), interleaved=len(self.copies) > 1)
+        self.kfac_optimizer: Any = None  # K-FAC's layers' own update (kfac.update momentum, soap), else yours
+        self._initial_lr = 0.0
+        if kfac.update != "base":
+            group = optimizer.param_groups[0]
+            self._initial_lr = float(group.get("initial_lr", group["lr"]))
+            self.kfac_optimizer = make_kfac_optimizer(kfac, self.kfac, lr=float(group["lr"]),
+                                                      betas=group.get("betas", ()), eps=group.get("eps", 0.0),
+                                                      weight_decay=group.get("weight_decay", 0.0))
         device = ordered[0].device
         self.profiler = Profiler(False, device)  # on for the profiled steps only
         self.group = ordered[0].group
@@ -188,13 +212,23 @@ class KfacPipeline:
         return None if self.executor is None else self.executor.cycle
 
     def _end_of_step(self) -> None:
-        """Gradients averaged, preconditioned and (``kfac.kl_clip``) scaled; profiled as :data:`UPDATE_KEY`."""
+        """Gradients averaged, preconditioned, (``kfac.kl_clip``) scaled and (``kfac.update`` ``momentum``,
+        ``soap``) K-FAC's layers stepped, in the Updater's order; profiled as :data:`UPDATE_KEY`."""
         with self.profiler.span(UPDATE_KEY):
             self.engine.allreduce_gradients()
             self.kfac.precondition_all()
+            lr = 0.0 if self.optimizer is None else float(self.optimizer.param_groups[0]["lr"])
+            if self.kfac_optimizer is not None:  # on the first-order schedule, as Updater.set_step puts it
+                scale = lr / self._initial_lr if self._initial_lr > 0 else 0.0
+                lr = kfac_peak_lr(self.settings, self._initial_lr) * scale
+                for group in self.kfac_optimizer.param_groups:
+                    group["lr"] = lr
             if self.settings.kl_clip > 0:
-                clip_kl(self.kfac, float(self.optimizer.param_groups[0]["lr"]), self.settings.kl_clip,
-                        self.group if self.group is not None else dist.group.WORLD)
+                group = self.group if self.group is not None else dist.group.WORLD
+                clip_kl(self.kfac, lr, self.settings.kl_clip, group)
+            if self.kfac_optimizer is not None:
+                self.kfac_optimizer.step()
+                self.kfac_optimizer.zero_grad(set_to_none=True)  # your optimizer skips K-FAC's layers
 
     def _pack(self) -> None:
         """Timelines of every rank into ``folder``; rank 0 packs and validates; every rank gets the schedule."""

@@ -14,8 +14,8 @@ Order, every step (after the data-parallel gradient all-reduce):
    under the bound (summed over the whole pipeline, so every stage uses the same factor);
 5. ``kfac.update: base`` - the first-order optimizer (AdamW, LAMB, ...) steps every parameter, the
    preconditioned ones included; ``kfac.update: momentum`` - the K-FAC layers take a heavy-ball
-   momentum step with their own learning rate ``kfac.lr``, every other parameter the first-order
-   optimizer.
+   momentum step with their own learning rate ``kfac.lr``, ``kfac.update: soap`` - Adam in their
+   eigenbases (:class:`EigenbasisAdam`), every other parameter the first-order optimizer.
 
 Why ``base`` is the default: measured on the bundled real-text benchmark's model, the preconditioned
 gradient fed to AdamW left the unigram plateau (held-out loss about 6.3) by step 100, while the momentum update (with
@@ -25,7 +25,7 @@ PipeFisher and KAISA BERT runs also feed K-FAC's gradient to the base optimizer 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,13 +66,9 @@ class Updater:
         kfac_ids = {id(p) for p in kfac.parameters()} if own else set()
         named = [(n, p) for n, p in stage.named_parameters() if id(p) not in kfac_ids]
         self.optimizer = make_optimizer(cfg.optim, named)
-        self.kfac_optimizer: torch.optim.Optimizer | None = None
-        if own and cfg.kfac.update == "soap":
-            o = cfg.optim
-            self.kfac_optimizer = EigenbasisAdam(kfac, lr=o.lr, betas=(float(o.betas[0]), float(o.betas[1])),
-                                                 eps=o.eps, weight_decay=o.weight_decay)
-        elif own:
-            self.kfac_optimizer = torch.optim.SGD(kfac.parameters(), lr=cfg.kfac.lr, momentum=cfg.kfac.momentum)
+        o = cfg.optim
+        self.kfac_optimizer = make_kfac_optimizer(cfg.kfac, kfac, lr=o.lr, betas=o.betas, eps=o.eps,
+                                             weight_decay=o.weight_decay) if own else None
         self.device = next(stage.parameters()).device
 
     @property
@@ -84,8 +80,7 @@ class Updater:
         """Learning rates of training step ``step`` (0-based); a resumed run just calls it again."""
         self.schedule.apply(self.optimizer, step)
         if self.kfac_optimizer is not None:
-            peak = self.cfg.optim.lr if self.cfg.kfac.update == "soap" else self.cfg.kfac.lr
-            self.schedule.apply(self.kfac_optimizer, step, peak_lr=peak)
+            self.schedule.apply(self.kfac_optimizer, step, peak_lr=kfac_peak_lr(self.cfg.kfac, self.cfg.optim.lr))
 
     def step(self, stage: nn.Module) -> None:
         """Steps 0 and 2-5 above on ``stage``'s gradients, then clear them. Reads nothing back from the
@@ -131,6 +126,26 @@ class Updater:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.kfac_optimizer is not None:
             self.kfac_optimizer.load_state_dict(state["kfac_optimizer"])
+
+
+def make_kfac_optimizer(k: KfacConfig, kfac: Curvature, *, lr: float, betas: Sequence[float], eps: float,
+                   weight_decay: float) -> torch.optim.Optimizer:
+    """The optimizer that steps K-FAC's layers under ``kfac.update`` ``momentum`` or ``soap`` (step 5 above),
+    for :class:`Updater` and :mod:`pipefisher.runtime.torch_pp`: ``soap`` - Adam in the layers' eigenbases
+    (:class:`EigenbasisAdam`) with the first-order optimizer's ``lr``, ``betas``, ``eps`` and
+    ``weight_decay``; ``momentum`` - heavy-ball SGD at ``kfac.lr`` with ``kfac.momentum``."""
+    if k.update == "soap":
+        return EigenbasisAdam(kfac, lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps,
+                              weight_decay=weight_decay)
+    if k.update == "momentum":
+        return torch.optim.SGD(kfac.parameters(), lr=k.lr, momentum=k.momentum)
+    raise ValueError(f"kfac.update {k.update} steps K-FAC's layers with the first-order optimizer")
+
+
+def kfac_peak_lr(k: KfacConfig, lr: float) -> float:
+    """The learning rate of :func:`make_kfac_optimizer`'s optimizer where the first-order one's is ``lr``
+    (both follow one schedule): ``soap`` steps at ``lr`` itself, ``momentum`` at its own ``kfac.lr``."""
+    return lr if k.update == "soap" else k.lr
 
 
 def clip_kl(kfac: Curvature, lr: float, bound: float, group: Any = None, share: float = 1.0) -> None:
