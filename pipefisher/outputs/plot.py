@@ -172,7 +172,7 @@ def job_context(job: Job) -> str:
     sim = parse_default_prefix(name) if name else None
     if sim:
         shape = (f", {sim['stages']} stages" if sim["stages"] else "") + (f", v={sim['chunks']}" if sim["chunks"] else "")
-        return f"{sim['model']}, {sim['schedule']}{shape}, m={sim['m']}"
+        return f"{sim['model']}, {sim['order']}{shape}, m={sim['m']}"
     node0 = job.nodes[0]
     forwards = node0.micro_batches(up_pipe=True) + sum(node0.micro_batches(chunk=c) for c in node0.chunks)
     return f"{name + ', ' if name else ''}{len(job.nodes)} nodes, {forwards} forward passes per node"
