@@ -250,7 +250,7 @@ def test_iterations_and_node_limit_what_is_drawn(tmp_path, job):
     assert not (tmp_path / "x.png").exists()
 
 
-def test_titles_name_the_model_schedule_micro_batches_and_policy(tmp_path):
+def test_titles_name_the_model_order_micro_batches_and_policy(tmp_path):
     model = synthetic_model(stages=2, micro_batches=4, layers_per_stage=1, order="gpipe")
     paths = write_timelines(tmp_path, "bert-x_gpipe_m4", simulate_timelines(model)[0])
     job = load_job(paths)

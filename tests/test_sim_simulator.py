@@ -254,8 +254,8 @@ def test_bad_cost_models_are_input_errors(change, message):
 
 
 def test_a_cost_models_order_key_names_the_pipeline_order_and_its_old_name_schedule_still_loads(capsys):
-    """"schedule" names only the packed K-FAC schedule: the cost model's pipeline order is ``order``; a
-    file written with ``schedule:`` loads the same, and stderr says the new name in one line."""
+    """A cost model's pipeline order is its ``order`` key ("schedule" names only the packed K-FAC schedule);
+    a file written with ``schedule:`` loads the same, and stderr says the new name in one line."""
     assert cost_model_from_dict({**MINIMAL, "order": "zb-h1"}, "model.yaml").order == "zb-h1"
     assert capsys.readouterr().err == ""
     old = cost_model_from_dict({**MINIMAL, "schedule": "zb-h1"}, "model.yaml")
@@ -420,7 +420,7 @@ def test_trace_refuses_two_jobs_unless_allow_mixed_and_checks_its_output_first(t
 
 
 def test_tight_packs_a_simulated_interleaved_job_in_the_chunk_format(tmp_path):
-    """``pipefisher simulate --schedule interleaved --chunks 2``: chunk 1's keys end in ':chunk1', tight
+    """``pipefisher simulate --order interleaved --chunks 2``: chunk 1's keys end in ':chunk1', tight
     packs every node above its lower bound, and the packed schedule validates (per-chunk cov rule)."""
     res = CliRunner().invoke(main, ["simulate", "--config", BASE, "--order", "interleaved", "--chunks", "2",
                                     "--micro-batches", "4", "--out", str(tmp_path), "--prefix", "il"])
@@ -436,20 +436,20 @@ def test_tight_packs_a_simulated_interleaved_job_in_the_chunk_format(tmp_path):
         assert n.figures.lower_bound is not None and n.figures.lower_bound <= n.figures.iterations
 
 
-@pytest.mark.parametrize("schedule,policy", [("zb-v", "target"), ("zb-v", "tight"), ("dualpipev", "target"),
-                                             ("dualpipev", "tight"), ("dualpipev", "best-fit"), ("dualpipev", "exact")])
-def test_a_simulated_v_job_packs_validates_and_plots_end_to_end(tmp_path, schedule, policy):
-    """``simulate --schedule zb-v`` (or ``dualpipev``, with every policy that packs ZB-V without violations:
+@pytest.mark.parametrize("order,policy", [("zb-v", "target"), ("zb-v", "tight"), ("dualpipev", "target"),
+                                          ("dualpipev", "tight"), ("dualpipev", "best-fit"), ("dualpipev", "exact")])
+def test_a_simulated_v_job_packs_validates_and_plots_end_to_end(tmp_path, order, policy):
+    """``simulate --order zb-v`` (or ``dualpipev``, with every policy that packs ZB-V without violations:
     compat's own flaws show on ZB-V too), then ``schedule``, ``validate`` and ``plot`` on its files: the
     packed schedule keeps K-FAC off every W pass and validates; the default prefix says v2."""
     if policy == "exact":
         pytest.importorskip("ortools")
     runner = CliRunner()
-    res = runner.invoke(main, ["simulate", "--config", BASE, "--order", schedule, "-m", "8", "--out", str(tmp_path)])
+    res = runner.invoke(main, ["simulate", "--config", BASE, "--order", order, "-m", "8", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
-    assert f"{schedule}, 4 stages, 8 micro-batches, 2 chunks" in res.output
+    assert f"{order}, 4 stages, 8 micro-batches, 2 chunks" in res.output
     paths = sorted(str(p) for p in tmp_path.glob("*.pickle"))
-    assert [os.path.basename(p) for p in paths] == [f"bert-base-4stages_{schedule}_p4_v2_m8_node{i}_timeline.pickle"
+    assert [os.path.basename(p) for p in paths] == [f"bert-base-4stages_{order}_p4_v2_m8_node{i}_timeline.pickle"
                                                     for i in range(4)]
     saved = str(tmp_path / "s.pickle")
     res = runner.invoke(main, ["schedule", *paths, "--policy", policy, "--save-path", saved])

@@ -267,8 +267,8 @@ def cost_model_from_dict(data: Any, path: str | None = None) -> CostModel:
     """Build and check a cost model from parsed YAML; every problem is an :class:`InputError`."""
     where = path if path is not None else "<cost model>"
     data = _map(where, "the file", data)
-    _allowed(where, "the file", data, {"name", "source", "order", "schedule", "stages", "micro_batches", "chunks", "layers",
-                                       "layer", "stage", "backward_input_fraction", "latency_ms", "kfac",
+    _allowed(where, "the file", data, {"name", "source", "order", "schedule", "stages", "micro_batches", "chunks",
+                                       "layers", "layer", "stage", "backward_input_fraction", "latency_ms", "kfac",
                                        "module_template", "block_update_ms"})
     if "layers" not in data:
         raise InputError(where, "needs 'layers' (transformer layers in the whole model)")
@@ -310,9 +310,10 @@ def cost_model_from_dict(data: Any, path: str | None = None) -> CostModel:
             kw[k] = _num(where, k, data[k], integer=True)
     if "stages" not in kw and kw.get("stage_forward_ms"):
         kw["stages"] = len(kw["stage_forward_ms"])
-    if "schedule" in data:  # the key's name before "schedule" meant only the packed K-FAC schedule
+    if "schedule" in data:  # order's old name, from before "schedule" named only the packed K-FAC schedule
         if "order" in data:
-            raise InputError(where, "has both schedule and order (the same key, under its old and new name): keep order")
+            raise InputError(where, "has both schedule and order (the same key, under its old and new name): "
+                                    "keep order")
         renamed_notice("schedule", "order", where)
         data = {**data, "order": data["schedule"]}
     if "order" in data:

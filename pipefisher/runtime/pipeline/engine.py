@@ -64,7 +64,7 @@ def device_plan(kind: str, device: int, devices: int, num_micro_batches: int,
     times), so the trainer, the profiler and the simulator run one and the same order.
     """
     if kind not in PIPELINE_ORDERS:
-        raise ValueError(f"unknown pipeline schedule {kind!r} ({', '.join(PIPELINE_ORDERS)})")
+        raise ValueError(f"unknown pipeline order {kind!r} ({', '.join(PIPELINE_ORDERS)})")
     return list(_plans(kind, devices, num_micro_batches, device_chunks(kind, chunks))[device])
 
 
