@@ -163,7 +163,7 @@ def job_name(job: Job) -> str | None:
 
 
 def job_context(job: Job) -> str:
-    """Model, pipeline schedule and micro-batches, as far as the timelines tell, for titles.
+    """Model, pipeline order and micro-batches, as far as the timelines tell, for titles.
 
     Only the file names carry them: ``pipefisher simulate``'s prefix
     (:func:`pipefisher.sim.simulator.default_prefix`) gives all three; any other name is shown as it is, with the forward passes each node ran.
