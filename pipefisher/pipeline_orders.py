@@ -4,25 +4,25 @@ ordered forward/backward operations.
 The simulator times them (:mod:`pipefisher.sim`) and the runtime's engine runs them
 (:mod:`pipefisher.runtime.pipeline.engine`): one definition of each order, below both.
 
-A schedule only fixes the ORDER of operations on each device; when they run follows from a cost model
+An order only fixes the ORDER of operations on each device; when they run follows from a cost model
 (see :mod:`pipefisher.sim.simulator`). Operations are identified by kind, micro-batch, stage and pipe:
 
 - ``stage`` is the position in its pipe, ``0 .. virtual_stages - 1``. With ``v`` model chunks per
-  device there are ``p * v`` virtual stages, placed by the schedule's layout (:func:`stage_on`): in a
+  device there are ``p * v`` virtual stages, placed by the order's layout (:func:`stage_on`): in a
   loop (:data:`LOOP`, interleaved 1F1B as Megatron-LM lays it out) virtual stage ``s`` runs on device
   ``s % p``; in a V (:data:`V`, ZB-V's two chunks) it runs on device ``s`` going down and on device
   ``2p - 1 - s`` coming back, so the last device holds the V's turn (stages ``p - 1`` and ``p``) and the
   first device both ends. ``chunk`` always follows from the stage: ``stage // p`` on the down pipe (so 0
-  everywhere in a single-chunk schedule) and 0 on the up pipe, in either layout, the same rule
-  :meth:`PipelineSchedule.dependencies` uses to name the operations it waits for.
+  everywhere in a single-chunk order) and 0 on the up pipe, in either layout, the same rule
+  :meth:`PipelineOrder.dependencies` uses to name the operations it waits for.
 - ``pipe`` is 0 for the usual (down) pipe and 1 for Chimera's second pipe, whose stage ``s`` runs on
   device ``p - 1 - s`` (the ``:up_pipe`` operations of the timeline format).
-- ``kind`` is ``F`` (forward), ``B`` (backward; only the input gradient when the schedule splits the
-  backward) or ``W`` (weight gradient, zero-bubble schedules and DualPipeV only).
+- ``kind`` is ``F`` (forward), ``B`` (backward; only the input gradient when the order splits the
+  backward) or ``W`` (weight gradient, zero-bubble orders and DualPipeV only).
 
-A few consecutive operations of a device may run as one call (:attr:`PipelineSchedule.fused`): DualPipeV's
+A few consecutive operations of a device may run as one call (:attr:`PipelineOrder.fused`): DualPipeV's
 full backwards (a B and its own W) and its overlapped forward-backward pairs. Their outputs leave the
-device only when the whole call ends, which :meth:`PipelineSchedule.dependencies` says.
+device only when the whole call ends, which :meth:`PipelineOrder.dependencies` says.
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ class Op:
 
 
 @dataclass(frozen=True)
-class PipelineSchedule:
+class PipelineOrder:
     """The per-device operation order of one pipeline step."""
 
     name: str
@@ -207,7 +207,7 @@ class PipelineSchedule:
             for op in ops:
                 if op.kind not in kinds or not 0 <= op.micro_batch < self.micro_batches \
                         or not 0 <= op.stage < self.virtual_stages or op.pipe not in (DOWN, UP):
-                    raise AssertionError(f"{self.name}: {op} on device {d} is not an operation of this schedule")
+                    raise AssertionError(f"{self.name}: {op} on device {d} is not an operation of this order")
                 if op.chunk != (0 if op.pipe == UP else op.stage // self.stages):
                     raise AssertionError(f"{self.name}: {op} on device {d} has the wrong chunk for its stage")
                 if self.device_of(op.stage, op.pipe) != d:
@@ -234,7 +234,7 @@ class PipelineSchedule:
         seen: set[Op] = set()
         for run in self.fused:
             if not run or any(op not in listed for op in run):
-                raise AssertionError(f"{self.name}: fused call {run} holds operations the schedule does not run")
+                raise AssertionError(f"{self.name}: fused call {run} holds operations the order does not run")
             d, i = at[run[0]]
             if [at[op] for op in run] != [(d, i + k) for k in range(len(run))]:
                 raise AssertionError(f"{self.name}: fused call {run} is not a run of consecutive operations "
@@ -283,7 +283,7 @@ def _check_common(name: str, stages: object, micro_batches: object) -> tuple[int
 
 
 def _op(kind: str, mb: int, stage: int, p: int, pipe: int = DOWN) -> Op:
-    """An operation with its chunk numbered the way :meth:`PipelineSchedule.dependencies` names it."""
+    """An operation with its chunk numbered the way :meth:`PipelineOrder.dependencies` names it."""
     return Op(kind, mb, stage, stage // p if pipe == DOWN else 0, pipe)
 
 
@@ -299,7 +299,7 @@ def _bwd(mb: int, stage: int, p: int, pipe: int = DOWN) -> Op:
 # Generators
 
 
-def gpipe(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
+def gpipe(stages: int, micro_batches: int, chunks: int = 1) -> PipelineOrder:
     """GPipe: every device runs all forwards, then all backwards (in micro-batch order)."""
     stages, micro_batches = _check_common("gpipe", stages, micro_batches)
     _need(_count("gpipe", "chunks", chunks) == 1, "gpipe: has one model chunk per device (use 'interleaved' for chunks > 1)")
@@ -308,10 +308,10 @@ def gpipe(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
         + tuple(_bwd(j, d, stages) for j in range(micro_batches))
         for d in range(stages)
     )
-    return PipelineSchedule("gpipe", stages, micro_batches, 1, devices)
+    return PipelineOrder("gpipe", stages, micro_batches, 1, devices)
 
 
-def one_f_one_b(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
+def one_f_one_b(stages: int, micro_batches: int, chunks: int = 1) -> PipelineOrder:
     """1F1B (PipeDream-flush / DAPPLE): a warm-up of ``p - d - 1`` forwards, then forward/backward pairs."""
     stages, micro_batches = _check_common("1f1b", stages, micro_batches)
     _need(_count("1f1b", "chunks", chunks) == 1, "1f1b: has one model chunk per device (use 'interleaved' for chunks > 1)")
@@ -323,10 +323,10 @@ def one_f_one_b(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSch
             ops += [_fwd(warmup + j, d, stages), _bwd(j, d, stages)]
         ops += [_bwd(j, d, stages) for j in range(micro_batches - warmup, micro_batches)]
         devices.append(tuple(ops))
-    return PipelineSchedule("1f1b", stages, micro_batches, 1, tuple(devices))
+    return PipelineOrder("1f1b", stages, micro_batches, 1, tuple(devices))
 
 
-def interleaved(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSchedule:
+def interleaved(stages: int, micro_batches: int, chunks: int = 2) -> PipelineOrder:
     """Interleaved 1F1B (Megatron-LM, as torch's ``ScheduleInterleaved1F1B`` runs it): ``v`` model chunks
     per device, visited in rounds of ``r`` micro-batches.
 
@@ -370,10 +370,10 @@ def interleaved(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSch
             ops.append(b(k))
         ops += [b(k) for k in range(total - warmup, total)]
         devices.append(tuple(ops))
-    return PipelineSchedule("interleaved", p, m, v, tuple(devices))
+    return PipelineOrder("interleaved", p, m, v, tuple(devices))
 
 
-def zb_h1(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
+def zb_h1(stages: int, micro_batches: int, chunks: int = 1) -> PipelineOrder:
     """ZB-H1 (zero bubble, Qi et al. 2023): 1F1B with the backward split into B and W.
 
     Device ``d`` keeps 1F1B's warm-up and its forward/B pairs, but runs each weight gradient ``d``
@@ -403,10 +403,10 @@ def zb_h1(stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
             ops += weights_up_to(j - d)
         ops += weights_up_to(micro_batches - 1)
         devices.append(tuple(ops))
-    return PipelineSchedule("zb-h1", stages, micro_batches, 1, tuple(devices), split_backward=True)
+    return PipelineOrder("zb-h1", stages, micro_batches, 1, tuple(devices), split_backward=True)
 
 
-def zb_v(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSchedule:
+def zb_v(stages: int, micro_batches: int, chunks: int = 2) -> PipelineOrder:
     """ZB-V (zero bubble V, Qi et al. 2023, section 6): two model chunks per device in a V, the backward
     split into B and W.
 
@@ -447,10 +447,10 @@ def zb_v(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSchedule:
             if j < m:
                 ops.append(_op(kind, j, stage_on(d, c, p, V), p))
         devices.append(tuple(ops))
-    return PipelineSchedule("zb-v", p, m, 2, tuple(devices), split_backward=True, layout=V)
+    return PipelineOrder("zb-v", p, m, 2, tuple(devices), split_backward=True, layout=V)
 
 
-def dualpipev(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSchedule:
+def dualpipev(stages: int, micro_batches: int, chunks: int = 2) -> PipelineOrder:
     """DualPipeV (DeepSeek-V3 report's DualPipe, folded into a V as torch's ``ScheduleDualPipeV`` runs it):
     ZB-V's two chunks per device in a V, with the steady state made of overlapped pairs.
 
@@ -477,7 +477,7 @@ def dualpipev(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSched
 
     A deferred W is always the oldest split B's of the device (either chunk), so each chunk's W passes
     run in micro-batch order too. A full backward is a B directly followed by its own W, fused into one
-    call with it (:attr:`PipelineSchedule.fused`), and so is an overlapped pair (its forward, then the
+    call with it (:attr:`PipelineOrder.fused`), and so is an overlapped pair (its forward, then the
     backward's B and W): the outputs of a fused call leave when it ends, as torch sends them.
 
     torch needs ``m >= 2p`` micro-batches (the steady state of the first device is ``m - 2p + 1``
@@ -549,14 +549,14 @@ def dualpipev(stages: int, micro_batches: int, chunks: int = 2) -> PipelineSched
         for _ in range(d + 1):
             call(deferred_w())
         devices.append(tuple(ops))
-    return PipelineSchedule("dualpipev", p, m, 2, tuple(devices), split_backward=True, layout=V, fused=tuple(fused))
+    return PipelineOrder("dualpipev", p, m, 2, tuple(devices), split_backward=True, layout=V, fused=tuple(fused))
 
 
 Durations = Callable[[Op], int]
 """Time of one operation (any unit); the generators that depend on costs take one."""
 
 
-def chimera(stages: int, micro_batches: int, chunks: int = 1, durations: Durations | None = None) -> PipelineSchedule:
+def chimera(stages: int, micro_batches: int, chunks: int = 1, durations: Durations | None = None) -> PipelineOrder:
     """Chimera (Li & Hoefler, SC'21): two pipelines in opposite directions over the same devices.
 
     Device ``d`` holds stage ``d`` of the down pipe and stage ``p - 1 - d`` of the up pipe. Micro-batches
@@ -588,11 +588,11 @@ def chimera(stages: int, micro_batches: int, chunks: int = 1, durations: Duratio
         down += range(unit, unit + size // 2)
     up = [j for j in range(m) if j not in set(down)]
     order = {DOWN: down, UP: up}
-    shell = PipelineSchedule("chimera", p, m, 1, tuple(() for _ in range(p)))
+    shell = PipelineOrder("chimera", p, m, 1, tuple(() for _ in range(p)))
     cost = durations or (lambda op: 1)
-    candidates = [_list_schedule(shell, order, cost, rule) for rule in (_furthest_along_first, _forwards_first)]
+    candidates = [_list_order(shell, order, cost, rule) for rule in (_furthest_along_first, _forwards_first)]
     _, devices = min(candidates, key=lambda c: c[0])  # ties keep the first rule
-    return PipelineSchedule("chimera", p, m, 1, devices)
+    return PipelineOrder("chimera", p, m, 1, devices)
 
 
 Priority = Callable[[Op, int, int, int], tuple]
@@ -607,8 +607,8 @@ def _forwards_first(op: Op, progress: int, ready: int, rank: int) -> tuple:
     return (op.kind != FORWARD, ready, rank, op.pipe)
 
 
-def _list_schedule(
-    shell: PipelineSchedule,
+def _list_order(
+    shell: PipelineOrder,
     order: dict[int, list[int]],
     cost: Durations,
     priority: Priority,
@@ -671,7 +671,7 @@ def _list_schedule(
     return max(end.values()), tuple(tuple(ops) for ops in out)
 
 
-GENERATORS: dict[str, Callable[..., PipelineSchedule]] = {
+GENERATORS: dict[str, Callable[..., PipelineOrder]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
@@ -684,12 +684,13 @@ ALIASES = {"interleaved-1f1b": "interleaved", "zbh1": "zb-h1", "zb_h1": "zb-h1",
            "dapple": "1f1b", "pipedream-flush": "1f1b", "dual-pipe-v": "dualpipev", "dualpipe-v": "dualpipev",
            "dualpipe_v": "dualpipev"}
 DEFAULT_CHUNKS = {"interleaved": 2, "zb-v": 2, "dualpipev": 2}
-"""Model chunks per device of the schedules that have more than one by default."""
-V_SCHEDULES = ("zb-v", "dualpipev")
-"""The schedules whose two chunks sit in a V (:data:`V`); the rest use the loop (:data:`LOOP`)."""
+"""Model chunks per device of the orders that have more than one by default."""
+V_ORDERS = ("zb-v", "dualpipev")
+"""The orders whose two chunks sit in a V (:data:`V`); the rest use the loop (:data:`LOOP`)."""
 
 
-def schedule_names() -> list[str]:
+def order_names() -> list[str]:
+    """The pipeline orders' names, as ``--order`` and a cost model's ``order`` take them."""
     return list(GENERATORS)
 
 
@@ -697,26 +698,26 @@ def canonical_name(name: str) -> str:
     """The generator name for ``name`` (aliases and case accepted)."""
     key = ALIASES.get(name.lower(), name.lower())
     if key not in GENERATORS:
-        raise InputError(None, f"unknown schedule '{name}' (known: {', '.join(GENERATORS)})")
+        raise InputError(None, f"unknown pipeline order '{name}' (known: {', '.join(GENERATORS)})")
     return key
 
 
 def default_chunks(name: str) -> int:
-    """Model chunks per device the named schedule has unless told otherwise: 2 for interleaved, zb-v and
+    """Model chunks per device the named order has unless told otherwise: 2 for interleaved, zb-v and
     dualpipev, 1 for the rest."""
     return DEFAULT_CHUNKS.get(canonical_name(name), 1)
 
 
 def layout_of(name: str) -> str:
-    """Where the named schedule puts its model chunks: :data:`V` for zb-v and dualpipev, :data:`LOOP` for the
+    """Where the named order puts its model chunks: :data:`V` for zb-v and dualpipev, :data:`LOOP` for the
     rest."""
-    return V if canonical_name(name) in V_SCHEDULES else LOOP
+    return V if canonical_name(name) in V_ORDERS else LOOP
 
 
 def generate(
     name: str, stages: int, micro_batches: int, chunks: int | None = None, durations: Durations | None = None,
-) -> PipelineSchedule:
-    """Build the named schedule; ``chunks`` defaults to :func:`default_chunks` (2 for interleaved, zb-v and
+) -> PipelineOrder:
+    """Build the named order; ``chunks`` defaults to :func:`default_chunks` (2 for interleaved, zb-v and
     dualpipev, 1 otherwise).
 
     ``durations`` (operation -> time) is used by the generators whose order depends on costs (Chimera);
@@ -730,7 +731,7 @@ def generate(
     return GENERATORS[key](stages, micro_batches, chunks)
 
 
-def iter_ops(schedule: PipelineSchedule) -> Iterator[tuple[int, Op]]:
-    for d, ops in enumerate(schedule.devices):
+def iter_ops(order: PipelineOrder) -> Iterator[tuple[int, Op]]:
+    for d, ops in enumerate(order.devices):
         for op in ops:
             yield d, op

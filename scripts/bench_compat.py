@@ -33,7 +33,7 @@ CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 def build_job(folder: str, stages: int, micro_batches: int, layers_per_stage: int, kfac_scale: float) -> list[str]:
     with open(CONFIG) as f:
         data = yaml.safe_load(f)
-    data.update(stages=stages, micro_batches=micro_batches, layers=stages * layers_per_stage, schedule="1f1b")
+    data.update(stages=stages, micro_batches=micro_batches, layers=stages * layers_per_stage, order="1f1b")
     data.pop("chunks", None)
     data["kfac"]["scale"] = kfac_scale
     timelines, _ = simulate_timelines(cost_model_from_dict(data, CONFIG))

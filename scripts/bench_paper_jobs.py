@@ -116,7 +116,7 @@ def build(job: PaperJob, pieces: int | str = 1, piece_ms: float | None = None, p
     if piece_ms is not None:
         data["kfac"]["refresh_piece_ms"] = piece_ms
     data["latency_ms"] = 0.0
-    timelines, _ = simulate_timelines(cost_model_from_dict(data, job.model), schedule=job.order,
+    timelines, _ = simulate_timelines(cost_model_from_dict(data, job.model), order=job.order,
                                       stages=job.stages, micro_batches=job.micro_batches)
     return inflate_kfac(job_from_dicts(timelines), piece_cost, which=split_refresh)
 

@@ -126,7 +126,7 @@ def main(repeat: int, check: bool) -> None:
     with tempfile.TemporaryDirectory() as sim:
         model = load_cost_model(cost_model_path("bert-large-8stages"))
         timelines, result = simulate_timelines(model, "interleaved", None, 256)
-        interleaved = write_timelines(sim, default_prefix(model.name, result.schedule), timelines)
+        interleaved = write_timelines(sim, default_prefix(model.name, result.order), timelines)
         jobs = [("heavy-16x128x48, python scripts/auto_schedule.py (whole process)",
                  node_files(os.path.join(REGRESSIONS, "heavy-16x128x48")), True),
                 ("bert-large-8stages interleaved m=256, python -m pipefisher schedule (whole process)",

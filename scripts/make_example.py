@@ -25,7 +25,7 @@ from pipefisher.sim.simulator import simulate_timelines, write_timelines  # noqa
               help="simulator cost model the example is simulated from")
 def main(config: str) -> None:
     """Regenerate the bundled example job (what `pipefisher schedule` packs without timelines)."""
-    timelines, _ = simulate_timelines(load_cost_model(config), schedule="1f1b", chunks=1)
+    timelines, _ = simulate_timelines(load_cost_model(config), order="1f1b", chunks=1)
     folder = EXAMPLES_DIR / DEFAULT_EXAMPLE
     shutil.rmtree(folder, ignore_errors=True)
     for path in write_timelines(folder, "bert-base", timelines):

@@ -82,11 +82,11 @@ def realistic_jobs() -> list[tuple[str, Job]]:
         with open(path) as f:
             data = yaml.safe_load(f)
         model = cost_model_from_dict(data, path)
-        for schedule in ("gpipe", "1f1b"):
+        for order in ("gpipe", "1f1b"):
             for stages in (4, 8):
                 for mb in (4, 8, 16):
-                    timelines, _ = simulate_timelines(model, schedule=schedule, stages=stages, micro_batches=mb)
-                    jobs.append((f"{model_name} {schedule} {stages}x{mb}", job_from_dicts(timelines)))
+                    timelines, _ = simulate_timelines(model, order=order, stages=stages, micro_batches=mb)
+                    jobs.append((f"{model_name} {order} {stages}x{mb}", job_from_dicts(timelines)))
     return jobs
 
 

@@ -1,7 +1,7 @@
 """Realistic jobs for the packers' tests: the simulator's bundled BERT cost models, with their
 forward, backward and K-FAC times taken from another row of the published V100 block costs
 (``tests/data/block-costs/``, copied from the PipeFisher paper's measurements: one row per micro-batch
-size), varying the pipeline schedule, stages and micro-batches, with and without data-parallel syncs.
+size), varying the pipeline order, stages and micro-batches, with and without data-parallel syncs.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def block_costs(model: str, batch: int) -> dict[str, float]:
     return {k: float(v) for k, v in row.items()}
 
 
-def realistic_job(model: str, batch: int, schedule: str, stages: int, micro_batches: int, sync: bool,
+def realistic_job(model: str, batch: int, order: str, stages: int, micro_batches: int, sync: bool,
                   piece_ms: float | None = None) -> Job:
     """A simulated job of ``model`` at micro-batch size ``batch`` (see the module's docstring); with
     ``piece_ms``, each inverse runs in pieces of at most that long (``kfac.refresh_piece_ms``)."""
@@ -42,7 +42,7 @@ def realistic_job(model: str, batch: int, schedule: str, stages: int, micro_batc
         data["kfac"].pop("sync", None)
     if piece_ms is not None:
         data["kfac"]["refresh_piece_ms"] = piece_ms
-    timelines, _ = simulate_timelines(cost_model_from_dict(data, model), schedule=schedule, stages=stages,
+    timelines, _ = simulate_timelines(cost_model_from_dict(data, model), order=order, stages=stages,
                                       micro_batches=micro_batches)
     return job_from_dicts(timelines)
 

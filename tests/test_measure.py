@@ -130,9 +130,9 @@ def packed_jobs():
 
     jobs = list(realistic_family(every=24))
     model = load_cost_model(cost_model_path("bert-base-4stages"))
-    for schedule in ("interleaved", "chimera", "zb-h1", "zb-v", "dualpipev"):
-        timelines, _ = simulate_timelines(model, schedule, None, 8)
-        jobs.append((schedule, job_from_dicts(timelines)))
+    for order in ("interleaved", "chimera", "zb-h1", "zb-v", "dualpipev"):
+        timelines, _ = simulate_timelines(model, order, None, 8)
+        jobs.append((order, job_from_dicts(timelines)))
     for name, j in jobs:
         models = slowed_models(j)
         for margin in (DEFAULT_MARGIN, 2.0):

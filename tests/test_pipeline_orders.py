@@ -7,15 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipefisher.errors import InputError
-from pipefisher.pipeline_orders import (BACKWARD, FORWARD, LOOP, V, WEIGHT, Op, PipelineSchedule, default_chunks,
-                                        device_of_stage, generate, layout_of, schedule_names, stage_on)
+from pipefisher.pipeline_orders import (BACKWARD, FORWARD, LOOP, V, WEIGHT, Op, PipelineOrder, default_chunks,
+                                        device_of_stage, generate, layout_of, order_names, stage_on)
 from pipefisher.sim.simulator import PipeCosts, simulate
 
 UNIT = 1000  # ns; equal forward and backward cost, zero latency
 
 
-def uniform(schedule, forward=UNIT, backward=UNIT, latency=0, input_grad_fraction=0.5):
-    return PipeCosts.uniform(schedule.virtual_stages, forward, backward, latency, input_grad_fraction)
+def uniform(order, forward=UNIT, backward=UNIT, latency=0, input_grad_fraction=0.5):
+    return PipeCosts.uniform(order.virtual_stages, forward, backward, latency, input_grad_fraction)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -105,7 +105,7 @@ def test_zb_h1_keeps_1f1b_peak_activation_memory():
 
 
 def _check_times(result, latency):
-    s = result.schedule
+    s = result.order
     when = {}
     for d, timed in enumerate(result.devices):
         assert [t.op for t in timed] == list(s.devices[d])
@@ -131,7 +131,7 @@ def _check_times(result, latency):
     bwd=st.lists(st.integers(1, 90), min_size=18, max_size=18),
     latency=st.integers(0, 7),
 )
-def test_every_generated_schedule_respects_its_dependencies(name, p, mult, extra, v, fwd, bwd, latency):
+def test_every_generated_order_respects_its_dependencies(name, p, mult, extra, v, fwd, bwd, latency):
     if name == "chimera":
         p = 2 * ((p + 1) // 2)
         m = 2 * (mult + extra)
@@ -173,7 +173,7 @@ def test_latency_is_added_between_devices_only():
     (lambda: generate("dualpipev", 4, 7),
      "^dualpipev: needs micro-batches >= 2 x stages = 8 \\(one per virtual stage\\), got 7 \\(torch's"),
     (lambda: generate("dualpipe-v", 1, 1), "^dualpipev: needs micro-batches >= 2 x stages = 2"),
-    (lambda: generate("pipedream-2bw", 4, 4), "unknown schedule"),
+    (lambda: generate("pipedream-2bw", 4, 4), "unknown pipeline order"),
 ])
 def test_generators_refuse_what_they_cannot_do_with_a_clear_message(call, message):
     with pytest.raises(InputError, match=message) as err:
@@ -181,8 +181,8 @@ def test_generators_refuse_what_they_cannot_do_with_a_clear_message(call, messag
     assert "\n" not in str(err.value)
 
 
-def test_schedule_names_and_aliases():
-    assert schedule_names() == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "chimera"]
+def test_order_names_and_aliases():
+    assert order_names() == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "chimera"]
     assert generate("DAPPLE", 2, 2).name == "1f1b"
     assert generate("interleaved-1f1b", 2, 2).chunks == 2
     for alias in ("zbv", "ZB_V", "zb-v"):
@@ -191,10 +191,10 @@ def test_schedule_names_and_aliases():
     for alias in ("dualpipev", "DualPipeV", "dual-pipe-v", "dualpipe-v", "dualpipe_v"):
         s = generate(alias, 2, 4)
         assert (s.name, s.chunks, s.layout, s.split_backward) == ("dualpipev", 2, V, True)
-    assert [default_chunks(n) for n in schedule_names()] == [1, 1, 2, 1, 2, 2, 1]
-    assert [layout_of(n) for n in schedule_names()] == [LOOP, LOOP, LOOP, LOOP, V, V, LOOP]
+    assert [default_chunks(n) for n in order_names()] == [1, 1, 2, 1, 2, 2, 1]
+    assert [layout_of(n) for n in order_names()] == [LOOP, LOOP, LOOP, LOOP, V, V, LOOP]
     assert layout_of("zbv") == V and layout_of("dual-pipe-v") == V
-    for n in schedule_names():  # the layout a generator builds is the one layout_of names
+    for n in order_names():  # the layout a generator builds is the one layout_of names
         assert generate(n, 2, 4).layout == layout_of(n), n
 
 
@@ -209,21 +209,21 @@ ALL_SHAPES = [(name, p, m, v) for name in ("gpipe", "1f1b", "interleaved", "zb-h
 
 
 @pytest.mark.parametrize("name,p,m,v", ALL_SHAPES)
-def test_every_dependency_of_every_op_is_an_op_of_the_schedule(name, p, m, v):
+def test_every_dependency_of_every_op_is_an_op_of_the_order(name, p, m, v):
     """dependencies() names chunk stage // p; the generators must number their ops the same way."""
     s = generate(name, p, m, v)
     ops = {op for device in s.devices for op in device}
     for op in ops:
         assert op.chunk == (op.stage // p if op.pipe == 0 else 0), op
         for dep in s.dependencies(op):
-            assert dep in ops, f"{op} needs {dep}, which is not in the schedule"
+            assert dep in ops, f"{op} needs {dep}, which is not in the order"
     s.check()
 
 
-def _without(schedule, drop):
-    return PipelineSchedule(schedule.name, schedule.stages, schedule.micro_batches, schedule.chunks,
-                            tuple(tuple(op for op in ops if not drop(op)) for ops in schedule.devices),
-                            schedule.split_backward, schedule.layout)
+def _without(order, drop):
+    return PipelineOrder(order.name, order.stages, order.micro_batches, order.chunks,
+                         tuple(tuple(op for op in ops if not drop(op)) for ops in order.devices),
+                         order.split_backward, order.layout)
 
 
 @pytest.mark.parametrize("drop,message", [
@@ -231,7 +231,7 @@ def _without(schedule, drop):
     (lambda op: op.micro_batch == 2 and op.stage == 1, "never runs Op\\(kind='F', micro_batch=2, stage=1"),
     (lambda op: op.kind == WEIGHT and op.micro_batch == 0 and op.stage == 0, "never runs Op\\(kind='W', micro_batch=0"),
 ])
-def test_check_refuses_a_schedule_that_misses_operations(drop, message):
+def test_check_refuses_an_order_that_misses_operations(drop, message):
     s = _without(generate("zb-h1", 2, 3), drop)
     with pytest.raises(AssertionError, match=message):
         s.check()
@@ -239,7 +239,7 @@ def test_check_refuses_a_schedule_that_misses_operations(drop, message):
 
 def test_check_refuses_crossed_orders_that_deadlock_and_names_the_stuck_ops():
     F, B = FORWARD, BACKWARD
-    s = PipelineSchedule("crossed", 2, 2, 1, (
+    s = PipelineOrder("crossed", 2, 2, 1, (
         (Op(F, 0, 0), Op(B, 0, 0), Op(F, 1, 0), Op(B, 1, 0)),  # device 0 wants B0 before it sends F1
         (Op(F, 0, 1), Op(F, 1, 1), Op(B, 0, 1), Op(B, 1, 1)),  # device 1 wants F1 before it sends B0
     ))
@@ -251,10 +251,10 @@ def test_check_refuses_crossed_orders_that_deadlock_and_names_the_stuck_ops():
 
 def test_check_refuses_a_duplicate_and_an_op_on_the_wrong_device():
     s = generate("1f1b", 2, 2)
-    twice = PipelineSchedule("1f1b", 2, 2, 1, (s.devices[0] + s.devices[0][:1], s.devices[1]))
+    twice = PipelineOrder("1f1b", 2, 2, 1, (s.devices[0] + s.devices[0][:1], s.devices[1]))
     with pytest.raises(AssertionError, match="appears twice"):
         twice.check()
-    swapped = PipelineSchedule("1f1b", 2, 2, 1, (s.devices[1], s.devices[0]))
+    swapped = PipelineOrder("1f1b", 2, 2, 1, (s.devices[1], s.devices[0]))
     with pytest.raises(AssertionError, match="is listed on device 0"):
         swapped.check()
 
@@ -349,8 +349,8 @@ def _torch_actions(schedules, actions) -> list[tuple[str, int, int]]:
     return [(kind[a.computation_type], a.microbatch_index, a.stage_index) for a in actions if a is not None]
 
 
-def _ours(schedule, d: int) -> list[tuple[str, int, int]]:
-    return [(op.kind, op.micro_batch, op.stage) for op in schedule.devices[d]]
+def _ours(order, d: int) -> list[tuple[str, int, int]]:
+    return [(op.kind, op.micro_batch, op.stage) for op in order.devices[d]]
 
 
 @pytest.mark.parametrize("p", range(1, 7))
@@ -418,14 +418,14 @@ def test_check_holds_zb_v_to_its_v():
     """The same order read in a loop layout puts chunk 1 on the wrong devices."""
     s = generate("zb-v", 3, 5)
     s.check()
-    loop = PipelineSchedule(s.name, s.stages, s.micro_batches, s.chunks, s.devices, s.split_backward, LOOP)
+    loop = PipelineOrder(s.name, s.stages, s.micro_batches, s.chunks, s.devices, s.split_backward, LOOP)
     with pytest.raises(AssertionError, match=r"stage=5, chunk=1.* is listed on device 0"):
         loop.check()
 
 
 @pytest.mark.parametrize("p", range(1, 9))
 def test_zb_v_leaves_only_the_unavoidable_fill_idle_and_less_than_1f1b_and_interleaved(p):
-    """Equal work per stage for every schedule: forward = B = W = 2 units per stage, so 1 unit per chunk.
+    """Equal work per stage for every order: forward = B = W = 2 units per stage, so 1 unit per chunk.
 
     Every device does the same 6m units, and the last device cannot start before the first micro-batch
     has crossed the p - 1 devices above it: p - 1 units idle on every device is the least any order
@@ -479,10 +479,10 @@ def _torch_calls(schedules, actions) -> list[tuple[tuple[str, int, int], ...]]:
     return [flat(a) for a in actions if a is not None]
 
 
-def _our_calls(schedule, d: int) -> list[tuple[tuple[str, int, int], ...]]:
+def _our_calls(order, d: int) -> list[tuple[tuple[str, int, int], ...]]:
     """Device d's operations grouped into calls: each fused run one call, every other operation its own."""
-    fused = {run[0]: run for run in schedule.fused}
-    ops, calls, i = schedule.devices[d], [], 0
+    fused = {run[0]: run for run in order.fused}
+    ops, calls, i = order.devices[d], [], 0
     while i < len(ops):
         run = fused.get(ops[i], (ops[i],))
         calls.append(tuple((op.kind, op.micro_batch, op.stage) for op in run))
@@ -541,8 +541,8 @@ def test_check_refuses_a_fused_call_that_is_not_one_run_of_a_device():
     first = s.devices[0][0]
     for bad, message in [(((f, w),), "not a run of consecutive operations"), (((first, f),), "not a run"),
                          ((s.fused[0], s.fused[0][-1:]), "is in two fused calls"),
-                         (((Op(FORWARD, 9, 0),),), "holds operations the schedule does not run")]:
-        broken = PipelineSchedule(s.name, s.stages, s.micro_batches, s.chunks, s.devices, True, V, bad)
+                         (((Op(FORWARD, 9, 0),),), "holds operations the order does not run")]:
+        broken = PipelineOrder(s.name, s.stages, s.micro_batches, s.chunks, s.devices, True, V, bad)
         with pytest.raises(AssertionError, match=message):
             broken.check()
 

@@ -77,7 +77,7 @@ def test_svg_output_by_suffix(tmp_path, job):
 
 
 def test_plot_cli_draws_timelines_or_the_packed_schedule(tmp_path):
-    timelines, _ = simulate_timelines(synthetic_model(stages=2, micro_batches=4, layers_per_stage=1, schedule="zb-h1"))
+    timelines, _ = simulate_timelines(synthetic_model(stages=2, micro_batches=4, layers_per_stage=1, order="zb-h1"))
     paths = write_timelines(tmp_path, "zb", timelines)
     runner = CliRunner()
     res = runner.invoke(main, ["plot", *paths, "--out", str(tmp_path / "t.png")])
@@ -100,7 +100,7 @@ def test_demo_chart_is_a_real_image(tmp_path):
 
 
 def test_chimera_up_pipe_work_is_drawn_hatched(tmp_path):
-    model = synthetic_model(stages=4, micro_batches=4, layers_per_stage=1, schedule="chimera")
+    model = synthetic_model(stages=4, micro_batches=4, layers_per_stage=1, order="chimera")
     job = job_from_dicts(simulate_timelines(model)[0])
     chart = chart_from_job(job)
     up = [b for b in chart.bars if b.up_pipe]
@@ -149,9 +149,9 @@ def bar_collections(fig):
     return out
 
 
-def sim_job(stages, m, schedule="1f1b"):
+def sim_job(stages, m, order="1f1b"):
     return job_from_dicts(simulate_timelines(synthetic_model(stages=stages, micro_batches=m, layers_per_stage=1,
-                                                             schedule=schedule))[0])
+                                                             order=order))[0])
 
 
 def test_each_kind_is_one_artist_whatever_the_number_of_rows_and_bars():
@@ -250,8 +250,8 @@ def test_iterations_and_node_limit_what_is_drawn(tmp_path, job):
     assert not (tmp_path / "x.png").exists()
 
 
-def test_titles_name_the_model_schedule_micro_batches_and_policy(tmp_path):
-    model = synthetic_model(stages=2, micro_batches=4, layers_per_stage=1, schedule="gpipe")
+def test_titles_name_the_model_order_micro_batches_and_policy(tmp_path):
+    model = synthetic_model(stages=2, micro_batches=4, layers_per_stage=1, order="gpipe")
     paths = write_timelines(tmp_path, "bert-x_gpipe_m4", simulate_timelines(model)[0])
     job = load_job(paths)
     title = chart_from_schedule(get_policy("compat").pack(job), job).title
@@ -314,7 +314,7 @@ def test_interleaved_chunks_are_drawn_in_lighter_shades_and_named_in_the_trace(t
     from pipefisher.outputs.plot import chunk_colour
     from pipefisher.outputs.trace import trace_events
 
-    model = synthetic_model(stages=2, micro_batches=4, layers_per_stage=2, schedule="interleaved")
+    model = synthetic_model(stages=2, micro_batches=4, layers_per_stage=2, order="interleaved")
     chart = chart_from_job(job_from_dicts(simulate_timelines(model)[0]))
     assert any(b.label == "call_forward:chunk1" and b.category == "forward" for b in chart.bars)
     fig = figure(chart)
@@ -339,7 +339,7 @@ def test_zb_v_draws_each_chunks_weight_passes_in_a_colour_of_their_own(tmp_path)
 
     from pipefisher.outputs.plot import chunk_colour
 
-    model = synthetic_model(stages=3, micro_batches=6, layers_per_stage=2, schedule="zb-v")
+    model = synthetic_model(stages=3, micro_batches=6, layers_per_stage=2, order="zb-v")
     chart = chart_from_job(job_from_dicts(simulate_timelines(model)[0]))
     weights = {b.label for b in chart.bars if b.category == "weight"}
     assert weights == {"call_backward:weight", "call_backward:weight:chunk1"}

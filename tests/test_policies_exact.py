@@ -102,14 +102,14 @@ def test_other_margins(margin):
         _check_job(job_from_dicts(random_raw_job(seed)), time_limit=0.5, margin=margin)
 
 
-def _simulated(config: str, schedule: str, stages: int, micro_batches: int):
+def _simulated(config: str, order: str, stages: int, micro_batches: int):
     from pipefisher.sim.costs import cost_model_from_dict
     from pipefisher.sim.simulator import simulate_timelines
 
     path = os.path.join(ROOT, "pipefisher", "bundled", "cost_models", config)
     with open(path) as f:
         model = cost_model_from_dict(yaml.safe_load(f), path)
-    timelines, _ = simulate_timelines(model, schedule=schedule, stages=stages, micro_batches=micro_batches)
+    timelines, _ = simulate_timelines(model, order=order, stages=stages, micro_batches=micro_batches)
     return job_from_dicts(timelines)
 
 
@@ -125,10 +125,10 @@ def test_simulated_job_exact_proves_a_bound_above_tights():
     assert e.extra["optimal"] and e.extra["exact_status"] == "proven optimal"
 
 
-@pytest.mark.parametrize("config,schedule", [("bert-large-8stages.yaml", "1f1b"), ("bert-base-4stages.yaml", "1f1b")])
-def test_simulated_jobs(config, schedule):
+@pytest.mark.parametrize("config,order", [("bert-large-8stages.yaml", "1f1b"), ("bert-base-4stages.yaml", "1f1b")])
+def test_simulated_jobs(config, order):
     _needs_ortools()
-    _check_job(_simulated(config, schedule, 4, 8), time_limit=1.0)
+    _check_job(_simulated(config, order, 4, 8), time_limit=1.0)
 
 
 @pytest.mark.parametrize("seed,node,tight_k,best", [(41, 0, 5, 4), (62, 0, 12, 11)])

@@ -69,8 +69,8 @@ def weighed_fully() -> list[tuple[str, Job, list]]:
 
     jobs = [("bert-large regression", load_job([BERT_LARGE])), ("example", load_job(example_timelines()))]
     model = load_cost_model(cost_model_path("bert-base-4stages"))
-    for schedule, m in (("interleaved", 16), ("zb-v", 8), ("chimera", 8)):
-        jobs.append((schedule, job_from_dicts(simulate_timelines(model, schedule, None, m)[0])))
+    for order, m in (("interleaved", 16), ("zb-v", 8), ("chimera", 8)):
+        jobs.append((order, job_from_dicts(simulate_timelines(model, order, None, m)[0])))
     jobs += list(realistic_family(every=36))
     return [(name, job, list(tradeoff(job, TightPolicy().pack, DEFAULT_MARGIN, prune=False).candidates))
             for name, job in jobs]

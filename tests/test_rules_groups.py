@@ -25,10 +25,10 @@ KINDS = ("cov_kron_A", "cov_kron_B", "sync_kron_A", "sync_kron_B", "inv_kron_A",
 START, END, OFF, ON = "-- start --", "-- end --", "turn_off_save_inputs_outgrads", "turn_on_save_inputs_outgrads"
 
 
-def sim_job(config: str = "bert-base-4stages", schedule: str = "chimera", stages: int = 2, m: int = 4,
+def sim_job(config: str = "bert-base-4stages", order: str = "chimera", stages: int = 2, m: int = 4,
             scale: float = 1.0, seconds: bool = False) -> Job:
     model = load_cost_model(ROOT / "pipefisher" / "bundled" / "cost_models" / f"{config}.yaml")
-    timelines, _ = simulate_timelines(model.replace(kfac_scale=scale), schedule=schedule, stages=stages,
+    timelines, _ = simulate_timelines(model.replace(kfac_scale=scale), order=order, stages=stages,
                                       micro_batches=m)
     if seconds:  # float seconds, as CPU profiles have them
         timelines = [{k: [(s / 1e9, e / 1e9) for s, e in ivs] for k, ivs in d.items()} for d in timelines]
@@ -93,7 +93,7 @@ def test_simulated_chimera_jobs_are_grouped_in_pairs(stages: int) -> None:
 
 
 def test_jobs_without_mirrored_up_pipe_modules_are_not_grouped(hand_job: Job) -> None:
-    assert job_groups(sim_job(schedule="1f1b", stages=4)) == [(0,), (1,), (2,), (3,)]
+    assert job_groups(sim_job(order="1f1b", stages=4)) == [(0,), (1,), (2,), (3,)]
     for seed in range(40):  # random jobs with up-pipe keys: every node has modules of its own, or bare keys
         for bare in (False, True):
             job = job_from_dicts(random_raw_job(seed, nodes=2 + seed % 3, up_pipe=True, bare_keys=bare))
@@ -224,6 +224,6 @@ def test_tight_leaves_jobs_without_groups_exactly_as_packed_per_node(seed: int) 
 
 
 def test_tight_leaves_pipelines_without_up_pipe_unchanged() -> None:
-    job = sim_job(schedule="1f1b", stages=4, m=8)
+    job = sim_job(order="1f1b", stages=4, m=8)
     assert get_policy("tight").pack(job).nodes == tuple(pack_node(node, job.span, overlap=OVERLAP_BY_DEFAULT)
                                                   for node in job.nodes)

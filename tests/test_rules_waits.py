@@ -104,11 +104,11 @@ def test_the_call_clock_respects_every_receive() -> None:
 
 # -- tight never deadlocks ------------------------------------------------------------------------------
 
-def sim_job(config: str, schedule: str, stages: int, m: int, scale: float, skew: int | None = None) -> Job:
+def sim_job(config: str, order: str, stages: int, m: int, scale: float, skew: int | None = None) -> Job:
     """A simulated job; with ``skew``, every node but node 0 reads its own clock, shifted by up to 15 %
     of the pipeline time (seeded), in float seconds: what a profile of several processes looks like."""
     model = load_cost_model(ROOT / "pipefisher" / "bundled" / "cost_models" / f"{config}.yaml")
-    timelines, _ = simulate_timelines(model.replace(kfac_scale=scale), schedule=schedule, stages=stages,
+    timelines, _ = simulate_timelines(model.replace(kfac_scale=scale), order=order, stages=stages,
                                       micro_batches=m)
     if skew is not None:
         rng = random.Random(skew)

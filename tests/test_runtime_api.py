@@ -1,6 +1,7 @@
 """The runtime as a library: stage builders named in the config, and a step-at-a-time loop of one's own."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -125,6 +126,17 @@ def test_one_check_of_the_options_serves_the_trainer_and_build_worker():
             TrainOptions.of(mode=mode, schedule=schedule)
     with pytest.raises(ValueError, match="the grid has 1 stages but the config asks for 2"):
         api.build_worker(_tiny().replace(pipeline={"stages": 2}), single_process(), total_steps=1)
+    with pytest.raises(ValueError, match="set up for another pipeline order than the config's"):
+        check_options("kfac", None, _tiny().replace(pipeline={"stages": 1}),
+                      dataclasses.replace(single_process(), chimera=True))
+
+
+def test_the_engine_calls_an_unknown_order_a_pipeline_order():
+    """The engine's refusal says "order": "schedule" names only the packed K-FAC schedule (issue 47)."""
+    from pipefisher.runtime.pipeline.engine import device_plan
+
+    with pytest.raises(ValueError, match="unknown pipeline order 'nope'"):
+        device_plan("nope", 0, 2, 4)
 
 
 def _run_example(*args: str) -> subprocess.CompletedProcess:

@@ -1,6 +1,7 @@
 """The simulator's timelines: profiled format, K-FAC phase, cost models, and the packer on top."""
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
@@ -68,7 +69,7 @@ def test_kfac_scale_multiplies_kfac_work_only():
 def test_interleaved_nodes_hold_one_interval_per_chunk_and_micro_batch():
     model = load_cost_model(BASE)
     timelines, result = simulate_timelines(model, "interleaved", micro_batches=8)
-    assert result.schedule.chunks == 3
+    assert result.order.chunks == 3
     node = timelines[1]
     for suffix in ("", ":chunk1", ":chunk2"):  # the chunk format: chunk j >= 1 gets ':chunk<j>'
         assert len(node["call_forward" + suffix]) == len(node["call_backward" + suffix]) == 8
@@ -92,7 +93,7 @@ def test_zb_v_nodes_hold_both_chunks_with_their_b_and_w_passes():
     and its W passes are either deferred (their own key) or merged into the B right before them."""
     m = 8
     timelines, result = simulate_timelines(load_cost_model(BASE), "zb-v", micro_batches=m)
-    assert (result.schedule.name, result.schedule.chunks) == ("zb-v", 2)
+    assert (result.order.name, result.order.chunks) == ("zb-v", 2)
     deferred = 0
     for node in timelines:
         pipeline = {k for k in node if k.startswith("call_")}
@@ -109,7 +110,7 @@ def test_zb_v_nodes_hold_both_chunks_with_their_b_and_w_passes():
 def test_zb_v_puts_each_nodes_chunk_1_layers_on_the_way_back_up():
     """6 layers, 3 nodes, 6 virtual stages of one layer: node d holds layer d (chunk 0) and layer 5 - d
     (chunk 1, ':chunk1' keys), not layer d + 3 as interleaving would."""
-    model = synthetic_model(stages=3, micro_batches=4, layers_per_stage=2, schedule="zb-v")
+    model = synthetic_model(stages=3, micro_batches=4, layers_per_stage=2, order="zb-v")
     timelines, _ = simulate_timelines(model)
     for d, node in enumerate(timelines):
         layers = {(int(k.split(".")[2]), k.endswith(":chunk1")) for k in kfac_keys(node)}
@@ -121,7 +122,7 @@ def test_zb_v_puts_each_nodes_chunk_1_layers_on_the_way_back_up():
 def test_zb_v_turns_on_the_last_node_without_latency():
     """The last node hands micro-batch 0 from its chunk 0 (stage p - 1) to its chunk 1 (stage p) at once;
     between nodes every hand-off waits the latency."""
-    model = synthetic_model(stages=3, micro_batches=4, layers_per_stage=2, schedule="zb-v", latency_ms=2.0)
+    model = synthetic_model(stages=3, micro_batches=4, layers_per_stage=2, order="zb-v", latency_ms=2.0)
     _, result = simulate_timelines(model)
     start = {(t.op.kind, t.op.micro_batch, t.op.stage): (t.start, t.end) for ops in result.devices for t in ops}
     latency = round(2.0 * NS_PER_MS)
@@ -139,9 +140,9 @@ def test_chimera_up_pipe_keys():
 
 
 @pytest.mark.parametrize("config", [BASE, LARGE])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "chimera"])
-def test_simulated_pickles_load_and_pack(tmp_path, config, schedule):
-    timelines, _ = simulate_timelines(load_cost_model(config), schedule)
+@pytest.mark.parametrize("order", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "chimera"])
+def test_simulated_pickles_load_and_pack(tmp_path, config, order):
+    timelines, _ = simulate_timelines(load_cost_model(config), order)
     paths = write_timelines(tmp_path, "sim", timelines)
     assert [os.path.basename(p) for p in paths] == [f"sim_node{i}_timeline.pickle" for i in range(len(timelines))]
     job = load_job(paths)
@@ -252,6 +253,22 @@ def test_bad_cost_models_are_input_errors(change, message):
         cost_model_from_dict(data, "model.yaml")
 
 
+def test_a_cost_models_order_key_names_the_pipeline_order_and_its_old_name_schedule_still_loads(capsys):
+    """A cost model's pipeline order is its ``order`` key ("schedule" names only the packed K-FAC schedule);
+    a file written with ``schedule:`` loads the same, and stderr says the new name in one line."""
+    assert cost_model_from_dict({**MINIMAL, "order": "zb-h1"}, "model.yaml").order == "zb-h1"
+    assert capsys.readouterr().err == ""
+    old = cost_model_from_dict({**MINIMAL, "schedule": "zb-h1"}, "model.yaml")
+    assert old == cost_model_from_dict({**MINIMAL, "order": "zb-h1"}, "model.yaml")
+    assert capsys.readouterr().err == "note: model.yaml: schedule is now order (the old name still works)\n"
+    with pytest.raises(InputError, match="has both schedule and order"):
+        cost_model_from_dict({**MINIMAL, "schedule": "1f1b", "order": "1f1b"}, "model.yaml")
+    with pytest.raises(InputError, match="'order' must be a pipeline order name"):
+        cost_model_from_dict({**MINIMAL, "order": 3}, "model.yaml")
+    for path in (BASE, LARGE):  # the bundled files use the new name
+        assert load_cost_model(path).order == "1f1b" and capsys.readouterr().err == ""
+
+
 def test_cli_reports_bad_input_in_one_line_with_exit_2(tmp_path):
     runner = CliRunner()
     bad = tmp_path / "bad.yaml"
@@ -280,18 +297,23 @@ def test_a_run_config_given_for_a_cost_model_is_named_as_one(tmp_path, command):
         cost_model_from_dict({**MINIMAL, "optim": {}}, "model.yaml")
 
 
-def test_compare_prints_one_row_per_schedule_and_micro_batch_count(tmp_path):
+def test_compare_prints_one_row_per_order_and_micro_batch_count(tmp_path):
     res = CliRunner().invoke(main, ["compare", "--config", BASE, "--orders", "gpipe,1f1b,interleaved",
                                     "-m", "4,9", "--json", str(tmp_path / "c.json")])
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
+    assert lines[1].split()[:2] == ["order", "m"]  # the pipeline order's column; "schedule" is the packed one
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [(r["order"], r["micro_batches"]) for r in rows] == [
+        ("gpipe", 4), ("gpipe", 9), ("1f1b", 4), ("1f1b", 9), ("interleaved", 4), ("interleaved", 9)]
+    assert not any("schedule" in r for r in rows)
     assert any(line.startswith("gpipe") and " 4 " in line for line in lines)
     assert any(line.startswith("interleaved") and "n/a" in line and "rounds" in line for line in lines)
     assert "K-FAC cycle" in res.output and "bubble %" in res.output
     assert (tmp_path / "c.json").exists()
 
 
-def test_compare_by_default_has_a_row_for_every_schedule_zero_bubble_ones_too():
+def test_compare_by_default_has_a_row_for_every_order_zero_bubble_ones_too():
     res = CliRunner().invoke(main, ["compare", "--config", BASE, "-m", "8"])
     assert res.exit_code == 0, res.output
     rows = [line.split()[0] for line in res.output.splitlines()[3:-1]]
@@ -398,7 +420,7 @@ def test_trace_refuses_two_jobs_unless_allow_mixed_and_checks_its_output_first(t
 
 
 def test_tight_packs_a_simulated_interleaved_job_in_the_chunk_format(tmp_path):
-    """``pipefisher simulate --schedule interleaved --chunks 2``: chunk 1's keys end in ':chunk1', tight
+    """``pipefisher simulate --order interleaved --chunks 2``: chunk 1's keys end in ':chunk1', tight
     packs every node above its lower bound, and the packed schedule validates (per-chunk cov rule)."""
     res = CliRunner().invoke(main, ["simulate", "--config", BASE, "--order", "interleaved", "--chunks", "2",
                                     "--micro-batches", "4", "--out", str(tmp_path), "--prefix", "il"])
@@ -414,20 +436,20 @@ def test_tight_packs_a_simulated_interleaved_job_in_the_chunk_format(tmp_path):
         assert n.figures.lower_bound is not None and n.figures.lower_bound <= n.figures.iterations
 
 
-@pytest.mark.parametrize("schedule,policy", [("zb-v", "target"), ("zb-v", "tight"), ("dualpipev", "target"),
-                                             ("dualpipev", "tight"), ("dualpipev", "best-fit"), ("dualpipev", "exact")])
-def test_a_simulated_v_job_packs_validates_and_plots_end_to_end(tmp_path, schedule, policy):
-    """``simulate --schedule zb-v`` (or ``dualpipev``, with every policy that packs ZB-V without violations:
+@pytest.mark.parametrize("order,policy", [("zb-v", "target"), ("zb-v", "tight"), ("dualpipev", "target"),
+                                          ("dualpipev", "tight"), ("dualpipev", "best-fit"), ("dualpipev", "exact")])
+def test_a_simulated_v_job_packs_validates_and_plots_end_to_end(tmp_path, order, policy):
+    """``simulate --order zb-v`` (or ``dualpipev``, with every policy that packs ZB-V without violations:
     compat's own flaws show on ZB-V too), then ``schedule``, ``validate`` and ``plot`` on its files: the
     packed schedule keeps K-FAC off every W pass and validates; the default prefix says v2."""
     if policy == "exact":
         pytest.importorskip("ortools")
     runner = CliRunner()
-    res = runner.invoke(main, ["simulate", "--config", BASE, "--order", schedule, "-m", "8", "--out", str(tmp_path)])
+    res = runner.invoke(main, ["simulate", "--config", BASE, "--order", order, "-m", "8", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
-    assert f"{schedule}, 4 stages, 8 micro-batches, 2 chunks" in res.output
+    assert f"{order}, 4 stages, 8 micro-batches, 2 chunks" in res.output
     paths = sorted(str(p) for p in tmp_path.glob("*.pickle"))
-    assert [os.path.basename(p) for p in paths] == [f"bert-base-4stages_{schedule}_p4_v2_m8_node{i}_timeline.pickle"
+    assert [os.path.basename(p) for p in paths] == [f"bert-base-4stages_{order}_p4_v2_m8_node{i}_timeline.pickle"
                                                     for i in range(4)]
     saved = str(tmp_path / "s.pickle")
     res = runner.invoke(main, ["schedule", *paths, "--policy", policy, "--save-path", saved])
@@ -448,7 +470,7 @@ def test_dualpipev_nodes_hold_full_backwards_as_one_interval_and_deferred_w_pass
     own key (none on the first node, which runs each W right after its B)."""
     m = 8
     timelines, result = simulate_timelines(load_cost_model(BASE), "dualpipe-v", micro_batches=m)
-    s = result.schedule
+    s = result.order
     assert (s.name, s.chunks, s.layout, s.split_backward) == ("dualpipev", 2, "v", True)
     total = 0
     for d, node in enumerate(timelines):
@@ -474,9 +496,9 @@ def test_dualpipev_nodes_hold_full_backwards_as_one_interval_and_deferred_w_pass
 def test_dualpipev_pair_sends_its_forward_after_its_backward():
     """An overlapped pair's forward output reaches the next stage after the pair's backward ends (plus
     the latency between nodes), not as the forward ends."""
-    model = synthetic_model(stages=3, micro_batches=6, layers_per_stage=2, schedule="dualpipev", latency_ms=2.0)
+    model = synthetic_model(stages=3, micro_batches=6, layers_per_stage=2, order="dualpipev", latency_ms=2.0)
     _, result = simulate_timelines(model)
-    s = result.schedule
+    s = result.order
     timed = {t.op: t for ops in result.devices for t in ops}
     latency = round(2.0 * NS_PER_MS)
     f, b, w = next(run for run in s.fused if run[0].kind == "F" and run[0].stage < 2)

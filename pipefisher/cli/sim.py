@@ -76,7 +76,7 @@ def _mkdir(path: str) -> None:
 # simulate
 
 
-def run_simulate(config: str, schedule: str | None, stages: int | None, micro_batches: int | None,
+def run_simulate(config: str, order: str | None, stages: int | None, micro_batches: int | None,
                  chunks: int | None, latency_ms: float | None, kfac_scale: float | None, out: str,
                  prefix: str | None, echo: Callable[[str], None] = click.echo) -> list[str]:
     from pipefisher.cli._outputs import check_out_folder
@@ -87,13 +87,13 @@ def run_simulate(config: str, schedule: str | None, stages: int | None, micro_ba
     if prefix is not None and (not prefix or os.sep in prefix or "/" in prefix):
         raise InputError(None, f"--prefix '{prefix}' must be a non-empty file name prefix, without '/'")
     model = _cost_model(config).replace(latency_ms=latency_ms, kfac_scale=kfac_scale)
-    timelines, result = simulate_timelines(model, schedule, stages, micro_batches, chunks)
-    sched = result.schedule
-    prefix = prefix or default_prefix(model.name, sched)
+    timelines, result = simulate_timelines(model, order, stages, micro_batches, chunks)
+    pipeline = result.order
+    prefix = prefix or default_prefix(model.name, pipeline)
     stale = stale_node_files(out, prefix, len(timelines))
     paths = write_timelines(out, prefix, timelines)
-    chunks_note = f", {sched.chunks} chunks" if sched.chunks > 1 else ""
-    echo(f"{model.name}: {sched.name}, {sched.stages} stages, {sched.micro_batches} micro-batches{chunks_note}")
+    chunks_note = f", {pipeline.chunks} chunks" if pipeline.chunks > 1 else ""
+    echo(f"{model.name}: {pipeline.name}, {pipeline.stages} stages, {pipeline.micro_batches} micro-batches{chunks_note}")
     echo(f"pipeline time {result.makespan / 1e6:.3f} ms, bubble fraction {100 * result.bubble_fraction:.2f} %")
     echo(f"wrote {len(paths)} timelines to {os.path.join(os.path.normpath(out), prefix)}_node*_timeline.pickle"
          + (f" (removed {len(stale)} stale node file(s) of an earlier, larger job under this prefix)" if stale else ""))
@@ -101,9 +101,9 @@ def run_simulate(config: str, schedule: str | None, stages: int | None, micro_ba
 
 
 def _order_help() -> str:
-    from pipefisher.pipeline_orders import schedule_names
+    from pipefisher.pipeline_orders import order_names
 
-    return f"pipeline order: {', '.join(schedule_names())} (default: the file's)"
+    return f"pipeline order: {', '.join(order_names())} (default: the file's)"
 
 
 def _order_options(f: Callable) -> Callable:
@@ -131,7 +131,7 @@ def _model_options(f: Callable) -> Callable:
 @click.option("--micro-batches", "-m", type=int, default=None, help="micro-batches per step (default: the file's)")
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="folder for the node timelines")
 @click.option("--prefix", default=None,
-              help="file name prefix (default: <model>_<schedule>_p<stages>[_v<chunks>]_m<m>); node files of "
+              help="file name prefix (default: <model>_<order>_p<stages>[_v<chunks>]_m<m>); node files of "
                    "this prefix beyond the job's nodes are removed")
 def simulate_command(config: str | None, order: str | None, stages: int | None, chunks: int | None,
                      latency_ms: float | None, kfac_scale: float | None, micro_batches: int | None, out: str,
@@ -149,28 +149,28 @@ def simulate_command(config: str | None, order: str | None, stages: int | None, 
 # compare
 
 
-def compare_rows(config: str, schedules: Sequence[str] | None, micro_batches: Sequence[int] | None,
+def compare_rows(config: str, orders: Sequence[str] | None, micro_batches: Sequence[int] | None,
                  policy: str | None, stages: int | None = None, chunks: int | None = None,
                  kfac_scale: float | None = None, latency_ms: float | None = None,
                  margin: float = DEFAULT_MARGIN, staleness: Any = None) -> list[dict[str, object]]:
-    """One row per (schedule, micro-batch count): bubble fraction, K-FAC cycle length and usage; with the
+    """One row per (pipeline order, micro-batch count): bubble fraction, K-FAC cycle length and usage; with the
     job's staleness curve (``target``), the expected time to the target relative to first-order too."""
     from pipefisher.policies import DEFAULT_POLICY, get_policy
     from pipefisher.schedule.timeline import job_from_dicts
-    from pipefisher.sim import schedule_names, simulate_timelines
+    from pipefisher.sim import order_names, simulate_timelines
 
     model = _cost_model(config).replace(stages=stages, kfac_scale=kfac_scale, latency_ms=latency_ms)
     chosen = get_policy(policy or DEFAULT_POLICY, staleness=staleness)
-    names = list(schedules) if schedules else schedule_names()
+    names = list(orders) if orders else order_names()
     counts = list(micro_batches) if micro_batches else sorted({model.stages, 2 * model.stages, 4 * model.stages})
     rows: list[dict[str, object]] = []
     for name in names:
         for m in counts:
-            row: dict[str, object] = {"schedule": name, "micro_batches": m}
+            row: dict[str, object] = {"order": name, "micro_batches": m}
             try:
                 timelines, result = simulate_timelines(model, name, None, m, chunks)
             except InputError as err:
-                if "unknown schedule" in str(err) or "layers cannot fill" in str(err):
+                if "unknown pipeline order" in str(err) or "layers cannot fill" in str(err):
                     raise
                 row["error"] = err.problem
                 rows.append(row)
@@ -179,7 +179,7 @@ def compare_rows(config: str, schedules: Sequence[str] | None, micro_batches: Se
             its = [n.figures.iterations for n in packed.nodes]
             usage = [n.figures.usage for n in packed.nodes]
             row.update({
-                "chunks": result.schedule.chunks,
+                "chunks": result.order.chunks,
                 "pipeline_ms": result.makespan / 1e6,
                 "bubble_percent": 100 * result.bubble_fraction,
                 "cycle_iterations": max(its),
@@ -196,15 +196,15 @@ def compare_rows(config: str, schedules: Sequence[str] | None, micro_batches: Se
 
 def format_compare(rows: Sequence[dict[str, object]], title: str) -> list[str]:
     predicted = any("time_to_target" in r for r in rows)  # only with the job's staleness curve
-    head = f"{'schedule':<12} {'m':>4} {'pipeline ms':>12} {'bubble %':>9} {'K-FAC cycle':>12} {'usage % (mean/min)':>19} {'refresh ms':>11}"
+    head = f"{'order':<12} {'m':>4} {'pipeline ms':>12} {'bubble %':>9} {'K-FAC cycle':>12} {'usage % (mean/min)':>19} {'refresh ms':>11}"
     head += f" {'time to target':>15}" if predicted else ""
     out = [title, head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            out.append(f"{r['schedule']:<12} {r['micro_batches']:>4}   n/a: {r['error']}")
+            out.append(f"{r['order']:<12} {r['micro_batches']:>4}   n/a: {r['error']}")
             continue
         usage = f"{r['usage_percent_mean']:.1f} / {r['usage_percent_min']:.1f}"
-        line = (f"{r['schedule']:<12} {r['micro_batches']:>4} {r['pipeline_ms']:>12.1f} {r['bubble_percent']:>9.1f} "
+        line = (f"{r['order']:<12} {r['micro_batches']:>4} {r['pipeline_ms']:>12.1f} {r['bubble_percent']:>9.1f} "
                 f"{str(r['cycle_iterations']) + ' it.':>12} {usage:>19} {r['refresh_ms']:>11.1f}")
         if predicted:
             rel = r.get("time_to_target")
@@ -231,7 +231,7 @@ def compare_command(config: str | None, order: str | None, stages: int | None, c
                     latency_ms: float | None, kfac_scale: float | None, orders: str | None,
                     micro_batches: str | None, policy: str | None, json_path: str | None,
                     margin: float, staleness: str | None) -> None:
-    """Compare pipeline schedules and micro-batch counts for one cost model: the table to choose from."""
+    """Compare pipeline orders and micro-batch counts for one cost model: the table to choose from."""
     from pipefisher.safe_io import dump_json_atomic
 
     if order and orders:
@@ -364,7 +364,7 @@ def trace_command(timelines: tuple[str, ...], out: str, packed: bool, policy: st
 # demo
 
 
-def run_demo(config: str | None, schedule: str | None, micro_batches: int | None, policy: str | None, out: str,
+def run_demo(config: str | None, order: str | None, micro_batches: int | None, policy: str | None, out: str,
              echo: Callable[[str], None] = click.echo, margin: float = DEFAULT_MARGIN,
              staleness: str | None = None) -> dict[str, str]:
     """Simulate a bundled model, pack it, report, and write everything into ``out``. ``staleness``: the
@@ -386,14 +386,14 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
     check_out_folder(out, "--out")
     config = bundled_config(config)
     model = _cost_model(config)
-    timelines, result = simulate_timelines(model, schedule, None, micro_batches)
-    sched = result.schedule
+    timelines, result = simulate_timelines(model, order, None, micro_batches)
+    pipeline = result.order
     _mkdir(out)
-    paths = write_timelines(os.path.join(out, "timelines"), default_prefix(model.name, sched), timelines)
+    paths = write_timelines(os.path.join(out, "timelines"), default_prefix(model.name, pipeline), timelines)
     job = load_job(paths)
     packed = chosen.pack(job, margin)
     lines = [
-        f"{model.name}: {sched.name}, {sched.stages} stages, {sched.micro_batches} micro-batches "
+        f"{model.name}: {pipeline.name}, {pipeline.stages} stages, {pipeline.micro_batches} micro-batches "
         f"(cost model {os.path.basename(config)})",
         f"simulated pipeline time {result.makespan / 1e6:.1f} ms, bubble fraction {100 * result.bubble_fraction:.1f} %",
         f"packed with policy '{chosen.name}':",
@@ -412,11 +412,11 @@ def run_demo(config: str | None, schedule: str | None, micro_batches: int | None
     save_schedule(files["schedule"], packed)
     write_atomic(files["report"], "\n".join(lines) + "\n")
     dump_json_atomic(files["report_json"], report_data(packed, job))
-    title = f"{model.name}, {sched.name}, m={sched.micro_batches}: K-FAC packed into bubbles (policy {chosen.name})"
+    title = f"{model.name}, {pipeline.name}, m={pipeline.micro_batches}: K-FAC packed into bubbles (policy {chosen.name})"
     schedule_chart = chart_from_schedule(packed, job, title)
     render(schedule_chart, files["chart"])
     update = ", update" if model.end_of_step_ns(1) != (0, 0) else ""
-    render(chart_from_job(job, f"{model.name}, {sched.name}, m={sched.micro_batches}: simulated step "
+    render(chart_from_job(job, f"{model.name}, {pipeline.name}, m={pipeline.micro_batches}: simulated step "
                                f"(pipeline, naive K-FAC{update})"), files["timelines_chart"])
     write_trace(schedule_chart, files["trace"])
     echo(f"wrote {len(paths)} timelines, the schedule, the report, charts and a trace to {os.path.join(os.path.normpath(out), '')}")

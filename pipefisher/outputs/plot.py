@@ -163,7 +163,7 @@ def job_name(job: Job) -> str | None:
 
 
 def job_context(job: Job) -> str:
-    """Model, pipeline schedule and micro-batches, as far as the timelines tell, for titles.
+    """Model, pipeline order and micro-batches, as far as the timelines tell, for titles.
 
     Only the file names carry them: ``pipefisher simulate``'s prefix
     (:func:`pipefisher.sim.simulator.default_prefix`) gives all three; any other name is shown as it is, with the forward passes each node ran.
@@ -172,7 +172,7 @@ def job_context(job: Job) -> str:
     sim = parse_default_prefix(name) if name else None
     if sim:
         shape = (f", {sim['stages']} stages" if sim["stages"] else "") + (f", v={sim['chunks']}" if sim["chunks"] else "")
-        return f"{sim['model']}, {sim['schedule']}{shape}, m={sim['m']}"
+        return f"{sim['model']}, {sim['order']}{shape}, m={sim['m']}"
     node0 = job.nodes[0]
     forwards = node0.micro_batches(up_pipe=True) + sum(node0.micro_batches(chunk=c) for c in node0.chunks)
     return f"{name + ', ' if name else ''}{len(job.nodes)} nodes, {forwards} forward passes per node"

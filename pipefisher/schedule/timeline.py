@@ -30,10 +30,10 @@ chunk's suffix, :func:`weight_key`): pipeline work no K-FAC item may overlap, bu
 counts forwards) and not a backward that covariance pieces of factor B follow (that is the B pass)."""
 UP_PIPE = "up_pipe"
 UP_SUFFIX = ":" + UP_PIPE
-"""What a key or label of the second (up) pipe of a Chimera schedule ends with."""
+"""What a key or label of the second (up) pipe of a Chimera order ends with."""
 CHUNK = "chunk"
 _CHUNK_SUFFIX = re.compile(r"(?:^|:)chunk([1-9][0-9]*)$")
-"""``:chunk<j>`` (j >= 1) ends the keys of model chunk j of an interleaved schedule; chunk 0 has none,
+"""``:chunk<j>`` (j >= 1) ends the keys of model chunk j of an interleaved order; chunk 0 has none,
 so the published tool's files (one chunk) read unchanged."""
 STEP_KEY = "start_end"
 UPDATE_KEY = "update"

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from pipefisher.errors import InputError
+from pipefisher.errors import InputError, renamed_notice
 
 NS_PER_MS = 1_000_000
 FACTOR_KEYS = ("cov_A_ms", "cov_B_ms", "sync_A_ms", "sync_B_ms", "inv_A_ms", "inv_B_ms")
@@ -57,7 +57,7 @@ class CostModel:
     stage_forward_ms: tuple[float, ...] | None = None
     stage_backward_ms: tuple[float, ...] | None = None
     backward_input_fraction: float = 0.5
-    """Share of a backward that is the input gradient (B) when a schedule splits it from W."""
+    """Share of a backward that is the input gradient (B) when a pipeline order splits it from W."""
     latency_ms: float = 0.0
     """Point-to-point time between neighbouring stages (send of activations or gradients)."""
     kfac_scale: float = 1.0
@@ -72,7 +72,8 @@ class CostModel:
     refresh_piece_ms: float | None = None
     """Or pieces of at most this long: a factor's inverse of ``t`` ms runs in ``ceil(t / this)`` pieces."""
     module_template: str = "encoder.layer.{layer}.{module}"
-    schedule: str = "1f1b"
+    order: str = "1f1b"
+    """The pipeline order (:func:`pipefisher.pipeline_orders.order_names`); the file's ``order`` key."""
     stages: int = 4
     micro_batches: int = 8
     chunks: int | None = None
@@ -266,8 +267,8 @@ def cost_model_from_dict(data: Any, path: str | None = None) -> CostModel:
     """Build and check a cost model from parsed YAML; every problem is an :class:`InputError`."""
     where = path if path is not None else "<cost model>"
     data = _map(where, "the file", data)
-    _allowed(where, "the file", data, {"name", "source", "schedule", "stages", "micro_batches", "chunks", "layers",
-                                       "layer", "stage", "backward_input_fraction", "latency_ms", "kfac",
+    _allowed(where, "the file", data, {"name", "source", "order", "schedule", "stages", "micro_batches", "chunks",
+                                       "layers", "layer", "stage", "backward_input_fraction", "latency_ms", "kfac",
                                        "module_template", "block_update_ms"})
     if "layers" not in data:
         raise InputError(where, "needs 'layers' (transformer layers in the whole model)")
@@ -309,10 +310,16 @@ def cost_model_from_dict(data: Any, path: str | None = None) -> CostModel:
             kw[k] = _num(where, k, data[k], integer=True)
     if "stages" not in kw and kw.get("stage_forward_ms"):
         kw["stages"] = len(kw["stage_forward_ms"])
-    if "schedule" in data:
-        if not isinstance(data["schedule"], str):
-            raise InputError(where, "'schedule' must be a schedule name")
-        kw["schedule"] = data["schedule"]
+    if "schedule" in data:  # order's old name, from before "schedule" named only the packed K-FAC schedule
+        if "order" in data:
+            raise InputError(where, "has both schedule and order (the same key, under its old and new name): "
+                                    "keep order")
+        renamed_notice("schedule", "order", where)
+        data = {**data, "order": data["schedule"]}
+    if "order" in data:
+        if not isinstance(data["order"], str):
+            raise InputError(where, "'order' must be a pipeline order name")
+        kw["order"] = data["order"]
     if "module_template" in data:
         kw["module_template"] = str(data["module_template"])
     model = CostModel(**kw)

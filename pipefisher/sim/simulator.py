@@ -1,8 +1,8 @@
-"""Simulate a pipeline step from a schedule and a cost model, and write it as profiled timelines.
+"""Simulate a pipeline step from a pipeline order and a cost model, and write it as profiled timelines.
 
-The simulation is event-free list execution: each device runs its operations in the schedule's order;
+The simulation is event-free list execution: each device runs its operations in the pipeline order;
 an operation starts when its device is free and all its inputs have arrived (a dependency on another
-device arrives ``latency`` after it ends; :meth:`~pipefisher.pipeline_orders.PipelineSchedule.dependencies`
+device arrives ``latency`` after it ends; :meth:`~pipefisher.pipeline_orders.PipelineOrder.dependencies`
 names them, with a fused call's end in place of an operation inside it). Times are integer nanoseconds, starting at 0.
 
 After the pipeline, each node runs the naive K-FAC phase a real profiled step has: covariance A and B
@@ -16,7 +16,7 @@ start, inside it. A model without either writes neither key. The result is one `
 
 Mapping choices (see also the format spec):
 
-- Interleaved schedules (the chunk format of the format spec): chunk 0's operations are
+- Interleaved orders (the chunk format of the format spec): chunk 0's operations are
   ``call_forward``/``call_backward``, chunk j's (j >= 1) ``call_forward:chunk<j>``/``call_backward:chunk<j>``,
   one interval per micro-batch in execution order, so each chunk has ``m`` of each; the K-FAC keys of
   chunk j's layers end in ``:chunk<j>`` (none for chunk 0), each covering that chunk's ``m`` micro-batches.
@@ -33,7 +33,7 @@ Mapping choices (see also the format spec):
 - DualPipeV: ZB-V's layout and keys. Its full backwards (a B and its own W, one fused call) come out
   as one ``call_backward`` interval like any W right after its B; an overlapped pair is its forward's
   interval, then its backward's. A fused call's outputs leave when it ends
-  (:meth:`~pipefisher.pipeline_orders.PipelineSchedule.dependencies`), so a pair's forward feeds the
+  (:meth:`~pipefisher.pipeline_orders.PipelineOrder.dependencies`), so a pair's forward feeds the
   next stage only after the pair's backward, as torch's ``ScheduleDualPipeV`` sends it.
 - Chimera: up-pipe operations are ``call_forward:up_pipe``/``call_backward:up_pipe``; the up-pipe copy
   of a layer has its K-FAC keys suffixed ``:up_pipe`` and covers that pipe's micro-batches.
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pipefisher.errors import InputError
-from pipefisher.pipeline_orders import (BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op, PipelineSchedule, canonical_name,
+from pipefisher.pipeline_orders import (BACKWARD, DOWN, FORWARD, UP, WEIGHT, Op, PipelineOrder, canonical_name,
                                         default_chunks, generate, stage_on)
 from pipefisher.schedule.timeline import BACKWARD as BACKWARD_KEY, FORWARD as FORWARD_KEY
 from pipefisher.sim.costs import NS_PER_MS, CostModel, ModuleCost
@@ -91,7 +91,7 @@ class Timed:
 class SimResult:
     """When every operation of a pipeline step runs, per device in execution order."""
 
-    schedule: PipelineSchedule
+    order: PipelineOrder
     devices: tuple[tuple[Timed, ...], ...]
 
     @property
@@ -122,25 +122,25 @@ def pipe_costs(model: CostModel, chunks: int = 1) -> PipeCosts:
     return PipeCosts(fwd, bwd, round(model.latency_ms * NS_PER_MS), model.backward_input_fraction)
 
 
-def simulate(schedule: PipelineSchedule, costs: PipeCosts) -> SimResult:
-    """Run the schedule's order on the cost model; raise if the order can deadlock."""
-    if len(costs.forward_ns) < schedule.virtual_stages or len(costs.backward_ns) < schedule.virtual_stages:
-        raise InputError(None, f"costs cover {len(costs.forward_ns)} stages, the schedule has {schedule.virtual_stages}")
-    p = schedule.stages
+def simulate(order: PipelineOrder, costs: PipeCosts) -> SimResult:
+    """Run the pipeline order on the cost model; raise if the order can deadlock."""
+    if len(costs.forward_ns) < order.virtual_stages or len(costs.backward_ns) < order.virtual_stages:
+        raise InputError(None, f"costs cover {len(costs.forward_ns)} stages, the order has {order.virtual_stages}")
+    p = order.stages
     ends: dict[tuple[str, int, int, int], tuple[int, int]] = {}  # key -> (end, device)
     pos = [0] * p
     free = [0] * p
     out: list[list[Timed]] = [[] for _ in range(p)]
-    remaining = sum(len(ops) for ops in schedule.devices)
+    remaining = sum(len(ops) for ops in order.devices)
     while remaining:
         progressed = False
         for d in range(p):
-            ops = schedule.devices[d]
+            ops = order.devices[d]
             while pos[d] < len(ops):
                 op = ops[pos[d]]
                 ready = free[d]
                 blocked = False
-                for dep in schedule.dependencies(op):
+                for dep in order.dependencies(op):
                     got = ends.get(dep.key())
                     if got is None:
                         blocked = True
@@ -149,7 +149,7 @@ def simulate(schedule: PipelineSchedule, costs: PipeCosts) -> SimResult:
                     ready = max(ready, end + (costs.latency_ns if dev != d else 0))
                 if blocked:
                     break
-                end = ready + costs.duration(op, schedule.split_backward)
+                end = ready + costs.duration(op, order.split_backward)
                 ends[op.key()] = (end, d)
                 out[d].append(Timed(op, ready, end))
                 free[d] = end
@@ -157,9 +157,9 @@ def simulate(schedule: PipelineSchedule, costs: PipeCosts) -> SimResult:
                 remaining -= 1
                 progressed = True
         if not progressed:
-            waiting = [f"device {d} at {schedule.devices[d][pos[d]]}" for d in range(p) if pos[d] < len(schedule.devices[d])]
-            raise InputError(None, f"schedule '{schedule.name}' deadlocks: {'; '.join(waiting[:3])}")
-    return SimResult(schedule, tuple(tuple(x) for x in out))
+            waiting = [f"device {d} at {order.devices[d][pos[d]]}" for d in range(p) if pos[d] < len(order.devices[d])]
+            raise InputError(None, f"pipeline order '{order.name}' deadlocks: {'; '.join(waiting[:3])}")
+    return SimResult(order, tuple(tuple(x) for x in out))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def simulate(schedule: PipelineSchedule, costs: PipeCosts) -> SimResult:
 @dataclass(frozen=True)
 class LayerCopy:
     """One copy of a transformer layer on a node: which layer, which pipe, how many micro-batches, and
-    which model chunk of the node holds it (interleaved schedules; 0 otherwise)."""
+    which model chunk of the node holds it (interleaved orders; 0 otherwise)."""
 
     layer: int
     up_pipe: bool
@@ -177,19 +177,19 @@ class LayerCopy:
     chunk: int = 0
 
 
-def node_layers(model: CostModel, schedule: PipelineSchedule) -> list[list[LayerCopy]]:
+def node_layers(model: CostModel, order: PipelineOrder) -> list[list[LayerCopy]]:
     """The layer copies each node holds: its chunks' layers (down pipe, chunk c of node d being virtual
-    stage :func:`~pipefisher.pipeline_orders.stage_on` in the schedule's layout), then its up-pipe
+    stage :func:`~pipefisher.pipeline_orders.stage_on` in the order's layout), then its up-pipe
     stage's layers."""
-    S = schedule.virtual_stages
-    down_mb = sum(1 for ops in schedule.devices for op in ops if op.kind == FORWARD and op.pipe == DOWN and op.stage == 0)
-    up_mb = sum(1 for ops in schedule.devices for op in ops if op.kind == FORWARD and op.pipe == UP and op.stage == 0)
+    S = order.virtual_stages
+    down_mb = sum(1 for ops in order.devices for op in ops if op.kind == FORWARD and op.pipe == DOWN and op.stage == 0)
+    up_mb = sum(1 for ops in order.devices for op in ops if op.kind == FORWARD and op.pipe == UP and op.stage == 0)
     out: list[list[LayerCopy]] = []
-    for d in range(schedule.stages):
-        copies = [LayerCopy(layer, False, down_mb, c) for c in range(schedule.chunks)
-                  for layer in model.stage_layers(stage_on(d, c, schedule.stages, schedule.layout), S)]
+    for d in range(order.stages):
+        copies = [LayerCopy(layer, False, down_mb, c) for c in range(order.chunks)
+                  for layer in model.stage_layers(stage_on(d, c, order.stages, order.layout), S)]
         if up_mb:
-            copies += [LayerCopy(layer, True, up_mb) for layer in model.stage_layers(schedule.stages - 1 - d, S)]
+            copies += [LayerCopy(layer, True, up_mb) for layer in model.stage_layers(order.stages - 1 - d, S)]
         out.append(copies)
     return out
 
@@ -224,9 +224,9 @@ def _ns(ms: float) -> int:
 def timelines_from_result(result: SimResult, model: CostModel) -> Timelines:
     """Per-node profiled timelines: the simulated pipeline, then naive K-FAC, then the update, one step."""
     modules: Sequence[ModuleCost] = model.module_costs()
-    layers = node_layers(model, result.schedule)
+    layers = node_layers(model, result.order)
     out: Timelines = []
-    for d in range(result.schedule.stages):
+    for d in range(result.order.stages):
         entries = _pipeline_keys(result, d)
         t = max((x.end for x in result.devices[d]), default=0)
         names: list[tuple[str, ModuleCost, LayerCopy]] = []
@@ -265,41 +265,41 @@ def timelines_from_result(result: SimResult, model: CostModel) -> Timelines:
 
 def simulate_timelines(
     model: CostModel,
-    schedule: str | None = None,
+    order: str | None = None,
     stages: int | None = None,
     micro_batches: int | None = None,
     chunks: int | None = None,
 ) -> tuple[Timelines, SimResult]:
     """Simulate ``model`` (its own settings, overridden by the arguments); returns timelines and times.
 
-    The model's own ``chunks`` applies to the interleaved schedule only; an explicit ``chunks`` argument
-    applies to any schedule (and is refused by those that cannot have that many). Without either, each
-    schedule has its :func:`~pipefisher.pipeline_orders.default_chunks` (2 for interleaved, zb-v and
+    The model's own ``chunks`` applies to the interleaved order only; an explicit ``chunks`` argument
+    applies to any order (and is refused by those that cannot have that many). Without either, each
+    order has its :func:`~pipefisher.pipeline_orders.default_chunks` (2 for interleaved, zb-v and
     dualpipev).
     """
-    model = model.replace(schedule=schedule, stages=stages, micro_batches=micro_batches, chunks=chunks)
-    name = canonical_name(model.schedule)
+    model = model.replace(order=order, stages=stages, micro_batches=micro_batches, chunks=chunks)
+    name = canonical_name(model.order)
     use_chunks = chunks if chunks is not None else (model.chunks if name == "interleaved" else None)
     costs = pipe_costs(model, use_chunks or default_chunks(name))
-    sched = generate(name, model.stages, model.micro_batches, use_chunks, lambda op: costs.duration(op, False))
-    result = simulate(sched, costs)
+    pipeline = generate(name, model.stages, model.micro_batches, use_chunks, lambda op: costs.duration(op, False))
+    result = simulate(pipeline, costs)
     return timelines_from_result(result, model), result
 
 
-def default_prefix(model_name: str, schedule: PipelineSchedule) -> str:
-    """``<model>_<schedule>_p<stages>[_v<chunks>]_m<micro-batches>``: simulations of other shapes get
+def default_prefix(model_name: str, order: PipelineOrder) -> str:
+    """``<model>_<order>_p<stages>[_v<chunks>]_m<micro-batches>``: simulations of other shapes get
     other file names, so one folder can hold several and ``OUT/*.pickle`` never mixes two of them."""
-    chunks = f"_v{schedule.chunks}" if schedule.chunks > 1 else ""
-    return f"{model_name}_{schedule.name}_p{schedule.stages}{chunks}_m{schedule.micro_batches}"
+    chunks = f"_v{order.chunks}" if order.chunks > 1 else ""
+    return f"{model_name}_{order.name}_p{order.stages}{chunks}_m{order.micro_batches}"
 
 
 _DEFAULT_PREFIX = re.compile(
-    r"^(?P<model>.+?)_(?P<schedule>[A-Za-z0-9-]+)(?:_p(?P<stages>\d+))?(?:_v(?P<chunks>\d+))?_m(?P<m>\d+)$")
+    r"^(?P<model>.+?)_(?P<order>[A-Za-z0-9-]+)(?:_p(?P<stages>\d+))?(?:_v(?P<chunks>\d+))?_m(?P<m>\d+)$")
 
 
 def parse_default_prefix(prefix: str) -> dict[str, str | None] | None:
-    """What a :func:`default_prefix` says (model, schedule, stages, chunks, m), or None for other names.
-    Stages and chunks may be missing (None): older simulations named files ``<model>_<schedule>_m<m>``."""
+    """What a :func:`default_prefix` says (model, order, stages, chunks, m), or None for other names.
+    Stages and chunks may be missing (None): older simulations named files ``<model>_<order>_m<m>``."""
     m = _DEFAULT_PREFIX.match(prefix)
     return m.groupdict() if m else None
 

@@ -50,7 +50,7 @@ def synthetic_model(
     layers_per_stage: int = 3,
     kfac_scale: float = 1.0,
     seed: int | None = 0,
-    schedule: str = "1f1b",
+    order: str = "1f1b",
     chunks: int | None = None,
     latency_ms: float = 0.0,
 ) -> CostModel:
@@ -65,7 +65,7 @@ def synthetic_model(
         layer_backward_ms=_LAYER_BACKWARD_MS,
         latency_ms=latency_ms,
         kfac_scale=kfac_scale,
-        schedule=schedule,
+        order=order,
         stages=stages,
         micro_batches=micro_batches,
         chunks=chunks,
@@ -74,7 +74,7 @@ def synthetic_model(
 
 
 def synthetic_timelines(
-    schedule: str = "1f1b",
+    order: str = "1f1b",
     stages: int = 8,
     micro_batches: int = 64,
     layers_per_stage: int = 6,
@@ -84,6 +84,6 @@ def synthetic_timelines(
     latency_ms: float = 0.0,
 ) -> Timelines:
     """Per-node profiled timelines of a synthetic job (``layers_per_stage * 6`` K-FAC modules per node)."""
-    model = synthetic_model(stages, micro_batches, layers_per_stage, kfac_scale, seed, schedule, chunks, latency_ms)
+    model = synthetic_model(stages, micro_batches, layers_per_stage, kfac_scale, seed, order, chunks, latency_ms)
     timelines, _ = simulate_timelines(model)
     return timelines

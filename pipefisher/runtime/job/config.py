@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from pipefisher.errors import InputError, renamed_notice
 from pipefisher.kfac import DEFAULT_IGNORE
-from pipefisher.pipeline_orders import V_SCHEDULES, default_chunks
+from pipefisher.pipeline_orders import V_ORDERS, default_chunks
 
 DEFAULT_MUON_EXCLUDE = ("embed", "embeddings", "embed_tokens", "wte", "wpe", "cls", "head", "lm_head")
 """Parameter-name parts ``optim.name: muon`` leaves to AdamW although their tensors are 2-D: input
@@ -535,7 +535,7 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         elif m.num_layers < p.stages * p.chunks:
             problems.append(f"pipeline.order interleaved needs model.num_layers >= pipeline.stages x "
                             f"pipeline.chunks ({p.stages} x {p.chunks} = {p.stages * p.chunks} model chunks)")
-    if p.order in V_SCHEDULES:
+    if p.order in V_ORDERS:
         if p.chunks != 2 or isinstance(p.chunks, bool):
             problems.append(f"pipeline.order {p.order} has exactly 2 model chunks per device (its V): "
                             "pipeline.chunks must be 2")

@@ -64,7 +64,7 @@ def device_plan(kind: str, device: int, devices: int, num_micro_batches: int,
     times), so the trainer, the profiler and the simulator run one and the same order.
     """
     if kind not in PIPELINE_ORDERS:
-        raise ValueError(f"unknown pipeline schedule {kind!r} ({', '.join(PIPELINE_ORDERS)})")
+        raise ValueError(f"unknown pipeline order {kind!r} ({', '.join(PIPELINE_ORDERS)})")
     return list(_plans(kind, devices, num_micro_batches, device_chunks(kind, chunks))[device])
 
 
@@ -84,11 +84,11 @@ def splits_backward(kind: str) -> bool:
 def _plans(kind: str, devices: int, num_micro_batches: int,
            chunks: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     """Every device's plan at once (Chimera's list scheduling orders all devices together)."""
-    schedule = generate(kind, devices, num_micro_batches, chunks)
-    inter = schedule.chunks > 1
+    order = generate(kind, devices, num_micro_batches, chunks)
+    inter = order.chunks > 1
     return tuple(tuple((copy_label(PassKind(op.kind).key, op.chunk if inter else op.pipe, inter),
                         op.chunk if inter else op.pipe, op.micro_batch)
-                       for op in ops) for ops in schedule.devices)
+                       for op in ops) for ops in order.devices)
 
 
 def pipeline_ops(kind: str, stage: int, num_stages: int, num_micro_batches: int, chunks: int = 2) -> list[str]:

@@ -52,7 +52,7 @@ def check_options(mode: str, schedule: str | None, cfg: RunConfig | None = None,
     if ctx.grid.stages != cfg.pipeline.stages:
         raise ValueError(f"the grid has {ctx.grid.stages} stages but the config asks for {cfg.pipeline.stages}")
     if ctx.chimera != (cfg.pipeline.order == "chimera"):
-        raise ValueError("the process groups were set up for another pipeline schedule than the config's")
+        raise ValueError("the process groups were set up for another pipeline order than the config's")
 
 
 def build_stages(cfg: RunConfig, ctx: DistContext) -> dict[int, nn.Module]:
