@@ -213,8 +213,8 @@ class _GreedyWalk:
 
     def fill_bubbles(self, here: list[tuple[int, str, Time, Time]]) -> None:
         """Fill each bubble of this iteration with the largest ready item that fits, again and again
-        (the hot path: the walk's state is read into locals, and ``mask`` written back around the calls
-        that change it)."""
+        (the hot path: the walk's state is read into locals; ``mask``, and the bubble, are written back
+        around the calls that read or change them)."""
         work, bubbles, need, ent_work = self.work, self.bubbles, self.need, self.ent_work
         cov_bits, cov_first, pos, relb = self.cov_bits, self.cov_first, self.pos, self.relb
         rank_by_size, head, cov_left = self.rank_by_size, self.head, self.cov_left
@@ -223,8 +223,8 @@ class _GreedyWalk:
         remaining = self.remaining
         mask = self.mask
         for b in range(self.nb):
-            self.cur_bubble = b
             if iteration == 0 and pending[b]:
+                self.cur_bubble = b
                 self.mask = mask
                 for wi in pending[b]:
                     self.classify(wi)
@@ -259,6 +259,7 @@ class _GreedyWalk:
                     here.append((b, w.label, t, t + d))
                     t += d
                     remaining -= 1
+                    self.cur_bubble = b
                     self.mask = mask
                     self.placed(wi)
                     mask = self.mask
@@ -281,6 +282,7 @@ class _GreedyWalk:
                 cov_left[g] -= done
                 if h >= n:
                     if cov_left[g] == 0:
+                        self.cur_bubble = b
                         self.mask = mask
                         self.group_cov_done(g)
                         mask = self.mask
