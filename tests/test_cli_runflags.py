@@ -1,12 +1,9 @@
-"""The flags ``train`` and ``run`` share are one definition each, and the commands are named steps."""
+"""The flags ``train`` and ``run`` share are one definition each. (That no function, the commands' included,
+is over 150 lines is checked package-wide in ``tests/test_layers.py``.)"""
 from __future__ import annotations
-
-import ast
-import os
 
 import click
 
-import pipefisher.cli as cli
 from pipefisher.cli import main
 
 SHARED = ("--nproc-per-node", "--stages", "--order", "--pipeline", "--chunks", "--timeout", "--set", "--tensorboard",
@@ -27,14 +24,3 @@ def test_the_flags_train_and_run_share_are_defined_once():
     assert (train["--log-every"].default, run["--log-every"].default) == (5, None)
     assert "[default: 5; with --resume, the run's]" in run["--log-every"].help
 
-
-def test_no_function_of_the_command_line_is_over_150_lines():
-    folder = os.path.dirname(cli.__file__)
-    long = []
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                tree = ast.parse(f.read())
-            long += [f"{name}:{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(tree)
-                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno >= 150]
-    assert not long

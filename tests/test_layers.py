@@ -211,3 +211,30 @@ def test_each_name_means_one_thing() -> None:
     doubled = [f"{kind} {name}: {', '.join(sorted(paths))}" for (kind, name), paths in sorted(seen.items())
                if len(paths) > 1]
     assert not doubled, "names used twice:\n" + "\n".join(doubled)
+
+
+LONGEST_FUNCTION = 150
+"""Lines at most in any function of the package: a longer one is named steps (a small class holding its
+state, or helper functions), which a reader can take one at a time."""
+
+
+def long_functions(tree: ast.AST) -> list[tuple[str, int, int]]:
+    """(name, first line, lines) of each function or method in ``tree`` over :data:`LONGEST_FUNCTION` lines."""
+    return [(n.name, n.lineno, n.end_lineno - n.lineno + 1) for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno is not None and n.end_lineno - n.lineno + 1 > LONGEST_FUNCTION]
+
+
+def test_no_function_is_over_150_lines() -> None:
+    found = []
+    for name, (path, _) in sorted(_modules().items()):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        found += [f"{name}:{fn} (line {line}) has {lines} lines" for fn, line, lines in long_functions(tree)]
+    assert not found, "\n".join(found)
+
+
+def test_the_length_check_sees_a_long_function() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(LONGEST_FUNCTION))
+    assert long_functions(ast.parse(f"def f():\n{body}\n")) == [("f", 1, LONGEST_FUNCTION + 1)]
+    assert long_functions(ast.parse(f"def f():\n{body[:body.rindex(chr(10))]}\n")) == []

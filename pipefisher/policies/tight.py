@@ -102,122 +102,134 @@ class _Entities:
         self.plain_rank = [self.rank_by_size[wi][w.pieces[0]] if w.kind != COV else -1 for wi, w in enumerate(work)]
 
 
-def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int = 1 << 20,
-                shorter_than: int | None = None) -> Packed | None:
-    """Walk the bubbles in time order, filling each with the largest ready item that fits.
+class _GreedyWalk:
+    """The state of :func:`pack_greedy`'s walk, so that each of its steps is a method: what is ready
+    (``mask``, by entity rank), what waits for its release (``pending``, per bubble of iteration 0) or for
+    the end of an iteration (``forced``), and each factor's progress through its pieces and refresh."""
 
-    ``cov_first``: prefer covariance pieces (the start of every chain) over syncs and inverses, and
-    take the largest of those that fit; this wins where inverses wait too long for their factors.
-    With ``shorter_than``, None as soon as the cycle is sure to have that many iterations or more
-    (:func:`sure_to_reach`).
-    """
-    work = model.work
-    bubbles = model.bubbles
-    nb = len(bubbles)
-    largest = model.largest
-    scale = model.scale
-    ents = _Entities(model)
-    need = ents.need
-    ent_work = ents.work
-    rank_by_size = ents.rank_by_size
-    plain_rank = ents.plain_rank
-    pos = [b.pos for b in bubbles]
-    # Iteration 0: the first bubble at which a piece that follows pipeline item r is ready (nb: none).
-    relb = [bisect_right(pos, r) for r in range(len(model.pipeline))]
-    cov_bits = 0
-    for r, wi in enumerate(ent_work):
-        if work[wi].kind == COV:
-            cov_bits |= 1 << r
+    def __init__(self, model: NodeModel, cov_first: bool) -> None:
+        work = self.work = model.work
+        self.model = model
+        self.cov_first = cov_first
+        self.bubbles = model.bubbles
+        self.nb = nb = len(model.bubbles)
+        self.largest = model.largest
+        self.scale = model.scale
+        ents = _Entities(model)
+        self.need, self.ent_work = ents.need, ents.work
+        self.rank_by_size, self.plain_rank = ents.rank_by_size, ents.plain_rank
+        self.pos = pos = [b.pos for b in model.bubbles]
+        # Iteration 0: the first bubble at which a piece that follows pipeline item r is ready (nb: none).
+        self.relb = [bisect_right(pos, r) for r in range(len(model.pipeline))]
+        self.cov_bits = 0
+        for r, wi in enumerate(self.ent_work):
+            if work[wi].kind == COV:
+                self.cov_bits |= 1 << r
+        self.head = [0] * len(work)
+        self.cov_left = list(model.factors.pieces)
+        self.syncs_of, self.invs_of = model.factors.syncs, model.factors.invs
+        self.sync_seen = [False] * model.groups
+        self.next_piece = {a: b for invs in self.invs_of for a, b in zip(invs, invs[1:])}  # a refresh's pieces, in order
+        self.done_at: list[tuple[int, int] | None] = [None] * model.groups  # where each factor completed
+        self.inv_next = [0] * model.groups  # per factor, its next refresh piece (index into its inverses)
+        self.overlapped = False
+        self.remaining = sum(len(w.pieces) for w in work)
+        # Overlapping: only refresh pieces may go back into the room of the iterations already walked, so
+        # the rest (covariance and syncs, ``fit_left - inv_left``) still needs iterations of its own.
+        self.inv_left = sum(w.pieces[0] for w in work if w.kind == INV and w.pieces[0] * self.scale < self.largest)
+        self.mask = 0
+        self.pending: list[list[int]] = [[] for _ in range(nb + 1)]
+        self.forced: list[int] = []
+        self.iteration = 0
+        self.cur_bubble = 0
+        self.in_bubbles: list[list[tuple[int, str, Time, Time]]] = []
+        self.overflow: list[list[tuple[str, Time]]] = []
+        start_walk(model, self.group_cov_done, self.classify)
 
-    head = [0] * len(work)
-    cov_left = list(model.factors.pieces)
-    syncs_of, invs_of = model.factors.syncs, model.factors.invs
-    sync_seen = [False] * model.groups
-    next_piece = {a: b for invs in invs_of for a, b in zip(invs, invs[1:])}  # a refresh's pieces, in order
-    done_at: list[tuple[int, int] | None] = [None] * model.groups  # where each factor completed
-    inv_next = [0] * model.groups  # per factor, its next refresh piece (index into its inverses)
-    overlapped = False
-    remaining = sum(len(w.pieces) for w in work)
-    if shorter_than is not None:
-        bubble_time = sum(b.length for b in bubbles)
-        fit_left = fittable_work(model)  # what is left of it: only bubbles take it
-    # Overlapping: only refresh pieces may go back into the room of the iterations already walked, so
-    # the rest (covariance and syncs, ``fit_left - inv_left``) still needs iterations of its own.
-    inv_left = sum(w.pieces[0] for w in work if w.kind == INV and w.pieces[0] * scale < largest)
-
-    mask = 0
-    pending: list[list[int]] = [[] for _ in range(nb + 1)]
-    forced: list[int] = []
-    iteration = 0
-    cur_bubble = 0
-
-    def ready_plain(wi: int) -> None:
-        nonlocal mask
-        if work[wi].pieces[0] * scale < largest:
-            mask |= 1 << plain_rank[wi]
+    def ready_plain(self, wi: int) -> None:
+        if self.work[wi].pieces[0] * self.scale < self.largest:
+            self.mask |= 1 << self.plain_rank[wi]
         else:
-            forced.append(wi)
+            self.forced.append(wi)
 
-    def group_cov_done(g: int) -> None:
-        if model.synced[g]:
-            for wi in syncs_of[g]:
-                ready_plain(wi)
-        elif invs_of[g]:
-            completed(g)
+    def group_cov_done(self, g: int) -> None:
+        if self.model.synced[g]:
+            for wi in self.syncs_of[g]:
+                self.ready_plain(wi)
+        elif self.invs_of[g]:
+            self.completed(g)
 
-    def completed(g: int) -> None:
+    def completed(self, g: int) -> None:
         """The factor's refresh may begin: its first piece is ready (each next one once it is placed)."""
-        done_at[g] = (iteration, cur_bubble)
-        ready_plain(invs_of[g][0])
+        self.done_at[g] = (self.iteration, self.cur_bubble)
+        self.ready_plain(self.invs_of[g][0])
 
-    def classify(wi: int) -> None:
+    def classify(self, wi: int) -> None:
         """Put queue ``wi``'s new head where it belongs: ready, waiting for its forward/backward, or forced."""
-        nonlocal mask
-        h = head[wi]
-        pieces = work[wi].pieces
+        h = self.head[wi]
+        w = self.work[wi]
+        pieces = w.pieces
         if h >= len(pieces):
             return
-        if not pieces[h] * scale < largest:
-            forced.append(wi)
+        if not pieces[h] * self.scale < self.largest:
+            self.forced.append(wi)
             return
-        if iteration == 0:
-            rb = relb[work[wi].release[h]]
-            if rb > cur_bubble:
-                pending[rb].append(wi)
+        if self.iteration == 0:
+            rb = self.relb[w.release[h]]
+            if rb > self.cur_bubble:
+                self.pending[rb].append(wi)
                 return
-        mask |= 1 << rank_by_size[wi][pieces[h]]
+        self.mask |= 1 << self.rank_by_size[wi][pieces[h]]
 
-    def placed(wi: int) -> None:
+    def placed(self, wi: int) -> None:
         """Bookkeeping after an item (plain) or a queue's last piece was placed."""
-        nonlocal inv_left
-        w = work[wi]
+        w = self.work[wi]
         g = w.group
-        if w.kind == SYNC and not sync_seen[g]:
-            sync_seen[g] = True
-            if invs_of[g]:
-                completed(g)
+        if w.kind == SYNC and not self.sync_seen[g]:
+            self.sync_seen[g] = True
+            if self.invs_of[g]:
+                self.completed(g)
         elif w.kind == INV:
-            inv_next[g] += 1
-            if w.pieces[0] * scale < largest:
-                inv_left -= w.pieces[0]
-            if wi in next_piece:
-                ready_plain(next_piece[wi])
+            self.inv_next[g] += 1
+            if w.pieces[0] * self.scale < self.largest:
+                self.inv_left -= w.pieces[0]
+            if wi in self.next_piece:
+                self.ready_plain(self.next_piece[wi])
 
-    start_walk(model, group_cov_done, classify)
-
-    in_bubbles: list[list[tuple[int, str, Time, Time]]] = []
-    overflow: list[list[tuple[str, Time]]] = []
-    while remaining > 0:
-        if iteration >= max_iterations:
-            raise RuntimeError("packing made no progress")  # pragma: no cover - the walk always progresses
+    def iterate(self) -> list[tuple[int, str, Time, Time]]:
+        """One iteration: its bubbles in time order, then the forced work at its end; what went into the bubbles."""
         here: list[tuple[int, str, Time, Time]] = []
-        spill: list[tuple[str, Time]] = []
-        for b in range(nb):
-            cur_bubble = b
+        self.fill_bubbles(here)
+        # The end of the iteration: everything else of iteration 0 is ready now; then the forced work.
+        self.cur_bubble = self.nb
+        if self.iteration == 0:
+            for wi in self.pending[self.nb]:
+                self.classify(wi)
+            self.pending[self.nb] = []
+        self.in_bubbles.append(here)
+        self.overflow.append(self.spill_forced())
+        self.iteration += 1
+        return here
+
+    def fill_bubbles(self, here: list[tuple[int, str, Time, Time]]) -> None:
+        """Fill each bubble of this iteration with the largest ready item that fits, again and again
+        (the hot path: the walk's state is read into locals; ``mask``, and the bubble, are written back
+        around the calls that read or change them)."""
+        work, bubbles, need, ent_work = self.work, self.bubbles, self.need, self.ent_work
+        cov_bits, cov_first, pos, relb = self.cov_bits, self.cov_first, self.pos, self.relb
+        rank_by_size, head, cov_left = self.rank_by_size, self.head, self.cov_left
+        pending, forced, scale, largest = self.pending, self.forced, self.scale, self.largest
+        iteration = self.iteration
+        remaining = self.remaining
+        mask = self.mask
+        for b in range(self.nb):
             if iteration == 0 and pending[b]:
+                self.cur_bubble = b
+                self.mask = mask
                 for wi in pending[b]:
-                    classify(wi)
+                    self.classify(wi)
                 pending[b] = []
+                mask = self.mask
             bub = bubbles[b]
             t = bub.start
             end = bub.end
@@ -247,7 +259,10 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
                     here.append((b, w.label, t, t + d))
                     t += d
                     remaining -= 1
-                    placed(wi)
+                    self.cur_bubble = b
+                    self.mask = mask
+                    self.placed(wi)
+                    mask = self.mask
                     continue
                 pieces, release = w.pieces, w.release
                 h = head[wi]
@@ -267,7 +282,10 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
                 cov_left[g] -= done
                 if h >= n:
                     if cov_left[g] == 0:
-                        group_cov_done(g)
+                        self.cur_bubble = b
+                        self.mask = mask
+                        self.group_cov_done(g)
+                        mask = self.mask
                     continue
                 d = pieces[h]  # where the new head goes (classify, inlined: this is the hot path)
                 if not d * scale < largest:
@@ -276,19 +294,20 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
                     pending[relb[release[h]]].append(wi)
                 else:
                     mask |= 1 << rank_by_size[wi][d]
-        # The end of the iteration: everything else of iteration 0 is ready now; then the forced work.
-        cur_bubble = nb
-        if iteration == 0:
-            for wi in pending[nb]:
-                classify(wi)
-            pending[nb] = []
+        self.mask = mask
+        self.remaining = remaining
+
+    def spill_forced(self) -> list[tuple[str, Time]]:
+        """The forced work, at the end of the iteration (its overflow), and whatever that makes ready."""
+        spill: list[tuple[str, Time]] = []
+        work, forced, head, scale, largest = self.work, self.forced, self.head, self.scale, self.largest
         while forced:
             wi = forced.pop(0)
             w = work[wi]
             if w.kind != COV:
                 spill.append((w.label, w.pieces[0]))
-                remaining -= 1
-                placed(wi)
+                self.remaining -= 1
+                self.placed(wi)
                 continue
             h = head[wi]
             pieces = w.pieces
@@ -297,32 +316,61 @@ def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int =
                 h += 1
             done = h - head[wi]
             head[wi] = h
-            remaining -= done
-            cov_left[w.group] -= done
+            self.remaining -= done
+            self.cov_left[w.group] -= done
             if h >= len(pieces):
-                if cov_left[w.group] == 0:
-                    group_cov_done(w.group)
+                if self.cov_left[w.group] == 0:
+                    self.group_cov_done(w.group)
             else:
-                saved, iteration = iteration, max(iteration, 1)  # after the end: every release is met
-                classify(wi)
-                iteration = saved
-        in_bubbles.append(here)
-        overflow.append(spill)
-        iteration += 1
-        if model.overlap and remaining and not forced:
-            left = [(g, invs_of[g][inv_next[g]:]) for g in range(model.groups)
-                    if done_at[g] is not None and inv_next[g] < len(invs_of[g])]
-            if sum(len(rest) for _, rest in left) == remaining:
-                if _overlap_into_earlier(model, in_bubbles, left, done_at):
-                    overlapped = True
-                    break
-        if shorter_than is not None and remaining:
+                saved, self.iteration = self.iteration, max(self.iteration, 1)  # after the end: every release is met
+                self.classify(wi)
+                self.iteration = saved
+        return spill
+
+    def overlaps_the_rest(self) -> bool:
+        """Overlapping, where only refresh pieces are left: whether they all went into the room of the
+        iterations already walked (then the walk is over)."""
+        if not (self.model.overlap and self.remaining and not self.forced):
+            return False
+        invs_of, inv_next = self.invs_of, self.inv_next
+        left = [(g, invs_of[g][inv_next[g]:]) for g in range(self.model.groups)
+                if self.done_at[g] is not None and inv_next[g] < len(invs_of[g])]
+        if sum(len(rest) for _, rest in left) == self.remaining:
+            if _overlap_into_earlier(self.model, self.in_bubbles, left, self.done_at):
+                self.overlapped = True
+        return self.overlapped
+
+    def packed(self) -> Packed:
+        if not self.in_bubbles:
+            return Packed(1, [[]], [[]], self.overlapped)
+        return Packed(len(self.in_bubbles), self.in_bubbles, self.overflow, self.overlapped)
+
+
+def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int = 1 << 20,
+                shorter_than: int | None = None) -> Packed | None:
+    """Walk the bubbles in time order, filling each with the largest ready item that fits.
+
+    ``cov_first``: prefer covariance pieces (the start of every chain) over syncs and inverses, and
+    take the largest of those that fit; this wins where inverses wait too long for their factors.
+    With ``shorter_than``, None as soon as the cycle is sure to have that many iterations or more
+    (:func:`sure_to_reach`).
+    """
+    walk = _GreedyWalk(model, cov_first)
+    if shorter_than is not None:
+        bubble_time = sum(b.length for b in model.bubbles)
+        fit_left = fittable_work(model)  # what is left of it: only bubbles take it
+    while walk.remaining > 0:
+        if walk.iteration >= max_iterations:
+            raise RuntimeError("packing made no progress")  # pragma: no cover - the walk always progresses
+        here = walk.iterate()
+        if walk.overlaps_the_rest():
+            break
+        if shorter_than is not None and walk.remaining:
             fit_left -= placed_time(here)
-            if sure_to_reach(iteration, fit_left - inv_left if model.overlap else fit_left, bubble_time, shorter_than):
+            rest = fit_left - walk.inv_left if model.overlap else fit_left
+            if sure_to_reach(walk.iteration, rest, bubble_time, shorter_than):
                 return None
-    if not in_bubbles:
-        in_bubbles, overflow = [[]], [[]]
-    return Packed(len(in_bubbles), in_bubbles, overflow, overlapped)
+    return walk.packed()
 
 
 def _overlap_into_earlier(model: NodeModel, in_bubbles: list[list[tuple[int, str, Time, Time]]],
@@ -459,285 +507,333 @@ def _pack_fixed(model: NodeModel, k: int, prefix: _Prefix | None = None,
     """:func:`pack_fixed`, resuming step 2 from ``prefix`` where that holds for ``k``; also the prefix
     for the next k (``prefix`` itself where this k gives up before walking). ``setup``: the node's
     :func:`_fixed_setup`, where the caller tries several k."""
-    if setup is None:
-        setup = _fixed_setup(model)
-    work = model.work
-    bubbles = model.bubbles
-    nb = len(bubbles)
-    per = nb + 1  # slots per iteration: its bubbles, then its overflow slot
-    nslots = k * per
-    gap = setup.gap
-    largest = model.largest
-    scale, margin = model.scale, model.margin
-    used: list[Time] = [0] * nslots
-    maxd: list[Time] = [0] * nslots
-    # (work index, piece) per slot; None for none yet (most slots of a trial that gives up stay so)
-    content: list[list[tuple[int, int]] | None] = [None] * nslots
+    trial = _FixedTrial(model, k, setup or _fixed_setup(model))
+    if not trial.place_plain():
+        return None, prefix
+    done, shared = trial.place_pieces(prefix)
+    return (trial.layout() if done else None), shared
 
-    syncs_of, invs_of = model.factors.syncs, model.factors.invs
+
+class _FixedTrial:
+    """One try of :func:`pack_fixed` at ``k``: its slots (per iteration, its bubbles, then its overflow
+    slot) and what its steps put there, so that each step is a method."""
+
+    def __init__(self, model: NodeModel, k: int, setup: _FixedSetup) -> None:
+        self.model, self.k, self.setup = model, k, setup
+        self.work = model.work
+        self.nb = len(model.bubbles)
+        self.per = self.nb + 1  # slots per iteration: its bubbles, then its overflow slot
+        self.nslots = nslots = k * self.per
+        self.scale, self.margin, self.largest = model.scale, model.margin, model.largest
+        self.used: list[Time] = [0] * nslots
+        self.maxd: list[Time] = [0] * nslots
+        # (work index, piece) per slot; None for none yet (most slots of a trial that gives up stay so)
+        self.content: list[list[tuple[int, int]] | None] = [None] * nslots
+        self.syncs_of, self.invs_of = model.factors.syncs, model.factors.invs
+        self.slot_of: dict[int, int] = {}
+        self.first_busy = nslots  # the first slot with a sync or inverse
+        self.placed_plain = 0
 
     # -- 1. syncs and inverses, as late as possible --------------------------------------------------
-    plain, order, rank, need = setup.plain, setup.order, setup.rank, setup.need
-    fit_mask = 0  # ready fittable items, by rank
-    forced_ready: list[int] = []
-    slot_of: dict[int, int] = {}
-    invs_left = [len(invs_of[g]) if model.synced[g] else 0 for g in range(model.groups)]
 
-    def ready(wi: int) -> None:
-        nonlocal fit_mask
-        if work[wi].pieces[0] * scale < largest:
-            fit_mask |= 1 << rank[wi]
+    def place_plain(self) -> bool:
+        """Step 1: walk the slots backwards, each taking the largest ready sync or inverse that fits;
+        whether all of them went in."""
+        model, setup, nb, per = self.model, self.setup, self.nb, self.per
+        self.fit_mask = 0  # ready fittable items, by rank
+        self.forced_ready: list[int] = []
+        self.invs_left = [len(self.invs_of[g]) if model.synced[g] else 0 for g in range(model.groups)]
+        # backwards: a refresh's last piece first, each earlier one once the one after it is placed
+        self.before_piece = {b: a for invs in self.invs_of for a, b in zip(invs, invs[1:])}
+        for wi in setup.plain:
+            w = self.work[wi]
+            if (w.kind == INV and wi == self.invs_of[w.group][-1]) or (w.kind == SYNC and self.invs_left[w.group] == 0):
+                self.ready(wi)
+        for slot in range(self.nslots - 1, -1, -1):
+            if not self.fit_mask and not self.forced_ready:
+                break  # nothing is ready, so nothing more can be: the slots before stay as they are
+            b = slot % per
+            if b == nb:  # overflow slot: every ready forced item, and whatever they make ready
+                while self.forced_ready:
+                    for s in self.put(self.forced_ready.pop(), slot):
+                        self.ready(s)
+                continue
+            self.fill_plain(slot, setup.gap[b], setup.allowed[b] if slot < nb else -1)
+        return self.placed_plain == len(setup.plain)
+
+    def fill_plain(self, slot: int, g_len: Time, allow: int) -> None:
+        """Step 1 in bubble slot ``slot`` (of length ``g_len``; ``allow``: the ranks that may go there)."""
+        released: list[int] = []
+        while self.fit_mask:
+            r = self.largest_fitting(self.fit_mask & allow, slot, g_len)
+            if r < 0:
+                break
+            self.fit_mask &= ~(1 << r)
+            released.extend(self.put(self.setup.order[r], slot))
+        for s in released:  # a sync may share its inverse's bubble (it is laid out first)
+            self.ready(s)
+        if released:
+            # let them into this same bubble: run the bubble again
+            while self.fit_mask:
+                r = self.largest_fitting(self.fit_mask & allow, slot, g_len)
+                if r < 0 or self.work[self.setup.order[r]].kind != SYNC:
+                    break
+                self.fit_mask &= ~(1 << r)
+                self.put(self.setup.order[r], slot)
+
+    def ready(self, wi: int) -> None:
+        if self.work[wi].pieces[0] * self.scale < self.largest:
+            self.fit_mask |= 1 << self.setup.rank[wi]
         else:
-            forced_ready.append(wi)
+            self.forced_ready.append(wi)
 
-    # backwards: a refresh's last piece first, each earlier one once the one after it is placed
-    before_piece = {b: a for invs in invs_of for a, b in zip(invs, invs[1:])}
-    for wi in plain:
-        w = work[wi]
-        if (w.kind == INV and wi == invs_of[w.group][-1]) or (w.kind == SYNC and invs_left[w.group] == 0):
-            ready(wi)
-    allowed = setup.allowed
-
-    def largest_fitting(candidates: int, slot: int, g_len: Time) -> int:
+    def largest_fitting(self, candidates: int, slot: int, g_len: Time) -> int:
         """The rank of the largest candidate that still fits the slot (with the margin), or -1."""
-        p = bisect_left(need, g_len - used[slot])
+        work, order, used, top_here, margin = self.work, self.setup.order, self.used[slot], self.maxd[slot], self.margin
+        p = bisect_left(self.setup.need, g_len - used)
         while True:
             cand = candidates & ((1 << p) - 1)
             if not cand:
                 return -1
             r = cand.bit_length() - 1
             d = work[order[r]].pieces[0]
-            top = d if d > maxd[slot] else maxd[slot]
-            if used[slot] + d + margin * top < g_len:
+            top = d if d > top_here else top_here
+            if used + d + margin * top < g_len:
                 return r
             p = r
 
-    placed_plain = 0
-    first_busy = nslots  # the first slot with a sync or inverse
-
-    def put(wi: int, slot: int) -> list[int]:
+    def put(self, wi: int, slot: int) -> list[int]:
         """Lay sync or inverse ``wi`` into ``slot``; returns the syncs this makes ready (its last inverse)."""
-        nonlocal placed_plain, first_busy
-        if slot < first_busy:
-            first_busy = slot
-        d = work[wi].pieces[0]
-        used[slot] += d
-        if d > maxd[slot]:
-            maxd[slot] = d
-        here = content[slot]
+        if slot < self.first_busy:
+            self.first_busy = slot
+        w = self.work[wi]
+        d = w.pieces[0]
+        self.used[slot] += d
+        if d > self.maxd[slot]:
+            self.maxd[slot] = d
+        here = self.content[slot]
         if here is None:
-            here = content[slot] = []
+            here = self.content[slot] = []
         here.append((wi, 0))
-        slot_of[wi] = slot
-        placed_plain += 1
-        w = work[wi]
-        if wi in before_piece:
-            ready(before_piece[wi])
-        if w.kind == INV and model.synced[w.group]:
-            invs_left[w.group] -= 1
-            if invs_left[w.group] == 0:
-                return list(syncs_of[w.group])
+        self.slot_of[wi] = slot
+        self.placed_plain += 1
+        if wi in self.before_piece:
+            self.ready(self.before_piece[wi])
+        if w.kind == INV and self.model.synced[w.group]:
+            self.invs_left[w.group] -= 1
+            if self.invs_left[w.group] == 0:
+                return list(self.syncs_of[w.group])
         return []
 
-    for slot in range(nslots - 1, -1, -1):
-        if not fit_mask and not forced_ready:
-            break  # nothing is ready, so nothing more can be: the slots before stay as they are
-        b = slot % per
-        if b == nb:  # overflow slot: every ready forced item, and whatever they make ready
-            while forced_ready:
-                for s in put(forced_ready.pop(), slot):
-                    ready(s)
-            continue
-        g_len = gap[b]
-        released: list[int] = []
-        allow = allowed[b] if slot < nb else -1
-        while fit_mask:
-            r = largest_fitting(fit_mask & allow, slot, g_len)
-            if r < 0:
-                break
-            fit_mask &= ~(1 << r)
-            released.extend(put(order[r], slot))
-        for s in released:  # a sync may share its inverse's bubble (it is laid out first)
-            ready(s)
-        if released and b < nb:
-            # let them into this same bubble: run the bubble again
-            while fit_mask:
-                r = largest_fitting(fit_mask & allow, slot, g_len)
-                if r < 0 or work[order[r]].kind != SYNC:
-                    break
-                fit_mask &= ~(1 << r)
-                put(order[r], slot)
-    if placed_plain < len(plain):
-        return None, prefix
-
     # -- 2. covariance pieces, as early as possible, earliest deadline first -------------------------
-    INF = nslots + 1
-    deadline = [INF] * model.groups
-    for g in range(model.groups):
-        after = syncs_of[g] if model.synced[g] else invs_of[g]
-        if after:
-            deadline[g] = min(slot_of[wi] for wi in after)
-    pos = setup.pos
-    # per slot: the largest sync/inverse of each factor in it, and the largest of those that must come
-    # after the slot's pieces (their factor has pieces there): the item that ends the bubble
-    nothing: dict[int, Time] = {}  # shared by the slots without syncs or inverses (never written)
-    big_of: list[dict[int, Time]] = [nothing] * nslots
-    busy = sorted(set(slot_of.values()))  # the slots step 1 put syncs or inverses into (the others are empty)
-    for slot in busy:
-        big = big_of[slot] = {}
-        for wi, _ in content[slot] or ():
-            g, d = work[wi].group, work[wi].pieces[0]
-            if d > big.get(g, 0):
-                big[g] = d
-    tail = [0] * nslots
-    queues = [wi for wi, w in enumerate(work) if w.kind == COV]
-    # per work index, what the walk reads of it (attribute lookups are most of its cost otherwise)
-    group_of, pieces_of, release_of = setup.group_of, setup.pieces_of, setup.release_of
-    queues.sort(key=lambda wi: (deadline[group_of[wi]], wi))
-    smallest, left = setup.smallest, setup.fit  # left: what of the pieces fits some bubble
-    smallest_need = smallest * scale
-    # Give up as soon as the pieces left that fit a bubble are more than the room left in the bubbles
-    # to come (a bubble that takes pieces ends with at least the margin of the smallest one free): the
-    # construction would fail anyway, only later. The tolerance keeps float rounding on the safe side.
-    free = [g - margin * smallest for g in gap]
-    frees = ([f if f > 0 else 0 for f in free] + [0]) * k  # per slot (an overflow slot has none)
-    for slot in busy:
-        b = slot % per
-        if used[slot] and b < nb:
-            f = gap[b] - used[slot] - margin * smallest
-            frees[slot] = f if f > 0 else 0
-    room_from = list(accumulate(reversed(frees), initial=0.0))  # that room in slots s, s + 1, ...
-    room_from.reverse()
-    tolerance = 1e-9 * (k * sum(gap) + left)
-    start = 0
-    if prefix is not None and prefix.slot <= first_busy and prefix.order == queues:
-        if any(was > room_from[s] + tolerance for s, was in enumerate(prefix.left_at)):
-            return None, prefix
-        start, left = prefix.slot, prefix.left
-        head, active, left_at = dict(prefix.head), list(prefix.active), list(prefix.left_at)
-        content[:start] = prefix.content
-    else:
-        head = {wi: 0 for wi in queues}
-        active = list(queues)  # queues with pieces left, by deadline
-        left_at = []
-    shared: _Prefix | None = None  # the walk up to the first slot with a sync or inverse
 
-    def walked(upto: int) -> _Prefix:
-        return _Prefix(queues, upto, dict(head), list(active), left, list(left_at), content[:upto])
+    def deadlines(self) -> list[int]:
+        """Per factor, the first slot of the sync (or inverse) that must follow its pieces."""
+        deadline = [self.nslots + 1] * self.model.groups
+        for g in range(self.model.groups):
+            after = self.syncs_of[g] if self.model.synced[g] else self.invs_of[g]
+            if after:
+                deadline[g] = min(self.slot_of[wi] for wi in after)
+        return deadline
 
-    for slot in range(start, nslots):
-        if slot == first_busy:
-            shared = walked(slot)
-        if not active:
-            break
-        i, b = divmod(slot, per)
-        still = []
-        if left > room_from[slot] + tolerance:
-            return None, shared or walked(slot)
-        left_at.append(left)
-        if b == nb:
-            for wi in active:
-                w = work[wi]
-                h = head[wi]
-                pieces = w.pieces
-                while h < len(pieces) and not pieces[h] * scale < largest:
+    def ends(self, busy: Sequence[int]) -> list[dict[int, Time]]:
+        """Per slot: the largest sync/inverse of each factor in it (the ``busy`` slots have some). The
+        largest of those that must come after the slot's pieces (their factor has pieces there) is the
+        item that ends the bubble."""
+        nothing: dict[int, Time] = {}  # shared by the slots without syncs or inverses (never written)
+        big_of: list[dict[int, Time]] = [nothing] * self.nslots
+        for slot in busy:
+            big = big_of[slot] = {}
+            for wi, _ in self.content[slot] or ():
+                g, d = self.work[wi].group, self.work[wi].pieces[0]
+                if d > big.get(g, 0):
+                    big[g] = d
+        return big_of
+
+    def room(self, busy: Sequence[int]) -> tuple[list[float], float]:
+        """The room for pieces in the slots s, s + 1, ... per s, and the float tolerance on it.
+
+        Step 2 gives up as soon as the pieces left that fit a bubble are more than that room (a bubble
+        that takes pieces ends with at least the margin of the smallest one free): the construction
+        would fail anyway, only later. The tolerance keeps float rounding on the safe side."""
+        gap, margin, smallest, nb, per = self.setup.gap, self.margin, self.setup.smallest, self.nb, self.per
+        free = [g - margin * smallest for g in gap]
+        frees = ([f if f > 0 else 0 for f in free] + [0]) * self.k  # per slot (an overflow slot has none)
+        for slot in busy:
+            b = slot % per
+            if self.used[slot] and b < nb:
+                f = gap[b] - self.used[slot] - margin * smallest
+                frees[slot] = f if f > 0 else 0
+        room_from = list(accumulate(reversed(frees), initial=0.0))
+        room_from.reverse()
+        return room_from, 1e-9 * (self.k * sum(gap) + self.setup.fit)
+
+    def place_pieces(self, prefix: _Prefix | None) -> tuple[bool, _Prefix | None]:
+        """Step 2: walk the slots forwards, giving each one's room to the ready queues by deadline;
+        whether every piece went in, and the walk up to the first slot with a sync or inverse (or
+        ``prefix``, where this k gives up before walking)."""
+        deadline = self.deadlines()
+        busy = sorted(set(self.slot_of.values()))  # the slots step 1 filled (the others are empty)
+        big_of = self.ends(busy)
+        group_of = self.setup.group_of
+        queues = sorted((wi for wi, w in enumerate(self.work) if w.kind == COV),
+                        key=lambda wi: (deadline[group_of[wi]], wi))
+        room_from, tolerance = self.room(busy)
+        left = self.setup.fit  # what of the pieces fits some bubble
+        start = 0
+        if prefix is not None and prefix.slot <= self.first_busy and prefix.order == queues:
+            if any(was > room_from[s] + tolerance for s, was in enumerate(prefix.left_at)):
+                return False, prefix
+            start, left = prefix.slot, prefix.left
+            walk = _Prefix(queues, start, dict(prefix.head), list(prefix.active), left, list(prefix.left_at), [])
+            self.content[:start] = prefix.content
+        else:
+            walk = _Prefix(queues, 0, {wi: 0 for wi in queues}, list(queues), left, [], [])
+        return self.walk_pieces(walk, deadline, big_of, room_from, tolerance)
+
+    def snapshot(self, walk: _Prefix, upto: int) -> _Prefix:
+        """The walk's state before slot ``upto``, for the next k."""
+        return _Prefix(walk.order, upto, dict(walk.head), list(walk.active), walk.left, list(walk.left_at),
+                       self.content[:upto])
+
+    def walk_pieces(self, walk: _Prefix, deadline: Sequence[int], big_of: Sequence[dict[int, Time]],
+                    room_from: Sequence[float], tolerance: float) -> tuple[bool, _Prefix | None]:
+        """Step 2's forward walk from ``walk.slot`` (the hot path: its state is kept in locals, ``walk``
+        holds the head of each queue, the queues with pieces left and the room test's record)."""
+        setup, used, content, per, nb = self.setup, self.used, self.content, self.per, self.nb
+        group_of, pieces_of, release_of, gap, pos = (setup.group_of, setup.pieces_of, setup.release_of, setup.gap,
+                                                      setup.pos)
+        margin, smallest_need = self.margin, setup.smallest * self.scale
+        head, left_at = walk.head, walk.left_at
+        tail = [0] * self.nslots
+        shared: _Prefix | None = None  # the walk up to the first slot with a sync or inverse
+        for slot in range(walk.slot, self.nslots):
+            if slot == self.first_busy:
+                shared = self.snapshot(walk, slot)
+            if not walk.active:
+                break
+            i, b = divmod(slot, per)
+            if walk.left > room_from[slot] + tolerance:
+                return False, shared or self.snapshot(walk, slot)
+            left_at.append(walk.left)
+            if b == nb:
+                if not self.overflow_pieces(walk, slot, deadline):
+                    return False, shared
+                continue
+            active = walk.active
+            still: list[int] = []
+            g_len = gap[b]
+            u = used[slot]  # the slot's used room and tail, kept here while its queues are visited
+            if not u + smallest_need < g_len:  # full (or too small) already: all wait
+                if deadline[group_of[active[0]]] <= slot:
+                    return False, shared
+                continue
+            lim = pos[b]
+            after_slot = tail[slot]
+            big = big_of[slot]
+            left = walk.left
+            for q, wi in enumerate(active):
+                if not u + smallest_need < g_len:  # full: the rest only wait (by deadline)
+                    if deadline[group_of[wi]] <= slot:
+                        return False, shared
+                    still.extend(active[q:])
+                    break
+                g = group_of[wi]
+                pieces = pieces_of[wi]
+                h = first = head[wi]
+                n = len(pieces)
+                after = after_slot
+                own = big.get(g, 0)  # this factor's sync/inverse here goes after its pieces
+                if own > after:
+                    after = own
+                v = u
+                if i:  # the hot loop, one piece at a time: past iteration 0 every piece is released
+                    while h < n:
+                        d = pieces[h]
+                        if not v + d + margin * (d if d > after else after) < g_len:
+                            break
+                        v += d
+                        h += 1
+                else:
+                    release = release_of[wi]
+                    while h < n and release[h] < lim:
+                        d = pieces[h]
+                        if not v + d + margin * (d if d > after else after) < g_len:
+                            break
+                        v += d
+                        h += 1
+                if h > first:  # pieces first .. h - 1 go here
+                    u = used[slot] = v
+                    after_slot = tail[slot] = after
+                    left -= sum(pieces[first:h])
+                    head[wi] = h
                     here = content[slot]
                     if here is None:
                         here = content[slot] = []
-                    here.append((wi, h))
-                    h += 1
-                head[wi] = h
-                if h < len(pieces):
-                    if deadline[w.group] <= slot:
-                        return None, shared
+                    here.extend(zip(repeat(wi), range(first, h)))
+                if h < n:
+                    if deadline[g] <= slot:
+                        return False, shared
                     still.append(wi)
-            active = still
-            continue
-        g_len = gap[b]
-        u = used[slot]  # the slot's used room and tail, kept here while its queues are visited
-        if not u + smallest_need < g_len:  # full (or too small) already: all wait
-            if deadline[group_of[active[0]]] <= slot:
-                return None, shared
-            continue
-        lim = pos[b]
-        after_slot = tail[slot]
-        big = big_of[slot]
-        for q, wi in enumerate(active):
-            if not u + smallest_need < g_len:  # full: the rest only wait (by deadline)
-                if deadline[group_of[wi]] <= slot:
-                    return None, shared
-                still.extend(active[q:])
-                break
-            g = group_of[wi]
-            pieces = pieces_of[wi]
-            h = first = head[wi]
-            n = len(pieces)
-            after = after_slot
-            own = big.get(g, 0)  # this factor's sync/inverse here goes after its pieces
-            if own > after:
-                after = own
-            v = u
-            if i:  # the hot loop, one piece at a time: past iteration 0 every piece is released
-                while h < n:
-                    d = pieces[h]
-                    if not v + d + margin * (d if d > after else after) < g_len:
-                        break
-                    v += d
-                    h += 1
-            else:
-                release = release_of[wi]
-                while h < n and release[h] < lim:
-                    d = pieces[h]
-                    if not v + d + margin * (d if d > after else after) < g_len:
-                        break
-                    v += d
-                    h += 1
-            if h > first:  # pieces first .. h - 1 go here
-                u = used[slot] = v
-                after_slot = tail[slot] = after
-                left -= sum(pieces[first:h])
-                head[wi] = h
-                here = content[slot]
+            walk.left = left
+            walk.active = still
+        return not walk.active, shared
+
+    def overflow_pieces(self, walk: _Prefix, slot: int, deadline: Sequence[int]) -> bool:
+        """Step 2 in overflow slot ``slot``: each queue's next pieces that fit no bubble; False where a
+        queue with pieces left is due."""
+        still = []
+        for wi in walk.active:
+            w = self.work[wi]
+            h = walk.head[wi]
+            pieces = w.pieces
+            while h < len(pieces) and not pieces[h] * self.scale < self.largest:
+                here = self.content[slot]
                 if here is None:
-                    here = content[slot] = []
-                here.extend(zip(repeat(wi), range(first, h)))
-            if h < n:
-                if deadline[g] <= slot:
-                    return None, shared
+                    here = self.content[slot] = []
+                here.append((wi, h))
+                h += 1
+            walk.head[wi] = h
+            if h < len(pieces):
+                if deadline[w.group] <= slot:
+                    return False
                 still.append(wi)
-        active = still
-    if active:
-        return None, shared
+        walk.active = still
+        return True
 
     # -- layout ---------------------------------------------------------------------------------------
-    in_bubbles: list[list[tuple[int, str, Time, Time]]] = [[] for _ in range(k)]
-    overflow: list[list[tuple[str, Time]]] = [[] for _ in range(k)]
-    for slot in range(nslots):
-        items = content[slot]
-        if not items:
-            continue
-        i, b = divmod(slot, per)
-        with_pieces = {work[wi].group for wi, _ in items if work[wi].kind == COV}
-        # syncs/inverses of factors without pieces here, then the pieces, then the other syncs/inverses
-        # (stable: pieces keep their order, a sync stays before its inverse)
-        # (a refresh's pieces in order: step 1 put them there last first)
-        def place_rank(x: tuple[int, int]) -> tuple[int, int, int]:
-            w = work[x[0]]
-            if w.kind == COV:
-                return (1, 0, 0)
-            return (2 if w.group in with_pieces else 0, w.kind, x[0])
 
-        items = sorted(items, key=place_rank)  # not in place: a prefix's slots are shared
-        if b == nb:
-            overflow[i].extend((work[wi].label, work[wi].pieces[h]) for wi, h in items)
-            continue
-        t = bubbles[b].start
-        out = in_bubbles[i]
-        for wi, h in items:
-            d = work[wi].pieces[h]
-            out.append((b, work[wi].label, t, t + d))
-            t += d
-    return Packed(k, in_bubbles, overflow), shared
+    def layout(self) -> Packed:
+        """The slots' content laid out in time: per bubble, the syncs/inverses of factors without pieces
+        there, then the pieces, then the other syncs/inverses (stable: pieces keep their order, a sync
+        stays before its inverse, a refresh's pieces in order: step 1 put them there last first)."""
+        work, nb, k = self.work, self.nb, self.k
+        in_bubbles: list[list[tuple[int, str, Time, Time]]] = [[] for _ in range(k)]
+        overflow: list[list[tuple[str, Time]]] = [[] for _ in range(k)]
+        for slot in range(self.nslots):
+            items = self.content[slot]
+            if not items:
+                continue
+            i, b = divmod(slot, self.per)
+            with_pieces = {work[wi].group for wi, _ in items if work[wi].kind == COV}
+
+            def place_rank(x: tuple[int, int]) -> tuple[int, int, int]:
+                w = work[x[0]]
+                if w.kind == COV:
+                    return (1, 0, 0)
+                return (2 if w.group in with_pieces else 0, w.kind, x[0])
+
+            items = sorted(items, key=place_rank)  # not in place: a prefix's slots are shared
+            if b == nb:
+                overflow[i].extend((work[wi].label, work[wi].pieces[h]) for wi, h in items)
+                continue
+            t = self.model.bubbles[b].start
+            out = in_bubbles[i]
+            for wi, h in items:
+                d = work[wi].pieces[h]
+                out.append((b, work[wi].label, t, t + d))
+                t += d
+        return Packed(k, in_bubbles, overflow)
 
 
 def _pieces_to_fit(model: NodeModel) -> tuple[Time, Time]:
