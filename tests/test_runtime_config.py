@@ -9,7 +9,8 @@ import torch
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.data.batches import MASK, MLMData
-from pipefisher.runtime.job.config import RunConfig, apply_overrides, config_from_dict, load_config
+from pipefisher.runtime.job.config import (RunConfig, apply_overrides, config_from_dict, load_config, load_settings,
+                                           split_settings)
 from pipefisher.runtime.models.bert import PipelineStage
 from pipefisher.runtime.models.builders import IGNORE_INDEX, stage_layers
 
@@ -264,3 +265,43 @@ def test_the_renamed_keys_still_read_saying_the_new_names_and_keep_the_configs_i
     assert "--set pipeline.schedule is now --set pipeline.order" in capsys.readouterr().err
     with pytest.raises(InputError, match="has both pipeline.schedule and pipeline.order"):
         config_from_dict({"pipeline": {"schedule": "gpipe", "order": "1f1b"}}, "x.yaml")
+
+
+def test_a_config_file_holds_the_run_settings_as_sections_beside_the_configs_own(tmp_path):
+    """``run:``, ``log:``, ``evaluation:``, ``adapt:`` and ``checkpoint:`` (merged with the config's
+    keep/on_interrupt) read as the flags they mirror; the config itself and its digest do not change."""
+    path = tmp_path / "c.yaml"
+    path.write_text("name: t\nrun: {steps: 3, mode: kfac}\nlog: {every: 2, metrics: m.csv, progress: false}\n"
+                    "evaluation: {every: 1}\ncheckpoint: {keep: 2, folder: ck, every: 1}\n"
+                    "adapt: {enabled: true, policy: tight, staleness: s.json}\n")
+    assert load_settings(path) == {"steps": 3, "mode": "kfac", "log_every": 2, "metrics": "m.csv", "progress": False,
+                                   "eval_every": 1, "checkpoint_dir": "ck", "checkpoint_every": 1, "adapt": True,
+                                   "adapt_policy": "tight", "staleness": "s.json"}
+    cfg = load_config(path)
+    assert cfg.checkpoint.keep == 2
+    assert cfg.fingerprint() == RunConfig(name="t", checkpoint=cfg.checkpoint).fingerprint()
+
+
+@pytest.mark.parametrize("text, says", [
+    ("run: {steps: 0}", "run.steps must be at least 1, not 0"),
+    ("run: {steps: many}", "run.steps must be an int, not 'many'"),
+    ("log: {every: 0}", "log.every must be at least 1 step, not 0"),
+    ("evaluation: {every: -1}", "evaluation.every must be at least 0 steps, not -1"),
+    ("checkpoint: {folder: 3}", "checkpoint.folder must be a str or null, not 3"),
+    ("checkpoint: {evry: 1}", "unknown key(s) in 'checkpoint': evry (one of keep, on_interrupt, folder, every"),
+    ("adapt: {aging_low: 2.0}", "adapt.aging_low < adapt.aging_high"),
+    ("log: 5", "section 'log' must be a mapping"),
+])
+def test_a_bad_run_setting_is_one_line_naming_the_file_and_the_key(tmp_path, text, says):
+    path = tmp_path / "c.yaml"
+    path.write_text(text + "\n")
+    for read in (load_settings, load_config):
+        with pytest.raises(InputError) as err:
+            read(path)
+        assert str(err.value).startswith(f"{path}: ") and says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_settings_combination_the_flags_may_complete_is_left_to_the_command():
+    """``run.mode: scheduled`` needs a schedule, which ``--schedule`` may give: checked once merged."""
+    assert split_settings({"run": {"mode": "scheduled"}, "adapt": {"drift": True}})[1] == \
+        {"mode": "scheduled", "adapt_drift": True}
