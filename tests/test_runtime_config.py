@@ -290,6 +290,7 @@ def test_a_config_file_holds_the_run_settings_as_sections_beside_the_configs_own
     ("checkpoint: {folder: 3}", "checkpoint.folder must be a str or null, not 3"),
     ("checkpoint: {evry: 1}", "unknown key(s) in 'checkpoint': evry (one of keep, on_interrupt, folder, every"),
     ("adapt: {aging_low: 2.0}", "adapt.aging_low < adapt.aging_high"),
+    ("adapt: {margin: 20}", "adapt.margin must be in [0, 10), not 20.0"),
     ("log: 5", "section 'log' must be a mapping"),
 ])
 def test_a_bad_run_setting_is_one_line_naming_the_file_and_the_key(tmp_path, text, says):

@@ -131,6 +131,13 @@ class AdaptOptions:
     def __post_init__(self) -> None:
         if not 0 < self.aging_low < self.aging_high:
             raise ValueError("the drift rule's aging thresholds need 0 < adapt.aging_low < adapt.aging_high")
+        if self.margin is not None:
+            from pipefisher.schedule.problem import check_margin
+
+            try:
+                check_margin(self.margin)
+            except ValueError as err:
+                raise ValueError(f"adapt.{err}") from None
         check_adapt_drift(self.drift, self.enabled, self.staleness is not None)
 
     @property
