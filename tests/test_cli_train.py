@@ -349,10 +349,13 @@ def test_a_config_files_run_settings_train_as_the_flags_would_and_a_flag_overrid
     by_file = _one_stage_config(tmp_path, f"run: {{steps: 3, mode: kfac}}\nlog: {{every: 1, progress: false, "
                                           f"metrics: {tmp_path / 'file.csv'}}}\n")
     flags = ["--mode", "kfac", "--steps", "3", "--log-every", "1", "--no-progress", "--metrics", str(tmp_path / "flags.csv")]
-    for args in (["--config", by_file], ["--config", by_file, "--steps", "2", "--metrics", str(tmp_path / "over.csv")],
-                 ["--config", TINY, *flags]):
+    said = []
+    for args in (["--config", by_file], ["--config", by_file, "--steps", "2", "--metrics", str(tmp_path / "over.csv"),
+                                         "--progress"], ["--config", TINY, *flags]):
         res = runner.invoke(main, ["train", *args, "--stages", "1"])
         assert res.exit_code == 0, res.output
+        said.append("loading torch" in res.output)
+    assert said == [False, True, False]  # log.progress: false, and --progress over it
     losses = {name: [row["loss"] for row in csv.DictReader(open(tmp_path / f"{name}.csv"))]
               for name in ("file", "over", "flags")}
     assert len(losses["file"]) == 3 and losses["file"] == losses["flags"]

@@ -88,8 +88,11 @@ def past_decay_option() -> Any:
 
 
 def no_progress_option() -> Any:
-    """``--no-progress`` (``train`` and ``run``)."""
-    return click.option("--no-progress", is_flag=True, help="no start-up phase lines and no progress bar")
+    """``--no-progress`` (``train`` and ``run``); ``--progress`` turns them back on where the config file's
+    ``log.progress`` is false."""
+    return click.option("--no-progress/--progress", "no_progress", default=False,
+                        help="no start-up phase lines and no progress bar (--progress: them, whatever log.progress "
+                             "says)")
 
 
 def say_loading_torch(no_progress: bool) -> None:
