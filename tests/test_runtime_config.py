@@ -164,6 +164,8 @@ def test_set_overrides_are_read_as_yaml_and_applied():
     ("data.seed=1.5", "--set data.seed=1.5: data.seed must be a int, not 1.5"),
     ("optim.betas=0.9", "--set optim.betas=0.9: optim.betas must be a list"),
     ("optim.lr=[1", "--set optim.lr=[1: the value is not valid YAML"),
+    ("run.steps=3", "--set run.steps=3: run.steps is a run setting, not the config's: its flag sets it"),
+    ("checkpoint.every=3", "--set checkpoint.every=3: checkpoint.every is a run setting"),
 ])
 def test_bad_set_overrides_name_the_option_and_key(text, problem):
     from pipefisher.runtime.job.config import apply_overrides

@@ -525,6 +525,9 @@ def parse_override(text: str) -> tuple[str, Any]:
         renamed_notice(f"--set {dotted}", f"--set {RENAMED_KEYS[dotted]}")
         dotted = RENAMED_KEYS[dotted]
     section, dot, key = dotted.partition(".")
+    if (section, key) in SETTINGS:
+        raise InputError(where, f"{dotted} is a run setting, not the config's: its flag sets it for one run "
+                                f"(docs/config.md, Run settings in the file)")
     if section not in _SECTIONS:
         raise InputError(where, f"unknown config section '{section}' (one of name, {', '.join(_SECTIONS)})")
     known = [f.name for f in dataclasses.fields(_SECTIONS[section])]
