@@ -72,7 +72,7 @@ def test_the_help_texts_a_new_user_read_say_what_the_commands_do():
     train, run = _help("train"), _help("run")
     for text in (train, run):
         assert "forward/backward order (gpipe; 1f1b; chimera:" in text and "zb-h1 and zb-v: zero bubble" in text
-        assert "--no-progress no start-up phase lines and no progress bar" in text
+        assert "--no-progress / --progress no start-up phase lines and no progress bar" in text
     assert "Train the masked-language model" not in train and "a Hugging Face BERT, GPT-2 or Llama" in train
     for name in ("schedule", "run"):  # the default policy may pack at a larger margin than --margin's
         assert "the least one: policy target packs at larger ones too" in _help(name)

@@ -549,3 +549,17 @@ def test_refresh_pieces_under_chimera_are_refused_in_one_line_before_any_work(tm
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
     assert "kfac.refresh_pieces other than 1 is not packed validly under pipeline.order chimera" in res.output
     assert not (tmp_path / "o").exists()
+
+
+def test_run_takes_its_settings_from_the_config_file_and_refuses_a_bad_one_before_torch_loads(tmp_path):
+    """``log.out`` stands for ``--out`` and ``adapt.staleness`` for ``--staleness`` (read, and refused,
+    before any worker); a bad value is one line naming the file and the key, and torch is not loaded."""
+    with open(TINY) as f:
+        tiny_text = f.read()
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(tiny_text + f"log: {{out: {tmp_path / 'o'}}}\nadapt: {{staleness: {tmp_path / 'none.json'}}}\n")
+    bad.write_text(tiny_text + "log: {out: o, every: 0}\n")
+    (code, out, _), (bad_code, bad_out, torch_loaded) = torch_free([["run", "--config", str(good)],
+                                                                     ["run", "--config", str(bad)]])
+    assert code == 2 and "none.json: no such file" in out and out.count("\n") == 1, out
+    assert bad_code == 2 and bad_out == f"error: {bad}: log.every must be at least 1 step, not 0\n" and not torch_loaded

@@ -330,3 +330,35 @@ def test_the_pipeline_order_is_order_and_its_old_spellings_still_train_saying_th
         assert res.exit_code == 0, res.output
         assert "mode first-order, 1 stage(s) x 1 replica(s), gpipe," in res.stdout
         assert res.stderr == (notice + " (the old name still works)\n" if notice else "")
+
+
+def _one_stage_config(tmp_path, settings: str) -> str:
+    """configs/tiny.yaml on one stage (this process), with ``settings`` (run settings as sections) added."""
+    path = tmp_path / "c.yaml"
+    with open(TINY) as f:
+        path.write_text(f.read() + "\n" + settings)
+    return str(path)
+
+
+def test_a_config_files_run_settings_train_as_the_flags_would_and_a_flag_overrides_the_file(tmp_path):
+    """One stage in this process: the same losses from ``run:``/``log:`` sections as from the flags; a flag
+    given wins over its key; a setting ``run`` has no flag for is one line naming the file and the key."""
+    import csv
+
+    runner = CliRunner()
+    by_file = _one_stage_config(tmp_path, f"run: {{steps: 3, mode: kfac}}\nlog: {{every: 1, progress: false, "
+                                          f"metrics: {tmp_path / 'file.csv'}}}\n")
+    flags = ["--mode", "kfac", "--steps", "3", "--log-every", "1", "--no-progress", "--metrics", str(tmp_path / "flags.csv")]
+    said = []
+    for args in (["--config", by_file], ["--config", by_file, "--steps", "2", "--metrics", str(tmp_path / "over.csv"),
+                                         "--progress"], ["--config", TINY, *flags]):
+        res = runner.invoke(main, ["train", *args, "--stages", "1"])
+        assert res.exit_code == 0, res.output
+        said.append("loading torch" in res.output)
+    assert said == [False, True, False]  # log.progress: false, and --progress over it
+    losses = {name: [row["loss"] for row in csv.DictReader(open(tmp_path / f"{name}.csv"))]
+              for name in ("file", "over", "flags")}
+    assert len(losses["file"]) == 3 and losses["file"] == losses["flags"]
+    assert losses["over"] == losses["file"][:2]
+    res = runner.invoke(main, ["run", "--config", _one_stage_config(tmp_path, "run: {mode: kfac}\n"), "--out", "o"])
+    assert res.exit_code == 2 and "c.yaml: run.mode: pipefisher run does not take this setting" in res.output

@@ -9,7 +9,8 @@ import torch
 
 from pipefisher.errors import InputError
 from pipefisher.runtime.data.batches import MASK, MLMData
-from pipefisher.runtime.job.config import RunConfig, apply_overrides, config_from_dict, load_config
+from pipefisher.runtime.job.config import (RunConfig, apply_overrides, config_from_dict, load_config, load_settings,
+                                           split_settings)
 from pipefisher.runtime.models.bert import PipelineStage
 from pipefisher.runtime.models.builders import IGNORE_INDEX, stage_layers
 
@@ -167,6 +168,8 @@ def test_set_overrides_are_read_as_yaml_and_applied():
     ("data.seed=1.5", "--set data.seed=1.5: data.seed must be a int, not 1.5"),
     ("optim.betas=0.9", "--set optim.betas=0.9: optim.betas must be a list"),
     ("optim.lr=[1", "--set optim.lr=[1: the value is not valid YAML"),
+    ("run.steps=3", "--set run.steps=3: run.steps is a run setting, not the config's: its flag sets it"),
+    ("checkpoint.every=3", "--set checkpoint.every=3: checkpoint.every is a run setting"),
 ])
 def test_bad_set_overrides_name_the_option_and_key(text, problem):
     from pipefisher.runtime.job.config import apply_overrides
@@ -284,3 +287,44 @@ def test_a_setting_added_later_changes_the_fingerprint_only_away_from_its_defaul
     assert base.fingerprint() == "95b500ae9af202f8"
     assert base.replace(kfac={"cov_micro_batches": "all"}).fingerprint() == base.fingerprint()
     assert base.replace(kfac={"cov_micro_batches": 1}).fingerprint() != base.fingerprint()
+
+
+def test_a_config_file_holds_the_run_settings_as_sections_beside_the_configs_own(tmp_path):
+    """``run:``, ``log:``, ``evaluation:``, ``adapt:`` and ``checkpoint:`` (merged with the config's
+    keep/on_interrupt) read as the flags they mirror; the config itself and its digest do not change."""
+    path = tmp_path / "c.yaml"
+    path.write_text("name: t\nrun: {steps: 3, mode: kfac}\nlog: {every: 2, metrics: m.csv, progress: false}\n"
+                    "evaluation: {every: 1}\ncheckpoint: {keep: 2, folder: ck, every: 1}\n"
+                    "adapt: {enabled: true, policy: tight, staleness: s.json}\n")
+    assert load_settings(path) == {"steps": 3, "mode": "kfac", "log_every": 2, "metrics": "m.csv", "progress": False,
+                                   "eval_every": 1, "checkpoint_dir": "ck", "checkpoint_every": 1, "adapt": True,
+                                   "adapt_policy": "tight", "staleness": "s.json"}
+    cfg = load_config(path)
+    assert cfg.checkpoint.keep == 2
+    assert cfg.fingerprint() == RunConfig(name="t", checkpoint=cfg.checkpoint).fingerprint()
+
+
+@pytest.mark.parametrize("text, says", [
+    ("run: {steps: 0}", "run.steps must be at least 1, not 0"),
+    ("run: {steps: many}", "run.steps must be an int, not 'many'"),
+    ("log: {every: 0}", "log.every must be at least 1 step, not 0"),
+    ("evaluation: {every: -1}", "evaluation.every must be at least 0 steps, not -1"),
+    ("checkpoint: {folder: 3}", "checkpoint.folder must be a str or null, not 3"),
+    ("checkpoint: {evry: 1}", "unknown key(s) in 'checkpoint': evry (one of keep, on_interrupt, folder, every"),
+    ("adapt: {aging_low: 2.0}", "adapt.aging_low < adapt.aging_high"),
+    ("adapt: {margin: 20}", "adapt.margin must be in [0, 10), not 20.0"),
+    ("log: 5", "section 'log' must be a mapping"),
+])
+def test_a_bad_run_setting_is_one_line_naming_the_file_and_the_key(tmp_path, text, says):
+    path = tmp_path / "c.yaml"
+    path.write_text(text + "\n")
+    for read in (load_settings, load_config):
+        with pytest.raises(InputError) as err:
+            read(path)
+        assert str(err.value).startswith(f"{path}: ") and says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_settings_combination_the_flags_may_complete_is_left_to_the_command():
+    """``run.mode: scheduled`` needs a schedule, which ``--schedule`` may give: checked once merged."""
+    assert split_settings({"run": {"mode": "scheduled"}, "adapt": {"drift": True}})[1] == \
+        {"mode": "scheduled", "adapt_drift": True}

@@ -25,9 +25,9 @@ def test_the_options_come_in_sections_and_the_flags_name_their_fields():
 
 
 @pytest.mark.parametrize("flags, problem", [
-    ({"log_every": 0}, "log every must be at least 1 step, not 0"),
-    ({"eval_every": -1}, "eval every must be at least 0 steps, not -1"),
-    ({"checkpoint_every": -1}, "checkpoint every must be at least 0 steps"),
+    ({"log_every": 0}, "log.every must be at least 1 step, not 0"),
+    ({"eval_every": -1}, "evaluation.every must be at least 0 steps, not -1"),
+    ({"checkpoint_every": -1}, "checkpoint.every must be at least 0 steps"),
     ({"mode": "scheduled", "schedule": "s", "adapt": True, "adapt_aging_low": 0.5, "adapt_aging_high": 0.2},
      "aging thresholds"),
 ])

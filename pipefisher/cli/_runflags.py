@@ -6,12 +6,14 @@ are None (``resumable``); ``train``'s are the values themselves. Nothing here im
 """
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import click
 
 from pipefisher.cli._common import chunks_option, order_option
+from pipefisher.errors import InputError
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -86,8 +88,11 @@ def past_decay_option() -> Any:
 
 
 def no_progress_option() -> Any:
-    """``--no-progress`` (``train`` and ``run``)."""
-    return click.option("--no-progress", is_flag=True, help="no start-up phase lines and no progress bar")
+    """``--no-progress`` (``train`` and ``run``); ``--progress`` turns them back on where the config file's
+    ``log.progress`` is false."""
+    return click.option("--no-progress/--progress", "no_progress", default=False,
+                        help="no start-up phase lines and no progress bar (--progress: them, whatever log.progress "
+                             "says)")
 
 
 def say_loading_torch(no_progress: bool) -> None:
@@ -97,3 +102,45 @@ def say_loading_torch(no_progress: bool) -> None:
         from pipefisher.runtime.job.progress import phase
 
         phase("loading torch")
+
+
+SETTING_PARAMS = {"schedule": "schedule_path", "out": "out_dir", "metrics": "metrics_path",
+                  "tensorboard": "tensorboard_dir", "resume": "resume_dir", "progress": "no_progress"}
+"""The command parameters of the run settings whose flag is named apart from its option (``--out`` is
+``out_dir``; ``--no-progress`` says ``progress`` negated); every other one is its option's name."""
+
+
+def settings_from_config(command: str, refused: tuple[str, ...] = ()) -> Decorator:
+    """A command's parameters with the run settings its ``--config`` file holds (``run:``, ``log:``,
+    ``evaluation:``, ``checkpoint:``, ``adapt:``) where no flag was given: a flag overrides the file. A
+    setting the command has no flag for (or, ``refused``, one it means otherwise) is one line naming the
+    file and the key. The merged values then go through the command's one check, as flags."""
+    def wrap(run: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(run)
+        def with_settings(*args: Any, **params: Any) -> Any:
+            path = params.get("config_path")
+            if path is not None:
+                from pipefisher.runtime.job.config import load_settings
+
+                params.update(_given_settings(params, load_settings(path), path, command, refused))
+            return run(*args, **params)
+        return with_settings
+    return wrap
+
+
+def _given_settings(params: Mapping[str, Any], settings: Mapping[str, Any], path: str, command: str,
+                    refused: tuple[str, ...]) -> dict[str, Any]:
+    """The parameters ``settings`` (by option name) set: those no flag on the command line gave."""
+    from click.core import ParameterSource
+
+    from pipefisher.runtime.job.config import setting_key
+
+    ctx = click.get_current_context()
+    out: dict[str, Any] = {}
+    for option, value in settings.items():
+        param = SETTING_PARAMS.get(option, option)
+        if param not in params or option in refused:
+            raise InputError(path, f"{setting_key(option)}: pipefisher {command} does not take this setting")
+        if ctx.get_parameter_source(param) in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None):
+            out[param] = (not value) if param == "no_progress" else value
+    return out

@@ -18,7 +18,8 @@ from pipefisher.cli._common import (OLD_NAME_SUFFIX, adapt_drift_option, check_o
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.cli._runflags import (checkpoint_every_option, eval_log_options, layout_options, no_progress_option,
-                                      past_decay_option, say_loading_torch, set_option, tensorboard_option)
+                                      past_decay_option, say_loading_torch, set_option, settings_from_config,
+                                      tensorboard_option)
 from pipefisher.cli.train import check_tensorboard
 from pipefisher.errors import InputError
 from pipefisher.runtime.job.options import check_adapt_drift
@@ -66,6 +67,7 @@ SET_UP = ("config_path", "out_dir", "profile_steps", "policy", "kfac_margin", "m
 @eval_log_options(resumable=True)
 @no_progress_option()
 @click.pass_context
+@settings_from_config("run", refused=("resume",))
 def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None, resume_dir: str | None, steps: int,
                 past_decay: bool, profile_steps: int, policy: str | None, kfac_margin: float, margin: float,
                 staleness: str | None, overlap: bool | None, adapt: bool, adapt_drift: bool, name: str | None,

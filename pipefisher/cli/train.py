@@ -14,7 +14,8 @@ from pipefisher.cli._common import (adapt_drift_option, missing_module, require_
                                     staleness_option)
 from pipefisher.cli._outputs import check_fresh_outputs, check_out_file, check_out_folder, check_profile_folder
 from pipefisher.cli._runflags import (checkpoint_every_option, eval_log_options, layout_options, no_progress_option,
-                                      past_decay_option, say_loading_torch, set_option, tensorboard_option)
+                                      past_decay_option, say_loading_torch, set_option, settings_from_config,
+                                      tensorboard_option)
 from pipefisher.cli.group import main
 from pipefisher.errors import InputError
 from pipefisher.runtime.job.options import TrainOptions, check_adapt_drift, check_mode
@@ -131,6 +132,7 @@ def prepare_training(cfg: object, config_path: str, nproc: int, schedule_path: s
 @set_option()
 @eval_log_options()
 @no_progress_option()
+@settings_from_config("train")
 def train_command(config_path: str, mode: str | None, schedule_path: str | None, allow_schedule_mismatch: bool,
                   steps: int, profile: bool, out_dir: str | None, metrics_path: str | None, tensorboard_dir: str | None,
                   checkpoint_dir: str | None, checkpoint_every: int, resume_dir: str | None, past_decay: bool,

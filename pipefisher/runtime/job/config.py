@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from pipefisher.errors import InputError, renamed_notice
 from pipefisher.kfac import DEFAULT_IGNORE
 from pipefisher.pipeline_orders import V_ORDERS, default_chunks
+from pipefisher.runtime.job.options import FLAGS, OptionError, section_class
 
 DEFAULT_MUON_EXCLUDE = ("embed", "embeddings", "embed_tokens", "wte", "wpe", "cls", "head", "lm_head")
 """Parameter-name parts ``optim.name: muon`` leaves to AdamW although their tensors are 2-D: input
@@ -381,18 +382,98 @@ def is_run_config(raw: Any) -> bool:
     model has no key for (both have ``kfac``). For commands that read another kind of YAML, to say
     what they were given instead of listing its sections as unknown keys."""
     keys = set(map(str, raw)) if isinstance(raw, Mapping) else set()
-    return bool(keys - {"name", "kfac"}) and keys <= {"name", *_SECTIONS}
+    return bool(keys - {"name", "kfac"}) and keys <= {"name", *_SECTIONS, *SETTING_SECTIONS}
+
+
+SETTINGS = {(section or "run", key): flag for flag, (section, key) in FLAGS.items()}
+"""The run settings a config file may hold, by (section, key) in the file: the flag they are
+(:data:`~pipefisher.runtime.job.options.FLAGS`, whose sections they are; the options themselves are the
+``run`` section). ``checkpoint`` holds the config's own keys (keep, on_interrupt) too."""
+
+SETTING_SECTIONS = tuple(dict.fromkeys(section for section, _ in SETTINGS))
+
+
+def setting_key(flag: str) -> str:
+    """A setting's key in a config file (``log.every``), by its flag's name (``log_every``)."""
+    section, key = FLAGS[flag]
+    return f"{section or 'run'}.{key}"
+
+
+def split_settings(raw: Any, path: str | os.PathLike[str] | None = None) -> tuple[Any, dict[str, Any]]:
+    """A config file's parsed YAML as (the config's own sections, its run settings by flag name), every
+    setting checked by its section's dataclass: a wrong type or value is one :class:`InputError` naming
+    the file and the key. How the settings go together with the flags given (``--schedule`` for
+    ``run.mode: scheduled``, ...) is the command's one check, once they are merged."""
+    if not isinstance(raw, Mapping):
+        return raw, {}
+    config = {name: values for name, values in raw.items() if name not in SETTING_SECTIONS or name in _SECTIONS}
+    settings: dict[str, Any] = {}
+    for name in SETTING_SECTIONS:
+        values = raw.get(name) or {}
+        if not isinstance(values, Mapping):
+            raise InputError(path, f"section '{name}' must be a mapping")
+        own = [f.name for f in dataclasses.fields(_SECTIONS[name])] if name in _SECTIONS else []
+        bad = set(values) - {key for section, key in SETTINGS if section == name} - set(own)
+        if bad:
+            known = own + [key for section, key in SETTINGS if section == name]
+            raise InputError(path, f"unknown key(s) in '{name}': {', '.join(sorted(map(str, bad)))} "
+                                   f"(one of {', '.join(known)})")
+        if own:
+            config[name] = {key: value for key, value in values.items() if key in own}
+        cls = section_class(None if name == "run" else name)
+        kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        found = {key: _setting_value(f"{name}.{key}", kinds[key], value, path)
+                 for key, value in values.items() if (name, key) in SETTINGS}
+        try:
+            cls(**found)
+        except OptionError:
+            pass  # a combination: the flags given may complete it (checked once merged)
+        except ValueError as err:
+            raise InputError(path, str(err)) from None
+        settings.update({SETTINGS[name, key]: value for key, value in found.items()})
+    return config, settings
+
+
+def _setting_value(key: str, kind: str, value: Any, path: str | os.PathLike[str] | None) -> Any:
+    """``value`` as a setting of type ``kind`` (its field's annotation), or an :class:`InputError` naming
+    ``key``. A ``dict`` setting (``adapt.staleness``) is a file in the config, as its flag takes."""
+    optional = kind.endswith("| None")
+    base = kind.split(" | ")[0]
+    if value is None and optional:
+        return None
+    if base == "bool" and isinstance(value, bool) or base == "str" and isinstance(value, str):
+        return value
+    if base in ("int", "float") and isinstance(value, int) and not isinstance(value, bool):
+        return float(value) if base == "float" else value
+    if base == "float" and isinstance(value, float):
+        return value
+    if base.startswith("tuple") and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    if base.startswith("dict") and isinstance(value, str):
+        return value
+    want = {"tuple": "a list of strings", "dict": "a file"}.get(base.partition("[")[0], f"a{'n' if base == 'int' else ''} {base}")
+    raise InputError(path, f"{key} must be {want}{' or null' if optional else ''}, not {value!r}")
+
+
+def load_settings(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The run settings a config file holds, by flag name (:func:`split_settings`); none from a file
+    that is not there (reading the config says so)."""
+    from pipefisher.safe_io import load_yaml
+
+    return split_settings(load_yaml(path), path)[1] if os.path.isfile(path) else {}
 
 
 def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None, notice: bool = True) -> RunConfig:
     """Build and check a :class:`RunConfig`; unknown keys and bad values are :class:`InputError`. Old key
-    names read as their new ones (:func:`renamed_sections`; ``notice``: saying so on stderr)."""
+    names read as their new ones (:func:`renamed_sections`; ``notice``: saying so on stderr). The run
+    settings a file may hold beside the config (:func:`split_settings`) are checked and left out."""
     if not isinstance(raw, Mapping):
         raise InputError(path, "config must be a mapping of sections (" + ", ".join(_SECTIONS) + ")")
-    raw = renamed_sections(raw, path, notice)
+    raw = renamed_sections(split_settings(raw, path)[0], path, notice)
     unknown = set(raw) - set(_SECTIONS) - {"name"}
     if unknown:
-        raise InputError(path, f"unknown config section(s): {', '.join(sorted(map(str, unknown)))}")
+        raise InputError(path, f"unknown config section(s): {', '.join(sorted(map(str, unknown)))} (one of name, "
+                               f"{', '.join(dict.fromkeys([*_SECTIONS, *SETTING_SECTIONS]))})")
     sections: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
         values = raw.get(name) or {}
@@ -466,6 +547,9 @@ def parse_override(text: str) -> tuple[str, Any]:
         renamed_notice(f"--set {dotted}", f"--set {RENAMED_KEYS[dotted]}")
         dotted = RENAMED_KEYS[dotted]
     section, dot, key = dotted.partition(".")
+    if (section, key) in SETTINGS:
+        raise InputError(where, f"{dotted} is a run setting, not the config's: its flag sets it for one run "
+                                f"(docs/config.md, Run settings in the file)")
     if section not in _SECTIONS:
         raise InputError(where, f"unknown config section '{section}' (one of name, {', '.join(_SECTIONS)})")
     known = [f.name for f in dataclasses.fields(_SECTIONS[section])]

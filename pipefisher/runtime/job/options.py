@@ -59,7 +59,7 @@ def check_adapt_drift(drift: bool, adapt: bool, staleness: bool) -> None:
 def _check_every(what: str, every: int, least: int = 0) -> None:
     """A section's ``every`` (steps between its events; 0: none, where ``least`` allows it)."""
     if every < least:
-        raise ValueError(f"{what} every must be at least {least} step{'s' if least != 1 else ''}, not {every}")
+        raise ValueError(f"{what}.every must be at least {least} step{'s' if least != 1 else ''}, not {every}")
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class EvalOptions:
     every: int = 0
 
     def __post_init__(self) -> None:
-        _check_every("eval", self.every)
+        _check_every("evaluation", self.every)
 
 
 @dataclass(frozen=True)
@@ -129,9 +129,16 @@ class AdaptOptions:
     staleness: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        check_adapt_drift(self.drift, self.enabled, self.staleness is not None)
         if not 0 < self.aging_low < self.aging_high:
-            raise ValueError("the drift rule's aging thresholds need 0 < adapt_aging_low < adapt_aging_high")
+            raise ValueError("the drift rule's aging thresholds need 0 < adapt.aging_low < adapt.aging_high")
+        if self.margin is not None:
+            from pipefisher.schedule.problem import check_margin
+
+            try:
+                check_margin(self.margin)
+            except ValueError as err:
+                raise ValueError(f"adapt.{err}") from None
+        check_adapt_drift(self.drift, self.enabled, self.staleness is not None)
 
     @property
     def staleness_curve(self) -> Any:
@@ -158,6 +165,8 @@ class TrainOptions:
     adapt: AdaptOptions = field(default_factory=AdaptOptions)
 
     def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"run.steps must be at least 1, not {self.steps}")
         check_mode(self.mode, self.schedule, self.profile, self.adapt.enabled)
 
     @property
@@ -199,6 +208,11 @@ FLAGS: dict[str, tuple[str | None, str]] = {
 }
 """Every option by its flag's name (``--log-every`` is ``log_every``), with its section (None: the options
 themselves) and field there. The one table between the flags and the sections."""
+
+def section_class(section: str | None) -> type:
+    """The dataclass of a :data:`FLAGS` section (None: :class:`TrainOptions` itself)."""
+    return TrainOptions if section is None else _SECTIONS[section]
+
 
 RUN_OPTIONS = ("adapt", "adapt_policy", "adapt_drift", "margin", "eval_every", "checkpoint_every", "log_every",
                "tensorboard")
