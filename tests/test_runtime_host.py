@@ -69,7 +69,7 @@ def test_two_workers_in_one_process_count_their_reads_apart():
     assert a.host is not b.host
     for w in (a, b):  # everything in a worker that reads, reads through the worker's own counter
         assert w.updater.host is w.host and w.engine.host is w.host  # type: ignore[attr-defined]
-        assert w.kfacs and all(k.host is w.host for k in w.kfacs.values())
+        assert w.kfacs and all(k.refresher.host is w.host for k in w.kfacs.values())
     a.step(0)  # the first refresh: inverses with none to fall back on, checked at once through a's counter
     assert a.host.take() >= 1 and not a.host.waiting
     a.step(1)  # the next refresh: its checks wait for a's next read, not b's
