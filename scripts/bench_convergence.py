@@ -745,10 +745,15 @@ def main() -> None:
     print(f"total elapsed: {elapsed / 60:.1f} min ({elapsed:.0f} s)")
 
 
-if __name__ == "__main__":
+def run_main(main: Any) -> None:
+    """Run a benchmark's ``main``: a bad config or ``--set`` is one line and exit status 1, no traceback."""
     from pipefisher.errors import InputError
 
     try:
         main()
-    except InputError as err:  # a bad config or --set: one line
+    except InputError as err:
         sys.exit(f"error: {err}")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -35,8 +35,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, the convergence benchmark
 
-from bench_convergence import (_median, announcer, bench_config, loss_rank, merged_runs, run_record,  # noqa: E402
-                               start_worker, trainer_of)
+from bench_convergence import (_median, announcer, bench_config, loss_rank, merged_runs,  # noqa: E402
+                               run_main, run_record, start_worker, trainer_of)
 
 Setting = tuple[int, str, int]  # (cov_stride, cov_micro_batches, kfac.interval)
 
@@ -163,9 +163,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from pipefisher.errors import InputError
-
-    try:
-        main()
-    except InputError as err:  # a bad config or --set: one line
-        sys.exit(f"error: {err}")
+    run_main(main)
