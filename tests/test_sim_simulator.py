@@ -339,6 +339,10 @@ def test_demo_writes_everything_into_one_folder(tmp_path):
     names = set(os.listdir(out))
     assert {"timelines", "schedule.pickle", "report.txt", "report.json", "chart.png", "trace.json"} <= names
     assert len(os.listdir(out / "timelines")) == 4
+    # saved by the one pack path (pipefisher.policies.packing): the metadata `schedule` and `run` write
+    meta = json.loads((out / "schedule.pickle.meta.json").read_text())
+    assert len(meta["timelines"]) == 4 and meta["packed_for"]["pipeline.stages"] == 4
+    assert meta["packed_for"]["layout"] == [1, False, False] and len(meta["packed_for"]["modules"]) == 4
 
 
 def test_the_demo_predicts_no_time_to_target_without_the_jobs_staleness_curve(tmp_path):

@@ -373,8 +373,8 @@ def run_demo(config: str | None, order: str | None, micro_batches: int | None, p
     from pipefisher.outputs.report import report_data, usage_lines
     from pipefisher.outputs.trace import write_trace
     from pipefisher.policies import DEFAULT_POLICY, get_policy
+    from pipefisher.policies.packing import pack_job
     from pipefisher.safe_io import dump_json_atomic, write_atomic
-    from pipefisher.schedule.file import save_schedule
     from pipefisher.schedule.timeline import load_job
     from pipefisher.sim import simulate_timelines, write_timelines
 
@@ -391,7 +391,8 @@ def run_demo(config: str | None, order: str | None, micro_batches: int | None, p
     _mkdir(out)
     paths = write_timelines(os.path.join(out, "timelines"), default_prefix(model.name, pipeline), timelines)
     job = load_job(paths)
-    packed = chosen.pack(job, margin)
+    packing = pack_job(job, chosen, margin)
+    packed = packing.schedule
     lines = [
         f"{model.name}: {pipeline.name}, {pipeline.stages} stages, {pipeline.micro_batches} micro-batches "
         f"(cost model {os.path.basename(config)})",
@@ -409,7 +410,7 @@ def run_demo(config: str | None, order: str | None, micro_batches: int | None, p
         "timelines_chart": os.path.join(out, "timelines.png"),
         "trace": os.path.join(out, "trace.json"),
     }
-    save_schedule(files["schedule"], packed)
+    packing.save(files["schedule"])
     write_atomic(files["report"], "\n".join(lines) + "\n")
     dump_json_atomic(files["report_json"], report_data(packed, job))
     title = f"{model.name}, {pipeline.name}, m={pipeline.micro_batches}: K-FAC packed into bubbles (policy {chosen.name})"
