@@ -181,13 +181,16 @@ def test_a_foreign_checkpoint_is_refused(tmp_path):
     with open(os.path.join(ck, MANIFEST)) as f:
         manifest = json.load(f)
     for sec, key in (("model", "builder"), ("model", "options"), ("data", "objective"), ("optim", "muon_momentum"),
-                     ("optim", "muon_include"), ("optim", "muon_exclude")):
+                     ("optim", "muon_include"), ("optim", "muon_exclude"), ("kfac", "refresh_pieces"),
+                     ("kfac", "cov_micro_batches")):
         del manifest["config"][sec][key]
     with open(os.path.join(ck, MANIFEST), "w") as f:
         json.dump(manifest, f)
     check_resumable(ck, cfg, "scheduled", digest, 1, 1)
     with pytest.raises(InputError, match=r"another config \(differs in model.builder: "):
         check_resumable(ck, cfg.replace(model={"builder": "examples.own_model:build"}), "scheduled", digest, 1, 1)
+    with pytest.raises(InputError, match=r"another config \(differs in kfac.cov_micro_batches: "):
+        check_resumable(ck, cfg.replace(kfac={"cov_micro_batches": 1}), "scheduled", digest, 1, 1)
     with pytest.raises(InputError, match=r"another config \(differs in optim.weight_decay: "):
         check_resumable(ck, cfg.replace(optim={"weight_decay": 0.5}), "scheduled", digest, 1, 1)
     check_resumable(ck, cfg.replace(optim={"lr": 0.5}), "scheduled", digest, 1, 1)  # the lr schedule may change

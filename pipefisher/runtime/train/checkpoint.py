@@ -46,7 +46,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 from pipefisher.errors import InputError, first_line
-from pipefisher.runtime.job.config import DEFAULT_BUILDER, SYNTHETIC, OptimConfig, current_builder, renamed_sections
+from pipefisher.runtime.job.config import (DEFAULT_BUILDER, LATER_KEYS, SYNTHETIC, OptimConfig, current_builder,
+                                          renamed_sections)
 from pipefisher.safe_io import atomic_path, dump_json_atomic, load_json, write_atomic
 
 if TYPE_CHECKING:
@@ -72,8 +73,10 @@ def _added_later() -> dict[tuple[str, str], Any]:
     return {("model", "builder"): DEFAULT_BUILDER, ("model", "options"): {}, ("data", "objective"): "mlm",
             ("model", "pretrained"): "", ("data", "builder"): "", ("data", "dataset"): "", ("data", "column"): "text",
             ("train", "precision"): "fp32", ("train", "loss_scale"): 65536.0, ("checkpoint", "keep"): 1,
+            ("kfac", "refresh_pieces"): 1,
             **{("optim", key): _jsonable(getattr(OptimConfig(), key))
-               for key in ("muon_momentum", "muon_include", "muon_exclude")}}
+               for key in ("muon_momentum", "muon_include", "muon_exclude")},
+            **{tuple(dotted.split(".", 1)): value for dotted, value in LATER_KEYS.items()}}
 
 
 def step_folder(steps_done: int) -> str:
