@@ -563,3 +563,24 @@ def test_run_takes_its_settings_from_the_config_file_and_refuses_a_bad_one_befor
                                                                      ["run", "--config", str(bad)]])
     assert code == 2 and "none.json: no such file" in out and out.count("\n") == 1, out
     assert bad_code == 2 and bad_out == f"error: {bad}: log.every must be at least 1 step, not 0\n" and not torch_loaded
+
+
+def test_the_printed_resume_keeps_the_steps_a_config_files_run_section_gave(tmp_path, monkeypatch):
+    """``run.steps: 30`` in the file and no ``--steps``: ``run --resume`` reads no config file, so the printed
+    command says ``--steps 30`` (without it the resume would aim at the default)."""
+    import json
+
+    from pipefisher.cli.run import _interrupted
+    from pipefisher.runtime.job.files import RunPaths
+    from pipefisher.runtime.job.process import Interrupted
+    from pipefisher.runtime.train.checkpoint import FORMAT, MANIFEST
+
+    paths = RunPaths(str(tmp_path), "r")
+    os.makedirs(paths.checkpoints)
+    with open(os.path.join(paths.checkpoints, MANIFEST), "w") as f:
+        json.dump({"format": FORMAT, "steps_done": 12}, f)
+    monkeypatch.setattr(sys, "argv", ["pipefisher", "run", "--config", "c.yaml", "--out", str(tmp_path)])
+    line = _interrupted(Interrupted(12, paths=paths), str(tmp_path), 30)
+    assert line.endswith(f"resume with: pipefisher run --resume {tmp_path} --steps 30"), line
+    monkeypatch.setattr(sys, "argv", ["pipefisher", "run", "--config", "c.yaml", "--steps", "30", "--out", str(tmp_path)])
+    assert _interrupted(Interrupted(12, paths=paths), str(tmp_path), 30).count("--steps") == 1

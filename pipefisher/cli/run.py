@@ -168,7 +168,10 @@ def _interrupted(err: KeyboardInterrupt, run_dir: str, steps: int, paths: Any = 
     argv = sys.argv if "run" in sys.argv[1:] else ["pipefisher", "run", "--steps", str(steps)]  # a library call
     drop = {o: not getattr(p, "is_flag", False) for p in run_command.params  # option -> takes a value
             if p.name in (*SET_UP, "name", "resume_dir") for o in p.opts + p.secondary_opts}
-    resume = resume_command(argv, run_dir, "run", drop, ("--name", paths.name) if several else ())
+    extra = ("--name", paths.name) if several else ()
+    if not any(a == "--steps" or a.startswith("--steps=") for a in argv):  # from the config file's run.steps,
+        extra += ("--steps", str(steps))  # which a resume (its config left out) would not read
+    resume = resume_command(argv, run_dir, "run", drop, extra)
     return interrupted_message(stop, steps, paths.checkpoints, argv, resume=resume,
                                nothing=f"nothing to resume: run {paths.name} stopped before its first checkpoint, "
                                        "and its files are removed")
