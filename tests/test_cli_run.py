@@ -531,13 +531,17 @@ def test_what_a_stop_stopped_is_said_by_phase():
 
 
 def test_overlap_is_refused_in_one_line_where_it_cannot_apply(tmp_path):
-    """--overlap and --no-overlap need a policy that packs overlapping cycles: said before any work; with
-    --resume they are set-up options like --policy."""
-    for flag in ("--overlap", "--no-overlap"):
-        said = f"{flag} applies to the 'target' and 'tight' policies only, not to 'compat'"
-        res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(tmp_path / "o"), flag, "--policy", "compat"])
-        assert res.exit_code == 2 and res.output.count("\n") == 1 and said in res.output, res.output
-        assert not (tmp_path / "o").exists()
+    """--overlap needs a policy that packs overlapping cycles, and no --adapt (its re-packs do not overlap
+    yet): said before any work; --no-overlap is what the other policies do anyway; with --resume both are
+    set-up options like --policy."""
+    said = "--overlap applies to the 'target' and 'tight' policies only, not to 'compat'"
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(tmp_path / "o"), "--overlap", "--policy", "compat"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and said in res.output, res.output
+    assert not (tmp_path / "o").exists()
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(tmp_path / "o"), "--overlap", "--adapt"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "--adapt's re-packs" in res.output, res.output
+    res = CliRunner().invoke(main, ["schedule", "--policy", "compat", "--no-overlap"])
+    assert res.exit_code == 0, res.output
     res = CliRunner().invoke(main, ["run", "--resume", str(tmp_path), "--overlap"])
     assert res.exit_code == 2 and "--overlap: sets a run up" in res.output, res.output
 

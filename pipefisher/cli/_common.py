@@ -196,15 +196,3 @@ def overlap_option() -> Any:
              "short as its covariance, sync and total refresh work allow (the 'tight' and 'target' policies; "
              "the metadata records it) [default: on for those policies; --no-overlap: every refresh within "
              "its cycle]")
-
-
-def check_overlap(overlap: bool | None, policy: str | None) -> None:
-    """Refuse ``--overlap`` or ``--no-overlap`` with a policy that cannot pack overlapping cycles (one
-    that takes no ``overlap`` option), in one line, before any work."""
-    from pipefisher.policies import DEFAULT_POLICY, POLICIES, packs_overlapping
-
-    name = policy or DEFAULT_POLICY
-    able = sorted(filter(packs_overlapping, POLICIES))
-    if overlap is not None and name in POLICIES and name not in able:
-        raise InputError(None, f"--{'' if overlap else 'no-'}overlap applies to the {' and '.join(map(repr, able))} "
-                               f"policies only, not to '{name}'")

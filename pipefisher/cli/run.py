@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import click
 
-from pipefisher.cli._common import (OLD_NAME_SUFFIX, adapt_drift_option, check_overlap,
+from pipefisher.cli._common import (OLD_NAME_SUFFIX, adapt_drift_option,
                                     margin_option, overlap_option, require_runtime, staleness_for, staleness_option)
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
@@ -110,7 +110,9 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
     tensorboard_dir = check_tensorboard(tensorboard_dir)
     curve = staleness_for(staleness, policy)  # a bad file: one line, before torch loads
     check_adapt_drift(adapt_drift, adapt, staleness is not None)  # the options' own check, before torch
-    check_overlap(overlap, policy)
+    from pipefisher.policies import check_overlap
+
+    check_overlap(overlap, policy, adapt)
     if cfg.pipeline.order == "chimera" and cfg.kfac.refresh_pieces != 1:  # measured: 3-17 room-rule breaks
         raise InputError(config_path, "kfac.refresh_pieces other than 1 is not packed validly under pipeline.order "
                                       "chimera yet (aligning its stage pairs breaks the room rule with refresh "

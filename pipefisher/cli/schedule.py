@@ -5,7 +5,7 @@ from typing import Callable, Sequence
 
 import click
 
-from pipefisher.cli._common import (check_overlap, kept_until_exit, margin_option, overlap_option, staleness_for,
+from pipefisher.cli._common import (kept_until_exit, margin_option, overlap_option, staleness_for,
                                     staleness_option)
 from pipefisher.cli.group import main
 from pipefisher.schedule.problem import DEFAULT_MARGIN
@@ -30,13 +30,13 @@ def run_schedule(
 
     Options and output folders are checked first, so a typo there refuses before any packing or report.
     ``allow_mixed`` loads timelines that look like several jobs' (:func:`pipefisher.schedule.timeline.load_job`).
-    ``overlap``: cycles may overlap (the policies that take the option: :func:`check_overlap`); None: the
+    ``overlap``: cycles may overlap (the policies that take the option: :func:`pipefisher.policies.check_overlap`); None: the
     policy's default.
     """
     from pipefisher.cli._outputs import check_out_file
     from pipefisher.errors import InputError
     from pipefisher.bundled import example_timelines
-    from pipefisher.policies import DEFAULT_POLICY, get_policy, packs_overlapping
+    from pipefisher.policies import DEFAULT_POLICY, check_overlap, get_policy, packs_overlapping
     from pipefisher.policies.packing import pack_job
     from pipefisher.outputs.report import report_data, usage_lines, workload_lines
     from pipefisher.safe_io import dump_json_atomic

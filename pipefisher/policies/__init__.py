@@ -31,13 +31,28 @@ def packs_overlapping(name: str) -> bool:
     return "overlap" in getattr(POLICIES.get(name), "options", ())
 
 
+def check_overlap(overlap: bool | None, policy: str | None, adapt: bool = False) -> None:
+    """Refuse ``overlap`` (``--overlap``) in one line, before any work, with a policy that cannot pack
+    overlapping cycles, or with ``adapt`` (``--adapt``), whose re-packs and switches do not overlap yet;
+    ``overlap=False`` is what the other policies do anyway, and None is the policy's default."""
+    name = policy or DEFAULT_POLICY
+    able = sorted(filter(packs_overlapping, POLICIES))
+    if overlap and name in POLICIES and name not in able:
+        raise InputError(None, f"--overlap applies to the {' and '.join(map(repr, able))} policies only, "
+                               f"not to '{name}'")
+    if overlap and adapt:
+        raise InputError("--overlap", "packs cycles that overlap, and --adapt's re-packs and switches do not "
+                                      "overlap yet: drop --overlap (with --adapt the run packs without)")
+
+
 def get_policy(name: str, **options: Any) -> Policy:
     """The policy registered under ``name``, made with ``options`` (those given as None are left out);
     an unknown name, or an option the policy does not take, is an input error.
 
     Options: ``time_limit`` (seconds per job) for ``exact``; ``staleness`` (a
-    :class:`pipefisher.cost.objective.StalenessCurve` or its text) and ``slowdown`` for ``target``; the other
-    policies take none.
+    :class:`pipefisher.cost.objective.StalenessCurve` or its text), ``slowdown``, ``max_cycle`` and
+    ``tolerance`` for ``target``; ``overlap`` for ``tight`` and ``target`` (``overlap=False`` is what every
+    other policy does, so they take it too); the other policies take none.
     ``exact`` without OR-Tools installed is an input error that says how to install it.
     """
     try:
@@ -45,6 +60,8 @@ def get_policy(name: str, **options: Any) -> Policy:
     except KeyError:
         raise InputError(None, f"unknown policy '{name}' (known: {', '.join(sorted(POLICIES))})") from None
     given = {k: v for k, v in options.items() if v is not None}
+    if given.get("overlap") is False and not packs_overlapping(name):
+        del given["overlap"]  # no overlapping cycles: what this policy packs anyway
     accepted = tuple(getattr(cls, "options", ()))
     unknown = sorted(set(given) - set(accepted))
     if unknown:
@@ -54,4 +71,4 @@ def get_policy(name: str, **options: Any) -> Policy:
 
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "JobSchedule", "NodeFigures", "NodeSchedule", "Placement", "Policy",
-           "get_policy", "packs_overlapping"]
+           "check_overlap", "get_policy", "packs_overlapping"]

@@ -169,7 +169,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     (sync groups aligned) fits the run, it stops before training and says how many steps it needs.
     ``overlap``: the policy may let a refresh's pieces run on into the next cycle (:mod:`pipefisher.schedule.problem`;
     None: the policy's default); with ``adapt`` never (its re-packs do not overlap yet), said in one line."""
-    from pipefisher.policies import DEFAULT_POLICY, get_policy, packs_overlapping
+    from pipefisher.policies import DEFAULT_POLICY, check_overlap, get_policy, packs_overlapping
     from pipefisher.schedule.problem import DEFAULT_MARGIN
     from pipefisher.runtime.train.profiler import timeline_filename
     from pipefisher.runtime.job.options import TrainOptions
@@ -181,7 +181,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     policy = policy or DEFAULT_POLICY
     if staleness is not None and policy != "target":
         raise InputError(None, f"--staleness applies to the 'target' policy only, not to '{policy}'")
-    no_overlap = adapt and overlap is not False and packs_overlapping(policy)
+    check_overlap(overlap, policy, adapt)
+    no_overlap = adapt and overlap is None and packs_overlapping(policy)
     if no_overlap:
         overlap = False
     packer = get_policy(policy, overlap=overlap,
