@@ -115,13 +115,30 @@ def test_train_adapt_needs_a_schedule_and_a_known_policy(tmp_path):
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--schedule", sched, "--adapt", "--adapt-policy",
                                     "nope", "--no-progress", "--out", str(tmp_path / "out")])
     assert res.exit_code == 2 and "nope" in res.output and "Traceback" not in res.output
-    # a schedule whose cycles overlap: --adapt would check its return to it by the rules of one that does not
-    save_schedule(sched, packed_job_schedule(tiny(), overlap=True))
+    # a schedule whose cycles overlap: --adapt would check its return to it by the rules of one that does not;
+    # the command it prints packs the same timelines again without overlap, over the same file
+    import pickle
+    import shlex
+
+    from _schedules import fake_timelines
+    from pipefisher.schedule.file import schedule_overlap
+
+    timelines = []
+    for n, raw in enumerate(fake_timelines(tiny())):
+        timelines.append(str(tmp_path / f"tiny_node{n}_timeline.pickle"))
+        with open(timelines[-1], "wb") as f:
+            pickle.dump(raw, f)
+    save_schedule(sched, packed_job_schedule(tiny(), overlap=True), timelines=timelines)
     res = CliRunner().invoke(main, ["train", "--config", TINY, "--schedule", sched, "--adapt", "--no-progress",
                                     "--out", str(tmp_path / "out")])
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
-    assert f"{sched}: has overlapping cycles (its .meta.json), and --adapt's re-packs and switches do not overlap " \
-           "yet: pack it with pipefisher schedule --no-overlap" in res.output
+    said = f"{sched}: has overlapping cycles (its .meta.json), and --adapt's re-packs and switches do not overlap " \
+           "yet: pack it again without, pipefisher schedule "
+    assert said in res.output and schedule_overlap(sched), res.output
+    printed = shlex.split(res.output.split("pack it again without, ", 1)[1])
+    assert printed[:2] == ["pipefisher", "schedule"] and "--no-overlap" in printed
+    res = CliRunner().invoke(main, printed[1:])
+    assert res.exit_code == 0 and not schedule_overlap(sched), res.output
 
 
 def test_default_run_names_sit_side_by_side(tmp_path):
