@@ -161,7 +161,8 @@ def test_a_wrapped_step_computes_what_the_torch_schedules_own_step_does(schedule
         assert res["wrap"][1] == pytest.approx(losses, rel=1e-6)
 
 
-SETTINGS = {"kl_clip": 1e-7, "inverse_dtype": "float64", "refresh_pieces": 2, "cov_stride": 2, "damping": 0.03}
+SETTINGS = {"kl_clip": 1e-7, "inverse_dtype": "float64", "refresh_pieces": 2, "cov_stride": 2, "damping": 0.03,
+            "cov_micro_batches": 2}
 
 
 def _wrapped_with_settings(folder: str) -> dict:
@@ -239,11 +240,21 @@ def test_a_torch_pp_run_honours_the_kfac_settings_and_writes_runs_metadata(tmp_p
                                        "timelines", "packed_for"}  # what `run` writes ("overlap" where cycles do)
     assert meta["packed_for"]["pipeline.stages"] == 2 and meta["packed_for"]["data.num_micro_batches"] == 4
     assert {"layout", "modules"} <= set(meta["packed_for"])
+    assert meta["packed_for"]["kfac.cov_micro_batches"] == 2  # the profile recorded the cap it ran with
     again = str(tmp_path / "again.pickle")
     res = CliRunner().invoke(main, ["schedule", *meta["timelines"], "--save-path", again])
     assert res.exit_code == 0, res.output
     assert json.loads(open(meta_path(again)).read()) == meta
     assert open(again, "rb").read() == (folder / "torch_pp_schedule.pickle").read_bytes()
+
+
+def test_the_covariance_cap_is_checked_against_the_torch_schedules_micro_batches():
+    """``kfac.cov_micro_batches`` is checked against the schedule's micro-batches, not a config default's."""
+    from pipefisher.runtime.torch_pp import kfac_settings
+
+    assert kfac_settings({"cov_micro_batches": 6}, micro_batches=8).cov_micro_batches == 6
+    with pytest.raises(InputError, match="kfac.cov_micro_batches 3 is more than the step's 2 micro-batches"):
+        kfac_settings({"cov_micro_batches": 3}, micro_batches=2)
 
 
 def test_wrap_refuses_kfac_settings_a_loop_of_its_own_cannot_honour_in_one_line(tmp_path):

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from pipefisher.errors import InputError
 from pipefisher.policies import DEFAULT_POLICY
-from pipefisher.runtime.job.config import KfacConfig, config_from_dict
+from pipefisher.runtime.job.config import DataConfig, KfacConfig, config_from_dict, cov_limit
 from pipefisher.runtime.pipeline import torch_api
 from pipefisher.runtime.pipeline.buckets import GradientBuckets
 from pipefisher.runtime.pipeline.copies import StageCopiesKFAC
@@ -80,26 +80,34 @@ def wrap(stages: Sequence[Any], schedule: Any, *, folder: str, kfac: KfacConfig 
     first group's learning rate ``kfac.kl_clip`` bounds the step at and ``kfac.update`` ``momentum`` and
     ``soap`` follow (needed with those only)."""
     settings = kfac_settings(kfac, damping=damping, ignore=ignore, optimizer=optimizer)
+    settings = kfac_settings(settings, optimizer=optimizer, micro_batches=torch_api.micro_batches(schedule))
     check_folder(folder, name=name, overwrite=overwrite)
     return KfacPipeline(stages, schedule, folder=folder, kfac=settings, optimizer=optimizer,
                         profile_steps=profile_steps, policy=policy, margin=margin, name=name)
 
 
 def kfac_settings(kfac: KfacConfig | Mapping[str, Any] | None = None, *, damping: float | None = None,
-                  ignore: Iterable[str] | None = None, optimizer: Any = None) -> KfacConfig:
+                  ignore: Iterable[str] | None = None, optimizer: Any = None,
+                  micro_batches: int | None = None) -> KfacConfig:
     """The ``kfac`` settings :func:`wrap` builds K-FAC from, checked as a config file's ``kfac`` section is
     (:class:`InputError`, one line naming the key), and refused where a loop of your own cannot honour
     them: the true Fisher (its second, sampled-label backward sends its own gradients from stage to
     stage, which torch's schedules do not run), and ``kl_clip``, ``update`` ``momentum`` or ``soap`` without
     the ``optimizer`` whose learning rate they need (``soap``: one with Adam's ``betas`` and ``eps``).
-    ``kfac.interval`` plays no part: the packed schedule refreshes once per cycle."""
+    ``kfac.interval`` plays no part: the packed schedule refreshes once per cycle. ``micro_batches``: the
+    torch schedule's, which ``kfac.cov_micro_batches`` is checked against (None: not known yet, not checked)."""
     values = dataclasses.asdict(kfac) if isinstance(kfac, KfacConfig) else dict(kfac or {})
     if damping is not None:
         values["damping"] = damping
     if ignore is not None:
         values["ignore"] = list(ignore)
     where = "torch_pp.wrap kfac"
-    settings = config_from_dict({"kfac": values}, where).kfac
+    if micro_batches is None:  # any count of the config's is as good as another: the cap alone
+        cap = values.get("cov_micro_batches")
+        default = DataConfig().num_micro_batches
+        micro_batches = max(cap, default) if isinstance(cap, int) and not isinstance(cap, bool) else default
+    data = {"data": {"num_micro_batches": micro_batches}}
+    settings = config_from_dict({"kfac": values, **data}, where).kfac
     if settings.fisher != "empirical":
         raise InputError(where, "kfac.fisher true needs a second backward of sampled labels sent from stage to "
                                 "stage, which torch's pipeline schedules do not run: use fisher empirical "
@@ -233,7 +241,7 @@ class KfacPipeline:
     def _pack(self) -> None:
         """Timelines of every rank into ``folder``; rank 0 packs and validates; every rank gets the schedule."""
         os.makedirs(self.folder, exist_ok=True)
-        self.profiler.write(self.folder, self.name, self.rank)
+        self.profiler.write(self.folder, self.name, self.rank, cov_limit(self.settings.cov_micro_batches))
         self.profiler.enabled = False
         dist.barrier(group=self.group)
         nodes: list[Any] = [None]
