@@ -172,7 +172,7 @@ def test_cov_stride_builds_the_factors_from_every_s_th_token_row_and_saves_s_tim
 
 
 def test_cov_micro_batches_saves_only_the_first_m_and_keeps_the_factor_s_scale():
-    """``kfac.cov_micro_batches`` M: only each layer's first M micro-batches after saving turns on are
+    """``kfac.cov_micro_batches`` M: only the first M micro-batches after saving turns on are
     saved (inputs and output gradients, M/m of the memory), and the factor is their mean: the same as
     K-FAC over all micro-batches of a step that had only those M (loss / m each), not M/m of it."""
     def run(m_run: int, limit: int | None):
@@ -183,7 +183,9 @@ def test_cov_micro_batches_saves_only_the_first_m_and_keeps_the_factor_s_scale()
         kfac.set_saving(True)
         for i in range(m_run):  # every micro-batch's loss divided by the step's 3, as the engine does
             mb = data.micro_batch(0, 0, i)
-            (model(mb.input_ids, mb.labels) / 3).backward()
+            loss = model(mb.input_ids, mb.labels) / 3
+            kfac.end_forward()  # as the engine does after each forward micro-batch
+            loss.backward()
         peak = kfac.peak_saved_bytes
         for n in kfac.names:
             for f in "AB":
@@ -206,7 +208,9 @@ def test_cov_micro_batches_saves_only_the_first_m_and_keeps_the_factor_s_scale()
     capped.set_saving(True)  # a new count starts whenever saving is turned on (again)
     for i in range(3):
         mb = data.micro_batch(0, 1, i)
-        (model(mb.input_ids, mb.labels) / 3).backward()
+        loss = model(mb.input_ids, mb.labels) / 3
+        capped.end_forward()
+        loss.backward()
     assert capped.pending("A", n) == 2 and capped.pending("B", n) == 2
     with pytest.raises(ValueError, match="cov_micro_batches"):
         KFAC(PipelineStage(CFG, 0, 1), damping=DAMPING, cov_micro_batches=0)
@@ -584,6 +588,21 @@ def test_true_fisher_records_nothing_while_saving_is_off():
     kfac.end_forward()
     assert kfac.pending("A", "fc") == 1 and len(kfac.take_forward()) == 1
     assert kfac.take_forward() is None  # one list per forwarded micro-batch
+
+
+def test_true_fisher_samples_labels_for_the_capped_micro_batches_only():
+    """With ``cov_micro_batches`` 1 the micro-batches after the first are not saved, so they run no
+    sampled-label backward either (every stage counts the same micro-batches: their sends still pair)."""
+    model = Softmax()
+    kfac = KFAC(model, fisher="true", ignore=(), cov_micro_batches=1)
+    kfac.set_saving(True)
+    for _ in range(3):
+        model(torch.randn(3, 4))
+        kfac.end_forward()
+    assert not kfac.samples_labels and kfac.pending("A", "fc") == 1
+    assert len(kfac.take_forward()) == 1 and kfac.take_forward() is None and kfac.take_forward() is None
+    kfac.set_saving(True)  # a new count
+    assert kfac.samples_labels
 
 
 # 8. compact saving -------------------------------------------------------------------------------

@@ -43,7 +43,6 @@ class LayerStats:
     running: dict[str, torch.Tensor | None] = field(default_factory=lambda: {"A": None, "B": None})
     synced: dict[str, bool] = field(default_factory=lambda: {"A": False, "B": False})  # since the last piece
     overflowed: dict[str, Any] = field(default_factory=lambda: {"A": 0, "B": 0})  # fp16 pieces dropped (a tensor)
-    saved_forwards: int = 0  # forwards saved since saving last turned on or off (cov_micro_batches)
 
     def factor(self, f: str) -> torch.Tensor | None:
         s = self.sums[f]
@@ -82,6 +81,7 @@ class CurvatureStats:
         self.dp_group, self.dp_size = dp_group, int(dp_size)
         self.save_dtype, self.fisher, self.cov_stride = save_dtype, fisher, cov_stride
         self.cov_micro_batches = cov_micro_batches
+        self.forwards_saved = 0  # micro-batches saved since saving last turned on or off (end_forward counts)
         self.saving = False
         # bytes of saved tensors still waiting for their covariance piece, counted as they are saved and
         # freed (a tensor shared by several layers once), and the most they reached since reset_peak_saved
@@ -101,11 +101,16 @@ class CurvatureStats:
 
     def set_saving(self, on: bool) -> None:
         """Start or stop saving layer inputs (forward) and output gradients (backward). Either starts a
-        new count of saved micro-batches: with ``cov_micro_batches`` M, only each layer's first M forwards
-        (and their output gradients) after this call are saved."""
+        new count of saved micro-batches: with ``cov_micro_batches`` M, only the first M forward
+        micro-batches after this call (:meth:`end_forward` counts them) are saved, and under the true
+        Fisher only they run the sampled-label backward."""
         self.saving = bool(on)
-        for s in self.state.values():
-            s.saved_forwards = 0
+        self.forwards_saved = 0
+
+    @property
+    def _saving_this_one(self) -> bool:
+        """Whether the forward micro-batch under way is saved: saving on, and within the cap."""
+        return self.saving and (self.cov_micro_batches is None or self.forwards_saved < self.cov_micro_batches)
 
     def _compact(self, t: torch.Tensor) -> torch.Tensor:
         """The rows a covariance piece will use, in the saved dtype: every ``cov_stride``-th token row
@@ -154,11 +159,8 @@ class CurvatureStats:
         s = self.state[name]
 
         def on_forward(module: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-            if not (self.saving and torch.is_grad_enabled()) or self.replaying:
-                return
-            if self.cov_micro_batches is not None and s.saved_forwards >= self.cov_micro_batches:
-                return  # beyond the refresh's micro-batches: neither its input nor its output gradient
-            s.saved_forwards += 1
+            if not (self._saving_this_one and torch.is_grad_enabled()) or self.replaying:
+                return  # beyond the refresh's micro-batches too: neither its input nor its output gradient
             s.inputs.append(self._saved_input(inputs[0]))
             if not out.requires_grad:
                 return
@@ -192,14 +194,18 @@ class CurvatureStats:
     @property
     def samples_labels(self) -> bool:
         """True while forwards are saved for a true-Fisher factor B (the engine must sample labels)."""
-        return self.fisher == "true" and self.saving
+        return self.fisher == "true" and self._saving_this_one
 
     def end_forward(self) -> None:
-        """Called by the engine after each forward micro-batch: closes its list of layer outputs."""
+        """Called by the engine after each forward micro-batch: closes its list of layer outputs and counts
+        it among the saved ones where it was."""
         self._input_cache = None
+        saved = self._saving_this_one and torch.is_grad_enabled()
         if self.fisher == "true":
-            self._awaiting.append(self._forward_outputs if self.saving else None)
+            self._awaiting.append(self._forward_outputs if saved else None)
             self._forward_outputs = []
+        if saved:
+            self.forwards_saved += 1
 
     def take_forward(self) -> list[tuple[LayerState, torch.Tensor]] | None:
         """The layer outputs of the oldest forwarded micro-batch, or None if it was not saved."""
