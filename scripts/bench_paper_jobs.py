@@ -99,7 +99,9 @@ def build(job: PaperJob, pieces: int | str = 1, piece_ms: float | None = None, p
     """The simulated job: the bundled cost model with this row's block costs, no sync, no latency; each
     inverse in ``pieces`` pieces (``auto``: :func:`auto_piece_ms`), or in pieces of at most ``piece_ms``;
     an inverse run in more than one piece costs ``piece_cost`` times its whole time in all (its pieces
-    cut ``piece_cost`` times finer, so that each stays within ``piece_ms``)."""
+    cut ``piece_cost`` times finer, so that each stays within ``piece_ms``; this also splits, and
+    charges, inverses between ``piece_ms / piece_cost`` and ``piece_ms``, which fit whole: a floor above
+    a ``piece_cost`` of about 1.2, docs/policies.md)."""
     if pieces == "auto":
         piece_ms = auto_piece_ms(build(job))
         pieces = 1
