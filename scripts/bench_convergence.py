@@ -643,7 +643,7 @@ def scheduled_label(run: Mapping[str, Any]) -> str:
     if "update" not in run:
         return ENTRANTS["scheduled"].label
     return (f"{ENTRANTS['scheduled'].label} ({UPDATES[run['update']]}, refresh in {run['refresh_pieces']} "
-            f"piece{'s' if run['refresh_pieces'] != 1 else ''}{', overlapping cycles' if run['overlap'] else ''})")
+            f"piece{'s' if run['refresh_pieces'] != 1 else ''}{', overlapping cycles allowed' if run['overlap'] else ''})")
 
 
 def main() -> None:

@@ -42,6 +42,10 @@ Setting = tuple[int, str, int]  # (cov_stride, cov_micro_batches, kfac.interval)
 
 
 def _cov_config(base: Any, stride: int, micro: str, interval: int, lr: float, warmup: int, seed: int) -> Any:
+    if micro != "all" and not micro.isdigit():  # the config's own check says the rest, in one line
+        from pipefisher.errors import InputError
+
+        raise InputError(None, f"setting micro-batches {micro!r} is not a count or all")
     return base.replace(kfac={"cov_stride": stride, "cov_micro_batches": micro if micro == "all" else int(micro),
                               "interval": interval},
                         optim={"lr": lr, "warmup_steps": warmup}, data={"seed": seed})

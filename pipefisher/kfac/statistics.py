@@ -413,10 +413,6 @@ class CurvatureStats:
         old_running, s.running[factor] = s.running[factor], f
         return f, pi, kept, old_running
 
-    def running(self, name: str, factor: str) -> torch.Tensor | None:
-        """The running average of ``factor`` of layer ``name`` (None before its first refresh)."""
-        return self.state[name].running[factor]
-
     def set_running(self, name: str, factor: str, running: torch.Tensor | None) -> None:
         """The running average a finished refresh keeps (the previous one where the refresh was dropped)."""
         self.state[name].running[factor] = running
