@@ -80,7 +80,8 @@ def test_an_overlapping_schedule_says_so_beside_it_and_validate_checks_it_by_tha
     res = runner.invoke(main, ["schedule", timeline, "--policy", "tight", "--no-overlap", "--save-path", sched])
     meta = json.loads(open(meta_path(sched)).read())
     assert res.exit_code == 0 and "overlap" not in meta and meta["nodes"][0]["iterations"] == 3
-    # either flag where the policy cannot overlap: one line
-    for flag in ("--overlap", "--no-overlap"):
-        res = runner.invoke(main, ["schedule", timeline, "--policy", "compat", flag])
-        assert res.exit_code == 2 and res.output.count("\n") == 1 and f"{flag} applies to" in res.output, res.output
+    # --overlap where the policy cannot overlap: one line; --no-overlap is what such a policy does anyway
+    res = runner.invoke(main, ["schedule", timeline, "--policy", "compat", "--overlap"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "--overlap applies to" in res.output, res.output
+    res = runner.invoke(main, ["schedule", timeline, "--policy", "compat", "--no-overlap"])
+    assert res.exit_code == 0, res.output
