@@ -97,3 +97,24 @@ def test_pieces_that_cost_more_than_the_whole_stay_within_their_width_and_leave_
     assert len(base) == len(dear)
     assert bench.measure(job, "tight", pieces="auto", piece_cost=2.0).ratio == \
         pytest.approx(bench.measure(job, "tight").ratio, rel=1e-6)
+
+
+def test_an_inverse_that_fits_the_width_whole_is_neither_split_nor_charged() -> None:
+    job = bench.PaperJob("bert-large", "rtx3090", 8, "gpipe", 8, 8)
+
+    def inverses(j):
+        return {(n.path, k): [iv.end - iv.start for iv in ivs] for n in j.nodes for k, ivs in n.entries.items()
+                if k.startswith("inv_")}
+
+    one = inverses(bench.build(job))
+    small = min(sum(v) for v in one.values())
+    width_ms = 1.5 * small / 1e6  # the smallest inverse fits whole; at twice its cost it would not
+    dear = inverses(bench.build(job, piece_ms=width_ms, piece_cost=2.0))
+    fitting = [k for k, v in one.items() if sum(v) <= width_ms * 1e6]
+    assert fitting and any(len(v) > 1 for v in dear.values())
+    for k in fitting:
+        assert dear[k] == one[k]
+    for k, pieces in dear.items():
+        assert max(pieces) <= width_ms * 1e6 + 1
+        if len(pieces) > 1:
+            assert sum(pieces) == pytest.approx(2.0 * sum(one[k]), rel=1e-3)
