@@ -3,6 +3,8 @@ the per-instruction CSV, on hand-made records and on the fake clock (:mod:`_fake
 bundled example job."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import pytest
 
 from _fake_clock import FakeRecorder, fake_records, period, slowed_job, true_models
@@ -371,3 +373,56 @@ def test_planned_bubbles_are_compared_in_seconds_whatever_the_profile_unit() -> 
     s_unit, s_gaps = gaps_of(1.0, float)
     assert (ns_unit, s_unit) == (1e-9, 1.0)
     assert ns_gaps == pytest.approx(s_gaps) and s_gaps[1] == pytest.approx(2.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inverses in pieces
+
+
+def _piece_step(step: int, iteration: int, kfac: Sequence[tuple[str, float]]) -> StepRecord:
+    """One step of a node: a forward, the K-FAC ``kfac`` (label, seconds) back to back, a backward."""
+    labels, t = [LabelTime(START, 0.0, 0.0), LabelTime("call_forward", 0.0, 0.010)], 0.010
+    for label, d in kfac:
+        labels.append(LabelTime(label, t, t + d))
+        t += d
+    labels += [LabelTime("call_backward", t, t + 0.010), LabelTime(END, t + 0.010, t + 0.010)]
+    return StepRecord(0, 0, step, iteration, tuple(labels))
+
+
+def _inverse_lengths(timeline: dict, key: str = "inv_kron_A:l") -> list[int]:
+    return [e - s for s, e in timeline[key]]
+
+
+def test_an_inverse_in_pieces_keeps_its_pieces_each_at_its_own_quantile() -> None:
+    """A refresh in 2 pieces (4 ms and 1 ms, run in the cycle's two steps after the factor's completion,
+    its covariance): the measured timeline has 2 intervals in piece order, as profiles have it, not one
+    of the median over both; a re-pack of it then holds the 2 labels per cycle the runtime runs."""
+    records = []
+    for c in range(3):
+        jitter = 1e-4 * c
+        records += [_piece_step(1 + 2 * c, 0, [("cov_kron_A:l", 0.001), ("inv_kron_A:l", 0.004 + jitter)]),
+                    _piece_step(2 + 2 * c, 1, [("inv_kron_A:l", 0.001 + jitter)])]
+    timeline = measured_timeline(records)
+    assert _inverse_lengths(timeline) == [4_100_000, 1_100_000]
+    assert _inverse_lengths(timeline, "cov_kron_A:l") == [1_000_000]  # one piece: one interval, as before
+    model = node_model(job_from_dicts([timeline]).nodes[0], 10**9)
+    assert model.durations["inv_kron_A:l"] == (4_100_000, 1_100_000)
+
+
+def test_a_piece_before_the_completion_continues_the_cycle_before_only_where_one_ran() -> None:
+    """Overlapping cycles: the run before the completion is the previous refresh's last piece (1 ms); in
+    the schedule's first cycle K-FAC skips it (10 us), and it is no piece at all."""
+    def cycle(c: int, before: float) -> list[StepRecord]:
+        return [_piece_step(1 + 2 * c, 0, [("inv_kron_A:l", before), ("cov_kron_A:l", 0.001)]),
+                _piece_step(2 + 2 * c, 1, [("inv_kron_A:l", 0.004)])]
+    timeline = measured_timeline(cycle(0, 1e-5) + cycle(1, 0.001))
+    assert _inverse_lengths(timeline) == [4_000_000, 1_000_000]
+
+
+def test_pieces_never_identified_are_as_planned() -> None:
+    """No whole cycle in the records (one step of iteration 1): a key in pieces keeps the plan's pieces."""
+    plan = {"call_forward": [(0, 10_000_000)], "call_backward": [(10_000_000, 20_000_000)],
+            "inv_kron_A:l": [(0, 3_000_000), (3_000_000, 5_000_000)]}
+    planned = node_model(job_from_dicts([plan]).nodes[0], 20_000_000)
+    timeline = measured_timeline([_piece_step(5, 1, [("inv_kron_A:l", 0.004)])], planned)
+    assert _inverse_lengths(timeline) == [3_000_000, 2_000_000]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+from itertools import accumulate
 
 import pytest
 import torch
 
 from pipefisher.runtime.launch.local import spawn_local
-from pipefisher.schedule.timeline import job_from_dicts
+from pipefisher.schedule.timeline import job_from_dicts, split_evenly
 
 from _fake_clock import FakeRecorder, slowed_job, true_models
 from _schedules import fake_timelines, replay, tiny
@@ -25,45 +26,57 @@ def _cfg():
     return tiny().replace(optim={"decay_steps": STEPS})
 
 
-def _timelines(cfg) -> list[dict]:
-    def scaled(key: str, s: int, e: int) -> tuple[int, int]:
-        return s * SCALE, s * SCALE + int((e - s) * SCALE * (KFAC_SCALE if "kron" in key else 1))
+def _timelines(cfg, pieces: int = 1) -> list[dict]:
+    """``pieces`` > 1: every inverse as its refresh's pieces (``kfac.refresh_pieces``), as a profile of
+    such a run records them; equal ones, as the fake clock runs a key's pieces in different steps alike."""
+    def scaled(key: str, s: int, e: int) -> list[tuple[int, int]]:
+        s, d = s * SCALE, int((e - s) * SCALE * (KFAC_SCALE if "kron" in key else 1))
+        if pieces == 1 or not key.startswith("inv_kron"):
+            return [(s, s + d)]
+        cuts = list(accumulate(split_evenly(d, pieces), initial=s))
+        return list(zip(cuts[:-1], cuts[1:]))
 
-    return [{k: [scaled(k, s, e) for s, e in v] for k, v in raw.items()} for raw in fake_timelines(cfg)]
+    return [{k: [iv for s, e in v for iv in scaled(k, s, e)] for k, v in raw.items()} for raw in fake_timelines(cfg)]
 
 
-def _job_files(folder, cfg) -> tuple[str, list[str], tuple[int, str]]:
-    """The profile (one pickle per node), its tight schedule (metadata naming the profile), and a K-FAC
-    key that, twice as slow as profiled, no longer fits where the schedule put it."""
+def _job_files(folder, cfg, pieces: int = 1, overlap: bool | None = None) -> tuple[str, list[str], tuple[int, str]]:
+    """The profile (one pickle per node; inverses in ``pieces``), its tight schedule (metadata naming the
+    profile), and a K-FAC key that, twice as slow as profiled, no longer fits where the schedule put it
+    (and a re-pack fits the schedule's cycle: the closed loop repairs within its k). ``overlap``: the
+    tight policy's option (False: as ``run --adapt`` packs, and as the loop's re-packs are)."""
     from pipefisher.policies import get_policy
     from pipefisher.rules import validate
     from pipefisher.safe_io import dump_pickle_atomic
     from pipefisher.schedule.file import save_schedule
 
-    raws = _timelines(cfg)
+    raws = _timelines(cfg, pieces)
     paths = [str(folder / f"tiny_node{n}_timeline.pickle") for n in range(len(raws))]
     for p, raw in zip(paths, raws):
         dump_pickle_atomic(p, raw)
     job = job_from_dicts(raws, paths)
-    packed = get_policy("tight").pack(job)
+    tight = get_policy("tight", overlap=overlap)
+    packed = tight.pack(job)
     sched = str(folder / "schedule.pickle")
     save_schedule(sched, packed, timelines=paths)
     data = packed.to_file_data()
+    k = max(len(node) for node in data)
     for n, node in enumerate(job.nodes):
         for key in node.entries:
-            if "kron" in key and validate(data, slowed_job(job, {(n, key): 2.0})):
+            slowed = slowed_job(job, {(n, key): 2.0})
+            if "kron" in key and validate(data, slowed) and max(map(len, tight.pack(slowed).to_file_data())) <= k:
                 return sched, paths, (n, key)
-    raise AssertionError("no K-FAC key overruns its bubble at twice its time")
+    raise AssertionError("no K-FAC key overruns its bubble at twice its time and re-packs within the cycle")
 
 
 def _run(sched: str, paths: list[str], slow: tuple[int, str], steps: int, prefix: str, adapt: bool,
-         checkpoint_dir: str | None = None, resume: str | None = None) -> dict:
-    """One worker: a scheduled run whose recorder is the fake clock of the slowed job."""
+         checkpoint_dir: str | None = None, resume: str | None = None, pieces: int = 1) -> dict:
+    """One worker: a scheduled run whose recorder is the fake clock of the slowed job (K-FAC refreshing
+    in ``pieces``)."""
     from pipefisher.runtime.job.dist import init_from_env, shutdown
     from pipefisher.runtime.train.trainer import Trainer, TrainOptions
     from pipefisher.schedule.timeline import load_job
 
-    cfg = _cfg().replace(pipeline={"timeout_s": 60.0})
+    cfg = _cfg().replace(pipeline={"timeout_s": 60.0}, kfac={"refresh_pieces": pieces})
     ctx = init_from_env(cfg.pipeline.stages, cfg.pipeline.timeout_s)
     g = ctx.grid
     try:
@@ -129,6 +142,25 @@ def test_a_slower_item_is_repacked_within_two_cycles_on_every_worker_at_once(ada
     logged = {r["step"]: (r["drift"], r["aging"]) for line in lines for r in line["drift"]}
     assert logged and logged == by_stage[0]["refreshes"] == by_stage[1]["refreshes"]
     assert load_schedule(os.path.join(prefix + "_schedules", saved[-1]["file"])) == by_stage[0]["active"]
+
+
+def test_a_refresh_in_pieces_is_measured_repacked_and_switched_to_in_its_pieces(tmp_path):
+    """kfac.refresh_pieces 2: the measured window keeps each inverse's 2 pieces, so the re-pack holds the
+    2 labels per factor and cycle the runtime runs, and the run switches to it and goes on (it stopped at
+    the switch, refused, when the measured timeline had one interval per inverse)."""
+    from pipefisher.runtime.pipeline.executor import inverse_counts
+    from pipefisher.schedule.file import load_schedule
+
+    sched, paths, slow = _job_files(tmp_path, _cfg(), pieces=2, overlap=False)
+    assert {len(v) for v in inverse_counts(load_schedule(sched)[0]).values()} == {2}
+    prefix = str(tmp_path / "pieces")
+    results = spawn_local(_run, 2, sched, paths, slow, STEPS, prefix, True, None, None, 2, timeout_s=180)
+    by_stage = {r["stage"]: r for r in results}
+    history = by_stage[0]["history"]
+    assert len(history) >= 2 and history == by_stage[1]["history"], history
+    assert len(by_stage[1]["losses"]) == STEPS  # the last stage's loss of every step: the run went on
+    for node in by_stage[0]["active"]:
+        assert {len(v) for v in inverse_counts(node).values()} == {2}
 
 
 def test_parameters_equal_a_one_process_replay_of_the_labels_run(adaptive):

@@ -35,7 +35,7 @@ from typing import Iterable, Sequence
 
 from pipefisher.schedule.format import END, MARKERS, PIPELINE_CATEGORIES, START, label_category
 from pipefisher.schedule.packed import KfacLayout, Placement
-from pipefisher.schedule.problem import DEFAULT_MARGIN, NodeModel, cov_source
+from pipefisher.schedule.problem import DEFAULT_MARGIN, NodeModel, cov_source, pieces_before_completion
 from pipefisher.schedule.timeline import COV_KINDS, COV_MICRO_BATCHES_KEY, STEP_KEY, TimelineKey, cov_pieces
 
 WAIT_EPS = 20e-6
@@ -495,6 +495,67 @@ def cycle_summary(records: Sequence[StepRecord], planned: Sequence[float] | None
 # Measured timelines
 
 
+def _whole_cycles(records: Sequence[StepRecord]) -> list[tuple[list[StepRecord], bool]]:
+    """One replica's records (sorted by step) cut into whole cycles: stretches of consecutive steps whose
+    iterations run 0, 1, 2, ... and that the next cycle's iteration 0 follows (the last stretch: when it is
+    as long as a closed one, or is the only one; a window holds whole cycles). Each with whether it
+    continues the cycle before it (adjacent, and the same labels: the same schedule running on)."""
+    stretches: list[list[StepRecord]] = []
+    for r in records:
+        last = stretches[-1][-1] if stretches else None
+        if last is not None and r.iteration and r.iteration == last.iteration + 1 and r.step == last.step + 1:
+            stretches[-1].append(r)
+        else:
+            stretches.append([r])
+    closed = [i + 1 < len(stretches) and stretches[i + 1][0].iteration == 0
+              and stretches[i + 1][0].step == s[-1].step + 1 for i, s in enumerate(stretches)]
+    lengths = {len(s) for s, c in zip(stretches, closed) if c}
+    whole = [s[0].iteration == 0 and (c or (i == len(stretches) - 1 and (not lengths or len(s) in lengths)))
+             for i, (s, c) in enumerate(zip(stretches, closed))]
+    out: list[tuple[list[StepRecord], bool]] = []
+    for i, s in enumerate(stretches):
+        if whole[i]:
+            labels = [[lt.label for lt in r.labels] for r in s]
+            on = i > 0 and whole[i - 1] and closed[i - 1] and len(stretches[i - 1]) == len(s) \
+                and [[lt.label for lt in r.labels] for r in stretches[i - 1]] == labels
+            out.append((s, on))
+    return out
+
+
+def inverse_pieces(records: Sequence[StepRecord]) -> dict[str, list[list[float]]]:
+    """Per inverse label whose refresh runs in p > 1 pieces: the seconds of every run of piece j, j < p.
+
+    A label that runs p times per cycle is a refresh in p pieces (the runtime refuses any other count,
+    :meth:`pipefisher.runtime.pipeline.executor.ScheduleExecutor.switch`), and the executor runs its pieces
+    as the packing problem has them: the j-th run after the factor's completion runs piece j, those before
+    it continue the previous cycle's refresh (:func:`pipefisher.schedule.problem.pieces_before_completion`).
+    So each run is numbered from its own cycle's labels as they ran, in whole cycles only
+    (:func:`_whole_cycles`); a run before the completion counts only where the same schedule ran the cycle
+    before (in a schedule's first cycle it continues nothing: K-FAC skips it)."""
+    out: dict[str, list[list[float]]] = {}
+    by_replica: dict[int, list[StepRecord]] = {}
+    for r in records:
+        by_replica.setdefault(r.replica, []).append(r)
+    for mine in by_replica.values():
+        for cycle, on in _whole_cycles(sorted(mine, key=lambda r: r.step)):
+            runs: dict[str, list[float]] = {}
+            for r in cycle:
+                for lt in r.labels:
+                    if lt.label.startswith("inv_kron_"):
+                        runs.setdefault(lt.label, []).append(lt.end - lt.start)
+            before = pieces_before_completion(None, [[lt.label for lt in r.labels] for r in cycle])
+            for label, seconds in runs.items():
+                p = len(seconds)
+                if p < 2:
+                    continue
+                pieces = out.setdefault(label, [])
+                pieces.extend([] for _ in range(p - len(pieces)))
+                for j, d in enumerate(seconds):
+                    if j >= before[label] or on:
+                        pieces[(j - before[label]) % p].append(d)
+    return out
+
+
 def measured_timeline(records: Sequence[StepRecord], planned: NodeModel | None = None,
                       q: float = 0.5) -> dict[str, list[tuple[int, int]]]:
     """One node's timeline in the profiled format (integer nanoseconds), from its steps' records.
@@ -509,7 +570,10 @@ def measured_timeline(records: Sequence[StepRecord], planned: NodeModel | None =
     unit; its head bubble is kept, see the module's docstring). K-FAC keys are written after the pipeline, back to back
     (only their lengths matter); a covariance key as long as all its pieces together, as profiles have it
     (``planned``'s ``cov_micro_batches`` of them per pipe, :func:`pipefisher.schedule.timeline.cov_pieces`, which the
-    timeline then records too).
+    timeline then records too); an inverse whose refresh runs in p > 1 pieces as p intervals in piece order,
+    each piece's own quantile (:func:`inverse_pieces`), as profiles have it, so that a re-pack holds the p
+    labels per cycle the runtime runs. A piece never identified (no whole cycle in the records) is taken
+    from ``planned`` where it has p pieces of the key, else it is the quantile of all the label's runs.
     """
     if not records:
         raise ValueError("no step records to build a timeline from")
@@ -558,13 +622,23 @@ def measured_timeline(records: Sequence[StepRecord], planned: NodeModel | None =
     if planned is not None:  # keys the records lack (work never run in the window): as planned
         for key, lengths in planned.durations.items():
             work.setdefault(key, [float(x) * unit_seconds(planned) for x in lengths])
+    pieces = inverse_pieces(records)
     for key in sorted(work):
         parsed = TimelineKey.parse(key)
         d = quantile(work[key], q)
         if parsed.kind in COV_KINDS:
             d *= cov_pieces(counts.get(cov_source(parsed.factor, parsed.up_pipe, parsed.chunk), 1), limit)
-        out[key] = [(ns(t), ns(t + d))]
-        t += d
+        plan = [float(x) * unit_seconds(planned) for x in planned.durations.get(key, ())] if planned else []
+        runs = pieces.get(key) or ([[] for _ in plan] if key.startswith("inv_kron_") and len(plan) > 1 else [])
+        if not runs:
+            out[key] = [(ns(t), ns(t + d))]
+            t += d
+            continue
+        out[key] = []
+        for j, seen in enumerate(runs):  # an inverse in pieces: each piece its own interval, in order
+            dj = quantile(seen, q) if seen else plan[j] if len(plan) == len(runs) else d
+            out[key].append((ns(t), ns(t + dj)))
+            t += dj
     out[STEP_KEY] = [(0, ns(max(t, end_of_calls + bubble[-1])))]
     if limit is not None:
         out[COV_MICRO_BATCHES_KEY] = [(limit, limit)]

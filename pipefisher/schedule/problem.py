@@ -159,11 +159,12 @@ class NodeModel:
         return Factors(tuple(pieces), tuple(map(tuple, syncs)), tuple(map(tuple, invs)))
 
 
-def pieces_before_completion(node: NodeTimeline, iterations: Sequence[Sequence[str]]) -> dict[str, int]:
+def pieces_before_completion(node: NodeTimeline | None, iterations: Sequence[Sequence[str]]) -> dict[str, int]:
     """Per inverse label of a cycle, how many of its runs come before its factor's completion (its first
     sync, or without one on the node its last covariance piece; none: the cycle's start). In an
     overlapping cycle those are the previous refresh's last pieces, so the j-th run in the cycle runs
-    piece ``(j - this count) mod p``; in any other cycle the count is 0 (what ``validate`` allows)."""
+    piece ``(j - this count) mod p``; in any other cycle the count is 0 (what ``validate`` allows).
+    ``node`` None: a cycle as it ran (measured steps), whose factor has a sync where the cycle runs one."""
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     runs: dict[str, list[int]] = {}
@@ -180,7 +181,8 @@ def pieces_before_completion(node: NodeTimeline, iterations: Sequence[Sequence[s
     for label, where in runs.items():
         rest = label[len("inv_kron_"):]  # the factor letter and the layer
         sync = "sync_kron_" + rest
-        done = first.get(sync, -1) if node.entries.get(sync) else last.get("cov_kron_" + rest, -1)
+        has_sync = sync in first if node is None else bool(node.entries.get(sync))
+        done = first.get(sync, -1) if has_sync else last.get("cov_kron_" + rest, -1)
         out[label] = sum(1 for x in where if x < done)
     return out
 
