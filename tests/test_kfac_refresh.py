@@ -175,7 +175,7 @@ def test_eigenbasis_pieces_take_a_power_step_from_the_previous_basis():
 
 
 def test_auto_pieces_and_the_split_of_the_work():
-    assert [pieces_for(w, "auto", "cholesky") for w in (128, 513, 768, 1024, 4096)] == [1, 1, 1, 2, 6]
+    assert [pieces_for(w, "auto", "cholesky") for w in (128, 512, 513, 1024, 4096)] == [1, 1, 2, 2, 8]
     assert pieces_for(513, 4, "eigen") == 1 and pieces_for(3, 8, "cholesky") == 3
     ranges = split_costs([1.0] * 12, 4)
     assert ranges == [(0, 3), (3, 6), (6, 9), (9, 12)]

@@ -34,9 +34,10 @@ from pipefisher.kfac import factors as fx
 PIECE_METHODS = ("cholesky", "eigenbasis")
 """The refreshes that run in pieces; ``eigen`` (a whole ``eigh`` per refresh) is not split."""
 
-AUTO_COLUMNS = 768
-"""``kfac.refresh_pieces: auto`` gives a factor one piece per this many columns (rounded up): chosen from
-scripts/bench_refresh.py's figures (docs/benchmarks.md, "A refresh in pieces")."""
+AUTO_COLUMNS = 512
+"""``kfac.refresh_pieces: auto`` gives a factor one piece per this many columns (rounded up): from
+scripts/bench_refresh.py's figures (docs/benchmarks.md, "A refresh in pieces"): from about 500 columns on,
+2 pieces cost at most 1.1x the whole inverse in all (below, 256: 1.25x)."""
 
 BLOCKS_PER_PIECE = 3
 """Column blocks per piece and stage of the work: more blocks balance the pieces better, fewer run as
@@ -76,8 +77,8 @@ def split_costs(costs: list[float], p: int) -> list[tuple[int, int]]:
 
 CHOL_WEIGHT = 1.15
 """The Cholesky stage's time per flop against the inverse stage's: its blocks spend more of their flops
-in the panel's triangular solve, slower than a product (calibrated by scripts/bench_refresh.py's pieces on
-one thread, n = 1024 and 2048: 1.1 to 1.3)."""
+in the panel's triangular solve, slower than a product (each piece's minimum time on one thread, n = 1024
+and 2048, put it at 1.1 to 1.3: docs/benchmarks.md, "A refresh in pieces")."""
 
 MAX_BLOCK = 128
 """The widest column block one task runs: a block's own work (its panel's solve, its diagonal block's
