@@ -36,11 +36,11 @@ PIECE_METHODS = ("cholesky", "eigenbasis")
 
 AUTO_COLUMNS = 512
 """``kfac.refresh_pieces: auto`` gives a factor one piece per this many columns (rounded up): from
-scripts/bench_refresh.py's figures (docs/benchmarks.md, "A refresh in pieces"): from about 500 columns on,
+the figures in docs/benchmarks.md ("A refresh in pieces"): from about 500 columns on,
 2 pieces cost at most 1.1x the whole inverse in all (below, 256: 1.25x)."""
 
 BLOCKS_PER_PIECE = 3
-"""Column blocks per piece and stage of the work: more blocks balance the pieces better, fewer run as
+"""Column blocks per piece of the eigenbasis power step: more blocks balance the pieces better, fewer run as
 larger (faster) matrix products."""
 
 
