@@ -16,8 +16,9 @@ printed: the median of ``--repeat`` calls in ms and its ratio to K-FAC's Cholesk
 size, measured in the same run.
 
 Then each refresh in pieces (:mod:`pipefisher.kfac.refresh`, ``kfac.refresh_pieces``) against the whole
-one, per ``--pieces`` count: the total time and the largest piece (medians over ``--repeat`` runs), and
-the quality: for the Cholesky inverse the residual ``||(F + damping I) X - I|| / ||I||`` (Frobenius) beside
+one, per ``--pieces`` count: the total time and the largest piece (medians over ``--repeat`` runs, the
+whole timed between them, so that the machine's load falls on both alike), against the whole and the
+largest against an even share (``total / p``: 1.00 is balanced), and the quality: for the Cholesky inverse the residual ``||(F + damping I) X - I|| / ||I||`` (Frobenius) beside
 the whole inverse's; for the eigenbasis (one power step from the previous refresh's basis, the basis of
 the same kind of factor from other rows) the off-diagonal mass ``||offdiag(Q^T F Q)|| / ||Q^T F Q||``
 beside ``eigh``'s and the previous basis's.
@@ -81,11 +82,17 @@ def label_call(n: int) -> Callable[[], object]:
     return call
 
 
-def piece_times(make: Callable[[], object], repeat: int) -> tuple[float, float]:
+def piece_times(make: Callable[[], object], repeat: int,
+                whole: Callable[[], object] | None = None) -> tuple[float, float, float]:
     """The median total and the median largest piece, in seconds, of a refresh ``make()`` builds (untimed)
-    and that runs piece by piece (:meth:`pipefisher.kfac.refresh.Refresh.step`), after one untimed run."""
-    totals, largest = [], []
+    and that runs piece by piece (:meth:`pipefisher.kfac.refresh.Refresh.step`), after one untimed run,
+    and the median time of ``whole`` called before each run (nan without it)."""
+    totals, largest, wholes = [], [], []
     for i in range(repeat + 1):
+        if whole is not None:
+            start = time.perf_counter()
+            whole()
+            wholes.append(time.perf_counter() - start)
         refresh: Any = make()
         times = []
         while not refresh.finished:
@@ -95,7 +102,8 @@ def piece_times(make: Callable[[], object], repeat: int) -> tuple[float, float]:
         if i:
             totals.append(sum(times))
             largest.append(max(times))
-    return statistics.median(totals), statistics.median(largest)
+    return statistics.median(totals), statistics.median(largest), \
+        statistics.median(wholes[1:]) if whole is not None else float("nan")
 
 
 def residual(damped: Any, inverse: Any) -> float:
@@ -129,14 +137,14 @@ def pieces_table(n: int, factor: Any, previous: Any, pieces: list[int], repeat: 
     power = lambda p: Refresh(factor, 1e-3, method="eigenbasis", dtype=torch.float32, pieces=p, basis=previous)
     for p in pieces:
         make = lambda p=p: Refresh(factor, 1e-3, method="cholesky", dtype=torch.float32, pieces=p)
-        total, big = piece_times(make, repeat)
+        total, big, whole = piece_times(make, repeat, lambda: inverse_findings(factor, 1e-3, method="cholesky"))
         done = make()
         done.finish()
-        print(f"n = {n:4}: cholesky inverse in {p} pieces: total {total * 1e3:7.2f} ms ({total / whole_inv:4.2f}x "
-              f"whole), largest piece {big * 1e3:6.2f} ms ({big / whole_inv:4.2f}x whole), residual "
-              f"{residual(damped, done.result()[0]):.2e} (whole {whole_res:.2e})")
+        print(f"n = {n:4}: cholesky inverse in {p:2} pieces: total {total * 1e3:7.2f} ms ({total / whole:4.2f}x "
+              f"whole), largest piece {big * 1e3:6.2f} ms ({big / whole:4.2f}x whole, {big * p / total:4.2f}x "
+              f"total/p), residual {residual(damped, done.result()[0]):.2e} (whole {whole_res:.2e})")
     for p in pieces:
-        total, big = piece_times(lambda p=p: power(p), repeat)
+        total, big, _ = piece_times(lambda p=p: power(p), repeat)
         done = power(p)
         done.finish()
         print(f"n = {n:4}: eigenbasis power step in {p} pieces: total {total * 1e3:7.2f} ms, largest piece "

@@ -10,7 +10,7 @@ import torch
 
 from pipefisher.errors import InputError
 from pipefisher.kfac import factors as fx
-from pipefisher.kfac.refresh import Refresh, pieces_for, split_costs
+from pipefisher.kfac.refresh import MAX_BLOCK, Refresh, _stage_flops, cholesky_plan, pieces_for, split_costs
 from pipefisher.runtime.data.batches import MLMData
 from pipefisher.runtime.job.dist import single_process
 from pipefisher.runtime.models.bert import PipelineStage
@@ -41,8 +41,8 @@ def _run(refresh: Refresh) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return refresh.result()
 
 
-@pytest.mark.parametrize("n, bias", [(7, False), (130, True), (257, True)])
-@pytest.mark.parametrize("p", [2, 3, 5])
+@pytest.mark.parametrize("n, bias", [(3, False), (7, False), (130, True), (257, True)])
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
 def test_pieces_give_the_whole_damped_inverse(n, bias, p):
     f = _factor(n, rows=4 * n, bias=bias)
     whole, want, ok_whole = fx.inverse_findings(f, 1e-3)
@@ -56,6 +56,76 @@ def test_pieces_give_the_whole_damped_inverse(n, bias, p):
     assert torch.allclose(damped @ inv64, torch.eye(n, dtype=torch.float64), atol=1e-9)
     error = lambda x: float((x.double() - inv64).norm() / inv64.norm())
     assert error(inv) <= 4 * error(whole) + 1e-6, (error(inv), error(whole))
+
+
+@pytest.mark.parametrize("n, p", [(1, 2), (3, 8), (40, 4), (300, 7), (1024, 16), (4096, 3)])
+def test_the_plan_cuts_even_pieces_of_the_cost_model_over_every_column_once(n, p):
+    tasks, ranges = cholesky_plan(n, p)
+    assert len(ranges) == p and ranges[0][0] == 0 and ranges[-1][1] == len(tasks)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    chol = [(j0, j1) for stage, j0, j1, _ in tasks if stage == "chol"]
+    inv = [(j0, j1) for stage, j0, j1, _ in tasks if stage == "inv"]
+    assert [t[0] for t in tasks] == ["chol"] * len(chol) + ["inv"] * len(inv)  # all of L before X
+    assert chol[0][0] == 0 and chol[-1][1] == n and all(a[1] == b[0] for a, b in zip(chol, chol[1:]))
+    assert inv[0][1] == n and inv[-1][0] == 0 and all(a[0] == b[1] for a, b in zip(inv, inv[1:]))  # back
+    assert all(0 < j1 - j0 <= MAX_BLOCK for _, j0, j1, _ in tasks)
+    total = _stage_flops(n, p, 2 * n)
+    assert sum(c for *_, c in tasks) == pytest.approx(total)
+    # each piece within one column's cost (the largest: the inverse's first) of an even share
+    column = _stage_flops(n, p, 2 * n) - _stage_flops(n, p, 2 * n - 1)
+    for a, b in ranges:
+        assert abs(sum(c for *_, c in tasks[a:b]) - total / p) <= column + 1e-9 * total
+
+
+def test_the_cost_model_weighs_the_stages_as_they_run():
+    """The inverse stage costs about twice the Cholesky (its ``2n^3/3`` against ``n^3/3``, the Cholesky's
+    flops weighted as slower), and the inverse's first columns (done last) cost the most."""
+    n, p = 1024, 8
+    chol, both = _stage_flops(n, p, n), _stage_flops(n, p, 2 * n)
+    assert 1.4 < (both - chol) / chol < 2.0
+    tasks, ranges = cholesky_plan(n, p)
+    widths = [sum(j1 - j0 for _, j0, j1, _ in tasks[a:b]) for a, b in ranges]
+    assert widths[-1] < widths[-2] < widths[-3]  # the inverse's pieces narrow towards column 0
+
+
+@pytest.mark.parametrize("done", [1, 2, 3, 4])
+def test_a_refresh_resumed_from_its_state_finishes_bit_for_bit(done, tmp_path):
+    f = _factor(50, rows=200)
+    whole = _run(Refresh(f, 1e-3, method="cholesky", dtype=torch.float32, pieces=5))
+    part = Refresh(f, 1e-3, method="cholesky", dtype=torch.float32, pieces=5)
+    for _ in range(done):
+        part.step()
+    torch.save(part.state_dict(), tmp_path / "r.pt")
+    resumed = Refresh.from_state(torch.load(tmp_path / "r.pt", weights_only=True))
+    resumed.finish()
+    for a, b in zip(resumed.result(), whole):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("factored", [5, 23, 40])
+def test_a_first_plan_checkpoint_mid_refresh_continues_to_the_inverse(factored):
+    """A checkpoint the first plan wrote (no ``plan``; ``W`` in its tensors; its cut of the columns, not
+    this plan's): the refresh continues from the columns it factored, over the pieces left."""
+    n, p = 40, 4
+    f = _factor(n, rows=160)
+    want, findings, _ = fx.inverse_findings(f.double(), 1e-3, dtype=torch.float64)
+    low = torch.linalg.cholesky(f.double() + 1e-3 * torch.eye(n, dtype=torch.float64))
+    state = Refresh(f.double(), 1e-3, method="cholesky", dtype=torch.float64, pieces=p).state_dict()
+    del state["plan"]
+    t = state["tensors"]
+    t["l"][:, :factored] = low[:, :factored]
+    t["w"], t["x"] = torch.full_like(low, 7.0), torch.full_like(low, 7.0)  # the first plan's partial W, X
+    if factored == n:
+        del t["m"]
+    state["done"] = 2
+    resumed = Refresh.from_state(state)
+    steps = 0
+    while not resumed.step():
+        steps += 1
+    assert steps + 1 == p - 2
+    inv, got, ok = resumed.result()
+    assert bool(ok) and torch.equal(got, findings)
+    assert torch.allclose(inv, want, rtol=1e-9, atol=1e-9)
 
 
 def test_one_piece_is_the_whole_refresh_bit_for_bit():
@@ -105,7 +175,7 @@ def test_eigenbasis_pieces_take_a_power_step_from_the_previous_basis():
 
 
 def test_auto_pieces_and_the_split_of_the_work():
-    assert [pieces_for(w, "auto", "cholesky") for w in (128, 513, 768, 1024, 4096)] == [1, 1, 1, 2, 6]
+    assert [pieces_for(w, "auto", "cholesky") for w in (128, 512, 513, 1024, 4096)] == [1, 1, 2, 2, 8]
     assert pieces_for(513, 4, "eigen") == 1 and pieces_for(3, 8, "cholesky") == 3
     ranges = split_costs([1.0] * 12, 4)
     assert ranges == [(0, 3), (3, 6), (6, 9), (9, 12)]

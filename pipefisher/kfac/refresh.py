@@ -3,11 +3,14 @@
 A whole refresh (a damped inverse, or an eigenbasis under ``kfac.update: soap``) of a 512- to 4096-wide
 factor lasts longer than most pipeline bubbles, so a packer that must place it whole stretches the K-FAC
 cycle. :class:`Refresh` holds one factor's refresh in flight and runs it in ``p`` pieces of about equal
-flops, its state carried between them (and into a checkpoint), giving what the whole refresh gives:
+time, its state carried between them (and into a checkpoint), giving what the whole refresh gives:
 
-- ``cholesky``: ``(F + damping I)^-1`` by a left-looking Cholesky by column blocks, then ``W = L^-1`` by
-  column blocks, then ``X = W^T W`` by column blocks (the lower part; the upper mirrored): exact up to
-  rounding, with the findings :func:`pipefisher.kfac.factors.inverse_findings` gives (the Cholesky failure
+- ``cholesky``: ``(F + damping I)^-1`` by a left-looking Cholesky by column blocks, then the inverse by
+  column blocks from the last one back, each from the inverse of the Schur complement right of it (block
+  elimination: one large product per block): ``n^3`` flops in all, as torch's two whole calls
+  (``cholesky`` and ``cholesky_inverse``), cut where a calibrated cost model (:func:`cholesky_plan`) says
+  the time splits evenly, the same cut on every rank and after a resume (no timing decides it); exact up
+  to rounding, with the findings :func:`pipefisher.kfac.factors.inverse_findings` gives (the Cholesky failure
   column included), so bad factors, ``on_bad_factor`` and the fallback work as for a whole inverse.
 - ``eigenbasis``: SOAP's refresh from the previous basis, one power-iteration step ``Y = F Q_prev`` and an
   orthogonalisation, by column blocks from the largest eigenvalues down (each block orthogonalised twice
@@ -31,12 +34,13 @@ from pipefisher.kfac import factors as fx
 PIECE_METHODS = ("cholesky", "eigenbasis")
 """The refreshes that run in pieces; ``eigen`` (a whole ``eigh`` per refresh) is not split."""
 
-AUTO_COLUMNS = 768
-"""``kfac.refresh_pieces: auto`` gives a factor one piece per this many columns (rounded up): chosen from
-scripts/bench_refresh.py's figures (docs/benchmarks.md, "A refresh in pieces")."""
+AUTO_COLUMNS = 512
+"""``kfac.refresh_pieces: auto`` gives a factor one piece per this many columns (rounded up): from
+the figures in docs/benchmarks.md ("A refresh in pieces"): from about 500 columns on,
+2 pieces cost at most 1.1x the whole inverse in all (below, 256: 1.25x)."""
 
 BLOCKS_PER_PIECE = 3
-"""Column blocks per piece and stage of the work: more blocks balance the pieces better, fewer run as
+"""Column blocks per piece of the eigenbasis power step: more blocks balance the pieces better, fewer run as
 larger (faster) matrix products."""
 
 
@@ -71,18 +75,64 @@ def split_costs(costs: list[float], p: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _cholesky_tasks(n: int, p: int) -> list[tuple[str, int, int, float]]:
-    """The blocked inverse's tasks in order, each ``(stage, first column, end column, flops)``."""
-    blocks = column_blocks(n, BLOCKS_PER_PIECE * p)
-    tasks = []
-    for j0, j1 in blocks:  # left-looking Cholesky: update the block column, factor its top, solve below
-        b, rows = j1 - j0, n - j0
-        tasks.append(("chol", j0, j1, 2.0 * rows * j0 * b + b ** 3 / 3 + (rows - b) * b * b))
-    for j0, j1 in blocks:  # W = L^-1, a column block by one triangular solve
-        tasks.append(("inv", j0, j1, float((n - j0) ** 2 * (j1 - j0))))
-    for j0, j1 in blocks:  # X = W^T W, the lower part of a column block
-        tasks.append(("prod", j0, j1, 2.0 * (n - j0) ** 2 * (j1 - j0)))
-    return tasks
+CHOL_WEIGHT = 1.15
+"""The Cholesky stage's time per flop against the inverse stage's: its blocks spend more of their flops
+in the panel's triangular solve, slower than a product (each piece's minimum time on one thread, n = 1024
+and 2048, put it at 1.1 to 1.3: docs/benchmarks.md, "A refresh in pieces")."""
+
+MAX_BLOCK = 128
+"""The widest column block one task runs: a block's own work (its panel's solve, its diagonal block's
+inverse) grows with its width and runs slower than the large products; narrower blocks make smaller,
+slower products (128 and 256 timed alike at n = 1024)."""
+
+PLAN = 2
+"""The cut of a ``cholesky`` refresh into pieces (:func:`cholesky_plan`): a checkpoint holds it, so that a
+resumed refresh runs the remaining pieces exactly as planned; a checkpoint without it was cut by the first
+plan (equal column blocks), which :meth:`Refresh.from_state` continues from the columns it factored."""
+
+
+def _stage_flops(n: int, p: int, start: float) -> float:
+    """The flops of the blocked inverse before position ``start`` of ``0..2n``: the Cholesky factor's first
+    ``start`` columns (left-looking), then the inverse's last ``start - n`` columns, with the terms of the
+    blocks' own work (the panel's solve, the diagonal block's inverse) at the width the plan's blocks have
+    (about ``2n / p``), the Cholesky's weighted by :data:`CHOL_WEIGHT`."""
+    b = min(MAX_BLOCK, 2.0 * n / p)
+    c = min(start, float(n))
+    chol = CHOL_WEIGHT * (n * c * c - 2.0 * c ** 3 / 3.0 + b * (n * c - c * c / 2.0) + b * b * c / 3.0)
+    d = max(start - n, 0.0)  # the inverse's columns are done from the last one back
+    return chol + 2.0 * d ** 3 / 3.0 + 1.5 * b * d * d + b * b * d
+
+
+def cholesky_plan(n: int, p: int, start: int = 0, first: int = 0) -> tuple[list[tuple[str, int, int, float]],
+                                                                            list[tuple[int, int]]]:
+    """The blocked inverse of an ``n``-wide factor cut into pieces ``first..p-1`` from position ``start``
+    (of ``0..2n``: the Cholesky columns, then the inverse's columns): each piece's weighted flops
+    (:func:`_stage_flops`) as equal as whole columns allow. Returns the tasks ``(stage, first column, end
+    column, cost)`` in order and each piece's range of them (pieces before ``first``: none)."""
+    base, total = _stage_flops(n, p, start), _stage_flops(n, p, 2 * n)
+    cuts = [start]
+    for k in range(1, p - first):
+        target = base + (total - base) * k / (p - first)
+        lo, hi = cuts[-1], 2 * n  # the first position whose cost reaches the target, or the one before
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if _stage_flops(n, p, mid) < target else (lo, mid)
+        if lo > cuts[-1] and target - _stage_flops(n, p, lo - 1) < _stage_flops(n, p, lo) - target:
+            lo -= 1
+        cuts.append(lo)
+    cuts.append(2 * n)
+    tasks: list[tuple[str, int, int, float]] = []
+    ranges = [(0, 0)] * first
+    for s0, s1 in zip(cuts[:-1], cuts[1:]):
+        begin = len(tasks)
+        for stage, a, b in (("chol", s0, min(s1, n)), ("inv", max(s0, n), s1)):
+            count = -(-(b - a) // MAX_BLOCK)
+            edges = [a + round((b - a) * i / count) for i in range(count + 1)] if b > a else []
+            for e0, e1 in zip(edges[:-1], edges[1:]):
+                j0, j1 = (e0, e1) if stage == "chol" else (2 * n - e1, 2 * n - e0)
+                tasks.append((stage, j0, j1, _stage_flops(n, p, e1) - _stage_flops(n, p, e0)))
+        ranges.append((begin, len(tasks)))
+    return tasks, ranges
 
 
 def _power_tasks(n: int, p: int) -> list[tuple[str, int, int, float]]:
@@ -116,7 +166,7 @@ class Refresh:
             m = f.to(self.dtype)
             m = m.clone() if m is f else m
             m.diagonal().add_(damping)
-            self.t = {"m": m, "l": torch.zeros_like(m), "w": torch.zeros_like(m), "x": torch.zeros_like(m),
+            self.t = {"m": m, "l": torch.zeros_like(m), "x": torch.zeros_like(m),
                       "first": torch.zeros((), dtype=torch.int32, device=m.device), "finite": fx.all_finite(f)}
         elif self.mode == "power":
             m = torch.nan_to_num(f.to(self.dtype), nan=0.0, posinf=0.0, neginf=0.0)
@@ -136,12 +186,14 @@ class Refresh:
         self._plan()
         return self
 
-    def _plan(self) -> None:
-        n = self.t["l"].shape[0] if self.mode == "cholesky" else self.t["s"].shape[0] if self.mode == "power" else 0
-        tasks = _cholesky_tasks(n, self.pieces) if self.mode == "cholesky" else \
-            _power_tasks(n, self.pieces) if self.mode == "power" else []
-        self.tasks = tasks
-        self.ranges = split_costs([c for *_, c in tasks], self.pieces)
+    def _plan(self, start: int | None = None) -> None:
+        """The tasks and each piece's range of them; ``start``: a first-plan refresh continued from there."""
+        if self.mode == "cholesky":
+            first = 0 if start is None else self.done
+            self.tasks, self.ranges = cholesky_plan(self.t["l"].shape[0], self.pieces, start or 0, first)
+            return
+        self.tasks = _power_tasks(self.t["s"].shape[0], self.pieces) if self.mode == "power" else []
+        self.ranges = split_costs([c for *_, c in self.tasks], self.pieces)
 
     @property
     def finished(self) -> bool:
@@ -191,16 +243,20 @@ class Refresh:
             del self.t["m"]  # factored: the damped matrix is no longer needed
 
     def _inv(self, j0: int, j1: int) -> None:
-        low, w = self.t["l"], self.t["w"]
-        eye = torch.zeros(low.shape[0] - j0, j1 - j0, dtype=low.dtype, device=low.device)
-        eye[:j1 - j0].fill_diagonal_(1.0)
-        w[j0:, j0:j1] = torch.linalg.solve_triangular(low[j0:, j0:], eye, upper=False)
-
-    def _prod(self, j0: int, j1: int) -> None:
-        w, x = self.t["w"], self.t["x"]
-        block = w[j0:, j0:].t() @ w[j0:, j0:j1]  # rows j0.. of X's column block (W is lower triangular)
-        x[j0:, j0:j1] = block
-        x[j0:j1, j1:] = block[j1 - j0:].t()
+        """Columns ``j0:j1`` of ``X = (L L^T)^-1`` (and their mirror), the columns right of them done: the
+        inverse of the Schur complement ``L[j0:, j0:] L[j0:, j0:]^T`` from that of ``L[j1:, j1:]``, which
+        is ``X[j1:, j1:]`` (block elimination), by one large product; with the Cholesky factor ``n^3``
+        flops, as torch's two whole calls."""
+        low, x = self.t["l"], self.t["x"]
+        top = low[j0:j1, j0:j1]
+        inner = torch.cholesky_inverse(top)
+        if j1 < low.shape[0]:
+            g = torch.linalg.solve_triangular(top, low[j1:, j0:j1], upper=False, left=False)  # L21 L11^-1
+            y = x[j1:, j1:] @ g
+            inner = inner + g.t() @ y
+            x[j1:, j0:j1] = -y
+            x[j0:j1, j1:] = -y.t()
+        x[j0:j1, j0:j1] = inner
 
     # -- the power step ------------------------------------------------------------------------------
 
@@ -235,7 +291,18 @@ class Refresh:
         """All a resumed run needs to run the remaining pieces exactly as this one would."""
         return {"method": self.method, "dtype": self.dtype, "pieces": self.pieces, "done": self.done,
                 "mode": self.mode, "out_dtype": self.out_dtype, "damping": self.damping, "kept": self.kept,
-                "tensors": dict(self.t), "result": self._result}
+                "tensors": dict(self.t), "result": self._result, "plan": PLAN}
+
+    def _legacy_start(self) -> int:
+        """Where a refresh the first plan cut continues: after the columns it factored (their pivots are
+        positive, a failed one's made 1), or with the inverse stage from its start (its partial ``W`` and
+        ``X`` dropped: recomputed whole)."""
+        self.t.pop("w", None)
+        low = self.t["l"]
+        if "m" not in self.t:
+            self.t["x"].zero_()
+            return low.shape[0]
+        return int((low.diagonal() > 0).to(torch.int64).cumprod(0).sum())
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Refresh":
@@ -244,7 +311,9 @@ class Refresh:
         self.done, self.mode, self.out_dtype = int(state["done"]), state["mode"], state["out_dtype"]
         self.damping, self.kept, self.t = state["damping"], state["kept"], dict(state["tensors"])
         self._result = state["result"]
-        if self.t:
+        if self.mode == "cholesky" and self.t and state.get("plan") != PLAN:
+            self._plan(self._legacy_start())
+        elif self.t:
             self._plan()
         else:
             self.tasks, self.ranges = [], []

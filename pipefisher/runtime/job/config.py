@@ -193,8 +193,9 @@ class KfacConfig:
     a stride s saves s times less and makes every covariance piece about s times cheaper.
     ``refresh_pieces``: how many pieces (inverse labels) a factor's refresh runs in, so that it fits
     bubbles shorter than the whole refresh (:mod:`pipefisher.kfac.refresh`): an integer, or ``auto``
-    (one piece per 768 columns of the factor); more than 1 needs ``inverse: cholesky`` or ``update: soap``.
-    Default 1: on CPU the pieces cost 1.2-3x the whole inverse in all (docs/benchmarks.md).
+    (one piece per 512 columns of the factor); more than 1 needs ``inverse: cholesky`` or ``update: soap``.
+    Default 1 (the whole refresh); on CPU the Cholesky pieces cost 0.7-1.1x the whole inverse in all from
+    about 500 columns on (docs/benchmarks.md).
     ``cov_micro_batches``: how many micro-batches of a refresh's iteration feed its factors, the first M
     of each pipe (or model chunk), or ``all``: fewer save less and place fewer covariance pieces; the
     factor stays a mean over them, so its scale does not change (:func:`pipefisher.schedule.problem.cov_pieces`).
