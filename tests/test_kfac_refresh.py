@@ -248,6 +248,24 @@ def test_an_overlapping_schedule_does_nothing_first_then_continues_the_previous_
     assert kfac.refresher.state[name].flight == {"A": None, "B": None} and kfac.refresher.state[name].inversions["A"] == 3
 
 
+def test_a_switch_refreshes_every_completed_covariance_once_and_the_next_schedule_starts_clean():
+    """An overlapping schedule whose refresh runs wholly in the next cycle leaves, at a switch, a factor
+    completed but not begun: the switch refreshes it whole (with the refreshes in flight), so the new
+    schedule starts as a run does: its pieces before the completion do nothing in its first cycle."""
+    cfg, kfac, ex, log, labels = _executor(p=2, before=2)
+    name = kfac.names[0]
+    for step in (1, 2):
+        ex.run_step(step)
+    st = kfac.refresher.state[name]
+    assert st.inversions == {"A": 1, "B": 1} and st.flight == {"A": None, "B": None} and st.completed == {"A", "B"}
+    ex.switch([_with_pieces(single_iteration_schedule(cfg)[0][0], 2, 1)], 3)
+    assert st.inversions == {"A": 2, "B": 2} and st.completed == set()  # step 2's covariance, at the switch
+    ex.run_step(3)  # the piece before the completion did nothing; the one after began step 3's refresh
+    assert st.inversions == {"A": 2, "B": 2} and st.flight["A"]["refresh"].done == 1
+    ex.run_step(4)  # ended by step 4's first piece: one refresh per cycle's covariance, none lost
+    assert st.inversions == {"A": 3, "B": 3}
+
+
 def test_a_schedule_with_other_piece_counts_than_the_kfac_is_refused_in_one_line():
     cfg, kfac, engine = _one_stage(2)
     labels = single_iteration_schedule(cfg)[0][0]
