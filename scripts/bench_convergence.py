@@ -288,7 +288,7 @@ def profile_and_pack(base: Any, ctx: Any, rank: int, folder: str, profile_steps:
     default policy (with the ``staleness`` curve file where given, for a run of ``steps`` steps) into
     ``folder/schedule.pickle`` (its metadata names the profile, which an ``--adapt`` run plans against),
     its cycles overlapping where ``overlap`` lets them (the policy's option, None: its default, on; an
-    ``--adapt`` run needs False: its switches do not overlap).
+    ``--adapt`` run takes either).
     Returns the schedule's path and, on rank 0, the plan: the policy, the planned and first-order step
     (ms), the cycle per node, whether the cycles overlap, and the packing report's lines."""
     import torch.distributed as dist

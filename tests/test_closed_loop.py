@@ -369,17 +369,21 @@ def test_without_a_curve_a_repair_stays_within_the_cycle_the_drift_allows(job, i
     assert repaired and max(repaired[0].cycles) > 4
 
 
-def test_a_re_pack_never_overlaps_cycles(monkeypatch) -> None:
-    """``tight`` overlaps cycles by default, but a switch, and a return to the kept plan, are checked by
-    the rules of a cycle that does not overlap: the scheduler's re-packs keep every refresh in its cycle."""
+def test_a_re_pack_overlaps_cycles_as_the_policy_does(monkeypatch) -> None:
+    """``tight`` overlaps cycles by default, and so do the scheduler's re-packs (a switch ends the refreshes
+    under way, whatever either schedule is); ``overlap=False`` keeps every refresh in its cycle. The plan says
+    which, and keeps it through a checkpoint."""
     from conftest import overlapping_node
     from pipefisher.schedule.timeline import job_from_dicts
 
     raw = overlapping_node()
     job = job_from_dicts([raw])
-    assert get_policy("tight").pack(job).overlap  # the default overlaps this node's cycle (k = 2)
     initial = Plan(get_policy("tight", overlap=False).pack(job).to_file_data(), timelines=[raw])
-    scheduler = AdaptiveScheduler(initial, 1)
-    monkeypatch.setattr(scheduler, "measured_timelines", lambda: [raw])
-    plan = scheduler._pack(0, "a test")
-    assert plan.cycles == [3] and validate(plan.data, job) == []
+    for overlap, k in ((None, 2), (True, 2), (False, 3)):
+        scheduler = AdaptiveScheduler(initial, 1, overlap=overlap)
+        monkeypatch.setattr(scheduler, "measured_timelines", lambda: [raw])
+        plan = scheduler._pack(0, "a test")
+        assert plan.cycles == [k] and plan.overlap == (k == 2)
+        assert validate(plan.data, job, overlap=plan.overlap) == []
+        assert Plan.from_state(plan.state()).overlap == plan.overlap
+    assert validate(plan.data, job) == [] and not Plan.from_state({"data": plan.data}).overlap

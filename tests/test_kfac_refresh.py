@@ -3,6 +3,7 @@ runtime's rule of which inverse label does what (KFAC.inv, the executor's comple
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -318,6 +319,24 @@ def test_an_overlapping_schedule_does_nothing_first_then_continues_the_previous_
     assert kfac.refresher.state[name].flight == {"A": None, "B": None} and kfac.refresher.state[name].inversions["A"] == 3
 
 
+def test_a_switch_refreshes_every_completed_covariance_once_and_the_next_schedule_starts_clean():
+    """An overlapping schedule whose refresh runs wholly in the next cycle leaves, at a switch, a factor
+    completed but not begun: the switch refreshes it whole (with the refreshes in flight), so the new
+    schedule starts as a run does: its pieces before the completion do nothing in its first cycle."""
+    cfg, kfac, ex, log, labels = _executor(p=2, before=2)
+    name = kfac.names[0]
+    for step in (1, 2):
+        ex.run_step(step)
+    st = kfac.refresher.state[name]
+    assert st.inversions == {"A": 1, "B": 1} and st.flight == {"A": None, "B": None} and st.completed == {"A", "B"}
+    ex.switch([_with_pieces(single_iteration_schedule(cfg)[0][0], 2, 1)], 3)
+    assert st.inversions == {"A": 2, "B": 2} and st.completed == set()  # step 2's covariance, at the switch
+    ex.run_step(3)  # the piece before the completion did nothing; the one after began step 3's refresh
+    assert st.inversions == {"A": 2, "B": 2} and st.flight["A"]["refresh"].done == 1
+    ex.run_step(4)  # ended by step 4's first piece: one refresh per cycle's covariance, none lost
+    assert st.inversions == {"A": 3, "B": 3}
+
+
 def test_a_schedule_with_other_piece_counts_than_the_kfac_is_refused_in_one_line():
     cfg, kfac, engine = _one_stage(2)
     labels = single_iteration_schedule(cfg)[0][0]
@@ -332,7 +351,7 @@ def _train(cfg, **opts) -> Trainer:
     torch.set_num_threads(1)
     try:
         t = Trainer(cfg, single_process(), TrainOptions.of(progress=False, log_every=10**9, **opts))
-        t.run()
+        t.result = t.run()
         return t
     finally:
         torch.set_num_threads(threads)
@@ -357,3 +376,37 @@ def test_resume_with_a_refresh_in_flight_continues_bit_for_bit(tmp_path):
         assert torch.equal(p, q), name
     for name, st in full.kfac.refresher.state.items():
         assert torch.equal(st.installed["A"], resumed.kfac.refresher.state[name].installed["A"])
+
+
+def test_adapt_switches_to_and_from_overlapping_schedules_and_refreshes_every_covariance_once(tmp_path, monkeypatch):
+    """--adapt in one process with a cycle of one step: an overlapping schedule (a piece on each side of
+    the completion), then one whose pieces all come in the next cycle, then one that does not overlap.
+    Each switch is checked by the new schedule's own rule and ends the refreshes under way, so every
+    step's covariance is refreshed exactly once: step 0's naive refresh and one per scheduled step."""
+    from pipefisher.loop import closed_loop
+    from pipefisher.loop.closed_loop import Plan, Scheduler
+
+    cfg = tiny(pipeline={"stages": 1}, kfac={"refresh_pieces": 2})
+    labels = single_iteration_schedule(cfg)[0][0]
+    sched = str(tmp_path / "s.pickle")
+    save_schedule(sched, [[_with_pieces(labels, 2, before=1)]], overlap=True, margin=0.1)
+    later = [Plan([[_with_pieces(labels, 2, before=2)]], "all pieces in the next cycle", overlap=True),
+             Plan([[_with_pieces(labels, 2, before=0)]], "no overlap")]
+
+    class Switcher(Scheduler):
+        name = "switcher"
+
+        def observe(self, records) -> None:
+            return None
+
+        def next_schedule(self) -> Plan:
+            if later:
+                self.current = later.pop(0)
+            return self.current
+
+    monkeypatch.setattr(closed_loop, "make_scheduler", lambda name, plan, nodes, **_: Switcher(plan))
+    t = _train(cfg, mode="scheduled", schedule=sched, steps=5, adapt=True)
+    assert [(s.step, s.plan.overlap) for s in t.loop.history] == [(1, True), (2, True), (3, False)]
+    assert len(t.result.losses) == 5 and all(math.isfinite(x) for x in t.result.losses)
+    for st in t.kfac.refresher.state.values():
+        assert st.inversions == {"A": 5, "B": 5} and st.flight == {"A": None, "B": None} and not st.completed

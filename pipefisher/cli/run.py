@@ -112,7 +112,7 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
     check_adapt_drift(adapt_drift, adapt, staleness is not None)  # the options' own check, before torch
     from pipefisher.policies import check_overlap
 
-    check_overlap(overlap, policy, adapt)
+    check_overlap(overlap, policy)
     if cfg.pipeline.order == "chimera" and cfg.kfac.refresh_pieces != 1:  # measured: 3-17 room-rule breaks
         raise InputError(config_path, "kfac.refresh_pieces other than 1 is not packed validly under pipeline.order "
                                       "chimera yet (aligning its stage pairs breaks the room rule with refresh "

@@ -163,12 +163,6 @@ def train_command(config_path: str, mode: str | None, schedule_path: str | None,
     adapt_policy = adapt_policy or DEFAULT_POLICY
     if adapt:
         get_policy(adapt_policy)  # an unknown name: one line, before any worker starts
-        from pipefisher.schedule.file import schedule_overlap
-
-        if schedule_overlap(schedule_path):  # its return to the kept plan is checked without overlap
-            raise InputError(schedule_path, "has overlapping cycles (its .meta.json), and --adapt's re-packs and "
-                                            "switches do not overlap yet: pack it again without, "
-                                            f"{repack_command(schedule_path)}")
     cfg = read_run_config(config_path, overrides, "train", {"stages": stages, "order": order,
                                                            "timeout_s": timeout_s, "chunks": chunks}, interval)
     reports = job is None or job.rank == 0  # the worker that says what the run does and wrote
@@ -195,19 +189,6 @@ def train_command(config_path: str, mode: str | None, schedule_path: str | None,
     _record_run(cfg, out_dir, resume_dir, steps, past_decay, reports)
     _train_workers(cfg, opts, job, n, workers_log(out_dir, metrics_path, cfg.name), checkpoint_dir, reports)
     _say_written(cfg, out_dir, bool(schedule_path) and reports, profile)
-
-
-def repack_command(schedule_path: str) -> str:
-    """The command that packs a schedule file again from the timelines its metadata records, with its
-    policy, without overlapping cycles, over the same file."""
-    import shlex
-
-    from pipefisher.schedule.file import read_schedule_meta, schedule_timelines
-
-    timelines = schedule_timelines(schedule_path) or ["TIMELINES..."]
-    policy = (read_schedule_meta(schedule_path) or {}).get("policy")
-    return shlex.join(["pipefisher", "schedule", *timelines, *(["--policy", policy] if isinstance(policy, str) else []),
-                       "--no-overlap", "--save-path", schedule_path])
 
 
 def _refuse_nproc_under_torchrun(job: Any, nproc: int | None) -> None:

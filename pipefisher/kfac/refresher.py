@@ -176,11 +176,18 @@ class Refresher:
             self._install(factor, name, flight)
 
     def finish_refreshes(self) -> None:
-        """Run every refresh in flight to its end at once (a schedule switch: the next schedule's labels
-        know nothing of this one's pieces)."""
+        """A schedule switch: run every refresh in flight to its end at once, and every refresh of a factor
+        completed since its last began (an overlapping schedule's refresh whose pieces all come in the next
+        cycle) whole, so that the next schedule starts clean: nothing in flight, nothing completed. Its
+        labels know nothing of this one's pieces; its inverse labels before a completion then do nothing in
+        its first cycle, as at a run's start (:meth:`inv`), and every covariance this schedule completed is
+        refreshed once."""
         for name, st in self.state.items():
             for f in FACTORS:
                 flight = st.flight[f]
+                if flight is None and f in st.completed:
+                    st.completed.discard(f)
+                    flight = self._begin(f, name)
                 if flight is not None:
                     flight["refresh"].finish()
                     st.flight[f] = None

@@ -44,7 +44,10 @@ class Plan:
     ``timelines``: the job (profiled format, one dict per node) its placements were planned on, None
     for a schedule file given without its timelines; ``margin``: the room rule's margin it was packed
     under; ``expected_seconds``: its expected step time on the timeline measured when it was chosen;
-    ``reason``: why it was chosen, for the run's history.
+    ``reason``: why it was chosen, for the run's history; ``overlap``: its cycles overlap (some refresh
+    pieces come before their factor's completion, :mod:`pipefisher.schedule.problem`): its checks take the
+    overlapping rules; at a switch every refresh under way ends at once, whatever either schedule is
+    (:meth:`pipefisher.runtime.pipeline.executor.ScheduleExecutor.switch`).
     """
 
     data: ScheduleData
@@ -52,6 +55,7 @@ class Plan:
     timelines: Timelines | None = None
     margin: float = DEFAULT_MARGIN
     expected_seconds: float | None = None
+    overlap: bool = False
     digest: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -70,14 +74,15 @@ class Plan:
     def state(self) -> dict[str, Any]:
         """JSON-able: what a checkpoint keeps of the active plan."""
         return {"data": self.data, "reason": self.reason, "timelines": self.timelines, "margin": self.margin,
-                "expected_seconds": self.expected_seconds}
+                "expected_seconds": self.expected_seconds, "overlap": self.overlap}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Plan":
         tl = state.get("timelines")
         return cls([[list(map(str, it)) for it in node] for node in state["data"]], str(state.get("reason", "")),
                    None if tl is None else [{str(k): [(a, b) for a, b in v] for k, v in d.items()} for d in tl],
-                   float(state.get("margin", DEFAULT_MARGIN)), state.get("expected_seconds"))
+                   float(state.get("margin", DEFAULT_MARGIN)), state.get("expected_seconds"),
+                   bool(state.get("overlap", False)))
 
 
 def job_models(timelines: Sequence[dict[str, Any]], margin: float) -> tuple[Any, tuple[NodeModel, ...]]:
@@ -211,6 +216,10 @@ class AdaptiveScheduler(Scheduler):
     at the kept slack, then at less slack) and stops at the densest packing (the rule's floor: no
     voluntary overflow). A resize is no trial: the drift says so, and it is logged with its figures.
 
+    Re-packs let cycles overlap as ``overlap`` says (None: the policy's default, on for ``tight``); a switch
+    to or from an overlapping schedule is safe because every refresh under way ends at the switch
+    (:meth:`pipefisher.runtime.pipeline.executor.ScheduleExecutor.switch`).
+
     The ladder is the density search the ``target`` policy does on a model, done here on measurements:
     its re-packs use ``tight`` (``target`` would search again inside each rung), and the climb starts at
     the rung nearest the initial schedule's margin. Going back restores the kept schedule itself, whose
@@ -223,7 +232,8 @@ class AdaptiveScheduler(Scheduler):
                  window: int = 4, q: float = 0.5, settle: int = 2, tie: float = 0.04,
                  ladder: Sequence[float] = SLACK_LADDER, staleness: Any = None, aging_low: float = AGING_LOW,
                  aging_high: float = AGING_HIGH, max_cycle: int = DRIFT_MAX_CYCLE,
-                 drift_min_refreshes: int = DRIFT_MIN_REFRESHES, drift: bool = False) -> None:
+                 drift_min_refreshes: int = DRIFT_MIN_REFRESHES, drift: bool = False,
+                 overlap: bool | None = None) -> None:
         super().__init__(initial)
         if window < 1 or settle < 1 or not 0 <= q <= 1 or not 0 <= tie < 1 or not ladder \
                 or any(g < 1 for g in ladder):
@@ -231,6 +241,7 @@ class AdaptiveScheduler(Scheduler):
                              "factors >= 1")
         self.nodes, self.margin = nodes, margin
         self.policy = "tight" if policy == "target" else policy
+        self.overlap = overlap  # re-packs may overlap cycles (None: the policy's default)
         self.window, self.q, self.settle, self.tie = window, q, settle, tie
         self.ladder = tuple(ladder)
         self.staleness = staleness  # None: no curve; k is the initial packing's, or the drift rule's
@@ -329,7 +340,7 @@ class AdaptiveScheduler(Scheduler):
                 plan, rung = fits
                 if rung != self.rung + up:
                     plan = Plan(plan.data, f"{plan.reason} (the densest re-pack that fits {self._k_text()})",
-                                plan.timelines, plan.margin, plan.expected_seconds)
+                                plan.timelines, plan.margin, plan.expected_seconds, plan.overlap)
             plan = self._hand_out(plan, rung)
             self.kept, self.kept_rung, self.trial, self._repaired, self.shorter_tried = plan, self.rung, None, True, False
             return plan
@@ -429,7 +440,7 @@ class AdaptiveScheduler(Scheduler):
         models = base.models
         expected = None if models is None else expected_step_time(padded, models) * unit_seconds(models[0])
         plan = Plan(padded, f"{why}: k {now} -> {k} (K-FAC slack x{self.ladder[rung]:g}{extra})", base.timelines,
-                    base.margin, expected)
+                    base.margin, expected, base.overlap)
         self._natural[plan.digest] = natural
         self._hand_out(plan, rung)
         self.kept, self.kept_rung, self.trial = plan, rung, None
@@ -450,7 +461,7 @@ class AdaptiveScheduler(Scheduler):
 
     def _restore(self, why: str) -> Plan:
         kept = self.kept
-        self.current = Plan(kept.data, why, kept.timelines, kept.margin, kept.expected_seconds)
+        self.current = Plan(kept.data, why, kept.timelines, kept.margin, kept.expected_seconds, kept.overlap)
         self.rung, self._since_switch, self.overran, self._repaired = self.kept_rung, 0, [], False
         return self.current
 
@@ -462,9 +473,7 @@ class AdaptiveScheduler(Scheduler):
 
         timelines = self.measured_timelines()
         job, models = job_models(timelines, self.margin)
-        # never overlapping: a switch, and a return to the kept plan, are checked by the rules of a cycle
-        # that does not overlap (pipefisher run --adapt says so in one line)
-        packer = get_policy(self.policy, overlap=False if packs_overlapping(self.policy) else None)
+        packer = get_policy(self.policy, overlap=self.overlap if packs_overlapping(self.policy) else None)
         packed = packer.pack(inflate_kfac(job, self.ladder[rung]), self.margin)
         natural = equal_cycles(packed.to_file_data())
         k = len(natural[0])
@@ -472,7 +481,7 @@ class AdaptiveScheduler(Scheduler):
         expected = expected_step_time(data, models) / 1e9  # measured timelines are in nanoseconds
         extra = f", lengthened to k = {len(data[0])}" if len(data[0]) > k else ""
         plan = Plan(data, f"measured re-pack ({self.policy}, K-FAC slack x{self.ladder[rung]:g}{extra}): {why}",
-                    timelines, self.margin, expected)
+                    timelines, self.margin, expected, packed.overlap)
         if data is not natural:
             self._natural[plan.digest] = natural
         return plan

@@ -31,18 +31,14 @@ def packs_overlapping(name: str) -> bool:
     return "overlap" in getattr(POLICIES.get(name), "options", ())
 
 
-def check_overlap(overlap: bool | None, policy: str | None, adapt: bool = False) -> None:
+def check_overlap(overlap: bool | None, policy: str | None) -> None:
     """Refuse ``overlap`` (``--overlap``) in one line, before any work, with a policy that cannot pack
-    overlapping cycles, or with ``adapt`` (``--adapt``), whose re-packs and switches do not overlap yet;
-    ``overlap=False`` is what the other policies do anyway, and None is the policy's default."""
+    overlapping cycles; ``overlap=False`` is what the other policies do anyway, and None is the policy's default."""
     name = policy or DEFAULT_POLICY
     able = sorted(filter(packs_overlapping, POLICIES))
     if overlap and name in POLICIES and name not in able:
         raise InputError(None, f"--overlap applies to the {' and '.join(map(repr, able))} policies only, "
                                f"not to '{name}'")
-    if overlap and adapt:
-        raise InputError("--overlap", "packs cycles that overlap, and --adapt's re-packs and switches do not "
-                                      "overlap yet: drop --overlap (with --adapt the run packs without)")
 
 
 def get_policy(name: str, **options: Any) -> Policy:

@@ -41,7 +41,8 @@ def meta_path(path: str | os.PathLike[str]) -> str:
 
 def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | ScheduleData,
                   timelines: Sequence[str | os.PathLike[str]] | None = None, *, kfac_margin: float = 1.0,
-                  packed_for: Mapping[str, Any] | None = None) -> None:
+                  packed_for: Mapping[str, Any] | None = None, overlap: bool = False,
+                  margin: float | None = None) -> None:
     """Write the schedule file atomically (the old file stays whole if anything fails).
 
     A packed :class:`JobSchedule` also gets its metadata beside it (:func:`meta_path`): the policy, the
@@ -50,7 +51,9 @@ def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | Schedule
     same job), per node the cycle and its lower bound, the ``timelines`` it was packed from where
     given (absolute paths: the trainer plans its measurements against them), and ``packed_for``, the
     job it fits (:func:`job_layout`, plus the run config's shape where known; the runtime refuses
-    another). The schedule file itself stays the published format, a plain list.
+    another). Plain schedule data gets metadata only where its cycles overlap (``overlap``, a re-pack of
+    ``--adapt``): that, and the ``margin`` it was packed under, so that it is checked by the rules it was
+    packed to. The schedule file itself stays the published format, a plain list.
     """
     data = schedule.to_file_data() if isinstance(schedule, JobSchedule) else schedule
     dump_pickle_atomic(path, check_schedule_data(data))
@@ -68,6 +71,9 @@ def save_schedule(path: str | os.PathLike[str], schedule: JobSchedule | Schedule
             **({"timelines": [os.path.abspath(os.fspath(t)) for t in timelines]} if timelines else {}),
             **({"packed_for": dict(packed_for)} if packed_for else {}),
         })
+    elif overlap:
+        dump_json_atomic(meta_path(path), {"format": "pipefisher-schedule-meta/1", "overlap": True,
+                                           **({"margin": margin} if margin is not None else {})})
     elif os.path.exists(meta_path(path)):
         os.remove(meta_path(path))  # metadata of an older schedule would describe the wrong one
 

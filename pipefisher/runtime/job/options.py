@@ -112,7 +112,8 @@ class AdaptOptions:
     for re-packs (default: the schedule's recorded one); ``schedule_timelines``: the profile the schedule
     was packed from (default: its metadata's); ``measure_prefix``: where measurement files go (default:
     ``out/<name>`` with an ``out`` folder); ``staleness``: the job's staleness curve as data (options travel
-    to the workers as JSON: :meth:`pipefisher.cost.staleness.StalenessCurve.to_data`)."""
+    to the workers as JSON: :meth:`pipefisher.cost.staleness.StalenessCurve.to_data`); ``overlap``: re-packs may
+    let cycles overlap (None: the policy's default, on for ``tight`` and ``target``)."""
 
     enabled: bool = False
     policy: str = DEFAULT_POLICY
@@ -127,6 +128,7 @@ class AdaptOptions:
     schedule_timelines: tuple[str, ...] | None = None
     measure_prefix: str | None = None
     staleness: dict[str, Any] | None = None
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.aging_low < self.aging_high:
@@ -214,7 +216,7 @@ def section_class(section: str | None) -> type:
     return TrainOptions if section is None else _SECTIONS[section]
 
 
-RUN_OPTIONS = ("adapt", "adapt_policy", "adapt_drift", "margin", "eval_every", "checkpoint_every", "log_every",
-               "tensorboard")
+RUN_OPTIONS = ("adapt", "adapt_policy", "adapt_drift", "adapt_overlap", "margin", "eval_every", "checkpoint_every",
+               "log_every", "tensorboard")
 """The options a checkpoint's manifest records (``options``, by flag name): what ``pipefisher run --resume``
 runs again."""

@@ -168,8 +168,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     chooses among the cycles the run's ``steps`` complete, and for ``adapt``. Where no packing's cycle
     (sync groups aligned) fits the run, it stops before training and says how many steps it needs.
     ``overlap``: the policy may let a refresh's pieces run on into the next cycle (:mod:`pipefisher.schedule.problem`;
-    None: the policy's default); with ``adapt`` never (its re-packs do not overlap yet), said in one line."""
-    from pipefisher.policies import DEFAULT_POLICY, check_overlap, get_policy, packs_overlapping
+    None: the policy's default); with ``adapt`` its re-packs too."""
+    from pipefisher.policies import DEFAULT_POLICY, check_overlap, get_policy
     from pipefisher.schedule.problem import DEFAULT_MARGIN
     from pipefisher.runtime.train.profiler import timeline_filename
     from pipefisher.runtime.job.options import TrainOptions
@@ -181,10 +181,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     policy = policy or DEFAULT_POLICY
     if staleness is not None and policy != "target":
         raise InputError(None, f"--staleness applies to the 'target' policy only, not to '{policy}'")
-    check_overlap(overlap, policy, adapt)
-    no_overlap = adapt and overlap is None and packs_overlapping(policy)
-    if no_overlap:
-        overlap = False
+    check_overlap(overlap, policy)
     packer = get_policy(policy, overlap=overlap,
                         **({"staleness": staleness, "max_cycle": steps} if policy == "target" else {}))
     margin = DEFAULT_MARGIN if margin is None else margin
@@ -210,8 +207,6 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
             save_tokenizer(load_corpus(cfg.data, cfg.model.vocab_size), paths.tokenizer)
         echo(f"run {paths.name}: {cfg.name}, {stages} stage(s) x {replicas} replica(s), policy {packer.name}, "
              f"files in {paths.folder}")
-        if no_overlap:
-            echo("--adapt: packing without overlapping cycles (--adapt's re-packs do not overlap yet)")
         if staleness is not None and (warning := staleness.config_warning(cfg.fingerprint(layout=False), cfg.name)):
             warn(warning)
 
@@ -244,7 +239,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
         t0 = time.perf_counter()
         figures = launch(scheduled_options(paths, steps, checkpoint_every=checkpoint_every, log_every=log_every,
                                            progress=progress, eval_every=eval_every, adapt=adapt,
-                                           adapt_policy=packer.name, adapt_drift=adapt_drift, margin=margin,
+                                           adapt_policy=packer.name, adapt_drift=adapt_drift, adapt_overlap=overlap,
+                                           margin=margin,
                                            tensorboard=tensorboard,
                                            staleness=staleness_data(staleness) if adapt else None))
         report["training"] = training_summary(paths, figures, steps, cycles, adapt, profile_s,

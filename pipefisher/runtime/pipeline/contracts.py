@@ -131,7 +131,7 @@ class CurvatureWork(Protocol):
         ...
 
     def finish_refreshes(self) -> None:
-        """Run every refresh in flight to its end now (a switch to another schedule)."""
+        """End every refresh under way now, in flight or completed but not begun (a switch to another schedule)."""
         ...
 
 

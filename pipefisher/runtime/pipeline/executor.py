@@ -24,7 +24,8 @@ the node has none for it, its last ``cov_kron`` piece of the cycle: :func:`compl
 K-FAC knows which inverse label begins a refresh and which continue one (:meth:`pipefisher.kfac.KFAC.inv`;
 an overlapping schedule's inverse labels before the completion continue the previous cycle's refresh).
 A schedule whose inverse labels per factor differ from the pieces this run's K-FAC splits into is refused
-(:meth:`ScheduleExecutor.switch`); at a switch to another schedule, refreshes in flight finish at once.
+(:meth:`ScheduleExecutor.switch`); at a switch to another schedule every refresh under way ends at once
+(the switch rule: :meth:`ScheduleExecutor.switch`).
 
 Before the K-FAC work of a bubble (the first of a run of K-FAC labels followed, within the step, by a
 pipeline call), the executor has the engine post that call's receives (``engine.prepost``): with gloo
@@ -156,9 +157,12 @@ class ScheduleExecutor:
         """Run ``iterations`` from training step ``first_step`` on (its iteration 0).
 
         Refuses (:class:`InputError`) a cycle whose inverse labels per factor are not as many as the
-        pieces this run's K-FAC refreshes that factor in. Where steps ran before (an ``--adapt`` switch),
-        every refresh in flight first runs its remaining pieces at once; a switch before any step (a
-        resumed run restoring its schedule) leaves the restored refreshes as they are."""
+        pieces this run's K-FAC refreshes that factor in. Where steps ran before (an ``--adapt`` switch,
+        at a cycle boundary), the switch rule: every refresh under way ends at once (in flight, or of a
+        factor completed but not begun, as an overlapping schedule leaves one:
+        :meth:`pipefisher.kfac.refresher.Refresher.finish_refreshes`), so that the new schedule, overlapping
+        or not, starts clean as a run does and every completed covariance is refreshed once; a switch
+        before any step (a resumed run restoring its schedule) leaves the restored refreshes as they are."""
         if first_step < 1:
             raise ValueError("a schedule's cycle starts at step 1 or later (step 0 is a plain step)")
         self._plan_refreshes(iterations)

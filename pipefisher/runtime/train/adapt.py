@@ -143,7 +143,7 @@ class ScheduleLoop:
         plan = self.plan
         if plan.timelines is None:  # a schedule file without its profile: planned = as first measured
             plan = Plan(plan.data, plan.reason, window_timelines(records, self.nodes), plan.margin,
-                        plan.expected_seconds)
+                        plan.expected_seconds, plan.overlap)
             self.plan = plan
             self.history[-1] = Switch(self.history[-1].step, plan, self.history[-1].decide_seconds)
             if self.scheduler is not None:
@@ -250,9 +250,10 @@ class ScheduleLoop:
         for sw in self.history:
             path = os.path.join(folder, f"step-{sw.step:08d}.pickle")
             if not os.path.exists(path):
-                save_schedule(path, sw.plan.data)
+                save_schedule(path, sw.plan.data, overlap=sw.plan.overlap, margin=sw.plan.margin)
             rows.append({"step": sw.step, "digest": sw.plan.digest, "file": os.path.basename(path),
-                         "cycle": max(sw.plan.cycles), "node_cycles": sw.plan.cycles, "reason": sw.plan.reason,
+                         "cycle": max(sw.plan.cycles), "node_cycles": sw.plan.cycles, "overlap": sw.plan.overlap,
+                         "reason": sw.plan.reason,
                          "expected_step_seconds": sw.plan.expected_seconds,
                          "decide_seconds": round(sw.decide_seconds, 6)})
         dump_json_atomic(files.history, {"switches": rows})

@@ -143,6 +143,7 @@ class Trainer:
         from pipefisher.runtime.job.dist import check_agreement
         from pipefisher.runtime.pipeline.checks import check_schedule
         from pipefisher.runtime.train.adapt import ScheduleLoop
+        from pipefisher.schedule.file import schedule_overlap
 
         cfg, ctx, opts, g = self.cfg, self.ctx, self.opts, self.ctx.grid
         assert opts.schedule is not None and self.worker.schedule is not None
@@ -158,9 +159,10 @@ class Trainer:
             from pipefisher.loop.closed_loop import equal_cycles
 
             data = equal_cycles(data)
-        plan = Plan(data, f"schedule file {os.path.basename(opts.schedule)}", timelines, margin)
+        plan = Plan(data, f"schedule file {os.path.basename(opts.schedule)}", timelines, margin,
+                    overlap=schedule_overlap(opts.schedule))
         if data != self.worker.schedule:
-            check_schedule(data, cfg, g.replicas)
+            check_schedule(data, cfg, g.replicas, overlap=plan.overlap)
             switch(plan, 1)
             if self.reporter and opts.log.progress:
                 logger.info(f"--adapt: every node runs the job's K-FAC cycle k={max(plan.cycles)} (the "
@@ -185,7 +187,7 @@ class Trainer:
 
         return ScheduleLoop(plan, node=g.stage, rank=g.rank, nodes=g.stages, scheduler=scheduler,
                             adapt=opts.adapt.enabled, prefix=prefix, collective=collective,
-                            check=lambda new: check_schedule(new.data, cfg, g.replicas),
+                            check=lambda new: check_schedule(new.data, cfg, g.replicas, overlap=new.overlap),
                             agree=lambda text: check_agreement(ctx, text), switch=switch,
                             echo=logger.info if self.reporter and opts.log.progress else None,
                             drift=self.drift_log.drain if self.drift_log is not None else None)
@@ -521,11 +523,12 @@ def compute_line(cfg: RunConfig) -> str:
 
 def adaptive_options(opts: TrainOptions, margin: float) -> dict[str, Any]:
     """What the run's options say to :class:`pipefisher.loop.closed_loop.AdaptiveScheduler` (``--adapt``): its
-    policy and room margin, its window and tie, the staleness curve, and whether the drift rule sets k."""
+    policy and room margin, its window and tie, the staleness curve, whether the drift rule sets k, and
+    whether its re-packs may overlap cycles."""
     return {"policy": opts.adapt.policy, "margin": margin, "window": opts.adapt.window, "q": opts.adapt.quantile,
             "tie": opts.adapt.tie, "aging_low": opts.adapt.aging_low, "aging_high": opts.adapt.aging_high,
             "max_cycle": opts.adapt.max_cycle or longest_cycle(opts.steps), "staleness": opts.adapt.staleness_curve,
-            "drift": opts.adapt.drift}
+            "drift": opts.adapt.drift, "overlap": opts.adapt.overlap}
 
 
 def schedule_plan_inputs(opts: TrainOptions) -> tuple[float, list[dict[str, Any]] | None]:
