@@ -26,7 +26,7 @@ whether the cycle is within the model's; the last line counts the jobs within it
 ``--overlap`` lets the cycles overlap (``tight`` and ``target``); ``--pieces`` / ``--piece-ms`` run every
 inverse in pieces (the simulator's ``kfac.refresh_pieces`` / ``kfac.refresh_piece_ms``): the ratio is
 the same, only the work's granularity changes. ``--piece-cost C`` makes an inverse run in pieces cost
-``C`` times its whole time in all (on CPU pieces cost 1.2-4.4x, docs/benchmarks.md), each piece still
+``C`` times its whole time in all (on this project's CPU exact pieces cost 0.65-1.25x, docs/benchmarks.md), each piece still
 within the width asked for (an inverse that fits the width whole stays whole, at its published cost); the
 model's ratio stays that of whole inverses, the published costs.
 ``--tolerance T`` is ``target``'s tie without a staleness curve (its ``tolerance`` option).
