@@ -6,10 +6,12 @@ period ``P`` = the largest ``model.base``; in step ``t`` pipeline call ``j`` of 
 ``t * P + s_j`` (``s_j``: the call's start in the model; calls matched to the model's pipeline by key
 and occurrence within the step, as :func:`pipefisher.cost.measure.lay_out` does). The node runs its labels
 back to back: a call starts when it is called and gets its input at ``max(cursor, offered)`` (``wait``
-is the difference), then lasts its model duration; a K-FAC label lasts its true duration (occurrence
-``j`` of a key *within the step* takes the key's piece ``j``: pieces of one profiled interval differ by
-at most 1 ns, so this agrees with ``lay_out``'s count over the cycle to the nanosecond); markers take no
-time; ``-- end --`` takes ``end_seconds``. Records are in seconds from the step's ``-- start --``.
+is the difference), then lasts its model duration; a K-FAC label lasts its true duration: the j-th run
+of a key in the node's *cycle* takes the key's j-th piece, an inverse's counted from its factor's
+completion (the packing problem's rule, :func:`pipefisher.schedule.problem.pieces_before_completion`,
+as ``lay_out`` and the executor count: :func:`first_pieces`), so pieces of unequal length run at their
+own lengths in whichever step they run; markers take no time; ``-- end --`` takes ``end_seconds``.
+Records are in seconds from the step's ``-- start --``.
 
 **Where a step starts (resume safety).** On hardware a step starts right after the previous step's
 ``-- end --``, which would make every record depend on everything run before it: a process resumed from
@@ -26,8 +28,8 @@ step), work before the first call gets the idle right before that call, and a no
 (node 0 ends the pipeline time) has its head work delay its first call. What the fake does not model:
 a step whose tail work plus the next step's head work exceed the idle between them delays nothing, and a
 late call never delays another node (the inputs come on the period's time, whatever happened before).
-The absolute offsets ``t * P`` cancel out, so a record depends on the labels run and the model only:
-two runs that run the same labels get identical records, resumed or not.
+The absolute offsets ``t * P`` cancel out, so a record depends on the labels run, their cycle and the
+model only: two runs that run the same labels get identical records, resumed or not.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from typing import Callable, Mapping, Sequence
 from pipefisher.cost.measure import LabelTime, StepRecord
 from pipefisher.runtime.train.recorder import StepRecorder
 from pipefisher.schedule.format import END, MARKERS
-from pipefisher.schedule.problem import DEFAULT_MARGIN, NodeModel, node_model
+from pipefisher.schedule.problem import DEFAULT_MARGIN, NodeModel, node_model, pieces_before_completion
 from pipefisher.schedule.timeline import Interval, Job, TimelineKey
 
 
@@ -74,9 +76,22 @@ def _is_call(label: str, where: Mapping[str, list]) -> bool:
     return label in where
 
 
-def fake_step(labels: Sequence[str], model: NodeModel, period_ns: int,
-              end_seconds: float = 0.0) -> tuple[LabelTime, ...]:
-    """One step of ``labels`` on ``model`` (see the module docstring): its labels' times in seconds."""
+def first_pieces(iterations: Sequence[Sequence[str]], iteration: int, model: NodeModel) -> dict[str, int]:
+    """Per K-FAC label, the piece its first run in ``iterations[iteration]`` runs (the module docstring):
+    its runs in the cycle's earlier iterations, less, for an inverse, its runs before its factor's
+    completion (a negative index counts from the last piece, cyclically)."""
+    out = {label: -n for label, n in pieces_before_completion(model, iterations).items()}
+    for labels in iterations[:iteration]:
+        for label in labels:
+            out[label] = out.get(label, 0) + 1
+    return out
+
+
+def fake_step(labels: Sequence[str], model: NodeModel, period_ns: int, end_seconds: float = 0.0,
+              first: Mapping[str, int] | None = None) -> tuple[LabelTime, ...]:
+    """One step of ``labels`` on ``model`` (see the module docstring): its labels' times in seconds.
+    ``first``: per K-FAC label, the piece its first run in the step runs (:func:`first_pieces`; none:
+    piece 0, a one-iteration cycle without inverse runs before their completion)."""
     where: dict[str, list[tuple[int, int]]] = {}
     for key, s, e in model.pipeline:
         where.setdefault(key, []).append((s, e))
@@ -93,7 +108,7 @@ def fake_step(labels: Sequence[str], model: NodeModel, period_ns: int,
             return end_ns
         if label in MARKERS or label not in pieces:
             return 0.0
-        j = seen.get(label, 0)
+        j = seen.get(label, (first or {}).get(label, 0))
         seen[label] = j + 1
         ps = pieces[label]
         return float(ps[j % len(ps)])
@@ -134,22 +149,25 @@ def fake_records(schedule_data: Sequence[Sequence[Sequence[str]]], models: Seque
     for t in range(steps):
         for n, (iterations, model) in enumerate(zip(schedule_data, models)):
             it = t % len(iterations)
-            out.append(StepRecord(n, replica, first_step + t, it,
-                                  fake_step(iterations[it], model, p, end_seconds)))
+            out.append(StepRecord(n, replica, first_step + t, it, fake_step(
+                iterations[it], model, p, end_seconds, first_pieces(iterations, it, model))))
     return out
 
 
 class FakeRecorder(StepRecorder):
     """The fake clock driven by the executor: each wrapped label runs its call and is logged; the step's
     record is :func:`fake_step` of the labels run, so it equals :func:`fake_records`' for the same labels.
+    ``cycle()``: the node's cycle the executor runs now (its pieces' numbering, :func:`first_pieces`).
 
     It keeps no state across steps (see the module docstring), so a resumed run records as the
     uninterrupted one did.
     """
 
-    def __init__(self, node: int, replica: int, model: NodeModel, period_ns: int, end_seconds: float = 0.0) -> None:
+    def __init__(self, node: int, replica: int, model: NodeModel, period_ns: int,
+                 cycle: Callable[[], Sequence[Sequence[str]]], end_seconds: float = 0.0) -> None:
         super().__init__(node, replica)
         self.model, self.period_ns, self.end_seconds = model, period_ns, end_seconds
+        self.cycle = cycle
         self._step = self._iteration = 0
         self._ran: list[str] = []
 
@@ -164,5 +182,6 @@ class FakeRecorder(StepRecorder):
         return timed
 
     def end_step(self) -> StepRecord:
+        first = first_pieces(self.cycle(), self._iteration, self.model)
         return StepRecord(self.node, self.replica, self._step, self._iteration,
-                          fake_step(self._ran, self.model, self.period_ns, self.end_seconds))
+                          fake_step(self._ran, self.model, self.period_ns, self.end_seconds, first))

@@ -177,6 +177,42 @@ def test_calls_that_overlap_delay_the_next_one_from_labels_or_layout(slower, mar
     assert planned_iterations(packed_node.iterations, model, packed_node.layout) == want
 
 
+def test_an_overlapping_cycle_s_inverse_runs_take_their_own_pieces_in_the_plan() -> None:
+    """Issue 46: the j-th run of an inverse label after its factor's completion runs piece j, and in an
+    overlapping cycle the runs before it are the previous refresh's last pieces (the packing problem's rule,
+    as the executor runs them). Planned placements, and the figures from labels or layout, give each run its
+    own piece's length: here iteration 0's run is piece 2 (30), not piece 0 (80)."""
+    import random
+
+    from conftest import overlapping_node
+    from pipefisher.cost.measure import planned_iterations
+    from pipefisher.cost.objective import slowed_models
+
+    raw = overlapping_node()
+    raw["inv_kron_B:l"] = [(0, 80), (0, 70), (0, 30)]
+    job = job_from_dicts([raw])
+    packed = get_policy("tight", overlap=True).pack(job)
+    (node,) = packed.nodes
+    assert validate(packed.to_file_data(), job, overlap=True) == []
+    assert node.iterations[0].count("inv_kron_B:l") == 1  # before the completion (iteration 1's sync)
+    (slowed,) = slowed_models(job, 0.3)  # the plan's models carry no overlap flag: the rule holds regardless
+    for model in (node_model(job.nodes[0], job.span, overlap=True), slowed):
+        pieces = model.durations["inv_kron_B:l"]
+        runs = [p.end - p.start for it in lay_out(node.iterations, model) for p in it if p.label == "inv_kron_B:l"]
+        assert runs == [pieces[2], pieces[0], pieces[1]]
+        want = placed_figures(node.iterations, model)
+        assert planned_iterations(node.iterations, model) == want
+        assert planned_iterations(node.iterations, model, node.layout) == want
+    # at 1.3x the 30 piece (39) fits iteration 0's first bubble (100): no delay; the 80 one (104) would not
+    assert want[0][0] == slowed.base
+    rng = random.Random(3)  # any order of the labels: the labels' figures are still the placements'
+    for _ in range(20):
+        labels = [list(it) for it in node.iterations]
+        for it in labels:
+            rng.shuffle(it)
+        assert planned_iterations(labels, slowed) == placed_figures(labels, slowed)
+
+
 def test_planned_iterations_of_any_label_order_are_the_placements_figures(job, packed) -> None:
     """Labels a policy would never write: calls out of order or missing, ``-- end --`` early or twice,
     work after it, labels no model knows, an empty iteration, times in float seconds."""
@@ -295,11 +331,38 @@ def test_the_fake_recorder_records_what_fake_records_fakes_even_resumed(job, pac
 
     for node in range(len(models)):
         def recorder():
-            return FakeRecorder(node, 0, models[node], period(models), end_seconds=0.004)
+            return FakeRecorder(node, 0, models[node], period(models), lambda: data[node], end_seconds=0.004)
         got, ran = drive(recorder(), node, range(3, 9))
         assert got == [r for r in expected if r.node == node]
         assert ran == [label for r in got for label in (lt.label for lt in r.labels)]  # every call ran
         assert drive(recorder(), node, range(6, 9))[0] == got[3:]
+
+
+def test_the_fake_clock_runs_each_inverse_piece_at_its_own_length_in_whichever_step() -> None:
+    """Issue 46: the fake clock numbers a key's runs over the node's cycle, an inverse's from its factor's
+    completion (the packing problem's rule, as ``lay_out`` and the executor count), not within the step:
+    an overlapping cycle's refresh of unequal pieces runs piece 2 in iteration 0, pieces 0 and 1 in
+    iteration 1, each at its own length, recorded or driven label by label."""
+    from conftest import overlapping_node
+
+    raw = overlapping_node()
+    raw["inv_kron_B:l"] = [(0, 80), (0, 70), (0, 30)]
+    job = job_from_dicts([raw])
+    data = get_policy("tight", overlap=True).pack(job).to_file_data()
+    models = true_models(job)
+    records = fake_records(data, models, first_step=1, steps=4)
+    runs = [lt.end - lt.start for r in records for lt in r.labels if lt.label == "inv_kron_B:l"]
+    assert runs == pytest.approx([30e-9, 80e-9, 70e-9] * 2)
+    planned = [p.end - p.start for it in lay_out(data[0], models[0]) for p in it if p.label == "inv_kron_B:l"]
+    assert runs == pytest.approx([d * 1e-9 for d in planned] * 2)
+    recorder = FakeRecorder(0, 0, models[0], period(models), lambda: data[0])
+    driven = []
+    for step in range(1, 5):
+        recorder.begin_step(step, (step - 1) % len(data[0]))
+        for label in data[0][(step - 1) % len(data[0])]:
+            recorder.wrap(label, lambda: None)()
+        driven.append(recorder.end_step())
+    assert driven == records
 
 
 # ----------------------------------------------------------------------------------------------------

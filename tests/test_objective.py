@@ -234,11 +234,12 @@ def test_the_planned_step_is_the_fake_clock_runs_step(schedule) -> None:
     pipeline's period; its mean step over a cycle is the objective's planned step (the profile is in ns).
     (The fake's period does not stretch for end-of-step work, so the job here records none: the tests
     above check that part by hand.)"""
-    from _fake_clock import fake_step, period, true_models
+    from _fake_clock import fake_step, first_pieces, period, true_models
 
     job = hand_job(update=0)
     (model,) = true_models(job)
-    ran = [fake_step(labels, model, period([model]))[-1].end for labels in schedule[0]]
+    ran = [fake_step(labels, model, period([model]), first=first_pieces(schedule[0], i, model))[-1].end
+           for i, labels in enumerate(schedule[0])]
     assert sum(ran) / len(ran) == pytest.approx(step_cost(schedule, job, slowdown=0).step * 1e-9)
 
 

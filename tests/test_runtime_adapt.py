@@ -83,7 +83,7 @@ def _run(sched: str, paths: list[str], slow: tuple[int, str], steps: int, prefix
         job = slowed_job(load_job(paths), {slow: 2.0})
         models = true_models(job, 0.05)
         period = max(m.base for m in models)
-        recorder = FakeRecorder(g.stage, g.replica, models[g.stage], period)
+        recorder = FakeRecorder(g.stage, g.replica, models[g.stage], period, lambda: trainer.executor.iterations)
         torch.manual_seed(0)
         opts = TrainOptions.of(mode="scheduled", schedule=sched, steps=steps, progress=False, log_every=10**9,
                                adapt=adapt, measure_prefix=prefix, checkpoint_dir=checkpoint_dir, resume=resume)

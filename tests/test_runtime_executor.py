@@ -551,6 +551,33 @@ _ITERATION = [START, f"cov_kron_A:{_M}", FORWARD, f"cov_kron_A:{_M}", f"cov_kron
               f"inv_kron_B:{_M}"]
 
 
+def test_the_executor_marks_each_factor_s_completion_where_the_packing_problem_has_it():
+    """Issue 46: one definition of a factor's completion (:func:`pipefisher.schedule.problem.completions`):
+    its FIRST sync (every covariance piece comes before any sync, so the factor is final there, and the
+    rules let its inverse begin there), or without one its last covariance piece; the executor marks that
+    label. A cycle that syncs a factor twice validates where the profile ran its sync twice (the inverse
+    between the two then takes the synced factor); the runtime's own step has one sync per factor, so it
+    refuses such a cycle before any step."""
+    from pipefisher.rules import validate
+    from pipefisher.rules.dependencies import dependency_violations
+    from pipefisher.runtime.pipeline.checks import step_timeline
+    from pipefisher.runtime.pipeline.executor import completion_points
+    from pipefisher.schedule.problem import completions, pieces_before_completion
+    from pipefisher.schedule.timeline import job_from_dicts
+
+    cycle = [[START, FORWARD, _BWD, "cov_kron_A:l", "sync_kron_A:l", "inv_kron_A:l", "sync_kron_A:l",
+              "cov_kron_B:l", "inv_kron_B:l", END, SAVE_OFF, SAVE_ON]]
+    job = job_from_dicts([{"start_end": [(0, 1000)], FORWARD: [(0, 10)], _BWD: [(10, 20)],
+                           "cov_kron_A:l": [(0, 10)], "sync_kron_A:l": [(0, 2), (0, 2)], "inv_kron_A:l": [(0, 10)],
+                           "cov_kron_B:l": [(0, 10)], "inv_kron_B:l": [(0, 10)]}])
+    assert validate([cycle], job) == []
+    assert completion_points(cycle) == {(0, 4): (0, "A", "l"), (0, 7): (0, "B", "l")}
+    assert completions([(label, 1) for label in cycle[0]]) == {"A:l": 4, "B:l": 7}
+    assert pieces_before_completion(job.nodes[0], cycle) == {"inv_kron_A:l": 0, "inv_kron_B:l": 0}
+    (refused,) = dependency_violations(0, step_timeline([FORWARD, _BWD], {0: ["l"]}, False, {"sync_kron_A:l"}), cycle)
+    assert (refused.label, refused.rule) == ("sync_kron_A:l", "work-count")
+
+
 def test_prepost_points_are_the_starts_of_bubbles_before_a_call():
     # the head bubble (after the start), the first of a run of K-FAC labels, each call once, nothing
     # for work after the end; a bubble split by a marker posts its call once

@@ -35,7 +35,10 @@ from typing import Iterable, Sequence
 
 from pipefisher.schedule.format import END, MARKERS, PIPELINE_CATEGORIES, START, label_category
 from pipefisher.schedule.packed import KfacLayout, Placement
-from pipefisher.schedule.problem import DEFAULT_MARGIN, NodeModel, cov_source, pieces_before_completion
+from pipefisher.schedule.problem import (
+    COV_PREFIX, DEFAULT_MARGIN, INV_PREFIX, SYNC_PREFIX, NodeModel, cov_source, pieces_before_completion,
+    runs_before_completion,
+)
 from pipefisher.schedule.timeline import COV_KINDS, COV_MICRO_BATCHES_KEY, STEP_KEY, TimelineKey, cov_pieces
 
 WAIT_EPS = 20e-6
@@ -153,12 +156,34 @@ def quantile(values: Sequence[float], q: float) -> float:
 # Planned placements
 
 
+def _shifted_labels(model: NodeModel) -> set[str]:
+    """The K-FAC labels whose order decides which piece an inverse run runs: per factor whose refresh
+    runs in several pieces on ``model``, its covariance, sync and inverse labels (none: nothing to shift)."""
+    factors = {label[len(INV_PREFIX):] for label, ds in model.durations.items()
+               if label.startswith(INV_PREFIX) and len(ds) > 1}
+    return {prefix + f for f in factors for prefix in (COV_PREFIX, SYNC_PREFIX, INV_PREFIX)} & model.durations.keys()
+
+
+def _inverse_shift(runs: Iterable[tuple[str, int]], model: NodeModel, wanted: set[str] | None = None) -> dict[str, int]:
+    """Per inverse label of a cycle (given as runs of labels, each with its count), how many of its runs come
+    before its factor's completion: the j-th run of it in the cycle takes piece ``j - shift`` (modulo p), as
+    the executor runs it (:func:`pipefisher.schedule.problem.pieces_before_completion`). Only the labels
+    ``model`` has times for count (``wanted``: :func:`_shifted_labels`, where the caller has it)."""
+    wanted = _shifted_labels(model) if wanted is None else wanted
+    if not wanted:
+        return {}
+    return runs_before_completion([run for run in runs if run[0] in wanted], model)
+
+
 def lay_out(iterations: Sequence[Sequence[str]], model: NodeModel) -> list[list[Placement]]:
     """Each iteration's labels placed in time on ``model`` (times relative to the iteration).
 
     A pipeline call starts where the timeline has it, or when the K-FAC work placed before it ends if
     that is later (a delay the rest of the iteration inherits); K-FAC work runs back to back from the
-    end of the previous call. For a schedule that validates on ``model`` this is its plan; for one that
+    end of the previous call; the j-th run of a K-FAC label in the cycle takes its j-th duration, an
+    inverse label's counted from its factor's completion as the executor runs its pieces (in an overlapping
+    cycle the runs before it are the previous refresh's last pieces: :func:`_inverse_shift`). For a
+    schedule that validates on ``model`` this is its plan; for one that
     does not, it is how long its iterations are expected to take there. The iteration ends at its last
     label's end, or at the node's pipeline time if that is later (``-- end --`` is placed there).
     """
@@ -166,6 +191,7 @@ def lay_out(iterations: Sequence[Sequence[str]], model: NodeModel) -> list[list[
     for key, s, e in model.pipeline:
         where.setdefault(key, []).append((float(s), float(e)))
     lengths = model.durations
+    shift = _inverse_shift(((label, 1) for labels in iterations for label in labels), model)
     done: dict[str, int] = {}
     out: list[list[Placement]] = []
     for i, labels in enumerate(iterations):
@@ -183,7 +209,7 @@ def lay_out(iterations: Sequence[Sequence[str]], model: NodeModel) -> list[list[
             elif label in lengths:
                 n = done.get(label, 0)
                 done[label] = n + 1
-                d = float(lengths[label][n % len(lengths[label])])
+                d = float(lengths[label][(n - shift.get(label, 0)) % len(lengths[label])])
                 placed.append(Placement(label, cursor, cursor + d, i))
                 cursor += d
             elif label == END:
@@ -239,9 +265,11 @@ def planned_iterations(iterations: Sequence[Sequence[str]], model: NodeModel,
     table: list[float] = []
     offset: list[int] = []
     count: list[int] = []
+    named: list[str] = []  # the K-FAC labels, by code - pipes - 1
     for label, ds in model.durations.items():
         if label not in code_of:
             code_of[label] = pipes + 1 + len(offset)
+            named.append(label)
             offset.append(len(table))
             count.append(len(ds))
             table.extend(map(float, ds))
@@ -266,12 +294,17 @@ def planned_iterations(iterations: Sequence[Sequence[str]], model: NodeModel,
     ends_at = np.flatnonzero(codes == pipes)
     earliest[ends_at] = base
     work = np.flatnonzero(codes > pipes)
-    if len(work):  # the j-th run of a K-FAC label in the cycle takes its j-th duration (cyclically)
-        ids = codes[work] - pipes - 1
+    if len(work):  # the j-th run of a K-FAC label in the cycle takes its j-th duration (cyclically), an
+        ids = codes[work] - pipes - 1  # inverse's counted from its factor's completion (_inverse_shift)
         order = np.argsort(ids, kind="stable")
         ranked = ids[order]
         nth = np.empty_like(ids)
         nth[order] = np.arange(len(ids)) - np.searchsorted(ranked, ranked)
+        wanted = _shifted_labels(model)
+        if wanted:
+            among = np.flatnonzero(np.isin(ids, [i for i, label in enumerate(named) if label in wanted]))
+            shift = _inverse_shift([(named[i], 1) for i in ids[among].tolist()], model, wanted)
+            nth -= np.asarray([shift.get(label, 0) for label in named], dtype=np.int64)[ids]
         length[work] = np.asarray(table)[np.asarray(offset)[ids] + nth % np.asarray(count)[ids]]
     # one row per iteration, padded: the running sum and maximum restart with every iteration
     width = int(sizes.max())
@@ -323,7 +356,8 @@ def _planned_layout(layout: KfacLayout, model: NodeModel) -> tuple[list[float], 
     last_end = previous_end  # the last call's planned end (cursor0 without calls)
     overlaps = [j for j in range(n) if gaps[j] < 0] + [n + 1]  # calls a delay can grow at without work
     lengths = model.durations
-    seen: dict[str, list] = {}  # per label: [the running sum of its durations over one round, runs so far]
+    shift = _inverse_shift(((label, count) for work in layout for _, label, count in work), model)
+    seen: dict[str, list] = {}  # per label: [the running sum of its durations over one round, its next piece]
     times, ready = [], []
     for work in layout:
         # one pass over the iteration's runs of K-FAC work; at each call with work before it (or a call
@@ -365,7 +399,7 @@ def _planned_layout(layout: KfacLayout, model: NodeModel) -> tuple[list[float], 
                 ds = lengths.get(label)
                 if ds is None:  # K-FAC work this model has no time for: a marker
                     continue
-                state = seen[label] = [[0.0, *accumulate(map(float, ds))], 0]
+                state = seen[label] = [[0.0, *accumulate(map(float, ds))], -shift.get(label, 0)]
             running, first = state
             state[1] = first + count
             size = len(running) - 1

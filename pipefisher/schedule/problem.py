@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from pipefisher.schedule.timeline import (
     BACKWARD, FORWARD, Interval, NodeTimeline, Time, TimelineKey, pipe_key, split_evenly,
@@ -48,6 +48,7 @@ DEFAULT_MARGIN = 0.05
 """Room an item needs beyond its own duration, as a fraction of it (the published tool's 5 %)."""
 
 COV, SYNC, INV = 0, 1, 2
+COV_PREFIX, SYNC_PREFIX, INV_PREFIX = "cov_kron_", "sync_kron_", "inv_kron_"
 _KIND = {"cov_kron_A": COV, "cov_kron_B": COV, "sync_kron_A": SYNC, "sync_kron_B": SYNC,
          "inv_kron_A": INV, "inv_kron_B": INV}
 
@@ -139,7 +140,8 @@ class NodeModel:
     @cached_property
     def durations(self) -> dict[str, tuple[Time, ...]]:
         """Per K-FAC label, its items' durations in cycle order: the j-th time a label runs in a cycle it
-        takes the j-th (modulo their count) of these (a covariance key: its j-th piece)."""
+        takes the j-th (modulo their count) of these (a covariance key: its j-th piece), an inverse label
+        counted from its factor's completion (the j-th run after it: piece j; :func:`pieces_before_completion`)."""
         out: dict[str, list[Time]] = {}
         for w in self.work:
             out.setdefault(w.label, []).extend(w.pieces)
@@ -159,32 +161,60 @@ class NodeModel:
         return Factors(tuple(pieces), tuple(map(tuple, syncs)), tuple(map(tuple, invs)))
 
 
-def pieces_before_completion(node: NodeTimeline | None, iterations: Sequence[Sequence[str]]) -> dict[str, int]:
-    """Per inverse label of a cycle, how many of its runs come before its factor's completion (its first
-    sync, or without one on the node its last covariance piece; none: the cycle's start). In an
-    overlapping cycle those are the previous refresh's last pieces, so the j-th run in the cycle runs
-    piece ``(j - this count) mod p``; in any other cycle the count is 0 (what ``validate`` allows).
-    ``node`` None: a cycle as it ran (measured steps), whose factor has a sync where the cycle runs one."""
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    runs: dict[str, list[int]] = {}
-    at = 0
-    for labels in iterations:
-        for label in labels:
-            if label.startswith("inv_kron_"):
-                runs.setdefault(label, []).append(at)
-            elif label.startswith(("sync_kron_", "cov_kron_")):
-                first.setdefault(label, at)
-                last[label] = at
-            at += 1
+def completions(runs: Iterable[tuple[str, int]], node: NodeTimeline | NodeModel | None = None) -> dict[str, int]:
+    """Where each factor of a cycle completes (the one definition: the packers, ``validate``, the plans, the
+    measurements and the runtime's executor all take it from here): per factor (its labels' text after the
+    kind, ``A:<m>`` with any ``:up_pipe`` / ``:chunk<j>``), the index in ``runs`` (the cycle's labels in
+    order, each with how many times it runs there) of its FIRST ``sync_kron`` run, or where the factor has no
+    sync, its last ``cov_kron`` run. The first sync: every covariance piece comes before any sync (the
+    rules), so the factor is final at it and its inverse may begin there; a later sync re-averages what
+    the replicas already share. Whether a factor has a sync: ``node``'s timeline (or model) has the key,
+    or with ``node`` None (a cycle as it ran), the cycle runs one. A factor whose node has a sync the cycle
+    lacks does not complete."""
+    first_sync: dict[str, int] = {}
+    last_cov: dict[str, int] = {}
+    for i, (label, count) in enumerate(runs):
+        if count and label.startswith(SYNC_PREFIX):
+            first_sync.setdefault(label[len(SYNC_PREFIX):], i)
+        elif count and label.startswith(COV_PREFIX):
+            last_cov[label[len(COV_PREFIX):]] = i
     out: dict[str, int] = {}
-    for label, where in runs.items():
-        rest = label[len("inv_kron_"):]  # the factor letter and the layer
-        sync = "sync_kron_" + rest
-        has_sync = sync in first if node is None else bool(node.entries.get(sync))
-        done = first.get(sync, -1) if has_sync else last.get("cov_kron_" + rest, -1)
-        out[label] = sum(1 for x in where if x < done)
+    for factor in (*first_sync, *last_cov):
+        if factor in out:
+            continue
+        if node is None:
+            synced = factor in first_sync
+        elif isinstance(node, NodeModel):
+            synced = SYNC_PREFIX + factor in node.durations
+        else:
+            synced = bool(node.entries.get(SYNC_PREFIX + factor))
+        at = first_sync.get(factor) if synced else last_cov.get(factor)
+        if at is not None:
+            out[factor] = at
     return out
+
+
+def runs_before_completion(runs: Sequence[tuple[str, int]],
+                           node: NodeTimeline | NodeModel | None = None) -> dict[str, int]:
+    """:func:`pieces_before_completion` of a cycle given as runs (each label with how many times it runs
+    there, :func:`completions`): per inverse label, its runs before its factor's completion."""
+    done = completions(runs, node)
+    out: dict[str, int] = {}
+    for i, (label, count) in enumerate(runs):
+        if label.startswith(INV_PREFIX):
+            out[label] = out.get(label, 0) + (count if i < done.get(label[len(INV_PREFIX):], -1) else 0)
+    return out
+
+
+def pieces_before_completion(node: NodeTimeline | NodeModel | None,
+                             iterations: Sequence[Sequence[str]]) -> dict[str, int]:
+    """Per inverse label of a cycle, how many of its runs come before its factor's completion
+    (:func:`completions`: its first sync, or without one on the node its last covariance piece; none: the
+    cycle's start). In an overlapping cycle those are the previous refresh's last pieces, so the j-th run
+    in the cycle runs piece ``(j - this count) mod p``; in any other valid cycle the count is 0 (what
+    ``validate`` allows). ``node`` None: a cycle as it ran (measured steps), whose factor has a sync where
+    the cycle runs one."""
+    return runs_before_completion([(label, 1) for labels in iterations for label in labels], node)
 
 
 def curvature_age(node: NodeTimeline, iterations: Sequence[Sequence[str]]) -> tuple[int, float, int] | None:

@@ -19,7 +19,7 @@ any of these with ``:chunk<j>``        the same on chunk j's engine / stage copy
 =====================================  ===========================================================
 
 A factor's refresh may run in pieces (``kfac.refresh_pieces``): its inverse label then appears once per
-piece in the cycle, and the executor marks each factor's *completion* (its ``sync_kron`` label, or where
+piece in the cycle, and the executor marks each factor's *completion* (its first ``sync_kron`` label, or where
 the node has none for it, its last ``cov_kron`` piece of the cycle: :func:`completion_points`) so that
 K-FAC knows which inverse label begins a refresh and which continue one (:meth:`pipefisher.kfac.KFAC.inv`;
 an overlapping schedule's inverse labels before the completion continue the previous cycle's refresh).
@@ -41,6 +41,7 @@ from pipefisher.errors import InputError
 from pipefisher.runtime.pipeline.contracts import Curvature, CurvatureWork, Engine, Span
 from pipefisher.runtime.pipeline.labels import BACKWARD, FORWARD, KFAC_WORK, PIPELINE_CALLS, WEIGHT, parse_label
 from pipefisher.schedule.format import END, SAVE_OFF, SAVE_ON, START
+from pipefisher.schedule.problem import completions
 from pipefisher.schedule.timeline import STEP_KEY
 
 
@@ -94,14 +95,16 @@ def prepost_points(labels: Sequence[str]) -> dict[int, str]:
 
 def completion_points(iterations: Sequence[Sequence[str]]) -> dict[tuple[int, int], tuple[int, str, str]]:
     """Where each factor of each stage copy completes in the cycle: ``(iteration, label index) -> (copy,
-    factor, module)`` at its last ``sync_kron`` label, or where it has none, its last ``cov_kron`` piece."""
-    last: dict[tuple[int, str, str], dict[str, tuple[int, int]]] = {}
-    for i, labels in enumerate(iterations):
-        for j, label in enumerate(labels):
-            kind, factor, module, copy = parse_label(label)
-            if kind in ("cov_kron", "sync_kron") and module is not None:
-                last.setdefault((copy, factor, module), {})[kind] = (i, j)
-    return {at.get("sync_kron", at.get("cov_kron")): key for key, at in last.items()}  # type: ignore[misc]
+    factor, module)``, as the packing problem defines it (:func:`pipefisher.schedule.problem.completions`:
+    its first ``sync_kron`` label, or where it has none, its last ``cov_kron`` piece)."""
+    where = [(i, j) for i, labels in enumerate(iterations) for j in range(len(labels))]
+    out: dict[tuple[int, int], tuple[int, str, str]] = {}
+    for at in completions([(label, 1) for labels in iterations for label in labels]).values():
+        i, j = where[at]
+        _, factor, module, copy = parse_label(iterations[i][j])
+        if factor is not None and module is not None:
+            out[i, j] = (copy, factor, module)
+    return out
 
 
 def inverse_counts(iterations: Sequence[Sequence[str]]) -> dict[tuple[int, str, str], list[str]]:
