@@ -561,13 +561,19 @@ def test_overlap_is_refused_in_one_line_where_it_cannot_apply(tmp_path):
     assert res.exit_code == 2 and "--overlap: sets a run up" in res.output, res.output
 
 
-def test_refresh_pieces_under_chimera_are_refused_in_one_line_before_any_work(tmp_path):
-    """Chimera's pair alignment does not yet place refresh pieces validly: said before torch loads."""
+@pytest.mark.parametrize("pieces", ["2", "auto"])
+def test_refresh_pieces_under_chimera_go_on_to_the_run(tmp_path, monkeypatch, pieces):
+    """Chimera's pair alignment keeps a refresh's pieces in order (test_policies_align), so `run` no longer
+    refuses them: the job goes on to be profiled, packed and trained as set (run_job, stood in for here;
+    a real run of 20 steps trains with a valid aligned cycle)."""
+    import pipefisher.runtime.launch.driver
+
+    jobs: list = []
+    monkeypatch.setattr(pipefisher.runtime.launch.driver, "run_job", lambda cfg, out, **kw: jobs.append(cfg))
     res = CliRunner().invoke(main, ["run", "--config", TINY, "--order", "chimera", "--out", str(tmp_path / "o"),
-                                    "--set", "kfac.refresh_pieces=2"])
-    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
-    assert "kfac.refresh_pieces other than 1 is not packed validly under pipeline.order chimera" in res.output
-    assert not (tmp_path / "o").exists()
+                                    "--set", f"kfac.refresh_pieces={pieces}", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert [(c.pipeline.order, str(c.kfac.refresh_pieces)) for c in jobs] == [("chimera", pieces)]
 
 
 def test_run_takes_its_settings_from_the_config_file_and_refuses_a_bad_one_before_torch_loads(tmp_path):

@@ -113,10 +113,6 @@ def run_command(ctx: click.Context, config_path: str | None, out_dir: str | None
     from pipefisher.policies import check_overlap
 
     check_overlap(overlap, policy)
-    if cfg.pipeline.order == "chimera" and cfg.kfac.refresh_pieces != 1:  # measured: 3-17 room-rule breaks
-        raise InputError(config_path, "kfac.refresh_pieces other than 1 is not packed validly under pipeline.order "
-                                      "chimera yet (aligning its stage pairs breaks the room rule with refresh "
-                                      "pieces): use 1 with chimera")
     check_fresh_outputs(tensorboard=tensorboard_dir)  # each run's files have their own names; TensorBoard's not
     say_loading_torch(no_progress)
     from pipefisher.runtime.launch.driver import run_job

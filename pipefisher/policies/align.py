@@ -16,6 +16,13 @@ their steps in the same order. This module takes the packed members of a group a
    until every member has room there, and, for an inverse before the end, until it cannot deadlock;
 4. drop trailing iterations that hold no K-FAC work on any member, and recompute placements and figures.
 
+A refresh in pieces (several runs of one inverse label) keeps its pieces' order through all of this:
+the room rule takes the j-th run after the factor's completion as piece j, at piece j's length, so a
+later piece put back before an earlier one would be measured at the other's length where it was put
+(the room-rule breaks ``run`` once refused Chimera's refresh pieces for). Every piece goes after its
+pair's sync of the factor in the same cycle, so an aligned cycle never overlaps the next (pieces a
+member's own packing ran on into the next cycle come back after the sync; docs/chimera.md says why).
+
 An inverse waits for every member to reach its syncs of the layer (:mod:`pipefisher.rules.waits`),
 and under Chimera the members also feed each other's pipelines: an inverse on one member before a call
 whose input comes, through the pipelines, after a peer's sync would deadlock. So the aligner keeps a
@@ -83,6 +90,7 @@ class _Member:
     shared: dict[Item, tuple[str, Time, float]]  # own label, duration, time it had in the member's packing
     calls: Sequence[tuple[Clock, Clock]]  # per pipeline item: when it starts and ends on the call clock
     placed: dict[str, Position] = field(default_factory=dict)  # per own sync label: where it went
+    pieces: dict[str, int] = field(default_factory=dict)  # per inverse identity: its pieces placed so far
     last: Position = (0, 0)  # where the previous shared label went
     clock: list[list[Clock]] = field(default_factory=list)  # per iteration and region before the end:
     # the call clock of its last label (its start: the end of the call before it)
@@ -249,17 +257,24 @@ def _as_ready(members: Sequence[_Member]) -> dict[Item, float]:
 
 def _common_order(members: Sequence[_Member], when: dict[Item, float]) -> list[Item]:
     """The group's shared labels in one order: by ``when``; an inverse never before a sync of its
-    factor, and right after it at equal times."""
+    factor, and right after it at equal times; a refresh's pieces in their order (each no earlier
+    than the piece before it: a member's own times need not say so, work after ``-- end --`` counts
+    from the tail's start)."""
     syncs: dict[str, float] = {}
     for (ident, _), t in when.items():
         if ident.startswith("sync_kron_"):
             factor = ident[len("sync_kron_"):]
             syncs[factor] = max(syncs.get(factor, t), t)
+    at: dict[Item, float] = {}
+    for item in sorted(item for item in when if _is_inverse(item)):
+        ident, occ = item
+        at[item] = max(when[item], syncs.get(ident[len("inv_kron_"):], when[item]),
+                       at.get((ident, occ - 1), when[item]))
 
     def key(item: Item) -> tuple[float, int, str, int]:
         ident, occ = item
         if ident.startswith("inv_kron_"):
-            return (max(when[item], syncs.get(ident[len("inv_kron_"):], when[item])), 1, ident, occ)
+            return (at[item], 1, ident, occ)
         return (when[item], 0, ident, occ)
 
     return sorted(when, key=key)
@@ -339,6 +354,10 @@ def _spot(members: Sequence[_Member], item: Item, safe: bool, timed: bool = True
 
 def _put(members: Sequence[_Member], item: Item, spot: _Spot) -> None:
     for m in members:
+        assert not _is_inverse(item) or m.pieces.get(item[0], 0) == item[1] or item not in m.shared, \
+            f"{item[0]}: piece {item[1]} placed out of its refresh's order"  # the room rule counts on it
+        if item in m.shared and _is_inverse(item):
+            m.pieces[item[0]] = item[1] + 1
         if item in m.shared:
             label, d, _ = m.shared[item]
             m.put(spot.iteration, spot.regions[m.node], label, d, spot.wait)
@@ -350,8 +369,11 @@ def _place_all(members: Sequence[_Member], order: Sequence[Item], safe: bool = F
 
     An inverse that cannot go where it would without waiting for its layer's syncs (it would deadlock
     there) is put off, so that it does not hold back the labels after it: it goes in before the first
-    later label whose spot it does not delay, or before a sync of its factor, or last. Nothing waits
-    for an inverse, so the order stays correct, and it is still one order for the whole group.
+    later label whose spot it does not delay, or before a sync of its factor, or last, and never
+    before an earlier piece of its own refresh (the j-th run of an inverse label after its factor's
+    completion runs piece j, at piece j's length: swapped pieces would not fit where they were put).
+    Only a later piece waits for an inverse, so the order stays correct, and it is still one order
+    for the whole group.
     """
     pending: list[Item] = []  # inverses put off
     for item in order:
@@ -361,12 +383,15 @@ def _place_all(members: Sequence[_Member], order: Sequence[Item], safe: bool = F
             if (spot.iteration, spot.side, spot.regions) != (unhurried.iteration, unhurried.side, unhurried.regions):
                 pending.append(item)
                 continue
+        waiting: set[str] = set()  # identities with an earlier piece still put off: their later pieces wait too
         for held in list(pending):
             now = _spot(members, held, safe)
-            if now.not_after(spot) or _factor(held) == _factor(item):
+            if held[0] not in waiting and (now.not_after(spot) or _factor(held) == _factor(item)):
                 _put(members, held, now)
                 pending.remove(held)
                 spot = _spot(members, item, safe)
+            else:
+                waiting.add(held[0])
         _put(members, item, spot)
     for held in pending:
         _put(members, held, _spot(members, held, safe))
@@ -428,7 +453,9 @@ def _node_schedule(member: _Member, before: NodeSchedule, group: Group) -> NodeS
     figures = NodeFigures(
         iterations=k, usage=(busy + kfac) / cycle * 100 if cycle else 0.0, cycle_time=cycle, pipeline_busy=busy,
         kfac_placed=kfac, bubble_left=cycle - busy - kfac, overflow=overflow, lower_bound=old.lower_bound,
-        extra={**old.extra, "sync_group": list(group), "iterations_before_alignment": old.iterations})
+        # every inverse piece now follows its pair's sync in the cycle: the aligned cycle never overlaps
+        extra={**{key: v for key, v in old.extra.items() if key != "overlap"}, "sync_group": list(group),
+               "iterations_before_alignment": old.iterations})
     return NodeSchedule(tuple(iterations), tuple(placements), figures)
 
 
