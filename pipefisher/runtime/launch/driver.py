@@ -235,7 +235,7 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
         phase[:] = ["packing", None]
         echo(f"[2/3] packing with policy {packer.name}"
              + (f", K-FAC times x {kfac_margin:g}" if kfac_margin != 1.0 else "")
-             + (f" (refresh in {cfg.kfac.refresh_pieces} piece(s), kept)" if tried is not None else ""))
+             + (f" (refresh in {pieces_said(cfg.kfac.refresh_pieces)}, kept)" if tried is not None else ""))
         packed, report = pack(load_job(timelines), cfg=cfg, paths=paths, echo=echo)
         if tried is not None:
             report["pieces_tried"] = [t.to_dict() for t in tried]
@@ -279,6 +279,11 @@ def profile_into(launch: Callable[[Any], Any], cfg: RunConfig, paths: RunPaths, 
     keep_only_timelines(paths, cfg.name)
 
 
+def pieces_said(p: int) -> str:
+    """``1 piece``, ``2 pieces``: a refresh's piece count in a run's lines."""
+    return f"{p} piece{'s' if p != 1 else ''}"
+
+
 def profile_each_piece_count(cfg: RunConfig, n: int, paths: RunPaths, profile_steps: int,
                              pack: Callable[..., tuple[Any, dict[str, Any]]], phase: list[Any],
                              echo: Callable[[str], None]) -> tuple[RunConfig, list[Any]]:
@@ -303,8 +308,8 @@ def profile_each_piece_count(cfg: RunConfig, n: int, paths: RunPaths, profile_st
         vcfg = cfg.replace(kfac={"refresh_pieces": p})
         vpaths = RunPaths(os.path.join(root, str(p)), paths.name)
         os.makedirs(vpaths.timelines, exist_ok=True)
-        echo(f"[1/3] profiling {profile_steps} kfac step(s) (refresh in {p} piece{'s' if p != 1 else ''}; "
-             f"{i} of {len(PIECE_CHOICES)} counts)")
+        echo(f"[1/3] profiling {profile_steps} kfac step(s) (refresh in {pieces_said(p)}; {i} of "
+             f"{len(PIECE_CHOICES)} counts)")
         phase[:] = ["profiling", profile_steps]
         profile_into(launcher(vcfg, n, paths, echo), vcfg, vpaths, profile_steps)
         phase[:] = ["packing", None]
@@ -313,7 +318,7 @@ def profile_each_piece_count(cfg: RunConfig, n: int, paths: RunPaths, profile_st
         try:
             _, report = pack(load_job(timelines), cfg=vcfg, paths=vpaths, echo=lambda line: None)
         except InputError as err:
-            echo(f"refresh in {p} piece(s): {err.problem}")
+            echo(f"refresh in {pieces_said(p)}: {err.problem}")
             refusals.append(err)
             continue
         variants[p] = (vcfg, vpaths)
