@@ -55,6 +55,8 @@ from typing import Any, Callable, Mapping
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pipefisher.cost.objective import PIECE_CHOICES, PiecesPacked, best_pieces  # noqa: E402 (no torch)
+
 
 @dataclass(frozen=True)
 class Entrant:
@@ -84,9 +86,6 @@ UPDATES = {"base": "K-FAC feeding AdamW", "soap": "soap: Adam in K-FAC's eigenba
 (``--scheduled-lrs`` for ``base``, centred on 1.4e-3; ``--soap-lrs`` for ``soap``, centred on 4e-3, where
 the eigenbasis in the bubbles did best, docs/benchmarks.md)."""
 SOAP_LRS = "2e-3,4e-3,8e-3"
-PIECE_CHOICES = (1, 2, 4)
-"""``--refresh-pieces best`` (the default): each of these piece counts is profiled and packed (with
-overlapping cycles), and the one with the shortest planned step taken (then the shorter cycle)."""
 SHARE = "kfac"
 """``--scheduled-lrs kfac``: K-FAC in the bubbles takes K-FAC every step's choice instead of a sweep."""
 
@@ -329,7 +328,8 @@ def pack_variant(base: Any, ctx: Any, rank: int, folder: str, profile_steps: int
                  pieces: str, staleness: str | None = None) -> tuple[Any, str, dict[str, Any] | None]:
     """(the config, the schedule, on rank 0 the plan) of K-FAC in the bubbles with curvature ``update``:
     profiled with the refresh in ``pieces`` pieces (``kfac.refresh_pieces``: a number or ``auto``; ``best``:
-    each of :data:`PIECE_CHOICES`, the shortest planned step taken) and packed with overlapping cycles."""
+    each of :data:`~pipefisher.cost.objective.PIECE_CHOICES` profiled and packed, the count kept as ``pipefisher
+    run`` keeps it, :func:`~pipefisher.cost.objective.best_pieces`) and packed with overlapping cycles."""
     import torch.distributed as dist
 
     packs = []
@@ -340,9 +340,10 @@ def pack_variant(base: Any, ctx: Any, rank: int, folder: str, profile_steps: int
         sched, plan = profile_and_pack(cfg, ctx, rank, where, profile_steps, steps, staleness, overlap=True)
         packs.append((cfg, sched, plan))
     pick = [0]
-    if rank == 0:  # the plans are rank 0's
-        pick = [min(range(len(packs)), key=lambda i: (packs[i][2]["step_ms"], max(packs[i][2]["cycles"])))]
-        packs[pick[0]][2]["pieces_tried"] = {str(c.kfac.refresh_pieces): plan["step_ms"] for c, _, plan in packs}
+    if rank == 0:  # the plans are rank 0's; the rule is pipefisher run's (best_pieces)
+        tried = [PiecesPacked(c.kfac.refresh_pieces, plan["step_ms"], max(plan["cycles"])) for c, _, plan in packs]
+        pick = [tried.index(best_pieces(tried))]
+        packs[pick[0]][2]["pieces_tried"] = {str(t.pieces): t.step_ms for t in tried}
     dist.broadcast_object_list(pick, src=0)
     return packs[pick[0]]
 
@@ -660,7 +661,8 @@ def main() -> None:
     ap.add_argument("--soap-lrs", default=SOAP_LRS, help="soap's peak learning rates in K-FAC in the bubbles' sweep")
     ap.add_argument("--refresh-pieces", default="best", metavar="N|auto|best",
                     help="kfac.refresh_pieces of K-FAC in the bubbles' profile and runs; best (default): "
-                         f"{'/'.join(map(str, PIECE_CHOICES))} each profiled and packed, the shortest planned step taken")
+                         f"{'/'.join(map(str, PIECE_CHOICES))} each profiled and packed, the count kept as pipefisher run "
+                         "keeps it (shortest planned step, then shorter cycle, then fewer pieces)")
     a = ap.parse_args()
     sweeps, warmups = race_sweeps(ap, a)
     updates = scheduled_updates(ap, a, sweeps)

@@ -536,6 +536,28 @@ def test_ctrl_c_while_profiling_says_so_and_leaves_no_half_run_behind(tmp_path, 
     assert os.listdir(out) == ["older_config.yaml"]
 
 
+def test_ctrl_c_while_profiling_a_refresh_piece_count_removes_the_counts_profiles_too(tmp_path, monkeypatch):
+    """``kfac.refresh_pieces=best`` profiles each count in ``<run>_pieces/``: a Ctrl-C there is said as any
+    profile's, and the run's files, those folders included, are removed."""
+    from pipefisher.runtime.launch import driver
+
+    def launcher(*a, **k):  # noqa: ANN202
+        def launch(opts):  # noqa: ANN202
+            assert os.path.isdir(opts.log.out) and "r_pieces" in opts.log.out  # the count's own folder
+            raise KeyboardInterrupt
+        return launch
+
+    out = tmp_path / "runs"
+    monkeypatch.setattr(driver, "launcher", launcher)
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--name", "r", "--no-progress",
+                                    "--set", "kfac.refresh_pieces=best"])
+    assert res.exit_code == 130 and res.output.endswith(
+        "[1/3] profiling 10 kfac step(s) (refresh in 1 piece; 1 of 3 counts)\ninterrupted while profiling, before "
+        "its first profiling step ended; nothing to resume: run r stopped before its first checkpoint, and its "
+        "files are removed\n"), res.output
+    assert os.listdir(out) == []
+
+
 def test_what_a_stop_stopped_is_said_by_phase():
     from pipefisher.cli.train import stopped_what
     from pipefisher.runtime.job.process import Interrupted
@@ -609,3 +631,52 @@ def test_the_printed_resume_keeps_the_steps_a_config_files_run_section_gave(tmp_
     assert line.endswith(f"resume with: pipefisher run --resume {tmp_path} --steps 30"), line
     monkeypatch.setattr(sys, "argv", ["pipefisher", "run", "--config", "c.yaml", "--steps", "30", "--out", str(tmp_path)])
     assert _interrupted(Interrupted(12, paths=paths), str(tmp_path), 30).count("--steps") == 1
+
+
+def test_run_with_best_refresh_pieces_profiles_and_packs_each_count_and_trains_the_shortest_planned_step(tmp_path):
+    """``kfac.refresh_pieces=best``: 1, 2 and 4 pieces each profiled and packed, one line with every count's
+    planned step and the count kept by best_pieces; the report records them, the saved config holds the
+    number, and the run folder is a normal run's, its timelines the kept count's (that many intervals per
+    inverse key), which pipefisher schedule reads as one job."""
+    from pipefisher.cost.objective import PiecesPacked, best_pieces, pieces_line
+    from pipefisher.schedule.problem import INV_PREFIX
+    from pipefisher.schedule.timeline import load_job
+
+    out = tmp_path / "runs"
+    res = CliRunner().invoke(main, ["run", "--config", TINY, "--out", str(out), "--steps", "4", "--profile-steps", "1",
+                                    "--name", "b", "--no-progress", "--set", "kfac.refresh_pieces=best"])
+    assert res.exit_code == 0, res.output
+    for i, p in enumerate((1, 2, 4), 1):
+        assert f"[1/3] profiling 1 kfac step(s) (refresh in {p} piece{'s' if p > 1 else ''}; {i} of 3 counts)\n" \
+            in res.output
+    report = json.loads((out / "b_report.json").read_text())
+    tried = [PiecesPacked(t["pieces"], t["planned_step_ms"], t["cycle"]) for t in report["pieces_tried"]]
+    assert [t.pieces for t in tried] == [1, 2, 4]
+    kept = best_pieces(tried).pieces
+    line = next(x for x in res.output.splitlines() if x.startswith("refresh pieces: "))
+    assert line == pieces_line(tried, best_pieces(tried)) and line.endswith(f"planned: {kept} kept")
+    assert load_config(out / "b_config.yaml").kfac.refresh_pieces == kept  # what --resume and the fingerprint see
+    assert sorted(os.listdir(out)) == ["b_chart.png", "b_checkpoints", "b_config.yaml", "b_cycles.jsonl", "b_measured",
+                                       "b_measurements.csv", "b_metrics.csv", "b_profile_losses.json",
+                                       "b_profile_steps", "b_report.json", "b_schedule.pickle",
+                                       "b_schedule.pickle.meta.json", "b_schedules", "b_timelines"]
+    timelines = sorted(str(p) for p in (out / "b_timelines").iterdir())
+    job = load_job(timelines)
+    counts = {len(node.intervals(k)) for node in job.nodes for k in node.entries if k.startswith(INV_PREFIX)}
+    assert counts == {kept}
+    assert report["planned_step_ms"] == next(t.step_ms for t in tried if t.pieces == kept)  # packed as tried
+    assert CliRunner().invoke(main, ["schedule", *timelines]).exit_code == 0
+
+
+def test_best_refresh_pieces_is_refused_in_one_line_where_nothing_resolves_it(tmp_path):
+    """Before torch loads: pipefisher train (its schedule comes from a profile of one count) and a refresh that
+    is not split (eigen)."""
+    best = ["--set", "kfac.refresh_pieces=best"]
+    results = torch_free([["train", "--config", TINY, "--mode", "kfac", *best],
+                          ["run", "--config", TINY, "--out", str(tmp_path / "e"), *best, "--set", "kfac.inverse=eigen"]])
+    said = ["kfac.refresh_pieces: best is chosen by pipefisher run (it profiles and packs each piece count and keeps "
+            "the shortest planned step); pipefisher train takes a number or auto",
+            "kfac.refresh_pieces: best tries refreshes in more than 1 piece, which need kfac.inverse cholesky"]
+    for (code, out, torch_loaded), why in zip(results, said):
+        assert code == 2 and why in out and out.count("\n") == 1 and not torch_loaded, out
+    assert not (tmp_path / "e").exists()

@@ -191,9 +191,25 @@ def test_the_config_refuses_pieces_of_an_eigen_refresh_in_one_line():
 
     with pytest.raises(InputError, match="kfac.refresh_pieces > 1 needs kfac.inverse cholesky"):
         apply_overrides(tiny(), ["kfac.inverse=eigen", "kfac.refresh_pieces=2"])
-    with pytest.raises(InputError, match="kfac.refresh_pieces must be an integer >= 1 or auto, not 'many'"):
+    with pytest.raises(InputError, match="kfac.refresh_pieces must be an integer >= 1, auto or best, not 'many'"):
         apply_overrides(tiny(), ["kfac.refresh_pieces=many"])
     assert apply_overrides(tiny(), ["kfac.refresh_pieces=auto"]).kfac.refresh_pieces == "auto"
+
+
+def test_best_pieces_is_the_runs_to_resolve_and_never_reaches_kfac():
+    """``kfac.refresh_pieces: best`` reads as a setting (pipefisher run resolves it), needs a refresh that is
+    split, and a worker given it unresolved refuses in one line before K-FAC is built."""
+    from pipefisher.runtime.job.config import apply_overrides
+
+    cfg = apply_overrides(tiny(), ["kfac.refresh_pieces=best"])
+    assert cfg.kfac.refresh_pieces == "best"
+    with pytest.raises(InputError, match="kfac.refresh_pieces: best tries refreshes in more than 1 piece, which "
+                                         "need kfac.inverse cholesky"):
+        apply_overrides(tiny(), ["kfac.inverse=eigen", "kfac.refresh_pieces=best"])
+    stage = PipelineStage(cfg.model, 0, 2, seed=0)
+    with pytest.raises(InputError, match="kfac.refresh_pieces: best is chosen by pipefisher run .*; a worker takes "
+                                         "a number or auto"):
+        make_kfac(cfg, stage)
 
 
 def test_the_naive_step_times_each_piece_under_the_factor_key():

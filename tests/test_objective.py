@@ -265,3 +265,22 @@ def test_the_planned_step_of_a_simulated_job_grows_by_its_exposed_preconditionin
     node0 = packed.nodes[0]
     _, exposed = exposed_end_of_step(node0.iterations, node0.layout, slowed_models(job)[0], job.nodes[0])
     assert exposed == [prec] * len(node0.iterations)
+
+
+def test_best_pieces_keeps_the_shortest_planned_step_then_the_shorter_cycle_then_fewer_pieces() -> None:
+    """``kfac.refresh_pieces: best``'s one rule (pipefisher run and the convergence benchmark): the planned
+    step decides; on a tie the shorter cycle (fresher curvature), then the fewer pieces, in any order given."""
+    from pipefisher.cost.objective import PIECE_CHOICES, PiecesPacked, best_pieces, pieces_line
+
+    assert PIECE_CHOICES == (1, 2, 4)
+    small = [PiecesPacked(1, 157.7, 4), PiecesPacked(2, 151.3, 4), PiecesPacked(4, 152.2, 3)]
+    assert best_pieces(small).pieces == 2  # docs/benchmarks.md's configs/small.yaml: 2 kept
+    assert pieces_line(small, best_pieces(small)) == \
+        "refresh pieces: 1 157.7 ms, 2 151.3 ms, 4 152.2 ms planned: 2 kept"
+    tied_step = [PiecesPacked(1, 150.0, 4), PiecesPacked(2, 150.0, 3), PiecesPacked(4, 150.0, 5)]
+    assert best_pieces(tied_step).pieces == 2  # same step: the shorter cycle
+    tied_all = [PiecesPacked(4, 150.0, 3), PiecesPacked(2, 150.0, 3), PiecesPacked(1, 151.0, 2)]
+    assert best_pieces(tied_all).pieces == 2  # same step and cycle: fewer pieces, wherever it stands
+    assert best_pieces([PiecesPacked(4, 149.9, 9), *tied_all]).pieces == 4  # the step first, cycle or not
+    with pytest.raises(ValueError, match="no piece count"):
+        best_pieces([])

@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 from pipefisher.cli._common import require_runtime
 from pipefisher.errors import InputError
-from pipefisher.runtime.job.config import STDLIB, SYNTHETIC, RunConfig, apply_overrides, load_config
+from pipefisher.runtime.job.config import (STDLIB, SYNTHETIC, RunConfig, apply_overrides, check_pieces_resolved,
+                                           load_config)
 
 PIPELINE_OPTIONS = {"stages": "--stages", "order": "--order", "timeout_s": "--timeout", "chunks": "--chunks"}
 """The options that override ``pipeline.*`` keys (the same on ``train`` and ``run``), by key."""
@@ -63,6 +64,8 @@ def read_run_config(config_path: str, overrides: tuple[str, ...], command: str, 
     paths absolute and its sources there (:func:`check_sources`); the ``tokenizers`` package where it
     reads text."""
     cfg = with_options(apply_overrides(load_config(config_path), overrides, config_path), pipeline, interval)
+    if command != "run":  # run profiles each count and keeps one; the others take the count of a profile
+        check_pieces_resolved(cfg.kfac, config_path, f"pipefisher {command}")
     if cfg.data.text != SYNTHETIC:
         require_runtime(command, ("tokenizers",))  # real text is tokenized by the tokenizers package
     cfg = absolute_paths(cfg)

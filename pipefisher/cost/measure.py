@@ -39,7 +39,7 @@ from pipefisher.schedule.problem import (
     COV_PREFIX, DEFAULT_MARGIN, INV_PREFIX, SYNC_PREFIX, NodeModel, cov_source, pieces_before_completion,
     runs_before_completion,
 )
-from pipefisher.schedule.timeline import COV_KINDS, COV_MICRO_BATCHES_KEY, STEP_KEY, TimelineKey, cov_pieces
+from pipefisher.schedule.timeline import COV_KINDS, COV_MICRO_BATCHES_KEY, STEP_KEY, Time, TimelineKey, cov_pieces
 
 WAIT_EPS = 20e-6
 """Seconds of receive time below which a call counts as not having waited (the copy of an input that
@@ -79,7 +79,12 @@ class StepRecord:
 def unit_seconds(model: NodeModel) -> float:
     """Seconds per time unit of a node model: profiles hold integer nanoseconds, hand-made ones may hold
     float seconds (the format allows both); records are always in seconds."""
-    return 1e-9 if isinstance(model.base, int) else 1.0
+    return seconds_per_unit(model.base)
+
+
+def seconds_per_unit(t: Time) -> float:
+    """Seconds per time unit of a job whose times are like ``t`` (its span, say): :func:`unit_seconds`."""
+    return 1e-9 if isinstance(t, int) else 1.0
 
 
 def planned_gap_seconds(model: NodeModel) -> list[float]:

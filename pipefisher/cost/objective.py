@@ -553,3 +553,43 @@ def _without_curve(w: _Weighing, max_cycle: int | None, unpacked: list[str],
         return
     for m in w.margins:
         w.get(m)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The refresh's piece count (``kfac.refresh_pieces: best``)
+
+
+PIECE_CHOICES = (1, 2, 4)
+"""The piece counts ``kfac.refresh_pieces: best`` profiles and packs (``pipefisher run``, the convergence
+benchmark). 1 is the whole refresh; 2 and 4 pieces cost 0.7-1.1x the whole in all from about 500 columns
+on, their longest piece 0.2-0.6x it (docs/benchmarks.md, "A refresh in pieces"); from 8 pieces on the
+pieces grow uneven (their longest 1.3-2.6x an even share at 513-1024 columns) and gain little; and each
+count tried is one more profile of the run."""
+
+
+@dataclass(frozen=True)
+class PiecesPacked:
+    """One piece count's packing, as :func:`best_pieces` weighs it."""
+
+    pieces: int
+    step_ms: float
+    """The packing's planned step (ms): :func:`step_cost`, or the ``target`` policy's own choice's."""
+    cycle: int
+    """The packing's K-FAC cycle k (its longest node cycle)."""
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"pieces": self.pieces, "planned_step_ms": round(self.step_ms, 3), "cycle": self.cycle}
+
+
+def best_pieces(packed: Sequence[PiecesPacked]) -> PiecesPacked:
+    """The piece count to keep: the shortest planned step (what a user pays per step), then the shorter
+    cycle (fresher curvature at the same price), then fewer pieces (the same refresh in fewer calls)."""
+    if not packed:
+        raise ValueError("no piece count was packed")
+    return min(packed, key=lambda p: (p.step_ms, p.cycle, p.pieces))
+
+
+def pieces_line(packed: Sequence[PiecesPacked], kept: PiecesPacked) -> str:
+    """The one line a run says about its choice: every count's planned step and the count kept."""
+    return (f"refresh pieces: {', '.join(f'{p.pieces} {p.step_ms:.1f} ms' for p in packed)} planned: "
+            f"{kept.pieces} kept")

@@ -193,7 +193,9 @@ class KfacConfig:
     a stride s saves s times less and makes every covariance piece about s times cheaper.
     ``refresh_pieces``: how many pieces (inverse labels) a factor's refresh runs in, so that it fits
     bubbles shorter than the whole refresh (:mod:`pipefisher.kfac.refresh`): an integer, or ``auto``
-    (one piece per 512 columns of the factor); more than 1 needs ``inverse: cholesky`` or ``update: soap``.
+    (one piece per 512 columns of the factor), or ``best`` (``pipefisher run`` only: it profiles and packs
+    1, 2 and 4 pieces and trains with the shortest planned step's count, :data:`BEST_PIECES`); more than 1
+    needs ``inverse: cholesky`` or ``update: soap``.
     Default 1 (the whole refresh); on CPU the Cholesky pieces cost 0.7-1.1x the whole inverse in all from
     about 500 columns on (docs/benchmarks.md).
     ``cov_micro_batches``: how many micro-batches of a refresh's iteration feed its factors, the first M
@@ -490,6 +492,21 @@ def config_from_dict(raw: Any, path: str | os.PathLike[str] | None = None, notic
     return cfg
 
 
+BEST_PIECES = "best"
+"""``kfac.refresh_pieces: best``: ``pipefisher run`` profiles and packs each of a few piece counts and keeps
+the best (:func:`pipefisher.cost.objective.best_pieces`), and trains with that number; nothing else resolves
+it (:func:`check_pieces_resolved`), and K-FAC itself never sees it."""
+
+
+def check_pieces_resolved(k: KfacConfig, path: str | os.PathLike[str] | None, where: str) -> None:
+    """Refuse ``kfac.refresh_pieces: best`` in ``where`` (a command, or the workers), which has no profiles to
+    choose among: only ``pipefisher run`` resolves it, before its workers start."""
+    if k.refresh_pieces == BEST_PIECES:
+        raise InputError(path, f"kfac.refresh_pieces: best is chosen by pipefisher run (it profiles and packs "
+                               f"each piece count and keeps the shortest planned step); {where} takes a number or "
+                               f"auto (the count of the profile a schedule was packed from)")
+
+
 NUMBER_OR_WORD = (("kfac", "refresh_pieces"), ("kfac", "cov_micro_batches"))
 """Settings that take a whole number or a word (``auto``, ``all``): kept as read, :func:`check_config` checks them."""
 
@@ -712,9 +729,12 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
         problems.append(f"kfac.cov_micro_batches {m} is more than the step's {cfg.data.num_micro_batches} "
                         "micro-batches (data.num_micro_batches); all takes every one")
     pieces = k.refresh_pieces
-    if pieces != "auto" and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
-        problems.append(f"kfac.refresh_pieces must be an integer >= 1 or auto, not {pieces!r}")
-    elif pieces not in (1, "auto") and k.update != "soap" and k.inverse != "cholesky":
+    if pieces not in ("auto", BEST_PIECES) and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
+        problems.append(f"kfac.refresh_pieces must be an integer >= 1, auto or best, not {pieces!r}")
+    elif pieces == BEST_PIECES and k.update != "soap" and k.inverse != "cholesky":
+        problems.append(f"kfac.refresh_pieces: best tries refreshes in more than 1 piece, which need kfac.inverse "
+                        f"cholesky (or kfac.update soap): an {k.inverse} refresh is one eigh, not split into pieces")
+    elif pieces not in (1, "auto", BEST_PIECES) and k.update != "soap" and k.inverse != "cholesky":
         problems.append(f"kfac.refresh_pieces > 1 needs kfac.inverse cholesky (or kfac.update soap): an "
                         f"{k.inverse} refresh is one eigh, not split into pieces")
     if k.update == "soap" and k.kl_clip > 0:

@@ -5,6 +5,7 @@ runs sit side by side; :mod:`pipefisher.runtime.job.files` decides every name (:
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import time
 from typing import Any, Callable
 
 from pipefisher.errors import InputError
-from pipefisher.runtime.job.config import RunConfig
+from pipefisher.runtime.job.config import BEST_PIECES, RunConfig
 from pipefisher.runtime.job.files import RUN_CHECKPOINTS, RunPaths
 from pipefisher.safe_io import load_json
 
@@ -98,6 +99,7 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     schedule stays in the run folder with its chart and report, for inspection. Returns the packed
     schedule and the report (not yet written), which holds the schedule's planned overhead per step.
     """
+    from pipefisher.cost.measure import seconds_per_unit
     from pipefisher.cost.objective import aligned_from, step_cost
     from pipefisher.outputs.plot import chart_from_schedule, render
     from pipefisher.policies.packing import pack_job
@@ -119,6 +121,7 @@ def pack_and_check(job: Any, packer: Any, cfg: RunConfig, paths: RunPaths, repli
     too_long = steps is not None and cycle > steps
     report.update(run=paths.name, valid=not violations, violations=[str(v) for v in violations[:50]],
                   kfac_margin=kfac_margin, cycle=cycle, planned_overhead=round(cost.overhead, 6),
+                  planned_step_ms=round(cost.step * seconds_per_unit(job.span) * 1e3, 3),
                   steps=steps, within_run=not too_long)
     packing.save(paths.schedule, packed_for(cfg))
     render(chart_from_schedule(packed, job, violations=violations), paths.chart)
@@ -157,7 +160,9 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     """Profile ``profile_steps`` kfac steps (their median step, :func:`pipefisher.schedule.timeline.median_step`),
     pack them with ``policy`` (K-FAC times x ``kfac_margin``,
     room rule with ``margin``, :mod:`pipefisher.schedule.problem`),
-    say the usage report (to ``echo``, as every line of the run; default: logged), refuse a schedule
+    say the usage report (to ``echo``, as every line of the run; default: logged); with
+    ``kfac.refresh_pieces: best``, profile and pack each piece count first and keep one
+    (:func:`profile_each_piece_count`), the run's config then holding that count; refuse a schedule
     that ``validate`` rejects (unless ``allow_invalid``) or that the runtime cannot run (always; both
     leave the schedule, chart and report in the run folder),
     then train ``steps`` steps with it (with ``adapt``, re-packing it from the measured steps while it
@@ -172,7 +177,6 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     from pipefisher.policies import DEFAULT_POLICY, check_overlap, get_policy
     from pipefisher.schedule.problem import DEFAULT_MARGIN
     from pipefisher.runtime.train.profiler import timeline_filename
-    from pipefisher.runtime.job.options import TrainOptions
     from pipefisher.safe_io import dump_json_atomic, write_atomic
     from pipefisher.cost.staleness import staleness_data
     from pipefisher.schedule.timeline import load_job
@@ -210,25 +214,31 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
         if staleness is not None and (warning := staleness.config_warning(cfg.fingerprint(layout=False), cfg.name)):
             warn(warning)
 
+        pack = functools.partial(pack_and_check, packer=packer, replicas=replicas, margin=margin,
+                                 allow_invalid=allow_invalid, kfac_margin=kfac_margin, steps=steps)
+        t0 = time.perf_counter()
+        tried = None
+        if cfg.kfac.refresh_pieces == BEST_PIECES:  # 1. and 2. for each count; the kept one's files are the run's
+            cfg, tried = profile_each_piece_count(cfg, n, paths, profile_steps, pack, phase, echo)
+            write_atomic(paths.config, config_yaml(cfg))  # the count chosen: what --resume and the fingerprint see
         launch = launcher(cfg, n, paths, echo)
 
         # 1. profile
-        echo(f"[1/3] profiling {profile_steps} kfac step(s)")
-        phase[:] = ["profiling", profile_steps]
-        t0 = time.perf_counter()
-        launch(TrainOptions.of(mode="kfac", steps=profile_steps, profile=True, out=paths.timelines, progress=False,
-                               log_every=10**9))
+        if tried is None:
+            echo(f"[1/3] profiling {profile_steps} kfac step(s)")
+            phase[:] = ["profiling", profile_steps]
+            profile_into(launch, cfg, paths, profile_steps)
         timelines = [os.path.join(paths.timelines, timeline_filename(cfg.name, i)) for i in range(stages)]
-        keep_only_timelines(paths, cfg.name)
         profile_s = time.perf_counter() - t0
 
         # 2. pack, report, check
         phase[:] = ["packing", None]
         echo(f"[2/3] packing with policy {packer.name}"
-             + (f", K-FAC times x {kfac_margin:g}" if kfac_margin != 1.0 else ""))
-        packed, report = pack_and_check(load_job(timelines), packer, cfg, paths, replicas, margin=margin,
-                                        allow_invalid=allow_invalid, kfac_margin=kfac_margin, steps=steps,
-                                        echo=echo)
+             + (f", K-FAC times x {kfac_margin:g}" if kfac_margin != 1.0 else "")
+             + (f" (refresh in {pieces_said(cfg.kfac.refresh_pieces)}, kept)" if tried is not None else ""))
+        packed, report = pack(load_job(timelines), cfg=cfg, paths=paths, echo=echo)
+        if tried is not None:
+            report["pieces_tried"] = [t.to_dict() for t in tried]
         cycles = [node.figures.iterations for node in packed.nodes]
         dump_json_atomic(paths.report, report)  # the packing's report, also if the training is cut short
 
@@ -257,6 +267,74 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: this run, in its phase
         raise interrupted_run(err, paths, *phase) from None
     return paths
+
+
+def profile_into(launch: Callable[[Any], Any], cfg: RunConfig, paths: RunPaths, profile_steps: int) -> None:
+    """Profile ``profile_steps`` kfac steps of ``cfg`` into ``paths.timelines`` (its node files alone there:
+    :func:`keep_only_timelines`)."""
+    from pipefisher.runtime.job.options import TrainOptions
+
+    launch(TrainOptions.of(mode="kfac", steps=profile_steps, profile=True, out=paths.timelines, progress=False,
+                           log_every=10**9))
+    keep_only_timelines(paths, cfg.name)
+
+
+def pieces_said(p: int) -> str:
+    """``1 piece``, ``2 pieces``: a refresh's piece count in a run's lines."""
+    return f"{p} piece{'s' if p != 1 else ''}"
+
+
+def profile_each_piece_count(cfg: RunConfig, n: int, paths: RunPaths, profile_steps: int,
+                             pack: Callable[..., tuple[Any, dict[str, Any]]], phase: list[Any],
+                             echo: Callable[[str], None]) -> tuple[RunConfig, list[Any]]:
+    """``kfac.refresh_pieces: best``: profile ``cfg`` with each of
+    :data:`~pipefisher.cost.objective.PIECE_CHOICES` pieces, each into its own ``<run>_pieces/<p>/`` folder,
+    and ``pack`` each (:func:`pack_and_check` with the run's policy, its lines not said); keep the count
+    :func:`~pipefisher.cost.objective.best_pieces` chooses, say every count's planned step in one line, move
+    the kept count's profile (timelines, profile losses and raw steps) to the run's own places and remove
+    the rest, so that the run folder is a normal run's. Returns the config with that count and every count
+    packed. A count whose packing is refused takes no part; where every one is, the first refusal stands."""
+    import shutil
+
+    from pipefisher.cost.objective import PIECE_CHOICES, PiecesPacked, best_pieces, pieces_line
+    from pipefisher.schedule.timeline import load_job
+    from pipefisher.runtime.train.profiler import timeline_filename
+
+    root = f"{paths.prefix}_pieces"  # <run>_*: a Ctrl-C's clean-up (discard_run) removes it with the run
+    variants: dict[int, tuple[RunConfig, RunPaths]] = {}
+    tried: list[PiecesPacked] = []
+    refusals: list[InputError] = []
+    for i, p in enumerate(PIECE_CHOICES, 1):
+        vcfg = cfg.replace(kfac={"refresh_pieces": p})
+        vpaths = RunPaths(os.path.join(root, str(p)), paths.name)
+        os.makedirs(vpaths.timelines, exist_ok=True)
+        echo(f"[1/3] profiling {profile_steps} kfac step(s) (refresh in {pieces_said(p)}; {i} of "
+             f"{len(PIECE_CHOICES)} counts)")
+        phase[:] = ["profiling", profile_steps]
+        profile_into(launcher(vcfg, n, paths, echo), vcfg, vpaths, profile_steps)
+        phase[:] = ["packing", None]
+        timelines = [os.path.join(vpaths.timelines, timeline_filename(vcfg.name, j))
+                     for j in range(vcfg.pipeline.stages)]
+        try:
+            _, report = pack(load_job(timelines), cfg=vcfg, paths=vpaths, echo=lambda line: None)
+        except InputError as err:
+            echo(f"refresh in {pieces_said(p)}: {err.problem}")
+            refusals.append(err)
+            continue
+        variants[p] = (vcfg, vpaths)
+        tried.append(PiecesPacked(p, report["planned_step_ms"], report["cycle"]))
+    if not tried:
+        raise refusals[0]
+    kept = best_pieces(tried)
+    echo(pieces_line(tried, kept))
+    vcfg, vpaths = variants[kept.pieces]
+    for entry in os.listdir(vpaths.timelines):
+        os.replace(os.path.join(vpaths.timelines, entry), os.path.join(paths.timelines, entry))
+    for src, dst in ((vpaths.profile_losses, paths.profile_losses), (vpaths.profile_steps_dir, paths.profile_steps_dir)):
+        if os.path.exists(src):
+            os.replace(src, dst)
+    shutil.rmtree(root)
+    return vcfg, tried
 
 
 def interrupted_run(err: KeyboardInterrupt, paths: RunPaths, phase: str, total: int | None) -> Any:

@@ -34,7 +34,7 @@ from torch import nn
 from pipefisher.kfac import KFAC
 from pipefisher.kfac.eigenbasis import EigenbasisAdam
 from pipefisher.kfac.factors import kl_clip_scale
-from pipefisher.runtime.job.config import KfacConfig, RunConfig, cov_limit
+from pipefisher.runtime.job.config import KfacConfig, RunConfig, check_pieces_resolved, cov_limit
 from pipefisher.runtime.job.host import HostReads
 from pipefisher.runtime.pipeline.contracts import Curvature, Span
 from pipefisher.runtime.train.optim import LRSchedule, clip_grad_norm, make_optimizer
@@ -177,6 +177,7 @@ def kfac_from_config(k: KfacConfig, module: nn.Module, *, loss_scale: float = 1.
     are that much smaller). ``drift``: measure the curvature drift at refreshes (replica 0 does:
     replicas measure the same). ``host``: the worker's counter, which reads its inverses' checks with
     the worker's next read (None: each read at once)."""
+    check_pieces_resolved(k, None, "a worker")  # pipefisher run resolves best before its workers start
     soap = k.update == "soap"  # its refreshes keep eigenbases: check_config refuses kfac.inverse: eigen with it
     return KFAC(module, damping=k.damping, damping_min=k.damping_min or None, damping_decay=k.damping_decay,
                 ignore=k.ignore, loss_scale=loss_scale, dp_group=dp_group, dp_size=dp_size,
