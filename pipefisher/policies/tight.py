@@ -18,8 +18,8 @@ lookup is one bisect plus one big-integer bit scan over the node's distinct (que
 and plain items, so a node costs O(pieces + items x log items).
 
 When the walk needs more iterations than the node's lower bound (see :mod:`bounds`), it is repeated
-taking equally large pieces in key order alone, and preferring covariance pieces, and then a
-construction for a fixed cycle length k (from the bound up) tries to do better: inverses and syncs are placed first, as late as possible, largest first, then
+preferring covariance pieces (equally large ones in key order alone), and then a construction for a
+fixed cycle length k (from the bound up) tries to do better: inverses and syncs are placed first, as late as possible, largest first, then
 covariance pieces as early as possible, earliest sync deadline first. The shortest cycle is kept; every
 candidate is dependency-correct by construction.
 """
@@ -929,8 +929,8 @@ def pack_node(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN, pr
 
     Each candidate is dependency-correct by construction; the shortest is kept, and the search stops
     as soon as one meets the node's lower bound (then it is optimal). In order: the greedy walk (which
-    meets the bound on most nodes), the same taking equally large pieces in key order alone (not started
-    factors' first), the walk preferring covariance pieces, plain best-fit (ties in key
+    meets the bound on most nodes), the walk preferring covariance pieces (equally large ones in key
+    order alone, not started factors' first), plain best-fit (ties in key
     order, then in reverse key order), the
     fixed-length construction for every k from the bound up, and the published packer's cycle where
     it is valid and honest. With ``prune`` (``False`` only to test that it changes nothing), each
@@ -960,10 +960,9 @@ _Challenge = Tuple[Optional[Packed], str, Optional[NodeSchedule]]
 
 
 def _challenge(node: NodeTimeline, span: Time, model: NodeModel, bounds: NodeBounds, iterations: int,
-               prune: bool = True, finish_started: bool = True) -> _Challenge:
+               prune: bool = True) -> _Challenge:
     """The rest of :func:`pack_node`'s portfolio against a first walk of ``iterations``: a worker
-    process needs no more than that number to run it. ``finish_started``: how the first walk took
-    equally large pieces (without, it was the walk in key order, not repeated here)."""
+    process needs no more than that number to run it."""
     best: Packed | None = None
     how = "greedy"
 
@@ -971,8 +970,6 @@ def _challenge(node: NodeTimeline, span: Time, model: NodeModel, bounds: NodeBou
         return iterations if prune else None
 
     candidates = (
-        ("greedy, in key order", lambda: pack_greedy(model, finish_started=False, shorter_than=cap())
-         if finish_started else None),
         ("greedy, covariance first", lambda: pack_greedy(model, cov_first=True, finish_started=False,
                                                          shorter_than=cap())),
         ("best-fit", lambda: pack_best_fit(model, shorter_than=cap())),
@@ -1154,7 +1151,7 @@ def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = N
         for node, model in zip(job.nodes, models):
             bounds, first = _first_walk(model, finish_started)
             firsts.append((bounds, first))
-            args = (node, job.span, model, bounds, first.iterations, True, finish_started)
+            args = (node, job.span, model, bounds, first.iterations)
             if first.iterations <= bounds.tight or workers < 2:
                 challenges.append(_challenge(*args))
                 continue
@@ -1167,8 +1164,7 @@ def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = N
                     continue
                 # forked: the workers inherit the nodes and their models, so a task is only their index
                 pool = multiprocessing.get_context("fork").Pool(workers, _adopt, (job.nodes, job.span, models))
-            challenges.append(pool.apply_async(_challenge_for, ((len(firsts) - 1, bounds, first.iterations,
-                                                                  finish_started),)))
+            challenges.append(pool.apply_async(_challenge_for, ((len(firsts) - 1, bounds, first.iterations),)))
         out = []
         for i, (model, (bounds, first), c) in enumerate(zip(models, firsts, challenges)):
             out.append(_node_schedule(model, _chosen(first, bounds, c if isinstance(c, tuple) else c.get())))
@@ -1191,8 +1187,8 @@ def _adopt(nodes: Sequence[NodeTimeline], span: Time, models: Sequence[NodeModel
     _adopted = (nodes, span, models)
 
 
-def _challenge_for(args: tuple[int, NodeBounds, int, bool]) -> _Challenge:
-    index, bounds, iterations, finish_started = args
+def _challenge_for(args: tuple[int, NodeBounds, int]) -> _Challenge:
+    index, bounds, iterations = args
     assert _adopted is not None  # set by the pool's initializer
     nodes, span, models = _adopted
-    return _challenge(nodes[index], span, models[index], bounds, iterations, finish_started=finish_started)
+    return _challenge(nodes[index], span, models[index], bounds, iterations)
