@@ -10,10 +10,11 @@ import pytest
 
 from pipefisher.policies import get_policy
 from pipefisher.policies.align import _Member, align_group, job_calls
-from pipefisher.policies.tight import OVERLAP_BY_DEFAULT, pack_node
+from pipefisher.policies.tight import OVERLAP_BY_DEFAULT, _shorter_groups, pack_nodes
 from pipefisher.rules import validate
 from pipefisher.rules.groups import chimera_groups, job_groups, singleton_groups
 from pipefisher.rules.waits import call_clock, deadlock_violations
+from pipefisher.schedule.packed import NodeSchedule
 from pipefisher.schedule.timeline import Job, job_from_dicts, load_job
 from pipefisher.sim.costs import load_cost_model
 from pipefisher.sim.simulator import simulate_timelines
@@ -120,14 +121,20 @@ def sim_job(config: str, order: str, stages: int, m: int, scale: float, skew: in
 
 
 def aligned_without_safety_net(job: Job) -> list[list[list[str]]]:
-    """Each group aligned by :func:`align_group` alone, without the check and fallback of ``align_groups``."""
-    nodes = [pack_node(node, job.span, overlap=OVERLAP_BY_DEFAULT) for node in job.nodes]  # as the tight policy packs
-    calls = job_calls(job, nodes)
-    out = list(nodes)
-    for group in job_groups(job):
-        for n, aligned in zip(group, align_group(job, nodes, group, calls)):
-            out[n] = aligned
-    return [[list(it) for it in node.iterations] for node in out]
+    """Each group aligned by :func:`align_group` alone, without the check and fallback of ``align_groups``,
+    from both of the tight policy's walks, each group's shorter kept as the policy keeps it."""
+    groups = job_groups(job)
+
+    def aligned(nodes: tuple[NodeSchedule, ...]) -> tuple[NodeSchedule, ...]:
+        calls = job_calls(job, nodes)
+        out = list(nodes)
+        for group in groups:
+            for n, member in zip(group, align_group(job, nodes, group, calls)):
+                out[n] = member
+        return tuple(out)
+
+    ours, theirs = (aligned(pack_nodes(job, overlap=OVERLAP_BY_DEFAULT, finish_started=f)) for f in (True, False))
+    return [[list(it) for it in node.iterations] for node in _shorter_groups(ours, theirs, groups)]
 
 
 def inverses_before_end(data: list[list[list[str]]]) -> int:

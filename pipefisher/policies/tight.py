@@ -8,8 +8,9 @@ inverse follows the factor's first sync (all its pieces where the node has no sy
 
 The packer walks the bubbles in time order, iteration after iteration, and fills each one with the
 largest ready item that still fits (``d * 1.05 < room``, the published rule), ties broken towards
-covariance work that unlocks the most sync and inverse time. A queue places as many consecutive pieces
-as fit and are ready. Items longer (with the margin) than the node's largest bubble fit nowhere: they
+the pieces of factors already started (so that one completes and its inverse can start, rather than
+several started and none finished), then towards covariance work that unlocks the most sync and
+inverse time. A queue places as many consecutive pieces as fit and are ready. Items longer (with the margin) than the node's largest bubble fit nowhere: they
 go, dependency-correct, to the end of an iteration (after its last pipeline item), which they lengthen;
 that is the only overflow. A queue's pieces split from one interval count as one size when choosing
 (:func:`size_class`), so the split's one-unit remainder never makes a factor finish late. Candidate
@@ -17,8 +18,8 @@ lookup is one bisect plus one big-integer bit scan over the node's distinct (que
 and plain items, so a node costs O(pieces + items x log items).
 
 When the walk needs more iterations than the node's lower bound (see :mod:`bounds`), it is repeated
-preferring covariance pieces, and then a construction for a fixed cycle length k (from the bound up)
-tries to do better: inverses and syncs are placed first, as late as possible, largest first, then
+preferring covariance pieces (equally large ones in key order alone), and then a construction for a
+fixed cycle length k (from the bound up) tries to do better: inverses and syncs are placed first, as late as possible, largest first, then
 covariance pieces as early as possible, earliest sync deadline first. The shortest cycle is kept; every
 candidate is dependency-correct by construction.
 """
@@ -36,7 +37,8 @@ from pipefisher.schedule.packed import JobSchedule, NodeFigures, NodeSchedule, P
 from pipefisher.policies.bounds import (NodeBounds, fittable_work, model_bounds, placed_time, sure_to_reach,
                                          with_first_iteration)
 from pipefisher.policies.cycle import Packed, node_schedule, start_walk
-from pipefisher.rules.groups import job_groups
+from pipefisher.rules.groups import Group, job_groups
+from pipefisher.rules.waits import deadlock_violations
 from pipefisher.schedule.format import PIPELINE_CATEGORIES, label_category
 from pipefisher.schedule.problem import COV, DEFAULT_MARGIN, INV, SYNC, NodeModel, fits, node_model
 from pipefisher.schedule.timeline import KFAC_KINDS, Job, NodeTimeline, Time
@@ -100,6 +102,14 @@ class _Entities:
                 ranks = self.rank_by_size[wi]
                 ranks.update({d: ranks[c] for d, c in size_class(w.pieces, fits_somewhere).items()})
         self.plain_rank = [self.rank_by_size[wi][w.pieces[0]] if w.kind != COV else -1 for wi, w in enumerate(work)]
+        # Per rank, the lowest rank of equal need (its ties); per factor, its covariance entities (bits).
+        need = self.need
+        self.tie_lo = [bisect_left(need, d) for d in need]
+        self.factor_bits = [0] * model.groups
+        for wi, w in enumerate(work):
+            if w.kind == COV:
+                for r in set(self.rank_by_size[wi].values()):
+                    self.factor_bits[w.group] |= 1 << r
 
 
 class _GreedyWalk:
@@ -107,7 +117,7 @@ class _GreedyWalk:
     (``mask``, by entity rank), what waits for its release (``pending``, per bubble of iteration 0) or for
     the end of an iteration (``forced``), and each factor's progress through its pieces and refresh."""
 
-    def __init__(self, model: NodeModel, cov_first: bool) -> None:
+    def __init__(self, model: NodeModel, cov_first: bool, finish_started: bool = True) -> None:
         work = self.work = model.work
         self.model = model
         self.cov_first = cov_first
@@ -118,6 +128,11 @@ class _GreedyWalk:
         ents = _Entities(model)
         self.need, self.ent_work = ents.need, ents.work
         self.rank_by_size, self.plain_rank = ents.rank_by_size, ents.plain_rank
+        # ``finish_started``: among equally large ready pieces, those of a factor already started first
+        # (without it, no factor counts as started: the walk takes them by their rank alone)
+        self.tie_lo = ents.tie_lo
+        self.factor_bits = ents.factor_bits if finish_started else [0] * model.groups
+        self.started = 0  # the covariance entities (bits) of factors with pieces placed
         self.pos = pos = [b.pos for b in model.bubbles]
         # Iteration 0: the first bubble at which a piece that follows pipeline item r is ready (nb: none).
         self.relb = [bisect_right(pos, r) for r in range(len(model.pipeline))]
@@ -221,6 +236,8 @@ class _GreedyWalk:
         pending, forced, scale, largest = self.pending, self.forced, self.scale, self.largest
         iteration = self.iteration
         remaining = self.remaining
+        tie_lo, factor_bits, cov_total = self.tie_lo, self.factor_bits, self.model.factors.pieces
+        started = self.started
         mask = self.mask
         for b in range(self.nb):
             if iteration == 0 and pending[b]:
@@ -251,6 +268,10 @@ class _GreedyWalk:
                         break
                 if r < 0:
                     break
+                if mask & started:  # among equally large pieces, a started factor's first: finish it
+                    tied = mask & started & ((2 << r) - (1 << tie_lo[r]))
+                    if tied:
+                        r = tied.bit_length() - 1
                 wi = ent_work[r]
                 w = work[wi]
                 mask &= ~(1 << r)
@@ -279,6 +300,8 @@ class _GreedyWalk:
                 head[wi] = h
                 remaining -= done
                 g = w.group
+                if cov_left[g] == cov_total[g]:
+                    started |= factor_bits[g]
                 cov_left[g] -= done
                 if h >= n:
                     if cov_left[g] == 0:
@@ -295,6 +318,7 @@ class _GreedyWalk:
                 else:
                     mask |= 1 << rank_by_size[wi][d]
         self.mask = mask
+        self.started = started
         self.remaining = remaining
 
     def spill_forced(self) -> list[tuple[str, Time]]:
@@ -347,15 +371,18 @@ class _GreedyWalk:
 
 
 def pack_greedy(model: NodeModel, cov_first: bool = False, max_iterations: int = 1 << 20,
-                shorter_than: int | None = None) -> Packed | None:
+                shorter_than: int | None = None, finish_started: bool = True) -> Packed | None:
     """Walk the bubbles in time order, filling each with the largest ready item that fits.
 
     ``cov_first``: prefer covariance pieces (the start of every chain) over syncs and inverses, and
     take the largest of those that fit; this wins where inverses wait too long for their factors.
+    ``finish_started``: among equally large pieces, take a started factor's first, so that it completes
+    and its inverse can start in the bubble where it ends, rather than several factors all started and
+    none finished (without: by the static tie-break alone, which wins on some Chimera jobs).
     With ``shorter_than``, None as soon as the cycle is sure to have that many iterations or more
     (:func:`sure_to_reach`).
     """
-    walk = _GreedyWalk(model, cov_first)
+    walk = _GreedyWalk(model, cov_first, finish_started)
     if shorter_than is not None:
         bubble_time = sum(b.length for b in model.bubbles)
         fit_left = fittable_work(model)  # what is left of it: only bubbles take it
@@ -902,7 +929,8 @@ def pack_node(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN, pr
 
     Each candidate is dependency-correct by construction; the shortest is kept, and the search stops
     as soon as one meets the node's lower bound (then it is optimal). In order: the greedy walk (which
-    meets the bound on most nodes), the walk preferring covariance pieces, plain best-fit (ties in key
+    meets the bound on most nodes), the walk preferring covariance pieces (equally large ones in key
+    order alone, not started factors' first), plain best-fit (ties in key
     order, then in reverse key order), the
     fixed-length construction for every k from the bound up, and the published packer's cycle where
     it is valid and honest. With ``prune`` (``False`` only to test that it changes nothing), each
@@ -915,11 +943,11 @@ def pack_node(node: NodeTimeline, span: Time, margin: float = DEFAULT_MARGIN, pr
     return _node_schedule(model, _chosen(first, bounds, _challenge(node, span, model, bounds, first.iterations, prune)))
 
 
-def _first_walk(model: NodeModel) -> tuple[NodeBounds, Packed]:
+def _first_walk(model: NodeModel, finish_started: bool = True) -> tuple[NodeBounds, Packed]:
     """The node's bounds and the portfolio's first candidate, the greedy walk (the first-iteration
     bound is only worked out where the walk misses the others)."""
     bounds = model_bounds(model, first_iteration=False)
-    first = pack_greedy(model)
+    first = pack_greedy(model, finish_started=finish_started)
     assert first is not None  # it has no cap
     if first.iterations > bounds.tight:
         bounds = with_first_iteration(model, bounds)
@@ -942,7 +970,8 @@ def _challenge(node: NodeTimeline, span: Time, model: NodeModel, bounds: NodeBou
         return iterations if prune else None
 
     candidates = (
-        ("greedy, covariance first", lambda: pack_greedy(model, cov_first=True, shorter_than=cap())),
+        ("greedy, covariance first", lambda: pack_greedy(model, cov_first=True, finish_started=False,
+                                                         shorter_than=cap())),
         ("best-fit", lambda: pack_best_fit(model, shorter_than=cap())),
         ("best-fit, later keys first", lambda: pack_best_fit(model, later_first=True, shorter_than=cap())),
         ("fixed k", lambda: _fixed_below(model, bounds.tight, iterations, prune)),
@@ -1063,9 +1092,30 @@ class TightPolicy(Policy):
              each: Callable[[int, NodeSchedule], None] | None = None) -> JobSchedule:
         """``each``: see :func:`pack_nodes` (the nodes it is given are before aligning sync groups)."""
         with gc_paused():
-            nodes = align_groups(job, pack_nodes(job, margin, each=each, overlap=self.overlap), job_groups(job), margin)
+            groups = job_groups(job)
+            nodes = align_groups(job, pack_nodes(job, margin, each=each, overlap=self.overlap), groups, margin)
+            if any(len(group) > 1 for group in groups):
+                # Aligning a sync group can lengthen its cycle by how its members were packed: the
+                # members' packings by the walk in key order too, per group the shorter aligned cycle.
+                theirs = pack_nodes(job, margin, overlap=self.overlap, finish_started=False)
+                nodes = _shorter_groups(nodes, align_groups(job, theirs, groups, margin), groups)
             overlaps = any(n.figures.extra.get("overlap") for n in nodes)
             return JobSchedule(self.name, job.span, nodes, margin, overlap=overlaps)
+
+
+def _shorter_groups(ours: Sequence[NodeSchedule], theirs: Sequence[NodeSchedule],
+                    groups: Sequence[Group]) -> tuple[NodeSchedule, ...]:
+    """``ours``, each sync group's members taken from ``theirs`` where its aligned cycle is shorter there
+    (``ours`` whole where that mix could deadlock, :func:`waits.deadlock_violations`)."""
+    mixed = list(ours)
+    for group in groups:
+        if len(group) > 1 and (max(theirs[n].figures.iterations for n in group)
+                               < max(ours[n].figures.iterations for n in group)):
+            for n in group:
+                mixed[n] = theirs[n]
+    if mixed != list(ours) and deadlock_violations([node.iterations for node in mixed], groups):
+        return tuple(ours)
+    return tuple(mixed)
 
 
 PARALLEL_PIECES = 50_000
@@ -1074,7 +1124,8 @@ on the nodes where that walk misses the bound (some 50 ms to start them, against
 
 
 def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = None,
-               each: Callable[[int, NodeSchedule], None] | None = None, overlap: bool = False) -> tuple[NodeSchedule, ...]:
+               each: Callable[[int, NodeSchedule], None] | None = None, overlap: bool = False,
+               finish_started: bool = True) -> tuple[NodeSchedule, ...]:
     """Every node's :func:`pack_node`, in node order.
 
     In a big job, the nodes whose first walk misses the bound run the rest of the portfolio in forked
@@ -1083,7 +1134,8 @@ def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = N
     is a pure function of the node, so it is the same either way, and small to send back: no more
     than a shorter candidate where one is found. ``each(i, schedule)``, where given, is called with
     each node's schedule as soon as it is made, in node order (while workers still pack later nodes:
-    a caller that evaluates the nodes does so then, not after).
+    a caller that evaluates the nodes does so then, not after). ``finish_started``: the first walk's,
+    :func:`pack_greedy`.
     """
     import os
 
@@ -1097,7 +1149,7 @@ def pack_nodes(job: Job, margin: float = DEFAULT_MARGIN, workers: int | None = N
     challenges: list[Any] = []
     try:
         for node, model in zip(job.nodes, models):
-            bounds, first = _first_walk(model)
+            bounds, first = _first_walk(model, finish_started)
             firsts.append((bounds, first))
             args = (node, job.span, model, bounds, first.iterations)
             if first.iterations <= bounds.tight or workers < 2:
