@@ -11,9 +11,10 @@ basis followed by a QR (not built: this script is how it was judged).
 The packer fits the refresh labels into bubbles, so a refresh that costs more stretches the cycle k
 (docs/benchmarks.md: the eigenbasis in the bubbles packed at k = 12 where Cholesky packs at 4-5). Each
 method runs on the same random PSD factor (a covariance of ``2048`` rows, as a refresh sees; the label
-builds its factor from 2048 random input rows), in float32, on one thread, the first call untimed;
-printed: the median of ``--repeat`` calls in ms and its ratio to K-FAC's Cholesky inverse of the same
-size, measured in the same run.
+builds its factor from 2048 random input rows), in ``--dtype`` (float32) on ``--device`` (cpu: one thread;
+cuda: every clock read after ``torch.cuda.synchronize()``, as a GPU runs its work after the call returns),
+the first call untimed; printed: the median of ``--repeat`` calls in ms and its ratio to K-FAC's Cholesky
+inverse of the same size, measured in the same run.
 
 Then each refresh in pieces (:mod:`pipefisher.kfac.refresh`, ``kfac.refresh_pieces``) against the whole
 one, per ``--pieces`` count: the total time and the largest piece (medians over ``--repeat`` runs, the
@@ -23,7 +24,8 @@ the whole inverse's; for the eigenbasis (one power step from the previous refres
 the same kind of factor from other rows) the off-diagonal mass ``||offdiag(Q^T F Q)|| / ||Q^T F Q||``
 beside ``eigh``'s and the previous basis's.
 
-    python scripts/bench_refresh.py [--sizes 129,513] [--repeat 7] [--pieces 2,4,8]
+    python scripts/bench_refresh.py [--sizes 129,513] [--repeat 7] [--pieces 2,4,8] [--device cpu|cuda]
+        [--dtype float32|float64]
 """
 from __future__ import annotations
 
@@ -36,6 +38,16 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+SYNC: list[Callable[[], object]] = []  # torch.cuda.synchronize on cuda (main sets it), nothing on cpu
+
+
+def now() -> float:
+    """``time.perf_counter()`` once the device has finished the work queued so far: every timing reads this
+    clock, so that on a GPU it times the work, not its launch."""
+    for sync in SYNC:
+        sync()
+    return time.perf_counter()
+
 
 def timed_inside(call: Callable[[], float], repeat: int) -> float:
     """The median of ``repeat`` times ``call`` measures itself (its own set-up untimed), after one untimed."""
@@ -46,24 +58,25 @@ def timed_inside(call: Callable[[], float], repeat: int) -> float:
 def timed(fn: Callable[[], object], repeat: int) -> float:
     """The median seconds of ``repeat`` calls of ``fn``, after one untimed call."""
     def call() -> float:
-        start = time.perf_counter()
+        start = now()
         fn()
-        return time.perf_counter() - start
+        return now() - start
     return timed_inside(call, repeat)
 
 
-def label_call(n: int) -> Callable[[], object]:
+def label_call(n: int, like: Any) -> Callable[[], object]:
     """One inverse label, ``KFAC.inv("A", ...)``, of a linear layer whose factor A is ``n`` wide (``n - 1``
-    inputs and a bias), timed alone: its covariance is refilled before each call, untimed."""
+    inputs and a bias), on ``like``'s device and in its dtype, timed alone: its covariance is refilled
+    before each call, untimed."""
     import torch
     from torch import nn
 
     from pipefisher.kfac import KFAC
 
-    layer = nn.Linear(n - 1, n - 1)
+    layer = nn.Linear(n - 1, n - 1, device=like.device, dtype=like.dtype)
     kfac = KFAC(nn.Sequential(layer), damping=1e-3, loss_scale=1, drift=False)
     name = kfac.names[0]
-    rows = torch.randn(2048, n - 1)
+    rows = torch.randn(2048, n - 1, device=like.device, dtype=like.dtype)
 
     def refill() -> None:
         kfac.set_saving(True)
@@ -74,9 +87,9 @@ def label_call(n: int) -> Callable[[], object]:
 
     def call() -> float:
         refill()
-        start = time.perf_counter()
+        start = now()
         kfac.inv("A", name)
-        elapsed = time.perf_counter() - start
+        elapsed = now() - start
         kfac.inv("B", name)
         return elapsed
     return call
@@ -90,15 +103,15 @@ def piece_times(make: Callable[[], object], repeat: int,
     totals, largest, wholes = [], [], []
     for i in range(repeat + 1):
         if whole is not None:
-            start = time.perf_counter()
+            start = now()
             whole()
-            wholes.append(time.perf_counter() - start)
+            wholes.append(now() - start)
         refresh: Any = make()
         times = []
         while not refresh.finished:
-            start = time.perf_counter()
+            start = now()
             refresh.step()
-            times.append(time.perf_counter() - start)
+            times.append(now() - start)
         if i:
             totals.append(sum(times))
             largest.append(max(times))
@@ -110,7 +123,7 @@ def residual(damped: Any, inverse: Any) -> float:
     """``||damped @ inverse - I|| / ||I||`` (Frobenius): how far an inverse is from exact."""
     import torch
 
-    eye = torch.eye(damped.shape[0], dtype=torch.float64)
+    eye = torch.eye(damped.shape[0], dtype=torch.float64, device=damped.device)
     return float((damped.double() @ inverse.double() - eye).norm() / eye.norm())
 
 
@@ -129,15 +142,16 @@ def pieces_table(n: int, factor: Any, previous: Any, pieces: list[int], repeat: 
     from pipefisher.kfac.factors import inverse_findings
     from pipefisher.kfac.refresh import Refresh
 
-    damped = factor + 1e-3 * torch.eye(n)
-    whole_inv = timed(lambda: inverse_findings(factor, 1e-3, method="cholesky"), repeat)
-    whole_res = residual(damped, inverse_findings(factor, 1e-3, method="cholesky")[0])
-    eigh_off = off_diagonal(factor, inverse_findings(factor, 1e-3, method="eigenbasis")[0])
+    damped = factor + 1e-3 * torch.eye(n, device=factor.device, dtype=factor.dtype)
+    invert = lambda: inverse_findings(factor, 1e-3, method="cholesky", dtype=factor.dtype)  # the whole inverse
+    whole_inv = timed(invert, repeat)
+    whole_res = residual(damped, invert()[0])
+    eigh_off = off_diagonal(factor, inverse_findings(factor, 1e-3, method="eigenbasis", dtype=factor.dtype)[0])
     prev_off = off_diagonal(factor, previous)
-    power = lambda p: Refresh(factor, 1e-3, method="eigenbasis", dtype=torch.float32, pieces=p, basis=previous)
+    power = lambda p: Refresh(factor, 1e-3, method="eigenbasis", dtype=factor.dtype, pieces=p, basis=previous)
     for p in pieces:
-        make = lambda p=p: Refresh(factor, 1e-3, method="cholesky", dtype=torch.float32, pieces=p)
-        total, big, whole = piece_times(make, repeat, lambda: inverse_findings(factor, 1e-3, method="cholesky"))
+        make = lambda p=p: Refresh(factor, 1e-3, method="cholesky", dtype=factor.dtype, pieces=p)
+        total, big, whole = piece_times(make, repeat, invert)
         done = make()
         done.finish()
         print(f"n = {n:4}: cholesky inverse in {p:2} pieces: total {total * 1e3:7.2f} ms ({total / whole:4.2f}x "
@@ -157,22 +171,32 @@ def main() -> None:
     ap.add_argument("--sizes", default="129,513", help="factor sizes (small.yaml's K-FAC factors are 128-513)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--pieces", default="2,4,8", help="piece counts to time against the whole refresh ('' for none)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the tensors live (cuda: the current GPU, each timing synchronized)")
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                    help="the factors' and the refreshes' dtype")
     a = ap.parse_args()
     import torch
 
     from pipefisher.kfac.factors import inverse_findings
 
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("bench_refresh.py: --device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+        SYNC[:] = [torch.cuda.synchronize]
+    like = torch.empty(0, device=a.device, dtype=getattr(torch, a.dtype))
     torch.set_num_threads(1)  # one core per stage, as the benchmarks run
     torch.manual_seed(0)
     for n in (int(x) for x in a.sizes.split(",")):
-        rows = torch.randn(2048, n)
+        rows = torch.randn(2048, n, device=like.device, dtype=like.dtype)
         factor = rows.t() @ rows / rows.shape[0]
         previous = torch.linalg.eigh(factor)[1]  # the basis a power step starts from
-        damped = factor + 1e-3 * torch.eye(n)
+        damped = factor + 1e-3 * torch.eye(n, device=like.device, dtype=like.dtype)
         methods = {
-            "cholesky inverse (K-FAC)": lambda: inverse_findings(factor, 1e-3, method="cholesky"),
+            "cholesky inverse (K-FAC)":
+                lambda: inverse_findings(factor, 1e-3, method="cholesky", dtype=factor.dtype),
             "cholesky inverse, bare (torch's two calls)": lambda: torch.cholesky_inverse(torch.linalg.cholesky(damped)),
-            "eigh (soap's basis)": lambda: inverse_findings(factor, 1e-3, method="eigenbasis"),
+            "eigh (soap's basis)": lambda: inverse_findings(factor, 1e-3, method="eigenbasis", dtype=factor.dtype),
             "power step + QR (SOAP's cheaper basis, not built)": lambda: torch.linalg.qr(factor @ previous),
         }
         base = None
@@ -181,11 +205,12 @@ def main() -> None:
             base = base or t
             print(f"n = {n:4}: {name:50} {t * 1e3:7.2f} ms  {t / base:5.2f}x the Cholesky inverse")
             if name.startswith("cholesky inverse, bare"):
-                t = timed_inside(label_call(n), a.repeat)
+                t = timed_inside(label_call(n, like), a.repeat)
                 print(f"n = {n:4}: {'inverse label (KFAC.inv, factor A, no drift)':50} {t * 1e3:7.2f} ms  "
                       f"{t / base:5.2f}x the Cholesky inverse")
         if a.pieces:
-            other = torch.randn(2048, n)  # the previous refresh's factor: the same kind, other rows
+            # the previous refresh's factor: the same kind, other rows
+            other = torch.randn(2048, n, device=like.device, dtype=like.dtype)
             before = torch.linalg.eigh(other.t() @ other / other.shape[0])[1]
             pieces_table(n, factor, before, [int(p) for p in a.pieces.split(",")], a.repeat)
 

@@ -1,9 +1,13 @@
 """The refresh benchmark times each method against the Cholesky inverse measured in the same run."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from typing import Any
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,9 +22,10 @@ def test_every_method_is_timed_against_the_cholesky_inverse_of_the_same_size() -
         assert sum(method in line for line in out) == 2, method
 
 
-def test_the_refresh_in_pieces_is_timed_and_judged_against_the_whole_one() -> None:
+@pytest.mark.parametrize("where", [[], ["--device", "cpu", "--dtype", "float64"]])
+def test_the_refresh_in_pieces_is_timed_and_judged_against_the_whole_one(where: list[str]) -> None:
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_refresh.py"), "--sizes", "9",
-                          "--repeat", "1", "--pieces", "2,3"], capture_output=True, text=True,
+                          "--repeat", "1", "--pieces", "2,3", *where], capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert len(out) == 5 + 4  # the methods, then each refresh in 2 and 3 pieces
     pieces = out[5:]
@@ -29,3 +34,51 @@ def test_the_refresh_in_pieces_is_timed_and_judged_against_the_whole_one() -> No
     assert all("largest piece" in line and "ms" in line for line in pieces)
     assert all("residual" in line and "(whole" in line for line in pieces[:2])
     assert all("off-diagonal mass" in line and "(eigh" in line for line in pieces[2:])
+
+
+def _script() -> Any:
+    """The script as a module, to call its ``main`` in-process."""
+    spec = importlib.util.spec_from_file_location("bench_refresh", os.path.join(ROOT, "scripts", "bench_refresh.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_device_cuda_without_cuda_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    module = _script()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["bench_refresh.py", "--device", "cuda", "--sizes", "8", "--pieces", ""])
+    with pytest.raises(SystemExit) as exit_:
+        module.main()
+    assert exit_.value.code not in (0, None)
+    assert str(exit_.value.code) == \
+        "bench_refresh.py: --device cuda: no CUDA device here (torch.cuda.is_available() is False)"
+    assert capsys.readouterr().out == ""  # nothing timed before the refusal
+
+
+def test_every_clock_read_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _script()
+    waits: list[int] = []
+    monkeypatch.setattr(module, "SYNC", [lambda: waits.append(1)])
+    module.timed(lambda: None, 3)
+    assert len(waits) == 2 * (1 + 3)  # before and after each call, the untimed one included
+    waits.clear()
+    module.piece_times(lambda: _TwoPieces(), 2, whole=lambda: None)
+    assert len(waits) == (1 + 2) * 2 * (1 + 2)  # each run, the untimed one included: the whole and two pieces
+
+
+class _TwoPieces:
+    """A refresh of two pieces that do nothing: what piece_times times."""
+
+    def __init__(self) -> None:
+        self.left = 2
+
+    @property
+    def finished(self) -> bool:
+        return self.left == 0
+
+    def step(self) -> None:
+        self.left -= 1
