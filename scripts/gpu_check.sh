@@ -30,3 +30,6 @@ step two-ranks-one-gpu 120 $PY -m pipefisher train --config configs/tiny.yaml --
 # step time and peak memory, fp32/bf16 x recompute, BERT-Base on one GPU (docs/real-training.md)
 TAIL=8 step compute-bert-base 240 $PY scripts/bench_compute.py --config configs/bert-base.yaml --stages 1 \
   --mode kfac --steps 12
+# the whole curvature refresh against it in pieces, 1024- and 4096-wide factors (docs/benchmarks.md, "A refresh
+# in pieces"): seconds on one GPU
+TAIL=13 step refresh-pieces 90 $PY scripts/bench_refresh.py --device cuda --sizes 1024,4096 --pieces 2,4,8,16 --repeat 5

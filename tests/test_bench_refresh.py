@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 from typing import Any
@@ -82,3 +83,22 @@ class _TwoPieces:
 
     def step(self) -> None:
         self.left -= 1
+
+
+def test_gpu_check_times_the_refresh_in_pieces_with_flags_the_script_takes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    lines = [line for line in open(os.path.join(ROOT, "scripts", "gpu_check.sh"))
+             if line.split()[2:3] == ["refresh-pieces"]]
+    assert len(lines) == 1
+    words = shlex.split(lines[0])
+    at = words.index("step")
+    assert 0 < int(words[at + 2]) <= 120 and words[at + 3] == "$PY"  # bounded: seconds on a GPU
+    argv = words[at + 4:]
+    assert argv[:3] == ["scripts/bench_refresh.py", "--device", "cuda"] and "1024,4096" in argv
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # past argparse, refused before timing
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_:
+        _script().main()
+    assert str(exit_.value.code).startswith("bench_refresh.py: --device cuda: no CUDA device here")
