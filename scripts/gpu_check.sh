@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA/NCCL checks and GPU timings, in one run on a machine with one NVIDIA GPU (CI has none).
 # Every step is bounded; the logs go to $OUT (or ./gpu-check): bash scripts/gpu_check.sh
+# ONLY=NAME[,NAME...] runs just those steps (the whole script takes longer than one 600 s device call):
+#   ONLY=refresh-pieces bash scripts/gpu_check.sh
 set -u
 OUT=${OUT:-gpu-check}
 mkdir -p "$OUT"
@@ -8,6 +10,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 step() {  # step NAME SECONDS CMD...: one bounded check, its log in $OUT/NAME.log, its exit status on one line
   local name=$1 limit=$2; shift 2
+  if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then return 0; fi
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?

@@ -102,3 +102,20 @@ def test_gpu_check_times_the_refresh_in_pieces_with_flags_the_script_takes(
     with pytest.raises(SystemExit) as exit_:
         _script().main()
     assert str(exit_.value.code).startswith("bench_refresh.py: --device cuda: no CUDA device here")
+
+
+def test_gpu_check_runs_only_the_steps_named_in_only(tmp_path) -> None:
+    """The whole script outlasts one device call: ONLY=refresh-pieces runs that step alone."""
+    import subprocess
+
+    fake = tmp_path / "py"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls'}\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "ONLY": "refresh-pieces", "OUT": str(tmp_path / "out"), "PYTHON": str(fake),
+           "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    steps = [line for line in out.stdout.splitlines() if line.startswith("== ")]
+    assert [s.split(":")[0] for s in steps] == ["== refresh-pieces"], out.stdout + out.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c for c in calls if c.startswith("scripts/")] == [c for c in calls if "bench_refresh.py" in c]
