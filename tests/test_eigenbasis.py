@@ -183,3 +183,45 @@ def test_over_stage_copies_every_copy_takes_its_own_step_and_the_state_resumes()
     for m, r in zip(models, refs):
         for a, b in zip(m.parameters(), r.parameters()):
             assert torch.equal(a, b)
+
+
+class _Products(torch.overrides.TorchFunctionMode):
+    """Records the operand shapes of every matrix product run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if getattr(func, "__name__", None) in ("matmul", "__matmul__", "mm"):
+            self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("changed", ["A", "B", "AB"])
+def test_a_refresh_rotates_the_moment_on_its_side_only_and_through_the_moment(changed):
+    """The rotation runs in ``-- end --``, on the step's critical path: a refresh of one factor rotates the
+    first moment on that side alone, each side in its cheaper order (through the moment where the basis
+    is wider than the moment is long, else the bases' product first), and the moment is the same vector
+    in the new bases."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 3))  # A: 21 x 21, B: 3 x 3, moment 3 x 21
+    kfac = KFAC(model, inverse="eigenbasis", ignore=())
+    st = kfac.refresher.state["0"]
+    opt = EigenbasisAdam(kfac, lr=1e-2, betas=(0.9, 0.9), eps=0.0)
+    st.installed["A"], st.installed["B"] = (torch.linalg.qr(torch.randn(n, n))[0] for n in (21, 3))
+    st.inversions = {"A": 1, "B": 1}
+    _grads(model, 1)
+    opt.step()
+    state = opt.state[model[0].weight]
+    before = state["basis_b"] @ state["exp_avg"] @ state["basis_a"].t()
+    for factor in changed:
+        st.installed[factor] = torch.linalg.qr(torch.randn(*(2 * st.installed[factor].shape[:1])))[0]
+        st.inversions[factor] += 1
+    with _Products() as seen:
+        EigenbasisAdam._follow_basis(state, st.installed["A"], st.installed["B"],
+                                     (st.inversions["A"], st.inversions["B"]))
+    after = state["basis_b"] @ state["exp_avg"] @ state["basis_a"].t()
+    assert torch.allclose(after, before, atol=1e-5)
+    cheaper = {"A": min(2 * 3 * 21 ** 2, 21 ** 3 + 3 * 21 ** 2), "B": min(2 * 21 * 3 ** 2, 3 ** 3 + 21 * 3 ** 2)}
+    assert sum(x[0] * x[1] * y[1] for x, y in seen.shapes) == sum(cheaper[f] for f in changed), seen.shapes

@@ -561,3 +561,39 @@ def test_muon_under_fp16_sees_unscaled_gradients_and_skips_an_overflowing_step()
     assert all(torch.equal(p, after[n]) for n, p in model.named_parameters())
     assert torch.equal(updater.optimizer.state[model.dense.weight]["momentum_buffer"], buffer)
     assert scaler.scale == 512.0 and scaler.skipped == 1 and all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("update", ["base", "soap"])
+def test_the_precondition_span_holds_all_of_kfacs_update_and_none_of_first_orders(update):
+    """The profile's ``precondition`` is what K-FAC adds to the update (the plan's first-order step is the
+    profiled update without it, :func:`pipefisher.cost.objective.end_of_step`): under ``soap`` that is
+    K-FAC's own optimizer (Adam in the eigenbases) too; the first-order optimizer steps outside it."""
+    from contextlib import contextmanager
+
+    from pipefisher.runtime.job.config import RunConfig
+    from pipefisher.runtime.train.update import Updater, make_kfac
+    from pipefisher.schedule.timeline import PRECONDITION_KEY
+
+    cfg = RunConfig().replace(kfac={"update": update, "ignore": []})
+    model = Block()
+    open_spans: list[str] = []
+    seen: list[tuple[str, tuple[str, ...]]] = []
+
+    @contextmanager
+    def span(key: str):  # noqa: ANN202
+        open_spans.append(key)
+        try:
+            yield
+        finally:
+            open_spans.pop()
+
+    updater = Updater(cfg, model, make_kfac(cfg, model), total_steps=10, span=span)
+    for name, opt in [("first-order", updater.optimizer), ("kfac", updater.kfac_optimizer)]:
+        if opt is not None:
+            inner = opt.step
+            opt.step = lambda inner=inner, name=name: (seen.append((name, tuple(open_spans))), inner())[1]
+    updater.set_step(0)
+    _grads(model, 0)
+    updater.step(model)
+    want = [("kfac", (PRECONDITION_KEY,))] if update == "soap" else []
+    assert seen == want + [("first-order", ())]

@@ -20,7 +20,10 @@ user's. A user pays ``steps(k) x step_time(k)``:
   optimizer's step, which holds while its step costs about the profiled update's (the benchmarks print
   ``muon step / adamw step``: 1.135 on ``configs/small.yaml``, docs/formats.md says what follows).
 
-First-order's step is the same pipeline with the update alone (no K-FAC work, no preconditioning). The
+First-order's step is the same pipeline with the update alone (no K-FAC work, no preconditioning: the
+profile's ``precondition`` also holds K-FAC's own optimizer, all of ``kfac.update: soap``'s end-of-step
+work, :class:`pipefisher.runtime.train.update.Updater`; before it did, first-order's plan carried soap's
+update and stood 19-25 % above a measured first-order step, docs/benchmarks.md). The
 profile is of a ``kfac`` run, whose forwards and backwards also save K-FAC's inputs and output gradients,
 which first-order does not pay; the convergence benchmark prints planned against measured for both (in
 three runs first-order's plan was 0.97-1.04 of its run: the profile's own noise is larger). The choice,

@@ -15,7 +15,8 @@ Order, every step (after the data-parallel gradient all-reduce):
 5. ``kfac.update: base`` - the first-order optimizer (AdamW, LAMB, ...) steps every parameter, the
    preconditioned ones included; ``kfac.update: momentum`` - the K-FAC layers take a heavy-ball
    momentum step with their own learning rate ``kfac.lr``, ``kfac.update: soap`` - Adam in their
-   eigenbases (:class:`EigenbasisAdam`), every other parameter the first-order optimizer.
+   eigenbases (:class:`EigenbasisAdam`), every other parameter the first-order optimizer (K-FAC's
+   optimizer steps first, inside the profile's ``precondition`` span: the two share no parameter).
 
 Why ``base`` is the default: measured on the bundled real-text benchmark's model, the preconditioned
 gradient fed to AdamW left the unigram plateau (held-out loss about 6.3) by step 100, while the momentum update (with
@@ -47,8 +48,10 @@ class Updater:
     ``pipe_group`` is the process group of this replica's pipeline (all its stages), over which the
     global gradient norm and the KL-clip sum are all-reduced; None in one process. ``copies``: how
     many devices of the pipeline hold each stage (2 under Chimera), so each copy contributes its share
-    of those sums and every stage counts once. ``span`` (the profiler's) times the preconditioning as
-    :data:`PRECONDITION_KEY`, what K-FAC adds to every step's update. ``kfac``: the stage's K-FAC (all its
+    of those sums and every stage counts once. ``span`` (the profiler's) times what K-FAC adds to every
+    step's update as :data:`PRECONDITION_KEY`: the preconditioning, the KL-clip and K-FAC's own optimizer
+    (``kfac.update: momentum, soap``: under ``soap`` the whole of K-FAC's end-of-step work, Adam in the
+    eigenbases; the plan's first-order step is the profiled update without it, ``pipefisher.cost.objective``). ``kfac``: the stage's K-FAC (all its
     copies as one), or None. ``host`` reads fp16's overflow flag (the worker's counter,
     :mod:`pipefisher.runtime.job.host`; None: a counter of its own).
     """
@@ -101,14 +104,14 @@ class Updater:
         if o.clip_norm > 0:
             clip_grad_norm(stage.parameters(), o.clip_norm, group=self.pipe_group, share=self.share)
         if self.kfac is not None:
-            with self.span(PRECONDITION_KEY):
+            with self.span(PRECONDITION_KEY):  # all of K-FAC's share of the update: what first-order does not pay
                 self.kfac.precondition_all()
-            if k.kl_clip > 0:
-                lr = (self.kfac_optimizer.param_groups[0]["lr"] if self.kfac_optimizer is not None else self.lr)
-                clip_kl(self.kfac, lr, k.kl_clip, self.pipe_group, self.share)
+                if k.kl_clip > 0:
+                    lr = (self.kfac_optimizer.param_groups[0]["lr"] if self.kfac_optimizer is not None else self.lr)
+                    clip_kl(self.kfac, lr, k.kl_clip, self.pipe_group, self.share)
+                if self.kfac_optimizer is not None:  # its own parameters: none of the first-order optimizer's
+                    self.kfac_optimizer.step()
         self.optimizer.step()
-        if self.kfac_optimizer is not None:
-            self.kfac_optimizer.step()
         self._clear()
 
     def _clear(self) -> None:
