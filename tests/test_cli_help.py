@@ -68,6 +68,26 @@ def test_the_old_names_of_order_options_still_work_saying_the_new_name(tmp_path)
     assert (both.exit_code, both.stderr) == (2, "error: --schedule: is the old name of --order: give --order only\n")
 
 
+def test_every_command_takes_one_order_option_with_the_orders_pipeline_orders_generates(tmp_path):
+    """train, run, simulate, compare and demo: one ``--order`` (:func:`pipefisher.cli._common.order_option`),
+    its choices ``order_names()``, an alias taken as its order; its old name there still one line away."""
+    from pipefisher.cli._common import ORDER_HELP, OrderChoice
+    from pipefisher.pipeline_orders import order_names
+
+    for command, old in (("train", "--pipeline"), ("run", "--pipeline"), ("simulate", "--schedule"),
+                         ("compare", "--schedule"), ("demo", "--schedule")):
+        params = main.commands[command].params
+        [opt] = [p for p in params if p.opts == ["--order"]]
+        [former] = [p for p in params if p.opts == [old]]
+        assert isinstance(opt.type, OrderChoice) and list(opt.type.choices) == order_names(), command
+        assert isinstance(former.type, OrderChoice) and former.hidden, command
+        assert ORDER_HELP in opt.help, command
+        assert opt.type.convert("ZB_V", opt, None) == "zb-v" and opt.type.convert("dapple", opt, None) == "1f1b"
+    bad = _runner().invoke(main, ["simulate", "--order", "zigzag", "--out", str(tmp_path / "z")])
+    assert bad.exit_code == 2 and "'zigzag' is not one of 'gpipe', '1f1b', 'interleaved'" in bad.stderr, bad.stderr
+    assert not (tmp_path / "z").exists()
+
+
 def test_the_help_texts_a_new_user_read_say_what_the_commands_do():
     train, run = _help("train"), _help("run")
     for text in (train, run):

@@ -13,6 +13,7 @@ from torch import nn
 from pipefisher.kfac import KFAC, kfac_modules
 from pipefisher.kfac import factors as fx
 from pipefisher.kfac.factors import BadFactorError
+from pipefisher.kfac.kfac import STATE_FORMAT
 from pipefisher.runtime.data.batches import MLMData
 from pipefisher.runtime.job.config import DataConfig, ModelConfig
 from pipefisher.runtime.models.bert import PipelineStage
@@ -1120,3 +1121,17 @@ def test_a_checkpoint_in_the_layout_before_the_components_resumes_bit_for_bit():
     assert resumed.refresher.state["fc1"].flight["A"]["refresh"].done == 1 and resumed.pending("A", "fc1") == 1
     for a, b in zip(_finish(model, kfac), _finish(twin, resumed), strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("state,found", [
+    ({"format": 3, "curvature": {}, "refresh": {}, "drift": {}}, "of format 3"),
+    ({"format": "2"}, "of format '2'"),
+    ({"curvature": {}}, "of no format and no flat layers (keys curvature)"),
+    ([1, 2], "is a list, not a dict")])
+def test_a_state_of_another_format_is_refused_naming_it_and_the_formats_known(state, found):
+    """A newer pipefisher's state, or a damaged one, is not loaded as if it were this code's."""
+    kfac = KFAC(TinyMLP(), damping=1e-2, ignore=())
+    with pytest.raises(ValueError) as err:
+        kfac.load_state_dict(state)
+    assert str(err.value) == (f"K-FAC state {found}: this pipefisher reads format {STATE_FORMAT} and the flat "
+                              "layout before it (no format, one record per layer)")

@@ -555,3 +555,21 @@ def test_a_checkpoint_whose_manifest_has_the_old_key_names_still_resumes(tmp_pat
     assert lr_schedule_changes(manifest, cfg.replace(optim={"lr_schedule": "linear"})) == [
         "optim.lr_schedule constant -> linear"]
     assert _train(cfg, steps=2, resume=ck, checkpoint_dir=ck).start_step == 1
+
+
+def test_a_checkpoint_whose_kfac_state_is_of_another_format_is_refused_in_one_line(tmp_path):
+    """A K-FAC state of a format this code does not read (a newer pipefisher's, say) stops the resume with
+    one line naming the file, the format found and those known, before it is loaded as one of ours."""
+    cfg = load_config(TINY).replace(pipeline={"stages": 1})  # the CLI's config file with --stages 1
+    ck = str(tmp_path / "ck")
+    _train(cfg, mode="kfac", steps=1, checkpoint_dir=ck)
+    path = os.path.join(ck, "step-00000001", "stage0-replica0.pt")
+    state = torch.load(path, weights_only=True)
+    [copy] = state["kfac"]
+    state["kfac"][copy]["format"] = 3
+    torch.save(state, path)
+    res = CliRunner().invoke(main, ["train", "--config", TINY, "--stages", "1", "--mode", "kfac", "--no-progress",
+                                    "--steps", "2", "--resume", ck])
+    assert (res.exit_code, res.output) == (2, (
+        f"error: {path}: holds kfac state that does not fit this run (K-FAC state of format 3: this pipefisher "
+        "reads format 2 and the flat layout before it (no format, one record per layer))\n"))

@@ -38,7 +38,7 @@ def test_bundled_configs_cover_tests_demo_and_bert_shapes():
     ({"model": {"hidden_size": "big"}}, "model.hidden_size must be a int"),
     ({"model": {"hidden_size": 30, "num_heads": 4}}, "multiple of model.num_heads"),
     ({"pipeline": {"stages": 5}}, "pipeline.stages must be between 1"),
-    ({"pipeline": {"order": "zigzag"}}, "pipeline.order must be one of gpipe, 1f1b, chimera"),
+    ({"pipeline": {"order": "zigzag"}}, "pipeline.order must be one of gpipe, 1f1b, interleaved"),
     ({"pipeline": {"order": "chimera", "stages": 3}, "model": {"num_layers": 4}},
      "chimera needs an even number of stages"),
     ({"pipeline": {"order": "chimera"}, "data": {"num_micro_batches": 3}}, "and of data.num_micro_batches"),

@@ -139,20 +139,44 @@ def add_renamed_argument(parser: Any, new: str, old: str, **kwargs: Any) -> None
                         **{k: v for k, v in kwargs.items() if k in ("type", "choices")})
 
 
-def order_option() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """``--order``: the forward/backward order (``pipeline.order``), one definition of its choices for
-    ``train`` and ``run``; ``--pipeline``, its former name, still works (:func:`old_name`)."""
-    from pipefisher.runtime.job.config import PIPELINE_ORDERS  # plain Python: no torch
+ORDER_HELP = ("the forward/backward order (gpipe; 1f1b; chimera: two pipes in opposite directions, every device "
+              "holding two stage copies; interleaved: 1F1B over --chunks model chunks per device; zb-h1 and zb-v: "
+              "zero bubble, every backward split into an input-gradient and a weight-gradient pass, zb-v with 2 "
+              "chunks per device in a V; dualpipev: DualPipe's overlapped forward-backward pairs in zb-v's V, needs "
+              "micro-batches >= 2 x stages)")
+"""What every command's ``--order`` says the orders are (:func:`order_option`)."""
+
+
+class OrderChoice(click.Choice):
+    """The pipeline orders (:func:`pipefisher.pipeline_orders.order_names`); an alias, in any case
+    (:func:`~pipefisher.pipeline_orders.canonical_name`), is taken as the order it names."""
+
+    def __init__(self) -> None:
+        from pipefisher.pipeline_orders import order_names  # plain Python: no torch
+
+        super().__init__(order_names())
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from pipefisher.pipeline_orders import canonical_name
+
+        if isinstance(value, str):
+            try:
+                value = canonical_name(value)
+            except InputError:
+                pass  # click's refusal below names the choices
+        return super().convert(value, param, ctx)
+
+
+def order_option(old: str, lead: str = "", tail: str = "") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--order``: the forward/backward order, one definition for every command that takes one (``train``
+    and ``run``: ``pipeline.order``; ``simulate``, ``compare``, ``demo``: the cost model's), its choices
+    :class:`OrderChoice`; ``old``, its former name in that command, still works (:func:`old_name`). The
+    help is ``lead``, :data:`ORDER_HELP`, ``tail``: what the option overrides and its default."""
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
-        f = old_name("--pipeline", "--order", "order", type=click.Choice(PIPELINE_ORDERS))(f)
-        return click.option(
-            "--order", "order", type=click.Choice(PIPELINE_ORDERS), default=None,
-            help="override pipeline.order: the forward/backward order (gpipe; 1f1b; chimera: two pipes in "
-                 "opposite directions, every device holding two stage copies; interleaved: 1F1B over --chunks "
-                 "model chunks per device; zb-h1 and zb-v: zero bubble, every backward split into an "
-                 "input-gradient and a weight-gradient pass, zb-v with 2 chunks per device in a V; dualpipev: "
-                 "DualPipe's overlapped forward-backward pairs in zb-v's V, needs micro-batches >= 2 x stages)")(f)
+        f = old_name(old, "--order", "order", type=OrderChoice())(f)
+        return click.option("--order", "order", type=OrderChoice(), default=None,
+                            help=f"{lead}{ORDER_HELP}{tail}")(f)
 
     return decorate
 

@@ -32,7 +32,7 @@ def layout_options() -> Decorator:
         click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
                      help="workers to launch here = pipeline stages x data-parallel replicas (default: stages)"),
         click.option("--stages", type=click.IntRange(min=1), default=None, help="override pipeline.stages"),
-        order_option(),
+        order_option("--pipeline", lead="override pipeline.order: "),
         chunks_option(),
         click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
                      help="override pipeline.timeout_s (seconds a worker waits on a peer before failing)"),

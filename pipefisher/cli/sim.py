@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import click
 
-from pipefisher.cli._common import margin_option, old_name, staleness_for, staleness_option
+from pipefisher.cli._common import margin_option, old_name, order_option, staleness_for, staleness_option
 from pipefisher.cli.group import main
 from pipefisher.cli.schedule import _policy_help
 from pipefisher.errors import InputError
@@ -100,15 +100,8 @@ def run_simulate(config: str, order: str | None, stages: int | None, micro_batch
     return paths
 
 
-def _order_help() -> str:
-    from pipefisher.pipeline_orders import order_names
-
-    return f"pipeline order: {', '.join(order_names())} (default: the file's)"
-
-
-def _order_options(f: Callable) -> Callable:
-    """``--order`` and its former name ``--schedule`` (:func:`~pipefisher.cli._common.old_name`)."""
-    return click.option("--order", default=None, help=_order_help())(old_name("--schedule", "--order", "order")(f))
+_order_options = order_option("--schedule", tail=" [default: the cost model's order]")
+"""``--order`` of the commands that simulate a cost model, and its former name ``--schedule``."""
 
 
 def _model_options(f: Callable) -> Callable:

@@ -43,11 +43,26 @@ __all__ = ["KFAC", "BadFactorError", "Coverage", "DEFAULT_IGNORE", "HostReader",
 
 STATE_FORMAT = 2
 """The layout of :meth:`KFAC.state_dict`: one part per component. A state without ``format`` is the one
-before the components (one flat record per layer), which :func:`split_flat_state` reads."""
+before the components (one flat record per layer), which :func:`split_flat_state` reads; any other
+format is refused (:func:`check_state_format`)."""
 
 _FLAT_KEYS = {"curvature": ("sums", "counts", "running", "synced", "inputs", "outgrads"),
               "refresh": ("inverses", "last_pi", "inversions", "skipped", "flight", "completed"),
               "drift": ("last_grad", "last_pre", "pre_versions", "replaced", "handled", "previous")}
+
+
+def check_state_format(state: Any) -> None:
+    """``ValueError`` naming the format found and the ones known, for a state this code cannot read (one
+    written by a newer pipefisher, or damaged): loading it as one of ours would resume wrongly."""
+    known = (f"this pipefisher reads format {STATE_FORMAT} and the flat layout before it (no format, one record "
+             "per layer)")
+    if not isinstance(state, dict):
+        raise ValueError(f"K-FAC state is a {type(state).__name__}, not a dict: {known}")
+    if "format" in state:
+        if state["format"] != STATE_FORMAT:
+            raise ValueError(f"K-FAC state of format {state['format']!r}: {known}")
+    elif not {"saving", "layers"} <= set(state):
+        raise ValueError(f"K-FAC state of no format and no flat layers (keys {', '.join(map(str, state))}): {known}")
 
 
 def split_flat_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -266,7 +281,9 @@ class KFAC:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s content (or one saved before the components:
-        :func:`split_flat_state`); ``ValueError`` when it covers other layers than these."""
+        :func:`split_flat_state`); ``ValueError`` when it is of another format (:func:`check_state_format`)
+        or covers other layers than these."""
+        check_state_format(state)
         if "format" not in state:
             state = split_flat_state(state)
         if set(state["curvature"]["layers"]) != set(self.layers):

@@ -10,8 +10,8 @@ factors by the pi rule. A factor that cannot be inverted honestly stops the run
 runtime's next read (``host``), the new inverse used on the device only where they say it is honest.
 
 Whoever follows refreshes (the drift, :class:`pipefisher.kfac.drift_meter.DriftMeter`) is told through
-:class:`RefreshListener` and reads what it needs through :meth:`Refresher.installed`,
-:meth:`Refresher.inversions` and :meth:`Refresher.honest`.
+:class:`RefreshListener` (its ``follow`` makes it :attr:`Refresher.listener`) and reads what it needs
+through :meth:`Refresher.installed`, :meth:`Refresher.inversions` and :meth:`Refresher.honest`.
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ class Refresher:
     def __init__(self, layers: dict[str, LayerState], stats: CurvatureStats, *, damping: float,
                  damping_min: float, damping_decay: float, method: str, dtype: torch.dtype,
                  on_bad_factor: str, refresh_pieces: int | str, warn: Callable[[str], None] | None = None,
-                 host: HostReader | None = None, listener: RefreshListener | None = None) -> None:
+                 host: HostReader | None = None) -> None:
         self.layers, self.stats = layers, stats
         self.state = {n: LayerRefresh() for n in layers}
         self.damping, self.damping_min, self.damping_decay = damping, damping_min, damping_decay
@@ -107,7 +107,7 @@ class Refresher:
         self.refresh_pieces = refresh_pieces
         self.warn = warn or logger.warning
         self.host = host
-        self.listener: RefreshListener = listener or _NoListener()
+        self.listener: RefreshListener = _NoListener()  # until a follower (the drift) follows: see its follow()
         self._marked = False  # completions are marked (complete) by a schedule's executor: see plan_refresh
         self._told_overflow = False
         # Checking inverses: through the worker's reader (host; None: read at once). An inverse with one to

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from pipefisher.errors import InputError, renamed_notice
 from pipefisher.kfac import DEFAULT_IGNORE
-from pipefisher.pipeline_orders import V_ORDERS, default_chunks
+from pipefisher.pipeline_orders import V_ORDERS, default_chunks, order_names
 from pipefisher.runtime.job.options import FLAGS, OptionError, section_class
 
 DEFAULT_MUON_EXCLUDE = ("embed", "embeddings", "embed_tokens", "wte", "wpe", "cls", "head", "lm_head")
@@ -228,8 +228,8 @@ def cov_limit(value: int | str) -> int | None:
     return None if value == "all" else int(value)
 
 
-PIPELINE_ORDERS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v", "dualpipev")
-"""Pipeline orders the trainer runs (their generators live in :mod:`pipefisher.pipeline_orders`)."""
+PIPELINE_ORDERS = tuple(order_names())
+"""Pipeline orders the trainer runs: every one :mod:`pipefisher.pipeline_orders` generates."""
 
 
 ENGINES = ("pipefisher", "torch")
