@@ -185,3 +185,18 @@ def test_the_group_has_every_command_module_registered():
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["schedule", "validate", "train", "simulate", "compare", "plot", "trace", "demo",
                                   "run", "export"]
+
+
+TINY_ARGS = {"train": ["--config", "configs/tiny.yaml"], "run": ["--config", "configs/tiny.yaml", "--out", "never"],
+             "compare": [], "demo": [], "simulate": []}
+
+
+@pytest.mark.parametrize("command,flag", [(c, f) for c in TINY_ARGS for f in
+                                          ("--order", "--pipeline" if c in ("train", "run") else "--schedule")])
+def test_an_unknown_order_is_refused_in_the_projects_one_line(command, flag, monkeypatch):
+    """Every command's --order (and its former name) refuses an unknown order in one line, exit 2."""
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = CliRunner().invoke(main, [command, *TINY_ARGS[command], flag, "nope"])
+    assert res.exit_code == 2 and "error: unknown pipeline order 'nope'" in res.output, res.output
+    assert res.output.count("\n") == 1, res.output
+    assert not os.path.exists("never")

@@ -149,7 +149,8 @@ ORDER_HELP = ("the forward/backward order (gpipe; 1f1b; chimera: two pipes in op
 
 class OrderChoice(click.Choice):
     """The pipeline orders (:func:`pipefisher.pipeline_orders.order_names`); an alias, in any case
-    (:func:`~pipefisher.pipeline_orders.canonical_name`), is taken as the order it names."""
+    (:func:`~pipefisher.pipeline_orders.canonical_name`), is taken as the order it names, and an unknown
+    name is refused in the project's one line (``error: ...``), not click's usage block."""
 
     def __init__(self) -> None:
         from pipefisher.pipeline_orders import order_names  # plain Python: no torch
@@ -160,10 +161,7 @@ class OrderChoice(click.Choice):
         from pipefisher.pipeline_orders import canonical_name
 
         if isinstance(value, str):
-            try:
-                value = canonical_name(value)
-            except InputError:
-                pass  # click's refusal below names the choices
+            value = canonical_name(value)  # an unknown order: the project's one line, naming the orders
         return super().convert(value, param, ctx)
 
 
