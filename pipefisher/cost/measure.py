@@ -580,7 +580,7 @@ def inverse_pieces(records: Sequence[StepRecord]) -> dict[str, list[list[float]]
             runs: dict[str, list[float]] = {}
             for r in cycle:
                 for lt in r.labels:
-                    if lt.label.startswith("inv_kron_"):
+                    if lt.label.startswith(INV_PREFIX):
                         runs.setdefault(lt.label, []).append(lt.end - lt.start)
             before = pieces_before_completion(None, [[lt.label for lt in r.labels] for r in cycle])
             for label, seconds in runs.items():
@@ -668,7 +668,7 @@ def measured_timeline(records: Sequence[StepRecord], planned: NodeModel | None =
         if parsed.kind in COV_KINDS:
             d *= cov_pieces(counts.get(cov_source(parsed.factor, parsed.up_pipe, parsed.chunk), 1), limit)
         plan = [float(x) * unit_seconds(planned) for x in planned.durations.get(key, ())] if planned else []
-        runs = pieces.get(key) or ([[] for _ in plan] if key.startswith("inv_kron_") and len(plan) > 1 else [])
+        runs = pieces.get(key) or ([[] for _ in plan] if key.startswith(INV_PREFIX) and len(plan) > 1 else [])
         if not runs:
             out[key] = [(ns(t), ns(t + d))]
             t += d
