@@ -9,7 +9,7 @@ from torch import nn
 
 from pipefisher.kfac import KFAC
 from pipefisher.kfac.eigenbasis import EigenbasisAdam
-from pipefisher.kfac.factors import eigenbasis
+from pipefisher.kfac.factors import diagonal_blocks, eigenbasis
 
 from conftest import DEAD_UNIT_SCALES, dead_unit_factors
 
@@ -23,6 +23,19 @@ def _grads(model: nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=g)
+
+
+def _step_alike(a: tuple[nn.Module, torch.optim.Optimizer], b: tuple[nn.Module, torch.optim.Optimizer], steps: int,
+                before=lambda step: None) -> None:  # noqa: ANN001
+    """Both models take ``steps`` steps of their optimizers on the same gradients, then hold the same
+    parameters; ``before(step)`` runs first at each step."""
+    for step in range(steps):
+        before(step)
+        for model, opt in (a, b):
+            _grads(model, step)
+            opt.step()
+    for x, y in zip(a[0].parameters(), b[0].parameters()):
+        assert torch.allclose(x, y, atol=1e-6)
 
 
 def test_eigenbasis_diagonalises_the_factor():
@@ -75,13 +88,7 @@ def test_without_bases_it_is_adamw(bias):
     if bias:
         groups.append({"params": [ref[0].bias], "weight_decay": 0.0})
     adamw = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.98), eps=1e-8)
-    for step in range(3):
-        _grads(ours, step)
-        _grads(ref, step)
-        opt.step()
-        adamw.step()
-    for a, b in zip(ours.parameters(), ref.parameters()):
-        assert torch.allclose(a, b, atol=1e-6)
+    _step_alike((ours, opt), (ref, adamw), 3)
 
 
 def test_with_bases_it_is_adam_in_the_rotated_coordinates():
@@ -220,8 +227,59 @@ def test_a_refresh_rotates_the_moment_on_its_side_only_and_through_the_moment(ch
         st.inversions[factor] += 1
     with _Products() as seen:
         EigenbasisAdam._follow_basis(state, st.installed["A"], st.installed["B"],
-                                     (st.inversions["A"], st.inversions["B"]))
+                                     (st.inversions["A"], st.inversions["B"]),
+                                     [(0, state["exp_avg"].shape[0])], [(0, state["exp_avg"].shape[1])])
     after = state["basis_b"] @ state["exp_avg"] @ state["basis_a"].t()
     assert torch.allclose(after, before, atol=1e-5)
     cheaper = {"A": min(2 * 3 * 21 ** 2, 21 ** 3 + 3 * 21 ** 2), "B": min(2 * 21 * 3 ** 2, 3 ** 3 + 21 * 3 ** 2)}
     assert sum(x[0] * x[1] * y[1] for x, y in seen.shapes) == sum(cheaper[f] for f in changed), seen.shapes
+
+
+def _blocky_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(9, 12), nn.Linear(12, 5, bias=False))
+
+
+def test_a_blocked_basis_is_each_diagonal_blocks_own_eigenbasis():
+    """``kfac.basis_block``: a factor wider than the block gets a block-diagonal basis, each block the
+    eigenbasis of the factor's block; the factor's off-block entries play no part."""
+    x = torch.randn(60, 10)
+    f = x.t() @ x / 60
+    q = eigenbasis(f, block=4)
+    blocks = diagonal_blocks(10, 4)
+    assert len(blocks) == 3
+    for j0, j1 in blocks:
+        qb = q[j0:j1, j0:j1]
+        rotated = qb.t() @ f[j0:j1, j0:j1] @ qb
+        assert torch.allclose(qb.t() @ qb, torch.eye(j1 - j0), atol=1e-5)
+        assert torch.allclose(rotated, torch.diag(torch.diagonal(rotated)), atol=1e-4)
+    inside = torch.zeros(10, 10, dtype=torch.bool)
+    for j0, j1 in blocks:
+        inside[j0:j1, j0:j1] = True
+    assert torch.equal(q[~inside], torch.zeros(int((~inside).sum())))
+    assert torch.equal(eigenbasis(f, block=10), eigenbasis(f))
+
+
+def test_blocked_rotations_give_the_dense_rotations_step():
+    """The optimizer's products go block by block under ``basis_block``: the same steps (rounding
+    aside) as dense products with the same block-diagonal bases, first moment carried across a refresh."""
+    ours, dense = _blocky_model(), _blocky_model()
+    k_ours = KFAC(ours, inverse="eigenbasis", ignore=(), basis_block=4)
+    k_dense = KFAC(dense, inverse="eigenbasis", ignore=())
+    g = torch.Generator().manual_seed(5)
+
+    def install(version: int) -> None:
+        for name, st in k_ours.refresher.state.items():
+            for factor in "AB":
+                n = k_ours.layers[name].factor_size(factor)
+                x = torch.randn(3 * n, n, generator=g)
+                q = eigenbasis(x.t() @ x, block=4)
+                for k in (k_ours, k_dense):
+                    k.refresher.state[name].installed[factor] = q
+                    k.refresher.state[name].inversions[factor] = version
+
+    opt = EigenbasisAdam(k_ours, lr=1e-2, weight_decay=0.1, basis_block=4)
+    ref = EigenbasisAdam(k_dense, lr=1e-2, weight_decay=0.1)
+    install(1)
+    # at step 2 a refresh: the first moment rotated into the new bases, block by block
+    _step_alike((ours, opt), (dense, ref), 4, before=lambda step: install(2) if step == 2 else None)

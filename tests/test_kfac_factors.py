@@ -1,6 +1,8 @@
 """The covariance pieces of :mod:`pipefisher.kfac.factors`, added in place, against the plain formulas."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -118,3 +120,37 @@ def test_a_zero_pivot_is_a_finding_not_an_exception():
     assert "Cholesky failed at column 3" in fx.bad_factor(findings.tolist(), "cholesky")
     with pytest.raises(fx.BadFactorError, match="Cholesky failed at column 3"):
         fx.damped_inverse(f, 1e-3, what="K-FAC layer x factor A")
+
+
+@pytest.mark.parametrize("n, block", [(513, 128), (512, 128), (129, 128), (129, 0), (7, 3), (1, 1)])
+def test_diagonal_blocks_cover_the_factor_in_blocks_no_wider_than_asked(n, block):
+    blocks = fx.diagonal_blocks(n, block)
+    assert blocks[0][0] == 0 and blocks[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    if block == 0 or n <= block:
+        assert blocks == [(0, n)]
+    else:
+        assert max(j1 - j0 for j0, j1 in blocks) <= block and len(blocks) == math.ceil(n / block)
+
+
+def _blocks_only(f: torch.Tensor, block: int) -> torch.Tensor:
+    mask = torch.zeros_like(f, dtype=torch.bool)
+    for j0, j1 in fx.diagonal_blocks(f.shape[0], block):
+        mask[j0:j1, j0:j1] = True
+    return torch.where(mask, f, torch.zeros_like(f))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_blocked_factor_is_the_whole_one_on_its_diagonal_blocks_and_zero_off_them(bias):
+    """``kfac.basis_block``: the covariance pieces add the diagonal blocks only (the bias row and column
+    within the last block), exactly what the whole factor holds there."""
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2, 9, 10, generator=g) for _ in range(3)]
+    whole = blocked = None
+    for x in xs:
+        whole = fx.add_cov_a(whole, x, bias)
+        blocked = fx.add_cov_a(blocked, x, bias, block=4)
+    assert len(fx.diagonal_blocks(10 + bias, 4)) == 3
+    assert _close(blocked, _blocks_only(whole, 4).double())
+    gb = torch.randn(2, 9, 10, generator=g)
+    assert _close(fx.cov_b(gb, 3.0, block=4), _blocks_only(fx.cov_b(gb, 3.0), 4).double())

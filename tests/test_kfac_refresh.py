@@ -103,6 +103,32 @@ def test_a_refresh_resumed_from_its_state_finishes_bit_for_bit(done, tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("p", [1, 2, 3, 6])
+def test_a_blocked_eigenbasis_in_pieces_is_the_whole_blocked_one_and_resumes(p, tmp_path):
+    """``kfac.basis_block``: a wide factor's eigenbasis refresh is its diagonal blocks' ``eigh``, grouped
+    into pieces (more pieces than blocks leave pieces with nothing to do), the same basis as the whole
+    blocked refresh, with or without a previous basis, and a checkpoint after any piece continues to it."""
+    f = _factor(130, rows=400, bias=True)
+    want, findings, _ = fx.inverse_findings(f, 0.0, method="eigenbasis", block=48)
+    for basis in (None, torch.eye(130)):
+        q, got, ok = _run(Refresh(f, 0.0, method="eigenbasis", dtype=torch.float32, pieces=p, block=48, basis=basis))
+        assert torch.equal(q, want) and torch.equal(got, findings) and bool(ok)
+    part = Refresh(f, 0.0, method="eigenbasis", dtype=torch.float32, pieces=p, block=48)
+    assert part.mode == "blocks"
+    part.step()
+    torch.save(part.state_dict(), tmp_path / "r.pt")
+    resumed = Refresh.from_state(torch.load(tmp_path / "r.pt", weights_only=True))
+    resumed.finish()
+    assert torch.equal(resumed.result()[0], want)
+
+
+def test_a_factor_no_wider_than_the_block_refreshes_as_without_blocks():
+    f = _factor(40, rows=160)
+    assert Refresh(f, 0.0, method="eigenbasis", dtype=torch.float32, pieces=2, block=40,
+                   basis=torch.eye(40)).mode == "power"
+    assert Refresh(f, 1e-3, method="cholesky", dtype=torch.float32, pieces=2, block=8).mode == "cholesky"
+
+
 @pytest.mark.parametrize("factored", [5, 23, 40])
 def test_a_first_plan_checkpoint_mid_refresh_continues_to_the_inverse(factored):
     """A checkpoint the first plan wrote (no ``plan``; ``W`` in its tensors; its cut of the columns, not

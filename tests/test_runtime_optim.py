@@ -597,3 +597,33 @@ def test_the_precondition_span_holds_all_of_kfacs_update_and_none_of_first_order
     updater.step(model)
     want = [("kfac", (PRECONDITION_KEY,))] if update == "soap" else []
     assert seen == want + [("first-order", ())]
+
+
+def test_kfac_basis_block_reaches_the_covariance_the_refresh_and_the_rotations():
+    """``kfac.basis_block`` from the config: the factors wider than it hold their diagonal blocks only,
+    their refreshed bases are block-diagonal, and soap's optimizer rotates block by block."""
+    from pipefisher.kfac.factors import diagonal_blocks
+    from pipefisher.runtime.job.config import RunConfig
+    from pipefisher.runtime.train.update import Updater, make_kfac
+
+    cfg = RunConfig().replace(kfac={"update": "soap", "ignore": ["embeddings", "LayerNorm"], "basis_block": 5})
+    model = Block()
+    kfac = make_kfac(cfg, model)
+    updater = Updater(cfg, model, kfac, total_steps=10)
+    assert updater.kfac_optimizer.basis_block == 5
+    kfac.stats.set_saving(True)
+    out = model(torch.randint(0, 10, (4, 3)))
+    kfac.stats.end_forward()
+    out.square().sum().backward()
+    for name in kfac.layers:
+        for factor in "AB":
+            kfac.stats.cov_all(factor, name)
+    a = kfac.factor("dense", "A")  # 7 wide (6 inputs and the bias): blocks of 4 and 3
+    assert diagonal_blocks(7, 5) == [(0, 4), (4, 7)] and torch.count_nonzero(a[:4, 4:]) == 0
+    assert torch.count_nonzero(a[:4, :4]) == 16
+    for name in kfac.layers:
+        for factor in "AB":
+            kfac.refresher.inv(factor, name)
+    q = kfac.refresher.installed("dense", "A")
+    assert torch.count_nonzero(q[:4, 4:]) == 0 and torch.count_nonzero(q[4:, :4]) == 0
+    assert torch.allclose(q.t() @ q, torch.eye(7), atol=1e-5)

@@ -46,11 +46,39 @@ def factor_eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ldexp(vals - JITTER, exponent), vecs
 
 
-def eigenbasis(f: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def eigenbasis(f: torch.Tensor, dtype: torch.dtype = torch.float32, block: int = 0) -> torch.Tensor:
     """The eigenvectors of a symmetric PSD factor (columns), computed in ``dtype`` by :func:`factor_eigh`
     and returned in ``f``'s dtype; no damping is needed. Only ``f``'s lower triangle is read (``eigh``'s),
-    so a factor symmetric up to rounding needs no symmetrising pass."""
-    return factor_eigh(f.to(dtype))[1].to(f.dtype)
+    so a factor symmetric up to rounding needs no symmetrising pass. ``block``: a factor wider than it is
+    taken as its :func:`diagonal_blocks` alone, and its basis is block-diagonal (each block's ``eigh``)."""
+    blocks = diagonal_blocks(f.shape[0], block)
+    if len(blocks) == 1:
+        return factor_eigh(f.to(dtype))[1].to(f.dtype)
+    q = torch.zeros_like(f)
+    for j0, j1 in blocks:
+        q[j0:j1, j0:j1] = factor_eigh(f[j0:j1, j0:j1].to(dtype))[1].to(f.dtype)
+    return q
+
+
+def column_blocks(n: int, count: int) -> list[tuple[int, int]]:
+    """``count`` (at most ``n``) contiguous column ranges of ``0..n``, as equal as integers allow."""
+    count = max(1, min(count, n))
+    edges = [round(n * i / count) for i in range(count + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def diagonal_blocks(n: int, block: int) -> list[tuple[int, int]]:
+    """The diagonal blocks an ``n``-wide factor is cut into under ``kfac.basis_block`` = ``block``: the
+    fewest equal column ranges of at most ``block`` columns each; the whole factor where ``block`` is 0
+    or the factor no wider.
+
+    Why: a wide factor's eigenbasis (an ``n^3`` ``eigh``) and the rotations into it (``n^2`` per gradient
+    row, every step) cost more than the curvature they carry pays for on a small model; its diagonal
+    blocks alone (Shampoo's blocking of its preconditioners) cost ``n b^2`` and ``n b`` (docs/benchmarks.md,
+    "Factors cut into diagonal blocks")."""
+    if block <= 0 or n <= block:
+        return [(0, n)]
+    return column_blocks(n, math.ceil(n / block))
 
 
 class BadFactorError(RuntimeError):
@@ -60,9 +88,10 @@ class BadFactorError(RuntimeError):
     """
 
 
-def add_cov_a(acc: torch.Tensor | None, x: torch.Tensor, bias: bool) -> torch.Tensor:
+def add_cov_a(acc: torch.Tensor | None, x: torch.Tensor, bias: bool, block: int = 0) -> torch.Tensor:
     """Add factor A of one micro-batch, ``[x, 1]^T [x, 1] / n`` over its ``n`` input rows, into ``acc``
-    in place (a new sum when ``acc`` is None); returns the sum.
+    in place (a new sum when ``acc`` is None); returns the sum. ``block``: only the factor's
+    :func:`diagonal_blocks` are computed (the rest stays zero).
 
     A linear layer with bias is a bias-free layer on inputs with a constant 1 appended; that column is
     never built: the ``x^T x`` block goes in with one ``addmm_``, the bias row and column are the mean
@@ -72,16 +101,20 @@ def add_cov_a(acc: torch.Tensor | None, x: torch.Tensor, bias: bool) -> torch.Te
     n, d = x.shape
     if acc is None:
         acc = x.new_zeros(d + bias, d + bias)
-    acc[:d, :d].addmm_(x.t(), x, alpha=1.0 / n)
+    blocks = diagonal_blocks(d + bias, block)
+    for j0, j1 in blocks:
+        e = min(j1, d)  # the bias column, where it falls in this block, is not in x
+        acc[j0:e, j0:e].addmm_(x[:, j0:e].t(), x[:, j0:e], alpha=1.0 / n)
     if bias:
-        mean = x.sum(0) / n
-        acc[:d, d] += mean
-        acc[d, :d] += mean
+        j0 = blocks[-1][0]  # the bias row and column within the last block only
+        mean = x[:, j0:].sum(0) / n
+        acc[j0:d, d] += mean
+        acc[d, j0:d] += mean
         acc[d, d] += 1.0
     return acc
 
 
-def add_cov_b(acc: torch.Tensor | None, g: torch.Tensor, loss_scale: float) -> torch.Tensor:
+def add_cov_b(acc: torch.Tensor | None, g: torch.Tensor, loss_scale: float, block: int = 0) -> torch.Tensor:
     """Add factor B of one micro-batch, ``(s g)^T (s g) / n`` with ``s = loss_scale * n``, into ``acc``
     in place (a new sum when ``acc`` is None); returns the sum.
 
@@ -93,17 +126,19 @@ def add_cov_b(acc: torch.Tensor | None, g: torch.Tensor, loss_scale: float) -> t
     n, d = g.shape
     if acc is None:
         acc = g.new_zeros(d, d)
-    return acc.addmm_(g.t(), g, alpha=(loss_scale * n) ** 2 / n)
+    for j0, j1 in diagonal_blocks(d, block):  # ``block``: the diagonal blocks only, as add_cov_a
+        acc[j0:j1, j0:j1].addmm_(g[:, j0:j1].t(), g[:, j0:j1], alpha=(loss_scale * n) ** 2 / n)
+    return acc
 
 
-def cov_a(x: torch.Tensor, bias: bool) -> torch.Tensor:
+def cov_a(x: torch.Tensor, bias: bool, block: int = 0) -> torch.Tensor:
     """Factor A of one micro-batch on its own (:func:`add_cov_a` into nothing)."""
-    return add_cov_a(None, x, bias)
+    return add_cov_a(None, x, bias, block)
 
 
-def cov_b(g: torch.Tensor, loss_scale: float) -> torch.Tensor:
+def cov_b(g: torch.Tensor, loss_scale: float, block: int = 0) -> torch.Tensor:
     """Factor B of one micro-batch on its own (:func:`add_cov_b` into nothing)."""
-    return add_cov_b(None, g, loss_scale)
+    return add_cov_b(None, g, loss_scale, block)
 
 
 def running_average(old: torch.Tensor | None, new: torch.Tensor, decay: float) -> torch.Tensor:
@@ -162,7 +197,7 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
 
 def inverse_findings(f: torch.Tensor, damping: torch.Tensor | float, *, method: str = "cholesky",
                      dtype: torch.dtype = torch.float32,
-                     pieces: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     pieces: torch.Tensor | None = None, block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(F + damping I)^-1`` of a symmetric PSD factor (computed in ``dtype``, returned in F's dtype), its
     :data:`FINDINGS` (a float64 tensor on F's device) and whether it is honest (a 0-dim bool tensor: the
     device-side twin of :func:`bad_factor` finding nothing), without reading anything back: the
@@ -172,13 +207,14 @@ def inverse_findings(f: torch.Tensor, damping: torch.Tensor | float, *, method: 
     in a PSD factor to zero before damping, so it survives nearly singular factors. A factor holding
     NaN or infinity is inverted as if those were 0 (its findings say so; the inverse is not to be used).
     ``damping`` comes from :func:`damping_terms` (positive and finite); :func:`bad_factor` checks it.
+    ``block``: ``eigenbasis`` only, the basis of the factor's diagonal blocks (:func:`eigenbasis`).
     """
     if method not in INVERSE_METHODS:
         raise ValueError(f"inverse method must be one of {', '.join(INVERSE_METHODS)}, not {method!r}")
     finite = all_finite(f)
     m = f.to(dtype)  # not symmetrised: Cholesky and eigh read the lower triangle only
     if method == "eigenbasis":  # SOAP's basis for kfac.update: soap: the eigenvectors, no damping
-        inv = eigenbasis(torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0), dtype)
+        inv = eigenbasis(torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0), dtype, block)
         first = second = m.new_zeros((), dtype=torch.float64)
         ok = torch.ones((), dtype=torch.bool, device=m.device)
     elif method == "eigen":

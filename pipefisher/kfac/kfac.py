@@ -78,7 +78,7 @@ def split_flat_state(state: dict[str, Any]) -> dict[str, Any]:
 
 def _check_settings(damping: float, damping_min: float | None, damping_decay: float, factor_decay: float,
                     inverse: str, inverse_dtype: str, on_bad_factor: str, fisher: str, cov_stride: int,
-                    refresh_pieces: int | str, cov_micro_batches: int | None) -> None:
+                    refresh_pieces: int | str, cov_micro_batches: int | None, basis_block: int = 0) -> None:
     """``ValueError`` for a setting K-FAC cannot run with (the run config's check says the same to users)."""
     if not (damping > 0 and math.isfinite(damping)):  # also refuses NaN and infinity
         raise ValueError(f"K-FAC damping must be positive and finite, not {damping!r}: an undamped "
@@ -101,6 +101,10 @@ def _check_settings(damping: float, damping_min: float | None, damping_decay: fl
         raise ValueError(f"K-FAC refresh_pieces must be an integer >= 1 or 'auto', not {refresh_pieces!r}")
     if refresh_pieces not in (1, "auto") and inverse not in PIECE_METHODS:
         raise ValueError(f"K-FAC refresh_pieces > 1 needs inverse {' or '.join(PIECE_METHODS)}, not {inverse!r}")
+    if isinstance(basis_block, bool) or not isinstance(basis_block, int) or basis_block < 0:
+        raise ValueError(f"K-FAC basis_block must be an integer >= 0 (0: whole factors), not {basis_block!r}")
+    if basis_block and inverse != "eigenbasis":
+        raise ValueError(f"K-FAC basis_block cuts eigenbases (inverse eigenbasis), not {inverse!r} inverses")
 
 
 class KFAC:
@@ -116,7 +120,9 @@ class KFAC:
     ``drift``: measure every layer's drift at its refreshes; it keeps two gradient-sized tensors and the
     inverses of the refresh before per layer. Replicas hold the same gradients and inverses, so one
     replica measuring suffices. ``host``: the worker's reader of device values (:class:`HostReader`),
-    which the checks of inverses are read with (None: each read at once).
+    which the checks of inverses are read with (None: each read at once). ``basis_block`` (``inverse=
+    "eigenbasis"`` only): a factor wider than it is cut into diagonal blocks, its covariance and basis
+    computed per block (:func:`pipefisher.kfac.factors.diagonal_blocks`); 0 keeps factors whole.
     """
 
     def __init__(self, model: nn.Module, *, damping: float = 1e-3, ignore: Iterable[str] = DEFAULT_IGNORE,
@@ -126,19 +132,20 @@ class KFAC:
                  save_dtype: str = "float32", fisher: str = "empirical",
                  warn: Callable[[str], None] | None = None, cov_stride: int = 1, drift: bool = True,
                  refresh_pieces: int | str = 1, host: HostReader | None = None,
-                 cov_micro_batches: int | None = None) -> None:
+                 cov_micro_batches: int | None = None, basis_block: int = 0) -> None:
         _check_settings(damping, damping_min, damping_decay, factor_decay, inverse, inverse_dtype,
-                        on_bad_factor, fisher, cov_stride, refresh_pieces, cov_micro_batches)
+                        on_bad_factor, fisher, cov_stride, refresh_pieces, cov_micro_batches, basis_block)
         self.layers = layer_states(model, ignore)
         self.coverage = coverage(model, ignore)  # what the run says at start
         self.stats = CurvatureStats(self.layers, loss_scale=loss_scale, dp_group=dp_group, dp_size=dp_size,
                                     factor_decay=factor_decay, save_dtype=DTYPES[save_dtype], fisher=fisher,
-                                    cov_stride=cov_stride, cov_micro_batches=cov_micro_batches)
+                                    cov_stride=cov_stride, cov_micro_batches=cov_micro_batches,
+                                    basis_block=basis_block)
         self.refresher = Refresher(self.layers, self.stats, damping=float(damping),
                                    damping_min=float(damping if damping_min is None else damping_min),
                                    damping_decay=float(damping_decay), method=inverse,
                                    dtype=DTYPES[inverse_dtype], on_bad_factor=on_bad_factor,
-                                   refresh_pieces=refresh_pieces, warn=warn, host=host)
+                                   refresh_pieces=refresh_pieces, warn=warn, host=host, basis_block=basis_block)
         self.drift = DriftMeter(list(self.layers), enabled=drift)
         self.drift.follow(self.refresher)
         self.update = Preconditioner(self.layers, self.refresher, self.drift)

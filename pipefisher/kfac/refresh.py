@@ -18,6 +18,8 @@ time, its state carried between them (and into a checkpoint), giving what the wh
   place with its sign towards the previous column, so Adam's moments in the basis stay meaningful
   (:class:`pipefisher.kfac.eigenbasis.EigenbasisAdam` rotates the first moment by ``Q_new^T Q_old``, near
   the identity). The first refresh (no previous basis) is the whole ``eigh``, in its first piece.
+- ``eigenbasis`` of a factor cut into diagonal blocks (``kfac.basis_block``): each block's ``eigh``, the
+  blocks grouped into pieces of about equal work (``b^3`` each); exact, as the whole blocked refresh.
 
 ``p = 1`` is the whole refresh exactly as before (:func:`pipefisher.kfac.factors.inverse_findings`);
 ``eigen`` is never split (:data:`PIECE_METHODS`).
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from pipefisher.kfac import factors as fx
+from pipefisher.kfac.factors import column_blocks, diagonal_blocks
 
 PIECE_METHODS = ("cholesky", "eigenbasis")
 """The refreshes that run in pieces; ``eigen`` (a whole ``eigh`` per refresh) is not split."""
@@ -52,13 +55,6 @@ def pieces_for(width: int, setting: int | str, method: str) -> int:
         return 1
     p = max(1, math.ceil(width / AUTO_COLUMNS)) if setting == "auto" else int(setting)
     return max(1, min(p, width))
-
-
-def column_blocks(n: int, count: int) -> list[tuple[int, int]]:
-    """``count`` (at most ``n``) contiguous column ranges of ``0..n``, as equal as integers allow."""
-    count = max(1, min(count, n))
-    edges = [round(n * i / count) for i in range(count + 1)]
-    return list(zip(edges[:-1], edges[1:]))
 
 
 def split_costs(costs: list[float], p: int) -> list[tuple[int, int]]:
@@ -151,15 +147,17 @@ class Refresh:
     None: the first refresh, a whole ``eigh``). Nothing is read back to the host."""
 
     def __init__(self, f: torch.Tensor, damping: torch.Tensor | float, *, method: str, dtype: torch.dtype,
-                 pieces: int, kept: torch.Tensor | None = None, basis: torch.Tensor | None = None) -> None:
+                 pieces: int, kept: torch.Tensor | None = None, basis: torch.Tensor | None = None,
+                 block: int = 0) -> None:
         if method not in fx.INVERSE_METHODS:
             raise ValueError(f"inverse method must be one of {', '.join(fx.INVERSE_METHODS)}, not {method!r}")
         if pieces > 1 and method not in PIECE_METHODS:
             raise ValueError(f"a {method} refresh is not split into pieces ({', '.join(PIECE_METHODS)} are)")
         self.method, self.dtype, self.pieces, self.done = method, dtype, int(pieces), 0
         self.out_dtype, self.damping, self.kept = f.dtype, damping, kept
-        self.mode = "whole" if pieces == 1 else "cholesky" if method == "cholesky" else \
-            "eigh" if basis is None else "power"
+        self.block = block if method == "eigenbasis" and len(diagonal_blocks(f.shape[0], block)) > 1 else 0
+        self.mode = "blocks" if self.block else "whole" if pieces == 1 else \
+            "cholesky" if method == "cholesky" else "eigh" if basis is None else "power"
         self.t: dict[str, Any] = {"f": f} if self.mode in ("whole", "eigh") else {}
         self._result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if self.mode == "cholesky":
@@ -173,6 +171,9 @@ class Refresh:
             low = m.tril()  # the lower triangle, as eigh reads it, made whole
             s, _ = fx.scaled_factor(low + low.tril(-1).t())
             self.t = {"s": s, "q_prev": basis.to(self.dtype), "q": torch.zeros_like(s), "finite": fx.all_finite(f)}
+        elif self.mode == "blocks":
+            self.t = {"f": torch.nan_to_num(f, nan=0.0, posinf=0.0, neginf=0.0), "q": torch.zeros_like(f),
+                      "finite": fx.all_finite(f)}
         self._plan()
 
     @classmethod
@@ -182,6 +183,7 @@ class Refresh:
         self = cls.__new__(cls)
         self.method, self.dtype, self.pieces, self.done = "none", torch.float32, int(pieces), 0
         self.out_dtype, self.damping, self.kept, self.mode, self.t = torch.float32, 0.0, None, "none", {}
+        self.block = 0
         self._result = None
         self._plan()
         return self
@@ -192,7 +194,11 @@ class Refresh:
             first = 0 if start is None else self.done
             self.tasks, self.ranges = cholesky_plan(self.t["l"].shape[0], self.pieces, start or 0, first)
             return
-        self.tasks = _power_tasks(self.t["s"].shape[0], self.pieces) if self.mode == "power" else []
+        if self.mode == "blocks":
+            self.tasks = [("block", j0, j1, float(j1 - j0) ** 3)
+                          for j0, j1 in diagonal_blocks(self.t["q"].shape[0], self.block)]
+        else:
+            self.tasks = _power_tasks(self.t["s"].shape[0], self.pieces) if self.mode == "power" else []
         self.ranges = split_costs([c for *_, c in self.tasks], self.pieces)
 
     @property
@@ -258,6 +264,11 @@ class Refresh:
             x[j0:j1, j1:] = -y.t()
         x[j0:j1, j0:j1] = inner
 
+    # -- the diagonal blocks ---------------------------------------------------------------------------
+
+    def _block(self, j0: int, j1: int) -> None:
+        self.t["q"][j0:j1, j0:j1] = fx.eigenbasis(self.t["f"][j0:j1, j0:j1], self.dtype)
+
     # -- the power step ------------------------------------------------------------------------------
 
     def _power(self, j0: int, j1: int) -> None:
@@ -291,7 +302,7 @@ class Refresh:
         """All a resumed run needs to run the remaining pieces exactly as this one would."""
         return {"method": self.method, "dtype": self.dtype, "pieces": self.pieces, "done": self.done,
                 "mode": self.mode, "out_dtype": self.out_dtype, "damping": self.damping, "kept": self.kept,
-                "tensors": dict(self.t), "result": self._result, "plan": PLAN}
+                "tensors": dict(self.t), "result": self._result, "plan": PLAN, "block": self.block}
 
     def _legacy_start(self) -> int:
         """Where a refresh the first plan cut continues: after the columns it factored (their pivots are
@@ -310,7 +321,7 @@ class Refresh:
         self.method, self.dtype, self.pieces = state["method"], state["dtype"], int(state["pieces"])
         self.done, self.mode, self.out_dtype = int(state["done"]), state["mode"], state["out_dtype"]
         self.damping, self.kept, self.t = state["damping"], state["kept"], dict(state["tensors"])
-        self._result = state["result"]
+        self._result, self.block = state["result"], int(state.get("block", 0))
         if self.mode == "cholesky" and self.t and state.get("plan") != PLAN:
             self._plan(self._legacy_start())
         elif self.t:

@@ -99,8 +99,9 @@ class Refresher:
     def __init__(self, layers: dict[str, LayerState], stats: CurvatureStats, *, damping: float,
                  damping_min: float, damping_decay: float, method: str, dtype: torch.dtype,
                  on_bad_factor: str, refresh_pieces: int | str, warn: Callable[[str], None] | None = None,
-                 host: HostReader | None = None) -> None:
+                 host: HostReader | None = None, basis_block: int = 0) -> None:
         self.layers, self.stats = layers, stats
+        self.basis_block = basis_block  # eigenbases of a wider factor's diagonal blocks (fx.diagonal_blocks)
         self.state = {n: LayerRefresh() for n in layers}
         self.damping, self.damping_min, self.damping_decay = damping, damping_min, damping_decay
         self.method, self.dtype, self.on_bad_factor = method, dtype, on_bad_factor
@@ -205,7 +206,7 @@ class Refresher:
         damp_a, damp_b = fx.damping_terms(self.damping_of(name), pi)
         basis = self.state[name].installed[factor] if self.method == "eigenbasis" else None
         refresh = Refresh(f, damp_a if factor == "A" else damp_b, method=self.method, dtype=self.dtype,
-                          pieces=p, basis=basis, kept=kept)
+                          pieces=p, basis=basis, kept=kept, block=self.basis_block)
         return {"refresh": refresh, "f": f, "pi": pi, "old_running": old_running}
 
     def _install(self, factor: str, name: str, flight: dict[str, Any]) -> None:

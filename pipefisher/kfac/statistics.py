@@ -68,13 +68,15 @@ class CurvatureStats:
     per-row gradients; ``dp_group``/``dp_size`` the stage's data-parallel group (None/1: none);
     ``save_dtype`` what saved tensors wait in; ``cov_stride`` every how many token rows feed a piece;
     ``cov_micro_batches`` M: only each layer's first M forwards after saving turns on or off are saved
-    (None: all; :func:`pipefisher.schedule.timeline.cov_pieces`).
+    (None: all; :func:`pipefisher.schedule.timeline.cov_pieces`); ``basis_block``: a factor wider than
+    it holds its diagonal blocks only (``kfac.basis_block``, :func:`pipefisher.kfac.factors.diagonal_blocks`).
     """
 
     def __init__(self, layers: dict[str, LayerState], *, loss_scale: float, dp_group: Any, dp_size: int,
                  factor_decay: float, save_dtype: torch.dtype, fisher: str, cov_stride: int,
-                 cov_micro_batches: int | None = None) -> None:
+                 cov_micro_batches: int | None = None, basis_block: int = 0) -> None:
         self.layers = layers
+        self.basis_block = basis_block  # only a wider factor's diagonal blocks are computed (fx.diagonal_blocks)
         self.state = {n: LayerStats() for n in layers}
         self._names = {id(st): n for n, st in layers.items()}  # a layer's name from its record
         self.loss_scale, self.factor_decay = float(loss_scale), float(factor_decay)
@@ -266,14 +268,15 @@ class CurvatureStats:
         scale = self.loss_scale * self.cov_stride
         if self.grad_scaler is not None:  # fp16: a piece that overflowed adds nothing and counts 0 (its
             finite = torch.isfinite(x).all()  # step's update is skipped too); decided on the device
-            contrib = fx.cov_a(x, st.bias) if factor == "A" else fx.cov_b(x, scale)
+            contrib = fx.cov_a(x, st.bias, self.basis_block) if factor == "A" else fx.cov_b(x, scale, self.basis_block)
             contrib = torch.where(finite, contrib, torch.zeros_like(contrib))
             s.overflowed[factor] = s.overflowed[factor] + (~finite).long()
             s.counts[factor] = s.counts[factor] + finite.float()
             s.sums[factor] = contrib if s.sums[factor] is None else s.sums[factor].add_(contrib)
         else:
             acc = s.sums[factor]  # added into in place: nothing else holds it (see LayerStats.sums)
-            s.sums[factor] = fx.add_cov_a(acc, x, st.bias) if factor == "A" else fx.add_cov_b(acc, x, scale)
+            s.sums[factor] = (fx.add_cov_a(acc, x, st.bias, self.basis_block) if factor == "A"
+                              else fx.add_cov_b(acc, x, scale, self.basis_block))
             s.counts[factor] += 1
         s.synced[factor] = False
         return True

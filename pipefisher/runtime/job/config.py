@@ -201,6 +201,9 @@ class KfacConfig:
     ``cov_micro_batches``: how many micro-batches of a refresh's iteration feed its factors, the first M
     of each pipe (or model chunk), or ``all``: fewer save less and place fewer covariance pieces; the
     factor stays a mean over them, so its scale does not change (:func:`pipefisher.schedule.problem.cov_pieces`).
+    ``basis_block`` (``update: soap`` only): a factor wider than this many columns is cut into diagonal
+    blocks of at most that width, and its covariance, its eigenbasis and the rotations into it go block by
+    block (:func:`pipefisher.kfac.factors.diagonal_blocks`); 0 keeps every factor whole.
     """
 
     damping: float = 1e-3
@@ -221,6 +224,7 @@ class KfacConfig:
     cov_stride: int = 1
     refresh_pieces: int | str = 1
     cov_micro_batches: int | str = "all"
+    basis_block: int = 0
 
 
 def cov_limit(value: int | str) -> int | None:
@@ -354,7 +358,7 @@ def renamed_sections(raw: Mapping[str, Any], where: str | os.PathLike[str] | Non
     return out
 
 
-LATER_KEYS = {"kfac.cov_micro_batches": "all"}
+LATER_KEYS = {"kfac.cov_micro_batches": "all", "kfac.basis_block": 0}
 """Settings added after fingerprints were first recorded, with their defaults: at its default such a
 setting is left out of the fingerprint, so a config that does not use it keeps the digest it had."""
 
@@ -737,6 +741,11 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
     elif pieces not in (1, "auto", BEST_PIECES) and k.update != "soap" and k.inverse != "cholesky":
         problems.append(f"kfac.refresh_pieces > 1 needs kfac.inverse cholesky (or kfac.update soap): an "
                         f"{k.inverse} refresh is one eigh, not split into pieces")
+    if isinstance(k.basis_block, bool) or not isinstance(k.basis_block, int) or k.basis_block < 0:
+        problems.append(f"kfac.basis_block must be an integer >= 0 (0: whole factors), not {k.basis_block!r}")
+    elif k.basis_block and k.update != "soap":
+        problems.append(f"kfac.basis_block cuts the eigenbases of kfac.update: soap into diagonal blocks; "
+                        f"kfac.update: {k.update} keeps damped inverses of whole factors: set basis_block 0")
     if k.update == "soap" and k.kl_clip > 0:
         problems.append("kfac.kl_clip bounds a preconditioned step; kfac.update: soap takes Adam's step in "
                         "the factors' eigenbasis, which it does not apply to: set kl_clip 0")

@@ -139,7 +139,7 @@ def make_kfac_optimizer(k: KfacConfig, kfac: Curvature, *, lr: float, betas: Seq
     ``weight_decay``; ``momentum`` - heavy-ball SGD at ``kfac.lr`` with ``kfac.momentum``."""
     if k.update == "soap":
         return EigenbasisAdam(kfac, lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps,
-                              weight_decay=weight_decay)
+                              weight_decay=weight_decay, basis_block=k.basis_block)
     if k.update == "momentum":
         return torch.optim.SGD(kfac.parameters(), lr=k.lr, momentum=k.momentum)
     raise ValueError(f"kfac.update {k.update} steps K-FAC's layers with the first-order optimizer")
@@ -187,4 +187,4 @@ def kfac_from_config(k: KfacConfig, module: nn.Module, *, loss_scale: float = 1.
                 factor_decay=k.factor_decay, inverse="eigenbasis" if soap else k.inverse, inverse_dtype=k.inverse_dtype,
                 on_bad_factor=k.on_bad_factor, save_dtype=k.save_dtype, fisher=k.fisher, warn=warn,
                 cov_stride=k.cov_stride, drift=drift and not soap, refresh_pieces=k.refresh_pieces, host=host,
-                cov_micro_batches=cov_limit(k.cov_micro_batches))
+                cov_micro_batches=cov_limit(k.cov_micro_batches), basis_block=k.basis_block)
