@@ -10,7 +10,8 @@ bias) on one thread, random gradients each call, the first calls untimed; per ``
 
 - ``update``: one step of :class:`pipefisher.kfac.eigenbasis.EigenbasisAdam` (Adam in K-FAC's eigenbases,
   ``kfac.update: soap``), its bases the eigenbases of random factors (block-diagonal where cut): the work
-  every step pays at its end, on the critical path;
+  every step pays at its end, on the critical path; again with its products in bfloat16
+  (``kfac.rotation_dtype``);
 - ``refresh``: every factor's basis refreshed once (:func:`pipefisher.kfac.factors.eigenbasis`): the work
   the packer places in bubbles once per cycle;
 - ``covariance``: every factor's covariance of one micro-batch (``--rows`` token rows; factor B's
@@ -18,7 +19,8 @@ bias) on one thread, random gradients each call, the first calls untimed; per ``
   bubbles, once per micro-batch per cycle.
 
 Printed: the median of ``--repeat`` calls in ms, and for each the ratio to the whole factors'
-(``update`` also to Muon's step: torch's Muon on the matrices, AdamW on the biases).
+(``update`` in float32 and in bfloat16 also to Muon's step: torch's Muon on the matrices, AdamW on the
+biases).
 
     python scripts/bench_basis_block.py [--blocks 0,128,129,256] [--repeat 40]
 """
@@ -101,8 +103,9 @@ def main() -> None:
     adamw_ms = _median_ms(adam_all.step, lambda: grads(plain), a.repeat)
     print(f"stage: {a.layers} layers of hidden {h}, intermediate {m} ({len(widths)} factors), one thread, "
           f"median of {a.repeat}; Muon's step {muon_ms:.2f} ms, AdamW's {adamw_ms:.2f} ms")
-    print("| basis_block | update (ms) | x whole | x Muon | refresh (ms) | x whole | covariance (ms) | x whole |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| basis_block | update (ms) | x whole | x Muon | update in bfloat16 (ms) | x Muon | refresh (ms) | x whole "
+          "| covariance (ms) | x whole |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     whole: tuple[float, float, float] | None = None
     for block in blocks:
         model = stage()
@@ -113,12 +116,15 @@ def main() -> None:
                 st.inversions[f] = 1
         opt = EigenbasisAdam(kfac, lr=1e-3, weight_decay=0.01, basis_block=block)
         update = _median_ms(opt.step, lambda: grads(model), a.repeat)
+        low = EigenbasisAdam(kfac, lr=1e-3, weight_decay=0.01, basis_block=block, rotation_dtype=torch.bfloat16)
+        update_low = _median_ms(low.step, lambda: grads(model), a.repeat)
         refresh = _median_ms(lambda: [fx.eigenbasis(factors[w], block=block) for w in widths], lambda: None,
                              max(3, a.repeat // 8))
         cov = _median_ms(lambda: [fx.cov_b(samples[w], 1.0, block) for w in widths], lambda: None, a.repeat)
         whole = whole or (update, refresh, cov)
         print(f"| {block or 'whole'} | {update:.2f} | {update / whole[0]:.2f} | {update / muon_ms:.2f} | "
-              f"{refresh:.2f} | {refresh / whole[1]:.2f} | {cov:.2f} | {cov / whole[2]:.2f} |", flush=True)
+              f"{update_low:.2f} | {update_low / muon_ms:.2f} | {refresh:.2f} | {refresh / whole[1]:.2f} | "
+              f"{cov:.2f} | {cov / whole[2]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

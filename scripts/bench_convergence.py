@@ -89,6 +89,12 @@ BASIS_BLOCK = 129
 column) and cuts the 512- and 513-wide ones into 4 blocks; one seed of the race at 300 steps, Muon at
 5.7919: whole factors 5.9937 (k = 6/7), blocks of 128 5.7937 (k = 3), of 129 5.7848 (k = 3)
 (docs/benchmarks.md, "Factors cut into diagonal blocks")."""
+
+ROTATION_DTYPE = "float32"
+"""``--rotation-dtype``'s default: the soap update's ``kfac.rotation_dtype`` in K-FAC in the bubbles.
+bfloat16 looked better on one seed (5.7766 at 1.040x Muon's step, float32 5.7848 at 1.106x) and lost
+more on 3 (time-to-target / Muon 1.119 against float32's 1.085: docs/benchmarks.md, "Factors cut into
+diagonal blocks"), so float32 stays."""
 """K-FAC in the bubbles' curvature updates (``kfac.update``), chosen by its sweep: its default lrs of each
 (``--scheduled-lrs`` for ``base``, centred on 1.4e-3; ``--soap-lrs`` for ``soap``, centred on 4e-3, where
 the eigenbasis in the bubbles did best, docs/benchmarks.md)."""
@@ -207,7 +213,8 @@ def choose_update(train: Callable[..., tuple[Any, Any]], steps: int, variants: l
     best = lowest_training_loss(rows, variants[0].cfg)
     cfg = next(v.cfg for v in variants if v.update == best["update"])
     choice = {"lr": best["lr"], "warmup_steps": best["warmup_steps"], "update": best["update"],
-              "refresh_pieces": cfg.kfac.refresh_pieces, "overlap": True, "basis_block": cfg.kfac.basis_block}
+              "refresh_pieces": cfg.kfac.refresh_pieces, "overlap": True, "basis_block": cfg.kfac.basis_block,
+              "rotation_dtype": cfg.kfac.rotation_dtype}
     announce(f"{entrant.label}: {UPDATES[best['update']]}, lr {best['lr']:g}, warm-up {best['warmup_steps']} steps "
              "(the best training loss of its sweep over the updates)")
     return choice, rows
@@ -332,18 +339,18 @@ def profile_and_pack(base: Any, ctx: Any, rank: int, folder: str, profile_steps:
 
 
 def pack_variant(base: Any, ctx: Any, rank: int, folder: str, profile_steps: int, steps: int, update: str,
-                 pieces: str, staleness: str | None = None, basis_block: int = 0) -> tuple[Any, str, dict[str, Any] | None]:
+                 pieces: str, staleness: str | None = None,
+                 soap: Mapping[str, Any] | None = None) -> tuple[Any, str, dict[str, Any] | None]:
     """(the config, the schedule, on rank 0 the plan) of K-FAC in the bubbles with curvature ``update``:
     profiled with the refresh in ``pieces`` pieces (``kfac.refresh_pieces``: a number or ``auto``; ``best``:
     each of :data:`~pipefisher.cost.objective.PIECE_CHOICES` profiled and packed, the count kept as ``pipefisher
     run`` keeps it, :func:`~pipefisher.cost.objective.best_pieces`) and packed with overlapping cycles;
-    ``soap``'s eigenbases cut into diagonal blocks of ``basis_block`` columns (``kfac.basis_block``; 0: whole)."""
+    ``soap``: the soap update's own ``kfac`` settings (``basis_block``, ``rotation_dtype``), for that update only."""
     import torch.distributed as dist
 
     packs = []
     for p in PIECE_CHOICES if pieces == "best" else (pieces if pieces == "auto" else int(pieces),):
-        cfg = base.replace(kfac={"update": update, "refresh_pieces": p,
-                                 "basis_block": basis_block if update == "soap" else 0})
+        cfg = base.replace(kfac={"update": update, "refresh_pieces": p, **((soap or {}) if update == "soap" else {})})
         where = os.path.join(folder, f"{update}-pieces-{p}")
         os.makedirs(where, exist_ok=True)
         sched, plan = profile_and_pack(cfg, ctx, rank, where, profile_steps, steps, staleness, overlap=True)
@@ -360,7 +367,7 @@ def pack_variant(base: Any, ctx: Any, rank: int, folder: str, profile_steps: int
 def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval_every: int,
             sweeps: dict[str, list[float] | str], warmups: list[int], profile_steps: int, folder: str,
             staleness: str | None = None, updates: dict[str, list[float]] | None = None,
-            pieces: str = "best", basis_block: int = 0) -> dict[str, Any]:
+            pieces: str = "best", soap: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every mode of ``sweeps`` (key: its learning rates, or :data:`SHARE`), swept then run per seed; K-FAC
     in the bubbles (unless it shares) over ``updates`` (per curvature update its lrs; :func:`update_warmups`
     splits the warm-ups among them), each profiled with ``pieces`` and packed (:func:`pack_variant`)."""
@@ -378,7 +385,7 @@ def _worker(config_path: str, overrides: list[str], steps: int, seeds: int, eval
         variants = []
         for (update, lrs), warms in zip(updates.items(), update_warmups(list(updates), warmups)):
             cfg, sched, plan = pack_variant(base, ctx, rank, folder, profile_steps, steps, update, pieces, staleness,
-                                            basis_block)
+                                            soap)
             variants.append(Variant(update, cfg, sched, lrs, warms, plan))
             out["plans"][update] = plan
 
@@ -654,6 +661,8 @@ def scheduled_label(run: Mapping[str, Any]) -> str:
     if "update" not in run:
         return ENTRANTS["scheduled"].label
     block = f", factors in diagonal blocks of at most {run['basis_block']}" if run.get("basis_block") else ""
+    if run.get("rotation_dtype", "float32") != "float32":
+        block += f", rotations in {run['rotation_dtype']}"
     return (f"{ENTRANTS['scheduled'].label} ({UPDATES[run['update']]}{block}, refresh in {run['refresh_pieces']} "
             f"piece{'s' if run['refresh_pieces'] != 1 else ''}{', overlapping cycles allowed' if run['overlap'] else ''})")
 
@@ -677,6 +686,8 @@ def main() -> None:
     ap.add_argument("--basis-block", type=int, default=BASIS_BLOCK, metavar="N",
                     help="kfac.basis_block of the soap update in K-FAC in the bubbles: factors wider than N columns "
                          f"cut into diagonal blocks (0: whole factors; default {BASIS_BLOCK})")
+    ap.add_argument("--rotation-dtype", default=ROTATION_DTYPE, choices=("float32", "bfloat16"),
+                    help=f"kfac.rotation_dtype of the soap update in K-FAC in the bubbles (default {ROTATION_DTYPE})")
     a = ap.parse_args()
     if a.basis_block < 0:
         ap.error(f"--basis-block: an integer >= 0, not {a.basis_block}")
@@ -696,7 +707,8 @@ def main() -> None:
           f"held-out tokens, {cfg.data.tokenizer} vocabulary {cfg.model.vocab_size}", flush=True)
     with tempfile.TemporaryDirectory(prefix="pipefisher-conv-") as folder:
         results = spawn_local(_worker, 2, a.config, a.overrides, a.steps, a.seeds, a.eval_every, sweeps, warmups,
-                              a.profile_steps, folder, a.staleness, updates, a.refresh_pieces, a.basis_block,
+                              a.profile_steps, folder, a.staleness, updates, a.refresh_pieces,
+                              {"basis_block": a.basis_block, "rotation_dtype": a.rotation_dtype},
                               timeout_s=3 * 3600)
     runs, first, last = merged_runs(results)
     best = best_first_order(runs)

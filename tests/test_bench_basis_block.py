@@ -17,8 +17,8 @@ def test_each_block_is_a_row_against_whole_factors_measured_in_the_same_run() ->
     assert out[0].startswith("stage: 1 layers of hidden 8, intermediate 32 (12 factors)") and "Muon's step" in out[0]
     rows = [line.split(" | ") for line in out[3:]]
     assert [r[0] for r in rows] == ["| whole", "| 8"]  # whole factors first, the baseline, even unasked
-    assert rows[0][2] == rows[0][5] == rows[0][7].rstrip(" |") == "1.00"
-    assert all(float(r[1]) > 0 and float(r[4]) > 0 for r in rows)
+    assert len(rows[0]) == 10 and rows[0][2] == rows[0][7] == rows[0][9].rstrip(" |") == "1.00"
+    assert all(float(r[1]) > 0 and float(r[4]) > 0 and float(r[6]) > 0 for r in rows)
 
 
 def test_a_bad_block_list_is_one_line() -> None:

@@ -45,6 +45,9 @@ def test_bundled_configs_cover_tests_demo_and_bert_shapes():
     ({"kfac": {"cov_stride": 0}}, "kfac.cov_stride must be an integer >= 1"),
     ({"kfac": {"update": "soap", "basis_block": -1}}, "kfac.basis_block must be an integer >= 0"),
     ({"kfac": {"basis_block": 128}}, "kfac.basis_block cuts the eigenbases of kfac.update: soap"),
+    ({"kfac": {"update": "soap", "rotation_dtype": "float16"}},
+     "kfac.rotation_dtype must be one of float32, bfloat16, not 'float16'"),
+    ({"kfac": {"rotation_dtype": "bfloat16"}}, "kfac.rotation_dtype is the dtype of kfac.update: soap's rotations"),
     ({"kfac": {"cov_micro_batches": 0}}, "kfac.cov_micro_batches must be an integer >= 1 or all, not 0"),
     ({"kfac": {"cov_micro_batches": "half"}}, "kfac.cov_micro_batches must be an integer >= 1 or all, not 'half'"),
     ({"kfac": {"cov_micro_batches": 5}, "data": {"num_micro_batches": 4}},
@@ -292,6 +295,8 @@ def test_a_setting_added_later_changes_the_fingerprint_only_away_from_its_defaul
     soap = base.replace(kfac={"update": "soap"})  # kfac.basis_block came later still
     assert soap.replace(kfac={"basis_block": 0}).fingerprint() == soap.fingerprint()
     assert soap.replace(kfac={"basis_block": 128}).fingerprint() != soap.fingerprint()
+    assert soap.replace(kfac={"rotation_dtype": "float32"}).fingerprint() == soap.fingerprint()
+    assert soap.replace(kfac={"rotation_dtype": "bfloat16"}).fingerprint() != soap.fingerprint()
 
 
 def test_a_config_file_holds_the_run_settings_as_sections_beside_the_configs_own(tmp_path):

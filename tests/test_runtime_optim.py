@@ -600,17 +600,19 @@ def test_the_precondition_span_holds_all_of_kfacs_update_and_none_of_first_order
 
 
 def test_kfac_basis_block_reaches_the_covariance_the_refresh_and_the_rotations():
-    """``kfac.basis_block`` from the config: the factors wider than it hold their diagonal blocks only,
+    """``kfac.basis_block`` (and ``kfac.rotation_dtype``) from the config: the factors wider than it hold
+    their diagonal blocks only,
     their refreshed bases are block-diagonal, and soap's optimizer rotates block by block."""
     from pipefisher.kfac.factors import diagonal_blocks
     from pipefisher.runtime.job.config import RunConfig
     from pipefisher.runtime.train.update import Updater, make_kfac
 
-    cfg = RunConfig().replace(kfac={"update": "soap", "ignore": ["embeddings", "LayerNorm"], "basis_block": 5})
+    cfg = RunConfig().replace(kfac={"update": "soap", "ignore": ["embeddings", "LayerNorm"], "basis_block": 5,
+                                    "rotation_dtype": "bfloat16"})
     model = Block()
     kfac = make_kfac(cfg, model)
     updater = Updater(cfg, model, kfac, total_steps=10)
-    assert updater.kfac_optimizer.basis_block == 5
+    assert updater.kfac_optimizer.basis_block == 5 and updater.kfac_optimizer.rotation_dtype == torch.bfloat16
     kfac.stats.set_saving(True)
     out = model(torch.randint(0, 10, (4, 3)))
     kfac.stats.end_forward()

@@ -204,6 +204,8 @@ class KfacConfig:
     ``basis_block`` (``update: soap`` only): a factor wider than this many columns is cut into diagonal
     blocks of at most that width, and its covariance, its eigenbasis and the rotations into it go block by
     block (:func:`pipefisher.kfac.factors.diagonal_blocks`); 0 keeps every factor whole.
+    ``rotation_dtype`` (``update: soap`` only): ``float32`` or ``bfloat16``, the dtype of the four products
+    of each step's update (:class:`pipefisher.kfac.eigenbasis.EigenbasisAdam`).
     """
 
     damping: float = 1e-3
@@ -225,6 +227,27 @@ class KfacConfig:
     refresh_pieces: int | str = 1
     cov_micro_batches: int | str = "all"
     basis_block: int = 0
+    rotation_dtype: str = "float32"
+
+
+ROTATION_DTYPES = ("float32", "bfloat16")
+"""``kfac.rotation_dtype``'s values."""
+
+
+def _eigenbasis_problems(k: KfacConfig) -> list[str]:
+    """What :func:`check_config` says of the settings of ``kfac.update: soap``'s eigenbases alone."""
+    problems = []
+    if isinstance(k.basis_block, bool) or not isinstance(k.basis_block, int) or k.basis_block < 0:
+        problems.append(f"kfac.basis_block must be an integer >= 0 (0: whole factors), not {k.basis_block!r}")
+    elif k.basis_block and k.update != "soap":
+        problems.append(f"kfac.basis_block cuts the eigenbases of kfac.update: soap into diagonal blocks; "
+                        f"kfac.update: {k.update} keeps damped inverses of whole factors: set basis_block 0")
+    if k.rotation_dtype not in ROTATION_DTYPES:
+        problems.append(f"kfac.rotation_dtype must be one of {', '.join(ROTATION_DTYPES)}, not {k.rotation_dtype!r}")
+    elif k.rotation_dtype != KfacConfig.rotation_dtype and k.update != "soap":
+        problems.append(f"kfac.rotation_dtype is the dtype of kfac.update: soap's rotations; kfac.update: "
+                        f"{k.update} has none: leave it unset")
+    return problems
 
 
 def cov_limit(value: int | str) -> int | None:
@@ -358,7 +381,7 @@ def renamed_sections(raw: Mapping[str, Any], where: str | os.PathLike[str] | Non
     return out
 
 
-LATER_KEYS = {"kfac.cov_micro_batches": "all", "kfac.basis_block": 0}
+LATER_KEYS = {"kfac.cov_micro_batches": "all", "kfac.basis_block": 0, "kfac.rotation_dtype": "float32"}
 """Settings added after fingerprints were first recorded, with their defaults: at its default such a
 setting is left out of the fingerprint, so a config that does not use it keeps the digest it had."""
 
@@ -741,11 +764,7 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
     elif pieces not in (1, "auto", BEST_PIECES) and k.update != "soap" and k.inverse != "cholesky":
         problems.append(f"kfac.refresh_pieces > 1 needs kfac.inverse cholesky (or kfac.update soap): an "
                         f"{k.inverse} refresh is one eigh, not split into pieces")
-    if isinstance(k.basis_block, bool) or not isinstance(k.basis_block, int) or k.basis_block < 0:
-        problems.append(f"kfac.basis_block must be an integer >= 0 (0: whole factors), not {k.basis_block!r}")
-    elif k.basis_block and k.update != "soap":
-        problems.append(f"kfac.basis_block cuts the eigenbases of kfac.update: soap into diagonal blocks; "
-                        f"kfac.update: {k.update} keeps damped inverses of whole factors: set basis_block 0")
+    problems += _eigenbasis_problems(k)
     if k.update == "soap" and k.kl_clip > 0:
         problems.append("kfac.kl_clip bounds a preconditioned step; kfac.update: soap takes Adam's step in "
                         "the factors' eigenbasis, which it does not apply to: set kl_clip 0")

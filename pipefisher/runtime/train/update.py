@@ -35,6 +35,7 @@ from torch import nn
 from pipefisher.kfac import KFAC
 from pipefisher.kfac.eigenbasis import EigenbasisAdam
 from pipefisher.kfac.factors import kl_clip_scale
+from pipefisher.kfac.layers import DTYPES
 from pipefisher.runtime.job.config import KfacConfig, RunConfig, check_pieces_resolved, cov_limit
 from pipefisher.runtime.job.host import HostReads
 from pipefisher.runtime.pipeline.contracts import Curvature, Span
@@ -139,7 +140,8 @@ def make_kfac_optimizer(k: KfacConfig, kfac: Curvature, *, lr: float, betas: Seq
     ``weight_decay``; ``momentum`` - heavy-ball SGD at ``kfac.lr`` with ``kfac.momentum``."""
     if k.update == "soap":
         return EigenbasisAdam(kfac, lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps,
-                              weight_decay=weight_decay, basis_block=k.basis_block)
+                              weight_decay=weight_decay, basis_block=k.basis_block,
+                              rotation_dtype=DTYPES[k.rotation_dtype])
     if k.update == "momentum":
         return torch.optim.SGD(kfac.parameters(), lr=k.lr, momentum=k.momentum)
     raise ValueError(f"kfac.update {k.update} steps K-FAC's layers with the first-order optimizer")
