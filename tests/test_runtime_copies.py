@@ -391,14 +391,21 @@ def _soap_worker(cfgs: list, folder: str) -> list:
     return out
 
 
-@pytest.mark.parametrize("orders", [("interleaved", "zb-v", "dualpipev"), ("chimera",)], ids=["one-pipe", "chimera"])
-def test_the_eigenbasis_update_trains_and_resumes_on_every_layout_with_stage_copies(tmp_path, orders):
+BLOCKS = {"basis_block": 20, "rotation_dtype": "bfloat16"}  # tiny's 33- and 64-wide factors cut in 2-4 blocks
+
+
+@pytest.mark.parametrize("orders, extra", [(("interleaved", "zb-v", "dualpipev"), {}), (("chimera",), {}),
+                                           (("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v", "dualpipev"), BLOCKS),
+                                           (("chimera",), BLOCKS)],
+                         ids=["one-pipe", "chimera", "blocks-bfloat16", "chimera-blocks-bfloat16"])
+def test_the_eigenbasis_update_trains_and_resumes_on_every_layout_with_stage_copies(tmp_path, orders, extra):
     """``kfac.update: soap`` steps the K-FAC layers of every stage copy in their bases (it once read a
     ``layers`` attribute that only one stage's K-FAC has), and a run resumed from its checkpoint (the
-    moments and bases of every copy) continues bit for bit."""
+    moments and bases of every copy) continues bit for bit; with ``kfac.basis_block`` and bfloat16
+    rotations too, on the orders the other cases leave out."""
     from _schedules import tiny
 
-    cfgs = [tiny(pipeline={"order": o, "timeout_s": 30.0}, kfac={"update": "soap"}, optim={"lr": 3e-3})
+    cfgs = [tiny(pipeline={"order": o, "timeout_s": 30.0}, kfac={"update": "soap", **extra}, optim={"lr": 3e-3})
             for o in orders]
     results = spawn_local(_soap_worker, 2, cfgs, str(tmp_path), timeout_s=180)
     for device in results:

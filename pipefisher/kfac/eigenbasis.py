@@ -129,7 +129,8 @@ def times(q: torch.Tensor, x: torch.Tensor, blocks: list[tuple[int, int]], trans
     return torch.cat([(b.t() if transpose else b) @ x[j0:j1] for b, (j0, j1) in zip(parts, blocks)])
 
 
-def _rotate(m: torch.Tensor, old: torch.Tensor | None, new: torch.Tensor, blocks: list[tuple[int, int]]) -> torch.Tensor:
+def _rotate(m: torch.Tensor, old: torch.Tensor | None, new: torch.Tensor,
+            blocks: list[tuple[int, int]]) -> torch.Tensor:
     """``new^T old m`` (``new^T m`` from the identity), in the cheaper order: a moment with fewer columns
     than the basis is wide goes through the moment (two products of the moment's size) rather than
     through ``new^T old`` (a product of two bases: on a 512-wide factor of ``configs/small.yaml``, about

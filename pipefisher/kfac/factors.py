@@ -197,7 +197,7 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
 
 def inverse_findings(f: torch.Tensor, damping: torch.Tensor | float, *, method: str = "cholesky",
                      dtype: torch.dtype = torch.float32,
-                     pieces: torch.Tensor | None = None, block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     pieces: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(F + damping I)^-1`` of a symmetric PSD factor (computed in ``dtype``, returned in F's dtype), its
     :data:`FINDINGS` (a float64 tensor on F's device) and whether it is honest (a 0-dim bool tensor: the
     device-side twin of :func:`bad_factor` finding nothing), without reading anything back: the
@@ -207,14 +207,13 @@ def inverse_findings(f: torch.Tensor, damping: torch.Tensor | float, *, method: 
     in a PSD factor to zero before damping, so it survives nearly singular factors. A factor holding
     NaN or infinity is inverted as if those were 0 (its findings say so; the inverse is not to be used).
     ``damping`` comes from :func:`damping_terms` (positive and finite); :func:`bad_factor` checks it.
-    ``block``: ``eigenbasis`` only, the basis of the factor's diagonal blocks (:func:`eigenbasis`).
     """
     if method not in INVERSE_METHODS:
         raise ValueError(f"inverse method must be one of {', '.join(INVERSE_METHODS)}, not {method!r}")
     finite = all_finite(f)
     m = f.to(dtype)  # not symmetrised: Cholesky and eigh read the lower triangle only
     if method == "eigenbasis":  # SOAP's basis for kfac.update: soap: the eigenvectors, no damping
-        inv = eigenbasis(torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0), dtype, block)
+        inv = eigenbasis(torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0), dtype)
         first = second = m.new_zeros((), dtype=torch.float64)
         ok = torch.ones((), dtype=torch.bool, device=m.device)
     elif method == "eigen":
