@@ -315,3 +315,54 @@ def test_rotations_in_bfloat16_follow_float32s_steps_and_keep_the_state_in_float
         assert moved > 0 and 0 < apart <= 0.25 * moved
     tensors = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     assert tensors and all(t.dtype == torch.float32 for t in tensors)
+
+
+def _two_layer_kfac() -> tuple[nn.Sequential, KFAC]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4))
+    return model, KFAC(model, inverse="eigenbasis", ignore=())
+
+
+def _kfac_steps(model: nn.Sequential, kfac: KFAC, opt: EigenbasisAdam, steps: int,
+                between=lambda: None) -> None:  # noqa: ANN001
+    """``steps`` steps of a naive K-FAC loop: save, forward and backward, every factor refreshed (each
+    inverse label a refresh), ``between()``, then the optimizer's step."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        kfac.set_saving(True)
+        model(torch.randn(16, 6, generator=g)).square().mean().backward()
+        kfac.update_curvature()
+        kfac.clear_saved()
+        between()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_refresh_carries_the_moment_into_its_basis_in_its_own_label():
+    """The moment is carried into a new basis by the refresh's inverse label (in a bubble), so the step's
+    end (on the critical path) finds it there and rotates nothing; the steps are those of carrying it
+    at the step's end (an optimizer nobody tells of the refreshes)."""
+    model, kfac = _two_layer_kfac()
+    opt = EigenbasisAdam(kfac, lr=1e-2)
+    lazy_model, lazy_kfac = _two_layer_kfac()
+    lazy = EigenbasisAdam(lazy_kfac, lr=1e-2)
+    lazy_kfac.refresher.listeners = [x for x in lazy_kfac.refresher.listeners if x is lazy_kfac.drift]
+
+    def carried() -> None:  # after the refreshes, before the step: every moment in the installed bases
+        for layer, (qa, qb, versions) in zip(kfac.layer_states(), kfac.eigenbases()):
+            state = opt.state[layer.module.weight]
+            if state:
+                assert state["versions"] == versions
+                assert state["basis_a"] is qa and state["basis_b"] is qb
+
+    _kfac_steps(model, kfac, opt, 4, carried)
+    _kfac_steps(lazy_model, lazy_kfac, lazy, 4)
+    assert kfac.refresher.bases("0")[2] == (4, 4)
+    with _Products() as seen:  # with nothing refreshed since, the step's end multiplies only the update's 4
+        _grads(model, 9)
+        opt.step()
+    assert len(seen.shapes) == 4 * 2
+    _grads(lazy_model, 9)
+    lazy.step()
+    for a, b in zip(model.parameters(), lazy_model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)

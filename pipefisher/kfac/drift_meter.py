@@ -47,9 +47,9 @@ class DriftMeter:
         self._drift: list[tuple[Any, ...]] = []  # (layer, change^2, change over two refreshes^2, norm^2), not taken
 
     def follow(self, refresher: Refresher) -> None:
-        """Follow ``refresher``'s refreshes (its listener) and read its inverses."""
+        """Follow ``refresher``'s refreshes (one of its listeners) and read its inverses."""
         self.refresher = refresher
-        refresher.listener = self
+        refresher.listeners.append(self)
 
     def saw(self, name: str, g: torch.Tensor, pre: torch.Tensor, versions: tuple[int, int]) -> None:
         """The update preconditioned layer ``name``'s gradient ``g`` into ``pre`` with the inverses of

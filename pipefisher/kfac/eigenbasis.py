@@ -14,7 +14,10 @@ Q_B^T X Q_A`` the rotation into the bases: ``m <- b1 m + (1 - b1) R(G)``, ``v <-
 ``W <- W (1 - lr wd) - lr Q_B [(m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)] Q_A^T``: four matrix products
 per layer. Both moments live in the rotated coordinates; when a refresh brings a new basis, the first
 moment is carried into it exactly (``Q_new^T Q_old`` on the side that changed, once per refresh), the
-second is kept as it is, as SOAP does (a rotation does not carry squares). Until a layer has both
+second is kept as it is, as SOAP does (a rotation does not carry squares). The carrying runs where the
+refresh installs the basis, in its inverse label (in a bubble, told through
+:meth:`LayerStates.on_refresh`), not in ``-- end --`` on the step's critical path: the moment changes
+only in ``-- end --``, so either place gives the same moment. Until a layer has both
 bases, the identity stands for them: plain AdamW. Under ``kfac.basis_block`` a wide factor's basis is
 block-diagonal (:func:`pipefisher.kfac.factors.diagonal_blocks`), and every product with it goes block by
 block: ``n b`` work per row instead of ``n^2``.
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 
 from pipefisher.kfac.factors import diagonal_blocks
-from pipefisher.kfac.layers import LayerStates
+from pipefisher.kfac.layers import Bases, LayerState, LayerStates
 
 
 class EigenbasisAdam(torch.optim.Optimizer):
@@ -46,6 +49,23 @@ class EigenbasisAdam(torch.optim.Optimizer):
         self.kfac, self.basis_block, self.rotation_dtype = kfac, basis_block, rotation_dtype
         self._cast: dict[int, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}  # id(weight) -> bases cast
         super().__init__(kfac.parameters(), dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        kfac.on_refresh(self._refreshed)
+
+    def _blocks(self, g_shape: tuple[int, ...]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The diagonal blocks of the layer's rows (factor B's side) and columns (A's)."""
+        return diagonal_blocks(g_shape[0], self.basis_block), diagonal_blocks(g_shape[1], self.basis_block)
+
+    @torch.no_grad()
+    def _refreshed(self, layer: LayerState, bases: Bases) -> None:
+        """A refresh of one of ``layer``'s factors ended (in its inverse label): carry the first moment into
+        the bases now (:meth:`_follow_basis`), so that ``-- end --`` finds nothing to rotate. Before the
+        layer's first step, or while it lacks one of its bases, there is no moment in any basis yet: the
+        step starts it."""
+        qa, qb, versions = bases
+        state = self.state.get(layer.module.weight)
+        if not state or qa is None or qb is None:
+            return
+        self._follow_basis(state, qa, qb, versions, *self._blocks(state["exp_avg"].shape))
 
     def _bases_in(self, w: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor,
                   versions: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +94,7 @@ class EigenbasisAdam(torch.optim.Optimizer):
             if not state:
                 state.update(step=0, exp_avg=torch.zeros_like(g), exp_avg_sq=torch.zeros_like(g),
                              basis_a=None, basis_b=None, versions=(0, 0))
-            rows, cols = diagonal_blocks(g.shape[0], self.basis_block), diagonal_blocks(g.shape[1], self.basis_block)
+            rows, cols = self._blocks(g.shape)
             self._follow_basis(state, qa, qb, (0, 0) if qa is None else versions, rows, cols)
             state["step"] += 1
             t = state["step"]
@@ -105,8 +125,8 @@ class EigenbasisAdam(torch.optim.Optimizer):
         A refresh is told by the layer's inversion counts (plain ints: no comparison of tensors on the
         device, and a resumed run, whose bases are fresh copies, rotates nothing it should not). Only a
         side whose count changed is rotated (a refresh replaces one factor's basis), and each side's
-        product goes through the moment (:func:`_rotate`): this runs in ``-- end --``, on the step's
-        critical path."""
+        product goes through the moment (:func:`_rotate`). It runs at the refresh (:meth:`_refreshed`); the
+        step calls it too, for bases installed without telling (a layer's first step, a test's hand)."""
         if tuple(state["versions"]) == versions:
             return
         assert qa is not None and qb is not None  # bases, once there, are only ever replaced

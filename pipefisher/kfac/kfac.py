@@ -30,8 +30,8 @@ from torch import nn
 
 from pipefisher.kfac.drift_meter import DriftMeter
 from pipefisher.kfac.factors import INVERSE_METHODS, BadFactorError
-from pipefisher.kfac.layers import (DEFAULT_IGNORE, DTYPES, FACTORS, LAYER_KINDS, Coverage, LayerKind, LayerState,
-                                    LayerStates, coverage, is_ignored, kfac_modules, layer_kind,
+from pipefisher.kfac.layers import (DEFAULT_IGNORE, DTYPES, FACTORS, LAYER_KINDS, Bases, Coverage, LayerKind,
+                                    LayerState, LayerStates, coverage, is_ignored, kfac_modules, layer_kind,
                                     layer_states)
 from pipefisher.kfac.precondition import Preconditioner
 from pipefisher.kfac.refresh import PIECE_METHODS
@@ -274,8 +274,12 @@ class KFAC:
     def parameters(self) -> list[nn.Parameter]:
         return self.update.parameters()
 
-    def eigenbases(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int]]]:
+    def eigenbases(self) -> list[Bases]:
         return self.update.eigenbases()
+
+    def on_refresh(self, call: Callable[[LayerState, Bases], None]) -> None:
+        """``call(layer, bases)`` after every refresh of a factor (:class:`LayerStates`)."""
+        self.refresher.listeners.append(_RefreshCall(self, call))
 
     # -- checkpoints --------------------------------------------------------------------------------
 
@@ -350,6 +354,20 @@ class KFAC:
             raise KeyError(f"{label}: this stage has no K-FAC layer named {name!r}")
         work(kind[-1], name)
         return True
+
+
+class _RefreshCall:
+    """A refresh listener (:class:`pipefisher.kfac.refresher.RefreshListener`) handing each refreshed layer
+    of ``kfac``, with its bases after the refresh, to ``call`` (:meth:`KFAC.on_refresh`)."""
+
+    def __init__(self, kfac: KFAC, call: Callable[[LayerState, Bases], None]) -> None:
+        self.kfac, self.call = kfac, call
+
+    def replacing(self, name: str, factor: str, old: torch.Tensor | None) -> None:
+        """Only what a refresh left matters here."""
+
+    def refreshed(self, name: str, factor: str) -> None:
+        self.call(self.kfac.layers[name], self.kfac.refresher.bases(name))
 
 
 class _Replaying:

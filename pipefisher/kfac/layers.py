@@ -183,6 +183,11 @@ def layer_states(model: nn.Module, ignore: Iterable[str] = DEFAULT_IGNORE) -> di
     return {n: LayerState(m, layer_kind(m) or LAYER_KINDS[0]) for n, m in kfac_modules(model, ignore).items()}
 
 
+Bases = tuple["torch.Tensor | None", "torch.Tensor | None", tuple[int, int]]
+"""A layer's eigenbases of factors A and B as its refreshes installed them (None before the first) and how
+many refreshes of each installed them."""
+
+
 class LayerStates(Protocol):
     """What an optimizer of K-FAC's layers (:class:`pipefisher.kfac.eigenbasis.EigenbasisAdam`) may ask
     of a K-FAC holder, so that one stage's :class:`pipefisher.kfac.KFAC` and a device's stage copies
@@ -196,9 +201,14 @@ class LayerStates(Protocol):
         """Their weights and biases, in the same order."""
         ...
 
-    def eigenbases(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int]]]:
-        """Per layer of :meth:`layer_states`, in its order: the eigenbases of factors A and B its refreshes
-        installed (None before the first) and how many refreshes of each installed them."""
+    def eigenbases(self) -> list[Bases]:
+        """Per layer of :meth:`layer_states`, in its order: its :data:`Bases`."""
+        ...
+
+    def on_refresh(self, call: Callable[[LayerState, Bases], None]) -> None:
+        """From now on, ``call(layer, bases)`` in every inverse label that ends a refresh of one of the
+        layers' factors (a new basis installed, or the old one kept), with the layer's bases after it:
+        where the optimizer carries its state into a new basis, in the refresh's bubble."""
         ...
 
 

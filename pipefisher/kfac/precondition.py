@@ -10,7 +10,7 @@ from torch import nn
 
 from pipefisher.kfac import factors as fx
 from pipefisher.kfac.drift_meter import DriftMeter
-from pipefisher.kfac.layers import LayerState
+from pipefisher.kfac.layers import Bases, LayerState
 from pipefisher.kfac.refresher import Refresher
 
 
@@ -78,8 +78,7 @@ class Preconditioner:
                 out.append(st.module.bias)
         return out
 
-    def eigenbases(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int]]]:
+    def eigenbases(self) -> list[Bases]:
         """Per layer, in layer order: the bases the refreshes installed and their refresh counts
         (:class:`pipefisher.kfac.layers.LayerStates`)."""
-        return [(self.refresher.installed(n, "A"), self.refresher.installed(n, "B"), self.refresher.inversions(n))
-                for n in self.layers]
+        return [self.refresher.bases(n) for n in self.layers]

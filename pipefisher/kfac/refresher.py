@@ -9,9 +9,11 @@ factors by the pi rule. A factor that cannot be inverted honestly stops the run
 (``skip``); the findings of an inverse with one to fall back on are read once per refresh, with the
 runtime's next read (``host``), the new inverse used on the device only where they say it is honest.
 
-Whoever follows refreshes (the drift, :class:`pipefisher.kfac.drift_meter.DriftMeter`) is told through
-:class:`RefreshListener` (its ``follow`` makes it :attr:`Refresher.listener`) and reads what it needs
-through :meth:`Refresher.installed`, :meth:`Refresher.inversions` and :meth:`Refresher.honest`.
+Whoever follows refreshes is told through :class:`RefreshListener` (one of :attr:`Refresher.listeners`):
+the drift (:class:`pipefisher.kfac.drift_meter.DriftMeter`, its ``follow``), and under ``kfac.update:
+soap`` the optimizer, which carries its first moment into a new basis there, in the refresh's label
+(:meth:`pipefisher.kfac.KFAC.on_refresh`); they read what they need through :meth:`Refresher.installed`,
+:meth:`Refresher.inversions` and :meth:`Refresher.honest`.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 
 from pipefisher.kfac import factors as fx
 from pipefisher.kfac.factors import BadFactorError
-from pipefisher.kfac.layers import FACTORS, LayerState, check_factor
+from pipefisher.kfac.layers import FACTORS, Bases, LayerState, check_factor
 from pipefisher.kfac.refresh import Refresh, pieces_for
 from pipefisher.kfac.statistics import CurvatureStats
 
@@ -58,14 +60,6 @@ class RefreshListener(Protocol):
     def refreshed(self, name: str, factor: str) -> None:
         """``factor`` of layer ``name`` went through ``inv`` (a new inverse installed, or the old one kept)."""
         ...
-
-
-class _NoListener:
-    def replacing(self, name: str, factor: str, old: torch.Tensor | None) -> None:
-        """Nobody follows the refreshes."""
-
-    def refreshed(self, name: str, factor: str) -> None:
-        """Nobody follows the refreshes."""
 
 
 @dataclass
@@ -108,7 +102,7 @@ class Refresher:
         self.refresh_pieces = refresh_pieces
         self.warn = warn or logger.warning
         self.host = host
-        self.listener: RefreshListener = _NoListener()  # until a follower (the drift) follows: see its follow()
+        self.listeners: list[RefreshListener] = []  # told in the order they came (the drift first: its follow())
         self._marked = False  # completions are marked (complete) by a schedule's executor: see plan_refresh
         self._told_overflow = False
         # Checking inverses: through the worker's reader (host; None: read at once). An inverse with one to
@@ -129,6 +123,11 @@ class Refresher:
         """How many refreshes of factors A and B of layer ``name`` installed what is there now."""
         n = self.state[name].inversions
         return n["A"], n["B"]
+
+    def bases(self, name: str) -> Bases:
+        """What layer ``name``'s update uses now, both factors, with their refresh counts."""
+        st = self.state[name]
+        return st.installed["A"], st.installed["B"], (st.inversions["A"], st.inversions["B"])
 
     def honest(self, name: str, factor: str) -> torch.Tensor | None:
         """Whether the last installed inverse of ``factor`` is used (a 0-dim bool tensor), while its
@@ -240,15 +239,17 @@ class Refresher:
             self._unchecked.append((name, factor, findings))
             self._honest[name, factor] = ok
         st.last_pi = pi
-        self.listener.replacing(name, factor, st.installed[factor])
+        for listener in self.listeners:
+            listener.replacing(name, factor, st.installed[factor])
         st.installed[factor] = inverse
         self.stats.set_running(name, factor, f)
         st.inversions[factor] += 1
         self._went_through(name, factor)
 
     def _went_through(self, name: str, factor: str) -> None:
-        """The factor went through ``inv``: the listener hears of it, then the refresh's checks may be due."""
-        self.listener.refreshed(name, factor)
+        """The factor went through ``inv``: the listeners hear of it, then the refresh's checks may be due."""
+        for listener in self.listeners:
+            listener.refreshed(name, factor)
         self._inverted_one(name, factor)
 
     def _read(self, t: torch.Tensor) -> list[float]:

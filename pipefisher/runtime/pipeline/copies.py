@@ -34,7 +34,7 @@ from pipefisher.runtime.pipeline.engine import PipelineEngine
 from pipefisher.runtime.pipeline.labels import copy_suffix, parse_label
 
 if TYPE_CHECKING:
-    from pipefisher.kfac.layers import LayerState
+    from pipefisher.kfac.layers import Bases, LayerState
 
 
 def suffix_span(span: Span | None, suffix: str) -> Span:
@@ -147,9 +147,14 @@ class StageCopiesKFAC:
         """Every copy's K-FAC layers, copies in canonical order (:class:`pipefisher.kfac.layers.LayerStates`)."""
         return [st for k in self._all() for st in k.layer_states()]
 
-    def eigenbases(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int]]]:
+    def eigenbases(self) -> list[Bases]:
         """Every copy's installed bases, in :meth:`layer_states`' order."""
         return [b for k in self._all() for b in k.eigenbases()]
+
+    def on_refresh(self, call: Callable[[LayerState, Bases], None]) -> None:
+        """``call(layer, bases)`` after every refresh of a factor of any copy."""
+        for k in self._all():
+            k.on_refresh(call)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for k in self._all() for p in k.parameters()]
