@@ -12,7 +12,7 @@ two worker processes run everything, so every mode sees the same machine:
    the hidden matrices, AdamW on the rest), ``kfac`` (curvature every step, the preconditioned gradient
    fed to the config's optimizer, AdamW) and ``scheduled`` (the packed schedule, K-FAC inside the
    pipeline bubbles, its cycles overlapping, its refresh in ``--refresh-pieces`` pieces: by default 1, 2
-   and 4 are each profiled and packed and the shortest planned step taken; its curvature update, K-FAC
+   and 4 are each profiled and packed and kept as ``pipefisher run`` keeps one; its curvature update, K-FAC
    feeding AdamW or ``soap``, Adam in K-FAC's eigenbasis, chosen by its sweep: each update has its own
    lrs and the updates split the warm-ups, 3 lrs x 1 warm-up each, the size of every other sweep;
    ``--scheduled-lrs kfac`` takes ``kfac``'s choice, K-FAC feeding AdamW, instead of its own sweep); in
@@ -359,7 +359,7 @@ def pack_variant(base: Any, ctx: Any, rank: int, folder: str, profile_steps: int
     if rank == 0:  # the plans are rank 0's; the rule is pipefisher run's (best_pieces)
         tried = [PiecesPacked(c.kfac.refresh_pieces, plan["step_ms"], max(plan["cycles"])) for c, _, plan in packs]
         pick = [tried.index(best_pieces(tried))]
-        packs[pick[0]][2]["pieces_tried"] = {str(t.pieces): t.step_ms for t in tried}
+        packs[pick[0]][2]["pieces_tried"] = {str(t.pieces): {"step_ms": t.step_ms, "cycle": t.cycle} for t in tried}
     dist.broadcast_object_list(pick, src=0)
     return packs[pick[0]]
 
@@ -682,7 +682,7 @@ def main() -> None:
     ap.add_argument("--refresh-pieces", default="best", metavar="N|auto|best",
                     help="kfac.refresh_pieces of K-FAC in the bubbles' profile and runs; best (default): "
                          f"{'/'.join(map(str, PIECE_CHOICES))} each profiled and packed, the count kept as pipefisher run "
-                         "keeps it (shortest planned step, then shorter cycle, then fewer pieces)")
+                         "keeps it (among planned steps within 2 %% of the least, the shorter cycle, then fewer pieces)")
     ap.add_argument("--basis-block", type=int, default=BASIS_BLOCK, metavar="N",
                     help="kfac.basis_block of the soap update in K-FAC in the bubbles: factors wider than N columns "
                          f"cut into diagonal blocks (0: whole factors; default {BASIS_BLOCK})")
@@ -753,7 +753,7 @@ def main() -> None:
                       "args": vars(a)})
     print(f"wrote {png} and {os.path.join(a.out, 'convergence.json')}")
     plan = first["plan"]
-    tried = ", ".join(f"{p}: {ms:.1f} ms" for p, ms in plan.get("pieces_tried", {}).items())
+    tried = ", ".join(f"{p}: {t['step_ms']:.1f} ms (k = {t['cycle']})" for p, t in plan.get("pieces_tried", {}).items())
     print(f"packed with '{plan['policy']}' on the profile's median step, cycles overlapping "
           f"({'they do' if plan['overlap'] else 'none did'}); planned step per refresh piece count: {tried}:")
     for line in plan["report"]:

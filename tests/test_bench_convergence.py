@@ -230,7 +230,7 @@ def test_the_scheduled_mode_chooses_its_update_by_training_loss_and_packs_with_o
     assert all(meta.get("overlap", False) == p["overlap"] for meta, p in zip(rank0["metas"], plans))
 
 
-def test_the_scheduled_mode_packs_with_overlap_and_takes_the_refresh_pieces_of_the_shortest_planned_step(
+def test_the_scheduled_mode_packs_with_overlap_and_takes_the_refresh_pieces_best_pieces_keeps(
         monkeypatch, tmp_path):
     import bench_convergence
     import torch.distributed as dist
@@ -246,7 +246,7 @@ def test_the_scheduled_mode_packs_with_overlap_and_takes_the_refresh_pieces_of_t
     monkeypatch.setattr(dist, "broadcast_object_list", lambda objs, src: None)
     cfg, _, plan = bench_convergence.pack_variant(bench_config(TINY, []), None, 0, str(tmp_path), 2, 8, "soap", "best")
     assert calls == [("soap", 1, True), ("soap", 2, True), ("soap", 4, True)]  # every count, cycles overlapping
-    assert cfg.kfac.refresh_pieces == 2 and cfg.kfac.update == "soap" and plan["pieces_tried"]["2"] == 20.0
+    assert cfg.kfac.refresh_pieces == 2 and cfg.kfac.update == "soap" and plan["pieces_tried"]["2"] == {"step_ms": 20.0, "cycle": 4}
     calls.clear()
     cfg, _, _ = bench_convergence.pack_variant(bench_config(TINY, []), None, 0, str(tmp_path), 2, 8, "base", "auto")
     assert calls == [("base", "auto", True)] and cfg.kfac.refresh_pieces == "auto"

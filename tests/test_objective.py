@@ -267,20 +267,27 @@ def test_the_planned_step_of_a_simulated_job_grows_by_its_exposed_preconditionin
     assert exposed == [prec] * len(node0.iterations)
 
 
-def test_best_pieces_keeps_the_shortest_planned_step_then_the_shorter_cycle_then_fewer_pieces() -> None:
+def test_best_pieces_keeps_the_shorter_cycle_among_planned_steps_within_the_tolerance() -> None:
     """``kfac.refresh_pieces: best``'s one rule (pipefisher run and the convergence benchmark): the planned
-    step decides; on a tie the shorter cycle (fresher curvature), then the fewer pieces, in any order given."""
-    from pipefisher.cost.objective import PIECE_CHOICES, PiecesPacked, best_pieces, pieces_line
+    steps within NO_CURVE_TOLERANCE (2 %) of the least count as equal, as the ``target`` policy counts them;
+    among them the shorter cycle (fresher curvature), then the fewer pieces, then the shorter step, in any
+    order given; a step beyond the tolerance never wins on its cycle."""
+    from pipefisher.cost.objective import NO_CURVE_TOLERANCE, PIECE_CHOICES, PiecesPacked, best_pieces, pieces_line
 
-    assert PIECE_CHOICES == (1, 2, 4)
+    assert PIECE_CHOICES == (1, 2, 4) and NO_CURVE_TOLERANCE == 0.02
+    race = [PiecesPacked(1, 136.3, 3), PiecesPacked(2, 135.2, 4), PiecesPacked(4, 134.6, 4)]
+    assert best_pieces(race).pieces == 1  # the planned steps of the race on 5121b1b; 1 piece 1.3 % longer
+    assert pieces_line(race, best_pieces(race)) == \
+        "refresh pieces: 1 136.3 ms, 2 135.2 ms, 4 134.6 ms planned: 1 kept"
     small = [PiecesPacked(1, 157.7, 4), PiecesPacked(2, 151.3, 4), PiecesPacked(4, 152.2, 3)]
-    assert best_pieces(small).pieces == 2  # docs/benchmarks.md's configs/small.yaml: 2 kept
-    assert pieces_line(small, best_pieces(small)) == \
-        "refresh pieces: 1 157.7 ms, 2 151.3 ms, 4 152.2 ms planned: 2 kept"
+    assert best_pieces(small).pieces == 4  # 1 is 4.2 % longer: out; 4 is 0.6 % longer, its cycle shorter
+    assert best_pieces(small, tolerance=0.0).pieces == 2  # no tolerance: the least step alone
     tied_step = [PiecesPacked(1, 150.0, 4), PiecesPacked(2, 150.0, 3), PiecesPacked(4, 150.0, 5)]
     assert best_pieces(tied_step).pieces == 2  # same step: the shorter cycle
     tied_all = [PiecesPacked(4, 150.0, 3), PiecesPacked(2, 150.0, 3), PiecesPacked(1, 151.0, 2)]
-    assert best_pieces(tied_all).pieces == 2  # same step and cycle: fewer pieces, wherever it stands
-    assert best_pieces([PiecesPacked(4, 149.9, 9), *tied_all]).pieces == 4  # the step first, cycle or not
+    assert best_pieces(tied_all).pieces == 1  # within 2 %: the shortest cycle, wherever it stands
+    same_cycle = [PiecesPacked(4, 150.0, 3), PiecesPacked(2, 151.0, 3), PiecesPacked(1, 155.0, 2)]
+    assert best_pieces(same_cycle).pieces == 2  # 1 is 3.3 % longer: out; same cycle: fewer pieces
+    assert best_pieces([PiecesPacked(4, 140.0, 9), *tied_all]).pieces == 4  # the others 7 % longer: out
     with pytest.raises(ValueError, match="no piece count"):
         best_pieces([])

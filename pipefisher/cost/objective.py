@@ -584,12 +584,21 @@ class PiecesPacked:
         return {"pieces": self.pieces, "planned_step_ms": round(self.step_ms, 3), "cycle": self.cycle}
 
 
-def best_pieces(packed: Sequence[PiecesPacked]) -> PiecesPacked:
-    """The piece count to keep: the shortest planned step (what a user pays per step), then the shorter
-    cycle (fresher curvature at the same price), then fewer pieces (the same refresh in fewer calls)."""
+def best_pieces(packed: Sequence[PiecesPacked], tolerance: float = NO_CURVE_TOLERANCE) -> PiecesPacked:
+    """The piece count to keep: among the counts whose planned step is within ``tolerance`` of the least
+    (what a user pays per step, as the ``target`` policy weighs it without a staleness curve:
+    :func:`choose_without_curve`), the shorter cycle (fresher curvature at the same price), then fewer
+    pieces (the same refresh in fewer calls), then the shorter planned step.
+
+    Why not the least planned step alone: the counts are profiled one after another, and their planned
+    steps differ by the profiles' noise (1-2 % on a CPU); the 300-step race on 5121b1b kept 4 pieces for
+    a plan 1.2 % shorter than 1 piece's, packed at k = 4 (the race before, on 7e03c37, had kept 1 piece
+    at k = 2-3), and lost (docs/benchmarks.md, "The moment carried into a new basis in the refresh's label")."""
     if not packed:
         raise ValueError("no piece count was packed")
-    return min(packed, key=lambda p: (p.step_ms, p.cycle, p.pieces))
+    least = min(p.step_ms for p in packed)
+    near = [p for p in packed if p.step_ms <= least * (1 + tolerance)]
+    return min(near, key=lambda p: (p.cycle, p.pieces, p.step_ms))
 
 
 def pieces_line(packed: Sequence[PiecesPacked], kept: PiecesPacked) -> str:

@@ -194,7 +194,8 @@ class KfacConfig:
     ``refresh_pieces``: how many pieces (inverse labels) a factor's refresh runs in, so that it fits
     bubbles shorter than the whole refresh (:mod:`pipefisher.kfac.refresh`): an integer, or ``auto``
     (one piece per 512 columns of the factor), or ``best`` (``pipefisher run`` only: it profiles and packs
-    1, 2 and 4 pieces and trains with the shortest planned step's count, :data:`BEST_PIECES`); more than 1
+    1, 2 and 4 pieces and trains with the count :func:`pipefisher.cost.objective.best_pieces` keeps: the
+    shorter cycle among the planned steps within 2 % of the least, :data:`BEST_PIECES`); more than 1
     needs ``inverse: cholesky`` or ``update: soap``.
     Default 1 (the whole refresh); on CPU the Cholesky pieces cost 0.7-1.1x the whole inverse in all from
     about 500 columns on (docs/benchmarks.md).
@@ -530,7 +531,7 @@ def check_pieces_resolved(k: KfacConfig, path: str | os.PathLike[str] | None, wh
     choose among: only ``pipefisher run`` resolves it, before its workers start."""
     if k.refresh_pieces == BEST_PIECES:
         raise InputError(path, f"kfac.refresh_pieces: best is chosen by pipefisher run (it profiles and packs "
-                               f"each piece count and keeps the shortest planned step); {where} takes a number or "
+                               f"each piece count and keeps the shorter cycle among the shortest planned steps); {where} takes a number or "
                                f"auto (the count of the profile a schedule was packed from)")
 
 
