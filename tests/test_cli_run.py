@@ -676,7 +676,7 @@ def test_best_refresh_pieces_is_refused_in_one_line_where_nothing_resolves_it(tm
     results = torch_free([["train", "--config", TINY, "--mode", "kfac", *best],
                           ["run", "--config", TINY, "--out", str(tmp_path / "e"), *best, "--set", "kfac.inverse=eigen"]])
     said = ["kfac.refresh_pieces: best is chosen by pipefisher run (it profiles and packs each piece count and keeps "
-            "the shortest planned step); pipefisher train takes a number or auto",
+            "the shorter cycle among the shortest planned steps); pipefisher train takes a number or auto",
             "kfac.refresh_pieces: best tries refreshes in more than 1 piece, which need kfac.inverse cholesky"]
     for (code, out, torch_loaded), why in zip(results, said):
         assert code == 2 and why in out and out.count("\n") == 1 and not torch_loaded, out
