@@ -366,3 +366,22 @@ def test_a_refresh_carries_the_moment_into_its_basis_in_its_own_label():
     lazy.step()
     for a, b in zip(model.parameters(), lazy_model.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_an_optimizer_built_anew_over_the_same_kfac_leaves_the_old_one_untold_and_collectable():
+    """A resumed or rebuilt optimizer registers again; the one it replaces is neither kept alive by K-FAC
+    nor rotating its own moments at every refresh."""
+    import gc
+    import weakref
+
+    model, kfac = _two_layer_kfac()
+    old = EigenbasisAdam(kfac, lr=1e-2)
+    _kfac_steps(model, kfac, old, 2)
+    gone = weakref.ref(old)
+    del old
+    gc.collect()
+    assert gone() is None
+    opt = EigenbasisAdam(kfac, lr=1e-2)
+    _kfac_steps(model, kfac, opt, 2)  # the dead listener is skipped; the new optimizer is told
+    layer = kfac.layer_states()[0]
+    assert opt.state[layer.module.weight]["versions"] == kfac.refresher.bases("0")[2] == (4, 4)

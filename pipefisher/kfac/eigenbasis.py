@@ -24,6 +24,7 @@ block: ``n b`` work per row instead of ``n^2``.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -49,7 +50,8 @@ class EigenbasisAdam(torch.optim.Optimizer):
         self.kfac, self.basis_block, self.rotation_dtype = kfac, basis_block, rotation_dtype
         self._cast: dict[int, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}  # id(weight) -> bases cast
         super().__init__(kfac.parameters(), dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        kfac.on_refresh(self._refreshed)
+        follow = weakref.WeakMethod(self._refreshed)  # an optimizer built anew leaves no live listener behind
+        kfac.on_refresh(lambda layer, bases: None if (call := follow()) is None else call(layer, bases))
 
     def _blocks(self, g_shape: tuple[int, ...]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The diagonal blocks of the layer's rows (factor B's side) and columns (A's)."""
