@@ -12,6 +12,7 @@ from torch import nn
 
 from pipefisher.kfac import KFAC, kfac_modules
 from pipefisher.kfac import factors as fx
+from pipefisher.kfac.defaults import EIGENBASIS_STEP_DECAY
 from pipefisher.kfac.factors import BadFactorError
 from pipefisher.kfac.kfac import STATE_FORMAT
 from pipefisher.runtime.data.batches import MLMData
@@ -332,6 +333,23 @@ def test_kl_clip_end_to_end_scales_the_preconditioned_step_into_the_bound():
 
 
 # 3. running-average factors ----------------------------------------------------------------------
+
+def test_eigenbases_average_their_factors_per_step_by_default_and_inverses_do_not():
+    """Unset, ``factor_decay`` is the kind's own (:func:`factor_decay_of`): eigenbases weigh the old factor
+    0.8 per step, so 0.8 ** k for a refresh every k steps (:meth:`KFAC.refresh_every`); inverses keep only
+    the newest. A value given is the weight per refresh, whatever k."""
+    soap = KFAC(TinyMLP(), ignore=(), inverse="eigenbasis")
+    assert soap.stats.factor_decay == EIGENBASIS_STEP_DECAY == 0.8
+    soap.refresh_every(3)
+    assert soap.stats.factor_decay == pytest.approx(0.8 ** 3)
+    plain = KFAC(TinyMLP(), ignore=())
+    plain.refresh_every(3)
+    assert plain.stats.factor_decay == 0.0
+    for kind in ("cholesky", "eigenbasis"):
+        given = KFAC(TinyMLP(), ignore=(), inverse=kind, factor_decay=0.7)
+        given.refresh_every(4)
+        assert given.stats.factor_decay == 0.7
+
 
 def test_running_average_factors_match_their_closed_form_and_are_what_is_inverted():
     d, damping = 0.7, 1e-2

@@ -109,6 +109,16 @@ def test_own_step_loop_gives_the_parameters_pipefisher_train_gives(builder):
     assert not torch.equal(mine[next(iter(mine))], make_stage(cfg, 0, 1).state_dict()[next(iter(mine))])
 
 
+def test_a_kfac_worker_tells_its_kfac_the_refresh_interval():
+    """``kfac.interval`` (or ``kfac_interval``) is how often K-FAC refreshes in ``kfac`` mode: soap's
+    unset running average weighs the old factor 0.8 per step (:func:`factor_decay_of`)."""
+    cfg = _tiny().replace(pipeline={"stages": 1}, kfac={"update": "soap", "interval": 2})
+    assert api.build_worker(cfg, single_process(), mode="kfac", total_steps=2).kfac.stats.factor_decay \
+        == pytest.approx(0.8 ** 2)
+    assert api.build_worker(cfg, single_process(), mode="kfac", total_steps=2, kfac_interval=3) \
+        .kfac.stats.factor_decay == pytest.approx(0.8 ** 3)
+
+
 def test_build_worker_refuses_a_schedule_without_scheduled_mode():
     with pytest.raises(ValueError, match=r"--schedule FILE trains in scheduled mode, not kfac"):
         api.build_worker(_tiny().replace(pipeline={"stages": 1}), single_process(), mode="kfac",

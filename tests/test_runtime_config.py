@@ -52,6 +52,8 @@ def test_bundled_configs_cover_tests_demo_and_bert_shapes():
     ({"kfac": {"cov_micro_batches": "half"}}, "kfac.cov_micro_batches must be an integer >= 1 or all, not 'half'"),
     ({"kfac": {"cov_micro_batches": 5}, "data": {"num_micro_batches": 4}},
      "kfac.cov_micro_batches 5 is more than the step's 4 micro-batches"),
+    ({"kfac": {"factor_decay": 1.0}}, "and kfac.factor_decay in"),
+    ({"kfac": {"update": "soap", "factor_decay": "long"}}, "and kfac.factor_decay in"),
     ({"kfac": {"update": "adam"}}, "kfac.update must be one of base, momentum, soap"),
     ({"kfac": {"update": "soap", "kl_clip": 0.001}}, "kfac.kl_clip bounds a preconditioned step"),
     ({"kfac": {"update": "soap", "inverse": "eigen"}}, "kfac.inverse: eigen chooses how a damped inverse"),
@@ -283,6 +285,19 @@ def test_cov_micro_batches_takes_a_count_or_all_from_set():
     cfg = apply_overrides(RunConfig(), ["kfac.cov_micro_batches=2"])
     assert cfg.kfac.cov_micro_batches == 2
     assert apply_overrides(cfg, ["kfac.cov_micro_batches=all"]).kfac.cov_micro_batches == "all"
+
+
+def test_an_unset_factor_decay_digests_as_the_0_it_was_except_under_soap():
+    """A base config keeps the digest it had before ``kfac.factor_decay`` could be unset (unset is 0 for
+    inverses); under soap, unset is the per-step default (:func:`factor_decay_of`), another config than
+    soap at 0 (its old digest) or at any one value per refresh."""
+    base = load_config(TINY)
+    assert base.kfac.factor_decay is None
+    assert base.fingerprint() == base.replace(kfac={"factor_decay": 0.0}).fingerprint() == "95b500ae9af202f8"
+    soap = base.replace(kfac={"update": "soap"})
+    assert soap.fingerprint() not in {soap.replace(kfac={"factor_decay": d}).fingerprint() for d in (0, 0.5, 0.8)}
+    assert apply_overrides(base, ["kfac.factor_decay=0.9"]).kfac.factor_decay == 0.9
+    assert config_from_dict(soap.to_dict()) == soap  # unset stays unset through the launcher's JSON
 
 
 def test_a_setting_added_later_changes_the_fingerprint_only_away_from_its_default():

@@ -482,6 +482,9 @@ class _FakeKFAC:
     def pieces(self, name: str, factor: str) -> int:
         return 1
 
+    def refresh_every(self, steps: int) -> None:
+        self.every = steps  # the cycle the executor last installed
+
     def plan_refresh(self) -> None:  # whole refreshes: every label does its work, as logged
         return None
 
@@ -622,3 +625,14 @@ def test_posting_ahead_is_no_label_of_the_record():
     ex = ScheduleExecutor([_ITERATION], _FakeEngine(log), {0: _FakeKFAC(log)}, lambda: None, recorder=rec)
     ex.run_step(1)
     assert [t.label for t in ex.last_record.labels] == _ITERATION
+
+
+def test_every_schedule_the_executor_installs_tells_kfac_its_cycle():
+    """The cycle is how often each factor refreshes: K-FAC weighs its running average per step by it
+    (:meth:`pipefisher.kfac.KFAC.refresh_every`), at the first schedule and at every switch."""
+    kfac = _FakeKFAC([])
+    plain = [START, FORWARD, FORWARD, _BWD, _BWD, END]  # no K-FAC work: the cycle's other iterations
+    ex = ScheduleExecutor([_ITERATION, plain, plain], _FakeEngine([]), {0: kfac}, lambda: None)
+    assert kfac.every == 3
+    ex.switch([_ITERATION, plain], 4)
+    assert kfac.every == 2

@@ -28,6 +28,7 @@ from typing import Any, Callable, ContextManager, Iterable
 import torch
 from torch import nn
 
+from pipefisher.kfac.defaults import factor_decay_of
 from pipefisher.kfac.drift_meter import DriftMeter
 from pipefisher.kfac.factors import INVERSE_METHODS, BadFactorError
 from pipefisher.kfac.layers import (DEFAULT_IGNORE, DTYPES, FACTORS, LAYER_KINDS, Bases, Coverage, LayerKind,
@@ -123,16 +124,21 @@ class KFAC:
     which the checks of inverses are read with (None: each read at once). ``basis_block`` (``inverse=
     "eigenbasis"`` only): a factor wider than it is cut into diagonal blocks, its covariance and basis
     computed per block (:func:`pipefisher.kfac.factors.diagonal_blocks`); 0 keeps factors whole.
+    ``factor_decay``: the old factor's weight in each refresh's running average; None takes the kind's
+    default (:func:`pipefisher.kfac.defaults.factor_decay_of`: 0.8 per step for eigenbases, for a refresh
+    every step until :meth:`refresh_every` says otherwise; 0 for inverses).
     """
 
     def __init__(self, model: nn.Module, *, damping: float = 1e-3, ignore: Iterable[str] = DEFAULT_IGNORE,
                  loss_scale: float = 1.0, dp_group: Any = None, dp_size: int = 1,
-                 damping_min: float | None = None, damping_decay: float = 1.0, factor_decay: float = 0.0,
+                 damping_min: float | None = None, damping_decay: float = 1.0, factor_decay: float | None = None,
                  inverse: str = "cholesky", inverse_dtype: str = "float32", on_bad_factor: str = "stop",
                  save_dtype: str = "float32", fisher: str = "empirical",
                  warn: Callable[[str], None] | None = None, cov_stride: int = 1, drift: bool = True,
                  refresh_pieces: int | str = 1, host: HostReader | None = None,
                  cov_micro_batches: int | None = None, basis_block: int = 0) -> None:
+        self._factor_decay, self._eigenbasis = factor_decay, inverse == "eigenbasis"
+        factor_decay = factor_decay_of(factor_decay, eigenbasis=self._eigenbasis)
         _check_settings(damping, damping_min, damping_decay, factor_decay, inverse, inverse_dtype,
                         on_bad_factor, fisher, cov_stride, refresh_pieces, cov_micro_batches, basis_block)
         self.layers = layer_states(model, ignore)
@@ -189,6 +195,11 @@ class KFAC:
 
     def complete(self, factor: str, name: str) -> None:
         self.refresher.complete(factor, name)
+
+    def refresh_every(self, steps: int) -> None:
+        """Refreshes come every ``steps`` training steps (``kfac.interval``, or a schedule's cycle): an
+        unset ``factor_decay`` weighs the old factor per step (:func:`factor_decay_of`), a set one is kept."""
+        self.stats.factor_decay = factor_decay_of(self._factor_decay, eigenbasis=self._eigenbasis, interval=steps)
 
     def plan_refresh(self) -> None:
         self.refresher.plan_refresh()

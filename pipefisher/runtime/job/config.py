@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from pipefisher.errors import InputError, renamed_notice
 from pipefisher.kfac import DEFAULT_IGNORE
+from pipefisher.kfac.defaults import factor_decay_of
 from pipefisher.pipeline_orders import V_ORDERS, default_chunks, order_names
 from pipefisher.runtime.job.options import FLAGS, OptionError, section_class
 
@@ -175,7 +176,9 @@ class KfacConfig:
     """K-FAC for the ``nn.Linear`` layers not matched by ``ignore``.
 
     Curvature: factors refreshed every ``interval`` steps (in ``scheduled`` mode: once per cycle), kept
-    as running averages (``factor_decay``: the weight of the old factor; 0 keeps only the newest),
+    as running averages (``factor_decay``: the weight of the old factor per refresh; 0 keeps only the
+    newest; unset: 0 for inverses, and under ``update: soap`` 0.8 per step, ``0.8 ** k`` for a refresh
+    every k steps, :func:`pipefisher.kfac.defaults.factor_decay_of`),
     inverted with damping ``damping`` (decayed by ``damping_decay`` per refresh down to
     ``damping_min``; 0: ``damping`` itself), split between the factors by the pi rule, in ``inverse_dtype`` by ``inverse``.
     Update: the preconditioned gradient is scaled so the step's predicted KL change stays under
@@ -214,7 +217,7 @@ class KfacConfig:
     damping_decay: float = 1.0
     interval: int = 1
     ignore: tuple[str, ...] = DEFAULT_IGNORE
-    factor_decay: float = 0.0
+    factor_decay: float | None = None  # None: the update's own (factor_decay_of)
     kl_clip: float = 0.0
     update: str = "base"
     lr: float = 0.1
@@ -350,7 +353,10 @@ class RunConfig:
         start-up, so stages never run different setups. ``layout=False`` leaves out the name and the
         pipeline section (stages, order, chunks, timeout), which change how a step runs but not what the
         model learns: the identity a staleness curve is measured for and checked against."""
-        raw = recorded_sections(self.to_dict())
+        raw = self.to_dict()
+        if self.kfac.update != "soap":  # unset digests as the 0 it stands for, as before it could be unset
+            raw["kfac"]["factor_decay"] = factor_decay_of(self.kfac.factor_decay, eigenbasis=False)
+        raw = recorded_sections(raw)
         if not layout:
             raw = {k: v for k, v in raw.items() if k not in ("name", "pipeline")}
         blob = json.dumps(raw, sort_keys=True, default=list).encode()
@@ -744,7 +750,9 @@ def check_config(cfg: RunConfig, path: str | os.PathLike[str] | None) -> None:
     k = cfg.kfac
     if k.interval < 1 or not k.damping > 0 or not 0 <= k.damping_min <= k.damping:
         problems.append("kfac.interval must be >= 1, kfac.damping > 0 and kfac.damping_min in [0, damping]")
-    if not 0.0 < k.damping_decay <= 1.0 or not 0.0 <= k.factor_decay < 1.0:
+    decay = k.factor_decay
+    if not 0.0 < k.damping_decay <= 1.0 or decay is not None and (
+            isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0):
         problems.append("kfac.damping_decay must be in (0, 1] and kfac.factor_decay in [0, 1)")
     if k.kl_clip < 0 or k.lr <= 0 or not 0.0 <= k.momentum < 1.0:
         problems.append("kfac.kl_clip must be >= 0, kfac.lr > 0 and kfac.momentum in [0, 1)")

@@ -130,6 +130,10 @@ class CurvatureWork(Protocol):
         """Refreshes begin only where :meth:`complete` marked them (a schedule runs them)."""
         ...
 
+    def refresh_every(self, steps: int) -> None:
+        """Refreshes come once per cycle of ``steps`` steps (what a per-step running average weighs by)."""
+        ...
+
     def finish_refreshes(self) -> None:
         """End every refresh under way now, in flight or completed but not begun (a switch to another schedule)."""
         ...

@@ -169,6 +169,8 @@ class ScheduleExecutor:
         if first_step < 1:
             raise ValueError("a schedule's cycle starts at step 1 or later (step 0 is a plain step)")
         self._plan_refreshes(iterations)
+        for kfac in self.kfacs.values():
+            kfac.refresh_every(len(iterations))
         if self._ran:
             for kfac in self.kfacs.values():
                 kfac.finish_refreshes()

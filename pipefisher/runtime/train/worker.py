@@ -203,6 +203,7 @@ def build_worker(cfg: RunConfig, ctx: DistContext, *, mode: str = "first-order",
     scaler = LossScale(cfg.train.loss_scale) if cfg.train.precision == "fp16" else None
     for k in kfacs.values():
         k.grad_scaler = scaler
+        k.refresh_every(kfac_interval or cfg.kfac.interval)  # a schedule's executor says its cycle instead
     if cfg.train.recompute == "layer":  # after K-FAC's hooks exist: a recomputed block pauses them
         for p, copy in copies.items():
             recompute_blocks(copy, kfacs.get(p))
