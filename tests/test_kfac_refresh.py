@@ -123,10 +123,19 @@ def test_a_blocked_eigenbasis_in_pieces_is_the_whole_blocked_one_and_resumes(p, 
     assert torch.equal(resumed.result()[0], want)
 
 
-def test_a_factor_no_wider_than_the_block_refreshes_as_without_blocks():
+def test_a_factor_no_wider_than_the_block_is_one_exact_eigh_in_its_first_piece():
+    """Under ``kfac.basis_block`` no eigenbasis is the power step's approximation: a factor one block covers
+    gets the whole ``eigh`` in its first piece (the others do nothing), the basis of one piece; without a
+    block the pieces still take the power step, and a Cholesky refresh ignores the block."""
     f = _factor(40, rows=160)
-    assert Refresh(f, 0.0, method="eigenbasis", dtype=torch.float32, pieces=2, block=40,
-                   basis=torch.eye(40)).mode == "power"
+    whole = _run(Refresh(f, 0.0, method="eigenbasis", dtype=torch.float32, pieces=1, block=40, basis=torch.eye(40)))
+    split = Refresh(f, 0.0, method="eigenbasis", dtype=torch.float32, pieces=2, block=40, basis=torch.eye(40))
+    assert split.mode == "blocks"
+    split.step()
+    assert split.t["q"].abs().sum() > 0  # the eigh ran in the first piece
+    split.step()
+    assert torch.allclose(split.result()[0], whole[0], atol=1e-6) and bool(split.result()[2])
+    assert Refresh(f, 0.0, method="eigenbasis", dtype=torch.float32, pieces=2, basis=torch.eye(40)).mode == "power"
     assert Refresh(f, 1e-3, method="cholesky", dtype=torch.float32, pieces=2, block=8).mode == "cholesky"
 
 

@@ -483,7 +483,7 @@ class _FakeKFAC:
         return 1
 
     def refresh_every(self, steps: int) -> None:
-        self.every = steps  # the cycle the executor last installed
+        self.refreshes = [*getattr(self, "refreshes", []), ("every", steps)]
 
     def plan_refresh(self) -> None:  # whole refreshes: every label does its work, as logged
         return None
@@ -492,7 +492,7 @@ class _FakeKFAC:
         return None
 
     def finish_refreshes(self) -> None:
-        return None
+        self.refreshes = [*getattr(self, "refreshes", []), ("finish",)]
 
     def set_saving(self, on: bool) -> None:
         self.log.append(("saving", on))
@@ -629,10 +629,13 @@ def test_posting_ahead_is_no_label_of_the_record():
 
 def test_every_schedule_the_executor_installs_tells_kfac_its_cycle():
     """The cycle is how often each factor refreshes: K-FAC weighs its running average per step by it
-    (:meth:`pipefisher.kfac.KFAC.refresh_every`), at the first schedule and at every switch."""
+    (:meth:`pipefisher.kfac.KFAC.refresh_every`), at the first schedule and at every switch, after the
+    refreshes the old schedule left under way have ended."""
     kfac = _FakeKFAC([])
     plain = [START, FORWARD, FORWARD, _BWD, _BWD, END]  # no K-FAC work: the cycle's other iterations
     ex = ScheduleExecutor([_ITERATION, plain, plain], _FakeEngine([]), {0: kfac}, lambda: None)
-    assert kfac.every == 3
-    ex.switch([_ITERATION, plain], 4)
-    assert kfac.every == 2
+    assert kfac.refreshes == [("every", 3)]
+    for step in (1, 2, 3):
+        ex.run_step(step)
+    ex.switch([_ITERATION, plain], 4)  # the old cycle's refreshes end at its own weight, then the new one's
+    assert kfac.refreshes == [("every", 3), ("finish",), ("every", 2)]

@@ -19,7 +19,10 @@ time, its state carried between them (and into a checkpoint), giving what the wh
   (:class:`pipefisher.kfac.eigenbasis.EigenbasisAdam` rotates the first moment by ``Q_new^T Q_old``, near
   the identity). The first refresh (no previous basis) is the whole ``eigh``, in its first piece.
 - ``eigenbasis`` of a factor cut into diagonal blocks (``kfac.basis_block``): each block's ``eigh``, the
-  blocks grouped into pieces of about equal work (``b^3`` each); exact, as the whole blocked refresh.
+  blocks grouped into pieces of about equal work (``b^3`` each); exact, as the whole blocked refresh. A
+  factor no wider than the block is one block, its ``eigh`` in its first piece: the power step's basis is
+  approximate, and in the race with refreshes in 2 pieces (the 129-wide attention factors refreshed by it)
+  every seed ended 0.018-0.023 above the same race in 1 piece (docs/benchmarks.md).
 
 ``p = 1`` is the whole refresh exactly as before (:func:`pipefisher.kfac.factors.inverse_findings`);
 ``eigen`` is never split (:data:`PIECE_METHODS`).
@@ -155,7 +158,10 @@ class Refresh:
             raise ValueError(f"a {method} refresh is not split into pieces ({', '.join(PIECE_METHODS)} are)")
         self.method, self.dtype, self.pieces, self.done = method, dtype, int(pieces), 0
         self.out_dtype, self.damping, self.kept = f.dtype, damping, kept
-        self.block = block if method == "eigenbasis" and len(diagonal_blocks(f.shape[0], block)) > 1 else 0
+        # under kfac.basis_block every eigenbasis refresh is exact, block by block: a factor one block
+        # covers is one eigh (in the first of its pieces), cheap at that width, never the power step
+        blocked = method == "eigenbasis" and block > 0 and (pieces > 1 or len(diagonal_blocks(f.shape[0], block)) > 1)
+        self.block = block if blocked else 0
         self.mode = "blocks" if self.block else "whole" if pieces == 1 else \
             "cholesky" if method == "cholesky" else "eigh" if basis is None else "power"
         self.t: dict[str, Any] = {"f": f} if self.mode in ("whole", "eigh") else {}

@@ -170,10 +170,9 @@ class ScheduleExecutor:
             raise ValueError("a schedule's cycle starts at step 1 or later (step 0 is a plain step)")
         self._plan_refreshes(iterations)
         for kfac in self.kfacs.values():
+            if self._ran:
+                kfac.finish_refreshes()  # the old cycle's covariance, folded in at the old cycle's weight
             kfac.refresh_every(len(iterations))
-        if self._ran:
-            for kfac in self.kfacs.values():
-                kfac.finish_refreshes()
         self._ran = False
         self.iterations = [list(it) for it in iterations]
         self._completions = completion_points(self.iterations)
