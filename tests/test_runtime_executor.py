@@ -478,12 +478,13 @@ class _FakeKFAC:
 
     def __init__(self, log: list, fail: str | None = None) -> None:
         self.log, self.fail = log, fail
+        self.refreshes: list[tuple] = []  # refresh_every and finish_refreshes, in order
 
     def pieces(self, name: str, factor: str) -> int:
         return 1
 
     def refresh_every(self, steps: int) -> None:
-        self.refreshes = [*getattr(self, "refreshes", []), ("every", steps)]
+        self.refreshes.append(("every", steps))
 
     def plan_refresh(self) -> None:  # whole refreshes: every label does its work, as logged
         return None
@@ -492,7 +493,7 @@ class _FakeKFAC:
         return None
 
     def finish_refreshes(self) -> None:
-        self.refreshes = [*getattr(self, "refreshes", []), ("finish",)]
+        self.refreshes.append(("finish",))
 
     def set_saving(self, on: bool) -> None:
         self.log.append(("saving", on))

@@ -137,8 +137,8 @@ class KFAC:
                  warn: Callable[[str], None] | None = None, cov_stride: int = 1, drift: bool = True,
                  refresh_pieces: int | str = 1, host: HostReader | None = None,
                  cov_micro_batches: int | None = None, basis_block: int = 0) -> None:
-        self._factor_decay, self._eigenbasis = factor_decay, inverse == "eigenbasis"
-        factor_decay = factor_decay_of(factor_decay, eigenbasis=self._eigenbasis)
+        self._factor_decay = factor_decay  # as given: None follows the refresh interval (refresh_every)
+        factor_decay = factor_decay_of(factor_decay, eigenbasis=inverse == "eigenbasis")
         _check_settings(damping, damping_min, damping_decay, factor_decay, inverse, inverse_dtype,
                         on_bad_factor, fisher, cov_stride, refresh_pieces, cov_micro_batches, basis_block)
         self.layers = layer_states(model, ignore)
@@ -199,7 +199,8 @@ class KFAC:
     def refresh_every(self, steps: int) -> None:
         """Refreshes come every ``steps`` training steps (``kfac.interval``, or a schedule's cycle): an
         unset ``factor_decay`` weighs the old factor per step (:func:`factor_decay_of`), a set one is kept."""
-        self.stats.factor_decay = factor_decay_of(self._factor_decay, eigenbasis=self._eigenbasis, interval=steps)
+        self.stats.factor_decay = factor_decay_of(self._factor_decay, eigenbasis=self.refresher.method == "eigenbasis",
+                                                  interval=steps)
 
     def plan_refresh(self) -> None:
         self.refresher.plan_refresh()

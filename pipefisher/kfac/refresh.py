@@ -20,10 +20,11 @@ time, its state carried between them (and into a checkpoint), giving what the wh
   the identity). The first refresh (no previous basis) is the whole ``eigh``, in its first piece.
 - ``eigenbasis`` of a factor cut into diagonal blocks (``kfac.basis_block``): each block's ``eigh``, the
   blocks grouped into pieces of about equal work (``b^3`` each); exact, as the whole blocked refresh. A
-  factor no wider than the block is one block, its ``eigh`` in its first piece: the power step's basis is
-  approximate: at 300 steps in the bubbles (k = 3), refreshes in 2 pieces (the 129-wide attention
-  factors by the power step) ended 0.025 / 0.019 / 0.003 above 1 piece with the same factor average, on
-  seeds 0 / 1 / 2 (docs/benchmarks.md, "Factors averaged across refreshes under soap").
+  factor no wider than the block is one block, its ``eigh`` in its first piece (exact, as 1 piece gives),
+  not the power step's approximate basis. What it was seen to cost (docs/benchmarks.md, "Factors averaged
+  across refreshes under soap"): at 300 steps in the bubbles, 2 pieces (the 129-wide attention factors by
+  the power step) ended 0.025 / 0.019 / 0.003 above 1 piece with about the same factor average; the race
+  with exact bases brought back seed 1 only, so its worth there is within the run-to-run noise.
 
 ``p = 1`` is the whole refresh exactly as before (:func:`pipefisher.kfac.factors.inverse_findings`);
 ``eigen`` is never split (:data:`PIECE_METHODS`).

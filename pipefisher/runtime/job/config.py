@@ -353,10 +353,7 @@ class RunConfig:
         start-up, so stages never run different setups. ``layout=False`` leaves out the name and the
         pipeline section (stages, order, chunks, timeout), which change how a step runs but not what the
         model learns: the identity a staleness curve is measured for and checked against."""
-        raw = self.to_dict()
-        if self.kfac.update != "soap":  # unset digests as the 0 it stands for, as before it could be unset
-            raw["kfac"]["factor_decay"] = factor_decay_of(self.kfac.factor_decay, eigenbasis=False)
-        raw = recorded_sections(raw)
+        raw = recorded_sections(self.to_dict())
         if not layout:
             raw = {k: v for k, v in raw.items() if k not in ("name", "pipeline")}
         blob = json.dumps(raw, sort_keys=True, default=list).encode()
@@ -395,9 +392,14 @@ setting is left out of the fingerprint, so a config that does not use it keeps t
 
 def recorded_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A config's sections (``RunConfig.to_dict``) under the names records had before :data:`RENAMED_KEYS`,
-    without :data:`LATER_KEYS` at their defaults: what the fingerprint hashes, so the digests that
+    without :data:`LATER_KEYS` at their defaults, an unset ``kfac.factor_decay`` outside soap as the 0 it
+    stands for: what the fingerprint hashes, so the digests that
     checkpoints, schedules and staleness curves recorded still name the same configs."""
     out = dict(raw)
+    kfac = out.get("kfac")
+    if isinstance(kfac, Mapping) and kfac.get("factor_decay") is None and kfac.get("update") != "soap":
+        # unset became possible later: without soap it stands for the 0 every record before wrote
+        out["kfac"] = {**kfac, "factor_decay": factor_decay_of(None, eigenbasis=False)}
     for dotted, default in LATER_KEYS.items():
         section, _, key = dotted.partition(".")
         if isinstance(out.get(section), Mapping) and out[section].get(key, default) == default:
