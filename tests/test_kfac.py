@@ -349,6 +349,21 @@ def test_eigenbases_average_their_factors_per_step_by_default_and_inverses_do_no
         given = KFAC(TinyMLP(), ignore=(), inverse=kind, factor_decay=0.7)
         given.refresh_every(4)
         assert given.stats.factor_decay == 0.7
+        assert given.averaging_line() == ("factors averaged across refreshes: the old factor weighs 0.7 a refresh "
+                                          "(kfac.factor_decay)")
+
+
+def test_the_run_says_how_its_factors_are_averaged():
+    """The line a run prints per stage: the weight a refresh and where it comes from (the per-step default
+    at the cycle the schedule or ``kfac.interval`` gave); nothing where each refresh keeps its own factor."""
+    soap = KFAC(TinyMLP(), ignore=(), inverse="eigenbasis")
+    soap.refresh_every(3)
+    assert soap.averaging_line() == ("factors averaged across refreshes: the old factor weighs 0.512 a refresh "
+                                     "(0.8 a step, a refresh every 3 steps)")
+    soap.refresh_every(1)
+    assert soap.averaging_line().endswith("weighs 0.8 a refresh (0.8 a step, a refresh every 1 step)")
+    assert KFAC(TinyMLP(), ignore=()).averaging_line() is None
+    assert KFAC(TinyMLP(), ignore=(), inverse="eigenbasis", factor_decay=0.0).averaging_line() is None
 
 
 def test_running_average_factors_match_their_closed_form_and_are_what_is_inverted():

@@ -28,7 +28,7 @@ from typing import Any, Callable, ContextManager, Iterable
 import torch
 from torch import nn
 
-from pipefisher.kfac.defaults import factor_decay_of
+from pipefisher.kfac.defaults import EIGENBASIS_STEP_DECAY, factor_decay_of
 from pipefisher.kfac.drift_meter import DriftMeter
 from pipefisher.kfac.factors import INVERSE_METHODS, BadFactorError
 from pipefisher.kfac.layers import (DEFAULT_IGNORE, DTYPES, FACTORS, LAYER_KINDS, Bases, Coverage, LayerKind,
@@ -138,6 +138,7 @@ class KFAC:
                  refresh_pieces: int | str = 1, host: HostReader | None = None,
                  cov_micro_batches: int | None = None, basis_block: int = 0) -> None:
         self._factor_decay = factor_decay  # as given: None follows the refresh interval (refresh_every)
+        self._refresh_interval = 1
         factor_decay = factor_decay_of(factor_decay, eigenbasis=inverse == "eigenbasis")
         _check_settings(damping, damping_min, damping_decay, factor_decay, inverse, inverse_dtype,
                         on_bad_factor, fisher, cov_stride, refresh_pieces, cov_micro_batches, basis_block)
@@ -199,8 +200,20 @@ class KFAC:
     def refresh_every(self, steps: int) -> None:
         """Refreshes come every ``steps`` training steps (``kfac.interval``, or a schedule's cycle): an
         unset ``factor_decay`` weighs the old factor per step (:func:`factor_decay_of`), a set one is kept."""
+        self._refresh_interval = steps
         self.stats.factor_decay = factor_decay_of(self._factor_decay, eigenbasis=self.refresher.method == "eigenbasis",
                                                   interval=steps)
+
+    def averaging_line(self) -> str | None:
+        """What the run says of its factors' running average, which sets how fast the curvature follows
+        the weights as much as the refresh interval does (None: each refresh keeps its own factor only)."""
+        weight = self.stats.factor_decay
+        if not weight:
+            return None
+        why = ("kfac.factor_decay" if self._factor_decay is not None
+               else f"{EIGENBASIS_STEP_DECAY:g} a step, a refresh every {self._refresh_interval} step"
+                    f"{'s' if self._refresh_interval != 1 else ''}")
+        return f"factors averaged across refreshes: the old factor weighs {weight:.3g} a refresh ({why})"
 
     def plan_refresh(self) -> None:
         self.refresher.plan_refresh()

@@ -382,7 +382,10 @@ class Trainer:
             for p, k in self.kfacs.items():
                 up = ("" if not p else f" (chunk {p})" if self.cfg.pipeline.chunked
                       else " (up pipe)" if p == UP else "")
-                logger.info(k.coverage.line(f"stage {node_pipes(self.cfg, g.stage)[p]}{up}"))
+                where = f"stage {node_pipes(self.cfg, g.stage)[p]}{up}"
+                logger.info(k.coverage.line(where))
+                if (averaging := k.averaging_line()) is not None:
+                    logger.info(f"{where}: {averaging}")
         memory.reset_peak(self.ctx.device)
         result.base_memory_bytes = memory.peak_bytes(self.ctx.device)  # just reset: what it holds now
         if self.kfac is not None:
