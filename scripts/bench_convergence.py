@@ -95,6 +95,13 @@ ROTATION_DTYPE = "float32"
 bfloat16 looked better on one seed (5.7766 at 1.040x Muon's step, float32 5.7848 at 1.106x) and lost
 more on 3 (time-to-target / Muon 1.119 against float32's 1.085: docs/benchmarks.md, "Factors cut into
 diagonal blocks"), so float32 stays."""
+
+FACTOR_DECAY_PER_STEP = 0.8
+"""``--factor-decay-per-step``'s default: the soap update's ``kfac.factor_decay_per_step`` in K-FAC in the
+bubbles (the library's default is SOAP's 0.95). On ``configs/small.yaml``, refreshed every step for 300
+steps (seed 0; Muon 5.7919), 0.8 ended at 5.7640 against 5.8142 at 0.95 and 5.9214 at 0.5; in the
+bubbles at k = 3 for 1000 steps (seeds 0 / 1) 0.5 a refresh (about 0.8 a step) 5.4255 / 5.4021 against
+5.4327 / 5.4079 at 0 (docs/benchmarks.md, "Factors averaged across refreshes under soap")."""
 """K-FAC in the bubbles' curvature updates (``kfac.update``), chosen by its sweep: its default lrs of each
 (``--scheduled-lrs`` for ``base``, centred on 1.4e-3; ``--soap-lrs`` for ``soap``, centred on 4e-3, where
 the eigenbasis in the bubbles did best, docs/benchmarks.md)."""
@@ -214,7 +221,7 @@ def choose_update(train: Callable[..., tuple[Any, Any]], steps: int, variants: l
     cfg = next(v.cfg for v in variants if v.update == best["update"])
     choice = {"lr": best["lr"], "warmup_steps": best["warmup_steps"], "update": best["update"],
               "refresh_pieces": cfg.kfac.refresh_pieces, "overlap": True, "basis_block": cfg.kfac.basis_block,
-              "rotation_dtype": cfg.kfac.rotation_dtype}
+              "rotation_dtype": cfg.kfac.rotation_dtype, "factor_decay_per_step": cfg.kfac.factor_decay_per_step}
     announce(f"{entrant.label}: {UPDATES[best['update']]}, lr {best['lr']:g}, warm-up {best['warmup_steps']} steps "
              "(the best training loss of its sweep over the updates)")
     return choice, rows
@@ -345,7 +352,8 @@ def pack_variant(base: Any, ctx: Any, rank: int, folder: str, profile_steps: int
     profiled with the refresh in ``pieces`` pieces (``kfac.refresh_pieces``: a number or ``auto``; ``best``:
     each of :data:`~pipefisher.cost.objective.PIECE_CHOICES` profiled and packed, the count kept as ``pipefisher
     run`` keeps it, :func:`~pipefisher.cost.objective.best_pieces`) and packed with overlapping cycles;
-    ``soap``: the soap update's own ``kfac`` settings (``basis_block``, ``rotation_dtype``), for that update only."""
+    ``soap``: the soap update's own ``kfac`` settings (``basis_block``, ``rotation_dtype``,
+    ``factor_decay_per_step``), for that update only."""
     import torch.distributed as dist
 
     packs = []
@@ -656,6 +664,15 @@ def scheduled_updates(ap: argparse.ArgumentParser, a: argparse.Namespace,
         raise
 
 
+def soap_settings(a: argparse.Namespace, cfg: Any) -> dict[str, Any]:
+    """The soap update's own ``kfac`` settings from the flags; a ``kfac.factor_decay`` set (per refresh)
+    stands, so the weight per step is left out beside it."""
+    out = {"basis_block": a.basis_block, "rotation_dtype": a.rotation_dtype}
+    if cfg.kfac.factor_decay is None:
+        out["factor_decay_per_step"] = a.factor_decay_per_step
+    return out
+
+
 def scheduled_label(run: Mapping[str, Any]) -> str:
     """K-FAC in the bubbles as it ran: its curvature update, refresh pieces and whether its cycles overlap."""
     if "update" not in run:
@@ -663,6 +680,8 @@ def scheduled_label(run: Mapping[str, Any]) -> str:
     block = f", factors in diagonal blocks of at most {run['basis_block']}" if run.get("basis_block") else ""
     if run.get("rotation_dtype", "float32") != "float32":
         block += f", rotations in {run['rotation_dtype']}"
+    if run.get("factor_decay_per_step") is not None:
+        block += f", factors averaged {run['factor_decay_per_step']:g} a step"
     return (f"{ENTRANTS['scheduled'].label} ({UPDATES[run['update']]}{block}, refresh in {run['refresh_pieces']} "
             f"piece{'s' if run['refresh_pieces'] != 1 else ''}{', overlapping cycles allowed' if run['overlap'] else ''})")
 
@@ -688,9 +707,15 @@ def main() -> None:
                          f"cut into diagonal blocks (0: whole factors; default {BASIS_BLOCK})")
     ap.add_argument("--rotation-dtype", default=ROTATION_DTYPE, choices=("float32", "bfloat16"),
                     help=f"kfac.rotation_dtype of the soap update in K-FAC in the bubbles (default {ROTATION_DTYPE})")
+    ap.add_argument("--factor-decay-per-step", type=float, default=FACTOR_DECAY_PER_STEP, metavar="W",
+                    help="kfac.factor_decay_per_step of the soap update in K-FAC in the bubbles: the old factor's "
+                         f"weight a step (default {FACTOR_DECAY_PER_STEP}, this benchmark's; unused where --set "
+                         "kfac.factor_decay gives a weight per refresh)")
     a = ap.parse_args()
     if a.basis_block < 0:
         ap.error(f"--basis-block: an integer >= 0, not {a.basis_block}")
+    if not 0.0 <= a.factor_decay_per_step < 1.0:
+        ap.error(f"--factor-decay-per-step: a weight in [0, 1), not {a.factor_decay_per_step}")
     sweeps, warmups = race_sweeps(ap, a)
     updates = scheduled_updates(ap, a, sweeps)
 
@@ -708,7 +733,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pipefisher-conv-") as folder:
         results = spawn_local(_worker, 2, a.config, a.overrides, a.steps, a.seeds, a.eval_every, sweeps, warmups,
                               a.profile_steps, folder, a.staleness, updates, a.refresh_pieces,
-                              {"basis_block": a.basis_block, "rotation_dtype": a.rotation_dtype},
+                              soap_settings(a, cfg),
                               timeout_s=3 * 3600)
     runs, first, last = merged_runs(results)
     best = best_first_order(runs)

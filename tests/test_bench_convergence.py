@@ -250,3 +250,20 @@ def test_the_scheduled_mode_packs_with_overlap_and_takes_the_refresh_pieces_best
     calls.clear()
     cfg, _, _ = bench_convergence.pack_variant(bench_config(TINY, []), None, 0, str(tmp_path), 2, 8, "base", "auto")
     assert calls == [("base", "auto", True)] and cfg.kfac.refresh_pieces == "auto"
+
+
+def test_soap_in_the_bubbles_takes_this_benchmarks_weight_per_step_unless_a_weight_per_refresh_is_set():
+    """The library's default weight is SOAP's; the race's is its own (``FACTOR_DECAY_PER_STEP``), a flag,
+    said in the mode's label; a ``kfac.factor_decay`` set with ``--set`` stands alone."""
+    import argparse
+
+    from bench_convergence import FACTOR_DECAY_PER_STEP, scheduled_label, soap_settings
+
+    a = argparse.Namespace(basis_block=129, rotation_dtype="float32", factor_decay_per_step=FACTOR_DECAY_PER_STEP)
+    soap = soap_settings(a, bench_config(TINY, []))
+    assert soap == {"basis_block": 129, "rotation_dtype": "float32", "factor_decay_per_step": 0.8}
+    assert "factor_decay_per_step" not in soap_settings(a, bench_config(TINY, ["kfac.factor_decay=0.5"]))
+    cfg = bench_config(TINY, []).replace(kfac={"update": "soap", **soap})  # what pack_variant builds
+    assert cfg.kfac.factor_decay_per_step == 0.8
+    label = scheduled_label({"update": "soap", "refresh_pieces": 2, "overlap": True, **soap})
+    assert "factors in diagonal blocks of at most 129, factors averaged 0.8 a step, refresh in 2 pieces" in label

@@ -336,12 +336,16 @@ def test_kl_clip_end_to_end_scales_the_preconditioned_step_into_the_bound():
 
 def test_eigenbases_average_their_factors_per_step_by_default_and_inverses_do_not():
     """Unset, ``factor_decay`` is the kind's own (:func:`factor_decay_of`): eigenbases weigh the old factor
-    0.8 per step, so 0.8 ** k for a refresh every k steps (:meth:`KFAC.refresh_every`); inverses keep only
-    the newest. A value given is the weight per refresh, whatever k."""
+    SOAP's 0.95 per step (or ``factor_decay_per_step``), so its k-th power for a refresh every k steps
+    (:meth:`KFAC.refresh_every`); inverses keep only the newest. A value given is the weight per refresh,
+    whatever k."""
     soap = KFAC(TinyMLP(), ignore=(), inverse="eigenbasis")
-    assert soap.stats.factor_decay == EIGENBASIS_STEP_DECAY == 0.8
+    assert soap.stats.factor_decay == EIGENBASIS_STEP_DECAY == 0.95
     soap.refresh_every(3)
-    assert soap.stats.factor_decay == pytest.approx(0.8 ** 3)
+    assert soap.stats.factor_decay == pytest.approx(0.95 ** 3)
+    mine = KFAC(TinyMLP(), ignore=(), inverse="eigenbasis", factor_decay_per_step=0.8)
+    mine.refresh_every(3)
+    assert mine.stats.factor_decay == pytest.approx(0.8 ** 3)
     plain = KFAC(TinyMLP(), ignore=())
     plain.refresh_every(3)
     assert plain.stats.factor_decay == 0.0
@@ -351,17 +355,21 @@ def test_eigenbases_average_their_factors_per_step_by_default_and_inverses_do_no
         assert given.stats.factor_decay == 0.7
         assert given.averaging_line() == ("factors averaged across refreshes: the old factor weighs 0.7 a refresh "
                                           "(kfac.factor_decay)")
+    with pytest.raises(ValueError, match=r"factor_decay_per_step must be in \[0, 1\), not 1.0"):
+        KFAC(TinyMLP(), ignore=(), inverse="eigenbasis", factor_decay_per_step=1.0)
 
 
 def test_the_run_says_how_its_factors_are_averaged():
-    """The line a run prints per stage: the weight a refresh and where it comes from (the per-step default
+    """The line a run prints per stage: the weight a refresh and where it comes from (the weight per step
     at the cycle the schedule or ``kfac.interval`` gave); nothing where each refresh keeps its own factor."""
-    soap = KFAC(TinyMLP(), ignore=(), inverse="eigenbasis")
+    soap = KFAC(TinyMLP(), ignore=(), inverse="eigenbasis", factor_decay_per_step=0.8)
     soap.refresh_every(3)
     assert soap.averaging_line() == ("factors averaged across refreshes: the old factor weighs 0.512 a refresh "
                                      "(0.8 a step, a refresh every 3 steps)")
     soap.refresh_every(1)
     assert soap.averaging_line().endswith("weighs 0.8 a refresh (0.8 a step, a refresh every 1 step)")
+    assert KFAC(TinyMLP(), ignore=(), inverse="eigenbasis").averaging_line().endswith(
+        "weighs 0.95 a refresh (0.95 a step, a refresh every 1 step)")
     assert KFAC(TinyMLP(), ignore=()).averaging_line() is None
     assert KFAC(TinyMLP(), ignore=(), inverse="eigenbasis", factor_decay=0.0).averaging_line() is None
 

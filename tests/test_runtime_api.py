@@ -111,8 +111,8 @@ def test_own_step_loop_gives_the_parameters_pipefisher_train_gives(builder):
 
 def test_a_kfac_worker_tells_its_kfac_the_refresh_interval():
     """``kfac.interval`` (or ``kfac_interval``) is how often K-FAC refreshes in ``kfac`` mode: soap's
-    unset running average weighs the old factor 0.8 per step (:func:`factor_decay_of`)."""
-    cfg = _tiny().replace(pipeline={"stages": 1}, kfac={"update": "soap", "interval": 2})
+    unset running average weighs the old factor ``kfac.factor_decay_per_step`` a step (:func:`factor_decay_of`)."""
+    cfg = _tiny().replace(pipeline={"stages": 1}, kfac={"update": "soap", "interval": 2, "factor_decay_per_step": 0.8})
     assert api.build_worker(cfg, single_process(), mode="kfac", total_steps=2).kfac.stats.factor_decay \
         == pytest.approx(0.8 ** 2)
     assert api.build_worker(cfg, single_process(), mode="kfac", total_steps=2, kfac_interval=3) \

@@ -54,6 +54,10 @@ def test_bundled_configs_cover_tests_demo_and_bert_shapes():
      "kfac.cov_micro_batches 5 is more than the step's 4 micro-batches"),
     ({"kfac": {"factor_decay": 1.0}}, "and kfac.factor_decay in"),
     ({"kfac": {"update": "soap", "factor_decay": "long"}}, "and kfac.factor_decay in"),
+    ({"kfac": {"update": "soap", "factor_decay_per_step": 1.0}}, "kfac.factor_decay_per_step must be in .0, 1., not 1.0"),
+    ({"kfac": {"factor_decay_per_step": 0.8}}, "kfac.factor_decay_per_step weighs the factors of kfac.update: soap"),
+    ({"kfac": {"update": "soap", "factor_decay": 0.5, "factor_decay_per_step": 0.8}},
+     "kfac.factor_decay (per refresh) and kfac.factor_decay_per_step both set: keep one"),
     ({"kfac": {"update": "adam"}}, "kfac.update must be one of base, momentum, soap"),
     ({"kfac": {"update": "soap", "kl_clip": 0.001}}, "kfac.kl_clip bounds a preconditioned step"),
     ({"kfac": {"update": "soap", "inverse": "eigen"}}, "kfac.inverse: eigen chooses how a damped inverse"),
@@ -298,6 +302,18 @@ def test_an_unset_factor_decay_digests_as_the_0_it_was_except_under_soap():
     assert soap.fingerprint() not in {soap.replace(kfac={"factor_decay": d}).fingerprint() for d in (0, 0.5, 0.8)}
     assert apply_overrides(base, ["kfac.factor_decay=0.9"]).kfac.factor_decay == 0.9
     assert config_from_dict(soap.to_dict()) == soap  # unset stays unset through the launcher's JSON
+
+
+def test_soaps_weight_per_step_is_part_of_its_digest_and_of_no_other():
+    """``kfac.factor_decay_per_step`` came later: unset under soap it is SOAP's 0.95 and digests as 0.95
+    written out; another weight is another config; outside soap it does not exist (refused), so a base
+    config keeps its digest."""
+    base = load_config(TINY)
+    assert base.kfac.factor_decay_per_step is None and base.fingerprint() == "95b500ae9af202f8"
+    soap = base.replace(kfac={"update": "soap"})
+    assert soap.fingerprint() == soap.replace(kfac={"factor_decay_per_step": 0.95}).fingerprint()
+    assert soap.fingerprint() != soap.replace(kfac={"factor_decay_per_step": 0.8}).fingerprint()
+    assert apply_overrides(soap, ["kfac.factor_decay_per_step=0.8"]).kfac.factor_decay_per_step == 0.8
 
 
 def test_a_setting_added_later_changes_the_fingerprint_only_away_from_its_default():

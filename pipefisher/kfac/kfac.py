@@ -28,7 +28,7 @@ from typing import Any, Callable, ContextManager, Iterable
 import torch
 from torch import nn
 
-from pipefisher.kfac.defaults import EIGENBASIS_STEP_DECAY, factor_decay_of
+from pipefisher.kfac.defaults import factor_decay_of, step_decay_of
 from pipefisher.kfac.drift_meter import DriftMeter
 from pipefisher.kfac.factors import INVERSE_METHODS, BadFactorError
 from pipefisher.kfac.layers import (DEFAULT_IGNORE, DTYPES, FACTORS, LAYER_KINDS, Bases, Coverage, LayerKind,
@@ -125,8 +125,9 @@ class KFAC:
     "eigenbasis"`` only): a factor wider than it is cut into diagonal blocks, its covariance and basis
     computed per block (:func:`pipefisher.kfac.factors.diagonal_blocks`); 0 keeps factors whole.
     ``factor_decay``: the old factor's weight in each refresh's running average; None takes the kind's
-    default (:func:`pipefisher.kfac.defaults.factor_decay_of`: 0.8 per step for eigenbases, for a refresh
-    every step until :meth:`refresh_every` says otherwise; 0 for inverses).
+    default (:func:`pipefisher.kfac.defaults.factor_decay_of`: for eigenbases ``factor_decay_per_step``,
+    None: SOAP's 0.95, to the power of the refresh interval, every step until :meth:`refresh_every` says
+    otherwise; 0 for inverses).
     """
 
     def __init__(self, model: nn.Module, *, damping: float = 1e-3, ignore: Iterable[str] = DEFAULT_IGNORE,
@@ -136,10 +137,14 @@ class KFAC:
                  save_dtype: str = "float32", fisher: str = "empirical",
                  warn: Callable[[str], None] | None = None, cov_stride: int = 1, drift: bool = True,
                  refresh_pieces: int | str = 1, host: HostReader | None = None,
-                 cov_micro_batches: int | None = None, basis_block: int = 0) -> None:
+                 cov_micro_batches: int | None = None, basis_block: int = 0,
+                 factor_decay_per_step: float | None = None) -> None:
         self._factor_decay = factor_decay  # as given: None follows the refresh interval (refresh_every)
+        self._per_step = step_decay_of(factor_decay_per_step)
         self._refresh_interval = 1
-        factor_decay = factor_decay_of(factor_decay, eigenbasis=inverse == "eigenbasis")
+        if not 0.0 <= self._per_step < 1.0:
+            raise ValueError(f"factor_decay_per_step must be in [0, 1), not {factor_decay_per_step}")
+        factor_decay = factor_decay_of(factor_decay, eigenbasis=inverse == "eigenbasis", per_step=self._per_step)
         _check_settings(damping, damping_min, damping_decay, factor_decay, inverse, inverse_dtype,
                         on_bad_factor, fisher, cov_stride, refresh_pieces, cov_micro_batches, basis_block)
         self.layers = layer_states(model, ignore)
@@ -202,7 +207,7 @@ class KFAC:
         unset ``factor_decay`` weighs the old factor per step (:func:`factor_decay_of`), a set one is kept."""
         self._refresh_interval = steps
         self.stats.factor_decay = factor_decay_of(self._factor_decay, eigenbasis=self.refresher.method == "eigenbasis",
-                                                  interval=steps)
+                                                  interval=steps, per_step=self._per_step)
 
     def averaging_line(self) -> str | None:
         """What the run says of its factors' running average, which sets how fast the curvature follows
@@ -211,7 +216,7 @@ class KFAC:
         if not weight:
             return None
         why = ("kfac.factor_decay" if self._factor_decay is not None
-               else f"{EIGENBASIS_STEP_DECAY:g} a step, a refresh every {self._refresh_interval} step"
+               else f"{self._per_step:g} a step, a refresh every {self._refresh_interval} step"
                     f"{'s' if self._refresh_interval != 1 else ''}")
         return f"factors averaged across refreshes: the old factor weighs {weight:.3g} a refresh ({why})"
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from pipefisher.errors import InputError, renamed_notice
 from pipefisher.kfac import DEFAULT_IGNORE
-from pipefisher.kfac.defaults import factor_decay_of
+from pipefisher.kfac.defaults import factor_decay_of, step_decay_of
 from pipefisher.pipeline_orders import V_ORDERS, default_chunks, order_names
 from pipefisher.runtime.job.options import FLAGS, OptionError, section_class
 
@@ -177,8 +177,8 @@ class KfacConfig:
 
     Curvature: factors refreshed every ``interval`` steps (in ``scheduled`` mode: once per cycle), kept
     as running averages (``factor_decay``: the weight of the old factor per refresh; 0 keeps only the
-    newest; unset: 0 for inverses, and under ``update: soap`` 0.8 per step, ``0.8 ** k`` for a refresh
-    every k steps, :func:`pipefisher.kfac.defaults.factor_decay_of`),
+    newest; unset: 0 for inverses, and under ``update: soap`` ``factor_decay_per_step`` (unset: SOAP's
+    0.95) to the power k for a refresh every k steps, :func:`pipefisher.kfac.defaults.factor_decay_of`),
     inverted with damping ``damping`` (decayed by ``damping_decay`` per refresh down to
     ``damping_min``; 0: ``damping`` itself), split between the factors by the pi rule, in ``inverse_dtype`` by ``inverse``.
     Update: the preconditioned gradient is scaled so the step's predicted KL change stays under
@@ -210,6 +210,8 @@ class KfacConfig:
     block (:func:`pipefisher.kfac.factors.diagonal_blocks`); 0 keeps every factor whole.
     ``rotation_dtype`` (``update: soap`` only): ``float32`` or ``bfloat16``, the dtype of the four products
     of each step's update (:class:`pipefisher.kfac.eigenbasis.EigenbasisAdam`).
+    ``factor_decay_per_step`` (``update: soap`` only, with ``factor_decay`` unset): the old factor's weight
+    per training step, in [0, 1); unset: SOAP's 0.95 (:data:`pipefisher.kfac.defaults.EIGENBASIS_STEP_DECAY`).
     """
 
     damping: float = 1e-3
@@ -232,6 +234,7 @@ class KfacConfig:
     cov_micro_batches: int | str = "all"
     basis_block: int = 0
     rotation_dtype: str = "float32"
+    factor_decay_per_step: float | None = None  # None: SOAP's (step_decay_of)
 
 
 ROTATION_DTYPES = ("float32", "bfloat16")
@@ -251,6 +254,15 @@ def _eigenbasis_problems(k: KfacConfig) -> list[str]:
     elif k.rotation_dtype != KfacConfig.rotation_dtype and k.update != "soap":
         problems.append(f"kfac.rotation_dtype is the dtype of kfac.update: soap's rotations; kfac.update: "
                         f"{k.update} has none: leave it unset")
+    per_step = k.factor_decay_per_step
+    if per_step is not None and (isinstance(per_step, bool) or not isinstance(per_step, (int, float))
+                                 or not 0.0 <= per_step < 1.0):
+        problems.append(f"kfac.factor_decay_per_step must be in [0, 1), not {per_step!r}")
+    elif per_step is not None and k.update != "soap":
+        problems.append(f"kfac.factor_decay_per_step weighs the factors of kfac.update: soap's eigenbases; "
+                        f"kfac.update: {k.update} keeps 0 unless kfac.factor_decay says otherwise: leave it unset")
+    elif per_step is not None and k.factor_decay is not None:
+        problems.append("kfac.factor_decay (per refresh) and kfac.factor_decay_per_step both set: keep one")
     return problems
 
 
@@ -393,13 +405,19 @@ setting is left out of the fingerprint, so a config that does not use it keeps t
 def recorded_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A config's sections (``RunConfig.to_dict``) under the names records had before :data:`RENAMED_KEYS`,
     without :data:`LATER_KEYS` at their defaults, an unset ``kfac.factor_decay`` outside soap as the 0 it
-    stands for: what the fingerprint hashes, so the digests that
+    stands for, ``kfac.factor_decay_per_step`` only where it applies (soap, ``factor_decay`` unset) and
+    then as the weight it stands for: what the fingerprint hashes, so the digests that
     checkpoints, schedules and staleness curves recorded still name the same configs."""
     out = dict(raw)
     kfac = out.get("kfac")
-    if isinstance(kfac, Mapping) and kfac.get("factor_decay") is None and kfac.get("update") != "soap":
-        # unset became possible later: without soap it stands for the 0 every record before wrote
-        out["kfac"] = {**kfac, "factor_decay": factor_decay_of(None, eigenbasis=False)}
+    if isinstance(kfac, Mapping):
+        kfac = {k: v for k, v in kfac.items() if k != "factor_decay_per_step"}
+        if kfac.get("factor_decay") is None and kfac.get("update") != "soap":
+            # unset became possible later: without soap it stands for the 0 every record before wrote
+            kfac["factor_decay"] = factor_decay_of(None, eigenbasis=False)
+        elif kfac.get("factor_decay") is None:  # soap's per-step weight, set or SOAP's, is part of the config
+            kfac["factor_decay_per_step"] = step_decay_of(raw["kfac"].get("factor_decay_per_step"))
+        out["kfac"] = kfac
     for dotted, default in LATER_KEYS.items():
         section, _, key = dotted.partition(".")
         if isinstance(out.get(section), Mapping) and out[section].get(key, default) == default:

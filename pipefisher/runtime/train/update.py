@@ -189,4 +189,5 @@ def kfac_from_config(k: KfacConfig, module: nn.Module, *, loss_scale: float = 1.
                 factor_decay=k.factor_decay, inverse="eigenbasis" if soap else k.inverse, inverse_dtype=k.inverse_dtype,
                 on_bad_factor=k.on_bad_factor, save_dtype=k.save_dtype, fisher=k.fisher, warn=warn,
                 cov_stride=k.cov_stride, drift=drift and not soap, refresh_pieces=k.refresh_pieces, host=host,
-                cov_micro_batches=cov_limit(k.cov_micro_batches), basis_block=k.basis_block)
+                cov_micro_batches=cov_limit(k.cov_micro_batches), basis_block=k.basis_block,
+                factor_decay_per_step=k.factor_decay_per_step)
