@@ -39,7 +39,7 @@ the raw results as JSON.
         [--eval-every 10] [--lrs 5e-4,1e-3,2e-3] [--muon-lrs 2e-3,4e-3,8e-3] [--kfac-lrs 1e-3,2e-3,4e-3]
         [--scheduled-lrs 7e-4,1.4e-3,2.8e-3|kfac] [--soap-lrs 2e-3,4e-3,8e-3] [--scheduled-updates base,soap]
         [--refresh-pieces best|auto|N] [--warmups 0,30] [--modes baseline,muon,kfac,scheduled]
-        [--out bench-convergence/]
+        [--basis-block 129] [--factor-decay-per-step 0.8] [--cov-micro-batches 2|all] [--out bench-convergence/]
 """
 from __future__ import annotations
 
@@ -102,6 +102,12 @@ bubbles (the library's default is SOAP's 0.95). On ``configs/small.yaml``, refre
 steps (seed 0; Muon 5.7919), 0.8 ended at 5.7640 against 5.8142 at 0.95 and 5.9214 at 0.5; in the
 bubbles at k = 3 for 1000 steps (seeds 0 / 1) 0.5 a refresh (about 0.8 a step) 5.4255 / 5.4021 against
 5.4327 / 5.4079 at 0 (docs/benchmarks.md, "Factors averaged across refreshes under soap")."""
+COV_MICRO_BATCHES = 2
+"""``--cov-micro-batches``' default: the soap update's ``kfac.cov_micro_batches`` in K-FAC in the bubbles
+(the library's default is ``all``). Half the covariance work a refresh let the packer refresh node 0
+every 2 steps: at 300 steps (3 seeds, the race's choices, evaluation every 10 steps) soap ended at
+5.7596 / 5.7651 / 5.7982 against 5.7893 / 5.7713 / 5.8200 with all 4 micro-batches, Muon at 5.7919 /
+5.7625 / 5.8206 (docs/benchmarks.md, "Half the micro-batches a refresh under soap")."""
 """K-FAC in the bubbles' curvature updates (``kfac.update``), chosen by its sweep: its default lrs of each
 (``--scheduled-lrs`` for ``base``, centred on 1.4e-3; ``--soap-lrs`` for ``soap``, centred on 4e-3, where
 the eigenbasis in the bubbles did best, docs/benchmarks.md)."""
@@ -221,7 +227,8 @@ def choose_update(train: Callable[..., tuple[Any, Any]], steps: int, variants: l
     cfg = next(v.cfg for v in variants if v.update == best["update"])
     choice = {"lr": best["lr"], "warmup_steps": best["warmup_steps"], "update": best["update"],
               "refresh_pieces": cfg.kfac.refresh_pieces, "overlap": True, "basis_block": cfg.kfac.basis_block,
-              "rotation_dtype": cfg.kfac.rotation_dtype, "factor_decay_per_step": cfg.kfac.factor_decay_per_step}
+              "rotation_dtype": cfg.kfac.rotation_dtype, "factor_decay_per_step": cfg.kfac.factor_decay_per_step,
+              "cov_micro_batches": cfg.kfac.cov_micro_batches}
     announce(f"{entrant.label}: {UPDATES[best['update']]}, lr {best['lr']:g}, warm-up {best['warmup_steps']} steps "
              "(the best training loss of its sweep over the updates)")
     return choice, rows
@@ -667,7 +674,7 @@ def scheduled_updates(ap: argparse.ArgumentParser, a: argparse.Namespace,
 def soap_settings(a: argparse.Namespace, cfg: Any) -> dict[str, Any]:
     """The soap update's own ``kfac`` settings from the flags; a ``kfac.factor_decay`` set (per refresh)
     stands, so the weight per step is left out beside it."""
-    out = {"basis_block": a.basis_block, "rotation_dtype": a.rotation_dtype}
+    out = {"basis_block": a.basis_block, "rotation_dtype": a.rotation_dtype, "cov_micro_batches": a.cov_micro_batches}
     if cfg.kfac.factor_decay is None:
         out["factor_decay_per_step"] = a.factor_decay_per_step
     return out
@@ -682,6 +689,8 @@ def scheduled_label(run: Mapping[str, Any]) -> str:
         block += f", rotations in {run['rotation_dtype']}"
     if run.get("factor_decay_per_step") is not None:
         block += f", factors averaged {run['factor_decay_per_step']:g} a step"
+    if run.get("cov_micro_batches", "all") != "all":
+        block += f", covariance of the first {run['cov_micro_batches']} micro-batches a refresh"
     return (f"{ENTRANTS['scheduled'].label} ({UPDATES[run['update']]}{block}, refresh in {run['refresh_pieces']} "
             f"piece{'s' if run['refresh_pieces'] != 1 else ''}{', overlapping cycles allowed' if run['overlap'] else ''})")
 
@@ -711,7 +720,14 @@ def main() -> None:
                     help="kfac.factor_decay_per_step of the soap update in K-FAC in the bubbles: the old factor's "
                          f"weight a step (default {FACTOR_DECAY_PER_STEP}, this benchmark's; unused where --set "
                          "kfac.factor_decay gives a weight per refresh)")
+    ap.add_argument("--cov-micro-batches", default=str(COV_MICRO_BATCHES), metavar="M|all",
+                    help="kfac.cov_micro_batches of the soap update in K-FAC in the bubbles: the first M micro-batches "
+                         f"of a refresh feed its factors (default {COV_MICRO_BATCHES}, this benchmark's; all: every one)")
     a = ap.parse_args()
+    if a.cov_micro_batches != "all":
+        if not a.cov_micro_batches.isdigit() or int(a.cov_micro_batches) < 1:
+            ap.error(f"--cov-micro-batches: a count >= 1 or all, not {a.cov_micro_batches}")
+        a.cov_micro_batches = int(a.cov_micro_batches)
     if a.basis_block < 0:
         ap.error(f"--basis-block: an integer >= 0, not {a.basis_block}")
     if not 0.0 <= a.factor_decay_per_step < 1.0:
