@@ -102,16 +102,20 @@ bubbles (the library's default is SOAP's 0.95). On ``configs/small.yaml``, refre
 steps (seed 0; Muon 5.7919), 0.8 ended at 5.7640 against 5.8142 at 0.95 and 5.9214 at 0.5; in the
 bubbles at k = 3 for 1000 steps (seeds 0 / 1) 0.5 a refresh (about 0.8 a step) 5.4255 / 5.4021 against
 5.4327 / 5.4079 at 0 (docs/benchmarks.md, "Factors averaged across refreshes under soap")."""
+
 COV_MICRO_BATCHES = 2
 """``--cov-micro-batches``' default: the soap update's ``kfac.cov_micro_batches`` in K-FAC in the bubbles
-(the library's default is ``all``). Half the covariance work a refresh let the packer refresh node 0
-every 2 steps: at 300 steps (3 seeds, the race's choices, evaluation every 10 steps) soap ended at
-5.7596 / 5.7651 / 5.7982 against 5.7893 / 5.7713 / 5.8200 with all 4 micro-batches, Muon at 5.7919 /
-5.7625 / 5.8206 (docs/benchmarks.md, "Half the micro-batches a refresh under soap")."""
+(the library's default is ``all``), a count of this benchmark's 4 micro-batches a step. Half the
+covariance work a refresh, on ``configs/small.yaml`` at 300 steps (3 seeds; Muon 5.7919 / 5.7625 /
+5.8206): the race at k = 3 ended at 5.7676 / 5.7608 / 5.8069 at 1.026x Muon's step, time-to-target /
+Muon 0.935, against 5.7893 / 5.7713 / 5.8200 at 1.056x (1.014) with all 4; at 1000 steps it lost
+(0.008 behind at 1.121x). Not compared at the same curvature age (docs/benchmarks.md, "Half the
+micro-batches a refresh under soap")."""
+
+SOAP_LRS = "2e-3,4e-3,8e-3"
 """K-FAC in the bubbles' curvature updates (``kfac.update``), chosen by its sweep: its default lrs of each
 (``--scheduled-lrs`` for ``base``, centred on 1.4e-3; ``--soap-lrs`` for ``soap``, centred on 4e-3, where
 the eigenbasis in the bubbles did best, docs/benchmarks.md)."""
-SOAP_LRS = "2e-3,4e-3,8e-3"
 SHARE = "kfac"
 """``--scheduled-lrs kfac``: K-FAC in the bubbles takes K-FAC every step's choice instead of a sweep."""
 
@@ -359,8 +363,7 @@ def pack_variant(base: Any, ctx: Any, rank: int, folder: str, profile_steps: int
     profiled with the refresh in ``pieces`` pieces (``kfac.refresh_pieces``: a number or ``auto``; ``best``:
     each of :data:`~pipefisher.cost.objective.PIECE_CHOICES` profiled and packed, the count kept as ``pipefisher
     run`` keeps it, :func:`~pipefisher.cost.objective.best_pieces`) and packed with overlapping cycles;
-    ``soap``: the soap update's own ``kfac`` settings (``basis_block``, ``rotation_dtype``,
-    ``factor_decay_per_step``), for that update only."""
+    ``soap``: the soap update's own ``kfac`` settings (:func:`soap_settings`), for that update only."""
     import torch.distributed as dist
 
     packs = []
@@ -672,11 +675,15 @@ def scheduled_updates(ap: argparse.ArgumentParser, a: argparse.Namespace,
 
 
 def soap_settings(a: argparse.Namespace, cfg: Any) -> dict[str, Any]:
-    """The soap update's own ``kfac`` settings from the flags; a ``kfac.factor_decay`` set (per refresh)
-    stands, so the weight per step is left out beside it."""
-    out = {"basis_block": a.basis_block, "rotation_dtype": a.rotation_dtype, "cov_micro_batches": a.cov_micro_batches}
+    """The soap update's own ``kfac`` settings from the flags, for ``cfg``: a ``kfac.factor_decay`` set (per
+    refresh) stands, so the weight per step is left out beside it; a ``kfac.cov_micro_batches`` set stands
+    too, and a count of at least the config's micro-batches is all of them."""
+    out: dict[str, Any] = {"basis_block": a.basis_block, "rotation_dtype": a.rotation_dtype}
     if cfg.kfac.factor_decay is None:
         out["factor_decay_per_step"] = a.factor_decay_per_step
+    if cfg.kfac.cov_micro_batches == "all":
+        m = a.cov_micro_batches
+        out["cov_micro_batches"] = "all" if m == "all" or m >= cfg.data.num_micro_batches else m
     return out
 
 
@@ -722,7 +729,8 @@ def main() -> None:
                          "kfac.factor_decay gives a weight per refresh)")
     ap.add_argument("--cov-micro-batches", default=str(COV_MICRO_BATCHES), metavar="M|all",
                     help="kfac.cov_micro_batches of the soap update in K-FAC in the bubbles: the first M micro-batches "
-                         f"of a refresh feed its factors (default {COV_MICRO_BATCHES}, this benchmark's; all: every one)")
+                         f"of a refresh feed its factors (default {COV_MICRO_BATCHES}, this benchmark's; all: every one; "
+                         "unused where --set kfac.cov_micro_batches gives a count)")
     a = ap.parse_args()
     if a.cov_micro_batches != "all":
         if not a.cov_micro_batches.isdigit() or int(a.cov_micro_batches) < 1:

@@ -271,3 +271,9 @@ def test_soap_in_the_bubbles_takes_this_benchmarks_weight_per_step_unless_a_weig
             "micro-batches a refresh, refresh in 2 pieces") in label
     every = scheduled_label({"update": "soap", "refresh_pieces": 2, "overlap": True, **soap, "cov_micro_batches": "all"})
     assert "covariance" not in every
+    # a count set with --set stands; a count of every micro-batch (or more) is all of them
+    one = bench_config(TINY, ["kfac.cov_micro_batches=1"])
+    assert "cov_micro_batches" not in soap_settings(a, one)
+    assert one.replace(kfac={"update": "soap", **soap_settings(a, one)}).kfac.cov_micro_batches == 1
+    few = bench_config(TINY, ["data.num_micro_batches=2"])
+    assert soap_settings(a, few)["cov_micro_batches"] == "all"
