@@ -38,8 +38,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Sequence
+from itertools import compress
+from typing import Collection, Iterable, Iterator, Sequence
 
+from pipefisher.schedule.format import END
 from pipefisher.schedule.timeline import (
     BACKWARD, FORWARD, Interval, NodeTimeline, Time, TimelineKey, pipe_key, split_evenly,
 )
@@ -171,13 +173,14 @@ def completions(runs: Iterable[tuple[str, int]], node: NodeTimeline | NodeModel 
     the replicas already share. Whether a factor has a sync: ``node``'s timeline (or model) has the key,
     or with ``node`` None (a cycle as it ran), the cycle runs one. A factor whose node has a sync the cycle
     lacks does not complete."""
-    first_sync: dict[str, int] = {}
-    last_cov: dict[str, int] = {}
-    for i, (label, count) in enumerate(runs):
-        if count and label.startswith(SYNC_PREFIX):
-            first_sync.setdefault(label[len(SYNC_PREFIX):], i)
-        elif count and label.startswith(COV_PREFIX):
-            last_cov[label[len(COV_PREFIX):]] = i
+    # dicts built in C (dict(zip(...))), not a Python loop over every label: a big job's cycle holds
+    # 10^5 of them; the later of a label's indices wins
+    names = [label if count else None for label, count in runs]
+    last = dict(zip(names, range(len(names))))
+    first = dict(zip(reversed(names), range(len(names) - 1, -1, -1)))
+    in_order = sorted((label for label in first if label is not None), key=first.__getitem__)
+    first_sync = {label[len(SYNC_PREFIX):]: first[label] for label in in_order if label.startswith(SYNC_PREFIX)}
+    last_cov = {label[len(COV_PREFIX):]: last[label] for label in in_order if label.startswith(COV_PREFIX)}
     out: dict[str, int] = {}
     for factor in (*first_sync, *last_cov):
         if factor in out:
@@ -199,11 +202,19 @@ def runs_before_completion(runs: Sequence[tuple[str, int]],
     """:func:`pieces_before_completion` of a cycle given as runs (each label with how many times it runs
     there, :func:`completions`): per inverse label, its runs before its factor's completion."""
     done = completions(runs, node)
+    names = [label for label, _ in runs]
+    invs = {label for label in set(names) if label.startswith(INV_PREFIX)}
     out: dict[str, int] = {}
-    for i, (label, count) in enumerate(runs):
-        if label.startswith(INV_PREFIX):
-            out[label] = out.get(label, 0) + (count if i < done.get(label[len(INV_PREFIX):], -1) else 0)
+    for i in positions(names, invs):
+        label, count = runs[i]
+        out[label] = out.get(label, 0) + (count if i < done.get(label[len(INV_PREFIX):], -1) else 0)
     return out
+
+
+def positions(names: Sequence[str], wanted: Collection[str]) -> Iterator[int]:
+    """The indices of ``names`` that hold one of ``wanted``, found in C (a refresh's few runs among the
+    cycle's many labels)."""
+    return compress(range(len(names)), map(wanted.__contains__, names))
 
 
 def pieces_before_completion(node: NodeTimeline | NodeModel | None,
@@ -233,14 +244,12 @@ def curvature_age(node: NodeTimeline, iterations: Sequence[Sequence[str]]) -> tu
     seen: dict[str, int] = {}
     last_at: dict[str, int] = {}  # per inverse label: the installing run's iteration (after its end: +1)
     for i, labels in enumerate(iterations):
-        ended = False
-        for label in labels:
-            if label == "-- end --":
-                ended = True
-            elif label.startswith("inv_kron_"):
-                seen[label] = seen.get(label, 0) + 1
-                if seen[label] == before[label] or not before[label]:
-                    last_at[label] = i + (1 if ended else 0)  # the last run before the completion, or the last
+        end = labels.index(END) if END in labels else len(labels)
+        for j in positions(labels, before):
+            label = labels[j]
+            seen[label] = seen.get(label, 0) + 1
+            if seen[label] == before[label] or not before[label]:
+                last_at[label] = i + (1 if j > end else 0)  # the last run before the completion, or the last
     ages: list[int] = []
     for label, at in last_at.items():
         f = at + (k if before[label] else 0)
