@@ -24,8 +24,11 @@ the whole inverse's; for the eigenbasis (one power step from the previous refres
 the same kind of factor from other rows) the off-diagonal mass ``||offdiag(Q^T F Q)|| / ||Q^T F Q||``
 beside ``eigh``'s and the previous basis's.
 
+Then, with ``--model CONFIG``, every inverse label of that config's model under ``kfac.update: soap``
+against the bare ``eigh`` of the same factors' diagonal blocks (:func:`model_refresh`).
+
     python scripts/bench_refresh.py [--sizes 129,513] [--repeat 7] [--pieces 2,4,8] [--device cpu|cuda]
-        [--dtype float32|float64]
+        [--dtype float32|float64] [--model configs/small.yaml [--basis-block 129]]
 """
 from __future__ import annotations
 
@@ -166,6 +169,62 @@ def pieces_table(n: int, factor: Any, previous: Any, pieces: list[int], repeat: 
               f"{off_diagonal(factor, done.result()[0]):.2e} (eigh {eigh_off:.2e}, previous basis {prev_off:.2e})")
 
 
+def model_refresh(config: str, basis_block: int, repeat: int) -> None:
+    """Every inverse label of ``config``'s model on one stage under ``kfac.update: soap`` (``KFAC.inv`` on
+    each factor, the refresh's own work around the ``eigh``: the running average, pi, the findings, the
+    fallback), against the bare ``eigh`` of the same factors' diagonal blocks: what the label adds to the
+    decomposition it cannot avoid, measured in the same run. Each refresh's covariance is refilled by one
+    pipeline step, untimed."""
+    import torch
+
+    from pipefisher.kfac.factors import diagonal_blocks, scaled_factor
+    from pipefisher.runtime.data.batches import MLMData
+    from pipefisher.runtime.job.config import apply_overrides, load_config
+    from pipefisher.runtime.job.dist import single_process
+    from pipefisher.runtime.models.bert import PipelineStage
+    from pipefisher.runtime.pipeline.engine import PipelineEngine, pipeline_ops
+    from pipefisher.runtime.train.update import make_kfac
+
+    cfg = apply_overrides(load_config(config), ["pipeline.stages=1", "kfac.update=soap", "kfac.refresh_pieces=1",
+                                                   f"kfac.basis_block={basis_block}"])
+    stage = PipelineStage(cfg.model, 0, 1, seed=cfg.data.seed)
+    kfac = make_kfac(cfg, stage)
+    engine = PipelineEngine(stage, single_process(), MLMData(cfg.data, cfg.model.vocab_size),
+                            cfg.data.num_micro_batches, kfac=kfac)
+    labels = [(f, name) for name in kfac.names for f in "AB"]
+
+    def refill() -> None:
+        kfac.set_saving(True)
+        engine.begin_step(0)
+        for op in pipeline_ops(cfg.pipeline.order, 0, 1, cfg.data.num_micro_batches):
+            engine.op(op)()
+        engine.finish_step()
+        for f, name in labels:
+            kfac.cov_all(f, name)
+            kfac.complete(f, name)
+
+    def every_label() -> float:
+        refill()
+        start = now()
+        for f, name in labels:
+            kfac.inv(f, name)
+        kfac.settle_all()
+        return now() - start
+
+    kfac.plan_refresh()
+    every_label()  # the first refresh: no previous basis, nothing to fall back on
+    refill()
+    blocks = []
+    for f, name in labels:
+        factor = kfac.stats.averaged(name, f)
+        blocks += [scaled_factor(factor[j0:j1, j0:j1])[0] for j0, j1 in diagonal_blocks(factor.shape[0], cfg.kfac.basis_block)]
+    bare = timed(lambda: [torch.linalg.eigh(b) for b in blocks], repeat)
+    t = timed_inside(every_label, repeat)
+    where = f"{os.path.basename(config)} (kfac.basis_block {cfg.kfac.basis_block}), {len(labels)} factors"
+    print(f"{where}: eigh of their {len(blocks)} diagonal blocks, bare {bare * 1e3:7.2f} ms")
+    print(f"{where}: every inverse label (KFAC.inv, soap)    {t * 1e3:7.2f} ms  {t / bare:5.2f}x the bare eigh")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="129,513", help="factor sizes (small.yaml's K-FAC factors are 128-513)")
@@ -175,7 +234,14 @@ def main() -> None:
                     help="where the tensors live (cuda: the current GPU, each timing synchronized)")
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                     help="the factors' and the refreshes' dtype")
+    ap.add_argument("--model", metavar="CONFIG", default="",
+                    help="also every inverse label of this config's model under soap against its bare eigh "
+                         "(e.g. configs/small.yaml; cpu only)")
+    ap.add_argument("--basis-block", type=int, default=129, metavar="N",
+                    help="--model's kfac.basis_block (default 129, the convergence race's; 0: whole factors)")
     a = ap.parse_args()
+    if a.model and a.device != "cpu":
+        ap.error("--model runs on the CPU only")
     import torch
 
     from pipefisher.kfac.factors import inverse_findings
@@ -213,6 +279,8 @@ def main() -> None:
             other = torch.randn(2048, n, device=like.device, dtype=like.dtype)
             before = torch.linalg.eigh(other.t() @ other / other.shape[0])[1]
             pieces_table(n, factor, before, [int(p) for p in a.pieces.split(",")], a.repeat)
+    if a.model:
+        model_refresh(a.model, a.basis_block, a.repeat)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,17 @@ def test_the_refresh_in_pieces_is_timed_and_judged_against_the_whole_one(where: 
     assert all("off-diagonal mass" in line and "(eigh" in line for line in pieces[2:])
 
 
+def test_every_inverse_label_of_a_model_is_timed_against_the_bare_eigh_of_its_blocks() -> None:
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_refresh.py"), "--sizes", "8",
+                          "--repeat", "1", "--pieces", "", "--model", os.path.join(ROOT, "configs", "tiny.yaml"),
+                          "--basis-block", "16"], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(out) == 5 + 2
+    bare, labels = out[5:]
+    assert bare.startswith("tiny.yaml (kfac.basis_block 16), ") and "diagonal blocks, bare" in bare
+    assert "every inverse label (KFAC.inv, soap)" in labels and labels.endswith("x the bare eigh")
+    assert float(labels.split()[-4].rstrip("x")) >= 1.0  # the label does the eigh and more
+
+
 def _script() -> Any:
     """The script as a module, to call its ``main`` in-process."""
     spec = importlib.util.spec_from_file_location("bench_refresh", os.path.join(ROOT, "scripts", "bench_refresh.py"))

@@ -75,6 +75,34 @@ def test_all_finite_finds_one_bad_element_anywhere(bad):
         assert not bool(fx.all_finite(u)), (i, j)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1e-30, 1e-21, 1e-3, 7.0, 1e30])
+def test_a_factor_is_scaled_by_exactly_the_power_of_two_of_its_largest_entry(dtype, scale):
+    m = (_spd(16, 3).double() * scale).to(dtype)
+    got, exponent = fx.scaled_factor(m)
+    _, want_exponent = torch.frexp(m.diagonal().amax())
+    want = torch.ldexp(m, -want_exponent)
+    want.diagonal().add_(fx.JITTER)
+    assert torch.equal(exponent, want_exponent) and torch.equal(got, want)
+    assert 0.5 <= float(got.diagonal().amax() - fx.JITTER) < 1.0
+
+
+def test_a_denormal_factor_is_scaled_up_as_far_as_a_finite_power_of_two_goes():
+    got, exponent = fx.scaled_factor(torch.full((3, 3), 1e-40))
+    assert int(exponent) == -126 and bool(torch.isfinite(got).all()) and float(got.amax()) > 1e-3
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # meta: a device that is not the CPU, as a GPU takes it
+def test_an_honest_refresh_keeps_the_new_tensor_and_a_dishonest_one_the_old(device):
+    new, old = torch.ones(3, 3, device=device), torch.zeros(3, 3, device=device)
+    yes, no = torch.tensor(True, device=device), torch.tensor(False, device=device)
+    if device == "cpu":  # read at once: the very tensors, no pass over either
+        assert fx.honest_or(yes, new, old) is new and fx.honest_or(no, new, old) is old
+    else:  # selected on the device, never read back
+        assert fx.honest_or(yes, new, old).device.type == "meta"
+        assert fx.honest_or(no, new, old).shape == (3, 3)
+
+
 def _spd(n: int, seed: int) -> torch.Tensor:
     rows = torch.randn(4 * n, n, generator=torch.Generator().manual_seed(seed))
     return rows.t() @ rows / rows.shape[0]

@@ -180,8 +180,7 @@ class Refresh:
             s, _ = fx.scaled_factor(low + low.tril(-1).t())
             self.t = {"s": s, "q_prev": basis.to(self.dtype), "q": torch.zeros_like(s), "finite": fx.all_finite(f)}
         elif self.mode == "blocks":
-            self.t = {"f": torch.nan_to_num(f, nan=0.0, posinf=0.0, neginf=0.0), "q": torch.zeros_like(f),
-                      "finite": fx.all_finite(f)}
+            self.t = {"f": f, "q": torch.zeros_like(f), "finite": fx.all_finite(f)}  # f is not changed
         self._plan()
 
     @classmethod
@@ -275,7 +274,8 @@ class Refresh:
     # -- the diagonal blocks ---------------------------------------------------------------------------
 
     def _block(self, j0: int, j1: int) -> None:
-        self.t["q"][j0:j1, j0:j1] = fx.eigenbasis(self.t["f"][j0:j1, j0:j1], self.dtype)
+        block = torch.nan_to_num(self.t["f"][j0:j1, j0:j1], nan=0.0, posinf=0.0, neginf=0.0)  # the block only
+        self.t["q"][j0:j1, j0:j1] = fx.eigenbasis(block, self.dtype)
 
     # -- the power step ------------------------------------------------------------------------------
 

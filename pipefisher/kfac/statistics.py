@@ -376,6 +376,18 @@ class CurvatureStats:
         some = torch.as_tensor(s.counts[factor], device=new.device) > 0  # a number after a checkpoint's load
         return torch.where(some, new, running)  # fp16: no piece, no change
 
+    def _take_averaged(self, s: LayerStats, factor: str) -> torch.Tensor:
+        """:meth:`averaged`, folded in place into this refresh's sum, which the refresh takes (owned: see
+        :attr:`LayerStats.sums`): two passes over the factor and no new one, where the fold's four
+        passes and four new factors were a third of a 129-wide factor's refresh on a CPU core."""
+        cur, count, running, decay = s.sums[factor], s.counts[factor], s.running[factor], self.factor_decay
+        assert cur is not None
+        if self.grad_scaler is not None:  # fp16: a count on the device that may be 0 (no change)
+            return self._fold(s, factor, cur / count, running)
+        if running is None or decay == 0.0:
+            return cur.div_(count)
+        return cur.mul_((1.0 - decay) / count).add_(running, alpha=decay)
+
     def pi(self, name: str) -> torch.Tensor | float:
         """The pi damping split of layer ``name`` from the scales of BOTH factors.
 
@@ -408,9 +420,8 @@ class CurvatureStats:
                 s.synced[factor] = False
                 return None
             raise RuntimeError(f"inv_kron_{factor}:{name}: factor {factor} has no covariance to invert")
-        f = self.averaged(name, factor)
-        assert f is not None
-        pi = self.pi(name)
+        pi = self.pi(name)  # before the fold below consumes this refresh's sum
+        f = self._take_averaged(s, factor)
         kept = torch.as_tensor(s.counts[factor]) if self.grad_scaler is not None else None
         s.sums[factor], s.counts[factor], s.synced[factor] = None, 0, False
         old_running, s.running[factor] = s.running[factor], f
