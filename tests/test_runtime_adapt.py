@@ -269,3 +269,54 @@ def test_a_loop_restored_in_the_middle_of_a_cycle_goes_on_as_the_uninterrupted_o
     lossy.load_state_dict(without)
     run(lossy, range(stop, 16))
     assert deciding(lossy) != deciding(whole)
+
+
+def test_a_switch_to_another_cycle_says_the_factors_new_weight_a_refresh(tmp_path, monkeypatch, caplog):
+    """Under soap the old factor weighs 0.8 a step, so a refresh's weight follows the cycle: a switch from
+    a cycle of 1 to one of 2 says the new weight (0.64) where the start lines said 0.8; a switch that
+    keeps the cycle says nothing more."""
+    import logging
+
+    from pipefisher.loop import closed_loop
+    from pipefisher.loop.closed_loop import Plan, Scheduler
+    from pipefisher.runtime.job.dist import single_process
+    from pipefisher.runtime.pipeline.checks import single_iteration_schedule
+    from pipefisher.runtime.pipeline.labels import parse_label
+    from pipefisher.runtime.train.trainer import Trainer, TrainOptions
+    from pipefisher.schedule.file import save_schedule
+    from pipefisher.schedule.format import SAVE_OFF, SAVE_ON
+
+    cfg = tiny(pipeline={"stages": 1}, kfac={"update": "soap", "factor_decay_per_step": 0.8})
+    labels = single_iteration_schedule(cfg)[0][0]
+    # a cycle of 2: the K-FAC work and turning saving off in its first step, saving back on in its last
+    first = [lb for lb in labels if lb != SAVE_ON]
+    last = [lb for lb in labels if lb not in (SAVE_ON, SAVE_OFF) and not parse_label(lb).kind.endswith("_kron")]
+    invs = [lb for lb in first if parse_label(lb).kind == "inv_kron"]
+    sched = str(tmp_path / "s.pickle")
+    save_schedule(sched, [[labels]])
+    later = [Plan([[first, last + [SAVE_ON]]], "a cycle of 2"),  # then the inverses in its second step
+             Plan([[[lb for lb in first if lb not in invs], [last[0], *invs, *last[1:], SAVE_ON]]], "2 again")]
+
+    class Switcher(Scheduler):
+        name = "switcher"
+
+        def observe(self, records) -> None:
+            return None
+
+        def next_schedule(self) -> Plan:
+            if later:
+                self.current = later.pop(0)
+            return self.current
+
+    monkeypatch.setattr(closed_loop, "make_scheduler", lambda name, plan, nodes, **_: Switcher(plan))
+    with caplog.at_level(logging.INFO, logger="pipefisher"):
+        t = Trainer(cfg, single_process(), TrainOptions.of(mode="scheduled", schedule=sched, steps=6, adapt=True,
+                                                             progress=False, log_every=10**9))
+        t.run()
+    assert [(s.step, len(s.plan.data[0])) for s in t.loop.history] == [(1, 1), (2, 2), (4, 2)]
+    said = [r.getMessage() for r in caplog.records if "factors averaged" in r.getMessage()]
+    assert said == [
+        "stage 0: factors averaged across refreshes: the old factor weighs 0.8 a refresh (0.8 a step, a refresh "
+        "every 1 step)",
+        "step 2: stage 0: factors averaged across refreshes: the old factor weighs 0.64 a refresh (0.8 a step, a "
+        "refresh every 2 steps)"]

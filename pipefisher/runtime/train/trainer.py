@@ -151,8 +151,13 @@ class Trainer:
 
         def switch(new: Any, first_step: int) -> None:
             assert self.executor is not None
+            before = self._averaging_lines()
             self.executor.switch(new.data[g.stage], first_step)
             self.worker.cycles = new.cycles
+            if g.replica == 0 and first_step > 1:  # a switch during the run: the start lines said the old weight
+                for line in self._averaging_lines():
+                    if line not in before:
+                        logger.info(f"step {first_step}: {line}")
 
         data = self.worker.schedule
         if opts.adapt.enabled:  # one cycle length on every node, so that a new schedule can start on all at once
@@ -191,6 +196,18 @@ class Trainer:
                             agree=lambda text: check_agreement(ctx, text), switch=switch,
                             echo=logger.info if self.reporter and opts.log.progress else None,
                             drift=self.drift_log.drain if self.drift_log is not None else None)
+
+    def _kfac_where(self, pipe: int) -> str:
+        """The stage (and chunk, or Chimera's up pipe) a K-FAC of this worker sits on, as its lines name it."""
+        up = ("" if not pipe else f" (chunk {pipe})" if self.cfg.pipeline.chunked
+              else " (up pipe)" if pipe == UP else "")
+        return f"stage {node_pipes(self.cfg, self.ctx.grid.stage)[pipe]}{up}"
+
+    def _averaging_lines(self) -> list[str]:
+        """What each K-FAC of this worker says of its factors' running average (its weight a refresh
+        follows the cycle: a switch to another cycle changes it)."""
+        return [f"{self._kfac_where(p)}: {averaging}" for p, k in self.kfacs.items()
+                if (averaging := k.averaging_line()) is not None]
 
     def _phase(self, what: str) -> None:
         """A start-up phase line from the reporting worker (the launcher relays it), unless --no-progress."""
@@ -380,12 +397,9 @@ class Trainer:
                         f"{opts.steps} steps on {self.ctx.device}{compute_line(self.cfg)}{extra}{resumed}")
         if g.replica == 0:  # each stage says what its K-FAC covers (every replica holds the same layers)
             for p, k in self.kfacs.items():
-                up = ("" if not p else f" (chunk {p})" if self.cfg.pipeline.chunked
-                      else " (up pipe)" if p == UP else "")
-                where = f"stage {node_pipes(self.cfg, g.stage)[p]}{up}"
-                logger.info(k.coverage.line(where))
-                if (averaging := k.averaging_line()) is not None:
-                    logger.info(f"{where}: {averaging}")
+                logger.info(k.coverage.line(self._kfac_where(p)))
+            for line in self._averaging_lines():
+                logger.info(line)
         memory.reset_peak(self.ctx.device)
         result.base_memory_bytes = memory.peak_bytes(self.ctx.device)  # just reset: what it holds now
         if self.kfac is not None:
