@@ -248,15 +248,6 @@ def inverse_findings(f: torch.Tensor, damping: torch.Tensor | float, *, method: 
     return inv.to(f.dtype), findings, ok
 
 
-def honest_or(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` where the 0-dim ``ok`` holds, else ``old``: on an accelerator by ``torch.where`` (no host
-    sync), on the CPU by reading ``ok``, which waits for nothing there and spares a pass over both and a
-    new tensor (a 513-wide factor's refresh selects its basis and its running average so)."""
-    if ok.device.type == "cpu":
-        return new if bool(ok) else old
-    return torch.where(ok, new, old)
-
-
 def bad_factor(findings: list[float], method: str, what: str = "factor") -> str | None:
     """The one-line reason an inverse with these :data:`FINDINGS` (read back as numbers) is not honest,
     naming ``what``; None when it is. A factor with no piece (every one dropped for fp16 overflow) is

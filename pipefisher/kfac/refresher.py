@@ -232,10 +232,10 @@ class Refresher:
                 self._went_through(name, factor)
                 return
         else:
-            inverse = fx.honest_or(ok, inverse, old_inverse)
-            f = fx.honest_or(ok, f, old_running)
+            inverse = torch.where(ok, inverse, old_inverse)
+            f = torch.where(ok, f, old_running)
             if st.last_pi is not None:
-                pi = fx.honest_or(ok, torch.as_tensor(pi, dtype=torch.float64, device=ok.device), st.last_pi)
+                pi = torch.where(ok, torch.as_tensor(pi, dtype=torch.float64, device=ok.device), st.last_pi)
             self._unchecked.append((name, factor, findings))
             self._honest[name, factor] = ok
         st.last_pi = pi
