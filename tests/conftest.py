@@ -108,3 +108,28 @@ def overlapping_node() -> dict[str, list[tuple[int, int]]]:
     return {"start_end": [(0, 1000)], "call_forward": [(0, 10), (130, 140)],
             "call_backward": [(110, 120), (240, 250)], "cov_kron_B:l": [(0, 10)], "sync_kron_B:l": [(0, 4)],
             "inv_kron_B:l": [(0, 80), (0, 80), (0, 80)]}
+
+
+@pytest.fixture
+def switch_through(monkeypatch: pytest.MonkeyPatch) -> Callable[[list[Any]], None]:
+    """``switch_through(plans)``: ``--adapt``'s scheduler switches to each of ``plans`` in turn, one per
+    decision, then keeps the last: a closed loop whose choices the test names."""
+    def install(plans: list[Any]) -> None:
+        from pipefisher.loop import closed_loop
+        from pipefisher.loop.closed_loop import Scheduler
+
+        later = list(plans)
+
+        class Switcher(Scheduler):
+            name = "switcher"
+
+            def observe(self, records: Any) -> None:
+                return None
+
+            def next_schedule(self) -> Any:
+                if later:
+                    self.current = later.pop(0)
+                return self.current
+
+        monkeypatch.setattr(closed_loop, "make_scheduler", lambda name, plan, nodes, **_: Switcher(plan))
+    return install

@@ -430,13 +430,12 @@ def test_resume_with_a_refresh_in_flight_continues_bit_for_bit(tmp_path):
         assert torch.equal(st.installed["A"], resumed.kfac.refresher.state[name].installed["A"])
 
 
-def test_adapt_switches_to_and_from_overlapping_schedules_and_refreshes_every_covariance_once(tmp_path, monkeypatch):
+def test_adapt_switches_to_and_from_overlapping_schedules_and_refreshes_every_covariance_once(tmp_path, switch_through):
     """--adapt in one process with a cycle of one step: an overlapping schedule (a piece on each side of
     the completion), then one whose pieces all come in the next cycle, then one that does not overlap.
     Each switch is checked by the new schedule's own rule and ends the refreshes under way, so every
     step's covariance is refreshed exactly once: step 0's naive refresh and one per scheduled step."""
-    from pipefisher.loop import closed_loop
-    from pipefisher.loop.closed_loop import Plan, Scheduler
+    from pipefisher.loop.closed_loop import Plan
 
     cfg = tiny(pipeline={"stages": 1}, kfac={"refresh_pieces": 2})
     labels = single_iteration_schedule(cfg)[0][0]
@@ -445,18 +444,7 @@ def test_adapt_switches_to_and_from_overlapping_schedules_and_refreshes_every_co
     later = [Plan([[_with_pieces(labels, 2, before=2)]], "all pieces in the next cycle", overlap=True),
              Plan([[_with_pieces(labels, 2, before=0)]], "no overlap")]
 
-    class Switcher(Scheduler):
-        name = "switcher"
-
-        def observe(self, records) -> None:
-            return None
-
-        def next_schedule(self) -> Plan:
-            if later:
-                self.current = later.pop(0)
-            return self.current
-
-    monkeypatch.setattr(closed_loop, "make_scheduler", lambda name, plan, nodes, **_: Switcher(plan))
+    switch_through(later)
     t = _train(cfg, mode="scheduled", schedule=sched, steps=5, adapt=True)
     assert [(s.step, s.plan.overlap) for s in t.loop.history] == [(1, True), (2, True), (3, False)]
     assert len(t.result.losses) == 5 and all(math.isfinite(x) for x in t.result.losses)

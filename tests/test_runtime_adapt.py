@@ -271,14 +271,13 @@ def test_a_loop_restored_in_the_middle_of_a_cycle_goes_on_as_the_uninterrupted_o
     assert deciding(lossy) != deciding(whole)
 
 
-def test_a_switch_to_another_cycle_says_the_factors_new_weight_a_refresh(tmp_path, monkeypatch, caplog):
+def test_a_switch_to_another_cycle_says_the_factors_new_weight_a_refresh(tmp_path, switch_through, caplog):
     """Under soap the old factor weighs 0.8 a step, so a refresh's weight follows the cycle: a switch from
     a cycle of 1 to one of 2 says the new weight (0.64) where the start lines said 0.8; a switch that
     keeps the cycle says nothing more."""
     import logging
 
-    from pipefisher.loop import closed_loop
-    from pipefisher.loop.closed_loop import Plan, Scheduler
+    from pipefisher.loop.closed_loop import Plan
     from pipefisher.runtime.job.dist import single_process
     from pipefisher.runtime.pipeline.checks import single_iteration_schedule
     from pipefisher.runtime.pipeline.labels import parse_label
@@ -297,18 +296,7 @@ def test_a_switch_to_another_cycle_says_the_factors_new_weight_a_refresh(tmp_pat
     later = [Plan([[first, last + [SAVE_ON]]], "a cycle of 2"),  # then the inverses in its second step
              Plan([[[lb for lb in first if lb not in invs], [last[0], *invs, *last[1:], SAVE_ON]]], "2 again")]
 
-    class Switcher(Scheduler):
-        name = "switcher"
-
-        def observe(self, records) -> None:
-            return None
-
-        def next_schedule(self) -> Plan:
-            if later:
-                self.current = later.pop(0)
-            return self.current
-
-    monkeypatch.setattr(closed_loop, "make_scheduler", lambda name, plan, nodes, **_: Switcher(plan))
+    switch_through(later)
     with caplog.at_level(logging.INFO, logger="pipefisher"):
         t = Trainer(cfg, single_process(), TrainOptions.of(mode="scheduled", schedule=sched, steps=6, adapt=True,
                                                              progress=False, log_every=10**9))
