@@ -145,10 +145,14 @@ def cov_b(g: torch.Tensor, loss_scale: float, block: int = 0) -> torch.Tensor:
     return add_cov_b(None, g, loss_scale, block)
 
 
-def running_average(old: torch.Tensor | None, new: torch.Tensor, decay: float) -> torch.Tensor:
-    """``decay * old + (1 - decay) * new``; the first refresh (no ``old``) uses what it has."""
+def running_average(old: torch.Tensor | None, new: torch.Tensor, decay: float,
+                    in_place: bool = False) -> torch.Tensor:
+    """``decay * old + (1 - decay) * new``; the first refresh (no ``old``) uses what it has. ``in_place``:
+    into ``new`` (a tensor the caller owns), two passes and no new factor."""
     if old is None or decay == 0.0:
         return new
+    if in_place:
+        return new.mul_(1.0 - decay).add_(old, alpha=decay)
     return old * decay + new * (1.0 - decay)
 
 

@@ -368,25 +368,15 @@ class CurvatureStats:
             return running
         return self._fold(s, factor, fx.mean_trace(s.sums[factor]) / s.counts[factor], running)
 
-    def _fold(self, s: LayerStats, factor: str, cur: torch.Tensor, running: torch.Tensor | None) -> torch.Tensor:
-        """The new covariance ``cur`` folded into the running average ``running`` (a factor, or its scale)."""
-        new = fx.running_average(running, cur, self.factor_decay)
+    def _fold(self, s: LayerStats, factor: str, cur: torch.Tensor, running: torch.Tensor | None,
+              in_place: bool = False) -> torch.Tensor:
+        """The new covariance ``cur`` folded into the running average ``running`` (a factor, or its scale);
+        ``in_place``: into ``cur``, which the caller owns."""
+        new = fx.running_average(running, cur, self.factor_decay, in_place)
         if self.grad_scaler is None or running is None:
             return new
         some = torch.as_tensor(s.counts[factor], device=new.device) > 0  # a number after a checkpoint's load
         return torch.where(some, new, running)  # fp16: no piece, no change
-
-    def _take_averaged(self, s: LayerStats, factor: str) -> torch.Tensor:
-        """:meth:`averaged`, folded in place into this refresh's sum, which the refresh takes (owned: see
-        :attr:`LayerStats.sums`): two passes over the factor and no new one, where the fold's four
-        passes and four new factors were a third of a 129-wide factor's refresh on a CPU core."""
-        cur, count, running, decay = s.sums[factor], s.counts[factor], s.running[factor], self.factor_decay
-        assert cur is not None
-        if self.grad_scaler is not None:  # fp16: a count on the device that may be 0 (no change)
-            return self._fold(s, factor, cur / count, running)
-        if running is None or decay == 0.0:
-            return cur.div_(count)
-        return cur.mul_((1.0 - decay) / count).add_(running, alpha=decay)
 
     def pi(self, name: str) -> torch.Tensor | float:
         """The pi damping split of layer ``name`` from the scales of BOTH factors.
@@ -421,7 +411,11 @@ class CurvatureStats:
                 return None
             raise RuntimeError(f"inv_kron_{factor}:{name}: factor {factor} has no covariance to invert")
         pi = self.pi(name)  # before the fold below consumes this refresh's sum
-        f = self._take_averaged(s, factor)
+        # averaged(), folded in place into the sum the refresh takes (owned: see LayerStats.sums): the
+        # out-of-place fold's passes and new factors were a third of a 129-wide factor's refresh on a CPU core
+        total = s.sums[factor]
+        assert total is not None  # s.factor(factor) above
+        f = self._fold(s, factor, total.div_(s.counts[factor]), s.running[factor], in_place=True)
         kept = torch.as_tensor(s.counts[factor]) if self.grad_scaler is not None else None
         s.sums[factor], s.counts[factor], s.synced[factor] = None, 0, False
         old_running, s.running[factor] = s.running[factor], f
