@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
 
-    from pipefisher.runtime.job.dist import free_port
+    from pipefisher.runtime.job.process import free_port
 
     mp.spawn(worker, args=(2, free_port(), args.steps, args.json, args.checkpoint_dir, args.checkpoint_every,
                            args.resume), nprocs=2, join=True)

@@ -1,8 +1,10 @@
-"""Launching workers: torchrun detection, one-line refusals, who died first, threads per worker."""
+"""Launching workers: torchrun detection, one-line refusals, who died first, threads per worker, the port
+they meet on."""
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -11,10 +13,9 @@ from click.testing import CliRunner
 from pipefisher.cli import main
 from pipefisher.errors import InputError
 from pipefisher.runtime.job.config import load_config
-from pipefisher.runtime.job.dist import free_port
-from pipefisher.runtime.job.process import JobEnv, threads_per_worker, torchrun_env
+from pipefisher.runtime.job.process import JobEnv, free_port, threads_per_worker, torchrun_env
 from pipefisher.runtime.launch.local import (PEER_LOST_EXIT, WorkerFailed, failure_message, first_failure,
-                                             launch_local, worker_env)
+                                             launch_local, spawn_local, worker_env)
 from pipefisher.runtime.train.trainer import TrainOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -206,3 +207,64 @@ def test_a_benchmark_worker_pins_to_its_ranks_core_among_those_it_was_given(monk
         assert pin_to_one_core() == 1 and os.sched_getaffinity(0) == {first}
     finally:
         os.sched_setaffinity(0, before)
+
+
+def _meet_and_sum() -> tuple[int, float]:
+    """A worker of spawn_local: join through the launcher's store and add up the ranks (1 + 2)."""
+    import torch
+    import torch.distributed as dist
+
+    from pipefisher.runtime.job.dist import join_process_group
+
+    join_process_group("gloo")
+    try:
+        x = torch.full((1,), float(dist.get_rank() + 1))
+        dist.all_reduce(x)
+        return int(os.environ["MASTER_PORT"]), float(x.item())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_local_launch_holds_its_port_until_rank_0s_store_takes_it(monkeypatch):
+    """The port a launch chose stays bound from its choice on, so a process that binds it meanwhile fails,
+    not the launch (a port found free and released could be taken in between: two suites side by side
+    did, and rank 0 died on EADDRINUSE); the workers then meet on that very port."""
+    import pipefisher.runtime.launch.local as local
+
+    chosen, other_bound = [], []
+
+    def chosen_then_raced() -> socket.socket:
+        sock = local_store_socket()
+        chosen.append(sock.getsockname()[1])
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+            try:
+                other.bind(("127.0.0.1", chosen[0]))
+                other_bound.append(True)
+            except OSError:
+                other_bound.append(False)
+        return sock
+
+    local_store_socket = local.store_socket
+    monkeypatch.setattr(local, "store_socket", chosen_then_raced)
+    results = spawn_local(_meet_and_sum, 2, timeout_s=60)
+    assert other_bound == [False]
+    assert results == [(chosen[0], 3.0), (chosen[0], 3.0)]
+
+
+def test_every_worker_of_a_local_launch_joins_through_the_launchers_store():
+    """Rank 0 adopts the socket (its descriptor is set by the launcher); the others are its clients."""
+    from pipefisher.runtime.job.process import STORE_FD_ENV
+
+    assert worker_env(0, 2, 1234)[STORE_FD_ENV] == worker_env(1, 2, 1234)[STORE_FD_ENV] == "-1"
+
+
+def test_a_leaked_store_variable_under_another_launcher_is_one_clear_error(monkeypatch):
+    """Rank 0 given the clients' value (the variable leaked into a torchrun job) says what to unset."""
+    from pipefisher.runtime.job.dist import join_process_group
+    from pipefisher.runtime.job.process import STORE_FD_ENV
+
+    monkeypatch.setenv(STORE_FD_ENV, "-1")
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{STORE_FD_ENV}=-1 on rank 0: only pipefisher's local launchers"):
+        join_process_group("gloo")

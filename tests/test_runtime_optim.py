@@ -270,7 +270,9 @@ def _clip_two_stages() -> list[tuple[float, list[float]]]:
     """A 2-stage pipeline: stage 0 holds gradient (3, 4), stage 1 holds (12); then stage 1 has none."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    from pipefisher.runtime.job.dist import join_process_group
+
+    join_process_group("gloo")  # through the launcher's store (spawn_local)
     try:
         rank = dist.get_rank()
         pipe = dist.new_group([0, 1])

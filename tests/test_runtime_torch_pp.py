@@ -122,7 +122,9 @@ def _first_step_both_ways(schedule_name: str) -> dict:
     from pipefisher.runtime import torch_pp
 
     ex = _example()
-    dist.init_process_group("gloo")
+    from pipefisher.runtime.job.dist import join_process_group
+
+    join_process_group("gloo")  # through the launcher's store (spawn_local)
     rank, world = dist.get_rank(), dist.get_world_size()
     cls, per_rank = ex.schedule_class(schedule_name)
     model = ex.make_model(world * per_rank, 16, 4)
@@ -179,7 +181,9 @@ def _wrapped_with_settings(folder: str) -> dict:
     from pipefisher.runtime import torch_pp
 
     ex = _example()
-    dist.init_process_group("gloo")
+    from pipefisher.runtime.job.dist import join_process_group
+
+    join_process_group("gloo")  # through the launcher's store (spawn_local)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = ex.make_model(world, 16, 4)
     out: dict = {}
@@ -308,7 +312,9 @@ def _own_update_against_the_updater(folder: str, update: str) -> dict:
     from pipefisher.runtime.train.update import Updater
 
     ex = _example()
-    dist.init_process_group("gloo")
+    from pipefisher.runtime.job.dist import join_process_group
+
+    join_process_group("gloo")  # through the launcher's store (spawn_local)
     rank, world = dist.get_rank(), dist.get_world_size()
     # the config check refuses kl_clip with soap (Adam's step, not a preconditioned one); each stage's
     # first layer is left to AdamW alone; the learning rate warms up (a torch scheduler in the loop)

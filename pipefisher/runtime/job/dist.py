@@ -10,7 +10,7 @@ Every group gets a timeout, so a dead or diverging peer ends in an error instead
 from __future__ import annotations
 
 import datetime
-import socket
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pipefisher.runtime.job.config import RunConfig
-from pipefisher.runtime.job.process import threads_per_worker, torchrun_env
+from pipefisher.runtime.job.process import STORE_FD_ENV, threads_per_worker, torchrun_env
 
 
 class StageMismatchError(RuntimeError):
@@ -149,8 +149,7 @@ def init_from_env(stages: int, timeout_s: float, chimera: bool = False) -> DistC
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         kwargs["device_id"] = device
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout,
-                            **kwargs)
+    join_process_group(backend, rank, world, timeout, **kwargs)
     dp_group = pipe_group = None
     for s in range(stages):  # every rank must create every group, in the same order
         ranks = grid.dp_ranks(s)
@@ -220,8 +219,23 @@ def shutdown(ctx: DistContext) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def join_process_group(backend: str, rank: int | None = None, world: int | None = None,
+                       timeout: datetime.timedelta = datetime.timedelta(seconds=120), **kwargs: Any) -> None:
+    """``init_process_group`` for a worker of a local launch (through the store on the launcher's socket,
+    :func:`pipefisher.runtime.job.process.store_socket`) or of any other env:// launcher such as
+    torchrun. ``rank`` and ``world``: the environment's ``RANK`` and ``WORLD_SIZE`` where not given. Every
+    rank of a job must join the same way: a store passed in is not prefixed as env://'s is."""
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    world = int(os.environ["WORLD_SIZE"]) if world is None else world
+    fd = os.environ.get(STORE_FD_ENV)
+    if fd is None:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout,
+                                **kwargs)
+        return
+    listen = int(fd) if rank == 0 else None
+    if listen is not None and listen < 0:
+        raise ValueError(f"{STORE_FD_ENV}={fd} on rank 0: only pipefisher's local launchers set it (to the "
+                         "socket they hand rank 0); unset it when another launcher such as torchrun starts the job")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
+                          timeout=timeout, master_listen_fd=listen)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)

@@ -1,4 +1,5 @@
-"""This process in its job: torchrun's variables, its share of the machine's cores, and Ctrl-C or SIGTERM.
+"""This process in its job: torchrun's variables, its share of the machine's cores, Ctrl-C or SIGTERM,
+and the port a local launch's workers meet on.
 
 No torch here: the CLI reads these before it refuses a bad launch, and every layer above (the process
 set-up, the trainer, the launcher) takes them from here.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -145,3 +147,33 @@ def threads_per_worker(workers: int, env: Mapping[str, str] | None = None, cores
             raise InputError(None, f"environment variable OMP_NUM_THREADS={text!r} must be a positive whole number")
         return n
     return max(1, (cpu_count() if cores is None else cores) // max(1, workers))
+
+
+STORE_FD_ENV = "PIPEFISHER_STORE_FD"
+"""Set on every worker of a local launch (:func:`pipefisher.runtime.launch.local.worker_env`): on rank 0,
+the file descriptor of the launcher's :func:`store_socket`, which rank 0's store adopts; ``-1`` on the
+others, which connect to it as clients."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now, for a launch of one's own (as
+    ``examples/own_model.py``'s ``mp.spawn``). Another process may take it before rank 0's store binds
+    it: the project's own launchers hold theirs from the start instead (:func:`store_socket`)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def store_socket() -> socket.socket:
+    """A socket bound to a free port of 127.0.0.1 and listening: the port of a local launch, held from the
+    moment it is chosen. Rank 0's store adopts the socket (:data:`STORE_FD_ENV`), so no other process can
+    take the port between its choice and the store's start, as two test suites side by side once did
+    (``EADDRINUSE``). Workers that connect before rank 0 adopts it wait in its backlog."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("127.0.0.1", 0))
+        s.listen(128)
+    except BaseException:
+        s.close()
+        raise
+    return s

@@ -27,7 +27,7 @@ from multiprocessing.reduction import DupFd
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pipefisher.runtime.job.config import RunConfig, config_from_dict
-from pipefisher.runtime.job.process import Interrupted, StopRequest, threads_per_worker
+from pipefisher.runtime.job.process import STORE_FD_ENV, Interrupted, StopRequest, store_socket, threads_per_worker
 
 if TYPE_CHECKING:
     from pipefisher.runtime.train.trainer import TrainOptions, WorkerResult
@@ -53,6 +53,8 @@ _LAUNCHER_VARS = ("GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZ
 
 
 def worker_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The environment of worker ``rank`` of a local launch on ``port``: torchrun's variables, and
+    :data:`STORE_FD_ENV` as a client's (the launcher's rank 0 gets its socket's descriptor there)."""
     # Nothing of an outer torchrun may leak in: its agent store would make the workers wait for a
     # rendezvous that never comes.
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_") and k not in _LAUNCHER_VARS}
@@ -60,7 +62,7 @@ def worker_env(rank: int, world: int, port: int) -> dict[str, str]:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-               WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), **{STORE_FD_ENV: "-1"},
                OMP_NUM_THREADS=str(threads_per_worker(world)), PYTHONUNBUFFERED="1")
     return env
 
@@ -149,14 +151,12 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
     failure the log is appended to ``log_path`` (or kept as a temp file) and the error names it; a run
     that succeeds leaves no log behind.
     """
-    from pipefisher.runtime.job.dist import free_port
     from pipefisher.runtime.job.progress import (PROGRESS_ENV, PROGRESS_MARK, SUMMARY_MARK, parse_mark, phase,
                                                  report_progress, report_steps_over)
 
     echo = echo or logger.info
     if opts.log.progress:  # the seconds until a worker speaks (python, torch, the process group) are not silent
         phase(f"spawning {nproc} workers (each starts python, imports torch and joins the process group)", echo)
-    port = free_port()
     spec = encode_spec(cfg, opts)
     lock = threading.Lock()
     fd, tmp_log = tempfile.mkstemp(prefix="pipefisher-workers-", suffix=".log")
@@ -165,10 +165,14 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
     log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {nproc} workers of '{cfg.name}', mode {opts.mode}, "
               f"{opts.steps} steps\n")
     log.flush()
-    procs = [subprocess.Popen([sys.executable, "-m", "pipefisher.runtime.launch.child", "--spec", spec],
-                              env={**worker_env(r, nproc, port), PROGRESS_ENV: "1", LOG_ENV: tmp_log},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-             for r in range(nproc)]
+    with store_socket() as sock:  # rank 0 holds the port from here (its store adopts the socket)
+        port, store_fd = int(sock.getsockname()[1]), sock.fileno()
+        procs = [subprocess.Popen([sys.executable, "-m", "pipefisher.runtime.launch.child", "--spec", spec],
+                                  env={**worker_env(r, nproc, port), PROGRESS_ENV: "1", LOG_ENV: tmp_log,
+                                       **({STORE_FD_ENV: str(store_fd)} if r == 0 else {})},
+                                  pass_fds=(store_fd,) if r == 0 else (),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                 for r in range(nproc)]
     tails: list[list[str]] = [[] for _ in procs]
     errors = [""] * nproc
     done: list[int] = []  # steps done, from the reporting worker's marks (for the line after Ctrl-C)
@@ -325,7 +329,7 @@ def _detach(dup: Any) -> int:
 
 
 def _spawn_entry(fn: Callable[..., Any], rank: int, world: int, port: int, folder: str,
-                 args: Sequence[Any], env: dict[str, str], stdio: Sequence[int]) -> None:
+                 args: Sequence[Any], env: dict[str, str], stdio: Sequence[int], store: int | None) -> None:
     # A fork server's child has the server's environment and output: take the caller's, as a spawned
     # worker would have inherited them.
     os.environ.clear()
@@ -334,6 +338,8 @@ def _spawn_entry(fn: Callable[..., Any], rank: int, world: int, port: int, folde
         os.dup2(theirs, fd)
         os.close(theirs)
     os.environ.update(worker_env(rank, world, port), OMP_NUM_THREADS="1")  # tests: one thread each
+    if store is not None:  # rank 0: the launcher's socket, which its store adopts
+        os.environ[STORE_FD_ENV] = str(store)
     try:
         import torch
 
@@ -358,19 +364,19 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: floa
     """
     import torch
 
-    from pipefisher.runtime.job.dist import free_port
-
     ctx = _worker_context()
-    port = free_port()
     env = dict(os.environ)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     stdio = [_CallersFd(fd) for fd in (1, 2)]
     with tempfile.TemporaryDirectory(prefix="pipefisher-spawn-") as folder:
-        procs = [ctx.Process(target=_spawn_entry, args=(fn, r, nprocs, port, folder, args, env, stdio), daemon=True)
-                 for r in range(nprocs)]
-        for p in procs:
-            p.start()
+        with store_socket() as sock:  # rank 0 holds the port from here (its store adopts the socket)
+            port, store = int(sock.getsockname()[1]), _CallersFd(sock.fileno())
+            procs = [ctx.Process(target=_spawn_entry, daemon=True,
+                                 args=(fn, r, nprocs, port, folder, args, env, stdio, store if r == 0 else None))
+                     for r in range(nprocs)]
+            for p in procs:
+                p.start()
         deadline = time.monotonic() + timeout_s
         try:
             while any(p.is_alive() for p in procs):
