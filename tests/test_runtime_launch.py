@@ -268,3 +268,52 @@ def test_a_leaked_store_variable_under_another_launcher_is_one_clear_error(monke
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=f"{STORE_FD_ENV}=-1 on rank 0: only pipefisher's local launchers"):
         join_process_group("gloo")
+
+
+def _say_pid_and_sleep(folder: str) -> None:
+    """A worker of spawn_local that says its pid, then sleeps far longer than the test waits."""
+    path = os.path.join(folder, f"{os.environ['RANK']}.pid")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)  # whole when the test sees it
+    time.sleep(120)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its parent does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds its worker processes in /proc")
+def test_spawn_local_workers_stop_when_their_caller_is_killed(tmp_path):
+    """A caller killed outright (SIGKILL: no handler, no finally) takes its workers with it: they are the fork
+    server's children, not its own, and a killed benchmark's workers used to train on beside the next run."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import test_runtime_launch as t; "
+            "from pipefisher.runtime.launch.local import spawn_local; "
+            "spawn_local(t._say_pid_and_sleep, 2, sys.argv[3], timeout_s=300)")
+    caller = subprocess.Popen([sys.executable, "-c", code, ROOT, os.path.join(ROOT, "tests"), str(tmp_path)])
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            assert time.monotonic() < deadline and caller.poll() is None, "the workers did not start"
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        caller.kill()
+        caller.wait()
+        deadline = time.monotonic() + 10
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_running(pid) for pid in pids)
+    finally:
+        caller.kill()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)

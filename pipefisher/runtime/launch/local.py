@@ -42,6 +42,8 @@ PEER_LOST_EXIT = 3
 """Exit code of a worker that failed because a peer went away: a consequence, never the first cause."""
 INTERRUPTED_EXIT = 130
 """Exit code after Ctrl-C (128 + SIGINT, as shells report it), of ``pipefisher train`` and its workers."""
+CALLER_GONE_EXIT = 4
+"""Exit code of a :func:`spawn_local` worker that stopped because its caller had gone (:func:`_exit_with_caller`)."""
 
 
 class WorkerFailed(RuntimeError):
@@ -328,8 +330,19 @@ def _detach(dup: Any) -> int:
     return dup.detach()
 
 
+def _exit_with_caller(lifeline: int) -> None:
+    """Wait until the caller's end of the lifeline closes, then exit at once. The kernel closes it however
+    the caller ends (SIGTERM, SIGKILL, a crash), and a fork server's child is not the caller's: without
+    this, a killed benchmark's workers trained on to the end, unseen, beside the next run."""
+    while os.read(lifeline, 1):
+        pass
+    os._exit(CALLER_GONE_EXIT)
+
+
 def _spawn_entry(fn: Callable[..., Any], rank: int, world: int, port: int, folder: str,
-                 args: Sequence[Any], env: dict[str, str], stdio: Sequence[int], store: int | None) -> None:
+                 args: Sequence[Any], env: dict[str, str], stdio: Sequence[int], store: int | None,
+                 lifeline: int) -> None:
+    threading.Thread(target=_exit_with_caller, args=(lifeline,), daemon=True).start()
     # A fork server's child has the server's environment and output: take the caller's, as a spawned
     # worker would have inherited them.
     os.environ.clear()
@@ -369,14 +382,19 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: floa
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     stdio = [_CallersFd(fd) for fd in (1, 2)]
-    with tempfile.TemporaryDirectory(prefix="pipefisher-spawn-") as folder:
+    lifeline, held = os.pipe()  # the workers read one end; this process holds the other while it lives
+    with os.fdopen(held, "wb"), tempfile.TemporaryDirectory(prefix="pipefisher-spawn-") as folder:
         with store_socket() as sock:  # rank 0 holds the port from here (its store adopts the socket)
             port, store = int(sock.getsockname()[1]), _CallersFd(sock.fileno())
             procs = [ctx.Process(target=_spawn_entry, daemon=True,
-                                 args=(fn, r, nprocs, port, folder, args, env, stdio, store if r == 0 else None))
+                                 args=(fn, r, nprocs, port, folder, args, env, stdio, store if r == 0 else None,
+                                       _CallersFd(lifeline)))
                      for r in range(nprocs)]
-            for p in procs:
-                p.start()
+            try:
+                for p in procs:
+                    p.start()
+            finally:
+                os.close(lifeline)
         deadline = time.monotonic() + timeout_s
         try:
             while any(p.is_alive() for p in procs):
