@@ -373,7 +373,8 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: floa
     process's environment and standard output and error, as spawned processes would have.
 
     ``fn`` must be importable by name (a module-level function). The first failure is raised with the
-    worker's traceback; the remaining workers are stopped.
+    worker's traceback; the remaining workers are stopped. The workers also stop when this process ends,
+    however it ends (:func:`_exit_with_caller`).
     """
     import torch
 
