@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import time
+from typing import Callable
 
 import pytest
 from click.testing import CliRunner
@@ -86,15 +87,28 @@ def test_the_first_worker_to_die_is_blamed_not_the_peer_that_lost_it():
         "worker rank 0 of 2 exited with code 2: error: x.yaml: bad; the other workers were stopped")
 
 
+def _stat(pid: int | str) -> list[str]:
+    """``/proc/PID/stat``'s fields after the command name (state, ppid, ...); [] once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
+def _children(parent: int) -> list[int]:
+    return [int(pid) for pid in filter(str.isdigit, os.listdir("/proc")) if _stat(pid)[1:2] == [str(parent)]]
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its parent does not)."""
+    return _stat(pid)[:1] not in ([], ["Z"], ["X"])
+
+
 def _child_with_rank(rank: int) -> int:
     """The pid of this test's own worker process of ``rank`` (children of this process only)."""
-    me = os.getpid()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in _children(os.getpid()):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != me:
-                continue
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
         except (OSError, ValueError, IndexError):
@@ -279,41 +293,53 @@ def _say_pid_and_sleep(folder: str) -> None:
     time.sleep(120)
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie waiting for its parent does not)."""
+def _outliving_a_killed_launcher(code: str, args: list[str], workers_of: Callable[[int], list[int]]) -> list[int]:
+    """Run a launcher (``python -c code args``), wait for ``workers_of(its pid)`` to name its 2 workers,
+    SIGKILL it, and return those still running 10 s later (then killed, so none outlives the test)."""
+    import subprocess
+    import sys
+
+    launcher = subprocess.Popen([sys.executable, "-c", code, *args])
+    workers: list[int] = []
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
+        deadline = time.monotonic() + 60
+        while len(workers) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, "the workers did not start"
+            time.sleep(0.1)
+            workers = workers_of(launcher.pid)
+        time.sleep(1.0)  # past their start: the lifeline, not a launcher already gone at start, ends them
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [pid for pid in workers if _running(pid)]
+    finally:
+        launcher.kill()
+        for pid in workers:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds its worker processes in /proc")
+def test_the_workers_of_pipefisher_train_stop_when_its_launcher_is_killed():
+    """SIGKILL reaches no handler of the launcher, and with nothing to print the workers would not notice
+    its pipe had closed: they trained on for minutes, unseen (measured: still running 120 s later)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from pipefisher.runtime.job.config import load_config; "
+            "from pipefisher.runtime.launch.local import launch_local; "
+            "from pipefisher.runtime.train.trainer import TrainOptions; "
+            "launch_local(load_config(sys.argv[2]), TrainOptions.of(steps=10**6, progress=False, log_every=10**9), 2)")
+    assert _outliving_a_killed_launcher(code, [ROOT, TINY], _children) == []
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds its worker processes in /proc")
 def test_spawn_local_workers_stop_when_their_caller_is_killed(tmp_path):
     """A caller killed outright (SIGKILL: no handler, no finally) takes its workers with it: they are the fork
     server's children, not its own, and a killed benchmark's workers used to train on beside the next run."""
-    import subprocess
-    import sys
-
     code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import test_runtime_launch as t; "
             "from pipefisher.runtime.launch.local import spawn_local; "
             "spawn_local(t._say_pid_and_sleep, 2, sys.argv[3], timeout_s=300)")
-    caller = subprocess.Popen([sys.executable, "-c", code, ROOT, os.path.join(ROOT, "tests"), str(tmp_path)])
-    pids: list[int] = []
-    try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("*.pid"))) < 2:
-            assert time.monotonic() < deadline and caller.poll() is None, "the workers did not start"
-            time.sleep(0.1)
-        pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
-        caller.kill()
-        caller.wait()
-        deadline = time.monotonic() + 10
-        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_running(pid) for pid in pids)
-    finally:
-        caller.kill()
-        for pid in pids:
-            if _running(pid):
-                os.kill(pid, signal.SIGKILL)
+    def said(_caller: int) -> list[int]:  # the fork server's children say their pids themselves
+        return [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+
+    assert _outliving_a_killed_launcher(code, [ROOT, os.path.join(ROOT, "tests"), str(tmp_path)], said) == []

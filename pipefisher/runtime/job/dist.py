@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipefisher.runtime.job.config import RunConfig
+from pipefisher.runtime.job.config import PipelineConfig, RunConfig
 from pipefisher.runtime.job.process import STORE_FD_ENV, threads_per_worker, torchrun_env
 
 
@@ -220,11 +220,13 @@ def shutdown(ctx: DistContext) -> None:
 
 
 def join_process_group(backend: str, rank: int | None = None, world: int | None = None,
-                       timeout: datetime.timedelta = datetime.timedelta(seconds=120), **kwargs: Any) -> None:
+                       timeout: datetime.timedelta | None = None, **kwargs: Any) -> None:
     """``init_process_group`` for a worker of a local launch (through the store on the launcher's socket,
     :func:`pipefisher.runtime.job.process.store_socket`) or of any other env:// launcher such as
-    torchrun. ``rank`` and ``world``: the environment's ``RANK`` and ``WORLD_SIZE`` where not given. Every
-    rank of a job must join the same way: a store passed in is not prefixed as env://'s is."""
+    torchrun. ``rank`` and ``world``: the environment's ``RANK`` and ``WORLD_SIZE`` where not given;
+    ``timeout``: ``pipeline.timeout_s``'s default where not given. Every rank of a job must join the same
+    way: a store passed in is not prefixed as env://'s is."""
+    timeout = datetime.timedelta(seconds=PipelineConfig.timeout_s) if timeout is None else timeout
     rank = int(os.environ["RANK"]) if rank is None else rank
     world = int(os.environ["WORLD_SIZE"]) if world is None else world
     fd = os.environ.get(STORE_FD_ENV)

@@ -51,9 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2 or args[0] != "--spec":
         print(USAGE, file=sys.stderr, flush=True)
         return 2
+    from pipefisher.runtime.launch.local import (INTERRUPTED_EXIT, LIFELINE_ENV, PEER_LOST_EXIT, decode_spec,
+                                                 exit_with_launcher, run_worker)
+
+    if LIFELINE_ENV in os.environ:  # first, before torch: a launcher gone already ends this worker at once
+        exit_with_launcher(int(os.environ[LIFELINE_ENV]))
     from pipefisher.kfac.factors import BadFactorError
     from pipefisher.runtime.job.progress import PROGRESS_ENV, SUMMARY_MARK, LineHandler, showing
-    from pipefisher.runtime.launch.local import INTERRUPTED_EXIT, PEER_LOST_EXIT, decode_spec, run_worker
     from pipefisher.runtime.train.trainer import PeerLost
 
     rank = os.environ.get("RANK", "0")

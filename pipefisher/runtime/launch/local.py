@@ -36,14 +36,16 @@ logger = logging.getLogger(__name__)
 
 LOG_ENV = "PIPEFISHER_WORKER_LOG"
 """Set by :func:`launch_local`: the file a worker appends its traceback to (the terminal gets one line)."""
+LIFELINE_ENV = "PIPEFISHER_LIFELINE_FD"
+"""Set by :func:`launch_local`: the descriptor of the lifeline a worker watches (:func:`exit_with_launcher`)."""
 ERROR_MARK = "@@pipefisher-error "
 """Starts a worker's one-line error, so the launcher can quote it instead of relaying it."""
 PEER_LOST_EXIT = 3
 """Exit code of a worker that failed because a peer went away: a consequence, never the first cause."""
 INTERRUPTED_EXIT = 130
 """Exit code after Ctrl-C (128 + SIGINT, as shells report it), of ``pipefisher train`` and its workers."""
-CALLER_GONE_EXIT = 4
-"""Exit code of a :func:`spawn_local` worker that stopped because its caller had gone (:func:`_exit_with_caller`)."""
+LAUNCHER_GONE_EXIT = 4
+"""Exit code of a worker that stopped because its launcher had gone (:func:`exit_with_launcher`)."""
 
 
 class WorkerFailed(RuntimeError):
@@ -167,14 +169,22 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
     log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {nproc} workers of '{cfg.name}', mode {opts.mode}, "
               f"{opts.steps} steps\n")
     log.flush()
+    lifeline, held = os.pipe()  # the workers watch one end; this process holds the other until they ended
     with store_socket() as sock:  # rank 0 holds the port from here (its store adopts the socket)
         port, store_fd = int(sock.getsockname()[1]), sock.fileno()
-        procs = [subprocess.Popen([sys.executable, "-m", "pipefisher.runtime.launch.child", "--spec", spec],
-                                  env={**worker_env(r, nproc, port), PROGRESS_ENV: "1", LOG_ENV: tmp_log,
-                                       **({STORE_FD_ENV: str(store_fd)} if r == 0 else {})},
-                                  pass_fds=(store_fd,) if r == 0 else (),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-                 for r in range(nproc)]
+        try:
+            procs = [subprocess.Popen([sys.executable, "-m", "pipefisher.runtime.launch.child", "--spec", spec],
+                                      env={**worker_env(r, nproc, port), PROGRESS_ENV: "1", LOG_ENV: tmp_log,
+                                           LIFELINE_ENV: str(lifeline),
+                                           **({STORE_FD_ENV: str(store_fd)} if r == 0 else {})},
+                                      pass_fds=(lifeline, store_fd) if r == 0 else (lifeline,),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                     for r in range(nproc)]
+        except BaseException:
+            os.close(held)
+            raise
+        finally:
+            os.close(lifeline)
     tails: list[list[str]] = [[] for _ in procs]
     errors = [""] * nproc
     done: list[int] = []  # steps done, from the reporting worker's marks (for the line after Ctrl-C)
@@ -263,6 +273,7 @@ def launch_local(cfg: RunConfig, opts: TrainOptions, nproc: int, echo: Callable[
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        os.close(held)  # every worker has ended
         for t in threads:
             t.join(timeout=2)
         if opts.log.progress:
@@ -330,19 +341,24 @@ def _detach(dup: Any) -> int:
     return dup.detach()
 
 
-def _exit_with_caller(lifeline: int) -> None:
-    """Wait until the caller's end of the lifeline closes, then exit at once. The kernel closes it however
-    the caller ends (SIGTERM, SIGKILL, a crash), and a fork server's child is not the caller's: without
-    this, a killed benchmark's workers trained on to the end, unseen, beside the next run."""
-    while os.read(lifeline, 1):
-        pass
-    os._exit(CALLER_GONE_EXIT)
+def exit_with_launcher(lifeline: int) -> None:
+    """Start a thread that waits until the launcher's end of the lifeline (a pipe only the launcher holds
+    open) closes, then exits this worker at once. The kernel closes it however the launcher ends, SIGKILL
+    and crashes too, where no handler of its own runs: without this, the workers of a killed ``pipefisher
+    train`` (or of a benchmark's :func:`spawn_local`, the fork server's children, not its own) trained on
+    to the end, unseen, beside the next run."""
+    def watch() -> None:
+        while os.read(lifeline, 1):
+            pass
+        os._exit(LAUNCHER_GONE_EXIT)
+
+    threading.Thread(target=watch, name="lifeline", daemon=True).start()
 
 
 def _spawn_entry(fn: Callable[..., Any], rank: int, world: int, port: int, folder: str,
                  args: Sequence[Any], env: dict[str, str], stdio: Sequence[int], store: int | None,
                  lifeline: int) -> None:
-    threading.Thread(target=_exit_with_caller, args=(lifeline,), daemon=True).start()
+    exit_with_launcher(lifeline)
     # A fork server's child has the server's environment and output: take the caller's, as a spawned
     # worker would have inherited them.
     os.environ.clear()
@@ -374,7 +390,7 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: floa
 
     ``fn`` must be importable by name (a module-level function). The first failure is raised with the
     worker's traceback; the remaining workers are stopped. The workers also stop when this process ends,
-    however it ends (:func:`_exit_with_caller`).
+    however it ends (:func:`exit_with_launcher`).
     """
     import torch
 

@@ -151,10 +151,11 @@ class Trainer:
 
         def switch(new: Any, first_step: int) -> None:
             assert self.executor is not None
-            before = self._averaging_lines()
+            say = g.replica == 0 and first_step > 1  # a switch during the run: the start lines said the old weight
+            before = self._averaging_lines() if say else []
             self.executor.switch(new.data[g.stage], first_step)
             self.worker.cycles = new.cycles
-            if g.replica == 0 and first_step > 1:  # a switch during the run: the start lines said the old weight
+            if say:
                 for line in self._averaging_lines():
                     if line not in before:
                         logger.info(f"step {first_step}: {line}")
