@@ -22,7 +22,8 @@ whole timed between them, so that the machine's load falls on both alike), again
 largest against an even share (``total / p``: 1.00 is balanced), and the quality: for the Cholesky inverse the residual ``||(F + damping I) X - I|| / ||I||`` (Frobenius) beside
 the whole inverse's; for the eigenbasis (one power step from the previous refresh's basis, the basis of
 the same kind of factor from other rows) the off-diagonal mass ``||offdiag(Q^T F Q)|| / ||Q^T F Q||``
-beside ``eigh``'s and the previous basis's.
+beside ``eigh``'s and the previous basis's; then each piece's median in order. Then a candidate made of
+matrix products alone, Newton-Schulz iterations (:func:`newton_schulz_line`, not built).
 
 Then, with ``--model CONFIG``, every inverse label of that config's model under ``kfac.update: soap``
 against the bare ``eigh`` of the same factors' diagonal blocks (:func:`model_refresh`).
@@ -99,11 +100,12 @@ def label_call(n: int, like: Any) -> Callable[[], object]:
 
 
 def piece_times(make: Callable[[], object], repeat: int,
-                whole: Callable[[], object] | None = None) -> tuple[float, float, float]:
+                whole: Callable[[], object] | None = None) -> tuple[float, float, float, list[float]]:
     """The median total and the median largest piece, in seconds, of a refresh ``make()`` builds (untimed)
     and that runs piece by piece (:meth:`pipefisher.kfac.refresh.Refresh.step`), after one untimed run,
-    and the median time of ``whole`` called before each run (nan without it)."""
-    totals, largest, wholes = [], [], []
+    the median time of ``whole`` called before each run (nan without it), and each piece's median in
+    order (which piece is the long one)."""
+    totals, largest, wholes, each = [], [], [], []
     for i in range(repeat + 1):
         if whole is not None:
             start = now()
@@ -118,8 +120,15 @@ def piece_times(make: Callable[[], object], repeat: int,
         if i:
             totals.append(sum(times))
             largest.append(max(times))
+            each.append(times)
     return statistics.median(totals), statistics.median(largest), \
-        statistics.median(wholes[1:]) if whole is not None else float("nan")
+        statistics.median(wholes[1:]) if whole is not None else float("nan"), \
+        [statistics.median(piece) for piece in zip(*each)]
+
+
+def each_piece(times: list[float]) -> str:
+    """Each piece's median in ms, in order."""
+    return "/".join(f"{t * 1e3:.2f}" for t in times)
 
 
 def residual(damped: Any, inverse: Any) -> float:
@@ -154,19 +163,54 @@ def pieces_table(n: int, factor: Any, previous: Any, pieces: list[int], repeat: 
     power = lambda p: Refresh(factor, 1e-3, method="eigenbasis", dtype=factor.dtype, pieces=p, basis=previous)
     for p in pieces:
         make = lambda p=p: Refresh(factor, 1e-3, method="cholesky", dtype=factor.dtype, pieces=p)
-        total, big, whole = piece_times(make, repeat, invert)
+        total, big, whole, each = piece_times(make, repeat, invert)
         done = make()
         done.finish()
         print(f"n = {n:4}: cholesky inverse in {p:2} pieces: total {total * 1e3:7.2f} ms ({total / whole:4.2f}x "
               f"whole), largest piece {big * 1e3:6.2f} ms ({big / whole:4.2f}x whole, {big * p / total:4.2f}x "
-              f"total/p), residual {residual(damped, done.result()[0]):.2e} (whole {whole_res:.2e})")
+              f"total/p), residual {residual(damped, done.result()[0]):.2e} (whole {whole_res:.2e}), "
+              f"each {each_piece(each)} ms")
     for p in pieces:
-        total, big, _ = piece_times(lambda p=p: power(p), repeat)
+        total, big, _, each = piece_times(lambda p=p: power(p), repeat)
         done = power(p)
         done.finish()
         print(f"n = {n:4}: eigenbasis power step in {p} pieces: total {total * 1e3:7.2f} ms, largest piece "
               f"{big * 1e3:6.2f} ms ({big / whole_inv:4.2f}x the whole Cholesky inverse), off-diagonal mass "
-              f"{off_diagonal(factor, done.result()[0]):.2e} (eigh {eigh_off:.2e}, previous basis {prev_off:.2e})")
+              f"{off_diagonal(factor, done.result()[0]):.2e} (eigh {eigh_off:.2e}, previous basis {prev_off:.2e}), "
+              f"each {each_piece(each)} ms")
+
+
+def newton_schulz_line(n: int, factor: Any, previous: Any, repeat: int, most: int = 30) -> None:
+    """A candidate for pieces made of matrix products alone (not built: this line is how it is judged):
+    Newton-Schulz iterations ``X <- X (2I - M X)`` towards ``M^-1`` (``M`` the damped factor), each
+    iteration a piece of two products, started from the previous refresh's inverse (``previous``: the
+    same kind of factor from other rows) or from ``I / ||M||`` (always converges, slowly). Printed: one
+    iteration's time against the whole Cholesky inverse, and the iterations each start needs to reach
+    twice the whole inverse's residual (at most ``most``)."""
+    import torch
+
+    from pipefisher.kfac.factors import inverse_findings
+
+    eye = torch.eye(n, device=factor.device, dtype=factor.dtype)
+    damped = factor + 1e-3 * eye
+    invert = lambda: inverse_findings(factor, 1e-3, method="cholesky", dtype=factor.dtype)
+    whole, target = timed(invert, repeat), 2 * residual(damped, invert()[0])
+    step = lambda x: x @ (2 * eye - damped @ x)
+    one = timed(lambda: step(eye), repeat)
+
+    def iterations(x: Any) -> str:
+        for i in range(1, most + 1):
+            x = step(x)
+            r = residual(damped, x)
+            if r <= target:
+                return str(i)
+            if not r < 1e6:  # nan or growing: M X has eigenvalues beyond (0, 2)
+                return f"none (diverges: residual {r:.1e} at {i})"
+        return f"not within {most} (residual {r:.1e})"
+    start = inverse_findings(previous, 1e-3, method="cholesky", dtype=factor.dtype)[0]
+    print(f"n = {n:4}: Newton-Schulz (not built): one iteration {one * 1e3:7.2f} ms ({one / whole:4.2f}x the whole "
+          f"Cholesky inverse); iterations to twice its residual: from the previous inverse "
+          f"{iterations(start)}, from I / ||M|| {iterations(eye / damped.norm())}")
 
 
 def model_refresh(config: str, basis_block: int, repeat: int) -> None:
@@ -239,6 +283,9 @@ def main() -> None:
                          "(e.g. configs/small.yaml; cpu only)")
     ap.add_argument("--basis-block", type=int, default=129, metavar="N",
                     help="--model's kfac.basis_block (default 129, the convergence race's; 0: whole factors)")
+    ap.add_argument("--max-block", type=int, default=0, metavar="N",
+                    help="the Cholesky pieces' widest column block on --device (pipefisher.kfac.refresh.MAX_BLOCK; "
+                         "0: as built), to judge another width")
     a = ap.parse_args()
     if a.model and a.device != "cpu":
         ap.error("--model runs on the CPU only")
@@ -250,6 +297,10 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit("bench_refresh.py: --device cuda: no CUDA device here (torch.cuda.is_available() is False)")
         SYNC[:] = [torch.cuda.synchronize]
+    if a.max_block:
+        from pipefisher.kfac import refresh
+
+        refresh.MAX_BLOCK[a.device] = a.max_block  # read by each refresh as it is made
     like = torch.empty(0, device=a.device, dtype=getattr(torch, a.dtype))
     torch.set_num_threads(1)  # one core per stage, as the benchmarks run
     torch.manual_seed(0)
@@ -277,8 +328,10 @@ def main() -> None:
         if a.pieces:
             # the previous refresh's factor: the same kind, other rows
             other = torch.randn(2048, n, device=like.device, dtype=like.dtype)
-            before = torch.linalg.eigh(other.t() @ other / other.shape[0])[1]
+            before_factor = other.t() @ other / other.shape[0]
+            before = torch.linalg.eigh(before_factor)[1]
             pieces_table(n, factor, before, [int(p) for p in a.pieces.split(",")], a.repeat)
+            newton_schulz_line(n, factor, before_factor, a.repeat)
     if a.model:
         model_refresh(a.model, a.basis_block, a.repeat)
 

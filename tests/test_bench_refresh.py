@@ -28,13 +28,15 @@ def test_the_refresh_in_pieces_is_timed_and_judged_against_the_whole_one(where: 
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_refresh.py"), "--sizes", "9",
                           "--repeat", "1", "--pieces", "2,3", *where], capture_output=True, text=True,
                          check=True).stdout.splitlines()
-    assert len(out) == 5 + 4  # the methods, then each refresh in 2 and 3 pieces
-    pieces = out[5:]
+    assert len(out) == 5 + 4 + 1  # the methods, then each refresh in 2 and 3 pieces, then Newton-Schulz
+    pieces, newton = out[5:9], out[9]
     assert [line.split(":")[1].split(" in ")[0].strip() for line in pieces] == \
         ["cholesky inverse", "cholesky inverse", "eigenbasis power step", "eigenbasis power step"]
     assert all("largest piece" in line and "ms" in line for line in pieces)
     assert all("residual" in line and "(whole" in line for line in pieces[:2])
     assert all("off-diagonal mass" in line and "(eigh" in line for line in pieces[2:])
+    assert [len(line.split(" each ")[1].split("/")) for line in pieces] == [2, 3, 2, 3]  # each piece's time
+    assert "Newton-Schulz (not built): one iteration" in newton and "from I / ||M|| " in newton
 
 
 def test_every_inverse_label_of_a_model_is_timed_against_the_bare_eigh_of_its_blocks() -> None:

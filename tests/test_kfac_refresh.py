@@ -69,7 +69,7 @@ def test_the_plan_cuts_even_pieces_of_the_cost_model_over_every_column_once(n, p
     assert [t[0] for t in tasks] == ["chol"] * len(chol) + ["inv"] * len(inv)  # all of L before X
     assert chol[0][0] == 0 and chol[-1][1] == n and all(a[1] == b[0] for a, b in zip(chol, chol[1:]))
     assert inv[0][1] == n and inv[-1][0] == 0 and all(a[0] == b[1] for a, b in zip(inv, inv[1:]))  # back
-    assert all(0 < j1 - j0 <= MAX_BLOCK for _, j0, j1, _ in tasks)
+    assert all(0 < j1 - j0 <= MAX_BLOCK["cpu"] for _, j0, j1, _ in tasks)
     total = _stage_flops(n, p, 2 * n)
     assert sum(c for *_, c in tasks) == pytest.approx(total)
     # each piece within one column's cost (the largest: the inverse's first) of an even share
@@ -101,6 +101,27 @@ def test_a_refresh_resumed_from_its_state_finishes_bit_for_bit(done, tmp_path):
     resumed.finish()
     for a, b in zip(resumed.result(), whole):
         assert torch.equal(a, b)
+
+
+def test_a_refresh_keeps_its_devices_block_width_into_a_resume_elsewhere(tmp_path, monkeypatch):
+    """Blocks as wide as the device's (MAX_BLOCK: 1024 on a GPU, 128 on a CPU); a checkpoint resumed on
+    another device keeps the plan it was cut by, and one from before the width was kept, the CPU's."""
+    f = _factor(300, rows=400)
+    whole = fx.inverse_findings(f, 1e-3, method="cholesky", dtype=torch.float32)[0]
+    monkeypatch.setitem(MAX_BLOCK, "cpu", 1024)  # this CPU stands for a GPU
+    wide = Refresh(f, 1e-3, method="cholesky", dtype=torch.float32, pieces=2)
+    assert max(j1 - j0 for _, j0, j1, _ in wide.tasks) == 300  # one block per stage and piece
+    wide.step()
+    torch.save(wide.state_dict(), tmp_path / "r.pt")
+    monkeypatch.setitem(MAX_BLOCK, "cpu", 128)
+    resumed = Refresh.from_state(torch.load(tmp_path / "r.pt", weights_only=True))
+    assert resumed.tasks == wide.tasks
+    resumed.finish()
+    assert torch.allclose(resumed.result()[0], whole, rtol=1e-3, atol=1e-4)
+    state = Refresh(f, 1e-3, method="cholesky", dtype=torch.float32, pieces=2).state_dict()
+    del state["chol_block"]
+    monkeypatch.setitem(MAX_BLOCK, "cpu", 1024)
+    assert max(j1 - j0 for _, j0, j1, _ in Refresh.from_state(state).tasks) <= 128
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 6])
@@ -209,6 +230,27 @@ def test_eigenbasis_pieces_take_a_power_step_from_the_previous_basis():
     # the first refresh (no previous basis) is eigh, whatever the pieces
     first, _, _ = _run(Refresh(f, 1e-3, method="eigenbasis", dtype=torch.float32, pieces=3))
     assert torch.equal(first, exact)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_the_power_step_stays_a_basis_for_a_factor_of_lower_rank_than_its_width(p):
+    """Fewer rows than columns (a factor's rank below its width, as a 4096-wide factor of 2048 rows): the
+    blocks past the rank are rounding noise once the blocks done are out; orthogonalised once before their
+    QR, the basis lost orthogonality (max |Q^T Q - I| 0.38-1.0 here; 2.8 in norm at 4096 on a GPU)."""
+    def factor(seed: int) -> torch.Tensor:
+        x = torch.randn(128, 256, generator=torch.Generator().manual_seed(seed))
+        return x.t() @ x / x.shape[0]
+    f, previous = factor(0), fx.eigenbasis(factor(1))
+    basis, _, ok = _run(Refresh(f, 1e-3, method="eigenbasis", dtype=torch.float32, pieces=p, basis=previous))
+    assert bool(ok)
+    assert (basis.t() @ basis - torch.eye(256)).abs().max() < 1e-5
+
+    def off_diagonal(q: torch.Tensor) -> float:
+        rotated = q.double().t() @ f.double() @ q.double()
+        return float((rotated - rotated.diagonal().diag()).norm() / rotated.norm())
+    # the same power step by one Householder QR, the columns of the largest eigenvalues first, as in pieces
+    whole = torch.linalg.qr((fx.scaled_factor(f)[0] @ previous).flip(1))[0]
+    assert off_diagonal(basis) == pytest.approx(off_diagonal(whole), abs=1e-3)
 
 
 def test_auto_pieces_and_the_split_of_the_work():

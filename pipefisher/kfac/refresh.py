@@ -13,8 +13,8 @@ time, its state carried between them (and into a checkpoint), giving what the wh
   to rounding, with the findings :func:`pipefisher.kfac.factors.inverse_findings` gives (the Cholesky failure
   column included), so bad factors, ``on_bad_factor`` and the fallback work as for a whole inverse.
 - ``eigenbasis``: SOAP's refresh from the previous basis, one power-iteration step ``Y = F Q_prev`` and an
-  orthogonalisation, by column blocks from the largest eigenvalues down (each block orthogonalised twice
-  against the blocks done, by block Gram-Schmidt, then a thin QR of its own), every column kept in its
+  orthogonalisation, by column blocks from the largest eigenvalues down (each block orthogonalised against
+  the blocks done by block Gram-Schmidt and a thin QR of its own, twice), every column kept in its
   place with its sign towards the previous column, so Adam's moments in the basis stay meaningful
   (:class:`pipefisher.kfac.eigenbasis.EigenbasisAdam` rotates the first moment by ``Q_new^T Q_old``, near
   the identity). The first refresh (no previous basis) is the whole ``eigh``, in its first piece.
@@ -81,10 +81,18 @@ CHOL_WEIGHT = 1.15
 in the panel's triangular solve, slower than a product (each piece's minimum time on one thread, n = 1024
 and 2048, put it at 1.1 to 1.3: docs/benchmarks.md, "A refresh in pieces")."""
 
-MAX_BLOCK = 128
-"""The widest column block one task runs: a block's own work (its panel's solve, its diagonal block's
-inverse) grows with its width and runs slower than the large products; narrower blocks make smaller,
-slower products (128 and 256 timed alike at n = 1024)."""
+MAX_BLOCK = {"cpu": 128, "cuda": 1024}
+"""The widest column block one task runs, by device type (others: the CPU's). On a CPU core a block's own
+work (its panel's solve, its diagonal block's inverse) grows with its width and runs slower than the
+large products; narrower blocks make smaller, slower products (128 and 256 timed alike at n = 1024). On
+a GPU every block pays fixed costs (the small factorisations' launches and latency) that blocks of 128
+multiplied: on an H200, a 4096-wide inverse in 16 pieces cost 2.45x the whole in all with blocks of 128,
+its largest piece 0.52x, and 1.37x and 0.22x with 1024 (docs/benchmarks.md, "A refresh in pieces")."""
+
+
+def max_block(device: torch.device) -> int:
+    """The widest column block of a Cholesky refresh on ``device`` (:data:`MAX_BLOCK`)."""
+    return MAX_BLOCK.get(device.type, MAX_BLOCK["cpu"])
 
 PLAN = 2
 """The cut of a ``cholesky`` refresh into pieces (:func:`cholesky_plan`): a checkpoint holds it, so that a
@@ -92,33 +100,35 @@ resumed refresh runs the remaining pieces exactly as planned; a checkpoint witho
 plan (equal column blocks), which :meth:`Refresh.from_state` continues from the columns it factored."""
 
 
-def _stage_flops(n: int, p: int, start: float) -> float:
+def _stage_flops(n: int, p: int, start: float, block: int = MAX_BLOCK["cpu"]) -> float:
     """The flops of the blocked inverse before position ``start`` of ``0..2n``: the Cholesky factor's first
     ``start`` columns (left-looking), then the inverse's last ``start - n`` columns, with the terms of the
     blocks' own work (the panel's solve, the diagonal block's inverse) at the width the plan's blocks have
-    (about ``2n / p``), the Cholesky's weighted by :data:`CHOL_WEIGHT`."""
-    b = min(MAX_BLOCK, 2.0 * n / p)
+    (about ``2n / p``, at most ``block``), the Cholesky's weighted by :data:`CHOL_WEIGHT`."""
+    b = min(block, 2.0 * n / p)
     c = min(start, float(n))
     chol = CHOL_WEIGHT * (n * c * c - 2.0 * c ** 3 / 3.0 + b * (n * c - c * c / 2.0) + b * b * c / 3.0)
     d = max(start - n, 0.0)  # the inverse's columns are done from the last one back
     return chol + 2.0 * d ** 3 / 3.0 + 1.5 * b * d * d + b * b * d
 
 
-def cholesky_plan(n: int, p: int, start: int = 0, first: int = 0) -> tuple[list[tuple[str, int, int, float]],
-                                                                            list[tuple[int, int]]]:
+def cholesky_plan(n: int, p: int, start: int = 0, first: int = 0, block: int = MAX_BLOCK["cpu"]) \
+        -> tuple[list[tuple[str, int, int, float]], list[tuple[int, int]]]:
     """The blocked inverse of an ``n``-wide factor cut into pieces ``first..p-1`` from position ``start``
     (of ``0..2n``: the Cholesky columns, then the inverse's columns): each piece's weighted flops
     (:func:`_stage_flops`) as equal as whole columns allow. Returns the tasks ``(stage, first column, end
-    column, cost)`` in order and each piece's range of them (pieces before ``first``: none)."""
-    base, total = _stage_flops(n, p, start), _stage_flops(n, p, 2 * n)
+    column, cost)`` in order and each piece's range of them (pieces before ``first``: none); no block
+    wider than ``block`` columns."""
+    flops = lambda at: _stage_flops(n, p, at, block)
+    base, total = flops(start), flops(2 * n)
     cuts = [start]
     for k in range(1, p - first):
         target = base + (total - base) * k / (p - first)
         lo, hi = cuts[-1], 2 * n  # the first position whose cost reaches the target, or the one before
         while lo < hi:
             mid = (lo + hi) // 2
-            lo, hi = (mid + 1, hi) if _stage_flops(n, p, mid) < target else (lo, mid)
-        if lo > cuts[-1] and target - _stage_flops(n, p, lo - 1) < _stage_flops(n, p, lo) - target:
+            lo, hi = (mid + 1, hi) if flops(mid) < target else (lo, mid)
+        if lo > cuts[-1] and target - flops(lo - 1) < flops(lo) - target:
             lo -= 1
         cuts.append(lo)
     cuts.append(2 * n)
@@ -127,11 +137,11 @@ def cholesky_plan(n: int, p: int, start: int = 0, first: int = 0) -> tuple[list[
     for s0, s1 in zip(cuts[:-1], cuts[1:]):
         begin = len(tasks)
         for stage, a, b in (("chol", s0, min(s1, n)), ("inv", max(s0, n), s1)):
-            count = -(-(b - a) // MAX_BLOCK)
+            count = -(-(b - a) // block)
             edges = [a + round((b - a) * i / count) for i in range(count + 1)] if b > a else []
             for e0, e1 in zip(edges[:-1], edges[1:]):
                 j0, j1 = (e0, e1) if stage == "chol" else (2 * n - e1, 2 * n - e0)
-                tasks.append((stage, j0, j1, _stage_flops(n, p, e1) - _stage_flops(n, p, e0)))
+                tasks.append((stage, j0, j1, flops(e1) - flops(e0)))
         ranges.append((begin, len(tasks)))
     return tasks, ranges
 
@@ -160,6 +170,7 @@ class Refresh:
             raise ValueError(f"a {method} refresh is not split into pieces ({', '.join(PIECE_METHODS)} are)")
         self.method, self.dtype, self.pieces, self.done = method, dtype, int(pieces), 0
         self.out_dtype, self.damping, self.kept = f.dtype, damping, kept
+        self.chol_block = MAX_BLOCK["cpu"]  # a cholesky refresh's: its device's (the plan is kept with it)
         # under kfac.basis_block every eigenbasis refresh is exact, block by block: a factor one block
         # covers is one eigh (in the first of its pieces), cheap at that width, never the power step
         blocked = method == "eigenbasis" and block > 0 and (pieces > 1 or len(diagonal_blocks(f.shape[0], block)) > 1)
@@ -174,6 +185,7 @@ class Refresh:
             m.diagonal().add_(damping)
             self.t = {"m": m, "l": torch.zeros_like(m), "x": torch.zeros_like(m),
                       "first": torch.zeros((), dtype=torch.int32, device=m.device), "finite": fx.all_finite(f)}
+            self.chol_block = max_block(m.device)
         elif self.mode == "power":
             m = torch.nan_to_num(f.to(self.dtype), nan=0.0, posinf=0.0, neginf=0.0)
             low = m.tril()  # the lower triangle, as eigh reads it, made whole
@@ -190,7 +202,7 @@ class Refresh:
         self = cls.__new__(cls)
         self.method, self.dtype, self.pieces, self.done = "none", torch.float32, int(pieces), 0
         self.out_dtype, self.damping, self.kept, self.mode, self.t = torch.float32, 0.0, None, "none", {}
-        self.block = 0
+        self.block, self.chol_block = 0, MAX_BLOCK["cpu"]
         self._result = None
         self._plan()
         return self
@@ -199,7 +211,8 @@ class Refresh:
         """The tasks and each piece's range of them; ``start``: a first-plan refresh continued from there."""
         if self.mode == "cholesky":
             first = 0 if start is None else self.done
-            self.tasks, self.ranges = cholesky_plan(self.t["l"].shape[0], self.pieces, start or 0, first)
+            self.tasks, self.ranges = cholesky_plan(self.t["l"].shape[0], self.pieces, start or 0, first,
+                                                    self.chol_block)
             return
         if self.mode == "blocks":
             self.tasks = [("block", j0, j1, float(j1 - j0) ** 3)
@@ -283,11 +296,18 @@ class Refresh:
         s, q = self.t["s"], self.t["q"]
         y = s @ self.t["q_prev"][:, j0:j1]
         done = q[:, j1:]  # the blocks of larger eigenvalues, already orthonormal
-        for _ in range(2):  # block Gram-Schmidt, twice (once loses orthogonality to rounding)
+        sign = torch.ones(j1 - j0, dtype=y.dtype, device=y.device)
+        # block Gram-Schmidt, then a thin QR, twice: the second pass orthogonalises unit columns. A factor of
+        # lower rank than its width (fewer rows than columns) leaves the blocks past its rank rounding noise
+        # once the blocks done are taken out; two passes before one QR kept that noise's own component along
+        # the blocks done, and normalising it made the basis no basis (||Q^T Q - I|| 2.8 at 4096 wide, 2048
+        # rows, 16 pieces: docs/benchmarks.md, "A refresh in pieces")
+        for _ in range(2):
             y = y - done @ (done.t() @ y)
-        qb, r = torch.linalg.qr(y.flip(1))  # the block's largest eigenvalue first, as across blocks
-        sign = torch.where(r.diagonal() < 0, -1.0, 1.0).to(qb.dtype)  # each column towards its predecessor
-        q[:, j0:j1] = (qb * sign).flip(1)
+            y, r = torch.linalg.qr(y.flip(1))  # the block's largest eigenvalue first, as across blocks
+            y = y.flip(1)
+            sign = sign * torch.where(r.diagonal() < 0, -1.0, 1.0).to(y.dtype).flip(0)
+        q[:, j0:j1] = y * sign  # each column towards its predecessor
 
     def _findings(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole refresh's findings (:data:`pipefisher.kfac.factors.FINDINGS`) of the pieces' result."""
@@ -310,7 +330,8 @@ class Refresh:
         """All a resumed run needs to run the remaining pieces exactly as this one would."""
         return {"method": self.method, "dtype": self.dtype, "pieces": self.pieces, "done": self.done,
                 "mode": self.mode, "out_dtype": self.out_dtype, "damping": self.damping, "kept": self.kept,
-                "tensors": dict(self.t), "result": self._result, "plan": PLAN, "block": self.block}
+                "tensors": dict(self.t), "result": self._result, "plan": PLAN, "block": self.block,
+                "chol_block": self.chol_block}
 
     def _legacy_start(self) -> int:
         """Where a refresh the first plan cut continues: after the columns it factored (their pivots are
@@ -330,6 +351,8 @@ class Refresh:
         self.done, self.mode, self.out_dtype = int(state["done"]), state["mode"], state["out_dtype"]
         self.damping, self.kept, self.t = state["damping"], state["kept"], dict(state["tensors"])
         self._result, self.block = state["result"], int(state.get("block", 0))
+        # the width it was planned with, on whatever device; before the width was kept, it was always 128
+        self.chol_block = int(state.get("chol_block", 128))
         if self.mode == "cholesky" and self.t and state.get("plan") != PLAN:
             self._plan(self._legacy_start())
         elif self.t:
