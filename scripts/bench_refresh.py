@@ -289,6 +289,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.model and a.device != "cpu":
         ap.error("--model runs on the CPU only")
+    if a.max_block < 0:
+        ap.error(f"--max-block must be a width >= 1 (0: as built), not {a.max_block}")
     import torch
 
     from pipefisher.kfac.factors import inverse_findings

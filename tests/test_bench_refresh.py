@@ -73,6 +73,27 @@ def test_device_cuda_without_cuda_is_refused_in_one_line(monkeypatch: pytest.Mon
     assert capsys.readouterr().out == ""  # nothing timed before the refusal
 
 
+def test_a_block_width_below_zero_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "argv", ["bench_refresh.py", "--sizes", "8", "--max-block", "-1"])
+    with pytest.raises(SystemExit) as exit_:
+        _script().main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == \
+        "bench_refresh.py: error: --max-block must be a width >= 1 (0: as built), not -1"
+
+
+def test_a_wider_block_is_the_one_each_refresh_on_that_device_plans_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipefisher.kfac import refresh
+
+    monkeypatch.setattr(refresh, "MAX_BLOCK", dict(refresh.MAX_BLOCK))  # main() sets it for the run
+    monkeypatch.setattr(sys, "argv", ["bench_refresh.py", "--sizes", "40", "--pieces", "2", "--repeat", "1",
+                                      "--max-block", "16"])
+    _script().main()
+    assert refresh.MAX_BLOCK["cpu"] == 16
+
+
 def test_every_clock_read_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     module = _script()
     waits: list[int] = []
