@@ -86,8 +86,8 @@ MAX_BLOCK = {"cpu": 128, "cuda": 1024}
 work (its panel's solve, its diagonal block's inverse) grows with its width and runs slower than the
 large products; narrower blocks make smaller, slower products (128 and 256 timed alike at n = 1024). On
 a GPU every block pays fixed costs (the small factorisations' launches and latency) that blocks of 128
-multiplied: on an H200, a 4096-wide inverse in 16 pieces cost 2.45x the whole in all with blocks of 128,
-its largest piece 0.52x, and 1.37x and 0.22x with 1024 (docs/benchmarks.md, "A refresh in pieces")."""
+multiplied: on an H200, a 4096-wide inverse in 16 pieces cost 3.51x the whole in all with blocks of 128,
+its largest piece 0.76x, and 1.41x and 0.22x with 1024 (docs/benchmarks.md, "A refresh in pieces")."""
 
 
 def max_block(device: torch.device) -> int:
