@@ -147,8 +147,9 @@ def off_diagonal(factor: Any, basis: Any) -> float:
     return float((rotated - torch.diag(rotated.diagonal())).norm() / rotated.norm())
 
 
-def pieces_table(n: int, factor: Any, previous: Any, pieces: list[int], repeat: int) -> None:
-    """Each refresh in ``pieces`` pieces against the whole (see the module's docstring); one line each."""
+def pieces_table(n: int, factor: Any, previous: Any, pieces: list[int], repeat: int) -> tuple[float, float]:
+    """Each refresh in ``pieces`` pieces against the whole (see the module's docstring); one line each.
+    Returns the whole Cholesky inverse's median seconds and its residual, which the next line compares with."""
     import torch
 
     from pipefisher.kfac.factors import inverse_findings
@@ -178,23 +179,25 @@ def pieces_table(n: int, factor: Any, previous: Any, pieces: list[int], repeat: 
               f"{big * 1e3:6.2f} ms ({big / whole_inv:4.2f}x the whole Cholesky inverse), off-diagonal mass "
               f"{off_diagonal(factor, done.result()[0]):.2e} (eigh {eigh_off:.2e}, previous basis {prev_off:.2e}), "
               f"each {each_piece(each)} ms")
+    return whole_inv, whole_res
 
 
-def newton_schulz_line(n: int, factor: Any, previous: Any, repeat: int, most: int = 30) -> None:
+def newton_schulz_line(n: int, factor: Any, previous: Any, whole: float, whole_res: float, repeat: int,
+                       most: int = 30) -> None:
     """A candidate for pieces made of matrix products alone (not built: this line is how it is judged):
     Newton-Schulz iterations ``X <- X (2I - M X)`` towards ``M^-1`` (``M`` the damped factor), each
     iteration a piece of two products, started from the previous refresh's inverse (``previous``: the
     same kind of factor from other rows) or from ``I / ||M||`` (always converges, slowly). Printed: one
-    iteration's time against the whole Cholesky inverse, and the iterations each start needs to reach
-    twice the whole inverse's residual (at most ``most``)."""
+    iteration's time against the whole Cholesky inverse (``whole`` seconds, residual ``whole_res``, as
+    :func:`pieces_table` measured them), and the iterations each start needs to reach twice that residual
+    (at most ``most``)."""
     import torch
 
     from pipefisher.kfac.factors import inverse_findings
 
     eye = torch.eye(n, device=factor.device, dtype=factor.dtype)
     damped = factor + 1e-3 * eye
-    invert = lambda: inverse_findings(factor, 1e-3, method="cholesky", dtype=factor.dtype)
-    whole, target = timed(invert, repeat), 2 * residual(damped, invert()[0])
+    target = 2 * whole_res
     step = lambda x: x @ (2 * eye - damped @ x)
     one = timed(lambda: step(eye), repeat)
 
@@ -332,8 +335,8 @@ def main() -> None:
             other = torch.randn(2048, n, device=like.device, dtype=like.dtype)
             before_factor = other.t() @ other / other.shape[0]
             before = torch.linalg.eigh(before_factor)[1]
-            pieces_table(n, factor, before, [int(p) for p in a.pieces.split(",")], a.repeat)
-            newton_schulz_line(n, factor, before_factor, a.repeat)
+            whole, whole_res = pieces_table(n, factor, before, [int(p) for p in a.pieces.split(",")], a.repeat)
+            newton_schulz_line(n, factor, before_factor, whole, whole_res, a.repeat)
     if a.model:
         model_refresh(a.model, a.basis_block, a.repeat)
 

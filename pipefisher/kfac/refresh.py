@@ -170,7 +170,7 @@ class Refresh:
             raise ValueError(f"a {method} refresh is not split into pieces ({', '.join(PIECE_METHODS)} are)")
         self.method, self.dtype, self.pieces, self.done = method, dtype, int(pieces), 0
         self.out_dtype, self.damping, self.kept = f.dtype, damping, kept
-        self.chol_block = MAX_BLOCK["cpu"]  # a cholesky refresh's: its device's (the plan is kept with it)
+        self.chol_block = max_block(f.device)  # a cholesky refresh's plan (kept with it into a checkpoint)
         # under kfac.basis_block every eigenbasis refresh is exact, block by block: a factor one block
         # covers is one eigh (in the first of its pieces), cheap at that width, never the power step
         blocked = method == "eigenbasis" and block > 0 and (pieces > 1 or len(diagonal_blocks(f.shape[0], block)) > 1)
@@ -185,7 +185,6 @@ class Refresh:
             m.diagonal().add_(damping)
             self.t = {"m": m, "l": torch.zeros_like(m), "x": torch.zeros_like(m),
                       "first": torch.zeros((), dtype=torch.int32, device=m.device), "finite": fx.all_finite(f)}
-            self.chol_block = max_block(m.device)
         elif self.mode == "power":
             m = torch.nan_to_num(f.to(self.dtype), nan=0.0, posinf=0.0, neginf=0.0)
             low = m.tril()  # the lower triangle, as eigh reads it, made whole
