@@ -231,7 +231,8 @@ def choose_update(train: Callable[..., tuple[Any, Any]], steps: int, variants: l
     cfg = next(v.cfg for v in variants if v.update == best["update"])
     choice = {"lr": best["lr"], "warmup_steps": best["warmup_steps"], "update": best["update"],
               "refresh_pieces": cfg.kfac.refresh_pieces, "overlap": True, "basis_block": cfg.kfac.basis_block,
-              "rotation_dtype": cfg.kfac.rotation_dtype, "factor_decay_per_step": cfg.kfac.factor_decay_per_step,
+              "rotation_dtype": cfg.kfac.rotation_dtype, "nesterov": cfg.kfac.nesterov,
+              "factor_decay_per_step": cfg.kfac.factor_decay_per_step,
               "cov_micro_batches": cfg.kfac.cov_micro_batches}
     announce(f"{entrant.label}: {UPDATES[best['update']]}, lr {best['lr']:g}, warm-up {best['warmup_steps']} steps "
              "(the best training loss of its sweep over the updates)")
@@ -678,7 +679,8 @@ def soap_settings(a: argparse.Namespace, cfg: Any) -> dict[str, Any]:
     """The soap update's own ``kfac`` settings from the flags, for ``cfg``: a ``kfac.factor_decay`` set (per
     refresh) stands, so the weight per step is left out beside it; a ``kfac.cov_micro_batches`` set stands
     too, and a count of at least the config's micro-batches is all of them."""
-    out: dict[str, Any] = {"basis_block": a.basis_block, "rotation_dtype": a.rotation_dtype}
+    out: dict[str, Any] = {"basis_block": a.basis_block, "rotation_dtype": a.rotation_dtype,
+                           "nesterov": a.nesterov == "on"}
     if cfg.kfac.factor_decay is None:
         out["factor_decay_per_step"] = a.factor_decay_per_step
     if cfg.kfac.cov_micro_batches == "all":
@@ -694,6 +696,8 @@ def scheduled_label(run: Mapping[str, Any]) -> str:
     block = f", factors in diagonal blocks of at most {run['basis_block']}" if run.get("basis_block") else ""
     if run.get("rotation_dtype", "float32") != "float32":
         block += f", rotations in {run['rotation_dtype']}"
+    if run.get("nesterov") is False:
+        block += ", without Nesterov's look-ahead"
     if run.get("factor_decay_per_step") is not None:
         block += f", factors averaged {run['factor_decay_per_step']:g} a step"
     if run.get("cov_micro_batches", "all") != "all":
@@ -723,6 +727,9 @@ def main() -> None:
                          f"cut into diagonal blocks (0: whole factors; default {BASIS_BLOCK})")
     ap.add_argument("--rotation-dtype", default=ROTATION_DTYPE, choices=("float32", "bfloat16"),
                     help=f"kfac.rotation_dtype of the soap update in K-FAC in the bubbles (default {ROTATION_DTYPE})")
+    ap.add_argument("--nesterov", default="on", choices=("on", "off"),
+                    help="kfac.nesterov of the soap update in K-FAC in the bubbles: Adam's first moment looks one "
+                         "step ahead (default on, kfac.nesterov's own default)")
     ap.add_argument("--factor-decay-per-step", type=float, default=FACTOR_DECAY_PER_STEP, metavar="W",
                     help="kfac.factor_decay_per_step of the soap update in K-FAC in the bubbles: the old factor's "
                          f"weight a step (default {FACTOR_DECAY_PER_STEP}, this benchmark's; unused where --set "

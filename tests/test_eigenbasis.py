@@ -114,6 +114,36 @@ def test_with_bases_it_is_adam_in_the_rotated_coordinates():
     assert torch.allclose(after, qb @ rotated.detach() @ qa.t(), atol=1e-5)
 
 
+def test_with_nesterov_the_first_moment_looks_one_step_ahead():
+    """``nesterov``: NAdam with a constant ``b1`` in the rotated coordinates, written out here step by step
+    (``b1 m / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)`` over Adam's denominator); it moves the weights
+    differently from plain Adam from the first step on."""
+    model = _layer(True)
+    plain = copy.deepcopy(model)
+    kfac, kfac_plain = KFAC(model, inverse="eigenbasis", ignore=()), KFAC(plain, inverse="eigenbasis", ignore=())
+    qa = torch.linalg.qr(torch.randn(6, 6))[0]
+    qb = torch.linalg.qr(torch.randn(3, 3))[0]
+    for k in (kfac, kfac_plain):
+        k.refresher.state["0"].installed["A"], k.refresher.state["0"].installed["B"] = qa, qb
+    lr, b1, b2, eps = 1e-2, 0.9, 0.98, 1e-8
+    opt = EigenbasisAdam(kfac, lr=lr, betas=(b1, b2), eps=eps, nesterov=True)
+    opt_plain = EigenbasisAdam(kfac_plain, lr=lr, betas=(b1, b2), eps=eps)
+    w = torch.cat([model[0].weight.detach(), model[0].bias.detach()[:, None]], dim=1)
+    m, v = torch.zeros(3, 6), torch.zeros(3, 6)
+    for t in range(1, 5):
+        _grads(model, t)
+        _grads(plain, t)
+        g = qb.t() @ torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], dim=1) @ qa
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        first = b1 * m / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1 ** t)
+        w = w - lr * qb @ (first / ((v / (1 - b2 ** t)).sqrt() + eps)) @ qa.t()
+        opt.step()
+        opt_plain.step()
+        ours = torch.cat([model[0].weight.detach(), model[0].bias.detach()[:, None]], dim=1)
+        assert torch.allclose(ours, w, atol=1e-6), t
+        assert not torch.allclose(ours, torch.cat([plain[0].weight.detach(), plain[0].bias.detach()[:, None]], dim=1))
+
+
 def test_a_refresh_stores_the_factor_eigenbasis_not_an_inverse():
     model = _layer(True)
     kfac = KFAC(copy.deepcopy(model), inverse="eigenbasis", ignore=())

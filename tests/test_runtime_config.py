@@ -48,6 +48,8 @@ def test_bundled_configs_cover_tests_demo_and_bert_shapes():
     ({"kfac": {"update": "soap", "rotation_dtype": "float16"}},
      "kfac.rotation_dtype must be one of float32, bfloat16, not 'float16'"),
     ({"kfac": {"rotation_dtype": "bfloat16"}}, "kfac.rotation_dtype is the dtype of kfac.update: soap's rotations"),
+    ({"kfac": {"update": "soap", "nesterov": "yes"}}, "kfac.nesterov must be true or false, not 'yes'"),
+    ({"kfac": {"nesterov": False}}, "kfac.nesterov is the look-ahead of kfac.update: soap's first moment"),
     ({"kfac": {"cov_micro_batches": 0}}, "kfac.cov_micro_batches must be an integer >= 1 or all, not 0"),
     ({"kfac": {"cov_micro_batches": "half"}}, "kfac.cov_micro_batches must be an integer >= 1 or all, not 'half'"),
     ({"kfac": {"cov_micro_batches": 5}, "data": {"num_micro_batches": 4}},
@@ -314,6 +316,17 @@ def test_soaps_weight_per_step_is_part_of_its_digest_and_of_no_other():
     assert soap.fingerprint() == soap.replace(kfac={"factor_decay_per_step": 0.95}).fingerprint()
     assert soap.fingerprint() != soap.replace(kfac={"factor_decay_per_step": 0.8}).fingerprint()
     assert apply_overrides(soap, ["kfac.factor_decay_per_step=0.8"]).kfac.factor_decay_per_step == 0.8
+
+
+def test_soaps_look_ahead_is_part_of_its_digest_and_of_no_other():
+    """``kfac.nesterov`` came later with a new default for soap: a soap config names the update it runs
+    (with or without the look-ahead: two digests, neither that of soap before it), while every other
+    update keeps its digest; setting it off outside soap is refused in one line."""
+    base = load_config(TINY)
+    assert base.kfac.nesterov is True and base.fingerprint() == "95b500ae9af202f8"
+    soap = base.replace(kfac={"update": "soap"})
+    assert soap.fingerprint() != soap.replace(kfac={"nesterov": False}).fingerprint()
+    assert apply_overrides(soap, ["kfac.nesterov=false"]).kfac.nesterov is False
 
 
 def test_a_setting_added_later_changes_the_fingerprint_only_away_from_its_default():

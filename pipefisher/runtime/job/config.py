@@ -210,6 +210,9 @@ class KfacConfig:
     block (:func:`pipefisher.kfac.factors.diagonal_blocks`); 0 keeps every factor whole.
     ``rotation_dtype`` (``update: soap`` only): ``float32`` or ``bfloat16``, the dtype of the four products
     of each step's update (:class:`pipefisher.kfac.eigenbasis.EigenbasisAdam`).
+    ``nesterov`` (``update: soap`` only): Adam's first moment in the eigenbasis looks one step ahead, as
+    Nesterov's momentum does (:class:`pipefisher.kfac.eigenbasis.EigenbasisAdam`); on by default, as the
+    race at 1000 steps measured it (docs/benchmarks.md); false: SOAP's plain Adam.
     ``factor_decay_per_step`` (``update: soap`` only, with ``factor_decay`` unset): the old factor's weight
     per training step, in [0, 1); unset: SOAP's 0.95 (:data:`pipefisher.kfac.defaults.EIGENBASIS_STEP_DECAY`).
     """
@@ -234,6 +237,7 @@ class KfacConfig:
     cov_micro_batches: int | str = "all"
     basis_block: int = 0
     rotation_dtype: str = "float32"
+    nesterov: bool = True
     factor_decay_per_step: float | None = None  # None: SOAP's (step_decay_of)
 
 
@@ -253,6 +257,11 @@ def _eigenbasis_problems(k: KfacConfig) -> list[str]:
         problems.append(f"kfac.rotation_dtype must be one of {', '.join(ROTATION_DTYPES)}, not {k.rotation_dtype!r}")
     elif k.rotation_dtype != KfacConfig.rotation_dtype and k.update != "soap":
         problems.append(f"kfac.rotation_dtype is the dtype of kfac.update: soap's rotations; kfac.update: "
+                        f"{k.update} has none: leave it unset")
+    if not isinstance(k.nesterov, bool):
+        problems.append(f"kfac.nesterov must be true or false, not {k.nesterov!r}")
+    elif k.nesterov != KfacConfig.nesterov and k.update != "soap":
+        problems.append(f"kfac.nesterov is the look-ahead of kfac.update: soap's first moment; kfac.update: "
                         f"{k.update} has none: leave it unset")
     per_step = k.factor_decay_per_step
     if per_step is not None and (isinstance(per_step, bool) or not isinstance(per_step, (int, float))
@@ -406,12 +415,15 @@ def recorded_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A config's sections (``RunConfig.to_dict``) under the names records had before :data:`RENAMED_KEYS`,
     without :data:`LATER_KEYS` at their defaults, an unset ``kfac.factor_decay`` outside soap as the 0 it
     stands for, ``kfac.factor_decay_per_step`` only where it applies (soap, ``factor_decay`` unset) and
-    then as the weight it stands for: what the fingerprint hashes, so the digests that
-    checkpoints, schedules and staleness curves recorded still name the same configs."""
+    then as the weight it stands for, ``kfac.nesterov`` only under soap (where it came with a new
+    default, so a soap config of before names another update than today's): what the fingerprint
+    hashes, so the digests that checkpoints, schedules and staleness curves recorded still name the
+    same configs."""
     out = dict(raw)
     kfac = out.get("kfac")
     if isinstance(kfac, Mapping):
-        kfac = {k: v for k, v in kfac.items() if k != "factor_decay_per_step"}
+        kfac = {k: v for k, v in kfac.items() if k != "factor_decay_per_step"
+                and (k != "nesterov" or kfac.get("update") == "soap")}
         if kfac.get("factor_decay") is None and kfac.get("update") != "soap":
             # unset became possible later: without soap it stands for the 0 every record before wrote
             kfac["factor_decay"] = factor_decay_of(None, eigenbasis=False)

@@ -137,11 +137,11 @@ def make_kfac_optimizer(k: KfacConfig, kfac: Curvature, *, lr: float, betas: Seq
     """The optimizer that steps K-FAC's layers under ``kfac.update`` ``momentum`` or ``soap`` (step 5 above),
     for :class:`Updater` and :mod:`pipefisher.runtime.torch_pp`: ``soap`` - Adam in the layers' eigenbases
     (:class:`EigenbasisAdam`) with the first-order optimizer's ``lr``, ``betas``, ``eps`` and
-    ``weight_decay``; ``momentum`` - heavy-ball SGD at ``kfac.lr`` with ``kfac.momentum``."""
+    ``weight_decay``, and ``kfac.nesterov``; ``momentum`` - heavy-ball SGD at ``kfac.lr`` with ``kfac.momentum``."""
     if k.update == "soap":
         return EigenbasisAdam(kfac, lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps,
                               weight_decay=weight_decay, basis_block=k.basis_block,
-                              rotation_dtype=DTYPES[k.rotation_dtype])
+                              rotation_dtype=DTYPES[k.rotation_dtype], nesterov=k.nesterov)
     if k.update == "momentum":
         return torch.optim.SGD(kfac.parameters(), lr=k.lr, momentum=k.momentum)
     raise ValueError(f"kfac.update {k.update} steps K-FAC's layers with the first-order optimizer")
