@@ -96,3 +96,25 @@ def test_the_report_gives_the_curvature_s_age_over_the_cycle_overlapping_or_not(
         low, high = map(int, age.split(".."))
         assert data["overlap"] is overlap
         assert data["nodes"][0]["curvature_age"] == {"min": low, "mean": float(mean), "max": high}
+
+
+def test_the_curvature_s_age_from_a_layout_is_the_age_from_the_labels() -> None:
+    """The report reads the age from a schedule's :data:`KfacLayout` (the K-FAC work alone, not every label
+    of a big job's cycle): on random jobs and the overlapping fixture, packed overlapping or not, it
+    equals the age worked out from the labels."""
+    from conftest import overlapping_node
+    from pipefisher.schedule.problem import curvature_age
+    from pipefisher.sim.random_jobs import random_raw_job
+
+    jobs = [job_from_dicts(random_raw_job(seed)) for seed in range(12)] + [job_from_dicts([overlapping_node()])]
+    overlapped = compared = 0
+    for job in jobs:
+        for policy in (get_policy("tight", overlap=True), get_policy("tight", overlap=False), get_policy("best-fit")):
+            packed = policy.pack(job)
+            overlapped += packed.overlap
+            for node, timeline in zip(packed.nodes, job.nodes):
+                assert node.layout is not None
+                ages = curvature_age(timeline, node.iterations), curvature_age(timeline, node.iterations, node.layout)
+                assert ages[0] == ages[1], (policy.name, ages)
+                compared += ages[0] is not None
+    assert overlapped and compared > 50

@@ -90,7 +90,7 @@ def age_lines(schedule: JobSchedule, job: Job) -> list[str]:
 
     lines = []
     for i, (node, timeline) in enumerate(zip(schedule.nodes, job.nodes)):
-        age = curvature_age(timeline, node.iterations)
+        age = curvature_age(timeline, node.iterations, node.layout)
         k = node.figures.iterations
         if age is None:
             lines.append(f"node{i}: no curvature refresh in its cycle of {k}")
@@ -171,7 +171,7 @@ def report_data(schedule: JobSchedule, job: Job) -> dict[str, Any]:
     for i, (node, timeline, end) in enumerate(zip(schedule.nodes, job.nodes, ends)):
         f = node.figures
         bound = node_bound(schedule, job, i)
-        age = curvature_age(timeline, node.iterations)
+        age = curvature_age(timeline, node.iterations, node.layout)
         entry = {
             "node": i,
             "timeline": timeline.path,

@@ -39,12 +39,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import compress
-from typing import Collection, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Collection, Iterable, Iterator, Sequence
 
 from pipefisher.schedule.format import END
 from pipefisher.schedule.timeline import (
     BACKWARD, FORWARD, Interval, NodeTimeline, Time, TimelineKey, pipe_key, split_evenly,
 )
+
+if TYPE_CHECKING:  # packed imports this module
+    from pipefisher.schedule.packed import KfacLayout
 
 DEFAULT_MARGIN = 0.05
 """Room an item needs beyond its own duration, as a fraction of it (the published tool's 5 %)."""
@@ -228,7 +231,8 @@ def pieces_before_completion(node: NodeTimeline | NodeModel | None,
     return runs_before_completion([(label, 1) for labels in iterations for label in labels], node)
 
 
-def curvature_age(node: NodeTimeline, iterations: Sequence[Sequence[str]]) -> tuple[int, float, int] | None:
+def curvature_age(node: NodeTimeline, iterations: Sequence[Sequence[str]],
+                  layout: KfacLayout | None = None) -> tuple[int, float, int] | None:
     """The curvature's age over one node's cycle, in steps: (least, mean, most) over its steps and factors;
     None where the cycle refreshes nothing.
 
@@ -237,19 +241,28 @@ def curvature_age(node: NodeTimeline, iterations: Sequence[Sequence[str]]) -> tu
     runs in iteration ``f`` counted from that iteration 0 (``f >= k`` where the cycle overlaps the next:
     its last pieces come before the next completion, :func:`pieces_before_completion`; one more where
     the piece comes after the ``-- end --``) is installed at step ``f``'s end at age ``f + 1`` and used
-    until the next one: ages ``f + 1`` to ``f + k``.
+    until the next one: ages ``f + 1`` to ``f + k``. ``layout``: the labels' :data:`KfacLayout`, where the
+    policy gave one: the same figures from the K-FAC work alone (all of it before ``-- end --``), not
+    from every label of a big job's cycle.
     """
     k = len(iterations)
-    before = pieces_before_completion(node, iterations)
+    if layout is not None:
+        before = runs_before_completion([(label, count) for work in layout for _, label, count in work], node)
+        runs = [[(label, count, 0) for _, label, count in work if label in before] for work in layout]
+    else:
+        before = pieces_before_completion(node, iterations)
+        runs = []
+        for labels in iterations:
+            end = labels.index(END) if END in labels else len(labels)
+            runs.append([(labels[j], 1, 1 if j > end else 0) for j in positions(labels, before)])
     seen: dict[str, int] = {}
     last_at: dict[str, int] = {}  # per inverse label: the installing run's iteration (after its end: +1)
-    for i, labels in enumerate(iterations):
-        end = labels.index(END) if END in labels else len(labels)
-        for j in positions(labels, before):
-            label = labels[j]
-            seen[label] = seen.get(label, 0) + 1
-            if seen[label] == before[label] or not before[label]:
-                last_at[label] = i + (1 if j > end else 0)  # the last run before the completion, or the last
+    for i, work in enumerate(runs):
+        for label, count, late in work:
+            done = seen.get(label, 0)
+            seen[label] = done + count
+            if not before[label] or done < before[label] <= done + count:
+                last_at[label] = i + late  # the run with the last piece before the completion, or the last
     ages: list[int] = []
     for label, at in last_at.items():
         f = at + (k if before[label] else 0)
