@@ -39,15 +39,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import compress
-from typing import TYPE_CHECKING, Collection, Iterable, Iterator, Sequence
+from typing import Collection, Iterable, Iterator, Sequence
 
 from pipefisher.schedule.format import END
 from pipefisher.schedule.timeline import (
     BACKWARD, FORWARD, Interval, NodeTimeline, Time, TimelineKey, pipe_key, split_evenly,
 )
-
-if TYPE_CHECKING:  # packed imports this module
-    from pipefisher.schedule.packed import KfacLayout
 
 DEFAULT_MARGIN = 0.05
 """Room an item needs beyond its own duration, as a fraction of it (the published tool's 5 %)."""
@@ -232,7 +229,7 @@ def pieces_before_completion(node: NodeTimeline | NodeModel | None,
 
 
 def curvature_age(node: NodeTimeline, iterations: Sequence[Sequence[str]],
-                  layout: KfacLayout | None = None) -> tuple[int, float, int] | None:
+                  layout: Sequence[Sequence[tuple[int, str, int]]] | None = None) -> tuple[int, float, int] | None:
     """The curvature's age over one node's cycle, in steps: (least, mean, most) over its steps and factors;
     None where the cycle refreshes nothing.
 
@@ -241,9 +238,9 @@ def curvature_age(node: NodeTimeline, iterations: Sequence[Sequence[str]],
     runs in iteration ``f`` counted from that iteration 0 (``f >= k`` where the cycle overlaps the next:
     its last pieces come before the next completion, :func:`pieces_before_completion`; one more where
     the piece comes after the ``-- end --``) is installed at step ``f``'s end at age ``f + 1`` and used
-    until the next one: ages ``f + 1`` to ``f + k``. ``layout``: the labels' :data:`KfacLayout`, where the
-    policy gave one: the same figures from the K-FAC work alone (all of it before ``-- end --``), not
-    from every label of a big job's cycle.
+    until the next one: ages ``f + 1`` to ``f + k``. ``layout``: the labels'
+    :data:`~pipefisher.schedule.packed.KfacLayout`, where the policy gave one: the same figures from the
+    K-FAC work alone (all of it before ``-- end --``), not from every label of a big job's cycle.
     """
     k = len(iterations)
     if layout is not None:
