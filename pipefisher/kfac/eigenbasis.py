@@ -9,22 +9,24 @@ scale at every step, so a basis a few steps old costs little. Here the bases are
 factors (activations ``A`` and output gradients ``B``), computed in the factor's refresh label
 (``inv_kron_X``, in a bubble: :func:`pipefisher.kfac.factors.eigenbasis`), so the packer places them like any inverse.
 
-Per step and layer (``[W | b]`` as one ``(out, in + 1)`` matrix, as K-FAC sees it), with ``R(X) =
-Q_B^T X Q_A`` the rotation into the bases: ``m <- b1 m + (1 - b1) R(G)``, ``v <- b2 v + (1 - b2) R(G)^2``,
-``W <- W (1 - lr wd) - lr Q_B [(m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)] Q_A^T``: four matrix products
-per layer. With ``nesterov`` (``kfac.nesterov``, on by default) the first moment looks one step ahead, as
-Nesterov's momentum does (NAdam with a constant ``b1``, Dozat 2016, "Incorporating Nesterov Momentum into
-Adam"): ``b1 m / (1 - b1^(t+1)) + (1 - b1) R(G) / (1 - b1^t)`` in place of ``m / (1 - b1^t)``. Muon, which the
-race measures against, steps with Nesterov's momentum too; at 1000 steps of the race the look-ahead gained
-0.001-0.015 of held-out loss a seed (docs/benchmarks.md). Both moments live in the rotated coordinates; when a refresh brings a new basis, the first
-moment is carried into it exactly (``Q_new^T Q_old`` on the side that changed, once per refresh), the
-second is kept as it is, as SOAP does (a rotation does not carry squares). The carrying runs where the
-refresh installs the basis, in its inverse label (in a bubble, told through
-:meth:`LayerStates.on_refresh`), not in ``-- end --`` on the step's critical path: the moment changes
-only in ``-- end --``, so either place gives the same moment. Until a layer has both
-bases, the identity stands for them: plain AdamW. Under ``kfac.basis_block`` a wide factor's basis is
-block-diagonal (:func:`pipefisher.kfac.factors.diagonal_blocks`), and every product with it goes block by
-block: ``n b`` work per row instead of ``n^2``.
+Per step and layer (``[W | b]`` as one ``(out, in + 1)`` matrix, as K-FAC sees it), with
+``R(X) = Q_B^T X Q_A`` the rotation into the bases: ``m <- b1 m + (1 - b1) R(G)``,
+``v <- b2 v + (1 - b2) R(G)^2``,
+``W <- W (1 - lr wd) - lr Q_B [(m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)] Q_A^T``: four matrix
+products per layer. With ``nesterov`` (``kfac.nesterov``, on by default) the first moment looks one step
+ahead, as Nesterov's momentum does (NAdam with a constant ``b1``, Dozat 2016, "Incorporating Nesterov
+Momentum into Adam"): ``b1 m / (1 - b1^(t+1)) + (1 - b1) R(G) / (1 - b1^t)`` in place of
+``m / (1 - b1^t)``. Muon, which the race measures against, steps with Nesterov's momentum too; at 1000
+steps of the race the look-ahead gained 0.001-0.015 of held-out loss a seed, and both races were won with
+it (docs/benchmarks.md). Both moments live in the rotated coordinates; when a refresh brings a new basis,
+the first moment is carried into it exactly (``Q_new^T Q_old`` on the side that changed, once per
+refresh), the second is kept as it is, as SOAP does (a rotation does not carry squares). The carrying runs
+where the refresh installs the basis, in its inverse label (in a bubble, told through
+:meth:`LayerStates.on_refresh`), not in ``-- end --`` on the step's critical path: the moment changes only
+in ``-- end --``, so either place gives the same moment. Until a layer has both bases, the identity stands
+for them: plain AdamW. Under ``kfac.basis_block`` a wide factor's basis is block-diagonal
+(:func:`pipefisher.kfac.factors.diagonal_blocks`), and every product with it goes block by block: ``n b``
+work per row instead of ``n^2``.
 """
 from __future__ import annotations
 
