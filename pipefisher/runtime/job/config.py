@@ -415,15 +415,15 @@ def recorded_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A config's sections (``RunConfig.to_dict``) under the names records had before :data:`RENAMED_KEYS`,
     without :data:`LATER_KEYS` at their defaults, an unset ``kfac.factor_decay`` outside soap as the 0 it
     stands for, ``kfac.factor_decay_per_step`` only where it applies (soap, ``factor_decay`` unset) and
-    then as the weight it stands for, ``kfac.nesterov`` only under soap (where it came with a new
-    default, so a soap config of before names another update than today's): what the fingerprint
-    hashes, so the digests that checkpoints, schedules and staleness curves recorded still name the
-    same configs."""
+    then as the weight it stands for, ``kfac.nesterov`` only where it is on under soap (it came later
+    with that default: a soap config recorded before it ran without it, and off it keeps that digest):
+    what the fingerprint hashes, so the digests that checkpoints, schedules and staleness curves
+    recorded still name the same configs."""
     out = dict(raw)
     kfac = out.get("kfac")
     if isinstance(kfac, Mapping):
         kfac = {k: v for k, v in kfac.items() if k != "factor_decay_per_step"
-                and (k != "nesterov" or kfac.get("update") == "soap")}
+                and (k != "nesterov" or (v is True and kfac.get("update") == "soap"))}
         if kfac.get("factor_decay") is None and kfac.get("update") != "soap":
             # unset became possible later: without soap it stands for the 0 every record before wrote
             kfac["factor_decay"] = factor_decay_of(None, eigenbasis=False)
