@@ -103,6 +103,12 @@ steps (seed 0; Muon 5.7919), 0.8 ended at 5.7640 against 5.8142 at 0.95 and 5.92
 bubbles at k = 3 for 1000 steps (seeds 0 / 1) 0.5 a refresh (about 0.8 a step) 5.4255 / 5.4021 against
 5.4327 / 5.4079 at 0 (docs/benchmarks.md, "Factors averaged across refreshes under soap")."""
 
+NESTEROV = "on"
+"""``--nesterov``'s default: the soap update's ``kfac.nesterov`` in K-FAC in the bubbles (the library's
+default is off, SOAP's plain Adam). On ``configs/small.yaml`` (3 seeds, Muon 5.4384 / 5.3977 / 5.3677) at
+1000 steps it ended 5.4159 / 5.3901 / 5.3766 against 5.4304 / 5.4040 / 5.3777 without it, and the races
+with it were won at 300 and 1000 steps (docs/benchmarks.md, "Nesterov's look-ahead in the eigenbasis")."""
+
 COV_MICRO_BATCHES = 2
 """``--cov-micro-batches``' default: the soap update's ``kfac.cov_micro_batches`` in K-FAC in the bubbles
 (the library's default is ``all``), a count of this benchmark's 4 micro-batches a step. Half the
@@ -696,8 +702,8 @@ def scheduled_label(run: Mapping[str, Any]) -> str:
     block = f", factors in diagonal blocks of at most {run['basis_block']}" if run.get("basis_block") else ""
     if run.get("rotation_dtype", "float32") != "float32":
         block += f", rotations in {run['rotation_dtype']}"
-    if run.get("nesterov") is False:
-        block += ", without Nesterov's look-ahead"
+    if run.get("nesterov"):
+        block += ", Nesterov's look-ahead"
     if run.get("factor_decay_per_step") is not None:
         block += f", factors averaged {run['factor_decay_per_step']:g} a step"
     if run.get("cov_micro_batches", "all") != "all":
@@ -727,9 +733,9 @@ def main() -> None:
                          f"cut into diagonal blocks (0: whole factors; default {BASIS_BLOCK})")
     ap.add_argument("--rotation-dtype", default=ROTATION_DTYPE, choices=("float32", "bfloat16"),
                     help=f"kfac.rotation_dtype of the soap update in K-FAC in the bubbles (default {ROTATION_DTYPE})")
-    ap.add_argument("--nesterov", default="on", choices=("on", "off"),
+    ap.add_argument("--nesterov", default=NESTEROV, choices=("on", "off"),
                     help="kfac.nesterov of the soap update in K-FAC in the bubbles: Adam's first moment looks one "
-                         "step ahead (default on, kfac.nesterov's own default)")
+                         f"step ahead (default {NESTEROV}, this benchmark's; the library's is off)")
     ap.add_argument("--factor-decay-per-step", type=float, default=FACTOR_DECAY_PER_STEP, metavar="W",
                     help="kfac.factor_decay_per_step of the soap update in K-FAC in the bubbles: the old factor's "
                          f"weight a step (default {FACTOR_DECAY_PER_STEP}, this benchmark's; unused where --set "

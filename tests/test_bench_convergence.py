@@ -257,10 +257,10 @@ def test_soap_in_the_bubbles_takes_this_benchmarks_weight_per_step_unless_a_weig
     said in the mode's label; a ``kfac.factor_decay`` set with ``--set`` stands alone."""
     import argparse
 
-    from bench_convergence import COV_MICRO_BATCHES, FACTOR_DECAY_PER_STEP, scheduled_label, soap_settings
+    from bench_convergence import COV_MICRO_BATCHES, FACTOR_DECAY_PER_STEP, NESTEROV, scheduled_label, soap_settings
 
     a = argparse.Namespace(basis_block=129, rotation_dtype="float32", factor_decay_per_step=FACTOR_DECAY_PER_STEP,
-                           cov_micro_batches=COV_MICRO_BATCHES, nesterov="on")
+                           cov_micro_batches=COV_MICRO_BATCHES, nesterov=NESTEROV)
     soap = soap_settings(a, bench_config(TINY, []))
     assert soap == {"basis_block": 129, "rotation_dtype": "float32", "factor_decay_per_step": 0.8, "cov_micro_batches": 2,
                     "nesterov": True}
@@ -268,15 +268,16 @@ def test_soap_in_the_bubbles_takes_this_benchmarks_weight_per_step_unless_a_weig
     cfg = bench_config(TINY, []).replace(kfac={"update": "soap", **soap})  # what pack_variant builds
     assert cfg.kfac.factor_decay_per_step == 0.8 and cfg.kfac.cov_micro_batches == 2
     label = scheduled_label({"update": "soap", "refresh_pieces": 2, "overlap": True, **soap})
-    assert ("factors in diagonal blocks of at most 129, factors averaged 0.8 a step, covariance of the first 2 "
+    assert ("factors in diagonal blocks of at most 129, Nesterov's look-ahead, factors averaged 0.8 a step, "
+            "covariance of the first 2 "
             "micro-batches a refresh, refresh in 2 pieces") in label
     every = scheduled_label({"update": "soap", "refresh_pieces": 2, "overlap": True, **soap, "cov_micro_batches": "all"})
-    assert "covariance" not in every and "Nesterov" not in every
+    assert "covariance" not in every and ", Nesterov's look-ahead" in every
+    assert bench_config(TINY, []).replace(kfac={"update": "soap", **soap}).kfac.nesterov is True  # the race's
     plain = soap_settings(argparse.Namespace(**{**vars(a), "nesterov": "off"}), bench_config(TINY, []))
     assert plain["nesterov"] is False
     assert bench_config(TINY, []).replace(kfac={"update": "soap", **plain}).kfac.nesterov is False
-    assert "without Nesterov's look-ahead" in scheduled_label({"update": "soap", "refresh_pieces": 1, "overlap": True,
-                                                               **plain})
+    assert "Nesterov" not in scheduled_label({"update": "soap", "refresh_pieces": 1, "overlap": True, **plain})
     # a count set with --set stands; a count of every micro-batch (or more) is all of them
     one = bench_config(TINY, ["kfac.cov_micro_batches=1"])
     assert "cov_micro_batches" not in soap_settings(a, one)

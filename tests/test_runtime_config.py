@@ -49,7 +49,7 @@ def test_bundled_configs_cover_tests_demo_and_bert_shapes():
      "kfac.rotation_dtype must be one of float32, bfloat16, not 'float16'"),
     ({"kfac": {"rotation_dtype": "bfloat16"}}, "kfac.rotation_dtype is the dtype of kfac.update: soap's rotations"),
     ({"kfac": {"update": "soap", "nesterov": "yes"}}, "kfac.nesterov must be true or false, not 'yes'"),
-    ({"kfac": {"nesterov": False}}, "kfac.nesterov is the look-ahead of kfac.update: soap's first moment"),
+    ({"kfac": {"nesterov": True}}, "kfac.nesterov is the look-ahead of kfac.update: soap's first moment"),
     ({"kfac": {"cov_micro_batches": 0}}, "kfac.cov_micro_batches must be an integer >= 1 or all, not 0"),
     ({"kfac": {"cov_micro_batches": "half"}}, "kfac.cov_micro_batches must be an integer >= 1 or all, not 'half'"),
     ({"kfac": {"cov_micro_batches": 5}, "data": {"num_micro_batches": 4}},
@@ -319,16 +319,15 @@ def test_soaps_weight_per_step_is_part_of_its_digest_and_of_no_other():
 
 
 def test_soaps_look_ahead_is_part_of_its_digest_and_of_no_other():
-    """``kfac.nesterov`` came later with a new default for soap: a soap config names the update it runs.
-    Off, it is the soap recorded before the setting (its digest, so its checkpoints resume with
-    ``--set kfac.nesterov=false``); on (the default), another config; every other update keeps its
-    digest; setting it off outside soap is refused in one line."""
+    """``kfac.nesterov`` came later, off by default (SOAP's plain Adam, the update soap ran before it): off,
+    every config keeps its digest, soap's included; on, a soap config is another config; on outside
+    soap is refused in one line."""
     base = load_config(TINY)
-    assert base.kfac.nesterov is True and base.fingerprint() == "95b500ae9af202f8"
+    assert base.kfac.nesterov is False and base.fingerprint() == "95b500ae9af202f8"
     soap = base.replace(kfac={"update": "soap"})
-    assert soap.replace(kfac={"nesterov": False}).fingerprint() == "d06a5a61f745fc0b"  # soap before the setting
-    assert soap.fingerprint() != "d06a5a61f745fc0b"
-    assert apply_overrides(soap, ["kfac.nesterov=false"]).kfac.nesterov is False
+    assert soap.fingerprint() == "d06a5a61f745fc0b"  # soap's digest before the setting
+    assert soap.replace(kfac={"nesterov": True}).fingerprint() != soap.fingerprint()
+    assert apply_overrides(soap, ["kfac.nesterov=true"]).kfac.nesterov is True
 
 
 def test_a_setting_added_later_changes_the_fingerprint_only_away_from_its_default():

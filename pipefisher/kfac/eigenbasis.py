@@ -13,7 +13,7 @@ Per step and layer (``[W | b]`` as one ``(out, in + 1)`` matrix, as K-FAC sees i
 ``R(X) = Q_B^T X Q_A`` the rotation into the bases: ``m <- b1 m + (1 - b1) R(G)``,
 ``v <- b2 v + (1 - b2) R(G)^2``,
 ``W <- W (1 - lr wd) - lr Q_B [(m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)] Q_A^T``: four matrix
-products per layer. With ``nesterov`` (``kfac.nesterov``, on by default) the first moment looks one step
+products per layer. With ``nesterov`` (``kfac.nesterov``; the race's benchmark sets it) the first moment looks one step
 ahead, as Nesterov's momentum does (NAdam with a constant ``b1``, Dozat 2016, "Incorporating Nesterov
 Momentum into Adam"): ``b1 m / (1 - b1^(t+1)) + (1 - b1) R(G) / (1 - b1^t)`` in place of
 ``m / (1 - b1^t)``. Muon, which the race measures against, steps with Nesterov's momentum too; at 1000
@@ -49,7 +49,7 @@ class EigenbasisAdam(torch.optim.Optimizer):
     step out of them); the moments, Adam's arithmetic and the moment's rotation at a refresh stay in the
     parameters' dtype. ``bfloat16`` runs the products 3.4x faster on a CPU with AVX512-BF16 (and on
     GPUs' tensor cores) at about 3 significant digits per element. ``nesterov``: the first moment's
-    look-ahead above (False: SOAP's plain Adam, which the tests compare with torch's)."""
+    look-ahead above (False, the default: SOAP's plain Adam, which the tests compare with torch's)."""
 
     def __init__(self, kfac: LayerStates, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, basis_block: int = 0,

@@ -211,8 +211,9 @@ class KfacConfig:
     ``rotation_dtype`` (``update: soap`` only): ``float32`` or ``bfloat16``, the dtype of the four products
     of each step's update (:class:`pipefisher.kfac.eigenbasis.EigenbasisAdam`).
     ``nesterov`` (``update: soap`` only): Adam's first moment in the eigenbasis looks one step ahead, as
-    Nesterov's momentum does (:class:`pipefisher.kfac.eigenbasis.EigenbasisAdam`); on by default, as the
-    race at 1000 steps measured it (docs/benchmarks.md); false: SOAP's plain Adam.
+    Nesterov's momentum does (:class:`pipefisher.kfac.eigenbasis.EigenbasisAdam`); off by default (SOAP's
+    plain Adam, as published: one benchmark's win does not decide another job's update); the race's
+    benchmark turns it on (docs/benchmarks.md).
     ``factor_decay_per_step`` (``update: soap`` only, with ``factor_decay`` unset): the old factor's weight
     per training step, in [0, 1); unset: SOAP's 0.95 (:data:`pipefisher.kfac.defaults.EIGENBASIS_STEP_DECAY`).
     """
@@ -237,7 +238,7 @@ class KfacConfig:
     cov_micro_batches: int | str = "all"
     basis_block: int = 0
     rotation_dtype: str = "float32"
-    nesterov: bool = True
+    nesterov: bool = False
     factor_decay_per_step: float | None = None  # None: SOAP's (step_decay_of)
 
 
@@ -406,7 +407,8 @@ def renamed_sections(raw: Mapping[str, Any], where: str | os.PathLike[str] | Non
     return out
 
 
-LATER_KEYS = {"kfac.cov_micro_batches": "all", "kfac.basis_block": 0, "kfac.rotation_dtype": "float32"}
+LATER_KEYS = {"kfac.cov_micro_batches": "all", "kfac.basis_block": 0, "kfac.rotation_dtype": "float32",
+              "kfac.nesterov": False}
 """Settings added after fingerprints were first recorded, with their defaults: at its default such a
 setting is left out of the fingerprint, so a config that does not use it keeps the digest it had."""
 
@@ -415,15 +417,12 @@ def recorded_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A config's sections (``RunConfig.to_dict``) under the names records had before :data:`RENAMED_KEYS`,
     without :data:`LATER_KEYS` at their defaults, an unset ``kfac.factor_decay`` outside soap as the 0 it
     stands for, ``kfac.factor_decay_per_step`` only where it applies (soap, ``factor_decay`` unset) and
-    then as the weight it stands for, ``kfac.nesterov`` only where it is on under soap (it came later
-    with that default: a soap config recorded before it ran without it, and off it keeps that digest):
-    what the fingerprint hashes, so the digests that checkpoints, schedules and staleness curves
-    recorded still name the same configs."""
+    then as the weight it stands for: what the fingerprint hashes, so the digests that
+    checkpoints, schedules and staleness curves recorded still name the same configs."""
     out = dict(raw)
     kfac = out.get("kfac")
     if isinstance(kfac, Mapping):
-        kfac = {k: v for k, v in kfac.items() if k != "factor_decay_per_step"
-                and (k != "nesterov" or (v is True and kfac.get("update") == "soap"))}
+        kfac = {k: v for k, v in kfac.items() if k != "factor_decay_per_step"}
         if kfac.get("factor_decay") is None and kfac.get("update") != "soap":
             # unset became possible later: without soap it stands for the 0 every record before wrote
             kfac["factor_decay"] = factor_decay_of(None, eigenbasis=False)
