@@ -351,6 +351,24 @@ def test_the_profile_losses_leave_the_timelines_folder(tmp_path):
     assert sorted(os.listdir(paths.profile_steps_dir)) == ["tiny_node0_steps.pickle", "tiny_node1_steps.pickle"]
 
 
+def test_a_profile_a_busy_machine_slowed_says_so_per_node(tmp_path):
+    """Slowed steps (another process on the machine) that would have moved a node's median step by more
+    than STEADY are named in one line per node, with its fastest and slowest step; a node with a slow step
+    or two (the usual jitter, the median as good as unmoved) says nothing."""
+    from pipefisher.runtime.launch.driver import RunPaths, unsteady_profile_lines
+    from pipefisher.safe_io import dump_pickle_atomic
+
+    paths = RunPaths(str(tmp_path), "r")
+    os.makedirs(paths.profile_steps_dir)
+    ms = 1_000_000
+    for node, took in enumerate(([300, 230, 226, 228, 231], [300, 320, 330, 216, 226], [300, 230, 226, 290, 228])):
+        steps = [(1000 * ms * j, 1000 * ms * j + t * ms // 10) for j, t in enumerate(took)]
+        dump_pickle_atomic(os.path.join(paths.profile_steps_dir, f"tiny_node{node}_steps.pickle"), {"start_end": steps})
+    assert unsteady_profile_lines(paths, "tiny", 4) == [
+        "profile: node 1: 2 of its 4 steps ran more than 10 % slower than its fastest (21.6 ms; up to 33.0 ms: "
+        "another process on the machine?) and are left out of its timeline, the median of the other 2"]
+
+
 @pytest.mark.parametrize("pipeline", ["zb-h1", "zb-v", "dualpipev"])
 def test_run_a_zero_bubble_pipeline_end_to_end(tmp_path, pipeline):
     """Profile (W passes under their own keys), pack, validate and train with the schedule: the loss falls."""

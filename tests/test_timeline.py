@@ -277,8 +277,8 @@ def _four_steps() -> dict:
     """Four steps of one node, each given relative to its own start: step 0 is a slow warm-up."""
     rel = [  # start_end end, forwards, backwards, update, precondition
         (500, [(0, 200), (200, 300)], [(300, 400), (400, 450)], (450, 500), (460, 490)),
-        (90, [(0, 10), (10, 30)], [(30, 50), (50, 80)], (80, 90), (82, 88)),
-        (110, [(0, 14), (14, 28)], [(28, 60), (60, 100)], (100, 110), (101, 109)),
+        (95, [(0, 10), (10, 30)], [(30, 50), (50, 80)], (80, 95), (82, 88)),
+        (99, [(0, 14), (14, 28)], [(28, 60), (60, 90)], (90, 99), (91, 98)),
         (100, [(0, 12), (12, 34)], [(34, 55), (55, 75)], (75, 100), (90, 95)),
     ]
     starts = [7, 1003, 2011, 3005]
@@ -298,15 +298,50 @@ def test_median_step_takes_per_interval_medians_relative_to_each_step_start() ->
     raw = _four_steps()
     med = median_step(raw)
     base = 3005  # the last step's start
-    want = {"start_end": [(0, 100)], "call_forward": [(0, 12), (12, 30)], "call_backward": [(30, 55), (55, 80)],
-            "update": [(80, 100)], "precondition": [(90, 95)]}
+    want = {"start_end": [(0, 99)], "call_forward": [(0, 12), (12, 30)], "call_backward": [(30, 55), (55, 80)],
+            "update": [(80, 99)], "precondition": [(90, 95)]}
     assert med == {k: [(base + a, base + b) for a, b in v] for k, v in want.items()}
     assert list(med) == list(raw)  # key order kept (the compat policy reads it)
     assert all(isinstance(t, int) for v in med.values() for pair in v for t in pair)
-    # with the warm-up step in, 4 steps: mean of the middle two, floored (integers stay integers)
-    assert median_step(raw, skip=0)["start_end"] == [(base, base + (100 + 110) // 2)]
+    # with the warm-up step offered too, it is left out all the same: 5x slower than the others
+    assert median_step(raw, skip=0) == med
     job = job_from_dicts([med])
     assert job.steps == 1 and job.span == 80 and job.nodes[0].forwards()[1] == Interval(12, 30)
+
+
+def _steps_taking(durations: list[int]) -> dict:
+    """One node's profile whose step j takes ``durations[j]``: a forward over its first 40 %, the update
+    over its last 10 % (as another process slowing the node stretches every interval alike)."""
+    raw: dict = {"start_end": [], "call_forward": [], "update": []}
+    for j, d in enumerate(durations):
+        s0 = 1000 * j
+        raw["start_end"].append((s0, s0 + d))
+        raw["call_forward"].append((s0, s0 + 4 * d // 10))
+        raw["update"].append((s0 + 9 * d // 10, s0 + d))
+    return raw
+
+
+def test_median_step_leaves_out_steps_another_process_slowed() -> None:
+    """A run of slow steps (6 of 9 about 45 % slower, as measured on a shared CPU) moves a plain median;
+    the median of the steady steps (within STEADY of the fastest) is the node's own cost."""
+    from pipefisher.schedule.timeline import STEADY, median_step, steady_steps
+
+    took = [300, 320, 330, 325, 318, 310, 315, 220, 216, 226]  # warm-up, six slowed, three quiet
+    raw = _steps_taking(took)
+    used, steady = steady_steps(raw)
+    assert used == list(range(1, 10)) and steady == [7, 8, 9]
+    assert all(took[j] <= 216 * (1 + STEADY) for j in steady)
+    med = median_step(raw)
+    assert med["start_end"] == [(9000, 9000 + 220)]  # placed at the last step's start
+    assert med["call_forward"] == [(9000, 9000 + 88)] and med["update"] == [(9000 + 198, 9000 + 220)]
+    # never fewer than the two fastest: their mean, floored (integers stay integers)
+    raw = _steps_taking([500, 100, 131, 160])
+    assert steady_steps(raw) == ([1, 2, 3], [1, 2])
+    assert median_step(raw)["start_end"] == [(3000, 3000 + (100 + 131) // 2)]
+    # every step steady: the plain median of the used ones; too few steps: the last step alone
+    assert steady_steps(_steps_taking([500, 100, 104, 107])) == ([1, 2, 3], [1, 2, 3])
+    assert steady_steps(_steps_taking([500, 100])) == ([], [])
+    assert median_step(_steps_taking([500, 100]))["start_end"] == [(1000, 1100)]
 
 
 def test_median_step_keeps_order_and_nesting() -> None:
@@ -352,10 +387,10 @@ def test_median_step_falls_back_to_the_last_step_with_few_steps() -> None:
     assert median_step(one) == one and median_step(one, skip=0) == one
     # skip=0 with two steps: the mean of both, floored for integers, exact for floats
     med = median_step(two, skip=0)
-    assert med["start_end"] == [(3005, 3005 + 105)] and med["call_forward"][1] == (3005 + 13, 3005 + 31)
+    assert med["start_end"] == [(3005, 3005 + 99)] and med["call_forward"][1] == (3005 + 13, 3005 + 31)
     floats = {k: [(a / 1e3, b / 1e3) for a, b in v] for k, v in two.items()}
     fmed = median_step(floats, skip=0)
-    assert fmed["start_end"] == [pytest.approx((3.005, 3.005 + 0.105))]
+    assert fmed["start_end"] == [pytest.approx((3.005, 3.005 + 0.0995))]
     assert all(isinstance(t, float) for v in fmed.values() for pair in v for t in pair)
     with pytest.raises(ValueError):
         median_step(raw, skip=-1)

@@ -362,6 +362,36 @@ def _median(values: list[Any], integral: bool) -> Any:
     return (xs[mid - 1] + xs[mid]) // 2 if integral else (xs[mid - 1] + xs[mid]) / 2
 
 
+STEADY = 0.10
+"""A profiled step is steady when it took at most this fraction longer than the node's fastest (after the
+warm-up). On a shared CPU another process can slow a node for several steps in a row (measured: 6 of 9
+steps ~45 % slower), enough to move the median and the packed cycle; the quiet steps are the job's own
+cost, and in them the run's steps have the same jitter (a few %) that this margin admits."""
+
+
+def steady_steps(raw: Mapping[str, Sequence[tuple[Any, Any]]], skip: int = 1) -> tuple[list[int], list[int]]:
+    """(the steps :func:`median_step` may use, the steady ones it does use), as indices into ``start_end``.
+
+    Used: every step after the first ``skip`` when at least two remain, else none (then the median step
+    is the last step alone). Steady: the used steps that took at most :data:`STEADY` longer than the
+    fastest one, and never fewer than the two fastest (a median of one step is that step's jitter).
+    A step whose bounds are not numbers makes every used step count as steady (no durations to rank).
+    """
+    if skip < 0:
+        raise ValueError(f"skip must be 0 or more, not {skip}")
+    steps = list(raw.get(STEP_KEY) or [])
+    if len(steps) < skip + 2:
+        return [], []
+    used = list(range(skip, len(steps)))
+    if not all(isinstance(steps[j], (list, tuple)) and len(steps[j]) == 2
+               and all(b is not None and _is_number(b) for b in steps[j]) for j in used):
+        return used, used
+    took = {j: _plain_number(steps[j][1]) - _plain_number(steps[j][0]) for j in used}
+    by_speed = sorted(used, key=lambda j: (took[j], j))
+    limit = took[by_speed[0]] * (1 + STEADY)
+    return used, sorted(j for i, j in enumerate(by_speed) if i < 2 or took[j] <= limit)
+
+
 def median_step(raw: Mapping[str, Sequence[tuple[Any, Any]]], skip: int = 1) -> dict[str, list[tuple[Any, Any]]]:
     """One representative step of a multi-step profile, in the same format (``start_end`` holds one step).
 
@@ -369,11 +399,11 @@ def median_step(raw: Mapping[str, Sequence[tuple[Any, Any]]], skip: int = 1) -> 
     CPU one step's bubbles jitter by +-25 %, so the cycle a profile packs to varied from run to run. The
     median step is steadier.
 
-    Rule: with n steps in ``start_end``, the steps used are those after the first ``skip`` (the warm-up)
-    when at least two remain (n >= skip + 2); otherwise the result is the last step alone, exactly what
-    the loader would keep. For every key whose interval count is a multiple of n (the same count per
-    step) and whose bounds are all numbers, interval i of the result starts at the median over the used
-    steps of interval i's start, taken relative to that step's own ``start_end`` start, and ends at the
+    Rule: with n steps in ``start_end``, the steps used are the steady ones (:func:`steady_steps`) of those
+    after the first ``skip`` (the warm-up) when at least two remain (n >= skip + 2); otherwise the result
+    is the last step alone, exactly what the loader would keep. For every key whose interval count is a
+    multiple of n (the same count per step) and whose bounds are all numbers, interval i of the result
+    starts at the median over the used steps of interval i's start, taken relative to that step's own ``start_end`` start, and ends at the
     median of its end, likewise; both are then placed relative to the last step's ``start_end`` start,
     so absolute times stay plausible (and comparable across nodes, whose profiled steps start together
     after a barrier). Other keys (another count, a ``None`` bound) keep the last step's slice the loader
@@ -384,20 +414,19 @@ def median_step(raw: Mapping[str, Sequence[tuple[Any, Any]]], skip: int = 1) -> 
     their mean and its floor are all monotone), so every interval still ends after it starts, work
     nested in another (``precondition`` in ``update``) stays inside it, and micro-batches stay in order.
     """
-    if skip < 0:
-        raise ValueError(f"skip must be 0 or more, not {skip}")
     plain = {k: list(v) for k, v in raw.items()}
     last, _ = _last_step(plain)
     fallback = {k: [tuple(p) for p in v] for k, v in last.items()}  # type: ignore[misc]
     steps = plain.get(STEP_KEY) or []
     n = len(steps)
-    if n < skip + 2:
+    _, used = steady_steps(plain, skip)
+    if not used:
         return fallback
-    used = range(skip, n)  # includes the last step, whose start is the base
     starts = [steps[j][0] if isinstance(steps[j], (list, tuple)) and len(steps[j]) == 2 else None for j in used]
     if any(s is None or not _is_number(s) for s in starts):
         return fallback
     step_start = [_plain_number(s) for s in starts]
+    last_start = _plain_number(steps[-1][0])  # in ``used`` or ranked with them: a number
 
     def regular(v: list[Any]) -> bool:
         return len(v) % n == 0 and all(
@@ -405,10 +434,10 @@ def median_step(raw: Mapping[str, Sequence[tuple[Any, Any]]], skip: int = 1) -> 
             for p in v)
 
     keys = [k for k, v in plain.items() if regular(v)]
-    integral = all(isinstance(s, int) for s in step_start) and all(
+    integral = all(isinstance(s, int) for s in (*step_start, last_start)) and all(
         isinstance(_plain_number(b), int) for k in keys for p in plain[k] for b in p)
     as_time = (lambda t: t) if integral else float
-    base = as_time(step_start[-1])
+    base = as_time(last_start)  # the last step's, steady or not
     out: dict[str, list[tuple[Any, Any]]] = {}
     for key, values in plain.items():
         if key not in keys:

@@ -229,6 +229,8 @@ def run_job(cfg: RunConfig, out: str, *, steps: int, profile_steps: int = 10, po
             phase[:] = ["profiling", profile_steps]
             profile_into(launch, cfg, paths, profile_steps)
         timelines = [os.path.join(paths.timelines, timeline_filename(cfg.name, i)) for i in range(stages)]
+        for line in unsteady_profile_lines(paths, cfg.name, stages):
+            echo(line)
         profile_s = time.perf_counter() - t0
 
         # 2. pack, report, check
@@ -277,6 +279,32 @@ def profile_into(launch: Callable[[Any], Any], cfg: RunConfig, paths: RunPaths, 
     launch(TrainOptions.of(mode="kfac", steps=profile_steps, profile=True, out=paths.timelines, progress=False,
                            log_every=10**9))
     keep_only_timelines(paths, cfg.name)
+
+
+def unsteady_profile_lines(paths: RunPaths, name: str, stages: int) -> list[str]:
+    """A line per node whose profile left out enough slowed steps (:func:`steady_steps`) to move its median
+    step by more than :data:`STEADY`, so that a user who sees a longer cycle than usual, or another one
+    next time, knows the machine was busy while it was measured (a step or two is the usual jitter)."""
+    from pipefisher.safe_io import load_pickle
+    from pipefisher.schedule.timeline import STEADY, steady_steps
+    from pipefisher.runtime.train.profiler import steps_filename
+
+    lines = []
+    for node in range(stages):
+        path = os.path.join(paths.profile_steps_dir, steps_filename(name, node))
+        if not os.path.exists(path):
+            continue
+        raw = load_pickle(path)
+        used, steady = steady_steps(raw)
+        took = {j: raw["start_end"][j][1] - raw["start_end"][j][0] for j in used}
+        if not steady or statistics.median(took.values()) <= (1 + STEADY) * statistics.median(took[j] for j in steady):
+            continue
+        took = list(took.values())
+        lines.append(f"profile: node {node}: {len(used) - len(steady)} of its {len(used)} steps ran more than "
+                     f"{100 * STEADY:.0f} % slower than its fastest ({min(took) / 1e6:.1f} ms; up to "
+                     f"{max(took) / 1e6:.1f} ms: another process on the machine?) and are left out of its "
+                     f"timeline, the median of the other {len(steady)}")
+    return lines
 
 
 def pieces_said(p: int) -> str:
