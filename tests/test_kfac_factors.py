@@ -171,3 +171,33 @@ def test_a_blocked_factor_is_the_whole_one_on_its_diagonal_blocks_and_zero_off_t
     assert _close(blocked, _blocks_only(whole, 4).double())
     gb = torch.randn(2, 9, 10, generator=g)
     assert _close(fx.cov_b(gb, 3.0, block=4), _blocks_only(fx.cov_b(gb, 3.0), 4).double())
+
+
+@pytest.mark.parametrize("shape", [(512, 129), (128, 513), (96, 96), (20, 7), (3, 33)])
+def test_the_drift_sample_is_the_whole_preconditioned_gradients_rows_or_columns_at_a_fraction_of_the_cost(shape):
+    """The drift is measured on every stride-th row (or column, where the gradient is wider than tall) of
+    B^-1 G A^-1, computed from the rows of B^-1 (columns of A^-1) it keeps; a side no longer than the
+    sample is whole, to the bit. Its squares scaled by whole over sample estimate the whole's."""
+    g = torch.Generator().manual_seed(0)
+    out, inp = shape
+    grad = torch.randn(out, inp, generator=g, dtype=torch.float64)
+
+    def inverse(n: int) -> torch.Tensor:
+        x = torch.randn(2 * n, n, generator=g, dtype=torch.float64)
+        return torch.linalg.inv(x.t() @ x / (2 * n) + 0.1 * torch.eye(n, dtype=torch.float64))
+
+    a_old, b_old, a_new, b_new = inverse(inp), inverse(out), inverse(inp), inverse(out)
+    whole_new, whole_old = fx.precondition(grad, a_new, b_new), fx.precondition(grad, a_old, b_old)
+    axis, stride = fx.drift_stride(shape)
+    assert axis == (0 if out >= inp else 1)
+    assert stride == max(1, math.ceil(shape[axis] / fx.DRIFT_SAMPLE))
+    new = fx.sampled_precondition(grad, a_new, b_new)
+    assert new.shape[axis] == len(range(0, shape[axis], stride)) <= fx.DRIFT_SAMPLE
+    assert torch.allclose(new, fx.sampled(whole_new, axis, stride), rtol=1e-10, atol=1e-12)
+    if stride == 1:
+        assert torch.equal(new, whole_new)
+    old = fx.sampled(whole_old, axis, stride)
+    change, _, norm = fx.drift_terms(new, old, scale=shape[axis] / new.shape[axis])
+    whole_change, _, whole_norm = fx.drift_terms(whole_new, whole_old)
+    assert float(change / norm) == pytest.approx(float(whole_change / whole_norm), rel=0.25)
+    assert float(norm) == pytest.approx(float(whole_norm), rel=0.25)

@@ -88,8 +88,9 @@ class DriftMeter:
         refresh replaced (a factor kept for fp16 overflow or ``on_bad_factor: skip`` counts as
         unchanged): it is the preconditioned gradient of that step itself when that step used exactly
         those inverses, else it is computed; ``P_older`` uses those of the refresh before (None until
-        there are some). So a refresh costs one to three preconditionings of the layer's gradient, in
-        its inverse's label. Nothing is measured at a layer's first refresh (no old inverse) or before
+        there are some). So a refresh costs one to three preconditionings of a sample of the layer's
+        gradient's rows or columns (:data:`pipefisher.kfac.factors.DRIFT_SAMPLE`, squares scaled up to the
+        whole), in its inverse's label. Nothing is measured at a layer's first refresh (no old inverse) or before
         its first preconditioning.
         """
         assert self.refresher is not None
@@ -100,14 +101,15 @@ class DriftMeter:
         if old_a is None or old_b is None or new_a is None or new_b is None:
             return
         g = st.last_grad
-        new = fx.precondition(g, new_a, new_b)
+        axis, stride = fx.drift_stride((g.shape[0], g.shape[1]))  # a sample of the entries (fx.DRIFT_SAMPLE)
+        new = fx.sampled_precondition(g, new_a, new_b)
         done_a, done_b = self.refresher.inversions(name)
         before = (done_a - ("A" in st.replaced), done_b - ("B" in st.replaced))
-        old = st.last_pre if st.pre_versions == before and st.last_pre is not None \
-            else fx.precondition(g, old_a, old_b)
+        old = fx.sampled(st.last_pre, axis, stride) if st.pre_versions == before and st.last_pre is not None \
+            else fx.sampled_precondition(g, old_a, old_b)
         older_a, older_b = st.previous["A"], st.previous["B"]
-        older = None if older_a is None or older_b is None else fx.precondition(g, older_a, older_b)
-        change, change2, norm = fx.drift_terms(new, old, older)
+        older = None if older_a is None or older_b is None else fx.sampled_precondition(g, older_a, older_b)
+        change, change2, norm = fx.drift_terms(new, old, older, scale=g.shape[axis] / new.shape[axis])
         honest = [self.refresher.honest(name, f) for f in st.replaced]
         if all(h is not None for h in honest):  # every inverse it made may have been passed over: then the
             moved = torch.stack(honest).any()  # refresh changed nothing, and is no sample (NaN figures)
