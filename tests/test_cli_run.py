@@ -367,6 +367,10 @@ def test_a_profile_a_busy_machine_slowed_says_so_per_node(tmp_path):
     assert unsteady_profile_lines(paths, "tiny", 4) == [
         "profile: node 1: 2 of its 4 steps ran more than 10 % slower than its fastest (21.6 ms; up to 33.0 ms: "
         "another process on the machine?) and are left out of its timeline, the median of the other 2"]
+    # a step with no end recorded: no durations to rank, every step used, nothing said
+    dump_pickle_atomic(os.path.join(paths.profile_steps_dir, "tiny_node0_steps.pickle"),
+                       {"start_end": [(0, 3 * ms), (1000 * ms, None), (2000 * ms, 2300 * ms)]})
+    assert unsteady_profile_lines(paths, "tiny", 1) == []
 
 
 @pytest.mark.parametrize("pipeline", ["zb-h1", "zb-v", "dualpipev"])

@@ -399,16 +399,17 @@ def median_step(raw: Mapping[str, Sequence[tuple[Any, Any]]], skip: int = 1) -> 
     CPU one step's bubbles jitter by +-25 %, so the cycle a profile packs to varied from run to run. The
     median step is steadier.
 
-    Rule: with n steps in ``start_end``, the steps used are the steady ones (:func:`steady_steps`) of those
-    after the first ``skip`` (the warm-up) when at least two remain (n >= skip + 2); otherwise the result
-    is the last step alone, exactly what the loader would keep. For every key whose interval count is a
-    multiple of n (the same count per step) and whose bounds are all numbers, interval i of the result
-    starts at the median over the used steps of interval i's start, taken relative to that step's own ``start_end`` start, and ends at the
-    median of its end, likewise; both are then placed relative to the last step's ``start_end`` start,
-    so absolute times stay plausible (and comparable across nodes, whose profiled steps start together
-    after a barrier). Other keys (another count, a ``None`` bound) keep the last step's slice the loader
-    would keep. The median of an even count is the mean of the middle two, floored when every time is an
-    integer (integers stay integers; otherwise times become floats).
+    Rule: with n steps in ``start_end``, the steps used are the steady ones (:func:`steady_steps`) of
+    those after the first ``skip`` (the warm-up) when at least two remain (n >= skip + 2); otherwise the
+    result is the last step alone, exactly what the loader would keep. For every key whose interval count
+    is a multiple of n (the same count per step) and whose bounds are all numbers, interval i of the
+    result starts at the median over the used steps of interval i's start, taken relative to that step's
+    own ``start_end`` start, and ends at the median of its end, likewise; both are then placed relative to
+    the last step's ``start_end`` start, so absolute times stay plausible (and comparable across nodes,
+    whose profiled steps start together after a barrier). Other keys (another count, a ``None`` bound)
+    keep the last step's slice the loader would keep. The median of an even count is the mean of the
+    middle two, floored when every time is an integer (integers stay integers; otherwise times become
+    floats).
 
     Order is kept: if ``x_j <= y_j`` in every step j then ``median(x) <= median(y)`` (order statistics,
     their mean and its floor are all monotone), so every interval still ends after it starts, work

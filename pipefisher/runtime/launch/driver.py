@@ -296,9 +296,11 @@ def unsteady_profile_lines(paths: RunPaths, name: str, stages: int) -> list[str]
             continue
         raw = load_pickle(path)
         used, steady = steady_steps(raw)
-        took = {j: raw["start_end"][j][1] - raw["start_end"][j][0] for j in used}
-        if not steady or statistics.median(took.values()) <= (1 + STEADY) * statistics.median(took[j] for j in steady):
+        if len(steady) == len(used):  # none left out (or no durations to rank)
             continue
+        took = {j: raw["start_end"][j][1] - raw["start_end"][j][0] for j in used}
+        if statistics.median(took.values()) <= (1 + STEADY) * statistics.median(took[j] for j in steady):
+            continue  # a slow step or two: the median as good as unmoved
         took = list(took.values())
         lines.append(f"profile: node {node}: {len(used) - len(steady)} of its {len(used)} steps ran more than "
                      f"{100 * STEADY:.0f} % slower than its fastest ({min(took) / 1e6:.1f} ms; up to "
