@@ -324,7 +324,7 @@ def _steps_taking(durations: list[int]) -> dict:
 def test_median_step_leaves_out_steps_another_process_slowed() -> None:
     """A run of slow steps (6 of 9 about 45 % slower, as measured on a shared CPU) moves a plain median;
     the median of the steady steps (within STEADY of the fastest) is the node's own cost."""
-    from pipefisher.schedule.timeline import STEADY, median_step, steady_steps
+    from pipefisher.schedule.timeline import STEADY, median_step, slowed_profile, steady_steps
 
     took = [300, 320, 330, 325, 318, 310, 315, 220, 216, 226]  # warm-up, six slowed, three quiet
     raw = _steps_taking(took)
@@ -334,6 +334,9 @@ def test_median_step_leaves_out_steps_another_process_slowed() -> None:
     med = median_step(raw)
     assert med["start_end"] == [(9000, 9000 + 220)]  # placed at the last step's start
     assert med["call_forward"] == [(9000, 9000 + 88)] and med["update"] == [(9000 + 198, 9000 + 220)]
+    # what a run says of it: 6 of 9 left out, fastest and slowest; one slow step is jitter, nothing said
+    assert slowed_profile(raw) == (6, 9, 216, 330)
+    assert slowed_profile(_steps_taking([300, 220, 216, 226, 290, 221])) is None
     # never fewer than the two fastest: their mean, floored (integers stay integers)
     raw = _steps_taking([500, 100, 131, 160])
     assert steady_steps(raw) == ([1, 2, 3], [1, 2])

@@ -101,15 +101,14 @@ class DriftMeter:
         if old_a is None or old_b is None or new_a is None or new_b is None:
             return
         g = st.last_grad
-        axis, stride = fx.drift_stride((g.shape[0], g.shape[1]))  # a sample of the entries (fx.DRIFT_SAMPLE)
-        new = fx.sampled_precondition(g, new_a, new_b)
+        new = fx.sampled_precondition(g, new_a, new_b)  # a sample of the entries (fx.DRIFT_SAMPLE)
         done_a, done_b = self.refresher.inversions(name)
         before = (done_a - ("A" in st.replaced), done_b - ("B" in st.replaced))
-        old = fx.sampled(st.last_pre, axis, stride) if st.pre_versions == before and st.last_pre is not None \
+        old = fx.sampled(st.last_pre) if st.pre_versions == before and st.last_pre is not None \
             else fx.sampled_precondition(g, old_a, old_b)
         older_a, older_b = st.previous["A"], st.previous["B"]
         older = None if older_a is None or older_b is None else fx.sampled_precondition(g, older_a, older_b)
-        change, change2, norm = fx.drift_terms(new, old, older, scale=g.shape[axis] / new.shape[axis])
+        change, change2, norm = fx.drift_terms(new, old, older, scale=fx.drift_scale((g.shape[0], g.shape[1])))
         honest = [self.refresher.honest(name, f) for f in st.replaced]
         if all(h is not None for h in honest):  # every inverse it made may have been passed over: then the
             moved = torch.stack(honest).any()  # refresh changed nothing, and is no sample (NaN figures)

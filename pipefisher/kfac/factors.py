@@ -309,9 +309,16 @@ def drift_stride(shape: tuple[int, int]) -> tuple[int, int]:
     return axis, max(1, -(-shape[axis] // DRIFT_SAMPLE))
 
 
-def sampled(pre: torch.Tensor, axis: int, stride: int) -> torch.Tensor:
+def sampled(pre: torch.Tensor) -> torch.Tensor:
     """The :func:`drift_stride` sample of a whole preconditioned gradient."""
+    axis, stride = drift_stride((pre.shape[0], pre.shape[1]))
     return pre[::stride] if axis == 0 else pre[:, ::stride]
+
+
+def drift_scale(shape: tuple[int, int]) -> float:
+    """The whole's size over its :func:`drift_stride` sample's: what the sample's squares are scaled by."""
+    axis, stride = drift_stride(shape)
+    return shape[axis] / len(range(0, shape[axis], stride))
 
 
 def sampled_precondition(grad: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor) -> torch.Tensor:

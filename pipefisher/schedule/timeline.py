@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 from functools import lru_cache
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
@@ -377,19 +378,40 @@ def steady_steps(raw: Mapping[str, Sequence[tuple[Any, Any]]], skip: int = 1) ->
     fastest one, and never fewer than the two fastest (a median of one step is that step's jitter).
     A step whose bounds are not numbers makes every used step count as steady (no durations to rank).
     """
+    used, took = _step_times(raw, skip)
+    if took is None:
+        return used, used
+    by_speed = sorted(used, key=lambda j: (took[j], j))
+    limit = took[by_speed[0]] * (1 + STEADY)
+    return used, sorted(j for i, j in enumerate(by_speed) if i < 2 or took[j] <= limit)
+
+
+def slowed_profile(raw: Mapping[str, Sequence[tuple[Any, Any]]], skip: int = 1) -> tuple[int, int, Time, Time] | None:
+    """(steps left out, steps used, fastest, slowest) where the steps :func:`steady_steps` leaves out would
+    have moved the median step's length by more than :data:`STEADY` (a slow step or two, the usual
+    jitter, does not); else None. What a run says about a profile taken on a busy machine."""
+    used, steady = steady_steps(raw, skip)
+    _, took = _step_times(raw, skip)
+    if took is None or len(steady) == len(used):
+        return None
+    if statistics.median(took.values()) <= (1 + STEADY) * statistics.median(took[j] for j in steady):
+        return None
+    return len(used) - len(steady), len(used), min(took.values()), max(took.values())
+
+
+def _step_times(raw: Mapping[str, Sequence[tuple[Any, Any]]], skip: int) -> tuple[list[int], dict[int, Any] | None]:
+    """The steps after the first ``skip`` (none unless at least two remain) and each one's length, None
+    where a step's bounds are not numbers."""
     if skip < 0:
         raise ValueError(f"skip must be 0 or more, not {skip}")
     steps = list(raw.get(STEP_KEY) or [])
     if len(steps) < skip + 2:
-        return [], []
+        return [], None
     used = list(range(skip, len(steps)))
     if not all(isinstance(steps[j], (list, tuple)) and len(steps[j]) == 2
                and all(b is not None and _is_number(b) for b in steps[j]) for j in used):
-        return used, used
-    took = {j: _plain_number(steps[j][1]) - _plain_number(steps[j][0]) for j in used}
-    by_speed = sorted(used, key=lambda j: (took[j], j))
-    limit = took[by_speed[0]] * (1 + STEADY)
-    return used, sorted(j for i, j in enumerate(by_speed) if i < 2 or took[j] <= limit)
+        return used, None
+    return used, {j: _plain_number(steps[j][1]) - _plain_number(steps[j][0]) for j in used}
 
 
 def median_step(raw: Mapping[str, Sequence[tuple[Any, Any]]], skip: int = 1) -> dict[str, list[tuple[Any, Any]]]:

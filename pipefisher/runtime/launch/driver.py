@@ -282,30 +282,23 @@ def profile_into(launch: Callable[[Any], Any], cfg: RunConfig, paths: RunPaths, 
 
 
 def unsteady_profile_lines(paths: RunPaths, name: str, stages: int) -> list[str]:
-    """A line per node whose profile left out enough slowed steps (:func:`steady_steps`) to move its median
-    step by more than :data:`STEADY`, so that a user who sees a longer cycle than usual, or another one
-    next time, knows the machine was busy while it was measured (a step or two is the usual jitter)."""
+    """A line per node whose profile was taken on a busy machine (:func:`slowed_profile`), so that a user
+    who sees a longer cycle than usual, or another one next time, knows why."""
     from pipefisher.safe_io import load_pickle
-    from pipefisher.schedule.timeline import STEADY, steady_steps
+    from pipefisher.schedule.timeline import STEADY, slowed_profile
     from pipefisher.runtime.train.profiler import steps_filename
 
     lines = []
     for node in range(stages):
         path = os.path.join(paths.profile_steps_dir, steps_filename(name, node))
-        if not os.path.exists(path):
+        slowed = slowed_profile(load_pickle(path)) if os.path.exists(path) else None
+        if slowed is None:
             continue
-        raw = load_pickle(path)
-        used, steady = steady_steps(raw)
-        if len(steady) == len(used):  # none left out (or no durations to rank)
-            continue
-        took = {j: raw["start_end"][j][1] - raw["start_end"][j][0] for j in used}
-        if statistics.median(took.values()) <= (1 + STEADY) * statistics.median(took[j] for j in steady):
-            continue  # a slow step or two: the median as good as unmoved
-        took = list(took.values())
-        lines.append(f"profile: node {node}: {len(used) - len(steady)} of its {len(used)} steps ran more than "
-                     f"{100 * STEADY:.0f} % slower than its fastest ({min(took) / 1e6:.1f} ms; up to "
-                     f"{max(took) / 1e6:.1f} ms: another process on the machine?) and are left out of its "
-                     f"timeline, the median of the other {len(steady)}")
+        left_out, used, fastest, slowest = slowed
+        lines.append(f"profile: node {node}: {left_out} of its {used} steps ran more than {100 * STEADY:.0f} % "
+                     f"slower than its fastest ({fastest / 1e6:.1f} ms; up to {slowest / 1e6:.1f} ms: another "
+                     f"process on the machine?) and are left out of its timeline, the median of the other "
+                     f"{used - left_out}")
     return lines
 
 
