@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import statistics
 from functools import lru_cache
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
@@ -394,7 +393,7 @@ def slowed_profile(raw: Mapping[str, Sequence[tuple[Any, Any]]], skip: int = 1) 
     _, took = _step_times(raw, skip)
     if took is None or len(steady) == len(used):
         return None
-    if statistics.median(took.values()) <= (1 + STEADY) * statistics.median(took[j] for j in steady):
+    if _median(list(took.values()), False) <= (1 + STEADY) * _median([took[j] for j in steady], False):
         return None
     return len(used) - len(steady), len(used), min(took.values()), max(took.values())
 
